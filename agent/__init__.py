@@ -1,0 +1,1 @@
+"""The SilentSwarm fellow agent."""

@@ -1,0 +1,67 @@
+"""``swarm-agent``: one fellow. Registers, heartbeats, and exits cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+from typing import Annotated
+
+import cyclopts
+
+from agent.runner import FellowAgent, default_fellow_id
+from swarm.entry import configure_logging, run_or_exit
+from swarm.errors import ConfigError
+from swarm.settings import Settings
+
+log = logging.getLogger("agent")
+app = cyclopts.App(name="swarm-agent", help="Run a SilentSwarm fellow agent.")
+
+
+@app.default
+def serve(
+    *,
+    nats_url: Annotated[
+        str | None, cyclopts.Parameter(help="NATS server URL [SWARM_NATS_URL]")
+    ] = None,
+    name: Annotated[
+        str | None, cyclopts.Parameter(help="Fellow id (default: host name) [SWARM_FELLOW_NAME]")
+    ] = None,
+    data_address: Annotated[
+        str | None,
+        cyclopts.Parameter(help="Address peers use for tensors [SWARM_DATA_ADDRESS]"),
+    ] = None,
+    state_dir: Annotated[Path | None, cyclopts.Parameter(help="[SWARM_STATE_DIR]")] = None,
+    log_level: Annotated[str | None, cyclopts.Parameter(help="[SWARM_LOG_LEVEL]")] = None,
+) -> None:
+    settings = Settings.from_env().replace(
+        nats_url=nats_url,
+        fellow_name=name,
+        data_address=data_address,
+        state_dir=state_dir,
+        log_level=log_level,
+    )
+    if settings.nats_url is None:
+        raise ConfigError("no NATS server: pass --nats-url or set SWARM_NATS_URL")
+    configure_logging(settings.log_level)
+    asyncio.run(_run(settings, settings.nats_url, settings.fellow_name or default_fellow_id()))
+
+
+async def _run(settings: Settings, nats_url: str, fellow_id: str) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    agent = FellowAgent(settings, nats_url=nats_url, fellow_id=fellow_id)
+    log.info("fellow %s (instance %s) joining %s", fellow_id, agent.identity.instance_id, nats_url)
+    await agent.run(stop)
+    log.info("fellow %s stopped", fellow_id)
+
+
+def main() -> None:
+    run_or_exit("swarm-agent", app)
+
+
+if __name__ == "__main__":
+    main()

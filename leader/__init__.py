@@ -1,0 +1,1 @@
+"""The SilentSwarm leader: control plane and operator API. Never imports TensorFlow."""

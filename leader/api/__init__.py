@@ -1,0 +1,8 @@
+"""Thin HTTP controllers; the logic lives in leader.services and below."""
+
+from leader.api.health import HealthController
+from leader.api.info import InfoController
+from leader.api.nodes import NodesController
+from leader.api.workers import WorkersController
+
+CONTROLLERS = [HealthController, InfoController, WorkersController, NodesController]

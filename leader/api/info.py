@@ -1,0 +1,14 @@
+from __future__ import annotations
+
+from litestar import Controller, get
+
+from leader.services import LeaderServices
+
+
+class InfoController(Controller):
+    path = "/api/v1/info"
+    tags = ["info"]
+
+    @get("/", summary="Leader version, NATS URL and fellow counts by status")
+    async def info(self, services: LeaderServices) -> dict[str, object]:
+        return services.info()

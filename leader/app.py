@@ -1,0 +1,68 @@
+"""The Litestar app factory. The lifespan owns the NATS connection and the staleness sweep."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from litestar import Litestar
+from litestar.di import Provide
+from litestar.openapi import OpenAPIConfig
+
+from leader.api import CONTROLLERS
+from leader.bus import LeaderBus
+from leader.errors import EXCEPTION_HANDLERS
+from leader.registry import WorkerRegistry
+from leader.services import LeaderServices
+from swarm import __version__
+from swarm.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings, *, nats_url: str) -> Litestar:
+    registry = WorkerRegistry(
+        heartbeat_interval_s=settings.heartbeat_interval_s,
+        offline_after_s=settings.offline_after_s,
+        leader_version=__version__,
+    )
+    bus = LeaderBus(url=nats_url, prefix=settings.subject_prefix, registry=registry)
+    services = LeaderServices(settings=settings, nats_url=nats_url, registry=registry, bus=bus)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Litestar) -> AsyncIterator[None]:
+        await bus.start()
+        sweeper = asyncio.create_task(_sweep_forever(registry, settings), name="registry-sweep")
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
+            await bus.close()
+
+    return Litestar(
+        route_handlers=CONTROLLERS,
+        dependencies={"services": Provide(_provider(services), sync_to_thread=False)},
+        exception_handlers=EXCEPTION_HANDLERS,
+        lifespan=[lifespan],
+        logging_config=None,  # the process configured logging (swarm.entry)
+        openapi_config=OpenAPIConfig(title="SilentSwarm leader", version=__version__),
+        state={"services": services},
+    )
+
+
+def _provider(services: LeaderServices):
+    def provide_services() -> LeaderServices:
+        return services
+
+    return provide_services
+
+
+async def _sweep_forever(registry: WorkerRegistry, settings: Settings) -> None:
+    interval = min(0.25, settings.offline_after_s / 8)
+    while True:
+        registry.sweep()
+        await asyncio.sleep(interval)

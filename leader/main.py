@@ -1,0 +1,99 @@
+"""``swarm-leader``: the leader process.
+
+With ``SWARM_NATS_URL`` (or ``--nats-url``) it joins that NATS server. Without one it starts
+a child nats-server for convenience: the child dies with the leader (PR_SET_PDEATHSIG) and
+keeps its JetStream store under the state directory, so a restarted leader finds it again.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import cyclopts
+import uvicorn
+
+from leader.app import create_app
+from swarm.entry import configure_logging, run_or_exit
+from swarm.natsd import NatsServer, start_nats_server
+from swarm.procs import ensure_port_free
+from swarm.settings import Settings
+
+log = logging.getLogger("leader")
+app = cyclopts.App(name="swarm-leader", help="Run the SilentSwarm leader (REST API, registry).")
+
+
+@app.default
+def serve(
+    *,
+    host: Annotated[str | None, cyclopts.Parameter(help="Bind address [SWARM_LEADER_HOST]")] = None,
+    port: Annotated[int | None, cyclopts.Parameter(help="HTTP port [SWARM_LEADER_PORT]")] = None,
+    nats_url: Annotated[
+        str | None, cyclopts.Parameter(help="NATS server URL; none starts a child [SWARM_NATS_URL]")
+    ] = None,
+    nats_port: Annotated[
+        int | None, cyclopts.Parameter(help="Port of the child nats-server [SWARM_NATS_PORT]")
+    ] = None,
+    state_dir: Annotated[
+        Path | None, cyclopts.Parameter(help="State directory [SWARM_STATE_DIR]")
+    ] = None,
+    log_level: Annotated[str | None, cyclopts.Parameter(help="[SWARM_LOG_LEVEL]")] = None,
+) -> None:
+    settings = Settings.from_env().replace(
+        leader_host=host,
+        leader_port=port,
+        nats_url=nats_url,
+        nats_port=nats_port,
+        state_dir=state_dir,
+        log_level=log_level,
+    )
+    configure_logging(settings.log_level)
+    run_leader(settings)
+
+
+def run_leader(settings: Settings) -> None:
+    ensure_port_free(
+        settings.leader_host,
+        settings.leader_port,
+        what="leader HTTP",
+        setting="SWARM_LEADER_PORT",
+        flag="--port",
+    )
+    child: NatsServer | None = None
+    url = settings.nats_url
+    if url is None:
+        child = start_nats_server(
+            host=settings.nats_host,
+            port=settings.nats_port,
+            store_dir=settings.nats_store_dir,
+            log_path=settings.logs_dir / "leader-nats.log",
+            tie_to_parent=True,
+        )
+        url = child.url
+        log.info("started child nats-server %s (pid %d, store %s)", url, child.pid, child.store_dir)
+    try:
+        server = uvicorn.Server(
+            uvicorn.Config(
+                create_app(settings, nats_url=url),
+                host=settings.leader_host,
+                port=settings.leader_port,
+                log_level=settings.log_level.lower(),
+                access_log=False,
+                log_config=None,
+                lifespan="on",
+            )
+        )
+        log.info("leader listening on http://%s:%d", settings.leader_host, settings.leader_port)
+        server.run()
+    finally:
+        if child is not None:
+            child.stop()
+
+
+def main() -> None:
+    run_or_exit("swarm-leader", app)
+
+
+if __name__ == "__main__":
+    main()

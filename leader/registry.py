@@ -1,0 +1,333 @@
+"""WorkerRegistry: what the leader knows of each fellow.
+
+Pure state: no I/O, and both clocks are injected, so every rule is unit-tested. The leader
+mirrors the status each fellow reports about itself and owns one transition of its own:
+a fellow whose heartbeat is stale goes ``offline``. Staleness counts from the later of the
+fellow's last heartbeat and the leader's own (re)connection to NATS, and is never judged
+while the leader is disconnected, so a leader restart or a NATS blip cannot mark the swarm
+offline.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+
+from swarm.lifecycle import FellowEvent, can_go_offline, next_status
+from swarm.protocol import (
+    DeregisterRequest,
+    FellowIdentity,
+    FellowStatus,
+    GpuInfo,
+    HardwareSnapshot,
+    Heartbeat,
+    RegisterReply,
+    RegisterRequest,
+)
+
+log = logging.getLogger(__name__)
+HISTORY_LEN = 50
+
+
+class Transition(msgspec.Struct, kw_only=True):
+    at: float
+    from_status: FellowStatus | None
+    to_status: FellowStatus
+    reason: str
+
+
+class FellowRecord(msgspec.Struct, kw_only=True):
+    fellow_id: str
+    instance_id: str
+    hostname: str
+    version: str
+    pid: int
+    data_address: str | None
+    status: FellowStatus
+    job_id: str | None = None
+    step: int | None = None
+    loss: float | None = None
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    hardware: HardwareSnapshot
+    registered_at: float
+    last_heartbeat_at: float | None = None
+    last_heartbeat_age_s: float | None = None
+    offline_reason: str | None = None
+    history: list[Transition] = msgspec.field(default_factory=list)
+
+
+class NodeView(msgspec.Struct, kw_only=True):
+    """One host, as seen through the freshest snapshot of any fellow running on it."""
+
+    hostname: str
+    online: bool
+    fellows: list[str]
+    cpu_cores: int
+    cpu_load_pct: float
+    ram_total_bytes: int
+    ram_available_bytes: int
+    gpus: list[GpuInfo]
+    nvml_error: str | None
+
+
+@dataclass
+class _Entry:
+    record: FellowRecord
+    last_seen: float  # leader's monotonic clock
+
+
+class WorkerRegistry:
+    def __init__(
+        self,
+        *,
+        heartbeat_interval_s: float,
+        offline_after_s: float,
+        leader_version: str,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.offline_after_s = offline_after_s
+        self.leader_version = leader_version
+        self._clock = clock
+        self._wall = wall
+        self._entries: dict[str, _Entry] = {}
+        self._connected_since: float | None = None
+        self.dropped: Counter[str] = Counter()
+
+    # --- the leader's own NATS connection ---------------------------------------------------
+
+    def bus_connected(self) -> None:
+        """The leader (re)connected to NATS: every fellow gets a fresh offline window."""
+        self._connected_since = self._clock()
+
+    def bus_disconnected(self) -> None:
+        self._connected_since = None
+
+    @property
+    def bus_is_connected(self) -> bool:
+        return self._connected_since is not None
+
+    # --- messages from fellows -------------------------------------------------------------
+
+    def register(self, req: RegisterRequest) -> RegisterReply:
+        fid = req.fellow.fellow_id
+        entry = self._entries.get(fid)
+        if entry is None:
+            self._entries[fid] = self._new_entry(req.fellow, req.hardware, req.status, "registered")
+            log.info("fellow %s registered (host %s)", fid, req.fellow.hostname)
+            return self._accept("registered")
+        record = entry.record
+        if record.instance_id != req.fellow.instance_id and not self._is_gone(entry):
+            age = self._clock() - entry.last_seen
+            return self._reject(
+                "FELLOW_ID_IN_USE",
+                f"fellow id {fid!r} is held by a live agent (pid {record.pid} on "
+                f"{record.hostname}, heard {age:.1f}s ago); choose another --name, or wait "
+                f"{self.offline_after_s:.0f}s for it to go offline",
+            )
+        self._revive_if_offline(entry, "registered again")
+        self._refresh(entry, req.fellow, req.hardware)
+        self._set_status(entry, req.status, "registered again")
+        log.info("fellow %s registered again (instance %s)", fid, req.fellow.instance_id)
+        return self._accept("registered again")
+
+    def deregister(self, req: DeregisterRequest) -> RegisterReply:
+        entry = self._entries.get(req.fellow_id)
+        if entry is None:
+            return self._reject("NOT_FOUND", f"fellow {req.fellow_id!r} is not registered")
+        if entry.record.instance_id != req.instance_id:
+            return self._reject(
+                "INSTANCE_MISMATCH",
+                f"fellow {req.fellow_id!r} is held by another agent instance",
+            )
+        if entry.record.status is not FellowStatus.OFFLINE:
+            self._go_offline(entry, f"deregistered: {req.reason}")
+        log.info("fellow %s deregistered (%s)", req.fellow_id, req.reason)
+        return self._accept("deregistered")
+
+    def heartbeat(self, hb: Heartbeat) -> bool:
+        """Apply one heartbeat; False when it was dropped (it belongs to a stale instance)."""
+        fid = hb.fellow.fellow_id
+        entry = self._entries.get(fid)
+        if entry is None:
+            # A fellow we never heard register: the leader restarted and lost its memory,
+            # or the register reply was lost. The heartbeat says all we need.
+            self._entries[fid] = self._new_entry(
+                hb.fellow, hb.hardware, hb.status, "adopted from heartbeat"
+            )
+            entry = self._entries[fid]
+        elif entry.record.instance_id != hb.fellow.instance_id:
+            if not self._is_gone(entry):
+                self.dropped["instance_mismatch"] += 1
+                log.warning(
+                    "dropped heartbeat for %s from instance %s: instance %s holds the id",
+                    fid,
+                    hb.fellow.instance_id,
+                    entry.record.instance_id,
+                )
+                return False
+            self._revive_if_offline(entry, "new instance heartbeating")
+        else:
+            self._revive_if_offline(entry, "heartbeat after offline")
+        self._refresh(entry, hb.fellow, hb.hardware)
+        record = entry.record
+        record.job_id, record.step, record.loss = hb.job_id, hb.step, hb.loss
+        record.bytes_sent, record.bytes_received = hb.bytes_sent, hb.bytes_received
+        record.last_heartbeat_at = self._wall()
+        self._set_status(entry, hb.status, "reported by fellow")
+        return True
+
+    # --- time ------------------------------------------------------------------------------
+
+    def sweep(self) -> list[tuple[str, Transition]]:
+        """Turn every stale fellow offline; returns the transitions made."""
+        made: list[tuple[str, Transition]] = []
+        for fid, entry in self._entries.items():
+            if entry.record.status is not FellowStatus.OFFLINE and self._is_stale(entry):
+                silent = self._clock() - entry.last_seen
+                made.append((fid, self._go_offline(entry, f"no heartbeat for {silent:.1f}s")))
+                log.warning("fellow %s is offline (no heartbeat for %.1fs)", fid, silent)
+        return made
+
+    # --- reads -----------------------------------------------------------------------------
+
+    def get(self, fellow_id: str) -> FellowRecord | None:
+        entry = self._entries.get(fellow_id)
+        return None if entry is None else self._view(entry)
+
+    def list(self) -> list[FellowRecord]:
+        return [self._view(e) for _, e in sorted(self._entries.items())]
+
+    def counts(self) -> dict[str, int]:
+        counts = Counter(e.record.status.value for e in self._entries.values())
+        return {s.value: counts.get(s.value, 0) for s in FellowStatus}
+
+    def nodes(self) -> list[NodeView]:
+        by_host: dict[str, list[_Entry]] = {}
+        for entry in self._entries.values():
+            by_host.setdefault(entry.record.hostname, []).append(entry)
+        nodes = []
+        for host, entries in sorted(by_host.items()):
+            online = [e for e in entries if e.record.status is not FellowStatus.OFFLINE]
+            freshest = max(online or entries, key=lambda e: e.record.hardware.taken_at)
+            hw = freshest.record.hardware
+            nodes.append(
+                NodeView(
+                    hostname=host,
+                    online=bool(online),
+                    fellows=sorted(e.record.fellow_id for e in entries),
+                    cpu_cores=hw.cpu_cores,
+                    cpu_load_pct=hw.cpu_load_pct,
+                    ram_total_bytes=hw.ram_total_bytes,
+                    ram_available_bytes=hw.ram_available_bytes,
+                    gpus=hw.gpus,
+                    nvml_error=hw.nvml_error,
+                )
+            )
+        return nodes
+
+    # --- internals -------------------------------------------------------------------------
+
+    def _accept(self, message: str) -> RegisterReply:
+        return RegisterReply(
+            accepted=True,
+            message=message,
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            offline_after_s=self.offline_after_s,
+            leader_version=self.leader_version,
+        )
+
+    def _reject(self, code: str, message: str) -> RegisterReply:
+        return RegisterReply(
+            accepted=False,
+            code=code,
+            message=message,
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            offline_after_s=self.offline_after_s,
+            leader_version=self.leader_version,
+        )
+
+    def _new_entry(
+        self,
+        ident: FellowIdentity,
+        hardware: HardwareSnapshot,
+        status: FellowStatus,
+        reason: str,
+    ) -> _Entry:
+        now = self._wall()
+        record = FellowRecord(
+            fellow_id=ident.fellow_id,
+            instance_id=ident.instance_id,
+            hostname=ident.hostname,
+            version=ident.version,
+            pid=ident.pid,
+            data_address=ident.data_address,
+            status=status,
+            hardware=hardware,
+            registered_at=now,
+            history=[Transition(at=now, from_status=None, to_status=status, reason=reason)],
+        )
+        return _Entry(record=record, last_seen=self._clock())
+
+    def _refresh(self, entry: _Entry, ident: FellowIdentity, hardware: HardwareSnapshot) -> None:
+        record = entry.record
+        record.instance_id, record.hostname = ident.instance_id, ident.hostname
+        record.version, record.pid, record.data_address = (
+            ident.version,
+            ident.pid,
+            ident.data_address,
+        )
+        record.hardware = hardware
+        entry.last_seen = self._clock()
+
+    def _revive_if_offline(self, entry: _Entry, reason: str) -> None:
+        if entry.record.status is FellowStatus.OFFLINE:
+            self._transition(
+                entry, next_status(FellowStatus.OFFLINE, FellowEvent.RECONNECT), reason
+            )
+            entry.record.offline_reason = None
+            entry.record.registered_at = self._wall()
+
+    def _set_status(self, entry: _Entry, status: FellowStatus, reason: str) -> None:
+        if status is not entry.record.status:
+            self._transition(entry, status, reason)
+
+    def _go_offline(self, entry: _Entry, reason: str) -> Transition:
+        entry.record.offline_reason = reason
+        if can_go_offline(entry.record.status):
+            status = next_status(entry.record.status, FellowEvent.HEARTBEAT_STALE)
+        else:
+            status = FellowStatus.OFFLINE
+        return self._transition(entry, status, reason)
+
+    def _transition(self, entry: _Entry, status: FellowStatus, reason: str) -> Transition:
+        record = entry.record
+        t = Transition(at=self._wall(), from_status=record.status, to_status=status, reason=reason)
+        record.status = status
+        record.history.append(t)
+        del record.history[:-HISTORY_LEN]
+        return t
+
+    def _is_stale(self, entry: _Entry) -> bool:
+        if self._connected_since is None:
+            return False
+        since = max(entry.last_seen, self._connected_since)
+        return self._clock() - since > self.offline_after_s
+
+    def _is_gone(self, entry: _Entry) -> bool:
+        return entry.record.status is FellowStatus.OFFLINE or self._is_stale(entry)
+
+    def _view(self, entry: _Entry) -> FellowRecord:
+        record = msgspec.structs.replace(entry.record, history=list(entry.record.history))
+        if record.last_heartbeat_at is not None:
+            record.last_heartbeat_age_s = round(
+                max(0.0, self._wall() - record.last_heartbeat_at), 3
+            )
+        return record

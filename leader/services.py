@@ -1,0 +1,49 @@
+"""What the controllers talk to: one object holding the leader's live services."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from leader.bus import LeaderBus
+from leader.registry import FellowRecord, NodeView, WorkerRegistry
+from swarm import __version__
+from swarm.errors import NotFoundError
+from swarm.protocol import PROTOCOL_VERSION
+from swarm.settings import Settings
+
+
+@dataclass
+class LeaderServices:
+    settings: Settings
+    nats_url: str
+    registry: WorkerRegistry
+    bus: LeaderBus
+    started_at: float = field(default_factory=time.time)
+
+    def info(self) -> dict[str, object]:
+        return {
+            "version": __version__,
+            "protocol_version": PROTOCOL_VERSION,
+            "nats_url": self.nats_url,
+            "nats_connected": self.bus.is_connected,
+            "subject_prefix": self.settings.subject_prefix,
+            "started_at": self.started_at,
+            "uptime_s": round(time.time() - self.started_at, 3),
+            "heartbeat_interval_s": self.settings.heartbeat_interval_s,
+            "offline_after_s": self.settings.offline_after_s,
+            "fellows": self.registry.counts(),
+            "nodes": len(self.registry.nodes()),
+        }
+
+    def worker(self, fellow_id: str) -> FellowRecord:
+        record = self.registry.get(fellow_id)
+        if record is None:
+            raise NotFoundError(f"no fellow {fellow_id!r} is registered")
+        return record
+
+    def workers(self) -> list[FellowRecord]:
+        return self.registry.list()
+
+    def nodes(self) -> list[NodeView]:
+        return self.registry.nodes()

@@ -1,0 +1,174 @@
+"""The ``swarm`` CLI (cyclopts). Global options: ``--leader-url`` and ``--json``."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import cyclopts
+import msgspec
+from cyclopts import Parameter
+
+from swarm import __version__
+from swarm.cli import cluster, render
+from swarm.cli.client import LeaderClient
+from swarm.entry import run_or_exit
+from swarm.settings import Settings
+
+app = cyclopts.App(
+    name="swarm",
+    help="SilentSwarm: pipeline-parallel training across heterogeneous machines.",
+    version=__version__,
+)
+
+
+@dataclass
+class Context:
+    settings: Settings
+    json: bool = False
+
+    def client(self) -> LeaderClient:
+        return LeaderClient(self.settings.leader_url)
+
+    def emit(self, value: Any, human: str) -> None:
+        print(render.dumps(value) if self.json else human)
+
+
+CTX = Context(settings=Settings())
+
+
+@app.meta.default
+def launcher(
+    *tokens: Annotated[str, Parameter(show=False, allow_leading_hyphen=True)],
+    leader_url: Annotated[
+        str | None,
+        Parameter(help="Leader URL [env SWARM_LEADER_URL, default http://127.0.0.1:8080]"),
+    ] = None,
+    json: Annotated[bool, Parameter(help="Machine-readable JSON output")] = False,
+) -> Any:
+    CTX.settings = Settings.from_env().replace(leader_url=leader_url)
+    CTX.json = json
+    return app(tokens)
+
+
+@app.command
+def info() -> None:
+    """Leader version, NATS URL and fellow counts."""
+    with CTX.client() as client:
+        data = client.info()
+    counts = ", ".join(f"{k} {v}" for k, v in data["fellows"].items() if v) or "none"
+    CTX.emit(
+        data,
+        "\n".join(
+            [
+                f"leader    {CTX.settings.leader_url} (version {data['version']})",
+                f"nats      {data['nats_url']} "
+                f"({'connected' if data['nats_connected'] else 'DISCONNECTED'})",
+                f"fellows   {counts}",
+                f"nodes     {data['nodes']}",
+                f"uptime    {data['uptime_s']:.0f}s",
+            ]
+        ),
+    )
+
+
+@app.command
+def fellows() -> None:
+    """Every fellow the leader knows: status, host, hardware, last heartbeat."""
+    with CTX.client() as client:
+        workers = client.workers()
+    rows = [
+        [
+            w["fellow_id"],
+            w["status"],
+            w["hostname"],
+            len(w["hardware"]["gpus"]) or "cpu",
+            render.gib(w["hardware"]["ram_available_bytes"]),
+            w.get("job_id"),
+            render.ago(w.get("last_heartbeat_age_s")),
+        ]
+        for w in workers
+    ]
+    headers = ["FELLOW", "STATUS", "HOST", "GPUS", "RAM FREE", "JOB", "LAST HEARTBEAT"]
+    CTX.emit(workers, render.table(headers, rows) if rows else "no fellows registered")
+
+
+@app.command
+def nodes() -> None:
+    """Hosts with their CPU cores, RAM and GPUs (total/free VRAM)."""
+    with CTX.client() as client:
+        hosts = client.nodes()
+    rows = []
+    for n in hosts:
+        gpus = ", ".join(
+            f"{g['index']}:{g['name']} {render.gib(g['memory_free_bytes'])}/"
+            f"{render.gib(g['memory_total_bytes'])}"
+            for g in n["gpus"]
+        )
+        rows.append(
+            [
+                n["hostname"],
+                "online" if n["online"] else "offline",
+                n["cpu_cores"],
+                f"{render.gib(n['ram_available_bytes'])}/{render.gib(n['ram_total_bytes'])}",
+                gpus or "none",
+                ",".join(n["fellows"]),
+            ]
+        )
+    headers = ["HOST", "STATE", "CORES", "RAM FREE/TOTAL", "GPUS (FREE/TOTAL)", "FELLOWS"]
+    CTX.emit(hosts, render.table(headers, rows) if rows else "no nodes")
+
+
+@app.command(name="start-cluster")
+def start_cluster(
+    *,
+    fellows: Annotated[int, Parameter(help="How many fellow agents to start")] = 2,
+    leader_port: Annotated[int | None, Parameter(help="[SWARM_LEADER_PORT, default 8080]")] = None,
+    nats_port: Annotated[
+        int | None, Parameter(help="[SWARM_NATS_PORT, default 4222; 0 = a free port]")
+    ] = None,
+    state_dir: Annotated[Path | None, Parameter(help="[SWARM_STATE_DIR, default ./.swarm]")] = None,
+    timeout: Annotated[float, Parameter(help="Seconds to wait for every fellow")] = 60.0,
+) -> None:
+    """Start NATS, the leader and N fellows in the background; return when all are ready."""
+    settings = CTX.settings.replace(
+        leader_port=leader_port, nats_port=nats_port, state_dir=state_dir
+    )
+    settings = settings.replace(state_dir=settings.state_dir.resolve())
+    progress = _stderr if CTX.json else print
+    manifest = cluster.start_cluster(settings, fellows=fellows, timeout=timeout, progress=progress)
+    CTX.emit(
+        msgspec.to_builtins(manifest),
+        f"cluster ready: {fellows} fellow(s); leader {manifest.leader_url}\n"
+        f"logs in {settings.logs_dir}; stop with: swarm stop-cluster"
+        + (f" --state-dir {settings.state_dir}" if state_dir else ""),
+    )
+
+
+@app.command(name="stop-cluster")
+def stop_cluster(
+    *,
+    state_dir: Annotated[Path | None, Parameter(help="[SWARM_STATE_DIR, default ./.swarm]")] = None,
+) -> None:
+    """Stop exactly what start-cluster started; safe to run twice."""
+    settings = CTX.settings.replace(state_dir=state_dir)
+    progress = _stderr if CTX.json else print
+    stopped = cluster.stop_cluster(settings, progress=progress)
+    CTX.emit(
+        {"stopped": stopped},
+        "cluster stopped" if stopped else f"no cluster running from {settings.state_dir}",
+    )
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def main() -> None:
+    run_or_exit("swarm", app.meta)
+
+
+if __name__ == "__main__":
+    main()

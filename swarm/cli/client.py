@@ -1,0 +1,60 @@
+"""LeaderClient: the typed HTTP client every CLI command goes through."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from swarm.errors import LeaderResponseError, LeaderUnreachableError
+
+
+class LeaderClient:
+    def __init__(self, base_url: str, *, timeout: float = 10.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout)
+
+    def __enter__(self) -> LeaderClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def health(self) -> dict[str, Any]:
+        return self._get("/health", ok_statuses=(200, 503))
+
+    def info(self) -> dict[str, Any]:
+        return self._get("/api/v1/info")
+
+    def workers(self) -> list[dict[str, Any]]:
+        return self._get("/api/v1/workers")
+
+    def worker(self, fellow_id: str) -> dict[str, Any]:
+        return self._get(f"/api/v1/workers/{fellow_id}")
+
+    def nodes(self) -> list[dict[str, Any]]:
+        return self._get("/api/v1/nodes")
+
+    def _get(self, path: str, *, ok_statuses: tuple[int, ...] = (200,)) -> Any:
+        try:
+            response = self._http.get(path)
+        except httpx.HTTPError as exc:
+            raise LeaderUnreachableError(
+                f"cannot reach the leader at {self.base_url} ({type(exc).__name__}: {exc}); "
+                "is it running? (swarm start-cluster, or set SWARM_LEADER_URL / --leader-url)"
+            ) from None
+        try:
+            body = response.json()
+        except ValueError:
+            body = None
+        if response.status_code in ok_statuses:
+            return body
+        if isinstance(body, dict) and "code" in body:
+            raise LeaderResponseError(str(body.get("message", "")), code=str(body["code"]))
+        raise LeaderResponseError(
+            f"leader answered {response.status_code} for GET {path}",
+            code=f"HTTP_{response.status_code}",
+        )

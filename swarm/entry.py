@@ -1,0 +1,34 @@
+"""Shared start-up for every console script: logging, and errors as one line + exit code."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from typing import NoReturn, TypeVar
+
+from swarm.errors import SwarmError
+
+T = TypeVar("T")
+LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True)
+    # nats-py logs every failed reconnect attempt at ERROR; our own callbacks say it once.
+    logging.getLogger("nats.aio.client").setLevel(logging.CRITICAL)
+
+
+def fail(prog: str, message: str, exit_code: int) -> NoReturn:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(exit_code)
+
+
+def run_or_exit(prog: str, fn: Callable[[], T]) -> T:
+    """Run ``fn``; a SwarmError becomes one line on stderr and its exit code, not a traceback."""
+    try:
+        return fn()
+    except SwarmError as exc:
+        fail(prog, exc.message, exc.exit_code)
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None

@@ -1,0 +1,66 @@
+"""The fellow lifecycle as a pure transition table.
+
+Both wings use it: the agent drives its own status with it, the leader uses it for the
+transitions it owns (a stale fellow goes offline) and to judge what fellows report.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from swarm.errors import SwarmError
+from swarm.protocol import FellowStatus as S
+
+
+class FellowEvent(enum.StrEnum):
+    REGISTERED = "registered"  # register + first heartbeat accepted
+    START = "start"  # START signal
+    CHECKPOINT = "checkpoint"  # CHECKPOINT signal
+    CHECKPOINT_WRITTEN = "checkpoint_written"  # the job goes on
+    FINAL_CHECKPOINT_WRITTEN = "final_checkpoint_written"
+    JOB_TERMINAL = "job_terminal"  # completed, cancelled or failed elsewhere
+    UPDATE = "update"  # UPDATE signal: re-bootstrap, then register again
+    HEARTBEAT_STALE = "heartbeat_stale"
+    FAILURE = "failure"  # exception or peer timeout in the runtime
+    RECOVERED = "recovered"  # failure reported, runtime cleaned up
+    RECONNECT = "reconnect"  # process restart or NATS reconnect
+
+
+TRANSITIONS: dict[tuple[S, FellowEvent], S] = {
+    (S.REGISTERING, FellowEvent.REGISTERED): S.READY,
+    (S.READY, FellowEvent.START): S.TRAINING,
+    (S.TRAINING, FellowEvent.CHECKPOINT): S.CHECKPOINTING,
+    (S.CHECKPOINTING, FellowEvent.CHECKPOINT_WRITTEN): S.TRAINING,
+    (S.CHECKPOINTING, FellowEvent.FINAL_CHECKPOINT_WRITTEN): S.READY,
+    (S.TRAINING, FellowEvent.JOB_TERMINAL): S.READY,
+    (S.READY, FellowEvent.UPDATE): S.REGISTERING,
+    # ARCHITECTURE.md names ready and training; a fellow that dies while registering,
+    # checkpointing or failed is just as gone, so every live status can go stale.
+    (S.REGISTERING, FellowEvent.HEARTBEAT_STALE): S.OFFLINE,
+    (S.READY, FellowEvent.HEARTBEAT_STALE): S.OFFLINE,
+    (S.TRAINING, FellowEvent.HEARTBEAT_STALE): S.OFFLINE,
+    (S.CHECKPOINTING, FellowEvent.HEARTBEAT_STALE): S.OFFLINE,
+    (S.FAILED, FellowEvent.HEARTBEAT_STALE): S.OFFLINE,
+    (S.TRAINING, FellowEvent.FAILURE): S.FAILED,
+    (S.FAILED, FellowEvent.RECOVERED): S.READY,
+    (S.OFFLINE, FellowEvent.RECONNECT): S.REGISTERING,
+}
+
+
+class IllegalTransitionError(SwarmError):
+    code = "ILLEGAL_TRANSITION"
+    http_status = 409
+
+
+def next_status(status: S, event: FellowEvent) -> S:
+    """The status after ``event``; IllegalTransitionError when the table has no such edge."""
+    try:
+        return TRANSITIONS[(status, event)]
+    except KeyError:
+        raise IllegalTransitionError(
+            f"fellow in {status.value!r} cannot take event {event.value!r}"
+        ) from None
+
+
+def can_go_offline(status: S) -> bool:
+    return (status, FellowEvent.HEARTBEAT_STALE) in TRANSITIONS

@@ -1,0 +1,182 @@
+"""Every message that crosses NATS, as msgspec Structs (msgpack on the wire).
+
+Rules:
+- every top-level message carries ``v`` (the protocol version);
+- peers' messages are decoded leniently: unknown fields are ignored, so a newer peer can add
+  fields without breaking an older one;
+- a subject that carries several kinds uses a tagged union (``kind`` field).
+
+Which subject carries which Struct is said once, in :mod:`swarm.subjects`.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class Message(msgspec.Struct, kw_only=True):
+    """Base of every top-level NATS payload."""
+
+    v: int = PROTOCOL_VERSION
+
+
+# --- hardware -------------------------------------------------------------------------------
+
+
+class GpuInfo(msgspec.Struct, kw_only=True):
+    index: int
+    uuid: str
+    name: str
+    memory_total_bytes: int
+    memory_free_bytes: int
+    memory_used_bytes: int
+    utilization_pct: float | None = None
+    temperature_c: float | None = None
+
+
+class HardwareSnapshot(msgspec.Struct, kw_only=True):
+    hostname: str
+    platform: str = ""
+    cpu_cores: int
+    cpu_load_pct: float = 0.0
+    ram_total_bytes: int
+    ram_available_bytes: int
+    gpus: list[GpuInfo] = msgspec.field(default_factory=list)
+    # Why NVML gave no GPUs (no driver, no library); None when NVML answered.
+    nvml_error: str | None = None
+    taken_at: float = msgspec.field(default_factory=time.time)
+
+
+# --- fellows --------------------------------------------------------------------------------
+
+
+class FellowStatus(enum.StrEnum):
+    REGISTERING = "registering"
+    READY = "ready"
+    TRAINING = "training"
+    CHECKPOINTING = "checkpointing"
+    FAILED = "failed"
+    OFFLINE = "offline"
+
+
+class FellowIdentity(msgspec.Struct, kw_only=True):
+    """Who a fellow is. ``instance_id`` changes with every agent process."""
+
+    fellow_id: str
+    instance_id: str
+    hostname: str
+    version: str
+    pid: int
+    data_address: str | None = None
+
+
+class RegisterRequest(Message, tag="register", tag_field="kind"):
+    fellow: FellowIdentity
+    hardware: HardwareSnapshot
+    status: FellowStatus = FellowStatus.REGISTERING
+
+
+class DeregisterRequest(Message, tag="deregister", tag_field="kind"):
+    fellow_id: str
+    instance_id: str
+    reason: str = "agent stopped"
+
+
+RegisterMessage = RegisterRequest | DeregisterRequest
+
+
+class RegisterReply(Message, kw_only=True):
+    accepted: bool
+    code: str | None = None
+    message: str = ""
+    heartbeat_interval_s: float = 1.0
+    offline_after_s: float = 3.0
+    leader_version: str = ""
+
+
+class Heartbeat(Message, kw_only=True):
+    fellow: FellowIdentity
+    seq: int
+    status: FellowStatus
+    job_id: str | None = None
+    step: int | None = None
+    loss: float | None = None
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    hardware: HardwareSnapshot
+    sent_at: float = msgspec.field(default_factory=time.time)
+
+
+# --- signals --------------------------------------------------------------------------------
+
+
+class SignalKind(enum.StrEnum):
+    START = "START"
+    CHECKPOINT = "CHECKPOINT"
+    STOP = "STOP"
+    UPDATE = "UPDATE"
+    PURGE = "PURGE"
+
+
+class Signal(Message, kw_only=True):
+    signal_id: str
+    kind: SignalKind
+    job_id: str | None = None
+    attempt: int | None = None
+    args: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class SignalAck(Message, kw_only=True):
+    signal_id: str
+    fellow_id: str
+    ok: bool
+    code: str | None = None
+    message: str = ""
+    duplicate: bool = False
+
+
+# --- logs, progress, shards -----------------------------------------------------------------
+
+
+class LogRecord(msgspec.Struct, kw_only=True):
+    ts: float
+    level: str
+    logger: str
+    message: str
+
+
+class LogBatch(Message, kw_only=True):
+    fellow_id: str
+    records: list[LogRecord]
+
+
+class Progress(Message, kw_only=True):
+    job_id: str
+    fellow_id: str
+    attempt: int
+    step: int
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+class ShardChunk(Message, kw_only=True):
+    job_id: str
+    fellow_id: str
+    name: str
+    seq: int
+    total: int
+    data: bytes
+
+
+class ShardAck(Message, kw_only=True):
+    ok: bool
+    next_seq: int
+    message: str = ""

@@ -1,0 +1,130 @@
+"""One Settings object for every SilentSwarm process.
+
+Values come from ``SWARM_*`` environment variables, read once at start-up by
+:func:`Settings.from_env` and passed down explicitly; nothing else reads the environment.
+Command-line flags override them through :meth:`Settings.replace`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from swarm.errors import ConfigError
+from swarm.subjects import TOKEN_RE
+
+ENV_PREFIX = "SWARM_"
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True):
+    leader_host: str = "127.0.0.1"
+    leader_port: int = 8080
+    leader_url: str = "http://127.0.0.1:8080"
+    nats_url: str | None = None
+    nats_host: str = "127.0.0.1"
+    nats_port: int = 4222
+    subject_prefix: str = "swarm"
+    state_dir: Path = Path(".swarm")
+    heartbeat_interval_s: float = 1.0
+    offline_after_s: float = 3.0
+    fellow_name: str | None = None
+    data_address: str | None = None
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        _check_port("leader_port", self.leader_port)
+        _check_port("nats_port", self.nats_port)
+        if self.heartbeat_interval_s <= 0:
+            raise ConfigError(f"{env_name('heartbeat_interval_s')} must be > 0")
+        if self.offline_after_s <= self.heartbeat_interval_s:
+            raise ConfigError(
+                f"{env_name('offline_after_s')} ({self.offline_after_s}) must be greater than "
+                f"{env_name('heartbeat_interval_s')} ({self.heartbeat_interval_s})"
+            )
+        if not TOKEN_RE.match(self.subject_prefix):
+            raise ConfigError(
+                f"{env_name('subject_prefix')}={self.subject_prefix!r}: use letters, digits, "
+                "'-' or '_'"
+            )
+        if self.fellow_name is not None and not TOKEN_RE.match(self.fellow_name):
+            raise ConfigError(
+                f"{env_name('fellow_name')}={self.fellow_name!r}: a fellow name is 1-64 "
+                "letters, digits, '-' or '_'"
+            )
+        if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
+            raise ConfigError(f"{env_name('log_level')}={self.log_level!r}: not a log level")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """Build settings from ``SWARM_*`` variables; an invalid value names its variable."""
+        env = os.environ if environ is None else environ
+        raw: dict[str, Any] = {}
+        for field in msgspec.structs.fields(cls):
+            value = env.get(env_name(field.name))
+            if value is not None and value != "":
+                raw[field.name] = value
+        return _convert(raw)
+
+    def replace(self, **changes: Any) -> Settings:
+        """A copy with the given fields changed (``None`` values are ignored)."""
+        changes = {k: v for k, v in changes.items() if v is not None}
+        if not changes:
+            return self
+        merged = msgspec.structs.asdict(self) | changes
+        return _convert(merged)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.state_dir / "run"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.state_dir / "runtime-logs"
+
+    @property
+    def nats_store_dir(self) -> Path:
+        return self.state_dir / "nats"
+
+    def as_env(self) -> dict[str, str]:
+        """The settings as ``SWARM_*`` variables, for child processes."""
+        out: dict[str, str] = {}
+        for name, value in msgspec.structs.asdict(self).items():
+            if value is not None:
+                out[env_name(name)] = str(value)
+        return out
+
+
+def env_name(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+def _check_port(field: str, port: int) -> None:
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{env_name(field)}={port}: a port is 0-65535 (0 picks a free one)")
+
+
+def _convert(raw: dict[str, Any]) -> Settings:
+    try:
+        return msgspec.convert(raw, Settings, strict=False, dec_hook=_dec_hook)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_name_field(str(exc))) from None
+
+
+def _dec_hook(kind: type, value: Any) -> Any:
+    if kind is Path and isinstance(value, str | Path):
+        return Path(value)
+    raise NotImplementedError(kind)
+
+
+def _name_field(msg: str) -> str:
+    """Rewrite msgspec's ``... - at `$.leader_port``` into ``SWARM_LEADER_PORT: ...``."""
+    match = re.search(r"`\$\.(\w+)`", msg)
+    if match is None:
+        return msg
+    reason = msg.split(" - at ")[0]
+    return f"{env_name(match.group(1))}: {reason}"

@@ -1,0 +1,113 @@
+"""Every NATS subject, each bound to the one Struct it carries.
+
+All subjects are per fellow (or per job and fellow) so that NATS permissions can pin each
+fellow to its own. The prefix (default ``swarm``) comes from settings.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import string
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import msgspec
+
+from swarm import protocol as p
+from swarm.errors import ProtocolError
+
+T = TypeVar("T")
+TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+@dataclass(frozen=True)
+class Topic(Generic[T]):
+    """One subject family: its template after the prefix, its payload, its reply if any."""
+
+    template: str
+    schema: Any
+    reply: Any = None
+
+    @functools.cached_property
+    def fields(self) -> tuple[str, ...]:
+        return tuple(f for _, f, _, _ in string.Formatter().parse(self.template) if f)
+
+    def subject(self, prefix: str, **tokens: str | int) -> str:
+        """The concrete subject; every token must be a plain NATS token (no dots, no wildcards)."""
+        missing = set(self.fields) - set(tokens)
+        if missing:
+            raise ValueError(f"{self.template}: missing {sorted(missing)}")
+        for name, value in tokens.items():
+            if not TOKEN_RE.match(str(value)):
+                raise ProtocolError(f"{name}={value!r} is not a valid subject token")
+        return f"{prefix}.{self.template.format(**tokens)}"
+
+    def wildcard(self, prefix: str, **tokens: str | int) -> str:
+        """A subscription subject; tokens not given become ``*``."""
+        filled = {f: str(tokens.get(f, "*")) for f in self.fields}
+        return f"{prefix}.{self.template.format(**filled)}"
+
+    def parse(self, prefix: str, subject: str) -> dict[str, str]:
+        """The tokens of a concrete subject; ProtocolError when it is not of this family."""
+        parts = subject.split(".")
+        template = [prefix, *self.template.split(".")]
+        if len(parts) != len(template):
+            raise ProtocolError(f"subject {subject!r} does not match {prefix}.{self.template}")
+        out: dict[str, str] = {}
+        for part, pattern in zip(parts, template, strict=True):
+            if pattern.startswith("{"):
+                out[pattern.strip("{}")] = part
+            elif part != pattern:
+                raise ProtocolError(f"subject {subject!r} does not match {prefix}.{self.template}")
+        return out
+
+    def decode(self, data: bytes) -> T:
+        return _decode(self.schema, data)
+
+    def decode_reply(self, data: bytes) -> Any:
+        if self.reply is None:
+            raise ProtocolError(f"{self.template} has no reply")
+        return _decode(self.reply, data)
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _ENCODER.encode(message)
+
+
+@functools.cache
+def _decoder(schema: Any) -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(schema)
+
+
+def _decode(schema: Any, data: bytes) -> Any:
+    if schema is bytes:
+        return data
+    try:
+        return _decoder(schema).decode(data)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"cannot decode {_schema_name(schema)}: {exc}") from None
+
+
+def _schema_name(schema: Any) -> str:
+    return getattr(schema, "__name__", None) or str(schema)
+
+
+REGISTER: Topic[p.RegisterMessage] = Topic("register.{fellow}", p.RegisterMessage, p.RegisterReply)
+HEARTBEAT: Topic[p.Heartbeat] = Topic("hb.{fellow}", p.Heartbeat)
+SIGNAL: Topic[p.Signal] = Topic("sig.{fellow}", p.Signal, p.SignalAck)
+LOG: Topic[p.LogBatch] = Topic("log.{fellow}", p.LogBatch)
+PROGRESS: Topic[p.Progress] = Topic("progress.{job}.{fellow}", p.Progress)
+SHARD: Topic[p.ShardChunk] = Topic("shard.{job}.{fellow}", p.ShardChunk, p.ShardAck)
+# Relay frames are opaque bytes to everyone but agent/pipe, which owns their layout.
+RELAY: Topic[bytes] = Topic("relay.{job}.{attempt}.{boundary}.{direction}", bytes)
+
+ALL_TOPICS: tuple[Topic[Any], ...] = (REGISTER, HEARTBEAT, SIGNAL, LOG, PROGRESS, SHARD, RELAY)
+
+
+def inbox_prefix(fellow_id: str) -> str:
+    """Each fellow gets its own reply inbox, so permissions can pin it there."""
+    if not TOKEN_RE.match(fellow_id):
+        raise ProtocolError(f"fellow id {fellow_id!r} is not a valid subject token")
+    return f"_INBOX.{fellow_id}"
