@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from pathlib import Path
 from typing import Annotated
 
 import cyclopts
@@ -32,14 +31,12 @@ def serve(
         str | None,
         cyclopts.Parameter(help="Address peers use for tensors [SWARM_DATA_ADDRESS]"),
     ] = None,
-    state_dir: Annotated[Path | None, cyclopts.Parameter(help="[SWARM_STATE_DIR]")] = None,
     log_level: Annotated[str | None, cyclopts.Parameter(help="[SWARM_LOG_LEVEL]")] = None,
 ) -> None:
     settings = Settings.from_env().replace(
         nats_url=nats_url,
         fellow_name=name,
         data_address=data_address,
-        state_dir=state_dir,
         log_level=log_level,
     )
     if settings.nats_url is None:

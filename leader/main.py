@@ -8,6 +8,7 @@ keeps its JetStream store under the state directory, so a restarted leader finds
 from __future__ import annotations
 
 import logging
+import signal
 from pathlib import Path
 from typing import Annotated
 
@@ -72,6 +73,9 @@ def run_leader(settings: Settings) -> None:
         )
         url = child.url
         log.info("started child nats-server %s (pid %d, store %s)", url, child.pid, child.store_dir)
+    # uvicorn re-raises the SIGTERM it caught once it has shut down; with this handler that
+    # becomes a clean exit (0) that still runs the finally below, as it does during start-up.
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
         server = uvicorn.Server(
             uvicorn.Config(
@@ -89,6 +93,10 @@ def run_leader(settings: Settings) -> None:
     finally:
         if child is not None:
             child.stop()
+
+
+def _exit_cleanly(signum: int, _frame: object) -> None:
+    raise SystemExit(0)
 
 
 def main() -> None:

@@ -56,6 +56,9 @@ class FellowRecord(msgspec.Struct, kw_only=True):
     bytes_received: int = 0
     hardware: HardwareSnapshot
     registered_at: float
+    # Accepted register requests from this id: > 1 after reconnects and restarts.
+    registrations: int = 1
+    last_registered_at: float | None = None
     last_heartbeat_at: float | None = None
     last_heartbeat_age_s: float | None = None
     offline_reason: str | None = None
@@ -134,6 +137,8 @@ class WorkerRegistry:
             )
         self._revive_if_offline(entry, "registered again")
         self._refresh(entry, req.fellow, req.hardware)
+        entry.record.registrations += 1
+        entry.record.last_registered_at = self._wall()
         self._set_status(entry, req.status, "registered again")
         log.info("fellow %s registered again (instance %s)", fid, req.fellow.instance_id)
         return self._accept("registered again")
@@ -272,6 +277,8 @@ class WorkerRegistry:
             status=status,
             hardware=hardware,
             registered_at=now,
+            registrations=1 if reason == "registered" else 0,
+            last_registered_at=now if reason == "registered" else None,
             history=[Transition(at=now, from_status=None, to_status=status, reason=reason)],
         )
         return _Entry(record=record, last_seen=self._clock())

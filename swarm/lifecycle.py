@@ -1,7 +1,8 @@
 """The fellow lifecycle as a pure transition table.
 
-Both wings use it: the agent drives its own status with it, the leader uses it for the
-transitions it owns (a stale fellow goes offline) and to judge what fellows report.
+The agent drives its own status with it; the leader mirrors what each fellow reports and
+uses the table only for the transitions it owns (a stale fellow goes offline, an offline
+one that speaks again goes back through registering).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from swarm.protocol import FellowStatus as S
 
 
 class FellowEvent(enum.StrEnum):
-    REGISTERED = "registered"  # register + first heartbeat accepted
+    REGISTERED = "registered"  # the leader accepted the register request
     START = "start"  # START signal
     CHECKPOINT = "checkpoint"  # CHECKPOINT signal
     CHECKPOINT_WRITTEN = "checkpoint_written"  # the job goes on

@@ -24,7 +24,8 @@ ENV_PREFIX = "SWARM_"
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
     leader_host: str = "127.0.0.1"
     leader_port: int = 8080
-    leader_url: str = "http://127.0.0.1:8080"
+    # Where clients reach the leader; None derives it (see LeaderClient users in swarm.cli).
+    leader_url: str | None = None
     nats_url: str | None = None
     nats_host: str = "127.0.0.1"
     nats_port: int = 4222
@@ -77,6 +78,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             return self
         merged = msgspec.structs.asdict(self) | changes
         return _convert(merged)
+
+    @property
+    def default_leader_url(self) -> str:
+        host = "127.0.0.1" if self.leader_host in ("0.0.0.0", "", "::") else self.leader_host
+        return f"http://{host}:{self.leader_port}"
 
     @property
     def run_dir(self) -> Path:

@@ -29,8 +29,17 @@ class Context:
     settings: Settings
     json: bool = False
 
+    @property
+    def leader_url(self) -> str:
+        """--leader-url or SWARM_LEADER_URL; else the local cluster's leader; else the default."""
+        return (
+            self.settings.leader_url
+            or cluster.running_leader_url(self.settings)
+            or self.settings.default_leader_url
+        )
+
     def client(self) -> LeaderClient:
-        return LeaderClient(self.settings.leader_url)
+        return LeaderClient(self.leader_url)
 
     def emit(self, value: Any, human: str) -> None:
         print(render.dumps(value) if self.json else human)
@@ -44,7 +53,10 @@ def launcher(
     *tokens: Annotated[str, Parameter(show=False, allow_leading_hyphen=True)],
     leader_url: Annotated[
         str | None,
-        Parameter(help="Leader URL [env SWARM_LEADER_URL, default http://127.0.0.1:8080]"),
+        Parameter(
+            help="Leader URL [env SWARM_LEADER_URL; default: the leader of the cluster that "
+            "start-cluster runs from SWARM_STATE_DIR, else http://127.0.0.1:8080]"
+        ),
     ] = None,
     json: Annotated[bool, Parameter(help="Machine-readable JSON output")] = False,
 ) -> Any:
@@ -63,7 +75,7 @@ def info() -> None:
         data,
         "\n".join(
             [
-                f"leader    {CTX.settings.leader_url} (version {data['version']})",
+                f"leader    {CTX.leader_url} (version {data['version']})",
                 f"nats      {data['nats_url']} "
                 f"({'connected' if data['nats_connected'] else 'DISCONNECTED'})",
                 f"fellows   {counts}",

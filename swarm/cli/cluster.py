@@ -19,7 +19,7 @@ import msgspec
 import psutil
 
 from swarm.cli.client import LeaderClient
-from swarm.errors import ClusterError, LeaderUnreachableError
+from swarm.errors import ClusterError, ConfigError, LeaderUnreachableError
 from swarm.natsd import start_nats_server
 from swarm.procs import ensure_port_free, spawn, stop_processes, tail, wait_until
 from swarm.settings import Settings
@@ -66,6 +66,18 @@ def _write_manifest(settings: Settings, manifest: ClusterManifest) -> None:
         (settings.run_dir / f"{proc.name}.pid").write_text(f"{proc.pid}\n")
 
 
+def running_leader_url(settings: Settings) -> str | None:
+    """The leader URL of the cluster started from this state directory, if it still runs."""
+    try:
+        manifest = read_manifest(settings)
+    except ClusterError:
+        return None
+    if manifest is None:
+        return None
+    leaders = [p for p in manifest.processes if p.role == "leader"]
+    return manifest.leader_url if leaders and _live(leaders[0]) is not None else None
+
+
 def _live(proc: ClusterProcess) -> psutil.Process | None:
     """The process, if it is still the one we started (same pid and start time)."""
     try:
@@ -94,7 +106,7 @@ def start_cluster(
 ) -> ClusterManifest:
     """Start NATS, the leader and ``fellows`` fellows; return once every fellow is ready."""
     if fellows < 1:
-        raise ClusterError("--fellows must be at least 1")
+        raise ConfigError(f"--fellows {fellows}: a cluster needs at least 1 fellow")
     existing = read_manifest(settings)
     if existing is not None:
         alive = [p for p in existing.processes if _live(p) is not None]
@@ -120,7 +132,7 @@ def start_cluster(
         flag="--nats-port",
     )
     settings.logs_dir.mkdir(parents=True, exist_ok=True)
-    leader_url = f"http://{_connect_host(settings.leader_host)}:{settings.leader_port}"
+    leader_url = settings.default_leader_url
     manifest = ClusterManifest(
         state_dir=str(settings.state_dir), nats_url="", leader_url=leader_url
     )
@@ -196,10 +208,6 @@ def _start_all(
     for name in names:
         proc, _ = started[name]
         progress(f"fellow   {name} ready (pid {proc.pid})")
-
-
-def _connect_host(host: str) -> str:
-    return "127.0.0.1" if host in ("0.0.0.0", "") else host
 
 
 def _answers(client: LeaderClient) -> bool:

@@ -1,0 +1,97 @@
+"""Fixtures that start real components: nats-server on a free port with JetStream in a temp
+dir, the leader and fellow agents as real processes. Nothing outlives its test."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from swarm.natsd import NatsServer, start_nats_server
+from swarm.procs import free_port
+from tests.helpers import Leader, Processes, child_env, wait_for
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[Processes]:
+    log_dir = tmp_path / "proc-logs"
+    log_dir.mkdir()
+    group = Processes(log_dir)
+    try:
+        yield group
+    finally:
+        group.cleanup()
+
+
+class NatsControl:
+    """A real nats-server that a test can stop and start again on the same port and store."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.store_dir = tmp_path / "nats-store"
+        self.log_path = tmp_path / "nats.log"
+        self.server: NatsServer | None = self._start(0)
+        self.port = self.server.port
+        self.url = self.server.url
+
+    def _start(self, port: int) -> NatsServer:
+        return start_nats_server(
+            host="127.0.0.1",
+            port=port,
+            store_dir=self.store_dir,
+            log_path=self.log_path,
+            tie_to_parent=True,
+        )
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    def start(self) -> None:
+        assert self.server is None, "already running"
+        self.server = self._start(self.port)
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[NatsControl]:
+    """A real nats-server, JetStream on, store in a temp dir, on a free port."""
+    control = NatsControl(tmp_path)
+    try:
+        yield control
+    finally:
+        control.stop()
+
+
+@pytest.fixture
+def leader(procs: Processes, nats_server: NatsControl, tmp_path: Path) -> Iterator[Leader]:
+    """A real leader process joined to ``nats_server``."""
+    port = free_port()
+    env = child_env(
+        SWARM_NATS_URL=nats_server.url,
+        SWARM_LEADER_PORT=str(port),
+        SWARM_STATE_DIR=str(tmp_path / "leader-state"),
+    )
+    proc = procs.python("leader", "leader.main", env=env)
+    client = Leader(f"http://127.0.0.1:{port}")
+    try:
+        wait_for(
+            lambda: proc.poll() is None and client.get("/health")["nats"] == "connected",
+            timeout=20,
+            what=f"leader to serve (log: {procs.log(proc) if proc.poll() is not None else ''})",
+        )
+        yield client
+    finally:
+        client.close()
+
+
+def start_agent(procs: Processes, nats_url: str, name: str, **env: str):
+    return procs.python(
+        f"agent-{name}",
+        "agent.main",
+        "--nats-url",
+        nats_url,
+        "--name",
+        name,
+        env=child_env(**env),
+    )

@@ -1,0 +1,122 @@
+"""Test plumbing: real processes that never outlive a test, and waiting on conditions."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import psutil
+
+T = TypeVar("T")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def wait_for(predicate: Callable[[], T], *, timeout: float, what: str, interval: float = 0.05) -> T:
+    """Poll ``predicate`` until it returns something truthy; fail loudly after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        try:
+            last = predicate()
+        except Exception as exc:  # a not-yet-ready server answers with errors
+            last = exc
+        else:
+            if last:
+                return last
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+        time.sleep(interval)
+
+
+def child_env(**overrides: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(overrides)
+    return env
+
+
+class Processes:
+    """Starts real processes and guarantees they (and their children) die with the test."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.started: list[subprocess.Popen[bytes]] = []
+        self.logs: dict[int, Path] = {}
+
+    def start(
+        self, name: str, argv: list[str], env: dict[str, str], cwd: Path | None = None
+    ) -> subprocess.Popen[bytes]:
+        log = self.log_dir / f"{name}-{len(self.started)}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd or REPO
+            )
+        self.started.append(proc)
+        self.logs[proc.pid] = log
+        return proc
+
+    def python(
+        self, name: str, module: str, *args: str, env: dict[str, str]
+    ) -> subprocess.Popen[bytes]:
+        return self.start(name, [sys.executable, "-m", module, *args], env)
+
+    def log(self, proc: subprocess.Popen[bytes]) -> str:
+        return self.logs[proc.pid].read_text(errors="replace")
+
+    def cleanup(self) -> None:
+        for proc in self.started:
+            kill_tree(proc.pid)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def kill_tree(pid: int) -> None:
+    try:
+        parent = psutil.Process(pid)
+        family = [*parent.children(recursive=True), parent]
+    except psutil.NoSuchProcess:
+        return
+    for proc in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.send_signal(signal.SIGKILL)
+
+
+class Leader:
+    """HTTP access to a running leader."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.http = httpx.Client(base_url=url, timeout=5.0)
+
+    def get(self, path: str) -> Any:
+        response = self.http.get(path)
+        response.raise_for_status()
+        return response.json()
+
+    def workers(self) -> dict[str, dict[str, Any]]:
+        return {w["fellow_id"]: w for w in self.get("/api/v1/workers")}
+
+    def status(self, fellow_id: str) -> str | None:
+        worker = self.workers().get(fellow_id)
+        return None if worker is None else worker["status"]
+
+    def wait_status(self, fellow_id: str, status: str, timeout: float = 10.0) -> dict[str, Any]:
+        return wait_for(
+            lambda: (w := self.workers().get(fellow_id)) and w["status"] == status and w,
+            timeout=timeout,
+            what=f"{fellow_id} to be {status}",
+        )
+
+    def close(self) -> None:
+        self.http.close()

@@ -1,0 +1,22 @@
+"""A tiny synchronous face over nats-py for tests that poke the bus directly."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import nats
+
+T = TypeVar("T")
+
+
+def with_nats(url: str, fn: Callable[[Any], Awaitable[T]]) -> T:
+    async def main() -> T:
+        nc = await nats.connect(url, max_reconnect_attempts=1)
+        try:
+            return await fn(nc)
+        finally:
+            await nc.drain()
+
+    return asyncio.run(main())

@@ -1,0 +1,180 @@
+"""The ``swarm`` CLI as a user runs it: real subprocesses, real cluster, real exit codes."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import psutil
+import pytest
+
+from swarm.cli.cluster import ClusterManifest, _live
+from swarm.procs import free_port, is_gone
+from tests.helpers import child_env, kill_tree
+
+pytestmark = pytest.mark.integration
+
+
+def swarm(*args: str, env: dict[str, str] | None = None, timeout: float = 90):
+    return subprocess.run(
+        [sys.executable, "-m", "swarm.cli.app", *args],
+        env=env or child_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path):
+    """A cluster state dir; whatever start-cluster left running there is killed afterwards."""
+    state = tmp_path / "state"
+    yield state
+    manifest_file = state / "run" / "cluster.json"
+    if manifest_file.exists():
+        manifest = msgspec.json.decode(manifest_file.read_bytes(), type=ClusterManifest)
+        swarm("stop-cluster", "--state-dir", str(state))
+        for proc in manifest.processes:
+            if _live(proc) is not None:  # same pid and start time: still ours
+                kill_tree(proc.pid)
+
+
+def test_start_list_stop_leaves_no_process(state_dir):
+    port = free_port()
+    env = child_env(SWARM_STATE_DIR=str(state_dir))
+    started = swarm(
+        "start-cluster", "--fellows", "2", "--leader-port", str(port), "--nats-port", "0", env=env
+    )
+    assert started.returncode == 0, started.stderr + started.stdout
+    assert "cluster ready" in started.stdout
+
+    manifest = msgspec.json.decode(
+        (state_dir / "run" / "cluster.json").read_bytes(), type=ClusterManifest
+    )
+    roles = sorted(p.role for p in manifest.processes)
+    assert roles == ["fellow", "fellow", "leader", "nats"]
+    for proc in manifest.processes:
+        assert (state_dir / "run" / f"{proc.name}.pid").read_text().strip() == str(proc.pid)
+        assert (state_dir / "runtime-logs" / f"{proc.name}.log").exists()
+    nats_pid = next(p.pid for p in manifest.processes if p.role == "nats")
+    assert "nats-server" in psutil.Process(nats_pid).name(), "NATS runs as its own process"
+
+    # No --leader-url: the CLI finds the leader of the cluster in SWARM_STATE_DIR.
+    listed = swarm("fellows", "--json", env=env)
+    assert listed.returncode == 0, listed.stderr
+    fellows = json.loads(listed.stdout)
+    assert sorted(f["fellow_id"] for f in fellows) == ["fellow-1", "fellow-2"]
+    assert all(f["status"] == "ready" for f in fellows)
+
+    table = swarm("--leader-url", manifest.leader_url, "fellows")
+    assert table.returncode == 0 and "fellow-1" in table.stdout and "ready" in table.stdout
+    nodes = json.loads(swarm("nodes", "--json", env=env).stdout)
+    assert nodes[0]["cpu_cores"] >= 1 and nodes[0]["fellows"] == ["fellow-1", "fellow-2"]
+    info = json.loads(swarm("info", "--json", env=env).stdout)
+    assert info["nats_url"] == manifest.nats_url and info["fellows"]["ready"] == 2
+
+    procs = [psutil.Process(p.pid) for p in manifest.processes]
+    stopped = swarm("stop-cluster", env=env)
+    assert stopped.returncode == 0, stopped.stderr
+    assert all(is_gone(p) for p in procs), "stop-cluster left a process behind"
+    assert not (state_dir / "run" / "cluster.json").exists()
+    assert not list((state_dir / "run").glob("*.pid"))
+
+    again = swarm("stop-cluster", env=env)
+    assert again.returncode == 0 and "no cluster running" in again.stdout
+
+
+def test_second_start_refuses_while_the_first_runs(state_dir):
+    env = child_env(SWARM_STATE_DIR=str(state_dir))
+    args = (
+        "start-cluster",
+        "--fellows",
+        "1",
+        "--leader-port",
+        str(free_port()),
+        "--nats-port",
+        "0",
+    )
+    assert swarm(*args, env=env).returncode == 0
+    second = swarm(*args, env=env)
+    assert second.returncode == 1
+    assert "already running" in second.stderr and "swarm stop-cluster" in second.stderr
+
+
+def test_busy_leader_port_is_a_clear_error_and_starts_nothing(state_dir):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        result = swarm(
+            "start-cluster",
+            "--fellows",
+            "1",
+            "--leader-port",
+            str(port),
+            "--nats-port",
+            "0",
+            env=child_env(SWARM_STATE_DIR=str(state_dir)),
+        )
+    assert result.returncode == 2
+    line = result.stderr.strip()
+    assert "\n" not in line and "Traceback" not in line
+    assert f"port {port}" in line and "SWARM_LEADER_PORT" in line and "--leader-port" in line
+    assert not (state_dir / "run" / "cluster.json").exists()
+
+
+def test_busy_nats_port_names_the_nats_setting(state_dir):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        result = swarm(
+            "start-cluster",
+            "--leader-port",
+            str(free_port()),
+            "--nats-port",
+            str(port),
+            env=child_env(SWARM_STATE_DIR=str(state_dir)),
+        )
+    assert result.returncode == 2
+    assert f"port {port}" in result.stderr and "SWARM_NATS_PORT" in result.stderr
+
+
+def test_unreachable_leader_is_one_line_and_exit_3():
+    url = f"http://127.0.0.1:{free_port()}"
+    for command in ("info", "fellows", "nodes"):
+        result = swarm("--leader-url", url, command)
+        assert result.returncode == 3, result
+        assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+        assert url in result.stderr and result.stderr.startswith("swarm: error:")
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "needle"),
+    [
+        (("info",), {"SWARM_LEADER_PORT": "eighty"}, "SWARM_LEADER_PORT"),
+        (("start-cluster", "--fellows", "0"), {}, "--fellows"),
+        (("no-such-command",), {}, "no-such-command"),
+    ],
+)
+def test_bad_input_exits_2_without_a_traceback(argv, env, needle, tmp_path):
+    result = swarm(*argv, env=child_env(SWARM_STATE_DIR=str(tmp_path), **env))
+    assert result.returncode == 2, result
+    assert needle in result.stderr + result.stdout
+    assert "Traceback" not in result.stderr
+
+
+def test_agent_without_nats_url_exits_2():
+    result = subprocess.run(
+        [sys.executable, "-m", "agent.main", "--name", "x"],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "SWARM_NATS_URL" in result.stderr and "Traceback" not in result.stderr

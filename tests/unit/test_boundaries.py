@@ -1,0 +1,54 @@
+"""Architecture invariants: no TensorFlow in the leader or swarm/, imports point down only."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_leader_swarm_and_agent_runner_never_import_tensorflow():
+    code = (
+        "import sys\n"
+        "import leader.main, leader.app, leader.bus, leader.registry\n"
+        "import swarm.cli.app, swarm.natsd, swarm.natsconn, swarm.protocol, swarm.subjects\n"
+        "import agent.main, agent.runner, agent.hardware\n"
+        "from leader.app import create_app\n"
+        "from swarm.settings import Settings\n"
+        "create_app(Settings(), nats_url='nats://127.0.0.1:1')\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in {'tensorflow', 'keras'})\n"
+        "print(bad)\n"
+        "sys.exit(1 if bad else 0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _imports(package: str) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for path in (REPO / package).rglob("*.py"):
+        roots: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                roots |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                roots.add(node.module.split(".")[0])
+        out[str(path.relative_to(REPO))] = roots
+    return out
+
+
+@pytest.mark.parametrize(
+    ("package", "forbidden"),
+    [
+        ("swarm", {"leader", "agent", "tensorflow", "keras"}),
+        ("leader", {"agent", "tensorflow", "keras"}),
+    ],
+)
+def test_imports_point_down_only(package, forbidden):
+    offenders = {f: r & forbidden for f, r in _imports(package).items() if r & forbidden}
+    assert offenders == {}

@@ -1,0 +1,89 @@
+import msgspec
+import pytest
+
+from swarm import protocol as p
+from swarm import subjects as topics
+from swarm.errors import ProtocolError
+
+
+def snapshot() -> p.HardwareSnapshot:
+    return p.HardwareSnapshot(
+        hostname="h", cpu_cores=4, ram_total_bytes=8 << 30, ram_available_bytes=4 << 30
+    )
+
+
+def identity() -> p.FellowIdentity:
+    return p.FellowIdentity(fellow_id="f1", instance_id="i", hostname="h", version="1", pid=9)
+
+
+MESSAGES = [
+    (topics.REGISTER, p.RegisterRequest(fellow=identity(), hardware=snapshot())),
+    (topics.REGISTER, p.DeregisterRequest(fellow_id="f1", instance_id="i")),
+    (
+        topics.HEARTBEAT,
+        p.Heartbeat(
+            fellow=identity(),
+            seq=3,
+            status=p.FellowStatus.TRAINING,
+            job_id="j",
+            step=5,
+            loss=1.25,
+            bytes_sent=10,
+            bytes_received=20,
+            hardware=snapshot(),
+        ),
+    ),
+    (topics.SIGNAL, p.Signal(signal_id="s1", kind=p.SignalKind.STOP, job_id="j", attempt=2)),
+    (
+        topics.LOG,
+        p.LogBatch(
+            fellow_id="f1", records=[p.LogRecord(ts=1.0, level="INFO", logger="x", message="m")]
+        ),
+    ),
+    (topics.PROGRESS, p.Progress(job_id="j", fellow_id="f1", attempt=1, step=2, loss=3.0)),
+    (topics.SHARD, p.ShardChunk(job_id="j", fellow_id="f1", name="w", seq=0, total=1, data=b"xy")),
+]
+
+
+@pytest.mark.parametrize(("topic", "message"), MESSAGES)
+def test_every_message_round_trips_through_its_subject(topic, message):
+    decoded = topic.decode(topics.encode(message))
+    assert decoded == message
+    assert decoded.v == p.PROTOCOL_VERSION
+
+
+def test_replies_round_trip():
+    reply = p.RegisterReply(accepted=False, code="X", message="m")
+    assert topics.REGISTER.decode_reply(topics.encode(reply)) == reply
+    ack = p.SignalAck(signal_id="s", fellow_id="f", ok=True)
+    assert topics.SIGNAL.decode_reply(topics.encode(ack)) == ack
+
+
+def test_peers_fields_unknown_to_us_are_ignored():
+    """A newer peer may add fields; an older reader must still decode the message."""
+    raw = msgspec.to_builtins(p.Signal(signal_id="s1", kind=p.SignalKind.START))
+    raw["added_in_v2"] = {"anything": [1, 2]}
+    raw["v"] = 2
+    decoded = topics.SIGNAL.decode(msgspec.msgpack.encode(raw))
+    assert decoded.signal_id == "s1" and decoded.v == 2
+
+
+def test_register_subject_carries_a_tagged_union():
+    data = topics.encode(p.DeregisterRequest(fellow_id="f1", instance_id="i"))
+    assert msgspec.msgpack.decode(data)["kind"] == "deregister"
+    assert isinstance(topics.REGISTER.decode(data), p.DeregisterRequest)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\x00\xffgarbage",
+        msgspec.msgpack.encode({"kind": "no-such-kind"}),
+        topics.encode(p.Signal(signal_id="s", kind=p.SignalKind.STOP)),  # wrong Struct
+        msgspec.msgpack.encode({"kind": "register", "fellow": "not a struct"}),
+    ],
+)
+def test_malformed_payloads_raise_protocol_error(data):
+    with pytest.raises(ProtocolError) as err:
+        topics.REGISTER.decode(data)
+    assert err.value.code == "PROTOCOL_ERROR"

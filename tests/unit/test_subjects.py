@@ -1,0 +1,48 @@
+import pytest
+
+from swarm import protocol as p
+from swarm import subjects as topics
+from swarm.errors import ProtocolError
+
+
+def test_subjects_are_exactly_the_documented_per_fellow_families():
+    assert topics.REGISTER.subject("swarm", fellow="f1") == "swarm.register.f1"
+    assert topics.HEARTBEAT.subject("swarm", fellow="f1") == "swarm.hb.f1"
+    assert topics.SIGNAL.subject("swarm", fellow="f1") == "swarm.sig.f1"
+    assert topics.LOG.subject("swarm", fellow="f1") == "swarm.log.f1"
+    assert topics.PROGRESS.subject("swarm", job="j1", fellow="f1") == "swarm.progress.j1.f1"
+    assert topics.SHARD.subject("swarm", job="j1", fellow="f1") == "swarm.shard.j1.f1"
+    relay = topics.RELAY.subject("swarm", job="j1", attempt=2, boundary=0, direction="fwd")
+    assert relay == "swarm.relay.j1.2.0.fwd"
+
+
+def test_each_subject_is_bound_to_one_schema():
+    assert topics.HEARTBEAT.schema is p.Heartbeat
+    assert topics.SIGNAL.reply is p.SignalAck
+    assert topics.REGISTER.reply is p.RegisterReply
+    assert len({t.template for t in topics.ALL_TOPICS}) == len(topics.ALL_TOPICS)
+
+
+def test_prefix_is_configurable_and_wildcards_cover_every_fellow():
+    assert topics.HEARTBEAT.wildcard("lab") == "lab.hb.*"
+    assert topics.PROGRESS.wildcard("lab", job="j1") == "lab.progress.j1.*"
+
+
+def test_parse_gives_the_tokens_back():
+    assert topics.PROGRESS.parse("swarm", "swarm.progress.j1.f1") == {"job": "j1", "fellow": "f1"}
+    with pytest.raises(ProtocolError):
+        topics.HEARTBEAT.parse("swarm", "swarm.register.f1")
+    with pytest.raises(ProtocolError):
+        topics.HEARTBEAT.parse("swarm", "swarm.hb.f1.extra")
+
+
+@pytest.mark.parametrize("bad", ["a.b", "*", ">", "", "sp ace", "x" * 65])
+def test_tokens_that_would_change_the_subject_are_refused(bad):
+    with pytest.raises(ProtocolError):
+        topics.HEARTBEAT.subject("swarm", fellow=bad)
+
+
+def test_each_fellow_gets_its_own_inbox_prefix():
+    assert topics.inbox_prefix("f1") == "_INBOX.f1"
+    with pytest.raises(ProtocolError):
+        topics.inbox_prefix("f.1")
