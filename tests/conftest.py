@@ -75,11 +75,14 @@ def leader(procs: Processes, nats_server: NatsControl, tmp_path: Path) -> Iterat
     proc = procs.python("leader", "leader.main", env=env)
     client = Leader(f"http://127.0.0.1:{port}")
     try:
-        wait_for(
-            lambda: proc.poll() is None and client.get("/health")["nats"] == "connected",
-            timeout=20,
-            what=f"leader to serve (log: {procs.log(proc) if proc.poll() is not None else ''})",
-        )
+        try:
+            wait_for(
+                lambda: proc.poll() is None and client.get("/health")["nats"] == "connected",
+                timeout=20,
+                what="the leader to serve",
+            )
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\nleader log:\n{procs.log(proc)}") from None
         yield client
     finally:
         client.close()
