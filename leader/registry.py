@@ -241,17 +241,14 @@ class WorkerRegistry:
     # --- internals -------------------------------------------------------------------------
 
     def _accept(self, message: str) -> RegisterReply:
-        return RegisterReply(
-            accepted=True,
-            message=message,
-            heartbeat_interval_s=self.heartbeat_interval_s,
-            offline_after_s=self.offline_after_s,
-            leader_version=self.leader_version,
-        )
+        return self._reply(True, None, message)
 
     def _reject(self, code: str, message: str) -> RegisterReply:
+        return self._reply(False, code, message)
+
+    def _reply(self, accepted: bool, code: str | None, message: str) -> RegisterReply:
         return RegisterReply(
-            accepted=False,
+            accepted=accepted,
             code=code,
             message=message,
             heartbeat_interval_s=self.heartbeat_interval_s,

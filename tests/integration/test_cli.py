@@ -105,43 +105,31 @@ def test_second_start_refuses_while_the_first_runs(state_dir):
     assert "already running" in second.stderr and "swarm stop-cluster" in second.stderr
 
 
-def test_busy_leader_port_is_a_clear_error_and_starts_nothing(state_dir):
+@pytest.mark.parametrize(
+    ("busy", "setting", "flag"),
+    [("leader", "SWARM_LEADER_PORT", "--leader-port"), ("nats", "SWARM_NATS_PORT", "--nats-port")],
+)
+def test_busy_port_is_a_clear_error_and_starts_nothing(state_dir, busy, setting, flag):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         port = sock.getsockname()[1]
+        ports = {"leader": free_port(), "nats": 0, busy: port}
         result = swarm(
             "start-cluster",
             "--fellows",
             "1",
             "--leader-port",
-            str(port),
+            str(ports["leader"]),
             "--nats-port",
-            "0",
+            str(ports["nats"]),
             env=child_env(SWARM_STATE_DIR=str(state_dir)),
         )
     assert result.returncode == 2
     line = result.stderr.strip()
     assert "\n" not in line and "Traceback" not in line
-    assert f"port {port}" in line and "SWARM_LEADER_PORT" in line and "--leader-port" in line
+    assert f"port {port}" in line and setting in line and flag in line
     assert not (state_dir / "run" / "cluster.json").exists()
-
-
-def test_busy_nats_port_names_the_nats_setting(state_dir):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen()
-        port = sock.getsockname()[1]
-        result = swarm(
-            "start-cluster",
-            "--leader-port",
-            str(free_port()),
-            "--nats-port",
-            str(port),
-            env=child_env(SWARM_STATE_DIR=str(state_dir)),
-        )
-    assert result.returncode == 2
-    assert f"port {port}" in result.stderr and "SWARM_NATS_PORT" in result.stderr
 
 
 def test_unreachable_leader_is_one_line_and_exit_3():
