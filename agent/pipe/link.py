@@ -1,0 +1,506 @@
+"""Links between adjacent stages: ZeroMQ point to point, or a relay through NATS subjects.
+
+Each boundary has two ends. The upstream stage *connects* (it sends activations and receives
+gradients); the downstream stage *binds* its advertised data address (it receives
+activations and sends gradients). Before any frame, the ends shake hands: the connector
+says HELLO until the binder answers ACK, which is also how ``auto`` picks a transport.
+
+Everything outside this package is injected: addresses, relay subjects, the NATS URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import zmq
+
+log = logging.getLogger(__name__)
+
+Parts = list[bytes | memoryview]
+HELLO = b"\x00swarm-hello"
+ACK = b"\x00swarm-ack"
+HELLO_EVERY_S = 0.25
+
+
+class LinkError(Exception):
+    """The link cannot deliver: the message names the boundary and the peer."""
+
+
+class PeerTimeoutError(LinkError):
+    pass
+
+
+class RelayGapError(LinkError):
+    pass
+
+
+class TransportKind(enum.StrEnum):
+    AUTO = "auto"
+    P2P = "p2p"
+    TUNNEL = "tunnel"
+
+
+class Link(Protocol):
+    name: str
+    transport: str
+    bytes_sent: int
+    bytes_received: int
+
+    def send(self, parts: Sequence[bytes | memoryview]) -> None: ...
+
+    def recv(self, timeout_s: float) -> Parts: ...
+
+    def close(self) -> None: ...
+
+
+def _is_control(parts: Sequence[bytes | memoryview]) -> bool:
+    return len(parts) == 2 and bytes(parts[0]) in (HELLO, ACK)
+
+
+def _nbytes(parts: Sequence[bytes | memoryview]) -> int:
+    return sum(memoryview(p).nbytes for p in parts)
+
+
+# --- ZeroMQ ---------------------------------------------------------------------------------
+
+
+class ZmqLink:
+    """A DEALER socket: it reconnects by itself, and ZMTP heartbeats drop dead peers, so a
+    replaced peer can take over the boundary."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        bind: str | None = None,
+        connect: str | None = None,
+        context: zmq.Context | None = None,
+    ) -> None:
+        if (bind is None) == (connect is None):
+            raise ValueError("give exactly one of bind or connect")
+        self.name = name
+        self.transport = "p2p"
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._ctx = context or zmq.Context.instance()
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, 10000)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        sock.setsockopt(zmq.SNDBUF, 4 * 1024 * 1024)
+        sock.setsockopt(zmq.RCVBUF, 4 * 1024 * 1024)
+        if bind is not None:
+            _bind(sock, bind)
+        else:
+            sock.connect(connect)
+        self.address = bind or connect
+        self._sock = sock
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
+
+    def send(self, parts: Sequence[bytes | memoryview]) -> None:
+        self._sock.send_multipart(list(parts), copy=False)
+        self.bytes_sent += _nbytes(parts)
+
+    def poll(self, timeout_s: float) -> bool:
+        return bool(self._poller.poll(max(0, int(timeout_s * 1000))))
+
+    def recv_any(self, timeout_s: float) -> Parts | None:
+        """The next message, control messages included; None on timeout."""
+        if not self.poll(timeout_s):
+            return None
+        frames = self._sock.recv_multipart(copy=False)
+        parts: Parts = [f.buffer for f in frames]
+        self.bytes_received += _nbytes(parts)
+        return parts
+
+    def recv(self, timeout_s: float) -> Parts:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            parts = self.recv_any(max(0.0, deadline - time.monotonic()))
+            if parts is None:
+                raise PeerTimeoutError(f"{self.name}: nothing received for {timeout_s:.0f}s")
+            if not _is_control(parts):
+                return parts
+            if bytes(parts[0]) == HELLO:  # the peer missed our ACK: answer again
+                self.send([ACK, b"p2p"])
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+def _bind(sock: zmq.Socket, address: str) -> None:
+    """Bind the advertised address; behind NAT it is not local, so fall back to all interfaces."""
+    try:
+        sock.bind(address)
+    except zmq.ZMQError as exc:
+        if exc.errno != zmq.EADDRNOTAVAIL:
+            raise LinkError(f"cannot bind {address}: {exc}") from None
+        port = address.rsplit(":", 1)[1]
+        sock.bind(f"tcp://*:{port}")
+
+
+# --- NATS relay -----------------------------------------------------------------------------
+
+_DATA, _CREDIT, _HELLO, _ACK = b"D", b"C", b"H", b"A"
+_DATA_HEAD = struct.Struct(">QII")  # chunk seq, chunk index within the frame, chunks in frame
+_CREDIT_HEAD = struct.Struct(">I")
+
+
+def serialize_parts(parts: Sequence[bytes | memoryview]) -> bytes:
+    lengths = [memoryview(p).nbytes for p in parts]
+    head = struct.pack(f">I{len(parts)}Q", len(parts), *lengths)
+    return b"".join([head, *(bytes(p) if isinstance(p, memoryview) else p for p in parts)])
+
+
+def deserialize_parts(blob: bytes) -> Parts:
+    view = memoryview(blob)
+    if len(view) < 4:
+        raise LinkError("relay frame shorter than its header")
+    (count,) = struct.unpack_from(">I", view, 0)
+    offset = 4 + 8 * count
+    if count > 64 or len(view) < offset:
+        raise LinkError("relay frame header is corrupt")
+    lengths = struct.unpack_from(f">{count}Q", view, 4)
+    parts: Parts = []
+    for length in lengths:
+        if offset + length > len(view):
+            raise LinkError("relay frame is truncated")
+        parts.append(view[offset : offset + length])
+        offset += length
+    if offset != len(view):
+        raise LinkError("relay frame has trailing bytes")
+    return parts
+
+
+class RelayLink:
+    """Frames over two NATS subjects, chunked below the server's max_payload.
+
+    Chunks carry a sequence number: a gap (a chunk lost to a reconnect or a slow-consumer
+    drop) fails the receive instead of corrupting a tensor. The receiver grants credits, so
+    at most ``window`` chunks are in flight and a fast sender cannot exhaust memory; grants
+    pause while more than ``max_buffered`` bytes of whole frames wait unread.
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        nats_url: str,
+        send_subject: str,
+        recv_subject: str,
+        chunk_bytes: int = 512 * 1024,
+        window: int = 16,
+        max_buffered: int = 64 * 1024 * 1024,
+        connect_timeout_s: float = 10.0,
+    ) -> None:
+        self.name = name
+        self.transport = "relay"
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.send_subject = send_subject
+        self.recv_subject = recv_subject
+        self._chunk = chunk_bytes
+        self._window = window
+        self._max_buffered = max_buffered
+        self._frames: deque[Parts | LinkError] = deque()
+        self._control: deque[bytes] = deque()
+        self._cv = threading.Condition()
+        self._assembling: list[bytes] = []
+        self._expected_seq = 0
+        self._next_seq = 0
+        self._buffered = 0
+        self._deferred_grants = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"relay-{name}")
+        self._thread.daemon = True
+        self._thread.start()
+        self._credits = 0
+        self._credit_event: asyncio.Event | None = None
+        self._nc = None
+        self._run(self._connect(nats_url), timeout=connect_timeout_s)
+
+    # --- thread bridging ------------------------------------------------------------------
+
+    def _run(self, coro, timeout: float):
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise PeerTimeoutError(
+                f"{self.name}: relay did not answer within {timeout:.0f}s"
+            ) from None
+
+    async def _connect(self, url: str) -> None:
+        import nats
+
+        self._credit_event = asyncio.Event()
+        self._credits = self._window
+        self._credit_event.set()
+        self._nc = await nats.connect(
+            url,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            name=f"relay-{self.name}",
+        )
+        await self._nc.subscribe(self.recv_subject, cb=self._on_message)
+        await self._nc.flush()
+
+    # --- receiving (NATS thread) ----------------------------------------------------------
+
+    async def _on_message(self, msg) -> None:
+        data = msg.data
+        self.bytes_received += len(data)
+        kind, body = data[:1], data[1:]
+        if kind == _CREDIT:
+            (grant,) = _CREDIT_HEAD.unpack_from(body, 0)
+            self._credits += grant
+            self._credit_event.set()
+        elif kind == _DATA:
+            self._on_chunk(body)
+        elif kind in (_HELLO, _ACK):
+            with self._cv:
+                self._control.append(kind + body)
+                self._cv.notify_all()
+        else:
+            self._fail(LinkError(f"{self.name}: unknown relay message kind {kind!r}"))
+
+    def _on_chunk(self, body: bytes) -> None:
+        if len(body) < _DATA_HEAD.size:
+            self._fail(LinkError(f"{self.name}: truncated relay chunk"))
+            return
+        seq, index, count = _DATA_HEAD.unpack_from(body, 0)
+        if seq != self._expected_seq or index != len(self._assembling):
+            self._fail(
+                RelayGapError(
+                    f"{self.name}: relay gap: expected chunk {self._expected_seq} "
+                    f"(part {len(self._assembling)}), got {seq} (part {index} of {count})"
+                )
+            )
+            self._expected_seq = seq + 1
+            self._assembling = []
+            return
+        self._expected_seq += 1
+        self._assembling.append(body[_DATA_HEAD.size :])
+        grant_now = self._buffered <= self._max_buffered
+        if grant_now:
+            self._grant(1)
+        if index + 1 < count:
+            if not grant_now:
+                self._deferred_grants += 1
+            return
+        blob = b"".join(self._assembling)
+        self._assembling = []
+        try:
+            parts: Parts | LinkError = deserialize_parts(blob)
+        except LinkError as exc:
+            parts = LinkError(f"{self.name}: {exc}")
+        with self._cv:
+            self._buffered += len(blob)
+            if not grant_now:
+                self._deferred_grants += 1
+            self._frames.append(parts)
+            self._cv.notify_all()
+
+    def _fail(self, error: LinkError) -> None:
+        with self._cv:
+            self._frames.append(error)
+            self._cv.notify_all()
+
+    def _grant(self, n: int) -> None:
+        if n > 0 and self._nc is not None:
+            payload = _CREDIT + _CREDIT_HEAD.pack(n)
+            self.bytes_sent += len(payload)
+            self._loop.create_task(self._nc.publish(self.send_subject, payload))
+
+    # --- sending (caller thread -> NATS thread) -------------------------------------------
+
+    async def _send_blob(self, blob: bytes, timeout_s: float) -> None:
+        count = max(1, -(-len(blob) // self._chunk))
+        for index in range(count):
+            while self._credits <= 0:
+                self._credit_event.clear()
+                try:
+                    await asyncio.wait_for(self._credit_event.wait(), timeout_s)
+                except TimeoutError:
+                    raise PeerTimeoutError(
+                        f"{self.name}: the receiver granted no credit for {timeout_s:.0f}s"
+                    ) from None
+            self._credits -= 1
+            chunk = blob[index * self._chunk : (index + 1) * self._chunk]
+            payload = _DATA + _DATA_HEAD.pack(self._next_seq, index, count) + chunk
+            self._next_seq += 1
+            self.bytes_sent += len(payload)
+            await self._nc.publish(self.send_subject, payload)
+
+    def send(self, parts: Sequence[bytes | memoryview], timeout_s: float = 60.0) -> None:
+        self._run(self._send_blob(serialize_parts(parts), timeout_s), timeout=timeout_s + 5)
+
+    def send_control(self, kind: bytes, body: bytes = b"") -> None:
+        async def publish() -> None:
+            payload = kind + body
+            self.bytes_sent += len(payload)
+            await self._nc.publish(self.send_subject, payload)
+            await self._nc.flush()
+
+        self._run(publish(), timeout=10)
+
+    def recv_control(self, timeout_s: float) -> bytes | None:
+        with self._cv:
+            if not self._cv.wait_for(lambda: bool(self._control), timeout_s):
+                return None
+            return self._control.popleft()
+
+    def recv(self, timeout_s: float) -> Parts:
+        with self._cv:
+            if not self._cv.wait_for(lambda: bool(self._frames), timeout_s):
+                raise PeerTimeoutError(f"{self.name}: nothing received for {timeout_s:.0f}s")
+            item = self._frames.popleft()
+            if isinstance(item, LinkError):
+                raise item
+            self._buffered -= _nbytes(item)
+            deferred, self._deferred_grants = self._deferred_grants, 0
+        if deferred:
+            self._loop.call_soon_threadsafe(self._grant, deferred)
+        return item
+
+    def close(self) -> None:
+        async def shutdown() -> None:
+            if self._nc is not None:
+                with contextlib.suppress(Exception):
+                    await self._nc.close()
+
+        with contextlib.suppress(Exception):
+            self._run(shutdown(), timeout=5)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+
+# --- handshakes: who talks to whom, and how -------------------------------------------------
+
+RelayFactory = Callable[[], RelayLink]
+
+
+def connect_downstream(
+    *,
+    name: str,
+    transport: TransportKind,
+    address: str | None,
+    relay: RelayFactory | None,
+    timeout_s: float,
+) -> Link:
+    """The upstream end: say HELLO on every allowed transport until the binder ACKs one.
+
+    The binder decides (see :func:`accept_upstream`), so both ends always agree.
+    """
+    zlink = ZmqLink(name=name, connect=address) if transport != TransportKind.TUNNEL else None
+    rlink = relay() if transport != TransportKind.P2P and relay is not None else None
+    if zlink is None and rlink is None:
+        raise LinkError(f"{name}: transport {transport} has nothing to connect with")
+    deadline = time.monotonic() + timeout_s
+    chosen: Link | None = None
+    try:
+        while chosen is None:
+            if time.monotonic() >= deadline:
+                raise PeerTimeoutError(
+                    f"{name}: no ACK from the downstream peer within {timeout_s:.0f}s "
+                    f"(tried {', '.join(_tried(zlink, rlink))})"
+                )
+            if zlink is not None:
+                zlink.send([HELLO, b""])
+            if rlink is not None:
+                rlink.send_control(_HELLO)
+            chosen = _await_ack(zlink, rlink, HELLO_EVERY_S)
+    finally:
+        for link in (zlink, rlink):
+            if link is not None and link is not chosen:
+                link.close()
+    log.info("%s: using %s", name, chosen.transport)
+    return chosen
+
+
+def _await_ack(zlink: ZmqLink | None, rlink: RelayLink | None, window_s: float) -> Link | None:
+    end = time.monotonic() + window_s
+    while (left := end - time.monotonic()) > 0:
+        if zlink is not None:
+            parts = zlink.recv_any(min(left, 0.05) if rlink else left)
+            if parts is not None and _is_control(parts) and bytes(parts[0]) == ACK:
+                return zlink
+        if rlink is not None:
+            control = rlink.recv_control(min(end - time.monotonic(), 0.05) if zlink else left)
+            if control is not None and control[:1] == _ACK:
+                return rlink
+    return None
+
+
+def _tried(zlink: ZmqLink | None, rlink: RelayLink | None) -> list[str]:
+    out = []
+    if zlink is not None:
+        out.append(f"p2p {zlink.address}")
+    if rlink is not None:
+        out.append(f"relay {rlink.send_subject}")
+    return out
+
+
+def accept_upstream(
+    *,
+    name: str,
+    transport: TransportKind,
+    bind: str | None,
+    relay: RelayFactory | None,
+    timeout_s: float,
+    p2p_grace_s: float,
+) -> Link:
+    """The downstream end: wait for HELLO; answer ACK on the transport it chose.
+
+    Under ``auto`` a p2p HELLO wins at once; a relay HELLO wins only if no p2p HELLO follows
+    within ``p2p_grace_s`` (the connector says HELLO on both at the same time).
+    """
+    zlink = ZmqLink(name=name, bind=bind) if transport != TransportKind.TUNNEL else None
+    rlink = relay() if transport != TransportKind.P2P and relay is not None else None
+    if zlink is None and rlink is None:
+        raise LinkError(f"{name}: transport {transport} has nothing to listen with")
+    deadline = time.monotonic() + timeout_s
+    relay_hello_at: float | None = None
+    chosen: Link | None = None
+    try:
+        while chosen is None:
+            now = time.monotonic()
+            if now >= deadline:
+                raise PeerTimeoutError(
+                    f"{name}: no HELLO from the upstream peer within {timeout_s:.0f}s "
+                    f"(listening on {', '.join(_tried(zlink, rlink))})"
+                )
+            if zlink is not None:
+                parts = zlink.recv_any(0.05)
+                if parts is not None and _is_control(parts) and bytes(parts[0]) == HELLO:
+                    zlink.send([ACK, b"p2p"])
+                    chosen = zlink
+                    break
+            if rlink is not None:
+                control = rlink.recv_control(0.0 if zlink else 0.05)
+                if control is not None and control[:1] == _HELLO and relay_hello_at is None:
+                    relay_hello_at = time.monotonic()
+                grace = 0.0 if zlink is None else p2p_grace_s
+                if relay_hello_at is not None and time.monotonic() - relay_hello_at >= grace:
+                    rlink.send_control(_ACK)
+                    chosen = rlink
+    finally:
+        for link in (zlink, rlink):
+            if link is not None and link is not chosen:
+                link.close()
+    log.info("%s: using %s", name, chosen.transport)
+    return chosen

@@ -1,0 +1,484 @@
+"""Frames and wire codecs for tensors crossing a pipeline boundary.
+
+A frame is a list of parts, sent as one ZeroMQ multipart message (or relayed in chunks):
+
+``[header, payload]`` for ``none`` and ``fp16``; ``[header, payload, scales]`` for
+``fixed_intN``.
+
+- ``header``: msgpack of :class:`FrameHeader` (a map, so unknown fields from a newer peer are
+  ignored; ``v`` is checked before anything else).
+- ``payload``:
+  ``none``  -- the float32 tensor's bytes, C order, native (little-endian) byte order; sent from
+  the array's own buffer without a copy.
+  ``fp16``  -- the tensor cast to float16, C order.
+  ``fixed_intN`` -- per element ``u = q + qmax`` (``qmax = 2**(N-1) - 1``, so ``0 <= u < 2**N``),
+  packed densely at N bits per value, LSB first: value ``i`` occupies bits ``i*N .. i*N+N-1`` of
+  the little-endian bit stream (bit ``b`` lives in byte ``b // 8`` at bit ``b % 8``). The payload
+  is ``ceil(count * N / 8)`` bytes; the pad bits of the last byte are zero.
+- ``scales``: one float16 per row (``rows = prod(shape[:-1])``), ``x ~= q * scale``.
+
+Everything here is numpy and msgspec only: no TensorFlow, nothing of SilentSwarm.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgspec
+import numpy as np
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "CodecKind",
+    "Direction",
+    "FrameError",
+    "FrameHeader",
+    "WireCodec",
+    "decode_frame",
+    "dequantize",
+    "encode_frame",
+    "frame_nbytes",
+    "pack_bits",
+    "parse_wire_codec",
+    "quantize",
+    "unpack_bits",
+]
+
+PROTOCOL_VERSION = 1
+
+MIN_INT_BITS = 2
+MAX_INT_BITS = 8
+
+# Scales are float16. Round them into [smallest subnormal, largest finite] so a zero row gets a
+# positive scale (decodes to exact zeros, never 0/0) and a huge row saturates instead of
+# turning into inf.
+_SCALE_MIN = float(np.finfo(np.float16).smallest_subnormal)  # 2**-24
+_SCALE_MAX = float(np.finfo(np.float16).max)  # 65504
+
+_ACCEPTED = "'none', 'fp16' or 'fixed_intN' with N in 2..8"
+_INT_SPEC = re.compile(r"fixed_int([2-8])")
+
+
+class CodecKind(enum.StrEnum):
+    NONE = "none"  # float32 as is
+    FP16 = "fp16"  # cast to float16
+    INT = "int"  # fixed_intN: per-row absmax scales, N bits packed, N in 2..8
+
+
+_KIND_BITS = {CodecKind.NONE: 32, CodecKind.FP16: 16}
+
+
+@dataclass(frozen=True)
+class WireCodec:
+    """How a tensor is encoded on the wire. ``bits`` is 32 for NONE, 16 for FP16, N for INT."""
+
+    kind: CodecKind
+    bits: int = 32
+
+    def __post_init__(self) -> None:
+        kind = CodecKind(self.kind)
+        object.__setattr__(self, "kind", kind)
+        if kind is CodecKind.INT:
+            if not MIN_INT_BITS <= self.bits <= MAX_INT_BITS:
+                raise ValueError(f"fixed_intN needs N in 2..8, got bits={self.bits}")
+        elif self.bits != _KIND_BITS[kind]:
+            raise ValueError(f"codec {kind.value!r} has {_KIND_BITS[kind]} bits, got {self.bits}")
+
+    @property
+    def name(self) -> str:
+        """The spec string: ``none``, ``fp16``, ``fixed_int8``, ``fixed_int4``, ..."""
+        if self.kind is CodecKind.INT:
+            return f"fixed_int{self.bits}"
+        return self.kind.value
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def parse_wire_codec(spec: str) -> WireCodec:
+    """Parse a wire codec spec string (exact, case-sensitive: it is a public interface)."""
+    if spec == CodecKind.NONE.value:
+        return WireCodec(CodecKind.NONE, 32)
+    if spec == CodecKind.FP16.value:
+        return WireCodec(CodecKind.FP16, 16)
+    if isinstance(spec, str) and (m := _INT_SPEC.fullmatch(spec)):
+        return WireCodec(CodecKind.INT, int(m.group(1)))
+    hint = ""
+    if isinstance(spec, str) and spec.startswith("learned_"):
+        hint = " (learned_dimN* specs are handled by the runtime; pass only their wire part)"
+    raise ValueError(f"unknown wire codec {spec!r}: expected {_ACCEPTED}{hint}")
+
+
+class Direction(enum.StrEnum):
+    FWD = "fwd"
+    BWD = "bwd"
+
+
+class FrameHeader(msgspec.Struct, kw_only=True):
+    v: int = PROTOCOL_VERSION
+    job: str
+    attempt: int
+    step: int
+    micro: int
+    direction: Direction
+    phase: str = "train"  # "train" or "eval" (forward-only validation passes)
+    dtype: str  # dtype of the decoded tensor; always "float32" for now
+    shape: tuple[int, ...]
+    codec: str  # WireCodec.name
+    bits: int
+    payload_nbytes: int
+    scales_nbytes: int  # 0 unless INT
+
+
+class _Version(msgspec.Struct):
+    """Only the version, read first so a newer header gets a version error, not a field error."""
+
+    v: int = -1
+
+
+class FrameError(Exception):
+    """A frame that cannot be decoded; the message says why."""
+
+
+_header_encoder = msgspec.msgpack.Encoder()
+_header_decoder = msgspec.msgpack.Decoder(FrameHeader)
+_version_decoder = msgspec.msgpack.Decoder(_Version)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bit packing and quantization
+
+
+def _check_bits(bits: int, lo: int = 1) -> None:
+    if not lo <= bits <= MAX_INT_BITS:
+        raise ValueError(f"bits must be in {lo}..{MAX_INT_BITS}, got {bits}")
+
+
+def _packed_nbytes(count: int, bits: int) -> int:
+    return (count * bits + 7) // 8
+
+
+def pack_bits(u: np.ndarray, bits: int) -> np.ndarray:
+    """Pack uint8 values ``< 2**bits`` densely, ``bits`` per value, LSB first.
+
+    Returns a 1-D uint8 array of ``ceil(u.size * bits / 8)`` bytes. Works on groups of 8 values,
+    which fill exactly ``bits`` bytes: the group is assembled into one little-endian uint64.
+    """
+    _check_bits(bits)
+    flat = np.ascontiguousarray(u).reshape(-1)
+    if flat.dtype != np.uint8:
+        raise ValueError(f"pack_bits needs uint8 values, got {flat.dtype}")
+    if flat.size and int(flat.max()) >> bits:
+        raise ValueError(f"value {int(flat.max())} does not fit in {bits} bits")
+    if bits == 8:
+        return flat.copy()
+    count = flat.size
+    groups = -(-count // 8)
+    padded = np.zeros(groups * 8, dtype=np.uint64)
+    padded[:count] = flat
+    shifts = np.arange(8, dtype=np.uint64) * np.uint64(bits)
+    words = (padded.reshape(groups, 8) << shifts).sum(axis=1, dtype=np.uint64)
+    packed = words.astype("<u8").view(np.uint8).reshape(groups, 8)[:, :bits]
+    return packed.reshape(-1)[: _packed_nbytes(count, bits)].copy()
+
+
+def unpack_bits(packed: np.ndarray, bits: int, count: int) -> np.ndarray:
+    """Inverse of :func:`pack_bits`: ``count`` uint8 values from exactly the packed bytes."""
+    _check_bits(bits)
+    flat = np.ascontiguousarray(packed).reshape(-1)
+    if flat.dtype != np.uint8:
+        raise ValueError(f"unpack_bits needs uint8 bytes, got {flat.dtype}")
+    if count < 0:
+        raise ValueError(f"count must be >= 0, got {count}")
+    expected = _packed_nbytes(count, bits)
+    if flat.size != expected:
+        raise ValueError(
+            f"{count} values at {bits} bits need {expected} bytes, got {flat.size} bytes"
+        )
+    if bits == 8:
+        return flat.copy()
+    groups = -(-count // 8)
+    raw = np.zeros((groups, 8), dtype=np.uint8)
+    padded = np.zeros(groups * bits, dtype=np.uint8)
+    padded[: flat.size] = flat
+    raw[:, :bits] = padded.reshape(groups, bits)
+    words = raw.view("<u8")  # (groups, 1)
+    shifts = np.arange(8, dtype=np.uint64) * np.uint64(bits)
+    values = (words >> shifts) & np.uint64((1 << bits) - 1)
+    return values.astype(np.uint8).reshape(-1)[:count]
+
+
+def _rows(x: np.ndarray) -> np.ndarray:
+    """View ``x`` as (rows, last_dim): every axis but the last is a row axis."""
+    if x.ndim < 1:
+        raise ValueError("need an array of rank >= 1")
+    return x.reshape(-1, x.shape[-1]) if x.shape[-1] else x.reshape(math.prod(x.shape[:-1]), 0)
+
+
+def _qmax(bits: int) -> int:
+    return (1 << (bits - 1)) - 1
+
+
+def quantize(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric per-row absmax quantization to ``bits`` bits.
+
+    Returns ``(q, scales)``: ``q`` int8 shaped like ``x`` with values in ``[-qmax, qmax]`` and
+    ``scales`` float16 of shape ``(rows,)``, so that ``x ~= q * scale`` with an error of at most
+    ``scale / 2`` per element. The scale is ``absmax / qmax`` rounded *up* to float16, so no
+    value is clipped by the rounding; it is clamped to float16's positive finite range (a row
+    with ``absmax > 65504 * qmax`` saturates). Non-finite input raises ValueError: NaN or inf
+    have no integer code, and hiding them would hide a diverging step.
+    """
+    _check_bits(bits, MIN_INT_BITS)
+    x2 = _rows(np.asarray(x, dtype=np.float32))
+    qmax = _qmax(bits)
+    absmax = np.max(np.abs(x2), axis=1, initial=0.0)
+    if not np.all(np.isfinite(absmax)):
+        raise ValueError("cannot quantize non-finite values (NaN or inf)")
+    wanted = np.clip(absmax / np.float32(qmax), _SCALE_MIN, _SCALE_MAX).astype(np.float32)
+    scales = wanted.astype(np.float16)
+    low = scales.astype(np.float32) < wanted
+    scales[low] = np.nextafter(scales[low], np.float16(np.inf))
+    q = np.rint(x2 / scales.astype(np.float32)[:, None])
+    np.clip(q, -qmax, qmax, out=q)
+    return q.astype(np.int8).reshape(np.shape(x)), scales
+
+
+def dequantize(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """``q * scale`` per row, as float32 shaped like ``q``."""
+    q = np.asarray(q)
+    q2 = _rows(q)
+    scales = np.asarray(scales).reshape(-1)
+    if scales.size != q2.shape[0]:
+        raise ValueError(f"{q2.shape[0]} rows but {scales.size} scales")
+    out = q2.astype(np.float32) * scales.astype(np.float32)[:, None]
+    return out.reshape(q.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Codec table
+
+
+Buffer = bytes | bytearray | memoryview | np.ndarray
+
+
+class _Codec(Protocol):
+    def payload_nbytes(self, count: int, bits: int) -> int: ...
+
+    def scales_nbytes(self, rows: int) -> int: ...
+
+    def encode(self, x: np.ndarray, bits: int) -> tuple[Buffer, Buffer | None]:
+        """``x`` is C-contiguous float32; returns (payload, scales or None)."""
+        ...
+
+    def decode(
+        self, payload: memoryview, scales: memoryview | None, shape: tuple[int, ...], bits: int
+    ) -> np.ndarray:
+        """Sizes have been checked; returns float32 of ``shape``."""
+        ...
+
+
+class _NoneCodec:
+    def payload_nbytes(self, count: int, bits: int) -> int:
+        return 4 * count
+
+    def scales_nbytes(self, rows: int) -> int:
+        return 0
+
+    def encode(self, x: np.ndarray, bits: int) -> tuple[Buffer, Buffer | None]:
+        # The array's own memory, as flat bytes: zero-copy; the caller must not modify the
+        # array until the send has completed.
+        return memoryview(x.reshape(-1)).cast("B"), None
+
+    def decode(
+        self, payload: memoryview, scales: memoryview | None, shape: tuple[int, ...], bits: int
+    ) -> np.ndarray:
+        return np.frombuffer(payload, dtype=np.float32).reshape(shape)
+
+
+class _Fp16Codec:
+    def payload_nbytes(self, count: int, bits: int) -> int:
+        return 2 * count
+
+    def scales_nbytes(self, rows: int) -> int:
+        return 0
+
+    def encode(self, x: np.ndarray, bits: int) -> tuple[Buffer, Buffer | None]:
+        return x.astype(np.float16).reshape(-1).view(np.uint8), None
+
+    def decode(
+        self, payload: memoryview, scales: memoryview | None, shape: tuple[int, ...], bits: int
+    ) -> np.ndarray:
+        return np.frombuffer(payload, dtype=np.float16).astype(np.float32).reshape(shape)
+
+
+class _IntCodec:
+    def payload_nbytes(self, count: int, bits: int) -> int:
+        return _packed_nbytes(count, bits)
+
+    def scales_nbytes(self, rows: int) -> int:
+        return 2 * rows
+
+    def encode(self, x: np.ndarray, bits: int) -> tuple[Buffer, Buffer | None]:
+        q, scales = quantize(x, bits)
+        u = (q.reshape(-1).astype(np.int16) + _qmax(bits)).astype(np.uint8)
+        return pack_bits(u, bits), scales.astype("<f2").view(np.uint8)
+
+    def decode(
+        self, payload: memoryview, scales: memoryview | None, shape: tuple[int, ...], bits: int
+    ) -> np.ndarray:
+        assert scales is not None
+        count = math.prod(shape)
+        u = unpack_bits(np.frombuffer(payload, dtype=np.uint8), bits, count)
+        q = u.astype(np.int16) - _qmax(bits)
+        return dequantize(q.reshape(shape), np.frombuffer(scales, dtype="<f2"))
+
+
+_CODECS: dict[CodecKind, _Codec] = {
+    CodecKind.NONE: _NoneCodec(),
+    CodecKind.FP16: _Fp16Codec(),
+    CodecKind.INT: _IntCodec(),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Frames
+
+
+def encode_frame(
+    array: np.ndarray,
+    codec: WireCodec,
+    *,
+    job: str,
+    attempt: int,
+    step: int,
+    micro: int,
+    direction: Direction,
+    phase: str = "train",
+) -> tuple[FrameHeader, list[memoryview | bytes]]:
+    """Encode ``array`` (any rank >= 1) as ``[header_bytes, payload(, scales)]``.
+
+    For ``none`` and a C-contiguous float32 array the payload is a memoryview of the array's own
+    buffer: do not modify the array until the frame has been sent. Other dtypes or layouts are
+    converted to C-contiguous float32 first (a copy).
+    """
+    x = np.ascontiguousarray(array, dtype=np.float32)
+    if x.ndim < 1:
+        raise ValueError("encode_frame needs an array of rank >= 1")
+    impl = _CODECS[codec.kind]
+    payload, scales = impl.encode(x, codec.bits)
+    count = x.size
+    rows = math.prod(x.shape[:-1])
+    header = FrameHeader(
+        job=job,
+        attempt=int(attempt),
+        step=int(step),
+        micro=int(micro),
+        direction=Direction(direction),
+        phase=phase,
+        dtype="float32",
+        shape=tuple(int(d) for d in x.shape),
+        codec=codec.name,
+        bits=codec.bits,
+        payload_nbytes=impl.payload_nbytes(count, codec.bits),
+        scales_nbytes=impl.scales_nbytes(rows),
+    )
+    parts: list[memoryview | bytes] = [_header_encoder.encode(header), _as_bytes_view(payload)]
+    if scales is not None:
+        parts.append(_as_bytes_view(scales))
+    return header, parts
+
+
+def _as_bytes_view(buf: Any) -> memoryview:
+    """A flat byte memoryview of ``buf`` (bytes, memoryview, numpy array or pyzmq Frame)."""
+    buf = getattr(buf, "buffer", buf)  # pyzmq Frame
+    view = memoryview(buf)
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")  # TypeError unless C-contiguous
+    return view
+
+
+def frame_nbytes(parts: Sequence[Any]) -> int:
+    """Total bytes of all parts (header included), i.e. what goes on the wire."""
+    return sum(memoryview(getattr(p, "buffer", p)).nbytes for p in parts)
+
+
+def _parse_header(part: Any) -> FrameHeader:
+    try:
+        version = _version_decoder.decode(part).v
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise FrameError(f"bad frame header: {exc}") from None
+    if version != PROTOCOL_VERSION:
+        raise FrameError(
+            f"frame protocol version {version}, this side speaks version {PROTOCOL_VERSION}"
+        )
+    try:
+        return _header_decoder.decode(part)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise FrameError(f"bad frame header: {exc}") from None
+
+
+def decode_frame(parts: Sequence[Any]) -> tuple[FrameHeader, np.ndarray]:
+    """Decode ``[header, payload(, scales)]`` into the header and a float32 array.
+
+    Parts may be bytes, bytearray, memoryview or pyzmq Frames (anything with ``.buffer``). For
+    ``none`` the array is a (possibly read-only) view of the payload buffer, not a copy. Any
+    inconsistency raises FrameError, never another exception type.
+    """
+    try:
+        views = [_as_bytes_view(p) for p in parts]
+    except (TypeError, ValueError) as exc:
+        raise FrameError(f"frame part is not a contiguous byte buffer: {exc}") from None
+    if not views:
+        raise FrameError("empty frame: no header part")
+    header = _parse_header(views[0])
+    try:
+        codec = parse_wire_codec(header.codec)
+    except ValueError as exc:
+        raise FrameError(f"frame codec: {exc}") from None
+    if header.bits != codec.bits:
+        raise FrameError(
+            f"frame codec {codec.name!r} has {codec.bits} bits, header says {header.bits}"
+        )
+    if header.dtype != "float32":
+        raise FrameError(f"frame dtype {header.dtype!r} is not supported (only 'float32')")
+    shape = header.shape
+    if not shape or any(d < 0 for d in shape):
+        raise FrameError(f"bad frame shape {list(shape)}: need rank >= 1, no negative sizes")
+    impl = _CODECS[codec.kind]
+    count = math.prod(shape)
+    rows = math.prod(shape[:-1])
+    want_payload = impl.payload_nbytes(count, codec.bits)
+    want_scales = impl.scales_nbytes(rows)
+    if header.payload_nbytes != want_payload:
+        raise FrameError(
+            f"header says payload_nbytes={header.payload_nbytes}, but shape {list(shape)} "
+            f"with codec {codec.name!r} needs {want_payload}"
+        )
+    if header.scales_nbytes != want_scales:
+        raise FrameError(
+            f"header says scales_nbytes={header.scales_nbytes}, but shape {list(shape)} "
+            f"with codec {codec.name!r} needs {want_scales}"
+        )
+    want_parts = 3 if codec.kind is CodecKind.INT else 2
+    if len(views) != want_parts:
+        what = "header, payload, scales" if want_parts == 3 else "header, payload"
+        raise FrameError(
+            f"frame has {len(views)} parts, codec {codec.name!r} needs {want_parts} ({what})"
+        )
+    payload = views[1]
+    if payload.nbytes != header.payload_nbytes:
+        raise FrameError(f"payload is {payload.nbytes} bytes, header says {header.payload_nbytes}")
+    scales = views[2] if want_parts == 3 else None
+    if scales is not None and scales.nbytes != header.scales_nbytes:
+        raise FrameError(f"scales are {scales.nbytes} bytes, header says {header.scales_nbytes}")
+    try:
+        array = impl.decode(payload, scales, shape, codec.bits)
+    except (ValueError, TypeError) as exc:  # defensive: sizes were checked above
+        raise FrameError(f"cannot decode {codec.name!r} payload: {exc}") from None
+    return header, array

@@ -1,0 +1,311 @@
+"""The stage loop: run one stage of the pipeline for every step of a plan.
+
+Micro-batches follow the 1F1B schedule; activations go downstream and gradients upstream
+through the boundary links, encoded by the wire codec of the plan's compression spec.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from agent.pipe.link import Link, LinkError, RelayLink, TransportKind, accept_upstream
+from agent.pipe.link import connect_downstream as open_downstream
+from agent.pipe.wire import Direction, FrameError, WireCodec, decode_frame, encode_frame
+from agent.pipe.wire import parse_wire_codec as wire_codec
+from agent.runtime.data import TextDataset
+from agent.runtime.schedule import Op, one_f_one_b
+from agent.runtime.stage_model import StageModel
+from swarm import subjects
+from swarm.compression import parse_compression
+from swarm.plan import StagePlan
+
+log = logging.getLogger(__name__)
+Emit = Callable[[dict[str, Any]], None]
+
+
+@dataclass
+class Boundary:
+    """One end of a boundary: a link plus the codecs and the ordering checks."""
+
+    link: Link
+    index: int
+    name: str
+    job: str
+    attempt: int
+    send_codec: WireCodec
+    timeout_s: float
+    dropped: int = 0
+
+    def send(
+        self,
+        array: np.ndarray,
+        *,
+        step: int,
+        micro: int,
+        direction: Direction,
+        phase: str = "train",
+    ) -> None:
+        _, parts = encode_frame(
+            array,
+            self.send_codec,
+            job=self.job,
+            attempt=self.attempt,
+            step=step,
+            micro=micro,
+            direction=direction,
+            phase=phase,
+        )
+        self.link.send(parts)
+
+    def recv(
+        self, *, step: int, micro: int, direction: Direction, phase: str = "train"
+    ) -> np.ndarray:
+        while True:
+            parts = self.link.recv(self.timeout_s)
+            try:
+                header, array = decode_frame(parts)
+            except FrameError as exc:
+                raise FrameError(f"{self.name}: {exc}") from None
+            if header.job != self.job or header.attempt != self.attempt:
+                self.dropped += 1
+                log.warning(
+                    "%s: dropped a frame of %s attempt %d", self.name, header.job, header.attempt
+                )
+                continue
+            got = (header.phase, header.step, header.micro, header.direction)
+            want = (phase, step, micro, direction)
+            if got != want:
+                raise FrameError(f"{self.name}: expected frame {want}, got {got}")
+            return array
+
+    @property
+    def bytes(self) -> dict[str, int]:
+        return {"sent": self.link.bytes_sent, "received": self.link.bytes_received}
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float | None
+    lr: float
+    seconds: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class StageRunner:
+    def __init__(self, plan: StagePlan, emit: Emit) -> None:
+        self.plan = plan
+        self.emit = emit
+        self.model = StageModel(plan)
+        self.up: Boundary | None = None
+        self.down: Boundary | None = None
+        train = plan.train
+        self.data = TextDataset(
+            train.data,
+            seq_len=plan.model.seq_len,
+            seed=train.seed,
+            val_fraction=train.val_fraction,
+            max_bytes=train.max_data_bytes,
+        )
+        spec = parse_compression(plan.compression, d_model=plan.model.d_model)
+        self.act_codec = wire_codec(spec.wire)
+        self.grad_codec = wire_codec(plan.grad_compression or spec.wire)
+
+    # --- links ----------------------------------------------------------------------------
+
+    def _relay(self, boundary: int, send: str, recv: str) -> Callable[[], RelayLink]:
+        plan = self.plan
+
+        def subject(direction: str) -> str:
+            return subjects.RELAY.subject(
+                plan.subject_prefix,
+                job=plan.job_id,
+                attempt=plan.attempt,
+                boundary=boundary,
+                direction=direction,
+            )
+
+        def make() -> RelayLink:
+            assert plan.nats_url is not None
+            return RelayLink(
+                name=f"boundary {boundary} relay",
+                nats_url=plan.nats_url,
+                send_subject=subject(send),
+                recv_subject=subject(recv),
+            )
+
+        return make
+
+    def open_links(self) -> None:
+        plan = self.plan
+        transport = TransportKind(plan.transport.value)
+        if not plan.is_first:
+            b = plan.stage - 1
+            name = f"boundary {b} ({plan.prev.fellow_id} -> {plan.fellow_id})"
+            link = accept_upstream(
+                name=name,
+                transport=transport,
+                bind=plan.data_address,
+                relay=self._relay(b, send="bwd", recv="fwd") if plan.nats_url else None,
+                timeout_s=plan.peer_timeout_s,
+                p2p_grace_s=plan.p2p_probe_timeout_s,
+            )
+            self.up = Boundary(
+                link, b, name, plan.job_id, plan.attempt, self.grad_codec, plan.peer_timeout_s
+            )
+        if not plan.is_last:
+            b = plan.stage
+            name = f"boundary {b} ({plan.fellow_id} -> {plan.next.fellow_id})"
+            link = open_downstream(
+                name=name,
+                transport=transport,
+                address=plan.next.data_address,
+                relay=self._relay(b, send="fwd", recv="bwd") if plan.nats_url else None,
+                timeout_s=plan.peer_timeout_s,
+            )
+            self.down = Boundary(
+                link, b, name, plan.job_id, plan.attempt, self.act_codec, plan.peer_timeout_s
+            )
+        self.emit(
+            {
+                "event": "links",
+                "stage": plan.stage,
+                "up": None if self.up is None else self.up.link.transport,
+                "down": None if self.down is None else self.down.link.transport,
+            }
+        )
+
+    def close(self) -> None:
+        for boundary in (self.up, self.down):
+            if boundary is not None:
+                boundary.link.close()
+
+    # --- training -------------------------------------------------------------------------
+
+    def train_step(self, step: int) -> StepResult:
+        plan, model = self.plan, self.model
+        m = plan.train.micro_batches
+        mb = plan.train.batch_size // m
+        started = time.perf_counter()
+        inputs, targets = self.data.next_batch(plan.train.batch_size)
+        inflight: dict[int, tuple[tf.GradientTape, tf.Tensor, tf.Tensor]] = {}
+        losses: list[float] = []
+        n_vars = len(model.variables)
+        for op, i in one_f_one_b(plan.stage, plan.n_stages, m):
+            if op is Op.FORWARD:
+                if plan.is_first:
+                    x = tf.constant(inputs[i * mb : (i + 1) * mb])
+                else:
+                    x = tf.constant(self.up.recv(step=step, micro=i, direction=Direction.FWD))
+                with tf.GradientTape() as tape:
+                    if not plan.is_first:
+                        tape.watch(x)
+                    if plan.is_last:
+                        out = model.forward_loss(x, tf.constant(targets[i * mb : (i + 1) * mb]))
+                    else:
+                        out = model.forward(x)
+                if plan.is_last:
+                    losses.append(float(out))
+                else:
+                    self.down.send(out.numpy(), step=step, micro=i, direction=Direction.FWD)
+                inflight[i] = (tape, x, out)
+            else:
+                tape, x, out = inflight.pop(i)
+                received = None
+                if not plan.is_last:
+                    received = tf.constant(
+                        self.down.recv(step=step, micro=i, direction=Direction.BWD)
+                    )
+                sources = model.variables if plan.is_first else [*model.variables, x]
+                grads = tape.gradient(out, sources, output_gradients=received)
+                model.accumulate(grads[:n_vars])
+                if not plan.is_first:
+                    self.up.send(grads[n_vars].numpy(), step=step, micro=i, direction=Direction.BWD)
+        lr = model.apply(step, m)
+        loss = sum(losses) / len(losses) if losses else None
+        return StepResult(step=step, loss=loss, lr=lr, seconds=time.perf_counter() - started)
+
+    def evaluate(self, step: int) -> float | None:
+        """Forward-only validation through the whole pipeline; the last stage gets the loss."""
+        plan, model = self.plan, self.model
+        losses = []
+        batches = self.data.val_batches(
+            plan.train.batch_size, max_batches=plan.train.val_batches, drop_remainder=True
+        )
+        for i, (inputs, targets) in enumerate(batches):
+            if plan.is_first:
+                x = tf.constant(inputs)
+            else:
+                x = tf.constant(
+                    self.up.recv(step=step, micro=i, direction=Direction.FWD, phase="eval")
+                )
+            if plan.is_last:
+                losses.append(float(model.forward_loss(x, tf.constant(targets), training=False)))
+            else:
+                out = model.forward(x, training=False)
+                self.down.send(
+                    out.numpy(), step=step, micro=i, direction=Direction.FWD, phase="eval"
+                )
+        return sum(losses) / len(losses) if losses else None
+
+    def run(self) -> dict[str, Any]:
+        plan = self.plan
+        self.open_links()
+        tokens_per_step = plan.train.batch_size * plan.model.seq_len
+        val_loss = None
+        step_times: list[float] = []
+        last: StepResult | None = None
+        for step in range(plan.train.steps):
+            last = self.train_step(step)
+            step_times.append(last.seconds)
+            event = {
+                "event": "step",
+                "stage": plan.stage,
+                "step": step,
+                "loss": last.loss,
+                "lr": last.lr,
+                "step_time_s": round(last.seconds, 5),
+                "tokens_per_s": round(tokens_per_step / last.seconds, 1),
+                **self.bytes_summary(),
+            }
+            every = plan.train.val_every
+            if every and (step + 1) % every == 0 and step + 1 < plan.train.steps:
+                event["val_loss"] = self.evaluate(step)
+            self.emit(event)
+        val_loss = self.evaluate(plan.train.steps)
+        # The first steps pay for tracing: report the steady state.
+        steady = step_times[len(step_times) // 5 :] or step_times
+        mean_step = sum(steady) / len(steady)
+        summary = {
+            "event": "done",
+            "stage": plan.stage,
+            "steps": plan.train.steps,
+            "loss": None if last is None else last.loss,
+            "val_loss": val_loss,
+            "step_time_s": round(mean_step, 5),
+            "tokens_per_s": round(tokens_per_step / mean_step, 1),
+            "params": self.model.n_params,
+            "dropped_frames": sum(b.dropped for b in (self.up, self.down) if b is not None),
+            **self.bytes_summary(),
+        }
+        self.emit(summary)
+        return summary
+
+    def bytes_summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, boundary in (("up", self.up), ("down", self.down)):
+            if boundary is not None:
+                out[f"{key}_boundary"] = boundary.index
+                out[f"{key}_bytes_sent"] = boundary.link.bytes_sent
+                out[f"{key}_bytes_received"] = boundary.link.bytes_received
+        return out
+
+
+__all__ = ["Boundary", "LinkError", "StageRunner"]

@@ -1,0 +1,24 @@
+"""TensorFlow process set-up, done once before any op runs."""
+
+from __future__ import annotations
+
+import os
+
+
+def configure_tensorflow(*, intra_op_threads: int, logical_cpus: int = 1) -> None:
+    """Quiet logs, pin thread pools, and split the CPU into ``logical_cpus`` devices.
+
+    Logical CPU devices let CPU-only runs exercise the per-slot device placement that GPUs
+    use. Must run before TensorFlow initialises its runtime.
+    """
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(max(1, intra_op_threads))
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    if logical_cpus > 1:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(logical_cpus)]
+        )

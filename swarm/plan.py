@@ -1,0 +1,178 @@
+"""What one stage needs to run: the model and training configuration and the stage plan.
+
+Shared by the leader (which will make plans from placement) and the runtime (which runs
+them); msgspec Structs so a plan round-trips through JSON files and NATS messages.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Self
+
+import msgspec
+
+from swarm.compression import parse_compression
+from swarm.errors import ConfigError
+
+
+class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    vocab_size: int = 256
+    seq_len: int = 64
+    n_layers: int = 4
+    d_model: int = 128
+    n_heads: int = 4
+    mlp_ratio: int = 4
+    dropout: float = 0.0
+
+    def problems(self) -> list[str]:
+        out = []
+        for name in ("vocab_size", "seq_len", "n_layers", "d_model", "n_heads", "mlp_ratio"):
+            if getattr(self, name) < 1:
+                out.append(f"model.{name} must be >= 1")
+        if self.n_heads >= 1 and self.d_model % self.n_heads:
+            out.append(f"model.n_heads ({self.n_heads}) must divide model.d_model ({self.d_model})")
+        if not 0.0 <= self.dropout < 1.0:
+            out.append("model.dropout must be in [0, 1)")
+        return out
+
+
+class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    steps: int = 100
+    batch_size: int = 8
+    micro_batches: int = 4
+    learning_rate: float = 3e-3
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    grad_clip: float = 0.0  # 0: off (a global clip would need every stage's norm)
+    seed: int = 0
+    data: list[str] = msgspec.field(default_factory=lambda: ["stdlib"])
+    max_data_bytes: int | None = None
+    val_fraction: float = 0.05
+    val_batches: int = 4
+    val_every: int = 0  # 0: validate only after the last step
+
+    def problems(self) -> list[str]:
+        out = []
+        for name in ("steps", "batch_size", "micro_batches", "val_batches"):
+            if getattr(self, name) < 1:
+                out.append(f"train.{name} must be >= 1")
+        if self.micro_batches >= 1 and self.batch_size % self.micro_batches:
+            out.append(
+                f"train.micro_batches ({self.micro_batches}) must divide "
+                f"train.batch_size ({self.batch_size})"
+            )
+        if self.learning_rate <= 0:
+            out.append("train.learning_rate must be > 0")
+        if not 0.0 < self.val_fraction < 1.0:
+            out.append("train.val_fraction must be in (0, 1)")
+        if not self.data:
+            out.append("train.data must name at least one path or glob")
+        return out
+
+
+class Transport(enum.StrEnum):
+    AUTO = "auto"
+    P2P = "p2p"
+    TUNNEL = "tunnel"
+
+
+class GpuSlot(msgspec.Struct, frozen=True, kw_only=True):
+    gpu_index: int
+    gpu_uuid: str
+    layer_start: int
+    layer_end: int
+
+
+class Peer(msgspec.Struct, frozen=True, kw_only=True):
+    fellow_id: str
+    data_address: str | None = None
+
+
+class StagePlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    job_id: str
+    attempt: int = 1
+    stage: int
+    n_stages: int
+    layer_start: int
+    layer_end: int
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    train: TrainConfig = msgspec.field(default_factory=TrainConfig)
+    compression: str = "none"
+    grad_compression: str | None = None  # wire codec for gradients; None: as activations
+    transport: Transport = Transport.AUTO
+    fellow_id: str = "stage"
+    data_address: str | None = None  # where this stage binds for its upstream boundary
+    prev: Peer | None = None
+    next: Peer | None = None
+    nats_url: str | None = None
+    subject_prefix: str = "swarm"
+    gpu_slots: list[GpuSlot] = msgspec.field(default_factory=list)
+    peer_timeout_s: float = 60.0
+    p2p_probe_timeout_s: float = 3.0
+    intra_op_threads: int | None = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.n_stages - 1
+
+    def problems(self) -> list[str]:
+        out = [*self.model.problems(), *self.train.problems()]
+        if not 0 <= self.stage < self.n_stages:
+            out.append(f"stage {self.stage} is outside 0..{self.n_stages - 1}")
+        if not 0 <= self.layer_start <= self.layer_end <= self.model.n_layers:
+            out.append(
+                f"layers [{self.layer_start}, {self.layer_end}) are outside the model's "
+                f"{self.model.n_layers} layers"
+            )
+        if self.n_stages > 1 and self.layer_start == self.layer_end:
+            out.append(f"stage {self.stage} owns no layer")
+        if not self.is_first and self.prev is None:
+            out.append(f"stage {self.stage} needs 'prev' (the upstream peer)")
+        if not self.is_last and (self.next is None or not self.next.data_address):
+            out.append(f"stage {self.stage} needs 'next' with a data_address")
+        if not self.is_first and self.transport != Transport.TUNNEL and not self.data_address:
+            out.append(f"stage {self.stage} needs 'data_address' to bind for p2p")
+        if self.n_stages > 1 and self.transport != Transport.P2P and not self.nats_url:
+            out.append(f"transport {self.transport.value!r} needs 'nats_url' for the relay")
+        try:
+            parse_compression(self.compression, d_model=self.model.d_model)
+            if self.grad_compression is not None:
+                parse_compression(self.grad_compression)
+        except ConfigError as exc:
+            out.append(exc.message)
+        return out
+
+    def checked(self) -> Self:
+        problems = self.problems()
+        if problems:
+            raise ConfigError("invalid stage plan: " + "; ".join(problems))
+        return self
+
+
+def decode_plan(data: bytes, *, source: str = "plan") -> StagePlan:
+    """A plan from JSON; ConfigError naming the source, the field and the reason."""
+    try:
+        plan = msgspec.json.decode(data, type=StagePlan)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"{source}: not valid JSON ({exc})") from None
+    return plan.checked()
+
+
+def split_layers(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
+    """Equal contiguous half-open layer ranges; earlier stages take the remainder."""
+    if not 1 <= n_stages <= n_layers:
+        raise ConfigError(f"cannot split {n_layers} layers into {n_stages} stages")
+    base, extra = divmod(n_layers, n_stages)
+    ranges, start = [], 0
+    for i in range(n_stages):
+        end = start + base + (1 if i < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges

@@ -1,0 +1,416 @@
+import contextlib
+import math
+
+import msgspec
+import numpy as np
+import pytest
+
+from agent.pipe.wire import (
+    PROTOCOL_VERSION,
+    CodecKind,
+    Direction,
+    FrameError,
+    FrameHeader,
+    WireCodec,
+    decode_frame,
+    dequantize,
+    encode_frame,
+    frame_nbytes,
+    pack_bits,
+    parse_wire_codec,
+    quantize,
+    unpack_bits,
+)
+
+SHAPES = [(8, 64, 128), (3, 5), (1, 7)]
+INT_BITS = range(2, 9)
+META = dict(job="job-1", attempt=2, step=17, micro=3, direction=Direction.FWD)
+
+
+def encode(x: np.ndarray, spec: str):
+    return encode_frame(x, parse_wire_codec(spec), **META)
+
+
+def roundtrip(x: np.ndarray, spec: str) -> np.ndarray:
+    header, parts = encode(x, spec)
+    # what the receiver sees: separate immutable byte strings
+    got_header, y = decode_frame([bytes(p) for p in parts])
+    assert got_header == header
+    assert y.dtype == np.float32
+    assert y.shape == x.shape
+    return y
+
+
+def sample(shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def reference_pack(values: list[int], bits: int) -> bytes:
+    """The wire format spelled out: value i at bits i*N.., LSB first, little-endian bytes."""
+    stream = 0
+    for i, v in enumerate(values):
+        stream |= v << (i * bits)
+    return stream.to_bytes(math.ceil(len(values) * bits / 8), "little")
+
+
+# -- codec specs ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "kind", "bits"),
+    [("none", CodecKind.NONE, 32), ("fp16", CodecKind.FP16, 16)]
+    + [(f"fixed_int{n}", CodecKind.INT, n) for n in INT_BITS],
+)
+def test_parse_valid_specs(spec: str, kind: CodecKind, bits: int) -> None:
+    codec = parse_wire_codec(spec)
+    assert codec == WireCodec(kind, bits)
+    assert codec.name == spec
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["fixed_int1", "fixed_int9", "fixed_int08", "int8", "learned_dim8", "", "NONE", " fp16"],
+)
+def test_parse_invalid_specs(spec: str) -> None:
+    with pytest.raises(ValueError, match="fixed_intN") as info:
+        parse_wire_codec(spec)
+    assert repr(spec) in str(info.value)
+
+
+def test_wire_codec_rejects_inconsistent_bits() -> None:
+    with pytest.raises(ValueError):
+        WireCodec(CodecKind.INT)  # default 32 bits is not an int width
+    with pytest.raises(ValueError):
+        WireCodec(CodecKind.FP16, 32)
+    with pytest.raises(ValueError):
+        WireCodec(CodecKind.INT, 9)
+
+
+# -- round trips ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_none_roundtrip_is_exact(shape: tuple[int, ...]) -> None:
+    x = sample(shape)
+    np.testing.assert_array_equal(roundtrip(x, "none"), x)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fp16_roundtrip_within_fp16_rounding(shape: tuple[int, ...]) -> None:
+    x = sample(shape)
+    # atol: half a float16 subnormal step, for the few values below float16's normal range
+    np.testing.assert_allclose(roundtrip(x, "fp16"), x, rtol=1e-3, atol=2.0**-25)
+
+
+def int_error_bound(x: np.ndarray, bits: int) -> np.ndarray:
+    """scale / 2 per element, scale = row absmax / qmax, plus float16 scale rounding."""
+    qmax = 2 ** (bits - 1) - 1
+    rows = x.reshape(-1, x.shape[-1])
+    scale = np.abs(rows).max(axis=1, keepdims=True) / qmax
+    bound = scale / 2 * (1 + 2.0**-9) + 2.0**-24
+    return np.broadcast_to(bound, rows.shape).reshape(x.shape)
+
+
+@pytest.mark.parametrize("bits", INT_BITS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_int_roundtrip_error_is_half_a_step(shape: tuple[int, ...], bits: int) -> None:
+    x = sample(shape, seed=bits)
+    y = roundtrip(x, f"fixed_int{bits}")
+    assert np.all(np.abs(y - x) <= int_error_bound(x, bits))
+
+
+@pytest.mark.parametrize("bits", INT_BITS)
+def test_int_zero_rows_and_mixed_magnitudes(bits: int) -> None:
+    x = sample((6, 33), seed=bits)
+    x[0] = 0.0
+    x[1] *= 1e4
+    x[2] *= 1e-3
+    x[3] *= 1e-9  # below float16's scale resolution: decodes to ~0, within the bound
+    x[4, 5] = 3e4  # one outlier dominates its row
+    y = roundtrip(x, f"fixed_int{bits}")
+    assert np.all(np.isfinite(y))
+    np.testing.assert_array_equal(y[0], np.zeros(33, dtype=np.float32))
+    assert np.all(np.abs(y - x) <= int_error_bound(x, bits))
+
+
+def test_all_zero_tensor_decodes_to_zeros() -> None:
+    x = np.zeros((4, 16), dtype=np.float32)
+    for spec in ("fixed_int2", "fixed_int5", "fixed_int8"):
+        y = roundtrip(x, spec)
+        assert not np.any(np.isnan(y))
+        np.testing.assert_array_equal(y, x)
+
+
+def test_int_beyond_float16_scale_range_saturates_without_inf() -> None:
+    x = np.array([[1e9, -1e9, 1.0]], dtype=np.float32)
+    y = roundtrip(x, "fixed_int2")
+    assert np.all(np.isfinite(y))
+
+
+def test_quantize_rejects_non_finite() -> None:
+    x = np.array([[1.0, np.nan]], dtype=np.float32)
+    with pytest.raises(ValueError, match="non-finite"):
+        quantize(x, 8)
+
+
+@pytest.mark.parametrize("bits", INT_BITS)
+def test_quantize_dequantize(bits: int) -> None:
+    x = sample((4, 3, 10), seed=bits)
+    q, scales = quantize(x, bits)
+    qmax = 2 ** (bits - 1) - 1
+    assert q.shape == x.shape
+    assert scales.shape == (12,)
+    assert scales.dtype == np.float16
+    assert q.min() >= -qmax and q.max() <= qmax
+    # the row maximum uses (nearly) the full range
+    assert np.all(np.abs(q.reshape(12, 10)).max(axis=1) >= qmax - 1)
+    y = dequantize(q, scales)
+    assert y.dtype == np.float32
+    assert np.all(np.abs(y - x) <= int_error_bound(x, bits))
+
+
+def test_non_float32_input_is_converted() -> None:
+    x = sample((3, 4)).astype(np.float64)
+    np.testing.assert_array_equal(roundtrip(x, "none"), x.astype(np.float32))
+    strided = sample((4, 6))[:, ::2]
+    np.testing.assert_array_equal(roundtrip(strided, "none"), strided)
+
+
+# -- byte counts ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_payload_sizes(shape: tuple[int, ...]) -> None:
+    x = sample(shape)
+    numel, rows = x.size, x.size // shape[-1]
+    header, parts = encode(x, "none")
+    assert len(parts) == 2
+    assert header.payload_nbytes == memoryview(parts[1]).nbytes == 4 * numel
+    header, parts = encode(x, "fp16")
+    assert len(parts) == 2
+    assert header.payload_nbytes == memoryview(parts[1]).nbytes == 2 * numel
+    for bits in INT_BITS:
+        header, parts = encode(x, f"fixed_int{bits}")
+        assert len(parts) == 3
+        assert header.payload_nbytes == memoryview(parts[1]).nbytes == math.ceil(numel * bits / 8)
+        assert header.scales_nbytes == memoryview(parts[2]).nbytes == 2 * rows
+        assert frame_nbytes(parts) == sum(memoryview(p).nbytes for p in parts)
+
+
+def test_fixed_int8_is_at_most_26_percent_of_none() -> None:
+    x = sample((8, 128, 256))
+    _, none_parts = encode(x, "none")
+    _, int8_parts = encode(x, "fixed_int8")
+    assert frame_nbytes(int8_parts) <= 0.26 * frame_nbytes(none_parts)
+
+
+def test_none_encode_is_zero_copy() -> None:
+    x = sample((8, 64, 128))
+    _, parts = encode(x, "none")
+    assert np.shares_memory(np.frombuffer(parts[1], dtype=np.float32), x)
+
+
+def test_none_decode_is_zero_copy() -> None:
+    _, parts = encode(sample((5, 8)), "none")
+    received = [bytes(p) for p in parts]
+    _, y = decode_frame(received)
+    assert np.shares_memory(y, np.frombuffer(received[1], dtype=np.uint8))
+
+
+class FakeZmqFrame:
+    """Like zmq.Frame: the data is behind a ``.buffer`` memoryview."""
+
+    def __init__(self, data: bytes) -> None:
+        self.buffer = memoryview(data)
+
+
+def test_decode_accepts_frame_like_parts_and_memoryviews() -> None:
+    x = sample((3, 9))
+    _, parts = encode(x, "fixed_int6")
+    _, y = decode_frame([FakeZmqFrame(bytes(p)) for p in parts])
+    _, z = decode_frame([memoryview(bytes(p)) for p in parts])
+    np.testing.assert_array_equal(y, z)
+    assert frame_nbytes([FakeZmqFrame(bytes(p)) for p in parts]) == frame_nbytes(parts)
+
+
+# -- bit packing ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("count", [0, 1, 7, 8, 9, 15, 16, 17, 100, 1001])
+def test_pack_unpack_roundtrip(bits: int, count: int) -> None:
+    u = np.random.default_rng(count).integers(0, 2**bits, size=count, dtype=np.uint8)
+    packed = pack_bits(u, bits)
+    assert packed.dtype == np.uint8
+    assert packed.size == math.ceil(count * bits / 8)
+    assert packed.tobytes() == reference_pack(u.tolist(), bits)
+    np.testing.assert_array_equal(unpack_bits(packed, bits, count), u)
+
+
+def test_pack_rejects_values_too_wide() -> None:
+    with pytest.raises(ValueError, match="3 bits"):
+        pack_bits(np.array([8], dtype=np.uint8), 3)
+
+
+def test_unpack_rejects_wrong_length() -> None:
+    with pytest.raises(ValueError, match="need 4 bytes"):
+        unpack_bits(np.zeros(5, dtype=np.uint8), 4, 8)
+
+
+# -- decode errors ----------------------------------------------------------------------------
+
+
+def raw_header(**changes: object) -> dict:
+    header, _ = encode(sample((2, 8)), "fixed_int4")
+    fields = msgspec.to_builtins(header)
+    fields.update(changes)
+    return fields
+
+
+def int4_parts() -> list[bytes]:
+    _, parts = encode(sample((2, 8)), "fixed_int4")
+    return [bytes(p) for p in parts]
+
+
+def expect_frame_error(parts: list, match: str) -> None:
+    with pytest.raises(FrameError, match=match):
+        decode_frame(parts)
+
+
+def test_truncated_payload() -> None:
+    _, parts = encode(sample((4, 64)), "none")
+    parts = [bytes(p) for p in parts]
+    expect_frame_error([parts[0], parts[1][:100]], "payload is 100 bytes, header says 1024")
+
+
+def test_extra_payload_bytes() -> None:
+    parts = int4_parts()
+    expect_frame_error([parts[0], parts[1] + b"\0", parts[2]], "payload is 9 bytes, header says 8")
+
+
+def test_wrong_scales_size() -> None:
+    parts = int4_parts()
+    expect_frame_error([parts[0], parts[1], parts[2][:3]], "scales are 3 bytes, header says 4")
+
+
+def test_missing_scales_part() -> None:
+    parts = int4_parts()
+    expect_frame_error(parts[:2], "frame has 2 parts, codec 'fixed_int4' needs 3")
+
+
+def test_extra_part() -> None:
+    _, parts = encode(sample((2, 8)), "fp16")
+    expect_frame_error([*map(bytes, parts), b"x"], "frame has 3 parts")
+
+
+def test_empty_frame() -> None:
+    expect_frame_error([], "no header")
+
+
+@pytest.mark.parametrize("garbage", [b"", b"\xc1", b"not msgpack at all", b"\x93\x01\x02\x03"])
+def test_garbage_header(garbage: bytes) -> None:
+    expect_frame_error([garbage, *int4_parts()[1:]], "bad frame header")
+
+
+def test_header_with_wrong_field_types() -> None:
+    header = msgspec.msgpack.encode(raw_header(step="seventeen"))
+    expect_frame_error([header, *int4_parts()[1:]], "bad frame header")
+
+
+def test_header_missing_field() -> None:
+    fields = raw_header()
+    del fields["shape"]
+    expect_frame_error([msgspec.msgpack.encode(fields), *int4_parts()[1:]], "bad frame header")
+
+
+@pytest.mark.parametrize("version", [0, 2, 99])
+def test_wrong_version(version: int) -> None:
+    # a newer peer may also change other fields: the version is what gets reported
+    fields = raw_header(v=version, shape="something new")
+    expect_frame_error(
+        [msgspec.msgpack.encode(fields), *int4_parts()[1:]], f"version {version}.*version 1"
+    )
+
+
+def test_unknown_codec() -> None:
+    header = msgspec.msgpack.encode(raw_header(codec="zstd"))
+    expect_frame_error([header, *int4_parts()[1:]], "unknown wire codec 'zstd'")
+
+
+def test_bits_disagree_with_codec() -> None:
+    header = msgspec.msgpack.encode(raw_header(bits=8))
+    expect_frame_error([header, *int4_parts()[1:]], "has 4 bits, header says 8")
+
+
+def test_unsupported_dtype() -> None:
+    header = msgspec.msgpack.encode(raw_header(dtype="bfloat16"))
+    expect_frame_error([header, *int4_parts()[1:]], "dtype 'bfloat16'")
+
+
+@pytest.mark.parametrize("shape", [[2, 9], [3, 8], [16]])
+def test_shape_disagrees_with_sizes(shape: list[int]) -> None:
+    # header sizes kept from (2, 8); the shape implies other sizes
+    header = msgspec.msgpack.encode(raw_header(shape=shape))
+    expect_frame_error([header, *int4_parts()[1:]], "needs")
+
+
+def test_shape_and_sizes_consistent_but_parts_are_not() -> None:
+    header = msgspec.msgpack.encode(raw_header(shape=[2, 16], payload_nbytes=16))
+    expect_frame_error([header, *int4_parts()[1:]], "payload is 8 bytes, header says 16")
+
+
+@pytest.mark.parametrize("shape", [[], [-1, 8]])
+def test_bad_shape(shape: list[int]) -> None:
+    header = msgspec.msgpack.encode(raw_header(shape=shape))
+    expect_frame_error([header, *int4_parts()[1:]], "bad frame shape")
+
+
+def test_non_buffer_part() -> None:
+    expect_frame_error([int4_parts()[0], 12345, b""], "not a contiguous byte buffer")
+
+
+def test_random_corruption_only_raises_frame_error() -> None:
+    rng = np.random.default_rng(0)
+    good = int4_parts()
+    for _ in range(200):
+        parts = list(good)
+        i = int(rng.integers(0, 3))
+        data = bytearray(parts[i])
+        if data and rng.random() < 0.5:
+            data[int(rng.integers(0, len(data)))] = int(rng.integers(0, 256))
+        else:
+            data = data[: int(rng.integers(0, len(data) + 1))]
+        parts[i] = bytes(data)
+        with contextlib.suppress(FrameError):
+            decode_frame(parts)
+
+
+# -- header ---------------------------------------------------------------------------------
+
+
+def test_header_fields_and_roundtrip() -> None:
+    header, parts = encode(sample((8, 64, 128)), "fixed_int8")
+    assert header.v == PROTOCOL_VERSION
+    assert (header.job, header.attempt, header.step, header.micro) == ("job-1", 2, 17, 3)
+    assert header.direction is Direction.FWD
+    assert header.dtype == "float32"
+    assert header.shape == (8, 64, 128)
+    assert (header.codec, header.bits) == ("fixed_int8", 8)
+    assert header.payload_nbytes == 8 * 64 * 128
+    assert header.scales_nbytes == 2 * 8 * 64
+    assert msgspec.msgpack.decode(parts[0], type=FrameHeader) == header
+
+
+def test_header_ignores_unknown_fields() -> None:
+    x = sample((2, 8))
+    fields = raw_header(trace_id="abc", future={"nested": [1, 2]})
+    _, y = decode_frame([msgspec.msgpack.encode(fields), *int4_parts()[1:]])
+    assert y.shape == x.shape
+
+
+def test_bwd_direction_roundtrips() -> None:
+    _, parts = encode_frame(
+        sample((2, 3)), parse_wire_codec("fp16"), **{**META, "direction": Direction.BWD}
+    )
+    got, _ = decode_frame(parts)
+    assert got.direction is Direction.BWD
