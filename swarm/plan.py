@@ -176,3 +176,54 @@ def split_layers(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
         ranges.append((start, end))
         start = end
     return ranges
+
+
+def chain_plans(
+    *,
+    job_id: str,
+    model: ModelConfig,
+    train: TrainConfig,
+    addresses: list[str | None],
+    fellow_ids: list[str] | None = None,
+    compression: str = "none",
+    grad_compression: str | None = None,
+    transport: Transport = Transport.AUTO,
+    nats_url: str | None = None,
+    attempt: int = 1,
+    intra_op_threads: int | None = None,
+    peer_timeout_s: float = 60.0,
+) -> list[StagePlan]:
+    """Plans for a chain of ``len(addresses)`` stages with equal layer ranges.
+
+    ``addresses[i]`` is where stage i binds for its upstream boundary (unused for stage 0).
+    """
+    n = len(addresses)
+    ids = fellow_ids or [f"stage-{i}" for i in range(n)]
+    ranges = split_layers(model.n_layers, n)
+    plans = []
+    for i, (start, end) in enumerate(ranges):
+        plans.append(
+            StagePlan(
+                job_id=job_id,
+                attempt=attempt,
+                stage=i,
+                n_stages=n,
+                layer_start=start,
+                layer_end=end,
+                model=model,
+                train=train,
+                compression=compression,
+                grad_compression=grad_compression,
+                transport=transport,
+                fellow_id=ids[i],
+                data_address=addresses[i] if i > 0 else None,
+                prev=Peer(fellow_id=ids[i - 1]) if i > 0 else None,
+                next=Peer(fellow_id=ids[i + 1], data_address=addresses[i + 1])
+                if i + 1 < n
+                else None,
+                nats_url=nats_url,
+                intra_op_threads=intra_op_threads,
+                peer_timeout_s=peer_timeout_s,
+            ).checked()
+        )
+    return plans

@@ -190,8 +190,9 @@ class RelayLink:
 
     Chunks carry a sequence number: a gap (a chunk lost to a reconnect or a slow-consumer
     drop) fails the receive instead of corrupting a tensor. The receiver grants credits, so
-    at most ``window`` chunks are in flight and a fast sender cannot exhaust memory; grants
-    pause while more than ``max_buffered`` bytes of whole frames wait unread.
+    at most ``window`` chunks are in flight and a fast sender cannot exhaust memory. Grants
+    pause while ``max_frames`` whole frames wait unread, and resume as the reader takes them;
+    the frame being assembled always gets its grants, so no frame size can deadlock.
     """
 
     def __init__(
@@ -203,7 +204,7 @@ class RelayLink:
         recv_subject: str,
         chunk_bytes: int = 512 * 1024,
         window: int = 16,
-        max_buffered: int = 64 * 1024 * 1024,
+        max_frames: int = 4,
         connect_timeout_s: float = 10.0,
     ) -> None:
         self.name = name
@@ -214,14 +215,13 @@ class RelayLink:
         self.recv_subject = recv_subject
         self._chunk = chunk_bytes
         self._window = window
-        self._max_buffered = max_buffered
+        self._max_frames = max_frames
         self._frames: deque[Parts | LinkError] = deque()
         self._control: deque[bytes] = deque()
         self._cv = threading.Condition()
         self._assembling: list[bytes] = []
         self._expected_seq = 0
         self._next_seq = 0
-        self._buffered = 0
         self._deferred_grants = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"relay-{name}")
@@ -295,12 +295,12 @@ class RelayLink:
             return
         self._expected_seq += 1
         self._assembling.append(body[_DATA_HEAD.size :])
-        grant_now = self._buffered <= self._max_buffered
-        if grant_now:
-            self._grant(1)
-        if index + 1 < count:
-            if not grant_now:
+        with self._cv:
+            if len(self._frames) < self._max_frames:
+                self._grant(1)
+            else:
                 self._deferred_grants += 1
+        if index + 1 < count:
             return
         blob = b"".join(self._assembling)
         self._assembling = []
@@ -309,9 +309,6 @@ class RelayLink:
         except LinkError as exc:
             parts = LinkError(f"{self.name}: {exc}")
         with self._cv:
-            self._buffered += len(blob)
-            if not grant_now:
-                self._deferred_grants += 1
             self._frames.append(parts)
             self._cv.notify_all()
 
@@ -369,12 +366,13 @@ class RelayLink:
             if not self._cv.wait_for(lambda: bool(self._frames), timeout_s):
                 raise PeerTimeoutError(f"{self.name}: nothing received for {timeout_s:.0f}s")
             item = self._frames.popleft()
-            if isinstance(item, LinkError):
-                raise item
-            self._buffered -= _nbytes(item)
-            deferred, self._deferred_grants = self._deferred_grants, 0
+            deferred = 0
+            if len(self._frames) < self._max_frames:
+                deferred, self._deferred_grants = self._deferred_grants, 0
         if deferred:
             self._loop.call_soon_threadsafe(self._grant, deferred)
+        if isinstance(item, LinkError):
+            raise item
         return item
 
     def close(self) -> None:

@@ -52,3 +52,42 @@ def _imports(package: str) -> dict[str, set[str]]:
 def test_imports_point_down_only(package, forbidden):
     offenders = {f: r & forbidden for f, r in _imports(package).items() if r & forbidden}
     assert offenders == {}
+
+
+def _import_names(package: str) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for path in (REPO / package).rglob("*.py"):
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module)
+        out[str(path.relative_to(REPO))] = names
+    return out
+
+
+def test_the_pipe_imports_nothing_of_ours_and_no_tensorflow():
+    allowed_third_party = {"numpy", "msgspec", "zmq", "nats"}
+    offenders = {}
+    for file, names in _import_names("agent/pipe").items():
+        bad = {
+            n
+            for n in names
+            if not n.startswith("agent.pipe")
+            and n.split(".")[0] not in allowed_third_party
+            and n.split(".")[0] not in sys.stdlib_module_names
+        }
+        if bad:
+            offenders[file] = bad
+    assert offenders == {}
+    code = (
+        "import sys\n"
+        "import agent.pipe.link, agent.pipe.wire\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "{'tensorflow', 'keras', 'swarm', 'leader'})\n"
+        "print(bad)\n"
+        "sys.exit(1 if bad else 0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr

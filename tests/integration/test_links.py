@@ -1,0 +1,269 @@
+"""The data-plane links over real sockets and a real nats-server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+
+from agent.pipe.link import (
+    ACK,
+    HELLO,
+    PeerTimeoutError,
+    RelayGapError,
+    RelayLink,
+    TransportKind,
+    ZmqLink,
+    accept_upstream,
+    connect_downstream,
+)
+from agent.pipe.wire import Direction, FrameError, decode_frame, encode_frame, parse_wire_codec
+from swarm.procs import free_port
+from tests.helpers import REPO, child_env
+from tests.integration.nats_client import with_nats
+
+pytestmark = pytest.mark.integration
+
+
+def frame(step: int, value: float = 1.0, shape=(4, 8, 16), codec="none", attempt=1, micro=0):
+    array = np.full(shape, value, dtype=np.float32)
+    return encode_frame(
+        array,
+        parse_wire_codec(codec),
+        job="j",
+        attempt=attempt,
+        step=step,
+        micro=micro,
+        direction=Direction.FWD,
+    )[1]
+
+
+def test_zmq_link_carries_frames_both_ways_and_counts_bytes():
+    address = f"tcp://127.0.0.1:{free_port()}"
+    binder = ZmqLink(name="b", bind=address)
+    connector = ZmqLink(name="c", connect=address)
+    try:
+        parts = frame(3, 2.5)
+        connector.send(parts)
+        header, array = decode_frame(binder.recv(5))
+        assert header.step == 3 and np.all(array == 2.5)
+        binder.send(frame(4, -1.0))
+        assert decode_frame(connector.recv(5))[0].step == 4
+        wire = sum(memoryview(p).nbytes for p in parts)
+        assert connector.bytes_sent >= wire and binder.bytes_received >= wire
+    finally:
+        binder.close()
+        connector.close()
+
+
+def test_zmq_recv_times_out_with_the_link_name():
+    link = ZmqLink(name="boundary 7 (a -> b)", bind=f"tcp://127.0.0.1:{free_port()}")
+    try:
+        with pytest.raises(PeerTimeoutError, match=r"boundary 7 \(a -> b\)"):
+            link.recv(0.3)
+    finally:
+        link.close()
+
+
+PEER = textwrap.dedent(
+    """
+    import sys, time
+    from agent.pipe.link import connect_downstream, TransportKind
+    link = connect_downstream(name="peer", transport=TransportKind.P2P, address=sys.argv[1],
+                              relay=None, timeout_s=20)
+    link.send([b"from-" + sys.argv[2].encode()])
+    reply = link.recv(20)
+    print(bytes(reply[0]).decode(), flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def test_a_killed_peer_is_replaced_on_the_same_boundary(tmp_path):
+    """The binder keeps its socket; a new upstream process takes the boundary over."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    env = child_env(PYTHONPATH=str(REPO))
+    peers = []
+    try:
+        first = subprocess.Popen(
+            [sys.executable, "-c", PEER, address, "one"], env=env, stdout=subprocess.PIPE
+        )
+        peers.append(first)
+        link = accept_upstream(
+            name="b0",
+            transport=TransportKind.P2P,
+            bind=address,
+            relay=None,
+            timeout_s=30,
+            p2p_grace_s=0,
+        )
+        assert bytes(link.recv(20)[0]) == b"from-one"
+        link.send([b"hi-one"])
+        assert first.stdout.readline().strip() == b"hi-one"
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+
+        second = subprocess.Popen(
+            [sys.executable, "-c", PEER, address, "two"], env=env, stdout=subprocess.PIPE
+        )
+        peers.append(second)
+        assert bytes(link.recv(30)[0]) == b"from-two", "the replacement's HELLO was answered"
+        link.send([b"hi-two"])
+        assert second.stdout.readline().strip() == b"hi-two"
+        link.close()
+    finally:
+        for peer in peers:
+            peer.kill()
+            peer.wait()
+
+
+def relay_pair(url: str, **kw) -> tuple[RelayLink, RelayLink]:
+    a = RelayLink(name="a->b", nats_url=url, send_subject="t.fwd", recv_subject="t.bwd", **kw)
+    b = RelayLink(name="b<-a", nats_url=url, send_subject="t.bwd", recv_subject="t.fwd", **kw)
+    return a, b
+
+
+def test_relay_chunks_large_frames_below_max_payload(nats_server):
+    a, b = relay_pair(nats_server.url, chunk_bytes=256 * 1024)
+    try:
+        parts = frame(1, 0.5, shape=(8, 128, 768))  # 3 MiB: 12+ chunks, over max_payload
+        a.send(parts, timeout_s=20)
+        header, array = decode_frame(b.recv(20))
+        assert header.step == 1 and array.shape == (8, 128, 768) and np.all(array == 0.5)
+        assert a.bytes_sent >= 3 * 1024 * 1024 and b.bytes_received >= 3 * 1024 * 1024
+        b.send(frame(2), timeout_s=10)
+        assert decode_frame(a.recv(10))[0].step == 2
+    finally:
+        a.close()
+        b.close()
+
+
+def test_relay_sender_waits_for_credit_and_fails_loudly_without_it(nats_server):
+    """Window 2 chunks, at most 1 unread frame: the third 2-chunk frame must wait."""
+    a, b = relay_pair(nats_server.url, chunk_bytes=64 * 1024, window=2, max_frames=1)
+    try:
+        a.send(frame(1, shape=(60, 512)), timeout_s=10)  # 120 KiB + headers: two 64 KiB chunks
+        a.send(frame(2, shape=(60, 512)), timeout_s=10)  # its grants are held back
+        with pytest.raises(PeerTimeoutError, match="granted no credit"):
+            a.send(frame(3, shape=(60, 512)), timeout_s=1.0)
+        # The reader catches up: the held grants flow and the sender goes on.
+        assert decode_frame(b.recv(5))[0].step == 1
+        assert decode_frame(b.recv(5))[0].step == 2
+        done = threading.Event()
+
+        def send() -> None:
+            a.send(frame(4, shape=(60, 512)), timeout_s=10)
+            done.set()
+
+        thread = threading.Thread(target=send)
+        thread.start()
+        assert decode_frame(b.recv(15))[0].step == 4
+        thread.join(15)
+        assert done.is_set()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_relay_gap_fails_the_receive(nats_server):
+    a, b = relay_pair(nats_server.url)
+    try:
+        a.send(frame(1), timeout_s=5)
+        assert decode_frame(b.recv(5))[0].step == 1
+
+        async def inject(nc):
+            # A chunk that skips a sequence number, as after a lost message.
+            import struct
+
+            await nc.publish("t.fwd", b"D" + struct.pack(">QII", 99, 0, 1) + b"xx")
+
+        with_nats(nats_server.url, inject)
+        with pytest.raises(RelayGapError, match="expected chunk 1"):
+            b.recv(5)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_tunnel_handshake_over_the_relay(nats_server):
+    def relay(send: str, recv: str):
+        return lambda: RelayLink(
+            name=f"{send}", nats_url=nats_server.url, send_subject=send, recv_subject=recv
+        )
+
+    result = {}
+
+    def downstream() -> None:
+        result["down"] = accept_upstream(
+            name="down",
+            transport=TransportKind.TUNNEL,
+            bind=None,
+            relay=relay("h.bwd", "h.fwd"),
+            timeout_s=20,
+            p2p_grace_s=0,
+        )
+
+    thread = threading.Thread(target=downstream)
+    thread.start()
+    up = connect_downstream(
+        name="up",
+        transport=TransportKind.TUNNEL,
+        address=None,
+        relay=relay("h.fwd", "h.bwd"),
+        timeout_s=20,
+    )
+    thread.join(20)
+    down = result["down"]
+    try:
+        assert up.transport == down.transport == "relay"
+        up.send(frame(5))
+        assert decode_frame(down.recv(5))[0].step == 5
+    finally:
+        up.close()
+        down.close()
+
+
+def test_control_messages_never_reach_the_caller():
+    address = f"tcp://127.0.0.1:{free_port()}"
+    binder = ZmqLink(name="b", bind=address)
+    connector = ZmqLink(name="c", connect=address)
+    try:
+        connector.send([HELLO, b""])
+        connector.send(frame(9))
+        assert decode_frame(binder.recv(5))[0].step == 9
+        assert bytes(connector.recv_any(5)[0]) == ACK, "a late HELLO is answered again"
+    finally:
+        binder.close()
+        connector.close()
+
+
+def test_boundary_rejects_corrupt_and_drops_stale_frames():
+    from agent.runtime.stage import Boundary
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    binder = ZmqLink(name="b", bind=address)
+    connector = ZmqLink(name="c", connect=address)
+    boundary = Boundary(binder, 0, "boundary 0 (x -> y)", "j", 2, parse_wire_codec("none"), 5.0)
+    try:
+        connector.send(frame(1, attempt=1))  # an older attempt: dropped
+        connector.send(frame(1, attempt=2, value=7.0))
+        array = boundary.recv(step=1, micro=0, direction=Direction.FWD)
+        assert np.all(array == 7.0) and boundary.dropped == 1
+
+        parts = frame(2, attempt=2)
+        connector.send([parts[0], bytes(parts[1])[:-4]])  # truncated payload
+        with pytest.raises(FrameError, match=r"boundary 0 \(x -> y\)"):
+            boundary.recv(step=2, micro=0, direction=Direction.FWD)
+
+        connector.send(frame(5, attempt=2, micro=1))  # out of order
+        with pytest.raises(FrameError, match="expected frame"):
+            boundary.recv(step=3, micro=0, direction=Direction.FWD)
+    finally:
+        binder.close()
+        connector.close()

@@ -1,0 +1,179 @@
+"""Real stage processes training the model over ZeroMQ and over the NATS relay."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+
+from swarm.plan import ModelConfig, Peer, StagePlan, TrainConfig, Transport, chain_plans
+from swarm.procs import free_port
+from tests.helpers import child_env, wait_for
+from tests.integration.stages import done, run_stages, steps, write_plans
+
+pytestmark = pytest.mark.integration
+
+SMALL = ModelConfig(n_layers=3, d_model=64, n_heads=4, seq_len=32)
+
+
+def train(steps: int, **kw) -> TrainConfig:
+    return TrainConfig(
+        steps=steps, batch_size=8, micro_batches=4, max_data_bytes=400_000, val_batches=2, **kw
+    )
+
+
+def addresses(n: int) -> list[str | None]:
+    return [None] + [f"tcp://127.0.0.1:{free_port()}" for _ in range(n - 1)]
+
+
+def test_two_stages_reproduce_one_process_step_by_step(procs, tmp_path):
+    """The proof that gradients really flow across the boundary: same losses for 50 steps."""
+    model = ModelConfig(n_layers=4, d_model=64, n_heads=4, seq_len=32, dropout=0.0)
+    config = train(50, learning_rate=3e-3, warmup_steps=5)
+    single = StagePlan(
+        job_id="ref",
+        stage=0,
+        n_stages=1,
+        layer_start=0,
+        layer_end=4,
+        model=model,
+        train=config,
+        intra_op_threads=1,
+    )
+    pipeline = chain_plans(
+        job_id="pipe",
+        model=model,
+        train=config,
+        addresses=addresses(2),
+        transport=Transport.P2P,
+        intra_op_threads=1,
+    )
+    (reference,) = run_stages(procs, [single], tmp_path)
+    first, last = run_stages(procs, pipeline, tmp_path)
+    want = [s["loss"] for s in steps(reference)]
+    got = [s["loss"] for s in steps(last)]
+    assert len(want) == len(got) == 50
+    for step, (a, b) in enumerate(zip(want, got, strict=True)):
+        assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: single {a} vs pipeline {b}"
+    assert got[-1] < got[0] - 1.0, "the loss fell"
+    assert all(s["loss"] is None for s in steps(first))
+    assert done(first)["down_bytes_sent"] > 0
+
+
+def test_three_stages_train_over_zeromq(procs, tmp_path):
+    plans = chain_plans(
+        job_id="zmq3",
+        model=SMALL,
+        train=train(12),
+        addresses=addresses(3),
+        transport=Transport.P2P,
+        intra_op_threads=1,
+    )
+    results = run_stages(procs, plans, tmp_path)
+    links = [next(e for e in r if e["event"] == "links") for r in results]
+    assert [(link["up"], link["down"]) for link in links] == [
+        (None, "p2p"),
+        ("p2p", "p2p"),
+        ("p2p", None),
+    ]
+    losses = [s["loss"] for s in steps(results[-1])]
+    assert losses[-1] < losses[0]
+    assert done(results[-1])["val_loss"] is not None
+    middle = done(results[1])
+    assert middle["up_bytes_received"] == done(results[0])["down_bytes_sent"]
+    assert middle["down_bytes_sent"] == done(results[2])["up_bytes_received"]
+
+
+def test_three_stages_train_over_the_nats_relay(procs, nats_server, tmp_path):
+    plans = chain_plans(
+        job_id="relay3",
+        model=SMALL,
+        train=train(8),
+        addresses=addresses(3),
+        transport=Transport.TUNNEL,
+        nats_url=nats_server.url,
+        intra_op_threads=1,
+    )
+    results = run_stages(procs, plans, tmp_path)
+    links = [next(e for e in r if e["event"] == "links") for r in results]
+    assert [(link["up"], link["down"]) for link in links] == [
+        (None, "relay"),
+        ("relay", "relay"),
+        ("relay", None),
+    ]
+    losses = [s["loss"] for s in steps(results[-1])]
+    assert losses[-1] < losses[0]
+
+
+def test_auto_falls_back_to_the_relay_when_the_direct_path_is_unreachable(
+    procs, nats_server, tmp_path
+):
+    """Stage 1 binds one port but stage 0 is told another, where nothing listens."""
+    bound, advertised = free_port(), free_port()
+    base = chain_plans(
+        job_id="auto",
+        model=SMALL,
+        train=train(4),
+        addresses=[None, f"tcp://127.0.0.1:{bound}"],
+        transport=Transport.AUTO,
+        nats_url=nats_server.url,
+        intra_op_threads=1,
+    )
+    wrong_next = Peer(
+        fellow_id=base[0].next.fellow_id, data_address=f"tcp://127.0.0.1:{advertised}"
+    )
+    first = msgspec.structs.replace(base[0], next=wrong_next)
+    results = run_stages(procs, [first, base[1]], tmp_path)
+    assert next(e for e in results[0] if e["event"] == "links")["down"] == "relay"
+    assert next(e for e in results[1] if e["event"] == "links")["up"] == "relay"
+    assert done(results[1])["val_loss"] is not None
+
+
+def test_auto_prefers_the_direct_path_when_it_works(procs, nats_server, tmp_path):
+    plans = chain_plans(
+        job_id="auto-p2p",
+        model=SMALL,
+        train=train(3),
+        addresses=addresses(2),
+        transport=Transport.AUTO,
+        nats_url=nats_server.url,
+        intra_op_threads=1,
+    )
+    results = run_stages(procs, plans, tmp_path)
+    assert next(e for e in results[0] if e["event"] == "links")["down"] == "p2p"
+
+
+def test_a_vanished_peer_ends_the_stage_with_an_error_naming_the_boundary(procs, tmp_path):
+    plans = chain_plans(
+        job_id="vanish",
+        model=SMALL,
+        train=train(100_000),
+        addresses=addresses(2),
+        transport=Transport.P2P,
+        intra_op_threads=1,
+        peer_timeout_s=3.0,
+    )
+    paths = write_plans(plans, tmp_path)
+    last = procs.python(
+        "last",
+        "agent.runtime.main",
+        "--plan",
+        str(paths[1]),
+        env=child_env(TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    first = procs.python(
+        "first",
+        "agent.runtime.main",
+        "--plan",
+        str(paths[0]),
+        env=child_env(TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    wait_for(lambda: '"event": "step"' in procs.log(last), timeout=60, what="training to start")
+    first.kill()
+    killed_at = time.monotonic()
+    assert last.wait(timeout=30) == 1
+    assert time.monotonic() - killed_at < 3.0 + 10.0
+    log = procs.log(last)
+    assert "boundary 0 (stage-0 -> stage-1)" in log and "nothing received" in log
+    assert "Traceback" not in log
