@@ -51,6 +51,7 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     val_fraction: float = 0.05
     val_batches: int = 4
     val_every: int = 0  # 0: validate only after the last step
+    jit_compile: bool = True  # XLA-compile the stage's forward (and so its backward)
 
     def problems(self) -> list[str]:
         out = []

@@ -42,6 +42,7 @@ class Boundary:
     send_codec: WireCodec
     timeout_s: float
     dropped: int = 0
+    wait_s: float = 0.0  # time spent blocked waiting for the peer
 
     def send(
         self,
@@ -68,7 +69,9 @@ class Boundary:
         self, *, step: int, micro: int, direction: Direction, phase: str = "train"
     ) -> np.ndarray:
         while True:
+            started = time.perf_counter()
             parts = self.link.recv(self.timeout_s)
+            self.wait_s += time.perf_counter() - started
             try:
                 header, array = decode_frame(parts)
             except FrameError as exc:
@@ -273,6 +276,7 @@ class StageRunner:
                 "lr": last.lr,
                 "step_time_s": round(last.seconds, 5),
                 "tokens_per_s": round(tokens_per_step / last.seconds, 1),
+                "wait_s": round(self.take_wait(), 5),
                 **self.bytes_summary(),
             }
             every = plan.train.val_every
@@ -297,6 +301,14 @@ class StageRunner:
         }
         self.emit(summary)
         return summary
+
+    def take_wait(self) -> float:
+        """Seconds blocked on peers since the last call (the pipeline bubble, seen from here)."""
+        total = 0.0
+        for boundary in (self.up, self.down):
+            if boundary is not None:
+                total, boundary.wait_s = total + boundary.wait_s, 0.0
+        return total
 
     def bytes_summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

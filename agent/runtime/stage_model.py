@@ -87,8 +87,9 @@ class StageModel:
         )
         self.optimizer.exclude_from_weight_decay(var_names=NO_DECAY)
         self.optimizer.build(self.variables)
-        self.forward = tf.function(self._forward, reduce_retracing=True)
-        self.forward_loss = tf.function(self._forward_loss, reduce_retracing=True)
+        jit = train.jit_compile
+        self.forward = tf.function(self._forward, reduce_retracing=True, jit_compile=jit)
+        self.forward_loss = tf.function(self._forward_loss, reduce_retracing=True, jit_compile=jit)
         self._accumulate = tf.function(self._accumulate_impl)
         self._apply = tf.function(self._apply_impl)
 

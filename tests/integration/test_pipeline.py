@@ -7,10 +7,10 @@ import time
 import msgspec
 import pytest
 
+from agent.runtime.launch import done, links, run_plans, steps, write_plans
 from swarm.plan import ModelConfig, Peer, StagePlan, TrainConfig, Transport, chain_plans
 from swarm.procs import free_port
 from tests.helpers import child_env, wait_for
-from tests.integration.stages import done, run_stages, steps, write_plans
 
 pytestmark = pytest.mark.integration
 
@@ -49,8 +49,8 @@ def test_two_stages_reproduce_one_process_step_by_step(procs, tmp_path):
         transport=Transport.P2P,
         intra_op_threads=1,
     )
-    (reference,) = run_stages(procs, [single], tmp_path)
-    first, last = run_stages(procs, pipeline, tmp_path)
+    (reference,) = run_plans([single], tmp_path)
+    first, last = run_plans(pipeline, tmp_path)
     want = [s["loss"] for s in steps(reference)]
     got = [s["loss"] for s in steps(last)]
     assert len(want) == len(got) == 50
@@ -70,9 +70,9 @@ def test_three_stages_train_over_zeromq(procs, tmp_path):
         transport=Transport.P2P,
         intra_op_threads=1,
     )
-    results = run_stages(procs, plans, tmp_path)
-    links = [next(e for e in r if e["event"] == "links") for r in results]
-    assert [(link["up"], link["down"]) for link in links] == [
+    results = run_plans(plans, tmp_path)
+    transports = [links(r) for r in results]
+    assert [(link["up"], link["down"]) for link in transports] == [
         (None, "p2p"),
         ("p2p", "p2p"),
         ("p2p", None),
@@ -95,9 +95,9 @@ def test_three_stages_train_over_the_nats_relay(procs, nats_server, tmp_path):
         nats_url=nats_server.url,
         intra_op_threads=1,
     )
-    results = run_stages(procs, plans, tmp_path)
-    links = [next(e for e in r if e["event"] == "links") for r in results]
-    assert [(link["up"], link["down"]) for link in links] == [
+    results = run_plans(plans, tmp_path)
+    transports = [links(r) for r in results]
+    assert [(link["up"], link["down"]) for link in transports] == [
         (None, "relay"),
         ("relay", "relay"),
         ("relay", None),
@@ -124,9 +124,9 @@ def test_auto_falls_back_to_the_relay_when_the_direct_path_is_unreachable(
         fellow_id=base[0].next.fellow_id, data_address=f"tcp://127.0.0.1:{advertised}"
     )
     first = msgspec.structs.replace(base[0], next=wrong_next)
-    results = run_stages(procs, [first, base[1]], tmp_path)
-    assert next(e for e in results[0] if e["event"] == "links")["down"] == "relay"
-    assert next(e for e in results[1] if e["event"] == "links")["up"] == "relay"
+    results = run_plans([first, base[1]], tmp_path)
+    assert links(results[0])["down"] == "relay"
+    assert links(results[1])["up"] == "relay"
     assert done(results[1])["val_loss"] is not None
 
 
@@ -140,8 +140,8 @@ def test_auto_prefers_the_direct_path_when_it_works(procs, nats_server, tmp_path
         nats_url=nats_server.url,
         intra_op_threads=1,
     )
-    results = run_stages(procs, plans, tmp_path)
-    assert next(e for e in results[0] if e["event"] == "links")["down"] == "p2p"
+    results = run_plans(plans, tmp_path)
+    assert links(results[0])["down"] == "p2p"
 
 
 def test_a_vanished_peer_ends_the_stage_with_an_error_naming_the_boundary(procs, tmp_path):

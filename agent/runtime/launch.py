@@ -1,0 +1,97 @@
+"""Run a chain of ``swarm-stage`` processes on this machine and collect their JSON lines.
+
+For tests, benchmarks and quick local experiments; imports no TensorFlow itself. Every
+process is killed if any fails or the time runs out, so nothing outlives a run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from swarm.plan import StagePlan
+
+
+class StageFailedError(RuntimeError):
+    pass
+
+
+def write_plans(plans: list[StagePlan], directory: Path) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for plan in plans:
+        path = directory / f"plan-{plan.job_id}-{plan.stage}.json"
+        path.write_bytes(msgspec.json.encode(plan))
+        paths.append(path)
+    return paths
+
+
+def stage_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def run_plans(
+    plans: list[StagePlan],
+    directory: Path,
+    *,
+    timeout: float = 600.0,
+    env: Mapping[str, str] | None = None,
+) -> list[list[dict[str, Any]]]:
+    """Start one process per stage, wait for all; each stage's events, in stage order.
+
+    Stage stdout goes to ``<directory>/stage-<job>-<i>.out`` and stderr to ``.err``.
+    """
+    paths = write_plans(plans, directory)
+    running: list[tuple[StagePlan, subprocess.Popen[bytes], Path]] = []
+    try:
+        for plan, path in reversed(list(zip(plans, paths, strict=True))):
+            out = directory / f"stage-{plan.job_id}-{plan.stage}.out"
+            with open(out, "wb") as stdout, open(out.with_suffix(".err"), "wb") as stderr:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "agent.runtime.main", "--plan", str(path)],
+                    stdout=stdout,
+                    stderr=stderr,
+                    env=stage_env(env),
+                )
+            running.append((plan, proc, out))
+        deadline = time.monotonic() + timeout
+        for plan, proc, out in running:
+            code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            if code != 0:
+                err = out.with_suffix(".err").read_text(errors="replace")[-3000:]
+                raise StageFailedError(f"stage {plan.stage} exited {code}:\n{err}")
+    finally:
+        for _, proc, _ in running:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    results = {plan.stage: _events(out) for plan, _, out in running}
+    return [results[stage] for stage in sorted(results)]
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+
+
+def steps(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in events if e["event"] == "step"]
+
+
+def done(events: list[dict[str, Any]]) -> dict[str, Any]:
+    return next(e for e in events if e["event"] == "done")
+
+
+def links(events: list[dict[str, Any]]) -> dict[str, Any]:
+    return next(e for e in events if e["event"] == "links")
