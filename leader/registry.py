@@ -83,6 +83,8 @@ class NodeView(msgspec.Struct, kw_only=True):
 class _Entry:
     record: FellowRecord
     last_seen: float  # leader's monotonic clock
+    # The instance said goodbye: its heartbeats still in flight must not revive it.
+    deregistered: bool = False
 
 
 class WorkerRegistry:
@@ -136,6 +138,7 @@ class WorkerRegistry:
                 f"{self.offline_after_s:.0f}s for it to go offline",
             )
         self._revive_if_offline(entry, "registered again")
+        entry.deregistered = False
         self._refresh(entry, req.fellow, req.hardware)
         entry.record.registrations += 1
         entry.record.last_registered_at = self._wall()
@@ -154,6 +157,7 @@ class WorkerRegistry:
             )
         if entry.record.status is not FellowStatus.OFFLINE:
             self._go_offline(entry, f"deregistered: {req.reason}")
+        entry.deregistered = True
         log.info("fellow %s deregistered (%s)", req.fellow_id, req.reason)
         return self._accept("deregistered")
 
@@ -179,6 +183,9 @@ class WorkerRegistry:
                 )
                 return False
             self._revive_if_offline(entry, "new instance heartbeating")
+        elif entry.deregistered:
+            self.dropped["after_deregister"] += 1
+            return False
         else:
             self._revive_if_offline(entry, "heartbeat after offline")
         self._refresh(entry, hb.fellow, hb.hardware)

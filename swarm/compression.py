@@ -26,15 +26,22 @@ class CompressionSpec:
 
     @property
     def quant_bits(self) -> int | None:
-        match = _FIXED.match(self.wire)
+        match = _FIXED.fullmatch(self.wire)
         return int(match.group(1)) if match else None
+
+
+def parse_wire_spec(spec: str) -> str:
+    """A gradient codec: only the wire forms (``none``, ``fp16``, ``fixed_intN``)."""
+    if spec in ("none", "fp16") or _FIXED.fullmatch(spec):
+        return spec
+    raise ConfigError(f"grad_compression {spec!r} is not one of: none, fp16, fixed_intN (N 2-8)")
 
 
 def parse_compression(spec: str, *, d_model: int | None = None) -> CompressionSpec:
     """The parsed spec; ConfigError naming the spec and the accepted forms otherwise."""
-    if spec in ("none", "fp16") or _FIXED.match(spec):
+    if spec in ("none", "fp16") or _FIXED.fullmatch(spec):
         return CompressionSpec(spec=spec, wire=spec)
-    match = _LEARNED.match(spec)
+    match = _LEARNED.fullmatch(spec)
     if match is None:
         raise ConfigError(f"compression {spec!r} is not one of: {ACCEPTED}")
     dim = int(match.group(1))

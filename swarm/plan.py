@@ -7,12 +7,14 @@ them); msgspec Structs so a plan round-trips through JSON files and NATS message
 from __future__ import annotations
 
 import enum
+import os
 from typing import Self
 
 import msgspec
 
-from swarm.compression import parse_compression
+from swarm.compression import parse_compression, parse_wire_spec
 from swarm.errors import ConfigError
+from swarm.subjects import TOKEN_RE
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -138,14 +140,41 @@ class StagePlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             out.append(f"stage {self.stage} needs 'next' with a data_address")
         if not self.is_first and self.transport != Transport.TUNNEL and not self.data_address:
             out.append(f"stage {self.stage} needs 'data_address' to bind for p2p")
-        if self.n_stages > 1 and self.transport != Transport.P2P and not self.nats_url:
-            out.append(f"transport {self.transport.value!r} needs 'nats_url' for the relay")
+        if self.n_stages > 1 and self.transport == Transport.TUNNEL and not self.nats_url:
+            out.append("transport 'tunnel' needs 'nats_url' for the relay")
         try:
             parse_compression(self.compression, d_model=self.model.d_model)
             if self.grad_compression is not None:
-                parse_compression(self.grad_compression)
+                parse_wire_spec(self.grad_compression)
         except ConfigError as exc:
             out.append(exc.message)
+        for name in ("job_id", "fellow_id"):
+            if not TOKEN_RE.match(getattr(self, name)):
+                out.append(f"{name} {getattr(self, name)!r}: use 1-64 letters, digits, '-', '_'")
+        for peer in (self.prev, self.next):
+            if peer is not None and not TOKEN_RE.match(peer.fellow_id):
+                out.append(f"peer fellow_id {peer.fellow_id!r}: use 1-64 letters, digits, '-', '_'")
+        if self.attempt < 0:
+            out.append("attempt must be >= 0")
+        if self.peer_timeout_s <= 0 or self.p2p_probe_timeout_s < 0:
+            out.append("peer_timeout_s must be > 0 and p2p_probe_timeout_s >= 0")
+        if self.intra_op_threads is not None and self.intra_op_threads < 1:
+            out.append("intra_op_threads must be >= 1")
+        out.extend(self._slot_problems())
+        return out
+
+    def _slot_problems(self) -> list[str]:
+        out, covered = [], set()
+        for slot in self.gpu_slots:
+            layers = set(range(slot.layer_start, slot.layer_end))
+            if not layers or not layers <= set(range(self.layer_start, self.layer_end)):
+                out.append(
+                    f"gpu slot [{slot.layer_start}, {slot.layer_end}) is not inside the stage's "
+                    f"layers [{self.layer_start}, {self.layer_end})"
+                )
+            if layers & covered:
+                out.append(f"gpu slot [{slot.layer_start}, {slot.layer_end}) overlaps another")
+            covered |= layers
         return out
 
     def checked(self) -> Self:
@@ -163,7 +192,10 @@ def decode_plan(data: bytes, *, source: str = "plan") -> StagePlan:
         raise ConfigError(f"{source}: {exc}") from None
     except msgspec.DecodeError as exc:
         raise ConfigError(f"{source}: not valid JSON ({exc})") from None
-    return plan.checked()
+    problems = plan.problems()
+    if problems:
+        raise ConfigError(f"{source}: invalid stage plan: " + "; ".join(problems))
+    return plan
 
 
 def split_layers(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
@@ -197,7 +229,10 @@ def chain_plans(
     """Plans for a chain of ``len(addresses)`` stages with equal layer ranges.
 
     ``addresses[i]`` is where stage i binds for its upstream boundary (unused for stage 0).
+    Without ``intra_op_threads`` each stage gets this machine's cores / stages.
     """
+    if intra_op_threads is None:
+        intra_op_threads = max(1, (os.cpu_count() or 1) // len(addresses))
     n = len(addresses)
     ids = fellow_ids or [f"stage-{i}" for i in range(n)]
     ranges = split_layers(model.n_layers, n)

@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 Parts = list[bytes | memoryview]
 HELLO = b"\x00swarm-hello"
 ACK = b"\x00swarm-ack"
+DONE = b"\x00swarm-done"  # the downstream end finished the run: the upstream may close
+_OK = b"ok"
+CLOSE_LINGER_MS = 2000  # let the last queued messages (DONE, final frames) leave on close
 HELLO_EVERY_S = 0.25
 
 
@@ -55,15 +58,19 @@ class Link(Protocol):
     bytes_sent: int
     bytes_received: int
 
-    def send(self, parts: Sequence[bytes | memoryview]) -> None: ...
+    def send(self, parts: Sequence[bytes | memoryview], timeout_s: float = 60.0) -> None: ...
 
     def recv(self, timeout_s: float) -> Parts: ...
+
+    def send_done(self) -> None: ...
+
+    def wait_done(self, timeout_s: float) -> bool: ...
 
     def close(self) -> None: ...
 
 
 def _is_control(parts: Sequence[bytes | memoryview]) -> bool:
-    return len(parts) == 2 and bytes(parts[0]) in (HELLO, ACK)
+    return len(parts) == 2 and bytes(parts[0]) in (HELLO, ACK, DONE)
 
 
 def _nbytes(parts: Sequence[bytes | memoryview]) -> int:
@@ -106,12 +113,23 @@ class ZmqLink:
         else:
             sock.connect(connect)
         self.address = bind or connect
+        self.peer_done = False
         self._sock = sock
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
 
-    def send(self, parts: Sequence[bytes | memoryview]) -> None:
-        self._sock.send_multipart(list(parts), copy=False)
+    def send(self, parts: Sequence[bytes | memoryview], timeout_s: float = 60.0) -> None:
+        """Queue a message; PeerTimeoutError when no peer takes it within ``timeout_s``.
+
+        A bound DEALER with no connected peer would block for ever without the timeout.
+        """
+        self._sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
+        try:
+            self._sock.send_multipart(list(parts), copy=False)
+        except zmq.Again:
+            raise PeerTimeoutError(
+                f"{self.name}: no peer took a message for {timeout_s:.0f}s"
+            ) from None
         self.bytes_sent += _nbytes(parts)
 
     def poll(self, timeout_s: float) -> bool:
@@ -134,11 +152,29 @@ class ZmqLink:
                 raise PeerTimeoutError(f"{self.name}: nothing received for {timeout_s:.0f}s")
             if not _is_control(parts):
                 return parts
-            if bytes(parts[0]) == HELLO:  # the peer missed our ACK: answer again
-                self.send([ACK, b"p2p"])
+            self._on_control(bytes(parts[0]))
+
+    def _on_control(self, kind: bytes) -> None:
+        if kind == HELLO:  # the peer missed our ACK: answer again
+            self.send([ACK, _OK], timeout_s=1.0)
+        elif kind == DONE:
+            self.peer_done = True
+
+    def send_done(self) -> None:
+        self.send([DONE, b""], timeout_s=5.0)
+
+    def wait_done(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not self.peer_done:
+            parts = self.recv_any(max(0.0, deadline - time.monotonic()))
+            if parts is None:
+                return False
+            if _is_control(parts):
+                self._on_control(bytes(parts[0]))
+        return True
 
     def close(self) -> None:
-        self._sock.close(linger=0)
+        self._sock.close(linger=CLOSE_LINGER_MS)
 
 
 def _bind(sock: zmq.Socket, address: str) -> None:
@@ -154,7 +190,7 @@ def _bind(sock: zmq.Socket, address: str) -> None:
 
 # --- NATS relay -----------------------------------------------------------------------------
 
-_DATA, _CREDIT, _HELLO, _ACK = b"D", b"C", b"H", b"A"
+_DATA, _CREDIT, _HELLO, _ACK, _DONE = b"D", b"C", b"H", b"A", b"E"
 _DATA_HEAD = struct.Struct(">QII")  # chunk seq, chunk index within the frame, chunks in frame
 _CREDIT_HEAD = struct.Struct(">I")
 
@@ -191,8 +227,8 @@ class RelayLink:
     Chunks carry a sequence number: a gap (a chunk lost to a reconnect or a slow-consumer
     drop) fails the receive instead of corrupting a tensor. The receiver grants credits, so
     at most ``window`` chunks are in flight and a fast sender cannot exhaust memory. Grants
-    pause while ``max_frames`` whole frames wait unread, and resume as the reader takes them;
-    the frame being assembled always gets its grants, so no frame size can deadlock.
+    pause while ``max_frames`` whole frames wait unread and resume as the reader takes them,
+    so a reader that keeps reading never stalls a sender, whatever the frame size.
     """
 
     def __init__(
@@ -223,6 +259,7 @@ class RelayLink:
         self._expected_seq = 0
         self._next_seq = 0
         self._deferred_grants = 0
+        self._peer_done = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"relay-{name}")
         self._thread.daemon = True
@@ -230,7 +267,11 @@ class RelayLink:
         self._credits = 0
         self._credit_event: asyncio.Event | None = None
         self._nc = None
-        self._run(self._connect(nats_url), timeout=connect_timeout_s)
+        try:
+            self._run(self._connect(nats_url), timeout=connect_timeout_s)
+        except BaseException:
+            self._stop_loop()
+            raise
 
     # --- thread bridging ------------------------------------------------------------------
 
@@ -256,6 +297,8 @@ class RelayLink:
             reconnect_time_wait=0.5,
             name=f"relay-{self.name}",
         )
+        # Chunks must fit the server's max_payload (1 MiB by default, smaller if configured).
+        self._chunk = max(1024, min(self._chunk, self._nc.max_payload - 64))
         await self._nc.subscribe(self.recv_subject, cb=self._on_message)
         await self._nc.flush()
 
@@ -274,6 +317,10 @@ class RelayLink:
         elif kind in (_HELLO, _ACK):
             with self._cv:
                 self._control.append(kind + body)
+                self._cv.notify_all()
+        elif kind == _DONE:
+            with self._cv:
+                self._peer_done = True
                 self._cv.notify_all()
         else:
             self._fail(LinkError(f"{self.name}: unknown relay message kind {kind!r}"))
@@ -355,6 +402,13 @@ class RelayLink:
 
         self._run(publish(), timeout=10)
 
+    def send_done(self) -> None:
+        self.send_control(_DONE)
+
+    def wait_done(self, timeout_s: float) -> bool:
+        with self._cv:
+            return self._cv.wait_for(lambda: self._peer_done, timeout_s)
+
     def recv_control(self, timeout_s: float) -> bytes | None:
         with self._cv:
             if not self._cv.wait_for(lambda: bool(self._control), timeout_s):
@@ -379,17 +433,42 @@ class RelayLink:
         async def shutdown() -> None:
             if self._nc is not None:
                 with contextlib.suppress(Exception):
-                    await self._nc.close()
+                    await self._nc.drain()  # flushes what is still buffered
 
         with contextlib.suppress(Exception):
             self._run(shutdown(), timeout=5)
+        self._stop_loop()
+
+    def _stop_loop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._loop.close()
 
 
 # --- handshakes: who talks to whom, and how -------------------------------------------------
 
 RelayFactory = Callable[[], RelayLink]
+
+
+class HandshakeError(LinkError):
+    """The two ends cannot work together (for example their training data differ)."""
+
+
+def _open_relay(
+    name: str, transport: TransportKind, relay: RelayFactory | None
+) -> RelayLink | None:
+    """The relay end, if the transport allows one. Under ``auto`` an unreachable NATS only
+    means the direct path must do; under ``tunnel`` it is an error."""
+    if transport == TransportKind.P2P or relay is None:
+        return None
+    try:
+        return relay()
+    except Exception as exc:
+        if transport == TransportKind.TUNNEL:
+            raise LinkError(f"{name}: relay unavailable: {exc}") from None
+        log.warning("%s: relay unavailable (%s); trying the direct path only", name, exc)
+        return None
 
 
 def connect_downstream(
@@ -399,18 +478,24 @@ def connect_downstream(
     address: str | None,
     relay: RelayFactory | None,
     timeout_s: float,
+    fingerprint: bytes = b"",
 ) -> Link:
     """The upstream end: say HELLO on every allowed transport until the binder ACKs one.
 
-    The binder decides (see :func:`accept_upstream`), so both ends always agree.
+    The binder decides (see :func:`accept_upstream`), so both ends always agree. HELLO carries
+    ``fingerprint`` (what must be equal on both ends, such as the training data); a binder
+    with another fingerprint refuses, and this raises HandshakeError.
     """
-    zlink = ZmqLink(name=name, connect=address) if transport != TransportKind.TUNNEL else None
-    rlink = relay() if transport != TransportKind.P2P and relay is not None else None
-    if zlink is None and rlink is None:
-        raise LinkError(f"{name}: transport {transport} has nothing to connect with")
-    deadline = time.monotonic() + timeout_s
+    zlink: ZmqLink | None = None
+    rlink: RelayLink | None = None
     chosen: Link | None = None
     try:
+        if transport != TransportKind.TUNNEL and address:
+            zlink = ZmqLink(name=name, connect=address)
+        rlink = _open_relay(name, transport, relay)
+        if zlink is None and rlink is None:
+            raise LinkError(f"{name}: transport {transport} has nothing to connect with")
+        deadline = time.monotonic() + timeout_s
         while chosen is None:
             if time.monotonic() >= deadline:
                 raise PeerTimeoutError(
@@ -418,10 +503,11 @@ def connect_downstream(
                     f"(tried {', '.join(_tried(zlink, rlink))})"
                 )
             if zlink is not None:
-                zlink.send([HELLO, b""])
+                with contextlib.suppress(PeerTimeoutError):
+                    zlink.send([HELLO, fingerprint], timeout_s=HELLO_EVERY_S)
             if rlink is not None:
-                rlink.send_control(_HELLO)
-            chosen = _await_ack(zlink, rlink, HELLO_EVERY_S)
+                rlink.send_control(_HELLO, fingerprint)
+            chosen = _await_ack(name, zlink, rlink, HELLO_EVERY_S)
     finally:
         for link in (zlink, rlink):
             if link is not None and link is not chosen:
@@ -430,18 +516,27 @@ def connect_downstream(
     return chosen
 
 
-def _await_ack(zlink: ZmqLink | None, rlink: RelayLink | None, window_s: float) -> Link | None:
+def _await_ack(
+    name: str, zlink: ZmqLink | None, rlink: RelayLink | None, window_s: float
+) -> Link | None:
     end = time.monotonic() + window_s
     while (left := end - time.monotonic()) > 0:
         if zlink is not None:
             parts = zlink.recv_any(min(left, 0.05) if rlink else left)
             if parts is not None and _is_control(parts) and bytes(parts[0]) == ACK:
+                _check_ack(name, bytes(parts[1]))
                 return zlink
         if rlink is not None:
             control = rlink.recv_control(min(end - time.monotonic(), 0.05) if zlink else left)
             if control is not None and control[:1] == _ACK:
+                _check_ack(name, control[1:])
                 return rlink
     return None
+
+
+def _check_ack(name: str, body: bytes) -> None:
+    if body.startswith(b"!"):
+        raise HandshakeError(f"{name}: the downstream peer refused: {body[1:].decode()}")
 
 
 def _tried(zlink: ZmqLink | None, rlink: RelayLink | None) -> list[str]:
@@ -461,23 +556,27 @@ def accept_upstream(
     relay: RelayFactory | None,
     timeout_s: float,
     p2p_grace_s: float,
+    fingerprint: bytes = b"",
 ) -> Link:
     """The downstream end: wait for HELLO; answer ACK on the transport it chose.
 
     Under ``auto`` a p2p HELLO wins at once; a relay HELLO wins only if no p2p HELLO follows
-    within ``p2p_grace_s`` (the connector says HELLO on both at the same time).
+    within ``p2p_grace_s`` (the connector says HELLO on both at the same time). A HELLO whose
+    fingerprint differs from ours is refused on its transport and raises HandshakeError.
     """
-    zlink = ZmqLink(name=name, bind=bind) if transport != TransportKind.TUNNEL else None
-    rlink = relay() if transport != TransportKind.P2P and relay is not None else None
-    if zlink is None and rlink is None:
-        raise LinkError(f"{name}: transport {transport} has nothing to listen with")
-    deadline = time.monotonic() + timeout_s
-    relay_hello_at: float | None = None
+    zlink: ZmqLink | None = None
+    rlink: RelayLink | None = None
     chosen: Link | None = None
     try:
+        if transport != TransportKind.TUNNEL and bind:
+            zlink = ZmqLink(name=name, bind=bind)
+        rlink = _open_relay(name, transport, relay)
+        if zlink is None and rlink is None:
+            raise LinkError(f"{name}: transport {transport} has nothing to listen with")
+        deadline = time.monotonic() + timeout_s
+        relay_hello_at: float | None = None
         while chosen is None:
-            now = time.monotonic()
-            if now >= deadline:
+            if time.monotonic() >= deadline:
                 raise PeerTimeoutError(
                     f"{name}: no HELLO from the upstream peer within {timeout_s:.0f}s "
                     f"(listening on {', '.join(_tried(zlink, rlink))})"
@@ -485,16 +584,23 @@ def accept_upstream(
             if zlink is not None:
                 parts = zlink.recv_any(0.05)
                 if parts is not None and _is_control(parts) and bytes(parts[0]) == HELLO:
-                    zlink.send([ACK, b"p2p"])
+                    refusal = _refusal(fingerprint, bytes(parts[1]))
+                    zlink.send([ACK, refusal or _OK], timeout_s=5.0)
+                    if refusal:
+                        raise HandshakeError(f"{name}: {refusal[1:].decode()}")
                     chosen = zlink
                     break
             if rlink is not None:
                 control = rlink.recv_control(0.0 if zlink else 0.05)
                 if control is not None and control[:1] == _HELLO and relay_hello_at is None:
+                    refusal = _refusal(fingerprint, control[1:])
+                    if refusal:
+                        rlink.send_control(_ACK, refusal)
+                        raise HandshakeError(f"{name}: {refusal[1:].decode()}")
                     relay_hello_at = time.monotonic()
                 grace = 0.0 if zlink is None else p2p_grace_s
                 if relay_hello_at is not None and time.monotonic() - relay_hello_at >= grace:
-                    rlink.send_control(_ACK)
+                    rlink.send_control(_ACK, _OK)
                     chosen = rlink
     finally:
         for link in (zlink, rlink):
@@ -502,3 +608,15 @@ def accept_upstream(
                 link.close()
     log.info("%s: using %s", name, chosen.transport)
     return chosen
+
+
+def _refusal(ours: bytes, theirs: bytes) -> bytes | None:
+    if ours == theirs:
+        return None
+    return (
+        b"!fingerprints differ (upstream "
+        + theirs[:16].hex().encode()
+        + b", downstream "
+        + ours[:16].hex().encode()
+        + b"): the two stages do not train on the same data and model"
+    )

@@ -67,11 +67,18 @@ def run_plans(
                 )
             running.append((plan, proc, out))
         deadline = time.monotonic() + timeout
-        for plan, proc, out in running:
-            code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            if code != 0:
-                err = out.with_suffix(".err").read_text(errors="replace")[-3000:]
-                raise StageFailedError(f"stage {plan.stage} exited {code}:\n{err}")
+        while any(proc.poll() is None for _, proc, _ in running):
+            failed = [(plan, proc, out) for plan, proc, out in running if proc.poll()]
+            if failed:
+                break  # the first failure is the cause; the others would only time out
+            if time.monotonic() >= deadline:
+                raise StageFailedError(f"stages still running after {timeout:.0f}s")
+            time.sleep(0.1)
+        failed = [(plan, proc, out) for plan, proc, out in running if proc.poll()]
+        if failed:
+            plan, proc, out = min(failed, key=lambda f: f[2].with_suffix(".err").stat().st_mtime)
+            err = out.with_suffix(".err").read_text(errors="replace")[-3000:]
+            raise StageFailedError(f"stage {plan.stage} exited {proc.returncode}:\n{err}")
     finally:
         for _, proc, _ in running:
             if proc.poll() is None:

@@ -59,6 +59,11 @@ def run(
     except (LinkError, FrameError, DataError) as exc:
         emit({"event": "error", "stage": stage_plan.stage, "message": str(exc)})
         fail("swarm-stage", f"stage {stage_plan.stage}: {exc}", 1)
+    except Exception as exc:  # a bug or a TensorFlow failure: say so, keep the trace in the log
+        log.exception("stage %d failed", stage_plan.stage)
+        message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        emit({"event": "error", "stage": stage_plan.stage, "message": message})
+        fail("swarm-stage", f"stage {stage_plan.stage}: {message}", 1)
     finally:
         if runner is not None:
             runner.close()

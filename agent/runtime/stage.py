@@ -6,16 +6,25 @@ through the boundary links, encoded by the wire codec of the plan's compression 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 import tensorflow as tf
 
-from agent.pipe.link import Link, LinkError, RelayLink, TransportKind, accept_upstream
+from agent.pipe.link import (
+    Link,
+    LinkError,
+    PeerTimeoutError,
+    RelayLink,
+    TransportKind,
+    accept_upstream,
+)
 from agent.pipe.link import connect_downstream as open_downstream
 from agent.pipe.wire import Direction, FrameError, WireCodec, decode_frame, encode_frame
 from agent.pipe.wire import parse_wire_codec as wire_codec
@@ -63,7 +72,7 @@ class Boundary:
             direction=direction,
             phase=phase,
         )
-        self.link.send(parts)
+        self.link.send(parts, timeout_s=self.timeout_s)
 
     def recv(
         self, *, step: int, micro: int, direction: Direction, phase: str = "train"
@@ -119,11 +128,25 @@ class StageRunner:
         )
         spec = parse_compression(plan.compression, d_model=plan.model.d_model)
         self.act_codec = wire_codec(spec.wire)
-        self.grad_codec = wire_codec(plan.grad_compression or spec.wire)
+        self.grad_codec = wire_codec(plan.grad_compression or spec.wire)  # validated in the plan
 
     # --- links ----------------------------------------------------------------------------
 
-    def _relay(self, boundary: int, send: str, recv: str) -> Callable[[], RelayLink]:
+    def fingerprint(self) -> bytes:
+        """What both ends of a boundary must share: job, attempt, model, data and its order.
+
+        Every stage reads its own copy of the corpus (stage 0 for inputs, the last for
+        targets); if the copies differ, inputs and targets would silently disagree.
+        """
+        plan, data = self.plan, self.data
+        digest = hashlib.sha256()
+        digest.update(f"{plan.job_id}/{plan.attempt}".encode())
+        digest.update(msgspec.json.encode(plan.model))
+        digest.update(f"{data.seq_len}/{data.seed}/{data.val_fraction}".encode())
+        digest.update(np.ascontiguousarray(data.tokens).tobytes())
+        return digest.digest()
+
+    def _relay(self, boundary: int, name: str, send: str, recv: str) -> Callable[[], RelayLink]:
         plan = self.plan
 
         def subject(direction: str) -> str:
@@ -138,7 +161,7 @@ class StageRunner:
         def make() -> RelayLink:
             assert plan.nats_url is not None
             return RelayLink(
-                name=f"boundary {boundary} relay",
+                name=name,
                 nats_url=plan.nats_url,
                 send_subject=subject(send),
                 recv_subject=subject(recv),
@@ -149,6 +172,7 @@ class StageRunner:
     def open_links(self) -> None:
         plan = self.plan
         transport = TransportKind(plan.transport.value)
+        fingerprint = self.fingerprint()
         if not plan.is_first:
             b = plan.stage - 1
             name = f"boundary {b} ({plan.prev.fellow_id} -> {plan.fellow_id})"
@@ -156,9 +180,10 @@ class StageRunner:
                 name=name,
                 transport=transport,
                 bind=plan.data_address,
-                relay=self._relay(b, send="bwd", recv="fwd") if plan.nats_url else None,
+                relay=self._relay(b, name, send="bwd", recv="fwd") if plan.nats_url else None,
                 timeout_s=plan.peer_timeout_s,
                 p2p_grace_s=plan.p2p_probe_timeout_s,
+                fingerprint=fingerprint,
             )
             self.up = Boundary(
                 link, b, name, plan.job_id, plan.attempt, self.grad_codec, plan.peer_timeout_s
@@ -170,8 +195,9 @@ class StageRunner:
                 name=name,
                 transport=transport,
                 address=plan.next.data_address,
-                relay=self._relay(b, send="fwd", recv="bwd") if plan.nats_url else None,
+                relay=self._relay(b, name, send="fwd", recv="bwd") if plan.nats_url else None,
                 timeout_s=plan.peer_timeout_s,
+                fingerprint=fingerprint,
             )
             self.down = Boundary(
                 link, b, name, plan.job_id, plan.attempt, self.act_codec, plan.peer_timeout_s
@@ -260,6 +286,7 @@ class StageRunner:
 
     def run(self) -> dict[str, Any]:
         plan = self.plan
+        self.emit({"event": "placement", "stage": plan.stage, "devices": self.model.devices()})
         self.open_links()
         tokens_per_step = plan.train.batch_size * plan.model.seq_len
         val_loss = None
@@ -284,6 +311,7 @@ class StageRunner:
                 event["val_loss"] = self.evaluate(step)
             self.emit(event)
         val_loss = self.evaluate(plan.train.steps)
+        self.finish()
         # The first steps pay for tracing: report the steady state.
         steady = step_times[len(step_times) // 5 :] or step_times
         mean_step = sum(steady) / len(steady)
@@ -301,6 +329,20 @@ class StageRunner:
         }
         self.emit(summary)
         return summary
+
+    def finish(self) -> None:
+        """End the run in order: from the last stage upwards, each end confirms DONE.
+
+        Without it an upstream stage could exit (and close its socket) while its last frames
+        were still queued, and the downstream stage would wait for them in vain.
+        """
+        if self.down is not None and not self.down.link.wait_done(self.plan.peer_timeout_s):
+            raise PeerTimeoutError(
+                f"{self.down.name}: the downstream stage did not confirm the end of the run "
+                f"within {self.plan.peer_timeout_s:.0f}s"
+            )
+        if self.up is not None:
+            self.up.link.send_done()
 
     def take_wait(self) -> float:
         """Seconds blocked on peers since the last call (the pipeline bubble, seen from here)."""

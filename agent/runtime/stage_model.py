@@ -7,16 +7,20 @@ with the gradient received from the next stage: no recomputation, no eager fallb
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 
 import keras
 import tensorflow as tf
 
+from agent.runtime.devices import tf_gpu_index
 from agent.runtime.model import Block, Embedding, Head, Projection, token_loss
 from agent.runtime.schedule import lr_at
 from swarm.compression import parse_compression
 from swarm.plan import StagePlan
 
+log = logging.getLogger(__name__)
 NO_DECAY = ["gamma", "beta", "^b$", "^b_", "tok", "pos"]
 
 
@@ -29,9 +33,10 @@ class Piece:
 def layer_devices(plan: StagePlan) -> dict[int, str | None]:
     """Device of each local layer, from the plan's GPU slots.
 
-    GPU slots map to ``/GPU:<index>`` (NVML and TensorFlow agree under
-    CUDA_DEVICE_ORDER=PCI_BUS_ID). Without GPUs each slot maps to its own logical CPU device,
-    so the placement code runs on CPU-only machines too. No slots: let TensorFlow place.
+    GPU slots map to TensorFlow's GPU for the slot's NVML index/UUID (see
+    :func:`tf_gpu_index`; CUDA_DEVICE_ORDER=PCI_BUS_ID makes the numberings agree). Without
+    GPUs each slot maps to its own logical CPU device, so the placement code runs on
+    CPU-only machines too. No slots: let TensorFlow place.
     """
     layers = range(plan.layer_start, plan.layer_end)
     if not plan.gpu_slots:
@@ -39,8 +44,19 @@ def layer_devices(plan: StagePlan) -> dict[int, str | None]:
     gpus = tf.config.list_logical_devices("GPU")
     cpus = tf.config.list_logical_devices("CPU")
     out: dict[int, str | None] = {}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     for slot_index, slot in enumerate(plan.gpu_slots):
-        device = f"/GPU:{slot.gpu_index}" if gpus else cpus[min(slot_index, len(cpus) - 1)].name
+        tf_index = tf_gpu_index(slot.gpu_index, slot.gpu_uuid, visible) if gpus else None
+        if tf_index is not None and tf_index < len(gpus):
+            device = gpus[tf_index].name
+        else:
+            if gpus:
+                log.warning(
+                    "GPU %s (index %d) is not visible here; its layers run on the CPU",
+                    slot.gpu_uuid,
+                    slot.gpu_index,
+                )
+            device = cpus[min(slot_index, len(cpus) - 1)].name
         for layer in range(slot.layer_start, slot.layer_end):
             out[layer] = device
     for layer in layers:
@@ -87,11 +103,21 @@ class StageModel:
         )
         self.optimizer.exclude_from_weight_decay(var_names=NO_DECAY)
         self.optimizer.build(self.variables)
-        jit = train.jit_compile
+        # An XLA cluster cannot span devices: compile only a stage that lives on one.
+        jit = train.jit_compile and len({p.device for p in self.pieces}) <= 1
         self.forward = tf.function(self._forward, reduce_retracing=True, jit_compile=jit)
         self.forward_loss = tf.function(self._forward_loss, reduce_retracing=True, jit_compile=jit)
         self._accumulate = tf.function(self._accumulate_impl)
         self._apply = tf.function(self._apply_impl)
+
+    def devices(self) -> dict[str, str]:
+        """Where each piece's variables actually live, e.g. ``{"block_2": "/job:.../CPU:1"}``."""
+        out = {}
+        for piece in self.pieces:
+            variables = piece.layer.trainable_variables
+            if variables:
+                out[piece.layer.name] = variables[0].value.device
+        return out
 
     @property
     def n_params(self) -> int:

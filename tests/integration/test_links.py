@@ -267,3 +267,39 @@ def test_boundary_rejects_corrupt_and_drops_stale_frames():
     finally:
         binder.close()
         connector.close()
+
+
+@pytest.mark.parametrize("kind", ["p2p", "relay"])
+def test_frames_queued_before_close_are_delivered_and_done_confirmed(kind, nats_server):
+    """An upstream that sends its last frames and closes at once must lose none of them."""
+    if kind == "p2p":
+        address = f"tcp://127.0.0.1:{free_port()}"
+        receiver = ZmqLink(name="down", bind=address)
+        sender = ZmqLink(name="up", connect=address)
+    else:
+        sender, receiver = relay_pair(nats_server.url)
+    try:
+
+        def upstream() -> None:
+            for step in range(16):
+                sender.send(frame(step, shape=(8, 128, 256)), timeout_s=30)  # 1 MiB each
+            sender.send_done()
+            sender.close()
+
+        thread = threading.Thread(target=upstream)
+        thread.start()
+        got = [decode_frame(receiver.recv(30))[0].step for _ in range(16)]
+        thread.join(30)
+        assert got == list(range(16))
+        assert receiver.wait_done(10)
+    finally:
+        receiver.close()
+
+
+def test_a_bound_end_without_a_peer_fails_its_send_instead_of_hanging():
+    link = ZmqLink(name="boundary 3 (u -> d)", bind=f"tcp://127.0.0.1:{free_port()}")
+    try:
+        with pytest.raises(PeerTimeoutError, match=r"boundary 3 \(u -> d\): no peer took"):
+            link.send(frame(1), timeout_s=0.5)
+    finally:
+        link.close()

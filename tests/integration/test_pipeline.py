@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import msgspec
 import pytest
 
-from agent.runtime.launch import done, links, run_plans, steps, write_plans
-from swarm.plan import ModelConfig, Peer, StagePlan, TrainConfig, Transport, chain_plans
+from agent.runtime.launch import StageFailedError, done, links, run_plans, steps, write_plans
+from swarm.plan import (
+    GpuSlot,
+    ModelConfig,
+    Peer,
+    StagePlan,
+    TrainConfig,
+    Transport,
+    chain_plans,
+)
 from swarm.procs import free_port
 from tests.helpers import child_env, wait_for
 
@@ -61,15 +71,28 @@ def test_two_stages_reproduce_one_process_step_by_step(procs, tmp_path):
     assert done(first)["down_bytes_sent"] > 0
 
 
-def test_three_stages_train_over_zeromq(procs, tmp_path):
+def test_three_stages_over_zeromq_match_one_process(procs, tmp_path):
+    """A middle stage (both boundaries) passes gradients on exactly too."""
+    config = train(10)
+    single = StagePlan(
+        job_id="ref3",
+        stage=0,
+        n_stages=1,
+        layer_start=0,
+        layer_end=SMALL.n_layers,
+        model=SMALL,
+        train=config,
+        intra_op_threads=1,
+    )
     plans = chain_plans(
         job_id="zmq3",
         model=SMALL,
-        train=train(12),
+        train=config,
         addresses=addresses(3),
         transport=Transport.P2P,
         intra_op_threads=1,
     )
+    (reference,) = run_plans([single], tmp_path)
     results = run_plans(plans, tmp_path)
     transports = [links(r) for r in results]
     assert [(link["up"], link["down"]) for link in transports] == [
@@ -77,12 +100,30 @@ def test_three_stages_train_over_zeromq(procs, tmp_path):
         ("p2p", "p2p"),
         ("p2p", None),
     ]
-    losses = [s["loss"] for s in steps(results[-1])]
-    assert losses[-1] < losses[0]
-    assert done(results[-1])["val_loss"] is not None
+    want = [s["loss"] for s in steps(reference)]
+    got = [s["loss"] for s in steps(results[-1])]
+    for step, (a, b) in enumerate(zip(want, got, strict=True)):
+        assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: single {a} vs pipeline {b}"
+    assert abs(done(results[-1])["val_loss"] - done(reference)["val_loss"]) < 1e-3
     middle = done(results[1])
     assert middle["up_bytes_received"] == done(results[0])["down_bytes_sent"]
     assert middle["down_bytes_sent"] == done(results[2])["up_bytes_received"]
+
+
+def test_stages_with_different_data_refuse_to_train_together(procs, tmp_path):
+    plans = chain_plans(
+        job_id="mismatch",
+        model=SMALL,
+        train=train(3),
+        addresses=addresses(2),
+        transport=Transport.P2P,
+        intra_op_threads=1,
+        peer_timeout_s=20,
+    )
+    other_data = msgspec.structs.replace(plans[1].train, max_data_bytes=300_000)
+    plans[1] = msgspec.structs.replace(plans[1], train=other_data)
+    with pytest.raises(StageFailedError, match="fingerprints differ"):
+        run_plans(plans, tmp_path)
 
 
 def test_three_stages_train_over_the_nats_relay(procs, nats_server, tmp_path):
@@ -177,3 +218,63 @@ def test_a_vanished_peer_ends_the_stage_with_an_error_naming_the_boundary(procs,
     log = procs.log(last)
     assert "boundary 0 (stage-0 -> stage-1)" in log and "nothing received" in log
     assert "Traceback" not in log
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        (b"{not json", "not valid JSON"),
+        (
+            b'{"job_id": "j", "stage": 0, "n_stages": 1, "layer_start": 0, "layer_end": 4, '
+            b'"bogus": 1}',
+            "bogus",
+        ),
+        (
+            b'{"job_id": "j", "stage": 0, "n_stages": 1, "layer_start": 0, "layer_end": 9}',
+            "outside the model",
+        ),
+        (
+            b'{"job_id": "j", "stage": 0, "n_stages": 1, "layer_start": 0, "layer_end": 4, '
+            b'"compression": "zip"}',
+            "compression 'zip'",
+        ),
+    ],
+)
+def test_a_bad_plan_is_a_one_line_error_and_exit_2(tmp_path, content, needle):
+    path = tmp_path / "plan.json"
+    path.write_bytes(content)
+    result = subprocess.run(
+        [sys.executable, "-m", "agent.runtime.main", "--plan", str(path)],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    assert needle in result.stderr and str(path) in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_gpu_slots_place_layers_on_their_own_devices_even_on_cpu(tmp_path):
+    """On a CPU-only machine each slot becomes a logical CPU device: the same code path."""
+    plan = StagePlan(
+        job_id="slots",
+        stage=0,
+        n_stages=1,
+        layer_start=0,
+        layer_end=4,
+        model=SMALL.__class__(n_layers=4, d_model=64, n_heads=4, seq_len=32),
+        train=train(2),
+        gpu_slots=[
+            GpuSlot(gpu_index=0, gpu_uuid="GPU-a", layer_start=0, layer_end=2),
+            GpuSlot(gpu_index=1, gpu_uuid="GPU-b", layer_start=2, layer_end=4),
+        ],
+        intra_op_threads=1,
+    )
+    (events,) = run_plans([plan], tmp_path)
+    devices = next(e for e in events if e["event"] == "placement")["devices"]
+    first_slot = {devices[n] for n in ("embed", "block_0", "block_1")}
+    second_slot = {devices[n] for n in ("block_2", "block_3", "head")}
+    assert len(first_slot) == len(second_slot) == 1 and first_slot != second_slot
+    assert all("CPU" in d for d in devices.values())
+    assert done(events)["val_loss"] is not None

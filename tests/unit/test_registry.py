@@ -252,3 +252,15 @@ def test_history_is_bounded(reg, clock):
         beat(reg, "f1", status=FellowStatus.READY)
         beat(reg, "f1", status=FellowStatus.TRAINING)
     assert len(reg.get("f1").history) == 50
+
+
+def test_a_heartbeat_that_arrives_after_deregister_does_not_revive(reg):
+    register(reg, "f1", instance="a")
+    beat(reg, "f1", instance="a")
+    reg.deregister(DeregisterRequest(fellow_id="f1", instance_id="a"))
+    assert not beat(reg, "f1", instance="a")
+    assert reg.get("f1").status is FellowStatus.OFFLINE
+    assert reg.dropped["after_deregister"] == 1
+    assert register(reg, "f1", instance="a").accepted  # the same process may come back
+    assert beat(reg, "f1", instance="a")
+    assert reg.get("f1").status is FellowStatus.READY
