@@ -211,6 +211,22 @@ def split_layers(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
     return ranges
 
 
+def single_process_plan(
+    *, job_id: str, model: ModelConfig, train: TrainConfig, intra_op_threads: int | None = 1
+) -> StagePlan:
+    """The whole model in one stage: the reference a pipeline is compared with."""
+    return StagePlan(
+        job_id=job_id,
+        stage=0,
+        n_stages=1,
+        layer_start=0,
+        layer_end=model.n_layers,
+        model=model,
+        train=train,
+        intra_op_threads=intra_op_threads,
+    ).checked()
+
+
 def chain_plans(
     *,
     job_id: str,

@@ -18,7 +18,8 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import zmq
@@ -471,6 +472,35 @@ def _open_relay(
         return None
 
 
+@dataclass
+class _Candidates:
+    zmq: ZmqLink | None = None
+    relay: RelayLink | None = None
+    chosen: Link | None = None
+
+
+@contextlib.contextmanager
+def _candidates(
+    name: str,
+    transport: TransportKind,
+    make_zmq: Callable[[], ZmqLink] | None,
+    relay: RelayFactory | None,
+) -> Iterator[_Candidates]:
+    """The links a handshake may pick from; every one not chosen is closed on the way out."""
+    links = _Candidates()
+    try:
+        if transport != TransportKind.TUNNEL and make_zmq is not None:
+            links.zmq = make_zmq()
+        links.relay = _open_relay(name, transport, relay)
+        if links.zmq is None and links.relay is None:
+            raise LinkError(f"{name}: transport {transport} has no link to use")
+        yield links
+    finally:
+        for link in (links.zmq, links.relay):
+            if link is not None and link is not links.chosen:
+                link.close()
+
+
 def connect_downstream(
     *,
     name: str,
@@ -486,34 +516,23 @@ def connect_downstream(
     ``fingerprint`` (what must be equal on both ends, such as the training data); a binder
     with another fingerprint refuses, and this raises HandshakeError.
     """
-    zlink: ZmqLink | None = None
-    rlink: RelayLink | None = None
-    chosen: Link | None = None
-    try:
-        if transport != TransportKind.TUNNEL and address:
-            zlink = ZmqLink(name=name, connect=address)
-        rlink = _open_relay(name, transport, relay)
-        if zlink is None and rlink is None:
-            raise LinkError(f"{name}: transport {transport} has nothing to connect with")
+    make_zmq = (lambda: ZmqLink(name=name, connect=address)) if address else None
+    with _candidates(name, transport, make_zmq, relay) as links:
         deadline = time.monotonic() + timeout_s
-        while chosen is None:
+        while links.chosen is None:
             if time.monotonic() >= deadline:
                 raise PeerTimeoutError(
                     f"{name}: no ACK from the downstream peer within {timeout_s:.0f}s "
-                    f"(tried {', '.join(_tried(zlink, rlink))})"
+                    f"(tried {', '.join(_tried(links.zmq, links.relay))})"
                 )
-            if zlink is not None:
+            if links.zmq is not None:
                 with contextlib.suppress(PeerTimeoutError):
-                    zlink.send([HELLO, fingerprint], timeout_s=HELLO_EVERY_S)
-            if rlink is not None:
-                rlink.send_control(_HELLO, fingerprint)
-            chosen = _await_ack(name, zlink, rlink, HELLO_EVERY_S)
-    finally:
-        for link in (zlink, rlink):
-            if link is not None and link is not chosen:
-                link.close()
-    log.info("%s: using %s", name, chosen.transport)
-    return chosen
+                    links.zmq.send([HELLO, fingerprint], timeout_s=HELLO_EVERY_S)
+            if links.relay is not None:
+                links.relay.send_control(_HELLO, fingerprint)
+            links.chosen = _await_ack(name, links.zmq, links.relay, HELLO_EVERY_S)
+    log.info("%s: using %s", name, links.chosen.transport)
+    return links.chosen
 
 
 def _await_ack(
@@ -564,18 +583,12 @@ def accept_upstream(
     within ``p2p_grace_s`` (the connector says HELLO on both at the same time). A HELLO whose
     fingerprint differs from ours is refused on its transport and raises HandshakeError.
     """
-    zlink: ZmqLink | None = None
-    rlink: RelayLink | None = None
-    chosen: Link | None = None
-    try:
-        if transport != TransportKind.TUNNEL and bind:
-            zlink = ZmqLink(name=name, bind=bind)
-        rlink = _open_relay(name, transport, relay)
-        if zlink is None and rlink is None:
-            raise LinkError(f"{name}: transport {transport} has nothing to listen with")
+    make_zmq = (lambda: ZmqLink(name=name, bind=bind)) if bind else None
+    with _candidates(name, transport, make_zmq, relay) as links:
+        zlink, rlink = links.zmq, links.relay
         deadline = time.monotonic() + timeout_s
         relay_hello_at: float | None = None
-        while chosen is None:
+        while links.chosen is None:
             if time.monotonic() >= deadline:
                 raise PeerTimeoutError(
                     f"{name}: no HELLO from the upstream peer within {timeout_s:.0f}s "
@@ -588,7 +601,7 @@ def accept_upstream(
                     zlink.send([ACK, refusal or _OK], timeout_s=5.0)
                     if refusal:
                         raise HandshakeError(f"{name}: {refusal[1:].decode()}")
-                    chosen = zlink
+                    links.chosen = zlink
                     break
             if rlink is not None:
                 control = rlink.recv_control(0.0 if zlink else 0.05)
@@ -601,13 +614,9 @@ def accept_upstream(
                 grace = 0.0 if zlink is None else p2p_grace_s
                 if relay_hello_at is not None and time.monotonic() - relay_hello_at >= grace:
                     rlink.send_control(_ACK, _OK)
-                    chosen = rlink
-    finally:
-        for link in (zlink, rlink):
-            if link is not None and link is not chosen:
-                link.close()
-    log.info("%s: using %s", name, chosen.transport)
-    return chosen
+                    links.chosen = rlink
+    log.info("%s: using %s", name, links.chosen.transport)
+    return links.chosen
 
 
 def _refusal(ours: bytes, theirs: bytes) -> bytes | None:

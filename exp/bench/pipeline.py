@@ -36,7 +36,13 @@ import msgspec  # noqa: E402
 from agent.runtime.data import TextDataset  # noqa: E402
 from agent.runtime.launch import done, run_plans  # noqa: E402
 from agent.runtime.schedule import ideal_speedup  # noqa: E402
-from swarm.plan import ModelConfig, StagePlan, TrainConfig, Transport, chain_plans  # noqa: E402
+from swarm.plan import (  # noqa: E402
+    ModelConfig,
+    TrainConfig,
+    Transport,
+    chain_plans,
+    single_process_plan,
+)
 from swarm.procs import free_port  # noqa: E402
 
 SPECS = [
@@ -48,19 +54,6 @@ SPECS = [
     "learned_dim{k}_fp16",
     "learned_dim{k}_int8",
 ]
-
-
-def single_plan(job: str, model: ModelConfig, train: TrainConfig) -> StagePlan:
-    return StagePlan(
-        job_id=job,
-        stage=0,
-        n_stages=1,
-        layer_start=0,
-        layer_end=model.n_layers,
-        model=model,
-        train=train,
-        intra_op_threads=1,
-    ).checked()
 
 
 def pipeline_plans(job: str, model: ModelConfig, train: TrainConfig, compression: str = "none"):
@@ -78,7 +71,9 @@ def pipeline_plans(job: str, model: ModelConfig, train: TrainConfig, compression
 def speed(work: Path, model: ModelConfig, train: TrainConfig, repeats: int) -> dict[str, Any]:
     single_tps, pipe_tps = [], []
     for r in range(repeats):
-        (one,) = run_plans([single_plan(f"speed-one-{r}", model, train)], work)
+        (one,) = run_plans(
+            [single_process_plan(job_id=f"speed-one-{r}", model=model, train=train)], work
+        )
         single_tps.append(done(one)["tokens_per_s"])
         stages = run_plans(pipeline_plans(f"speed-pipe-{r}", model, train), work)
         pipe_tps.append(min(done(s)["tokens_per_s"] for s in stages))

@@ -18,6 +18,7 @@ from swarm.plan import (
     TrainConfig,
     Transport,
     chain_plans,
+    single_process_plan,
 )
 from swarm.procs import free_port
 from tests.helpers import child_env, wait_for
@@ -41,16 +42,7 @@ def test_two_stages_reproduce_one_process_step_by_step(procs, tmp_path):
     """The proof that gradients really flow across the boundary: same losses for 50 steps."""
     model = ModelConfig(n_layers=4, d_model=64, n_heads=4, seq_len=32, dropout=0.0)
     config = train(50, learning_rate=3e-3, warmup_steps=5)
-    single = StagePlan(
-        job_id="ref",
-        stage=0,
-        n_stages=1,
-        layer_start=0,
-        layer_end=4,
-        model=model,
-        train=config,
-        intra_op_threads=1,
-    )
+    single = single_process_plan(job_id="ref", model=model, train=config)
     pipeline = chain_plans(
         job_id="pipe",
         model=model,
@@ -74,16 +66,7 @@ def test_two_stages_reproduce_one_process_step_by_step(procs, tmp_path):
 def test_three_stages_over_zeromq_match_one_process(procs, tmp_path):
     """A middle stage (both boundaries) passes gradients on exactly too."""
     config = train(10)
-    single = StagePlan(
-        job_id="ref3",
-        stage=0,
-        n_stages=1,
-        layer_start=0,
-        layer_end=SMALL.n_layers,
-        model=SMALL,
-        train=config,
-        intra_op_threads=1,
-    )
+    single = single_process_plan(job_id="ref3", model=SMALL, train=config)
     plans = chain_plans(
         job_id="zmq3",
         model=SMALL,
