@@ -137,19 +137,23 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.quick:
-        model = ModelConfig(n_layers=2, d_model=64, n_heads=4, seq_len=32)
+        model = comp_model = ModelConfig(n_layers=2, d_model=64, n_heads=4, seq_len=32)
         speed_train = TrainConfig(steps=6, batch_size=8, micro_batches=4, max_data_bytes=500_000)
         comp_steps = args.steps or 6
     else:
+        # Speed: the 4-block model of FACTS.md, micro-batches enough to keep the bubble small.
         model = ModelConfig(n_layers=4, d_model=256, n_heads=8, seq_len=128)
         speed_train = TrainConfig(steps=40, batch_size=16, micro_batches=8)
-        comp_steps = args.steps or 300
+        # Compression: one block per stage at d_model 256; 1500 steps take `none` about a
+        # third below the unigram entropy of the full stdlib corpus (measured: 2.11 vs 3.15).
+        comp_model = ModelConfig(n_layers=2, d_model=256, n_heads=8, seq_len=128)
+        comp_steps = args.steps or 1500
     comp_train = TrainConfig(
         steps=comp_steps,
         batch_size=8,
         micro_batches=2,
-        learning_rate=2e-3,
-        warmup_steps=max(1, comp_steps // 20),
+        learning_rate=3e-3,
+        warmup_steps=max(1, comp_steps // 30),
         val_batches=16,
         max_data_bytes=None if not args.quick else 500_000,
     )
@@ -171,10 +175,11 @@ def main() -> None:
             flush=True,
         )
     if args.only == "speed":
-        print(json.dumps({"model": msgspec.to_builtins(model), "speed": speed_figures}))
+        print(json.dumps({"speed_model": msgspec.to_builtins(model), "speed": speed_figures}))
         return
     print(f"compression: {comp_steps} steps per spec, 2 stages", flush=True)
-    comp_figures = compression(work, model, comp_train)
+    print(f"compression model {comp_model}", flush=True)
+    comp_figures = compression(work, comp_model, comp_train)
     print(
         f"  none ends {100 * comp_figures['none_below_entropy']:.0f}% below the unigram "
         f"entropy ({comp_figures['unigram_entropy_nats']:.3f} nats)",
@@ -189,7 +194,8 @@ def main() -> None:
     print(
         json.dumps(
             {
-                "model": model.__struct_fields__ and str(model),
+                "speed_model": msgspec.to_builtins(model),
+                "compression_model": msgspec.to_builtins(comp_model),
                 "speed": speed_figures,
                 "compression": comp_figures,
             }
