@@ -94,14 +94,15 @@ def speed(work: Path, model: ModelConfig, train: TrainConfig, repeats: int) -> d
     }
 
 
-def compression(work: Path, model: ModelConfig, train: TrainConfig) -> dict[str, Any]:
+def compression(
+    work: Path, model: ModelConfig, train: TrainConfig, specs: list[str] | None = None
+) -> dict[str, Any]:
     entropy = TextDataset(
         train.data, seq_len=model.seq_len, seed=train.seed, max_bytes=train.max_data_bytes
     ).unigram_entropy_nats()
     k = model.d_model // 8
     rows: dict[str, dict[str, Any]] = {}
-    for template in SPECS:
-        spec = template.format(k=k)
+    for spec in ["none", *[s for s in specs or [t.format(k=k) for t in SPECS] if s != "none"]]:
         stages = run_plans(pipeline_plans(f"c-{spec.replace('_', '-')}", model, train, spec), work)
         first, last = done(stages[0]), done(stages[-1])
         wire = first["down_bytes_sent"] + first["down_bytes_received"]
@@ -134,6 +135,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="compression run length")
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--only", choices=["speed", "compression"], default=None)
+    parser.add_argument("--specs", nargs="*", default=None, help="compression specs to run")
     args = parser.parse_args()
 
     if args.quick:
@@ -179,7 +181,7 @@ def main() -> None:
         return
     print(f"compression: {comp_steps} steps per spec, 2 stages", flush=True)
     print(f"compression model {comp_model}", flush=True)
-    comp_figures = compression(work, comp_model, comp_train)
+    comp_figures = compression(work, comp_model, comp_train, args.specs)
     print(
         f"  none ends {100 * comp_figures['none_below_entropy']:.0f}% below the unigram "
         f"entropy ({comp_figures['unigram_entropy_nats']:.3f} nats)",
