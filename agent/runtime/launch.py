@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +48,14 @@ def run_plans(
     *,
     timeout: float = 600.0,
     env: Mapping[str, str] | None = None,
+    on_event: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[list[dict[str, Any]]]:
     """Start one process per stage, wait for all; each stage's events, in stage order.
 
     Stage stdout goes to ``<directory>/stage-<job>-<i>.out`` and stderr to ``.err``.
+    ``on_event`` sees every event of every stage as it is written (live progress).
     """
+    tails: dict[Path, int] = {}
     paths = write_plans(plans, directory)
     running: list[tuple[StagePlan, subprocess.Popen[bytes], Path]] = []
     try:
@@ -73,7 +76,9 @@ def run_plans(
                 break  # the first failure is the cause; the others would only time out
             if time.monotonic() >= deadline:
                 raise StageFailedError(f"stages still running after {timeout:.0f}s")
+            _follow(running, tails, on_event)
             time.sleep(0.1)
+        _follow(running, tails, on_event)
         failed = [(plan, proc, out) for plan, proc, out in running if proc.poll()]
         if failed:
             plan, proc, out = min(failed, key=lambda f: f[2].with_suffix(".err").stat().st_mtime)
@@ -86,6 +91,25 @@ def run_plans(
                 proc.wait()
     results = {plan.stage: _events(out) for plan, _, out in running}
     return [results[stage] for stage in sorted(results)]
+
+
+def _follow(
+    running: list[tuple[StagePlan, subprocess.Popen[bytes], Path]],
+    offsets: dict[Path, int],
+    on_event: Callable[[dict[str, Any]], None] | None,
+) -> None:
+    """Hand the complete lines written since the last call to ``on_event``."""
+    if on_event is None:
+        return
+    for _, _, out in running:
+        with open(out, "rb") as handle:
+            handle.seek(offsets.get(out, 0))
+            data = handle.read()
+        complete = data[: data.rfind(b"\n") + 1]
+        offsets[out] = offsets.get(out, 0) + len(complete)
+        for line in complete.decode(errors="replace").splitlines():
+            if line.startswith("{"):
+                on_event(json.loads(line))
 
 
 def _events(path: Path) -> list[dict[str, Any]]:

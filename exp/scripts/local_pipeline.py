@@ -18,7 +18,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from agent.runtime.launch import done, links, run_plans, steps  # noqa: E402
+from agent.runtime.launch import done, links, run_plans  # noqa: E402
 from swarm.natsd import NatsServer, start_nats_server  # noqa: E402
 from swarm.plan import ModelConfig, TrainConfig, Transport, chain_plans  # noqa: E402
 from swarm.procs import free_port  # noqa: E402
@@ -61,16 +61,26 @@ def main() -> None:
             intra_op_threads=1,
         )
         print(f"{args.stages} stages, plans and logs in {work}", flush=True)
-        results = run_plans(plans, work)
+        every = max(1, args.steps // 10)
+        last_stage = args.stages - 1
+
+        def progress(event: dict) -> None:
+            if event.get("stage") != last_stage:
+                return
+            if event["event"] == "links" and event["up"]:
+                print(f"boundary into the last stage: {event['up']}", flush=True)
+            elif event["event"] == "step" and event["step"] % every == 0:
+                print(
+                    f"step {event['step']:5d}/{args.steps}  loss {event['loss']:.4f}  "
+                    f"{event['tokens_per_s']:8.0f} tok/s",
+                    flush=True,
+                )
+
+        results = run_plans(plans, work, on_event=progress)
     finally:
         if nats is not None:
             nats.stop()
-    last = results[-1]
-    for event in steps(last)[:: max(1, args.steps // 10)]:
-        print(
-            f"step {event['step']:5d}  loss {event['loss']:.4f}  {event['tokens_per_s']:8.0f} tok/s"
-        )
-    summary = done(last)
+    summary = done(results[-1])
     print(f"links: {[(links(r)['up'], links(r)['down']) for r in results]}")
     print(f"final loss {summary['loss']:.4f}, validation loss {summary['val_loss']:.4f}")
 

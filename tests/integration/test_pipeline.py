@@ -119,7 +119,9 @@ def test_three_stages_train_over_the_nats_relay(procs, nats_server, tmp_path):
         nats_url=nats_server.url,
         intra_op_threads=1,
     )
-    results = run_plans(plans, tmp_path)
+    seen: list[dict] = []
+    results = run_plans(plans, tmp_path, on_event=seen.append)
+    assert sorted(map(str, seen)) == sorted(str(e) for r in results for e in r), "live events"
     transports = [links(r) for r in results]
     assert [(link["up"], link["down"]) for link in transports] == [
         (None, "relay"),
