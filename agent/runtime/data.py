@@ -289,12 +289,17 @@ class TextDataset:
     ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """The validation windows in order, non-overlapping, as ``(inputs, targets)`` batches.
 
-        The last batch is shorter when the windows do not divide evenly, unless
-        ``drop_remainder`` (useful where every batch must have the same shape).
+        With ``max_batches`` smaller than the split, the windows are spread evenly over the
+        whole validation split (not the first few files only), so a short evaluation still
+        measures the same text a full one does. The last batch is shorter when the windows
+        do not divide evenly, unless ``drop_remainder`` (for fixed shapes).
         """
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         offsets = self.val_window_offsets()
+        if max_batches is not None and max_batches * batch_size < len(offsets):
+            picks = np.linspace(0, len(offsets) - 1, max_batches * batch_size).round()
+            offsets = offsets[np.unique(picks.astype(np.int64))]
         stop = len(offsets)
         if drop_remainder:
             stop -= stop % batch_size

@@ -156,7 +156,7 @@ def main() -> None:
         micro_batches=2,
         learning_rate=3e-3,
         warmup_steps=max(1, comp_steps // 30),
-        val_batches=16,
+        val_batches=128,  # 1024 windows spread over the whole validation split
         max_data_bytes=None if not args.quick else 500_000,
     )
     work = args.work or Path(tempfile.mkdtemp(prefix="swarm-bench-"))

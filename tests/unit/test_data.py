@@ -284,3 +284,16 @@ def test_unigram_entropy_of_two_equally_frequent_bytes_is_ln2(tmp_path: Path):
 
     _write(tmp_path / "one" / "a.txt", b"a" * 1000)
     assert TextDataset([str(tmp_path / "one")], seq_len=8, seed=0).unigram_entropy_nats() == 0.0
+
+
+def test_a_capped_validation_spreads_over_the_whole_split(tmp_path):
+    text = "".join(f"line {i:05d} of a long file\n" for i in range(4000))
+    (tmp_path / "a.txt").write_text(text)
+    data = TextDataset([str(tmp_path / "a.txt")], seq_len=16, seed=0, val_fraction=0.2)
+    everything = data.val_window_offsets()
+    batches = list(data.val_batches(4, max_batches=3))
+    assert [len(inputs) for inputs, _ in batches] == [4, 4, 4]
+    seen = np.concatenate([inputs for inputs, _ in batches])
+    full = np.concatenate([inputs for inputs, _ in data.val_batches(4)])
+    # spread evenly: the first and the very last window of the split are both measured
+    assert (seen[0] == full[0]).all() and (seen[-1] == full[len(everything) - 1]).all()
