@@ -10,7 +10,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -97,10 +97,6 @@ class Boundary:
                 raise FrameError(f"{self.name}: expected frame {want}, got {got}")
             return array
 
-    @property
-    def bytes(self) -> dict[str, int]:
-        return {"sent": self.link.bytes_sent, "received": self.link.bytes_received}
-
 
 @dataclass
 class StepResult:
@@ -108,7 +104,6 @@ class StepResult:
     loss: float | None
     lr: float
     seconds: float
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class StageRunner:
