@@ -224,9 +224,7 @@ def _qmax(bits: int) -> int:
     return (1 << (bits - 1)) - 1
 
 
-def quantize(
-    x: np.ndarray, bits: int, rng: np.random.Generator | None = None
-) -> tuple[np.ndarray, np.ndarray]:
+def quantize(x: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric per-row absmax quantization to ``bits`` bits.
 
     Returns ``(q, scales)``: ``q`` int8 shaped like ``x`` with values in ``[-qmax, qmax]`` and
@@ -235,10 +233,6 @@ def quantize(
     value is clipped by the rounding; it is clamped to float16's positive finite range (a row
     with ``absmax > 65504 * qmax`` saturates). Non-finite input raises ValueError: NaN or inf
     have no integer code, and hiding them would hide a diverging step.
-
-    With ``rng`` the rounding is stochastic (``floor(v + u)``, ``u ~ U[0, 1)``): unbiased,
-    ``E[q * scale] = x``, with an error below ``scale``. Gradients use it, so quantization
-    noise averages out over steps instead of biasing every update the same way.
     """
     _check_bits(bits, MIN_INT_BITS)
     x2 = _rows(np.asarray(x, dtype=np.float32))
@@ -250,8 +244,7 @@ def quantize(
     scales = wanted.astype(np.float16)
     low = scales.astype(np.float32) < wanted
     scales[low] = np.nextafter(scales[low], np.float16(np.inf))
-    scaled = x2 / scales.astype(np.float32)[:, None]
-    q = np.rint(scaled) if rng is None else np.floor(scaled + rng.random(scaled.shape, np.float32))
+    q = np.rint(x2 / scales.astype(np.float32)[:, None])
     np.clip(q, -qmax, qmax, out=q)
     return q.astype(np.int8).reshape(np.shape(x)), scales
 
@@ -279,9 +272,7 @@ class _Codec(Protocol):
 
     def scales_nbytes(self, rows: int) -> int: ...
 
-    def encode(
-        self, x: np.ndarray, bits: int, rng: np.random.Generator | None = None
-    ) -> tuple[Buffer, Buffer | None]:
+    def encode(self, x: np.ndarray, bits: int) -> tuple[Buffer, Buffer | None]:
         """``x`` is C-contiguous float32; returns (payload, scales or None)."""
         ...
 
@@ -299,9 +290,7 @@ class _NoneCodec:
     def scales_nbytes(self, rows: int) -> int:
         return 0
 
-    def encode(
-        self, x: np.ndarray, bits: int, rng: np.random.Generator | None = None
-    ) -> tuple[Buffer, Buffer | None]:
+    def encode(self, x: np.ndarray, bits: int) -> tuple[Buffer, Buffer | None]:
         # The array's own memory, as flat bytes: zero-copy; the caller must not modify the
         # array until the send has completed.
         return memoryview(x.reshape(-1)).cast("B"), None
@@ -319,9 +308,7 @@ class _Fp16Codec:
     def scales_nbytes(self, rows: int) -> int:
         return 0
 
-    def encode(
-        self, x: np.ndarray, bits: int, rng: np.random.Generator | None = None
-    ) -> tuple[Buffer, Buffer | None]:
+    def encode(self, x: np.ndarray, bits: int) -> tuple[Buffer, Buffer | None]:
         return x.astype(np.float16).reshape(-1).view(np.uint8), None
 
     def decode(
@@ -337,10 +324,8 @@ class _IntCodec:
     def scales_nbytes(self, rows: int) -> int:
         return 2 * rows
 
-    def encode(
-        self, x: np.ndarray, bits: int, rng: np.random.Generator | None = None
-    ) -> tuple[Buffer, Buffer | None]:
-        q, scales = quantize(x, bits, rng)
+    def encode(self, x: np.ndarray, bits: int) -> tuple[Buffer, Buffer | None]:
+        q, scales = quantize(x, bits)
         u = (q.reshape(-1).astype(np.int16) + _qmax(bits)).astype(np.uint8)
         return pack_bits(u, bits), scales.astype("<f2").view(np.uint8)
 
@@ -375,7 +360,6 @@ def encode_frame(
     micro: int,
     direction: Direction,
     phase: str = "train",
-    rng: np.random.Generator | None = None,
 ) -> tuple[FrameHeader, list[memoryview | bytes]]:
     """Encode ``array`` (any rank >= 1) as ``[header_bytes, payload(, scales)]``.
 
@@ -387,7 +371,7 @@ def encode_frame(
     if x.ndim < 1:
         raise ValueError("encode_frame needs an array of rank >= 1")
     impl = _CODECS[codec.kind]
-    payload, scales = impl.encode(x, codec.bits, rng)
+    payload, scales = impl.encode(x, codec.bits)
     count = x.size
     rows = math.prod(x.shape[:-1])
     header = FrameHeader(

@@ -52,8 +52,6 @@ class Boundary:
     timeout_s: float
     dropped: int = 0
     wait_s: float = 0.0  # time spent blocked waiting for the peer
-    # Stochastic rounding for what this end sends, when it quantizes (gradients: unbiased).
-    rng: np.random.Generator | None = None
 
     def send(
         self,
@@ -73,7 +71,6 @@ class Boundary:
             micro=micro,
             direction=direction,
             phase=phase,
-            rng=self.rng,
         )
         self.link.send(parts, timeout_s=self.timeout_s)
 
@@ -184,14 +181,7 @@ class StageRunner:
                 fingerprint=fingerprint,
             )
             self.up = Boundary(
-                link,
-                b,
-                name,
-                plan.job_id,
-                plan.attempt,
-                self.grad_codec,
-                plan.peer_timeout_s,
-                rng=np.random.default_rng((plan.train.seed, plan.stage, plan.attempt)),
+                link, b, name, plan.job_id, plan.attempt, self.grad_codec, plan.peer_timeout_s
             )
         if not plan.is_last:
             b = plan.stage
