@@ -136,6 +136,9 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--only", choices=["speed", "compression"], default=None)
     parser.add_argument("--specs", nargs="*", default=None, help="compression specs to run")
+    parser.add_argument(
+        "--compression-layers", type=int, default=2, help="blocks of the compression model"
+    )
     args = parser.parse_args()
 
     if args.quick:
@@ -148,7 +151,9 @@ def main() -> None:
         speed_train = TrainConfig(steps=40, batch_size=16, micro_batches=8)
         # Compression: one block per stage at d_model 256; 1500 steps take `none` about a
         # third below the unigram entropy of the full stdlib corpus (measured: 2.11 vs 3.15).
-        comp_model = ModelConfig(n_layers=2, d_model=256, n_heads=8, seq_len=128)
+        comp_model = ModelConfig(
+            n_layers=args.compression_layers, d_model=256, n_heads=8, seq_len=128
+        )
         comp_steps = args.steps or 1500
     comp_train = TrainConfig(
         steps=comp_steps,
