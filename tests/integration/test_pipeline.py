@@ -38,19 +38,34 @@ def addresses(n: int) -> list[str | None]:
     return [None] + [f"tcp://127.0.0.1:{free_port()}" for _ in range(n - 1)]
 
 
+def chain(
+    job_id: str,
+    stages: int | list[str | None],
+    config: TrainConfig,
+    *,
+    model: ModelConfig = SMALL,
+    transport: Transport = Transport.P2P,
+    **kw,
+) -> list[StagePlan]:
+    """Plans for local stages on loopback, one intra-op thread each."""
+    where = addresses(stages) if isinstance(stages, int) else stages
+    return chain_plans(
+        job_id=job_id,
+        model=model,
+        train=config,
+        addresses=where,
+        transport=transport,
+        intra_op_threads=1,
+        **kw,
+    )
+
+
 def test_two_stages_reproduce_one_process_step_by_step(procs, tmp_path):
     """The proof that gradients really flow across the boundary: same losses for 50 steps."""
     model = ModelConfig(n_layers=4, d_model=64, n_heads=4, seq_len=32, dropout=0.0)
     config = train(50, learning_rate=3e-3, warmup_steps=5)
     single = single_process_plan(job_id="ref", model=model, train=config)
-    pipeline = chain_plans(
-        job_id="pipe",
-        model=model,
-        train=config,
-        addresses=addresses(2),
-        transport=Transport.P2P,
-        intra_op_threads=1,
-    )
+    pipeline = chain("pipe", 2, config, model=model)
     (reference,) = run_plans([single], tmp_path)
     first, last = run_plans(pipeline, tmp_path)
     want = [s["loss"] for s in steps(reference)]
@@ -67,14 +82,7 @@ def test_three_stages_over_zeromq_match_one_process(procs, tmp_path):
     """A middle stage (both boundaries) passes gradients on exactly too."""
     config = train(10)
     single = single_process_plan(job_id="ref3", model=SMALL, train=config)
-    plans = chain_plans(
-        job_id="zmq3",
-        model=SMALL,
-        train=config,
-        addresses=addresses(3),
-        transport=Transport.P2P,
-        intra_op_threads=1,
-    )
+    plans = chain("zmq3", 3, config)
     (reference,) = run_plans([single], tmp_path)
     results = run_plans(plans, tmp_path)
     transports = [links(r) for r in results]
@@ -94,15 +102,7 @@ def test_three_stages_over_zeromq_match_one_process(procs, tmp_path):
 
 
 def test_stages_with_different_data_refuse_to_train_together(procs, tmp_path):
-    plans = chain_plans(
-        job_id="mismatch",
-        model=SMALL,
-        train=train(3),
-        addresses=addresses(2),
-        transport=Transport.P2P,
-        intra_op_threads=1,
-        peer_timeout_s=20,
-    )
+    plans = chain("mismatch", 2, train(3), peer_timeout_s=20)
     other_data = msgspec.structs.replace(plans[1].train, max_data_bytes=300_000)
     plans[1] = msgspec.structs.replace(plans[1], train=other_data)
     with pytest.raises(StageFailedError, match="fingerprints differ"):
@@ -110,14 +110,8 @@ def test_stages_with_different_data_refuse_to_train_together(procs, tmp_path):
 
 
 def test_three_stages_train_over_the_nats_relay(procs, nats_server, tmp_path):
-    plans = chain_plans(
-        job_id="relay3",
-        model=SMALL,
-        train=train(8),
-        addresses=addresses(3),
-        transport=Transport.TUNNEL,
-        nats_url=nats_server.url,
-        intra_op_threads=1,
+    plans = chain(
+        "relay3", addresses(3), train(8), transport=Transport.TUNNEL, nats_url=nats_server.url
     )
     seen: list[dict] = []
     results = run_plans(plans, tmp_path, on_event=seen.append)
@@ -137,14 +131,12 @@ def test_auto_falls_back_to_the_relay_when_the_direct_path_is_unreachable(
 ):
     """Stage 1 binds one port but stage 0 is told another, where nothing listens."""
     bound, advertised = free_port(), free_port()
-    base = chain_plans(
-        job_id="auto",
-        model=SMALL,
-        train=train(4),
-        addresses=[None, f"tcp://127.0.0.1:{bound}"],
+    base = chain(
+        "auto",
+        [None, f"tcp://127.0.0.1:{bound}"],
+        train(4),
         transport=Transport.AUTO,
         nats_url=nats_server.url,
-        intra_op_threads=1,
     )
     wrong_next = Peer(
         fellow_id=base[0].next.fellow_id, data_address=f"tcp://127.0.0.1:{advertised}"
@@ -157,29 +149,15 @@ def test_auto_falls_back_to_the_relay_when_the_direct_path_is_unreachable(
 
 
 def test_auto_prefers_the_direct_path_when_it_works(procs, nats_server, tmp_path):
-    plans = chain_plans(
-        job_id="auto-p2p",
-        model=SMALL,
-        train=train(3),
-        addresses=addresses(2),
-        transport=Transport.AUTO,
-        nats_url=nats_server.url,
-        intra_op_threads=1,
+    plans = chain(
+        "auto-p2p", addresses(2), train(3), transport=Transport.AUTO, nats_url=nats_server.url
     )
     results = run_plans(plans, tmp_path)
     assert links(results[0])["down"] == "p2p"
 
 
 def test_a_vanished_peer_ends_the_stage_with_an_error_naming_the_boundary(procs, tmp_path):
-    plans = chain_plans(
-        job_id="vanish",
-        model=SMALL,
-        train=train(100_000),
-        addresses=addresses(2),
-        transport=Transport.P2P,
-        intra_op_threads=1,
-        peer_timeout_s=3.0,
-    )
+    plans = chain("vanish", 2, train(100_000), peer_timeout_s=3.0)
     paths = write_plans(plans, tmp_path)
     last = procs.python(
         "last",
