@@ -24,22 +24,21 @@ class CompressionSpec:
     wire: str  # the wire codec of agent/pipe/wire.py: none | fp16 | fixed_intN
     bottleneck_dim: int | None = None
 
-    @property
-    def quant_bits(self) -> int | None:
-        match = _FIXED.fullmatch(self.wire)
-        return int(match.group(1)) if match else None
+
+def _is_wire_spec(spec: str) -> bool:
+    return spec in ("none", "fp16") or _FIXED.fullmatch(spec) is not None
 
 
 def parse_wire_spec(spec: str) -> str:
     """A gradient codec: only the wire forms (``none``, ``fp16``, ``fixed_intN``)."""
-    if spec in ("none", "fp16") or _FIXED.fullmatch(spec):
+    if _is_wire_spec(spec):
         return spec
     raise ConfigError(f"grad_compression {spec!r} is not one of: none, fp16, fixed_intN (N 2-8)")
 
 
 def parse_compression(spec: str, *, d_model: int | None = None) -> CompressionSpec:
     """The parsed spec; ConfigError naming the spec and the accepted forms otherwise."""
-    if spec in ("none", "fp16") or _FIXED.fullmatch(spec):
+    if _is_wire_spec(spec):
         return CompressionSpec(spec=spec, wire=spec)
     match = _LEARNED.fullmatch(spec)
     if match is None:

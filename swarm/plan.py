@@ -46,7 +46,6 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     warmup_steps: int = 10
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.01
-    grad_clip: float = 0.0  # 0: off (a global clip would need every stage's norm)
     seed: int = 0
     data: list[str] = msgspec.field(default_factory=lambda: ["stdlib"])
     max_data_bytes: int | None = None

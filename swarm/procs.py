@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
-import os
 import signal
 import socket
 import subprocess
@@ -145,13 +144,3 @@ def tail(path: Path, lines: int = 20) -> str:
     except OSError:
         return ""
     return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -5,10 +5,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -34,6 +35,15 @@ def wait_for(predicate: Callable[[], T], *, timeout: float, what: str, interval:
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
         time.sleep(interval)
+
+
+@contextlib.contextmanager
+def busy_port() -> Iterator[int]:
+    """A loopback port with something listening on it, for the duration of the block."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
 
 
 def child_env(**overrides: str) -> dict[str, str]:

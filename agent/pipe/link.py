@@ -24,6 +24,8 @@ from typing import Protocol
 
 import zmq
 
+from agent.pipe.wire import frame_nbytes
+
 log = logging.getLogger(__name__)
 
 Parts = list[bytes | memoryview]
@@ -72,10 +74,6 @@ class Link(Protocol):
 
 def _is_control(parts: Sequence[bytes | memoryview]) -> bool:
     return len(parts) == 2 and bytes(parts[0]) in (HELLO, ACK, DONE)
-
-
-def _nbytes(parts: Sequence[bytes | memoryview]) -> int:
-    return sum(memoryview(p).nbytes for p in parts)
 
 
 # --- ZeroMQ ---------------------------------------------------------------------------------
@@ -131,7 +129,7 @@ class ZmqLink:
             raise PeerTimeoutError(
                 f"{self.name}: no peer took a message for {timeout_s:.0f}s"
             ) from None
-        self.bytes_sent += _nbytes(parts)
+        self.bytes_sent += frame_nbytes(parts)
 
     def poll(self, timeout_s: float) -> bool:
         return bool(self._poller.poll(max(0, int(timeout_s * 1000))))
@@ -142,7 +140,7 @@ class ZmqLink:
             return None
         frames = self._sock.recv_multipart(copy=False)
         parts: Parts = [f.buffer for f in frames]
-        self.bytes_received += _nbytes(parts)
+        self.bytes_received += frame_nbytes(parts)
         return parts
 
     def recv(self, timeout_s: float) -> Parts:

@@ -206,10 +206,12 @@ class StageRunner:
             }
         )
 
+    def _boundaries(self) -> list[Boundary]:
+        return [b for b in (self.up, self.down) if b is not None]
+
     def close(self) -> None:
-        for boundary in (self.up, self.down):
-            if boundary is not None:
-                boundary.link.close()
+        for boundary in self._boundaries():
+            boundary.link.close()
 
     # --- training -------------------------------------------------------------------------
 
@@ -284,7 +286,6 @@ class StageRunner:
         self.emit({"event": "placement", "stage": plan.stage, "devices": self.model.devices()})
         self.open_links()
         tokens_per_step = plan.train.batch_size * plan.model.seq_len
-        val_loss = None
         step_times: list[float] = []
         last: StepResult | None = None
         for step in range(plan.train.steps):
@@ -319,7 +320,7 @@ class StageRunner:
             "step_time_s": round(mean_step, 5),
             "tokens_per_s": round(tokens_per_step / mean_step, 1),
             "params": self.model.n_params,
-            "dropped_frames": sum(b.dropped for b in (self.up, self.down) if b is not None),
+            "dropped_frames": sum(b.dropped for b in self._boundaries()),
             **self.bytes_summary(),
         }
         self.emit(summary)
@@ -342,9 +343,8 @@ class StageRunner:
     def take_wait(self) -> float:
         """Seconds blocked on peers since the last call (the pipeline bubble, seen from here)."""
         total = 0.0
-        for boundary in (self.up, self.down):
-            if boundary is not None:
-                total, boundary.wait_s = total + boundary.wait_s, 0.0
+        for boundary in self._boundaries():
+            total, boundary.wait_s = total + boundary.wait_s, 0.0
         return total
 
     def bytes_summary(self) -> dict[str, Any]:

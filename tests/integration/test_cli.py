@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 
 from swarm.cli.cluster import ClusterManifest, _live
 from swarm.procs import free_port, is_gone
-from tests.helpers import child_env, kill_tree
+from tests.helpers import busy_port, child_env, kill_tree
 
 pytestmark = pytest.mark.integration
 
@@ -110,10 +109,7 @@ def test_second_start_refuses_while_the_first_runs(state_dir):
     [("leader", "SWARM_LEADER_PORT", "--leader-port"), ("nats", "SWARM_NATS_PORT", "--nats-port")],
 )
 def test_busy_port_is_a_clear_error_and_starts_nothing(state_dir, busy, setting, flag):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen()
-        port = sock.getsockname()[1]
+    with busy_port() as port:
         ports = {"leader": free_port(), "nats": 0, busy: port}
         result = swarm(
             "start-cluster",

@@ -44,22 +44,29 @@ def frame(step: int, value: float = 1.0, shape=(4, 8, 16), codec="none", attempt
     )[1]
 
 
-def test_zmq_link_carries_frames_both_ways_and_counts_bytes():
+@pytest.fixture
+def zmq_pair():
+    """A bound and a connected ZmqLink on a free loopback port."""
     address = f"tcp://127.0.0.1:{free_port()}"
     binder = ZmqLink(name="b", bind=address)
     connector = ZmqLink(name="c", connect=address)
     try:
-        parts = frame(3, 2.5)
-        connector.send(parts)
-        header, array = decode_frame(binder.recv(5))
-        assert header.step == 3 and np.all(array == 2.5)
-        binder.send(frame(4, -1.0))
-        assert decode_frame(connector.recv(5))[0].step == 4
-        wire = sum(memoryview(p).nbytes for p in parts)
-        assert connector.bytes_sent >= wire and binder.bytes_received >= wire
+        yield binder, connector
     finally:
         binder.close()
         connector.close()
+
+
+def test_zmq_link_carries_frames_both_ways_and_counts_bytes(zmq_pair):
+    binder, connector = zmq_pair
+    parts = frame(3, 2.5)
+    connector.send(parts)
+    header, array = decode_frame(binder.recv(5))
+    assert header.step == 3 and np.all(array == 2.5)
+    binder.send(frame(4, -1.0))
+    assert decode_frame(connector.recv(5))[0].step == 4
+    wire = sum(memoryview(p).nbytes for p in parts)
+    assert connector.bytes_sent >= wire and binder.bytes_received >= wire
 
 
 def test_zmq_recv_times_out_with_the_link_name():
@@ -229,44 +236,32 @@ def test_tunnel_handshake_over_the_relay(nats_server):
         down.close()
 
 
-def test_control_messages_never_reach_the_caller():
-    address = f"tcp://127.0.0.1:{free_port()}"
-    binder = ZmqLink(name="b", bind=address)
-    connector = ZmqLink(name="c", connect=address)
-    try:
-        connector.send([HELLO, b""])
-        connector.send(frame(9))
-        assert decode_frame(binder.recv(5))[0].step == 9
-        assert bytes(connector.recv_any(5)[0]) == ACK, "a late HELLO is answered again"
-    finally:
-        binder.close()
-        connector.close()
+def test_control_messages_never_reach_the_caller(zmq_pair):
+    binder, connector = zmq_pair
+    connector.send([HELLO, b""])
+    connector.send(frame(9))
+    assert decode_frame(binder.recv(5))[0].step == 9
+    assert bytes(connector.recv_any(5)[0]) == ACK, "a late HELLO is answered again"
 
 
-def test_boundary_rejects_corrupt_and_drops_stale_frames():
+def test_boundary_rejects_corrupt_and_drops_stale_frames(zmq_pair):
     from agent.runtime.stage import Boundary
 
-    address = f"tcp://127.0.0.1:{free_port()}"
-    binder = ZmqLink(name="b", bind=address)
-    connector = ZmqLink(name="c", connect=address)
+    binder, connector = zmq_pair
     boundary = Boundary(binder, 0, "boundary 0 (x -> y)", "j", 2, parse_wire_codec("none"), 5.0)
-    try:
-        connector.send(frame(1, attempt=1))  # an older attempt: dropped
-        connector.send(frame(1, attempt=2, value=7.0))
-        array = boundary.recv(step=1, micro=0, direction=Direction.FWD)
-        assert np.all(array == 7.0) and boundary.dropped == 1
+    connector.send(frame(1, attempt=1))  # an older attempt: dropped
+    connector.send(frame(1, attempt=2, value=7.0))
+    array = boundary.recv(step=1, micro=0, direction=Direction.FWD)
+    assert np.all(array == 7.0) and boundary.dropped == 1
 
-        parts = frame(2, attempt=2)
-        connector.send([parts[0], bytes(parts[1])[:-4]])  # truncated payload
-        with pytest.raises(FrameError, match=r"boundary 0 \(x -> y\)"):
-            boundary.recv(step=2, micro=0, direction=Direction.FWD)
+    parts = frame(2, attempt=2)
+    connector.send([parts[0], bytes(parts[1])[:-4]])  # truncated payload
+    with pytest.raises(FrameError, match=r"boundary 0 \(x -> y\)"):
+        boundary.recv(step=2, micro=0, direction=Direction.FWD)
 
-        connector.send(frame(5, attempt=2, micro=1))  # out of order
-        with pytest.raises(FrameError, match="expected frame"):
-            boundary.recv(step=3, micro=0, direction=Direction.FWD)
-    finally:
-        binder.close()
-        connector.close()
+    connector.send(frame(5, attempt=2, micro=1))  # out of order
+    with pytest.raises(FrameError, match="expected frame"):
+        boundary.recv(step=3, micro=0, direction=Direction.FWD)
 
 
 @pytest.mark.parametrize("kind", ["p2p", "relay"])

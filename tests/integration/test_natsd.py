@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 
@@ -14,7 +13,7 @@ from nats.js.api import KeyValueConfig
 from swarm.errors import PortInUseError
 from swarm.natsd import nats_server_binary, start_nats_server
 from swarm.procs import free_port, is_gone
-from tests.helpers import Leader, child_env, wait_for
+from tests.helpers import Leader, busy_port, child_env, wait_for
 from tests.integration.nats_client import with_nats
 
 pytestmark = pytest.mark.integration
@@ -54,14 +53,10 @@ def test_free_port_jetstream_and_store_survive_a_restart(tmp_path):
 
 
 def test_busy_port_names_the_port_and_the_setting(tmp_path):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen()
-        port = sock.getsockname()[1]
-        with pytest.raises(PortInUseError) as err:
-            start_nats_server(
-                host="127.0.0.1", port=port, store_dir=tmp_path / "s", log_path=tmp_path / "l"
-            )
+    with busy_port() as port, pytest.raises(PortInUseError) as err:
+        start_nats_server(
+            host="127.0.0.1", port=port, store_dir=tmp_path / "s", log_path=tmp_path / "l"
+        )
     assert str(port) in err.value.message and "SWARM_NATS_PORT" in err.value.message
 
 
@@ -109,10 +104,7 @@ def test_bare_leader_child_nats_dies_with_it_and_the_store_is_reused(procs, tmp_
 
 
 def test_leader_with_a_busy_port_exits_2_with_one_line(tmp_path):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen()
-        port = sock.getsockname()[1]
+    with busy_port() as port:
         env = child_env(SWARM_LEADER_PORT=str(port), SWARM_STATE_DIR=str(tmp_path))
         done = subprocess.run(
             [sys.executable, "-m", "leader.main"],

@@ -159,19 +159,10 @@ def test_auto_prefers_the_direct_path_when_it_works(procs, nats_server, tmp_path
 def test_a_vanished_peer_ends_the_stage_with_an_error_naming_the_boundary(procs, tmp_path):
     plans = chain("vanish", 2, train(100_000), peer_timeout_s=3.0)
     paths = write_plans(plans, tmp_path)
-    last = procs.python(
-        "last",
-        "agent.runtime.main",
-        "--plan",
-        str(paths[1]),
-        env=child_env(TF_CPP_MIN_LOG_LEVEL="2"),
-    )
-    first = procs.python(
-        "first",
-        "agent.runtime.main",
-        "--plan",
-        str(paths[0]),
-        env=child_env(TF_CPP_MIN_LOG_LEVEL="2"),
+    env = child_env(TF_CPP_MIN_LOG_LEVEL="2")
+    last, first = (
+        procs.python(name, "agent.runtime.main", "--plan", str(path), env=env)
+        for name, path in (("last", paths[1]), ("first", paths[0]))
     )
     wait_for(lambda: '"event": "step"' in procs.log(last), timeout=60, what="training to start")
     first.kill()

@@ -33,6 +33,17 @@ def hw(host: str = "h1", gpus: list[GpuInfo] | None = None, taken_at: float = 0.
     )
 
 
+def gpu(uuid: str, name: str, total_gib: int, free_gib: int) -> GpuInfo:
+    return GpuInfo(
+        index=0,
+        uuid=uuid,
+        name=name,
+        memory_total_bytes=total_gib << 30,
+        memory_free_bytes=free_gib << 30,
+        memory_used_bytes=(total_gib - free_gib) << 30,
+    )
+
+
 def ident(fid: str, instance: str = "i1", host: str = "h1") -> FellowIdentity:
     return FellowIdentity(fellow_id=fid, instance_id=instance, hostname=host, version="t", pid=1)
 
@@ -187,14 +198,6 @@ def test_heartbeat_after_offline_revives_through_registering(reg, clock):
 
 def test_heartbeat_updates_progress_and_hardware(reg):
     register(reg, "f1")
-    gpu = GpuInfo(
-        index=0,
-        uuid="GPU-1",
-        name="A100",
-        memory_total_bytes=80 << 30,
-        memory_free_bytes=70 << 30,
-        memory_used_bytes=10 << 30,
-    )
     reg.heartbeat(
         Heartbeat(
             fellow=ident("f1"),
@@ -205,7 +208,7 @@ def test_heartbeat_updates_progress_and_hardware(reg):
             loss=2.5,
             bytes_sent=100,
             bytes_received=200,
-            hardware=hw(gpus=[gpu]),
+            hardware=hw(gpus=[gpu("GPU-1", "A100", 80, 70)]),
         )
     )
     record = reg.get("f1")
@@ -219,15 +222,8 @@ def test_nodes_group_fellows_by_host_with_freshest_snapshot(reg, clock):
     register(reg, "b", host="h1")
     register(reg, "c", host="h2")
     beat(reg, "a", host="h1", hardware=hw("h1", taken_at=1.0))
-    gpu = GpuInfo(
-        index=0,
-        uuid="GPU-x",
-        name="T4",
-        memory_total_bytes=16 << 30,
-        memory_free_bytes=15 << 30,
-        memory_used_bytes=1 << 30,
-    )
-    beat(reg, "b", host="h1", hardware=hw("h1", gpus=[gpu], taken_at=2.0))
+    t4 = gpu("GPU-x", "T4", 16, 15)
+    beat(reg, "b", host="h1", hardware=hw("h1", gpus=[t4], taken_at=2.0))
     nodes = {n.hostname: n for n in reg.nodes()}
     assert set(nodes) == {"h1", "h2"}
     assert nodes["h1"].fellows == ["a", "b"]
