@@ -12,21 +12,29 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_leader_swarm_and_agent_runner_never_import_tensorflow():
+def _assert_loads_none_of(setup: str, forbidden: set[str]) -> None:
+    """Run ``setup`` in a fresh interpreter; fail if any ``forbidden`` package got imported."""
     code = (
         "import sys\n"
-        "import leader.main, leader.app, leader.bus, leader.registry\n"
-        "import swarm.cli.app, swarm.natsd, swarm.natsconn, swarm.protocol, swarm.subjects\n"
-        "import agent.main, agent.runner, agent.hardware\n"
-        "from leader.app import create_app\n"
-        "from swarm.settings import Settings\n"
-        "create_app(Settings(), nats_url='nats://127.0.0.1:1')\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in {'tensorflow', 'keras'})\n"
+        f"{setup}\n"
+        f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {sorted(forbidden)!r})\n"
         "print(bad)\n"
         "sys.exit(1 if bad else 0)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_leader_swarm_and_agent_runner_never_import_tensorflow():
+    _assert_loads_none_of(
+        "import leader.main, leader.app, leader.bus, leader.registry\n"
+        "import swarm.cli.app, swarm.natsd, swarm.natsconn, swarm.protocol, swarm.subjects\n"
+        "import agent.main, agent.runner, agent.hardware\n"
+        "from leader.app import create_app\n"
+        "from swarm.settings import Settings\n"
+        "create_app(Settings(), nats_url='nats://127.0.0.1:1')",
+        {"tensorflow", "keras"},
+    )
 
 
 def _imports(package: str) -> dict[str, set[str]]:
@@ -76,13 +84,6 @@ def test_the_pipe_imports_nothing_of_ours_and_no_tensorflow():
         if bad:
             offenders[file] = bad
     assert offenders == {}
-    code = (
-        "import sys\n"
-        "import agent.pipe.link, agent.pipe.wire\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
-        "{'tensorflow', 'keras', 'swarm', 'leader'})\n"
-        "print(bad)\n"
-        "sys.exit(1 if bad else 0)\n"
+    _assert_loads_none_of(
+        "import agent.pipe.link, agent.pipe.wire", {"tensorflow", "keras", "swarm", "leader"}
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
-    assert done.returncode == 0, done.stdout + done.stderr
