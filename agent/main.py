@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import sys
 from typing import Annotated
 
 import cyclopts
@@ -42,10 +44,12 @@ def serve(
     if settings.nats_url is None:
         raise ConfigError("no NATS server: pass --nats-url or set SWARM_NATS_URL")
     configure_logging(settings.log_level)
-    asyncio.run(_run(settings, settings.nats_url, settings.fellow_name or default_fellow_id()))
+    fellow_id = settings.fellow_name or default_fellow_id()
+    if asyncio.run(_run(settings, settings.nats_url, fellow_id)):
+        _restart()
 
 
-async def _run(settings: Settings, nats_url: str, fellow_id: str) -> None:
+async def _run(settings: Settings, nats_url: str, fellow_id: str) -> bool:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -54,6 +58,13 @@ async def _run(settings: Settings, nats_url: str, fellow_id: str) -> None:
     log.info("fellow %s (instance %s) joining %s", fellow_id, agent.identity.instance_id, nats_url)
     await agent.run(stop)
     log.info("fellow %s stopped", fellow_id)
+    return agent.restart_requested
+
+
+def _restart() -> None:
+    """UPDATE: the same process (same pid, same supervisor) runs the installed agent anew."""
+    logging.shutdown()
+    os.execv(sys.executable, [sys.executable, "-m", "agent.main", *sys.argv[1:]])
 
 
 def main() -> None:

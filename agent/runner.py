@@ -11,28 +11,39 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import socket
+import time
 import uuid
 from collections import OrderedDict
+from typing import Any
 
+import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
 from agent.hardware import HardwareProbe
+from agent.supervisor import StageRun
 from swarm import __version__
 from swarm import subjects as topics
 from swarm.errors import ProtocolError
-from swarm.lifecycle import FellowEvent, next_status
+from swarm.lifecycle import FellowEvent, IllegalTransitionError, next_status
 from swarm.natsconn import connect_forever
+from swarm.plan import StagePlan
 from swarm.protocol import (
     DeregisterRequest,
     FellowIdentity,
     FellowStatus,
     Heartbeat,
+    Progress,
+    ProgressEvent,
     RegisterRequest,
     Signal,
     SignalAck,
+    SignalKind,
+    StageOutcome,
+    StageResult,
 )
 from swarm.settings import Settings
 
@@ -42,6 +53,7 @@ REQUEST_TIMEOUT_S = 2.0
 RETRY_MIN_S = 0.25
 RETRY_MAX_S = 1.0
 SEEN_SIGNALS = 256
+PROGRESS_EVERY_S = 0.25  # step reports are throttled to this; every other event goes at once
 
 
 def default_fellow_id() -> str:
@@ -81,6 +93,17 @@ class FellowAgent:
         self._registered = asyncio.Event()
         self._need_register = asyncio.Event()
         self._acks: OrderedDict[str, SignalAck] = OrderedDict()
+        self._stop: asyncio.Event | None = None
+        self.run_: StageRun | None = None
+        self.step: int | None = None
+        self.loss: float | None = None
+        self.outcome: StageOutcome | None = None
+        self._last_progress = 0.0
+        self._checkpoint_final = False
+        # Set by UPDATE: the agent process restarts (re-exec) once it has stopped.
+        self.restart_requested = False
+        self._update_when_idle = False
+        self.exit_reason: str | None = None
 
     @property
     def fellow_id(self) -> str:
@@ -106,6 +129,7 @@ class FellowAgent:
             log.info("stopped before NATS %s was reachable", self.nats_url)
             return
         stopper.cancel()
+        self._stop = stop
         self.nc = connect.result()
         await self.nc.subscribe(
             topics.SIGNAL.subject(self.prefix, fellow=self.fellow_id), cb=self._on_signal
@@ -121,6 +145,8 @@ class FellowAgent:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            if self.run_ is not None:
+                await self.run_.stop("the agent is stopping")
             await self._deregister()
             with contextlib.suppress(Exception):
                 await self.nc.drain()
@@ -173,6 +199,8 @@ class FellowAgent:
         except ProtocolError as exc:
             return str(exc)
         if not reply.accepted:
+            if reply.code == "RELEASED":
+                self._exit("released by an operator")
             return f"{reply.code}: {reply.message}"
         self.heartbeat_interval_s = reply.heartbeat_interval_s or self.heartbeat_interval_s
         log.info("registered as %s with leader %s", self.fellow_id, reply.leader_version)
@@ -204,10 +232,16 @@ class FellowAgent:
         if self.nc is None or not self.nc.is_connected:
             return
         self._seq += 1
+        run = self.run_
         hb = Heartbeat(
             fellow=self.identity,
             seq=self._seq,
             status=self.status,
+            job_id=run.job_id if run else None,
+            attempt=run.attempt if run else None,
+            step=self.step if run else None,
+            loss=self.loss if run else None,
+            outcome=self.outcome,
             bytes_sent=self.bytes_sent,
             bytes_received=self.bytes_received,
             hardware=self.probe.snapshot(),
@@ -241,21 +275,224 @@ class FellowAgent:
         if seen is not None:
             await self._respond(msg, _as_duplicate(seen))
             return
-        ack = self._handle(sig)
+        try:
+            ack = await self._handle(sig)
+        except Exception as exc:  # a bug must still be answered, and not kill the agent
+            log.exception("signal %s failed", sig.kind)
+            ack = self._ack(sig, False, "SIGNAL_FAILED", f"{type(exc).__name__}: {exc}")
         self._acks[sig.signal_id] = ack
         while len(self._acks) > SEEN_SIGNALS:
             self._acks.popitem(last=False)
         await self._respond(msg, ack)
 
-    def _handle(self, sig: Signal) -> SignalAck:
+    async def _handle(self, sig: Signal) -> SignalAck:
         log.info("signal %s (%s) for job %s", sig.kind, sig.signal_id, sig.job_id)
+        handler = {
+            SignalKind.START: self._on_start,
+            SignalKind.STOP: self._on_stop,
+            SignalKind.CHECKPOINT: self._on_checkpoint,
+            SignalKind.UPDATE: self._on_update,
+            SignalKind.PURGE: self._on_purge,
+        }[sig.kind]
+        return await handler(sig)
+
+    def _ack(self, sig: Signal, ok: bool, code: str | None = None, message: str = "") -> SignalAck:
         return SignalAck(
-            signal_id=sig.signal_id,
-            fellow_id=self.fellow_id,
-            ok=False,
-            code="UNSUPPORTED_SIGNAL",
-            message=f"agent {__version__} does not run jobs yet; {sig.kind} ignored",
+            signal_id=sig.signal_id, fellow_id=self.fellow_id, ok=ok, code=code, message=message
         )
+
+    # --- jobs ------------------------------------------------------------------------------
+
+    def _matches(self, sig: Signal) -> bool:
+        run = self.run_
+        if run is None:
+            return False
+        return sig.job_id in (None, run.job_id) and sig.attempt in (None, run.attempt)
+
+    async def _on_start(self, sig: Signal) -> SignalAck:
+        if self.status is not FellowStatus.READY or self.run_ is not None:
+            doing = f" (job {self.run_.job_id})" if self.run_ else ""
+            return self._ack(sig, False, "FELLOW_BUSY", f"fellow is {self.status}{doing}")
+        try:
+            plan = msgspec.convert(sig.args.get("plan"), StagePlan)
+        except msgspec.ValidationError as exc:
+            return self._ack(sig, False, "PLAN_INVALID", f"plan: {exc}")
+        plan = msgspec.structs.replace(
+            plan,
+            nats_url=self.nats_url,
+            subject_prefix=self.prefix,
+            checkpoint_dir=str(self.fellow_dir / "checkpoints"),
+        )
+        problems = plan.problems()
+        if plan.fellow_id != self.fellow_id:
+            problems.append(f"the plan is for {plan.fellow_id!r}, not {self.fellow_id!r}")
+        if (sig.job_id, sig.attempt) != (plan.job_id, plan.attempt):
+            problems.append("the signal's job and attempt do not match the plan's")
+        if problems:
+            return self._ack(sig, False, "PLAN_INVALID", "; ".join(problems))
+        workdir = self.fellow_dir / "jobs" / f"{plan.job_id}-a{plan.attempt}"
+        run = StageRun(plan, workdir, self._on_stage_event)
+        try:
+            await run.start()
+        except OSError as exc:
+            return self._ack(sig, False, "START_FAILED", f"cannot start the runtime: {exc}")
+        self.run_, self.outcome, self.step, self.loss = run, None, 0, None
+        self._checkpoint_final = False
+        self._set_status(FellowEvent.START)
+        asyncio.get_running_loop().create_task(self._supervise(run), name="stage-supervisor")
+        return self._ack(sig, True, message=f"stage {plan.stage} started")
+
+    async def _on_stop(self, sig: Signal) -> SignalAck:
+        reason = str(sig.args.get("reason") or "stopped by the leader")
+        stopped = ""
+        if self.run_ is not None and (self._matches(sig) or sig.args.get("release")):
+            await self.run_.stop(reason)
+            stopped = f"stopped job {sig.job_id or self.run_.job_id}"
+        if sig.args.get("release"):
+            self._exit("released by an operator")
+            return self._ack(sig, True, message=(stopped + "; " if stopped else "") + "exiting")
+        return self._ack(sig, True, message=stopped or "nothing to stop")
+
+    async def _on_checkpoint(self, sig: Signal) -> SignalAck:
+        run = self.run_
+        if run is None or not self._matches(sig):
+            return self._ack(sig, False, "NOT_TRAINING", "this fellow is not running that job")
+        at_step = sig.args.get("at_step")
+        sent = await run.command(
+            {"cmd": "checkpoint", "id": sig.args.get("checkpoint_id"), "at_step": at_step}
+        )
+        if not sent:
+            return self._ack(sig, False, "RUNTIME_GONE", "the stage runtime has exited")
+        if self.status is FellowStatus.TRAINING:
+            self._set_status(FellowEvent.CHECKPOINT)
+        return self._ack(sig, True, message=f"checkpoint at step {at_step}")
+
+    async def _on_update(self, sig: Signal) -> SignalAck:
+        if self.status is FellowStatus.READY and self.run_ is None:
+            self._restart()
+            return self._ack(sig, True, message=f"restarting agent (version {__version__})")
+        self._update_when_idle = True
+        job = self.run_.job_id if self.run_ else "the current job"
+        return self._ack(sig, True, message=f"deferred: will restart when {job} ends")
+
+    async def _on_purge(self, sig: Signal) -> SignalAck:
+        if self.run_ is not None:
+            await self.run_.stop("purged")
+        removed = self.fellow_dir
+        shutil.rmtree(removed, ignore_errors=True)
+        self._exit("purged by an operator")
+        return self._ack(sig, True, message=f"removed {removed}; exiting")
+
+    @property
+    def fellow_dir(self):
+        return self.settings.fellow_dir(self.fellow_id).resolve()
+
+    def _on_stage_event(self, event: dict[str, Any]) -> None:
+        run = self.run_
+        if run is None:
+            return
+        kind = event.get("event")
+        if kind == "step":
+            self.step, self.loss = int(event["step"]) + 1, event.get("loss")
+            self.bytes_sent = event.get("down_bytes_sent", 0) + event.get("up_bytes_sent", 0)
+            self.bytes_received = event.get("down_bytes_received", 0) + event.get(
+                "up_bytes_received", 0
+            )
+            now = time.monotonic()
+            if now - self._last_progress < PROGRESS_EVERY_S and self.step < run.plan.train.steps:
+                return
+            self._last_progress = now
+            self._publish_progress(
+                run,
+                ProgressEvent.STEP,
+                step=self.step,
+                total_steps=run.plan.train.steps,
+                loss=event.get("loss"),
+                val_loss=event.get("val_loss"),
+                lr=event.get("lr"),
+                step_time_s=event.get("step_time_s"),
+                tokens_per_s=event.get("tokens_per_s"),
+                bytes_sent=self.bytes_sent,
+                bytes_received=self.bytes_received,
+            )
+        elif kind == "checkpoint":
+            final = bool(event.get("final"))
+            self._publish_progress(
+                run,
+                ProgressEvent.CHECKPOINT,
+                step=int(event.get("step") or 0),
+                ok=bool(event.get("ok")),
+                message=str(event.get("message", "")),
+                checkpoint_path=event.get("path"),
+            )
+            if final:
+                self._checkpoint_final = True
+            elif self.status is FellowStatus.CHECKPOINTING:
+                self._set_status(FellowEvent.CHECKPOINT_WRITTEN)
+
+    async def _supervise(self, run: StageRun) -> None:
+        """Wait for the runtime to end, report how, and go back to ready."""
+        outcome = await run.finished
+        self.outcome = outcome
+        self.step = outcome.step
+        log.info(
+            "job %s attempt %d: %s %s", run.job_id, run.attempt, outcome.result, outcome.message
+        )
+        if outcome.result is StageResult.FAILED:
+            self._set_status(FellowEvent.FAILURE)
+        self._publish_progress(run, ProgressEvent.ENDED, step=outcome.step or 0, outcome=outcome)
+        await self._send_heartbeat()
+        self.run_ = None
+        if self.status is FellowStatus.FAILED:
+            self._set_status(FellowEvent.RECOVERED)
+        elif self.status is FellowStatus.CHECKPOINTING and self._checkpoint_final:
+            self._set_status(FellowEvent.FINAL_CHECKPOINT_WRITTEN)
+        elif self.status in (FellowStatus.TRAINING, FellowStatus.CHECKPOINTING):
+            self._set_status(FellowEvent.JOB_TERMINAL)
+        await self._send_heartbeat()
+        if self.settings.fellow_exit_after_training:
+            self._exit("SWARM_FELLOW_EXIT_AFTER_TRAINING is set")
+        elif self._update_when_idle and self.status is FellowStatus.READY:
+            self._restart()
+
+    def _publish_progress(self, run: StageRun, event: ProgressEvent, **fields: Any) -> None:
+        if self.nc is None or not self.nc.is_connected:
+            return
+        msg = Progress(
+            job_id=run.job_id,
+            fellow_id=self.fellow_id,
+            attempt=run.attempt,
+            stage=run.plan.stage,
+            event=event,
+            **fields,
+        )
+        subject = topics.PROGRESS.subject(self.prefix, job=run.job_id, fellow=self.fellow_id)
+        asyncio.get_running_loop().create_task(self._publish(subject, topics.encode(msg)))
+
+    async def _publish(self, subject: str, payload: bytes) -> None:
+        with contextlib.suppress(NatsError):
+            await self.nc.publish(subject, payload)
+
+    def _set_status(self, event: FellowEvent) -> None:
+        try:
+            self.status = next_status(self.status, event)
+        except IllegalTransitionError as exc:
+            log.error("%s (ignored)", exc.message)
+            return
+        if self.nc is not None and self._registered.is_set():
+            asyncio.get_running_loop().create_task(self._send_heartbeat())
+
+    def _restart(self) -> None:
+        log.info("restarting the agent for an update")
+        self.restart_requested = True
+        if self._stop is not None:
+            self._stop.set()
+
+    def _exit(self, reason: str) -> None:
+        log.info("exiting: %s", reason)
+        self.exit_reason = reason
+        if self._stop is not None:
+            self._stop.set()
 
     async def _respond(self, msg: Msg, ack: SignalAck) -> None:
         if msg.reply:

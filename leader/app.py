@@ -14,6 +14,9 @@ from litestar.openapi import OpenAPIConfig
 from leader.api import CONTROLLERS
 from leader.bus import LeaderBus
 from leader.errors import EXCEPTION_HANDLERS
+from leader.jobs import JobManager
+from leader.orchestrator import Orchestrator
+from leader.purges import PurgeBook
 from leader.registry import WorkerRegistry
 from leader.services import LeaderServices
 from swarm import __version__
@@ -29,18 +32,37 @@ def create_app(settings: Settings, *, nats_url: str) -> Litestar:
         leader_version=__version__,
     )
     bus = LeaderBus(url=nats_url, prefix=settings.subject_prefix, registry=registry)
-    services = LeaderServices(settings=settings, nats_url=nats_url, registry=registry, bus=bus)
+    jobs, purges = JobManager(), PurgeBook()
+    services = LeaderServices(
+        settings=settings,
+        nats_url=nats_url,
+        registry=registry,
+        bus=bus,
+        jobs=jobs,
+        purges=purges,
+        orchestrator=Orchestrator(
+            bus=bus,
+            registry=registry,
+            jobs=jobs,
+            purges=purges,
+            prefix=settings.subject_prefix,
+        ),
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
         await bus.start()
-        sweeper = asyncio.create_task(_sweep_forever(registry, settings), name="registry-sweep")
+        tasks = [
+            asyncio.create_task(_sweep_forever(registry, settings), name="registry-sweep"),
+            asyncio.create_task(services.orchestrator.run(), name="job-loop"),
+        ]
         try:
             yield
         finally:
-            sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sweeper
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await services.orchestrator.close()
             await bus.close()
 
     return Litestar(

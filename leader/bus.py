@@ -73,7 +73,7 @@ class LeaderBus:
 
     # --- handlers --------------------------------------------------------------------------
 
-    def _drop(self, msg: Msg, reason: str) -> None:
+    def drop(self, msg: Msg, reason: str) -> None:
         kind = msg.subject.split(".")[1] if "." in msg.subject else msg.subject
         self.dropped[kind] += 1
         log.warning("dropped message on %s: %s", msg.subject, reason)
@@ -82,7 +82,7 @@ class LeaderBus:
         try:
             return topic.parse(self.prefix, msg.subject)["fellow"]
         except ProtocolError as exc:
-            self._drop(msg, str(exc))
+            self.drop(msg, str(exc))
             return None
 
     async def _on_register(self, msg: Msg) -> None:
@@ -92,13 +92,13 @@ class LeaderBus:
         try:
             req = topics.REGISTER.decode(msg.data)
         except ProtocolError as exc:
-            self._drop(msg, str(exc))
+            self.drop(msg, str(exc))
             await self._reply(msg, RegisterReply(accepted=False, code=exc.code, message=str(exc)))
             return
         claimed = req.fellow.fellow_id if isinstance(req, RegisterRequest) else req.fellow_id
         if claimed != sender:
             reason = f"fellow id {claimed!r} does not match its subject {msg.subject!r}"
-            self._drop(msg, reason)
+            self.drop(msg, reason)
             await self._reply(
                 msg, RegisterReply(accepted=False, code="SUBJECT_MISMATCH", message=reason)
             )
@@ -116,10 +116,10 @@ class LeaderBus:
         try:
             hb = topics.HEARTBEAT.decode(msg.data)
         except ProtocolError as exc:
-            self._drop(msg, str(exc))
+            self.drop(msg, str(exc))
             return
         if hb.fellow.fellow_id != sender:
-            self._drop(msg, f"fellow id {hb.fellow.fellow_id!r} does not match its subject")
+            self.drop(msg, f"fellow id {hb.fellow.fellow_id!r} does not match its subject")
             return
         self.registry.heartbeat(hb)
 

@@ -21,7 +21,7 @@ def error_response(status: int, code: str, message: str, **extra: Any) -> Respon
 
 
 def swarm_error_handler(_: Request, exc: SwarmError) -> Response[dict[str, Any]]:
-    return error_response(exc.http_status, exc.code, exc.message)
+    return Response(exc.to_dict(), status_code=exc.http_status)
 
 
 def http_error_handler(_: Request, exc: HTTPException) -> Response[dict[str, Any]]:

@@ -28,6 +28,7 @@ from swarm.protocol import (
     Heartbeat,
     RegisterReply,
     RegisterRequest,
+    StageOutcome,
 )
 
 log = logging.getLogger(__name__)
@@ -50,8 +51,11 @@ class FellowRecord(msgspec.Struct, kw_only=True):
     data_address: str | None
     status: FellowStatus
     job_id: str | None = None
+    attempt: int | None = None
     step: int | None = None
     loss: float | None = None
+    # How the fellow's last stage run ended, as its heartbeats repeat it.
+    outcome: StageOutcome | None = None
     bytes_sent: int = 0
     bytes_received: int = 0
     hardware: HardwareSnapshot
@@ -105,6 +109,10 @@ class WorkerRegistry:
         self._entries: dict[str, _Entry] = {}
         self._connected_since: float | None = None
         self.dropped: Counter[str] = Counter()
+        # Fellow id -> the agent instance an operator released: its heartbeats are ignored.
+        self._released: dict[str, str] = {}
+        # Fellow ids whose record changed (or was removed) since the store last wrote them.
+        self.dirty: set[str] = set()
 
     # --- the leader's own NATS connection ---------------------------------------------------
 
@@ -123,6 +131,10 @@ class WorkerRegistry:
 
     def register(self, req: RegisterRequest) -> RegisterReply:
         fid = req.fellow.fellow_id
+        if self._released.get(fid) == req.fellow.instance_id:
+            return self._reject("RELEASED", f"fellow {fid!r} was released by an operator")
+        self._released.pop(fid, None)
+        self.dirty.add(fid)
         entry = self._entries.get(fid)
         if entry is None:
             self._entries[fid] = self._new_entry(req.fellow, req.hardware, req.status, "registered")
@@ -164,8 +176,12 @@ class WorkerRegistry:
     def heartbeat(self, hb: Heartbeat) -> bool:
         """Apply one heartbeat; False when it was dropped (it belongs to a stale instance)."""
         fid = hb.fellow.fellow_id
+        if self._released.get(fid) == hb.fellow.instance_id:
+            self.dropped["released"] += 1
+            return False
         entry = self._entries.get(fid)
         if entry is None:
+            self.dirty.add(fid)
             # A fellow we never heard register: the leader restarted and lost its memory,
             # or the register reply was lost. The heartbeat says all we need.
             self._entries[fid] = self._new_entry(
@@ -190,11 +206,39 @@ class WorkerRegistry:
             self._revive_if_offline(entry, "heartbeat after offline")
         self._refresh(entry, hb.fellow, hb.hardware)
         record = entry.record
-        record.job_id, record.step, record.loss = hb.job_id, hb.step, hb.loss
+        record.job_id, record.attempt = hb.job_id, hb.attempt
+        record.step, record.loss, record.outcome = hb.step, hb.loss, hb.outcome
         record.bytes_sent, record.bytes_received = hb.bytes_sent, hb.bytes_received
         record.last_heartbeat_at = self._wall()
         self._set_status(entry, hb.status, "reported by fellow")
         return True
+
+    # --- operators and the store -----------------------------------------------------------
+
+    def release(self, fellow_id: str) -> FellowRecord:
+        """Forget a fellow; the agent instance that held the id is ignored from now on."""
+        entry = self._entries.pop(fellow_id, None)
+        if entry is None:
+            raise KeyError(fellow_id)
+        self._released[fellow_id] = entry.record.instance_id
+        self.dirty.add(fellow_id)
+        log.info("fellow %s released", fellow_id)
+        return entry.record
+
+    def restore(self, records: list[FellowRecord]) -> None:
+        """Records loaded from the store at start-up; each gets a fresh offline window."""
+        for record in records:
+            if record.fellow_id not in self._entries:
+                self._entries[record.fellow_id] = _Entry(record=record, last_seen=self._clock())
+
+    def take_dirty(self) -> list[tuple[str, FellowRecord | None]]:
+        """The changed records (None: removed) since the last call."""
+        out = []
+        for fid in sorted(self.dirty):
+            entry = self._entries.get(fid)
+            out.append((fid, None if entry is None else self._view(entry)))
+        self.dirty.clear()
+        return out
 
     # --- time ------------------------------------------------------------------------------
 
@@ -320,6 +364,7 @@ class WorkerRegistry:
 
     def _transition(self, entry: _Entry, status: FellowStatus, reason: str) -> Transition:
         record = entry.record
+        self.dirty.add(record.fellow_id)
         t = Transition(at=self._wall(), from_status=record.status, to_status=status, reason=reason)
         record.status = status
         record.history.append(t)

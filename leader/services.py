@@ -6,6 +6,9 @@ import time
 from dataclasses import dataclass, field
 
 from leader.bus import LeaderBus
+from leader.jobs import JobManager, JobRecord
+from leader.orchestrator import Orchestrator
+from leader.purges import PurgeBook
 from leader.registry import FellowRecord, NodeView, WorkerRegistry
 from swarm import __version__
 from swarm.errors import NotFoundError
@@ -19,6 +22,9 @@ class LeaderServices:
     nats_url: str
     registry: WorkerRegistry
     bus: LeaderBus
+    jobs: JobManager
+    purges: PurgeBook
+    orchestrator: Orchestrator
     started_at: float = field(default_factory=time.time)
 
     def info(self) -> dict[str, object]:
@@ -32,7 +38,9 @@ class LeaderServices:
             "uptime_s": round(time.time() - self.started_at, 3),
             "heartbeat_interval_s": self.settings.heartbeat_interval_s,
             "offline_after_s": self.settings.offline_after_s,
+            "state_loaded": self.orchestrator.loaded.is_set(),
             "fellows": self.registry.counts(),
+            "jobs": self.jobs.counts(),
             "nodes": len(self.registry.nodes()),
         }
 
@@ -47,3 +55,9 @@ class LeaderServices:
 
     def nodes(self) -> list[NodeView]:
         return self.registry.nodes()
+
+    def job(self, job_id: str) -> JobRecord:
+        return self.jobs.get(job_id)
+
+    def job_list(self) -> list[JobRecord]:
+        return self.jobs.list()

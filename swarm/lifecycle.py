@@ -1,8 +1,9 @@
-"""The fellow lifecycle as a pure transition table.
+"""The fellow and job lifecycles as pure transition tables.
 
-The agent drives its own status with it; the leader mirrors what each fellow reports and
-uses the table only for the transitions it owns (a stale fellow goes offline, an offline
-one that speaks again goes back through registering).
+The agent drives its own status with the fellow table; the leader mirrors what each fellow
+reports and uses the table only for the transitions it owns (a stale fellow goes offline, an
+offline one that speaks again goes back through registering). The leader's JobManager
+drives every job through the job table.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import enum
 
 from swarm.errors import SwarmError
 from swarm.protocol import FellowStatus as S
+from swarm.protocol import JobState as J
 
 
 class FellowEvent(enum.StrEnum):
@@ -43,6 +45,10 @@ TRANSITIONS: dict[tuple[S, FellowEvent], S] = {
     (S.CHECKPOINTING, FellowEvent.HEARTBEAT_STALE): S.OFFLINE,
     (S.FAILED, FellowEvent.HEARTBEAT_STALE): S.OFFLINE,
     (S.TRAINING, FellowEvent.FAILURE): S.FAILED,
+    # A job can end (cancelled, a peer failed) or the runtime can fail while a checkpoint is
+    # being written, so checkpointing leaves the same two ways training does.
+    (S.CHECKPOINTING, FellowEvent.JOB_TERMINAL): S.READY,
+    (S.CHECKPOINTING, FellowEvent.FAILURE): S.FAILED,
     (S.FAILED, FellowEvent.RECOVERED): S.READY,
     (S.OFFLINE, FellowEvent.RECONNECT): S.REGISTERING,
 }
@@ -65,3 +71,34 @@ def next_status(status: S, event: FellowEvent) -> S:
 
 def can_go_offline(status: S) -> bool:
     return (status, FellowEvent.HEARTBEAT_STALE) in TRANSITIONS
+
+
+# --- jobs -----------------------------------------------------------------------------------
+
+
+class JobEvent(enum.StrEnum):
+    STARTED = "started"  # every placed fellow acknowledged START
+    COMPLETED = "completed"  # every stage reported completion
+    FAILED = "failed"  # a stage failed, or its fellow went offline
+    CANCELLED = "cancelled"  # DELETE /api/v1/jobs/{job_id}
+
+
+JOB_TRANSITIONS: dict[tuple[J, JobEvent], J] = {
+    (J.PENDING, JobEvent.STARTED): J.RUNNING,
+    (J.RUNNING, JobEvent.COMPLETED): J.COMPLETED,
+    (J.RUNNING, JobEvent.FAILED): J.FAILED,
+    (J.PENDING, JobEvent.CANCELLED): J.CANCELLED,
+    (J.RUNNING, JobEvent.CANCELLED): J.CANCELLED,
+}
+
+TERMINAL_JOB_STATES = frozenset({J.COMPLETED, J.FAILED, J.CANCELLED})
+
+
+def next_job_state(state: J, event: JobEvent) -> J:
+    """The job state after ``event``; IllegalTransitionError when the table has no such edge."""
+    try:
+        return JOB_TRANSITIONS[(state, event)]
+    except KeyError:
+        raise IllegalTransitionError(
+            f"job in {state.value} cannot take event {event.value!r}"
+        ) from None

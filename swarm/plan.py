@@ -113,6 +113,7 @@ class StagePlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     peer_timeout_s: float = 60.0
     p2p_probe_timeout_s: float = 3.0
     intra_op_threads: int | None = None
+    checkpoint_dir: str | None = None  # where this stage writes checkpoints; None: nowhere
 
     @property
     def is_first(self) -> bool:

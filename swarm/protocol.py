@@ -65,6 +65,14 @@ class FellowStatus(enum.StrEnum):
     OFFLINE = "offline"
 
 
+class JobState(enum.StrEnum):
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+
 class FellowIdentity(msgspec.Struct, kw_only=True):
     """Who a fellow is. ``instance_id`` changes with every agent process."""
 
@@ -100,13 +108,38 @@ class RegisterReply(Message, kw_only=True):
     leader_version: str = ""
 
 
+class StageResult(enum.StrEnum):
+    COMPLETED = "completed"
+    FAILED = "failed"
+    STOPPED = "stopped"  # a STOP signal ended it (cancel, or a peer failed)
+
+
+class StageOutcome(msgspec.Struct, kw_only=True):
+    """How the fellow's last stage run ended.
+
+    Repeated in every heartbeat until the next START, so a leader that was away (restarted,
+    or cut off from NATS) when the job ended still learns how it ended.
+    """
+
+    job_id: str
+    attempt: int
+    result: StageResult
+    step: int | None = None
+    loss: float | None = None
+    val_loss: float | None = None
+    message: str = ""
+    ended_at: float = msgspec.field(default_factory=time.time)
+
+
 class Heartbeat(Message, kw_only=True):
     fellow: FellowIdentity
     seq: int
     status: FellowStatus
     job_id: str | None = None
+    attempt: int | None = None
     step: int | None = None
     loss: float | None = None
+    outcome: StageOutcome | None = None
     bytes_sent: int = 0
     bytes_received: int = 0
     hardware: HardwareSnapshot
@@ -156,15 +189,31 @@ class LogBatch(Message, kw_only=True):
     records: list[LogRecord]
 
 
+class ProgressEvent(enum.StrEnum):
+    STEP = "step"  # a training step completed (``step`` counts completed steps)
+    CHECKPOINT = "checkpoint"  # a checkpoint was written (or, with ok=False, could not be)
+    ENDED = "ended"  # the stage run ended; ``outcome`` says how
+
+
 class Progress(Message, kw_only=True):
     job_id: str
     fellow_id: str
     attempt: int
+    event: ProgressEvent = ProgressEvent.STEP
+    stage: int | None = None
     step: int
+    total_steps: int | None = None
     loss: float | None = None
+    val_loss: float | None = None
+    lr: float | None = None
+    step_time_s: float | None = None
     tokens_per_s: float | None = None
     bytes_sent: int = 0
     bytes_received: int = 0
+    ok: bool = True
+    message: str = ""
+    checkpoint_path: str | None = None
+    outcome: StageOutcome | None = None
 
 
 class ShardChunk(Message, kw_only=True):

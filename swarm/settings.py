@@ -35,6 +35,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     offline_after_s: float = 3.0
     fellow_name: str | None = None
     data_address: str | None = None
+    # Exit after reporting the end of a job, for supervisors that want a fresh process.
+    fellow_exit_after_training: bool = False
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -96,11 +98,17 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     def nats_store_dir(self) -> Path:
         return self.state_dir / "nats"
 
+    def fellow_dir(self, fellow_id: str) -> Path:
+        """A fellow's own state: stage plans, runtime logs, checkpoints. PURGE removes it."""
+        return self.state_dir / "fellows" / fellow_id
+
     def as_env(self) -> dict[str, str]:
         """The settings as ``SWARM_*`` variables, for child processes."""
         out: dict[str, str] = {}
         for name, value in msgspec.structs.asdict(self).items():
-            if value is not None:
+            if isinstance(value, bool):
+                out[env_name(name)] = "1" if value else "0"
+            elif value is not None:
                 out[env_name(name)] = str(value)
         return out
 

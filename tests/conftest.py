@@ -89,6 +89,9 @@ def leader(procs: Processes, nats_server: NatsControl, tmp_path: Path) -> Iterat
 
 
 def start_agent(procs: Processes, nats_url: str, name: str, **env: str):
+    """A real fellow agent; its state under the test's temp dir, its own data port."""
+    env.setdefault("SWARM_STATE_DIR", str(agent_state_dir(procs)))
+    env.setdefault("SWARM_DATA_ADDRESS", f"tcp://127.0.0.1:{free_port()}")
     return procs.python(
         f"agent-{name}",
         "agent.main",
@@ -98,3 +101,7 @@ def start_agent(procs: Processes, nats_url: str, name: str, **env: str):
         name,
         env=child_env(**env),
     )
+
+
+def agent_state_dir(procs: Processes) -> Path:
+    return procs.log_dir.parent / "agents"

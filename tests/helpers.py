@@ -21,12 +21,17 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def wait_for(predicate: Callable[[], T], *, timeout: float, what: str, interval: float = 0.05) -> T:
-    """Poll ``predicate`` until it returns something truthy; fail loudly after ``timeout``."""
+    """Poll ``predicate`` until it returns something truthy; fail loudly after ``timeout``.
+
+    An AssertionError raised by the predicate fails at once (the awaited thing cannot happen).
+    """
     deadline = time.monotonic() + timeout
     last: Any = None
     while True:
         try:
             last = predicate()
+        except AssertionError:
+            raise
         except Exception as exc:  # a not-yet-ready server answers with errors
             last = exc
         else:
@@ -114,6 +119,34 @@ class Leader:
         response.raise_for_status()
         return response.json()
 
+    def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        return self.http.request(method, path, **kwargs)
+
+    def submit(self, **spec: Any) -> dict[str, Any]:
+        response = self.http.post("/api/v1/jobs", json=spec)
+        assert response.status_code == 201, response.text
+        return response.json()
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        return self.get(f"/api/v1/jobs/{job_id}")
+
+    def wait_job(
+        self, job_id: str, *states: str, timeout: float = 60.0, what: str = ""
+    ) -> dict[str, Any]:
+        """Wait until the job is in one of ``states``; fail at once if it ends otherwise."""
+
+        def check() -> dict[str, Any] | None:
+            job = self.job(job_id)
+            if job["state"] in states:
+                return job
+            if job["state"] in {"COMPLETED", "FAILED", "CANCELLED"}:
+                raise AssertionError(f"job ended {job['state']}: {job['reason']}")
+            return None
+
+        return wait_for(
+            check, timeout=timeout, what=what or f"job {job_id} to be {'/'.join(states)}"
+        )
+
     def workers(self) -> dict[str, dict[str, Any]]:
         return {w["fellow_id"]: w for w in self.get("/api/v1/workers")}
 
@@ -130,3 +163,15 @@ class Leader:
 
     def close(self) -> None:
         self.http.close()
+
+
+def stage_processes(job_id: str | None = None) -> list[psutil.Process]:
+    """Live stage runtimes (``agent.runtime.main``), of one job or of any."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        cmdline = proc.info["cmdline"] or []
+        if proc.info["status"] == psutil.STATUS_ZOMBIE or "agent.runtime.main" not in cmdline:
+            continue
+        if job_id is None or any(job_id in part for part in cmdline):
+            found.append(proc)
+    return found

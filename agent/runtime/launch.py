@@ -34,6 +34,12 @@ def write_plans(plans: list[StagePlan], directory: Path) -> list[Path]:
     return paths
 
 
+def stage_command(plan_path: Path, *, control_stdin: bool = False) -> list[str]:
+    """The command line of one ``swarm-stage`` process for ``plan_path``."""
+    argv = [sys.executable, "-m", "agent.runtime.main", "--plan", str(plan_path)]
+    return [*argv, "--control-stdin"] if control_stdin else argv
+
+
 def stage_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -63,7 +69,7 @@ def run_plans(
             out = directory / f"stage-{plan.job_id}-{plan.stage}.out"
             with open(out, "wb") as stdout, open(out.with_suffix(".err"), "wb") as stderr:
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "agent.runtime.main", "--plan", str(path)],
+                    stage_command(path),
                     stdout=stdout,
                     stderr=stderr,
                     env=stage_env(env),

@@ -1,8 +1,12 @@
 """``swarm-stage --plan plan.json``: run one pipeline stage from an explicit plan.
 
-Writes JSON lines to stdout (``links``, ``step``, ``done``, or ``error``) and exits non-zero
-with a one-line message on stderr when it fails. No leader is needed: two or three of these
-processes train a model together.
+Writes JSON lines to stdout (``placement``, ``links``, ``step``, ``checkpoint``, ``done``, or
+``error``) and exits non-zero with a one-line message on stderr when it fails. No leader is
+needed: two or three of these processes train a model together.
+
+With ``--control-stdin`` the stage takes JSON-line commands on stdin (see
+:mod:`agent.runtime.control`) and exits 70 at once when stdin reaches EOF: the supervising
+agent is gone. Without it stdin is never read, so it may be anything, even at EOF.
 """
 
 from __future__ import annotations
@@ -12,10 +16,11 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import cyclopts
 
+from agent.runtime.control import ControlChannel
 from swarm.entry import configure_logging, fail
 from swarm.errors import ConfigError, SwarmError
 from swarm.plan import decode_plan
@@ -34,6 +39,10 @@ def run(
     *,
     plan: Annotated[Path, cyclopts.Parameter(help="Stage plan (JSON)")],
     log_level: str = "WARNING",
+    control_stdin: Annotated[
+        bool,
+        cyclopts.Parameter(help="Take commands on stdin; exit 70 when stdin closes"),
+    ] = False,
 ) -> None:
     configure_logging(log_level)
     try:
@@ -41,6 +50,10 @@ def run(
     except OSError as exc:
         raise ConfigError(f"cannot read plan {plan}: {exc.strerror}") from None
     stage_plan = decode_plan(data, source=str(plan))
+    control = None
+    if control_stdin:
+        control = ControlChannel()
+        control.start_reader(0)  # fd 0, not sys.stdin: see start_reader
     from agent.runtime.tfsetup import configure_tensorflow
 
     configure_tensorflow(
@@ -54,19 +67,29 @@ def run(
 
     runner: StageRunner | None = None
     try:
-        runner = StageRunner(stage_plan, emit)
+        runner = StageRunner(stage_plan, emit, control)
         runner.run()
     except (LinkError, FrameError, DataError) as exc:
-        emit({"event": "error", "stage": stage_plan.stage, "message": str(exc)})
-        fail("swarm-stage", f"stage {stage_plan.stage}: {exc}", 1)
+        stage_failed(stage_plan.stage, str(exc), control)
     except Exception as exc:  # a bug or a TensorFlow failure: say so, keep the trace in the log
         log.exception("stage %d failed", stage_plan.stage)
         message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        emit({"event": "error", "stage": stage_plan.stage, "message": message})
-        fail("swarm-stage", f"stage {stage_plan.stage}: {message}", 1)
+        stage_failed(stage_plan.stage, message, control)
     finally:
         if runner is not None:
             runner.close()
+
+
+def stage_failed(stage: int, message: str, control: ControlChannel | None) -> NoReturn:
+    """Report the failure and exit 1.
+
+    The control channel is closed first: an agent that closes stdin once it has read the
+    ``error`` event must not turn exit 1 into exit 70.
+    """
+    if control is not None:
+        control.close()
+    emit({"event": "error", "stage": stage, "message": message})
+    fail("swarm-stage", f"stage {stage}: {message}", 1)
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 
 Micro-batches follow the 1F1B schedule; activations go downstream and gradients upstream
 through the boundary links, encoded by the wire codec of the plan's compression spec.
+Between steps the stage answers checkpoint requests from its control channel, if it has one.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from agent.pipe.link import (
 from agent.pipe.link import connect_downstream as open_downstream
 from agent.pipe.wire import Direction, FrameError, WireCodec, decode_frame, encode_frame
 from agent.pipe.wire import parse_wire_codec as wire_codec
+from agent.runtime.checkpoint import CheckpointError, save_stage
+from agent.runtime.control import CheckpointRequest, ControlChannel
 from agent.runtime.data import TextDataset
 from agent.runtime.schedule import Op, one_f_one_b
 from agent.runtime.stage_model import StageModel
@@ -107,9 +110,11 @@ class StepResult:
 
 
 class StageRunner:
-    def __init__(self, plan: StagePlan, emit: Emit) -> None:
+    def __init__(self, plan: StagePlan, emit: Emit, control: ControlChannel | None = None) -> None:
         self.plan = plan
         self.emit = emit
+        self.control = control
+        self._checkpoints: dict[int, str] = {}  # steps done -> step directory written
         self.model = StageModel(plan)
         self.up: Boundary | None = None
         self.down: Boundary | None = None
@@ -306,8 +311,10 @@ class StageRunner:
             if every and (step + 1) % every == 0 and step + 1 < plan.train.steps:
                 event["val_loss"] = self.evaluate(step)
             self.emit(event)
+            self.serve_checkpoints(step + 1)
         val_loss = self.evaluate(plan.train.steps)
         self.finish()
+        self.close_control()
         # The first steps pay for tracing: report the steady state.
         steady = step_times[len(step_times) // 5 :] or step_times
         mean_step = sum(steady) / len(steady)
@@ -325,6 +332,53 @@ class StageRunner:
         }
         self.emit(summary)
         return summary
+
+    # --- checkpoints ----------------------------------------------------------------------
+
+    def serve_checkpoints(self, steps_done: int) -> None:
+        """Answer the control channel's requests that are due after ``steps_done`` steps."""
+        if self.control is not None:
+            for request in self.control.due_checkpoints(steps_done, self.plan.train.steps):
+                self.checkpoint(request, steps_done)
+
+    def close_control(self) -> None:
+        """Stop taking requests; those that came after the last step get the final state."""
+        if self.control is not None:
+            for request in self.control.close():
+                self.checkpoint(request, self.plan.train.steps)
+
+    def checkpoint(self, request: CheckpointRequest, steps_done: int) -> None:
+        """Write (once per step) and report a checkpoint; a failure is reported, not raised.
+
+        A checkpoint is a convenience: a full disk or a missing directory must not end a run
+        that may have hours of training in it.
+        """
+        plan = self.plan
+        event: dict[str, Any] = {
+            "event": "checkpoint",
+            "stage": plan.stage,
+            "id": request.id,
+            "step": steps_done,
+            "path": None,
+            "final": steps_done >= plan.train.steps,
+        }
+        try:
+            event["path"] = self._write_checkpoint(steps_done)
+        except (OSError, CheckpointError) as exc:
+            log.warning("checkpoint %r after step %d failed: %s", request.id, steps_done, exc)
+            event.update(ok=False, message=str(exc))
+        else:
+            event["ok"] = True
+        self.emit(event)
+
+    def _write_checkpoint(self, steps_done: int) -> str:
+        if steps_done in self._checkpoints:
+            return self._checkpoints[steps_done]
+        if self.plan.checkpoint_dir is None:
+            raise CheckpointError("the stage plan has no checkpoint_dir")
+        path = save_stage(self.plan.checkpoint_dir, self.model, self.data, steps_done=steps_done)
+        self._checkpoints[steps_done] = str(path)
+        return str(path)
 
     def finish(self) -> None:
         """End the run in order: from the last stage upwards, each end confirms DONE.

@@ -2,7 +2,15 @@
 
 from leader.api.health import HealthController
 from leader.api.info import InfoController
+from leader.api.jobs import JobsController
 from leader.api.nodes import NodesController
-from leader.api.workers import WorkersController
+from leader.api.workers import PurgesController, WorkersController
 
-CONTROLLERS = [HealthController, InfoController, WorkersController, NodesController]
+CONTROLLERS = [
+    HealthController,
+    InfoController,
+    WorkersController,
+    PurgesController,
+    NodesController,
+    JobsController,
+]

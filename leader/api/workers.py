@@ -1,9 +1,28 @@
 from __future__ import annotations
 
-from litestar import Controller, get
+from typing import Any
 
+import msgspec
+from litestar import Controller, Request, get, post
+from litestar.status_codes import HTTP_200_OK
+
+from leader.jobs import SignalRecord
+from leader.purges import PendingPurge
 from leader.registry import FellowRecord
 from leader.services import LeaderServices
+from swarm.jobspec import decode_strict
+
+
+class ReleaseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    purge_install: bool = False
+
+
+class UpdateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    fellow_id: str | None = None
+
+
+class RetryPurgeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    fellow_id: str | None = None
 
 
 class WorkersController(Controller):
@@ -17,3 +36,37 @@ class WorkersController(Controller):
     @get("/{fellow_id:str}", summary="One fellow, with its recent status transitions")
     async def get_worker(self, fellow_id: str, services: LeaderServices) -> FellowRecord:
         return services.worker(fellow_id)
+
+    @post(
+        "/{fellow_id:str}/release",
+        status_code=HTTP_200_OK,
+        summary="Remove a fellow from the registry; purge_install also wipes its install",
+    )
+    async def release(
+        self, fellow_id: str, request: Request, services: LeaderServices
+    ) -> dict[str, Any]:
+        body = decode_strict(await request.body(), ReleaseRequest)
+        return await services.orchestrator.release(fellow_id, purge_install=body.purge_install)
+
+    @post(
+        "/update",
+        status_code=HTTP_200_OK,
+        summary="Restart idle fellows' agents from the leader's version (all, or fellow_id)",
+    )
+    async def update(self, request: Request, services: LeaderServices) -> list[SignalRecord]:
+        body = decode_strict(await request.body(), UpdateRequest)
+        return await services.orchestrator.update(body.fellow_id)
+
+
+class PurgesController(Controller):
+    path = "/api/v1/purges"
+    tags = ["workers"]
+
+    @get("/", summary="Purges waiting for their fellow to come back")
+    async def pending(self, services: LeaderServices) -> list[PendingPurge]:
+        return services.orchestrator.pending_purges()
+
+    @post("/retry", status_code=HTTP_200_OK, summary="Try to deliver pending purges now")
+    async def retry(self, request: Request, services: LeaderServices) -> list[dict[str, Any]]:
+        body = decode_strict(await request.body(), RetryPurgeRequest)
+        return await services.orchestrator.retry_purges(body.fellow_id)

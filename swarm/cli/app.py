@@ -14,7 +14,9 @@ from cyclopts import Parameter
 from swarm import __version__
 from swarm.cli import cluster, render
 from swarm.cli.client import LeaderClient
+from swarm.cli.watch import watch_job
 from swarm.entry import run_or_exit
+from swarm.errors import ConfigError
 from swarm.settings import Settings
 
 app = cyclopts.App(
@@ -131,6 +133,148 @@ def nodes() -> None:
         )
     headers = ["HOST", "STATE", "CORES", "RAM FREE/TOTAL", "GPUS (FREE/TOTAL)", "FELLOWS"]
     CTX.emit(hosts, render.table(headers, rows) if rows else "no nodes")
+
+
+@app.command
+def jobs() -> None:
+    """Every job: state, steps, loss, fellows."""
+    with CTX.client() as client:
+        records = client.jobs()
+    rows = []
+    for j in records:
+        progress = sorted(j.get("progress") or [], key=lambda p: p["stage"])
+        step = min((p["step"] for p in progress), default=None)
+        loss = j.get("final_loss") or (progress[-1].get("loss") if progress else None)
+        rows.append(
+            [
+                j["job_id"],
+                j["state"],
+                f"{step if step is not None else '-'}/{j['spec']['steps']}",
+                "-" if loss is None else f"{loss:.4f}",
+                ",".join(p["fellow_id"] for p in progress) or "-",
+                render.since(j["created_at"]),
+                (j.get("reason") or "")[:60],
+            ]
+        )
+    headers = ["JOB", "STATE", "STEP", "LOSS", "FELLOWS", "AGE", "REASON"]
+    CTX.emit(records, render.table(headers, rows) if rows else "no jobs")
+
+
+@app.command
+def job(job_id: str) -> None:
+    """One job in full (JSON): spec, placement, progress, signals, history."""
+    with CTX.client() as client:
+        record = client.job(job_id)
+    print(render.dumps(record))
+
+
+@app.command
+def submit(
+    config: Annotated[Path, Parameter(help="Job spec (JSON), e.g. exp/configs/quickstart.json")],
+    *,
+    watch: Annotated[bool, Parameter(help="Follow the job until it ends")] = False,
+) -> None:
+    """Submit a job; prints its id. With --watch, follows it and fails unless it completes."""
+    try:
+        body = config.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {config}: {exc.strerror}") from None
+    with CTX.client() as client:
+        record = client.submit(body)
+        if not watch:
+            CTX.emit(record, record["job_id"])
+            return
+        progress = _stderr if CTX.json else print
+        progress(
+            f"submitted {record['job_id']} ({record['name']}); following it (Ctrl-C stops "
+            f"following, not the job)"
+        )
+        final = watch_job(client, record["job_id"], out=progress)
+    if CTX.json:
+        print(render.dumps(final))
+
+
+@app.command
+def cancel(job_id: str) -> None:
+    """Cancel a pending or running job (its fellows stop and return to ready)."""
+    with CTX.client() as client:
+        record = client.cancel(job_id)
+    CTX.emit(record, f"job {record['job_id']} {record['state']}")
+
+
+@app.command
+def checkpoint(job_id: str) -> None:
+    """Ask every fellow of a running job to write a checkpoint at the same step."""
+    with CTX.client() as client:
+        record = client.checkpoint(job_id)
+    acked = sum(1 for s in record["stages"] if s["acknowledged"])
+    CTX.emit(
+        record,
+        f"checkpoint {record['checkpoint_id']} at step {record['at_step']}: "
+        f"{acked}/{len(record['stages'])} fellows acknowledged "
+        f"(see 'swarm job {job_id}' for the paths)",
+    )
+
+
+@app.command
+def update(
+    *,
+    fellow_id: Annotated[str | None, Parameter(help="Only this fellow (default: all)")] = None,
+) -> None:
+    """Restart connected fellows' agents from the leader's version, as soon as they are idle."""
+    with CTX.client() as client:
+        records = client.update(fellow_id)
+    rows = [[r["fellow_id"], "ok" if r["ok"] else r["code"], r["message"]] for r in records]
+    CTX.emit(records, render.table(["FELLOW", "RESULT", "MESSAGE"], rows) if rows else "no fellows")
+
+
+@app.command
+def release(
+    *,
+    fellow_id: Annotated[str, Parameter(help="The fellow to remove from the registry")],
+    purge_install: Annotated[
+        bool, Parameter(help="Also make it delete its local install and state")
+    ] = False,
+) -> None:
+    """Remove a fellow from the registry (its agent exits); --purge-install also wipes it."""
+    with CTX.client() as client:
+        result = client.release(fellow_id, purge_install=purge_install)
+    purge = {
+        None: "",
+        "delivered": "; purge delivered",
+        "pending": "; purge pending until it comes back (swarm pending-purges)",
+    }[result["purge"]]
+    CTX.emit(result, f"released {fellow_id}{purge}")
+
+
+@app.command(name="pending-purges")
+def pending_purges() -> None:
+    """Purges waiting for their (offline) fellow to come back."""
+    with CTX.client() as client:
+        records = client.pending_purges()
+    rows = [
+        [p["fellow_id"], render.since(p["requested_at"]), p["attempts"], p["last_error"] or "-"]
+        for p in records
+    ]
+    headers = ["FELLOW", "REQUESTED", "ATTEMPTS", "LAST ERROR"]
+    CTX.emit(records, render.table(headers, rows) if rows else "no pending purges")
+
+
+@app.command(name="retry-purge")
+def retry_purge(
+    *,
+    fellow_id: Annotated[str | None, Parameter(help="Only this fellow (default: all)")] = None,
+) -> None:
+    """Try to deliver pending purges now."""
+    with CTX.client() as client:
+        results = client.retry_purges(fellow_id)
+    rows = [
+        [r["fellow_id"], "delivered" if r["delivered"] else "pending", r["error"] or "-"]
+        for r in results
+    ]
+    CTX.emit(
+        results, render.table(["FELLOW", "PURGE", "ERROR"], rows) if rows else "nothing pending"
+    )
 
 
 @app.command(name="start-cluster")

@@ -38,9 +38,45 @@ class LeaderClient:
     def nodes(self) -> list[dict[str, Any]]:
         return self._get("/api/v1/nodes")
 
+    def jobs(self) -> list[dict[str, Any]]:
+        return self._get("/api/v1/jobs")
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        return self._get(f"/api/v1/jobs/{job_id}")
+
+    def submit(self, spec_json: bytes) -> dict[str, Any]:
+        return self._call("POST", "/api/v1/jobs", content=spec_json, ok_statuses=(201,))
+
+    def cancel(self, job_id: str) -> dict[str, Any]:
+        return self._call("DELETE", f"/api/v1/jobs/{job_id}")
+
+    def checkpoint(self, job_id: str) -> dict[str, Any]:
+        return self._call("POST", f"/api/v1/jobs/{job_id}/checkpoint", ok_statuses=(202,))
+
+    def update(self, fellow_id: str | None) -> list[dict[str, Any]]:
+        return self._call("POST", "/api/v1/workers/update", json={"fellow_id": fellow_id})
+
+    def release(self, fellow_id: str, *, purge_install: bool) -> dict[str, Any]:
+        return self._call(
+            "POST",
+            f"/api/v1/workers/{fellow_id}/release",
+            json={"purge_install": purge_install},
+        )
+
+    def pending_purges(self) -> list[dict[str, Any]]:
+        return self._get("/api/v1/purges")
+
+    def retry_purges(self, fellow_id: str | None) -> list[dict[str, Any]]:
+        return self._call("POST", "/api/v1/purges/retry", json={"fellow_id": fellow_id})
+
     def _get(self, path: str, *, ok_statuses: tuple[int, ...] = (200,)) -> Any:
+        return self._call("GET", path, ok_statuses=ok_statuses)
+
+    def _call(
+        self, method: str, path: str, *, ok_statuses: tuple[int, ...] = (200,), **kwargs: Any
+    ) -> Any:
         try:
-            response = self._http.get(path)
+            response = self._http.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
             raise LeaderUnreachableError(
                 f"cannot reach the leader at {self.base_url} ({type(exc).__name__}: {exc}); "
@@ -55,6 +91,6 @@ class LeaderClient:
         if isinstance(body, dict) and "code" in body:
             raise LeaderResponseError(str(body.get("message", "")), code=str(body["code"]))
         raise LeaderResponseError(
-            f"leader answered {response.status_code} for GET {path}",
+            f"leader answered {response.status_code} for {method} {path}",
             code=f"HTTP_{response.status_code}",
         )

@@ -21,7 +21,7 @@ import psutil
 from swarm.cli.client import LeaderClient
 from swarm.errors import ClusterError, ConfigError, LeaderUnreachableError
 from swarm.natsd import start_nats_server
-from swarm.procs import ensure_port_free, spawn, stop_processes, tail, wait_until
+from swarm.procs import ensure_port_free, free_port, spawn, stop_processes, tail, wait_until
 from swarm.settings import Settings
 
 MANIFEST = "cluster.json"
@@ -169,9 +169,9 @@ def _start_all(
     env = {**os.environ, **child_settings.as_env(), "PYTHONUNBUFFERED": "1"}
     started: dict[str, Any] = {}
 
-    def launch(name: str, role: str, argv: list[str]) -> None:
+    def launch(name: str, role: str, argv: list[str], **extra_env: str) -> None:
         log = settings.logs_dir / f"{name}.log"
-        proc = spawn(argv, log_path=log, env=env, detach=True)
+        proc = spawn(argv, log_path=log, env={**env, **extra_env}, detach=True)
         started[name] = (proc, log)
         manifest.processes.append(_record(name, role, proc.pid, log))
         _write_manifest(settings, manifest)
@@ -192,7 +192,14 @@ def _start_all(
 
         names = [f"fellow-{i}" for i in range(1, fellows + 1)]
         for name in names:
-            launch(name, "fellow", [sys.executable, "-m", "agent.main", "--name", name])
+            # Each fellow binds its own loopback port for tensors from its upstream stage.
+            address = f"tcp://127.0.0.1:{free_port()}"
+            launch(
+                name,
+                "fellow",
+                [sys.executable, "-m", "agent.main", "--name", name],
+                SWARM_DATA_ADDRESS=address,
+            )
         progress(f"fellows  starting {', '.join(names)}")
         ready = wait_until(
             lambda: _all_ready(client, names),

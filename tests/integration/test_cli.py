@@ -162,3 +162,32 @@ def test_agent_without_nats_url_exits_2():
     )
     assert result.returncode == 2
     assert "SWARM_NATS_URL" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_job_commands_report_errors_clearly(leader, tmp_path):
+    url = ("--leader-url", leader.url)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"steps": 10, "model": {"nheads": 2}}')
+    result = swarm(*url, "submit", str(bad), timeout=30)
+    assert result.returncode == 1 and result.stdout == ""
+    assert result.stderr.strip() == "swarm: error: model.nheads: unknown field"
+    missing = swarm(*url, "submit", str(tmp_path / "nope.json"), timeout=30)
+    assert missing.returncode == 2 and "cannot read" in missing.stderr
+    assert "Traceback" not in missing.stderr + result.stderr
+    unknown = swarm(*url, "cancel", "no-such-job", timeout=30)
+    assert unknown.returncode == 1 and "no job 'no-such-job'" in unknown.stderr
+    waiting = tmp_path / "waits.json"
+    waiting.write_text(json.dumps({"name": "waits", "stages": 3, "model": {"n_layers": 3}}))
+    job_id = swarm(*url, "submit", str(waiting), timeout=30).stdout.strip()
+    listed = swarm(*url, "jobs", timeout=30)
+    assert job_id in listed.stdout and "PENDING" in listed.stdout
+    assert "waiting for 3 ready fellows; 0 available" in listed.stdout
+    as_json = json.loads(swarm(*url, "--json", "jobs", timeout=30).stdout)
+    assert [j["job_id"] for j in as_json] == [job_id]
+    cancelled = swarm(*url, "cancel", job_id, timeout=30)
+    assert cancelled.returncode == 0 and cancelled.stdout.strip() == f"job {job_id} CANCELLED"
+    busy = swarm(*url, "checkpoint", job_id, timeout=30)
+    assert busy.returncode == 1 and "only a RUNNING job can checkpoint" in busy.stderr
+    assert swarm(*url, "pending-purges", timeout=30).stdout.strip() == "no pending purges"
+    gone = swarm(*url, "release", "--fellow-id", "ghost", timeout=30)
+    assert gone.returncode == 1 and "no fellow 'ghost'" in gone.stderr

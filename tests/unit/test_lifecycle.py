@@ -5,7 +5,8 @@ import pytest
 from swarm.lifecycle import TRANSITIONS, FellowEvent, IllegalTransitionError, next_status
 from swarm.protocol import FellowStatus as S
 
-# The ARCHITECTURE.md lifecycle, plus: every live status goes offline when stale.
+# The ARCHITECTURE.md lifecycle, plus: every live status goes offline when stale, and
+# checkpointing ends the two ways training does (job terminal, runtime failure).
 EXPECTED = {
     (S.REGISTERING, FellowEvent.REGISTERED): S.READY,
     (S.READY, FellowEvent.START): S.TRAINING,
@@ -15,6 +16,8 @@ EXPECTED = {
     (S.TRAINING, FellowEvent.JOB_TERMINAL): S.READY,
     (S.READY, FellowEvent.UPDATE): S.REGISTERING,
     (S.TRAINING, FellowEvent.FAILURE): S.FAILED,
+    (S.CHECKPOINTING, FellowEvent.JOB_TERMINAL): S.READY,
+    (S.CHECKPOINTING, FellowEvent.FAILURE): S.FAILED,
     (S.FAILED, FellowEvent.RECOVERED): S.READY,
     (S.OFFLINE, FellowEvent.RECONNECT): S.REGISTERING,
     **{(s, FellowEvent.HEARTBEAT_STALE): S.OFFLINE for s in S if s is not S.OFFLINE},

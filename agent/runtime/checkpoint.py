@@ -1,0 +1,245 @@
+"""Stage checkpoints: every model and optimizer variable of one stage, plus where training was.
+
+Layout, shared by all stages of a job (each writes only its own two files)::
+
+    <checkpoint_dir>/<job_id>/attempt-<attempt>/step-<steps_done>/stage-<stage>.npz
+    <checkpoint_dir>/<job_id>/attempt-<attempt>/step-<steps_done>/stage-<stage>.json
+
+The ``.npz`` holds the arrays, the ``.json`` the meta data (plan identity, data position,
+array names and shapes). Both are written to a temporary name, fsynced and renamed, the JSON
+last: a stage's checkpoint is complete exactly when its JSON exists.
+
+Array names are ``model/<i>:<variable path>`` and ``optimizer/<i>:<variable path>``. The index
+``i`` (the variable's position in the stage) is what restoring matches on; the path is for
+people, since Keras numbers some auto-named variables per process.
+
+Only numpy here: the model is passed in, so reading meta data needs no TensorFlow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+import msgspec
+import numpy as np
+
+from agent.runtime.data import DataState, TextDataset
+from swarm.plan import StagePlan
+
+if TYPE_CHECKING:
+    from agent.runtime.stage_model import StageModel
+
+FORMAT_VERSION = 1
+
+
+class CheckpointError(Exception):
+    """A checkpoint cannot be written, read or applied (beyond a plain OSError)."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    meta: dict[str, Any]
+    arrays: dict[str, np.ndarray]
+    path: Path  # the JSON file
+
+
+def step_dir(root: str | os.PathLike[str], job_id: str, attempt: int, steps_done: int) -> Path:
+    """The directory all stages of a job write their checkpoint after ``steps_done`` steps."""
+    return Path(root) / job_id / f"attempt-{attempt}" / f"step-{steps_done}"
+
+
+# --- the variables of a stage -----------------------------------------------------------------
+
+
+def _model_variables(model: StageModel) -> list[Any]:
+    """Every variable of every piece, non-trainable ones (dropout seed state) included."""
+    return [v for piece in model.pieces for v in piece.layer.variables]
+
+
+def named_variables(model: StageModel) -> list[tuple[str, Any]]:
+    """``(array name, variable)`` for the model's and the optimizer's variables, in order."""
+    named = [(f"model/{i}:{v.path}", v) for i, v in enumerate(_model_variables(model))]
+    named += [(f"optimizer/{i}:{v.path}", v) for i, v in enumerate(model.optimizer.variables)]
+    return named
+
+
+def stage_arrays(model: StageModel) -> dict[str, np.ndarray]:
+    """A numpy copy of every variable of the stage, by array name."""
+    return {name: np.asarray(v.numpy()) for name, v in named_variables(model)}
+
+
+def _key(name: str) -> str:
+    """``model/3:block_0/w_o`` -> ``model/3``: the part restoring matches on."""
+    return name.split(":", 1)[0]
+
+
+# --- writing ----------------------------------------------------------------------------------
+
+
+def build_meta(
+    plan: StagePlan,
+    arrays: dict[str, np.ndarray],
+    *,
+    steps_done: int,
+    data_state: DataState,
+) -> dict[str, Any]:
+    return {
+        "format": FORMAT_VERSION,
+        "job_id": plan.job_id,
+        "attempt": plan.attempt,
+        "stage": plan.stage,
+        "n_stages": plan.n_stages,
+        "layer_start": plan.layer_start,
+        "layer_end": plan.layer_end,
+        "steps_done": steps_done,
+        "total_steps": plan.train.steps,
+        "final": steps_done >= plan.train.steps,
+        "data": {"epoch": data_state.epoch, "index": data_state.index},
+        "model": msgspec.to_builtins(plan.model),
+        "train": msgspec.to_builtins(plan.train),
+        "compression": plan.compression,
+        "grad_compression": plan.grad_compression,
+        "created_at": time.time(),
+        "npz": f"stage-{plan.stage}.npz",
+        "arrays": [
+            {"name": name, "shape": list(a.shape), "dtype": str(a.dtype)}
+            for name, a in arrays.items()
+        ],
+    }
+
+
+def _write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Write through a temporary file in the same directory, fsync it, rename it over ``path``."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the renames durable: a crash must not leave a JSON whose npz is not on disk."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        with contextlib.suppress(OSError):  # some file systems cannot fsync a directory
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    root: str | os.PathLike[str],
+    plan: StagePlan,
+    arrays: dict[str, np.ndarray],
+    *,
+    steps_done: int,
+    data_state: DataState,
+) -> Path:
+    """Write this stage's checkpoint under ``root``; the step directory. OSError on failure."""
+    directory = step_dir(root, plan.job_id, plan.attempt, steps_done)
+    directory.mkdir(parents=True, exist_ok=True)
+    meta = build_meta(plan, arrays, steps_done=steps_done, data_state=data_state)
+    _write_atomic(directory / meta["npz"], lambda f: np.savez(f, **arrays))
+    _fsync_dir(directory)
+    body = json.dumps(meta, indent=1).encode() + b"\n"
+    _write_atomic(directory / f"stage-{plan.stage}.json", lambda f: f.write(body))
+    _fsync_dir(directory)
+    return directory
+
+
+def save_stage(
+    root: str | os.PathLike[str], model: StageModel, dataset: TextDataset, *, steps_done: int
+) -> Path:
+    """Checkpoint a live stage: its model's and optimizer's variables and the data position."""
+    return save_checkpoint(
+        root, model.plan, stage_arrays(model), steps_done=steps_done, data_state=dataset.state()
+    )
+
+
+# --- reading and restoring --------------------------------------------------------------------
+
+
+def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """Meta data and arrays from a stage's JSON file (the npz next to it)."""
+    path = Path(path)
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: not a stage checkpoint of format {FORMAT_VERSION}")
+    try:
+        with np.load(path.with_name(meta["npz"]), allow_pickle=False) as npz:
+            arrays = {name: npz[name] for name in npz.files}
+    except (KeyError, ValueError, zipfile.BadZipFile) as exc:
+        raise CheckpointError(f"{path}: cannot read its arrays ({exc})") from None
+    for entry in meta["arrays"]:
+        array = arrays.get(entry["name"])
+        if array is None or list(array.shape) != entry["shape"]:
+            raise CheckpointError(f"{path}: array {entry['name']} is missing or misshapen")
+    return Checkpoint(meta=meta, arrays=arrays, path=path)
+
+
+def check_compatible(plan: StagePlan, meta: dict[str, Any]) -> None:
+    """CheckpointError unless the checkpoint was written by this stage of this model."""
+    want = {
+        "stage": plan.stage,
+        "n_stages": plan.n_stages,
+        "layer_start": plan.layer_start,
+        "layer_end": plan.layer_end,
+        "model": msgspec.to_builtins(plan.model),
+        "compression": plan.compression,
+    }
+    wrong = [key for key, value in want.items() if meta.get(key) != value]
+    if wrong:
+        raise CheckpointError(f"checkpoint does not fit this stage: {', '.join(wrong)} differ")
+
+
+def restore_into(model: StageModel, dataset: TextDataset | None, checkpoint: Checkpoint) -> None:
+    """Put a checkpoint's variables into ``model`` and its data position into ``dataset``.
+
+    ``model`` is a fresh ``StageModel`` built from a plan for the same stage and model.
+    """
+    check_compatible(model.plan, checkpoint.meta)
+    by_key = {_key(name): array for name, array in checkpoint.arrays.items()}
+    targets = named_variables(model)
+    if len(by_key) != len(targets):
+        raise CheckpointError(
+            f"checkpoint has {len(by_key)} arrays, this stage has {len(targets)} variables"
+        )
+    pairs = [(variable, by_key.get(_key(name)), name) for name, variable in targets]
+    for variable, array, name in pairs:  # check everything before changing anything
+        if array is None or tuple(array.shape) != tuple(variable.shape):
+            raise CheckpointError(f"checkpoint has no array of shape {variable.shape} for {name}")
+    for variable, array, _ in pairs:
+        variable.assign(array)
+    if dataset is not None:
+        data = checkpoint.meta["data"]
+        dataset.restore(DataState(epoch=data["epoch"], index=data["index"]))
+
+
+__all__ = [
+    "Checkpoint",
+    "CheckpointError",
+    "build_meta",
+    "load_checkpoint",
+    "named_variables",
+    "restore_into",
+    "save_checkpoint",
+    "save_stage",
+    "stage_arrays",
+    "step_dir",
+]

@@ -1,0 +1,185 @@
+"""The stage's control channel: JSON-line commands from the supervising agent on stdin.
+
+``swarm-stage --control-stdin`` is started by the fellow agent with stdin as a pipe. A daemon
+thread reads it line by line; each line is one JSON object:
+
+    {"cmd": "checkpoint", "id": "<request id>", "at_step": N}   (at_step null or absent: now)
+
+A malformed line or an unknown command is logged as a warning and otherwise ignored: a bad
+command must never stop training. End of file on stdin means the agent is gone (it holds the
+write end for the stage's whole life), so the process exits at once with
+:data:`EXIT_SUPERVISOR_GONE`, whatever the main thread is blocked in. This complements
+PR_SET_PDEATHSIG, which follows the agent's thread that forked the stage rather than the agent.
+
+No TensorFlow here: the channel is pure logic plus one thread, testable with a pipe.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable
+from typing import Annotated, NoReturn
+
+import msgspec
+
+log = logging.getLogger(__name__)
+
+EXIT_SUPERVISOR_GONE = 70
+"""Exit status when stdin reaches EOF: the supervising agent died (EX_SOFTWARE)."""
+
+MAX_LINE_BYTES = 64 * 1024
+"""A longer line is no command of ours: it is dropped rather than buffered without bound."""
+
+
+class CheckpointRequest(msgspec.Struct, frozen=True, tag_field="cmd", tag="checkpoint"):
+    """Write a checkpoint once ``at_step`` training steps have completed (None: at once)."""
+
+    id: Annotated[str, msgspec.Meta(min_length=1)]
+    at_step: Annotated[int, msgspec.Meta(ge=0)] | None = None
+
+    def is_due(self, steps_done: int, total_steps: int) -> bool:
+        """Due at the first step boundary at or after ``at_step``; at the last step at the latest.
+
+        A request that arrives after its step has passed is honoured at the next boundary, and
+        one for a step beyond the run is honoured after the last step (a final checkpoint).
+        """
+        return self.at_step is None or self.at_step <= steps_done or steps_done >= total_steps
+
+
+Command = CheckpointRequest  # a union once there is more than one command
+COMMANDS: dict[str, type[Command]] = {"checkpoint": CheckpointRequest}
+
+
+def parse_command(line: bytes | str) -> Command | None:
+    """The command on one line, or None (with a warning) when the line is not a valid one.
+
+    The ``cmd`` key is looked up first: msgspec would accept a lone tagged Struct without it.
+    """
+    try:
+        raw = msgspec.json.decode(line)
+        kind = raw.get("cmd") if isinstance(raw, dict) else None
+        if not isinstance(kind, str) or kind not in COMMANDS:
+            log.warning("ignoring control line %.200r: unknown or missing cmd %r", line, kind)
+            return None
+        return msgspec.convert(raw, COMMANDS[kind])
+    except msgspec.DecodeError as exc:  # not JSON, or (ValidationError) not a valid command
+        log.warning("ignoring control line %.200r: %s", line, exc)
+        return None
+
+
+def exit_supervisor_gone() -> NoReturn:
+    """Leave now, without cleanup: threads blocked in ZeroMQ or TensorFlow must not hold us."""
+    log.error("stdin closed, the supervising agent is gone; exiting")
+    os._exit(EXIT_SUPERVISOR_GONE)
+
+
+class ControlChannel:
+    """Commands queued by the reader thread and taken by the training loop at step boundaries.
+
+    ``on_eof`` runs when the input ends while the channel is open (by default: exit 70). After
+    :meth:`close` (the run has ended) new commands are dropped and EOF is harmless, so an agent
+    that closes the pipe once it has seen ``done`` does not turn a success into exit 70.
+    """
+
+    def __init__(self, on_eof: Callable[[], None] = exit_supervisor_gone) -> None:
+        self._on_eof = on_eof
+        self._lock = threading.Lock()
+        self._pending: list[CheckpointRequest] = []
+        self._closed = False
+
+    # --- the reader side ------------------------------------------------------------------
+
+    def feed_line(self, line: bytes | str) -> None:
+        """Parse one line and queue its command; blank lines are skipped silently."""
+        if not line.strip():
+            return
+        command = parse_command(line)
+        if command is None:
+            return
+        with self._lock:
+            if self._closed:
+                log.warning("the run has ended; ignoring checkpoint %r", command.id)
+                return
+            self._pending.append(command)
+
+    def feed_chunks(self, chunks: Iterable[bytes]) -> None:
+        """Split a byte stream into lines and feed them; the end of ``chunks`` is EOF."""
+        buffer = b""
+        for chunk in chunks:
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            for line in lines:
+                self.feed_line(line)
+            if len(buffer) > MAX_LINE_BYTES:
+                log.warning("dropping a line longer than %d bytes", MAX_LINE_BYTES)
+                buffer = b""  # and the rest of that line, when it ends, is dropped as malformed
+        if buffer.strip():
+            self.feed_line(buffer)  # a last line without its newline still counts
+        self._eof()
+
+    def read_fd(self, fd: int) -> None:
+        """Read ``fd`` until EOF (or a read error, which means the same: no supervisor)."""
+        self.feed_chunks(_fd_chunks(fd))
+
+    def start_reader(self, fd: int = 0) -> threading.Thread:
+        """Read ``fd`` (stdin) in a daemon thread.
+
+        It reads the raw descriptor with ``os.read``, not ``sys.stdin``: a daemon thread
+        blocked inside a buffered reader makes interpreter shutdown abort on its lock.
+        """
+        thread = threading.Thread(target=self.read_fd, args=(fd,), name="control", daemon=True)
+        thread.start()
+        return thread
+
+    def _eof(self) -> None:
+        with self._lock:
+            closed = self._closed
+        if not closed:
+            self._on_eof()
+
+    # --- the training side ----------------------------------------------------------------
+
+    def due_checkpoints(self, steps_done: int, total_steps: int) -> list[CheckpointRequest]:
+        """Take the requests due now that ``steps_done`` of ``total_steps`` steps are complete."""
+        due: list[CheckpointRequest] = []
+        waiting: list[CheckpointRequest] = []
+        with self._lock:
+            for request in self._pending:
+                (due if request.is_due(steps_done, total_steps) else waiting).append(request)
+            self._pending = waiting
+        return due
+
+    def close(self) -> list[CheckpointRequest]:
+        """End the channel; return the requests still pending so they can be answered.
+
+        Atomic with respect to the reader: every accepted request is either returned here or
+        was taken before, none is lost in between.
+        """
+        with self._lock:
+            self._closed = True
+            pending, self._pending = self._pending, []
+        return pending
+
+
+def _fd_chunks(fd: int) -> Iterable[bytes]:
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError as exc:
+            log.warning("cannot read the control input: %s", exc)
+            return
+        if not chunk:
+            return
+        yield chunk
+
+
+__all__ = [
+    "EXIT_SUPERVISOR_GONE",
+    "CheckpointRequest",
+    "Command",
+    "ControlChannel",
+    "exit_supervisor_gone",
+    "parse_command",
+]

@@ -1,0 +1,186 @@
+"""One job's stage, run as a supervised runtime subprocess.
+
+The runtime (``python -m agent.runtime.main --plan FILE --control-stdin``) is the only
+process that imports TensorFlow. It exits when the job ends, which frees every byte of
+TensorFlow and CUDA memory, and it dies with the agent two ways: PR_SET_PDEATHSIG (SIGKILL)
+and EOF on its stdin pipe. Its JSON-line events (stdout) are handed to a callback; its
+stderr (TensorFlow's start-up noise, tracebacks) goes to a file in the job's folder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from swarm.plan import StagePlan
+from swarm.procs import die_with_parent, tail
+from swarm.protocol import StageOutcome, StageResult
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 5.0
+
+# TensorFlow's GPU memory: allocate on demand and hand it back (the async allocator), so a
+# fellow's VRAM telemetry stays truthful and several stages can share a GPU.
+RUNTIME_ENV = {
+    "TF_GPU_ALLOCATOR": "cuda_malloc_async",
+    "TF_FORCE_GPU_ALLOW_GROWTH": "true",
+    "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+    "TF_CPP_MIN_LOG_LEVEL": "2",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+def runtime_env() -> dict[str, str]:
+    """The agent's environment minus SWARM_* (the plan says all a stage needs) plus TF's."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
+    env.update(RUNTIME_ENV)
+    return env
+
+
+class StageRun:
+    """A started runtime for one (job, attempt); ``finished`` resolves to its outcome."""
+
+    def __init__(self, plan: StagePlan, workdir: Path, on_event: Callable[[dict[str, Any]], None]):
+        self.plan = plan
+        self.workdir = workdir
+        self.on_event = on_event
+        self.proc: asyncio.subprocess.Process | None = None
+        self.stopping: str | None = None  # why we stopped it, when we did
+        self.last_step: dict[str, Any] | None = None
+        self.done: dict[str, Any] | None = None
+        self.error: str | None = None
+        self.finished: asyncio.Future[StageOutcome] = asyncio.get_running_loop().create_future()
+        self._reader: asyncio.Task[None] | None = None
+
+    @property
+    def job_id(self) -> str:
+        return self.plan.job_id
+
+    @property
+    def attempt(self) -> int:
+        return self.plan.attempt
+
+    @property
+    def stderr_path(self) -> Path:
+        return self.workdir / "stage.err"
+
+    async def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        plan_path = self.workdir / "plan.json"
+        plan_path.write_bytes(msgspec.json.format(msgspec.json.encode(self.plan)))
+        with open(self.stderr_path, "ab") as stderr:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "agent.runtime.main",
+                "--plan",
+                str(plan_path),
+                "--control-stdin",
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=stderr,
+                env=runtime_env(),
+                preexec_fn=die_with_parent(signal.SIGKILL),
+            )
+        log.info(
+            "job %s attempt %d: stage %d runtime started (pid %d)",
+            self.job_id,
+            self.attempt,
+            self.plan.stage,
+            self.proc.pid,
+        )
+        self._reader = asyncio.create_task(self._read(), name=f"stage-{self.job_id}")
+
+    async def command(self, command: dict[str, Any]) -> bool:
+        """Write one control command to the runtime; False when it is gone."""
+        proc = self.proc
+        if proc is None or proc.stdin is None or proc.returncode is not None:
+            return False
+        try:
+            proc.stdin.write(json.dumps(command).encode() + b"\n")
+            await proc.stdin.drain()
+        except (BrokenPipeError, ConnectionResetError):
+            return False
+        return True
+
+    async def stop(self, reason: str) -> StageOutcome:
+        """Terminate the runtime (SIGTERM, then SIGKILL) and wait for its outcome."""
+        proc = self.proc
+        if proc is not None and proc.returncode is None:
+            self.stopping = reason
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+        return await self.finished
+
+    async def _read(self) -> None:
+        proc = self.proc
+        assert proc is not None and proc.stdout is not None
+        try:
+            async for raw in proc.stdout:
+                line = raw.decode(errors="replace").strip()
+                if not line.startswith("{"):
+                    if line:
+                        log.info("stage: %s", line)
+                    continue
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    log.warning("stage wrote a malformed event: %.200s", line)
+                    continue
+                self._remember(event)
+                try:
+                    self.on_event(event)
+                except Exception:
+                    log.exception("handling stage event %s failed", event.get("event"))
+        finally:
+            if proc.stdin is not None:
+                proc.stdin.close()
+            code = await proc.wait()
+            self.finished.set_result(self._outcome(code))
+
+    def _remember(self, event: dict[str, Any]) -> None:
+        kind = event.get("event")
+        if kind == "step":
+            self.last_step = event
+        elif kind == "done":
+            self.done = event
+        elif kind == "error":
+            self.error = str(event.get("message", ""))
+
+    def _outcome(self, code: int) -> StageOutcome:
+        last = self.done or self.last_step or {}
+        steps_done = self.done["steps"] if self.done else (last.get("step", -1) + 1 or None)
+        common = {
+            "job_id": self.job_id,
+            "attempt": self.attempt,
+            "step": steps_done,
+            "loss": last.get("loss"),
+            "val_loss": (self.done or {}).get("val_loss"),
+        }
+        if code == 0 and self.done is not None:
+            return StageOutcome(result=StageResult.COMPLETED, **common)
+        if self.stopping is not None:
+            return StageOutcome(result=StageResult.STOPPED, message=self.stopping, **common)
+        message = self.error or _last_line(self.stderr_path) or f"runtime exited with {code}"
+        return StageOutcome(result=StageResult.FAILED, message=f"{message} (exit {code})", **common)
+
+
+def _last_line(path: Path) -> str:
+    lines = [line for line in tail(path, 5).splitlines() if line.strip()]
+    return lines[-1].strip()[:500] if lines else ""

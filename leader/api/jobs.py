@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+from litestar import Controller, Request, delete, get, post
+from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED, HTTP_202_ACCEPTED
+
+from leader.jobs import CheckpointRecord, JobRecord
+from leader.services import LeaderServices
+from swarm.jobspec import decode_job_spec
+
+
+class JobsController(Controller):
+    path = "/api/v1/jobs"
+    tags = ["jobs"]
+
+    @post(
+        "/",
+        status_code=HTTP_201_CREATED,
+        summary="Submit a job (the job spec as JSON); 400 names a wrong or unknown field",
+    )
+    async def submit(self, request: Request, services: LeaderServices) -> JobRecord:
+        # Decoded here, strictly, so that the error names the field the way the CLI shows it.
+        spec = decode_job_spec(await request.body())
+        return services.orchestrator.submit(spec)
+
+    @get("/", summary="Every job, oldest first")
+    async def list_jobs(self, services: LeaderServices) -> list[JobRecord]:
+        return services.job_list()
+
+    @get("/{job_id:str}", summary="One job: state, placement, per-fellow progress, reason")
+    async def get_job(self, job_id: str, services: LeaderServices) -> JobRecord:
+        return services.job(job_id)
+
+    @delete("/{job_id:str}", status_code=HTTP_200_OK, summary="Cancel a PENDING or RUNNING job")
+    async def cancel(self, job_id: str, services: LeaderServices) -> JobRecord:
+        return services.orchestrator.cancel(job_id)
+
+    @post(
+        "/{job_id:str}/checkpoint",
+        status_code=HTTP_202_ACCEPTED,
+        summary="Ask every fellow of a running job to write a checkpoint at the same step",
+    )
+    async def checkpoint(self, job_id: str, services: LeaderServices) -> CheckpointRecord:
+        return await services.orchestrator.checkpoint(job_id)

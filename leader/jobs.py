@@ -1,0 +1,461 @@
+"""JobManager: every job's record and the decisions about it.
+
+Pure state with an injected clock, like the registry: which pending job goes next and onto
+which fellows (:func:`plan_schedule`), what a progress report or a stage outcome does to a
+job, and what the fellows' heartbeats say about the jobs they should be running
+(:func:`reconcile`). The I/O (signals, NATS, JetStream) lives in :mod:`leader.orchestrator`.
+
+Every state change goes through :func:`swarm.lifecycle.next_job_state`; an illegal one is
+rejected and logged, never applied. Changed jobs are marked dirty for the store to write.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import msgspec
+
+from leader.placement import Candidate, Unplaceable, place
+from swarm.errors import ConflictError, NotFoundError
+from swarm.jobspec import JobSpec, Placement, new_job_id
+from swarm.lifecycle import (
+    TERMINAL_JOB_STATES,
+    IllegalTransitionError,
+    JobEvent,
+    next_job_state,
+)
+from swarm.protocol import (
+    FellowStatus,
+    JobState,
+    Progress,
+    ProgressEvent,
+    StageOutcome,
+    StageResult,
+)
+
+log = logging.getLogger(__name__)
+HISTORY_LEN = 50
+SIGNAL_LOG_LEN = 100
+CHECKPOINT_LOG_LEN = 20
+# After START, a fellow's heartbeats may still describe the moment before it: only judge
+# "not running the job" on heartbeats received this long after the job started.
+START_GRACE_S = 3.0
+
+
+class JobTransition(msgspec.Struct, kw_only=True):
+    at: float
+    from_state: JobState | None
+    to_state: JobState
+    reason: str
+
+
+class StageProgress(msgspec.Struct, kw_only=True):
+    stage: int
+    fellow_id: str
+    step: int = 0
+    total_steps: int | None = None
+    loss: float | None = None
+    val_loss: float | None = None
+    lr: float | None = None
+    step_time_s: float | None = None
+    tokens_per_s: float | None = None
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    result: StageResult | None = None
+    message: str = ""
+    updated_at: float | None = None
+
+
+class SignalRecord(msgspec.Struct, kw_only=True):
+    """One signal the leader sent and how it ended."""
+
+    signal_id: str
+    kind: str
+    fellow_id: str
+    sent_at: float
+    attempts: int
+    ok: bool
+    code: str | None = None
+    message: str = ""
+    duplicate: bool = False
+
+
+class CheckpointStage(msgspec.Struct, kw_only=True):
+    fellow_id: str
+    acknowledged: bool = False
+    ok: bool | None = None  # None until the fellow reports the checkpoint written
+    step: int | None = None
+    path: str | None = None
+    message: str = ""
+
+
+class CheckpointRecord(msgspec.Struct, kw_only=True):
+    checkpoint_id: str
+    requested_at: float
+    attempt: int
+    at_step: int | None
+    stages: list[CheckpointStage]
+
+    @property
+    def complete(self) -> bool:
+        return all(s.ok for s in self.stages)
+
+
+class JobRecord(msgspec.Struct, kw_only=True):
+    job_id: str
+    name: str
+    spec: JobSpec
+    state: JobState
+    created_at: float
+    updated_at: float
+    attempt: int = 0
+    started_at: float | None = None
+    finished_at: float | None = None
+    # PENDING: why it waits; FAILED: which fellow failed and how; CANCELLED: by whom.
+    reason: str = ""
+    placement: Placement | None = None
+    progress: list[StageProgress] = msgspec.field(default_factory=list)
+    final_loss: float | None = None
+    final_val_loss: float | None = None
+    checkpoints: list[CheckpointRecord] = msgspec.field(default_factory=list)
+    signals: list[SignalRecord] = msgspec.field(default_factory=list)
+    history: list[JobTransition] = msgspec.field(default_factory=list)
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL_JOB_STATES
+
+    def stage_progress(self, fellow_id: str) -> StageProgress | None:
+        return next((p for p in self.progress if p.fellow_id == fellow_id), None)
+
+
+@dataclass(frozen=True)
+class Assignment:
+    job_id: str
+    placement: Placement
+
+
+@dataclass(frozen=True)
+class FellowState:
+    """What reconcile needs of one fellow, from the registry."""
+
+    fellow_id: str
+    status: FellowStatus
+    job_id: str | None
+    attempt: int | None
+    outcome: StageOutcome | None
+    last_heartbeat_at: float | None
+    offline_reason: str | None = None
+
+
+def plan_schedule(
+    pending: list[JobRecord], idle: list[Candidate]
+) -> tuple[list[Assignment], dict[str, str]]:
+    """Place pending jobs, oldest first, on idle fellows.
+
+    A job that does not fit keeps waiting (with the reason) and does not block younger
+    jobs that fit on what is left.
+    """
+    free = list(idle)
+    assignments, waiting = [], {}
+    for job in sorted(pending, key=lambda j: (j.created_at, j.job_id)):
+        result = place(job.spec, free)
+        if isinstance(result, Unplaceable):
+            waiting[job.job_id] = result.reason
+            continue
+        assignments.append(Assignment(job.job_id, result))
+        taken = set(result.fellow_ids)
+        free = [c for c in free if c.fellow_id not in taken]
+    return assignments, waiting
+
+
+def reconcile(
+    job: JobRecord, fellows: dict[str, FellowState], *, now: float
+) -> list[tuple[str, StageOutcome | str]]:
+    """What the fellows of a running job say about it, as (fellow, outcome or loss reason).
+
+    An outcome for this job and attempt (carried by every heartbeat until the next START)
+    is returned as is; a fellow that is gone, offline, or that reports running something
+    else is returned with the reason the job lost it.
+    """
+    if job.state is not JobState.RUNNING or job.placement is None:
+        return []
+    out: list[tuple[str, StageOutcome | str]] = []
+    for fid in job.placement.fellow_ids:
+        progress = job.stage_progress(fid)
+        if progress is not None and progress.result is not None:
+            continue
+        fellow = fellows.get(fid)
+        if fellow is None:
+            out.append((fid, "was removed from the registry"))
+            continue
+        outcome = fellow.outcome
+        if outcome is not None and (outcome.job_id, outcome.attempt) == (job.job_id, job.attempt):
+            out.append((fid, outcome))
+        elif fellow.status is FellowStatus.OFFLINE:
+            out.append((fid, f"went offline ({fellow.offline_reason or 'no heartbeat'})"))
+        elif (fellow.job_id, fellow.attempt) != (job.job_id, job.attempt):
+            heard = fellow.last_heartbeat_at
+            started = job.started_at or job.updated_at
+            if heard is not None and heard > started + START_GRACE_S:
+                doing = f"job {fellow.job_id}" if fellow.job_id else "no job"
+                out.append(
+                    (fid, f"is no longer running the job (reports {fellow.status}, {doing})")
+                )
+    return out
+
+
+class JobManager:
+    def __init__(self, *, wall: Callable[[], float] = time.time) -> None:
+        self._wall = wall
+        self._jobs: dict[str, JobRecord] = {}
+        # Jobs whose START round is in flight: placed, but not yet RUNNING.
+        self.starting: dict[str, Placement] = {}
+        self.dirty: set[str] = set()
+
+    # --- reads -----------------------------------------------------------------------------
+
+    def get(self, job_id: str) -> JobRecord:
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise NotFoundError(f"no job {job_id!r}")
+        return job
+
+    def list(self) -> list[JobRecord]:
+        return sorted(self._jobs.values(), key=lambda j: (j.created_at, j.job_id))
+
+    def pending(self) -> list[JobRecord]:
+        return [
+            j for j in self.list() if j.state is JobState.PENDING and j.job_id not in self.starting
+        ]
+
+    def running(self) -> list[JobRecord]:
+        return [j for j in self.list() if j.state is JobState.RUNNING]
+
+    def busy_fellows(self) -> dict[str, str]:
+        """Fellow id -> the job it is (being) placed in."""
+        busy = {fid: job_id for job_id, p in self.starting.items() for fid in p.fellow_ids}
+        for job in self.running():
+            if job.placement is not None:
+                busy.update(dict.fromkeys(job.placement.fellow_ids, job.job_id))
+        return busy
+
+    def counts(self) -> dict[str, int]:
+        counts = {s.value: 0 for s in JobState}
+        for job in self._jobs.values():
+            counts[job.state.value] += 1
+        return counts
+
+    # --- changes ---------------------------------------------------------------------------
+
+    def restore(self, records: Iterable[JobRecord]) -> None:
+        """Jobs loaded from the store at start-up."""
+        for record in records:
+            self._jobs[record.job_id] = record
+
+    def submit(self, spec: JobSpec) -> JobRecord:
+        now = self._wall()
+        job_id = new_job_id(spec.name)
+        while job_id in self._jobs:
+            job_id = new_job_id(spec.name)
+        job = JobRecord(
+            job_id=job_id,
+            name=spec.name,
+            spec=spec,
+            state=JobState.PENDING,
+            created_at=now,
+            updated_at=now,
+            reason="waiting to be placed",
+            history=[
+                JobTransition(
+                    at=now, from_state=None, to_state=JobState.PENDING, reason="submitted"
+                )
+            ],
+        )
+        self._jobs[job_id] = job
+        self.dirty.add(job_id)
+        log.info("job %s submitted (%s)", job_id, spec.name)
+        return job
+
+    def set_waiting(self, reasons: dict[str, str]) -> None:
+        for job_id, reason in reasons.items():
+            job = self._jobs[job_id]
+            if job.reason != reason:
+                job.reason = reason
+                self._touch(job)
+
+    def begin_start(self, job_id: str, placement: Placement) -> JobRecord:
+        """A START round for this placement is about to go out: the next attempt."""
+        job = self.get(job_id)
+        job.attempt += 1
+        job.placement = placement
+        job.progress = [
+            StageProgress(stage=s.stage, fellow_id=s.fellow_id, total_steps=job.spec.steps)
+            for s in placement.stages
+        ]
+        job.reason = f"starting attempt {job.attempt} on {', '.join(placement.fellow_ids)}"
+        self.starting[job_id] = placement
+        self._touch(job)
+        return job
+
+    def start_succeeded(self, job_id: str) -> JobRecord | None:
+        """Every fellow acknowledged START: RUNNING. None if the job was cancelled meanwhile."""
+        self.starting.pop(job_id, None)
+        job = self.get(job_id)
+        if job.state is not JobState.PENDING:
+            return None
+        job.started_at = self._wall()
+        job.reason = ""
+        self._transition(job, JobEvent.STARTED, f"running on {', '.join(job.placement.fellow_ids)}")
+        return job
+
+    def start_failed(self, job_id: str, reason: str) -> None:
+        """Some fellow refused or did not answer START: back to waiting, placement dropped."""
+        self.starting.pop(job_id, None)
+        job = self.get(job_id)
+        if job.state is JobState.PENDING:
+            job.placement = None
+            job.progress = []
+            job.reason = f"attempt {job.attempt} did not start: {reason}"
+            self._touch(job)
+
+    def cancel(self, job_id: str, reason: str = "cancelled by the operator") -> JobRecord:
+        job = self.get(job_id)
+        if job.terminal:
+            raise ConflictError(f"job {job_id} is already {job.state.value}", code="JOB_TERMINAL")
+        job.reason = reason
+        self._finish(job, JobEvent.CANCELLED, reason)
+        return job
+
+    def record_progress(self, msg: Progress) -> JobRecord | None:
+        """Apply a progress report of the current attempt; None when it was not."""
+        job = self._jobs.get(msg.job_id)
+        if job is None or msg.attempt != job.attempt or job.state is not JobState.RUNNING:
+            return None
+        stage = job.stage_progress(msg.fellow_id)
+        if stage is None:
+            return None
+        now = self._wall()
+        if msg.event is ProgressEvent.STEP:
+            stage.step = max(stage.step, msg.step)
+            stage.total_steps = msg.total_steps or stage.total_steps
+            for name in ("loss", "val_loss", "lr", "step_time_s", "tokens_per_s"):
+                value = getattr(msg, name)
+                if value is not None:
+                    setattr(stage, name, value)
+            stage.bytes_sent, stage.bytes_received = msg.bytes_sent, msg.bytes_received
+            stage.updated_at = now
+        elif msg.event is ProgressEvent.CHECKPOINT:
+            self._checkpoint_written(job, msg)
+        elif msg.event is ProgressEvent.ENDED and msg.outcome is not None:
+            self.record_outcome(msg.fellow_id, msg.outcome)
+        return job
+
+    def record_outcome(self, fellow_id: str, outcome: StageOutcome) -> JobRecord | None:
+        """A stage run ended: the job completes when every stage has, fails when one fails."""
+        job = self._jobs.get(outcome.job_id)
+        if job is None or outcome.attempt != job.attempt or job.state is not JobState.RUNNING:
+            return None
+        stage = job.stage_progress(fellow_id)
+        if stage is None or stage.result is not None:
+            return None
+        stage.result, stage.message = outcome.result, outcome.message
+        if outcome.step is not None:
+            stage.step = max(stage.step, outcome.step)
+        if outcome.loss is not None:
+            stage.loss = outcome.loss
+        if outcome.val_loss is not None:
+            stage.val_loss = outcome.val_loss
+        stage.updated_at = self._wall()
+        self._touch(job)
+        if outcome.result is StageResult.COMPLETED:
+            if all(p.result is StageResult.COMPLETED for p in job.progress):
+                last = max(job.progress, key=lambda p: p.stage)
+                job.final_loss, job.final_val_loss = last.loss, last.val_loss
+                self._finish(job, JobEvent.COMPLETED, "every stage completed")
+        else:
+            what = outcome.message or outcome.result.value
+            self.fail(
+                job.job_id,
+                f"fellow {fellow_id} (stage {stage.stage}) {outcome.result.value}: {what}",
+            )
+        return job
+
+    def fail(self, job_id: str, reason: str) -> JobRecord | None:
+        job = self._jobs.get(job_id)
+        if job is None or job.state is not JobState.RUNNING:
+            return None
+        job.reason = reason
+        self._finish(job, JobEvent.FAILED, reason)
+        log.warning("job %s failed: %s", job_id, reason)
+        return job
+
+    def add_signal(self, job_id: str, record: SignalRecord) -> None:
+        job = self._jobs.get(job_id)
+        if job is not None:
+            job.signals.append(record)
+            del job.signals[:-SIGNAL_LOG_LEN]
+            self._touch(job)
+
+    def checkpoint_target(self, job_id: str, *, lead_s: float = 2.0) -> tuple[JobRecord, int]:
+        """The step at which every stage of a running job should checkpoint.
+
+        A little ahead of the furthest stage, so the request reaches every stage before it
+        gets there and all stages write the same step; never past the last step.
+        """
+        job = self.get(job_id)
+        if job.state is not JobState.RUNNING:
+            raise ConflictError(
+                f"job {job_id} is {job.state.value}; only a RUNNING job can checkpoint",
+                code="JOB_NOT_RUNNING",
+            )
+        step = max((p.step for p in job.progress), default=0)
+        times = [p.step_time_s for p in job.progress if p.step_time_s]
+        ahead = max(2, math.ceil(lead_s / max(times))) if times else 2
+        return job, min(step + ahead, job.spec.steps)
+
+    def add_checkpoint(self, job_id: str, record: CheckpointRecord) -> None:
+        job = self.get(job_id)
+        job.checkpoints.append(record)
+        del job.checkpoints[:-CHECKPOINT_LOG_LEN]
+        self._touch(job)
+
+    # --- internals -------------------------------------------------------------------------
+
+    def _checkpoint_written(self, job: JobRecord, msg: Progress) -> None:
+        for record in reversed(job.checkpoints):
+            if record.attempt != msg.attempt:
+                continue
+            for stage in record.stages:
+                if stage.fellow_id == msg.fellow_id and stage.ok is None:
+                    stage.ok, stage.step = msg.ok, msg.step
+                    stage.path, stage.message = msg.checkpoint_path, msg.message
+                    self._touch(job)
+                    return
+
+    def _finish(self, job: JobRecord, event: JobEvent, reason: str) -> None:
+        self.starting.pop(job.job_id, None)
+        job.finished_at = self._wall()
+        self._transition(job, event, reason)
+
+    def _transition(self, job: JobRecord, event: JobEvent, reason: str) -> None:
+        try:
+            state = next_job_state(job.state, event)
+        except IllegalTransitionError as exc:
+            log.error("job %s: %s (ignored)", job.job_id, exc.message)
+            raise
+        job.history.append(
+            JobTransition(at=self._wall(), from_state=job.state, to_state=state, reason=reason)
+        )
+        del job.history[:-HISTORY_LEN]
+        job.state = state
+        self._touch(job)
+        log.info("job %s -> %s (%s)", job.job_id, state.value, reason)
+
+    def _touch(self, job: JobRecord) -> None:
+        job.updated_at = self._wall()
+        self.dirty.add(job.job_id)

@@ -1,0 +1,476 @@
+"""The leader's job loop: the I/O around the pure JobManager, WorkerRegistry and PurgeBook.
+
+Once NATS is up it loads the durable state from JetStream, then, on every tick or wake-up:
+reconciles running jobs with what their fellows report, places pending jobs and sends
+START, delivers pending purges to fellows that are back, and writes what changed to the
+store. Progress reports arrive on ``swarm.progress.<job>.<fellow>``. Signals go out through
+the SignalHub; their outcomes are recorded on the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from typing import Any
+
+import msgspec
+from nats.aio.msg import Msg
+
+from leader.bus import LeaderBus
+from leader.jobs import (
+    CheckpointRecord,
+    CheckpointStage,
+    FellowState,
+    JobManager,
+    JobRecord,
+    SignalRecord,
+    plan_schedule,
+    reconcile,
+)
+from leader.placement import Candidate
+from leader.purges import PendingPurge, PurgeBook
+from leader.registry import FellowRecord, WorkerRegistry
+from leader.signals import SignalHub
+from leader.store import StateStore
+from swarm import subjects as topics
+from swarm.errors import ConflictError, NotFoundError, ProtocolError, SwarmError
+from swarm.jobspec import JobSpec, stage_plans
+from swarm.protocol import FellowStatus, JobState, SignalKind, StageOutcome
+
+log = logging.getLogger(__name__)
+
+TICK_S = 0.25
+PURGE_RETRY_S = 5.0
+
+
+class NotReadyError(SwarmError):
+    code = "LEADER_NOT_READY"
+    http_status = 503
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        *,
+        bus: LeaderBus,
+        registry: WorkerRegistry,
+        jobs: JobManager,
+        purges: PurgeBook,
+        prefix: str,
+    ) -> None:
+        self.bus = bus
+        self.registry = registry
+        self.jobs = jobs
+        self.purges = purges
+        self.prefix = prefix
+        self.hub: SignalHub | None = None
+        self.store: StateStore | None = None
+        self.loaded = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._purging: set[str] = set()
+
+    # --- the loop --------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        await self.bus.connected.wait()
+        nc = self.bus.nc
+        assert nc is not None
+        self.hub = SignalHub(nc, prefix=self.prefix)
+        await self._open_store()
+        await nc.subscribe(topics.PROGRESS.wildcard(self.prefix), cb=self._on_progress)
+        self.loaded.set()
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), TICK_S)
+            self._wake.clear()
+            try:
+                await self.tick()
+            except Exception:  # one bad tick must not stop the loop
+                log.exception("job loop tick failed")
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await self.flush()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def tick(self) -> None:
+        self._reconcile()
+        self._schedule()
+        self._deliver_purges()
+        await self.flush()
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s failed", task.get_name(), exc_info=task.exception())
+        self.wake()
+
+    # --- durable state ---------------------------------------------------------------------
+
+    async def _open_store(self) -> None:
+        nc = self.bus.nc
+        assert nc is not None
+        while True:
+            try:
+                self.store = await StateStore.open(nc, prefix=self.prefix)
+                state = await self.store.load()
+                break
+            except Exception as exc:  # JetStream not ready yet, or off: say so and retry
+                log.error("cannot open the JetStream state store (%s); retrying", exc)
+                await asyncio.sleep(1.0)
+        self.registry.restore(state.fellows)
+        self.jobs.restore(state.jobs)
+        self.purges.restore(state.purges)
+        log.info(
+            "loaded %d job(s), %d fellow(s), %d pending purge(s) from JetStream",
+            len(state.jobs),
+            len(state.fellows),
+            len(state.purges),
+        )
+        for job in self.jobs.list():
+            if job.state is JobState.PENDING and job.placement is not None:
+                # The leader stopped half way through a START round: undo it, place again.
+                fellows = job.placement.fellow_ids
+                self.jobs.start_failed(job.job_id, "the leader restarted while starting it")
+                self._stop_all(job.job_id, job.attempt, fellows, "start abandoned")
+
+    async def flush(self) -> None:
+        """Write every changed record; a failed write stays dirty for the next tick."""
+        store = self.store
+        if store is None:
+            return
+        for job_id in sorted(self.jobs.dirty):
+            self.jobs.dirty.discard(job_id)
+            try:
+                await store.put(store.jobs, job_id, self.jobs.get(job_id))
+            except Exception as exc:
+                self.jobs.dirty.add(job_id)
+                log.warning("job %s not saved yet: %s", job_id, exc)
+        for fid, record in self.registry.take_dirty():
+            try:
+                if record is None:
+                    await store.delete(store.fellows, fid)
+                else:
+                    await store.put(store.fellows, fid, record)
+            except Exception as exc:
+                self.registry.dirty.add(fid)
+                log.warning("fellow %s not saved yet: %s", fid, exc)
+        for fid in sorted(self.purges.dirty):
+            self.purges.dirty.discard(fid)
+            pending = self.purges.get(fid)
+            try:
+                if pending is None:
+                    await store.delete(store.purges, fid)
+                else:
+                    await store.put(store.purges, fid, pending)
+            except Exception as exc:
+                self.purges.dirty.add(fid)
+                log.warning("pending purge of %s not saved yet: %s", fid, exc)
+
+    # --- reconciling and scheduling --------------------------------------------------------
+
+    def _fellow_states(self) -> dict[str, FellowState]:
+        return {
+            r.fellow_id: FellowState(
+                fellow_id=r.fellow_id,
+                status=r.status,
+                job_id=r.job_id,
+                attempt=r.attempt,
+                outcome=r.outcome,
+                last_heartbeat_at=r.last_heartbeat_at,
+                offline_reason=r.offline_reason,
+            )
+            for r in self.registry.list()
+        }
+
+    def _reconcile(self) -> None:
+        running = self.jobs.running()
+        if not running:
+            return
+        fellows = self._fellow_states()
+        now = time.time()
+        for job in running:
+            for fid, finding in reconcile(job, fellows, now=now):
+                if isinstance(finding, StageOutcome):
+                    self.jobs.record_outcome(fid, finding)
+                else:
+                    stage = job.placement.stage_of(fid) if job.placement else None
+                    where = f" (stage {stage.stage})" if stage else ""
+                    self.jobs.fail(job.job_id, f"fellow {fid}{where} {finding}")
+                if job.terminal:
+                    self._after_terminal(job)
+                    break
+
+    def _schedule(self) -> None:
+        pending = self.jobs.pending()
+        if not pending:
+            return
+        busy = self.jobs.busy_fellows()
+        idle = [
+            _candidate(r)
+            for r in self.registry.list()
+            if r.status is FellowStatus.READY
+            and r.fellow_id not in busy
+            and self.purges.get(r.fellow_id) is None
+        ]
+        assignments, waiting = plan_schedule(pending, idle)
+        self.jobs.set_waiting(waiting)
+        for assignment in assignments:
+            job = self.jobs.begin_start(assignment.job_id, assignment.placement)
+            self._spawn(self._start(job.job_id), f"start-{job.job_id}")
+
+    async def _start(self, job_id: str) -> None:
+        job = self.jobs.get(job_id)
+        attempt, placement = job.attempt, job.placement
+        assert placement is not None and self.hub is not None
+        plans = stage_plans(
+            job_id=job_id,
+            attempt=attempt,
+            spec=job.spec,
+            placement=placement,
+            subject_prefix=self.prefix,
+        )
+        log.info("starting job %s attempt %d on %s", job_id, attempt, placement.fellow_ids)
+        records = await asyncio.gather(
+            *(
+                self.hub.send(
+                    plan.fellow_id,
+                    SignalKind.START,
+                    job_id=job_id,
+                    attempt=attempt,
+                    args={"plan": msgspec.to_builtins(plan)},
+                )
+                for plan in plans
+            )
+        )
+        for record in records:
+            self.jobs.add_signal(job_id, record)
+        refused = [r for r in records if not r.ok]
+        if refused:
+            why = "; ".join(f"{r.fellow_id}: {r.code}: {r.message}" for r in refused)
+            self.jobs.start_failed(job_id, why)
+            self._stop_all(job_id, attempt, placement.fellow_ids, "start failed")
+            return
+        if self.jobs.start_succeeded(job_id) is None:  # cancelled while starting
+            self._stop_all(job_id, attempt, placement.fellow_ids, "cancelled")
+
+    def _after_terminal(self, job: JobRecord) -> None:
+        """A job ended: stop the stages still running (after a failure or a cancel)."""
+        if job.placement is None or job.state is JobState.COMPLETED:
+            return
+        still = [p.fellow_id for p in job.progress if p.result is None]
+        if still:
+            self._stop_all(job.job_id, job.attempt, still, job.reason)
+
+    def _stop_all(self, job_id: str, attempt: int, fellows: list[str], reason: str) -> None:
+        for fid in fellows:
+            self._spawn(self._stop(job_id, attempt, fid, reason), f"stop-{job_id}-{fid}")
+
+    async def _stop(self, job_id: str, attempt: int, fellow_id: str, reason: str) -> None:
+        assert self.hub is not None
+        record = await self.hub.send(
+            fellow_id,
+            SignalKind.STOP,
+            job_id=job_id,
+            attempt=attempt,
+            args={"reason": reason},
+        )
+        self.jobs.add_signal(job_id, record)
+
+    # --- progress --------------------------------------------------------------------------
+
+    async def _on_progress(self, msg: Msg) -> None:
+        try:
+            tokens = topics.PROGRESS.parse(self.prefix, msg.subject)
+            progress = topics.PROGRESS.decode(msg.data)
+        except ProtocolError as exc:
+            self.bus.drop(msg, str(exc))
+            return
+        if (progress.job_id, progress.fellow_id) != (tokens["job"], tokens["fellow"]):
+            self.bus.drop(msg, "job or fellow id does not match the subject")
+            return
+        job = self.jobs.record_progress(progress)
+        if job is not None and job.terminal:
+            self._after_terminal(job)
+            self.wake()
+
+    # --- operator actions ------------------------------------------------------------------
+
+    def submit(self, spec: JobSpec) -> JobRecord:
+        job = self.jobs.submit(spec)
+        self.wake()
+        return job
+
+    def cancel(self, job_id: str) -> JobRecord:
+        was_starting = self.jobs.starting.get(job_id)
+        job = self.jobs.cancel(job_id)
+        if was_starting is None:
+            self._after_terminal(job)
+        # A job cancelled mid-START is stopped by _start once the round is over.
+        self.wake()
+        return job
+
+    async def checkpoint(self, job_id: str) -> CheckpointRecord:
+        hub = self._hub()
+        job, at_step = self.jobs.checkpoint_target(job_id)
+        assert job.placement is not None
+        record = CheckpointRecord(
+            checkpoint_id=uuid.uuid4().hex[:12],
+            requested_at=time.time(),
+            attempt=job.attempt,
+            at_step=at_step,
+            stages=[CheckpointStage(fellow_id=fid) for fid in job.placement.fellow_ids],
+        )
+        self.jobs.add_checkpoint(job_id, record)
+        acks = await asyncio.gather(
+            *(
+                hub.send(
+                    stage.fellow_id,
+                    SignalKind.CHECKPOINT,
+                    job_id=job_id,
+                    attempt=job.attempt,
+                    args={"at_step": at_step, "checkpoint_id": record.checkpoint_id},
+                )
+                for stage in record.stages
+            )
+        )
+        for stage, ack in zip(record.stages, acks, strict=True):
+            self.jobs.add_signal(job_id, ack)
+            stage.acknowledged = ack.ok
+            if not ack.ok:
+                stage.ok, stage.message = False, f"{ack.code}: {ack.message}"
+        self.jobs.dirty.add(job_id)
+        return record
+
+    async def update(self, fellow_id: str | None) -> list[SignalRecord]:
+        hub = self._hub()
+        if fellow_id is not None:
+            record = self.registry.get(fellow_id)
+            if record is None:
+                raise NotFoundError(f"no fellow {fellow_id!r} is registered")
+            targets = [record]
+        else:
+            targets = [r for r in self.registry.list() if r.status is not FellowStatus.OFFLINE]
+        return list(
+            await asyncio.gather(*(hub.send(r.fellow_id, SignalKind.UPDATE) for r in targets))
+        )
+
+    async def release(self, fellow_id: str, *, purge_install: bool) -> dict[str, Any]:
+        hub = self._hub()
+        record = self.registry.get(fellow_id)
+        if record is None:
+            raise NotFoundError(f"no fellow {fellow_id!r} is registered")
+        job_id = self.jobs.busy_fellows().get(fellow_id)
+        if job_id is not None:
+            raise ConflictError(
+                f"fellow {fellow_id} is running job {job_id}; cancel the job first "
+                f"(swarm cancel {job_id})",
+                code="FELLOW_BUSY",
+            )
+        online = record.status is not FellowStatus.OFFLINE
+        result: dict[str, Any] = {"fellow_id": fellow_id, "released": True, "purge": None}
+        if purge_install:
+            self.purges.add(fellow_id)
+            result["purge"] = "pending"
+            if online and await self._deliver_purge(fellow_id):
+                result["purge"] = "delivered"
+        elif online:
+            ack = await hub.send(
+                fellow_id, SignalKind.STOP, args={"release": True, "reason": "released"}
+            )
+            result["agent_stopped"] = ack.ok
+        if self.registry.get(fellow_id) is not None:
+            self.registry.release(fellow_id)
+        await self.flush()
+        return result
+
+    def pending_purges(self) -> list[PendingPurge]:
+        return self.purges.list()
+
+    async def retry_purges(self, fellow_id: str | None) -> list[dict[str, Any]]:
+        self._hub()
+        if fellow_id is not None and self.purges.get(fellow_id) is None:
+            raise NotFoundError(f"no pending purge for {fellow_id!r}")
+        targets = [fellow_id] if fellow_id else [p.fellow_id for p in self.purges.list()]
+        results = []
+        for fid in targets:
+            delivered = await self._deliver_purge(fid, deadline_s=2.0)
+            pending = self.purges.get(fid)
+            results.append(
+                {
+                    "fellow_id": fid,
+                    "delivered": delivered,
+                    "error": "" if pending is None else pending.last_error,
+                }
+            )
+        await self.flush()
+        return results
+
+    def _deliver_purges(self) -> None:
+        """Pending purges of fellows that are back (registered and heartbeating)."""
+        now = time.time()
+        for pending in self.purges.list():
+            record = self.registry.get(pending.fellow_id)
+            if (
+                record is None
+                or record.status is FellowStatus.OFFLINE
+                or pending.fellow_id in self._purging
+                or self.jobs.busy_fellows().get(pending.fellow_id)
+            ):
+                continue
+            if pending.last_attempt_at and now - pending.last_attempt_at < PURGE_RETRY_S:
+                continue
+            self._spawn(self._deliver_purge(pending.fellow_id), f"purge-{pending.fellow_id}")
+
+    async def _deliver_purge(self, fellow_id: str, *, deadline_s: float = 8.0) -> bool:
+        if fellow_id in self._purging:
+            return False
+        self._purging.add(fellow_id)
+        try:
+            ack = await self._hub().send(
+                fellow_id,
+                SignalKind.PURGE,
+                args={"reason": "released with --purge-install"},
+                deadline_s=deadline_s,
+            )
+        finally:
+            self._purging.discard(fellow_id)
+        if ack.ok:
+            self.purges.delivered(fellow_id)
+            if self.registry.get(fellow_id) is not None:
+                self.registry.release(fellow_id)
+            log.info("purge delivered to %s: %s", fellow_id, ack.message)
+            return True
+        self.purges.failed(fellow_id, f"{ack.code}: {ack.message}")
+        return False
+
+    def _hub(self) -> SignalHub:
+        if self.hub is None or not self.loaded.is_set():
+            raise NotReadyError("the leader is not connected to NATS yet; try again shortly")
+        return self.hub
+
+
+def _candidate(record: FellowRecord) -> Candidate:
+    hw = record.hardware
+    return Candidate(
+        fellow_id=record.fellow_id,
+        hostname=record.hostname,
+        data_address=record.data_address,
+        cpu_cores=hw.cpu_cores,
+        ram_available_bytes=hw.ram_available_bytes,
+        gpus=tuple(hw.gpus),
+    )

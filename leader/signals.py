@@ -1,0 +1,109 @@
+"""SignalHub: signals to fellows over NATS request/reply, acknowledged, retried, recorded.
+
+Every signal gets an id that stays the same across retries, so a fellow that got the first
+try but whose answer was lost recognises the retry and answers it as a duplicate instead
+of acting twice. A try that gets no answer (no responders, timeout) is retried with
+backoff until the deadline; the outcome, acknowledged or not, is returned as a record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+from nats.aio.client import Client
+from nats.errors import Error as NatsError
+
+from leader.jobs import SignalRecord
+from swarm import subjects as topics
+from swarm.errors import ProtocolError
+from swarm.protocol import Signal, SignalKind
+
+log = logging.getLogger(__name__)
+
+TRY_TIMEOUT_S = 2.0
+BACKOFF_MIN_S = 0.1
+BACKOFF_MAX_S = 1.0
+
+
+def new_signal_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+class SignalHub:
+    def __init__(self, nc: Client, *, prefix: str) -> None:
+        self.nc = nc
+        self.prefix = prefix
+
+    async def send(
+        self,
+        fellow_id: str,
+        kind: SignalKind,
+        *,
+        job_id: str | None = None,
+        attempt: int | None = None,
+        args: dict[str, Any] | None = None,
+        deadline_s: float = 8.0,
+    ) -> SignalRecord:
+        sig = Signal(
+            signal_id=new_signal_id(),
+            kind=kind,
+            job_id=job_id,
+            attempt=attempt,
+            args=args or {},
+        )
+        subject = topics.SIGNAL.subject(self.prefix, fellow=fellow_id)
+        payload = topics.encode(sig)
+        sent_at = time.time()
+        deadline = time.monotonic() + deadline_s
+        delay, tries, last_error = BACKOFF_MIN_S, 0, ""
+        while True:
+            tries += 1
+            remaining = deadline - time.monotonic()
+            try:
+                msg = await self.nc.request(
+                    subject, payload, timeout=max(0.05, min(TRY_TIMEOUT_S, remaining))
+                )
+                ack = topics.SIGNAL.decode_reply(msg.data)
+            except (NatsError, TimeoutError) as exc:
+                last_error = f"no answer ({type(exc).__name__})"
+            except ProtocolError as exc:
+                last_error = f"unreadable answer: {exc}"
+            else:
+                record = SignalRecord(
+                    signal_id=sig.signal_id,
+                    kind=kind.value,
+                    fellow_id=fellow_id,
+                    sent_at=sent_at,
+                    attempts=tries,
+                    ok=ack.ok,
+                    code=ack.code,
+                    message=ack.message,
+                    duplicate=ack.duplicate,
+                )
+                log.info(
+                    "%s %s -> %s: %s%s",
+                    kind.value,
+                    sig.signal_id,
+                    fellow_id,
+                    "ok" if ack.ok else f"refused ({ack.code}: {ack.message})",
+                    f" after {tries} tries" if tries > 1 else "",
+                )
+                return record
+            if time.monotonic() + delay >= deadline:
+                log.warning("%s -> %s: %s after %d tries", kind.value, fellow_id, last_error, tries)
+                return SignalRecord(
+                    signal_id=sig.signal_id,
+                    kind=kind.value,
+                    fellow_id=fellow_id,
+                    sent_at=sent_at,
+                    attempts=tries,
+                    ok=False,
+                    code="NO_ANSWER",
+                    message=f"{last_error} after {tries} tries",
+                )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, BACKOFF_MAX_S)

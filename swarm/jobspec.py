@@ -1,0 +1,241 @@
+"""The job spec users submit, its strict decoding, and the stage plans a placement yields.
+
+A spec is decoded strictly (an unknown or mistyped field is an error that names it) and
+then checked for what cannot work (more stages than layers, heads not dividing d_model, an
+unknown compression spec, ...). Everything has a default that trains something sensible.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import secrets
+from typing import TypeVar
+
+import msgspec
+
+from swarm.compression import parse_compression
+from swarm.errors import ConfigError
+from swarm.plan import GpuSlot, ModelConfig, Peer, StagePlan, TrainConfig, Transport
+
+T = TypeVar("T")
+
+
+class Partition(enum.StrEnum):
+    EQUAL = "equal"  # the same number of layers per stage (earlier stages take the remainder)
+    WEIGHTED = "weighted"  # layers in proportion to each fellow's capacity
+
+
+class LastStagePlacement(enum.StrEnum):
+    LARGEST_VRAM = "largest_vram"  # the head (largest activations + logits) on the most VRAM
+    PRESERVE = "preserve"  # keep the ranked order
+
+
+class ArtifactPaths(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    model_export_dir: str | None = None
+
+
+class JobSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    name: str = "job"
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    data: list[str] = msgspec.field(default_factory=lambda: ["stdlib"])
+    max_data_bytes: int | None = None
+    steps: int = 200
+    batch_size: int = 8
+    micro_batches: int = 4
+    learning_rate: float = 3e-3
+    warmup_steps: int = 10
+    weight_decay: float = 0.01
+    seed: int = 0
+    val_every: int = 0
+    # Exactly this many stages (one fellow each); None: every ready fellow, at least
+    # ``min_fellows`` and at most one per layer.
+    stages: int | None = None
+    min_fellows: int = 1
+    partition: Partition = Partition.EQUAL
+    compression: str = "none"
+    transport: Transport = Transport.AUTO
+    allow_cpu: bool = True
+    placement_min_gpu_free_gb: float = 0.0
+    max_gpus_per_worker: int | None = None
+    pipeline_last_stage_placement: LastStagePlacement = LastStagePlacement.LARGEST_VRAM
+    shard_push_interval_steps: int = 0
+    shard_push_to_leader: bool = False
+    artifact_paths: ArtifactPaths = msgspec.field(default_factory=ArtifactPaths)
+    peer_timeout_s: float = 60.0
+
+    def train_config(self) -> TrainConfig:
+        return TrainConfig(
+            steps=self.steps,
+            batch_size=self.batch_size,
+            micro_batches=self.micro_batches,
+            learning_rate=self.learning_rate,
+            warmup_steps=self.warmup_steps,
+            weight_decay=self.weight_decay,
+            seed=self.seed,
+            data=list(self.data),
+            max_data_bytes=self.max_data_bytes,
+            val_every=self.val_every,
+        )
+
+    @property
+    def min_stages(self) -> int:
+        return self.stages if self.stages is not None else self.min_fellows
+
+    def problems(self) -> list[str]:
+        """Why this job cannot run, in words that name the field; empty when it can."""
+        out = [*self.model.problems()]
+        out += [p.replace("train.", "") for p in self.train_config().problems()]
+        if not 1 <= len(self.name) <= 128:
+            out.append("name must be 1-128 characters")
+        layers = self.model.n_layers
+        if self.stages is not None and not 1 <= self.stages <= max(layers, 1):
+            out.append(f"stages ({self.stages}) must be between 1 and model.n_layers ({layers})")
+        if not 1 <= self.min_fellows <= max(layers, 1):
+            out.append(
+                f"min_fellows ({self.min_fellows}) must be between 1 and model.n_layers ({layers})"
+            )
+        if self.warmup_steps < 0:
+            out.append("warmup_steps must be >= 0")
+        if self.val_every < 0:
+            out.append("val_every must be >= 0")
+        if self.placement_min_gpu_free_gb < 0:
+            out.append("placement_min_gpu_free_gb must be >= 0")
+        if self.max_gpus_per_worker is not None and self.max_gpus_per_worker < 1:
+            out.append("max_gpus_per_worker must be >= 1")
+        if self.shard_push_interval_steps < 0:
+            out.append("shard_push_interval_steps must be >= 0")
+        if self.peer_timeout_s <= 0:
+            out.append("peer_timeout_s must be > 0")
+        if self.max_data_bytes is not None and self.max_data_bytes < 1:
+            out.append("max_data_bytes must be >= 1")
+        try:
+            parse_compression(self.compression, d_model=self.model.d_model)
+        except ConfigError as exc:
+            out.append(f"compression: {exc.message}")
+        return out
+
+
+class FieldError(ConfigError):
+    """One field of a submitted document is unknown or has the wrong type."""
+
+    code = "INVALID_FIELD"
+
+    def __init__(self, message: str, *, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+    def to_dict(self) -> dict[str, str]:
+        return {**super().to_dict(), "field": self.field}
+
+
+class JobSpecError(ConfigError):
+    """The spec decodes but describes a job that cannot run."""
+
+    code = "JOB_INVALID"
+
+
+_AT = re.compile(r"^(?P<reason>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+_UNKNOWN = re.compile(r"unknown field `(?P<name>[^`]+)`")
+
+
+def decode_strict(data: bytes, kind: type[T]) -> T:
+    """``kind`` from JSON (an empty body is ``{}``); FieldError naming the field."""
+    try:
+        return msgspec.json.decode(data or b"{}", type=kind)
+    except msgspec.ValidationError as exc:
+        raise _field_error(str(exc)) from None
+    except msgspec.DecodeError as exc:
+        raise FieldError(f"the body is not valid JSON ({exc})", field="$") from None
+
+
+def decode_job_spec(data: bytes) -> JobSpec:
+    """A JobSpec from JSON; FieldError naming the field, JobSpecError naming the problems."""
+    spec = decode_strict(data, JobSpec)
+    problems = spec.problems()
+    if problems:
+        raise JobSpecError("; ".join(problems))
+    return spec
+
+
+def _field_error(text: str) -> FieldError:
+    """msgspec's ``Object contains unknown field `x` - at `$.model``` as field ``model.x``."""
+    match = _AT.match(text)
+    reason = match.group("reason") if match else text
+    path = (match.group("path") if match else "") or ""
+    field = path.lstrip(".")
+    unknown = _UNKNOWN.search(reason)
+    if unknown:
+        field = f"{field}.{unknown.group('name')}" if field else unknown.group("name")
+        reason = "unknown field"
+    if not field:
+        return FieldError(f"job spec: {reason}", field="$")
+    return FieldError(f"{field}: {reason}", field=field)
+
+
+def new_job_id(name: str) -> str:
+    """``<slug of the name>-<6 hex>``: readable, unique, and a valid subject token."""
+    slug = re.sub(r"[^A-Za-z0-9_-]+", "-", name).strip("-").lower()[:40] or "job"
+    return f"{slug}-{secrets.token_hex(3)}"
+
+
+# --- placement -> plans ---------------------------------------------------------------------
+
+
+class PlacedStage(msgspec.Struct, kw_only=True):
+    stage: int
+    fellow_id: str
+    hostname: str
+    layer_start: int
+    layer_end: int
+    data_address: str | None = None
+    gpu_slots: list[GpuSlot] = msgspec.field(default_factory=list)
+    intra_op_threads: int | None = None
+
+
+class Placement(msgspec.Struct, kw_only=True):
+    stages: list[PlacedStage]
+    transport: Transport
+
+    @property
+    def fellow_ids(self) -> list[str]:
+        return [s.fellow_id for s in self.stages]
+
+    def stage_of(self, fellow_id: str) -> PlacedStage | None:
+        return next((s for s in self.stages if s.fellow_id == fellow_id), None)
+
+
+def stage_plans(
+    *, job_id: str, attempt: int, spec: JobSpec, placement: Placement, subject_prefix: str
+) -> list[StagePlan]:
+    """One StagePlan per placed stage. Each fellow fills in its own NATS URL and folders."""
+    n = len(placement.stages)
+    train = spec.train_config()
+    plans = []
+    for placed in placement.stages:
+        i = placed.stage
+        prev = placement.stages[i - 1] if i > 0 else None
+        nxt = placement.stages[i + 1] if i + 1 < n else None
+        plans.append(
+            StagePlan(
+                job_id=job_id,
+                attempt=attempt,
+                stage=i,
+                n_stages=n,
+                layer_start=placed.layer_start,
+                layer_end=placed.layer_end,
+                model=spec.model,
+                train=train,
+                compression=spec.compression,
+                transport=placement.transport,
+                fellow_id=placed.fellow_id,
+                data_address=placed.data_address if i > 0 else None,
+                prev=Peer(fellow_id=prev.fellow_id) if prev else None,
+                next=Peer(fellow_id=nxt.fellow_id, data_address=nxt.data_address) if nxt else None,
+                subject_prefix=subject_prefix,
+                gpu_slots=list(placed.gpu_slots),
+                peer_timeout_s=spec.peer_timeout_s,
+                intra_op_threads=placed.intra_op_threads,
+            )
+        )
+    return plans

@@ -1,0 +1,356 @@
+"""Jobs end to end: a real nats-server, a real leader, real agents running real stages."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import psutil
+import pytest
+
+from swarm import subjects
+from swarm.plan import ModelConfig, StagePlan, TrainConfig
+from swarm.procs import free_port
+from swarm.protocol import Signal, SignalKind
+from tests.conftest import agent_state_dir, start_agent
+from tests.helpers import REPO, Leader, child_env, stage_processes, wait_for
+from tests.integration.nats_client import with_nats
+
+pytestmark = pytest.mark.timeout(240)
+
+# A model small enough that a job is mostly TensorFlow start-up (a few seconds).
+TINY = {
+    "model": {"vocab_size": 256, "seq_len": 32, "n_layers": 2, "d_model": 32, "n_heads": 2},
+    "max_data_bytes": 300_000,
+    "batch_size": 8,
+    "micro_batches": 2,
+    "learning_rate": 0.01,
+    "warmup_steps": 5,
+}
+
+
+def tiny(**overrides):
+    return {**TINY, **overrides}
+
+
+def agents(procs, nats_server, *names, **env):
+    started = {name: start_agent(procs, nats_server.url, name, **env) for name in names}
+    return started
+
+
+def wait_ready(leader: Leader, *names: str) -> None:
+    for name in names:
+        leader.wait_status(name, "ready", timeout=20)
+
+
+def swarm_cli(leader: Leader, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "swarm.cli.app", "--leader-url", leader.url, *args],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        cwd=REPO,
+        timeout=timeout,
+    )
+
+
+def test_submit_trains_to_completion_with_falling_loss_and_the_cli_follows_it(
+    procs, nats_server, leader, tmp_path
+):
+    agents(procs, nats_server, "f1", "f2")
+    wait_ready(leader, "f1", "f2")
+    config = tmp_path / "job.json"
+    config.write_text(json.dumps(tiny(name="e2e", steps=60, stages=2)))
+    cli = swarm_cli(leader, "submit", str(config), timeout=30)
+    assert cli.returncode == 0, cli.stderr
+    job_id = cli.stdout.strip()
+    job = leader.wait_job(job_id, "RUNNING", timeout=20)
+    assert job["attempt"] == 1
+    assert sorted(s["fellow_id"] for s in job["placement"]["stages"]) == ["f1", "f2"]
+    first_loss = wait_for(
+        lambda: next(
+            (p["loss"] for p in leader.job(job_id)["progress"] if p["loss"] is not None), None
+        ),
+        timeout=60,
+        what="a first loss",
+    )
+    watch = swarm_cli(leader, "submit", "--watch", str(config), timeout=150)
+    # The second job waits for the first one's fellows, then runs; --watch follows it.
+    assert watch.returncode == 0, watch.stdout + watch.stderr
+    assert "PENDING" in watch.stdout and "RUNNING" in watch.stdout
+    assert "COMPLETED" in watch.stdout and "final loss" in watch.stdout
+    job = leader.wait_job(job_id, "COMPLETED", timeout=10)
+    assert job["final_loss"] is not None and job["final_val_loss"] is not None
+    assert job["final_loss"] < first_loss
+    assert job["final_val_loss"] < 0.75 * math.log(256)
+    assert all(p["result"] == "completed" and p["step"] == 60 for p in job["progress"])
+    assert [h["to_state"] for h in job["history"]] == ["PENDING", "RUNNING", "COMPLETED"]
+    assert {s["kind"] for s in job["signals"]} == {"START"}
+    wait_ready(leader, "f1", "f2")
+    assert stage_processes(job_id) == []
+    listed = leader.get("/api/v1/jobs")
+    assert listed[0]["job_id"] == job_id and len(listed) == 2
+
+
+def test_checkpoint_then_cancel_a_running_job(procs, nats_server, leader):
+    agents(procs, nats_server, "c1", "c2")
+    wait_ready(leader, "c1", "c2")
+    job_id = leader.submit(**tiny(name="long", steps=100_000, stages=2))["job_id"]
+    leader.wait_job(job_id, "RUNNING", timeout=20)
+    wait_for(
+        lambda: min(p["step"] for p in leader.job(job_id)["progress"]) >= 3,
+        timeout=60,
+        what="training steps",
+    )
+    # A fellow in a running job cannot be released.
+    busy = leader.request("POST", "/api/v1/workers/c1/release", json={})
+    assert busy.status_code == 409 and busy.json()["code"] == "FELLOW_BUSY"
+
+    response = leader.request("POST", f"/api/v1/jobs/{job_id}/checkpoint")
+    assert response.status_code == 202, response.text
+    record = response.json()
+    assert all(s["acknowledged"] for s in record["stages"])
+
+    def written():
+        [cp] = leader.job(job_id)["checkpoints"]
+        return all(s["ok"] for s in cp["stages"]) and cp
+
+    cp = wait_for(written, timeout=30, what="both stages to write the checkpoint")
+    steps = {s["step"] for s in cp["stages"]}
+    assert steps == {record["at_step"]}, "every stage checkpoints the same step"
+    for stage in cp["stages"]:
+        assert list(Path(stage["path"]).glob("stage-*.json")), stage
+
+    response = leader.request("DELETE", f"/api/v1/jobs/{job_id}")
+    assert response.status_code == 200 and response.json()["state"] == "CANCELLED"
+    wait_ready(leader, "c1", "c2")
+    wait_for(lambda: stage_processes(job_id) == [], timeout=15, what="the stages to exit")
+    job = leader.job(job_id)
+    stops = [s for s in job["signals"] if s["kind"] == "STOP"]
+    assert sorted(s["fellow_id"] for s in stops) == ["c1", "c2"] and all(s["ok"] for s in stops)
+    again = leader.request("DELETE", f"/api/v1/jobs/{job_id}")
+    assert again.status_code == 409 and again.json()["code"] == "JOB_TERMINAL"
+
+
+def test_a_job_waiting_for_a_third_fellow_lets_a_smaller_one_run_first(procs, nats_server, leader):
+    agents(procs, nats_server, "w1", "w2")
+    wait_ready(leader, "w1", "w2")
+    big = leader.submit(
+        **tiny(name="big", steps=20, stages=3, model={**TINY["model"], "n_layers": 3})
+    )
+    small = leader.submit(**tiny(name="small", steps=40, stages=1))
+    job = leader.wait_job(small["job_id"], "RUNNING", timeout=20)
+    assert leader.job(big["job_id"])["state"] == "PENDING"
+    assert "waiting for 3 ready fellows" in leader.job(big["job_id"])["reason"]
+    # The third fellow joins while the small job runs; it exits after its job (supervisors
+    # that want a fresh process per job set this).
+    third = start_agent(procs, nats_server.url, "w3", SWARM_FELLOW_EXIT_AFTER_TRAINING="1")
+    leader.wait_job(small["job_id"], "COMPLETED", timeout=90)
+    done = leader.wait_job(big["job_id"], "COMPLETED", timeout=120)
+    assert sorted(s["fellow_id"] for s in done["placement"]["stages"]) == ["w1", "w2", "w3"]
+    assert done["started_at"] > leader.job(small["job_id"])["started_at"]
+    assert job["placement"]["stages"][0]["fellow_id"] in {"w1", "w2"}
+    assert third.wait(timeout=20) == 0
+
+
+def test_killing_a_fellow_fails_the_job_quickly_and_leaves_no_stage_running(
+    procs, nats_server, leader
+):
+    started = agents(procs, nats_server, "k1", "k2")
+    wait_ready(leader, "k1", "k2")
+    job_id = leader.submit(**tiny(name="doomed", steps=100_000, stages=2))["job_id"]
+    leader.wait_job(job_id, "RUNNING", timeout=20)
+    wait_for(
+        lambda: min(p["step"] for p in leader.job(job_id)["progress"]) >= 2,
+        timeout=60,
+        what="training steps",
+    )
+    assert len(stage_processes(job_id)) == 2
+    started["k2"].send_signal(signal.SIGKILL)
+    job = wait_for(
+        lambda: (j := leader.job(job_id))["state"] == "FAILED" and j,
+        timeout=10,
+        what="the job to fail",
+    )
+    assert "k2" in job["reason"], job["reason"]
+    wait_for(lambda: stage_processes(job_id) == [], timeout=10, what="every stage to exit")
+    leader.wait_status("k1", "ready", timeout=10)
+
+
+def test_leader_restart_mid_job_keeps_the_job_which_completes(procs, nats_server, tmp_path):
+    port = free_port()
+    env = child_env(
+        SWARM_NATS_URL=nats_server.url,
+        SWARM_LEADER_PORT=str(port),
+        SWARM_STATE_DIR=str(tmp_path / "leader-state"),
+    )
+    client = Leader(f"http://127.0.0.1:{port}")
+
+    def start_leader():
+        proc = procs.python("leader", "leader.main", env=env)
+        wait_for(lambda: client.get("/api/v1/info")["state_loaded"], timeout=20, what="the leader")
+        return proc
+
+    try:
+        leader = start_leader()
+        agents(procs, nats_server, "r1", "r2")
+        wait_ready(client, "r1", "r2")
+        job_id = client.submit(**tiny(name="survivor", steps=250, stages=2))["job_id"]
+        client.wait_job(job_id, "RUNNING", timeout=20)
+        wait_for(
+            lambda: min(p["step"] for p in client.job(job_id)["progress"]) >= 5,
+            timeout=60,
+            what="training steps",
+        )
+        before = client.job(job_id)
+        leader.send_signal(signal.SIGKILL)
+        leader.wait(timeout=10)
+        start_leader()
+        after = client.job(job_id)
+        assert after["state"] == "RUNNING"
+        for key in ("job_id", "attempt", "created_at", "started_at", "placement", "spec"):
+            assert after[key] == before[key], key
+        assert set(client.workers()) == {"r1", "r2"}
+        done = client.wait_job(job_id, "COMPLETED", timeout=150)
+        assert done["attempt"] == 1 and done["final_loss"] is not None
+        assert [h["to_state"] for h in done["history"]] == ["PENDING", "RUNNING", "COMPLETED"]
+    finally:
+        client.close()
+
+
+def test_a_duplicated_start_is_acknowledged_once(procs, nats_server, leader):
+    agents(procs, nats_server, "d1")
+    wait_ready(leader, "d1")
+    plan = StagePlan(
+        job_id="dup",
+        attempt=1,
+        stage=0,
+        n_stages=1,
+        layer_start=0,
+        layer_end=2,
+        model=ModelConfig(**TINY["model"]),
+        train=TrainConfig(steps=100_000, batch_size=8, micro_batches=2, max_data_bytes=300_000),
+        fellow_id="d1",
+    )
+    start = Signal(
+        signal_id="sig-dup-1",
+        kind=SignalKind.START,
+        job_id="dup",
+        attempt=1,
+        args={"plan": msgspec.to_builtins(plan)},
+    )
+
+    async def send_twice(nc):
+        subject = subjects.SIGNAL.subject("swarm", fellow="d1")
+        acks = []
+        for _ in range(2):
+            msg = await nc.request(subject, subjects.encode(start), timeout=10)
+            acks.append(subjects.SIGNAL.decode_reply(msg.data))
+        return acks
+
+    first, second = with_nats(nats_server.url, send_twice)
+    assert first.ok and not first.duplicate
+    assert second.ok and second.duplicate and second.signal_id == first.signal_id
+    leader.wait_status("d1", "training", timeout=10)
+    assert len(stage_processes("dup")) == 1
+
+    async def stop(nc):
+        sig = Signal(signal_id="sig-dup-stop", kind=SignalKind.STOP, job_id="dup", attempt=1)
+        msg = await nc.request(
+            subjects.SIGNAL.subject("swarm", fellow="d1"), subjects.encode(sig), timeout=15
+        )
+        return subjects.SIGNAL.decode_reply(msg.data)
+
+    assert with_nats(nats_server.url, stop).ok
+    assert stage_processes("dup") == []
+    leader.wait_status("d1", "ready", timeout=10)
+
+
+def test_release_with_purge_of_an_offline_fellow_waits_and_is_delivered_on_return(
+    procs, nats_server, leader
+):
+    agent = start_agent(procs, nats_server.url, "p1")
+    leader.wait_status("p1", "ready", timeout=20)
+    state = agent_state_dir(procs) / "fellows" / "p1"
+    state.mkdir(parents=True, exist_ok=True)
+    (state / "marker").write_text("local state")
+    agent.send_signal(signal.SIGTERM)
+    assert agent.wait(timeout=15) == 0
+    leader.wait_status("p1", "offline", timeout=10)
+
+    response = leader.request("POST", "/api/v1/workers/p1/release", json={"purge_install": True})
+    assert response.status_code == 200, response.text
+    assert response.json()["purge"] == "pending"
+    assert "p1" not in leader.workers()
+    [pending] = leader.get("/api/v1/purges")
+    assert pending["fellow_id"] == "p1"
+    retry = leader.request("POST", "/api/v1/purges/retry", json={"fellow_id": "p1"}).json()
+    assert retry == [{"fellow_id": "p1", "delivered": False, "error": retry[0]["error"]}]
+    assert "NO_ANSWER" in retry[0]["error"]
+
+    back = start_agent(procs, nats_server.url, "p1")
+    assert back.wait(timeout=30) == 0, "the purged agent exits"
+    assert not state.exists()
+    assert leader.get("/api/v1/purges") == []
+    wait_for(lambda: "p1" not in leader.workers(), timeout=10, what="p1 to be forgotten")
+
+
+def test_update_restarts_an_idle_agent_in_place(procs, nats_server, leader):
+    agent = start_agent(procs, nats_server.url, "u1")
+    before = leader.wait_status("u1", "ready", timeout=20)
+    response = leader.request("POST", "/api/v1/workers/update", json={"fellow_id": "u1"})
+    assert response.status_code == 200, response.text
+    [ack] = response.json()
+    assert ack["ok"] and "restarting" in ack["message"]
+    after = wait_for(
+        lambda: (
+            (w := leader.workers()["u1"])["instance_id"] != before["instance_id"]
+            and w["status"] == "ready"
+            and w
+        ),
+        timeout=30,
+        what="u1 to come back as a new instance",
+    )
+    assert after["pid"] == before["pid"] == agent.pid
+    assert psutil.Process(agent.pid).is_running()
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "code", "field"),
+    [
+        (b'{"steps": 10, "stepz": 1}', 400, "INVALID_FIELD", "stepz"),
+        (b'{"model": {"d_model": "big"}}', 400, "INVALID_FIELD", "model.d_model"),
+        (b'{"steps": 10', 400, "INVALID_FIELD", "$"),
+        (b'{"stages": 5, "model": {"n_layers": 4}}', 400, "JOB_INVALID", None),
+        (b'{"model": {"d_model": 30, "n_heads": 4}}', 400, "JOB_INVALID", None),
+    ],
+)
+def test_bad_job_bodies_are_400_naming_the_field(leader, body, status, code, field):
+    response = leader.request(
+        "POST", "/api/v1/jobs", content=body, headers={"content-type": "application/json"}
+    )
+    assert response.status_code == status, response.text
+    error = response.json()
+    assert error["code"] == code
+    if field is not None:
+        assert error["field"] == field
+        assert error["message"].startswith(field if field != "$" else "the body is not valid JSON")
+    assert leader.get("/api/v1/jobs") == []
+
+
+def test_bad_requests_elsewhere_are_clear(leader):
+    assert leader.request("GET", "/api/v1/jobs/nope").status_code == 404
+    assert leader.request("DELETE", "/api/v1/jobs/nope").json()["code"] == "NOT_FOUND"
+    job_id = leader.submit(**tiny(stages=3, model={**TINY["model"], "n_layers": 3}))["job_id"]
+    pending = leader.request("POST", f"/api/v1/jobs/{job_id}/checkpoint")
+    assert pending.status_code == 409 and pending.json()["code"] == "JOB_NOT_RUNNING"
+    release = leader.request("POST", "/api/v1/workers/ghost/release", json={"purge": True})
+    assert release.status_code == 400 and release.json()["field"] == "purge"
+    assert leader.request("POST", "/api/v1/workers/ghost/release", json={}).status_code == 404
+    cancelled = leader.request("DELETE", f"/api/v1/jobs/{job_id}").json()
+    assert cancelled["state"] == "CANCELLED"

@@ -1,0 +1,286 @@
+"""The stage's control channel (parsing, queueing, EOF) and its checkpoints (write, read, restore).
+
+The checkpoint tests train a tiny single-stage model in this process on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+
+from agent.runtime.control import CheckpointRequest, ControlChannel, parse_command
+from swarm.plan import ModelConfig, StagePlan, TrainConfig, single_process_plan
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ModelConfig(vocab_size=256, seq_len=16, n_layers=2, d_model=32, n_heads=2)
+
+# --- parsing ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("line", "want"),
+    [
+        ('{"cmd": "checkpoint", "id": "c1", "at_step": 5}', CheckpointRequest("c1", 5)),
+        ('{"cmd": "checkpoint", "id": "c1", "at_step": 0}', CheckpointRequest("c1", 0)),
+        ('{"cmd": "checkpoint", "id": "c1", "at_step": null}', CheckpointRequest("c1", None)),
+        (b'{"cmd": "checkpoint", "id": "c1"}', CheckpointRequest("c1", None)),
+        ('{"id": "c1", "cmd": "checkpoint", "extra": 1}', CheckpointRequest("c1", None)),
+    ],
+)
+def test_a_checkpoint_command_parses(line, want):
+    assert parse_command(line) == want
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "{not json",
+        "[1, 2]",
+        '"checkpoint"',
+        '{"cmd": "explode", "id": "x"}',
+        '{"id": "x", "at_step": 1}',
+        '{"cmd": "checkpoint"}',
+        '{"cmd": "checkpoint", "id": ""}',
+        '{"cmd": "checkpoint", "id": 7}',
+        '{"cmd": "checkpoint", "id": "x", "at_step": -1}',
+        '{"cmd": "checkpoint", "id": "x", "at_step": 2.5}',
+        '{"cmd": "checkpoint", "id": "x", "at_step": true}',
+        '{"cmd": "checkpoint", "id": "x", "at_step": "3"}',
+    ],
+)
+def test_a_malformed_or_unknown_command_is_a_warning_only(line, caplog):
+    with caplog.at_level(logging.WARNING, logger="agent.runtime.control"):
+        assert parse_command(line) is None
+    assert "ignoring control line" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("at_step", "steps_done", "total", "due"),
+    [
+        (None, 1, 10, True),  # now: at the next boundary
+        (5, 4, 10, False),
+        (5, 5, 10, True),
+        (5, 7, 10, True),  # arrived late: honoured at the next boundary
+        (0, 1, 10, True),
+        (10, 9, 10, False),
+        (10, 10, 10, True),
+        (99, 9, 10, False),
+        (99, 10, 10, True),  # beyond the run: after the last step
+    ],
+)
+def test_when_a_request_is_due(at_step, steps_done, total, due):
+    assert CheckpointRequest("r", at_step).is_due(steps_done, total) is due
+
+
+# --- the channel --------------------------------------------------------------------------------
+
+
+def _channel() -> tuple[ControlChannel, list[str]]:
+    eofs: list[str] = []
+    return ControlChannel(on_eof=lambda: eofs.append("eof")), eofs
+
+
+def _line(id: str, at_step: int | None = None) -> bytes:
+    return json.dumps({"cmd": "checkpoint", "id": id, "at_step": at_step}).encode() + b"\n"
+
+
+def test_requests_are_taken_when_due_and_only_once():
+    channel, _ = _channel()
+    for line in (_line("late", 3), _line("now"), b"garbage\n", b"\n", _line("end", 50)):
+        channel.feed_line(line)
+    assert channel.due_checkpoints(1, 10) == [CheckpointRequest("now")]
+    assert channel.due_checkpoints(2, 10) == []
+    assert channel.due_checkpoints(4, 10) == [CheckpointRequest("late", 3)]
+    assert channel.due_checkpoints(10, 10) == [CheckpointRequest("end", 50)]
+    assert channel.due_checkpoints(10, 10) == []
+
+
+def test_close_hands_back_what_is_pending_and_drops_what_comes_later(caplog):
+    channel, eofs = _channel()
+    channel.feed_line(_line("a", 7))
+    assert channel.close() == [CheckpointRequest("a", 7)]
+    with caplog.at_level(logging.WARNING, logger="agent.runtime.control"):
+        channel.feed_line(_line("b"))
+    assert "the run has ended" in caplog.text
+    assert channel.due_checkpoints(100, 10) == []
+    channel.feed_chunks([])
+    assert eofs == [], "EOF after the end of the run is harmless"
+
+
+def test_lines_split_across_chunks_and_a_last_line_without_newline():
+    channel, eofs = _channel()
+    channel.feed_chunks(
+        [b'{"cmd": "check', b'point", "id": "a"}\n{"cmd": "checkpoint",', b' "id": "b"}']
+    )
+    assert [r.id for r in channel.due_checkpoints(1, 5)] == ["a", "b"]
+    assert eofs == ["eof"]
+
+
+def test_an_overlong_line_is_dropped(caplog):
+    channel, _ = _channel()
+    junk = b'{"cmd": "checkpoint", "id": "' + b"x" * 100_000 + b'"}\n'
+    with caplog.at_level(logging.WARNING, logger="agent.runtime.control"):
+        channel.feed_chunks([junk[i : i + 4096] for i in range(0, len(junk), 4096)] + [_line("ok")])
+    assert [r.id for r in channel.due_checkpoints(1, 5)] == ["ok"]
+    assert "longer than" in caplog.text
+
+
+def test_the_reader_thread_reads_a_pipe_and_reports_its_end():
+    ended = threading.Event()
+    channel = ControlChannel(on_eof=ended.set)
+    read_end, write_end = os.pipe()
+    try:
+        thread = channel.start_reader(read_end)
+        os.write(write_end, _line("p", 2))
+        assert not ended.wait(0.2), "the pipe is still open"
+        os.close(write_end)
+        write_end = -1
+        assert ended.wait(5), "EOF was noticed"
+        thread.join(5)
+        assert channel.due_checkpoints(2, 5) == [CheckpointRequest("p", 2)]
+    finally:
+        os.close(read_end)
+        if write_end >= 0:
+            os.close(write_end)
+
+
+def test_control_and_checkpoint_meta_need_no_tensorflow():
+    code = (
+        "import sys\n"
+        "import agent.runtime.control, agent.runtime.checkpoint\n"
+        "sys.exit(1 if {'tensorflow', 'keras'} & {m.split('.')[0] for m in sys.modules} else 0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+
+
+# --- checkpoints --------------------------------------------------------------------------------
+
+
+def _plan(checkpoint_dir: Path | None, steps: int = 4) -> StagePlan:
+    train = TrainConfig(
+        steps=steps, batch_size=4, micro_batches=2, max_data_bytes=60_000, val_batches=1
+    )
+    plan = single_process_plan(job_id="ckpt", model=TINY, train=train)
+    return msgspec.structs.replace(
+        plan, checkpoint_dir=None if checkpoint_dir is None else str(checkpoint_dir)
+    )
+
+
+def _runner(plan: StagePlan, emit=None, control: ControlChannel | None = None):
+    from agent.runtime.stage import StageRunner
+
+    return StageRunner(plan, emit or (lambda event: None), control)
+
+
+def _values(runner) -> dict[str, np.ndarray]:
+    from agent.runtime.checkpoint import stage_arrays
+
+    return stage_arrays(runner.model)
+
+
+def test_a_checkpoint_round_trips_and_training_continues_identically(tmp_path):
+    from agent.runtime.checkpoint import load_checkpoint, restore_into, save_stage
+
+    plan = _plan(tmp_path)
+    trained = _runner(plan)
+    for step in range(2):
+        trained.train_step(step)
+    directory = save_stage(tmp_path, trained.model, trained.data, steps_done=2)
+    assert directory == tmp_path / "ckpt" / "attempt-1" / "step-2"
+    assert sorted(p.name for p in directory.iterdir()) == ["stage-0.json", "stage-0.npz"]
+
+    checkpoint = load_checkpoint(directory / "stage-0.json")
+    meta = checkpoint.meta
+    assert (meta["job_id"], meta["attempt"], meta["stage"], meta["n_stages"]) == ("ckpt", 1, 0, 1)
+    assert (meta["layer_start"], meta["layer_end"], meta["steps_done"]) == (0, 2, 2)
+    assert meta["total_steps"] == 4 and meta["final"] is False
+    assert meta["data"] == {"epoch": 0, "index": 8}
+    assert meta["model"] == msgspec.to_builtins(TINY)
+    assert {a["name"] for a in meta["arrays"]} == set(checkpoint.arrays)
+    assert any(n.startswith("optimizer/") and n.endswith("iteration") for n in checkpoint.arrays)
+
+    fresh = _runner(_plan(tmp_path))
+    before = _values(fresh)
+    restore_into(fresh.model, fresh.data, checkpoint)
+    want, got = _values(trained), _values(fresh)
+    assert [n.split(":")[0] for n in got] == [n.split(":")[0] for n in want]
+    for (name, a), b in zip(want.items(), got.values(), strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+    assert int(fresh.model.optimizer.iterations.numpy()) == 2
+    assert any(not np.array_equal(before[n], want[n]) for n in want), "training changed weights"
+    assert fresh.data.state() == trained.data.state()
+
+    a, b = trained.train_step(2), fresh.train_step(2)
+    assert a.loss == b.loss and a.lr == b.lr
+
+
+def test_restoring_into_another_stage_is_refused(tmp_path):
+    from agent.runtime.checkpoint import CheckpointError, load_checkpoint, restore_into, save_stage
+
+    runner = _runner(_plan(tmp_path))
+    directory = save_stage(tmp_path, runner.model, runner.data, steps_done=0)
+    other = msgspec.structs.replace(
+        _plan(tmp_path), model=msgspec.structs.replace(TINY, d_model=64)
+    )
+    with pytest.raises(CheckpointError, match="model"):
+        restore_into(_runner(other).model, None, load_checkpoint(directory / "stage-0.json"))
+
+
+def test_the_stage_loop_answers_requests_at_step_boundaries(tmp_path):
+    channel, _ = _channel()
+    for line in (_line("two", 2), _line("now"), _line("end", 99)):
+        channel.feed_line(line)
+    events: list[dict[str, Any]] = []
+
+    def emit(event: dict[str, Any]) -> None:
+        events.append(event)
+        if event["event"] == "checkpoint" and event["id"] == "end":
+            channel.feed_line(_line("after-the-last-step"))
+
+    _runner(_plan(tmp_path, steps=4), emit, channel).run()
+    kinds = [(e["event"], e.get("step"), e.get("id")) for e in events if e["event"] != "placement"]
+    assert kinds == [
+        ("links", None, None),
+        ("step", 0, None),
+        ("checkpoint", 1, "now"),
+        ("step", 1, None),
+        ("checkpoint", 2, "two"),
+        ("step", 2, None),
+        ("step", 3, None),
+        ("checkpoint", 4, "end"),
+        ("checkpoint", 4, "after-the-last-step"),
+        ("done", None, None),
+    ]
+    checkpoints = [e for e in events if e["event"] == "checkpoint"]
+    assert all(e["ok"] and e["stage"] == 0 for e in checkpoints)
+    assert [e["final"] for e in checkpoints] == [False, False, True, True]
+    assert checkpoints[2]["path"] == checkpoints[3]["path"], "the final state is written once"
+    for event in checkpoints:
+        meta = json.loads((Path(event["path"]) / "stage-0.json").read_text())
+        assert meta["steps_done"] == event["step"]
+    assert channel.close() == []
+
+
+@pytest.mark.parametrize("where", ["none", "a-file"])
+def test_a_checkpoint_that_cannot_be_written_is_reported_and_training_goes_on(tmp_path, where):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    channel, _ = _channel()
+    channel.feed_line(_line("x", 1))
+    events: list[dict[str, Any]] = []
+    _runner(_plan(None if where == "none" else blocker, steps=2), events.append, channel).run()
+    (event,) = [e for e in events if e["event"] == "checkpoint"]
+    assert event["ok"] is False and event["path"] is None and event["step"] == 1
+    assert event["message"]
+    assert events[-1]["event"] == "done"

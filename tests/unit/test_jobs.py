@@ -1,0 +1,249 @@
+"""JobManager, scheduling and reconciling: pure logic with an injected clock."""
+
+import itertools
+
+import pytest
+
+from leader.jobs import FellowState, JobManager, plan_schedule, reconcile
+from leader.placement import Candidate
+from swarm.errors import ConflictError, NotFoundError
+from swarm.jobspec import JobSpec
+from swarm.lifecycle import (
+    JOB_TRANSITIONS,
+    IllegalTransitionError,
+    JobEvent,
+    next_job_state,
+)
+from swarm.plan import ModelConfig
+from swarm.protocol import FellowStatus, JobState, Progress, ProgressEvent, StageOutcome
+from swarm.protocol import StageResult as R
+
+J = JobState
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def fellow(fid: str, **kw) -> Candidate:
+    return Candidate(
+        fellow_id=fid,
+        hostname=kw.pop("hostname", "h"),
+        data_address=kw.pop("data_address", f"tcp://127.0.0.1:1{fid[-1]}"),
+        cpu_cores=2,
+        ram_available_bytes=kw.pop("ram", 8 << 30),
+        **kw,
+    )
+
+
+def spec(**kw) -> JobSpec:
+    return JobSpec(model=ModelConfig(n_layers=4), **kw)
+
+
+# --- the job lifecycle ----------------------------------------------------------------------
+
+EXPECTED = {
+    (J.PENDING, JobEvent.STARTED): J.RUNNING,
+    (J.RUNNING, JobEvent.COMPLETED): J.COMPLETED,
+    (J.RUNNING, JobEvent.FAILED): J.FAILED,
+    (J.PENDING, JobEvent.CANCELLED): J.CANCELLED,
+    (J.RUNNING, JobEvent.CANCELLED): J.CANCELLED,
+}
+
+
+def test_job_table_is_exactly_the_documented_lifecycle():
+    assert JOB_TRANSITIONS == EXPECTED
+
+
+@pytest.mark.parametrize(("state", "event"), list(itertools.product(J, JobEvent)))
+def test_every_job_pair_is_an_edge_or_rejected(state, event):
+    if (state, event) in EXPECTED:
+        assert next_job_state(state, event) is EXPECTED[(state, event)]
+    else:
+        with pytest.raises(IllegalTransitionError) as err:
+            next_job_state(state, event)
+        assert state.value in err.value.message and event.value in err.value.message
+
+
+# --- scheduling ------------------------------------------------------------------------------
+
+
+def submit(manager: JobManager, clock: Clock, **kw):
+    clock.t += 1
+    return manager.submit(spec(**kw))
+
+
+def test_oldest_job_that_fits_goes_first_and_a_big_one_does_not_block_smaller_ones():
+    clock = Clock()
+    manager = JobManager(wall=clock)
+    big = submit(manager, clock, name="big", stages=3)
+    small = submit(manager, clock, name="small", stages=1)
+    also = submit(manager, clock, name="also", stages=1)
+    assignments, waiting = plan_schedule(manager.pending(), [fellow("f1"), fellow("f2")])
+    assert [a.job_id for a in assignments] == [small.job_id, also.job_id]
+    assert "waiting for 3 ready fellows; 2 available" in waiting[big.job_id]
+    used = [a.placement.fellow_ids for a in assignments]
+    assert sorted(itertools.chain(*used)) == ["f1", "f2"]
+
+
+def test_the_oldest_job_takes_the_fellows_when_it_fits():
+    clock = Clock()
+    manager = JobManager(wall=clock)
+    first = submit(manager, clock, stages=2)
+    submit(manager, clock, stages=1)
+    assignments, waiting = plan_schedule(manager.pending(), [fellow("f1"), fellow("f2")])
+    assert [a.job_id for a in assignments] == [first.job_id]
+    assert len(waiting) == 1
+
+
+def test_job_lifecycle_through_the_manager():
+    clock = Clock()
+    manager = JobManager(wall=clock)
+    job = submit(manager, clock, stages=2, steps=10)
+    [assignment], _ = plan_schedule(manager.pending(), [fellow("f1"), fellow("f2")])
+    manager.begin_start(job.job_id, assignment.placement)
+    assert job.attempt == 1 and manager.pending() == []
+    assert set(manager.busy_fellows()) == {"f1", "f2"}
+    manager.start_succeeded(job.job_id)
+    assert job.state is J.RUNNING and job.started_at == clock.t
+    f_last = job.placement.stages[-1].fellow_id
+    manager.record_progress(
+        Progress(job_id=job.job_id, fellow_id=f_last, attempt=1, step=5, loss=2.0, total_steps=10)
+    )
+    assert job.stage_progress(f_last).step == 5
+    # A report of another attempt changes nothing.
+    assert (
+        manager.record_progress(Progress(job_id=job.job_id, fellow_id=f_last, attempt=2, step=9))
+        is None
+    )
+    for placed in job.placement.stages:
+        outcome = StageOutcome(job_id=job.job_id, attempt=1, result=R.COMPLETED, step=10, loss=1.5)
+        manager.record_outcome(placed.fellow_id, outcome)
+    assert job.state is J.COMPLETED and job.final_loss == 1.5
+    assert [h.to_state for h in job.history] == [J.PENDING, J.RUNNING, J.COMPLETED]
+    assert manager.busy_fellows() == {}
+    assert job.job_id in manager.dirty
+
+
+def test_a_failed_stage_fails_the_job_with_the_fellow_and_the_error():
+    clock = Clock()
+    manager = JobManager(wall=clock)
+    job = submit(manager, clock, stages=2)
+    [assignment], _ = plan_schedule(manager.pending(), [fellow("f1"), fellow("f2")])
+    manager.begin_start(job.job_id, assignment.placement)
+    manager.start_succeeded(job.job_id)
+    bad = StageOutcome(job_id=job.job_id, attempt=1, result=R.FAILED, message="OOM")
+    manager.record_outcome("f2", bad)
+    assert job.state is J.FAILED
+    assert "f2" in job.reason and "OOM" in job.reason
+
+
+def test_start_failure_returns_the_job_to_waiting_and_cancel_is_final():
+    clock = Clock()
+    manager = JobManager(wall=clock)
+    job = submit(manager, clock, stages=1)
+    [assignment], _ = plan_schedule(manager.pending(), [fellow("f1")])
+    manager.begin_start(job.job_id, assignment.placement)
+    manager.start_failed(job.job_id, "f1: FELLOW_BUSY")
+    assert job.state is J.PENDING and job.placement is None and "FELLOW_BUSY" in job.reason
+    assert manager.pending() == [job]
+    manager.cancel(job.job_id)
+    assert job.state is J.CANCELLED
+    with pytest.raises(ConflictError):
+        manager.cancel(job.job_id)
+    with pytest.raises(NotFoundError):
+        manager.get("nope")
+
+
+def test_checkpoint_target_is_ahead_of_the_furthest_stage_but_not_past_the_end():
+    clock = Clock()
+    manager = JobManager(wall=clock)
+    job = submit(manager, clock, stages=2, steps=100)
+    [assignment], _ = plan_schedule(manager.pending(), [fellow("f1"), fellow("f2")])
+    with pytest.raises(ConflictError):
+        manager.checkpoint_target(job.job_id)
+    manager.begin_start(job.job_id, assignment.placement)
+    manager.start_succeeded(job.job_id)
+    for fid, step in (("f1", 40), ("f2", 39)):
+        manager.record_progress(
+            Progress(job_id=job.job_id, fellow_id=fid, attempt=1, step=step, step_time_s=0.1)
+        )
+    _, at = manager.checkpoint_target(job.job_id)
+    assert at == 40 + 20  # 2 s ahead at 0.1 s a step
+    for fid in ("f1", "f2"):
+        manager.record_progress(Progress(job_id=job.job_id, fellow_id=fid, attempt=1, step=95))
+    assert manager.checkpoint_target(job.job_id)[1] == 100
+
+
+# --- reconcile ------------------------------------------------------------------------------
+
+
+def running_job(clock: Clock):
+    manager = JobManager(wall=clock)
+    job = manager.submit(spec(stages=2))
+    [assignment], _ = plan_schedule(manager.pending(), [fellow("f1"), fellow("f2")])
+    manager.begin_start(job.job_id, assignment.placement)
+    manager.start_succeeded(job.job_id)
+    return manager, job
+
+
+def state(fid, status=FellowStatus.TRAINING, job=None, attempt=1, outcome=None, heard=None):
+    return FellowState(
+        fellow_id=fid,
+        status=status,
+        job_id=job,
+        attempt=attempt,
+        outcome=outcome,
+        last_heartbeat_at=heard,
+    )
+
+
+def test_reconcile_reads_outcomes_offline_fellows_and_fellows_doing_something_else():
+    clock = Clock()
+    _, job = running_job(clock)
+    jid, t0 = job.job_id, job.started_at
+    done = StageOutcome(job_id=jid, attempt=1, result=R.COMPLETED)
+    fellows = {
+        "f1": state("f1", FellowStatus.READY, outcome=done, heard=t0 + 10),
+        "f2": state("f2", FellowStatus.TRAINING, job=jid, heard=t0 + 10),
+    }
+    assert reconcile(job, fellows, now=t0 + 10) == [("f1", done)]
+
+    def f2_finding(now):
+        return dict(reconcile(job, fellows, now=now)).get("f2")
+
+    fellows["f2"] = state("f2", FellowStatus.OFFLINE, job=jid, heard=t0 + 1)
+    assert "offline" in f2_finding(t0 + 10)
+    # Ready with no word of the job: lost, but only once the START grace has passed.
+    fellows["f2"] = state("f2", FellowStatus.READY, heard=t0 + 1)
+    assert f2_finding(t0 + 1) is None
+    fellows["f2"] = state("f2", FellowStatus.READY, heard=t0 + 5)
+    assert "no longer running the job" in f2_finding(t0 + 5)
+    del fellows["f2"]
+    assert "removed" in f2_finding(t0 + 5)
+    # An outcome of an older attempt is not this job's.
+    old = StageOutcome(job_id=jid, attempt=0, result=R.FAILED)
+    fellows = {fid: state(fid, job=jid, outcome=old, heard=t0 + 5) for fid in ("f1", "f2")}
+    assert reconcile(job, fellows, now=t0 + 5) == []
+
+
+def test_progress_event_ended_carries_the_outcome():
+    clock = Clock()
+    manager, job = running_job(clock)
+    for fid in ("f1", "f2"):
+        outcome = StageOutcome(job_id=job.job_id, attempt=1, result=R.COMPLETED, loss=1.0)
+        manager.record_progress(
+            Progress(
+                job_id=job.job_id,
+                fellow_id=fid,
+                attempt=1,
+                step=200,
+                event=ProgressEvent.ENDED,
+                outcome=outcome,
+            )
+        )
+    assert job.state is J.COMPLETED
