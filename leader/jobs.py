@@ -33,6 +33,7 @@ from swarm.protocol import (
     JobState,
     Progress,
     ProgressEvent,
+    SignalAck,
     StageOutcome,
     StageResult,
 )
@@ -70,18 +71,12 @@ class StageProgress(msgspec.Struct, kw_only=True):
     updated_at: float | None = None
 
 
-class SignalRecord(msgspec.Struct, kw_only=True):
-    """One signal the leader sent and how it ended."""
+class SignalRecord(SignalAck, kw_only=True):
+    """One signal the leader sent and how it ended: the fellow's ack, or ``NO_ANSWER``."""
 
-    signal_id: str
     kind: str
-    fellow_id: str
     sent_at: float
     attempts: int
-    ok: bool
-    code: str | None = None
-    message: str = ""
-    duplicate: bool = False
 
 
 class CheckpointStage(msgspec.Struct, kw_only=True):

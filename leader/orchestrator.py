@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 from nats.aio.msg import Msg
+from nats.js.kv import KeyValue
 
 from leader.bus import LeaderBus
 from leader.jobs import (
@@ -155,31 +156,15 @@ class Orchestrator:
             return
         for job_id in sorted(self.jobs.dirty):
             self.jobs.dirty.discard(job_id)
-            try:
-                await store.put(store.jobs, job_id, self.jobs.get(job_id))
-            except Exception as exc:
+            if not await _save(store, store.jobs, job_id, self.jobs.get(job_id)):
                 self.jobs.dirty.add(job_id)
-                log.warning("job %s not saved yet: %s", job_id, exc)
         for fid, record in self.registry.take_dirty():
-            try:
-                if record is None:
-                    await store.delete(store.fellows, fid)
-                else:
-                    await store.put(store.fellows, fid, record)
-            except Exception as exc:
+            if not await _save(store, store.fellows, fid, record):
                 self.registry.dirty.add(fid)
-                log.warning("fellow %s not saved yet: %s", fid, exc)
         for fid in sorted(self.purges.dirty):
             self.purges.dirty.discard(fid)
-            pending = self.purges.get(fid)
-            try:
-                if pending is None:
-                    await store.delete(store.purges, fid)
-                else:
-                    await store.put(store.purges, fid, pending)
-            except Exception as exc:
+            if not await _save(store, store.purges, fid, self.purges.get(fid)):
                 self.purges.dirty.add(fid)
-                log.warning("pending purge of %s not saved yet: %s", fid, exc)
 
     # --- reconciling and scheduling --------------------------------------------------------
 
@@ -325,8 +310,8 @@ class Orchestrator:
         return job
 
     async def checkpoint(self, job_id: str) -> CheckpointRecord:
-        hub = self._hub()
         job, at_step = self.jobs.checkpoint_target(job_id)
+        hub = self._hub()
         assert job.placement is not None
         record = CheckpointRecord(
             checkpoint_id=uuid.uuid4().hex[:12],
@@ -370,10 +355,10 @@ class Orchestrator:
         )
 
     async def release(self, fellow_id: str, *, purge_install: bool) -> dict[str, Any]:
-        hub = self._hub()
         record = self.registry.get(fellow_id)
         if record is None:
             raise NotFoundError(f"no fellow {fellow_id!r} is registered")
+        hub = self._hub()
         job_id = self.jobs.busy_fellows().get(fellow_id)
         if job_id is not None:
             raise ConflictError(
@@ -462,6 +447,22 @@ class Orchestrator:
         if self.hub is None or not self.loaded.is_set():
             raise NotReadyError("the leader is not connected to NATS yet; try again shortly")
         return self.hub
+
+
+async def _save(store: StateStore, bucket: KeyValue, key: str, value: Any) -> bool:
+    """Write (or, for None, delete) one record; False, logged, when it could not be.
+
+    ``key`` is a job or fellow id.
+    """
+    try:
+        if value is None:
+            await store.delete(bucket, key)
+        else:
+            await store.put(bucket, key, value)
+    except Exception as exc:
+        log.warning("record %s not saved yet (kept for the next try): %s", key, exc)
+        return False
+    return True
 
 
 def _candidate(record: FellowRecord) -> Candidate:

@@ -14,6 +14,7 @@ import time
 import uuid
 from typing import Any
 
+import msgspec
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
 
@@ -74,15 +75,7 @@ class SignalHub:
                 last_error = f"unreadable answer: {exc}"
             else:
                 record = SignalRecord(
-                    signal_id=sig.signal_id,
-                    kind=kind.value,
-                    fellow_id=fellow_id,
-                    sent_at=sent_at,
-                    attempts=tries,
-                    ok=ack.ok,
-                    code=ack.code,
-                    message=ack.message,
-                    duplicate=ack.duplicate,
+                    **msgspec.structs.asdict(ack), kind=kind.value, sent_at=sent_at, attempts=tries
                 )
                 log.info(
                     "%s %s -> %s: %s%s",

@@ -77,9 +77,9 @@ def leader(procs: Processes, nats_server: NatsControl, tmp_path: Path) -> Iterat
     try:
         try:
             wait_for(
-                lambda: proc.poll() is None and client.get("/health")["nats"] == "connected",
+                lambda: proc.poll() is None and client.get("/api/v1/info")["state_loaded"],
                 timeout=20,
-                what="the leader to serve",
+                what="the leader to serve with its state loaded",
             )
         except AssertionError as exc:
             raise AssertionError(f"{exc}\nleader log:\n{procs.log(proc)}") from None

@@ -31,6 +31,9 @@ def progress_line(job: dict[str, Any], elapsed: float) -> str:
     total = stages[0].get("total_steps") or job["spec"]["steps"]
     step = min(p["step"] for p in stages)
     last = stages[-1]
+    if step == 0 and all(p.get("loss") is None and not p.get("step_time_s") for p in stages):
+        fellows = ", ".join(p["fellow_id"] for p in stages)
+        return f"[{elapsed:5.0f}s] {state:<10} stages starting on {fellows}"
     parts = [f"[{elapsed:5.0f}s] {state:<10} step {step:>5}/{total}"]
     if last.get("loss") is not None:
         parts.append(f"loss {last['loss']:.4f}")

@@ -43,6 +43,15 @@ def agents(procs, nats_server, *names, **env):
     return started
 
 
+def wait_steps(leader: Leader, job_id: str, steps: int) -> None:
+    """Until every stage of the job has done ``steps`` steps."""
+    wait_for(
+        lambda: min(p["step"] for p in leader.job(job_id)["progress"]) >= steps,
+        timeout=60,
+        what=f"{steps} training steps",
+    )
+
+
 def wait_ready(leader: Leader, *names: str) -> None:
     for name in names:
         leader.wait_status(name, "ready", timeout=20)
@@ -102,11 +111,7 @@ def test_checkpoint_then_cancel_a_running_job(procs, nats_server, leader):
     wait_ready(leader, "c1", "c2")
     job_id = leader.submit(**tiny(name="long", steps=100_000, stages=2))["job_id"]
     leader.wait_job(job_id, "RUNNING", timeout=20)
-    wait_for(
-        lambda: min(p["step"] for p in leader.job(job_id)["progress"]) >= 3,
-        timeout=60,
-        what="training steps",
-    )
+    wait_steps(leader, job_id, 3)
     # A fellow in a running job cannot be released.
     busy = leader.request("POST", "/api/v1/workers/c1/release", json={})
     assert busy.status_code == 409 and busy.json()["code"] == "FELLOW_BUSY"
@@ -165,11 +170,7 @@ def test_killing_a_fellow_fails_the_job_quickly_and_leaves_no_stage_running(
     wait_ready(leader, "k1", "k2")
     job_id = leader.submit(**tiny(name="doomed", steps=100_000, stages=2))["job_id"]
     leader.wait_job(job_id, "RUNNING", timeout=20)
-    wait_for(
-        lambda: min(p["step"] for p in leader.job(job_id)["progress"]) >= 2,
-        timeout=60,
-        what="training steps",
-    )
+    wait_steps(leader, job_id, 2)
     assert len(stage_processes(job_id)) == 2
     started["k2"].send_signal(signal.SIGKILL)
     job = wait_for(
@@ -202,11 +203,7 @@ def test_leader_restart_mid_job_keeps_the_job_which_completes(procs, nats_server
         wait_ready(client, "r1", "r2")
         job_id = client.submit(**tiny(name="survivor", steps=250, stages=2))["job_id"]
         client.wait_job(job_id, "RUNNING", timeout=20)
-        wait_for(
-            lambda: min(p["step"] for p in client.job(job_id)["progress"]) >= 5,
-            timeout=60,
-            what="training steps",
-        )
+        wait_steps(client, job_id, 5)
         before = client.job(job_id)
         leader.send_signal(signal.SIGKILL)
         leader.wait(timeout=10)
@@ -354,3 +351,21 @@ def test_bad_requests_elsewhere_are_clear(leader):
     assert leader.request("POST", "/api/v1/workers/ghost/release", json={}).status_code == 404
     cancelled = leader.request("DELETE", f"/api/v1/jobs/{job_id}").json()
     assert cancelled["state"] == "CANCELLED"
+
+
+def test_a_stage_that_fails_fails_the_job_with_the_fellow_and_its_error(
+    procs, nats_server, leader, tmp_path
+):
+    agents(procs, nats_server, "e1")
+    wait_ready(leader, "e1")
+    missing = str(tmp_path / "no-such-corpus" / "*.txt")
+    job_id = leader.submit(**tiny(name="no-data", steps=10, stages=1, data=[missing]))["job_id"]
+    job = wait_for(
+        lambda: (j := leader.job(job_id))["state"] == "FAILED" and j,
+        timeout=60,
+        what="the job to fail",
+    )
+    assert job["reason"].startswith("fellow e1 (stage 0) failed: ")
+    assert "no-such-corpus" in job["reason"], job["reason"]
+    history = leader.wait_status("e1", "ready", timeout=10)["history"]
+    assert [t["to_status"] for t in history][-3:] == ["training", "failed", "ready"]

@@ -260,3 +260,46 @@ def test_a_heartbeat_that_arrives_after_deregister_does_not_revive(reg):
     assert register(reg, "f1", instance="a").accepted  # the same process may come back
     assert beat(reg, "f1", instance="a")
     assert reg.get("f1").status is FellowStatus.READY
+
+
+def test_changes_are_marked_for_the_store_but_plain_heartbeats_are_not(reg, clock):
+    register(reg, "a")
+    assert [fid for fid, _ in reg.take_dirty()] == ["a"]
+    beat(reg, "a")  # registering -> ready: a transition
+    assert [fid for fid, _ in reg.take_dirty()] == ["a"]
+    beat(reg, "a")  # nothing changed
+    assert reg.take_dirty() == []
+    clock.now += 10
+    reg.sweep()
+    [(fid, record)] = reg.take_dirty()
+    assert fid == "a" and record.status is FellowStatus.OFFLINE
+
+
+def test_release_forgets_the_fellow_and_ignores_its_agent_until_a_new_instance_comes(reg):
+    register(reg, "a", instance="old")
+    beat(reg, "a", instance="old")
+    reg.take_dirty()
+    reg.release("a")
+    assert reg.get("a") is None and reg.take_dirty() == [("a", None)]
+    assert beat(reg, "a", instance="old") is False and reg.get("a") is None
+    assert register(reg, "a", instance="old").code == "RELEASED"
+    assert register(reg, "a", instance="new").accepted
+    assert reg.get("a").instance_id == "new"
+    with pytest.raises(KeyError):
+        reg.release("nobody")
+
+
+def test_restored_records_get_a_fresh_offline_window(reg, clock):
+    first = reg
+    register(first, "a")
+    beat(first, "a")
+    saved = [record for _, record in first.take_dirty()]
+    clock.now += 100
+    second = WorkerRegistry(
+        heartbeat_interval_s=1.0, offline_after_s=3.0, leader_version="t", clock=clock, wall=clock
+    )
+    second.restore(saved)
+    second.bus_connected()
+    assert second.sweep() == [] and second.get("a").status is FellowStatus.READY
+    clock.now += 4
+    assert [fid for fid, _ in second.sweep()] == ["a"]
