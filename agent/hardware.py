@@ -1,32 +1,84 @@
-"""Live hardware telemetry: psutil for CPU and RAM, pynvml for GPUs.
+"""Live hardware telemetry: psutil for CPU, RAM and network, pynvml for GPUs.
 
 With no NVIDIA driver or library, ``pynvml.nvmlInit()`` raises an ``NVMLError`` subclass:
 the fellow is then CPU-only, and the reason travels in ``nvml_error`` instead of an
-exception.
+exception. When NVML does see GPUs, :func:`probe_tensorflow_gpus` asks TensorFlow (in a
+subprocess) how many it can use; until it answers, no GPU is offered. The operator's caps
+travel with every snapshot, beside the measurements.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import platform
 import socket
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
+import msgspec
 import psutil
 import pynvml
 
-from swarm.protocol import GpuInfo, HardwareSnapshot
+from swarm.protocol import FellowLimits, GpuInfo, HardwareSnapshot
+from swarm.settings import Settings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+GIB = 1024**3
+TF_PROBE_TIMEOUT_S = 120.0
+
+
+def limits_from(settings: Settings) -> FellowLimits:
+    def gib(value: float | None) -> int | None:
+        return None if value is None else int(value * GIB)
+
+    mbps = settings.fellow_max_network_mbps
+    return FellowLimits(
+        max_vram_bytes=gib(settings.fellow_max_vram_gb),
+        max_memory_bytes=gib(settings.fellow_max_memory_gb),
+        max_network_bytes_per_s=None if mbps is None else int(mbps * 1e6 / 8),
+    )
+
+
+def probe_tensorflow_gpus(timeout: float = TF_PROBE_TIMEOUT_S) -> tuple[int | None, str | None]:
+    """(GPUs TensorFlow can use, None) or (None, why the probe failed). Blocks: run in a thread."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "agent.runtime.gpus"],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        return None, last[:300]
+    try:
+        return int(json.loads(done.stdout.strip().splitlines()[-1])["gpus"]), None
+    except (ValueError, KeyError, IndexError) as exc:
+        return None, f"unreadable probe output ({exc})"
+
+
 class HardwareProbe:
     """Takes snapshots; initialises NVML once and shuts it down on close."""
 
-    def __init__(self, hostname: str | None = None) -> None:
+    def __init__(self, hostname: str | None = None, limits: FellowLimits | None = None) -> None:
         self.hostname = hostname or socket.gethostname()
+        self.limits = limits or FellowLimits()
+        self.tf_gpu_count: int | None = None
+        self.tf_probe_error: str | None = None
+        self._net = (time.monotonic(), psutil.net_io_counters())
         self.nvml_error: str | None = None
         try:
             pynvml.nvmlInit()
@@ -37,6 +89,7 @@ class HardwareProbe:
 
     def snapshot(self) -> HardwareSnapshot:
         mem = psutil.virtual_memory()
+        sent, received = self._net_rates()
         return HardwareSnapshot(
             hostname=self.hostname,
             platform=f"{platform.system()} {platform.machine()}",
@@ -44,9 +97,38 @@ class HardwareProbe:
             cpu_load_pct=psutil.cpu_percent(interval=None),
             ram_total_bytes=mem.total,
             ram_available_bytes=mem.available,
+            net_sent_bytes_per_s=sent,
+            net_recv_bytes_per_s=received,
             gpus=self._gpus(),
             nvml_error=self.nvml_error,
+            tf_gpu_count=self.tf_gpu_count,
+            tf_probe_error=self.tf_probe_error,
+            limits=msgspec.structs.replace(self.limits),
         )
+
+    @property
+    def sees_gpus(self) -> bool:
+        return bool(self._gpus())
+
+    def probe_tensorflow(self) -> None:
+        """Ask TensorFlow which GPUs it can use (seconds: it imports TensorFlow)."""
+        self.tf_gpu_count, self.tf_probe_error = probe_tensorflow_gpus()
+        if self.tf_probe_error:
+            log.warning("TensorFlow GPU probe failed: %s", self.tf_probe_error)
+        else:
+            log.info("TensorFlow sees %d GPU(s)", self.tf_gpu_count)
+
+    def _net_rates(self) -> tuple[float, float]:
+        """Bytes/s sent and received since the previous snapshot (all interfaces)."""
+        now, counters = time.monotonic(), psutil.net_io_counters()
+        then, before = self._net
+        self._net = (now, counters)
+        elapsed = now - then
+        if counters is None or before is None or elapsed <= 0:
+            return 0.0, 0.0
+        sent = max(0, counters.bytes_sent - before.bytes_sent) / elapsed
+        received = max(0, counters.bytes_recv - before.bytes_recv) / elapsed
+        return round(sent, 1), round(received, 1)
 
     def close(self) -> None:
         if self.nvml_error is None:
@@ -60,12 +142,23 @@ class HardwareProbe:
         except pynvml.NVMLError as exc:
             log.warning("NVML device count failed: %s", exc)
             return []
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         gpus = []
         for index in range(count):
             gpu = _gpu(index)
-            if gpu is not None:
+            if gpu is not None and _visible(gpu, visible):
                 gpus.append(gpu)
         return gpus
+
+
+def _visible(gpu: GpuInfo, visible: str | None) -> bool:
+    """Whether CUDA_VISIBLE_DEVICES (indices or UUIDs, PCI bus order) lets CUDA see ``gpu``."""
+    if visible is None:
+        return True
+    tokens = [t.strip() for t in visible.split(",") if t.strip()]
+    return any(
+        t == str(gpu.index) or (t.startswith("GPU-") and gpu.uuid.startswith(t)) for t in tokens
+    )
 
 
 def _gpu(index: int) -> GpuInfo | None:

@@ -23,7 +23,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
-from agent.hardware import HardwareProbe
+from agent.hardware import HardwareProbe, limits_from
 from agent.supervisor import StageRun
 from swarm import __version__
 from swarm import subjects as topics
@@ -75,7 +75,7 @@ class FellowAgent:
         self.settings = settings
         self.nats_url = nats_url
         self.prefix = settings.subject_prefix
-        self.probe = probe or HardwareProbe()
+        self.probe = probe or HardwareProbe(limits=limits_from(settings))
         self.identity = FellowIdentity(
             fellow_id=fellow_id,
             instance_id=uuid.uuid4().hex[:16],
@@ -139,6 +139,8 @@ class FellowAgent:
             asyncio.create_task(self._registrar(stop), name="registrar"),
             asyncio.create_task(self._heartbeats(stop), name="heartbeats"),
         ]
+        if self.probe.sees_gpus:
+            tasks.append(asyncio.create_task(self._probe_tensorflow(), name="tf-gpu-probe"))
         try:
             await stop.wait()
         finally:
@@ -176,6 +178,8 @@ class FellowAgent:
                     self.status = next_status(self.status, FellowEvent.REGISTERED)
                 self._registered.set()
                 await self._send_heartbeat()
+                if self._update_when_idle and self.status is FellowStatus.READY and not self.run_:
+                    self._restart()
                 return
             if reason != last_reason:
                 log.warning("registration not accepted: %s (retrying)", reason)
@@ -201,6 +205,7 @@ class FellowAgent:
         if not reply.accepted:
             if reply.code == "RELEASED":
                 self._exit("released by an operator")
+            # PURGE_PENDING: released, but a purge is coming; keep asking until it does.
             return f"{reply.code}: {reply.message}"
         self.heartbeat_interval_s = reply.heartbeat_interval_s or self.heartbeat_interval_s
         log.info("registered as %s with leader %s", self.fellow_id, reply.leader_version)
@@ -209,7 +214,9 @@ class FellowAgent:
     async def _deregister(self) -> None:
         if self.nc is None or not self.nc.is_connected or not self._registered.is_set():
             return
-        req = DeregisterRequest(fellow_id=self.fellow_id, instance_id=self.identity.instance_id)
+        req = DeregisterRequest(
+            fellow_id=self.fellow_id, instance_id=self.identity.instance_id, outcome=self.outcome
+        )
         subject = topics.REGISTER.subject(self.prefix, fellow=self.fellow_id)
         try:
             msg = await self.nc.request(subject, topics.encode(req), timeout=REQUEST_TIMEOUT_S)
@@ -217,6 +224,12 @@ class FellowAgent:
             log.info("deregistered: %s", reply.message or reply.code)
         except (NatsError, TimeoutError, ProtocolError) as exc:
             log.warning("could not deregister (%s); the leader will time us out", exc)
+
+    async def _probe_tensorflow(self) -> None:
+        """NVML sees GPUs: learn which TensorFlow can use, then say so at once."""
+        await asyncio.to_thread(self.probe.probe_tensorflow)
+        if self._registered.is_set():
+            await self._send_heartbeat()
 
     # --- heartbeats ------------------------------------------------------------------------
 
@@ -310,6 +323,8 @@ class FellowAgent:
         return sig.job_id in (None, run.job_id) and sig.attempt in (None, run.attempt)
 
     async def _on_start(self, sig: Signal) -> SignalAck:
+        if self._stop is not None and self._stop.is_set():
+            return self._ack(sig, False, "AGENT_STOPPING", "the agent is shutting down")
         if self.status is not FellowStatus.READY or self.run_ is not None:
             doing = f" (job {self.run_.job_id})" if self.run_ else ""
             return self._ack(sig, False, "FELLOW_BUSY", f"fellow is {self.status}{doing}")
@@ -346,8 +361,10 @@ class FellowAgent:
         reason = str(sig.args.get("reason") or "stopped by the leader")
         stopped = ""
         if self.run_ is not None and (self._matches(sig) or sig.args.get("release")):
-            await self.run_.stop(reason)
-            stopped = f"stopped job {sig.job_id or self.run_.job_id}"
+            # Acknowledged once the runtime has its SIGTERM; its outcome follows in progress
+            # and heartbeats. Waiting here would hold up every other signal to this fellow.
+            self.run_.terminate(reason)
+            stopped = f"stopping job {sig.job_id or self.run_.job_id}"
         if sig.args.get("release"):
             self._exit("released by an operator")
             return self._ack(sig, True, message=(stopped + "; " if stopped else "") + "exiting")
@@ -379,7 +396,7 @@ class FellowAgent:
         if self.run_ is not None:
             await self.run_.stop("purged")
         removed = self.fellow_dir
-        shutil.rmtree(removed, ignore_errors=True)
+        await asyncio.to_thread(shutil.rmtree, removed, True)
         self._exit("purged by an operator")
         return self._ack(sig, True, message=f"removed {removed}; exiting")
 
@@ -424,6 +441,7 @@ class FellowAgent:
                 ok=bool(event.get("ok")),
                 message=str(event.get("message", "")),
                 checkpoint_path=event.get("path"),
+                checkpoint_id=event.get("id"),
             )
             if final:
                 self._checkpoint_final = True

@@ -114,18 +114,25 @@ class StageRun:
             return False
         return True
 
-    async def stop(self, reason: str) -> StageOutcome:
-        """Terminate the runtime (SIGTERM, then SIGKILL) and wait for its outcome."""
+    def terminate(self, reason: str) -> None:
+        """SIGTERM now, SIGKILL after a grace period; ``finished`` says when it is gone."""
         proc = self.proc
-        if proc is not None and proc.returncode is None:
-            self.stopping = reason
+        if proc is None or proc.returncode is not None or self.stopping is not None:
+            return
+        self.stopping = reason
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        asyncio.get_running_loop().call_later(STOP_GRACE_S, self._kill)
+
+    def _kill(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            log.warning("stage runtime %d ignored SIGTERM; killing it", self.proc.pid)
             with contextlib.suppress(ProcessLookupError):
-                proc.terminate()
-            try:
-                await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
+                self.proc.kill()
+
+    async def stop(self, reason: str) -> StageOutcome:
+        """Terminate the runtime and wait for its outcome."""
+        self.terminate(reason)
         return await self.finished
 
     async def _read(self) -> None:

@@ -16,10 +16,12 @@ from leader.bus import LeaderBus
 from leader.errors import EXCEPTION_HANDLERS
 from leader.jobs import JobManager
 from leader.orchestrator import Orchestrator
+from leader.placement import PlacementDefaults
 from leader.purges import PurgeBook
 from leader.registry import WorkerRegistry
 from leader.services import LeaderServices
 from swarm import __version__
+from swarm.jobspec import LastStagePlacement
 from swarm.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -33,6 +35,7 @@ def create_app(settings: Settings, *, nats_url: str) -> Litestar:
     )
     bus = LeaderBus(url=nats_url, prefix=settings.subject_prefix, registry=registry)
     jobs, purges = JobManager(), PurgeBook()
+    registry.purge_pending = lambda fellow_id: purges.get(fellow_id) is not None
     services = LeaderServices(
         settings=settings,
         nats_url=nats_url,
@@ -46,6 +49,10 @@ def create_app(settings: Settings, *, nats_url: str) -> Litestar:
             jobs=jobs,
             purges=purges,
             prefix=settings.subject_prefix,
+            defaults=PlacementDefaults(
+                min_gpu_free_gb=settings.placement_min_gpu_free_gb,
+                last_stage=LastStagePlacement(settings.pipeline_last_stage_placement),
+            ),
         ),
     )
 

@@ -6,7 +6,8 @@ job, and what the fellows' heartbeats say about the jobs they should be running
 (:func:`reconcile`). The I/O (signals, NATS, JetStream) lives in :mod:`leader.orchestrator`.
 
 Every state change goes through :func:`swarm.lifecycle.next_job_state`; an illegal one is
-rejected and logged, never applied. Changed jobs are marked dirty for the store to write.
+logged and raised, never applied (callers check the state first, so one is a bug). Changed
+jobs are marked dirty for the store to write.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from leader.placement import Candidate, Unplaceable, place
+from leader.placement import DEFAULTS, Candidate, PlacementDefaults, Unplaceable, place
 from swarm.errors import ConflictError, NotFoundError
 from swarm.jobspec import JobSpec, Placement, new_job_id
 from swarm.lifecycle import (
@@ -45,6 +46,8 @@ CHECKPOINT_LOG_LEN = 20
 # After START, a fellow's heartbeats may still describe the moment before it: only judge
 # "not running the job" on heartbeats received this long after the job started.
 START_GRACE_S = 3.0
+# A job whose START round failed waits 2, 4, 8, ... seconds (at most this) before the next.
+START_RETRY_MAX_S = 30.0
 
 
 class JobTransition(msgspec.Struct, kw_only=True):
@@ -148,7 +151,9 @@ class FellowState:
 
 
 def plan_schedule(
-    pending: list[JobRecord], idle: list[Candidate]
+    pending: list[JobRecord],
+    idle: list[Candidate],
+    defaults: PlacementDefaults = DEFAULTS,
 ) -> tuple[list[Assignment], dict[str, str]]:
     """Place pending jobs, oldest first, on idle fellows.
 
@@ -158,7 +163,7 @@ def plan_schedule(
     free = list(idle)
     assignments, waiting = [], {}
     for job in sorted(pending, key=lambda j: (j.created_at, j.job_id)):
-        result = place(job.spec, free)
+        result = place(job.spec, free, defaults)
         if isinstance(result, Unplaceable):
             waiting[job.job_id] = result.reason
             continue
@@ -210,6 +215,8 @@ class JobManager:
         self._jobs: dict[str, JobRecord] = {}
         # Jobs whose START round is in flight: placed, but not yet RUNNING.
         self.starting: dict[str, Placement] = {}
+        # Job id -> (failed START rounds in a row, wall time before which it is not placed).
+        self._retry: dict[str, tuple[int, float]] = {}
         self.dirty: set[str] = set()
 
     # --- reads -----------------------------------------------------------------------------
@@ -224,8 +231,14 @@ class JobManager:
         return sorted(self._jobs.values(), key=lambda j: (j.created_at, j.job_id))
 
     def pending(self) -> list[JobRecord]:
+        """PENDING jobs that may be placed now (not starting, not backing off)."""
+        now = self._wall()
         return [
-            j for j in self.list() if j.state is JobState.PENDING and j.job_id not in self.starting
+            j
+            for j in self.list()
+            if j.state is JobState.PENDING
+            and j.job_id not in self.starting
+            and self._retry.get(j.job_id, (0, 0.0))[1] <= now
         ]
 
     def running(self) -> list[JobRecord]:
@@ -300,6 +313,7 @@ class JobManager:
     def start_succeeded(self, job_id: str) -> JobRecord | None:
         """Every fellow acknowledged START: RUNNING. None if the job was cancelled meanwhile."""
         self.starting.pop(job_id, None)
+        self._retry.pop(job_id, None)
         job = self.get(job_id)
         if job.state is not JobState.PENDING:
             return None
@@ -313,9 +327,12 @@ class JobManager:
         self.starting.pop(job_id, None)
         job = self.get(job_id)
         if job.state is JobState.PENDING:
+            failures = self._retry.get(job_id, (0, 0.0))[0] + 1
+            delay = min(START_RETRY_MAX_S, 2.0**failures)
+            self._retry[job_id] = (failures, self._wall() + delay)
             job.placement = None
             job.progress = []
-            job.reason = f"attempt {job.attempt} did not start: {reason}"
+            job.reason = f"attempt {job.attempt} did not start: {reason}; retrying in {delay:.0f}s"
             self._touch(job)
 
     def cancel(self, job_id: str, reason: str = "cancelled by the operator") -> JobRecord:
@@ -425,6 +442,8 @@ class JobManager:
         for record in reversed(job.checkpoints):
             if record.attempt != msg.attempt:
                 continue
+            if msg.checkpoint_id is not None and record.checkpoint_id != msg.checkpoint_id:
+                continue
             for stage in record.stages:
                 if stage.fellow_id == msg.fellow_id and stage.ok is None:
                     stage.ok, stage.step = msg.ok, msg.step
@@ -433,7 +452,9 @@ class JobManager:
                     return
 
     def _finish(self, job: JobRecord, event: JobEvent, reason: str) -> None:
-        self.starting.pop(job.job_id, None)
+        # A job cancelled mid-START stays in ``starting`` (its fellows stay reserved) until
+        # the round ends and stops them.
+        self._retry.pop(job.job_id, None)
         job.finished_at = self._wall()
         self._transition(job, event, reason)
 

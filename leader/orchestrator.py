@@ -31,7 +31,7 @@ from leader.jobs import (
     plan_schedule,
     reconcile,
 )
-from leader.placement import Candidate
+from leader.placement import DEFAULTS, Candidate, PlacementDefaults
 from leader.purges import PendingPurge, PurgeBook
 from leader.registry import FellowRecord, WorkerRegistry
 from leader.signals import SignalHub
@@ -40,11 +40,16 @@ from swarm import subjects as topics
 from swarm.errors import ConflictError, NotFoundError, ProtocolError, SwarmError
 from swarm.jobspec import JobSpec, stage_plans
 from swarm.protocol import FellowStatus, JobState, SignalKind, StageOutcome
+from swarm.telemetry import offered_ram, usable_gpus
 
 log = logging.getLogger(__name__)
 
 TICK_S = 0.25
 PURGE_RETRY_S = 5.0
+# A fellow that refused or did not answer START is not placed again for this long.
+START_COOLDOWN_S = 10.0
+# A stage of an attempt the leader no longer runs gets STOP again at most this often.
+ORPHAN_STOP_EVERY_S = 5.0
 
 
 class NotReadyError(SwarmError):
@@ -61,18 +66,24 @@ class Orchestrator:
         jobs: JobManager,
         purges: PurgeBook,
         prefix: str,
+        defaults: PlacementDefaults = DEFAULTS,
     ) -> None:
         self.bus = bus
         self.registry = registry
         self.jobs = jobs
         self.purges = purges
         self.prefix = prefix
+        self.defaults = defaults
         self.hub: SignalHub | None = None
         self.store: StateStore | None = None
         self.loaded = asyncio.Event()
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._purging: set[str] = set()
+        # Fellows an operator action (release, update) is signalling: not placed meanwhile.
+        self._reserved: set[str] = set()
+        self._cooldown: dict[str, float] = {}  # fellow id -> monotonic time it may be placed
+        self._orphan_stops: dict[tuple[str, str, int], float] = {}  # (fellow, job, attempt)
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -105,7 +116,8 @@ class Orchestrator:
 
     async def tick(self) -> None:
         self._reconcile()
-        self._schedule()
+        self._stop_orphans()
+        await self._schedule()
         self._deliver_purges()
         await self.flush()
 
@@ -200,58 +212,116 @@ class Orchestrator:
                     self._after_terminal(job)
                     break
 
-    def _schedule(self) -> None:
+    async def _schedule(self) -> None:
         pending = self.jobs.pending()
         if not pending:
             return
         busy = self.jobs.busy_fellows()
+        now = time.monotonic()
         idle = [
             _candidate(r)
             for r in self.registry.list()
             if r.status is FellowStatus.READY
             and r.fellow_id not in busy
+            and r.fellow_id not in self._reserved
+            and self._cooldown.get(r.fellow_id, 0.0) <= now
             and self.purges.get(r.fellow_id) is None
         ]
-        assignments, waiting = plan_schedule(pending, idle)
+        assignments, waiting = plan_schedule(pending, idle, self.defaults)
         self.jobs.set_waiting(waiting)
         for assignment in assignments:
-            job = self.jobs.begin_start(assignment.job_id, assignment.placement)
-            self._spawn(self._start(job.job_id), f"start-{job.job_id}")
+            self.jobs.begin_start(assignment.job_id, assignment.placement)
+        if assignments:
+            # The attempt and its placement are saved before any fellow hears START, so a
+            # leader that dies now knows what to stop when it comes back.
+            await self.flush()
+        for assignment in assignments:
+            self._spawn(self._start(assignment.job_id), f"start-{assignment.job_id}")
 
     async def _start(self, job_id: str) -> None:
         job = self.jobs.get(job_id)
         attempt, placement = job.attempt, job.placement
         assert placement is not None and self.hub is not None
-        plans = stage_plans(
-            job_id=job_id,
-            attempt=attempt,
-            spec=job.spec,
-            placement=placement,
-            subject_prefix=self.prefix,
-        )
-        log.info("starting job %s attempt %d on %s", job_id, attempt, placement.fellow_ids)
-        records = await asyncio.gather(
-            *(
-                self.hub.send(
-                    plan.fellow_id,
-                    SignalKind.START,
-                    job_id=job_id,
-                    attempt=attempt,
-                    args={"plan": msgspec.to_builtins(plan)},
-                )
-                for plan in plans
+        hub = self.hub
+        try:
+            if job.state is not JobState.PENDING:  # cancelled before the round began
+                self.jobs.starting.pop(job_id, None)
+                return
+            plans = stage_plans(
+                job_id=job_id,
+                attempt=attempt,
+                spec=job.spec,
+                placement=placement,
+                subject_prefix=self.prefix,
             )
-        )
+            log.info("starting job %s attempt %d on %s", job_id, attempt, placement.fellow_ids)
+            records = await asyncio.gather(
+                *(
+                    hub.send(
+                        plan.fellow_id,
+                        SignalKind.START,
+                        job_id=job_id,
+                        attempt=attempt,
+                        args={"plan": msgspec.to_builtins(plan)},
+                    )
+                    for plan in plans
+                )
+            )
+        except BaseException as exc:
+            self.jobs.start_failed(job_id, f"the START round broke: {exc!r}")
+            self._stop_all(job_id, attempt, placement.fellow_ids, "start failed")
+            raise
         for record in records:
             self.jobs.add_signal(job_id, record)
         refused = [r for r in records if not r.ok]
         if refused:
+            until = time.monotonic() + START_COOLDOWN_S
+            for r in refused:
+                self._cooldown[r.fellow_id] = until
             why = "; ".join(f"{r.fellow_id}: {r.code}: {r.message}" for r in refused)
             self.jobs.start_failed(job_id, why)
             self._stop_all(job_id, attempt, placement.fellow_ids, "start failed")
             return
         if self.jobs.start_succeeded(job_id) is None:  # cancelled while starting
             self._stop_all(job_id, attempt, placement.fellow_ids, "cancelled")
+
+    def _stop_orphans(self) -> None:
+        """STOP stages of attempts the leader does not run (any more).
+
+        A STOP can be lost (the fellow was cut off for longer than the signal's deadline),
+        and a leader can die between a START round and its end: whatever a fellow reports
+        running must be the current attempt of a running (or starting) job it is placed in.
+        Fellows running jobs this leader never knew are left alone (and logged).
+        """
+        now = time.monotonic()
+        for key, at in list(self._orphan_stops.items()):
+            if now - at > 12 * ORPHAN_STOP_EVERY_S:
+                del self._orphan_stops[key]
+        for record in self.registry.list():
+            if record.job_id is None or record.status not in (
+                FellowStatus.TRAINING,
+                FellowStatus.CHECKPOINTING,
+            ):
+                continue
+            key = (record.fellow_id, record.job_id, record.attempt or 0)
+            try:
+                job = self.jobs.get(record.job_id)
+            except NotFoundError:
+                continue
+            placed = job.placement is not None and record.fellow_id in job.placement.fellow_ids
+            current = placed and record.attempt == job.attempt
+            if current and (job.state is JobState.RUNNING or job.job_id in self.jobs.starting):
+                continue
+            if now - self._orphan_stops.get(key, -1e9) < ORPHAN_STOP_EVERY_S:
+                continue
+            log.warning(
+                "fellow %s runs %s attempt %s, which is %s: stopping it",
+                record.fellow_id,
+                record.job_id,
+                record.attempt,
+                job.state.value if current else "not its current attempt",
+            )
+            self._stop_all(job.job_id, record.attempt or 0, [record.fellow_id], "orphaned stage")
 
     def _after_terminal(self, job: JobRecord) -> None:
         """A job ended: stop the stages still running (after a failure or a cancel)."""
@@ -262,7 +332,10 @@ class Orchestrator:
             self._stop_all(job.job_id, job.attempt, still, job.reason)
 
     def _stop_all(self, job_id: str, attempt: int, fellows: list[str], reason: str) -> None:
+        now = time.monotonic()
         for fid in fellows:
+            # The orphan sweep leaves a stage alone for a while after any STOP to it.
+            self._orphan_stops[(fid, job_id, attempt)] = now
             self._spawn(self._stop(job_id, attempt, fid, reason), f"stop-{job_id}-{fid}")
 
     async def _stop(self, job_id: str, attempt: int, fellow_id: str, reason: str) -> None:
@@ -295,19 +368,29 @@ class Orchestrator:
 
     # --- operator actions ------------------------------------------------------------------
 
-    def submit(self, spec: JobSpec) -> JobRecord:
+    async def submit(self, spec: JobSpec) -> JobRecord:
+        """Accept a job; it is saved before the caller hears of it."""
+        self.require_loaded()
         job = self.jobs.submit(spec)
+        await self.flush()
         self.wake()
         return job
 
-    def cancel(self, job_id: str) -> JobRecord:
-        was_starting = self.jobs.starting.get(job_id)
+    async def cancel(self, job_id: str) -> JobRecord:
+        self.require_loaded()
+        starting = job_id in self.jobs.starting
         job = self.jobs.cancel(job_id)
-        if was_starting is None:
+        if not starting:
             self._after_terminal(job)
         # A job cancelled mid-START is stopped by _start once the round is over.
+        await self.flush()
         self.wake()
         return job
+
+    def require_loaded(self) -> None:
+        """Job reads and writes wait for the durable state: before it, answers would lie."""
+        if not self.loaded.is_set():
+            raise NotReadyError("the leader is still loading its state; try again shortly")
 
     async def checkpoint(self, job_id: str) -> CheckpointRecord:
         job, at_step = self.jobs.checkpoint_target(job_id)
@@ -336,7 +419,7 @@ class Orchestrator:
         for stage, ack in zip(record.stages, acks, strict=True):
             self.jobs.add_signal(job_id, ack)
             stage.acknowledged = ack.ok
-            if not ack.ok:
+            if not ack.ok and stage.ok is None:
                 stage.ok, stage.message = False, f"{ack.code}: {ack.message}"
         self.jobs.dirty.add(job_id)
         return record
@@ -350,9 +433,14 @@ class Orchestrator:
             targets = [record]
         else:
             targets = [r for r in self.registry.list() if r.status is not FellowStatus.OFFLINE]
-        return list(
-            await asyncio.gather(*(hub.send(r.fellow_id, SignalKind.UPDATE) for r in targets))
-        )
+        ids = {r.fellow_id for r in targets} - set(self.jobs.busy_fellows())
+        self._reserved |= ids
+        try:
+            return list(
+                await asyncio.gather(*(hub.send(r.fellow_id, SignalKind.UPDATE) for r in targets))
+            )
+        finally:
+            self._reserved -= ids
 
     async def release(self, fellow_id: str, *, purge_install: bool) -> dict[str, Any]:
         record = self.registry.get(fellow_id)
@@ -368,18 +456,22 @@ class Orchestrator:
             )
         online = record.status is not FellowStatus.OFFLINE
         result: dict[str, Any] = {"fellow_id": fellow_id, "released": True, "purge": None}
-        if purge_install:
-            self.purges.add(fellow_id)
-            result["purge"] = "pending"
-            if online and await self._deliver_purge(fellow_id):
-                result["purge"] = "delivered"
-        elif online:
-            ack = await hub.send(
-                fellow_id, SignalKind.STOP, args={"release": True, "reason": "released"}
-            )
-            result["agent_stopped"] = ack.ok
-        if self.registry.get(fellow_id) is not None:
-            self.registry.release(fellow_id)
+        self._reserved.add(fellow_id)
+        try:
+            if purge_install:
+                self.purges.add(fellow_id)
+                result["purge"] = "pending"
+                if online and await self._deliver_purge(fellow_id):
+                    result["purge"] = "delivered"
+            elif online:
+                ack = await hub.send(
+                    fellow_id, SignalKind.STOP, args={"release": True, "reason": "released"}
+                )
+                result["agent_stopped"] = ack.ok
+            if self.registry.get(fellow_id) is not None:
+                self.registry.release(fellow_id)
+        finally:
+            self._reserved.discard(fellow_id)
         await self.flush()
         return result
 
@@ -391,35 +483,35 @@ class Orchestrator:
         if fellow_id is not None and self.purges.get(fellow_id) is None:
             raise NotFoundError(f"no pending purge for {fellow_id!r}")
         targets = [fellow_id] if fellow_id else [p.fellow_id for p in self.purges.list()]
+        delivered = await asyncio.gather(
+            *(self._deliver_purge(fid, deadline_s=2.0) for fid in targets)
+        )
         results = []
-        for fid in targets:
-            delivered = await self._deliver_purge(fid, deadline_s=2.0)
+        for fid, ok in zip(targets, delivered, strict=True):
             pending = self.purges.get(fid)
-            results.append(
-                {
-                    "fellow_id": fid,
-                    "delivered": delivered,
-                    "error": "" if pending is None else pending.last_error,
-                }
-            )
+            error = "" if pending is None else pending.last_error
+            results.append({"fellow_id": fid, "delivered": ok, "error": error})
         await self.flush()
         return results
 
     def _deliver_purges(self) -> None:
-        """Pending purges of fellows that are back (registered and heartbeating)."""
+        """Try pending purges: at once for a fellow that is back, else every few seconds.
+
+        A fellow that is back may be a new agent (registered) or the released one, which
+        waits (PURGE_PENDING) instead of exiting; either answers on its signal subject. A
+        fellow nobody serves answers "no responders" at once, so trying is cheap.
+        """
         now = time.time()
+        busy = self.jobs.busy_fellows()
         for pending in self.purges.list():
-            record = self.registry.get(pending.fellow_id)
-            if (
-                record is None
-                or record.status is FellowStatus.OFFLINE
-                or pending.fellow_id in self._purging
-                or self.jobs.busy_fellows().get(pending.fellow_id)
-            ):
+            fid = pending.fellow_id
+            if fid in self._purging or fid in busy:
                 continue
-            if pending.last_attempt_at and now - pending.last_attempt_at < PURGE_RETRY_S:
-                continue
-            self._spawn(self._deliver_purge(pending.fellow_id), f"purge-{pending.fellow_id}")
+            record = self.registry.get(fid)
+            back = record is not None and record.status is not FellowStatus.OFFLINE
+            due = not pending.last_attempt_at or now - pending.last_attempt_at >= PURGE_RETRY_S
+            if back or due:
+                self._spawn(self._deliver_purge(fid, deadline_s=2.0), f"purge-{fid}")
 
     async def _deliver_purge(self, fellow_id: str, *, deadline_s: float = 8.0) -> bool:
         if fellow_id in self._purging:
@@ -466,12 +558,13 @@ async def _save(store: StateStore, bucket: KeyValue, key: str, value: Any) -> bo
 
 
 def _candidate(record: FellowRecord) -> Candidate:
+    """What the fellow offers: GPUs TensorFlow can use, memory within the operator's caps."""
     hw = record.hardware
     return Candidate(
         fellow_id=record.fellow_id,
         hostname=record.hostname,
         data_address=record.data_address,
         cpu_cores=hw.cpu_cores,
-        ram_available_bytes=hw.ram_available_bytes,
-        gpus=tuple(hw.gpus),
+        ram_available_bytes=offered_ram(hw),
+        gpus=tuple(usable_gpus(hw)),
     )

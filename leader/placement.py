@@ -1,17 +1,30 @@
-"""Placement: which ready fellows run a job, in which order, with which layers.
+"""Placement: which ready fellows run a job, in which order, with which layers on which device.
 
-A pure function of the job spec and the fellows' latest telemetry. Fellows are ranked by
-capacity (free VRAM, then available RAM); the job takes the best ones; the fellow with the
-most free VRAM runs the last stage (the head and its logits) unless the job says
-``preserve``. Layers are split equally, or in proportion to capacity with ``weighted``.
+A pure function of the job spec and the fellows' latest telemetry (already reduced to what
+each fellow offers: :mod:`swarm.telemetry`). The rules:
+
+- A GPU is eligible when it has at least ``placement_min_gpu_free_gb`` free;
+  ``max_gpus_per_worker`` caps how many of a fellow's GPUs count.
+- Fellows with eligible GPUs rank first, by their aggregate eligible free VRAM; CPU-only
+  fellows (when ``allow_cpu``) follow, by available RAM.
+- The job takes the best ranked fellows; with ``largest_vram`` the best one runs the last
+  stage (head, logits and loss are the largest), with ``preserve`` the ranked order stays.
+- Layers are split equally, or (``weighted``) in proportion to each fellow's aggregate
+  eligible free memory, every stage getting at least one layer.
+- Inside a fellow, ``gpu_slots`` split its layers over its eligible GPUs by free VRAM, the
+  GPU with the most free memory last, so it also hosts the head on the last stage.
+- Every stage and every slot must fit its memory estimate (:mod:`leader.memory`); a job that
+  does not fit is unplaceable with the numbers.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
 import msgspec
 
+from leader.memory import CPU_RUNTIME_BYTES, GPU_RUNTIME_BYTES, StageMemory, stage_memory
 from swarm.jobspec import JobSpec, LastStagePlacement, Partition, PlacedStage, Placement
 from swarm.plan import GpuSlot, Transport, split_layers
 from swarm.protocol import GpuInfo
@@ -19,24 +32,38 @@ from swarm.protocol import GpuInfo
 GIB = 1024**3
 
 
+@dataclass(frozen=True)
+class PlacementDefaults:
+    """The leader's defaults for the job fields left unset (``SWARM_PLACEMENT_*``)."""
+
+    min_gpu_free_gb: float = 4.0
+    last_stage: LastStagePlacement = LastStagePlacement.LARGEST_VRAM
+
+
+DEFAULTS = PlacementDefaults()
+
+
 class Candidate(msgspec.Struct, kw_only=True, frozen=True):
-    """What placement needs to know of one ready fellow."""
+    """What placement needs to know of one ready, idle fellow: what it offers."""
 
     fellow_id: str
     hostname: str
     data_address: str | None
     cpu_cores: int
-    ram_available_bytes: int
-    gpus: tuple[GpuInfo, ...] = ()
+    ram_available_bytes: int  # already cut to the operator's cap
+    gpus: tuple[GpuInfo, ...] = ()  # usable by TensorFlow, free VRAM cut to the cap
 
 
 class Unplaceable(msgspec.Struct, kw_only=True, frozen=True):
     reason: str
 
 
-def usable_gpus(candidate: Candidate, spec: JobSpec) -> list[GpuInfo]:
-    """The fellow's GPUs with enough free VRAM for the job, most free first, capped."""
-    floor = spec.placement_min_gpu_free_gb * GIB
+def eligible_gpus(
+    candidate: Candidate, spec: JobSpec, defaults: PlacementDefaults = DEFAULTS
+) -> list[GpuInfo]:
+    """The fellow's GPUs with enough free VRAM for the job, most free first, capped in number."""
+    floor_gb = spec.placement_min_gpu_free_gb
+    floor = (defaults.min_gpu_free_gb if floor_gb is None else floor_gb) * GIB
     gpus = sorted(
         (g for g in candidate.gpus if g.memory_free_bytes >= floor),
         key=lambda g: (-g.memory_free_bytes, g.index),
@@ -44,31 +71,31 @@ def usable_gpus(candidate: Candidate, spec: JobSpec) -> list[GpuInfo]:
     return gpus[: spec.max_gpus_per_worker] if spec.max_gpus_per_worker else gpus
 
 
-def _capacity(candidate: Candidate, spec: JobSpec) -> tuple[int, int]:
-    return (
-        sum(g.memory_free_bytes for g in usable_gpus(candidate, spec)),
-        candidate.ram_available_bytes,
+def place(
+    spec: JobSpec, candidates: list[Candidate], defaults: PlacementDefaults = DEFAULTS
+) -> Placement | Unplaceable:
+    """A placement for ``spec`` on some of ``candidates``, or why there is none now."""
+    gpus = {c.fellow_id: eligible_gpus(c, spec, defaults) for c in candidates}
+    with_gpu = sorted(
+        (c for c in candidates if gpus[c.fellow_id]),
+        key=lambda c: (-sum(g.memory_free_bytes for g in gpus[c.fellow_id]), c.fellow_id),
     )
-
-
-def place(spec: JobSpec, candidates: list[Candidate]) -> Placement | Unplaceable:
-    """A placement for ``spec`` on some of ``candidates`` (all ready and idle), or why not."""
-    eligible = [c for c in candidates if spec.allow_cpu or usable_gpus(c, spec)]
+    cpu_only = sorted(
+        (c for c in candidates if not gpus[c.fellow_id] and spec.allow_cpu),
+        key=lambda c: (-c.ram_available_bytes, c.fellow_id),
+    )
+    ranked = with_gpu + cpu_only
     layers = spec.model.n_layers
-    wanted = spec.stages if spec.stages is not None else min(len(eligible), layers)
+    wanted = spec.stages if spec.stages is not None else min(len(ranked), layers)
     need = max(wanted, spec.min_stages)
-    if len(eligible) < need:
-        what = "ready fellows" if spec.allow_cpu else "ready fellows with a usable GPU"
-        return Unplaceable(
-            reason=f"waiting for {need} {what}; {len(eligible)} available"
-            + (f" of {len(candidates)} idle" if len(eligible) != len(candidates) else "")
-        )
-    ranked = sorted(eligible, key=lambda c: (*(-x for x in _capacity(c, spec)), c.fellow_id))
+    if len(ranked) < need:
+        what = "ready fellows" if spec.allow_cpu else "ready fellows with an eligible GPU"
+        return Unplaceable(reason=f"waiting for {need} {what}; {len(ranked)} available")
     chosen = ranked[:wanted]
-    if spec.pipeline_last_stage_placement == LastStagePlacement.LARGEST_VRAM and len(chosen) > 1:
-        # Ranked best first; the best goes last, the others keep their rank order.
-        chosen = [*chosen[1:], chosen[0]]
-    transport = spec.transport
+    last_rule = spec.pipeline_last_stage_placement or defaults.last_stage
+    if last_rule == LastStagePlacement.LARGEST_VRAM and len(chosen) > 1:
+        chosen = [*chosen[1:], chosen[0]]  # the best ranked runs the last stage
+    transport = Transport(spec.transport)
     missing = [c.fellow_id for c in chosen[1:] if not c.data_address]
     if missing and transport == Transport.P2P:
         return Unplaceable(
@@ -77,62 +104,119 @@ def place(spec: JobSpec, candidates: list[Candidate]) -> Placement | Unplaceable
         )
     if missing and transport == Transport.AUTO:
         transport = Transport.TUNNEL
-    ranges = _layer_ranges(spec, chosen)
+
+    def capacity(c: Candidate) -> int:
+        own = gpus[c.fellow_id]
+        return sum(g.memory_free_bytes for g in own) if own else c.ram_available_bytes
+
+    if spec.partition == Partition.WEIGHTED and len(chosen) > 1:
+        ranges = weighted_ranges(layers, [capacity(c) for c in chosen])
+    else:
+        ranges = split_layers(layers, len(chosen))
     per_host = Counter(c.hostname for c in chosen)
     stages = []
-    for i, (candidate, (start, end)) in enumerate(zip(chosen, ranges, strict=True)):
-        stages.append(
-            PlacedStage(
-                stage=i,
-                fellow_id=candidate.fellow_id,
-                hostname=candidate.hostname,
-                layer_start=start,
-                layer_end=end,
-                data_address=candidate.data_address,
-                gpu_slots=_gpu_slots(candidate, spec, start, end),
-                # Stages sharing a host share its cores.
-                intra_op_threads=max(1, candidate.cpu_cores // per_host[candidate.hostname]),
-            )
+    for i, (c, (start, end)) in enumerate(zip(chosen, ranges, strict=True)):
+        memory = stage_memory(
+            spec.model,
+            batch_size=spec.batch_size,
+            micro_batches=spec.micro_batches,
+            stage=i,
+            n_stages=len(chosen),
+            layers=end - start,
         )
+        placed = _place_stage(i, c, gpus[c.fellow_id], memory, start, end, per_host)
+        if isinstance(placed, Unplaceable):
+            where = "the last stage" if i == len(chosen) - 1 else f"stage {i}"
+            return Unplaceable(reason=f"{placed.reason} on {where} ({c.fellow_id})")
+        stages.append(placed)
     return Placement(stages=stages, transport=transport)
 
 
-def _layer_ranges(spec: JobSpec, chosen: list[Candidate]) -> list[tuple[int, int]]:
-    n_layers, n = spec.model.n_layers, len(chosen)
-    if spec.partition == Partition.EQUAL or n == 1:
-        return split_layers(n_layers, n)
-    with_gpu = all(usable_gpus(c, spec) for c in chosen)
-    weights = [_capacity(c, spec)[0] if with_gpu else max(1, c.cpu_cores) for c in chosen]
-    return weighted_ranges(n_layers, weights)
+def _place_stage(
+    i: int,
+    c: Candidate,
+    gpus: list[GpuInfo],
+    memory: StageMemory,
+    start: int,
+    end: int,
+    per_host: Counter[str],
+) -> PlacedStage | Unplaceable:
+    slots: list[GpuSlot] = []
+    if gpus:
+        slots = gpu_slots(gpus, start, end)
+        for k, slot in enumerate(slots):
+            need = GPU_RUNTIME_BYTES + memory.slot(
+                slot.layer_start - start,
+                slot.layer_end - start,
+                first=k == 0,
+                last=k == len(slots) - 1,
+            )
+            free = next(g.memory_free_bytes for g in gpus if g.uuid == slot.gpu_uuid)
+            if need > free:
+                return Unplaceable(
+                    reason=f"needs ~{need / GIB:.1f} GiB on GPU {slot.gpu_index}, best fellow "
+                    f"has {free / GIB:.1f} GiB free there"
+                )
+        estimate = memory.total + GPU_RUNTIME_BYTES * len(slots)
+        offered = sum(g.memory_free_bytes for g in gpus)
+    else:
+        estimate = memory.total + CPU_RUNTIME_BYTES
+        offered = c.ram_available_bytes
+        if estimate > offered:
+            return Unplaceable(
+                reason=f"needs ~{estimate / GIB:.1f} GiB of RAM, best fellow has "
+                f"{offered / GIB:.1f} GiB"
+            )
+    return PlacedStage(
+        stage=i,
+        fellow_id=c.fellow_id,
+        hostname=c.hostname,
+        layer_start=start,
+        layer_end=end,
+        data_address=c.data_address,
+        gpu_slots=slots,
+        # Stages sharing a host share its cores.
+        intra_op_threads=max(1, c.cpu_cores // per_host[c.hostname]),
+        memory_estimate_bytes=estimate,
+        memory_offered_bytes=offered,
+    )
+
+
+def gpu_slots(gpus: list[GpuInfo], start: int, end: int) -> list[GpuSlot]:
+    """Layers ``[start, end)`` over ``gpus`` by free VRAM, the GPU with the most free last."""
+    use = sorted(gpus, key=lambda g: (-g.memory_free_bytes, g.index))[: end - start]
+    use.reverse()
+    ranges = weighted_ranges(end - start, [g.memory_free_bytes for g in use])
+    return [
+        GpuSlot(gpu_index=g.index, gpu_uuid=g.uuid, layer_start=start + a, layer_end=start + b)
+        for g, (a, b) in zip(use, ranges, strict=True)
+    ]
 
 
 def weighted_ranges(n_layers: int, weights: list[float]) -> list[tuple[int, int]]:
     """Contiguous ranges with sizes proportional to ``weights``, at least one layer each.
 
-    Largest remainder: every stage first gets one layer, the rest are shared out by weight,
-    leftovers going to the largest fractional parts (ties to the earlier stage).
+    Largest remainder: each stage gets the floor of its exact share (at least one), then the
+    layers left go to the largest remainders (ties to the earlier stage); a stage that the
+    floor of one pushed over takes layers back from the largest stages.
     """
     n = len(weights)
     if not 1 <= n <= n_layers:
         raise ValueError(f"cannot split {n_layers} layers into {n} stages")
-    total = sum(weights) or 1.0
-    spare = n_layers - n
-    shares = [spare * w / total for w in weights]
-    sizes = [1 + int(s) for s in shares]
-    order = sorted(range(n), key=lambda i: (-(shares[i] - int(shares[i])), i))
-    for i in order[: n_layers - sum(sizes)]:
+    total = sum(weights)
+    if total <= 0:  # nothing to go by (e.g. every GPU reports 0 free): equal
+        return split_layers(n_layers, n)
+    quotas = [n_layers * w / total for w in weights]
+    sizes = [max(1, int(q)) for q in quotas]
+    while sum(sizes) < n_layers:
+        i = max(range(n), key=lambda k: (quotas[k] - sizes[k], -k))
         sizes[i] += 1
+    while sum(sizes) > n_layers:
+        i = max((k for k in range(n) if sizes[k] > 1), key=lambda k: (sizes[k] - quotas[k], k))
+        sizes[i] -= 1
     ranges, start = [], 0
     for size in sizes:
         ranges.append((start, start + size))
         start += size
+    assert start == n_layers, (n_layers, weights, sizes)
     return ranges
-
-
-def _gpu_slots(candidate: Candidate, spec: JobSpec, start: int, end: int) -> list[GpuSlot]:
-    """The stage's layers on the fellow's best GPU; none on a CPU-only fellow."""
-    gpus = usable_gpus(candidate, spec)
-    if not gpus:
-        return []
-    best = gpus[0]
-    return [GpuSlot(gpu_index=best.index, gpu_uuid=best.uuid, layer_start=start, layer_end=end)]

@@ -22,6 +22,7 @@ from swarm.lifecycle import FellowEvent, can_go_offline, next_status
 from swarm.protocol import (
     DeregisterRequest,
     FellowIdentity,
+    FellowLimits,
     FellowStatus,
     GpuInfo,
     HardwareSnapshot,
@@ -30,6 +31,7 @@ from swarm.protocol import (
     RegisterRequest,
     StageOutcome,
 )
+from swarm.telemetry import gpu_warning
 
 log = logging.getLogger(__name__)
 HISTORY_LEN = 50
@@ -81,6 +83,12 @@ class NodeView(msgspec.Struct, kw_only=True):
     ram_available_bytes: int
     gpus: list[GpuInfo]
     nvml_error: str | None
+    # GPUs NVML reports that TensorFlow cannot use (and the fix); None when all are usable.
+    gpu_warning: str | None = None
+    tf_gpu_count: int | None = None
+    limits: FellowLimits = msgspec.field(default_factory=FellowLimits)
+    net_sent_bytes_per_s: float = 0.0
+    net_recv_bytes_per_s: float = 0.0
 
 
 @dataclass
@@ -100,12 +108,15 @@ class WorkerRegistry:
         leader_version: str,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
+        purge_pending: Callable[[str], bool] = lambda _: False,
     ) -> None:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.offline_after_s = offline_after_s
         self.leader_version = leader_version
         self._clock = clock
         self._wall = wall
+        # Set by the leader: a released agent with a pending purge must wait for it, not exit.
+        self.purge_pending = purge_pending
         self._entries: dict[str, _Entry] = {}
         self._connected_since: float | None = None
         self.dropped: Counter[str] = Counter()
@@ -132,6 +143,10 @@ class WorkerRegistry:
     def register(self, req: RegisterRequest) -> RegisterReply:
         fid = req.fellow.fellow_id
         if self._released.get(fid) == req.fellow.instance_id:
+            if self.purge_pending(fid):
+                return self._reject(
+                    "PURGE_PENDING", f"fellow {fid!r} was released; a purge is on its way"
+                )
             return self._reject("RELEASED", f"fellow {fid!r} was released by an operator")
         self._released.pop(fid, None)
         self.dirty.add(fid)
@@ -167,6 +182,8 @@ class WorkerRegistry:
                 "INSTANCE_MISMATCH",
                 f"fellow {req.fellow_id!r} is held by another agent instance",
             )
+        if req.outcome is not None:
+            entry.record.outcome = req.outcome
         if entry.record.status is not FellowStatus.OFFLINE:
             self._go_offline(entry, f"deregistered: {req.reason}")
         entry.deregistered = True
@@ -226,10 +243,22 @@ class WorkerRegistry:
         return entry.record
 
     def restore(self, records: list[FellowRecord]) -> None:
-        """Records loaded from the store at start-up; each gets a fresh offline window."""
-        for record in records:
-            if record.fellow_id not in self._entries:
-                self._entries[record.fellow_id] = _Entry(record=record, last_seen=self._clock())
+        """Records loaded from the store at start-up; each gets a fresh offline window.
+
+        A fellow heard before the store was read keeps its live state and gets its saved
+        past back (first registration, count, history).
+        """
+        for saved in records:
+            entry = self._entries.get(saved.fellow_id)
+            if entry is None:
+                self._entries[saved.fellow_id] = _Entry(record=saved, last_seen=self._clock())
+                continue
+            live = entry.record
+            live.registered_at = min(live.registered_at, saved.registered_at)
+            live.registrations += saved.registrations
+            live.history[:0] = saved.history
+            del live.history[:-HISTORY_LEN]
+            self.dirty.add(saved.fellow_id)
 
     def take_dirty(self) -> list[tuple[str, FellowRecord | None]]:
         """The changed records (None: removed) since the last call."""
@@ -285,6 +314,11 @@ class WorkerRegistry:
                     ram_available_bytes=hw.ram_available_bytes,
                     gpus=hw.gpus,
                     nvml_error=hw.nvml_error,
+                    gpu_warning=gpu_warning(hw),
+                    tf_gpu_count=hw.tf_gpu_count,
+                    limits=hw.limits,
+                    net_sent_bytes_per_s=hw.net_sent_bytes_per_s,
+                    net_recv_bytes_per_s=hw.net_recv_bytes_per_s,
                 )
             )
         return nodes

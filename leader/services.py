@@ -57,7 +57,9 @@ class LeaderServices:
         return self.registry.nodes()
 
     def job(self, job_id: str) -> JobRecord:
+        self.orchestrator.require_loaded()
         return self.jobs.get(job_id)
 
     def job_list(self) -> list[JobRecord]:
+        self.orchestrator.require_loaded()
         return self.jobs.list()

@@ -56,9 +56,11 @@ class JobSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     compression: str = "none"
     transport: Transport = Transport.AUTO
     allow_cpu: bool = True
-    placement_min_gpu_free_gb: float = 0.0
+    # None: the leader's SWARM_PLACEMENT_MIN_GPU_FREE_GB (default 4.0).
+    placement_min_gpu_free_gb: float | None = None
     max_gpus_per_worker: int | None = None
-    pipeline_last_stage_placement: LastStagePlacement = LastStagePlacement.LARGEST_VRAM
+    # None: the leader's SWARM_PIPELINE_LAST_STAGE_PLACEMENT (default largest_vram).
+    pipeline_last_stage_placement: LastStagePlacement | None = None
     shard_push_interval_steps: int = 0
     shard_push_to_leader: bool = False
     artifact_paths: ArtifactPaths = msgspec.field(default_factory=ArtifactPaths)
@@ -99,7 +101,7 @@ class JobSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
             out.append("warmup_steps must be >= 0")
         if self.val_every < 0:
             out.append("val_every must be >= 0")
-        if self.placement_min_gpu_free_gb < 0:
+        if self.placement_min_gpu_free_gb is not None and self.placement_min_gpu_free_gb < 0:
             out.append("placement_min_gpu_free_gb must be >= 0")
         if self.max_gpus_per_worker is not None and self.max_gpus_per_worker < 1:
             out.append("max_gpus_per_worker must be >= 1")
@@ -191,6 +193,10 @@ class PlacedStage(msgspec.Struct, kw_only=True):
     data_address: str | None = None
     gpu_slots: list[GpuSlot] = msgspec.field(default_factory=list)
     intra_op_threads: int | None = None
+    # The planner's estimate of what the stage needs (runtime included) and what the fellow
+    # offered it (eligible free VRAM, or RAM on a CPU-only fellow).
+    memory_estimate_bytes: int | None = None
+    memory_offered_bytes: int | None = None
 
 
 class Placement(msgspec.Struct, kw_only=True):

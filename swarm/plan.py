@@ -136,8 +136,14 @@ class StagePlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             out.append(f"stage {self.stage} owns no layer")
         if not self.is_first and self.prev is None:
             out.append(f"stage {self.stage} needs 'prev' (the upstream peer)")
-        if not self.is_last and (self.next is None or not self.next.data_address):
-            out.append(f"stage {self.stage} needs 'next' with a data_address")
+        if not self.is_last and self.next is None:
+            out.append(f"stage {self.stage} needs 'next' (the downstream peer)")
+        if (
+            not self.is_last
+            and self.transport != Transport.TUNNEL
+            and (self.next is None or not self.next.data_address)
+        ):
+            out.append(f"stage {self.stage} needs 'next' with a data_address for p2p")
         if not self.is_first and self.transport != Transport.TUNNEL and not self.data_address:
             out.append(f"stage {self.stage} needs 'data_address' to bind for p2p")
         if self.n_stages > 1 and self.transport == Transport.TUNNEL and not self.nats_url:

@@ -40,6 +40,14 @@ class GpuInfo(msgspec.Struct, kw_only=True):
     temperature_c: float | None = None
 
 
+class FellowLimits(msgspec.Struct, kw_only=True):
+    """What an operator lets a fellow offer (``SWARM_FELLOW_MAX_*``); None: no cap."""
+
+    max_vram_bytes: int | None = None
+    max_memory_bytes: int | None = None
+    max_network_bytes_per_s: int | None = None
+
+
 class HardwareSnapshot(msgspec.Struct, kw_only=True):
     hostname: str
     platform: str = ""
@@ -47,9 +55,16 @@ class HardwareSnapshot(msgspec.Struct, kw_only=True):
     cpu_load_pct: float = 0.0
     ram_total_bytes: int
     ram_available_bytes: int
+    net_sent_bytes_per_s: float = 0.0
+    net_recv_bytes_per_s: float = 0.0
     gpus: list[GpuInfo] = msgspec.field(default_factory=list)
     # Why NVML gave no GPUs (no driver, no library); None when NVML answered.
     nvml_error: str | None = None
+    # How many GPUs TensorFlow itself can use, from a probe at agent start; None: not
+    # probed (NVML saw no GPU, so there was nothing to check) or the probe is still running.
+    tf_gpu_count: int | None = None
+    tf_probe_error: str | None = None
+    limits: FellowLimits = msgspec.field(default_factory=FellowLimits)
     taken_at: float = msgspec.field(default_factory=time.time)
 
 
@@ -90,24 +105,6 @@ class RegisterRequest(Message, tag="register", tag_field="kind"):
     status: FellowStatus = FellowStatus.REGISTERING
 
 
-class DeregisterRequest(Message, tag="deregister", tag_field="kind"):
-    fellow_id: str
-    instance_id: str
-    reason: str = "agent stopped"
-
-
-RegisterMessage = RegisterRequest | DeregisterRequest
-
-
-class RegisterReply(Message, kw_only=True):
-    accepted: bool
-    code: str | None = None
-    message: str = ""
-    heartbeat_interval_s: float = 1.0
-    offline_after_s: float = 3.0
-    leader_version: str = ""
-
-
 class StageResult(enum.StrEnum):
     COMPLETED = "completed"
     FAILED = "failed"
@@ -129,6 +126,26 @@ class StageOutcome(msgspec.Struct, kw_only=True):
     val_loss: float | None = None
     message: str = ""
     ended_at: float = msgspec.field(default_factory=time.time)
+
+
+class DeregisterRequest(Message, tag="deregister", tag_field="kind"):
+    fellow_id: str
+    instance_id: str
+    reason: str = "agent stopped"
+    # How its last stage run ended: the deregister may overtake the last heartbeat.
+    outcome: StageOutcome | None = None
+
+
+RegisterMessage = RegisterRequest | DeregisterRequest
+
+
+class RegisterReply(Message, kw_only=True):
+    accepted: bool
+    code: str | None = None
+    message: str = ""
+    heartbeat_interval_s: float = 1.0
+    offline_after_s: float = 3.0
+    leader_version: str = ""
 
 
 class Heartbeat(Message, kw_only=True):
@@ -213,6 +230,7 @@ class Progress(Message, kw_only=True):
     ok: bool = True
     message: str = ""
     checkpoint_path: str | None = None
+    checkpoint_id: str | None = None
     outcome: StageOutcome | None = None
 
 

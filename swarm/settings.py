@@ -37,6 +37,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     data_address: str | None = None
     # Exit after reporting the end of a job, for supervisors that want a fresh process.
     fellow_exit_after_training: bool = False
+    # What a fellow offers at most, so a shared machine can join (None: no cap).
+    fellow_max_vram_gb: float | None = None
+    fellow_max_memory_gb: float | None = None
+    fellow_max_network_mbps: float | None = None
+    # The leader's placement defaults for jobs that leave these fields unset.
+    placement_min_gpu_free_gb: float = 4.0
+    pipeline_last_stage_placement: str = "largest_vram"
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -58,6 +65,17 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(
                 f"{env_name('fellow_name')}={self.fellow_name!r}: a fellow name is 1-64 "
                 "letters, digits, '-' or '_'"
+            )
+        for name in ("fellow_max_vram_gb", "fellow_max_memory_gb", "fellow_max_network_mbps"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{env_name(name)}={value}: must be > 0 (unset: no cap)")
+        if self.placement_min_gpu_free_gb < 0:
+            raise ConfigError(f"{env_name('placement_min_gpu_free_gb')} must be >= 0")
+        if self.pipeline_last_stage_placement not in ("largest_vram", "preserve"):
+            raise ConfigError(
+                f"{env_name('pipeline_last_stage_placement')}="
+                f"{self.pipeline_last_stage_placement!r}: use largest_vram or preserve"
             )
         if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
             raise ConfigError(f"{env_name('log_level')}={self.log_level!r}: not a log level")

@@ -20,7 +20,7 @@ class JobsController(Controller):
     async def submit(self, request: Request, services: LeaderServices) -> JobRecord:
         # Decoded here, strictly, so that the error names the field the way the CLI shows it.
         spec = decode_job_spec(await request.body())
-        return services.orchestrator.submit(spec)
+        return await services.orchestrator.submit(spec)
 
     @get("/", summary="Every job, oldest first")
     async def list_jobs(self, services: LeaderServices) -> list[JobRecord]:
@@ -32,7 +32,7 @@ class JobsController(Controller):
 
     @delete("/{job_id:str}", status_code=HTTP_200_OK, summary="Cancel a PENDING or RUNNING job")
     async def cancel(self, job_id: str, services: LeaderServices) -> JobRecord:
-        return services.orchestrator.cancel(job_id)
+        return await services.orchestrator.cancel(job_id)
 
     @post(
         "/{job_id:str}/checkpoint",

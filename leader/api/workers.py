@@ -51,7 +51,7 @@ class WorkersController(Controller):
     @post(
         "/update",
         status_code=HTTP_200_OK,
-        summary="Restart idle fellows' agents from the leader's version (all, or fellow_id)",
+        summary="Restart fellows' agents (in place, from their install) when idle",
     )
     async def update(self, request: Request, services: LeaderServices) -> list[SignalRecord]:
         body = decode_strict(await request.body(), UpdateRequest)

@@ -132,7 +132,9 @@ def nodes() -> None:
             ]
         )
     headers = ["HOST", "STATE", "CORES", "RAM FREE/TOTAL", "GPUS (FREE/TOTAL)", "FELLOWS"]
-    CTX.emit(hosts, render.table(headers, rows) if rows else "no nodes")
+    warnings = [f"{n['hostname']}: {n['gpu_warning']}" for n in hosts if n.get("gpu_warning")]
+    text = render.table(headers, rows) if rows else "no nodes"
+    CTX.emit(hosts, "\n".join([text, *warnings]))
 
 
 @app.command
@@ -221,7 +223,7 @@ def update(
     *,
     fellow_id: Annotated[str | None, Parameter(help="Only this fellow (default: all)")] = None,
 ) -> None:
-    """Restart connected fellows' agents from the leader's version, as soon as they are idle."""
+    """Restart connected fellows' agents in place (same pid, installed version) when idle."""
     with CTX.client() as client:
         records = client.update(fellow_id)
     rows = [[r["fellow_id"], "ok" if r["ok"] else r["code"], r["message"]] for r in records]
@@ -233,7 +235,7 @@ def release(
     *,
     fellow_id: Annotated[str, Parameter(help="The fellow to remove from the registry")],
     purge_install: Annotated[
-        bool, Parameter(help="Also make it delete its local install and state")
+        bool, Parameter(help="Also make it delete its local state (<state>/fellows/<id>)")
     ] = False,
 ) -> None:
     """Remove a fellow from the registry (its agent exits); --purge-install also wipes it."""

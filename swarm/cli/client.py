@@ -8,6 +8,9 @@ import httpx
 
 from swarm.errors import LeaderResponseError, LeaderUnreachableError
 
+# Calls that wait for fellows to answer signals (8 s per signal, retries included).
+SIGNAL_TIMEOUT_S = 30.0
+
 
 class LeaderClient:
     def __init__(self, base_url: str, *, timeout: float = 10.0) -> None:
@@ -51,23 +54,36 @@ class LeaderClient:
         return self._call("DELETE", f"/api/v1/jobs/{job_id}")
 
     def checkpoint(self, job_id: str) -> dict[str, Any]:
-        return self._call("POST", f"/api/v1/jobs/{job_id}/checkpoint", ok_statuses=(202,))
+        return self._call(
+            "POST",
+            f"/api/v1/jobs/{job_id}/checkpoint",
+            ok_statuses=(202,),
+            timeout=SIGNAL_TIMEOUT_S,
+        )
 
     def update(self, fellow_id: str | None) -> list[dict[str, Any]]:
-        return self._call("POST", "/api/v1/workers/update", json={"fellow_id": fellow_id})
+        return self._call(
+            "POST",
+            "/api/v1/workers/update",
+            json={"fellow_id": fellow_id},
+            timeout=SIGNAL_TIMEOUT_S,
+        )
 
     def release(self, fellow_id: str, *, purge_install: bool) -> dict[str, Any]:
         return self._call(
             "POST",
             f"/api/v1/workers/{fellow_id}/release",
             json={"purge_install": purge_install},
+            timeout=SIGNAL_TIMEOUT_S,
         )
 
     def pending_purges(self) -> list[dict[str, Any]]:
         return self._get("/api/v1/purges")
 
     def retry_purges(self, fellow_id: str | None) -> list[dict[str, Any]]:
-        return self._call("POST", "/api/v1/purges/retry", json={"fellow_id": fellow_id})
+        return self._call(
+            "POST", "/api/v1/purges/retry", json={"fellow_id": fellow_id}, timeout=SIGNAL_TIMEOUT_S
+        )
 
     def _get(self, path: str, *, ok_statuses: tuple[int, ...] = (200,)) -> Any:
         return self._call("GET", path, ok_statuses=ok_statuses)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from swarm.cli.client import LeaderClient
-from swarm.errors import LeaderUnreachableError, SwarmError
+from swarm.errors import LeaderResponseError, LeaderUnreachableError, SwarmError
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED"}
 POLL_S = 0.5
@@ -72,7 +72,9 @@ def watch_job(
         try:
             job = client.job(job_id)
             unreachable_since = None
-        except LeaderUnreachableError:
+        except (LeaderUnreachableError, LeaderResponseError) as exc:
+            if isinstance(exc, LeaderResponseError) and exc.code != "LEADER_NOT_READY":
+                raise
             unreachable_since = unreachable_since or time.monotonic()
             if time.monotonic() - unreachable_since > UNREACHABLE_GRACE_S:
                 raise

@@ -369,3 +369,33 @@ def test_a_stage_that_fails_fails_the_job_with_the_fellow_and_its_error(
     assert "no-such-corpus" in job["reason"], job["reason"]
     history = leader.wait_status("e1", "ready", timeout=10)["history"]
     assert [t["to_status"] for t in history][-3:] == ["training", "failed", "ready"]
+
+
+def test_declared_memory_caps_weight_the_layers_and_fellows_without_addresses_use_the_relay(
+    procs, nats_server, leader
+):
+    # Three fellows on one machine, told to offer 1.5, 3 and 4.5 GiB, and no data address.
+    caps = {"m1": "1.5", "m2": "3", "m3": "4.5"}
+    for name, gib in caps.items():
+        start_agent(
+            procs,
+            nats_server.url,
+            name,
+            SWARM_FELLOW_MAX_MEMORY_GB=gib,
+            SWARM_DATA_ADDRESS="",
+        )
+    wait_ready(leader, *caps)
+    assert leader.workers()["m1"]["hardware"]["limits"]["max_memory_bytes"] == int(1.5 * 2**30)
+    six_layers = {**TINY["model"], "n_layers": 6}
+    job_id = leader.submit(
+        **tiny(name="weighted", steps=15, stages=3, partition="weighted", model=six_layers)
+    )["job_id"]
+    job = leader.wait_job(job_id, "COMPLETED", timeout=150)
+    placement = job["placement"]
+    layers = {s["fellow_id"]: s["layer_end"] - s["layer_start"] for s in placement["stages"]}
+    assert layers == {"m1": 1, "m2": 2, "m3": 3}
+    assert placement["stages"][-1]["fellow_id"] == "m3", "the largest runs the last stage"
+    assert placement["transport"] == "tunnel"
+    for stage in placement["stages"]:
+        assert 0 < stage["memory_estimate_bytes"] <= stage["memory_offered_bytes"]
+    assert job["final_loss"] is not None

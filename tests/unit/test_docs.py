@@ -16,3 +16,16 @@ def test_readme_stage_plans_are_valid_and_agree():
     assert first.next.data_address == second.data_address
     assert first.layer_end == second.layer_start and second.layer_end == second.model.n_layers
     assert first.model == second.model and first.train == second.train
+
+
+def test_readme_documents_every_job_spec_field_and_setting():
+    import msgspec
+
+    from swarm.jobspec import JobSpec
+    from swarm.settings import Settings, env_name
+
+    text = README.read_text()
+    for field in msgspec.structs.fields(JobSpec):
+        assert f"`{field.name}" in text, f"job spec field {field.name} is not in the README"
+    for field in msgspec.structs.fields(Settings):
+        assert f"`{env_name(field.name)}`" in text, f"{env_name(field.name)} is not in the README"

@@ -46,3 +46,49 @@ def test_nvml_errors_after_init_do_not_escape(monkeypatch):
 
     monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", broken)
     assert probe.snapshot().gpus == []
+
+
+def test_caps_travel_with_every_snapshot_and_network_rates_are_measured():
+    from agent.hardware import limits_from
+    from swarm.settings import Settings
+
+    settings = Settings.from_env(
+        {
+            "SWARM_FELLOW_MAX_VRAM_GB": "24",
+            "SWARM_FELLOW_MAX_MEMORY_GB": "1.5",
+            "SWARM_FELLOW_MAX_NETWORK_MBPS": "100",
+        }
+    )
+    probe = HardwareProbe(limits=limits_from(settings))
+    try:
+        first, second = probe.snapshot(), probe.snapshot()
+    finally:
+        probe.close()
+    assert second.limits.max_vram_bytes == 24 << 30
+    assert second.limits.max_memory_bytes == int(1.5 * (1 << 30))
+    assert second.limits.max_network_bytes_per_s == 12_500_000
+    assert first.net_sent_bytes_per_s >= 0 and second.net_recv_bytes_per_s >= 0
+    assert second.tf_gpu_count is None  # probed only when NVML sees a GPU
+
+
+def test_cuda_visible_devices_hides_gpus_by_index_or_uuid():
+    from agent.hardware import _visible
+    from swarm.protocol import GpuInfo
+
+    gpu = GpuInfo(
+        index=1,
+        uuid="GPU-abcdef12-0000",
+        name="t",
+        memory_total_bytes=1,
+        memory_free_bytes=1,
+        memory_used_bytes=0,
+    )
+    assert _visible(gpu, None) and _visible(gpu, "0,1") and _visible(gpu, "GPU-abcdef12")
+    assert not _visible(gpu, "0") and not _visible(gpu, "") and not _visible(gpu, "GPU-ffff")
+
+
+def test_the_tensorflow_probe_runs_tensorflow_in_a_subprocess():
+    from agent.hardware import probe_tensorflow_gpus
+
+    count, error = probe_tensorflow_gpus(timeout=60)
+    assert error is None and count is not None and count >= 0

@@ -150,6 +150,15 @@ def test_start_failure_returns_the_job_to_waiting_and_cancel_is_final():
     manager.begin_start(job.job_id, assignment.placement)
     manager.start_failed(job.job_id, "f1: FELLOW_BUSY")
     assert job.state is J.PENDING and job.placement is None and "FELLOW_BUSY" in job.reason
+    # It backs off (2 s, then 4 s, ...) before it is placed again.
+    assert manager.pending() == [] and "retrying in 2s" in job.reason
+    clock.t += 2
+    assert manager.pending() == [job]
+    manager.begin_start(job.job_id, assignment.placement)
+    manager.start_failed(job.job_id, "again")
+    clock.t += 3
+    assert manager.pending() == []
+    clock.t += 1
     assert manager.pending() == [job]
     manager.cancel(job.job_id)
     assert job.state is J.CANCELLED

@@ -1,0 +1,78 @@
+"""How much memory a stage needs: a pure estimate, so a plan never assigns more than fits.
+
+fp32 everywhere. Per parameter a stage holds the weight, its gradient accumulator, Adam's
+two moments and the gradient of the micro-batch in flight. Per layer and micro-batch it keeps
+what the backward pass needs; under 1F1B stage ``s`` of ``p`` holds at most ``min(m, p - s)``
+micro-batches at once. The last stage adds the head: its weights and the logits (with their
+softmax and gradient) of its micro-batches. Each process also pays a fixed runtime cost
+(TensorFlow itself, and a CUDA context per GPU). Estimates err on the high side.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from swarm.plan import ModelConfig
+
+FLOAT = 4
+BYTES_PER_PARAM = 5 * FLOAT
+# Measured: `import tensorflow` is ~670 MB of RSS on the CPU; a CUDA context is ~0.5 GiB.
+CPU_RUNTIME_BYTES = 768 << 20
+GPU_RUNTIME_BYTES = 512 << 20
+
+
+class StageMemory(msgspec.Struct, kw_only=True, frozen=True):
+    """Bytes one stage needs, without the fixed runtime cost."""
+
+    per_layer: tuple[int, ...]  # each block, in order
+    first_extra: int  # embedding (stage 0) or the incoming boundary's buffers
+    last_extra: int  # head and logits (last stage) or the outgoing boundary's buffers
+
+    @property
+    def total(self) -> int:
+        return sum(self.per_layer) + self.first_extra + self.last_extra
+
+    def slot(self, start: int, end: int, *, first: bool, last: bool) -> int:
+        """Bytes of layers ``[start, end)`` (stage-local indices), plus the ends they host."""
+        return (
+            sum(self.per_layer[start:end])
+            + (self.first_extra if first else 0)
+            + (self.last_extra if last else 0)
+        )
+
+
+def block_params(m: ModelConfig) -> int:
+    d, hidden = m.d_model, m.mlp_ratio * m.d_model
+    attention = 3 * d * d + 3 * d + d * d + d
+    mlp = d * hidden + hidden + hidden * d + d
+    return attention + mlp + 4 * d  # two LayerNorms
+
+
+def in_flight(stage: int, n_stages: int, micro_batches: int) -> int:
+    """Micro-batches a stage holds activations for under 1F1B."""
+    return max(1, min(micro_batches, n_stages - stage))
+
+
+def stage_memory(
+    m: ModelConfig, *, batch_size: int, micro_batches: int, stage: int, n_stages: int, layers: int
+) -> StageMemory:
+    mb = max(1, batch_size // max(1, micro_batches))
+    held = in_flight(stage, n_stages, micro_batches)
+    tokens = mb * m.seq_len
+    # Saved for backward: LayerNorm outputs, q/k/v, attention output, MLP hidden (twice),
+    # residuals; plus scores and probabilities per head.
+    activations = FLOAT * held * (tokens * m.d_model * (8 + 2 * m.mlp_ratio))
+    activations += FLOAT * held * 2 * mb * m.n_heads * m.seq_len * m.seq_len
+    per_layer = block_params(m) * BYTES_PER_PARAM + activations
+    boundary = 2 * FLOAT * held * tokens * m.d_model  # a frame out and a frame in
+    if stage == 0:
+        first = (m.vocab_size + m.seq_len) * m.d_model * BYTES_PER_PARAM
+        first += FLOAT * held * tokens * m.d_model
+    else:
+        first = boundary
+    if stage == n_stages - 1:
+        last = (m.d_model * m.vocab_size + 2 * m.d_model) * BYTES_PER_PARAM
+        last += 3 * FLOAT * held * tokens * m.vocab_size  # logits, softmax, their gradient
+    else:
+        last = boundary
+    return StageMemory(per_layer=(per_layer,) * layers, first_extra=first, last_extra=last)
