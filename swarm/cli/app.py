@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import cyclopts
 import msgspec
@@ -175,12 +176,18 @@ def submit(
     config: Annotated[Path, Parameter(help="Job spec (JSON), e.g. exp/configs/quickstart.json")],
     *,
     watch: Annotated[bool, Parameter(help="Follow the job until it ends")] = False,
+    partition: Annotated[
+        Literal["equal", "weighted"] | None,
+        Parameter(help="Override the spec's partition: equal layers, or weighted by memory"),
+    ] = None,
 ) -> None:
     """Submit a job; prints its id. With --watch, follows it and fails unless it completes."""
     try:
         body = config.read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read {config}: {exc.strerror}") from None
+    if partition is not None:
+        body = _override(body, config, partition=partition)
     with CTX.client() as client:
         record = client.submit(body)
         if not watch:
@@ -318,6 +325,17 @@ def stop_cluster(
         {"stopped": stopped},
         "cluster stopped" if stopped else f"no cluster running from {settings.state_dir}",
     )
+
+
+def _override(body: bytes, config: Path, **fields: Any) -> bytes:
+    """The spec with some top-level fields replaced (the leader still checks all of it)."""
+    try:
+        spec = json.loads(body)
+    except ValueError as exc:
+        raise ConfigError(f"{config} is not valid JSON ({exc})") from None
+    if not isinstance(spec, dict):
+        raise ConfigError(f"{config}: a job spec is a JSON object")
+    return json.dumps({**spec, **fields}).encode()
 
 
 def _stderr(line: str) -> None:

@@ -178,7 +178,11 @@ def test_job_commands_report_errors_clearly(leader, tmp_path):
     assert unknown.returncode == 1 and "no job 'no-such-job'" in unknown.stderr
     waiting = tmp_path / "waits.json"
     waiting.write_text(json.dumps({"name": "waits", "stages": 3, "model": {"n_layers": 3}}))
-    job_id = swarm(*url, "submit", str(waiting), timeout=30).stdout.strip()
+    job_id = swarm(*url, "submit", str(waiting), "--partition", "weighted", timeout=30).stdout
+    job_id = job_id.strip()
+    assert leader.get(f"/api/v1/jobs/{job_id}")["spec"]["partition"] == "weighted"
+    wrong = swarm(*url, "submit", str(waiting), "--partition", "random", timeout=30)
+    assert wrong.returncode == 2 and "Traceback" not in wrong.stderr
     listed = swarm(*url, "jobs", timeout=30)
     assert job_id in listed.stdout and "PENDING" in listed.stdout
     assert "waiting for 3 ready fellows; 0 available" in listed.stdout
