@@ -55,6 +55,7 @@ async def _run(settings: Settings, nats_url: str, fellow_id: str) -> bool:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     agent = FellowAgent(settings, nats_url=nats_url, fellow_id=fellow_id)
+    logging.getLogger().addHandler(agent.shipper)
     log.info("fellow %s (instance %s) joining %s", fellow_id, agent.identity.instance_id, nats_url)
     await agent.run(stop)
     log.info("fellow %s stopped", fellow_id)

@@ -13,7 +13,6 @@ import logging
 import os
 import shutil
 import socket
-import time
 import uuid
 from collections import OrderedDict
 from typing import Any
@@ -24,6 +23,7 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
 from agent.hardware import HardwareProbe, limits_from
+from agent.logship import FellowLogShipper
 from agent.supervisor import StageRun
 from swarm import __version__
 from swarm import subjects as topics
@@ -53,7 +53,6 @@ REQUEST_TIMEOUT_S = 2.0
 RETRY_MIN_S = 0.25
 RETRY_MAX_S = 1.0
 SEEN_SIGNALS = 256
-PROGRESS_EVERY_S = 0.25  # step reports are throttled to this; every other event goes at once
 
 
 def default_fellow_id() -> str:
@@ -98,12 +97,12 @@ class FellowAgent:
         self.step: int | None = None
         self.loss: float | None = None
         self.outcome: StageOutcome | None = None
-        self._last_progress = 0.0
         self._checkpoint_final = False
         # Set by UPDATE: the agent process restarts (re-exec) once it has stopped.
         self.restart_requested = False
         self._update_when_idle = False
         self.exit_reason: str | None = None
+        self.shipper = FellowLogShipper(fellow_id)
 
     @property
     def fellow_id(self) -> str:
@@ -141,6 +140,9 @@ class FellowAgent:
         ]
         if self.probe.sees_gpus:
             tasks.append(asyncio.create_task(self._probe_tensorflow(), name="tf-gpu-probe"))
+        shipping = asyncio.create_task(
+            self.shipper.run(self.nc, self.prefix, stop), name="log-shipper"
+        )
         try:
             await stop.wait()
         finally:
@@ -150,6 +152,10 @@ class FellowAgent:
             if self.run_ is not None:
                 await self.run_.stop("the agent is stopping")
             await self._deregister()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(shipping, 2.0)
+                subject = topics.LOG.subject(self.prefix, fellow=self.fellow_id)
+                await asyncio.wait_for(self.shipper.flush_to(self.nc, subject), 2.0)
             with contextlib.suppress(Exception):
                 await self.nc.drain()
             self.probe.close()
@@ -346,7 +352,7 @@ class FellowAgent:
         if problems:
             return self._ack(sig, False, "PLAN_INVALID", "; ".join(problems))
         workdir = self.fellow_dir / "jobs" / f"{plan.job_id}-a{plan.attempt}"
-        run = StageRun(plan, workdir, self._on_stage_event)
+        run = StageRun(plan, workdir, self._on_stage_event, self._on_stage_output)
         try:
             await run.start()
         except OSError as exc:
@@ -415,10 +421,7 @@ class FellowAgent:
             self.bytes_received = event.get("down_bytes_received", 0) + event.get(
                 "up_bytes_received", 0
             )
-            now = time.monotonic()
-            if now - self._last_progress < PROGRESS_EVERY_S and self.step < run.plan.train.steps:
-                return
-            self._last_progress = now
+            # Every step: the leader's history stream keeps the whole curve.
             self._publish_progress(
                 run,
                 ProgressEvent.STEP,
@@ -431,6 +434,8 @@ class FellowAgent:
                 tokens_per_s=event.get("tokens_per_s"),
                 bytes_sent=self.bytes_sent,
                 bytes_received=self.bytes_received,
+                down_bytes_sent=event.get("down_bytes_sent", 0),
+                down_bytes_received=event.get("down_bytes_received", 0),
             )
         elif kind == "checkpoint":
             final = bool(event.get("final"))
@@ -447,6 +452,11 @@ class FellowAgent:
                 self._checkpoint_final = True
             elif self.status is FellowStatus.CHECKPOINTING:
                 self._set_status(FellowEvent.CHECKPOINT_WRITTEN)
+
+    def _on_stage_output(self, stream: str, line: str) -> None:
+        """A line the runtime wrote: into the fellow's shipped logs."""
+        level = "ERROR" if line.startswith(("swarm-stage: error", "Traceback")) else "INFO"
+        self.shipper.add(level, f"stage.{stream}", line)
 
     async def _supervise(self, run: StageRun) -> None:
         """Wait for the runtime to end, report how, and go back to ready."""

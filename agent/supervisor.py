@@ -51,10 +51,19 @@ def runtime_env() -> dict[str, str]:
 class StageRun:
     """A started runtime for one (job, attempt); ``finished`` resolves to its outcome."""
 
-    def __init__(self, plan: StagePlan, workdir: Path, on_event: Callable[[dict[str, Any]], None]):
+    def __init__(
+        self,
+        plan: StagePlan,
+        workdir: Path,
+        on_event: Callable[[dict[str, Any]], None],
+        on_output: Callable[[str, str], None] | None = None,
+    ) -> None:
         self.plan = plan
         self.workdir = workdir
         self.on_event = on_event
+        # (stream, line) for every line the runtime writes that is not an event: shipped to
+        # the leader with the agent's own logs.
+        self.on_output = on_output or (lambda _stream, _line: None)
         self.proc: asyncio.subprocess.Process | None = None
         self.stopping: str | None = None  # why we stopped it, when we did
         self.last_step: dict[str, Any] | None = None
@@ -62,6 +71,7 @@ class StageRun:
         self.error: str | None = None
         self.finished: asyncio.Future[StageOutcome] = asyncio.get_running_loop().create_future()
         self._reader: asyncio.Task[None] | None = None
+        self._stderr_reader: asyncio.Task[None] | None = None
 
     @property
     def job_id(self) -> str:
@@ -79,20 +89,19 @@ class StageRun:
         self.workdir.mkdir(parents=True, exist_ok=True)
         plan_path = self.workdir / "plan.json"
         plan_path.write_bytes(msgspec.json.format(msgspec.json.encode(self.plan)))
-        with open(self.stderr_path, "ab") as stderr:
-            self.proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "agent.runtime.main",
-                "--plan",
-                str(plan_path),
-                "--control-stdin",
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=stderr,
-                env=runtime_env(),
-                preexec_fn=die_with_parent(signal.SIGKILL),
-            )
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "agent.runtime.main",
+            "--plan",
+            str(plan_path),
+            "--control-stdin",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=runtime_env(),
+            preexec_fn=die_with_parent(signal.SIGKILL),
+        )
         log.info(
             "job %s attempt %d: stage %d runtime started (pid %d)",
             self.job_id,
@@ -100,6 +109,7 @@ class StageRun:
             self.plan.stage,
             self.proc.pid,
         )
+        self._stderr_reader = asyncio.create_task(self._read_stderr(), name="stage-stderr")
         self._reader = asyncio.create_task(self._read(), name=f"stage-{self.job_id}")
 
     async def command(self, command: dict[str, Any]) -> bool:
@@ -143,7 +153,7 @@ class StageRun:
                 line = raw.decode(errors="replace").strip()
                 if not line.startswith("{"):
                     if line:
-                        log.info("stage: %s", line)
+                        self.on_output("stdout", line)
                     continue
                 try:
                     event = json.loads(line)
@@ -159,7 +169,22 @@ class StageRun:
             if proc.stdin is not None:
                 proc.stdin.close()
             code = await proc.wait()
+            if self._stderr_reader is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._stderr_reader, 5.0)
             self.finished.set_result(self._outcome(code))
+
+    async def _read_stderr(self) -> None:
+        """Keep the runtime's stderr in ``stage.err`` and hand every line on."""
+        proc = self.proc
+        assert proc is not None and proc.stderr is not None
+        with open(self.stderr_path, "ab") as out:
+            async for raw in proc.stderr:
+                out.write(raw)
+                out.flush()
+                line = raw.decode(errors="replace").rstrip()
+                if line:
+                    self.on_output("stderr", line)
 
     def _remember(self, event: dict[str, Any]) -> None:
         kind = event.get("event")

@@ -15,6 +15,8 @@ from leader.api import CONTROLLERS
 from leader.bus import LeaderBus
 from leader.errors import EXCEPTION_HANDLERS
 from leader.jobs import JobManager
+from leader.metrics import LeaderMetrics
+from leader.observe import Observability
 from leader.orchestrator import Orchestrator
 from leader.placement import PlacementDefaults
 from leader.purges import PurgeBook
@@ -35,6 +37,7 @@ def create_app(settings: Settings, *, nats_url: str) -> Litestar:
     )
     bus = LeaderBus(url=nats_url, prefix=settings.subject_prefix, registry=registry)
     jobs, purges = JobManager(), PurgeBook()
+    observe = Observability(bus=bus, jobs=jobs, prefix=settings.subject_prefix)
     registry.purge_pending = lambda fellow_id: purges.get(fellow_id) is not None
     services = LeaderServices(
         settings=settings,
@@ -43,6 +46,7 @@ def create_app(settings: Settings, *, nats_url: str) -> Litestar:
         bus=bus,
         jobs=jobs,
         purges=purges,
+        observe=observe,
         orchestrator=Orchestrator(
             bus=bus,
             registry=registry,
@@ -53,8 +57,10 @@ def create_app(settings: Settings, *, nats_url: str) -> Litestar:
                 min_gpu_free_gb=settings.placement_min_gpu_free_gb,
                 last_stage=LastStagePlacement(settings.pipeline_last_stage_placement),
             ),
+            on_progress=observe.on_progress,
         ),
     )
+    metrics = LeaderMetrics(services)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
@@ -62,10 +68,12 @@ def create_app(settings: Settings, *, nats_url: str) -> Litestar:
         tasks = [
             asyncio.create_task(_sweep_forever(registry, settings), name="registry-sweep"),
             asyncio.create_task(services.orchestrator.run(), name="job-loop"),
+            asyncio.create_task(_observe(bus, observe), name="observability"),
         ]
         try:
             yield
         finally:
+            observe.stopping.set()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -77,9 +85,10 @@ def create_app(settings: Settings, *, nats_url: str) -> Litestar:
         dependencies={"services": Provide(_provider(services), sync_to_thread=False)},
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=[lifespan],
+        middleware=[metrics.middleware()],
         logging_config=None,  # the process configured logging (swarm.entry)
         openapi_config=OpenAPIConfig(title="SilentSwarm leader", version=__version__),
-        state={"services": services},
+        state={"services": services, "metrics": metrics},
     )
 
 
@@ -88,6 +97,17 @@ def _provider(services: LeaderServices):
         return services
 
     return provide_services
+
+
+async def _observe(bus: LeaderBus, observe: Observability) -> None:
+    await bus.connected.wait()
+    while True:
+        try:
+            await observe.start()
+            return
+        except Exception as exc:  # JetStream not ready yet: say so, try again
+            log.error("cannot open the history streams (%s); retrying", exc)
+            await asyncio.sleep(1.0)
 
 
 async def _sweep_forever(registry: WorkerRegistry, settings: Settings) -> None:

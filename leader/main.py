@@ -7,6 +7,8 @@ keeps its JetStream store under the state directory, so a restarted leader finds
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import signal
 from pathlib import Path
@@ -77,22 +79,39 @@ def run_leader(settings: Settings) -> None:
     # becomes a clean exit (0) that still runs the finally below, as it does during start-up.
     signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
-        server = uvicorn.Server(
+        app = create_app(settings, nats_url=url)
+        server = _Server(
             uvicorn.Config(
-                create_app(settings, nats_url=url),
+                app,
                 host=settings.leader_host,
                 port=settings.leader_port,
                 log_level=settings.log_level.lower(),
                 access_log=False,
                 log_config=None,
                 lifespan="on",
-            )
+                timeout_graceful_shutdown=5,
+            ),
+            stopping=app.state["services"].observe.stopping,
         )
         log.info("leader listening on http://%s:%d", settings.leader_host, settings.leader_port)
         server.run()
     finally:
         if child is not None:
             child.stop()
+
+
+class _Server(uvicorn.Server):
+    """Ends open SSE streams as soon as shutdown begins: uvicorn waits for open responses
+    before it runs the app's shutdown, so the app must hear of it first."""
+
+    def __init__(self, config: uvicorn.Config, *, stopping: asyncio.Event) -> None:
+        super().__init__(config)
+        self._stopping = stopping
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        super().handle_exit(sig, frame)
+        with contextlib.suppress(RuntimeError):
+            asyncio.get_running_loop().call_soon_threadsafe(self._stopping.set)
 
 
 def _exit_cleanly(signum: int, _frame: object) -> None:

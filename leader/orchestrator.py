@@ -14,6 +14,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -39,7 +40,7 @@ from leader.store import StateStore
 from swarm import subjects as topics
 from swarm.errors import ConflictError, NotFoundError, ProtocolError, SwarmError
 from swarm.jobspec import JobSpec, stage_plans
-from swarm.protocol import FellowStatus, JobState, SignalKind, StageOutcome
+from swarm.protocol import FellowStatus, JobState, Progress, SignalKind, StageOutcome
 from swarm.telemetry import offered_ram, usable_gpus
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class Orchestrator:
         purges: PurgeBook,
         prefix: str,
         defaults: PlacementDefaults = DEFAULTS,
+        on_progress: Callable[[Progress], None] | None = None,
     ) -> None:
         self.bus = bus
         self.registry = registry
@@ -74,6 +76,7 @@ class Orchestrator:
         self.purges = purges
         self.prefix = prefix
         self.defaults = defaults
+        self.on_progress = on_progress
         self.hub: SignalHub | None = None
         self.store: StateStore | None = None
         self.loaded = asyncio.Event()
@@ -361,6 +364,8 @@ class Orchestrator:
         if (progress.job_id, progress.fellow_id) != (tokens["job"], tokens["fellow"]):
             self.bus.drop(msg, "job or fellow id does not match the subject")
             return
+        if self.on_progress is not None:
+            self.on_progress(progress)
         job = self.jobs.record_progress(progress)
         if job is not None and job.terminal:
             self._after_terminal(job)

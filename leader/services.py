@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from leader.bus import LeaderBus
 from leader.jobs import JobManager, JobRecord
+from leader.observe import Observability
 from leader.orchestrator import Orchestrator
 from leader.purges import PurgeBook
 from leader.registry import FellowRecord, NodeView, WorkerRegistry
@@ -24,6 +25,7 @@ class LeaderServices:
     bus: LeaderBus
     jobs: JobManager
     purges: PurgeBook
+    observe: Observability
     orchestrator: Orchestrator
     started_at: float = field(default_factory=time.time)
 

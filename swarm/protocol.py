@@ -225,13 +225,16 @@ class Progress(Message, kw_only=True):
     lr: float | None = None
     step_time_s: float | None = None
     tokens_per_s: float | None = None
-    bytes_sent: int = 0
+    bytes_sent: int = 0  # over both boundaries of the stage, since it started
     bytes_received: int = 0
+    down_bytes_sent: int = 0  # over the boundary to the next stage only
+    down_bytes_received: int = 0
     ok: bool = True
     message: str = ""
     checkpoint_path: str | None = None
     checkpoint_id: str | None = None
     outcome: StageOutcome | None = None
+    at: float = msgspec.field(default_factory=time.time)
 
 
 class ShardChunk(Message, kw_only=True):

@@ -3,6 +3,7 @@ dir, the leader and fellow agents as real processes. Nothing outlives its test."
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -105,3 +106,41 @@ def start_agent(procs: Processes, nats_url: str, name: str, **env: str):
 
 def agent_state_dir(procs: Processes) -> Path:
     return procs.log_dir.parent / "agents"
+
+
+class RestartableLeader:
+    """A real leader process a test can kill and start again on the same port and state."""
+
+    def __init__(self, procs: Processes, nats_url: str, state_dir: Path) -> None:
+        self.procs = procs
+        self.port = free_port()
+        self.env = child_env(
+            SWARM_NATS_URL=nats_url,
+            SWARM_LEADER_PORT=str(self.port),
+            SWARM_STATE_DIR=str(state_dir),
+        )
+        self.client = Leader(f"http://127.0.0.1:{self.port}")
+        self.proc = None
+
+    def start(self):
+        self.proc = self.procs.python("leader", "leader.main", env=self.env)
+        wait_for(
+            lambda: self.client.get("/api/v1/info")["state_loaded"],
+            timeout=20,
+            what="the leader to serve with its state loaded",
+        )
+        return self.proc
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def restartable_leader(procs: Processes, nats_server: NatsControl, tmp_path: Path):
+    leader = RestartableLeader(procs, nats_server.url, tmp_path / "leader-state")
+    try:
+        yield leader
+    finally:
+        leader.client.close()

@@ -3,6 +3,8 @@
 from leader.api.health import HealthController
 from leader.api.info import InfoController
 from leader.api.jobs import JobsController
+from leader.api.logs import LogsController
+from leader.api.metrics import MetricsController
 from leader.api.nodes import NodesController
 from leader.api.workers import PurgesController, WorkersController
 
@@ -13,4 +15,6 @@ CONTROLLERS = [
     PurgesController,
     NodesController,
     JobsController,
+    LogsController,
+    MetricsController,
 ]

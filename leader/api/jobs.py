@@ -1,8 +1,11 @@
 from __future__ import annotations
 
 from litestar import Controller, Request, delete, get, post
+from litestar.response import ServerSentEvent
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED, HTTP_202_ACCEPTED
 
+from leader.aggregate import HistoryPoint, JobMetrics
+from leader.api.sse import last_event_id
 from leader.jobs import CheckpointRecord, JobRecord
 from leader.services import LeaderServices
 from swarm.jobspec import decode_job_spec
@@ -41,3 +44,28 @@ class JobsController(Controller):
     )
     async def checkpoint(self, job_id: str, services: LeaderServices) -> CheckpointRecord:
         return await services.orchestrator.checkpoint(job_id)
+
+    @get("/{job_id:str}/metrics", summary="The job's merged live metrics")
+    async def metrics(self, job_id: str, services: LeaderServices) -> JobMetrics:
+        services.orchestrator.require_loaded()
+        return services.observe.metrics(job_id)
+
+    @get(
+        "/{job_id:str}/metrics/history",
+        summary="Every finished step of the job's latest attempt (durable: JetStream)",
+    )
+    async def history(self, job_id: str, services: LeaderServices) -> list[HistoryPoint]:
+        services.orchestrator.require_loaded()
+        return await services.observe.history(job_id)
+
+    @get(
+        "/{job_id:str}/metrics/stream",
+        summary="SSE: merged metrics per record (ids: stream sequence), then an 'end' event",
+    )
+    async def stream(
+        self, job_id: str, request: Request, services: LeaderServices
+    ) -> ServerSentEvent:
+        services.orchestrator.require_loaded()
+        services.jobs.get(job_id)
+        events = services.observe.metrics_events(job_id, last_event_id(request))
+        return ServerSentEvent(events)

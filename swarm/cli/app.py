@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -13,9 +14,9 @@ import msgspec
 from cyclopts import Parameter
 
 from swarm import __version__
-from swarm.cli import cluster, render
+from swarm.cli import cluster, render, sse
 from swarm.cli.client import LeaderClient
-from swarm.cli.watch import watch_job
+from swarm.cli.watch import watch_job, watch_stream
 from swarm.entry import run_or_exit
 from swarm.errors import ConfigError
 from swarm.settings import Settings
@@ -201,6 +202,47 @@ def submit(
         final = watch_job(client, record["job_id"], out=progress)
     if CTX.json:
         print(render.dumps(final))
+
+
+@app.command
+def watch(job_id: str) -> None:
+    """Live merged metrics of a job (SSE): progress bar, loss, tokens/s, step time, ETA and a
+    row per fellow, until it ends; exit 0 if it COMPLETED, 1 otherwise."""
+    out = _stderr if CTX.json else print
+    end = watch_stream(CTX.leader_url, job_id, out=out, tty=sys.stdout.isatty() and not CTX.json)
+    if CTX.json:
+        print(render.dumps(end))
+
+
+@app.command
+def logs(
+    fellow_id: str,
+    *,
+    follow: Annotated[bool, Parameter(help="Keep printing new records (SSE)")] = False,
+    limit: Annotated[int, Parameter(help="How many of the latest records")] = 100,
+) -> None:
+    """A fellow's logs (its agent and its stage runtime), shipped to the leader."""
+    with CTX.client() as client:
+        records = client.logs(fellow_id, limit=limit)
+    for r in records:
+        _print_log(r)
+    if not follow:
+        return
+    last = str(records[-1]["seq"]) if records else None
+    for event in sse.follow(
+        CTX.leader_url, f"/api/v1/workers/{fellow_id}/logs/stream", last_event_id=last
+    ):
+        if event.event == "logs":
+            for r in json.loads(event.data):
+                _print_log(r)
+
+
+def _print_log(r: dict[str, Any]) -> None:
+    if CTX.json:
+        print(json.dumps(r, sort_keys=True))
+        return
+    stamp = time.strftime("%H:%M:%S", time.localtime(r["ts"]))
+    print(f"{stamp} {r['fellow_id']} {r['level']:<7} {r['logger']}: {r['message']}")
 
 
 @app.command

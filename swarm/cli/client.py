@@ -47,6 +47,12 @@ class LeaderClient:
     def job(self, job_id: str) -> dict[str, Any]:
         return self._get(f"/api/v1/jobs/{job_id}")
 
+    def logs(self, fellow_id: str, *, limit: int) -> list[dict[str, Any]]:
+        return self._call("GET", f"/api/v1/workers/{fellow_id}/logs", params={"limit": limit})
+
+    def history(self, job_id: str) -> list[dict[str, Any]]:
+        return self._get(f"/api/v1/jobs/{job_id}/metrics/history")
+
     def submit(self, spec_json: bytes) -> dict[str, Any]:
         return self._call("POST", "/api/v1/jobs", content=spec_json, ok_statuses=(201,))
 

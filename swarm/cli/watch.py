@@ -92,3 +92,102 @@ def watch_job(
         if timeout is not None and now - started > timeout:
             raise JobEndedBadlyError(f"job {job_id} still {job['state']} after {timeout:.0f}s")
         time.sleep(POLL_S)
+
+
+# --- swarm watch: the SSE stream of merged metrics --------------------------------------------
+
+
+def bar(done: int, total: int | None, width: int = 30) -> str:
+    if not total:
+        return "[" + " " * width + "]"
+    filled = min(width, int(width * done / total))
+    return (
+        "[" + "#" * filled + "." * (width - filled) + f"] {done}/{total} {100 * done / total:3.0f}%"
+    )
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def metrics_lines(view: dict[str, Any]) -> list[str]:
+    """The merged view as a progress bar, a summary line and one row per fellow."""
+    lines = [
+        f"{view['job_id']} {view.get('state', '')} " + bar(view["step"], view.get("total_steps")),
+        f"loss {_num(view.get('loss'), '.4f')}  val {_num(view.get('val_loss'), '.4f')}  "
+        f"{_num(view.get('tokens_per_s'), ',.0f')} tok/s  "
+        f"{_num(view.get('step_time_s'), '.3f')} s/step  "
+        f"{_num(view.get('steps_per_min'), '.0f')} steps/min  ETA {_duration(view.get('eta_s'))}",
+    ]
+    for f in view.get("fellows", []):
+        lines.append(
+            f"  stage {f['stage']} {f['fellow_id']:<16} step {f['step']:>6}  "
+            f"sent {_rate(f.get('sent_bytes_per_s'))}  recv {_rate(f.get('received_bytes_per_s'))}"
+            + (f"  {f['result']}" if f.get("result") else "")
+        )
+    return lines
+
+
+def _rate(bps: float | None) -> str:
+    if not bps:
+        return "0 B/s"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if bps < 1024 or unit == "GiB":
+            return f"{bps:.1f} {unit}/s" if unit != "B" else f"{bps:.0f} B/s"
+        bps /= 1024
+    return f"{bps:.1f} GiB/s"
+
+
+class Screen:
+    """Redraws a block of lines in place on a terminal; on a pipe, prints every few seconds."""
+
+    def __init__(self, out: Callable[[str], None], tty: bool) -> None:
+        self.out = out
+        self.tty = tty
+        self.drawn = 0
+        self.last = 0.0
+
+    def show(self, lines: list[str], *, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.tty:
+            if self.drawn:
+                self.out(f"\x1b[{self.drawn}A\x1b[J" + "\n".join(lines))
+            else:
+                self.out("\n".join(lines))
+            self.drawn = len(lines)
+        elif force or now - self.last >= LINE_EVERY_S:
+            self.out("\n".join(lines))
+            self.last = now
+
+
+def watch_stream(
+    base_url: str, job_id: str, *, out: Callable[[str], None], tty: bool
+) -> dict[str, Any]:
+    """Follow ``/metrics/stream`` to the end event; JobEndedBadlyError unless COMPLETED."""
+    import json
+
+    from swarm.cli import sse
+
+    screen = Screen(out, tty)
+    view: dict[str, Any] | None = None
+    for event in sse.follow(base_url, f"/api/v1/jobs/{job_id}/metrics/stream"):
+        if event.event == "metrics":
+            view = json.loads(event.data)
+            screen.show(metrics_lines(view))
+        elif event.event == "end":
+            end = json.loads(event.data)
+            if view is not None:
+                view["state"] = end["state"]
+                screen.show(metrics_lines(view), force=True)
+            out(final_line({**end, "started_at": None}))
+            if end["state"] != "COMPLETED":
+                raise JobEndedBadlyError(final_line(end))
+            return end
+    raise JobEndedBadlyError(f"the stream of {job_id} ended without its end event")

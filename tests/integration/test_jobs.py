@@ -15,7 +15,6 @@ import pytest
 
 from swarm import subjects
 from swarm.plan import ModelConfig, StagePlan, TrainConfig
-from swarm.procs import free_port
 from swarm.protocol import Signal, SignalKind
 from tests.conftest import agent_state_dir, start_agent
 from tests.helpers import REPO, Leader, child_env, stage_processes, wait_for
@@ -183,41 +182,27 @@ def test_killing_a_fellow_fails_the_job_quickly_and_leaves_no_stage_running(
     leader.wait_status("k1", "ready", timeout=10)
 
 
-def test_leader_restart_mid_job_keeps_the_job_which_completes(procs, nats_server, tmp_path):
-    port = free_port()
-    env = child_env(
-        SWARM_NATS_URL=nats_server.url,
-        SWARM_LEADER_PORT=str(port),
-        SWARM_STATE_DIR=str(tmp_path / "leader-state"),
-    )
-    client = Leader(f"http://127.0.0.1:{port}")
-
-    def start_leader():
-        proc = procs.python("leader", "leader.main", env=env)
-        wait_for(lambda: client.get("/api/v1/info")["state_loaded"], timeout=20, what="the leader")
-        return proc
-
-    try:
-        leader = start_leader()
-        agents(procs, nats_server, "r1", "r2")
-        wait_ready(client, "r1", "r2")
-        job_id = client.submit(**tiny(name="survivor", steps=250, stages=2))["job_id"]
-        client.wait_job(job_id, "RUNNING", timeout=20)
-        wait_steps(client, job_id, 5)
-        before = client.job(job_id)
-        leader.send_signal(signal.SIGKILL)
-        leader.wait(timeout=10)
-        start_leader()
-        after = client.job(job_id)
-        assert after["state"] == "RUNNING"
-        for key in ("job_id", "attempt", "created_at", "started_at", "placement", "spec"):
-            assert after[key] == before[key], key
-        assert set(client.workers()) == {"r1", "r2"}
-        done = client.wait_job(job_id, "COMPLETED", timeout=150)
-        assert done["attempt"] == 1 and done["final_loss"] is not None
-        assert [h["to_state"] for h in done["history"]] == ["PENDING", "RUNNING", "COMPLETED"]
-    finally:
-        client.close()
+def test_leader_restart_mid_job_keeps_the_job_which_completes(
+    procs, nats_server, restartable_leader
+):
+    client = restartable_leader.client
+    restartable_leader.start()
+    agents(procs, nats_server, "r1", "r2")
+    wait_ready(client, "r1", "r2")
+    job_id = client.submit(**tiny(name="survivor", steps=250, stages=2))["job_id"]
+    client.wait_job(job_id, "RUNNING", timeout=20)
+    wait_steps(client, job_id, 5)
+    before = client.job(job_id)
+    restartable_leader.kill()
+    restartable_leader.start()
+    after = client.job(job_id)
+    assert after["state"] == "RUNNING"
+    for key in ("job_id", "attempt", "created_at", "started_at", "placement", "spec"):
+        assert after[key] == before[key], key
+    assert set(client.workers()) == {"r1", "r2"}
+    done = client.wait_job(job_id, "COMPLETED", timeout=150)
+    assert done["attempt"] == 1 and done["final_loss"] is not None
+    assert [h["to_state"] for h in done["history"]] == ["PENDING", "RUNNING", "COMPLETED"]
 
 
 def test_a_duplicated_start_is_acknowledged_once(procs, nats_server, leader):

@@ -1,0 +1,501 @@
+"""The leader's Prometheus metrics: one registry per app, read from live state at scrape time.
+
+Nothing here keeps a copy of the swarm's state. :class:`SwarmCollector` walks the registry
+and the job manager on every scrape, so the series of a released (forgotten) fellow or GPU
+simply stop being exported, and nothing has to be cleaned up when the state changes. The
+only stateful metric is the request latency histogram, fed by :class:`RequestTimer`.
+
+Each app gets its own :class:`~prometheus_client.CollectorRegistry` (never the process-wide
+default): tests build several apps in one process, and the leader's scrape should show its
+own numbers only.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+from litestar.enums import ScopeType
+from litestar.middleware import ASGIMiddleware
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+
+from leader.jobs import JobRecord, StageProgress
+from leader.registry import FellowRecord
+from swarm import __version__
+from swarm.protocol import PROTOCOL_VERSION, FellowStatus, GpuInfo, JobState
+
+if TYPE_CHECKING:
+    from litestar.types import ASGIApp, Message, Receive, Scope, Send
+
+    from leader.services import LeaderServices
+
+# The text exposition format 0.0.4, which generate_latest() writes. prometheus-client >= 0.22
+# calls its 1.0.0 variant CONTENT_TYPE_LATEST; Prometheus 2.x only knows 0.0.4 by name.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# What to give Litestar, which appends "; charset=utf-8" to every text/ media type itself.
+MEDIA_TYPE = CONTENT_TYPE.removesuffix("; charset=utf-8")
+REQUEST_DURATION = "swarm_leader_http_request_duration_seconds"
+REQUEST_LABELS = ("method", "route", "status_code")
+
+T = TypeVar("T")
+Value = float | int | None
+
+
+@dataclass(frozen=True)
+class Series(Generic[T]):
+    """One metric family over a list of items: each item gives its labels and its value."""
+
+    name: str
+    doc: str
+    value: Callable[[T], Value]
+    counter: bool = False
+
+    def family(
+        self, items: Iterable[T], labelnames: Sequence[str], labels: Callable[[T], list[str]]
+    ) -> Metric:
+        """The family with one sample per item whose value is known (None: no sample)."""
+        family_cls = CounterMetricFamily if self.counter else GaugeMetricFamily
+        family = family_cls(self.name, self.doc, labels=labelnames)
+        for item in items:
+            value = self.value(item)
+            if value is not None:
+                family.add_metric(labels(item), float(value))
+        return family
+
+
+def _ratio(pct: float | None) -> float | None:
+    return None if pct is None else pct / 100.0
+
+
+def _online(fellow: FellowRecord) -> bool:
+    return fellow.status is not FellowStatus.OFFLINE
+
+
+# --- fellows -------------------------------------------------------------------------------
+
+FELLOW_LABELS = ("fellow", "host")
+
+FELLOW_SERIES: tuple[Series[FellowRecord], ...] = (
+    Series("swarm_fellow_up", "1 while the fellow is not offline, else 0", _online),
+    Series("swarm_fellow_step", "Training step the fellow last reported", lambda f: f.step),
+    Series("swarm_fellow_loss", "Training loss the fellow last reported", lambda f: f.loss),
+    Series(
+        "swarm_fellow_heartbeat_age_seconds",
+        "Seconds since the fellow's last heartbeat reached the leader",
+        lambda f: f.last_heartbeat_age_s,
+    ),
+    Series(
+        "swarm_fellow_sent_bytes",
+        "Bytes the fellow's current stage run sent to its pipeline neighbours",
+        lambda f: f.bytes_sent,
+        counter=True,
+    ),
+    Series(
+        "swarm_fellow_received_bytes",
+        "Bytes the fellow's current stage run received from its pipeline neighbours",
+        lambda f: f.bytes_received,
+        counter=True,
+    ),
+)
+
+# From the fellow's hardware snapshot: only exported while it is online, since an offline
+# fellow's last snapshot describes a machine the leader no longer hears from.
+HARDWARE_SERIES: tuple[Series[FellowRecord], ...] = (
+    Series(
+        "swarm_fellow_cpu_cores", "CPU cores of the fellow's host", lambda f: f.hardware.cpu_cores
+    ),
+    Series(
+        "swarm_fellow_cpu_load_ratio",
+        "CPU load of the fellow's host (0-1, all cores)",
+        lambda f: _ratio(f.hardware.cpu_load_pct),
+    ),
+    Series(
+        "swarm_fellow_ram_total_bytes",
+        "RAM of the fellow's host",
+        lambda f: f.hardware.ram_total_bytes,
+    ),
+    Series(
+        "swarm_fellow_ram_available_bytes",
+        "RAM available on the fellow's host",
+        lambda f: f.hardware.ram_available_bytes,
+    ),
+    Series(
+        "swarm_fellow_network_transmit_bytes_per_second",
+        "Bytes per second the fellow's host sent on all interfaces (since its last snapshot)",
+        lambda f: f.hardware.net_sent_bytes_per_s,
+    ),
+    Series(
+        "swarm_fellow_network_receive_bytes_per_second",
+        "Bytes per second the fellow's host received on all interfaces (since its last snapshot)",
+        lambda f: f.hardware.net_recv_bytes_per_s,
+    ),
+)
+
+GPU_LABELS = ("fellow", "host", "gpu", "uuid")
+Gpu = tuple[FellowRecord, GpuInfo]
+
+GPU_SERIES: tuple[Series[Gpu], ...] = (
+    Series(
+        "swarm_fellow_gpu_memory_total_bytes",
+        "VRAM of the GPU",
+        lambda g: g[1].memory_total_bytes,
+    ),
+    Series(
+        "swarm_fellow_gpu_memory_free_bytes",
+        "Free VRAM of the GPU",
+        lambda g: g[1].memory_free_bytes,
+    ),
+    Series(
+        "swarm_fellow_gpu_memory_used_bytes",
+        "Used VRAM of the GPU",
+        lambda g: g[1].memory_used_bytes,
+    ),
+    Series(
+        "swarm_fellow_gpu_utilization_ratio",
+        "GPU utilisation as NVML reports it (0-1)",
+        lambda g: _ratio(g[1].utilization_pct),
+    ),
+    Series(
+        "swarm_fellow_gpu_temperature_celsius",
+        "GPU temperature",
+        lambda g: g[1].temperature_c,
+    ),
+)
+
+
+def _fellow_labels(fellow: FellowRecord) -> list[str]:
+    return [fellow.fellow_id, fellow.hostname]
+
+
+def _gpu_labels(gpu: Gpu) -> list[str]:
+    fellow, info = gpu
+    return [fellow.fellow_id, fellow.hostname, str(info.index), info.uuid]
+
+
+def fellow_families(fellows: list[FellowRecord], counts: dict[str, int]) -> Iterator[Metric]:
+    """Fellows by status, then one sample per fellow (and per GPU of an online fellow)."""
+    by_status = GaugeMetricFamily(
+        "swarm_fellows", "Fellows the leader knows, by status", labels=["status"]
+    )
+    for status in FellowStatus:
+        by_status.add_metric([status.value], counts.get(status.value, 0))
+    yield by_status
+    yield _state_set(
+        "swarm_fellow_status",
+        "1 for the fellow's current status, 0 for the others",
+        fellows,
+        FELLOW_LABELS,
+        _fellow_labels,
+        "status",
+        [s.value for s in FellowStatus],
+        lambda f: f.status.value,
+    )
+    info = InfoMetricFamily(
+        "swarm_fellow", "The fellow's agent version", labels=[*FELLOW_LABELS, "version"]
+    )
+    for fellow in fellows:
+        info.add_metric([*_fellow_labels(fellow), fellow.version], {})
+    yield info
+    for series in FELLOW_SERIES:
+        yield series.family(fellows, FELLOW_LABELS, _fellow_labels)
+    online = [f for f in fellows if _online(f)]
+    for series in HARDWARE_SERIES:
+        yield series.family(online, FELLOW_LABELS, _fellow_labels)
+    gpus = [(f, gpu) for f in online for gpu in f.hardware.gpus]
+    gpu_info = InfoMetricFamily(
+        "swarm_fellow_gpu", "The GPU's model name", labels=[*GPU_LABELS, "model"]
+    )
+    for gpu in gpus:
+        gpu_info.add_metric([*_gpu_labels(gpu), gpu[1].name], {})
+    yield gpu_info
+    for series in GPU_SERIES:
+        yield series.family(gpus, GPU_LABELS, _gpu_labels)
+
+
+# --- jobs ----------------------------------------------------------------------------------
+
+# Not "job": Prometheus gives every scraped series the scrape job's name in that label.
+JOB_LABELS = ("job_id",)
+STAGE_LABELS = ("job_id", "stage", "fellow")
+JobStage = tuple[JobRecord, StageProgress]
+
+
+def _last_stage(job: JobRecord) -> StageProgress | None:
+    return max(job.progress, key=lambda p: p.stage, default=None)
+
+
+def _job_step(job: JobRecord) -> int | None:
+    """The pipeline's step: the slowest stage's (every stage must finish a step)."""
+    return min((p.step for p in job.progress), default=None)
+
+
+def _job_loss(job: JobRecord) -> float | None:
+    last = _last_stage(job)
+    loss = None if last is None else last.loss
+    return job.final_loss if loss is None else loss
+
+
+def _job_val_loss(job: JobRecord) -> float | None:
+    last = _last_stage(job)
+    loss = None if last is None else last.val_loss
+    return job.final_val_loss if loss is None else loss
+
+
+def _job_lr(job: JobRecord) -> float | None:
+    last = _last_stage(job)
+    return None if last is None else last.lr
+
+
+def _pick(values: Iterable[float | None], pick: Callable[[list[float]], float]) -> Value:
+    """``pick`` (min or max) of the values the stages reported; None if none did."""
+    known = [v for v in values if v is not None]
+    return pick(known) if known else None
+
+
+JOB_SERIES: tuple[Series[JobRecord], ...] = (
+    Series("swarm_job_attempt", "Start attempts of the job so far", lambda j: j.attempt),
+    Series("swarm_job_step", "Steps every stage of the job has completed", _job_step),
+    Series("swarm_job_total_steps", "Steps the job trains for", lambda j: j.spec.steps),
+    Series("swarm_job_loss", "Training loss of the job's last stage", _job_loss),
+    Series("swarm_job_val_loss", "Validation loss of the job's last stage", _job_val_loss),
+)
+
+# Throughput only while the job runs: a finished job's last rate is not a current one.
+RUNNING_JOB_SERIES: tuple[Series[JobRecord], ...] = (
+    Series(
+        "swarm_job_step_time_seconds",
+        "Seconds per training step of the job's slowest stage",
+        lambda j: _pick((p.step_time_s for p in j.progress), max),
+    ),
+    Series(
+        "swarm_job_tokens_per_second",
+        "Training tokens per second of the job (its slowest stage)",
+        lambda j: _pick((p.tokens_per_s for p in j.progress), min),
+    ),
+    Series(
+        "swarm_job_learning_rate",
+        "Learning rate of the job's last stage",
+        _job_lr,
+    ),
+)
+
+STAGE_SERIES: tuple[Series[JobStage], ...] = (
+    Series("swarm_job_stage_step", "Steps the stage has completed", lambda s: s[1].step),
+    Series("swarm_job_stage_loss", "Training loss the stage reported", lambda s: s[1].loss),
+    Series(
+        "swarm_job_stage_step_time_seconds",
+        "Seconds per training step of the stage",
+        lambda s: s[1].step_time_s,
+    ),
+    Series(
+        "swarm_job_stage_tokens_per_second",
+        "Training tokens per second of the stage",
+        lambda s: s[1].tokens_per_s,
+    ),
+    Series(
+        "swarm_job_stage_sent_bytes",
+        "Bytes the stage sent to its neighbours in this attempt",
+        lambda s: s[1].bytes_sent,
+        counter=True,
+    ),
+    Series(
+        "swarm_job_stage_received_bytes",
+        "Bytes the stage received from its neighbours in this attempt",
+        lambda s: s[1].bytes_received,
+        counter=True,
+    ),
+)
+
+
+def _job_labels(job: JobRecord) -> list[str]:
+    return [job.job_id]
+
+
+def _stage_labels(stage: JobStage) -> list[str]:
+    return [stage[0].job_id, str(stage[1].stage), stage[1].fellow_id]
+
+
+def job_families(jobs: list[JobRecord]) -> Iterator[Metric]:
+    """Jobs by state, then one sample per job (and per stage of a running job)."""
+    by_state = GaugeMetricFamily("swarm_jobs", "Jobs the leader knows, by state", labels=["state"])
+    for state in JobState:
+        by_state.add_metric([state.value], sum(j.state is state for j in jobs))
+    yield by_state
+    yield _state_set(
+        "swarm_job_state",
+        "1 for the job's current state, 0 for the others",
+        jobs,
+        JOB_LABELS,
+        _job_labels,
+        "state",
+        [s.value for s in JobState],
+        lambda j: j.state.value,
+    )
+    info = InfoMetricFamily("swarm_job", "The job's name", labels=[*JOB_LABELS, "name"])
+    for job in jobs:
+        info.add_metric([job.job_id, job.name], {})
+    yield info
+    for series in JOB_SERIES:
+        yield series.family(jobs, JOB_LABELS, _job_labels)
+    running = [j for j in jobs if j.state is JobState.RUNNING]
+    for series in RUNNING_JOB_SERIES:
+        yield series.family(running, JOB_LABELS, _job_labels)
+    stages = [(j, p) for j in running for p in j.progress]
+    for series in STAGE_SERIES:
+        yield series.family(stages, STAGE_LABELS, _stage_labels)
+
+
+# --- the leader itself ---------------------------------------------------------------------
+
+
+def leader_families(services: LeaderServices) -> Iterator[Metric]:
+    """The leader's own state: NATS, the store, its build, dropped messages."""
+    yield GaugeMetricFamily(
+        "swarm_leader_nats_connected",
+        "1 while the leader is connected to NATS, else 0",
+        value=float(services.bus.is_connected),
+    )
+    yield GaugeMetricFamily(
+        "swarm_leader_state_loaded",
+        "1 once the leader has loaded its jobs and fellows from JetStream, else 0",
+        value=float(services.orchestrator.loaded.is_set()),
+    )
+    yield GaugeMetricFamily(
+        "swarm_leader_start_time_seconds",
+        "When the leader started, in seconds since the Unix epoch",
+        value=services.started_at,
+    )
+    build = InfoMetricFamily("swarm_leader_build", "The leader's version and protocol")
+    build.add_metric(
+        [],
+        {
+            "version": __version__,
+            "protocol_version": str(PROTOCOL_VERSION),
+            "python_version": platform.python_version(),
+        },
+    )
+    yield build
+    dropped = CounterMetricFamily(
+        "swarm_leader_dropped_messages",
+        "NATS messages the leader dropped: malformed (bus) or from a stale agent (registry)",
+        labels=["source", "reason"],
+    )
+    for source, counter in (("bus", services.bus.dropped), ("registry", services.registry.dropped)):
+        for reason, count in sorted(counter.items()):
+            dropped.add_metric([source, reason], count)
+    yield dropped
+
+
+def _state_set(
+    name: str,
+    doc: str,
+    items: Iterable[T],
+    labelnames: Sequence[str],
+    labels: Callable[[T], list[str]],
+    state_label: str,
+    states: list[str],
+    current: Callable[[T], str],
+) -> Metric:
+    """A gauge per item and state, 1 for the item's current state (a Prometheus state set).
+
+    Every state is exported (0 or 1) so that ``== 1`` selects and ``sum by`` counts work
+    without absent series.
+    """
+    family = GaugeMetricFamily(name, doc, labels=[*labelnames, state_label])
+    for item in items:
+        now = current(item)
+        for state in states:
+            family.add_metric([*labels(item), state], float(state == now))
+    return family
+
+
+class SwarmCollector:
+    """Reads the leader's services at scrape time (a ``prometheus_client`` Collector)."""
+
+    def __init__(self, services: LeaderServices) -> None:
+        self.services = services
+
+    def collect(self) -> Iterator[Metric]:
+        services = self.services
+        yield from leader_families(services)
+        yield from fellow_families(services.registry.list(), services.registry.counts())
+        yield from job_families(services.jobs.list())
+
+
+# --- request latency -----------------------------------------------------------------------
+
+
+class RequestTimer(ASGIMiddleware):
+    """Observes each HTTP request's latency, from its arrival to the start of its response.
+
+    Litestar runs app-level middleware after routing, inside each route's stack, so the
+    scope holds ``path_template`` (e.g. ``/api/v1/jobs/{job_id:str}``): the route label
+    stays bounded by the app's routes, whatever the clients ask for. Requests that match
+    no route (404, 405) never reach route middleware and are not observed. Timing stops at
+    ``http.response.start``, so a streaming (SSE) response counts its time to the first
+    byte and is passed through untouched.
+    """
+
+    scopes = (ScopeType.HTTP,)
+
+    def __init__(self, histogram: Histogram, clock: Callable[[], float] = time.perf_counter):
+        self.histogram = histogram
+        self.clock = clock
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
+        started = self.clock()
+        observed = False
+
+        async def timed_send(message: Message) -> None:
+            nonlocal observed
+            if message["type"] == "http.response.start" and not observed:
+                observed = True
+                self._observe(scope, message["status"], started)
+            await send(message)
+
+        try:
+            await next_app(scope, receive, timed_send)
+        except Exception:
+            # Litestar turns handler errors into responses inside this middleware; what
+            # still escapes becomes a 500 further out.
+            if not observed:
+                self._observe(scope, 500, started)
+            raise
+
+    def _observe(self, scope: Scope, status: int, started: float) -> None:
+        route = scope.get("path_template") or "unmatched"
+        labels = (scope.get("method", ""), route, str(status))
+        self.histogram.labels(*labels).observe(self.clock() - started)
+
+
+# --- one app's metrics ---------------------------------------------------------------------
+
+
+class LeaderMetrics:
+    """One app's metrics: its own registry, the state collector and the latency histogram."""
+
+    def __init__(self, services: LeaderServices) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(SwarmCollector(services))
+        self.request_duration = Histogram(
+            REQUEST_DURATION,
+            "Time from an HTTP request's arrival to the start of the leader's response",
+            labelnames=REQUEST_LABELS,
+            registry=self.registry,
+        )
+
+    def middleware(self) -> RequestTimer:
+        return RequestTimer(self.request_duration)
+
+    def render(self) -> bytes:
+        """The text exposition (format 0.0.4) of everything in this app's registry."""
+        return generate_latest(self.registry)

@@ -1,0 +1,248 @@
+"""Observability services: job metrics (live, history, SSE) and fellow logs (snapshot, SSE).
+
+History and tails are read from the JetStream streams (:mod:`leader.streams`); SSE event ids
+are stream sequence numbers, so a client that reconnects with ``Last-Event-ID`` continues
+exactly where it stopped. Streams end when the leader shuts down (``stopping``), with a
+keep-alive comment while idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+from litestar.response import ServerSentEventMessage
+from nats.aio.client import Client
+
+from leader import streams
+from leader.aggregate import HistoryPoint, JobMetrics, JobMetricsAggregator, history
+from leader.bus import LeaderBus
+from leader.jobs import JobManager
+from leader.logs import LogEntry, WorkerLogBuffer, entries
+from swarm import subjects as topics
+from swarm.errors import ProtocolError, SwarmError
+from swarm.protocol import LogBatch, Progress
+
+log = logging.getLogger(__name__)
+KEEPALIVE_S = 15.0
+POLL_S = 1.0  # how often an idle stream checks whether its job has ended
+
+
+class StreamsUnavailableError(SwarmError):
+    code = "LEADER_NOT_READY"
+    http_status = 503
+
+
+class Observability:
+    def __init__(self, *, bus: LeaderBus, jobs: JobManager, prefix: str) -> None:
+        self.bus = bus
+        self.jobs = jobs
+        self.prefix = prefix
+        self.progress = streams.progress_stream(prefix)
+        self.logs_stream = streams.log_stream(prefix)
+        self.logs = WorkerLogBuffer()
+        self.live: dict[str, JobMetricsAggregator] = {}
+        self.stopping = asyncio.Event()
+        self.ready = asyncio.Event()
+
+    # --- start-up --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Create the streams, then keep the log buffer filled (backfilled after a restart)."""
+        nc = self._nc()
+        for spec in (self.progress, self.logs_stream):
+            await streams.ensure_stream(nc, spec)
+        self.ready.set()
+        async for record in streams.follow(
+            nc, self.logs_stream.name, self.logs_stream.subject, stop=self.stopping
+        ):
+            if record is None:
+                continue
+            batch = self._decode_log(record)
+            if batch is not None:
+                self.logs.add(record.seq, batch)
+
+    def _nc(self) -> Client:
+        assert self.bus.nc is not None, "start() runs once the bus is connected"
+        return self.bus.nc
+
+    def _require_ready(self) -> Client:
+        if not self.ready.is_set() or self.bus.nc is None:
+            raise StreamsUnavailableError("the leader's streams are not ready yet; try again")
+        return self.bus.nc
+
+    # --- live progress (called for every progress message) ----------------------------------
+
+    def on_progress(self, progress: Progress) -> None:
+        aggregator = self.live.get(progress.job_id)
+        if aggregator is None:
+            aggregator = self.live[progress.job_id] = JobMetricsAggregator(progress.job_id)
+        aggregator.apply(progress)
+        log.info(
+            "progress job=%s fellow=%s attempt=%d %s step=%d loss=%s latency=%.3fs "
+            "bytes_sent=%d bytes_received=%d",
+            progress.job_id,
+            progress.fellow_id,
+            progress.attempt,
+            progress.event.value,
+            progress.step,
+            "-" if progress.loss is None else f"{progress.loss:.4f}",
+            max(0.0, time.time() - progress.at),
+            progress.bytes_sent,
+            progress.bytes_received,
+        )
+
+    def metrics(self, job_id: str) -> JobMetrics:
+        self.jobs.get(job_id)  # 404 for an unknown job
+        aggregator = self.live.get(job_id) or JobMetricsAggregator(job_id)
+        return aggregator.view()
+
+    # --- history and SSE -------------------------------------------------------------------
+
+    def _job_subject(self, job_id: str) -> str:
+        return topics.PROGRESS.wildcard(self.prefix, job=job_id)
+
+    async def history(self, job_id: str) -> list[HistoryPoint]:
+        self.jobs.get(job_id)
+        nc = self._require_ready()
+        records = [
+            p
+            async for r in streams.read(nc, self.progress.name, self._job_subject(job_id))
+            if (p := self._decode_progress(r)) is not None
+        ]
+        return history(records, job_id)
+
+    async def metrics_events(
+        self, job_id: str, last_event_id: int | None
+    ) -> AsyncIterator[ServerSentEventMessage]:
+        """Merged metrics after every record, then one ``end`` event once the job is over.
+
+        Without ``Last-Event-ID`` it starts from each fellow's latest record (the current
+        view); with it, right after that event.
+        """
+        self.jobs.get(job_id)
+        nc = self._require_ready()
+        aggregator = JobMetricsAggregator(job_id)
+        records = streams.follow(
+            nc,
+            self.progress.name,
+            self._job_subject(job_id),
+            start_seq=None if last_event_id is None else last_event_id + 1,
+            last_per_subject=last_event_id is None,
+            idle_s=POLL_S,
+            stop=self.stopping,
+        )
+
+        def on_record(record: streams.Record) -> ServerSentEventMessage | None:
+            progress = self._decode_progress(record)
+            if progress is None:
+                return None
+            aggregator.apply(progress)
+            view = msgspec.to_builtins(aggregator.view())
+            view["state"] = self.jobs.get(job_id).state.value
+            data = msgspec.json.encode(view).decode()
+            return ServerSentEventMessage(data=data, event="metrics", id=record.seq)
+
+        def on_idle() -> ServerSentEventMessage | None:
+            job = self.jobs.get(job_id)
+            return _end_event(job) if job.terminal else None
+
+        async for message in _sse(records, on_record, on_idle):
+            yield message
+
+    # --- logs ------------------------------------------------------------------------------
+
+    def log_snapshot(self, fellow_id: str, limit: int) -> list[LogEntry]:
+        return self.logs.snapshot(fellow_id, limit)
+
+    async def log_events(
+        self, fellow_id: str, last_event_id: int | None
+    ) -> AsyncIterator[ServerSentEventMessage]:
+        """Every stored batch of the fellow's logs after ``last_event_id``, then live."""
+        nc = self._require_ready()
+        records = streams.follow(
+            nc,
+            self.logs_stream.name,
+            topics.LOG.subject(self.prefix, fellow=fellow_id),
+            start_seq=None if last_event_id is None else last_event_id + 1,
+            idle_s=POLL_S,
+            stop=self.stopping,
+        )
+
+        def on_record(record: streams.Record) -> ServerSentEventMessage | None:
+            batch = self._decode_log(record)
+            if batch is None:
+                return None
+            data = msgspec.json.encode(entries(record.seq, batch)).decode()
+            return ServerSentEventMessage(data=data, event="logs", id=record.seq)
+
+        async for message in _sse(records, on_record, lambda: None):
+            yield message
+
+    # --- decoding --------------------------------------------------------------------------
+
+    def _decode_progress(self, record: streams.Record) -> Progress | None:
+        try:
+            return topics.PROGRESS.decode(record.data)
+        except ProtocolError as exc:
+            log.warning("skipped unreadable progress record %d: %s", record.seq, exc)
+            return None
+
+    def _decode_log(self, record: streams.Record) -> LogBatch | None:
+        try:
+            batch = topics.LOG.decode(record.data)
+            sender = topics.LOG.parse(self.prefix, record.subject)["fellow"]
+        except ProtocolError as exc:
+            log.warning("skipped unreadable log batch %d: %s", record.seq, exc)
+            return None
+        if batch.fellow_id != sender:
+            log.warning("skipped log batch %d: fellow id does not match its subject", record.seq)
+            return None
+        return batch
+
+
+async def _sse(
+    records: AsyncIterator[streams.Record | None],
+    on_record: Callable[[streams.Record], ServerSentEventMessage | None],
+    on_idle: Callable[[], ServerSentEventMessage | None],
+) -> AsyncIterator[ServerSentEventMessage]:
+    """SSE messages from stream records, a keep-alive comment every KEEPALIVE_S while idle.
+
+    ``on_idle`` may return a final message (the job is over): it is sent and the stream ends.
+    """
+    idle = 0.0
+    try:
+        async for record in records:
+            if record is None:
+                final = on_idle()
+                if final is not None:
+                    yield final
+                    return
+                idle += POLL_S
+                if idle >= KEEPALIVE_S:
+                    idle = 0.0
+                    yield ServerSentEventMessage(comment="keep-alive", data=None)
+                continue
+            idle = 0.0
+            message = on_record(record)
+            if message is not None:
+                yield message
+    finally:
+        with contextlib.suppress(Exception):
+            await records.aclose()
+
+
+def _end_event(job: Any) -> ServerSentEventMessage:
+    data = {
+        "job_id": job.job_id,
+        "state": job.state.value,
+        "reason": job.reason,
+        "final_loss": job.final_loss,
+        "final_val_loss": job.final_val_loss,
+    }
+    return ServerSentEventMessage(data=msgspec.json.encode(data).decode(), event="end")

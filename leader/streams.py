@@ -1,0 +1,170 @@
+"""JetStream streams for history: every progress record and every log batch, as sent.
+
+The streams capture the fellows' own subjects (``<prefix>.progress.>``, ``<prefix>.log.>``)
+inside the NATS server, so history is recorded even while the leader is down, and nothing is
+written twice. Readers use ordered consumers (ephemeral, flow-controlled, gap-free): ``read``
+returns what is stored now, ``follow`` keeps going live. Stream sequence numbers identify
+records, which is what SSE event ids are made of.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from nats.aio.client import Client
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import BadRequestError, NotFoundError
+
+log = logging.getLogger(__name__)
+
+DAY_S = 86400.0
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    name: str
+    subject: str
+    max_bytes: int
+    max_age_s: float
+    max_msgs_per_subject: int = -1
+
+
+def progress_stream(prefix: str) -> StreamSpec:
+    return StreamSpec(
+        name=f"{prefix}_progress", subject=f"{prefix}.progress.>", max_bytes=2 << 30,
+        max_age_s=30 * DAY_S,
+    )  # fmt: skip
+
+
+def log_stream(prefix: str) -> StreamSpec:
+    # Per fellow at most 20000 batches (each up to a few hundred lines), a week, 512 MiB.
+    return StreamSpec(
+        name=f"{prefix}_logs", subject=f"{prefix}.log.>", max_bytes=512 << 20,
+        max_age_s=7 * DAY_S, max_msgs_per_subject=20000,
+    )  # fmt: skip
+
+
+async def ensure_stream(nc: Client, spec: StreamSpec) -> None:
+    """Create the stream, or bring an existing one to this configuration."""
+    config = StreamConfig(
+        name=spec.name,
+        subjects=[spec.subject],
+        max_bytes=spec.max_bytes,
+        max_age=spec.max_age_s,
+        max_msgs_per_subject=spec.max_msgs_per_subject,
+        discard=DiscardPolicy.OLD,
+        storage=StorageType.FILE,
+    )
+    js = nc.jetstream()
+    try:
+        await js.add_stream(config)
+    except BadRequestError:
+        await js.update_stream(config)
+
+
+@dataclass(frozen=True)
+class Record:
+    seq: int
+    subject: str
+    data: bytes
+
+
+async def _stored(nc: Client, stream: str, subject: str) -> tuple[int, int]:
+    """How many messages on ``subject`` (a filter) the stream holds, and its last sequence."""
+    try:
+        info = await nc.jetstream().stream_info(stream, subjects_filter=subject)
+    except NotFoundError:
+        return 0, 0
+    return sum((info.state.subjects or {}).values()), info.state.last_seq
+
+
+async def _subscribe(nc: Client, stream: str, subject: str, *, start_seq: int | None, last: bool):
+    """An ephemeral push consumer that acks nothing and cleans itself up when abandoned.
+
+    (nats-py's ordered consumer mode re-delivers the last message when its idle heartbeat
+    fires while the reader is slow; a plain consumer without acks is just as ordered.)
+    """
+    if last:
+        policy: dict = {"deliver_policy": DeliverPolicy.LAST_PER_SUBJECT}
+    elif start_seq and start_seq > 1:
+        policy = {"deliver_policy": DeliverPolicy.BY_START_SEQUENCE, "opt_start_seq": start_seq}
+    else:
+        policy = {"deliver_policy": DeliverPolicy.ALL}
+    config = ConsumerConfig(
+        ack_policy=AckPolicy.NONE, max_deliver=1, inactive_threshold=60.0, **policy
+    )
+    return await nc.jetstream().subscribe(subject, stream=stream, config=config)
+
+
+async def read(
+    nc: Client, stream: str, subject: str, *, start_seq: int | None = None
+) -> AsyncIterator[Record]:
+    """Every stored message on ``subject`` from ``start_seq``, in order; ends when caught up."""
+    count, last_seq = await _stored(nc, stream, subject)
+    if not count or (start_seq or 0) > last_seq:
+        return
+    sub = await _subscribe(nc, stream, subject, start_seq=start_seq, last=False)
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=2.0)
+            except (NatsTimeoutError, TimeoutError):
+                return  # nothing (more) at or after start_seq
+            yield Record(msg.metadata.sequence.stream, msg.subject, msg.data)
+            if msg.metadata.num_pending == 0:
+                return
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+
+
+async def follow(
+    nc: Client,
+    stream: str,
+    subject: str,
+    *,
+    start_seq: int | None = None,
+    last_per_subject: bool = False,
+    idle_s: float = 15.0,
+    stop: asyncio.Event | None = None,
+) -> AsyncIterator[Record | None]:
+    """Stored then live messages, forever; ``None`` after ``idle_s`` without one (keep-alive).
+
+    Ends when ``stop`` is set (the leader shuts down).
+    """
+    sub = await _subscribe(nc, stream, subject, start_seq=start_seq, last=last_per_subject)
+    try:
+        while stop is None or not stop.is_set():
+            waiter = asyncio.ensure_future(sub.next_msg(timeout=idle_s))
+            stopper = asyncio.ensure_future(stop.wait()) if stop is not None else None
+            done, _ = await asyncio.wait(
+                {waiter, stopper} - {None}, return_when=asyncio.FIRST_COMPLETED
+            )
+            if stopper is not None and not stopper.done():
+                stopper.cancel()
+            if waiter not in done:
+                waiter.cancel()
+                with contextlib.suppress(BaseException):
+                    await waiter
+                return
+            try:
+                msg = waiter.result()
+            except (NatsTimeoutError, TimeoutError):
+                yield None
+                continue
+            yield Record(msg.metadata.sequence.stream, msg.subject, msg.data)
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()

@@ -1,0 +1,99 @@
+"""A small Server-Sent Events reader over httpx, resuming with ``Last-Event-ID``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+
+from swarm.errors import LeaderResponseError, LeaderUnreachableError
+
+RETRY_S = 1.0
+
+
+@dataclass
+class Event:
+    event: str
+    data: str
+    id: str | None
+
+
+def parse(lines: Iterator[str]) -> Iterator[Event]:
+    """Events from SSE lines (comments skipped, multi-line data joined)."""
+    event, data, event_id = "message", [], None
+    for line in lines:
+        if line == "":
+            # An empty data buffer dispatches nothing (the SSE spec), e.g. a keep-alive.
+            if "".join(data):
+                yield Event(event, "\n".join(data), event_id)
+            event, data = "message", []
+            continue
+        if line.startswith(":"):
+            continue
+        name, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if name == "data":
+            data.append(value)
+        elif name == "event":
+            event = value
+        elif name == "id":
+            event_id = value
+    if "".join(data):
+        yield Event(event, "\n".join(data), event_id)
+
+
+def follow(
+    base_url: str,
+    path: str,
+    *,
+    give_up_after_s: float = 60.0,
+    last_event_id: str | None = None,
+) -> Iterator[Event]:
+    """Events from ``path``, reconnecting (from the last id seen) when the stream drops.
+
+    Stops when the server ends the stream after an ``end`` event; raises
+    LeaderUnreachableError after ``give_up_after_s`` without a connection.
+    """
+    down_since: float | None = None
+    timeout = httpx.Timeout(10.0, read=60.0)
+    with httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout) as http:
+        while True:
+            headers = {"accept": "text/event-stream"}
+            if last_event_id is not None:
+                headers["last-event-id"] = last_event_id
+            try:
+                with http.stream("GET", path, headers=headers) as response:
+                    if response.status_code != 200:
+                        _raise_for(response, path)
+                    down_since = None
+                    for event in parse(response.iter_lines()):
+                        if event.id is not None:
+                            last_event_id = event.id
+                        yield event
+                        if event.event == "end":
+                            return
+            except (httpx.TransportError, LeaderResponseError) as exc:
+                if isinstance(exc, LeaderResponseError) and exc.code != "LEADER_NOT_READY":
+                    raise
+                down_since = down_since or time.monotonic()
+                if time.monotonic() - down_since > give_up_after_s:
+                    raise LeaderUnreachableError(
+                        f"lost the stream {base_url}{path} for {give_up_after_s:.0f}s ({exc})"
+                    ) from None
+            time.sleep(RETRY_S)
+
+
+def _raise_for(response: httpx.Response, path: str) -> None:
+    response.read()
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and "code" in body:
+        raise LeaderResponseError(str(body.get("message", "")), code=str(body["code"]))
+    raise LeaderResponseError(
+        f"leader answered {response.status_code} for GET {path}",
+        code=f"HTTP_{response.status_code}",
+    )
