@@ -103,6 +103,7 @@ class FellowAgent:
         self._update_when_idle = False
         self.exit_reason: str | None = None
         self.shipper = FellowLogShipper(fellow_id)
+        self._down_transport: str | None = None
 
     @property
     def fellow_id(self) -> str:
@@ -358,6 +359,7 @@ class FellowAgent:
         except OSError as exc:
             return self._ack(sig, False, "START_FAILED", f"cannot start the runtime: {exc}")
         self.run_, self.outcome, self.step, self.loss = run, None, 0, None
+        self._down_transport = None
         self._checkpoint_final = False
         self._set_status(FellowEvent.START)
         asyncio.get_running_loop().create_task(self._supervise(run), name="stage-supervisor")
@@ -415,7 +417,9 @@ class FellowAgent:
         if run is None:
             return
         kind = event.get("event")
-        if kind == "step":
+        if kind == "links":
+            self._down_transport = event.get("down")
+        elif kind == "step":
             self.step, self.loss = int(event["step"]) + 1, event.get("loss")
             self.bytes_sent = event.get("down_bytes_sent", 0) + event.get("up_bytes_sent", 0)
             self.bytes_received = event.get("down_bytes_received", 0) + event.get(
@@ -436,6 +440,7 @@ class FellowAgent:
                 bytes_received=self.bytes_received,
                 down_bytes_sent=event.get("down_bytes_sent", 0),
                 down_bytes_received=event.get("down_bytes_received", 0),
+                down_transport=self._down_transport,
             )
         elif kind == "checkpoint":
             final = bool(event.get("final"))

@@ -8,6 +8,7 @@ upstream end; steps/min and the ETA come from the last stage's recent steps.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 
 import msgspec
@@ -35,9 +36,10 @@ class FellowMetrics(msgspec.Struct, kw_only=True):
 class BoundaryMetrics(msgspec.Struct, kw_only=True):
     boundary: int  # between stage `boundary` and `boundary + 1`
     upstream: str
-    downstream: str | None
+    downstream: str
     bytes_per_s: float
     bytes_total: int
+    transport: str | None = None  # "p2p" (ZeroMQ) or "relay" (NATS), as the stage reports
 
 
 class JobMetrics(msgspec.Struct, kw_only=True):
@@ -80,6 +82,7 @@ class JobMetricsAggregator:
         self.total_steps: int | None = None
         self._fellows: dict[str, FellowMetrics] = {}
         self._down: dict[str, tuple[int, float]] = {}  # fellow -> (down bytes, rate)
+        self._transport: dict[str, str] = {}  # fellow -> transport of its downstream boundary
         self._last: Progress | None = None  # the last stage's latest step record
         self._val_loss: float | None = None
         self._recent: deque[tuple[float, int]] = deque(maxlen=RATE_WINDOW)
@@ -133,6 +136,8 @@ class JobMetricsAggregator:
             self._down[p.fellow_id] = (down, max(0, down - before) / elapsed)
         else:
             self._down[p.fellow_id] = (p.down_bytes_sent + p.down_bytes_received, 0.0)
+        if p.down_transport:
+            self._transport[p.fellow_id] = p.down_transport
         fellow.step = max(fellow.step, p.step)
         fellow.loss = p.loss if p.loss is not None else fellow.loss
         fellow.step_time_s, fellow.tokens_per_s = p.step_time_s, p.tokens_per_s
@@ -155,9 +160,7 @@ class JobMetricsAggregator:
         if steps_per_min and self.total_steps is not None:
             eta = max(0, self.total_steps - step) / steps_per_min * 60
         boundaries = []
-        for upstream, downstream in zip(fellows, [*fellows[1:], None], strict=True):
-            if downstream is None:
-                break
+        for upstream, downstream in itertools.pairwise(fellows):
             total, rate = self._down.get(upstream.fellow_id, (0, 0.0))
             boundaries.append(
                 BoundaryMetrics(
@@ -166,6 +169,7 @@ class JobMetricsAggregator:
                     downstream=downstream.fellow_id,
                     bytes_per_s=round(rate, 1),
                     bytes_total=total,
+                    transport=self._transport.get(upstream.fellow_id),
                 )
             )
         sent, received = self._bytes()

@@ -65,3 +65,39 @@ class LeaderServices:
     def job_list(self) -> list[JobRecord]:
         self.orchestrator.require_loaded()
         return self.jobs.list()
+
+    def cluster(self) -> dict[str, object]:
+        """What the swarm has online (per host, so fellows sharing a host count it once) and
+        how its running jobs perform."""
+        hosts = [n for n in self.registry.nodes() if n.online]
+        gpus = [g for n in hosts for g in n.gpus]
+        running = []
+        for job in self.jobs.running():
+            view = self.observe.metrics(job.job_id)
+            running.append(
+                {
+                    "job_id": job.job_id,
+                    "name": job.name,
+                    "step": view.step,
+                    "total_steps": view.total_steps,
+                    "loss": view.loss,
+                    "step_time_s": view.step_time_s,
+                    "steps_per_min": view.steps_per_min,
+                    "tokens_per_s": view.tokens_per_s,
+                    "boundaries": view.boundaries,
+                    "placement": job.placement,
+                }
+            )
+        return {
+            "fellows": self.registry.counts(),
+            "hosts": len(hosts),
+            "cpu_cores": sum(n.cpu_cores for n in hosts),
+            "ram_total_bytes": sum(n.ram_total_bytes for n in hosts),
+            "ram_available_bytes": sum(n.ram_available_bytes for n in hosts),
+            "gpus": len(gpus),
+            "vram_total_bytes": sum(g.memory_total_bytes for g in gpus),
+            "vram_free_bytes": sum(g.memory_free_bytes for g in gpus),
+            "net_sent_bytes_per_s": round(sum(n.net_sent_bytes_per_s for n in hosts), 1),
+            "net_recv_bytes_per_s": round(sum(n.net_recv_bytes_per_s for n in hosts), 1),
+            "running_jobs": running,
+        }

@@ -229,6 +229,7 @@ class Progress(Message, kw_only=True):
     bytes_received: int = 0
     down_bytes_sent: int = 0  # over the boundary to the next stage only
     down_bytes_received: int = 0
+    down_transport: str | None = None  # how that boundary runs: "p2p" or "relay"
     ok: bool = True
     message: str = ""
     checkpoint_path: str | None = None

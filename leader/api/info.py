@@ -12,3 +12,12 @@ class InfoController(Controller):
     @get("/", summary="Leader version, NATS URL and fellow counts by status")
     async def info(self, services: LeaderServices) -> dict[str, object]:
         return services.info()
+
+
+class ClusterController(Controller):
+    path = "/api/v1/cluster"
+    tags = ["info"]
+
+    @get("/", summary="Online capacity (CPU, RAM, VRAM, network) and running jobs' performance")
+    async def cluster(self, services: LeaderServices) -> dict[str, object]:
+        return services.cluster()

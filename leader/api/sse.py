@@ -8,8 +8,14 @@ from swarm.jobspec import FieldError
 
 
 def last_event_id(request: Request) -> int | None:
-    """The ``Last-Event-ID`` a reconnecting client sends (a stream sequence), if any."""
+    """The ``Last-Event-ID`` a reconnecting client sends (a stream sequence), if any.
+
+    A browser's EventSource cannot set it on its first request, so ``?after=N`` says the
+    same (the header wins: the browser sends it on its own reconnects).
+    """
     raw = request.headers.get("last-event-id")
+    if raw is None or raw.strip() == "":
+        raw = request.query_params.get("after")
     if raw is None or raw.strip() == "":
         return None
     try:

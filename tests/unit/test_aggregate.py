@@ -42,6 +42,11 @@ def test_merged_view_takes_the_slowest_step_and_the_last_stages_loss():
     assert view.bytes_sent == 10_000 + 10_000
 
 
+def test_an_empty_view_is_valid():
+    view = JobMetricsAggregator("j").view()
+    assert view.step == 0 and view.boundaries == [] and view.fellows == []
+
+
 def test_a_new_attempt_starts_afresh_and_old_ones_are_ignored():
     agg = JobMetricsAggregator("j")
     agg.apply(step("a", 0, 50, 1.0, loss=2.0))

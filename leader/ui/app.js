@@ -1,0 +1,513 @@
+// SilentSwarm Ops UI: plain JavaScript over the leader's REST and SSE endpoints.
+// The selection lives in the URL hash (#fellow=ID, #job=ID, #leader), so a reload keeps it.
+"use strict";
+
+const API = "/api/v1";
+const REFRESH_MS = 2000;
+const POLL_MS = 3000;
+const MAX_LOG_LINES = 1000;
+
+const state = {
+  workers: [],
+  jobs: [],
+  cluster: null,
+  selection: parseHash(),
+  detail: null, // { kind, id, stop() } of the open detail view
+};
+
+// --- small helpers ---------------------------------------------------------------------------
+
+async function getJSON(path) {
+  const response = await fetch(API + path, { headers: { accept: "application/json" } });
+  if (!response.ok) throw new Error(`${path}: HTTP ${response.status}`);
+  return response.json();
+}
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs)) {
+    if (key === "class") node.className = value;
+    else if (key.startsWith("data-")) node.setAttribute(key, value);
+    else node[key] = value;
+  }
+  for (const child of children) {
+    if (child !== null && child !== undefined) node.append(child);
+  }
+  return node;
+}
+
+const svgEl = (tag, attrs = {}) => {
+  const node = document.createElementNS("http://www.w3.org/2000/svg", tag);
+  for (const [key, value] of Object.entries(attrs)) node.setAttribute(key, value);
+  return node;
+};
+
+const gib = (bytes) => (bytes === null || bytes === undefined ? "-" : `${(bytes / 2 ** 30).toFixed(1)} GiB`);
+const num = (value, digits = 4) => (value === null || value === undefined ? "-" : Number(value).toFixed(digits));
+
+function rate(bytesPerSecond) {
+  let value = bytesPerSecond || 0;
+  for (const unit of ["B/s", "KiB/s", "MiB/s", "GiB/s"]) {
+    if (value < 1024 || unit === "GiB/s") return `${value.toFixed(unit === "B/s" ? 0 : 1)} ${unit}`;
+    value /= 1024;
+  }
+  return "-";
+}
+
+function dl(pairs) {
+  const list = el("dl");
+  for (const [term, value, id] of pairs) {
+    list.append(el("dt", {}, term), el("dd", id ? { id } : {}, String(value)));
+  }
+  return list;
+}
+
+// --- selection -------------------------------------------------------------------------------
+
+function parseHash() {
+  const params = new URLSearchParams(location.hash.slice(1));
+  for (const kind of ["fellow", "job"]) {
+    if (params.get(kind)) return { kind, id: params.get(kind) };
+  }
+  if (params.has("leader")) return { kind: "leader", id: "leader" };
+  return null;
+}
+
+function select(kind, id) {
+  location.hash = kind === "leader" ? "leader" : `${kind}=${encodeURIComponent(id)}`;
+}
+
+window.addEventListener("hashchange", () => {
+  state.selection = parseHash();
+  openDetail();
+});
+
+// --- the overview (refreshed every REFRESH_MS) -----------------------------------------------
+
+async function refresh() {
+  try {
+    const [health, workers, jobs, cluster] = await Promise.all([
+      fetch("/health").then((r) => r.json()),
+      getJSON("/workers"),
+      getJSON("/jobs").catch(() => state.jobs),
+      getJSON("/cluster"),
+    ]);
+    Object.assign(state, { workers, jobs, cluster });
+    const status = document.getElementById("leader-status");
+    status.textContent = `leader ${health.version} · NATS ${health.nats}`;
+    status.className = `pill ${health.nats === "connected" ? "ok" : "bad"}`;
+    renderFellows();
+    renderJobs();
+    renderGraph();
+    if (state.detail && state.detail.refresh) state.detail.refresh();
+  } catch (error) {
+    const status = document.getElementById("leader-status");
+    status.textContent = `leader unreachable (${error.message})`;
+    status.className = "pill bad";
+  }
+}
+
+function gpuTotals(worker) {
+  const gpus = worker.hardware.gpus || [];
+  if (!gpus.length) return "cpu only";
+  const used = gpus.reduce((sum, g) => sum + g.memory_used_bytes, 0);
+  const free = gpus.reduce((sum, g) => sum + g.memory_free_bytes, 0);
+  return `${gib(used)} / ${gib(free)}`;
+}
+
+function netBars(worker, max) {
+  const hw = worker.hardware;
+  const width = (value) => `${Math.max(2, Math.round((60 * (value || 0)) / max))}px`;
+  return el(
+    "span",
+    { title: `sent ${rate(hw.net_sent_bytes_per_s)}, received ${rate(hw.net_recv_bytes_per_s)}` },
+    el("span", { class: "bar", style: `width:${width(hw.net_sent_bytes_per_s)}` }),
+    " ",
+    el("span", { class: "bar recv", style: `width:${width(hw.net_recv_bytes_per_s)}` }),
+    ` ${rate(hw.net_sent_bytes_per_s)}`,
+  );
+}
+
+function renderFellows() {
+  const body = document.querySelector("#fellows tbody");
+  const max = Math.max(
+    1,
+    ...state.workers.map((w) => Math.max(w.hardware.net_sent_bytes_per_s || 0, w.hardware.net_recv_bytes_per_s || 0)),
+  );
+  body.replaceChildren(
+    ...state.workers.map((w) => {
+      const row = el(
+        "tr",
+        { "data-fellow": w.fellow_id, onclick: () => select("fellow", w.fellow_id) },
+        el("td", {}, w.fellow_id),
+        el("td", {}, w.hostname),
+        el("td", { class: `status-${w.status}` }, w.status),
+        el("td", {}, w.job_id || "-"),
+        el("td", {}, w.step ?? "-"),
+        el("td", {}, num(w.loss)),
+        el("td", {}, netBars(w, max)),
+        el("td", {}, gpuTotals(w)),
+      );
+      if (state.selection && state.selection.kind === "fellow" && state.selection.id === w.fellow_id) {
+        row.classList.add("selected");
+      }
+      return row;
+    }),
+  );
+}
+
+function renderJobs() {
+  const body = document.querySelector("#jobs tbody");
+  body.replaceChildren(
+    ...[...state.jobs].reverse().slice(0, 20).map((job) => {
+      const progress = job.progress || [];
+      const step = progress.length ? Math.min(...progress.map((p) => p.step)) : 0;
+      const last = progress.length ? progress[progress.length - 1] : null;
+      return el(
+        "tr",
+        { "data-job": job.job_id, onclick: () => select("job", job.job_id) },
+        el("td", {}, job.job_id),
+        el("td", { class: `state-${job.state}` }, job.state),
+        el("td", {}, `${step}/${job.spec.steps}`),
+        el("td", {}, num(job.final_loss ?? (last && last.loss))),
+        el("td", {}, progress.map((p) => p.fellow_id).join(", ") || "-"),
+      );
+    }),
+  );
+}
+
+function activeJob() {
+  if (state.selection && state.selection.kind === "job") {
+    const job = state.jobs.find((j) => j.job_id === state.selection.id);
+    if (job && job.placement) return job;
+  }
+  return state.jobs.find((j) => j.state === "RUNNING" && j.placement) || null;
+}
+
+function renderGraph() {
+  const svg = document.getElementById("graph");
+  const width = svg.clientWidth || 600;
+  const fellows = state.workers;
+  const job = activeJob();
+  const order = job ? job.placement.stages.map((s) => s.fellow_id) : [];
+  const others = fellows.map((f) => f.fellow_id).filter((id) => !order.includes(id));
+  const ids = [...order, ...others];
+  const gap = width / (ids.length + 1);
+  const pos = Object.fromEntries(ids.map((id, i) => [id, { x: gap * (i + 1), y: 160 }]));
+  const leader = { x: width / 2, y: 36 };
+  const children = [];
+  for (const id of ids) {
+    children.push(svgEl("line", { class: "control", x1: leader.x, y1: leader.y + 14, x2: pos[id].x, y2: pos[id].y - 14 }));
+  }
+  const running = (state.cluster && state.cluster.running_jobs) || [];
+  const boundaries = job ? (running.find((r) => r.job_id === job.job_id) || {}).boundaries || [] : [];
+  for (let i = 0; i + 1 < order.length; i++) {
+    const a = pos[order[i]];
+    const b = pos[order[i + 1]];
+    const boundary = boundaries.find((x) => x.boundary === i) || {};
+    const transport = boundary.transport || (job.placement.transport === "tunnel" ? "relay" : "p2p");
+    children.push(svgEl("line", { class: `link ${transport}`, "data-boundary": i, x1: a.x + 40, y1: a.y, x2: b.x - 40, y2: b.y }));
+    const label = svgEl("text", { x: (a.x + b.x) / 2, y: a.y - 8, "text-anchor": "middle" });
+    label.textContent = `${transport === "relay" ? "relayed" : "direct"} ${rate(boundary.bytes_per_s)}`;
+    children.push(label);
+  }
+  children.push(graphNode("leader", "leader", leader, () => select("leader", "leader")));
+  for (const f of fellows) {
+    const stage = order.indexOf(f.fellow_id);
+    const caption = stage >= 0 ? `${f.fellow_id} (stage ${stage})` : f.fellow_id;
+    children.push(graphNode(`fellow ${f.status}`, caption, pos[f.fellow_id], () => select("fellow", f.fellow_id)));
+  }
+  svg.replaceChildren(...children);
+}
+
+function graphNode(kind, caption, at, onclick) {
+  const group = svgEl("g", { class: `node ${kind}`, "data-node": caption });
+  group.addEventListener("click", onclick);
+  group.append(svgEl("rect", { x: at.x - 60, y: at.y - 14, width: 120, height: 28, rx: 6 }));
+  const text = svgEl("text", { x: at.x, y: at.y + 4, "text-anchor": "middle" });
+  text.textContent = caption;
+  group.append(text);
+  return group;
+}
+
+// --- detail views ----------------------------------------------------------------------------
+
+function openDetail() {
+  if (state.detail) state.detail.stop();
+  state.detail = null;
+  const pane = document.getElementById("detail");
+  const selection = state.selection;
+  renderFellows();
+  if (!selection) {
+    pane.replaceChildren(el("p", { class: "muted" }, "Select the leader, a fellow or a job."));
+    return;
+  }
+  const view = { fellow: fellowView, job: jobView, leader: leaderView }[selection.kind](selection.id);
+  state.detail = view;
+  pane.replaceChildren(view.root);
+}
+
+function stream(url, handlers, fallback) {
+  // An SSE stream, with polling (fallback) once the browser gives up on it.
+  let source = null;
+  let timer = null;
+  const startPolling = () => {
+    if (!timer) timer = setInterval(fallback, POLL_MS);
+  };
+  if (window.EventSource) {
+    source = new EventSource(url);
+    for (const [event, handler] of Object.entries(handlers)) {
+      source.addEventListener(event, (message) => handler(JSON.parse(message.data), message.lastEventId));
+    }
+    source.onerror = () => {
+      if (source.readyState === EventSource.CLOSED) startPolling();
+    };
+  } else {
+    startPolling();
+  }
+  return () => {
+    if (source) source.close();
+    if (timer) clearInterval(timer);
+  };
+}
+
+function fellowView(id) {
+  const root = el("div", { "data-view": "fellow" }, el("h2", {}, `Fellow ${id}`));
+  const summary = el("div");
+  const logs = el("div", { id: "logs", "aria-live": "polite" });
+  root.append(summary, el("h2", {}, "Logs"), logs);
+  let lastSeq = 0;
+
+  const append = (entries) => {
+    for (const entry of entries) {
+      if (entry.seq < lastSeq) continue;
+      const time = new Date(entry.ts * 1000).toLocaleTimeString();
+      logs.append(el("div", { class: `line ${entry.level}` }, `${time} ${entry.level} ${entry.logger}: ${entry.message}`));
+    }
+    if (entries.length) lastSeq = Math.max(lastSeq, ...entries.map((e) => e.seq + 1));
+    while (logs.childElementCount > MAX_LOG_LINES) logs.firstElementChild.remove();
+    logs.scrollTop = logs.scrollHeight;
+  };
+  const poll = () => getJSON(`/workers/${encodeURIComponent(id)}/logs?limit=200`).then((entries) => append(entries.filter((e) => e.seq >= lastSeq)));
+  let stopStream = () => {};
+  getJSON(`/workers/${encodeURIComponent(id)}/logs?limit=200`)
+    .then((entries) => {
+      append(entries);
+      const after = lastSeq > 0 ? `?after=${lastSeq - 1}` : "";
+      stopStream = stream(`${API}/workers/${encodeURIComponent(id)}/logs/stream${after}`, { logs: append }, poll);
+    })
+    .catch((error) => logs.append(el("div", { class: "line ERROR" }, `logs unavailable: ${error.message}`)));
+
+  const refresh = () => {
+    const w = state.workers.find((x) => x.fellow_id === id);
+    if (!w) {
+      summary.replaceChildren(el("p", { class: "muted" }, "Not in the registry (released?)."));
+      return;
+    }
+    const hw = w.hardware;
+    const job = state.jobs.find((j) => j.job_id === w.job_id && j.placement);
+    const placed = job ? job.placement.stages.find((s) => s.fellow_id === id) : null;
+    const children = [
+      dl([
+        ["status", w.status, "fellow-status"],
+        ["host", w.hostname],
+        ["job", w.job_id || "-"],
+        ["step / loss", `${w.step ?? "-"} / ${num(w.loss)}`],
+        ["CPU", `${hw.cpu_cores} cores, ${num(hw.cpu_load_pct, 0)}% busy`],
+        ["RAM free", `${gib(hw.ram_available_bytes)} of ${gib(hw.ram_total_bytes)}`],
+        ["network", `sent ${rate(hw.net_sent_bytes_per_s)}, received ${rate(hw.net_recv_bytes_per_s)}`],
+        ["VRAM used / free", gpuTotals(w)],
+        ["layers", placed ? `[${placed.layer_start}, ${placed.layer_end}) of ${job.job_id}` : "-"],
+      ]),
+    ];
+    if ((hw.gpus || []).length) {
+      const slots = placed ? placed.gpu_slots : [];
+      children.push(
+        el(
+          "table",
+          {},
+          el("thead", {}, el("tr", {}, ...["GPU", "name", "used", "free", "util", "temp", "layers"].map((h) => el("th", {}, h)))),
+          el(
+            "tbody",
+            {},
+            ...hw.gpus.map((g) => {
+              const slot = slots.find((s) => s.gpu_uuid === g.uuid);
+              return el(
+                "tr",
+                {},
+                el("td", {}, g.index),
+                el("td", {}, g.name),
+                el("td", {}, gib(g.memory_used_bytes)),
+                el("td", {}, gib(g.memory_free_bytes)),
+                el("td", {}, g.utilization_pct === null ? "-" : `${g.utilization_pct}%`),
+                el("td", {}, g.temperature_c === null ? "-" : `${g.temperature_c} °C`),
+                el("td", {}, slot ? `[${slot.layer_start}, ${slot.layer_end})` : "-"),
+              );
+            }),
+          ),
+        ),
+      );
+    }
+    summary.replaceChildren(...children);
+  };
+  refresh();
+  return { root, refresh, stop: () => stopStream() };
+}
+
+function placementTable(placement) {
+  if (!placement) return el("p", { class: "muted" }, "No placement.");
+  return el(
+    "table",
+    { class: "placement" },
+    el("thead", {}, el("tr", {}, ...["stage", "fellow", "layers", "GPU slots", "memory est. / offered"].map((h) => el("th", {}, h)))),
+    el(
+      "tbody",
+      {},
+      ...placement.stages.map((s) =>
+        el(
+          "tr",
+          {},
+          el("td", {}, s.stage),
+          el("td", {}, s.fellow_id),
+          el("td", {}, `[${s.layer_start}, ${s.layer_end})`),
+          el("td", {}, s.gpu_slots.map((g) => `GPU ${g.gpu_index}: [${g.layer_start}, ${g.layer_end})`).join(", ") || "cpu"),
+          el("td", {}, `${gib(s.memory_estimate_bytes)} / ${gib(s.memory_offered_bytes)}`),
+        ),
+      ),
+    ),
+  );
+}
+
+function leaderView() {
+  const root = el("div", { "data-view": "leader" }, el("h2", {}, "Leader: cluster performance"));
+  const body = el("div");
+  root.append(body);
+  const refresh = () => {
+    const c = state.cluster;
+    if (!c) return;
+    const job = c.running_jobs[0];
+    body.replaceChildren(
+      dl([
+        ["hosts online", c.hosts],
+        ["CPU cores", c.cpu_cores, "cluster-cpu"],
+        ["RAM", `${gib(c.ram_available_bytes)} free of ${gib(c.ram_total_bytes)}`, "cluster-ram"],
+        ["GPUs", c.gpus],
+        ["VRAM", `${gib(c.vram_free_bytes)} free of ${gib(c.vram_total_bytes)}`],
+        ["network", `sent ${rate(c.net_sent_bytes_per_s)}, received ${rate(c.net_recv_bytes_per_s)}`],
+        ["running jobs", c.running_jobs.length],
+        ["step time", job ? `${num(job.step_time_s, 3)} s` : "-"],
+        ["steps / minute", job ? num(job.steps_per_min, 0) : "-"],
+        ["tokens / s", job ? num(job.tokens_per_s, 0) : "-"],
+      ]),
+      el("h2", {}, job ? `Placement of ${job.job_id}` : "Placement"),
+      placementTable(job ? job.placement : null),
+    );
+  };
+  refresh();
+  return { root, refresh, stop: () => {} };
+}
+
+function jobView(id) {
+  const root = el("div", { "data-view": "job" }, el("h2", {}, `Job ${id}`));
+  const summary = el("div");
+  const chart = svgEl("svg", { id: "chart", viewBox: "0 0 600 240", preserveAspectRatio: "none" });
+  const placement = el("div");
+  root.append(summary, el("h2", {}, "Loss"), chart, el("h2", {}, "Placement"), placement);
+  let points = []; // [step, loss]
+  let stopStream = () => {};
+
+  const draw = () => {
+    const line = svgEl("polyline", { "data-points": points.length });
+    if (points.length) {
+      const steps = points.map((p) => p[0]);
+      const losses = points.map((p) => p[1]);
+      const [x0, x1] = [Math.min(...steps), Math.max(...steps, Math.min(...steps) + 1)];
+      const [y0, y1] = [Math.min(...losses), Math.max(...losses, Math.min(...losses) + 1e-6)];
+      const xy = points.map(([s, l]) => `${(20 + (560 * (s - x0)) / (x1 - x0)).toFixed(1)},${(220 - (200 * (l - y0)) / (y1 - y0)).toFixed(1)}`);
+      line.setAttribute("points", xy.join(" "));
+      const top = svgEl("text", { x: 22, y: 14 });
+      top.textContent = `loss ${y1.toFixed(3)}`;
+      const bottom = svgEl("text", { x: 22, y: 236 });
+      bottom.textContent = `${y0.toFixed(3)} · steps ${x0}–${x1}`;
+      chart.replaceChildren(line, top, bottom);
+    } else {
+      chart.replaceChildren(line);
+    }
+  };
+  const add = (step, loss) => {
+    if (loss === null || loss === undefined) return;
+    if (points.length && step <= points[points.length - 1][0]) return;
+    points.push([step, loss]);
+    draw();
+  };
+  const loadHistory = () =>
+    getJSON(`/jobs/${encodeURIComponent(id)}/metrics/history`).then((history) => {
+      for (const p of history) add(p.step, p.loss);
+    });
+  loadHistory()
+    .catch(() => {})
+    .finally(() => {
+      stopStream = stream(
+        `${API}/jobs/${encodeURIComponent(id)}/metrics/stream`,
+        {
+          metrics: (view) => add(view.step, view.loss),
+          end: () => {
+            stopStream();
+            loadHistory();
+          },
+        },
+        loadHistory,
+      );
+    });
+  draw();
+
+  const refresh = () => {
+    const job = state.jobs.find((j) => j.job_id === id);
+    if (!job) {
+      summary.replaceChildren(el("p", { class: "muted" }, "Unknown job."));
+      return;
+    }
+    const progress = job.progress || [];
+    summary.replaceChildren(
+      dl([
+        ["state", job.state, "job-state"],
+        ["attempt", job.attempt],
+        ["step", `${progress.length ? Math.min(...progress.map((p) => p.step)) : 0} of ${job.spec.steps}`],
+        ["loss", num(job.final_loss ?? (points.length ? points[points.length - 1][1] : null))],
+        ["reason", job.reason || "-"],
+      ]),
+    );
+    placement.replaceChildren(placementTable(job.placement));
+  };
+  refresh();
+  return { root, refresh, stop: () => stopStream() };
+}
+
+// --- joining ---------------------------------------------------------------------------------
+
+function setUpJoin() {
+  const token = document.getElementById("token");
+  const result = document.getElementById("join-result");
+  token.value = sessionStorage.getItem("swarm-token") || "";
+  token.addEventListener("change", () => sessionStorage.setItem("swarm-token", token.value));
+  document.getElementById("create-join").addEventListener("click", async () => {
+    sessionStorage.setItem("swarm-token", token.value);
+    const response = await fetch(`${API}/bootstrap/join-sessions`, {
+      method: "POST",
+      headers: { authorization: `Bearer ${token.value}`, "content-type": "application/json" },
+      body: "{}",
+    });
+    if (response.status === 404 || response.status === 405) {
+      result.textContent = "This leader has no join sessions yet: remote onboarding is not built. Start a fellow with swarm-agent --nats-url … instead.";
+      return;
+    }
+    const body = await response.json().catch(() => ({}));
+    result.textContent = response.ok ? body.command : `${response.status}: ${body.message || "refused"}`;
+  });
+}
+
+setUpJoin();
+window.addEventListener("resize", renderGraph);
+openDetail();
+refresh();
+setInterval(refresh, REFRESH_MS);

@@ -1,0 +1,173 @@
+"""The Ops UI in a real browser (Debian's chromium, driven through chromedriver) against a
+real local cluster running a real job."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+
+import psutil
+import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+
+from tests.conftest import start_agent
+from tests.helpers import wait_for
+from tests.integration.test_jobs import tiny, wait_ready, wait_steps
+
+pytestmark = pytest.mark.timeout(240)
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+
+
+@pytest.fixture
+def browser(tmp_path: Path):
+    if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)):
+        pytest.fail("chromium and chromium-driver are missing; .ci/run installs them (apt-get)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--window-size=1280,800",
+        f"--user-data-dir={tmp_path / 'chromium-profile'}",
+    ):
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(30)
+    try:
+        yield driver
+    finally:
+        pid = driver.service.process.pid if driver.service.process else None
+        driver.quit()
+        if pid is not None:  # chromedriver's chromium children, should quit have missed any
+            children = []
+            with contextlib.suppress(psutil.NoSuchProcess):
+                children = psutil.Process(pid).children(recursive=True)
+            for child in children:
+                child.kill()
+
+
+def console_errors(driver) -> list[str]:
+    return [e["message"] for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+
+
+def count(driver, css: str) -> int:
+    return len(driver.find_elements(By.CSS_SELECTOR, css))
+
+
+def click(driver, css: str) -> None:
+    """Click ``css``; the page redraws its tables every 2 s, so retry a stale element."""
+
+    def attempt() -> bool:
+        driver.find_element(By.CSS_SELECTOR, css).click()
+        return True
+
+    wait_for(attempt, timeout=10, what=f"a click on {css}")
+
+
+def text(driver, element_id: str) -> str:
+    # Read in the page: an element fetched first could be redrawn before it is read.
+    return driver.execute_script(
+        "const e = document.getElementById(arguments[0]); return e ? e.innerText : ''",
+        element_id,
+    )
+
+
+def chart_points(driver) -> int:
+    return driver.execute_script(
+        "const l = document.querySelector('#chart polyline');"
+        "return l ? Number(l.getAttribute('data-points')) : 0"
+    )
+
+
+def test_ops_ui_shows_fellows_logs_loss_and_the_cluster(
+    procs, nats_server, leader, browser, tmp_path
+):
+    shots = tmp_path / "screenshots"
+    shots.mkdir()
+    for name in ("ui-1", "ui-2"):
+        start_agent(procs, nats_server.url, name)
+    wait_ready(leader, "ui-1", "ui-2")
+    job_id = leader.submit(**tiny(name="ui", steps=100_000, stages=2))["job_id"]
+    leader.wait_job(job_id, "RUNNING", timeout=20)
+    wait_steps(leader, job_id, 3)
+
+    browser.get(f"{leader.url}/ops/join-v2")
+    wait_for(
+        lambda: (
+            count(browser, '#fellows tr[data-fellow="ui-1"]')
+            and count(browser, '#fellows tr[data-fellow="ui-2"]')
+        ),
+        timeout=15,
+        what="both fellows in the table",
+    )
+    assert count(browser, "#graph line.link") == 1, "one pipeline link between the two stages"
+    assert console_errors(browser) == []
+    browser.save_screenshot(str(shots / "overview.png"))
+
+    # A fellow: its logs at once, then lines that arrive after the click.
+    click(browser, '#fellows tr[data-fellow="ui-1"]')
+    wait_for(lambda: count(browser, "#logs .line") > 0, timeout=15, what="log lines")
+    before = count(browser, "#logs .line")
+    checkpoint = leader.request("POST", f"/api/v1/jobs/{job_id}/checkpoint")
+    assert checkpoint.status_code == 202
+    wait_for(
+        lambda: (
+            count(browser, "#logs .line") > before
+            and "signal CHECKPOINT" in browser.find_element(By.ID, "logs").text
+        ),
+        timeout=20,
+        what="a log line that arrived after the click",
+    )
+    assert "#fellow=ui-1" in browser.current_url
+    browser.save_screenshot(str(shots / "fellow.png"))
+
+    # The job: its loss curve grows while it trains; a reload redraws the stored curve.
+    click(browser, f'#jobs tr[data-job="{job_id}"]')
+    wait_for(lambda: chart_points(browser) >= 2, timeout=15, what="the loss curve")
+    first = chart_points(browser)
+    wait_for(lambda: chart_points(browser) > first + 3, timeout=30, what="live points")
+    browser.save_screenshot(str(shots / "job.png"))
+    grown = chart_points(browser)
+    browser.refresh()
+    wait_for(lambda: chart_points(browser) >= grown, timeout=15, what="the curve after reload")
+    wait_for(lambda: text(browser, "job-state") == "RUNNING", timeout=10, what="the job state")
+
+    # The leader: aggregate CPU and RAM, and the placement plan.
+    click(browser, '#graph g[data-node="leader"]')
+    cores = str(psutil.cpu_count(logical=True))
+    wait_for(
+        lambda: text(browser, "cluster-cpu") == cores,
+        timeout=10,
+        what="the leader view",
+    )
+    assert "GiB free of" in text(browser, "cluster-ram")
+    wait_for(
+        lambda: count(browser, "table.placement tbody tr") == 2, timeout=10, what="the placement"
+    )
+    browser.save_screenshot(str(shots / "leader.png"))
+
+    # A narrow screen still shows everything (one column).
+    browser.set_window_size(420, 900)
+    assert browser.find_element(By.ID, "fellows").is_displayed()
+    browser.save_screenshot(str(shots / "narrow.png"))
+    assert console_errors(browser) == []
+    assert sorted(p.name for p in shots.iterdir()) == [
+        "fellow.png",
+        "job.png",
+        "leader.png",
+        "narrow.png",
+        "overview.png",
+    ]
