@@ -43,6 +43,7 @@ def serve(
     )
     if settings.nats_url is None:
         raise ConfigError("no NATS server: pass --nats-url or set SWARM_NATS_URL")
+    _gpus_from_nomad()
     configure_logging(settings.log_level)
     fellow_id = settings.fellow_name or default_fellow_id()
     if asyncio.run(_run(settings, settings.nats_url, fellow_id)):
@@ -60,6 +61,18 @@ async def _run(settings: Settings, nats_url: str, fellow_id: str) -> bool:
     await agent.run(stop)
     log.info("fellow %s stopped", fellow_id)
     return agent.restart_requested
+
+
+def _gpus_from_nomad() -> None:
+    """Nomad's nvidia device plugin names the GPUs it assigned in NVIDIA_VISIBLE_DEVICES;
+    outside containers TensorFlow (and NVML filtering here) go by CUDA_VISIBLE_DEVICES."""
+    assigned = os.environ.get("NVIDIA_VISIBLE_DEVICES", "")
+    if (
+        assigned
+        and assigned not in ("all", "none", "void")
+        and "CUDA_VISIBLE_DEVICES" not in os.environ
+    ):
+        os.environ["CUDA_VISIBLE_DEVICES"] = assigned
 
 
 def _restart() -> None:

@@ -45,6 +45,7 @@ from swarm.protocol import (
     StageOutcome,
     StageResult,
 )
+from swarm.sdnotify import notify, watchdog_forever
 from swarm.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -135,9 +136,11 @@ class FellowAgent:
             topics.SIGNAL.subject(self.prefix, fellow=self.fellow_id), cb=self._on_signal
         )
         self._need_register.set()
+        notify("READY=1", f"STATUS=fellow {self.fellow_id} connected to {self.nats_url}")
         tasks = [
             asyncio.create_task(self._registrar(stop), name="registrar"),
             asyncio.create_task(self._heartbeats(stop), name="heartbeats"),
+            asyncio.create_task(watchdog_forever(), name="systemd-watchdog"),
         ]
         if self.probe.sees_gpus:
             tasks.append(asyncio.create_task(self._probe_tensorflow(), name="tf-gpu-probe"))
@@ -147,6 +150,7 @@ class FellowAgent:
         try:
             await stop.wait()
         finally:
+            notify("STOPPING=1")
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -24,6 +24,7 @@ from leader.registry import WorkerRegistry
 from leader.services import LeaderServices
 from swarm import __version__
 from swarm.jobspec import LastStagePlacement
+from swarm.sdnotify import watchdog_forever
 from swarm.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ def create_app(settings: Settings, *, nats_url: str) -> Litestar:
             asyncio.create_task(_sweep_forever(registry, settings), name="registry-sweep"),
             asyncio.create_task(services.orchestrator.run(), name="job-loop"),
             asyncio.create_task(_observe(bus, observe), name="observability"),
+            asyncio.create_task(watchdog_forever(), name="systemd-watchdog"),
         ]
         try:
             yield

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 from pathlib import Path
 from typing import Annotated
 
@@ -21,6 +22,7 @@ from leader.app import create_app
 from swarm.entry import configure_logging, run_or_exit
 from swarm.natsd import NatsServer, start_nats_server
 from swarm.procs import ensure_port_free
+from swarm.sdnotify import notify
 from swarm.settings import Settings
 
 log = logging.getLogger("leader")
@@ -108,7 +110,13 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self._stopping = stopping
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:  # listening, and the app's lifespan started
+            notify("READY=1", "STATUS=serving the API")
+
     def handle_exit(self, sig: int, frame: object) -> None:
+        notify("STOPPING=1")
         super().handle_exit(sig, frame)
         with contextlib.suppress(RuntimeError):
             asyncio.get_running_loop().call_soon_threadsafe(self._stopping.set)

