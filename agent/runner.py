@@ -150,7 +150,8 @@ class FellowAgent:
         try:
             await stop.wait()
         finally:
-            notify("STOPPING=1")
+            # A re-exec (UPDATE) keeps the pid: systemd must see a reload, not a stop.
+            notify("RELOADING=1" if self.restart_requested else "STOPPING=1")
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

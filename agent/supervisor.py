@@ -29,6 +29,7 @@ from swarm.protocol import StageOutcome, StageResult
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 5.0
+LINE_LIMIT = 16 << 20
 
 # TensorFlow's GPU memory: allocate on demand and hand it back (the async allocator), so a
 # fellow's VRAM telemetry stays truthful and several stages can share a GPU.
@@ -101,6 +102,9 @@ class StageRun:
             stderr=asyncio.subprocess.PIPE,
             env=runtime_env(),
             preexec_fn=die_with_parent(signal.SIGKILL),
+            # A line longer than this would stop the readers, the pipe would fill and the
+            # stage would block writing: allow very long lines.
+            limit=LINE_LIMIT,
         )
         log.info(
             "job %s attempt %d: stage %d runtime started (pid %d)",

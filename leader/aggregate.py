@@ -99,10 +99,14 @@ class JobMetricsAggregator:
             fellow = self._fellows[p.fellow_id] = FellowMetrics(
                 fellow_id=p.fellow_id, stage=p.stage or 0
             )
-        if p.event is ProgressEvent.ENDED:
-            fellow.result = p.outcome.result if p.outcome else None
-            return None
         if p.event is not ProgressEvent.STEP:
+            # An end or a checkpoint still says how far the stage got (a new stream starts
+            # from each fellow's latest record, which may be one of these).
+            fellow.step = max(fellow.step, p.step)
+            if p.event is ProgressEvent.ENDED and p.outcome is not None:
+                fellow.result = p.outcome.result
+                if p.outcome.val_loss is not None:
+                    self._val_loss = p.outcome.val_loss
             return None
         self._measure(fellow, p)
         self.total_steps = p.total_steps or self.total_steps

@@ -30,6 +30,7 @@ from swarm.protocol import LogBatch, Progress
 
 log = logging.getLogger(__name__)
 KEEPALIVE_S = 15.0
+LIVE_JOBS = 64  # merged views kept in memory (the most recently active jobs)
 POLL_S = 1.0  # how often an idle stream checks whether its job has ended
 
 
@@ -71,6 +72,12 @@ class Observability:
         assert self.bus.nc is not None, "start() runs once the bus is connected"
         return self.bus.nc
 
+    def check_stream(self, job_id: str | None = None) -> None:
+        """What an SSE endpoint must check before it answers 200 (a generator runs later)."""
+        self._require_ready()
+        if job_id is not None:
+            self.jobs.get(job_id)
+
     def _require_ready(self) -> Client:
         if not self.ready.is_set() or self.bus.nc is None:
             raise StreamsUnavailableError("the leader's streams are not ready yet; try again")
@@ -79,9 +86,10 @@ class Observability:
     # --- live progress (called for every progress message) ----------------------------------
 
     def on_progress(self, progress: Progress) -> None:
-        aggregator = self.live.get(progress.job_id)
-        if aggregator is None:
-            aggregator = self.live[progress.job_id] = JobMetricsAggregator(progress.job_id)
+        aggregator = self.live.pop(progress.job_id, None) or JobMetricsAggregator(progress.job_id)
+        self.live[progress.job_id] = aggregator  # most recently updated last
+        while len(self.live) > LIVE_JOBS:
+            del self.live[next(iter(self.live))]
         aggregator.apply(progress)
         log.info(
             "progress job=%s fellow=%s attempt=%d %s step=%d loss=%s latency=%.3fs "
@@ -215,14 +223,19 @@ async def _sse(
 
     ``on_idle`` may return a final message (the job is over): it is sent and the stream ends.
     """
-    idle = 0.0
+    idle, checked = 0.0, time.monotonic()
     try:
         async for record in records:
-            if record is None:
+            if record is None or time.monotonic() - checked >= POLL_S:
+                # Also while records flow: a straggler must not hold the end back.
+                checked = time.monotonic()
                 final = on_idle()
                 if final is not None:
+                    if record is not None and (message := on_record(record)) is not None:
+                        yield message
                     yield final
                     return
+            if record is None:
                 idle += POLL_S
                 if idle >= KEEPALIVE_S:
                     idle = 0.0

@@ -145,19 +145,13 @@ async def follow(
     Ends when ``stop`` is set (the leader shuts down).
     """
     sub = await _subscribe(nc, stream, subject, start_seq=start_seq, last=last_per_subject)
+    stopper = asyncio.ensure_future(stop.wait()) if stop is not None else None
+    waiter: asyncio.Future | None = None
     try:
-        while stop is None or not stop.is_set():
+        while stopper is None or not stopper.done():
             waiter = asyncio.ensure_future(sub.next_msg(timeout=idle_s))
-            stopper = asyncio.ensure_future(stop.wait()) if stop is not None else None
-            done, _ = await asyncio.wait(
-                {waiter, stopper} - {None}, return_when=asyncio.FIRST_COMPLETED
-            )
-            if stopper is not None and not stopper.done():
-                stopper.cancel()
-            if waiter not in done:
-                waiter.cancel()
-                with contextlib.suppress(BaseException):
-                    await waiter
+            await asyncio.wait({waiter, stopper} - {None}, return_when=asyncio.FIRST_COMPLETED)
+            if not waiter.done():
                 return
             try:
                 msg = waiter.result()
@@ -166,5 +160,12 @@ async def follow(
                 continue
             yield Record(msg.metadata.sequence.stream, msg.subject, msg.data)
     finally:
+        # Also when the client went away (the generator is closed or cancelled): nothing of
+        # this reader may outlive it.
+        for future in (waiter, stopper):
+            if future is not None and not future.done():
+                future.cancel()
+        if waiter is not None and waiter.done() and not waiter.cancelled():
+            waiter.exception()  # retrieved: a late timeout is not "never retrieved"
         with contextlib.suppress(Exception):
             await sub.unsubscribe()

