@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 from collections.abc import AsyncIterator
 
 from litestar import Litestar
@@ -12,6 +13,8 @@ from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 
 from leader.api import CONTROLLERS
+from leader.auth import make_guard
+from leader.bootstrap import find_or_build_wheel
 from leader.bus import LeaderBus
 from leader.errors import EXCEPTION_HANDLERS
 from leader.jobs import JobManager
@@ -30,7 +33,10 @@ from swarm.settings import Settings
 log = logging.getLogger(__name__)
 
 
-def create_app(settings: Settings, *, nats_url: str) -> Litestar:
+def create_app(settings: Settings, *, nats_url: str, token: str | None = None) -> Litestar:
+    """The leader's app. ``token``: the operator token (swarm-leader resolves it with
+    :func:`leader.auth.operator_token`); without one, SWARM_API_TOKEN or a random one."""
+    token = token or settings.api_token or secrets.token_urlsafe(32)
     registry = WorkerRegistry(
         heartbeat_interval_s=settings.heartbeat_interval_s,
         offline_after_s=settings.offline_after_s,
@@ -71,6 +77,7 @@ def create_app(settings: Settings, *, nats_url: str) -> Litestar:
             asyncio.create_task(services.orchestrator.run(), name="job-loop"),
             asyncio.create_task(_observe(bus, observe), name="observability"),
             asyncio.create_task(watchdog_forever(), name="systemd-watchdog"),
+            asyncio.create_task(_package(services, settings), name="bootstrap-package"),
         ]
         try:
             yield
@@ -86,6 +93,7 @@ def create_app(settings: Settings, *, nats_url: str) -> Litestar:
         route_handlers=CONTROLLERS,
         dependencies={"services": Provide(_provider(services), sync_to_thread=False)},
         exception_handlers=EXCEPTION_HANDLERS,
+        guards=[make_guard(token, public_reads=settings.api_public_reads)],
         lifespan=[lifespan],
         middleware=[metrics.middleware()],
         logging_config=None,  # the process configured logging (swarm.entry)
@@ -99,6 +107,17 @@ def _provider(services: LeaderServices):
         return services
 
     return provide_services
+
+
+async def _package(services: LeaderServices, settings: Settings) -> None:
+    """Locate or build the wheel remote hosts install, once, off the event loop."""
+    try:
+        services.package = await asyncio.to_thread(
+            find_or_build_wheel, settings.state_dir / "bootstrap"
+        )
+        log.info("serving %s (sha256 %s)", services.package.file, services.package.sha256)
+    except Exception as exc:
+        log.error("no package for remote fellows: %s", exc)
 
 
 async def _observe(bus: LeaderBus, observe: Observability) -> None:

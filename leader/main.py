@@ -19,6 +19,7 @@ import cyclopts
 import uvicorn
 
 from leader.app import create_app
+from leader.auth import operator_token
 from swarm.entry import configure_logging, run_or_exit
 from swarm.natsd import NatsServer, start_nats_server
 from swarm.procs import ensure_port_free
@@ -81,7 +82,7 @@ def run_leader(settings: Settings) -> None:
     # becomes a clean exit (0) that still runs the finally below, as it does during start-up.
     signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
-        app = create_app(settings, nats_url=url)
+        app = create_app(settings, nats_url=url, token=operator_token(settings))
         server = _Server(
             uvicorn.Config(
                 app,

@@ -5,6 +5,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import msgspec
+
+from leader.bootstrap import JoinSession, JoinSessions, Package, PackageUnavailableError
 from leader.bus import LeaderBus
 from leader.jobs import JobManager, JobRecord
 from leader.observe import Observability
@@ -13,8 +16,10 @@ from leader.purges import PurgeBook
 from leader.registry import FellowRecord, NodeView, WorkerRegistry
 from swarm import __version__
 from swarm.errors import NotFoundError
+from swarm.jobspec import FieldError
 from swarm.protocol import PROTOCOL_VERSION
 from swarm.settings import Settings
+from swarm.subjects import TOKEN_RE
 
 
 @dataclass
@@ -27,6 +32,8 @@ class LeaderServices:
     purges: PurgeBook
     observe: Observability
     orchestrator: Orchestrator
+    joins: JoinSessions = field(default_factory=JoinSessions)
+    package: Package | None = None
     started_at: float = field(default_factory=time.time)
 
     def info(self) -> dict[str, object]:
@@ -101,3 +108,79 @@ class LeaderServices:
             "net_recv_bytes_per_s": round(sum(n.net_recv_bytes_per_s for n in hosts), 1),
             "running_jobs": running,
         }
+
+    # --- onboarding --------------------------------------------------------------------------
+
+    def package_or_503(self) -> Package:
+        if self.package is None:
+            raise PackageUnavailableError(
+                "the package is not ready yet (it is built once at start)"
+            )
+        return self.package
+
+    def _public_url(self, request_base: str) -> str:
+        return (self.settings.public_url or request_base).rstrip("/")
+
+    def bootstrap_manifest(self, request_base: str) -> dict[str, object]:
+        package = self.package_or_503()
+        base = self._public_url(request_base)
+        return {
+            "leader_version": __version__,
+            "leader_url": base,
+            "package": {
+                "file": package.file,
+                "sha256": package.sha256,
+                "size": package.size,
+                "url": f"{base}/api/v1/bootstrap/source",
+            },
+            "nats_urls": [self.settings.public_nats_url or self.nats_url],
+            "transport_default": "auto",
+            "min_python": "3.11",
+        }
+
+    def create_join_session(
+        self, fellow_name: str | None, ttl_s: float, request_base: str
+    ) -> dict[str, object]:
+        if fellow_name is not None and not TOKEN_RE.match(fellow_name):
+            raise FieldError(
+                f"fellow_name: {fellow_name!r} is not a fellow id", field="fellow_name"
+            )
+        if not 1 <= ttl_s <= 7 * 86400:
+            raise FieldError("ttl_s: between 1 s and 7 days", field="ttl_s")
+        session, token = self.joins.create(fellow_name=fellow_name, ttl_s=ttl_s)
+        base = self._public_url(request_base)
+        command = (
+            f"curl -fsSL {base}/api/v1/bootstrap/fellow.sh | sh -s -- "
+            f"--join {base} {session.session_id} {token}"
+        )
+        return {**msgspec.to_builtins(session), "token": token, "command": command}
+
+    def join_sessions(self) -> list[JoinSession]:
+        self._mark_registered()
+        return self.joins.list()
+
+    def join_session(self, session_id: str) -> JoinSession:
+        self._mark_registered()
+        return self.joins.get(session_id)
+
+    def claim_join_session(self, session_id: str, token: str) -> dict[str, object]:
+        package = self.package_or_503()
+        session, secret = self.joins.claim(session_id, token)
+        return {
+            "session_id": session.session_id,
+            "secret": secret,
+            "fellow_name": session.fellow_name,
+            "nats_url": self.settings.public_nats_url or self.nats_url,
+            "package_file": package.file,
+            "package_sha256": package.sha256,
+        }
+
+    def _mark_registered(self) -> None:
+        for session in self.joins.list():
+            if session.status != "installing" or not session.fellow_name:
+                continue
+            record = self.registry.get(session.fellow_name)
+            if record is not None and (record.last_registered_at or record.registered_at) >= (
+                session.claimed_at or 0
+            ):
+                self.joins.fellow_registered(session.fellow_name)

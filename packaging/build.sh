@@ -42,8 +42,10 @@ trap 'rm -rf "$STAGE"' EXIT
   --disable-pip-version-check "$WHEEL"
 grep -rlI --null "$STAGE$PREFIX" "$STAGE$PREFIX/bin" "$STAGE$PREFIX/pyvenv.cfg" \
   | xargs -0 -r sed -i "s|$STAGE$PREFIX|$PREFIX|g"
-mkdir -p "$STAGE$PREFIX/share/doc"
+mkdir -p "$STAGE$PREFIX/share/doc" "$STAGE$PREFIX/share/silentswarm"
 cp -r docs/deploy "$STAGE$PREFIX/share/doc/deploy"
+# The leader serves this wheel to hosts that join (GET /api/v1/bootstrap/source).
+cp "$WHEEL" "$STAGE$PREFIX/share/silentswarm/"
 
 cat >"$STAGE/nfpm.yaml" <<YAML
 name: silentswarm

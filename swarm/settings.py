@@ -41,6 +41,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     fellow_max_vram_gb: float | None = None
     fellow_max_memory_gb: float | None = None
     fellow_max_network_mbps: float | None = None
+    # What remote hosts use to reach the leader's HTTP and NATS (behind NAT or a proxy); unset:
+    # the URL a request came in on, and the leader's own NATS URL.
+    public_url: str | None = None
+    public_nats_url: str | None = None
+    # The operator token (unset: the leader generates one in <state>/api-token) and whether
+    # reads (GET) need it too.
+    api_token: str | None = None
+    api_public_reads: bool = True
     # The leader's placement defaults for jobs that leave these fields unset.
     placement_min_gpu_free_gb: float = 4.0
     pipeline_last_stage_placement: str = "largest_vram"
@@ -115,6 +123,20 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def nats_store_dir(self) -> Path:
         return self.state_dir / "nats"
+
+    @property
+    def api_token_file(self) -> Path:
+        """Where a leader keeps the operator token it generated (mode 0600)."""
+        return self.state_dir / "api-token"
+
+    def client_token(self) -> str | None:
+        """The token a client sends: SWARM_API_TOKEN, else the one stored in the state dir."""
+        if self.api_token:
+            return self.api_token
+        try:
+            return self.api_token_file.read_text().strip() or None
+        except OSError:
+            return None
 
     def fellow_dir(self, fellow_id: str) -> Path:
         """A fellow's own state: stage plans, runtime logs, checkpoints. PURGE removes it."""

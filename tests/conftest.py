@@ -3,6 +3,7 @@ dir, the leader and fellow agents as real processes. Nothing outlives its test."
 
 from __future__ import annotations
 
+import secrets
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -68,13 +69,15 @@ def nats_server(tmp_path: Path) -> Iterator[NatsControl]:
 def leader(procs: Processes, nats_server: NatsControl, tmp_path: Path) -> Iterator[Leader]:
     """A real leader process joined to ``nats_server``."""
     port = free_port()
+    token = secrets.token_urlsafe(16)
     env = child_env(
         SWARM_NATS_URL=nats_server.url,
         SWARM_LEADER_PORT=str(port),
         SWARM_STATE_DIR=str(tmp_path / "leader-state"),
+        SWARM_API_TOKEN=token,
     )
     proc = procs.python("leader", "leader.main", env=env)
-    client = Leader(f"http://127.0.0.1:{port}")
+    client = Leader(f"http://127.0.0.1:{port}", token=token)
     try:
         try:
             wait_for(
@@ -114,11 +117,14 @@ class RestartableLeader:
     def __init__(self, procs: Processes, nats_url: str, state_dir: Path) -> None:
         self.procs = procs
         self.port = free_port()
+        # No SWARM_API_TOKEN: the leader generates one in its state directory, and keeps it
+        # across restarts.
         self.env = child_env(
             SWARM_NATS_URL=nats_url,
             SWARM_LEADER_PORT=str(self.port),
             SWARM_STATE_DIR=str(state_dir),
         )
+        self.state_dir = state_dir
         self.client = Leader(f"http://127.0.0.1:{self.port}")
         self.proc = None
 
@@ -129,6 +135,9 @@ class RestartableLeader:
             timeout=20,
             what="the leader to serve with its state loaded",
         )
+        # The token the leader generated (the same after a restart): the client sends it.
+        self.client.token = (self.state_dir / "api-token").read_text().strip()
+        self.client.http.headers["authorization"] = f"Bearer {self.client.token}"
         return self.proc
 
     def kill(self) -> None:

@@ -110,9 +110,11 @@ def kill_tree(pid: int) -> None:
 class Leader:
     """HTTP access to a running leader."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, token: str | None = None) -> None:
         self.url = url
-        self.http = httpx.Client(base_url=url, timeout=5.0)
+        self.token = token
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(base_url=url, timeout=5.0, headers=headers)
 
     def get(self, path: str) -> Any:
         response = self.http.get(path)

@@ -1,5 +1,6 @@
 """Thin HTTP controllers; the logic lives in leader.services and below."""
 
+from leader.api.bootstrap import BootstrapController
 from leader.api.health import HealthController
 from leader.api.info import ClusterController, InfoController
 from leader.api.jobs import JobsController
@@ -18,6 +19,7 @@ CONTROLLERS = [
     NodesController,
     JobsController,
     LogsController,
+    BootstrapController,
     MetricsController,
     OpsController,
     STATIC,

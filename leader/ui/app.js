@@ -17,8 +17,21 @@ const state = {
 
 // --- small helpers ---------------------------------------------------------------------------
 
+function authHeaders() {
+  const token = sessionStorage.getItem("swarm-token");
+  return token ? { authorization: `Bearer ${token}` } : {};
+}
+
+function withToken(url) {
+  // EventSource sends no headers: the token rides in the query (only needed when the leader
+  // closes reads, SWARM_API_PUBLIC_READS=0).
+  const token = sessionStorage.getItem("swarm-token");
+  if (!token) return url;
+  return `${url}${url.includes("?") ? "&" : "?"}access_token=${encodeURIComponent(token)}`;
+}
+
 async function getJSON(path) {
-  const response = await fetch(API + path, { headers: { accept: "application/json" } });
+  const response = await fetch(API + path, { headers: { accept: "application/json", ...authHeaders() } });
   if (!response.ok) throw new Error(`${path}: HTTP ${response.status}`);
   return response.json();
 }
@@ -258,7 +271,7 @@ function stream(url, handlers, fallback) {
   const poll = () => Promise.resolve().then(fallback).catch(() => {});
   const open = () => {
     if (closed || !window.EventSource) return;
-    source = new EventSource(url);
+    source = new EventSource(withToken(url));
     for (const [event, handler] of Object.entries(handlers)) {
       source.addEventListener(event, (message) => handler(JSON.parse(message.data), message.lastEventId));
     }
@@ -527,22 +540,60 @@ function jobView(id) {
 function setUpJoin() {
   const token = document.getElementById("token");
   const result = document.getElementById("join-result");
+  const list = document.getElementById("join-sessions");
   token.value = sessionStorage.getItem("swarm-token") || "";
   token.addEventListener("change", () => sessionStorage.setItem("swarm-token", token.value));
   document.getElementById("create-join").addEventListener("click", async () => {
     sessionStorage.setItem("swarm-token", token.value);
     const response = await fetch(`${API}/bootstrap/join-sessions`, {
       method: "POST",
-      headers: { authorization: `Bearer ${token.value}`, "content-type": "application/json" },
+      headers: { ...authHeaders(), "content-type": "application/json" },
       body: "{}",
     });
-    if (response.status === 404 || response.status === 405) {
-      result.textContent = "This leader has no join sessions yet: remote onboarding is not built. Start a fellow with swarm-agent --nats-url … instead.";
-      return;
-    }
     const body = await response.json().catch(() => ({}));
-    result.textContent = response.ok ? body.command : `${response.status}: ${body.message || "refused"}`;
+    result.textContent = response.ok
+      ? `Run on the new machine (single use, until ${new Date(body.expires_at * 1000).toLocaleTimeString()}):\n${body.command}`
+      : `${response.status}: ${body.message || "refused"}`;
+    listSessions();
   });
+  const listSessions = () =>
+    getJSON("/bootstrap/join-sessions")
+      .then((sessions) => {
+        list.replaceChildren(
+          ...sessions
+            .slice(-10)
+            .reverse()
+            .map((s) =>
+              el(
+                "li",
+                { "data-session": s.session_id, onclick: () => showSessionLog(s.session_id) },
+                `${s.session_id} · ${s.status}${s.fellow_name ? ` · ${s.fellow_name}` : ""} · ${s.log_lines} log lines`,
+              ),
+            ),
+        );
+      })
+      .catch(() => {});
+  listSessions();
+  setInterval(listSessions, 5000);
+}
+
+function showSessionLog(sessionId) {
+  const pane = document.getElementById("detail");
+  if (state.detail) state.detail.stop();
+  const logs = el("div", { id: "logs" });
+  pane.replaceChildren(el("div", { "data-view": "join" }, el("h2", {}, `Join session ${sessionId}`), logs));
+  const stop = stream(
+    `${API}/bootstrap/join-sessions/${encodeURIComponent(sessionId)}/logs/stream`,
+    {
+      log: (line) => logs.append(el("div", { class: "line" }, line.line)),
+      end: (session) => {
+        logs.append(el("div", { class: "line" }, `— ${session.status} ${session.reason || ""}`));
+        stop();
+      },
+    },
+    () => {},
+  );
+  state.detail = { stop, refresh: null };
 }
 
 setUpJoin();

@@ -43,7 +43,12 @@ class Context:
         )
 
     def client(self) -> LeaderClient:
-        return LeaderClient(self.leader_url)
+        return LeaderClient(self.leader_url, token=self.token)
+
+    @property
+    def token(self) -> str | None:
+        """SWARM_API_TOKEN, else the token the local leader stored in the state directory."""
+        return self.settings.client_token()
 
     def emit(self, value: Any, human: str) -> None:
         print(render.dumps(value) if self.json else human)
@@ -209,7 +214,13 @@ def watch(job_id: str) -> None:
     """Live merged metrics of a job (SSE): progress bar, loss, tokens/s, step time, ETA and a
     row per fellow, until it ends; exit 0 if it COMPLETED, 1 otherwise."""
     out = _stderr if CTX.json else print
-    end = watch_stream(CTX.leader_url, job_id, out=out, tty=sys.stdout.isatty() and not CTX.json)
+    end = watch_stream(
+        CTX.leader_url,
+        job_id,
+        out=out,
+        tty=sys.stdout.isatty() and not CTX.json,
+        token=CTX.token,
+    )
     if CTX.json:
         print(render.dumps(end))
 
@@ -230,7 +241,10 @@ def logs(
         return
     last = str(records[-1]["seq"]) if records else None
     for event in sse.follow(
-        CTX.leader_url, f"/api/v1/workers/{fellow_id}/logs/stream", last_event_id=last
+        CTX.leader_url,
+        f"/api/v1/workers/{fellow_id}/logs/stream",
+        last_event_id=last,
+        token=CTX.token,
     ):
         if event.event == "logs":
             for r in json.loads(event.data):
@@ -296,6 +310,48 @@ def release(
         "pending": "; purge pending until it comes back (swarm pending-purges)",
     }[result["purge"]]
     CTX.emit(result, f"released {fellow_id}{purge}")
+
+
+join_session = cyclopts.App(name="join-session", help="Join sessions for remote machines.")
+app.command(join_session)
+
+
+@join_session.command(name="create")
+def join_session_create(
+    *,
+    name: Annotated[
+        str | None, Parameter(help="The new fellow's id (default: its host name)")
+    ] = None,
+    ttl: Annotated[float, Parameter(help="Seconds the one-time token stays valid")] = 3600.0,
+) -> None:
+    """Create a join session and print the one command the remote host runs."""
+    with CTX.client() as client:
+        session = client.create_join_session(name, ttl)
+    CTX.emit(
+        session,
+        f"join session {session['session_id']} (valid {ttl:.0f}s, single use); "
+        f"on the new host run:\n  {session['command']}",
+    )
+
+
+@join_session.command(name="list")
+def join_session_list() -> None:
+    """Join sessions and their status (created, installing, registered, failed)."""
+    with CTX.client() as client:
+        sessions = client.join_sessions()
+    rows = [
+        [
+            s["session_id"],
+            s["status"],
+            s["fellow_name"] or "-",
+            render.since(s["created_at"]),
+            s["log_lines"],
+            s["reason"] or "-",
+        ]
+        for s in sessions
+    ]
+    headers = ["SESSION", "STATUS", "FELLOW", "AGE", "LOG LINES", "REASON"]
+    CTX.emit(sessions, render.table(headers, rows) if rows else "no join sessions")
 
 
 @app.command(name="pending-purges")

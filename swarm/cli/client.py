@@ -13,9 +13,10 @@ SIGNAL_TIMEOUT_S = 30.0
 
 
 class LeaderClient:
-    def __init__(self, base_url: str, *, timeout: float = 10.0) -> None:
+    def __init__(self, base_url: str, *, timeout: float = 10.0, token: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout)
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, headers=headers)
 
     def __enter__(self) -> LeaderClient:
         return self
@@ -82,6 +83,17 @@ class LeaderClient:
             json={"purge_install": purge_install},
             timeout=SIGNAL_TIMEOUT_S,
         )
+
+    def create_join_session(self, fellow_name: str | None, ttl_s: float) -> dict[str, Any]:
+        return self._call(
+            "POST",
+            "/api/v1/bootstrap/join-sessions",
+            json={"fellow_name": fellow_name, "ttl_s": ttl_s},
+            ok_statuses=(201,),
+        )
+
+    def join_sessions(self) -> list[dict[str, Any]]:
+        return self._get("/api/v1/bootstrap/join-sessions")
 
     def pending_purges(self) -> list[dict[str, Any]]:
         return self._get("/api/v1/purges")

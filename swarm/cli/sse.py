@@ -50,6 +50,7 @@ def follow(
     *,
     give_up_after_s: float = 60.0,
     last_event_id: str | None = None,
+    token: str | None = None,
 ) -> Iterator[Event]:
     """Events from ``path``, reconnecting (from the last id seen) when the stream drops.
 
@@ -61,6 +62,8 @@ def follow(
     with httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout) as http:
         while True:
             headers = {"accept": "text/event-stream"}
+            if token:
+                headers["authorization"] = f"Bearer {token}"
             if last_event_id is not None:
                 headers["last-event-id"] = last_event_id
             try:

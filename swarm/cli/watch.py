@@ -168,7 +168,12 @@ class Screen:
 
 
 def watch_stream(
-    base_url: str, job_id: str, *, out: Callable[[str], None], tty: bool
+    base_url: str,
+    job_id: str,
+    *,
+    out: Callable[[str], None],
+    tty: bool,
+    token: str | None = None,
 ) -> dict[str, Any]:
     """Follow ``/metrics/stream`` to the end event; JobEndedBadlyError unless COMPLETED."""
     import json
@@ -177,7 +182,7 @@ def watch_stream(
 
     screen = Screen(out, tty)
     view: dict[str, Any] | None = None
-    for event in sse.follow(base_url, f"/api/v1/jobs/{job_id}/metrics/stream"):
+    for event in sse.follow(base_url, f"/api/v1/jobs/{job_id}/metrics/stream", token=token):
         if event.event == "metrics":
             view = json.loads(event.data)
             screen.show(metrics_lines(view))

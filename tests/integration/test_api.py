@@ -56,3 +56,51 @@ def test_openapi_lists_every_route(leader):
         "/api/v1/workers/{fellow_id}",
         "/api/v1/nodes",
     } <= set(schema["paths"])
+
+
+def test_mutating_routes_need_the_operator_token(leader):
+    import httpx
+
+    with httpx.Client(base_url=leader.url, timeout=5.0) as anonymous:
+        missing = anonymous.post("/api/v1/jobs", json={})
+        assert missing.status_code == 401 and missing.json()["code"] == "UNAUTHORIZED"
+        assert "Authorization: Bearer" in missing.json()["message"]
+        wrong = anonymous.post(
+            "/api/v1/jobs", json={}, headers={"authorization": "Bearer not-the-token"}
+        )
+        assert wrong.status_code == 403 and wrong.json()["code"] == "FORBIDDEN"
+        assert "not-the-token" not in wrong.text
+        # Reads are open by default (SWARM_API_PUBLIC_READS), and so are the UI and /health.
+        assert anonymous.get("/api/v1/jobs").status_code == 200
+        assert anonymous.get("/ops/join-v2").status_code == 200
+    assert anonymous.is_closed
+    assert leader.request("POST", "/api/v1/jobs", json={"stages": 1}).status_code == 201
+
+
+def test_a_leader_without_a_token_makes_one_and_can_close_reads(procs, nats_server, tmp_path):
+    import stat
+
+    from swarm.procs import free_port
+    from tests.helpers import Leader, child_env, wait_for
+
+    port, state = free_port(), tmp_path / "state"
+    env = child_env(
+        SWARM_NATS_URL=nats_server.url,
+        SWARM_LEADER_PORT=str(port),
+        SWARM_STATE_DIR=str(state),
+        SWARM_API_PUBLIC_READS="0",
+    )
+    procs.python("leader", "leader.main", env=env)
+    anonymous = Leader(f"http://127.0.0.1:{port}")
+    wait_for(lambda: anonymous.get("/health"), timeout=20, what="the leader")
+    token_file = state / "api-token"
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    token = token_file.read_text().strip()
+    assert len(token) >= 32
+    assert anonymous.request("GET", "/api/v1/jobs").status_code == 401
+    owner = Leader(anonymous.url, token=token)
+    assert owner.request("GET", "/api/v1/jobs").status_code == 200
+    log = procs.log(procs.started[-1])
+    assert token not in log, "the token is never logged"
+    anonymous.close()
+    owner.close()

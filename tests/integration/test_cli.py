@@ -166,32 +166,35 @@ def test_agent_without_nats_url_exits_2():
 
 def test_job_commands_report_errors_clearly(leader, tmp_path):
     url = ("--leader-url", leader.url)
+    env = child_env(SWARM_API_TOKEN=leader.token)
     bad = tmp_path / "bad.json"
     bad.write_text('{"steps": 10, "model": {"nheads": 2}}')
-    result = swarm(*url, "submit", str(bad), timeout=30)
+    result = swarm(*url, "submit", str(bad), timeout=30, env=env)
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.strip() == "swarm: error: model.nheads: unknown field"
-    missing = swarm(*url, "submit", str(tmp_path / "nope.json"), timeout=30)
+    missing = swarm(*url, "submit", str(tmp_path / "nope.json"), timeout=30, env=env)
     assert missing.returncode == 2 and "cannot read" in missing.stderr
     assert "Traceback" not in missing.stderr + result.stderr
-    unknown = swarm(*url, "cancel", "no-such-job", timeout=30)
+    unknown = swarm(*url, "cancel", "no-such-job", timeout=30, env=env)
     assert unknown.returncode == 1 and "no job 'no-such-job'" in unknown.stderr
     waiting = tmp_path / "waits.json"
     waiting.write_text(json.dumps({"name": "waits", "stages": 3, "model": {"n_layers": 3}}))
-    job_id = swarm(*url, "submit", str(waiting), "--partition", "weighted", timeout=30).stdout
+    job_id = swarm(
+        *url, "submit", str(waiting), "--partition", "weighted", timeout=30, env=env
+    ).stdout
     job_id = job_id.strip()
     assert leader.get(f"/api/v1/jobs/{job_id}")["spec"]["partition"] == "weighted"
-    wrong = swarm(*url, "submit", str(waiting), "--partition", "random", timeout=30)
+    wrong = swarm(*url, "submit", str(waiting), "--partition", "random", timeout=30, env=env)
     assert wrong.returncode == 2 and "Traceback" not in wrong.stderr
-    listed = swarm(*url, "jobs", timeout=30)
+    listed = swarm(*url, "jobs", timeout=30, env=env)
     assert job_id in listed.stdout and "PENDING" in listed.stdout
     assert "waiting for 3 ready fellows; 0 available" in listed.stdout
-    as_json = json.loads(swarm(*url, "--json", "jobs", timeout=30).stdout)
+    as_json = json.loads(swarm(*url, "--json", "jobs", timeout=30, env=env).stdout)
     assert [j["job_id"] for j in as_json] == [job_id]
-    cancelled = swarm(*url, "cancel", job_id, timeout=30)
+    cancelled = swarm(*url, "cancel", job_id, timeout=30, env=env)
     assert cancelled.returncode == 0 and cancelled.stdout.strip() == f"job {job_id} CANCELLED"
-    busy = swarm(*url, "checkpoint", job_id, timeout=30)
+    busy = swarm(*url, "checkpoint", job_id, timeout=30, env=env)
     assert busy.returncode == 1 and "only a RUNNING job can checkpoint" in busy.stderr
-    assert swarm(*url, "pending-purges", timeout=30).stdout.strip() == "no pending purges"
-    gone = swarm(*url, "release", "--fellow-id", "ghost", timeout=30)
+    assert swarm(*url, "pending-purges", timeout=30, env=env).stdout.strip() == "no pending purges"
+    gone = swarm(*url, "release", "--fellow-id", "ghost", timeout=30, env=env)
     assert gone.returncode == 1 and "no fellow 'ghost'" in gone.stderr

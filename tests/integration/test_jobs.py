@@ -61,7 +61,7 @@ def swarm_cli(leader: Leader, *args: str, timeout: float) -> subprocess.Complete
         [sys.executable, "-m", "swarm.cli.app", "--leader-url", leader.url, *args],
         capture_output=True,
         text=True,
-        env=child_env(),
+        env=child_env(SWARM_API_TOKEN=leader.token or ""),
         cwd=REPO,
         timeout=timeout,
     )

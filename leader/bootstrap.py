@@ -1,0 +1,239 @@
+"""Remote onboarding: the package a new machine installs, and join sessions.
+
+A join session is created by an operator (operator token) and handed to a remote host as one
+command line. Its single-use token is exchanged once (``claim``) for what the host needs (the
+NATS URL, its fellow name, the package's sha256) and a session secret it then uses to stream
+its install log back; a used or expired token is refused and nothing is installed. The
+session is ``created`` -> ``installing`` (claimed) -> ``registered`` (the fellow registered)
+or ``failed`` (the script said so, or the session expired unused).
+
+The package is the wheel of exactly the running version, located or built once when the
+leader starts, never per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import secrets
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+
+from swarm import __version__
+from swarm.errors import NotFoundError, SwarmError
+
+log = logging.getLogger(__name__)
+LOG_LINES = 5000  # kept per session
+
+
+class JoinRefusedError(SwarmError):
+    code = "JOIN_TOKEN_INVALID"
+    http_status = 401
+
+
+class JoinGoneError(SwarmError):
+    code = "JOIN_SESSION_GONE"
+    http_status = 410
+
+
+class PackageUnavailableError(SwarmError):
+    code = "PACKAGE_UNAVAILABLE"
+    http_status = 503
+
+
+class JoinSession(msgspec.Struct, kw_only=True):
+    session_id: str
+    fellow_name: str | None
+    status: str  # created | installing | registered | failed
+    created_at: float
+    expires_at: float
+    claimed_at: float | None = None
+    registered_at: float | None = None
+    reason: str = ""
+    log_lines: int = 0
+
+
+class SessionLogLine(msgspec.Struct):
+    seq: int
+    ts: float
+    line: str
+
+
+class _Entry:
+    def __init__(self, session: JoinSession, token_hash: bytes) -> None:
+        self.session = session
+        self.token_hash = token_hash
+        self.secret_hash: bytes | None = None
+        self.lines: list[SessionLogLine] = []
+        self.changed = asyncio.Event()
+
+
+def _hash(value: str) -> bytes:
+    return hashlib.sha256(value.encode()).digest()
+
+
+class JoinSessions:
+    """The sessions (in memory: a session lives minutes; a leader restart ends the open ones)."""
+
+    def __init__(self, *, wall: Callable[[], float] = time.time) -> None:
+        self._wall = wall
+        self._entries: dict[str, _Entry] = {}
+
+    def create(self, *, fellow_name: str | None, ttl_s: float) -> tuple[JoinSession, str]:
+        """A new session and its single-use token (returned once, stored only as a hash)."""
+        now = self._wall()
+        session = JoinSession(
+            session_id=secrets.token_hex(6),
+            fellow_name=fellow_name,
+            status="created",
+            created_at=now,
+            expires_at=now + ttl_s,
+        )
+        token = secrets.token_urlsafe(24)
+        self._entries[session.session_id] = _Entry(session, _hash(token))
+        return session, token
+
+    def get(self, session_id: str) -> JoinSession:
+        entry = self._entry(session_id)
+        self._expire(entry)
+        return entry.session
+
+    def list(self) -> list[JoinSession]:
+        for entry in self._entries.values():
+            self._expire(entry)
+        return sorted((e.session for e in self._entries.values()), key=lambda s: s.created_at)
+
+    def claim(self, session_id: str, token: str) -> tuple[JoinSession, str]:
+        """Exchange the single-use token for the session secret the installer then uses."""
+        entry = self._entry(session_id)
+        if not hmac.compare_digest(_hash(token), entry.token_hash):
+            raise JoinRefusedError("this join token is not the session's; nothing was installed")
+        self._expire(entry)
+        if entry.session.status == "failed" and entry.session.claimed_at is None:
+            raise JoinGoneError("this join session expired; ask the operator for a new one")
+        if entry.session.claimed_at is not None:
+            raise JoinGoneError("this join token was already used; ask for a new session")
+        secret = secrets.token_urlsafe(24)
+        entry.secret_hash = _hash(secret)
+        entry.session.claimed_at = self._wall()
+        entry.session.status = "installing"
+        entry.changed.set()
+        return entry.session, secret
+
+    def append_log(self, session_id: str, secret: str, lines: list[str], *, failed: bool) -> int:
+        entry = self._entry(session_id)
+        if entry.secret_hash is None or not hmac.compare_digest(_hash(secret), entry.secret_hash):
+            raise JoinRefusedError("this is not the installer of that join session")
+        now = self._wall()
+        for line in lines:
+            entry.lines.append(SessionLogLine(len(entry.lines) + 1, now, line[:2000]))
+        del entry.lines[:-LOG_LINES]
+        entry.session.log_lines = len(entry.lines)
+        if failed and entry.session.status == "installing":
+            entry.session.status = "failed"
+            entry.session.reason = (lines[-1] if lines else "the installer failed")[:500]
+        self._wake(entry)
+        return entry.session.log_lines
+
+    def fellow_registered(self, fellow_id: str) -> None:
+        """A fellow registered: the session that installed it is done."""
+        for entry in self._entries.values():
+            session = entry.session
+            if session.status == "installing" and session.fellow_name == fellow_id:
+                session.status, session.registered_at = "registered", self._wall()
+                self._wake(entry)
+
+    def lines_after(self, session_id: str, seq: int) -> list[SessionLogLine]:
+        return [line for line in self._entry(session_id).lines if line.seq > seq]
+
+    async def wait_change(self, session_id: str, timeout: float) -> None:
+        entry = self._entry(session_id)
+        try:
+            await asyncio.wait_for(entry.changed.wait(), timeout)
+        except TimeoutError:
+            return
+        entry.changed.clear()
+
+    def _wake(self, entry: _Entry) -> None:
+        entry.changed.set()
+
+    def _entry(self, session_id: str) -> _Entry:
+        entry = self._entries.get(session_id)
+        if entry is None:
+            raise NotFoundError(f"no join session {session_id!r}")
+        return entry
+
+    def _expire(self, entry: _Entry) -> None:
+        session = entry.session
+        if session.status == "created" and self._wall() > session.expires_at:
+            session.status, session.reason = "failed", "expired before it was used"
+
+
+# --- the package ----------------------------------------------------------------------------
+
+
+class Package(msgspec.Struct):
+    file: str
+    sha256: str
+    size: int
+    path: str
+
+
+def find_or_build_wheel(cache: Path) -> Package:
+    """The wheel of the running version: cached, shipped beside the install, or built now.
+
+    Looked for in ``cache`` (the leader's state), then next to the installed package (the
+    .deb puts it in ``<prefix>/share/silentswarm/``); else built from the source tree this
+    code runs from (an editable or source checkout) with setuptools' backend.
+    """
+    name = f"silentswarm-{__version__}-py3-none-any.whl"
+    cache.mkdir(parents=True, exist_ok=True)
+    target = cache / name
+    if not target.exists():
+        here = Path(__file__).resolve()
+        shipped = [p / "share" / "silentswarm" / name for p in here.parents]
+        source = next((p for p in here.parents if (p / "pyproject.toml").exists()), None)
+        found = next((p for p in shipped if p.exists()), None)
+        if found is not None:
+            shutil.copyfile(found, target)
+        elif source is not None:
+            _build(source, cache)
+        if not target.exists():
+            raise PackageUnavailableError(
+                f"no {name} to serve: install from a .deb or a source checkout, "
+                f"or put the wheel in {cache}"
+            )
+    data = target.read_bytes()
+    return Package(
+        file=name, sha256=hashlib.sha256(data).hexdigest(), size=len(data), path=str(target)
+    )
+
+
+def _build(source: Path, out: Path) -> None:
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as build:
+        code = (
+            "import os, sys; from setuptools import build_meta; "
+            "print(build_meta.build_wheel(sys.argv[1]))"
+        )
+        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(out)],
+            cwd=source,
+            env={**env, "TMPDIR": build},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    if done.returncode != 0:
+        log.error("building the bootstrap wheel failed: %s", done.stderr[-2000:])

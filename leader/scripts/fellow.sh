@@ -1,0 +1,204 @@
+#!/bin/sh
+# SilentSwarm fellow installer, served by a leader at /api/v1/bootstrap/fellow.sh.
+#
+#   curl -fsSL <leader>/api/v1/bootstrap/fellow.sh | sh -s -- --join <leader> <session> <token>
+#
+# Checks Python >= 3.11, claims the join session (its token works once), downloads the
+# leader's package and checks its sha256, installs it into a venv under the prefix, writes
+# the fellow's configuration and starts the agent (a systemd user unit when systemd runs,
+# else a background process with a pid file). Every step's output goes to the join
+# session's log on the leader.
+#
+# Options: --prefix DIR (default ~/.silentswarm), --name NAME (the fellow id), --python PATH,
+# --pip-args "ARGS" (e.g. "--index-url https://mirror/simple" for an offline site),
+# --site-packages DIR (add DIR to the venv's path: a pre-installed dependency set),
+# --no-systemd, --no-start.
+set -eu
+
+PREFIX="${HOME:-/tmp}/.silentswarm"
+PYTHON="python3"
+NAME=""
+PIP_ARGS=""
+SITE_PACKAGES=""
+USE_SYSTEMD=1
+START=1
+LEADER=""
+SESSION=""
+TOKEN=""
+
+usage() {
+  echo "usage: fellow.sh --join LEADER_URL SESSION_ID TOKEN [--prefix DIR] [--name NAME]" >&2
+  exit 2
+}
+
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --join) [ $# -ge 4 ] || usage; LEADER="$2"; SESSION="$3"; TOKEN="$4"; shift 4 ;;
+    --prefix) PREFIX="$2"; shift 2 ;;
+    --name) NAME="$2"; shift 2 ;;
+    --python) PYTHON="$2"; shift 2 ;;
+    --pip-args) PIP_ARGS="$2"; shift 2 ;;
+    --site-packages) SITE_PACKAGES="$2"; shift 2 ;;
+    --no-systemd) USE_SYSTEMD=0; shift ;;
+    --no-start) START=0; shift ;;
+    *) usage ;;
+  esac
+done
+[ -n "$LEADER" ] || usage
+
+mkdir -p "$PREFIX"
+LOG="$PREFIX/join.log"
+: >"$LOG"
+HELPER="$PREFIX/join-helper.py"
+SECRET=""
+SENT=0
+
+say() {
+  echo "$*"
+  echo "$*" >>"$LOG"
+}
+
+# Ship the log lines written since the last call (best effort: the install goes on).
+ship() {
+  if [ -n "$SECRET" ]; then
+    SENT=$("$PYTHON" "$HELPER" post "$LEADER" "$SESSION" "$SECRET" "$LOG" "$SENT" "${1:-ok}" 2>/dev/null || echo "$SENT")
+  fi
+}
+
+fail() {
+  say "FAILED: $*"
+  ship failed
+  exit 1
+}
+
+command -v "$PYTHON" >/dev/null 2>&1 || { echo "FAILED: $PYTHON not found; install Python >= 3.11" >&2; exit 1; }
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+  || { echo "FAILED: $PYTHON is older than 3.11" >&2; exit 1; }
+
+cat >"$HELPER" <<'PY'
+import hashlib, json, sys, urllib.request
+
+def call(method, url, body=None, headers=None):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+cmd = sys.argv[1]
+if cmd == "claim":
+    leader, session, token, out = sys.argv[2:6]
+    status, body = call("POST", f"{leader}/api/v1/bootstrap/join-sessions/{session}/claim", {"token": token})
+    if status != 200:
+        try:
+            message = json.loads(body)["message"]
+        except Exception:
+            message = body.decode(errors="replace")[:300]
+        print(f"the leader refused the join ({status}): {message}")
+        sys.exit(1)
+    open(out, "wb").write(body)
+elif cmd == "get":
+    print(json.load(open(sys.argv[2]))[sys.argv[3]] or "")
+elif cmd == "fetch":
+    url, sha256, out = sys.argv[2:5]
+    with urllib.request.urlopen(url, timeout=300) as r:
+        data = r.read()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != sha256:
+        print(f"sha256 of the package is {digest}, the leader announced {sha256}: refusing it")
+        sys.exit(1)
+    open(out, "wb").write(data)
+elif cmd == "post":
+    leader, session, secret, log, sent, result = sys.argv[2:8]
+    lines = open(log, errors="replace").read().splitlines()[int(sent):]
+    if lines or result == "failed":
+        status, _ = call("POST", f"{leader}/api/v1/bootstrap/join-sessions/{session}/logs",
+                         {"lines": lines, "failed": result == "failed"},
+                         {"authorization": f"Bearer {secret}"})
+        if status != 200:
+            sys.exit(1)
+    print(int(sent) + len(lines))
+PY
+
+say "claiming join session $SESSION at $LEADER"
+"$PYTHON" "$HELPER" claim "$LEADER" "$SESSION" "$TOKEN" "$PREFIX/join.json" >>"$LOG" 2>&1 \
+  || { cat "$LOG" >&2; exit 1; }
+SECRET=$("$PYTHON" "$HELPER" get "$PREFIX/join.json" secret)
+NATS_URL=$("$PYTHON" "$HELPER" get "$PREFIX/join.json" nats_url)
+[ -n "$NAME" ] || NAME=$("$PYTHON" "$HELPER" get "$PREFIX/join.json" fellow_name)
+[ -n "$NAME" ] || NAME=$(hostname | cut -d. -f1)
+PACKAGE=$("$PYTHON" "$HELPER" get "$PREFIX/join.json" package_file)
+SHA256=$("$PYTHON" "$HELPER" get "$PREFIX/join.json" package_sha256)
+say "fellow $NAME, NATS $NATS_URL, package $PACKAGE"
+ship
+
+mkdir -p "$PREFIX/dist"
+say "downloading $PACKAGE"
+"$PYTHON" "$HELPER" fetch "$LEADER/api/v1/bootstrap/source" "$SHA256" "$PREFIX/dist/$PACKAGE" >>"$LOG" 2>&1 \
+  || fail "the package did not check out; nothing was installed"
+say "package sha256 $SHA256 verified"
+ship
+
+say "creating the venv $PREFIX/venv"
+"$PYTHON" -m venv "$PREFIX/venv" >>"$LOG" 2>&1 || fail "could not create a venv (Debian: apt-get install python3-venv)"
+if [ -n "$SITE_PACKAGES" ]; then
+  SITE=$("$PREFIX/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  echo "$SITE_PACKAGES" >"$SITE/silentswarm-extra-site.pth"
+  say "added $SITE_PACKAGES to the venv's path"
+fi
+say "installing $PACKAGE"
+ship
+# shellcheck disable=SC2086  # PIP_ARGS holds several arguments on purpose
+"$PREFIX/venv/bin/python" -m pip install --disable-pip-version-check $PIP_ARGS "$PREFIX/dist/$PACKAGE" >>"$LOG" 2>&1 \
+  || fail "pip could not install $PACKAGE (see the log above)"
+say "installed"
+
+mkdir -p "$PREFIX/state"
+cat >"$PREFIX/fellow.env" <<ENV
+SWARM_NATS_URL=$NATS_URL
+SWARM_FELLOW_NAME=$NAME
+SWARM_STATE_DIR=$PREFIX/state
+ENV
+say "wrote $PREFIX/fellow.env"
+ship
+
+if [ "$START" -eq 0 ]; then
+  say "not starting the agent (--no-start): $PREFIX/venv/bin/swarm-agent"
+  ship
+  exit 0
+fi
+if [ "$USE_SYSTEMD" -eq 1 ] && command -v systemctl >/dev/null 2>&1 && systemctl --user show-environment >/dev/null 2>&1; then
+  UNIT_DIR="${XDG_CONFIG_HOME:-$HOME/.config}/systemd/user"
+  mkdir -p "$UNIT_DIR"
+  cat >"$UNIT_DIR/swarm-fellow.service" <<UNIT
+[Unit]
+Description=SilentSwarm fellow ($NAME)
+
+[Service]
+Type=notify
+EnvironmentFile=$PREFIX/fellow.env
+ExecStart=$PREFIX/venv/bin/swarm-agent
+Restart=always
+RestartSec=5
+
+[Install]
+WantedBy=default.target
+UNIT
+  systemctl --user daemon-reload
+  systemctl --user enable --now swarm-fellow.service >>"$LOG" 2>&1 || fail "systemctl --user could not start the agent"
+  say "started the agent as the systemd user unit swarm-fellow.service"
+else
+  # Without systemd: a background process, its pid in $PREFIX/fellow.pid.
+  (
+    set -a
+    # shellcheck disable=SC1091  # written just above
+    . "$PREFIX/fellow.env"
+    set +a
+    nohup "$PREFIX/venv/bin/swarm-agent" >>"$PREFIX/agent.log" 2>&1 &
+    echo $! >"$PREFIX/fellow.pid"
+  )
+  say "started the agent in the background (pid $(cat "$PREFIX/fellow.pid"), log $PREFIX/agent.log)"
+fi
+ship
