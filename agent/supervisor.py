@@ -89,7 +89,10 @@ class StageRun:
     async def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         plan_path = self.workdir / "plan.json"
-        plan_path.write_bytes(msgspec.json.format(msgspec.json.encode(self.plan)))
+        # The plan holds the boundary's CURVE secret keys: readable by this user only.
+        fd = os.open(plan_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(msgspec.json.format(msgspec.json.encode(self.plan)))
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",

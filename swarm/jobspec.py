@@ -16,7 +16,7 @@ import msgspec
 
 from swarm.compression import parse_compression
 from swarm.errors import ConfigError
-from swarm.plan import GpuSlot, ModelConfig, Peer, StagePlan, TrainConfig, Transport
+from swarm.plan import CurveKeys, GpuSlot, ModelConfig, Peer, StagePlan, TrainConfig, Transport
 
 T = TypeVar("T")
 
@@ -211,12 +211,33 @@ class Placement(msgspec.Struct, kw_only=True):
         return next((s for s in self.stages if s.fellow_id == fellow_id), None)
 
 
+def boundary_keys(n_stages: int) -> list[tuple[CurveKeys, CurveKeys]]:
+    """Fresh CURVE keys per boundary: (for the upstream end, for the downstream end)."""
+    import zmq  # only the leader makes keys
+
+    out = []
+    for _ in range(n_stages - 1):
+        server_public, server_secret = (k.decode() for k in zmq.curve_keypair())
+        client_public, client_secret = (k.decode() for k in zmq.curve_keypair())
+        out.append(
+            (
+                CurveKeys(public=client_public, secret=client_secret, peer_public=server_public),
+                CurveKeys(public=server_public, secret=server_secret, peer_public=client_public),
+            )
+        )
+    return out
+
+
 def stage_plans(
     *, job_id: str, attempt: int, spec: JobSpec, placement: Placement, subject_prefix: str
 ) -> list[StagePlan]:
-    """One StagePlan per placed stage. Each fellow fills in its own NATS URL and folders."""
+    """One StagePlan per placed stage. Each fellow fills in its own NATS URL and folders.
+
+    Every p2p boundary gets fresh CURVE keys, so only the placed neighbours can connect.
+    """
     n = len(placement.stages)
     train = spec.train_config()
+    keys = boundary_keys(n) if placement.transport != Transport.TUNNEL else []
     plans = []
     for placed in placement.stages:
         i = placed.stage
@@ -240,6 +261,8 @@ def stage_plans(
                 next=Peer(fellow_id=nxt.fellow_id, data_address=nxt.data_address) if nxt else None,
                 subject_prefix=subject_prefix,
                 gpu_slots=list(placed.gpu_slots),
+                curve_up=keys[i - 1][1] if keys and i > 0 else None,
+                curve_down=keys[i][0] if keys and i + 1 < n else None,
                 peer_timeout_s=spec.peer_timeout_s,
                 intra_op_threads=placed.intra_op_threads,
             )

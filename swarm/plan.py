@@ -91,6 +91,15 @@ class Peer(msgspec.Struct, frozen=True, kw_only=True):
     data_address: str | None = None
 
 
+class CurveKeys(msgspec.Struct, frozen=True, kw_only=True):
+    """ZeroMQ CURVE keys (Z85) for one end of a p2p boundary: its own pair and its one peer's
+    public key. The leader makes them for each START; they are never stored."""
+
+    public: str
+    secret: str
+    peer_public: str
+
+
 class StagePlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     job_id: str
     attempt: int = 1
@@ -110,6 +119,10 @@ class StagePlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     nats_url: str | None = None
     subject_prefix: str = "swarm"
     gpu_slots: list[GpuSlot] = msgspec.field(default_factory=list)
+    # CURVE on the p2p boundaries: up (this stage binds; only the upstream peer may connect)
+    # and down (this stage connects; it trusts only the downstream peer). None: plain TCP.
+    curve_up: CurveKeys | None = None
+    curve_down: CurveKeys | None = None
     peer_timeout_s: float = 60.0
     p2p_probe_timeout_s: float = 3.0
     intra_op_threads: int | None = None

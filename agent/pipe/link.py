@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from agent.pipe.wire import frame_nbytes
 
@@ -79,9 +80,34 @@ def _is_control(parts: Sequence[bytes | memoryview]) -> bool:
 # --- ZeroMQ ---------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class CurveKeys:
+    """CURVE for one end of a boundary (Z85 text): its own keypair and the one peer key.
+
+    The binding end is the CURVE server and accepts only the client whose public key is
+    ``peer_public`` (a ZAP handler checks it); the connecting end is the client and trusts
+    only a server whose public key is ``peer_public``.
+    """
+
+    public: str
+    secret: str
+    peer_public: str
+
+
+class _OnlyThisPeer:
+    """ZAP credentials: exactly one client key."""
+
+    def __init__(self, allowed: str) -> None:
+        self.allowed = allowed.encode()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key == self.allowed
+
+
 class ZmqLink:
     """A DEALER socket: it reconnects by itself, and ZMTP heartbeats drop dead peers, so a
-    replaced peer can take over the boundary."""
+    replaced peer can take over the boundary. With ``curve`` the traffic is encrypted and
+    only the placed neighbour can connect."""
 
     def __init__(
         self,
@@ -90,6 +116,7 @@ class ZmqLink:
         bind: str | None = None,
         connect: str | None = None,
         context: zmq.Context | None = None,
+        curve: CurveKeys | None = None,
     ) -> None:
         if (bind is None) == (connect is None):
             raise ValueError("give exactly one of bind or connect")
@@ -97,8 +124,23 @@ class ZmqLink:
         self.transport = "p2p"
         self.bytes_sent = 0
         self.bytes_received = 0
+        self._auth = None
+        if curve is not None and bind is not None:
+            # ZAP is per context: a context of its own keeps this check to this socket.
+            context = zmq.Context()
+            self._auth = ThreadAuthenticator(context)
+            self._auth.start()
+            self._auth.configure_curve_callback("*", _OnlyThisPeer(curve.peer_public))
+        self._own_context = curve is not None and bind is not None
         self._ctx = context or zmq.Context.instance()
         sock = self._ctx.socket(zmq.DEALER)
+        if curve is not None:
+            sock.curve_publickey = curve.public.encode()
+            sock.curve_secretkey = curve.secret.encode()
+            if bind is not None:
+                sock.curve_server = True
+            else:
+                sock.curve_serverkey = curve.peer_public.encode()
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
@@ -174,6 +216,10 @@ class ZmqLink:
 
     def close(self) -> None:
         self._sock.close(linger=CLOSE_LINGER_MS)
+        if self._auth is not None:
+            self._auth.stop()
+        if self._own_context:
+            self._ctx.term()
 
 
 def _bind(sock: zmq.Socket, address: str) -> None:
@@ -507,6 +553,7 @@ def connect_downstream(
     relay: RelayFactory | None,
     timeout_s: float,
     fingerprint: bytes = b"",
+    curve: CurveKeys | None = None,
 ) -> Link:
     """The upstream end: say HELLO on every allowed transport until the binder ACKs one.
 
@@ -514,7 +561,7 @@ def connect_downstream(
     ``fingerprint`` (what must be equal on both ends, such as the training data); a binder
     with another fingerprint refuses, and this raises HandshakeError.
     """
-    make_zmq = (lambda: ZmqLink(name=name, connect=address)) if address else None
+    make_zmq = (lambda: ZmqLink(name=name, connect=address, curve=curve)) if address else None
     with _candidates(name, transport, make_zmq, relay) as links:
         deadline = time.monotonic() + timeout_s
         while links.chosen is None:
@@ -574,6 +621,7 @@ def accept_upstream(
     timeout_s: float,
     p2p_grace_s: float,
     fingerprint: bytes = b"",
+    curve: CurveKeys | None = None,
 ) -> Link:
     """The downstream end: wait for HELLO; answer ACK on the transport it chose.
 
@@ -581,7 +629,7 @@ def accept_upstream(
     within ``p2p_grace_s`` (the connector says HELLO on both at the same time). A HELLO whose
     fingerprint differs from ours is refused on its transport and raises HandshakeError.
     """
-    make_zmq = (lambda: ZmqLink(name=name, bind=bind)) if bind else None
+    make_zmq = (lambda: ZmqLink(name=name, bind=bind, curve=curve)) if bind else None
     with _candidates(name, transport, make_zmq, relay) as links:
         zlink, rlink = links.zmq, links.relay
         deadline = time.monotonic() + timeout_s

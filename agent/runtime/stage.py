@@ -19,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from agent.pipe.link import (
+    CurveKeys,
     Link,
     LinkError,
     PeerTimeoutError,
@@ -36,6 +37,7 @@ from agent.runtime.schedule import Op, one_f_one_b
 from agent.runtime.stage_model import StageModel
 from swarm import subjects
 from swarm.compression import parse_compression
+from swarm.plan import CurveKeys as PlanCurveKeys
 from swarm.plan import StagePlan
 
 log = logging.getLogger(__name__)
@@ -184,6 +186,7 @@ class StageRunner:
                 timeout_s=plan.peer_timeout_s,
                 p2p_grace_s=plan.p2p_probe_timeout_s,
                 fingerprint=fingerprint,
+                curve=_curve(plan.curve_up),
             )
             self.up = Boundary(
                 link, b, name, plan.job_id, plan.attempt, self.grad_codec, plan.peer_timeout_s
@@ -198,6 +201,7 @@ class StageRunner:
                 relay=self._relay(b, name, send="fwd", recv="bwd") if plan.nats_url else None,
                 timeout_s=plan.peer_timeout_s,
                 fingerprint=fingerprint,
+                curve=_curve(plan.curve_down),
             )
             self.down = Boundary(
                 link, b, name, plan.job_id, plan.attempt, self.act_codec, plan.peer_timeout_s
@@ -409,6 +413,12 @@ class StageRunner:
                 out[f"{key}_bytes_sent"] = boundary.link.bytes_sent
                 out[f"{key}_bytes_received"] = boundary.link.bytes_received
         return out
+
+
+def _curve(keys: PlanCurveKeys | None) -> CurveKeys | None:
+    if keys is None:
+        return None
+    return CurveKeys(public=keys.public, secret=keys.secret, peer_public=keys.peer_public)
 
 
 __all__ = ["Boundary", "LinkError", "StageRunner"]

@@ -298,3 +298,55 @@ def test_a_bound_end_without_a_peer_fails_its_send_instead_of_hanging():
             link.send(frame(1), timeout_s=0.5)
     finally:
         link.close()
+
+
+def test_curve_lets_only_the_placed_neighbour_connect():
+    import threading
+
+    import zmq
+
+    from agent.pipe.link import CurveKeys, PeerTimeoutError, TransportKind
+    from agent.pipe.link import accept_upstream as accept
+    from agent.pipe.link import connect_downstream as connect
+    from swarm.procs import free_port
+
+    def keys():
+        return [k.decode() for k in zmq.curve_keypair()]
+
+    (s_pub, s_sec), (c_pub, c_sec), (x_pub, x_sec) = keys(), keys(), keys()
+    address = f"tcp://127.0.0.1:{free_port()}"
+    accepted: dict[str, object] = {}
+
+    def binder():
+        try:
+            accepted["link"] = accept(
+                name="b0", transport=TransportKind.P2P, bind=address, relay=None,
+                timeout_s=15, p2p_grace_s=0,
+                curve=CurveKeys(public=s_pub, secret=s_sec, peer_public=c_pub),
+            )  # fmt: skip
+        except Exception as exc:  # reported below
+            accepted["error"] = exc
+
+    thread = threading.Thread(target=binder)
+    thread.start()
+    try:
+        # A peer with keys of its own (it knows the server's public key) gets no answer.
+        with pytest.raises(PeerTimeoutError):
+            connect(
+                name="intruder", transport=TransportKind.P2P, address=address, relay=None,
+                timeout_s=2, curve=CurveKeys(public=x_pub, secret=x_sec, peer_public=s_pub),
+            )  # fmt: skip
+        link = connect(
+            name="b0", transport=TransportKind.P2P, address=address, relay=None, timeout_s=10,
+            curve=CurveKeys(public=c_pub, secret=c_sec, peer_public=s_pub),
+        )  # fmt: skip
+        thread.join(timeout=15)
+        assert "error" not in accepted, accepted.get("error")
+        link.send([b"frame", b"payload"])
+        received = accepted["link"].recv_any(5)
+        assert [bytes(p) for p in received] == [b"frame", b"payload"]
+        link.close()
+    finally:
+        thread.join(timeout=20)
+        if "link" in accepted:
+            accepted["link"].close()

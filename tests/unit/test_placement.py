@@ -267,8 +267,15 @@ def test_stage_plans_chain_the_placed_stages():
     assert first.next.data_address == last.data_address
     assert last.problems() == [] and first.problems() == []
     assert {p.attempt for p in plans} == {3}
+    # Fresh CURVE keys per boundary: each end trusts exactly the other.
+    assert first.curve_up is None and last.curve_down is None
+    assert first.curve_down.peer_public == last.curve_up.public
+    assert last.curve_up.peer_public == first.curve_down.public
+    again = stage_plans(job_id="j-1", attempt=4, spec=s, placement=placement, subject_prefix="x")
+    assert again[0].curve_down.secret != first.curve_down.secret
     tunnel = place(s, [cand("a", address=None), cand("b", address=None)])
     plans = stage_plans(job_id="j-2", attempt=1, spec=s, placement=tunnel, subject_prefix="swarm")
+    assert all(p.curve_up is None and p.curve_down is None for p in plans)  # relay: no CURVE
     # Over the relay no stage needs an address; each fellow fills in its NATS URL.
     with_nats = [msgspec.structs.replace(p, nats_url="nats://x:1") for p in plans]
     assert [p.problems() for p in with_nats] == [[], []]
