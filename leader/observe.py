@@ -198,7 +198,9 @@ class Observability:
         try:
             return topics.PROGRESS.decode(record.data)
         except ProtocolError as exc:
-            log.warning("skipped unreadable progress record %d: %s", record.seq, exc)
+            log.warning(
+                "skipped unreadable progress record %d on %s: %s", record.seq, record.subject, exc
+            )
             return None
 
     def _decode_log(self, record: streams.Record) -> LogBatch | None:
@@ -206,10 +208,16 @@ class Observability:
             batch = topics.LOG.decode(record.data)
             sender = topics.LOG.parse(self.prefix, record.subject)["fellow"]
         except ProtocolError as exc:
-            log.warning("skipped unreadable log batch %d: %s", record.seq, exc)
+            self.bus.dropped["log"] += 1
+            log.warning("dropped log batch %d on %s: %s", record.seq, record.subject, exc)
             return None
         if batch.fellow_id != sender:
-            log.warning("skipped log batch %d: fellow id does not match its subject", record.seq)
+            self.bus.dropped["log"] += 1
+            log.warning(
+                "dropped log batch %d on %s: fellow id is not its subject's",
+                record.seq,
+                record.subject,
+            )
             return None
         return batch
 

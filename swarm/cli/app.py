@@ -19,6 +19,7 @@ from swarm.cli.client import LeaderClient
 from swarm.cli.watch import watch_job, watch_stream
 from swarm.entry import run_or_exit
 from swarm.errors import ConfigError
+from swarm.jobspec import decode_job_spec
 from swarm.settings import Settings
 
 app = cyclopts.App(
@@ -194,6 +195,10 @@ def submit(
         raise ConfigError(f"cannot read {config}: {exc.strerror}") from None
     if partition is not None:
         body = _override(body, config, partition=partition)
+    try:
+        decode_job_spec(body)  # the leader's own checks, here first: the path, field, reason
+    except ConfigError as exc:
+        raise ConfigError(f"{config}: {exc.message}") from None
     with CTX.client() as client:
         record = client.submit(body)
         if not watch:

@@ -170,8 +170,8 @@ def test_job_commands_report_errors_clearly(leader, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"steps": 10, "model": {"nheads": 2}}')
     result = swarm(*url, "submit", str(bad), timeout=30, env=env)
-    assert result.returncode == 1 and result.stdout == ""
-    assert result.stderr.strip() == "swarm: error: model.nheads: unknown field"
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.strip() == f"swarm: error: {bad}: model.nheads: unknown field"
     missing = swarm(*url, "submit", str(tmp_path / "nope.json"), timeout=30, env=env)
     assert missing.returncode == 2 and "cannot read" in missing.stderr
     assert "Traceback" not in missing.stderr + result.stderr

@@ -1,0 +1,77 @@
+"""Junk on every subject the leader listens to: dropped, logged with its subject, counted;
+the leader stays up and its registry does not change."""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+from prometheus_client.parser import text_string_to_metric_families
+
+from swarm import subjects
+from swarm.protocol import FellowIdentity, HardwareSnapshot, Heartbeat, Progress
+from tests.conftest import start_agent
+from tests.helpers import wait_for
+from tests.integration.nats_client import with_nats
+
+
+def dropped(leader) -> float:
+    text = leader.http.get("/api/v1/metrics").text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "swarm_leader_dropped_messages"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    )
+
+
+def test_junk_is_dropped_logged_and_counted_and_changes_nothing(procs, nats_server, leader):
+    start_agent(procs, nats_server.url, "honest")
+    leader.wait_status("honest", "ready", timeout=20)
+    before = leader.workers()
+    counted = dropped(leader)
+
+    identity = FellowIdentity(
+        fellow_id="someone-else", instance_id="i", hostname="h", version="v", pid=1
+    )
+    hardware = HardwareSnapshot(hostname="h", cpu_cores=1, ram_total_bytes=1, ram_available_bytes=1)
+    impostor = Heartbeat(fellow=identity, seq=1, status="ready", hardware=hardware)
+    wrong_type = Progress(job_id="j", fellow_id="honest", attempt=1, step=1)
+    junk = [
+        os.urandom(64),
+        b"",
+        b"\xc1" * 10,  # never valid msgpack
+        os.urandom(900_000),  # big, under the server's 1 MiB max_payload
+        subjects.encode(wrong_type),  # a valid message of another kind
+        msgspec.msgpack.encode({"v": 1, "fellow": "not a struct"}),
+    ]
+
+    async def attack(nc):
+        replies = []
+        for payload in junk:
+            for subject in (
+                "swarm.hb.mallory",
+                "swarm.progress.job-1.mallory",
+                "swarm.log.mallory",
+            ):
+                await nc.publish(subject, payload)
+            msg = await nc.request("swarm.register.mallory", payload, timeout=5)
+            replies.append(subjects.REGISTER.decode_reply(msg.data))
+        # A well-formed heartbeat on another fellow's subject: an impostor.
+        await nc.publish("swarm.hb.honest", subjects.encode(impostor))
+        await nc.flush()
+        return replies
+
+    replies = with_nats(nats_server.url, attack)
+    assert all(not r.accepted and r.code == "PROTOCOL_ERROR" for r in replies)
+    # Every kind of junk on the heartbeat, register, progress and log subjects is counted.
+    wait_for(lambda: dropped(leader) >= counted + 4 * len(junk), timeout=10, what="the drops")
+    assert leader.get("/health")["status"] == "ok"
+    after = leader.workers()
+    assert set(after) == set(before) == {"honest"}
+    assert after["honest"]["instance_id"] == before["honest"]["instance_id"]
+    leader_log = procs.log(procs.started[0])  # the leader fixture's process
+    for subject in ("swarm.hb.mallory", "swarm.register.mallory", "swarm.progress.job-1.mallory"):
+        assert f"dropped message on {subject}" in leader_log, subject
+    assert "dropped message on swarm.hb.honest" in leader_log  # the impostor
