@@ -13,8 +13,10 @@ import logging
 import os
 import shutil
 import socket
+import subprocess
 import uuid
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -406,12 +408,15 @@ class FellowAgent:
         return self._ack(sig, True, message=f"deferred: will restart when {job} ends")
 
     async def _on_purge(self, sig: Signal) -> SignalAck:
+        """Stop, remove what this fellow keeps (and, when fellow.sh installed it, the whole
+        install: its systemd user unit, venv, configuration), answer, then exit."""
         if self.run_ is not None:
             await self.run_.stop("purged")
-        removed = self.fellow_dir
-        await asyncio.to_thread(shutil.rmtree, removed, True)
+        removed = await asyncio.to_thread(
+            purge_install, self.fellow_dir, self.settings.fellow_prefix
+        )
         self._exit("purged by an operator")
-        return self._ack(sig, True, message=f"removed {removed}; exiting")
+        return self._ack(sig, True, message=f"removed {', '.join(removed)}; exiting")
 
     @property
     def fellow_dir(self):
@@ -536,6 +541,32 @@ class FellowAgent:
         if msg.reply:
             with contextlib.suppress(NatsError):
                 await msg.respond(topics.encode(ack))
+
+
+def purge_install(fellow_dir: Path, prefix: Path | None) -> list[str]:
+    """Delete the fellow's state, and its whole install when it has a prefix of its own."""
+    removed = []
+    shutil.rmtree(fellow_dir, ignore_errors=True)
+    removed.append(str(fellow_dir))
+    if prefix is not None and prefix.is_dir():
+        unit = Path.home() / ".config" / "systemd" / "user" / "swarm-fellow.service"
+        if unit.exists() and (str(prefix) in unit.read_text()):
+            subprocess.run(
+                ["systemctl", "--user", "disable", "swarm-fellow.service"],
+                capture_output=True,
+                timeout=30,
+                check=False,
+            )
+            unit.unlink(missing_ok=True)
+            removed.append(str(unit))
+        # The running venv may go: the process keeps its open files until it exits.
+        for child in prefix.iterdir():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
+        removed.append(f"{prefix}/*")
+    return removed
 
 
 def _as_duplicate(ack: SignalAck) -> SignalAck:

@@ -35,6 +35,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     offline_after_s: float = 3.0
     fellow_name: str | None = None
     data_address: str | None = None
+    # Where fellow.sh installed this fellow (venv, state, config): PURGE removes all of it.
+    fellow_prefix: Path | None = None
     # Exit after reporting the end of a job, for supervisors that want a fresh process.
     fellow_exit_after_training: bool = False
     # What a fellow offers at most, so a shared machine can join (None: no cap).

@@ -10,6 +10,7 @@ import sysconfig
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from tests.helpers import child_env, kill_tree, wait_for
@@ -109,6 +110,15 @@ def test_a_host_joins_with_one_command_and_its_install_log_streams(leader, scrip
         again = run_script(leader, script, session, tmp_path / "again", tmp_path)
         assert again.returncode == 1 and "already used" in again.stderr + again.stdout
         assert not (tmp_path / "again" / "venv").exists()
+
+        # Release with purge: the joined fellow removes its whole install and exits.
+        pid = int(pid_file.read_text())
+        released = leader.request(
+            "POST", "/api/v1/workers/joined-1/release", json={"purge_install": True}
+        )
+        assert released.status_code == 200 and released.json()["purge"] == "delivered"
+        wait_for(lambda: not psutil.pid_exists(pid) or _zombie(pid), timeout=30, what="exit")
+        assert list(prefix.iterdir()) == [], "the prefix is left empty"
     finally:
         if pid_file.exists():
             kill_tree(int(pid_file.read_text()))
@@ -165,3 +175,10 @@ def test_the_cli_creates_and_lists_join_sessions(leader):
     assert "cli-joined" in listed.stdout and "created" in listed.stdout
     bad = swarm("join-session", "create", "--name", "no spaces allowed")
     assert bad.returncode == 1 and "fellow_name" in bad.stderr
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
