@@ -110,14 +110,17 @@ def _provider(services: LeaderServices):
 
 
 async def _package(services: LeaderServices, settings: Settings) -> None:
-    """Locate or build the wheel remote hosts install, once, off the event loop."""
+    """Find the wheel remote hosts install (cached or shipped); building waits for a join."""
     try:
-        services.package = await asyncio.to_thread(
-            find_or_build_wheel, settings.state_dir / "bootstrap"
+        found = await asyncio.to_thread(
+            find_or_build_wheel, settings.state_dir / "bootstrap", build=False
         )
-        log.info("serving %s (sha256 %s)", services.package.file, services.package.sha256)
     except Exception as exc:
         log.error("no package for remote fellows: %s", exc)
+        return
+    if found is not None and services.package is None:
+        services.package = found
+        log.info("serving %s (sha256 %s)", found.file, found.sha256)
 
 
 async def _observe(bus: LeaderBus, observe: Observability) -> None:

@@ -7,8 +7,9 @@ its install log back; a used or expired token is refused and nothing is installe
 session is ``created`` -> ``installing`` (claimed) -> ``registered`` (the fellow registered)
 or ``failed`` (the script said so, or the session expired unused).
 
-The package is the wheel of exactly the running version, located or built once when the
-leader starts, never per request.
+The package is the wheel of exactly the running version: located when the leader starts
+(cached, or shipped with the .deb), or built once from the source checkout on the first
+request that needs it, then cached; never per request.
 """
 
 from __future__ import annotations
@@ -185,8 +186,9 @@ class Package(msgspec.Struct):
     path: str
 
 
-def find_or_build_wheel(cache: Path) -> Package:
-    """The wheel of the running version: cached, shipped beside the install, or built now.
+def find_or_build_wheel(cache: Path, *, build: bool = True) -> Package | None:
+    """The wheel of the running version: cached, shipped beside the install, or built now
+    (None when it is not found and ``build`` is False).
 
     Looked for in ``cache`` (the leader's state), then next to the installed package (the
     .deb puts it in ``<prefix>/share/silentswarm/``); else built from the source tree this
@@ -202,8 +204,10 @@ def find_or_build_wheel(cache: Path) -> Package:
         found = next((p for p in shipped if p.exists()), None)
         if found is not None:
             shutil.copyfile(found, target)
-        elif source is not None:
+        elif source is not None and build:
             _build(source, cache)
+        elif not build:
+            return None
         if not target.exists():
             raise PackageUnavailableError(
                 f"no {name} to serve: install from a .deb or a source checkout, "

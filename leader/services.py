@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
 import msgspec
 
-from leader.bootstrap import JoinSession, JoinSessions, Package, PackageUnavailableError
+from leader.bootstrap import (
+    JoinSession,
+    JoinSessions,
+    Package,
+    PackageUnavailableError,
+    find_or_build_wheel,
+)
 from leader.bus import LeaderBus
 from leader.jobs import JobManager, JobRecord
 from leader.observe import Observability
@@ -34,6 +41,7 @@ class LeaderServices:
     orchestrator: Orchestrator
     joins: JoinSessions = field(default_factory=JoinSessions)
     package: Package | None = None
+    _package_build: asyncio.Future[Package | None] | None = None
     started_at: float = field(default_factory=time.time)
 
     def info(self) -> dict[str, object]:
@@ -111,11 +119,26 @@ class LeaderServices:
 
     # --- onboarding --------------------------------------------------------------------------
 
+    async def ensure_package(self) -> Package:
+        """The package joining hosts install: found at start, else built once, on first need
+        (a source checkout has no wheel until then; building takes seconds of CPU that a
+        leader which never onboards anyone should not spend). One build, however many ask,
+        and it finishes even if the request that started it goes away."""
+        if self.package is None:
+            build = self._package_build
+            if build is None or (build.done() and build.exception() is not None):
+                cache = self.settings.state_dir / "bootstrap"
+                build = self._package_build = asyncio.ensure_future(
+                    asyncio.to_thread(find_or_build_wheel, cache)
+                )
+            self.package = await asyncio.shield(build)
+        if self.package is None:
+            raise PackageUnavailableError("no package to serve (see the leader's log)")
+        return self.package
+
     def package_or_503(self) -> Package:
         if self.package is None:
-            raise PackageUnavailableError(
-                "the package is not ready yet (it is built once at start)"
-            )
+            raise PackageUnavailableError("the package is not ready yet; try again")
         return self.package
 
     def _public_url(self, request_base: str) -> str:

@@ -37,11 +37,12 @@ class BootstrapController(Controller):
 
     @get("/manifest", summary="What a joining host installs: version, package, NATS URLs")
     async def manifest(self, request: Request, services: LeaderServices) -> dict[str, Any]:
+        await services.ensure_package()
         return services.bootstrap_manifest(str(request.base_url))
 
     @get("/source", summary="The wheel of exactly the running version")
     async def source(self, services: LeaderServices) -> File:
-        package = services.package_or_503()
+        package = await services.ensure_package()
         return File(package.path, filename=package.file, media_type="application/octet-stream")
 
     @get("/fellow.sh", summary="The POSIX sh installer a join command runs")
@@ -72,6 +73,7 @@ class BootstrapController(Controller):
     )
     async def claim(self, session_id: str, request: Request, services: LeaderServices) -> dict:
         body = decode_strict(await request.body(), Claim)
+        await services.ensure_package()
         return services.claim_join_session(session_id, body.token)
 
     @post(
