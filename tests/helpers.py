@@ -58,6 +58,28 @@ def child_env(**overrides: str) -> dict[str, str]:
     return env
 
 
+def run_swarm(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 90.0
+) -> subprocess.CompletedProcess[str]:
+    """The ``swarm`` CLI as a user runs it, in a subprocess."""
+    return subprocess.run(
+        [sys.executable, "-m", "swarm.cli.app", *args],
+        env=env or child_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+    )
+
+
+def swarm_cli(
+    leader: Leader, *args: str, timeout: float = 120.0
+) -> subprocess.CompletedProcess[str]:
+    """The CLI pointed at ``leader``, sending its operator token."""
+    env = child_env(SWARM_API_TOKEN=leader.token or "")
+    return run_swarm("--leader-url", leader.url, *args, env=env, timeout=timeout)
+
+
 class Processes:
     """Starts real processes and guarantees they (and their children) die with the test."""
 

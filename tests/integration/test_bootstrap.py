@@ -13,7 +13,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.helpers import child_env, kill_tree, wait_for
+from tests.helpers import child_env, kill_tree, swarm_cli, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 SITE_PACKAGES = sysconfig.get_paths()["purelib"]
@@ -154,19 +154,8 @@ def test_expired_tokens_and_a_tampered_package_install_nothing(leader, script, t
 
 
 def test_the_cli_creates_and_lists_join_sessions(leader):
-    import sys
-
-    from tests.helpers import REPO
-
     def swarm(*args):
-        return subprocess.run(
-            [sys.executable, "-m", "swarm.cli.app", "--leader-url", leader.url, *args],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            cwd=REPO,
-            env=child_env(SWARM_API_TOKEN=leader.token),
-        )
+        return swarm_cli(leader, *args, timeout=30)
 
     created = swarm("join-session", "create", "--name", "cli-joined", "--ttl", "600")
     assert created.returncode == 0, created.stderr

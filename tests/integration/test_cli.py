@@ -14,18 +14,9 @@ import pytest
 from swarm.cli.cluster import ClusterManifest, _live
 from swarm.procs import free_port, is_gone
 from tests.helpers import busy_port, child_env, kill_tree
+from tests.helpers import run_swarm as swarm
 
 pytestmark = pytest.mark.integration
-
-
-def swarm(*args: str, env: dict[str, str] | None = None, timeout: float = 90):
-    return subprocess.run(
-        [sys.executable, "-m", "swarm.cli.app", *args],
-        env=env or child_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 @pytest.fixture

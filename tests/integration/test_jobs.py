@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import math
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import msgspec
@@ -17,7 +15,7 @@ from swarm import subjects
 from swarm.plan import ModelConfig, StagePlan, TrainConfig
 from swarm.protocol import Signal, SignalKind
 from tests.conftest import agent_state_dir, start_agent
-from tests.helpers import REPO, Leader, child_env, stage_processes, wait_for
+from tests.helpers import Leader, stage_processes, swarm_cli, wait_for
 from tests.integration.nats_client import with_nats
 
 pytestmark = pytest.mark.timeout(240)
@@ -54,17 +52,6 @@ def wait_steps(leader: Leader, job_id: str, steps: int) -> None:
 def wait_ready(leader: Leader, *names: str) -> None:
     for name in names:
         leader.wait_status(name, "ready", timeout=20)
-
-
-def swarm_cli(leader: Leader, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "swarm.cli.app", "--leader-url", leader.url, *args],
-        capture_output=True,
-        text=True,
-        env=child_env(SWARM_API_TOKEN=leader.token or ""),
-        cwd=REPO,
-        timeout=timeout,
-    )
 
 
 def test_submit_trains_to_completion_with_falling_loss_and_the_cli_follows_it(

@@ -11,7 +11,7 @@ import pytest
 
 from swarm.cli import sse
 from tests.conftest import start_agent
-from tests.helpers import REPO, Leader, child_env, wait_for
+from tests.helpers import REPO, child_env, swarm_cli, wait_for
 from tests.integration.test_jobs import tiny, wait_ready, wait_steps
 
 pytestmark = pytest.mark.timeout(240)
@@ -41,17 +41,6 @@ def read_events(
     return events
 
 
-def swarm(leader: Leader, *args: str, timeout: float = 120):
-    return subprocess.run(
-        [sys.executable, "-m", "swarm.cli.app", "--leader-url", leader.url, *args],
-        capture_output=True,
-        text=True,
-        env=child_env(SWARM_API_TOKEN=leader.token or ""),
-        cwd=REPO,
-        timeout=timeout,
-    )
-
-
 def test_history_sse_and_watch_of_a_finished_job_survive_a_leader_restart(
     procs, nats_server, restartable_leader
 ):
@@ -61,7 +50,7 @@ def test_history_sse_and_watch_of_a_finished_job_survive_a_leader_restart(
         start_agent(procs, nats_server.url, name)
     wait_ready(client, "h1", "h2")
     job_id = client.submit(**tiny(name="curve", steps=30, stages=2))["job_id"]
-    watched = swarm(client, "watch", job_id)
+    watched = swarm_cli(client, "watch", job_id)
     assert watched.returncode == 0, watched.stdout + watched.stderr
     assert "COMPLETED" in watched.stdout and "30/30 100%" in watched.stdout
     assert "stage 0" in watched.stdout and "stage 1" in watched.stdout
@@ -115,7 +104,7 @@ def test_logs_resume_from_last_event_id_without_gaps_or_duplicates(procs, nats_s
     assert leader.request("GET", "/api/v1/workers/l1/logs?limit=0").status_code == 400
     bad = leader.request("GET", path, headers={"last-event-id": "yesterday"})
     assert bad.status_code == 400 and bad.json()["field"] == "Last-Event-ID"
-    printed = swarm(leader, "logs", "l1", "--limit", "3", timeout=30)
+    printed = swarm_cli(leader, "logs", "l1", "--limit", "3", timeout=30)
     assert printed.returncode == 0 and len(printed.stdout.strip().splitlines()) == 3
 
 
