@@ -98,10 +98,6 @@ class CheckpointRecord(msgspec.Struct, kw_only=True):
     at_step: int | None
     stages: list[CheckpointStage]
 
-    @property
-    def complete(self) -> bool:
-        return all(s.ok for s in self.stages)
-
 
 class JobRecord(msgspec.Struct, kw_only=True):
     job_id: str
