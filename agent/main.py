@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import cyclopts
@@ -14,6 +15,8 @@ import cyclopts
 from agent.runner import FellowAgent, default_fellow_id
 from swarm.entry import configure_logging, run_or_exit
 from swarm.errors import ConfigError
+from swarm.natsauth import read_creds_user_name
+from swarm.natsconn import NatsAccess
 from swarm.settings import Settings
 
 log = logging.getLogger("agent")
@@ -33,31 +36,51 @@ def serve(
         str | None,
         cyclopts.Parameter(help="Address peers use for tensors [SWARM_DATA_ADDRESS]"),
     ] = None,
+    nats_creds: Annotated[
+        Path | None,
+        cyclopts.Parameter(help="This fellow's NATS credentials file [SWARM_NATS_CREDS]"),
+    ] = None,
     log_level: Annotated[str | None, cyclopts.Parameter(help="[SWARM_LOG_LEVEL]")] = None,
 ) -> None:
     settings = Settings.from_env().replace(
         nats_url=nats_url,
         fellow_name=name,
         data_address=data_address,
+        nats_creds=nats_creds,
         log_level=log_level,
     )
     if settings.nats_url is None:
         raise ConfigError("no NATS server: pass --nats-url or set SWARM_NATS_URL")
     _gpus_from_nomad()
     configure_logging(settings.log_level)
-    fellow_id = settings.fellow_name or default_fellow_id()
-    if asyncio.run(_run(settings, settings.nats_url, fellow_id)):
+    fellow_id = fellow_id_for(settings)
+    if asyncio.run(_run(settings, settings.nats_access(settings.nats_url), fellow_id)):
         _restart()
 
 
-async def _run(settings: Settings, nats_url: str, fellow_id: str) -> bool:
+def fellow_id_for(settings: Settings) -> str:
+    """The fellow's id: its NATS user's name when it has credentials (NATS lets that user
+    publish only that fellow's subjects), else the name given, else the host name."""
+    if settings.nats_creds is None:
+        return settings.fellow_name or default_fellow_id()
+    user = read_creds_user_name(settings.nats_creds)
+    if settings.fellow_name and settings.fellow_name != user:
+        raise ConfigError(
+            f"SWARM_FELLOW_NAME={settings.fellow_name!r} but the NATS credentials "
+            f"{settings.nats_creds} are for fellow {user!r}: drop the name or use its own "
+            "credentials"
+        )
+    return user
+
+
+async def _run(settings: Settings, nats: NatsAccess, fellow_id: str) -> bool:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    agent = FellowAgent(settings, nats_url=nats_url, fellow_id=fellow_id)
+    agent = FellowAgent(settings, nats=nats, fellow_id=fellow_id)
     logging.getLogger().addHandler(agent.shipper)
-    log.info("fellow %s (instance %s) joining %s", fellow_id, agent.identity.instance_id, nats_url)
+    log.info("fellow %s (instance %s) joining %s", fellow_id, agent.identity.instance_id, nats.url)
     await agent.run(stop)
     log.info("fellow %s stopped", fellow_id)
     return agent.restart_requested
@@ -78,7 +101,9 @@ def _gpus_from_nomad() -> None:
 def _restart() -> None:
     """UPDATE: the same process (same pid, same supervisor) runs the installed agent anew."""
     logging.shutdown()
-    os.execv(sys.executable, [sys.executable, "-m", "agent.main", *sys.argv[1:]])
+    # -P: the working directory stays off sys.path, so the new process imports the installed
+    # package (a checkout or an 'agent' folder where the agent was started cannot shadow it).
+    os.execv(sys.executable, [sys.executable, "-P", "-m", "agent.main", *sys.argv[1:]])
 
 
 def main() -> None:

@@ -26,12 +26,13 @@ from nats.errors import Error as NatsError
 
 from agent.hardware import HardwareProbe, limits_from
 from agent.logship import FellowLogShipper
+from agent.reinstall import PackageRef, UpdateError, reinstall
 from agent.supervisor import StageRun
 from swarm import __version__
 from swarm import subjects as topics
 from swarm.errors import ProtocolError
 from swarm.lifecycle import FellowEvent, IllegalTransitionError, next_status
-from swarm.natsconn import connect_forever
+from swarm.natsconn import NatsAccess, connect_forever
 from swarm.plan import StagePlan
 from swarm.protocol import (
     DeregisterRequest,
@@ -70,12 +71,13 @@ class FellowAgent:
         self,
         settings: Settings,
         *,
-        nats_url: str,
+        nats: NatsAccess,
         fellow_id: str,
         probe: HardwareProbe | None = None,
     ) -> None:
         self.settings = settings
-        self.nats_url = nats_url
+        self.nats = nats
+        self.nats_url = nats.url
         self.prefix = settings.subject_prefix
         self.probe = probe or HardwareProbe(limits=limits_from(settings))
         self.identity = FellowIdentity(
@@ -104,6 +106,8 @@ class FellowAgent:
         # Set by UPDATE: the agent process restarts (re-exec) once it has stopped.
         self.restart_requested = False
         self._update_when_idle = False
+        self._update_package: PackageRef | None = None
+        self._updating: asyncio.Task[None] | None = None
         self.exit_reason: str | None = None
         self.shipper = FellowLogShipper(fellow_id)
         self._down_transport: str | None = None
@@ -116,7 +120,7 @@ class FellowAgent:
         """Serve until ``stop`` is set, then deregister and close."""
         connect = asyncio.create_task(
             connect_forever(
-                self.nats_url,
+                self.nats,
                 name=f"swarm-fellow-{self.fellow_id}",
                 inbox_prefix=topics.inbox_prefix(self.fellow_id),
                 on_disconnected=self._on_disconnected,
@@ -193,7 +197,7 @@ class FellowAgent:
                 self._registered.set()
                 await self._send_heartbeat()
                 if self._update_when_idle and self.status is FellowStatus.READY and not self.run_:
-                    self._restart()
+                    self._update_now()
                 return
             if reason != last_reason:
                 log.warning("registration not accepted: %s (retrying)", reason)
@@ -342,13 +346,15 @@ class FellowAgent:
         if self.status is not FellowStatus.READY or self.run_ is not None:
             doing = f" (job {self.run_.job_id})" if self.run_ else ""
             return self._ack(sig, False, "FELLOW_BUSY", f"fellow is {self.status}{doing}")
+        if self._updating is not None:
+            return self._ack(sig, False, "FELLOW_BUSY", "fellow is installing an update")
         try:
             plan = msgspec.convert(sig.args.get("plan"), StagePlan)
         except msgspec.ValidationError as exc:
             return self._ack(sig, False, "PLAN_INVALID", f"plan: {exc}")
         plan = msgspec.structs.replace(
             plan,
-            nats_url=self.nats_url,
+            nats=self.nats,
             subject_prefix=self.prefix,
             checkpoint_dir=str(self.fellow_dir / "checkpoints"),
         )
@@ -400,12 +406,49 @@ class FellowAgent:
         return self._ack(sig, True, message=f"checkpoint at step {at_step}")
 
     async def _on_update(self, sig: Signal) -> SignalAck:
+        try:
+            package = msgspec.convert(sig.args["package"], PackageRef) if sig.args else None
+        except (KeyError, msgspec.ValidationError) as exc:
+            return self._ack(sig, False, "UPDATE_INVALID", f"package: {exc}")
+        if self.settings.fellow_prefix is None:
+            package = None  # installed by other means (a .deb, pip): restart as installed
+        if self._updating is not None:
+            return self._ack(sig, True, message="an update is already under way")
+        self._update_package = package
         if self.status is FellowStatus.READY and self.run_ is None:
-            self._restart()
+            self._update_now()
+            if package is not None:
+                return self._ack(sig, True, message=f"reinstalling {package.file}, then restarting")
             return self._ack(sig, True, message=f"restarting agent (version {__version__})")
         self._update_when_idle = True
         job = self.run_.job_id if self.run_ else "the current job"
-        return self._ack(sig, True, message=f"deferred: will restart when {job} ends")
+        return self._ack(sig, True, message=f"deferred: will update when {job} ends")
+
+    def _update_now(self) -> None:
+        """Reinstall first when the leader named a package and fellow.sh installed us."""
+        self._update_when_idle = False
+        package, self._update_package = self._update_package, None
+        if package is None:
+            self._restart()
+            return
+        prefix = self.settings.fellow_prefix
+        assert prefix is not None
+
+        async def update() -> None:
+            log.info("update: installing %s from %s", package.file, package.url)
+            try:
+                done = await asyncio.to_thread(
+                    reinstall, package, prefix, self.settings.fellow_pip_args
+                )
+            except UpdateError as exc:
+                log.error("update failed, still running %s: %s", __version__, exc.message)
+                return
+            finally:
+                self._updating = None
+            log.info("update: %s", done)
+            self._restart()
+
+        self._updating = asyncio.get_running_loop().create_task(update())
 
     async def _on_purge(self, sig: Signal) -> SignalAck:
         """Stop, remove what this fellow keeps (and, when fellow.sh installed it, the whole
@@ -496,7 +539,7 @@ class FellowAgent:
         if self.settings.fellow_exit_after_training:
             self._exit("SWARM_FELLOW_EXIT_AFTER_TRAINING is set")
         elif self._update_when_idle and self.status is FellowStatus.READY:
-            self._restart()
+            self._update_now()
 
     def _publish_progress(self, run: StageRun, event: ProgressEvent, **fields: Any) -> None:
         if self.nc is None or not self.nc.is_connected:

@@ -27,28 +27,40 @@ from leader.registry import WorkerRegistry
 from leader.services import LeaderServices
 from swarm import __version__
 from swarm.jobspec import LastStagePlacement
+from swarm.natsauth import NatsAuthority
+from swarm.natsconn import NatsAccess
 from swarm.sdnotify import watchdog_forever
 from swarm.settings import Settings
 
 log = logging.getLogger(__name__)
 
 
-def create_app(settings: Settings, *, nats_url: str, token: str | None = None) -> Litestar:
+def create_app(
+    settings: Settings,
+    *,
+    nats: NatsAccess | str,
+    token: str | None = None,
+    authority: NatsAuthority | None = None,
+) -> Litestar:
     """The leader's app. ``token``: the operator token (swarm-leader resolves it with
-    :func:`leader.auth.operator_token`); without one, SWARM_API_TOKEN or a random one."""
+    :func:`leader.auth.operator_token`); without one, SWARM_API_TOKEN or a random one.
+    ``authority``: the keys that mint each joining fellow its own NATS user."""
+    if isinstance(nats, str):
+        nats = NatsAccess(url=nats)
     token = token or settings.api_token or secrets.token_urlsafe(32)
     registry = WorkerRegistry(
         heartbeat_interval_s=settings.heartbeat_interval_s,
         offline_after_s=settings.offline_after_s,
         leader_version=__version__,
     )
-    bus = LeaderBus(url=nats_url, prefix=settings.subject_prefix, registry=registry)
+    bus = LeaderBus(nats=nats, prefix=settings.subject_prefix, registry=registry)
     jobs, purges = JobManager(), PurgeBook()
     observe = Observability(bus=bus, jobs=jobs, prefix=settings.subject_prefix)
     registry.purge_pending = lambda fellow_id: purges.get(fellow_id) is not None
     services = LeaderServices(
         settings=settings,
-        nats_url=nats_url,
+        nats_url=nats.url,
+        authority=authority,
         registry=registry,
         bus=bus,
         jobs=jobs,
@@ -113,7 +125,10 @@ async def _package(services: LeaderServices, settings: Settings) -> None:
     """Find the wheel remote hosts install (cached or shipped); building waits for a join."""
     try:
         found = await asyncio.to_thread(
-            find_or_build_wheel, settings.state_dir / "bootstrap", build=False
+            find_or_build_wheel,
+            settings.state_dir / "bootstrap",
+            build=False,
+            wheel=settings.bootstrap_wheel,
         )
     except Exception as exc:
         log.error("no package for remote fellows: %s", exc)

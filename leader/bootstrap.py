@@ -110,8 +110,13 @@ class JoinSessions:
             self._expire(entry)
         return sorted((e.session for e in self._entries.values()), key=lambda s: s.created_at)
 
-    def claim(self, session_id: str, token: str) -> tuple[JoinSession, str]:
-        """Exchange the single-use token for the session secret the installer then uses."""
+    def claim(
+        self, session_id: str, token: str, proposed_name: str | None = None
+    ) -> tuple[JoinSession, str]:
+        """Exchange the single-use token for the session secret the installer then uses.
+
+        The fellow's name is settled here: the operator's, else the host's proposal, else a
+        fresh one (its NATS user is bound to it)."""
         entry = self._entry(session_id)
         if not hmac.compare_digest(_hash(token), entry.token_hash):
             raise JoinRefusedError("this join token is not the session's; nothing was installed")
@@ -124,6 +129,8 @@ class JoinSessions:
         entry.secret_hash = _hash(secret)
         entry.session.claimed_at = self._wall()
         entry.session.status = "installing"
+        if entry.session.fellow_name is None:
+            entry.session.fellow_name = proposed_name or f"fellow-{secrets.token_hex(3)}"
         entry.changed.set()
         return entry.session, secret
 
@@ -186,14 +193,20 @@ class Package(msgspec.Struct):
     path: str
 
 
-def find_or_build_wheel(cache: Path, *, build: bool = True) -> Package | None:
+def find_or_build_wheel(
+    cache: Path, *, build: bool = True, wheel: Path | None = None
+) -> Package | None:
     """The wheel of the running version: cached, shipped beside the install, or built now
-    (None when it is not found and ``build`` is False).
+    (None when it is not found and ``build`` is False). ``wheel`` (SWARM_BOOTSTRAP_WHEEL)
+    names the one to serve instead: a file, or a directory whose newest
+    ``silentswarm-*.whl`` is served (drop a new build there and run ``swarm update``).
 
     Looked for in ``cache`` (the leader's state), then next to the installed package (the
     .deb puts it in ``<prefix>/share/silentswarm/``); else built from the source tree this
     code runs from (an editable or source checkout) with setuptools' backend.
     """
+    if wheel is not None:
+        return package_of(newest_wheel(wheel))
     name = f"silentswarm-{__version__}-py3-none-any.whl"
     cache.mkdir(parents=True, exist_ok=True)
     target = cache / name
@@ -213,9 +226,25 @@ def find_or_build_wheel(cache: Path, *, build: bool = True) -> Package | None:
                 f"no {name} to serve: install from a .deb or a source checkout, "
                 f"or put the wheel in {cache}"
             )
-    data = target.read_bytes()
+    return package_of(target)
+
+
+def newest_wheel(spec: Path) -> Path:
+    """``spec`` itself, or the newest silentswarm wheel in that directory."""
+    if spec.is_dir():
+        found = sorted(spec.glob("silentswarm-*.whl"), key=lambda p: p.stat().st_mtime_ns)
+        if not found:
+            raise PackageUnavailableError(f"SWARM_BOOTSTRAP_WHEEL={spec}: no silentswarm wheel")
+        return found[-1]
+    if not spec.is_file() or spec.suffix != ".whl":
+        raise PackageUnavailableError(f"SWARM_BOOTSTRAP_WHEEL={spec}: not a wheel file")
+    return spec
+
+
+def package_of(path: Path) -> Package:
+    data = path.read_bytes()
     return Package(
-        file=name, sha256=hashlib.sha256(data).hexdigest(), size=len(data), path=str(target)
+        file=path.name, sha256=hashlib.sha256(data).hexdigest(), size=len(data), path=str(path)
     )
 
 

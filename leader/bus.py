@@ -17,15 +17,16 @@ from nats.aio.msg import Msg
 from leader.registry import WorkerRegistry
 from swarm import subjects as topics
 from swarm.errors import ProtocolError
-from swarm.natsconn import connect_forever
+from swarm.natsconn import NatsAccess, connect_forever
 from swarm.protocol import DeregisterRequest, RegisterReply, RegisterRequest
 
 log = logging.getLogger(__name__)
 
 
 class LeaderBus:
-    def __init__(self, *, url: str, prefix: str, registry: WorkerRegistry) -> None:
-        self.url = url
+    def __init__(self, *, nats: NatsAccess, prefix: str, registry: WorkerRegistry) -> None:
+        self.access = nats
+        self.url = nats.url
         self.prefix = prefix
         self.registry = registry
         self.nc: Client | None = None
@@ -39,7 +40,7 @@ class LeaderBus:
 
     async def _connect(self) -> None:
         self.nc = await connect_forever(
-            self.url,
+            self.access,
             name="swarm-leader",
             on_disconnected=self._on_disconnected,
             on_reconnected=self._on_reconnected,

@@ -21,6 +21,8 @@ import uvicorn
 from leader.app import create_app
 from leader.auth import operator_token
 from swarm.entry import configure_logging, run_or_exit
+from swarm.errors import ConfigError
+from swarm.natsauth import NatsAuthority
 from swarm.natsd import NatsServer, start_nats_server
 from swarm.procs import ensure_port_free
 from swarm.sdnotify import notify
@@ -44,9 +46,14 @@ def serve(
     state_dir: Annotated[
         Path | None, cyclopts.Parameter(help="State directory [SWARM_STATE_DIR]")
     ] = None,
+    dev: Annotated[
+        bool | None,
+        cyclopts.Parameter(help="NATS without authentication, for a laptop [SWARM_DEV]"),
+    ] = None,
     log_level: Annotated[str | None, cyclopts.Parameter(help="[SWARM_LOG_LEVEL]")] = None,
 ) -> None:
     settings = Settings.from_env().replace(
+        dev=dev,
         leader_host=host,
         leader_port=port,
         nats_url=nats_url,
@@ -66,6 +73,16 @@ def run_leader(settings: Settings) -> None:
         setting="SWARM_LEADER_PORT",
         flag="--port",
     )
+    authority = nats_authority(settings)
+    creds = settings.nats_creds or (authority.leader_creds_path if authority else None)
+    if not settings.dev and creds is None:
+        raise ConfigError(
+            "NATS authentication is on (the leader is not in dev mode) but the leader has no "
+            "credentials: set SWARM_NATS_CREDS to its .creds file (swarm nats-auth init writes "
+            "one), or run with --dev / SWARM_DEV=1 for an unauthenticated local swarm"
+        )
+    if settings.dev:
+        warn_dev_mode()
     child: NatsServer | None = None
     url = settings.nats_url
     if url is None:
@@ -74,6 +91,7 @@ def run_leader(settings: Settings) -> None:
             port=settings.nats_port,
             store_dir=settings.nats_store_dir,
             log_path=settings.logs_dir / "leader-nats.log",
+            config=authority.server_config_path if authority else None,
             tie_to_parent=True,
         )
         url = child.url
@@ -82,7 +100,12 @@ def run_leader(settings: Settings) -> None:
     # becomes a clean exit (0) that still runs the finally below, as it does during start-up.
     signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
-        app = create_app(settings, nats_url=url, token=operator_token(settings))
+        app = create_app(
+            settings,
+            nats=settings.nats_access(url, creds),
+            token=operator_token(settings),
+            authority=authority,
+        )
         server = _Server(
             uvicorn.Config(
                 app,
@@ -101,6 +124,30 @@ def run_leader(settings: Settings) -> None:
     finally:
         if child is not None:
             child.stop()
+
+
+def nats_authority(settings: Settings) -> NatsAuthority | None:
+    """The keys that mint fellows' NATS users. A leader that starts its own nats-server
+    creates them on first start; with an external NATS they must already exist (made by
+    ``swarm nats-auth init``, whose server.conf that server loads). None in dev mode."""
+    if settings.dev:
+        return None
+    if settings.nats_url is None:
+        return NatsAuthority.load_or_create(settings.authority_dir)
+    if (settings.authority_dir / "account.nk").exists():
+        return NatsAuthority.load(settings.authority_dir)
+    return None
+
+
+def warn_dev_mode() -> None:
+    for line in (
+        "=" * 78,
+        "DEV MODE: NATS runs WITHOUT authentication. Anyone who can reach it can pose as",
+        "any fellow, read every message and send signals. Use it on a laptop, never on a",
+        "network. Without --dev every process has its own NATS user.",
+        "=" * 78,
+    ):
+        log.warning(line)
 
 
 class _Server(uvicorn.Server):

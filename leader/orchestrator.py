@@ -429,7 +429,9 @@ class Orchestrator:
         self.jobs.dirty.add(job_id)
         return record
 
-    async def update(self, fellow_id: str | None) -> list[SignalRecord]:
+    async def update(
+        self, fellow_id: str | None, *, args: dict[str, Any] | None = None
+    ) -> list[SignalRecord]:
         hub = self._hub()
         if fellow_id is not None:
             record = self.registry.get(fellow_id)
@@ -442,7 +444,9 @@ class Orchestrator:
         self._reserved |= ids
         try:
             return list(
-                await asyncio.gather(*(hub.send(r.fellow_id, SignalKind.UPDATE) for r in targets))
+                await asyncio.gather(
+                    *(hub.send(r.fellow_id, SignalKind.UPDATE, args=args) for r in targets)
+                )
             )
         finally:
             self._reserved -= ids

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 
@@ -14,9 +16,11 @@ from leader.bootstrap import (
     Package,
     PackageUnavailableError,
     find_or_build_wheel,
+    newest_wheel,
+    package_of,
 )
 from leader.bus import LeaderBus
-from leader.jobs import JobManager, JobRecord
+from leader.jobs import JobManager, JobRecord, SignalRecord
 from leader.observe import Observability
 from leader.orchestrator import Orchestrator
 from leader.purges import PurgeBook
@@ -24,15 +28,19 @@ from leader.registry import FellowRecord, NodeView, WorkerRegistry
 from swarm import __version__
 from swarm.errors import NotFoundError
 from swarm.jobspec import FieldError
+from swarm.natsauth import NatsAuthError, NatsAuthority
 from swarm.protocol import PROTOCOL_VERSION
 from swarm.settings import Settings
 from swarm.subjects import TOKEN_RE
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
 class LeaderServices:
     settings: Settings
     nats_url: str
+    authority: NatsAuthority | None
     registry: WorkerRegistry
     bus: LeaderBus
     jobs: JobManager
@@ -50,6 +58,7 @@ class LeaderServices:
             "protocol_version": PROTOCOL_VERSION,
             "nats_url": self.nats_url,
             "nats_connected": self.bus.is_connected,
+            "nats_auth": self.nats_auth,
             "subject_prefix": self.settings.subject_prefix,
             "started_at": self.started_at,
             "uptime_s": round(time.time() - self.started_at, 3),
@@ -60,6 +69,14 @@ class LeaderServices:
             "jobs": self.jobs.counts(),
             "nodes": len(self.registry.nodes()),
         }
+
+    @property
+    def nats_auth(self) -> str:
+        """``dev`` (no authentication), ``jwt`` (this leader mints each fellow its own NATS
+        user) or ``credentials`` (it has its own user but cannot mint others)."""
+        if self.settings.dev:
+            return "dev"
+        return "jwt" if self.authority is not None else "credentials"
 
     def worker(self, fellow_id: str) -> FellowRecord:
         record = self.registry.get(fellow_id)
@@ -123,18 +140,46 @@ class LeaderServices:
         """The package joining hosts install: found at start, else built once, on first need
         (a source checkout has no wheel until then; building takes seconds of CPU that a
         leader which never onboards anyone should not spend). One build, however many ask,
-        and it finishes even if the request that started it goes away."""
+        and it finishes even if the request that started it goes away.
+
+        With SWARM_BOOTSTRAP_WHEEL a directory, its newest wheel is looked up every time."""
+        wheels = self.settings.bootstrap_wheel
+        if wheels is not None and wheels.is_dir():
+            newest = newest_wheel(wheels)
+            if self.package is None or Path(self.package.path) != newest:
+                self.package = await asyncio.to_thread(package_of, newest)
+                log.info("serving %s (sha256 %s)", self.package.file, self.package.sha256)
+            return self.package
         if self.package is None:
             build = self._package_build
             if build is None or (build.done() and build.exception() is not None):
                 cache = self.settings.state_dir / "bootstrap"
                 build = self._package_build = asyncio.ensure_future(
-                    asyncio.to_thread(find_or_build_wheel, cache)
+                    asyncio.to_thread(
+                        find_or_build_wheel, cache, wheel=self.settings.bootstrap_wheel
+                    )
                 )
             self.package = await asyncio.shield(build)
         if self.package is None:
             raise PackageUnavailableError("no package to serve (see the leader's log)")
         return self.package
+
+    async def update(self, fellow_id: str | None, request_base: str) -> list[SignalRecord]:
+        """UPDATE: fellows that fellow.sh installed reinstall from this leader's package
+        (checked against its sha256), then restart; others restart from their install."""
+        args: dict[str, object] = {}
+        try:
+            package = await self.ensure_package()
+        except PackageUnavailableError as exc:
+            log.warning("update without a package (fellows restart as installed): %s", exc)
+        else:
+            base = self._public_url(request_base)
+            args["package"] = {
+                "file": package.file,
+                "sha256": package.sha256,
+                "url": f"{base}/api/v1/bootstrap/source",
+            }
+        return await self.orchestrator.update(fellow_id, args=args)
 
     def package_or_503(self) -> Package:
         if self.package is None:
@@ -170,6 +215,12 @@ class LeaderServices:
             )
         if not 1 <= ttl_s <= 7 * 86400:
             raise FieldError("ttl_s: between 1 s and 7 days", field="ttl_s")
+        if self.nats_auth == "credentials":
+            raise NatsAuthError(
+                "this leader cannot give a joining fellow its own NATS user: it has no NATS "
+                f"authority in {self.settings.authority_dir} (set SWARM_NATS_AUTH_DIR to the "
+                "directory 'swarm nats-auth init' made for this NATS server)"
+            )
         session, token = self.joins.create(fellow_name=fellow_name, ttl_s=ttl_s)
         base = self._public_url(request_base)
         command = (
@@ -186,14 +237,30 @@ class LeaderServices:
         self._mark_registered()
         return self.joins.get(session_id)
 
-    def claim_join_session(self, session_id: str, token: str) -> dict[str, object]:
+    def claim_join_session(
+        self, session_id: str, token: str, proposed_name: str | None
+    ) -> dict[str, object]:
+        """The installer's single-use token for what it installs, and (unless in dev mode)
+        the fellow's own NATS user, bound to the fellow name settled here."""
+        if proposed_name is not None and not TOKEN_RE.match(proposed_name):
+            raise FieldError(
+                f"fellow_name: {proposed_name!r} is not a fellow id (1-64 letters, digits, "
+                "'-' or '_')",
+                field="fellow_name",
+            )
         package = self.package_or_503()
-        session, secret = self.joins.claim(session_id, token)
+        session, secret = self.joins.claim(session_id, token, proposed_name)
+        assert session.fellow_name is not None
+        creds = None
+        if self.authority is not None:
+            creds = self.authority.fellow_creds(self.settings.subject_prefix, session.fellow_name)
         return {
             "session_id": session.session_id,
             "secret": secret,
             "fellow_name": session.fellow_name,
+            "leader_url": self.settings.public_url,
             "nats_url": self.settings.public_nats_url or self.nats_url,
+            "nats_creds": creds,
             "package_file": package.file,
             "package_sha256": package.sha256,
         }

@@ -8,8 +8,11 @@ keep the outgoing buffer bounded, and ping often enough to notice a dead server.
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
+from typing import Any
 
+import msgspec
 import nats
 from nats.aio.client import Client
 
@@ -24,8 +27,33 @@ PENDING_BYTES = 4 * 1024 * 1024
 Hook = Callable[[], Awaitable[None]]
 
 
+class NatsAccess(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How one identity reaches NATS: the URL, its credentials file (a NATS user JWT and
+    seed) and, for a TLS listener, the CA and an optional client certificate."""
+
+    url: str
+    creds: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    def connect_options(self) -> dict[str, Any]:
+        """Keyword arguments for ``nats.connect``."""
+        options: dict[str, Any] = {"servers": [self.url]}
+        if self.creds:
+            options["user_credentials"] = self.creds
+        if self.tls_ca or self.tls_cert or self.url.startswith(("tls://", "wss://")):
+            context = ssl.create_default_context(cafile=self.tls_ca)
+            if self.tls_cert:
+                context.load_cert_chain(self.tls_cert, self.tls_key)
+            options["tls"] = context
+            host = self.url.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+            options["tls_hostname"] = host
+        return options
+
+
 async def connect_forever(
-    url: str,
+    access: NatsAccess | str,
     *,
     name: str,
     inbox_prefix: str = "_INBOX",
@@ -33,10 +61,22 @@ async def connect_forever(
     on_reconnected: Hook | None = None,
 ) -> Client:
     """Connect, retrying forever (also for the first connection), and stay connected."""
+    if isinstance(access, str):
+        access = NatsAccess(url=access)
+    url = access.url
     outage = {"reported": False}
 
     async def error_cb(exc: Exception) -> None:
-        if not outage["reported"]:
+        if "authorization violation" in str(exc).lower():
+            log.error(
+                "NATS %s refused our credentials (%s): check SWARM_NATS_CREDS%s",
+                url,
+                access.creds or "none given",
+                "" if access.creds else ", or run the leader with --dev",
+            )
+        elif "permissions violation" in str(exc).lower():
+            log.error("NATS %s: %s", url, exc)
+        elif not outage["reported"]:
             log.warning(
                 "NATS %s: %s (retrying every %.1fs)",
                 url,
@@ -59,7 +99,7 @@ async def connect_forever(
             await on_reconnected()
 
     nc = await nats.connect(
-        servers=[url],
+        **access.connect_options(),
         name=name,
         inbox_prefix=inbox_prefix,
         allow_reconnect=True,

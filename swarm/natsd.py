@@ -35,9 +35,14 @@ def nats_server_binary() -> Path:
     )
 
 
-def server_argv(host: str, port: int, store_dir: Path, ports_dir: Path) -> list[str]:
+def server_argv(
+    host: str, port: int, store_dir: Path, ports_dir: Path, config: Path | None = None
+) -> list[str]:
+    """The command line; ``config`` (a NATS authority's server.conf) turns authentication on.
+    Flags given here override the same settings in the file."""
     return [
         str(nats_server_binary()),
+        *(["--config", str(config)] if config is not None else []),
         "--addr",
         host,
         "--port",
@@ -79,6 +84,7 @@ def start_nats_server(
     port: int,
     store_dir: Path,
     log_path: Path,
+    config: Path | None = None,
     detach: bool = False,
     tie_to_parent: bool = False,
     timeout: float = 15.0,
@@ -94,7 +100,7 @@ def start_nats_server(
     ports_dir = store_dir / "ports"
     ports_dir.mkdir(exist_ok=True)
     proc = spawn(
-        server_argv(host, port, store_dir, ports_dir),
+        server_argv(host, port, store_dir, ports_dir, config),
         log_path=log_path,
         detach=detach,
         tie_to_parent=tie_to_parent,

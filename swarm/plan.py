@@ -14,6 +14,7 @@ import msgspec
 
 from swarm.compression import parse_compression, parse_wire_spec
 from swarm.errors import ConfigError
+from swarm.natsconn import NatsAccess
 from swarm.subjects import TOKEN_RE
 
 
@@ -116,7 +117,7 @@ class StagePlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     data_address: str | None = None  # where this stage binds for its upstream boundary
     prev: Peer | None = None
     next: Peer | None = None
-    nats_url: str | None = None
+    nats: NatsAccess | None = None  # for the relay; each fellow fills in its own
     subject_prefix: str = "swarm"
     gpu_slots: list[GpuSlot] = msgspec.field(default_factory=list)
     # CURVE on the p2p boundaries: up (this stage binds; only the upstream peer may connect)
@@ -159,8 +160,8 @@ class StagePlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             out.append(f"stage {self.stage} needs 'next' with a data_address for p2p")
         if not self.is_first and self.transport != Transport.TUNNEL and not self.data_address:
             out.append(f"stage {self.stage} needs 'data_address' to bind for p2p")
-        if self.n_stages > 1 and self.transport == Transport.TUNNEL and not self.nats_url:
-            out.append("transport 'tunnel' needs 'nats_url' for the relay")
+        if self.n_stages > 1 and self.transport == Transport.TUNNEL and not self.nats:
+            out.append("transport 'tunnel' needs 'nats' (the NATS URL) for the relay")
         try:
             parse_compression(self.compression, d_model=self.model.d_model)
             if self.grad_compression is not None:
@@ -292,7 +293,7 @@ def chain_plans(
                 next=Peer(fellow_id=ids[i + 1], data_address=addresses[i + 1])
                 if i + 1 < n
                 else None,
-                nats_url=nats_url,
+                nats=NatsAccess(url=nats_url) if nats_url else None,
                 intra_op_threads=intra_op_threads,
                 peer_timeout_s=peer_timeout_s,
             ).checked()

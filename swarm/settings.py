@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from swarm.errors import ConfigError
+from swarm.natsconn import NatsAccess
 from swarm.subjects import TOKEN_RE
 
 ENV_PREFIX = "SWARM_"
@@ -30,6 +31,18 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     nats_host: str = "127.0.0.1"
     nats_port: int = 4222
     subject_prefix: str = "swarm"
+    # Dev mode: NATS without authentication (the leader warns loudly). Otherwise every
+    # process connects with its own NATS user: SWARM_NATS_CREDS names its .creds file.
+    dev: bool = False
+    nats_creds: Path | None = None
+    # The NATS authority (keys that mint users; see swarm.natsauth): the leader's, by
+    # default <state>/nats-auth. With it the leader gives each joining fellow its own user.
+    nats_auth_dir: Path | None = None
+    # TLS to NATS (a tls:// or wss:// URL): the CA that signed the server's certificate, and
+    # a client certificate and key when the server asks for one.
+    nats_tls_ca: Path | None = None
+    nats_tls_cert: Path | None = None
+    nats_tls_key: Path | None = None
     state_dir: Path = Path(".swarm")
     heartbeat_interval_s: float = 1.0
     offline_after_s: float = 3.0
@@ -37,6 +50,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     data_address: str | None = None
     # Where fellow.sh installed this fellow (venv, state, config): PURGE removes all of it.
     fellow_prefix: Path | None = None
+    # The pip arguments fellow.sh installed with (an offline mirror): UPDATE reinstalls so.
+    fellow_pip_args: str = ""
     # Exit after reporting the end of a job, for supervisors that want a fresh process.
     fellow_exit_after_training: bool = False
     # What a fellow offers at most, so a shared machine can join (None: no cap).
@@ -47,6 +62,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # the URL a request came in on, and the leader's own NATS URL.
     public_url: str | None = None
     public_nats_url: str | None = None
+    # The wheel the leader serves to joining and updating fellows (unset: the wheel of the
+    # running version, found or built once).
+    bootstrap_wheel: Path | None = None
     # The operator token (unset: the leader generates one in <state>/api-token) and whether
     # reads (GET) need it too.
     api_token: str | None = None
@@ -87,6 +105,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
                 f"{env_name('pipeline_last_stage_placement')}="
                 f"{self.pipeline_last_stage_placement!r}: use largest_vram or preserve"
             )
+        if (self.nats_tls_cert is None) != (self.nats_tls_key is None):
+            raise ConfigError(
+                f"{env_name('nats_tls_cert')} and {env_name('nats_tls_key')} go together"
+            )
         if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
             raise ConfigError(f"{env_name('log_level')}={self.log_level!r}: not a log level")
 
@@ -125,6 +147,25 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def nats_store_dir(self) -> Path:
         return self.state_dir / "nats"
+
+    @property
+    def authority_dir(self) -> Path:
+        return self.nats_auth_dir or self.state_dir / "nats-auth"
+
+    def nats_access(self, url: str, creds: Path | None = None) -> NatsAccess:
+        """How this process reaches NATS at ``url``: its credentials (``creds`` overrides
+        SWARM_NATS_CREDS) and the TLS files."""
+
+        def text(path: Path | None) -> str | None:
+            return None if path is None else str(path.resolve())
+
+        return NatsAccess(
+            url=url,
+            creds=text(creds or self.nats_creds),
+            tls_ca=text(self.nats_tls_ca),
+            tls_cert=text(self.nats_tls_cert),
+            tls_key=text(self.nats_tls_key),
+        )
 
     @property
     def api_token_file(self) -> Path:

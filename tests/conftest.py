@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from swarm.natsauth import NatsAuthority
 from swarm.natsd import NatsServer, start_nats_server
 from swarm.procs import free_port
 from tests.helpers import Leader, Processes, child_env, wait_for
@@ -27,11 +28,13 @@ def procs(tmp_path: Path) -> Iterator[Processes]:
 
 
 class NatsControl:
-    """A real nats-server that a test can stop and start again on the same port and store."""
+    """A real nats-server that a test can stop and start again on the same port and store;
+    with an ``authority`` it admits only that authority's users."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, authority: NatsAuthority | None = None) -> None:
         self.store_dir = tmp_path / "nats-store"
         self.log_path = tmp_path / "nats.log"
+        self.authority = authority
         self.server: NatsServer | None = self._start(0)
         self.port = self.server.port
         self.url = self.server.url
@@ -42,6 +45,7 @@ class NatsControl:
             port=port,
             store_dir=self.store_dir,
             log_path=self.log_path,
+            config=self.authority.server_config_path if self.authority else None,
             tie_to_parent=True,
         )
 
@@ -66,15 +70,56 @@ def nats_server(tmp_path: Path) -> Iterator[NatsControl]:
 
 
 @pytest.fixture
+def nats_authority(tmp_path: Path) -> NatsAuthority:
+    """The keys of an authenticated swarm (what ``swarm nats-auth init`` makes)."""
+    return NatsAuthority.load_or_create(tmp_path / "nats-auth")
+
+
+@pytest.fixture
+def secure_nats(tmp_path: Path, nats_authority: NatsAuthority) -> Iterator[NatsControl]:
+    """A real nats-server that admits only ``nats_authority``'s users."""
+    control = NatsControl(tmp_path, nats_authority)
+    try:
+        yield control
+    finally:
+        control.stop()
+
+
+@pytest.fixture
 def leader(procs: Processes, nats_server: NatsControl, tmp_path: Path) -> Iterator[Leader]:
-    """A real leader process joined to ``nats_server``."""
+    """A real leader process joined to ``nats_server`` (dev mode: no NATS users)."""
+    yield from leader_process(procs, nats_server, tmp_path)
+
+
+@pytest.fixture
+def secure_leader(
+    procs: Processes, secure_nats: NatsControl, nats_authority: NatsAuthority, tmp_path: Path
+) -> Iterator[Leader]:
+    """A real leader on ``secure_nats`` with its own NATS user, minting one per fellow."""
+    yield from leader_process(procs, secure_nats, tmp_path, **secure_env(nats_authority))
+
+
+def secure_env(authority: NatsAuthority) -> dict[str, str]:
+    """A leader's environment for an authenticated swarm."""
+    return {
+        "SWARM_DEV": "0",
+        "SWARM_NATS_CREDS": str(authority.leader_creds_path),
+        "SWARM_NATS_AUTH_DIR": str(authority.dir),
+    }
+
+
+def leader_process(
+    procs: Processes, nats: NatsControl, tmp_path: Path, **extra: str
+) -> Iterator[Leader]:
+    """A real leader process (for fixtures: yields its client, waits until it serves)."""
     port = free_port()
     token = secrets.token_urlsafe(16)
     env = child_env(
-        SWARM_NATS_URL=nats_server.url,
+        SWARM_NATS_URL=nats.url,
         SWARM_LEADER_PORT=str(port),
         SWARM_STATE_DIR=str(tmp_path / "leader-state"),
         SWARM_API_TOKEN=token,
+        **extra,
     )
     proc = procs.python("leader", "leader.main", env=env)
     client = Leader(f"http://127.0.0.1:{port}", token=token)

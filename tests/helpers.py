@@ -54,6 +54,9 @@ def busy_port() -> Iterator[int]:
 def child_env(**overrides: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
     env["PYTHONUNBUFFERED"] = "1"
+    # Most tests run NATS without authentication; the auth tests (and start-cluster's)
+    # pass SWARM_DEV="0" and real credentials.
+    env["SWARM_DEV"] = "1"
     env.update(overrides)
     return env
 

@@ -20,7 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -280,7 +280,7 @@ class RelayLink:
         self,
         *,
         name: str,
-        nats_url: str,
+        nats: str | dict[str, Any],
         send_subject: str,
         recv_subject: str,
         chunk_bytes: int = 512 * 1024,
@@ -313,7 +313,7 @@ class RelayLink:
         self._credit_event: asyncio.Event | None = None
         self._nc = None
         try:
-            self._run(self._connect(nats_url), timeout=connect_timeout_s)
+            self._run(self._connect(nats), timeout=connect_timeout_s)
         except BaseException:
             self._stop_loop()
             raise
@@ -330,14 +330,17 @@ class RelayLink:
                 f"{self.name}: relay did not answer within {timeout:.0f}s"
             ) from None
 
-    async def _connect(self, url: str) -> None:
+    async def _connect(self, access: str | dict[str, Any]) -> None:
+        """``access``: a URL, or keyword arguments for ``nats.connect`` (servers, creds...)."""
         import nats
 
+        if isinstance(access, str):
+            access = {"servers": [access]}
         self._credit_event = asyncio.Event()
         self._credits = self._window
         self._credit_event.set()
         self._nc = await nats.connect(
-            url,
+            **access,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
             name=f"relay-{self.name}",

@@ -161,10 +161,10 @@ class StageRunner:
             )
 
         def make() -> RelayLink:
-            assert plan.nats_url is not None
+            assert plan.nats is not None
             return RelayLink(
                 name=name,
-                nats_url=plan.nats_url,
+                nats=plan.nats.connect_options(),
                 send_subject=subject(send),
                 recv_subject=subject(recv),
             )
@@ -182,7 +182,7 @@ class StageRunner:
                 name=name,
                 transport=transport,
                 bind=plan.data_address,
-                relay=self._relay(b, name, send="bwd", recv="fwd") if plan.nats_url else None,
+                relay=self._relay(b, name, send="bwd", recv="fwd") if plan.nats else None,
                 timeout_s=plan.peer_timeout_s,
                 p2p_grace_s=plan.p2p_probe_timeout_s,
                 fingerprint=fingerprint,
@@ -198,7 +198,7 @@ class StageRunner:
                 name=name,
                 transport=transport,
                 address=plan.next.data_address,
-                relay=self._relay(b, name, send="fwd", recv="bwd") if plan.nats_url else None,
+                relay=self._relay(b, name, send="fwd", recv="bwd") if plan.nats else None,
                 timeout_s=plan.peer_timeout_s,
                 fingerprint=fingerprint,
                 curve=_curve(plan.curve_down),

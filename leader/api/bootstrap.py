@@ -24,6 +24,7 @@ class CreateSession(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class Claim(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     token: str
+    fellow_name: str | None = None  # the host's proposal; the operator's name wins
 
 
 class LogLines(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -74,7 +75,7 @@ class BootstrapController(Controller):
     async def claim(self, session_id: str, request: Request, services: LeaderServices) -> dict:
         body = decode_strict(await request.body(), Claim)
         await services.ensure_package()
-        return services.claim_join_session(session_id, body.token)
+        return services.claim_join_session(session_id, body.token, body.fellow_name or None)
 
     @post(
         "/join-sessions/{session_id:str}/logs",

@@ -51,11 +51,11 @@ class WorkersController(Controller):
     @post(
         "/update",
         status_code=HTTP_200_OK,
-        summary="Restart fellows' agents (in place, from their install) when idle",
+        summary="Update idle fellows: joined ones reinstall the leader's package, then restart",
     )
     async def update(self, request: Request, services: LeaderServices) -> list[SignalRecord]:
         body = decode_strict(await request.body(), UpdateRequest)
-        return await services.orchestrator.update(body.fellow_id)
+        return await services.update(body.fellow_id, str(request.base_url))
 
 
 class PurgesController(Controller):

@@ -76,7 +76,7 @@ command -v "$PYTHON" >/dev/null 2>&1 || { echo "FAILED: $PYTHON not found; insta
   || { echo "FAILED: $PYTHON is older than 3.11" >&2; exit 1; }
 
 cat >"$HELPER" <<'PY'
-import hashlib, json, sys, urllib.request
+import hashlib, json, os, sys, urllib.request
 
 def call(method, url, body=None, headers=None):
     data = None if body is None else json.dumps(body).encode()
@@ -89,8 +89,9 @@ def call(method, url, body=None, headers=None):
 
 cmd = sys.argv[1]
 if cmd == "claim":
-    leader, session, token, out = sys.argv[2:6]
-    status, body = call("POST", f"{leader}/api/v1/bootstrap/join-sessions/{session}/claim", {"token": token})
+    leader, session, token, name, out = sys.argv[2:7]
+    claim = {"token": token, "fellow_name": name or None}
+    status, body = call("POST", f"{leader}/api/v1/bootstrap/join-sessions/{session}/claim", claim)
     if status != 200:
         try:
             message = json.loads(body)["message"]
@@ -101,6 +102,13 @@ if cmd == "claim":
     open(out, "wb").write(body)
 elif cmd == "get":
     print(json.load(open(sys.argv[2]))[sys.argv[3]] or "")
+elif cmd == "creds":
+    creds = json.load(open(sys.argv[2])).get("nats_creds")
+    if not creds:
+        sys.exit(1)
+    fd = os.open(sys.argv[3], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(creds)
 elif cmd == "fetch":
     url, sha256, out = sys.argv[2:5]
     with urllib.request.urlopen(url, timeout=300) as r:
@@ -122,16 +130,24 @@ elif cmd == "post":
     print(int(sent) + len(lines))
 PY
 
+# The name this host proposes (the operator's, set on the session, wins): its NATS user is
+# bound to the name the leader settles.
+[ -n "$NAME" ] || NAME=$(hostname | cut -d. -f1 | tr -c 'A-Za-z0-9_\n-' '-' | cut -c1-64)
 say "claiming join session $SESSION at $LEADER"
-"$PYTHON" "$HELPER" claim "$LEADER" "$SESSION" "$TOKEN" "$PREFIX/join.json" >>"$LOG" 2>&1 \
+"$PYTHON" "$HELPER" claim "$LEADER" "$SESSION" "$TOKEN" "$NAME" "$PREFIX/join.json" >>"$LOG" 2>&1 \
   || { cat "$LOG" >&2; exit 1; }
 SECRET=$("$PYTHON" "$HELPER" get "$PREFIX/join.json" secret)
 NATS_URL=$("$PYTHON" "$HELPER" get "$PREFIX/join.json" nats_url)
-[ -n "$NAME" ] || NAME=$("$PYTHON" "$HELPER" get "$PREFIX/join.json" fellow_name)
-[ -n "$NAME" ] || NAME=$(hostname | cut -d. -f1)
+NAME=$("$PYTHON" "$HELPER" get "$PREFIX/join.json" fellow_name)
+PUBLIC_LEADER=$("$PYTHON" "$HELPER" get "$PREFIX/join.json" leader_url)
+[ -n "$PUBLIC_LEADER" ] || PUBLIC_LEADER="$LEADER"
+CREDS_LINE=""
+if "$PYTHON" "$HELPER" creds "$PREFIX/join.json" "$PREFIX/fellow.creds"; then
+  CREDS_LINE="SWARM_NATS_CREDS=$PREFIX/fellow.creds"
+fi
 PACKAGE=$("$PYTHON" "$HELPER" get "$PREFIX/join.json" package_file)
 SHA256=$("$PYTHON" "$HELPER" get "$PREFIX/join.json" package_sha256)
-say "fellow $NAME, NATS $NATS_URL, package $PACKAGE"
+say "fellow $NAME, NATS $NATS_URL${CREDS_LINE:+ (its own NATS user)}, package $PACKAGE"
 ship
 
 mkdir -p "$PREFIX/dist"
@@ -161,6 +177,9 @@ SWARM_NATS_URL=$NATS_URL
 SWARM_FELLOW_NAME=$NAME
 SWARM_STATE_DIR=$PREFIX/state
 SWARM_FELLOW_PREFIX=$PREFIX
+SWARM_FELLOW_PIP_ARGS="$PIP_ARGS"
+SWARM_LEADER_URL=$PUBLIC_LEADER
+$CREDS_LINE
 ENV
 say "wrote $PREFIX/fellow.env"
 ship

@@ -20,7 +20,9 @@ from swarm.cli.watch import watch_job, watch_stream
 from swarm.entry import run_or_exit
 from swarm.errors import ConfigError
 from swarm.jobspec import decode_job_spec
+from swarm.natsauth import NatsAuthority, fellow_permissions
 from swarm.settings import Settings
+from swarm.subjects import TOKEN_RE
 
 app = cyclopts.App(
     name="swarm",
@@ -291,7 +293,7 @@ def update(
     *,
     fellow_id: Annotated[str | None, Parameter(help="Only this fellow (default: all)")] = None,
 ) -> None:
-    """Restart connected fellows' agents in place (same pid, installed version) when idle."""
+    """Update idle fellows: joined ones reinstall the leader's package; all restart in place."""
     with CTX.client() as client:
         records = client.update(fellow_id)
     rows = [[r["fellow_id"], "ok" if r["ok"] else r["code"], r["message"]] for r in records]
@@ -359,6 +361,63 @@ def join_session_list() -> None:
     CTX.emit(sessions, render.table(headers, rows) if rows else "no join sessions")
 
 
+nats_auth = cyclopts.App(
+    name="nats-auth", help="NATS users for a swarm whose nats-server you run yourself."
+)
+app.command(nats_auth)
+_AUTH_DIR = Parameter(
+    help="The authority directory [SWARM_NATS_AUTH_DIR, default <state>/nats-auth]"
+)
+
+
+@nats_auth.command(name="init")
+def nats_auth_init(*, dir: Annotated[Path | None, _AUTH_DIR] = None) -> None:
+    """Create the keys (or keep existing ones), server.conf for nats-server and leader.creds."""
+    authority = NatsAuthority.load_or_create(dir or CTX.settings.authority_dir)
+    paths = {
+        "dir": str(authority.dir),
+        "server_config": str(authority.server_config_path),
+        "leader_creds": str(authority.leader_creds_path),
+        "account": authority.account_public,
+    }
+    CTX.emit(
+        paths,
+        f"NATS authority in {authority.dir} (account {authority.account_public})\n"
+        f"  nats-server:  include {authority.server_config_path} in its config "
+        "(or run it with --config)\n"
+        f"  leader:       SWARM_NATS_CREDS={authority.leader_creds_path} "
+        f"SWARM_NATS_AUTH_DIR={authority.dir}\n"
+        "  each fellow:  swarm nats-auth fellow NAME",
+    )
+
+
+@nats_auth.command(name="fellow")
+def nats_auth_fellow(
+    name: str,
+    *,
+    dir: Annotated[Path | None, _AUTH_DIR] = None,
+    out: Annotated[
+        Path | None, Parameter(help="Write the .creds here ('-': stdout; default: the authority)")
+    ] = None,
+) -> None:
+    """Mint a fellow's own NATS user (it may publish only its own subjects)."""
+    if not TOKEN_RE.match(name):
+        raise ConfigError(f"{name!r} is not a fellow id (1-64 letters, digits, '-' or '_')")
+    authority = NatsAuthority.load(dir or CTX.settings.authority_dir)
+    prefix = CTX.settings.subject_prefix
+    if out is not None and str(out) == "-":
+        sys.stdout.write(authority.fellow_creds(prefix, name))
+        return
+    if out is None:
+        path = authority.write_fellow_creds(prefix, name)
+    else:
+        path = authority.write_creds(out, name, fellow_permissions(prefix, name))
+    CTX.emit(
+        {"fellow": name, "creds": str(path)},
+        f"{path}: NATS user for fellow {name!r}; give it to that fellow as SWARM_NATS_CREDS",
+    )
+
+
 @app.command(name="pending-purges")
 def pending_purges() -> None:
     """Purges waiting for their (offline) fellow to come back."""
@@ -399,10 +458,16 @@ def start_cluster(
     ] = None,
     state_dir: Annotated[Path | None, Parameter(help="[SWARM_STATE_DIR, default ./.swarm]")] = None,
     timeout: Annotated[float, Parameter(help="Seconds to wait for every fellow")] = 60.0,
+    dev: Annotated[
+        bool | None,
+        Parameter(
+            help="NATS without authentication (default: a NATS user per process) [SWARM_DEV]"
+        ),
+    ] = None,
 ) -> None:
     """Start NATS, the leader and N fellows in the background; return when all are ready."""
     settings = CTX.settings.replace(
-        leader_port=leader_port, nats_port=nats_port, state_dir=state_dir
+        leader_port=leader_port, nats_port=nats_port, state_dir=state_dir, dev=dev
     )
     settings = settings.replace(state_dir=settings.state_dir.resolve())
     progress = _stderr if CTX.json else print

@@ -20,6 +20,7 @@ import psutil
 
 from swarm.cli.client import LeaderClient
 from swarm.errors import ClusterError, ConfigError, LeaderUnreachableError
+from swarm.natsauth import NatsAuthority
 from swarm.natsd import start_nats_server
 from swarm.procs import ensure_port_free, free_port, spawn, stop_processes, tail, wait_until
 from swarm.settings import Settings
@@ -153,21 +154,35 @@ def _start_all(
     progress: Callable[[str], None],
 ) -> None:
     nats_log = settings.logs_dir / "nats.log"
+    # Every process gets its own NATS user (keys kept in <state>/nats-auth), unless --dev.
+    authority = None if settings.dev else NatsAuthority.load_or_create(settings.authority_dir)
     nats = start_nats_server(
         host=settings.nats_host,
         port=settings.nats_port,
         store_dir=settings.nats_store_dir,
         log_path=nats_log,
+        config=authority.server_config_path if authority else None,
         detach=True,
     )
     manifest.nats_url = nats.url
     manifest.processes.append(_record("nats", "nats", nats.pid, nats_log))
     _write_manifest(settings, manifest)
-    progress(f"nats     {nats.url} (pid {nats.pid})")
+    security = "DEV MODE, no authentication" if authority is None else "a NATS user per process"
+    progress(f"nats     {nats.url} (pid {nats.pid}, {security})")
 
     child_settings = settings.replace(nats_url=nats.url, leader_url=manifest.leader_url)
+    if authority is not None:
+        child_settings = child_settings.replace(
+            nats_auth_dir=authority.dir, nats_creds=authority.leader_creds_path
+        )
     env = {**os.environ, **child_settings.as_env(), "PYTHONUNBUFFERED": "1"}
     started: dict[str, Any] = {}
+
+    def fellow_creds(name: str) -> dict[str, str]:
+        if authority is None:
+            return {}
+        path = authority.write_fellow_creds(settings.subject_prefix, name)
+        return {"SWARM_NATS_CREDS": str(path)}
 
     def launch(name: str, role: str, argv: list[str], **extra_env: str) -> None:
         log = settings.logs_dir / f"{name}.log"
@@ -199,6 +214,7 @@ def _start_all(
                 "fellow",
                 [sys.executable, "-m", "agent.main", "--name", name],
                 SWARM_DATA_ADDRESS=address,
+                **fellow_creds(name),
             )
         progress(f"fellows  starting {', '.join(names)}")
         ready = wait_until(

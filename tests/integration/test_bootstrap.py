@@ -1,18 +1,24 @@
 """Remote onboarding for real: the served fellow.sh installs the served wheel into a prefix,
-starts the agent, and the fellow joins; bad tokens and a tampered package install nothing."""
+starts the agent, and the fellow joins with its own NATS user; bad tokens and a tampered
+package install nothing; UPDATE reinstalls a newer package."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
+import stat
 import subprocess
 import sysconfig
+import zipfile
 from pathlib import Path
 
 import httpx
 import psutil
 import pytest
 
+from leader.bootstrap import find_or_build_wheel
+from tests.conftest import leader_process, secure_env
 from tests.helpers import child_env, kill_tree, swarm_cli, wait_for
 
 pytestmark = pytest.mark.timeout(240)
@@ -50,7 +56,17 @@ def run_script(leader, script: Path, session: dict, prefix: Path, home: Path):
 
 
 @pytest.fixture
+def leader(procs, secure_nats, nats_authority, tmp_path):
+    """A leader on an authenticated NATS: each joining fellow gets its own NATS user."""
+    yield from leader_process(procs, secure_nats, tmp_path, **secure_env(nats_authority))
+
+
+@pytest.fixture
 def script(leader, tmp_path):
+    return fetch_script(leader, tmp_path)
+
+
+def fetch_script(leader, tmp_path: Path) -> Path:
     wait_for(
         lambda: leader.request("GET", "/api/v1/bootstrap/manifest").status_code == 200,
         timeout=120,
@@ -83,6 +99,9 @@ def test_a_host_joins_with_one_command_and_its_install_log_streams(leader, scrip
         assert (prefix / "venv" / "bin" / "swarm-agent").exists()
         env = (prefix / "fellow.env").read_text()
         assert "SWARM_FELLOW_NAME=joined-1" in env and "SWARM_NATS_URL=nats://" in env
+        # Its own NATS user (the server admits nothing else), private to the fellow.
+        assert f"SWARM_NATS_CREDS={prefix}/fellow.creds" in env
+        assert stat.S_IMODE((prefix / "fellow.creds").stat().st_mode) == 0o600
         record = leader.wait_status("joined-1", "ready", timeout=60)
         assert record["version"]
         state = wait_for(
@@ -164,6 +183,74 @@ def test_the_cli_creates_and_lists_join_sessions(leader):
     assert "cli-joined" in listed.stdout and "created" in listed.stdout
     bad = swarm("join-session", "create", "--name", "no spaces allowed")
     assert bad.returncode == 1 and "fellow_name" in bad.stderr
+
+
+@pytest.fixture
+def wheels(tmp_path):
+    """A directory the leader serves its newest wheel from (SWARM_BOOTSTRAP_WHEEL)."""
+    directory = tmp_path / "wheels"
+    find_or_build_wheel(directory)
+    return directory
+
+
+def test_update_reinstalls_the_newer_package_the_leader_serves(
+    procs, secure_nats, nats_authority, tmp_path, wheels
+):
+    env = {**secure_env(nats_authority), "SWARM_BOOTSTRAP_WHEEL": str(wheels)}
+    started = leader_process(procs, secure_nats, tmp_path, **env)
+    leader = next(started)
+    script = fetch_script(leader, tmp_path)
+    session = create_session(leader, fellow_name="rolling-1")
+    prefix = tmp_path / "prefix"
+    pid_file = prefix / "fellow.pid"
+    try:
+        done = run_script(leader, script, session, prefix, tmp_path)
+        assert done.returncode == 0, done.stdout + done.stderr
+        before = leader.wait_status("rolling-1", "ready", timeout=60)["version"]
+        [current] = wheels.glob("*.whl")
+        newer = with_version(current, f"{before}.post7", wheels)
+
+        updated = swarm_cli(leader, "update", "--fellow-id", "rolling-1", timeout=30)
+        assert updated.returncode == 0, updated.stderr
+        assert f"reinstalling {newer.name}" in updated.stdout
+        wait_for(
+            lambda: leader.workers()["rolling-1"]["version"] == f"{before}.post7",
+            timeout=150,
+            what="the fellow to come back with the new version",
+        )
+        assert leader.status("rolling-1") == "ready"
+        assert (prefix / "dist" / newer.name).exists()
+    finally:
+        if pid_file.exists():
+            kill_tree(int(pid_file.read_text()))
+        started.close()
+
+
+def with_version(wheel: Path, version: str, out_dir: Path) -> Path:
+    """A copy of ``wheel`` that says it is ``version`` (metadata, dist-info and RECORD)."""
+    old = wheel.name.split("-")[1]
+    old_info, new_info = f"silentswarm-{old}.dist-info/", f"silentswarm-{version}.dist-info/"
+    files: dict[str, bytes] = {}
+    with zipfile.ZipFile(wheel) as zin:
+        for name in zin.namelist():
+            data = zin.read(name)
+            if name == old_info + "METADATA":
+                data = data.replace(
+                    f"\nVersion: {old}\n".encode(), f"\nVersion: {version}\n".encode()
+                )
+            files[name.replace(old_info, new_info)] = data
+    record = new_info + "RECORD"
+    lines = []
+    for name, data in files.items():
+        if name != record:
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
+            lines.append(f"{name},sha256={digest.decode()},{len(data)}")
+    files[record] = ("\n".join([*lines, f"{record},,"]) + "\n").encode()
+    out = out_dir / wheel.name.replace(f"-{old}-", f"-{version}-")
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as zout:
+        for name, data in files.items():
+            zout.writestr(name, data)
+    return out
 
 
 def _zombie(pid: int) -> bool:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import msgspec
+import nats
 import psutil
 import pytest
 
@@ -33,14 +35,25 @@ def state_dir(tmp_path: Path):
                 kill_tree(proc.pid)
 
 
+async def _anonymous(url: str) -> None:
+    nc = await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0)
+    await nc.close()
+
+
 def test_start_list_stop_leaves_no_process(state_dir):
     port = free_port()
-    env = child_env(SWARM_STATE_DIR=str(state_dir))
+    # The default: NATS with authentication, a user per process (not dev mode).
+    env = child_env(SWARM_STATE_DIR=str(state_dir), SWARM_DEV="0")
     started = swarm(
         "start-cluster", "--fellows", "2", "--leader-port", str(port), "--nats-port", "0", env=env
     )
     assert started.returncode == 0, started.stderr + started.stdout
-    assert "cluster ready" in started.stdout
+    assert "cluster ready" in started.stdout and "a NATS user per process" in started.stdout
+    auth = state_dir / "nats-auth"
+    assert sorted(p.name for p in (auth / "fellows").iterdir()) == [
+        "fellow-1.creds",
+        "fellow-2.creds",
+    ]
 
     manifest = msgspec.json.decode(
         (state_dir / "run" / "cluster.json").read_bytes(), type=ClusterManifest
@@ -66,6 +79,9 @@ def test_start_list_stop_leaves_no_process(state_dir):
     assert nodes[0]["cpu_cores"] >= 1 and nodes[0]["fellows"] == ["fellow-1", "fellow-2"]
     info = json.loads(swarm("info", "--json", env=env).stdout)
     assert info["nats_url"] == manifest.nats_url and info["fellows"]["ready"] == 2
+    assert info["nats_auth"] == "jwt"
+    with pytest.raises(Exception, match="Authorization Violation"):
+        asyncio.run(_anonymous(manifest.nats_url))
 
     procs = [psutil.Process(p.pid) for p in manifest.processes]
     stopped = swarm("stop-cluster", env=env)

@@ -131,8 +131,8 @@ def test_a_killed_peer_is_replaced_on_the_same_boundary(tmp_path):
 
 
 def relay_pair(url: str, **kw) -> tuple[RelayLink, RelayLink]:
-    a = RelayLink(name="a->b", nats_url=url, send_subject="t.fwd", recv_subject="t.bwd", **kw)
-    b = RelayLink(name="b<-a", nats_url=url, send_subject="t.bwd", recv_subject="t.fwd", **kw)
+    a = RelayLink(name="a->b", nats=url, send_subject="t.fwd", recv_subject="t.bwd", **kw)
+    b = RelayLink(name="b<-a", nats=url, send_subject="t.bwd", recv_subject="t.fwd", **kw)
     return a, b
 
 
@@ -201,7 +201,7 @@ def test_relay_gap_fails_the_receive(nats_server):
 def test_tunnel_handshake_over_the_relay(nats_server):
     def relay(send: str, recv: str):
         return lambda: RelayLink(
-            name=f"{send}", nats_url=nats_server.url, send_subject=send, recv_subject=recv
+            name=f"{send}", nats=nats_server.url, send_subject=send, recv_subject=recv
         )
 
     result = {}

@@ -32,7 +32,7 @@ def test_leader_swarm_and_agent_runner_never_import_tensorflow():
         "import agent.main, agent.runner, agent.hardware\n"
         "from leader.app import create_app\n"
         "from swarm.settings import Settings\n"
-        "create_app(Settings(), nats_url='nats://127.0.0.1:1')",
+        "create_app(Settings(), nats='nats://127.0.0.1:1')",
         {"tensorflow", "keras"},
     )
 

@@ -135,7 +135,7 @@ def populate(services: LeaderServices) -> str:
 @pytest.fixture(scope="module")
 def scrape() -> tuple[str, str]:
     """The metrics text of a populated app (after one request, for the latency histogram)."""
-    app = create_app(Settings(), nats_url="nats://127.0.0.1:1")
+    app = create_app(Settings(), nats="nats://127.0.0.1:1")
     job_id = populate(app.state["services"])
     client = TestClient(app)  # not entered: the lifespan (NATS, job loop) does not run
     assert client.get("/health").status_code == 503  # NATS is down: still timed

@@ -15,6 +15,7 @@ from leader.placement import (
     weighted_ranges,
 )
 from swarm.jobspec import FieldError, JobSpec, JobSpecError, decode_job_spec, stage_plans
+from swarm.natsconn import NatsAccess
 from swarm.plan import ModelConfig, Transport
 from swarm.protocol import FellowLimits, GpuInfo, HardwareSnapshot
 from swarm.telemetry import gpu_warning, offered_ram, usable_gpus
@@ -277,7 +278,7 @@ def test_stage_plans_chain_the_placed_stages():
     plans = stage_plans(job_id="j-2", attempt=1, spec=s, placement=tunnel, subject_prefix="swarm")
     assert all(p.curve_up is None and p.curve_down is None for p in plans)  # relay: no CURVE
     # Over the relay no stage needs an address; each fellow fills in its NATS URL.
-    with_nats = [msgspec.structs.replace(p, nats_url="nats://x:1") for p in plans]
+    with_nats = [msgspec.structs.replace(p, nats=NatsAccess(url="nats://x:1")) for p in plans]
     assert [p.problems() for p in with_nats] == [[], []]
 
 

@@ -114,7 +114,7 @@ def base(**changes) -> StagePlan:
                 "transport": Transport.TUNNEL,
                 "next": Peer(fellow_id="b", data_address="x"),
             },
-            "nats_url",
+            "NATS URL",
         ),
         (
             {"gpu_slots": [GpuSlot(gpu_index=0, gpu_uuid="u", layer_start=2, layer_end=6)]},

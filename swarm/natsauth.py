@@ -1,0 +1,321 @@
+"""NATS authentication: an operator, an account, and one user per process, as NATS JWTs.
+
+The server trusts the operator (its JWT and the account JWTs go into ``server.conf``, memory
+resolver). Users are JWTs signed by the account key, so the leader can mint a user for a new
+fellow at any time **without touching the server**: the server checks the signature chain
+when the fellow connects. Each fellow's user may publish only its own subjects (see
+:func:`fellow_permissions`); the leader's user has full rights.
+
+Everything lives in one directory (the *authority*), private to its owner (0700/0600):
+``operator.nk``, ``account.nk``, ``system.nk`` (seeds), ``server.conf`` (what nats-server
+needs), ``leader.creds``, and ``fellows/<name>.creds`` for the users minted here.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from swarm import subjects as topics
+from swarm.errors import ConfigError, SwarmError
+
+ACCOUNT_NAME = "SWARM"
+SYSTEM_ACCOUNT_NAME = "SYS"
+_HEADER = {"typ": "JWT", "alg": "ed25519-nkey"}
+_UNLIMITED = {"subs": -1, "data": -1, "payload": -1}
+_ACCOUNT_LIMITS = {
+    **_UNLIMITED,
+    "imports": -1,
+    "exports": -1,
+    "wildcards": True,
+    "conn": -1,
+    "leaf": -1,
+}
+# JetStream is enabled for an account by giving it storage (-1: unlimited).
+_JETSTREAM_LIMITS = {"mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1}
+
+
+class NatsAuthError(SwarmError):
+    code = "NATS_AUTH_UNAVAILABLE"
+    http_status = 409
+
+
+@dataclass(frozen=True)
+class Permissions:
+    """What a NATS user may publish and subscribe to; empty lists mean no restriction."""
+
+    publish: tuple[str, ...] = ()
+    subscribe: tuple[str, ...] = ()
+    allow_responses: bool = False
+
+
+def fellow_permissions(prefix: str, fellow_id: str) -> Permissions:
+    """A fellow publishes only its own subjects, hears only its signals and its own inbox,
+    replies to the signals it gets, and uses the relay (whose frames carry their own
+    attempt checks)."""
+    own = {"fellow": fellow_id}
+    relay = f"{prefix}.relay.>"
+    return Permissions(
+        publish=(
+            topics.REGISTER.subject(prefix, **own),
+            topics.HEARTBEAT.subject(prefix, **own),
+            topics.LOG.subject(prefix, **own),
+            topics.PROGRESS.wildcard(prefix, **own),
+            topics.SHARD.wildcard(prefix, **own),
+            relay,
+        ),
+        subscribe=(
+            topics.SIGNAL.subject(prefix, **own),
+            f"{topics.inbox_prefix(fellow_id)}.>",
+            relay,
+        ),
+        allow_responses=True,
+    )
+
+
+# --- keys and JWTs --------------------------------------------------------------------------
+
+
+def _nkeys() -> Any:
+    try:
+        import nkeys
+    except ImportError:  # pragma: no cover - a dependency of the package
+        raise ConfigError("NATS credentials need the 'nkeys' package: pip install nkeys") from None
+    return nkeys
+
+
+def new_seed(role: str) -> str:
+    """A fresh nkey seed for an ``operator``, ``account`` or ``user``."""
+    nkeys = _nkeys()
+    prefix = {
+        "operator": nkeys.PREFIX_BYTE_OPERATOR,
+        "account": nkeys.PREFIX_BYTE_ACCOUNT,
+        "user": nkeys.PREFIX_BYTE_USER,
+    }[role]
+    return nkeys.encode_seed(os.urandom(32), prefix).decode()
+
+
+def public_key(seed: str) -> str:
+    return _nkeys().from_seed(seed.encode()).public_key.decode()
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def encode_jwt(issuer_seed: str, subject: str, name: str, nats: dict[str, Any]) -> str:
+    """A NATS v2 JWT: claims about ``subject`` signed by the issuer's nkey."""
+    kp = _nkeys().from_seed(issuer_seed.encode())
+    claims: dict[str, Any] = {
+        "jti": "",
+        "iat": int(time.time()),
+        "iss": kp.public_key.decode(),
+        "name": name,
+        "sub": subject,
+        "nats": {**nats, "version": 2},
+    }
+    digest = hashlib.sha256(json.dumps(claims, sort_keys=True).encode()).digest()
+    claims["jti"] = base64.b32encode(digest).rstrip(b"=").decode()
+    head = _b64(json.dumps(_HEADER, separators=(",", ":")).encode())
+    body = _b64(json.dumps(claims, separators=(",", ":")).encode())
+    signature = kp.sign(f"{head}.{body}".encode())
+    return f"{head}.{body}.{_b64(signature)}"
+
+
+def decode_jwt_claims(token: str) -> dict[str, Any]:
+    """The claims of a JWT (not verified: the server verifies; this reads names)."""
+    try:
+        body = token.split(".")[1]
+        return json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
+    except (IndexError, ValueError) as exc:
+        raise ConfigError(f"not a NATS user JWT ({exc})") from None
+
+
+def user_jwt(account_seed: str, user_public: str, name: str, perms: Permissions) -> str:
+    nats: dict[str, Any] = {"type": "user", **_UNLIMITED, "pub": {}, "sub": {}}
+    if perms.publish:
+        nats["pub"] = {"allow": list(perms.publish)}
+    if perms.subscribe:
+        nats["sub"] = {"allow": list(perms.subscribe)}
+    if perms.allow_responses:
+        nats["resp"] = {"max": 1, "ttl": 0}
+    return encode_jwt(account_seed, user_public, name, nats)
+
+
+def creds_text(jwt: str, seed: str) -> str:
+    """A ``.creds`` file as nats-py, the nats CLI and nsc read it."""
+    return (
+        "-----BEGIN NATS USER JWT-----\n"
+        f"{jwt}\n"
+        "------END NATS USER JWT------\n\n"
+        "************************* IMPORTANT *************************\n"
+        "NKEY Seed printed below can be used to sign and prove identity.\n"
+        "NKEYs are sensitive and should be treated as secrets.\n\n"
+        "-----BEGIN USER NKEY SEED-----\n"
+        f"{seed}\n"
+        "------END USER NKEY SEED------\n\n"
+        "*************************************************************\n"
+    )
+
+
+def creds_user_name(creds: str) -> str:
+    """The user name in a ``.creds`` file's JWT (for a fellow: its id)."""
+    lines = creds.splitlines()
+    try:
+        jwt = lines[lines.index("-----BEGIN NATS USER JWT-----") + 1].strip()
+    except (ValueError, IndexError):
+        raise ConfigError("not a NATS credentials file (no user JWT)") from None
+    name = decode_jwt_claims(jwt).get("name")
+    if not isinstance(name, str) or not name:
+        raise ConfigError("the NATS credentials carry no user name")
+    return name
+
+
+def read_creds_user_name(path: Path) -> str:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"SWARM_NATS_CREDS={path}: {exc.strerror}") from None
+    try:
+        return creds_user_name(text)
+    except ConfigError as exc:
+        raise ConfigError(f"SWARM_NATS_CREDS={path}: {exc.message}") from None
+
+
+# --- the authority --------------------------------------------------------------------------
+
+
+class _Seeds(msgspec.Struct):
+    operator: str
+    account: str
+    system: str
+
+
+def _write_private(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    tmp.replace(path)
+
+
+class NatsAuthority:
+    """The keys that make a swarm's NATS users, kept in one private directory."""
+
+    def __init__(self, directory: Path, seeds: _Seeds) -> None:
+        self.dir = directory
+        self._seeds = seeds
+
+    @classmethod
+    def load(cls, directory: Path) -> NatsAuthority:
+        try:
+            seeds = _Seeds(
+                operator=(directory / "operator.nk").read_text().strip(),
+                account=(directory / "account.nk").read_text().strip(),
+                system=(directory / "system.nk").read_text().strip(),
+            )
+        except OSError as exc:
+            raise NatsAuthError(
+                f"no NATS authority in {directory} ({exc.strerror}); create one with "
+                f"'swarm nats-auth init --dir {directory}'"
+            ) from None
+        return cls(directory, seeds)
+
+    @classmethod
+    def load_or_create(cls, directory: Path) -> NatsAuthority:
+        """The authority in ``directory``; a new one (keys, server.conf, leader.creds) if
+        there is none yet. Existing keys are never replaced: users minted before stay valid."""
+        if (directory / "account.nk").exists():
+            authority = cls.load(directory)
+        else:
+            directory.mkdir(parents=True, exist_ok=True)
+            directory.chmod(0o700)
+            seeds = _Seeds(new_seed("operator"), new_seed("account"), new_seed("account"))
+            for name, seed in msgspec.structs.asdict(seeds).items():
+                _write_private(directory / f"{name}.nk", seed + "\n")
+            authority = cls(directory, seeds)
+        authority.write_server_config()
+        if not authority.leader_creds_path.exists():
+            authority.write_creds(authority.leader_creds_path, "swarm-leader", Permissions())
+        return authority
+
+    @property
+    def account_public(self) -> str:
+        return public_key(self._seeds.account)
+
+    @property
+    def server_config_path(self) -> Path:
+        return self.dir / "server.conf"
+
+    @property
+    def leader_creds_path(self) -> Path:
+        return self.dir / "leader.creds"
+
+    def fellow_creds_path(self, fellow_id: str) -> Path:
+        return self.dir / "fellows" / f"{fellow_id}.creds"
+
+    def server_config(self) -> str:
+        """What nats-server needs to trust this authority (``-c`` it, or ``include`` it)."""
+        operator_public = public_key(self._seeds.operator)
+        system_public = public_key(self._seeds.system)
+        account_public = self.account_public
+        operator = encode_jwt(
+            self._seeds.operator,
+            operator_public,
+            "silentswarm",
+            {"type": "operator", "system_account": system_public},
+        )
+        system = encode_jwt(
+            self._seeds.operator,
+            system_public,
+            SYSTEM_ACCOUNT_NAME,
+            {"type": "account", "limits": _ACCOUNT_LIMITS},
+        )
+        account = encode_jwt(
+            self._seeds.operator,
+            account_public,
+            ACCOUNT_NAME,
+            {"type": "account", "limits": {**_ACCOUNT_LIMITS, **_JETSTREAM_LIMITS}},
+        )
+        return (
+            "# SilentSwarm NATS authority: written by swarm; users are JWTs signed by the\n"
+            f"# account {ACCOUNT_NAME} ({account_public}).\n"
+            f'operator: "{operator}"\n'
+            f"system_account: {system_public}\n"
+            "resolver: MEMORY\n"
+            "resolver_preload: {\n"
+            f'  {system_public}: "{system}"\n'
+            f'  {account_public}: "{account}"\n'
+            "}\n"
+        )
+
+    def write_server_config(self) -> Path:
+        _write_private(self.server_config_path, self.server_config())
+        return self.server_config_path
+
+    def user_creds(self, name: str, perms: Permissions) -> str:
+        seed = new_seed("user")
+        jwt = user_jwt(self._seeds.account, public_key(seed), name, perms)
+        return creds_text(jwt, seed)
+
+    def fellow_creds(self, prefix: str, fellow_id: str) -> str:
+        return self.user_creds(fellow_id, fellow_permissions(prefix, fellow_id))
+
+    def write_creds(self, path: Path, name: str, perms: Permissions) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_private(path, self.user_creds(name, perms))
+        return path
+
+    def write_fellow_creds(self, prefix: str, fellow_id: str) -> Path:
+        path = self.fellow_creds_path(fellow_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_private(path, self.fellow_creds(prefix, fellow_id))
+        return path

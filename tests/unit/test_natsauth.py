@@ -1,0 +1,93 @@
+"""The NATS authority: keys, JWTs, creds files and each fellow's permissions (no server here;
+tests/integration/test_nats_auth.py shows a real nats-server enforcing them)."""
+
+from __future__ import annotations
+
+import stat
+
+import nkeys
+import pytest
+
+from swarm.errors import ConfigError
+from swarm.natsauth import (
+    NatsAuthError,
+    NatsAuthority,
+    Permissions,
+    creds_user_name,
+    decode_jwt_claims,
+    encode_jwt,
+    fellow_permissions,
+    new_seed,
+    public_key,
+)
+
+
+def test_a_fellow_may_publish_only_its_own_subjects_and_hear_only_its_own():
+    perms = fellow_permissions("swarm", "gpu-7")
+    assert set(perms.publish) == {
+        "swarm.register.gpu-7",
+        "swarm.hb.gpu-7",
+        "swarm.log.gpu-7",
+        "swarm.progress.*.gpu-7",
+        "swarm.shard.*.gpu-7",
+        "swarm.relay.>",
+    }
+    assert set(perms.subscribe) == {"swarm.sig.gpu-7", "_INBOX.gpu-7.>", "swarm.relay.>"}
+    assert perms.allow_responses  # it answers the signals it gets
+    assert not any("gpu-8" in s or s == ">" for s in perms.publish + perms.subscribe)
+
+
+def test_a_jwt_is_signed_by_its_issuer_and_names_its_subject():
+    account = new_seed("account")
+    user = new_seed("user")
+    token = encode_jwt(account, public_key(user), "f1", {"type": "user"})
+    head, body, signature = token.split(".")
+    claims = decode_jwt_claims(token)
+    assert claims["iss"] == public_key(account) and claims["sub"] == public_key(user)
+    assert claims["name"] == "f1" and claims["nats"] == {"type": "user", "version": 2}
+    assert public_key(account).startswith("A") and public_key(user).startswith("U")
+    # The signature verifies with the issuer's public key.
+    import base64
+
+    import nacl.signing
+
+    raw = nkeys.from_seed(account.encode())
+    verify = nacl.signing.VerifyKey(bytes(raw._keys.verify_key))
+    sig = base64.urlsafe_b64decode(signature + "=" * (-len(signature) % 4))
+    verify.verify(f"{head}.{body}".encode(), sig)
+
+
+def test_the_authority_is_created_once_privately_and_reloaded(tmp_path):
+    directory = tmp_path / "auth"
+    first = NatsAuthority.load_or_create(directory)
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    for name in ("operator.nk", "account.nk", "system.nk", "leader.creds", "server.conf"):
+        assert stat.S_IMODE((directory / name).stat().st_mode) == 0o600, name
+    again = NatsAuthority.load_or_create(directory)
+    assert again.account_public == first.account_public  # users minted before stay valid
+    conf = first.server_config_path.read_text()
+    assert "operator:" in conf and "resolver: MEMORY" in conf and first.account_public in conf
+
+
+def test_fellow_creds_carry_the_fellow_name_and_a_seed(tmp_path):
+    authority = NatsAuthority.load_or_create(tmp_path / "auth")
+    text = authority.fellow_creds("swarm", "joined-3")
+    assert creds_user_name(text) == "joined-3"
+    assert "BEGIN USER NKEY SEED" in text
+    path = authority.write_fellow_creds("swarm", "joined-3")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    leader = authority.leader_creds_path.read_text()
+    jwt = leader.splitlines()[1]
+    nats = decode_jwt_claims(jwt)["nats"]
+    assert nats["pub"] == {} and nats["sub"] == {}  # the leader has full rights
+
+
+def test_a_missing_authority_and_bad_creds_say_what_to_do(tmp_path):
+    with pytest.raises(NatsAuthError, match="swarm nats-auth init"):
+        NatsAuthority.load(tmp_path / "none")
+    with pytest.raises(ConfigError, match="no user JWT"):
+        creds_user_name("not a creds file")
+
+
+def test_permissions_default_to_full_rights():
+    assert Permissions() == Permissions(publish=(), subscribe=(), allow_responses=False)
