@@ -92,6 +92,7 @@ def run_leader(settings: Settings) -> None:
             store_dir=settings.nats_store_dir,
             log_path=settings.logs_dir / "leader-nats.log",
             config=authority.server_config_path if authority else None,
+            websocket_port=settings.nats_websocket_port,
             tie_to_parent=True,
         )
         url = child.url

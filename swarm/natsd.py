@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -85,6 +86,7 @@ def start_nats_server(
     store_dir: Path,
     log_path: Path,
     config: Path | None = None,
+    websocket_port: int | None = None,
     detach: bool = False,
     tie_to_parent: bool = False,
     timeout: float = 15.0,
@@ -93,9 +95,21 @@ def start_nats_server(
 
     ``port`` 0 picks a free port. A busy port is a PortInUseError naming
     ``SWARM_NATS_PORT``; any other failure to start is a NatsServerError with the log's tail.
+    ``config``: a NATS authority's server.conf (authentication on). ``websocket_port``: also
+    listen for NATS over WebSocket there (plain ``ws://``: put TLS in front of it, e.g. the
+    reverse proxy that serves the leader, so firewalled hosts reach it as ``wss://``).
     """
     ensure_port_free(host, port, what="NATS", setting="SWARM_NATS_PORT", flag="--nats-port")
     store_dir.mkdir(parents=True, exist_ok=True)
+    if websocket_port is not None:
+        ensure_port_free(
+            host,
+            websocket_port,
+            what="NATS WebSocket",
+            setting="SWARM_NATS_WEBSOCKET_PORT",
+            flag="SWARM_NATS_WEBSOCKET_PORT",
+        )
+        config = _with_websocket(store_dir, config, host, websocket_port)
     # nats-server removes its own ports file when it exits, so the folder stays ours.
     ports_dir = store_dir / "ports"
     ports_dir.mkdir(exist_ok=True)
@@ -125,6 +139,17 @@ def start_nats_server(
         store_dir=store_dir,
         log_path=log_path,
     )
+
+
+def _with_websocket(store_dir: Path, config: Path | None, host: str, port: int) -> Path:
+    """A config file that adds a WebSocket listener to ``config`` (which it inlines)."""
+    text = config.read_text() if config is not None else ""
+    text += f'websocket {{\n  host: "{host}"\n  port: {port}\n  no_tls: true\n}}\n'
+    path = store_dir / "server-websocket.conf"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
 
 
 def _read_ports_file(path: Path) -> str:

@@ -30,6 +30,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     nats_url: str | None = None
     nats_host: str = "127.0.0.1"
     nats_port: int = 4222
+    # Also serve NATS over WebSocket on this port (nats-servers we start), for fellows that
+    # can only make outbound HTTP(S) connections: put TLS in front and give them
+    # SWARM_PUBLIC_NATS_URL=wss://... (they need the [websocket] extra, aiohttp).
+    nats_websocket_port: int | None = None
     subject_prefix: str = "swarm"
     # Dev mode: NATS without authentication (the leader warns loudly). Otherwise every
     # process connects with its own NATS user: SWARM_NATS_CREDS names its .creds file.
@@ -77,6 +81,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         _check_port("leader_port", self.leader_port)
         _check_port("nats_port", self.nats_port)
+        if self.nats_websocket_port is not None:
+            _check_port("nats_websocket_port", self.nats_websocket_port)
         if self.heartbeat_interval_s <= 0:
             raise ConfigError(f"{env_name('heartbeat_interval_s')} must be > 0")
         if self.offline_after_s <= self.heartbeat_interval_s:

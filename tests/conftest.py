@@ -35,6 +35,8 @@ class NatsControl:
         self.store_dir = tmp_path / "nats-store"
         self.log_path = tmp_path / "nats.log"
         self.authority = authority
+        # An authenticated server also listens for NATS over WebSocket (ws://).
+        self.websocket_port = free_port() if authority else None
         self.server: NatsServer | None = self._start(0)
         self.port = self.server.port
         self.url = self.server.url
@@ -46,8 +48,14 @@ class NatsControl:
             store_dir=self.store_dir,
             log_path=self.log_path,
             config=self.authority.server_config_path if self.authority else None,
+            websocket_port=self.websocket_port,
             tie_to_parent=True,
         )
+
+    @property
+    def websocket_url(self) -> str:
+        assert self.websocket_port is not None, "only an authenticated server has one"
+        return f"ws://127.0.0.1:{self.websocket_port}"
 
     def stop(self) -> None:
         if self.server is not None:

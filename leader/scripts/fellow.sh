@@ -164,10 +164,14 @@ if [ -n "$SITE_PACKAGES" ]; then
   echo "$SITE_PACKAGES" >"$SITE/silentswarm-extra-site.pth"
   say "added $SITE_PACKAGES to the venv's path"
 fi
+REQUIREMENT="$PREFIX/dist/$PACKAGE"
+case "$NATS_URL" in
+  ws://*|wss://*) REQUIREMENT="${REQUIREMENT}[websocket]" ;;  # NATS over WebSocket needs aiohttp
+esac
 say "installing $PACKAGE"
 ship
 # shellcheck disable=SC2086  # PIP_ARGS holds several arguments on purpose
-"$PREFIX/venv/bin/python" -m pip install --disable-pip-version-check $PIP_ARGS "$PREFIX/dist/$PACKAGE" >>"$LOG" 2>&1 \
+"$PREFIX/venv/bin/python" -m pip install --disable-pip-version-check $PIP_ARGS "$REQUIREMENT" >>"$LOG" 2>&1 \
   || fail "pip could not install $PACKAGE (see the log above)"
 say "installed"
 

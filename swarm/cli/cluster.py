@@ -162,6 +162,7 @@ def _start_all(
         store_dir=settings.nats_store_dir,
         log_path=nats_log,
         config=authority.server_config_path if authority else None,
+        websocket_port=settings.nats_websocket_port,
         detach=True,
     )
     manifest.nats_url = nats.url

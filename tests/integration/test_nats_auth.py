@@ -54,6 +54,7 @@ def test_a_fellow_cannot_pose_as_another_or_read_its_inbox(
 
         await leader.subscribe("swarm.hb.*", cb=on_hb)
         await leader.subscribe("swarm.register.*", cb=answer)
+        await leader.flush()
 
         errors: list[str] = []
         f1 = await _connect(secure_nats.url, f1_creds, errors, inbox="_INBOX.f1")
@@ -67,6 +68,7 @@ def test_a_fellow_cannot_pose_as_another_or_read_its_inbox(
             await msg.respond(b"ack")
 
         await f1.subscribe("swarm.sig.f1", cb=ack)
+        await f1.flush()
         assert (await leader.request("swarm.sig.f1", b"STOP", timeout=5)).data == b"ack"
 
         # What it may not: another fellow's heartbeat, another's inbox and signals, signals.
@@ -110,12 +112,12 @@ def test_an_authenticated_swarm_trains_over_the_relay(
     procs, secure_nats: NatsControl, nats_authority: NatsAuthority, secure_leader: Leader
 ):
     assert secure_leader.get("/api/v1/info")["nats_auth"] == "jwt"
-    for name in ("a1", "a2"):
+    # One fellow over NATS's WebSocket listener (a host that may only make HTTP(S)
+    # connections), one over plain NATS; no data addresses: the stages use the relay.
+    urls = {"a1": secure_nats.websocket_url, "a2": secure_nats.url}
+    for name, url in urls.items():
         creds = nats_authority.write_fellow_creds("swarm", name)
-        # No data address: the stages talk over the NATS relay, as their own users.
-        start_agent(
-            procs, secure_nats.url, name, SWARM_NATS_CREDS=str(creds), SWARM_DATA_ADDRESS=""
-        )
+        start_agent(procs, url, name, SWARM_NATS_CREDS=str(creds), SWARM_DATA_ADDRESS="")
     wait_ready(secure_leader, "a1", "a2")
     job_id = secure_leader.submit(**tiny(name="authenticated", steps=12, stages=2))["job_id"]
     job = secure_leader.wait_job(job_id, "COMPLETED", timeout=150)
