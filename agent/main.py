@@ -12,6 +12,7 @@ from typing import Annotated
 
 import cyclopts
 
+from agent.enroll import enroll
 from agent.runner import FellowAgent, default_fellow_id
 from swarm.entry import configure_logging, run_or_exit
 from swarm.errors import ConfigError
@@ -53,6 +54,9 @@ def serve(
         raise ConfigError("no NATS server: pass --nats-url or set SWARM_NATS_URL")
     _gpus_from_nomad()
     configure_logging(settings.log_level)
+    if settings.enroll_token:
+        name = settings.fellow_name or default_fellow_id()
+        settings = settings.replace(fellow_name=name, nats_creds=enroll(settings, name))
     fellow_id = fellow_id_for(settings)
     if asyncio.run(_run(settings, settings.nats_access(settings.nats_url), fellow_id)):
         _restart()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from dataclasses import dataclass, field
@@ -26,14 +27,19 @@ from leader.orchestrator import Orchestrator
 from leader.purges import PurgeBook
 from leader.registry import FellowRecord, NodeView, WorkerRegistry
 from swarm import __version__
-from swarm.errors import NotFoundError
+from swarm.errors import ConflictError, NotFoundError, SwarmError
 from swarm.jobspec import FieldError
 from swarm.natsauth import NatsAuthError, NatsAuthority
-from swarm.protocol import PROTOCOL_VERSION
+from swarm.protocol import PROTOCOL_VERSION, FellowStatus
 from swarm.settings import Settings
 from swarm.subjects import TOKEN_RE
 
 log = logging.getLogger(__name__)
+
+
+class EnrollRefusedError(SwarmError):
+    code = "ENROLL_REFUSED"
+    http_status = 403
 
 
 @dataclass
@@ -263,6 +269,45 @@ class LeaderServices:
             "nats_creds": creds,
             "package_file": package.file,
             "package_sha256": package.sha256,
+        }
+
+    def enroll(self, fellow_name: str, token: str) -> dict[str, object]:
+        """A NATS user for a fleet fellow that shows the enrollment token (SWARM_ENROLL_TOKEN).
+        Refused for a name that is online now: the token cannot take over a live fellow."""
+        expected = self.settings.enroll_token
+        if not expected:
+            raise EnrollRefusedError(
+                "enrollment is off on this leader (set SWARM_ENROLL_TOKEN to turn it on)",
+                code="ENROLL_DISABLED",
+            )
+        if not hmac.compare_digest(token.encode(), expected.encode()):
+            raise EnrollRefusedError("wrong enrollment token (SWARM_ENROLL_TOKEN)")
+        if not TOKEN_RE.match(fellow_name):
+            raise FieldError(
+                f"fellow_name: {fellow_name!r} is not a fellow id (1-64 letters, digits, "
+                "'-' or '_')",
+                field="fellow_name",
+            )
+        record = self.registry.get(fellow_name)
+        if record is not None and record.status is not FellowStatus.OFFLINE:
+            raise ConflictError(
+                f"fellow {fellow_name!r} is online ({record.hostname}); an enrollment cannot "
+                "take its name",
+                code="FELLOW_ID_IN_USE",
+            )
+        if self.authority is None and self.nats_auth != "dev":
+            raise NatsAuthError(
+                "this leader cannot mint NATS users: it has no NATS authority "
+                f"(SWARM_NATS_AUTH_DIR, default {self.settings.authority_dir})"
+            )
+        creds = None
+        if self.authority is not None:
+            creds = self.authority.fellow_creds(self.settings.subject_prefix, fellow_name)
+        log.info("enrolled fellow %s", fellow_name)
+        return {
+            "fellow_name": fellow_name,
+            "nats_url": self.settings.public_nats_url or self.nats_url,
+            "nats_creds": creds,
         }
 
     def _mark_registered(self) -> None:

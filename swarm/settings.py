@@ -42,6 +42,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # The NATS authority (keys that mint users; see swarm.natsauth): the leader's, by
     # default <state>/nats-auth. With it the leader gives each joining fellow its own user.
     nats_auth_dir: Path | None = None
+    # Fleet enrollment (Nomad, systemd fleets): a leader with this token mints a NATS user
+    # for any fellow that presents it; a fellow with it and no credentials file asks the
+    # leader (SWARM_LEADER_URL) for its own at start and keeps it (0600).
+    enroll_token: str | None = None
     # TLS to NATS (a tls:// or wss:// URL): the CA that signed the server's certificate, and
     # a client certificate and key when the server asks for one.
     nats_tls_ca: Path | None = None

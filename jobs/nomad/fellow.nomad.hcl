@@ -2,9 +2,10 @@
 # CPU fellows by default; `-var gpu=true` asks for an NVIDIA GPU per node (the nvidia device
 # plugin), and the agent maps the devices Nomad assigns (NVIDIA_VISIBLE_DEVICES) to
 # CUDA_VISIBLE_DEVICES, which TensorFlow honours outside containers.
-# Optional caps come from the Nomad variable nomad/jobs/swarm-fellow (it may not exist), e.g.
-#   nomad var put nomad/jobs/swarm-fellow max_vram_gb=24
-# (each fellow's own NATS credentials will come from there too, with remote onboarding).
+# Each fellow gets its own NATS user from the leader at start (fleet enrollment): the variable
+# nomad/jobs/swarm-fellow holds the enrollment token, and optional caps, e.g.
+#   nomad var put nomad/jobs/swarm-fellow enroll_token=<the leader's> max_vram_gb=24
+# The user is kept in the allocation (SWARM_STATE_DIR/nats.creds).
 # Checkpoints live in the allocation (SWARM_STATE_DIR); a replaced allocation starts afresh.
 
 variable "datacenters" {
@@ -73,6 +74,11 @@ job "swarm-fellow" {
         {{- else }}
         SWARM_NATS_URL=nats://swarm-nats-not-registered.invalid:4222
         {{- end }}
+        {{- range nomadService "swarm-leader" }}
+        SWARM_LEADER_URL=http://{{ .Address }}:{{ .Port }}
+        {{- else }}
+        SWARM_LEADER_URL=http://swarm-leader-not-registered.invalid:8080
+        {{- end }}
         {{- if nomadVarExists "nomad/jobs/swarm-fellow" }}
         {{- with nomadVar "nomad/jobs/swarm-fellow" }}
         {{- if .max_vram_gb }}
@@ -80,6 +86,9 @@ job "swarm-fellow" {
         {{- end }}
         {{- if .max_memory_gb }}
         SWARM_FELLOW_MAX_MEMORY_GB={{ .max_memory_gb }}
+        {{- end }}
+        {{- if .enroll_token }}
+        SWARM_ENROLL_TOKEN={{ .enroll_token }}
         {{- end }}
         {{- end }}
         {{- end }}

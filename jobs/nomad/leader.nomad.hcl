@@ -58,10 +58,59 @@ job "swarm-leader" {
       }
 
       env {
-        SWARM_LEADER_HOST = "0.0.0.0"
-        SWARM_LEADER_PORT = "${NOMAD_PORT_http}"
-        SWARM_STATE_DIR   = "${NOMAD_ALLOC_DIR}/data"
-        SWARM_LOG_LEVEL   = "INFO"
+        SWARM_LEADER_HOST    = "0.0.0.0"
+        SWARM_LEADER_PORT    = "${NOMAD_PORT_http}"
+        SWARM_STATE_DIR      = "${NOMAD_ALLOC_DIR}/data"
+        SWARM_LOG_LEVEL      = "INFO"
+        SWARM_NATS_AUTH_DIR  = "${NOMAD_SECRETS_DIR}/nats-auth"
+        SWARM_NATS_CREDS     = "${NOMAD_SECRETS_DIR}/nats-auth/leader.creds"
+      }
+
+      # The swarm's NATS authority (its keys mint each fellow's user) and the leader's own
+      # user, from the variable nomad/jobs/swarm-leader (see docs/deploy/nomad.md):
+      #   operator_nk, account_nk, system_nk, leader_creds, and enroll_token (the secret
+      #   fleet fellows present to get their user). The task waits until it exists.
+      template {
+        destination = "secrets/nats-auth/operator.nk"
+        perms       = "0600"
+        data        = <<-EOT
+        {{- with nomadVar "nomad/jobs/swarm-leader" }}{{ .operator_nk }}{{ end }}
+        EOT
+      }
+
+      template {
+        destination = "secrets/nats-auth/account.nk"
+        perms       = "0600"
+        data        = <<-EOT
+        {{- with nomadVar "nomad/jobs/swarm-leader" }}{{ .account_nk }}{{ end }}
+        EOT
+      }
+
+      template {
+        destination = "secrets/nats-auth/system.nk"
+        perms       = "0600"
+        data        = <<-EOT
+        {{- with nomadVar "nomad/jobs/swarm-leader" }}{{ .system_nk }}{{ end }}
+        EOT
+      }
+
+      template {
+        destination = "secrets/nats-auth/leader.creds"
+        perms       = "0600"
+        data        = <<-EOT
+        {{- with nomadVar "nomad/jobs/swarm-leader" }}{{ .leader_creds }}{{ end }}
+        EOT
+      }
+
+      template {
+        destination = "secrets/enroll.env"
+        env         = true
+        change_mode = "restart"
+        data        = <<-EOT
+        {{- with nomadVar "nomad/jobs/swarm-leader" }}
+        SWARM_ENROLL_TOKEN={{ .enroll_token }}
+        {{- end }}
+        EOT
       }
 
       template {

@@ -92,8 +92,20 @@ job "swarm-nats" {
             "--store_dir", "/var/lib/swarm-nats",
             "--server_name", "swarm-nats-${NOMAD_ALLOC_INDEX}",
           ],
-          var.nats_servers > 1 ? ["--config", "${NOMAD_TASK_DIR}/cluster.conf"] : [],
+          ["--config", "${NOMAD_TASK_DIR}/${var.nats_servers > 1 ? "cluster" : "auth"}.conf"],
         )
+      }
+
+      # Who may connect: the swarm's NATS authority (`swarm nats-auth init` writes it), from
+      #   nomad var put nomad/jobs/swarm-nats server_conf=@nats-auth/server.conf
+      # The task waits until that variable exists: NATS never runs open by accident. (For a
+      # throwaway dev cluster put server_conf="" and run the leader with SWARM_DEV=1.)
+      template {
+        destination = "local/auth.conf"
+        change_mode = "restart"
+        data        = <<-EOT
+        {{- with nomadVar "nomad/jobs/swarm-nats" }}{{ .server_conf }}{{ end }}
+        EOT
       }
 
       # With more than one server: routes to the others, reloaded (SIGHUP) as they come and
@@ -106,6 +118,7 @@ job "swarm-nats" {
           change_signal = "SIGHUP"
           data          = <<-EOT
           {{- $routes := "" }}{{ range nomadService "swarm-nats-cluster" }}{{ $routes = printf "%s nats-route://%s:%d" $routes .Address .Port }}{{ end }}
+          include "auth.conf"
           cluster {
             name: swarm
             listen: 0.0.0.0:6222

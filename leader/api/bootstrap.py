@@ -27,6 +27,10 @@ class Claim(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     fellow_name: str | None = None  # the host's proposal; the operator's name wins
 
 
+class Enroll(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    fellow_name: str
+
+
 class LogLines(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     lines: list[str]
     failed: bool = False
@@ -76,6 +80,16 @@ class BootstrapController(Controller):
         body = decode_strict(await request.body(), Claim)
         await services.ensure_package()
         return services.claim_join_session(session_id, body.token, body.fellow_name or None)
+
+    @post(
+        "/enroll",
+        status_code=HTTP_200_OK,
+        summary="A fleet fellow's own NATS user (Authorization: Bearer <SWARM_ENROLL_TOKEN>)",
+    )
+    async def enroll(self, request: Request, services: LeaderServices) -> dict[str, Any]:
+        body = decode_strict(await request.body(), Enroll)
+        token = request.headers.get("authorization", "").partition(" ")[2].strip()
+        return services.enroll(body.fellow_name, token)
 
     @post(
         "/join-sessions/{session_id:str}/logs",

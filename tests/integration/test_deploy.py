@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import textwrap
 import tomllib
 from pathlib import Path
 
@@ -16,8 +17,10 @@ import msgspec
 import pytest
 from hcl2.utils import SerializationOptions
 
+from swarm.natsauth import NatsAuthority, creds_user_name
 from swarm.procs import free_port
 from swarm.settings import Settings, env_name
+from tests.conftest import leader_process, secure_env
 from tests.helpers import REPO, child_env
 
 NOMAD = REPO / "jobs" / "nomad"
@@ -51,12 +54,32 @@ def tasks(spec: dict) -> list[dict]:
 
 def templates(spec: dict) -> list[str]:
     """Every template's text, dynamic ones (``content``) included."""
+    return [body["data"] for body in template_blocks(spec)]
+
+
+def template_blocks(spec: dict) -> list[dict]:
+    """Every template block, its ``data`` as Nomad sees it (a heredoc's text)."""
     out = []
     for t in blocks(spec, "template"):
         for body in t.get("content", [t]):
             if "data" in body:
-                out.append(body["data"])
+                out.append({**body, "data": heredoc_text(body["data"])})
     return out
+
+
+def heredoc_text(value: str) -> str:
+    """python-hcl2 keeps a heredoc's markers: ``<<-EOT\n  text\n  EOT`` is ``text\n``
+    (``<<-`` strips the common indentation)."""
+    m = re.fullmatch(r"<<(-?)(\w+)\n(.*?)\n?[ \t]*\2", value, flags=re.S)
+    if m is None:
+        return value
+    text = m.group(3) + "\n"
+    return textwrap.dedent(text) if m.group(1) else text
+
+
+# Variables a task cannot run without: Nomad holds the task until they exist, on purpose (the
+# NATS authority: NATS must never start open by accident). Every other read is guarded.
+REQUIRED_VARIABLES = {"nomad/jobs/swarm-nats", "nomad/jobs/swarm-leader"}
 
 
 JOBS = ["nats", "leader", "fellow"]
@@ -155,9 +178,12 @@ def render_template(data: str, services: dict[str, list[dict]], variables: dict[
                 else:
                     i = skip(i + 1)
             elif m := re.fullmatch(r'with nomadVar "([^"]+)"', action):
-                # Nomad blocks on a missing variable: it must only appear under nomadVarExists.
+                # Nomad blocks on a missing variable: unless the task must wait for it, it
+                # may only be read under nomadVarExists.
                 if m.group(1) not in variables:
                     i, _, _, _ = block(i + 1, {})
+                    if m.group(1) in REQUIRED_VARIABLES:
+                        raise AssertionError(f"the task waits for variable {m.group(1)!r}")
                     raise AssertionError(f"nomadVar {m.group(1)!r} read without nomadVarExists")
                 i, _, text, _ = block(i + 1, variables[m.group(1)])
                 out.append(text)
@@ -181,17 +207,72 @@ def test_template_renderer_follows_nomads_rules():
     assert "MAX_" not in without  # no variable: no caps, and no blocking read
 
 
-def test_the_rendered_fellow_task_joins_a_real_swarm(procs, nats_server, leader, tmp_path):
+def test_the_leader_and_nats_tasks_get_the_nats_authority_from_variables(nats_authority, tmp_path):
+    """What `nomad var put` stores (docs/deploy/nomad.md) renders into an authority the leader
+    loads and a config nats-server trusts it by."""
+    auth = nats_authority.dir
+    leader_var = {
+        "operator_nk": (auth / "operator.nk").read_text(),
+        "account_nk": (auth / "account.nk").read_text(),
+        "system_nk": (auth / "system.nk").read_text(),
+        "leader_creds": (auth / "leader.creds").read_text(),
+        "enroll_token": "fleet-secret",
+    }
+    nats_var = {"server_conf": nats_authority.server_config_path.read_text()}
+    variables = {"nomad/jobs/swarm-leader": leader_var, "nomad/jobs/swarm-nats": nats_var}
+    secrets = tmp_path / "task"
+    for name in ("leader", "nats"):
+        for body in template_blocks(load(name)):
+            if body["destination"] == "local/cluster.conf":  # routes: rendered by Nomad only
+                assert 'include "auth.conf"' in body["data"]
+                continue
+            text = render_template(body["data"], {}, variables)
+            path = secrets / body["destination"]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    [leader_task] = tasks(load("leader"))
+    env = {k: v for e in leader_task["env"] for k, v in e.items()}
+    assert env["SWARM_NATS_AUTH_DIR"] == "${NOMAD_SECRETS_DIR}/nats-auth"
+    loaded = NatsAuthority.load(secrets / "secrets" / "nats-auth")
+    assert loaded.account_public == nats_authority.account_public
+    assert creds_user_name((secrets / "secrets/nats-auth/leader.creds").read_text()) == (
+        "swarm-leader"
+    )
+    assert "SWARM_ENROLL_TOKEN=fleet-secret" in (secrets / "secrets/enroll.env").read_text()
+    assert (secrets / "local/auth.conf").read_text().strip() == nats_var["server_conf"].strip()
+    with pytest.raises(AssertionError, match="waits for variable"):
+        render_template(template_blocks(load("nats"))[0]["data"], {}, {})
+
+
+def test_the_rendered_fellow_task_joins_a_real_swarm(procs, secure_nats, nats_authority, tmp_path):
+    leader = next(
+        started := leader_process(
+            procs,
+            secure_nats,
+            tmp_path,
+            **secure_env(nats_authority),
+            SWARM_ENROLL_TOKEN="fleet-secret",
+        )
+    )
     [task] = tasks(load("fellow"))
     [template] = templates(load("fellow"))
-    host, port = nats_server.url.removeprefix("nats://").split(":")
+    host, port = secure_nats.url.removeprefix("nats://").split(":")
+    leader_host, leader_port = leader.url.removeprefix("http://").split(":")
     rendered = render_template(
         template,
-        {"swarm-nats": [{"Address": host, "Port": int(port)}]},
-        {"nomad/jobs/swarm-fellow": {"max_memory_gb": "3"}},
+        {
+            "swarm-nats": [{"Address": host, "Port": int(port)}],
+            "swarm-leader": [{"Address": leader_host, "Port": int(leader_port)}],
+        },
+        {"nomad/jobs/swarm-fellow": {"max_memory_gb": "3", "enroll_token": "fleet-secret"}},
     )
     template_env = dict(line.split("=", 1) for line in rendered.split() if "=" in line)
-    assert template_env == {"SWARM_NATS_URL": nats_server.url, "SWARM_FELLOW_MAX_MEMORY_GB": "3"}
+    assert template_env == {
+        "SWARM_NATS_URL": secure_nats.url,
+        "SWARM_LEADER_URL": leader.url,
+        "SWARM_FELLOW_MAX_MEMORY_GB": "3",
+        "SWARM_ENROLL_TOKEN": "fleet-secret",
+    }
     nomad = {
         "node.unique.name": "nomad-client-1",
         "NOMAD_IP_data": "127.0.0.1",
@@ -210,9 +291,13 @@ def test_the_rendered_fellow_task_joins_a_real_swarm(procs, nats_server, leader,
         program = Path(sys.executable).parent / program.name
     argv = [str(program), *(interpolate(a) for a in config["args"])]
     procs.start("nomad-fellow", argv, env=child_env(**env, **template_env))
+    # It enrolls (its own NATS user, kept in the allocation), then joins as that user.
     record = leader.wait_status("nomad-client-1", "ready", timeout=30)
     assert record["data_address"] == f"tcp://127.0.0.1:{nomad['NOMAD_PORT_data']}"
     assert record["hardware"]["limits"]["max_memory_bytes"] == 3 * 2**30
+    creds = tmp_path / "alloc" / "data" / "nats.creds"
+    assert creds_user_name(creds.read_text()) == "nomad-client-1"
+    started.close()
 
 
 # --- the .deb ------------------------------------------------------------------------------------
@@ -272,6 +357,15 @@ def test_the_deb_installs_verifies_runs_and_purges_cleanly(tmp_path):
             assert help_run.returncode == 0 and "Usage" in help_run.stdout, help_run.stderr
         assert run("getent", "passwd", "silentswarm").returncode == 0
         assert run("systemctl", "is-active", "swarm-fellow.service").stdout.strip() != "active"
+        # What swarm-nats.service runs first: the installed package makes the authority, and
+        # the installed nats-server accepts its configuration.
+        auth = tmp_path / "nats-auth"
+        made = run("/opt/silentswarm/bin/swarm", "nats-auth", "init", "--dir", str(auth))
+        assert made.returncode == 0, made.stderr
+        checked = run(
+            "/opt/silentswarm/bin/nats-server", "--config", str(auth / "server.conf"), "-t"
+        )
+        assert checked.returncode == 0, checked.stdout + checked.stderr
     finally:
         purged = run("dpkg", "--purge", "silentswarm", timeout=300)
     assert purged.returncode == 0, purged.stderr

@@ -5,13 +5,15 @@ fellow's user may not do."""
 from __future__ import annotations
 
 import asyncio
+import stat
 import subprocess
 from pathlib import Path
 
+import httpx
 import nats
 import pytest
 
-from swarm.natsauth import NatsAuthority
+from swarm.natsauth import NatsAuthority, creds_user_name
 from swarm.natsd import start_nats_server
 from tests.conftest import NatsControl, leader_process, secure_env, start_agent
 from tests.helpers import Leader, child_env, wait_for
@@ -264,3 +266,45 @@ class _Url:
 
     def __init__(self, url: str) -> None:
         self.url = url
+
+
+def test_a_fleet_fellow_enrolls_with_the_shared_token_and_gets_its_own_user(
+    procs, secure_nats: NatsControl, nats_authority: NatsAuthority, tmp_path: Path
+):
+    env = {**secure_env(nats_authority), "SWARM_ENROLL_TOKEN": "fleet-secret"}
+    started = leader_process(procs, secure_nats, tmp_path, **env)
+    leader = next(started)
+    state = tmp_path / "fleet-1-state"
+    start_agent(
+        procs,
+        secure_nats.url,
+        "fleet-1",
+        SWARM_ENROLL_TOKEN="fleet-secret",
+        SWARM_LEADER_URL=leader.url,
+        SWARM_STATE_DIR=str(state),
+    )
+    wait_ready(leader, "fleet-1")
+    creds = state / "nats.creds"
+    assert stat.S_IMODE(creds.stat().st_mode) == 0o600
+    assert creds_user_name(creds.read_text()) == "fleet-1"
+
+    # A live fellow's name cannot be taken; a wrong token is refused, and the agent says so.
+    taken = httpx.post(
+        f"{leader.url}/api/v1/bootstrap/enroll",
+        json={"fellow_name": "fleet-1"},
+        headers={"authorization": "Bearer fleet-secret"},
+        timeout=10,
+    )
+    assert taken.status_code == 409 and taken.json()["code"] == "FELLOW_ID_IN_USE"
+    wrong = start_agent(
+        procs,
+        secure_nats.url,
+        "fleet-2",
+        SWARM_ENROLL_TOKEN="guessed",
+        SWARM_LEADER_URL=leader.url,
+        SWARM_STATE_DIR=str(tmp_path / "fleet-2-state"),
+    )
+    assert wrong.wait(timeout=30) == 2
+    assert "wrong enrollment token" in procs.log(wrong)
+    assert not (tmp_path / "fleet-2-state" / "nats.creds").exists()
+    started.close()
