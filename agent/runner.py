@@ -27,6 +27,7 @@ from nats.errors import Error as NatsError
 from agent.hardware import HardwareProbe, limits_from
 from agent.logship import FellowLogShipper
 from agent.reinstall import PackageRef, UpdateError, reinstall
+from agent.shardpush import FetchError, Shard, ShardPusher, fetch_shard
 from agent.supervisor import StageRun
 from swarm import __version__
 from swarm import subjects as topics
@@ -54,6 +55,8 @@ from swarm.settings import Settings
 log = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT_S = 2.0
+# How long a finished stage's last shard pushes may hold up its report of the end.
+PUSH_DRAIN_S = 300.0
 RETRY_MIN_S = 0.25
 RETRY_MAX_S = 1.0
 SEEN_SIGNALS = 256
@@ -111,6 +114,8 @@ class FellowAgent:
         self.exit_reason: str | None = None
         self.shipper = FellowLogShipper(fellow_id)
         self._down_transport: str | None = None
+        self.pusher: ShardPusher | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     @property
     def fellow_id(self) -> str:
@@ -138,6 +143,7 @@ class FellowAgent:
         stopper.cancel()
         self._stop = stop
         self.nc = connect.result()
+        self.pusher = ShardPusher(self.nc, self.prefix, self.fellow_id)
         await self.nc.subscribe(
             topics.SIGNAL.subject(self.prefix, fellow=self.fellow_id), cb=self._on_signal
         )
@@ -366,17 +372,49 @@ class FellowAgent:
         if problems:
             return self._ack(sig, False, "PLAN_INVALID", "; ".join(problems))
         workdir = self.fellow_dir / "jobs" / f"{plan.job_id}-a{plan.attempt}"
+        resume = sig.args.get("resume")
+        if resume:
+            # A resumed attempt: its shard comes from the leader before the runtime starts.
+            fetched = self.fellow_dir / "resume" / f"{plan.job_id}-a{plan.attempt}"
+            plan = msgspec.structs.replace(
+                plan, resume_from=str(fetched / f"stage-{plan.stage}.json")
+            )
         run = StageRun(plan, workdir, self._on_stage_event, self._on_stage_output)
-        try:
-            await run.start()
-        except OSError as exc:
-            return self._ack(sig, False, "START_FAILED", f"cannot start the runtime: {exc}")
+        if not resume:
+            try:
+                await run.start()
+            except OSError as exc:
+                return self._ack(sig, False, "START_FAILED", f"cannot start the runtime: {exc}")
         self.run_, self.outcome, self.step, self.loss = run, None, 0, None
         self._down_transport = None
         self._checkpoint_final = False
         self._set_status(FellowEvent.START)
-        asyncio.get_running_loop().create_task(self._supervise(run), name="stage-supervisor")
+        if resume:
+            self._background(self._fetch_and_start(run, resume, fetched), "stage-fetch")
+        self._background(self._supervise(run), "stage-supervisor")
+        if resume:
+            step = resume.get("step")
+            return self._ack(sig, True, message=f"stage {plan.stage} resuming from step {step}")
         return self._ack(sig, True, message=f"stage {plan.stage} started")
+
+    def _background(self, coro: Any, name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _fetch_and_start(self, run: StageRun, resume: dict, directory: Path) -> None:
+        try:
+            await asyncio.to_thread(fetch_shard, resume, directory)
+        except (FetchError, OSError, KeyError) as exc:
+            log.error("job %s: cannot resume: %s", run.job_id, exc)
+            run.fail_unstarted(f"cannot fetch the shard to resume from: {exc}")
+            return
+        if run.finished.done():  # stopped meanwhile
+            return
+        try:
+            await run.start()
+        except OSError as exc:
+            run.fail_unstarted(f"cannot start the runtime: {exc}")
 
     async def _on_stop(self, sig: Signal) -> SignalAck:
         reason = str(sig.args.get("reason") or "stopped by the leader")
@@ -497,6 +535,21 @@ class FellowAgent:
             )
         elif kind == "checkpoint":
             final = bool(event.get("final"))
+            if event.get("ok") and event.get("path") and self.pusher is not None:
+                # Every checkpoint goes to the leader (the export, and where a resume starts);
+                # a periodic one may be overtaken by the next, the others are kept.
+                self.pusher.submit(
+                    Shard(
+                        job_id=run.job_id,
+                        attempt=run.attempt,
+                        stage=run.plan.stage,
+                        step=int(event.get("step") or 0),
+                        directory=Path(str(event["path"])),
+                        periodic=str(event.get("id", "")).startswith("every-"),
+                    )
+                )
+            if str(event.get("id", "")).startswith("every-") or event.get("id") == "end":
+                return  # the stage's own checkpoints: no operator's CHECKPOINT to answer
             self._publish_progress(
                 run,
                 ProgressEvent.CHECKPOINT,
@@ -517,8 +570,12 @@ class FellowAgent:
         self.shipper.add(level, f"stage.{stream}", line)
 
     async def _supervise(self, run: StageRun) -> None:
-        """Wait for the runtime to end, report how, and go back to ready."""
+        """Wait for the runtime to end, push its last shards, report how, go back to ready."""
         outcome = await run.finished
+        # The export must be whole when the job is COMPLETED: report the end after it.
+        pushing = outcome.result is StageResult.COMPLETED and self.pusher is not None
+        if pushing and not await self.pusher.drain(PUSH_DRAIN_S):
+            log.warning("job %s: shard push still running after %.0fs", run.job_id, PUSH_DRAIN_S)
         self.outcome = outcome
         self.step = outcome.step
         log.info(

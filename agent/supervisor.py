@@ -131,9 +131,26 @@ class StageRun:
             return False
         return True
 
+    def fail_unstarted(self, message: str) -> None:
+        """The runtime could not be started (e.g. its resume shard did not arrive)."""
+        self._end_unstarted(StageResult.FAILED, message)
+
+    def _end_unstarted(self, result: StageResult, message: str) -> None:
+        if not self.finished.done():
+            self.finished.set_result(
+                StageOutcome(
+                    result=result, job_id=self.job_id, attempt=self.attempt, message=message
+                )
+            )
+
     def terminate(self, reason: str) -> None:
         """SIGTERM now, SIGKILL after a grace period; ``finished`` says when it is gone."""
         proc = self.proc
+        if proc is None and self.stopping is None and not self.finished.done():
+            # Not started yet (fetching its shard): it never will be.
+            self.stopping = reason
+            self._end_unstarted(StageResult.STOPPED, reason)
+            return
         if proc is None or proc.returncode is not None or self.stopping is not None:
             return
         self.stopping = reason

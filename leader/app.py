@@ -17,6 +17,7 @@ from leader.auth import make_guard
 from leader.bootstrap import find_or_build_wheel
 from leader.bus import LeaderBus
 from leader.errors import EXCEPTION_HANDLERS
+from leader.exports import ExportService
 from leader.jobs import JobManager
 from leader.metrics import LeaderMetrics
 from leader.observe import Observability
@@ -56,6 +57,14 @@ def create_app(
     bus = LeaderBus(nats=nats, prefix=settings.subject_prefix, registry=registry)
     jobs, purges = JobManager(), PurgeBook()
     observe = Observability(bus=bus, jobs=jobs, prefix=settings.subject_prefix)
+    exports = ExportService(
+        bus=bus,
+        jobs=jobs,
+        prefix=settings.subject_prefix,
+        state_dir=settings.state_dir,
+        secret=token.encode(),
+        public_url=settings.public_url or settings.default_leader_url,
+    )
     registry.purge_pending = lambda fellow_id: purges.get(fellow_id) is not None
     services = LeaderServices(
         settings=settings,
@@ -77,7 +86,9 @@ def create_app(
                 last_stage=LastStagePlacement(settings.pipeline_last_stage_placement),
             ),
             on_progress=observe.on_progress,
+            exports=exports,
         ),
+        exports=exports,
     )
     metrics = LeaderMetrics(services)
 

@@ -26,12 +26,13 @@ from swarm.settings import Settings
 log = logging.getLogger(__name__)
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 # Never guarded: liveness, the UI's own files (it asks for the token itself), the API docs,
-# and what a joining host fetches (its join token, session secret or the fleet's enrollment
-# token is checked instead).
+# what a joining host fetches (its join token, session secret or the fleet's enrollment
+# token is checked instead), and shard files (a resumed stage's token is checked instead).
 OPEN_PREFIXES = ("/health", "/ops", "/schema")
 OPEN_PATHS = re.compile(
-    r"^/api/v1/bootstrap/(manifest|source|fellow\.sh|enroll"
-    r"|join-sessions/[^/]+/(claim|logs|logs/stream))/?$"
+    r"^(/api/v1/bootstrap/(manifest|source|fellow\.sh|enroll"
+    r"|join-sessions/[^/]+/(claim|logs|logs/stream))"
+    r"|/api/v1/jobs/[^/]+/shards/\d+/[^/]+)/?$"
 )
 
 

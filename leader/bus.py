@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
+from typing import Any
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -73,6 +74,20 @@ class LeaderBus:
         self.registry.bus_connected()
 
     # --- handlers --------------------------------------------------------------------------
+
+    def decode_job_message(self, msg: Msg, topic: topics.Topic[Any]) -> Any | None:
+        """The payload of a ``<kind>.<job>.<fellow>`` message whose ids match its subject;
+        None (logged, counted, dropped) otherwise."""
+        try:
+            tokens = topic.parse(self.prefix, msg.subject)
+            payload = topic.decode(msg.data)
+        except ProtocolError as exc:
+            self.drop(msg, str(exc))
+            return None
+        if (payload.job_id, payload.fellow_id) != (tokens["job"], tokens["fellow"]):
+            self.drop(msg, "job or fellow id does not match the subject")
+            return None
+        return payload
 
     def drop(self, msg: Msg, reason: str) -> None:
         kind = msg.subject.split(".")[1] if "." in msg.subject else msg.subject

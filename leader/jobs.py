@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from leader.artifacts import ShardReceipt
 from leader.placement import DEFAULTS, Candidate, PlacementDefaults, Unplaceable, place
 from swarm.errors import ConflictError, NotFoundError
 from swarm.jobspec import JobSpec, Placement, new_job_id
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 HISTORY_LEN = 50
 SIGNAL_LOG_LEN = 100
 CHECKPOINT_LOG_LEN = 20
+PUSH_LOG_LEN = 50
 # After START, a fellow's heartbeats may still describe the moment before it: only judge
 # "not running the job" on heartbeats received this long after the job started.
 START_GRACE_S = 3.0
@@ -99,6 +101,13 @@ class CheckpointRecord(msgspec.Struct, kw_only=True):
     stages: list[CheckpointStage]
 
 
+class ResumeRecord(msgspec.Struct, kw_only=True):
+    at: float
+    failed_attempt: int
+    reason: str
+    from_step: int
+
+
 class JobRecord(msgspec.Struct, kw_only=True):
     job_id: str
     name: str
@@ -118,6 +127,15 @@ class JobRecord(msgspec.Struct, kw_only=True):
     checkpoints: list[CheckpointRecord] = msgspec.field(default_factory=list)
     signals: list[SignalRecord] = msgspec.field(default_factory=list)
     history: list[JobTransition] = msgspec.field(default_factory=list)
+    # Exports: where the shards go, the newest step every stage pushed, the latest pushes.
+    export_dir: str | None = None
+    pushed_step: int | None = None
+    latest_shard_pushes: list[ShardReceipt] = msgspec.field(default_factory=list)
+    # Automatic resume: each one, the step the current attempt started from, and the layer
+    # ranges every attempt keeps (learned bottlenecks stay where they were trained).
+    resumes: list[ResumeRecord] = msgspec.field(default_factory=list)
+    resume_step: int | None = None
+    layer_ranges: list[tuple[int, int]] | None = None
 
     @property
     def terminal(self) -> bool:
@@ -159,7 +177,7 @@ def plan_schedule(
     free = list(idle)
     assignments, waiting = [], {}
     for job in sorted(pending, key=lambda j: (j.created_at, j.job_id)):
-        result = place(job.spec, free, defaults)
+        result = place(job.spec, free, defaults, ranges=job.layer_ranges)
         if isinstance(result, Unplaceable):
             waiting[job.job_id] = result.reason
             continue
@@ -167,6 +185,21 @@ def plan_schedule(
         taken = set(result.fellow_ids)
         free = [c for c in free if c.fellow_id not in taken]
     return assignments, waiting
+
+
+def resume_from(job: JobRecord) -> int | str:
+    """Where a running job that lost a fellow resumes (a step), or why it cannot (a reason).
+
+    From the newest step every stage pushed; with no push at all, from step 0 only if the
+    spec allows it; and at most ``max_resumes`` times.
+    """
+    if len(job.resumes) >= job.spec.max_resumes:
+        return f"gave up after {len(job.resumes)} resume(s) (max_resumes {job.spec.max_resumes})"
+    if job.pushed_step is not None:
+        return job.pushed_step
+    if job.spec.resume_from_scratch:
+        return 0
+    return "no shard push to resume from (set shard_push_to_leader, or resume_from_scratch)"
 
 
 def reconcile(
@@ -213,6 +246,9 @@ class JobManager:
         self.starting: dict[str, Placement] = {}
         # Job id -> (failed START rounds in a row, wall time before which it is not placed).
         self._retry: dict[str, tuple[int, float]] = {}
+        # Jobs just resumed -> (the attempt that failed, its fellows still running): the
+        # orchestrator stops those stages.
+        self.resumed: dict[str, tuple[int, list[str]]] = {}
         self.dirty: set[str] = set()
 
     # --- reads -----------------------------------------------------------------------------
@@ -394,13 +430,70 @@ class JobManager:
         return job
 
     def fail(self, job_id: str, reason: str) -> JobRecord | None:
+        """A running job lost a stage: resume it when it can (back to PENDING, keeping its
+        layer ranges), else FAILED with the reason and every earlier resume's."""
         job = self._jobs.get(job_id)
         if job is None or job.state is not JobState.RUNNING:
             return None
+        step = resume_from(job)
+        if isinstance(step, int):
+            self._resume(job, reason, step)
+            return job
+        if job.resumes:
+            earlier = "; ".join(f"attempt {r.failed_attempt}: {r.reason}" for r in job.resumes)
+            reason = f"{reason}; not resumed: {step} (earlier: {earlier})"
+        elif job.spec.max_resumes:
+            reason = f"{reason}; not resumed: {step}"
         job.reason = reason
         self._finish(job, JobEvent.FAILED, reason)
         log.warning("job %s failed: %s", job_id, reason)
         return job
+
+    def expire_resumes(self) -> list[JobRecord]:
+        """Resumed jobs still waiting for fellows after their spec's resume_wait_s: FAILED."""
+        now, expired = self._wall(), []
+        for job in self.list():
+            if job.state is not JobState.PENDING or not job.resumes or job.job_id in self.starting:
+                continue
+            last = job.resumes[-1]
+            if now - last.at > job.spec.resume_wait_s:
+                reason = (
+                    f"could not resume within {job.spec.resume_wait_s:.0f}s ({job.reason}); "
+                    f"attempt {last.failed_attempt}: {last.reason}"
+                )
+                job.reason = reason
+                self._finish(job, JobEvent.FAILED, reason)
+                log.warning("job %s failed: %s", job.job_id, reason)
+                expired.append(job)
+        return expired
+
+    def _resume(self, job: JobRecord, reason: str, step: int) -> None:
+        assert job.placement is not None
+        now = self._wall()
+        job.resumes.append(
+            ResumeRecord(at=now, failed_attempt=job.attempt, reason=reason, from_step=step)
+        )
+        job.resume_step = step
+        job.layer_ranges = [(s.layer_start, s.layer_end) for s in job.placement.stages]
+        self.resumed[job.job_id] = (
+            job.attempt,
+            [p.fellow_id for p in job.progress if p.result is None],
+        )
+        why = f"attempt {job.attempt} lost a fellow ({reason}); resuming from step {step}"
+        self._transition(job, JobEvent.RESUMED, why)
+        job.reason = why
+        log.warning("job %s: %s", job.job_id, why)
+
+    def record_push(self, job_id: str, receipt: ShardReceipt, complete_step: int | None) -> None:
+        """A stage's shard arrived; ``complete_step``: the newest step every stage has."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            return
+        job.latest_shard_pushes.append(receipt)
+        del job.latest_shard_pushes[:-PUSH_LOG_LEN]
+        if complete_step is not None:
+            job.pushed_step = complete_step
+        self._touch(job)
 
     def add_signal(self, job_id: str, record: SignalRecord) -> None:
         job = self._jobs.get(job_id)

@@ -22,6 +22,7 @@ from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 
 from leader.bus import LeaderBus
+from leader.exports import ExportService
 from leader.jobs import (
     CheckpointRecord,
     CheckpointStage,
@@ -38,8 +39,9 @@ from leader.registry import FellowRecord, WorkerRegistry
 from leader.signals import SignalHub
 from leader.store import StateStore
 from swarm import subjects as topics
-from swarm.errors import ConflictError, NotFoundError, ProtocolError, SwarmError
+from swarm.errors import ConflictError, NotFoundError, SwarmError
 from swarm.jobspec import JobSpec, stage_plans
+from swarm.plan import StagePlan
 from swarm.protocol import FellowStatus, JobState, Progress, SignalKind, StageOutcome
 from swarm.telemetry import offered_ram, usable_gpus
 
@@ -69,8 +71,10 @@ class Orchestrator:
         prefix: str,
         defaults: PlacementDefaults = DEFAULTS,
         on_progress: Callable[[Progress], None] | None = None,
+        exports: ExportService | None = None,
     ) -> None:
         self.bus = bus
+        self.exports = exports
         self.registry = registry
         self.jobs = jobs
         self.purges = purges
@@ -97,6 +101,9 @@ class Orchestrator:
         self.hub = SignalHub(nc, prefix=self.prefix)
         await self._open_store()
         await nc.subscribe(topics.PROGRESS.wildcard(self.prefix), cb=self._on_progress)
+        if self.exports is not None:
+            self.exports.on_push = self.wake
+            await self.exports.start(nc)
         self.loaded.set()
         while True:
             with contextlib.suppress(TimeoutError):
@@ -119,6 +126,9 @@ class Orchestrator:
 
     async def tick(self) -> None:
         self._reconcile()
+        self._stop_resumed()
+        for job in self.jobs.expire_resumes():
+            self._after_terminal(job)
         self._stop_orphans()
         await self._schedule()
         self._deliver_purges()
@@ -215,6 +225,17 @@ class Orchestrator:
                     self._after_terminal(job)
                     break
 
+    def _stop_resumed(self) -> None:
+        """A resumed job: stop what still runs of the attempt that lost a fellow, and drop
+        that attempt's partial shards beyond the resume step."""
+        while self.jobs.resumed:
+            job_id, (attempt, fellows) = self.jobs.resumed.popitem()
+            job = self.jobs.get(job_id)
+            if self.exports is not None and job.resume_step is not None:
+                self.exports.resumed(job, job.resume_step)
+            if fellows:
+                self._stop_all(job_id, attempt, fellows, f"attempt {attempt} is being resumed")
+
     async def _schedule(self) -> None:
         pending = self.jobs.pending()
         if not pending:
@@ -265,7 +286,7 @@ class Orchestrator:
                         SignalKind.START,
                         job_id=job_id,
                         attempt=attempt,
-                        args={"plan": msgspec.to_builtins(plan)},
+                        args=self._start_args(job, plan),
                     )
                     for plan in plans
                 )
@@ -287,6 +308,15 @@ class Orchestrator:
             return
         if self.jobs.start_succeeded(job_id) is None:  # cancelled while starting
             self._stop_all(job_id, attempt, placement.fellow_ids, "cancelled")
+
+    def _start_args(self, job: JobRecord, plan: StagePlan) -> dict[str, Any]:
+        args: dict[str, Any] = {"plan": msgspec.to_builtins(plan)}
+        if self.exports is not None:
+            self.exports.directory(job)
+            resume = self.exports.resume_args(job, plan.stage)
+            if resume is not None:
+                args["resume"] = resume
+        return args
 
     def _stop_orphans(self) -> None:
         """STOP stages of attempts the leader does not run (any more).
@@ -327,7 +357,10 @@ class Orchestrator:
             self._stop_all(job.job_id, record.attempt or 0, [record.fellow_id], "orphaned stage")
 
     def _after_terminal(self, job: JobRecord) -> None:
-        """A job ended: stop the stages still running (after a failure or a cancel)."""
+        """A job ended: its final manifest; stop the stages still running (after a failure or
+        a cancel)."""
+        if self.exports is not None:
+            self._spawn(self.exports.job_ended(job), f"export-{job.job_id}")
         if job.placement is None or job.state is JobState.COMPLETED:
             return
         still = [p.fellow_id for p in job.progress if p.result is None]
@@ -355,20 +388,16 @@ class Orchestrator:
     # --- progress --------------------------------------------------------------------------
 
     async def _on_progress(self, msg: Msg) -> None:
-        try:
-            tokens = topics.PROGRESS.parse(self.prefix, msg.subject)
-            progress = topics.PROGRESS.decode(msg.data)
-        except ProtocolError as exc:
-            self.bus.drop(msg, str(exc))
-            return
-        if (progress.job_id, progress.fellow_id) != (tokens["job"], tokens["fellow"]):
-            self.bus.drop(msg, "job or fellow id does not match the subject")
+        progress = self.bus.decode_job_message(msg, topics.PROGRESS)
+        if progress is None:
             return
         if self.on_progress is not None:
             self.on_progress(progress)
         job = self.jobs.record_progress(progress)
         if job is not None and job.terminal:
             self._after_terminal(job)
+            self.wake()
+        elif job is not None and job.state is JobState.PENDING:  # resumed
             self.wake()
 
     # --- operator actions ------------------------------------------------------------------

@@ -72,9 +72,15 @@ def eligible_gpus(
 
 
 def place(
-    spec: JobSpec, candidates: list[Candidate], defaults: PlacementDefaults = DEFAULTS
+    spec: JobSpec,
+    candidates: list[Candidate],
+    defaults: PlacementDefaults = DEFAULTS,
+    *,
+    ranges: list[tuple[int, int]] | None = None,
 ) -> Placement | Unplaceable:
-    """A placement for ``spec`` on some of ``candidates``, or why there is none now."""
+    """A placement for ``spec`` on some of ``candidates``, or why there is none now.
+
+    ``ranges`` fixes the stages' layer ranges (a resumed job keeps its boundaries)."""
     gpus = {c.fellow_id: eligible_gpus(c, spec, defaults) for c in candidates}
     with_gpu = sorted(
         (c for c in candidates if gpus[c.fellow_id]),
@@ -88,6 +94,8 @@ def place(
     layers = spec.model.n_layers
     wanted = spec.stages if spec.stages is not None else min(len(ranked), layers)
     need = max(wanted, spec.min_stages)
+    if ranges is not None:
+        wanted = need = len(ranges)
     if len(ranked) < need:
         what = "ready fellows" if spec.allow_cpu else "ready fellows with an eligible GPU"
         return Unplaceable(reason=f"waiting for {need} {what}; {len(ranked)} available")
@@ -109,7 +117,9 @@ def place(
         own = gpus[c.fellow_id]
         return sum(g.memory_free_bytes for g in own) if own else c.ram_available_bytes
 
-    if spec.partition == Partition.WEIGHTED and len(chosen) > 1:
+    if ranges is not None:
+        ranges = [tuple(r) for r in ranges]
+    elif spec.partition == Partition.WEIGHTED and len(chosen) > 1:
         ranges = weighted_ranges(layers, [capacity(c) for c in chosen])
     else:
         ranges = split_layers(layers, len(chosen))

@@ -21,6 +21,7 @@ from leader.bootstrap import (
     package_of,
 )
 from leader.bus import LeaderBus
+from leader.exports import ExportService
 from leader.jobs import JobManager, JobRecord, SignalRecord
 from leader.observe import Observability
 from leader.orchestrator import Orchestrator
@@ -53,6 +54,7 @@ class LeaderServices:
     purges: PurgeBook
     observe: Observability
     orchestrator: Orchestrator
+    exports: ExportService
     joins: JoinSessions = field(default_factory=JoinSessions)
     package: Package | None = None
     _package_build: asyncio.Future[Package | None] | None = None

@@ -63,6 +63,12 @@ class JobSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     pipeline_last_stage_placement: LastStagePlacement | None = None
     shard_push_interval_steps: int = 0
     shard_push_to_leader: bool = False
+    # Automatic resume when a fellow is lost: at most this many times, from the newest step
+    # every stage pushed; without any push, from step 0 only if resume_from_scratch.
+    max_resumes: int = 3
+    resume_from_scratch: bool = False
+    # A resumed job that cannot be placed again within this long fails.
+    resume_wait_s: float = 600.0
     artifact_paths: ArtifactPaths = msgspec.field(default_factory=ArtifactPaths)
     peer_timeout_s: float = 60.0
 
@@ -107,6 +113,12 @@ class JobSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
             out.append("max_gpus_per_worker must be >= 1")
         if self.shard_push_interval_steps < 0:
             out.append("shard_push_interval_steps must be >= 0")
+        if self.shard_push_to_leader and self.shard_push_interval_steps == 0:
+            out.append("shard_push_to_leader needs shard_push_interval_steps > 0")
+        if self.max_resumes < 0:
+            out.append("max_resumes must be >= 0")
+        if self.resume_wait_s <= 0:
+            out.append("resume_wait_s must be > 0")
         if self.peer_timeout_s <= 0:
             out.append("peer_timeout_s must be > 0")
         if self.max_data_bytes is not None and self.max_data_bytes < 1:
@@ -265,6 +277,10 @@ def stage_plans(
                 curve_down=keys[i][0] if keys and i + 1 < n else None,
                 peer_timeout_s=spec.peer_timeout_s,
                 intra_op_threads=placed.intra_op_threads,
+                # Every stage checkpoints at the end (the export) and, with shard pushes,
+                # every shard_push_interval_steps; its fellow pushes each to the leader.
+                checkpoint_every=spec.shard_push_interval_steps if spec.shard_push_to_leader else 0,
+                checkpoint_at_end=True,
             )
         )
     return plans

@@ -81,12 +81,15 @@ class JobEvent(enum.StrEnum):
     COMPLETED = "completed"  # every stage reported completion
     FAILED = "failed"  # a stage failed, or its fellow went offline
     CANCELLED = "cancelled"  # DELETE /api/v1/jobs/{job_id}
+    RESUMED = "resumed"  # a fellow was lost; the job waits to start its next attempt
 
 
 JOB_TRANSITIONS: dict[tuple[J, JobEvent], J] = {
     (J.PENDING, JobEvent.STARTED): J.RUNNING,
     (J.RUNNING, JobEvent.COMPLETED): J.COMPLETED,
     (J.RUNNING, JobEvent.FAILED): J.FAILED,
+    (J.RUNNING, JobEvent.RESUMED): J.PENDING,
+    (J.PENDING, JobEvent.FAILED): J.FAILED,  # a resumed job found no fellows in time
     (J.PENDING, JobEvent.CANCELLED): J.CANCELLED,
     (J.RUNNING, JobEvent.CANCELLED): J.CANCELLED,
 }

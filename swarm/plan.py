@@ -128,6 +128,13 @@ class StagePlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     p2p_probe_timeout_s: float = 3.0
     intra_op_threads: int | None = None
     checkpoint_dir: str | None = None  # where this stage writes checkpoints; None: nowhere
+    # Also checkpoint every N steps (the job's shard pushes), and after the last step (the
+    # export); both need checkpoint_dir.
+    checkpoint_every: int = 0
+    checkpoint_at_end: bool = False
+    # Start from this checkpoint (its JSON file): weights, optimizer state, data position
+    # and step. The job's automatic resume sets it.
+    resume_from: str | None = None
 
     @property
     def is_first(self) -> bool:

@@ -239,15 +239,27 @@ class Progress(Message, kw_only=True):
 
 
 class ShardChunk(Message, kw_only=True):
+    """One piece of one file of a stage's shard (its checkpoint after ``step`` steps), sent by
+    request/reply in order; the leader verifies ``sha256`` once it has all ``total`` pieces."""
+
     job_id: str
     fellow_id: str
-    name: str
+    attempt: int
+    stage: int
+    step: int
+    name: str  # stage-<i>.npz or stage-<i>.json (the JSON last: it completes the shard)
+    size: int
+    sha256: str
     seq: int
     total: int
     data: bytes
 
 
 class ShardAck(Message, kw_only=True):
+    """``next_seq``: the piece the leader wants next (0 after a lost transfer: start over);
+    ``done`` once the file is verified and stored."""
+
     ok: bool
     next_seq: int
+    done: bool = False
     message: str = ""

@@ -19,8 +19,12 @@ import sysconfig
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from swarm.plan import TrainConfig
 
 __all__ = [
     "DEFAULT_CORPUS",
@@ -323,3 +327,19 @@ class TextDataset:
             f"TextDataset({len(self.paths)} files, {self.n_tokens} tokens, seq_len={self.seq_len}, "
             f"train_windows={self._num_train}, val_windows={self._num_val}, seed={self.seed})"
         )
+
+
+def job_dataset(train: TrainConfig, seq_len: int, patterns: list[str] | None = None) -> TextDataset:
+    """The dataset every stage of a job reads (and glue, to score the same validation)."""
+    return TextDataset(
+        patterns if patterns else list(train.data),
+        seq_len=seq_len,
+        seed=train.seed,
+        val_fraction=train.val_fraction,
+        max_bytes=train.max_data_bytes,
+    )
+
+
+def job_val_batches(dataset: TextDataset, train: TrainConfig) -> Iterator[tuple[Any, Any]]:
+    """The validation batches the last stage scores: fixed shape, at most ``val_batches``."""
+    return dataset.val_batches(train.batch_size, max_batches=train.val_batches, drop_remainder=True)

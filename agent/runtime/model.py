@@ -3,15 +3,30 @@
 Every parameter's initializer seed derives from (job seed, layer index, parameter index), so
 a stage holding layers [a, b) creates exactly the weights a single process holding every
 layer would create for them.
+
+Every layer is registered with Keras (package ``silentswarm``) and has a ``get_config``, so a
+model made of them saves as one ``.keras`` file and loads back anywhere this module is
+importable: :class:`GluedTransformer` is the whole pipeline as one single-device model
+(``agent/runtime/glue.py`` assembles it from stage checkpoints), and :class:`WireRoundTrip`
+reproduces a boundary's wire codec in TensorFlow ops. ``ModelConfig`` travels in a config as
+plain JSON (``msgspec.to_builtins``) and comes back through ``msgspec.convert``.
+
+Variables are created in ``__init__``, in a fixed order: stage checkpoints restore by
+position, so that order (and every initial value) must never change.
 """
 
 from __future__ import annotations
 
 import math
+import re
+from typing import Any
 
 import keras
+import msgspec
+import numpy as np
 import tensorflow as tf
 
+from swarm.compression import parse_compression
 from swarm.plan import ModelConfig
 
 EMBED_LAYER = -1  # seed index of the embedding
@@ -29,12 +44,40 @@ def _normal(job_seed: int, layer: int, param: int, stddev: float = 0.02):
     return keras.initializers.RandomNormal(stddev=stddev, seed=layer_seed(job_seed, layer, param))
 
 
-class Embedding(keras.layers.Layer):
+def _serializable(cls):
+    return keras.saving.register_keras_serializable(package="silentswarm")(cls)
+
+
+def _with_cfg(config: dict[str, Any]) -> dict[str, Any]:
+    """A layer config with its ``cfg`` (plain JSON) turned back into a ``ModelConfig``."""
+    config = dict(config)
+    config["cfg"] = msgspec.convert(config["cfg"], ModelConfig)
+    return config
+
+
+class _ConfiguredLayer(keras.layers.Layer):
+    """A layer built from the model's ``cfg`` and the job seed: how it is saved and rebuilt."""
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            **super().get_config(),
+            "cfg": msgspec.to_builtins(self.cfg),
+            "job_seed": self.job_seed,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]):
+        return super().from_config(_with_cfg(config))
+
+
+@_serializable
+class Embedding(_ConfiguredLayer):
     """Token + learned position embedding."""
 
     def __init__(self, cfg: ModelConfig, job_seed: int, **kwargs) -> None:
         super().__init__(**kwargs)
         self.cfg = cfg
+        self.job_seed = job_seed
         self.tok = self.add_weight(
             shape=(cfg.vocab_size, cfg.d_model),
             initializer=_normal(job_seed, EMBED_LAYER, 0),
@@ -51,9 +94,11 @@ class Embedding(keras.layers.Layer):
         return tf.gather(self.tok, tokens) + self.pos[tf.newaxis, :seq, :]
 
 
+@_serializable
 class LayerNorm(keras.layers.Layer):
     def __init__(self, dim: int, **kwargs) -> None:
         super().__init__(**kwargs)
+        self.dim = dim
         self.gamma = self.add_weight(shape=(dim,), initializer="ones", name="gamma")
         self.beta = self.add_weight(shape=(dim,), initializer="zeros", name="beta")
 
@@ -61,13 +106,19 @@ class LayerNorm(keras.layers.Layer):
         mean, var = tf.nn.moments(x, axes=[-1], keepdims=True)
         return (x - mean) * tf.math.rsqrt(var + 1e-5) * self.gamma + self.beta
 
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "dim": self.dim}
 
-class Block(keras.layers.Layer):
+
+@_serializable
+class Block(_ConfiguredLayer):
     """Pre-LayerNorm block: causal self-attention and an MLP, each with a residual."""
 
     def __init__(self, cfg: ModelConfig, job_seed: int, layer: int, **kwargs) -> None:
         super().__init__(**kwargs)
         self.cfg = cfg
+        self.job_seed = job_seed
+        self.layer_index = layer
         d, hidden = cfg.d_model, cfg.d_model * cfg.mlp_ratio
         out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
         self.ln1 = LayerNorm(d, name="ln1")
@@ -108,12 +159,18 @@ class Block(keras.layers.Layer):
             tf.einsum("bth,hd->btd", h, self.w_proj) + self.b_proj, training=training
         )
 
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "layer": self.layer_index}
 
-class Head(keras.layers.Layer):
+
+@_serializable
+class Head(_ConfiguredLayer):
     """Final LayerNorm and the LM head (logits over the vocabulary)."""
 
     def __init__(self, cfg: ModelConfig, job_seed: int, **kwargs) -> None:
         super().__init__(**kwargs)
+        self.cfg = cfg
+        self.job_seed = job_seed
         self.ln = LayerNorm(cfg.d_model, name="ln_f")
         self.w = self.add_weight(
             shape=(cfg.d_model, cfg.vocab_size),
@@ -125,11 +182,14 @@ class Head(keras.layers.Layer):
         return tf.einsum("btd,dv->btv", self.ln(x), self.w)
 
 
+@_serializable
 class Projection(keras.layers.Layer):
     """A learned bottleneck projection (down at the end of stage k, up at the start of k+1)."""
 
     def __init__(self, d_in: int, d_out: int, job_seed: int, boundary: int, param: int, **kw):
         super().__init__(**kw)
+        self.d_in, self.d_out = d_in, d_out
+        self.job_seed, self.boundary, self.param = job_seed, boundary, param
         std = 1.0 / math.sqrt(d_in)
         self.w = self.add_weight(
             shape=(d_in, d_out),
@@ -141,8 +201,174 @@ class Projection(keras.layers.Layer):
     def call(self, x):
         return tf.einsum("btd,de->bte", x, self.w) + self.b
 
+    def get_config(self) -> dict[str, Any]:
+        return {
+            **super().get_config(),
+            "d_in": self.d_in,
+            "d_out": self.d_out,
+            "job_seed": self.job_seed,
+            "boundary": self.boundary,
+            "param": self.param,
+        }
+
 
 def token_loss(logits, targets):
     """Mean next-token cross-entropy in nats."""
     losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=targets, logits=logits)
     return tf.reduce_mean(losses)
+
+
+# --- the whole pipeline as one model ----------------------------------------------------------
+
+# agent/pipe/wire.py's scale bounds (float16's smallest subnormal and largest finite value).
+_SCALE_MIN = float(np.finfo(np.float16).smallest_subnormal)
+_SCALE_MAX = float(np.finfo(np.float16).max)
+
+
+def _wire_bits(codec: str) -> int | None:
+    """``fixed_intN`` -> N; ``none`` and ``fp16`` -> None; ValueError for anything else."""
+    if codec in ("none", "fp16"):
+        return None
+    match = re.fullmatch(r"fixed_int([2-8])", codec)
+    if match is None:
+        raise ValueError(f"unknown wire codec {codec!r}: expected none, fp16 or fixed_intN (N 2-8)")
+    return int(match.group(1))
+
+
+def _divide(a, b):
+    """``a / b`` correctly rounded to float32, as numpy divides.
+
+    Inside a ``tf.function`` Grappler turns a division by a constant into a multiplication by
+    its reciprocal, which is one float32 ulp off for about half the values: enough to move a
+    scale to the next float16 or a value across a rounding edge. Dividing in float64 and
+    rounding once to float32 is correctly rounded (53 >= 2 * 24 + 2 bits), and a reciprocal
+    in float64 is off by far less than a float32 quotient's distance from a rounding edge.
+    """
+    quotient = tf.cast(a, tf.float64) / tf.cast(b, tf.float64)
+    return tf.cast(quotient, tf.float32)
+
+
+@_serializable
+class WireRoundTrip(keras.layers.Layer):
+    """What a boundary's wire codec does to the activations, in TensorFlow ops.
+
+    ``none`` is the identity, ``fp16`` a cast to float16 and back. ``fixed_intN`` is
+    ``agent/pipe/wire.py``'s ``dequantize(*quantize(x, N))`` step by step: per-row (last
+    axis) absmax, the scale ``absmax / qmax`` clamped to float16's positive finite range and
+    rounded *up* to float16 (round to nearest, then one float16 ulp up when that fell
+    short), ``rint`` (half to even, like ``np.rint``), a clip to ``[-qmax, qmax]``, and
+    ``q * scale``. On the same float32 input it gives bit for bit what the wire gives.
+    """
+
+    def __init__(self, codec: str = "none", **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.bits = _wire_bits(codec)
+        self.codec = codec
+
+    def call(self, x):
+        if self.codec == "none":
+            return x
+        if self.codec == "fp16":
+            return tf.cast(tf.cast(x, tf.float16), x.dtype)
+        qmax = float((1 << (self.bits - 1)) - 1)
+        absmax = tf.reduce_max(tf.abs(x), axis=-1, keepdims=True)
+        wanted = tf.clip_by_value(_divide(absmax, qmax), _SCALE_MIN, _SCALE_MAX)
+        half = tf.cast(wanted, tf.float16)
+        up = tf.bitcast(tf.bitcast(half, tf.int16) + 1, tf.float16)  # the next float16 up
+        scale = tf.cast(tf.where(tf.cast(half, tf.float32) < wanted, up, half), tf.float32)
+        q = tf.clip_by_value(tf.math.rint(_divide(x, scale)), -qmax, qmax)
+        return q * scale  # exact: an integer of <= 8 bits times an 11-bit float16 value
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "codec": self.codec}
+
+
+@_serializable
+class GluedTransformer(keras.Model):
+    """A trained pipeline as one single-device model: tokens (batch, seq) -> logits.
+
+    ``stage_layers`` are the stages' half-open layer ranges, in order. Between two stages it
+    does what the pipeline did there: the learned bottleneck's ``down_<b>`` projection (end of
+    stage b), the wire codec's round trip (:class:`WireRoundTrip`), the ``up_<b>``
+    projection (start of stage b + 1). So the glued model computes what the pipeline
+    computed, including the compression it was trained through.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        job_seed: int,
+        compression: str,
+        stage_layers: list[list[int]] | list[tuple[int, int]],
+        **kwargs,
+    ) -> None:
+        super().__init__(**kwargs)
+        ranges = [(int(a), int(b)) for a, b in stage_layers]
+        ends = [0] + [b for _, b in ranges]
+        in_order = [a for a, _ in ranges] == ends[:-1] and ends[-1] == cfg.n_layers
+        if not ranges or not in_order or any(a >= b for a, b in ranges):
+            raise ValueError(
+                f"stage_layers {ranges}: need non-empty ranges covering layers "
+                f"0..{cfg.n_layers - 1} in order"
+            )
+        spec = parse_compression(compression, d_model=cfg.d_model)
+        self.cfg, self.job_seed, self.compression = cfg, job_seed, compression
+        self.stage_layers = ranges
+        self.wire_codec, self.bottleneck_dim = spec.wire, spec.bottleneck_dim
+        d, k = cfg.d_model, spec.bottleneck_dim
+        boundaries = range(len(ranges) - 1)
+        self.embed = Embedding(cfg, job_seed, name="embed")
+        self.blocks = [Block(cfg, job_seed, i, name=f"block_{i}") for i in range(cfg.n_layers)]
+        # The same seeds as the stages' "down" and "up" (the weights come from checkpoints).
+        self.downs = (
+            [Projection(d, k, job_seed, b, 0, name=f"down_{b}") for b in boundaries] if k else []
+        )
+        self.ups = (
+            [Projection(k, d, job_seed, b, 1, name=f"up_{b}") for b in boundaries] if k else []
+        )
+        self.wire = WireRoundTrip(spec.wire, name="wire")
+        self.head = Head(cfg, job_seed, name="head")
+
+    def build(self, input_shape=None) -> None:
+        """Nothing to build: every variable exists from ``__init__`` on (so loading needs none)."""
+        self.built = True
+
+    def stage_forward(self, stage: int, x, training=False):
+        """Stage ``stage``'s part, as its ``StageModel`` computes it.
+
+        The embedding (stage 0) or the ``up`` projection (a learned bottleneck), the stage's
+        blocks, then the ``down`` projection (a learned bottleneck) or the head (last stage).
+        What comes in and goes out is what crossed the wire (before the codec).
+        """
+        start, end = self.stage_layers[stage]
+        if stage == 0:
+            x = self.embed(x)
+        elif self.ups:
+            x = self.ups[stage - 1](x)
+        for layer in range(start, end):
+            x = self.blocks[layer](x, training=training)
+        if stage == len(self.stage_layers) - 1:
+            return self.head(x)
+        return self.downs[stage](x) if self.downs else x
+
+    def call(self, tokens, training=False):
+        x = tokens
+        for stage in range(len(self.stage_layers)):
+            if stage > 0:
+                x = self.wire(x)
+            x = self.stage_forward(stage, x, training=training)
+        return x
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            **super().get_config(),
+            "cfg": msgspec.to_builtins(self.cfg),
+            "job_seed": self.job_seed,
+            "compression": self.compression,
+            "stage_layers": [list(r) for r in self.stage_layers],
+        }
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]):
+        config = _with_cfg(config)
+        return cls(**config)

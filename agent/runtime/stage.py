@@ -30,9 +30,9 @@ from agent.pipe.link import (
 from agent.pipe.link import connect_downstream as open_downstream
 from agent.pipe.wire import Direction, FrameError, WireCodec, decode_frame, encode_frame
 from agent.pipe.wire import parse_wire_codec as wire_codec
-from agent.runtime.checkpoint import CheckpointError, save_stage
+from agent.runtime.checkpoint import CheckpointError, load_checkpoint, restore_into, save_stage
 from agent.runtime.control import CheckpointRequest, ControlChannel
-from agent.runtime.data import TextDataset
+from agent.runtime.data import job_dataset, job_val_batches
 from agent.runtime.schedule import Op, one_f_one_b
 from agent.runtime.stage_model import StageModel
 from swarm import subjects
@@ -120,14 +120,15 @@ class StageRunner:
         self.model = StageModel(plan)
         self.up: Boundary | None = None
         self.down: Boundary | None = None
-        train = plan.train
-        self.data = TextDataset(
-            train.data,
-            seq_len=plan.model.seq_len,
-            seed=train.seed,
-            val_fraction=train.val_fraction,
-            max_bytes=train.max_data_bytes,
-        )
+        self.data = job_dataset(plan.train, plan.model.seq_len)
+        # A resumed attempt starts where the checkpoint left off: weights, optimizer state
+        # (its step count too), data position.
+        self.start_step = 0
+        if plan.resume_from is not None:
+            checkpoint = load_checkpoint(plan.resume_from)
+            restore_into(self.model, self.data, checkpoint)
+            self.start_step = int(checkpoint.meta["steps_done"])
+            log.info("resumed from %s at step %d", plan.resume_from, self.start_step)
         spec = parse_compression(plan.compression, d_model=plan.model.d_model)
         self.act_codec = wire_codec(spec.wire)
         self.grad_codec = wire_codec(plan.grad_compression or spec.wire)  # validated in the plan
@@ -271,9 +272,7 @@ class StageRunner:
         """Forward-only validation through the whole pipeline; the last stage gets the loss."""
         plan, model = self.plan, self.model
         losses = []
-        batches = self.data.val_batches(
-            plan.train.batch_size, max_batches=plan.train.val_batches, drop_remainder=True
-        )
+        batches = job_val_batches(self.data, plan.train)
         for i, (inputs, targets) in enumerate(batches):
             if plan.is_first:
                 x = tf.constant(inputs)
@@ -297,7 +296,7 @@ class StageRunner:
         tokens_per_step = plan.train.batch_size * plan.model.seq_len
         step_times: list[float] = []
         last: StepResult | None = None
-        for step in range(plan.train.steps):
+        for step in range(self.start_step, plan.train.steps):
             last = self.train_step(step)
             step_times.append(last.seconds)
             event = {
@@ -316,12 +315,17 @@ class StageRunner:
                 event["val_loss"] = self.evaluate(step)
             self.emit(event)
             self.serve_checkpoints(step + 1)
+            every = plan.checkpoint_every
+            if every and (step + 1) % every == 0 and step + 1 < plan.train.steps:
+                self.checkpoint(CheckpointRequest(id=f"every-{step + 1}"), step + 1)
         val_loss = self.evaluate(plan.train.steps)
         self.finish()
         self.close_control()
+        if plan.checkpoint_at_end:
+            self.checkpoint(CheckpointRequest(id="end"), plan.train.steps)
         # The first steps pay for tracing: report the steady state.
         steady = step_times[len(step_times) // 5 :] or step_times
-        mean_step = sum(steady) / len(steady)
+        mean_step = sum(steady) / len(steady) if steady else 0.0  # resumed at the very end
         summary = {
             "event": "done",
             "stage": plan.stage,
@@ -329,7 +333,7 @@ class StageRunner:
             "loss": None if last is None else last.loss,
             "val_loss": val_loss,
             "step_time_s": round(mean_step, 5),
-            "tokens_per_s": round(tokens_per_step / mean_step, 1),
+            "tokens_per_s": round(tokens_per_step / mean_step, 1) if mean_step else 0.0,
             "params": self.model.n_params,
             "dropped_frames": sum(b.dropped for b in self._boundaries()),
             **self.bytes_summary(),

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from litestar import Controller, Request, delete, get, post
-from litestar.response import ServerSentEvent
+from litestar.response import File, ServerSentEvent
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED, HTTP_202_ACCEPTED
 
 from leader.aggregate import HistoryPoint, JobMetrics
@@ -69,3 +69,16 @@ class JobsController(Controller):
         services.observe.check_stream(job_id)
         events = services.observe.metrics_events(job_id, last_event_id(request))
         return ServerSentEvent(events)
+
+    @get(
+        "/{job_id:str}/shards/{step:int}/{name:str}",
+        summary="A shard file for a resumed attempt's stage (?token= from its START)",
+        media_type="application/octet-stream",
+    )
+    async def shard(
+        self, job_id: str, step: int, name: str, request: Request, services: LeaderServices
+    ) -> File:
+        services.orchestrator.require_loaded()
+        token = request.query_params.get("token") or ""
+        path = services.exports.shard_file(job_id, step, name, token)
+        return File(path, filename=name, media_type="application/octet-stream")

@@ -448,6 +448,61 @@ def retry_purge(
     )
 
 
+@app.command
+def glue(
+    export_dir: Annotated[Path, Parameter(help="A job's export directory (run_manifest.json)")],
+    *,
+    out: Annotated[
+        Path | None, Parameter(help="Where to write (default: EXPORT_DIR/full_model)")
+    ] = None,
+) -> None:
+    """Assemble a job's pushed shards into one Keras model, checked against the pipeline."""
+    argv = ["--export-dir", str(export_dir), *(["--out", str(out)] if out else [])]
+    _run_runtime("agent.runtime.glue", [*argv, *(["--json"] if CTX.json else [])])
+
+
+@app.command
+def generate(
+    *,
+    model_dir: Annotated[Path, Parameter(help="A glued model (full_model/ or its export dir)")],
+    prompt: Annotated[str, Parameter(help="The text to continue")],
+    max_new_tokens: Annotated[int, Parameter(help="How many bytes to generate")] = 100,
+    temperature: Annotated[float, Parameter(help="0: greedy")] = 0.8,
+    top_k: Annotated[int, Parameter(help="Sample from the k likeliest (0: all)")] = 40,
+    seed: Annotated[int, Parameter(help="Sampling seed")] = 0,
+) -> None:
+    """Sample text from a glued model."""
+    _run_runtime(
+        "agent.runtime.generate",
+        [
+            "--model-dir",
+            str(model_dir),
+            "--prompt",
+            prompt,
+            "--max-new-tokens",
+            str(max_new_tokens),
+            "--temperature",
+            str(temperature),
+            "--top-k",
+            str(top_k),
+            "--seed",
+            str(seed),
+        ],
+    )
+
+
+def _run_runtime(module: str, argv: list[str]) -> None:
+    """A TensorFlow tool in its own process (the CLI never imports TensorFlow): its output
+    and its exit status are the command's."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
+    code = subprocess.call([sys.executable, "-m", module, *argv], env=env)
+    if code:
+        raise SystemExit(code)
+
+
 @app.command(name="start-cluster")
 def start_cluster(
     *,

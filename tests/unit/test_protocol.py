@@ -41,7 +41,22 @@ MESSAGES = [
         ),
     ),
     (topics.PROGRESS, p.Progress(job_id="j", fellow_id="f1", attempt=1, step=2, loss=3.0)),
-    (topics.SHARD, p.ShardChunk(job_id="j", fellow_id="f1", name="w", seq=0, total=1, data=b"xy")),
+    (
+        topics.SHARD,
+        p.ShardChunk(
+            job_id="j",
+            fellow_id="f1",
+            attempt=1,
+            stage=0,
+            step=10,
+            name="stage-0.npz",
+            size=2,
+            sha256="ab",
+            seq=0,
+            total=1,
+            data=b"xy",
+        ),
+    ),
 ]
 
 

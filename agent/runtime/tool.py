@@ -1,0 +1,20 @@
+"""What the runtime's command-line tools (glue, generate) share: one stderr line and an exit
+code for every error, argparse's usage errors included, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn
+
+
+def exit_with(prog: str, message: str, code: int) -> NoReturn:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+class ToolParser(argparse.ArgumentParser):
+    """An argparse parser whose usage errors are one line and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        exit_with(self.prog, message, 2)

@@ -1,0 +1,199 @@
+"""Shard pushes: a fellow uploads its stage's checkpoints to the leader over NATS.
+
+Each file goes in pieces below NATS's max payload, by request/reply on the fellow's own
+``shard.<job>.<fellow>`` subject, in order; the leader answers with the piece it wants next
+(so a lost piece, or a leader that restarted and lost a half-received file, makes the fellow
+resend from there) and verifies the sha256 at the end. The arrays go first and the JSON last:
+a shard is complete on the leader exactly when its JSON is.
+
+Pushes run in the agent's event loop, one at a time, while the stage runtime trains on: they
+never stall training. Only the newest periodic push waits its turn; an older one that has not
+started yet is dropped (it would be stale by the time it arrived).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from nats.aio.client import Client
+from nats.errors import Error as NatsError
+
+from swarm import subjects as topics
+from swarm.errors import ProtocolError
+from swarm.protocol import ShardChunk
+
+log = logging.getLogger(__name__)
+CHUNK_BYTES = 512 * 1024
+REQUEST_TIMEOUT_S = 10.0
+ATTEMPTS = 6
+
+
+@dataclass(frozen=True)
+class Shard:
+    job_id: str
+    attempt: int
+    stage: int
+    step: int
+    directory: Path  # the checkpoint's step directory
+    periodic: bool = False  # written only to be pushed: removed here once a newer one is
+
+    def files(self) -> list[Path]:
+        return [
+            self.directory / f"stage-{self.stage}.npz",
+            self.directory / f"stage-{self.stage}.json",
+        ]
+
+
+class ShardPusher:
+    def __init__(self, nc: Client, prefix: str, fellow_id: str) -> None:
+        self.nc = nc
+        self.prefix = prefix
+        self.fellow_id = fellow_id
+        self._queue: list[Shard] = []
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._task: asyncio.Task[None] | None = None
+        self.pushed: list[Shard] = []
+        self._periodic: dict[str, Path] = {}  # job -> the pushed periodic checkpoint kept
+        self._kept: set[Path] = set()  # checkpoints someone asked for: never removed
+
+    def submit(self, shard: Shard) -> None:
+        """Queue a push; a periodic one replaces older periodic ones still waiting."""
+        if not shard.periodic:
+            self._kept.add(shard.directory)
+        else:
+            self._queue = [s for s in self._queue if not (s.periodic and s.job_id == shard.job_id)]
+        self._queue.append(shard)
+        self._idle.clear()
+        self._wake.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="shard-push")
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait until every queued push is done (or given up); False on timeout."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        while self._queue:
+            shard = self._queue.pop(0)
+            try:
+                await self.push(shard)
+                if shard.periodic:
+                    self._forget_older(shard)
+            except Exception as exc:  # a push is best effort: the next one may succeed
+                log.warning(
+                    "push of job %s stage %d step %d failed: %s",
+                    shard.job_id,
+                    shard.stage,
+                    shard.step,
+                    exc,
+                )
+        self._idle.set()
+
+    def _forget_older(self, shard: Shard) -> None:
+        """The leader has this periodic checkpoint: the one pushed before is not needed here."""
+        older = self._periodic.get(shard.job_id)
+        self._periodic[shard.job_id] = shard.directory
+        if older is not None and older != shard.directory and older not in self._kept:
+            shutil.rmtree(older, ignore_errors=True)
+
+    async def push(self, shard: Shard) -> None:
+        for path in shard.files():
+            data = await asyncio.to_thread(path.read_bytes)
+            await self._send_file(shard, path.name, data)
+        self.pushed.append(shard)
+        log.info(
+            "pushed job %s stage %d step %d to the leader", shard.job_id, shard.stage, shard.step
+        )
+
+    async def _send_file(self, shard: Shard, name: str, data: bytes) -> None:
+        digest = hashlib.sha256(data).hexdigest()
+        chunk = max(1024, min(CHUNK_BYTES, self.nc.max_payload - 1024))
+        total = max(1, -(-len(data) // chunk))
+        subject = topics.SHARD.subject(self.prefix, job=shard.job_id, fellow=self.fellow_id)
+        seq, failures = 0, 0
+        while True:
+            piece = ShardChunk(
+                job_id=shard.job_id,
+                fellow_id=self.fellow_id,
+                attempt=shard.attempt,
+                stage=shard.stage,
+                step=shard.step,
+                name=name,
+                size=len(data),
+                sha256=digest,
+                seq=seq,
+                total=total,
+                data=data[seq * chunk : (seq + 1) * chunk],
+            )
+            try:
+                reply = await self.nc.request(
+                    subject, topics.encode(piece), timeout=REQUEST_TIMEOUT_S
+                )
+                ack = topics.SHARD.decode_reply(reply.data)
+            except (NatsError, TimeoutError, ProtocolError) as exc:
+                failures += 1
+                if failures >= ATTEMPTS:
+                    raise RuntimeError(
+                        f"{name}: the leader did not take piece {seq}: {exc}"
+                    ) from None
+                await asyncio.sleep(min(5.0, 0.5 * 2**failures))
+                continue
+            if ack.done:
+                return
+            if not ack.ok and ack.next_seq == seq:
+                raise RuntimeError(f"{name}: the leader refused it: {ack.message}")
+            failures = 0
+            seq = ack.next_seq
+
+
+class FetchError(Exception):
+    pass
+
+
+def fetch_shard(resume: dict, directory: Path) -> Path:
+    """Download a resumed stage's shard files (START's ``resume``) into ``directory``, each
+    checked against its sha256; the checkpoint's JSON path. Runs in a thread."""
+    import httpx
+
+    directory.mkdir(parents=True, exist_ok=True)
+    token = str(resume.get("token", ""))
+    json_path: Path | None = None
+    for entry in resume.get("files", []):
+        name = str(entry["name"])
+        if "/" in name or not name.startswith("stage-"):
+            raise FetchError(f"the leader named an odd shard file {name!r}")
+        try:
+            response = httpx.get(entry["url"], params={"token": token}, timeout=300)
+        except httpx.HTTPError as exc:
+            raise FetchError(f"cannot download {name}: {exc}") from None
+        if response.status_code != 200:
+            raise FetchError(
+                f"cannot download {name}: HTTP {response.status_code} {response.text[:200]}"
+            )
+        digest = hashlib.sha256(response.content).hexdigest()
+        if digest != entry["sha256"]:
+            raise FetchError(f"{name}: sha256 {digest} is not the leader's {entry['sha256']}")
+        (directory / name).write_bytes(response.content)
+        if name.endswith(".json"):
+            json_path = directory / name
+    if json_path is None:
+        raise FetchError("START named no checkpoint JSON to resume from")
+    return json_path

@@ -1,0 +1,186 @@
+"""The leader's side of exports and resume: shard pushes in over NATS, the manifest, and the
+shards a resumed attempt downloads.
+
+Pushes arrive on ``<prefix>.shard.<job>.<fellow>`` (request/reply, see agent/shardpush.py)
+from the fellow placed for that stage in the job's current attempt; anything else is refused
+in the reply and counted as dropped. A resumed attempt's fellows fetch their stage's shard
+over HTTP with a token only START gives them (an HMAC of the job and attempt under the
+operator token, so nothing is stored and a leader restart changes nothing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+from pathlib import Path
+from typing import Any
+
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from leader.artifacts import ExportStore, export_dir
+from leader.bus import LeaderBus
+from leader.jobs import JobManager, JobRecord
+from swarm import subjects as topics
+from swarm.errors import NotFoundError, SwarmError
+from swarm.protocol import JobState, ShardAck
+
+log = logging.getLogger(__name__)
+
+
+class ShardAccessError(SwarmError):
+    code = "SHARD_TOKEN_INVALID"
+    http_status = 403
+
+
+class ExportService:
+    def __init__(
+        self,
+        *,
+        bus: LeaderBus,
+        jobs: JobManager,
+        prefix: str,
+        state_dir: Path,
+        secret: bytes,
+        public_url: str,
+    ) -> None:
+        self.bus = bus
+        self.jobs = jobs
+        self.prefix = prefix
+        self.state_dir = state_dir
+        self.secret = secret
+        self.public_url = public_url.rstrip("/")
+        self.store = ExportStore()
+        self.on_push: Any = None  # the orchestrator's wake-up
+
+    async def start(self, nc: Client) -> None:
+        await nc.subscribe(topics.SHARD.wildcard(self.prefix), cb=self._on_shard)
+
+    def directory(self, job: JobRecord) -> Path:
+        """The job's export directory (recorded on the job the first time)."""
+        if job.export_dir is None:
+            configured = job.spec.artifact_paths.model_export_dir
+            job.export_dir = str(export_dir(self.state_dir, job.job_id, configured).resolve())
+            self.jobs.dirty.add(job.job_id)
+        return Path(job.export_dir)
+
+    # --- pushes ---------------------------------------------------------------------------
+
+    async def _on_shard(self, msg: Msg) -> None:
+        chunk = self.bus.decode_job_message(msg, topics.SHARD)
+        if chunk is None:
+            return
+        refusal = self._refusal(chunk)
+        if refusal is not None:
+            self.bus.drop(msg, refusal)
+            await self._reply(msg, ShardAck(ok=False, next_seq=chunk.seq, message=refusal))
+            return
+        job = self.jobs.get(chunk.job_id)
+        assert job.placement is not None
+        directory = self.directory(job)
+        try:
+            ack, receipt = self.store.receive(directory, chunk, len(job.placement.stages))
+        except OSError as exc:
+            log.error("cannot store a shard of job %s in %s: %s", job.job_id, directory, exc)
+            ack, receipt = ShardAck(ok=False, next_seq=chunk.seq, message=str(exc)), None
+        await self._reply(msg, ack)
+        if receipt is not None:
+            n = len(job.placement.stages)
+            complete = self.store.complete_steps(directory, n)
+            newest = complete[-1] if complete else None
+            became = newest is not None and newest == receipt.step
+            self.jobs.record_push(job.job_id, receipt, newest)
+            log.info(
+                "job %s: stage %d pushed step %d (%d bytes)%s",
+                job.job_id,
+                receipt.stage,
+                receipt.step,
+                receipt.size,
+                "; every stage has it" if became else "",
+            )
+            if became:
+                await asyncio.to_thread(self._refresh, directory, job)
+            if self.on_push is not None:
+                self.on_push()
+
+    def _refusal(self, chunk: Any) -> str | None:
+        try:
+            job = self.jobs.get(chunk.job_id)
+        except NotFoundError:
+            return f"no job {chunk.job_id!r}"
+        placement = job.placement
+        if placement is None or chunk.attempt != job.attempt:
+            return f"attempt {chunk.attempt} is not the job's current attempt"
+        placed = placement.stage_of(chunk.fellow_id)
+        if placed is None or placed.stage != chunk.stage:
+            return f"fellow {chunk.fellow_id} does not run stage {chunk.stage} of this attempt"
+        return None
+
+    async def _reply(self, msg: Msg, ack: ShardAck) -> None:
+        if msg.reply:
+            try:
+                await msg.respond(topics.encode(ack))
+            except Exception as exc:  # the fellow resends on timeout
+                log.debug("shard ack lost: %s", exc)
+
+    def _refresh(self, directory: Path, job: JobRecord) -> None:
+        assert job.placement is not None
+        self.store.write_manifest(directory, job)
+        self.store.prune(directory, len(job.placement.stages))
+
+    async def job_ended(self, job: JobRecord) -> None:
+        """The final manifest (with the final loss) once a job is over."""
+        if job.placement is None:
+            return
+        directory = self.directory(job)
+        try:
+            written = await asyncio.to_thread(self.store.write_manifest, directory, job)
+        except OSError as exc:
+            log.error("cannot write the manifest of job %s: %s", job.job_id, exc)
+            return
+        if written is not None:
+            log.info("job %s: model export in %s (step %s)", job.job_id, directory, job.pushed_step)
+        elif job.state is JobState.COMPLETED:
+            log.warning("job %s completed without a complete export", job.job_id)
+
+    # --- resume ---------------------------------------------------------------------------
+
+    def resumed(self, job: JobRecord, step: int) -> None:
+        """A resume from ``step``: drop the failed attempt's later, partial shards."""
+        if job.export_dir is not None:
+            self.store.drop_after(Path(job.export_dir), step)
+
+    def token(self, job_id: str, attempt: int) -> str:
+        message = f"shards:{job_id}:{attempt}".encode()
+        return hmac.new(self.secret, message, hashlib.sha256).hexdigest()
+
+    def resume_args(self, job: JobRecord, stage: int) -> dict[str, Any] | None:
+        """What START tells a resumed attempt's stage: the step and where its shard is."""
+        step = job.resume_step
+        if not step:
+            return None
+        directory = self.directory(job)
+        files = [
+            {
+                "name": name,
+                "sha256": digest,
+                "url": f"{self.public_url}/api/v1/jobs/{job.job_id}/shards/{step}/{name}",
+            }
+            for name, digest in self.store.shard_files(directory, step, stage)
+        ]
+        return {"step": step, "files": files, "token": self.token(job.job_id, job.attempt)}
+
+    def shard_file(self, job_id: str, step: int, name: str, token: str) -> Path:
+        """The file a resumed stage downloads; ShardAccessError without the right token."""
+        job = self.jobs.get(job_id)
+        expected = self.token(job_id, job.attempt)
+        if not token or not hmac.compare_digest(token, expected):
+            raise ShardAccessError("this token does not open the shards of that job attempt")
+        if job.export_dir is None:
+            raise NotFoundError(f"job {job_id} has no shards")
+        path = self.store.file_path(Path(job.export_dir), step, name)
+        if path is None:
+            raise NotFoundError(f"job {job_id} has no shard file {name} at step {step}")
+        return path

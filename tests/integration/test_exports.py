@@ -1,0 +1,166 @@
+"""Trained models out, and jobs that survive losing a fellow: real leader, agents and stages.
+
+Shards are pushed to the leader every N steps and at the end; the leader keeps them in the
+job's export directory with run_manifest.json; a fellow SIGKILLed mid-job is replaced and the
+job resumes from the newest step every stage pushed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import start_agent
+from tests.helpers import Leader, run_swarm, wait_for
+from tests.integration.test_jobs import tiny, wait_ready
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def pushed(leader: Leader, job_id: str, step: int) -> bool:
+    job = leader.job(job_id)
+    return (job["pushed_step"] or 0) >= step
+
+
+def check_manifest(directory: Path, n_stages: int) -> dict:
+    manifest = json.loads((directory / "run_manifest.json").read_text())
+    assert manifest["format"] == 1 and len(manifest["stages"]) == n_stages
+    for stage in manifest["stages"]:
+        for key in ("weights", "checkpoint"):
+            data = (directory / stage[key]).read_bytes()
+            assert hashlib.sha256(data).hexdigest() == stage[f"{key}_sha256"], stage[key]
+    return manifest
+
+
+def test_shards_are_pushed_every_n_steps_survive_a_leader_restart_and_make_the_export(
+    procs, nats_server, restartable_leader, tmp_path
+):
+    restartable_leader.start()
+    leader = restartable_leader.client
+    for name in ("e1", "e2"):
+        start_agent(procs, nats_server.url, name)
+    wait_ready(leader, "e1", "e2")
+    export = tmp_path / "exports" / "run-1"
+    spec = tiny(
+        name="exported",
+        steps=150,
+        stages=2,
+        shard_push_to_leader=True,
+        shard_push_interval_steps=10,
+        artifact_paths={"model_export_dir": str(export)},
+    )
+    job_id = leader.submit(**spec)["job_id"]
+    wait_for(lambda: pushed(leader, job_id, 10), timeout=90, what="the first complete push")
+
+    restartable_leader.kill()  # pushes in flight are retried against the new leader
+    restartable_leader.start()
+    job = leader.wait_job(job_id, "COMPLETED", timeout=150)
+
+    assert job["export_dir"] == str(export.resolve())
+    assert job["pushed_step"] == 150
+    steps = {(r["stage"], r["step"]) for r in job["latest_shard_pushes"]}
+    assert {(0, 10), (1, 10), (0, 150), (1, 150)} <= steps
+    # Every N steps (a push still waiting when a newer one is ready is skipped: never stale).
+    periodic = {s for _, s in steps if s < 150}
+    assert all(s % 10 == 0 for s in periodic) and 10 in periodic
+    manifest = check_manifest(export, 2)
+    assert manifest["step"] == 150 and manifest["job_id"] == job_id
+    assert manifest["val_loss"] == pytest.approx(job["final_val_loss"])
+    assert [s["layer_end"] for s in manifest["stages"]] == [
+        s["layer_end"] for s in job["placement"]["stages"]
+    ]
+    # Older steps are pruned: the newest two complete ones stay.
+    kept = sorted(int(p.name[5:]) for p in (export / "shards").iterdir())
+    assert kept[-1] == 150 and len(kept) <= 3
+
+    # Glue: one model whose validation loss is the pipeline's; it generates text.
+    glued = run_swarm("glue", str(export), timeout=240)
+    assert glued.returncode == 0, glued.stdout + glued.stderr
+    inference = json.loads((export / "full_model" / "inference_manifest.json").read_text())
+    assert inference["val_loss"] == pytest.approx(job["final_val_loss"], rel=0.01)
+    text = run_swarm(
+        "generate",
+        "--model-dir",
+        str(export / "full_model"),
+        "--prompt",
+        "def ",
+        "--max-new-tokens",
+        "40",
+        timeout=120,
+    )
+    assert text.returncode == 0 and text.stdout.strip(), text.stderr
+
+    # A corrupt shard: glue refuses and names the file.
+    broken = tmp_path / "broken"
+    shutil.copytree(export, broken, ignore=shutil.ignore_patterns("full_model"))
+    weights = broken / manifest["stages"][1]["weights"]
+    weights.write_bytes(weights.read_bytes()[:-10] + b"0123456789")
+    refused = run_swarm("glue", str(broken), timeout=240)
+    assert refused.returncode == 2 and manifest["stages"][1]["weights"] in refused.stderr
+    assert not (broken / "full_model").exists()
+
+
+def test_a_lost_fellow_is_replaced_and_the_job_resumes_from_its_last_push(
+    procs, nats_server, leader, tmp_path
+):
+    agents = {name: start_agent(procs, nats_server.url, name) for name in ("r1", "r2")}
+    wait_ready(leader, "r1", "r2")
+    spec = tiny(
+        name="resumed",
+        steps=400,
+        stages=2,
+        shard_push_to_leader=True,
+        shard_push_interval_steps=20,
+        val_every=0,
+    )
+    job_id = leader.submit(**spec)["job_id"]
+    wait_for(lambda: pushed(leader, job_id, 40), timeout=120, what="two complete pushes")
+    # A spare joins while the job runs; then one of the placed fellows dies.
+    start_agent(procs, nats_server.url, "spare")
+    wait_ready(leader, "spare")
+    before = leader.job(job_id)
+    ranges = [(s["layer_start"], s["layer_end"]) for s in before["placement"]["stages"]]
+    victim = before["placement"]["stages"][1]["fellow_id"]
+    agents[victim].send_signal(signal.SIGKILL)
+
+    job = leader.wait_job(job_id, "COMPLETED", timeout=200)
+    assert job["attempt"] == 2 and len(job["resumes"]) == 1
+    resume = job["resumes"][0]
+    assert resume["failed_attempt"] == 1 and victim in resume["reason"]
+    assert resume["from_step"] >= 40 and resume["from_step"] % 20 == 0
+    assert job["resume_step"] == resume["from_step"]
+    placed = job["placement"]["stages"]
+    assert [(s["layer_start"], s["layer_end"]) for s in placed] == ranges
+    assert victim not in [s["fellow_id"] for s in placed] and "spare" in [
+        s["fellow_id"] for s in placed
+    ]
+    # The curve goes on from the resumed step: no jump back to an untrained loss.
+    history = leader.get(f"/api/v1/jobs/{job_id}/metrics/history")
+    assert history[0]["step"] == resume["from_step"] + 1
+    assert history[-1]["step"] == 400
+    assert history[0]["loss"] < 4.0, history[0]  # an untrained byte model starts near 5.5
+    assert any("resuming from step" in h["reason"] for h in job["history"])
+
+
+def test_without_a_push_or_after_max_resumes_a_lost_fellow_fails_the_job(
+    procs, nats_server, leader
+):
+    agents = {name: start_agent(procs, nats_server.url, name) for name in ("n1", "n2", "n3")}
+    wait_ready(leader, "n1", "n2", "n3")
+    job_id = leader.submit(**tiny(name="unpushed", steps=100000, stages=2))["job_id"]
+    leader.wait_job(job_id, "RUNNING", timeout=60)
+    wait_for(
+        lambda: min(p["step"] for p in leader.job(job_id)["progress"]) >= 3,
+        timeout=60,
+        what="training",
+    )
+    victim = leader.job(job_id)["placement"]["stages"][0]["fellow_id"]
+    agents[victim].send_signal(signal.SIGKILL)
+    job = leader.wait_job(job_id, "FAILED", timeout=60)
+    assert "no shard push to resume from" in job["reason"] and victim in job["reason"]
+    assert job["resumes"] == []

@@ -1,0 +1,130 @@
+"""The leader's export store: pieces in order, verified, stored; complete steps, pruning, the
+manifest (real files in a temp dir; the NATS side is in tests/integration/test_exports.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from leader.artifacts import ExportStore
+from leader.jobs import JobManager, plan_schedule
+from leader.placement import Candidate
+from swarm.jobspec import JobSpec
+from swarm.plan import ModelConfig
+from swarm.protocol import ShardChunk
+
+
+def chunks(name: str, data: bytes, *, stage: int, step: int, piece: int = 4, fellow: str = "f1"):
+    digest = hashlib.sha256(data).hexdigest()
+    total = max(1, -(-len(data) // piece))
+    return [
+        ShardChunk(
+            job_id="j-1",
+            fellow_id=fellow,
+            attempt=1,
+            stage=stage,
+            step=step,
+            name=name,
+            size=len(data),
+            sha256=digest,
+            seq=i,
+            total=total,
+            data=data[i * piece : (i + 1) * piece],
+        )
+        for i in range(total)
+    ]
+
+
+def send_shard(store: ExportStore, directory, stage: int, step: int):
+    receipt = None
+    for name, data in ((f"stage-{stage}.npz", b"arrays" * 3), (f"stage-{stage}.json", b"{}")):
+        for chunk in chunks(name, data, stage=stage, step=step):
+            ack, receipt = store.receive(directory, chunk, n_stages=2)
+            assert ack.ok
+    return receipt
+
+
+def test_pieces_in_order_make_a_verified_file_and_the_json_a_receipt(tmp_path):
+    store = ExportStore()
+    receipt = send_shard(store, tmp_path, stage=1, step=20)
+    assert (receipt.stage, receipt.step, receipt.size) == (1, 20, 18 + 2)
+    assert receipt.sha256 == hashlib.sha256(b"arrays" * 3).hexdigest()
+    stored = tmp_path / "shards" / "step-20" / "stage-1.npz"
+    assert stored.read_bytes() == b"arrays" * 3
+    assert store.sha256_of(stored) == receipt.sha256
+    assert store.complete_steps(tmp_path, 2) == []  # stage 0 is missing
+    send_shard(store, tmp_path, stage=0, step=20)
+    assert store.complete_steps(tmp_path, 2) == [20]
+
+
+def test_a_gap_asks_for_the_missing_piece_and_a_bad_checksum_stores_nothing(tmp_path):
+    store = ExportStore()
+    first, second, third = chunks("stage-0.npz", b"0123456789", stage=0, step=5)
+    store.receive(tmp_path, first, 2)
+    ack, _ = store.receive(tmp_path, third, 2)
+    assert not ack.ok and ack.next_seq == 1
+    # A leader that lost the transfer (restart) asks for piece 0.
+    fresh = ExportStore()
+    ack, _ = fresh.receive(tmp_path, second, 2)
+    assert not ack.ok and ack.next_seq == 0
+    tampered = chunks("stage-0.npz", b"0123456789", stage=0, step=5)
+    tampered[-1].data = b"XX"
+    for chunk in tampered:
+        ack, _ = store.receive(tmp_path, chunk, 2)
+    assert not ack.ok and ack.next_seq == 0 and "sha256" in ack.message
+    assert not (tmp_path / "shards" / "step-5" / "stage-0.npz").exists()
+
+
+def test_names_that_are_not_a_stage_file_are_refused(tmp_path):
+    store = ExportStore()
+    for name, stage in (("../../etc/passwd", 0), ("stage-1.npz", 0), ("stage-7.npz", 7)):
+        [chunk] = chunks(name, b"x", stage=stage, step=1)
+        ack, _ = store.receive(tmp_path, chunk, 2)
+        assert not ack.ok, name
+    assert store.file_path(tmp_path, 1, "../x") is None
+
+
+def test_pruning_keeps_the_newest_two_complete_steps_and_a_resume_drops_later_ones(tmp_path):
+    store = ExportStore()
+    for step in (10, 20, 30):
+        for stage in (0, 1):
+            send_shard(store, tmp_path, stage=stage, step=step)
+    send_shard(store, tmp_path, stage=0, step=40)  # incomplete
+    store.prune(tmp_path, 2)
+    assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == [
+        "step-20",
+        "step-30",
+        "step-40",
+    ]
+    store.drop_after(tmp_path, 30)
+    assert store.complete_steps(tmp_path, 2) == [20, 30]
+    assert not (tmp_path / "shards" / "step-40").exists()
+
+
+def test_the_manifest_names_every_stage_of_the_newest_complete_step(tmp_path):
+    manager = JobManager()
+    job = manager.submit(JobSpec(model=ModelConfig(n_layers=4), stages=2, steps=30))
+    fellows = [
+        Candidate(
+            fellow_id=f,
+            hostname=f,
+            data_address="tcp://x:1",
+            cpu_cores=2,
+            ram_available_bytes=8 << 30,
+        )
+        for f in ("f1", "f2")
+    ]
+    [assignment], _ = plan_schedule(manager.pending(), fellows)
+    manager.begin_start(job.job_id, assignment.placement)
+    store = ExportStore()
+    assert store.write_manifest(tmp_path, job) is None  # nothing complete yet
+    for stage in (0, 1):
+        send_shard(store, tmp_path, stage=stage, step=30)
+    manifest = json.loads(store.write_manifest(tmp_path, job).read_text())
+    assert manifest["step"] == 30 and manifest["job_id"] == job.job_id
+    assert [s["stage"] for s in manifest["stages"]] == [0, 1]
+    for stage in manifest["stages"]:
+        data = (tmp_path / stage["weights"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == stage["weights_sha256"]
+        assert stage["layer_end"] > stage["layer_start"]
+    assert manifest["spec"]["steps"] == 30 and manifest["placement"]["stages"]
