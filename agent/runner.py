@@ -364,6 +364,8 @@ class FellowAgent:
             subject_prefix=self.prefix,
             checkpoint_dir=str(self.fellow_dir / "checkpoints"),
         )
+        if plan.data_address and self.settings.data_bind:
+            plan = msgspec.structs.replace(plan, data_address=self.settings.data_bind)
         problems = plan.problems()
         if plan.fellow_id != self.fellow_id:
             problems.append(f"the plan is for {plan.fellow_id!r}, not {self.fellow_id!r}")
@@ -599,7 +601,9 @@ class FellowAgent:
             self._update_now()
 
     def _publish_progress(self, run: StageRun, event: ProgressEvent, **fields: Any) -> None:
-        if self.nc is None or not self.nc.is_connected:
+        # While NATS is away nats-py buffers what we publish (up to PENDING_BYTES) and sends it
+        # on reconnect: the durable history keeps every step through an outage.
+        if self.nc is None or self.nc.is_closed:
             return
         msg = Progress(
             job_id=run.job_id,

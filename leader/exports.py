@@ -83,8 +83,13 @@ class ExportService:
         try:
             ack, receipt = self.store.receive(directory, chunk, len(job.placement.stages))
         except OSError as exc:
-            log.error("cannot store a shard of job %s in %s: %s", job.job_id, directory, exc)
-            ack, receipt = ShardAck(ok=False, next_seq=chunk.seq, message=str(exc)), None
+            error = (
+                f"cannot store {chunk.name} (stage {chunk.stage}, step {chunk.step}) in "
+                f"{directory}: {exc.strerror or exc}"
+            )
+            log.error("job %s: %s", job.job_id, error)
+            self._export_failed(job, error)
+            ack, receipt = ShardAck(ok=False, next_seq=chunk.seq, message=error), None
         await self._reply(msg, ack)
         if receipt is not None:
             n = len(job.placement.stages)
@@ -101,7 +106,14 @@ class ExportService:
                 "; every stage has it" if became else "",
             )
             if became:
-                await asyncio.to_thread(self._refresh, directory, job)
+                try:
+                    await asyncio.to_thread(self._refresh, directory, job)
+                except OSError as exc:
+                    self._export_failed(job, f"cannot write {directory}/run_manifest.json: {exc}")
+                else:
+                    if job.export_error is not None:
+                        job.export_error = None
+                        self.jobs.dirty.add(job.job_id)
             if self.on_push is not None:
                 self.on_push()
 
@@ -125,6 +137,10 @@ class ExportService:
             except Exception as exc:  # the fellow resends on timeout
                 log.debug("shard ack lost: %s", exc)
 
+    def _export_failed(self, job: JobRecord, error: str) -> None:
+        job.export_error = error
+        self.jobs.dirty.add(job.job_id)
+
     def _refresh(self, directory: Path, job: JobRecord) -> None:
         assert job.placement is not None
         self.store.write_manifest(directory, job)
@@ -139,6 +155,7 @@ class ExportService:
             written = await asyncio.to_thread(self.store.write_manifest, directory, job)
         except OSError as exc:
             log.error("cannot write the manifest of job %s: %s", job.job_id, exc)
+            self._export_failed(job, f"cannot write {directory}/run_manifest.json: {exc}")
             return
         if written is not None:
             log.info("job %s: model export in %s (step %s)", job.job_id, directory, job.pushed_step)

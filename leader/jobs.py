@@ -129,6 +129,9 @@ class JobRecord(msgspec.Struct, kw_only=True):
     history: list[JobTransition] = msgspec.field(default_factory=list)
     # Exports: where the shards go, the newest step every stage pushed, the latest pushes.
     export_dir: str | None = None
+    # Why the leader could not store the export (a full disk...); cleared by the next
+    # complete step.
+    export_error: str | None = None
     pushed_step: int | None = None
     latest_shard_pushes: list[ShardReceipt] = msgspec.field(default_factory=list)
     # Automatic resume: each one, the step the current attempt started from, and the layer

@@ -66,6 +66,7 @@ class FellowRecord(msgspec.Struct, kw_only=True):
     registrations: int = 1
     last_registered_at: float | None = None
     last_heartbeat_at: float | None = None
+    heartbeats: int = 0  # accepted heartbeats, since the record was created
     last_heartbeat_age_s: float | None = None
     offline_reason: str | None = None
     history: list[Transition] = msgspec.field(default_factory=list)
@@ -227,6 +228,7 @@ class WorkerRegistry:
         record.step, record.loss, record.outcome = hb.step, hb.loss, hb.outcome
         record.bytes_sent, record.bytes_received = hb.bytes_sent, hb.bytes_received
         record.last_heartbeat_at = self._wall()
+        record.heartbeats += 1
         self._set_status(entry, hb.status, "reported by fellow")
         return True
 

@@ -56,6 +56,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     offline_after_s: float = 3.0
     fellow_name: str | None = None
     data_address: str | None = None
+    # Where the stage binds when that is not the advertised data_address (behind NAT or a
+    # port forward: bind tcp://0.0.0.0:5701, advertise the public address).
+    data_bind: str | None = None
     # Where fellow.sh installed this fellow (venv, state, config): PURGE removes all of it.
     fellow_prefix: Path | None = None
     # The pip arguments fellow.sh installed with (an offline mirror): UPDATE reinstalls so.

@@ -9,7 +9,7 @@ import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from swarm import subjects
-from swarm.protocol import FellowIdentity, HardwareSnapshot, Heartbeat, Progress
+from swarm.protocol import FellowIdentity, HardwareSnapshot, Heartbeat, Progress, ShardChunk
 from tests.conftest import start_agent
 from tests.helpers import wait_for
 from tests.integration.nats_client import with_nats
@@ -54,24 +54,47 @@ def test_junk_is_dropped_logged_and_counted_and_changes_nothing(procs, nats_serv
                 "swarm.hb.mallory",
                 "swarm.progress.job-1.mallory",
                 "swarm.log.mallory",
+                "swarm.shard.job-1.mallory",
             ):
                 await nc.publish(subject, payload)
             msg = await nc.request("swarm.register.mallory", payload, timeout=5)
             replies.append(subjects.REGISTER.decode_reply(msg.data))
         # A well-formed heartbeat on another fellow's subject: an impostor.
         await nc.publish("swarm.hb.honest", subjects.encode(impostor))
+        # A well-formed shard piece for a job that does not exist: refused in the reply.
+        msg = await nc.request("swarm.shard.job-1.mallory", subjects.encode(piece), timeout=5)
+        replies.append(subjects.SHARD.decode_reply(msg.data))
         await nc.flush()
         return replies
 
-    replies = with_nats(nats_server.url, attack)
+    piece = ShardChunk(
+        job_id="job-1",
+        fellow_id="mallory",
+        attempt=1,
+        stage=0,
+        step=10,
+        name="stage-0.npz",
+        size=3,
+        sha256="0" * 64,
+        seq=0,
+        total=1,
+        data=b"abc",
+    )
+    *replies, shard_reply = with_nats(nats_server.url, attack)
     assert all(not r.accepted and r.code == "PROTOCOL_ERROR" for r in replies)
-    # Every kind of junk on the heartbeat, register, progress and log subjects is counted.
-    wait_for(lambda: dropped(leader) >= counted + 4 * len(junk), timeout=10, what="the drops")
+    assert not shard_reply.ok and "no job" in shard_reply.message
+    # Every kind of junk on the heartbeat, register, progress, log and shard subjects counts.
+    wait_for(lambda: dropped(leader) >= counted + 5 * len(junk) + 1, timeout=10, what="drops")
     assert leader.get("/health")["status"] == "ok"
     after = leader.workers()
     assert set(after) == set(before) == {"honest"}
     assert after["honest"]["instance_id"] == before["honest"]["instance_id"]
     leader_log = procs.log(procs.started[0])  # the leader fixture's process
-    for subject in ("swarm.hb.mallory", "swarm.register.mallory", "swarm.progress.job-1.mallory"):
+    for subject in (
+        "swarm.hb.mallory",
+        "swarm.register.mallory",
+        "swarm.progress.job-1.mallory",
+        "swarm.shard.job-1.mallory",
+    ):
         assert f"dropped message on {subject}" in leader_log, subject
     assert "dropped message on swarm.hb.honest" in leader_log  # the impostor

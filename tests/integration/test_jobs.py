@@ -149,49 +149,6 @@ def test_a_job_waiting_for_a_third_fellow_lets_a_smaller_one_run_first(procs, na
     assert third.wait(timeout=20) == 0
 
 
-def test_killing_a_fellow_fails_the_job_quickly_and_leaves_no_stage_running(
-    procs, nats_server, leader
-):
-    started = agents(procs, nats_server, "k1", "k2")
-    wait_ready(leader, "k1", "k2")
-    job_id = leader.submit(**tiny(name="doomed", steps=100_000, stages=2))["job_id"]
-    leader.wait_job(job_id, "RUNNING", timeout=20)
-    wait_steps(leader, job_id, 2)
-    assert len(stage_processes(job_id)) == 2
-    started["k2"].send_signal(signal.SIGKILL)
-    job = wait_for(
-        lambda: (j := leader.job(job_id))["state"] == "FAILED" and j,
-        timeout=10,
-        what="the job to fail",
-    )
-    assert "k2" in job["reason"], job["reason"]
-    wait_for(lambda: stage_processes(job_id) == [], timeout=10, what="every stage to exit")
-    leader.wait_status("k1", "ready", timeout=10)
-
-
-def test_leader_restart_mid_job_keeps_the_job_which_completes(
-    procs, nats_server, restartable_leader
-):
-    client = restartable_leader.client
-    restartable_leader.start()
-    agents(procs, nats_server, "r1", "r2")
-    wait_ready(client, "r1", "r2")
-    job_id = client.submit(**tiny(name="survivor", steps=250, stages=2))["job_id"]
-    client.wait_job(job_id, "RUNNING", timeout=20)
-    wait_steps(client, job_id, 5)
-    before = client.job(job_id)
-    restartable_leader.kill()
-    restartable_leader.start()
-    after = client.job(job_id)
-    assert after["state"] == "RUNNING"
-    for key in ("job_id", "attempt", "created_at", "started_at", "placement", "spec"):
-        assert after[key] == before[key], key
-    assert set(client.workers()) == {"r1", "r2"}
-    done = client.wait_job(job_id, "COMPLETED", timeout=150)
-    assert done["attempt"] == 1 and done["final_loss"] is not None
-    assert [h["to_state"] for h in done["history"]] == ["PENDING", "RUNNING", "COMPLETED"]
-
-
 def test_a_duplicated_start_is_acknowledged_once(procs, nats_server, leader):
     agents(procs, nats_server, "d1")
     wait_ready(leader, "d1")

@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -262,6 +263,15 @@ def test_boundary_rejects_corrupt_and_drops_stale_frames(zmq_pair):
     connector.send(frame(5, attempt=2, micro=1))  # out of order
     with pytest.raises(FrameError, match="expected frame"):
         boundary.recv(step=3, micro=0, direction=Direction.FWD)
+
+    def with_header(parts, **changes):
+        header = msgspec.msgpack.decode(bytes(parts[0]))
+        return [msgspec.msgpack.encode({**header, **changes}), *parts[1:]]
+
+    for changes in ({"dtype": "float64"}, {"shape": [4, 8, 32]}):  # wrong dtype, wrong shape
+        connector.send(with_header(frame(6, attempt=2), **changes))
+        with pytest.raises(FrameError, match=r"boundary 0 \(x -> y\)"):
+            boundary.recv(step=6, micro=0, direction=Direction.FWD)
 
 
 @pytest.mark.parametrize("kind", ["p2p", "relay"])
