@@ -296,6 +296,10 @@ class WorkerRegistry:
         counts = Counter(e.record.status.value for e in self._entries.values())
         return {s.value: counts.get(s.value, 0) for s in FellowStatus}
 
+    def host_count(self) -> int:
+        """How many hosts; what /api/v1/info needs, without building every NodeView."""
+        return len({e.record.hostname for e in self._entries.values()})
+
     def nodes(self) -> list[NodeView]:
         by_host: dict[str, list[_Entry]] = {}
         for entry in self._entries.values():

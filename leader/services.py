@@ -75,7 +75,7 @@ class LeaderServices:
             "state_loaded": self.orchestrator.loaded.is_set(),
             "fellows": self.registry.counts(),
             "jobs": self.jobs.counts(),
-            "nodes": len(self.registry.nodes()),
+            "nodes": self.registry.host_count(),
         }
 
     @property

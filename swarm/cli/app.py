@@ -217,6 +217,75 @@ def submit(
 
 
 @app.command
+def sweep(
+    *,
+    config: Annotated[Path, Parameter(help="Sweep config (JSON): name, base job spec, grid")],
+    partition: Annotated[
+        Literal["equal", "weighted"] | None,
+        Parameter(help="Force this partition on every point (not with a partition axis)"),
+    ] = None,
+    out: Annotated[
+        Path, Parameter(help="Parent of the sweep's directory (results in OUT/SWEEP_ID/)")
+    ] = Path("exp/runs/sweeps"),
+    sweep_id: Annotated[
+        str | None, Parameter(help="Resume/write this sweep id (default: name + content hash)")
+    ] = None,
+    retry_failed: Annotated[
+        bool, Parameter(help="On resume, run points again whose row is not COMPLETED")
+    ] = False,
+    point_timeout: Annotated[
+        float | None, Parameter(help="Seconds a point may take; then it is cancelled")
+    ] = None,
+    poll: Annotated[float, Parameter(help="Seconds between polls of a running point")] = 2.0,
+) -> None:
+    """Run a grid of jobs one after another; results.csv and a val-loss-vs-bytes PNG.
+
+    Rerunning with the same config and --out skips the points already in results.csv.
+    Ctrl-C stops the sweep, not the running job."""
+    from swarm import sweep as sweeps
+
+    try:
+        data = config.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {config}: {exc.strerror}") from None
+    if sweep_id is not None and not TOKEN_RE.match(sweep_id):
+        raise ConfigError(f"--sweep-id {sweep_id!r}: 1-64 letters, digits, '-' or '_'")
+    plan = sweeps.expand(
+        sweeps.decode_sweep_config(data, source=str(config)),
+        source=str(config),
+        overrides={"partition": partition} if partition else None,
+        sweep_id_override=sweep_id,
+    )
+    out_dir = out / plan.sweep_id
+    progress = _stderr if CTX.json else print
+    with CTX.client() as client:
+        rows = sweeps.run_sweep(
+            client,
+            plan,
+            out_dir,
+            progress=progress,
+            poll_s=poll,
+            point_timeout_s=point_timeout,
+            retry_failed=retry_failed,
+        )
+    completed = sum(1 for r in rows if r.get("state") == "COMPLETED")
+    summary = {
+        "sweep_id": plan.sweep_id,
+        "out_dir": str(out_dir),
+        "results": str(out_dir / "results.csv"),
+        "plot": str(out_dir / "val_loss_vs_bytes.png"),
+        "points": len(plan.points),
+        "completed": completed,
+        "rows": rows,
+    }
+    CTX.emit(
+        summary,
+        f"sweep {plan.sweep_id}: {completed}/{len(plan.points)} point(s) completed; "
+        f"results {out_dir / 'results.csv'}, plot {out_dir / 'val_loss_vs_bytes.png'}",
+    )
+
+
+@app.command
 def watch(job_id: str) -> None:
     """Live merged metrics of a job (SSE): progress bar, loss, tokens/s, step time, ETA and a
     row per fellow, until it ends; exit 0 if it COMPLETED, 1 otherwise."""

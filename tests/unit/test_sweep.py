@@ -1,0 +1,421 @@
+"""Sweeps and benchmark suites, pure logic: expansion, ids, resumability, numbers, the PNG
+writer, suite decoding and dry-run findings."""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+
+from swarm import suite as suites
+from swarm import sweep
+from swarm.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+GIB = 2**30
+
+TINY = {
+    "model": {"vocab_size": 256, "seq_len": 32, "n_layers": 2, "d_model": 32, "n_heads": 2},
+    "batch_size": 8,
+    "steps": 5,
+}
+
+
+def config(grid, base=None, name="s"):
+    doc = {"name": name, "base": TINY if base is None else base, "grid": grid}
+    return sweep.decode_sweep_config(json.dumps(doc).encode(), source="s.json")
+
+
+def test_expansion_is_the_cartesian_product_of_validated_specs():
+    s = sweep.expand(
+        config({"compression": ["none", "fixed_int8"], "micro_batches": [2, 4], "stages": [2]}),
+        source="s.json",
+    )
+    assert len(s.points) == 4
+    assert s.axes == ["compression", "micro_batches", "stages"]
+    assert {(p.spec.compression, p.spec.micro_batches) for p in s.points} == {
+        ("none", 2),
+        ("none", 4),
+        ("fixed_int8", 2),
+        ("fixed_int8", 4),
+    }
+    assert all(p.spec.stages == 2 and p.spec.model.d_model == 32 for p in s.points)
+    assert all(p.spec.name == f"s-{p.point_id}" for p in s.points)
+    assert json.loads(s.points[0].spec_json)["compression"] == "none"
+
+
+def test_dotted_axes_set_nested_fields_and_keep_the_rest():
+    s = sweep.expand(config({"model.d_model": [32, 64]}), source="s.json")
+    assert [p.spec.model.d_model for p in s.points] == [32, 64]
+    assert all(p.spec.model.n_heads == 2 for p in s.points)
+
+
+def test_an_empty_grid_is_the_base_alone():
+    assert len(sweep.expand(config({}), source="s.json").points) == 1
+
+
+def test_point_ids_are_stable_and_order_free():
+    a = sweep.point_id({"compression": "fp16", "stages": 2})
+    assert a == sweep.point_id({"stages": 2, "compression": "fp16"})
+    assert a != sweep.point_id({"compression": "fp16", "stages": 4})
+    first = sweep.expand(config({"stages": [1, 2]}), source="s.json")
+    again = sweep.expand(config({"stages": [1, 2]}), source="s.json")
+    assert [p.point_id for p in first.points] == [p.point_id for p in again.points]
+    assert first.sweep_id == again.sweep_id and first.sweep_id.startswith("s-")
+
+
+def test_the_sweep_id_changes_with_the_content_and_the_overrides():
+    a = sweep.expand(config({"stages": [1, 2]}), source="s.json")
+    b = sweep.expand(config({"stages": [1, 2]}), source="elsewhere.json")
+    assert a.sweep_id == b.sweep_id
+    c = sweep.expand(config({"stages": [1]}), source="s.json")
+    d = sweep.expand(config({"stages": [1]}), source="s.json", overrides={"partition": "weighted"})
+    assert len({a.sweep_id, c.sweep_id, d.sweep_id}) == 3
+    assert all(p.spec.partition == "weighted" for p in d.points)
+    named = sweep.expand(config({"stages": [1]}), source="s.json", sweep_id_override="mine")
+    assert named.sweep_id == "mine"
+
+
+def test_an_override_may_not_collapse_a_grid_axis():
+    with pytest.raises(ConfigError, match=r"s.json: grid.partition"):
+        sweep.expand(
+            config({"partition": ["equal", "weighted"]}),
+            source="s.json",
+            overrides={"partition": "weighted"},
+        )
+
+
+@pytest.mark.parametrize(
+    ("grid", "expected"),
+    [
+        ({"micro_batches": [2, 3]}, r"s.json: point [0-9a-f]{10} \{\"micro_batches\":3\}: "),
+        ({"model.nheads": [2]}, r"s.json: point .*: model.nheads: unknown field"),
+        ({"stages": ["two"]}, r"s.json: point .*: stages: Expected `int \| null`"),
+        ({"compression": ["zip"]}, r"s.json: point .*compression 'zip' is not one of"),
+    ],
+)
+def test_a_bad_point_names_the_file_the_point_and_the_field(grid, expected):
+    with pytest.raises(ConfigError, match=expected):
+        sweep.expand(config(grid), source="s.json")
+
+
+@pytest.mark.parametrize(
+    ("doc", "expected"),
+    [
+        (b"{", r"s.json: not valid JSON"),
+        (b'{"grid": {}}', r"s.json: sweep config: Object missing required field `name`"),
+        (b'{"name": "a", "grid": {"stages": []}}', r"s.json: grid.stages: needs at least one"),
+        (b'{"name": "a", "grid": {"stages": [1, 1]}}', r"s.json: grid.stages: has a value twice"),
+        (b'{"name": "a", "grid": {"bad axis": [1]}}', r"s.json: grid.bad axis: not a job spec"),
+        (b'{"name": "a", "gird": {}}', r"unknown field `gird`"),
+    ],
+)
+def test_a_bad_sweep_config_names_the_file_and_the_field(doc, expected):
+    with pytest.raises(ConfigError, match=expected):
+        sweep.decode_sweep_config(doc, source="s.json")
+
+
+def test_resume_skips_recorded_points_and_retries_failed_ones_on_request():
+    s = sweep.expand(config({"stages": [1, 2], "micro_batches": [2, 4]}), source="s.json")
+    a, b, c, _ = s.points
+    rows = [
+        {"point_id": a.point_id, "state": "COMPLETED"},
+        {"point_id": b.point_id, "state": "FAILED"},
+        {"point_id": "gone-from-grid", "state": "COMPLETED"},
+    ]
+    assert [p.point_id for p in sweep.pending_points(s, rows)] == [p.point_id for p in s.points[2:]]
+    retried = sweep.pending_points(s, rows, retry_failed=True)
+    assert [p.point_id for p in retried] == [b.point_id, *(p.point_id for p in s.points[2:])]
+    merged = sweep.merge_row(rows, {"point_id": b.point_id, "state": "COMPLETED"})
+    assert [r["point_id"] for r in merged] == [a.point_id, b.point_id, "gone-from-grid"]
+    assert merged[1]["state"] == "COMPLETED"
+    appended = sweep.merge_row(merged, {"point_id": c.point_id, "state": "FAILED"})
+    assert appended[-1]["point_id"] == c.point_id
+
+
+def finished_job(*, compression="none", stages=2, steps=10, sent_per_stage=(1000, 1000)):
+    spec = {**TINY, "compression": compression, "steps": steps}
+    return {
+        "job_id": "s-abc-123456",
+        "state": "COMPLETED",
+        "spec": spec,
+        "placement": {"stages": [{"stage": i} for i in range(stages)]},
+        "progress": [
+            {
+                "stage": i,
+                "fellow_id": f"f{i}",
+                "step": steps,
+                "loss": 2.0 - i,
+                "tokens_per_s": 1000.0 + i,
+                "step_time_s": 0.5 + i,
+                "bytes_sent": sent_per_stage[i],
+            }
+            for i in range(stages)
+        ],
+        "final_loss": 1.5,
+        "final_val_loss": 1.6,
+        "reason": "",
+    }
+
+
+def test_bytes_per_step_per_boundary_and_the_compression_ratio():
+    job = finished_job(sent_per_stage=(4096, 4096))
+    assert sweep.bytes_per_step_per_boundary(job) == 8192 / 10 / 1
+    fp32 = 2 * 8 * 32 * 32 * 4
+    assert sweep.fp32_bytes_per_step_per_boundary(job["spec"]) == fp32
+    assert sweep.compression_ratio(job) == pytest.approx(fp32 / 819.2)
+    assert sweep.bytes_per_step_per_boundary(finished_job(stages=1, sent_per_stage=(5,))) is None
+    assert sweep.nominal_compression_ratio("none", 128) == 1
+    assert sweep.nominal_compression_ratio("fixed_int8", 128) == 4
+    assert sweep.nominal_compression_ratio("learned_dim32_int4", 128) == 32
+
+
+def test_a_result_row_has_the_grid_values_and_the_numbers():
+    s = sweep.expand(config({"compression": ["none"], "stages": [2]}), source="s.json")
+    [p] = s.points
+    row = sweep.result_row(s, p, finished_job())
+    assert list(row) == s.columns
+    assert row["compression"] == "none" and row["stages"] == "2"
+    assert row["state"] == "COMPLETED" and row["final_val_loss"] == "1.6"
+    assert row["tokens_per_s"] == "1001" and row["step_time_s"] == "1.5"
+    assert row["bytes_per_step_per_boundary"] == "200"
+    refused = sweep.result_row(s, p, None, reason="submit refused: NO: nope")
+    assert refused["state"] == "FAILED" and refused["reason"].startswith("submit refused")
+    assert refused["final_loss"] == ""
+
+
+def parse_png(data: bytes):
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    chunks, i = [], 8
+    while i < len(data):
+        (length,) = struct.unpack(">I", data[i : i + 4])
+        kind, body = data[i + 4 : i + 8], data[i + 8 : i + 8 + length]
+        (crc,) = struct.unpack(">I", data[i + 8 + length : i + 12 + length])
+        assert crc == zlib.crc32(kind + body)
+        chunks.append((kind, body))
+        i += 12 + length
+    return chunks
+
+
+def test_the_png_writer_makes_a_valid_png():
+    chunks = parse_png(sweep.png_bytes(3, 2, bytearray(range(18))))
+    assert [k for k, _ in chunks] == [b"IHDR", b"IDAT", b"IEND"]
+    assert struct.unpack(">IIBBBBB", chunks[0][1]) == (3, 2, 8, 2, 0, 0, 0)
+    raw = zlib.decompress(chunks[1][1])
+    assert raw == b"\x00" + bytes(range(9)) + b"\x00" + bytes(range(9, 18))
+    with pytest.raises(ValueError):
+        sweep.png_bytes(3, 2, bytearray(5))
+
+
+def test_the_scatter_plot_is_a_png_with_the_points_drawn():
+    png = sweep.scatter_png([(1e3, 2.0, "none"), (2.5e2, 2.2, "fixed_int8")], width=200, height=150)
+    chunks = parse_png(png)
+    assert struct.unpack(">II", chunks[0][1][:8]) == (200, 150)
+    raw = zlib.decompress(chunks[1][1])
+    assert bytes(sweep.PALETTE[0]) in raw and bytes(sweep.PALETTE[1]) in raw
+    assert parse_png(sweep.scatter_png([]))  # no data: still a valid (empty) plot
+    rows = [
+        {"bytes_per_step_per_boundary": "100", "final_val_loss": "2", "compression": "fp16"},
+        {"bytes_per_step_per_boundary": "", "final_val_loss": "2", "compression": "none"},
+    ]
+    assert sweep.plot_points(rows) == [(100.0, 2.0, "fp16")]
+
+
+def test_the_bundled_sweeps_expand():
+    for name in ("exp_full_sweep_unlimited_v1", "exp_large_unlimited_compute_v1"):
+        path = REPO / "exp" / "configs" / f"{name}.json"
+        s = sweep.expand(sweep.decode_sweep_config(path.read_bytes(), source=str(path)), source="")
+        assert set(s.axes) >= {"compression", "partition", "stages", "micro_batches"}
+        assert len(s.points) == len({p.point_id for p in s.points}) > 16
+
+
+# --- suites ---------------------------------------------------------------------------------
+
+SUITE_PATH = REPO / "exp" / "configs" / "benchmarks" / "multinode_training_v1.json"
+
+
+def bundled_suite() -> suites.Suite:
+    return suites.decode_suite(SUITE_PATH.read_bytes(), source=str(SUITE_PATH))
+
+
+def worker(fid, host="vm", gpus_free_gb=(), status="ready"):
+    gpus = [{"index": i, "memory_free_bytes": int(g * GIB)} for i, g in enumerate(gpus_free_gb)]
+    return {"fellow_id": fid, "hostname": host, "status": status, "hardware": {"gpus": gpus}}
+
+
+def test_the_bundled_suite_decodes_with_its_profiles():
+    suite = bundled_suite()
+    names = [s.name for s in suite.scenarios]
+    assert names[:2] == ["single_gpu_baseline", "two_gpu_one_node"]
+    assert "constrained_network" in names and len(names) == 4
+    by = {s.name: s for s in suite.scenarios}
+    assert by["two_gpu_one_node"].spec.max_gpus_per_worker == 2
+    assert by["constrained_network"].network.enforcement == "external"
+    assert by["constrained_network"].network.target_bandwidth_mbps
+    assert any(s.infra.hosts == 2 and s.name != "constrained_network" for s in suite.scenarios)
+    for s in suite.scenarios:  # the default stress profile
+        assert s.job_profile == "stress"
+        assert s.spec.shard_push_to_leader and s.spec.shard_push_interval_steps == 20
+        assert s.repeats >= 2
+
+
+def test_a_scenario_merges_base_profile_and_its_own_fields():
+    doc = {
+        "name": "t",
+        "base": {"model": {"n_layers": 4, "d_model": 64, "n_heads": 4}, "steps": 10},
+        "job_profiles": {"p": {"steps": 20}},
+        "default_job_profile": "p",
+        "infra_profiles": {"cpu": {"fellows": 2}},
+        "scenarios": [{"name": "a", "infra": "cpu", "job": {"model": {"d_model": 32}}}],
+    }
+    [s] = suites.decode_suite(json.dumps(doc).encode(), source="t.json").scenarios
+    assert s.spec.steps == 20 and s.spec.model.d_model == 32 and s.spec.model.n_layers == 4
+    assert s.repeats == 1 and s.spec.name == "t-a"
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"scenarios": [{"name": "a", "infra": "nope"}]}, r"t.json: scenarios.a.infra: no infra"),
+        (
+            {"scenarios": [{"name": "a", "infra": "cpu", "job": {"stages": "x"}}]},
+            r"t.json: scenarios.a.job: stages: Expected",
+        ),
+        (
+            {"scenarios": [{"name": "a", "infra": "cpu", "job": {"stages": 3}}]},
+            r"scenarios.a.job: stages \(3\) needs more fellows",
+        ),
+        ({"infra_profiles": {"cpu": {"fellows": 1, "hosts": 2}}}, r"infra_profiles.cpu: hosts"),
+        ({"default_job_profile": "zzz"}, r"t.json: default_job_profile: no job profile 'zzz'"),
+        ({"scenarios": [{"name": "a", "infra": "cpu", "x": 1}]}, r"unknown field `x`"),
+    ],
+)
+def test_a_bad_suite_names_the_file_the_scenario_and_the_field(change, expected):
+    doc = {
+        "name": "t",
+        "base": {"model": {"n_layers": 4}},
+        "infra_profiles": {"cpu": {"fellows": 2}},
+        "scenarios": [{"name": "a", "infra": "cpu"}],
+        **change,
+    }
+    with pytest.raises(ConfigError, match=expected):
+        suites.decode_suite(json.dumps(doc).encode(), source="t.json")
+
+
+def test_dry_run_on_cpu_fellows_says_what_is_missing():
+    findings = suites.dry_run(bundled_suite(), [worker("f1"), worker("f2")])
+    assert not any(f.ok for f in findings)
+    first = findings[0].message
+    assert first == (
+        "single_gpu_baseline: needs 1 fellow with 1 GPU with >= 20 GiB free; "
+        "have 2 fellows (2 ready) on 1 host, 0 GPUs"
+    )
+
+
+def test_dry_run_checks_free_vram_hosts_and_status():
+    workers = [
+        worker("a", "host-a", (40, 40)),
+        worker("b", "host-b", (10,)),  # too little free
+        worker("c", "host-a", (40,)),  # same host as a
+        worker("d", "host-d", (40,), status="offline"),
+    ]
+    by = {f.scenario: f for f in suites.dry_run(bundled_suite(), workers)}
+    assert by["single_gpu_baseline"].ok and by["single_gpu_baseline"].fellows == ["a"]
+    assert by["two_gpu_one_node"].ok and by["two_gpu_one_node"].fellows == ["a"]
+    assert not by["two_node_pipeline"].ok
+    assert "on 2 hosts" in by["two_node_pipeline"].message
+    assert "(2 with >= 20 GiB free)" not in by["two_node_pipeline"].message
+    assert "3 ready" in by["two_node_pipeline"].message
+    workers[1] = worker("b", "host-b", (24,))
+    by = {f.scenario: f for f in suites.dry_run(bundled_suite(), workers)}
+    assert by["two_node_pipeline"].ok and sorted(by["two_node_pipeline"].fellows) == ["a", "b"]
+    assert "enforcement: external" in by["constrained_network"].message
+
+
+def test_busy_jobs_and_run_results():
+    jobs = [
+        {"job_id": "a", "state": "COMPLETED"},
+        {"job_id": "b", "state": "RUNNING"},
+        {"job_id": "c", "state": "PENDING"},
+    ]
+    assert suites.busy_jobs(jobs) == ["b", "c"]
+    results = suites.run_results(finished_job(sent_per_stage=(100, 300)))
+    assert results["state"] == "COMPLETED" and results["final_val_loss"] == 1.6
+    assert results["bytes_sent"] == 400 and results["bytes_per_step_per_boundary"] == 40
+    assert results["stages"] == 2 and results["fellows"] == ["f0", "f1"]
+
+
+class FakeLeader:
+    """Answers submit/job/cancel like the leader: the first point is refused, the second
+    fails, the third never ends (and is cancelled), the rest complete."""
+
+    def __init__(self) -> None:
+        self.submitted: list[dict] = []
+        self.cancelled: list[str] = []
+
+    def submit(self, spec_json: bytes) -> dict:
+        from swarm.errors import LeaderResponseError
+
+        spec = json.loads(spec_json)
+        self.submitted.append(spec)
+        if len(self.submitted) == 1:
+            raise LeaderResponseError("no fellow can take it", code="JOB_INVALID")
+        return {"job_id": f"j{len(self.submitted)}", "name": spec["name"]}
+
+    def job(self, job_id: str) -> dict:
+        n = int(job_id[1:])
+        if n == 2:
+            return {**finished_job(), "job_id": job_id, "state": "FAILED", "reason": "f1 died"}
+        if n == 3:
+            state = "CANCELLED" if job_id in self.cancelled else "RUNNING"
+            return {**finished_job(), "job_id": job_id, "state": state, "reason": "by operator"}
+        return {**finished_job(), "job_id": job_id}
+
+    def cancel(self, job_id: str) -> dict:
+        self.cancelled.append(job_id)
+        return self.job(job_id)
+
+
+def test_run_sweep_records_failures_goes_on_and_resumes(tmp_path):
+    s = sweep.expand(config({"stages": [1, 2], "micro_batches": [2, 4]}), source="s.json")
+    lines: list[str] = []
+    fake = FakeLeader()
+    rows = sweep.run_sweep(
+        fake, s, tmp_path, progress=lines.append, poll_s=0.0, point_timeout_s=0.0
+    )
+    assert [r["state"] for r in rows] == ["FAILED", "FAILED", "CANCELLED", "COMPLETED"]
+    assert rows[0]["reason"] == "submit refused: JOB_INVALID: no fellow can take it"
+    assert rows[1]["reason"] == "f1 died" and rows[1]["job_id"] == "j2"
+    assert rows[2]["reason"].startswith("timed out") and fake.cancelled == ["j3"]
+    assert sweep.read_rows(tmp_path / "results.csv") == rows
+    assert (tmp_path / "val_loss_vs_bytes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert lines[0].endswith("0 already in " + str(tmp_path / "results.csv") + ", 4 to run")
+
+    again = FakeLeader()
+    sweep.run_sweep(again, s, tmp_path, progress=lines.append, poll_s=0.0)
+    assert again.submitted == []
+    retry = FakeLeader()
+    retry.submitted = [{}]  # its next submission is accepted and completes
+    retry.job = lambda job_id: {**finished_job(), "job_id": job_id}
+    rows = sweep.run_sweep(retry, s, tmp_path, progress=lines.append, poll_s=0, retry_failed=True)
+    assert len(retry.submitted) == 4 and [r["state"] for r in rows] == ["COMPLETED"] * 4
+
+
+def test_summary_keeps_mean_and_spread_of_completed_repeats():
+    summary = suites.summarize(
+        {
+            "a": [
+                {"state": "COMPLETED", "final_loss": 1.0, "tokens_per_s": None},
+                {"state": "COMPLETED", "final_loss": 3.0},
+                {"state": "FAILED", "final_loss": 9.0},
+            ],
+            "b": [{"state": "REFUSED"}],
+        }
+    )
+    assert summary["a"]["repeats"] == 3 and summary["a"]["completed"] == 2
+    assert summary["a"]["final_loss"] == {"mean": 2.0, "min": 1.0, "max": 3.0}
+    assert "tokens_per_s" not in summary["a"]
+    assert summary["b"] == {"repeats": 1, "completed": 0}
