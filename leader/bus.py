@@ -22,6 +22,7 @@ from swarm.natsconn import NatsAccess, connect_forever
 from swarm.protocol import DeregisterRequest, RegisterReply, RegisterRequest
 
 log = logging.getLogger(__name__)
+HEARTBEATS_PER_YIELD = 32
 
 
 class LeaderBus:
@@ -34,6 +35,7 @@ class LeaderBus:
         self.dropped: Counter[str] = Counter()
         self._connect_task: asyncio.Task[None] | None = None
         self.connected = asyncio.Event()
+        self._heartbeats = 0
 
     async def start(self) -> None:
         """Connect in the background: the HTTP API serves (and says so) while NATS is down."""
@@ -138,6 +140,11 @@ class LeaderBus:
             self.drop(msg, f"fellow id {hb.fellow.fellow_id!r} does not match its subject")
             return
         self.registry.heartbeat(hb)
+        # nats-py runs a subscription's backlog without yielding while its queue is not
+        # empty: with thousands of fellows that starves the HTTP API. Yield now and then.
+        self._heartbeats += 1
+        if self._heartbeats % HEARTBEATS_PER_YIELD == 0:
+            await asyncio.sleep(0)
 
     async def _reply(self, msg: Msg, reply: RegisterReply) -> None:
         if not msg.reply:

@@ -37,14 +37,14 @@ log = logging.getLogger(__name__)
 HISTORY_LEN = 50
 
 
-class Transition(msgspec.Struct, kw_only=True):
+class Transition(msgspec.Struct, kw_only=True, gc=False):
     at: float
     from_status: FellowStatus | None
     to_status: FellowStatus
     reason: str
 
 
-class FellowRecord(msgspec.Struct, kw_only=True):
+class FellowRecord(msgspec.Struct, kw_only=True, gc=False):
     fellow_id: str
     instance_id: str
     hostname: str

@@ -20,7 +20,7 @@ import msgspec
 PROTOCOL_VERSION = 1
 
 
-class Message(msgspec.Struct, kw_only=True):
+class Message(msgspec.Struct, kw_only=True, gc=False):
     """Base of every top-level NATS payload."""
 
     v: int = PROTOCOL_VERSION
@@ -29,7 +29,7 @@ class Message(msgspec.Struct, kw_only=True):
 # --- hardware -------------------------------------------------------------------------------
 
 
-class GpuInfo(msgspec.Struct, kw_only=True):
+class GpuInfo(msgspec.Struct, kw_only=True, gc=False):
     index: int
     uuid: str
     name: str
@@ -40,7 +40,7 @@ class GpuInfo(msgspec.Struct, kw_only=True):
     temperature_c: float | None = None
 
 
-class FellowLimits(msgspec.Struct, kw_only=True):
+class FellowLimits(msgspec.Struct, kw_only=True, gc=False):
     """What an operator lets a fellow offer (``SWARM_FELLOW_MAX_*``); None: no cap."""
 
     max_vram_bytes: int | None = None
@@ -48,7 +48,7 @@ class FellowLimits(msgspec.Struct, kw_only=True):
     max_network_bytes_per_s: int | None = None
 
 
-class HardwareSnapshot(msgspec.Struct, kw_only=True):
+class HardwareSnapshot(msgspec.Struct, kw_only=True, gc=False):
     hostname: str
     platform: str = ""
     cpu_cores: int
@@ -88,7 +88,7 @@ class JobState(enum.StrEnum):
     CANCELLED = "CANCELLED"
 
 
-class FellowIdentity(msgspec.Struct, kw_only=True):
+class FellowIdentity(msgspec.Struct, kw_only=True, gc=False):
     """Who a fellow is. ``instance_id`` changes with every agent process."""
 
     fellow_id: str
@@ -111,7 +111,7 @@ class StageResult(enum.StrEnum):
     STOPPED = "stopped"  # a STOP signal ended it (cancel, or a peer failed)
 
 
-class StageOutcome(msgspec.Struct, kw_only=True):
+class StageOutcome(msgspec.Struct, kw_only=True, gc=False):
     """How the fellow's last stage run ended.
 
     Repeated in every heartbeat until the next START, so a leader that was away (restarted,
@@ -194,7 +194,7 @@ class SignalAck(Message, kw_only=True):
 # --- logs, progress, shards -----------------------------------------------------------------
 
 
-class LogRecord(msgspec.Struct, kw_only=True):
+class LogRecord(msgspec.Struct, kw_only=True, gc=False):
     ts: float
     level: str
     logger: str

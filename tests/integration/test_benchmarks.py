@@ -1,0 +1,95 @@
+"""The benchmarks under exp/bench run: each --quick mode exits 0 and ends with its JSON line.
+
+Only the shape of the figures is checked (keys present, numbers positive), never the
+targets: timings on a shared machine are not a test.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from tests.helpers import REPO, child_env
+
+pytestmark = pytest.mark.integration
+
+BENCH = REPO / "exp" / "bench"
+
+
+def run_quick(name: str, timeout: float = 240.0) -> dict[str, Any]:
+    """Run ``exp/bench/<name>.py --quick``; its last stdout line, parsed."""
+    out = subprocess.run(
+        [sys.executable, str(BENCH / f"{name}.py"), "--quick"],
+        cwd=REPO,
+        env=child_env(TF_CPP_MIN_LOG_LEVEL="2"),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert out.returncode == 0, f"{name} exited {out.returncode}:\n{out.stderr[-3000:]}"
+    lines = out.stdout.strip().splitlines()
+    assert lines, f"{name} printed nothing"
+    figures = json.loads(lines[-1])
+    assert isinstance(figures, dict)
+    return figures
+
+
+def positive(value: Any) -> bool:
+    return isinstance(value, int | float) and value > 0
+
+
+@pytest.mark.timeout(300)
+def test_link_benchmark_quick():
+    figures = run_quick("link")
+    assert figures["bench"] == "link" and figures["quick"] is True
+    for kind in ("tcp", "zmq", "nats", "relay"):
+        for size in ("64KiB", "1MiB", "4MiB"):
+            row = figures["transports"][kind][size]
+            assert all(positive(row[k]) for k in ("gb_per_s", "p50_ms", "p99_ms")), (kind, size)
+    assert positive(figures["zmq_vs_tcp_4mib"]) and positive(figures["relay_vs_nats_4mib"])
+    assert set(figures["targets"]) == {"zmq_vs_tcp_4mib_ge_0.90", "relay_vs_nats_4mib_ge_0.80"}
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_benchmark_quick():
+    figures = run_quick("pipeline", timeout=280)
+    assert figures["bench"] == "pipeline"
+    speed = figures["speed"]
+    assert all(positive(speed[k]) for k in ("single_tokens_per_s", "speedup", "ideal_speedup"))
+    rows = figures["sweep"]["rows"]
+    assert {row["stages"] for row in rows} == {2, 3}
+    for row in rows:
+        assert all(positive(row[k]) for k in ("speedup", "ideal_speedup", "fraction_of_ideal"))
+    specs = figures["compression"]["specs"]
+    assert "none" in specs and all(positive(s["bytes_per_step"]) for s in specs.values())
+
+
+@pytest.mark.timeout(300)
+def test_compression_benchmark_quick():
+    figures = run_quick("compression")
+    assert figures["bench"] == "compression"
+    specs = figures["specs"]
+    assert {"none", "fixed_int8"} <= set(specs)
+    assert any(spec.startswith("learned_dim") for spec in specs)
+    for row in specs.values():
+        assert all(positive(row[k]) for k in ("bytes_per_step", "val_loss", "bytes_vs_none"))
+    assert specs["fixed_int8"]["bytes_vs_none"] < 1.0, "int8 sends fewer bytes than fp32"
+    assert set(figures["targets"]) == {
+        "fixed_int8_bytes_le_0.26",
+        "fixed_int8_loss_within_1pct",
+        "learned_bytes_le_0.04_loss_within_3pct",
+    }
+
+
+@pytest.mark.timeout(300)
+def test_overhead_benchmark_quick():
+    figures = run_quick("overhead")
+    assert figures["bench"] == "overhead"
+    assert all(positive(figures["step_ms"][v]) for v in ("runtime", "plain_xla", "plain"))
+    assert isinstance(figures["overhead_vs_plain_xla"], float)
+    assert set(figures["overhead"]) == {"plain_xla", "plain"}
