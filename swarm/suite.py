@@ -24,6 +24,7 @@ import msgspec
 
 from swarm.errors import ConfigError
 from swarm.jobspec import FieldError, JobSpec, decode_job_spec
+from swarm.sweep import decode_config
 
 GIB = 2**30
 USABLE_STATUSES = frozenset({"ready"})
@@ -105,12 +106,7 @@ def deep_merge(base: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, A
 def decode_suite(data: bytes, *, source: str) -> Suite:
     """The suite with every scenario's job resolved and validated; ConfigError naming the
     file, the scenario and the field otherwise."""
-    try:
-        config = msgspec.json.decode(data, type=SuiteConfig)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(f"{source}: suite: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise ConfigError(f"{source}: not valid JSON ({exc})") from None
+    config = decode_config(data, SuiteConfig, source=source, what="suite")
     if config.repeats < 1:
         raise ConfigError(f"{source}: repeats: must be >= 1")
     for name, infra in config.infra_profiles.items():

@@ -30,13 +30,15 @@ import time
 import zlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
 from swarm.compression import parse_compression
 from swarm.errors import ConfigError, LeaderResponseError, LeaderUnreachableError
 from swarm.jobspec import FieldError, JobSpec, decode_job_spec
+
+T = TypeVar("T")
 
 TERMINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED"})
 FP32_BYTES = 4
@@ -84,14 +86,19 @@ class Sweep(msgspec.Struct, frozen=True, kw_only=True):
 # --- expansion (pure) -----------------------------------------------------------------------
 
 
-def decode_sweep_config(data: bytes, *, source: str) -> SweepConfig:
-    """The config from JSON; ConfigError naming the file, the field and the reason."""
+def decode_config(data: bytes, kind: type[T], *, source: str, what: str) -> T:
+    """A JSON config file as ``kind``; ConfigError naming the file, the field and the reason."""
     try:
-        config = msgspec.json.decode(data, type=SweepConfig)
+        return msgspec.json.decode(data, type=kind)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"{source}: sweep config: {exc}") from None
+        raise ConfigError(f"{source}: {what}: {exc}") from None
     except msgspec.DecodeError as exc:
         raise ConfigError(f"{source}: not valid JSON ({exc})") from None
+
+
+def decode_sweep_config(data: bytes, *, source: str) -> SweepConfig:
+    """The config from JSON; ConfigError naming the file, the field and the reason."""
+    config = decode_config(data, SweepConfig, source=source, what="sweep config")
     if not config.name.strip():
         raise ConfigError(f"{source}: name: must not be empty")
     for axis, values in config.grid.items():
