@@ -234,6 +234,14 @@ class StageRunner:
         inflight: dict[int, tuple[tf.GradientTape, tf.Tensor, tf.Tensor]] = {}
         losses: list[float] = []
         n_vars = len(model.variables)
+        if plan.n_stages == 1:  # the whole model here: one compiled call per micro-batch
+            for i in range(m):
+                part = slice(i * mb, (i + 1) * mb)
+                loss = model.local_step(tf.constant(inputs[part]), tf.constant(targets[part]))
+                losses.append(float(loss))
+            lr = model.apply(step, m)
+            loss = sum(losses) / len(losses)
+            return StepResult(step=step, loss=loss, lr=lr, seconds=time.perf_counter() - started)
         for op, i in one_f_one_b(plan.stage, plan.n_stages, m):
             if op is Op.FORWARD:
                 if plan.is_first:

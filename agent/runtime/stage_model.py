@@ -108,7 +108,10 @@ class StageModel:
         self.forward = tf.function(self._forward, reduce_retracing=True, jit_compile=jit)
         self.forward_loss = tf.function(self._forward_loss, reduce_retracing=True, jit_compile=jit)
         self._accumulate = tf.function(self._accumulate_impl)
-        self._apply = tf.function(self._apply_impl)
+        self._apply = tf.function(self._apply_impl, jit_compile=jit)
+        # A stage that is the whole model needs no gradient from a peer: its forward,
+        # backward and accumulation compile into one call per micro-batch.
+        self.local_step = tf.function(self._local_step, reduce_retracing=True, jit_compile=jit)
 
     def devices(self) -> dict[str, str]:
         """Where each piece's variables actually live, e.g. ``{"block_2": "/job:.../CPU:1"}``."""
@@ -145,6 +148,12 @@ class StageModel:
         head = self.pieces[-1]
         with tf.device(head.device):
             return token_loss(head.layer(h), targets)
+
+    def _local_step(self, x, targets):
+        with tf.GradientTape() as tape:
+            loss = self._forward_loss(x, targets, training=True)
+        self._accumulate_impl(tape.gradient(loss, self.variables))
+        return loss
 
     def _accumulate_impl(self, grads) -> None:
         for acc, g in zip(self.accumulators, grads, strict=True):
