@@ -86,7 +86,8 @@ class Orchestrator:
         self.loaded = asyncio.Event()
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._purging: set[str] = set()
+        # Fellow id -> the purge delivery in flight (one at a time; others wait for it).
+        self._purging: dict[str, asyncio.Future[bool]] = {}
         # Fellows an operator action (release, update) is signalling: not placed meanwhile.
         self._reserved: set[str] = set()
         self._cooldown: dict[str, float] = {}  # fellow id -> monotonic time it may be placed
@@ -552,18 +553,32 @@ class Orchestrator:
                 self._spawn(self._deliver_purge(fid, deadline_s=2.0), f"purge-{fid}")
 
     async def _deliver_purge(self, fellow_id: str, *, deadline_s: float = 8.0) -> bool:
-        if fellow_id in self._purging:
-            return False
-        self._purging.add(fellow_id)
+        """One PURGE delivery per fellow at a time: a second caller (an operator's retry
+        while the job loop is trying) waits for the one in flight and gets its result."""
+        inflight = self._purging.get(fellow_id)
+        if inflight is not None:
+            return await asyncio.shield(inflight)
+        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._purging[fellow_id] = future
         try:
-            ack = await self._hub().send(
-                fellow_id,
-                SignalKind.PURGE,
-                args={"reason": "released with --purge-install"},
-                deadline_s=deadline_s,
-            )
+            delivered = await self._send_purge(fellow_id, deadline_s)
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: a caller that did not wait must not warn
+            raise
+        else:
+            future.set_result(delivered)
+            return delivered
         finally:
-            self._purging.discard(fellow_id)
+            del self._purging[fellow_id]
+
+    async def _send_purge(self, fellow_id: str, deadline_s: float) -> bool:
+        ack = await self._hub().send(
+            fellow_id,
+            SignalKind.PURGE,
+            args={"reason": "released with --purge-install"},
+            deadline_s=deadline_s,
+        )
         if ack.ok:
             self.purges.delivered(fellow_id)
             if self.registry.get(fellow_id) is not None:
