@@ -8,13 +8,13 @@ For fleets where every machine gets the same configuration (a Nomad system job, 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 
 import httpx
 
 from swarm.errors import ConfigError
+from swarm.natsauth import write_private
 from swarm.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -64,11 +64,7 @@ def _save(path: Path, creds: str | None, fellow_id: str) -> Path | None:
         log.warning("the leader runs without NATS authentication (dev mode): no user needed")
         return None
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(creds)
-    tmp.replace(path)
+    write_private(path, creds)
     log.info("enrolled as %s: NATS user kept in %s", fellow_id, path)
     return path
 

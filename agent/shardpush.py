@@ -60,7 +60,6 @@ class ShardPusher:
         self._idle = asyncio.Event()
         self._idle.set()
         self._task: asyncio.Task[None] | None = None
-        self.pushed: list[Shard] = []
         self._periodic: dict[str, Path] = {}  # job -> the pushed periodic checkpoint kept
         self._kept: set[Path] = set()  # checkpoints someone asked for: never removed
 
@@ -118,7 +117,6 @@ class ShardPusher:
         for path in shard.files():
             data = await asyncio.to_thread(path.read_bytes)
             await self._send_file(shard, path.name, data)
-        self.pushed.append(shard)
         log.info(
             "pushed job %s stage %d step %d to the leader", shard.job_id, shard.stage, shard.step
         )

@@ -217,10 +217,8 @@ class LeaderServices:
     def create_join_session(
         self, fellow_name: str | None, ttl_s: float, request_base: str
     ) -> dict[str, object]:
-        if fellow_name is not None and not TOKEN_RE.match(fellow_name):
-            raise FieldError(
-                f"fellow_name: {fellow_name!r} is not a fellow id", field="fellow_name"
-            )
+        if fellow_name is not None:
+            _check_fellow_name(fellow_name)
         if not 1 <= ttl_s <= 7 * 86400:
             raise FieldError("ttl_s: between 1 s and 7 days", field="ttl_s")
         if self.nats_auth == "credentials":
@@ -250,12 +248,8 @@ class LeaderServices:
     ) -> dict[str, object]:
         """The installer's single-use token for what it installs, and (unless in dev mode)
         the fellow's own NATS user, bound to the fellow name settled here."""
-        if proposed_name is not None and not TOKEN_RE.match(proposed_name):
-            raise FieldError(
-                f"fellow_name: {proposed_name!r} is not a fellow id (1-64 letters, digits, "
-                "'-' or '_')",
-                field="fellow_name",
-            )
+        if proposed_name is not None:
+            _check_fellow_name(proposed_name)
         package = self.package_or_503()
         session, secret = self.joins.claim(session_id, token, proposed_name)
         assert session.fellow_name is not None
@@ -284,12 +278,7 @@ class LeaderServices:
             )
         if not hmac.compare_digest(token.encode(), expected.encode()):
             raise EnrollRefusedError("wrong enrollment token (SWARM_ENROLL_TOKEN)")
-        if not TOKEN_RE.match(fellow_name):
-            raise FieldError(
-                f"fellow_name: {fellow_name!r} is not a fellow id (1-64 letters, digits, "
-                "'-' or '_')",
-                field="fellow_name",
-            )
+        _check_fellow_name(fellow_name)
         record = self.registry.get(fellow_name)
         if record is not None and record.status is not FellowStatus.OFFLINE:
             raise ConflictError(
@@ -321,3 +310,12 @@ class LeaderServices:
                 session.claimed_at or 0
             ):
                 self.joins.fellow_registered(session.fellow_name)
+
+
+def _check_fellow_name(name: str) -> None:
+    """A fellow name from a request body must be a subject token (400 naming the field)."""
+    if not TOKEN_RE.match(name):
+        raise FieldError(
+            f"fellow_name: {name!r} is not a fellow id (1-64 letters, digits, '-' or '_')",
+            field="fellow_name",
+        )

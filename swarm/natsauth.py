@@ -199,7 +199,8 @@ class _Seeds(msgspec.Struct):
     system: str
 
 
-def _write_private(path: Path, text: str) -> None:
+def write_private(path: Path, text: str) -> None:
+    """Write a secret atomically, readable by its owner only (0600) from the first byte."""
     tmp = path.with_name(f".{path.name}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -240,7 +241,7 @@ class NatsAuthority:
             directory.chmod(0o700)
             seeds = _Seeds(new_seed("operator"), new_seed("account"), new_seed("account"))
             for name, seed in msgspec.structs.asdict(seeds).items():
-                _write_private(directory / f"{name}.nk", seed + "\n")
+                write_private(directory / f"{name}.nk", seed + "\n")
             authority = cls(directory, seeds)
         authority.write_server_config()
         if not authority.leader_creds_path.exists():
@@ -298,7 +299,7 @@ class NatsAuthority:
         )
 
     def write_server_config(self) -> Path:
-        _write_private(self.server_config_path, self.server_config())
+        write_private(self.server_config_path, self.server_config())
         return self.server_config_path
 
     def user_creds(self, name: str, perms: Permissions) -> str:
@@ -311,11 +312,10 @@ class NatsAuthority:
 
     def write_creds(self, path: Path, name: str, perms: Permissions) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _write_private(path, self.user_creds(name, perms))
+        write_private(path, self.user_creds(name, perms))
         return path
 
     def write_fellow_creds(self, prefix: str, fellow_id: str) -> Path:
-        path = self.fellow_creds_path(fellow_id)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _write_private(path, self.fellow_creds(prefix, fellow_id))
-        return path
+        return self.write_creds(
+            self.fellow_creds_path(fellow_id), fellow_id, fellow_permissions(prefix, fellow_id)
+        )

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 import psutil
 
 from swarm.errors import NatsServerError
+from swarm.natsauth import write_private
 from swarm.procs import ensure_port_free, spawn, stop_process, tail, wait_until
 
 SERVER_NAME = "swarm-nats"
@@ -146,9 +146,7 @@ def _with_websocket(store_dir: Path, config: Path | None, host: str, port: int) 
     text = config.read_text() if config is not None else ""
     text += f'websocket {{\n  host: "{host}"\n  port: {port}\n  no_tls: true\n}}\n'
     path = store_dir / "server-websocket.conf"
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
+    write_private(path, text)  # it holds the authority's JWTs
     return path
 
 
