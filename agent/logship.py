@@ -4,6 +4,10 @@ A logging handler puts records in a bounded buffer and returns at once: shipping
 blocks training, and when NATS is away or slow the oldest records are dropped (and counted)
 rather than memory growing. A task publishes what is buffered as ``LogBatch`` messages on
 ``<prefix>.log.<fellow>`` a few times a second, under NATS's max payload.
+
+Every record passes ``add``, which redacts secrets (swarm/redact.py: tokens, JWTs, nkey
+seeds, private keys, ``Bearer`` values, ``token=``-style parameters) before it is buffered:
+what the leader stores and serves (``GET /api/v1/workers/<id>/logs``) never holds them.
 """
 
 from __future__ import annotations
@@ -20,11 +24,17 @@ from nats.errors import Error as NatsError
 
 from swarm import subjects as topics
 from swarm.protocol import LogBatch, LogRecord
+from swarm.redact import redact
 
 CAPACITY = 10_000
 BATCH_RECORDS = 200
-BATCH_BYTES = 256 * 1024
+# Under the log stream's message size (leader/streams.py LOG_MAX_MSG_BYTES, 32 KiB): a batch
+# the stream refused would be lost. One record (MESSAGE_CHARS, UTF-8) always fits.
+BATCH_BYTES = 24 * 1024
 MESSAGE_CHARS = 4000
+# Redacted before it is cut to MESSAGE_CHARS (a secret cut in half must still be found), but
+# no further than this: a huge message costs no more than a long one.
+REDACT_CHARS = 4 * MESSAGE_CHARS
 FLUSH_EVERY_S = 0.5
 
 
@@ -53,8 +63,10 @@ class FellowLogShipper(logging.Handler):
         self.add(record.levelname, record.name, message, record.created)
 
     def add(self, level: str, logger: str, message: str, ts: float | None = None) -> None:
+        message = redact(message[:REDACT_CHARS])[:MESSAGE_CHARS]
+        # Within swarm.protocol.LogRecord's bounds: the leader refuses a batch outside them.
         entry = LogRecord(
-            ts=ts or time.time(), level=level, logger=logger, message=message[:MESSAGE_CHARS]
+            ts=ts or time.time(), level=level[:16], logger=logger[:256], message=message
         )
         with self._lock:
             if len(self._buffer) >= self._capacity:
@@ -69,7 +81,8 @@ class FellowLogShipper(logging.Handler):
         batch, size = [], 0
         with self._lock:
             while self._buffer and len(batch) < BATCH_RECORDS:
-                cost = len(self._buffer[0].message) + 64
+                head = self._buffer[0]
+                cost = len(head.message.encode()) + len(head.logger) + 64
                 if batch and size + cost > BATCH_BYTES:
                     break
                 batch.append(self._buffer.popleft())

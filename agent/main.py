@@ -53,7 +53,7 @@ def serve(
     if settings.nats_url is None:
         raise ConfigError("no NATS server: pass --nats-url or set SWARM_NATS_URL")
     _gpus_from_nomad()
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level)  # httpx/httpcore at WARNING: no request URLs logged
     if settings.enroll_token:
         name = settings.fellow_name or default_fellow_id()
         settings = settings.replace(fellow_name=name, nats_creds=enroll(settings, name))

@@ -33,6 +33,7 @@ from swarm import __version__
 from swarm import subjects as topics
 from swarm.errors import ProtocolError
 from swarm.lifecycle import FellowEvent, IllegalTransitionError, next_status
+from swarm.natsauth import write_private
 from swarm.natsconn import NatsAccess, connect_forever
 from swarm.plan import StagePlan
 from swarm.protocol import (
@@ -55,11 +56,14 @@ from swarm.settings import Settings
 log = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT_S = 2.0
+# How long START may take to connect as the attempt's own NATS user.
+ATTEMPT_CONNECT_S = 5.0
 # How long a finished stage's last shard pushes may hold up its report of the end.
 PUSH_DRAIN_S = 300.0
 RETRY_MIN_S = 0.25
 RETRY_MAX_S = 1.0
 SEEN_SIGNALS = 256
+MESSAGE_CHARS = 1000  # a progress message's bound (swarm.protocol): longer ones are cut
 
 
 def default_fellow_id() -> str:
@@ -115,6 +119,11 @@ class FellowAgent:
         self.shipper = FellowLogShipper(fellow_id)
         self._down_transport: str | None = None
         self.pusher: ShardPusher | None = None
+        # The current run's connection as its attempt's own NATS user (progress, shards);
+        # None in a swarm without NATS users, where the agent's own connection serves.
+        self.run_nc: Client | None = None
+        # Handed out by the leader when it registered us: only this process can deregister.
+        self._instance_secret = ""
         self._tasks: set[asyncio.Task[Any]] = set()
 
     @property
@@ -232,6 +241,7 @@ class FellowAgent:
             # PURGE_PENDING: released, but a purge is coming; keep asking until it does.
             return f"{reply.code}: {reply.message}"
         self.heartbeat_interval_s = reply.heartbeat_interval_s or self.heartbeat_interval_s
+        self._instance_secret = reply.instance_secret or self._instance_secret
         log.info("registered as %s with leader %s", self.fellow_id, reply.leader_version)
         return None
 
@@ -239,7 +249,10 @@ class FellowAgent:
         if self.nc is None or not self.nc.is_connected or not self._registered.is_set():
             return
         req = DeregisterRequest(
-            fellow_id=self.fellow_id, instance_id=self.identity.instance_id, outcome=self.outcome
+            fellow_id=self.fellow_id,
+            instance_id=self.identity.instance_id,
+            instance_secret=self._instance_secret,
+            outcome=self.outcome,
         )
         subject = topics.REGISTER.subject(self.prefix, fellow=self.fellow_id)
         try:
@@ -374,6 +387,26 @@ class FellowAgent:
         if problems:
             return self._ack(sig, False, "PLAN_INVALID", "; ".join(problems))
         workdir = self.fellow_dir / "jobs" / f"{plan.job_id}-a{plan.attempt}"
+        try:
+            attempt_nats = await self._attempt_access(sig, workdir)
+        except StartRefused as exc:
+            return self._ack(sig, False, exc.code, exc.message)
+        run_nc: Client | None = None
+        if attempt_nats is not None:
+            try:
+                run_nc = await asyncio.wait_for(
+                    connect_forever(
+                        attempt_nats,
+                        name=f"swarm-fellow-{self.fellow_id}-{plan.job_id}-a{plan.attempt}",
+                        inbox_prefix=topics.inbox_prefix(self.fellow_id),
+                    ),
+                    ATTEMPT_CONNECT_S,
+                )
+            except (TimeoutError, NatsError, OSError) as exc:
+                return self._ack(
+                    sig, False, "START_FAILED", f"cannot connect as the attempt's NATS user: {exc}"
+                )
+            plan = msgspec.structs.replace(plan, nats=attempt_nats)
         resume = sig.args.get("resume")
         if resume:
             # A resumed attempt: its shard comes from the leader before the runtime starts.
@@ -386,8 +419,10 @@ class FellowAgent:
             try:
                 await run.start()
             except OSError as exc:
+                await _close(run_nc)
                 return self._ack(sig, False, "START_FAILED", f"cannot start the runtime: {exc}")
         self.run_, self.outcome, self.step, self.loss = run, None, 0, None
+        self.run_nc = run_nc
         self._down_transport = None
         self._checkpoint_final = False
         self._set_status(FellowEvent.START)
@@ -398,6 +433,26 @@ class FellowAgent:
             step = resume.get("step")
             return self._ack(sig, True, message=f"stage {plan.stage} resuming from step {step}")
         return self._ack(sig, True, message=f"stage {plan.stage} started")
+
+    async def _attempt_access(self, sig: Signal, workdir: Path) -> NatsAccess | None:
+        """How the run reaches NATS: as the attempt's own user when START brought one (its
+        credentials written 0600 in the run's private folder), else as this agent."""
+        creds = sig.args.get("nats_creds")
+        if not creds:
+            if self.nats.creds:
+                raise StartRefused(
+                    "START_INVALID",
+                    "START brought no NATS user for this attempt, and this swarm has NATS "
+                    "users: the leader needs its NATS authority (SWARM_NATS_AUTH_DIR)",
+                )
+            return None
+        if not isinstance(creds, str) or len(creds) > 16384:
+            raise StartRefused("START_INVALID", "nats_creds: not a credentials file's text")
+        workdir.mkdir(parents=True, exist_ok=True)
+        workdir.chmod(0o700)
+        path = workdir / "attempt.creds"
+        await asyncio.to_thread(write_private, path, creds)
+        return msgspec.structs.replace(self.nats, creds=str(path))
 
     def _background(self, coro: Any, name: str) -> None:
         task = asyncio.get_running_loop().create_task(coro, name=name)
@@ -534,6 +589,7 @@ class FellowAgent:
                 down_bytes_sent=event.get("down_bytes_sent", 0),
                 down_bytes_received=event.get("down_bytes_received", 0),
                 down_transport=self._down_transport,
+                relay_dropped=int(event.get("relay_dropped") or 0),
             )
         elif kind == "checkpoint":
             final = bool(event.get("final"))
@@ -548,6 +604,7 @@ class FellowAgent:
                         step=int(event.get("step") or 0),
                         directory=Path(str(event["path"])),
                         periodic=str(event.get("id", "")).startswith("every-"),
+                        client=self.run_nc,
                     )
                 )
             if str(event.get("id", "")).startswith("every-") or event.get("id") == "end":
@@ -557,7 +614,7 @@ class FellowAgent:
                 ProgressEvent.CHECKPOINT,
                 step=int(event.get("step") or 0),
                 ok=bool(event.get("ok")),
-                message=str(event.get("message", "")),
+                message=str(event.get("message", ""))[:MESSAGE_CHARS],
                 checkpoint_path=event.get("path"),
                 checkpoint_id=event.get("id"),
             )
@@ -574,6 +631,8 @@ class FellowAgent:
     async def _supervise(self, run: StageRun) -> None:
         """Wait for the runtime to end, push its last shards, report how, go back to ready."""
         outcome = await run.finished
+        if len(outcome.message) > MESSAGE_CHARS:
+            outcome = msgspec.structs.replace(outcome, message=outcome.message[:MESSAGE_CHARS])
         # The export must be whole when the job is COMPLETED: report the end after it.
         pushing = outcome.result is StageResult.COMPLETED and self.pusher is not None
         if pushing and not await self.pusher.drain(PUSH_DRAIN_S):
@@ -585,9 +644,15 @@ class FellowAgent:
         )
         if outcome.result is StageResult.FAILED:
             self._set_status(FellowEvent.FAILURE)
-        self._publish_progress(run, ProgressEvent.ENDED, step=outcome.step or 0, outcome=outcome)
+        ended = self._publish_progress(
+            run, ProgressEvent.ENDED, step=outcome.step or 0, outcome=outcome
+        )
+        if ended is not None:
+            await ended
         await self._send_heartbeat()
         self.run_ = None
+        run_nc, self.run_nc = self.run_nc, None
+        await _close(run_nc)  # flushes what is still buffered, then the attempt's user goes
         if self.status is FellowStatus.FAILED:
             self._set_status(FellowEvent.RECOVERED)
         elif self.status is FellowStatus.CHECKPOINTING and self._checkpoint_final:
@@ -600,11 +665,14 @@ class FellowAgent:
         elif self._update_when_idle and self.status is FellowStatus.READY:
             self._update_now()
 
-    def _publish_progress(self, run: StageRun, event: ProgressEvent, **fields: Any) -> None:
+    def _publish_progress(
+        self, run: StageRun, event: ProgressEvent, **fields: Any
+    ) -> asyncio.Task[None] | None:
         # While NATS is away nats-py buffers what we publish (up to PENDING_BYTES) and sends it
         # on reconnect: the durable history keeps every step through an outage.
-        if self.nc is None or self.nc.is_closed:
-            return
+        nc = self.run_nc if self.run_nc is not None else self.nc
+        if nc is None or nc.is_closed:
+            return None
         msg = Progress(
             job_id=run.job_id,
             fellow_id=self.fellow_id,
@@ -614,11 +682,9 @@ class FellowAgent:
             **fields,
         )
         subject = topics.PROGRESS.subject(self.prefix, job=run.job_id, fellow=self.fellow_id)
-        asyncio.get_running_loop().create_task(self._publish(subject, topics.encode(msg)))
-
-    async def _publish(self, subject: str, payload: bytes) -> None:
-        with contextlib.suppress(NatsError):
-            await self.nc.publish(subject, payload)
+        return asyncio.get_running_loop().create_task(
+            _publish(nc, subject, topics.encode(msg)), name="progress"
+        )
 
     def _set_status(self, event: FellowEvent) -> None:
         try:
@@ -645,6 +711,23 @@ class FellowAgent:
         if msg.reply:
             with contextlib.suppress(NatsError):
                 await msg.respond(topics.encode(ack))
+
+
+class StartRefused(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+async def _publish(nc: Client, subject: str, payload: bytes) -> None:
+    with contextlib.suppress(NatsError):
+        await nc.publish(subject, payload)
+
+
+async def _close(nc: Client | None) -> None:
+    if nc is not None and not nc.is_closed:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(nc.drain(), 5.0)
 
 
 def purge_install(fellow_dir: Path, prefix: Path | None) -> list[str]:

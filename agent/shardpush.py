@@ -42,6 +42,8 @@ class Shard:
     step: int
     directory: Path  # the checkpoint's step directory
     periodic: bool = False  # written only to be pushed: removed here once a newer one is
+    # The connection to push on: the attempt's own NATS user; None: the pusher's own.
+    client: Client | None = None
 
     def files(self) -> list[Path]:
         return [
@@ -122,8 +124,9 @@ class ShardPusher:
         )
 
     async def _send_file(self, shard: Shard, name: str, data: bytes) -> None:
+        nc = shard.client or self.nc
         digest = hashlib.sha256(data).hexdigest()
-        chunk = max(1024, min(CHUNK_BYTES, self.nc.max_payload - 1024))
+        chunk = max(1024, min(CHUNK_BYTES, nc.max_payload - 1024))
         total = max(1, -(-len(data) // chunk))
         subject = topics.SHARD.subject(self.prefix, job=shard.job_id, fellow=self.fellow_id)
         seq, failures = 0, 0
@@ -142,9 +145,7 @@ class ShardPusher:
                 data=data[seq * chunk : (seq + 1) * chunk],
             )
             try:
-                reply = await self.nc.request(
-                    subject, topics.encode(piece), timeout=REQUEST_TIMEOUT_S
-                )
+                reply = await nc.request(subject, topics.encode(piece), timeout=REQUEST_TIMEOUT_S)
                 ack = topics.SHARD.decode_reply(reply.data)
             except (NatsError, TimeoutError, ProtocolError) as exc:
                 failures += 1
@@ -166,20 +167,25 @@ class FetchError(Exception):
     pass
 
 
+# The header the leader takes a shard download's token from (leader/exports.py's TOKEN_HEADER).
+SHARD_TOKEN_HEADER = "X-Swarm-Shard-Token"
+
+
 def fetch_shard(resume: dict, directory: Path) -> Path:
     """Download a resumed stage's shard files (START's ``resume``) into ``directory``, each
     checked against its sha256; the checkpoint's JSON path. Runs in a thread."""
     import httpx
 
     directory.mkdir(parents=True, exist_ok=True)
-    token = str(resume.get("token", ""))
+    # In a header, never in the URL: URLs get logged (by httpx at INFO, proxies, the leader).
+    headers = {SHARD_TOKEN_HEADER: str(resume.get("token", ""))}
     json_path: Path | None = None
     for entry in resume.get("files", []):
         name = str(entry["name"])
         if "/" in name or not name.startswith("stage-"):
             raise FetchError(f"the leader named an odd shard file {name!r}")
         try:
-            response = httpx.get(entry["url"], params={"token": token}, timeout=300)
+            response = httpx.get(entry["url"], headers=headers, timeout=300)
         except httpx.HTTPError as exc:
             raise FetchError(f"cannot download {name}: {exc}") from None
         if response.status_code != 200:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import logging
 import secrets
 from collections.abc import AsyncIterator
@@ -13,7 +15,7 @@ from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 
 from leader.api import CONTROLLERS
-from leader.auth import make_guard
+from leader.auth import ReadTickets, make_guard
 from leader.bootstrap import find_or_build_wheel
 from leader.bus import LeaderBus
 from leader.errors import EXCEPTION_HANDLERS
@@ -53,6 +55,8 @@ def create_app(
         heartbeat_interval_s=settings.heartbeat_interval_s,
         offline_after_s=settings.offline_after_s,
         leader_version=__version__,
+        # Under the operator token, like shard tokens: deregister secrets outlive restarts.
+        instance_key=hmac.new(token.encode(), b"instance-secrets", hashlib.sha256).digest(),
     )
     bus = LeaderBus(nats=nats, prefix=settings.subject_prefix, registry=registry)
     jobs, purges = JobManager(), PurgeBook()
@@ -61,7 +65,7 @@ def create_app(
         bus=bus,
         jobs=jobs,
         prefix=settings.subject_prefix,
-        state_dir=settings.state_dir,
+        export_root=settings.model_export_root,
         secret=token.encode(),
         public_url=settings.public_url or settings.default_leader_url,
     )
@@ -87,10 +91,12 @@ def create_app(
             ),
             on_progress=observe.on_progress,
             exports=exports,
+            authority=authority,
         ),
         exports=exports,
     )
     metrics = LeaderMetrics(services)
+    tickets = ReadTickets(token)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
@@ -116,12 +122,12 @@ def create_app(
         route_handlers=CONTROLLERS,
         dependencies={"services": Provide(_provider(services), sync_to_thread=False)},
         exception_handlers=EXCEPTION_HANDLERS,
-        guards=[make_guard(token, public_reads=settings.api_public_reads)],
+        guards=[make_guard(token, public_reads=settings.reads_public, tickets=tickets)],
         lifespan=[lifespan],
         middleware=[metrics.middleware()],
         logging_config=None,  # the process configured logging (swarm.entry)
         openapi_config=OpenAPIConfig(title="SilentSwarm leader", version=__version__),
-        state={"services": services, "metrics": metrics},
+        state={"services": services, "metrics": metrics, "tickets": tickets},
     )
 
 

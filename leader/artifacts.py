@@ -1,7 +1,8 @@
 """Model exports on the leader: the shards fellows push, and ``run_manifest.json``.
 
-A job's export directory is ``artifact_paths.model_export_dir`` from its spec, else
-``<state>/model_exports/<job_id>/model_export``::
+A job's export directory is ``artifact_paths.model_export_dir`` from its spec (taken under the
+export root, SWARM_EXPORT_ROOT, default ``<state>/model_exports``, and refused at submit when
+it leads out of it), else ``<root>/<job_id>/model_export``::
 
     run_manifest.json                     the job, its placement, and the newest complete step
     shards/step-<n>/stage-<i>.npz         a stage's checkpoint after n steps (arrays)
@@ -11,16 +12,23 @@ A job's export directory is ``artifact_paths.model_export_dir`` from its spec, e
 
 A step is *complete* when every stage's JSON is there; resume and glue use the newest complete
 step. Older complete steps are pruned (the newest two are kept).
+
+Writes never follow symlinks: see :class:`ExportStore`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
+import stat
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +36,7 @@ from typing import Any
 import msgspec
 
 from swarm import __version__
+from swarm.jobspec import FieldError
 from swarm.protocol import ShardAck, ShardChunk
 
 SHARD_FILE = re.compile(r"^stage-(\d{1,4})\.(npz|json)$")
@@ -64,23 +73,142 @@ def _step_of(entry: Path) -> int | None:
     return int(name[5:]) if name.startswith("step-") and name[5:].isdigit() else None
 
 
-def export_dir(state_dir: Path, job_id: str, configured: str | None) -> Path:
+# --- where exports go -------------------------------------------------------------------------
+
+EXPORT_DIR_FIELD = "artifact_paths.model_export_dir"
+
+
+class ExportPathError(OSError):
+    """A write into an export directory would leave the export root or follow a symlink."""
+
+    def __init__(self, path: Path | str, why: str) -> None:
+        super().__init__(
+            errno.EPERM,
+            f"{path}: {why}; exports never follow symlinks or leave "
+            "the export root (SWARM_EXPORT_ROOT)",
+        )
+
+
+def export_dir(root: Path, job_id: str, configured: str | None) -> Path:
+    """A job's export directory: ``configured`` taken under the export ``root`` (an absolute
+    one as it is: :func:`resolve_export_dir` refused those outside the root at submit), else
+    ``<root>/<job_id>/model_export``."""
     if configured:
-        return Path(configured)
-    return state_dir / "model_exports" / job_id / "model_export"
+        return Path(os.path.normpath(root / configured))
+    return root / job_id / "model_export"
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+def resolve_export_dir(root: Path, configured: str) -> Path:
+    """The directory a spec's ``artifact_paths.model_export_dir`` names, under the export root
+    (``root``: absolute, its own symlinks resolved). A relative path is taken under the root.
+    FieldError (400, naming the field) for a path outside the root (absolute, with ``..``, or
+    through a symlink), the root itself, or a path through an existing symlink or file."""
+
+    def refuse(why: str) -> FieldError:
+        return FieldError(
+            f"{EXPORT_DIR_FIELD}: {configured!r} {why} (the export root is {root}, "
+            "SWARM_EXPORT_ROOT; relative paths are taken under it)",
+            field=EXPORT_DIR_FIELD,
+        )
+
+    if "\x00" in configured:
+        raise refuse("contains a NUL byte")
+    if ".." in Path(configured).parts:
+        raise refuse("contains '..'")
+    candidate = Path(os.path.normpath(root / configured))
+    if candidate.is_relative_to(root):
+        relative = candidate.relative_to(root)
+    else:  # perhaps through another name of the root (a symlink to it)
+        real = Path(os.path.realpath(candidate))
+        if not real.is_relative_to(root):
+            raise refuse("is outside the export root")
+        relative = real.relative_to(root)
+    if not relative.parts:
+        raise refuse("is the export root itself: name a directory in it")
+    path = root
+    for part in relative.parts:
+        path = path / part
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            break
+        if stat.S_ISLNK(mode):
+            raise refuse(f"goes through a symlink ({path})")
+        if not stat.S_ISDIR(mode):
+            raise refuse(f"goes through something that is not a directory ({path})")
+    return root / relative
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class ExportStore:
-    """Receives shard pieces into export directories and describes what is there."""
+    """Receives shard pieces into export directories and describes what is there.
 
-    def __init__(self) -> None:
+    With a ``root`` (the leader's export root) every write checks, as it writes, that its
+    directory is inside the root and that no component below the root is a symlink: it walks
+    down with ``O_NOFOLLOW`` directory descriptors and creates files ``O_EXCL | O_NOFOLLOW``
+    relative to them, so a symlink planted at any point is refused, never followed. Without
+    a root, the export directory itself is trusted and everything below it is checked."""
+
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = None if root is None else Path(os.path.realpath(root))
         self._transfers: dict[tuple[str, str, int, int, str], _Transfer] = {}
+
+    # --- safe paths -----------------------------------------------------------------------
+
+    def _split(self, directory: Path) -> tuple[Path, tuple[str, ...]]:
+        """(the trusted base, the components below it that must be plain directories)."""
+        if self.root is None:
+            return directory, ()
+        path = Path(os.path.normpath(directory))
+        if not path.is_relative_to(self.root):
+            raise ExportPathError(directory, f"outside the export root {self.root}")
+        return self.root, path.relative_to(self.root).parts
+
+    @contextlib.contextmanager
+    def _dir(self, directory: Path, *sub: str, create: bool = True) -> Iterator[int]:
+        """A descriptor of ``directory/sub...``, walked down without following symlinks."""
+        base, parts = self._split(directory)
+        if create:
+            base.mkdir(parents=True, exist_ok=True)
+        fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            walked = base
+            for part in (*parts, *sub):
+                walked = walked / part
+                if create:
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(part, 0o755, dir_fd=fd)
+                try:
+                    child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                        raise ExportPathError(walked, "a symlink or not a directory") from None
+                    raise
+                os.close(fd)
+                fd = child
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _links_below(self, directory: Path, *sub: str) -> bool:
+        """For reads: is any existing component below the trusted base a symlink (or is the
+        directory outside the root)?"""
+        try:
+            base, parts = self._split(directory)
+        except ExportPathError:
+            return True
+        path = base
+        for part in (*parts, *sub):
+            path = path / part
+            try:
+                if stat.S_ISLNK(os.lstat(path).st_mode):
+                    return True
+            except FileNotFoundError:
+                return False
+        return False
 
     # --- receiving ------------------------------------------------------------------------
 
@@ -98,17 +226,26 @@ class ExportStore:
         key = (chunk.job_id, chunk.fellow_id, chunk.step, chunk.attempt, chunk.name)
         transfer = self._transfers.get(key)
         if chunk.seq == 0:
-            incoming = directory / ".incoming"
-            incoming.mkdir(parents=True, exist_ok=True)
-            path = incoming / f"{chunk.fellow_id}-a{chunk.attempt}-s{chunk.step}-{chunk.name}"
-            path.write_bytes(b"")
-            transfer = _Transfer(path=path, sha256=chunk.sha256, size=chunk.size, total=chunk.total)
+            name = f"{chunk.fellow_id}-a{chunk.attempt}-s{chunk.step}-{chunk.name}"
+            with self._dir(directory, ".incoming") as fd:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=fd)
+                os.close(os.open(name, _NEW_FILE, 0o644, dir_fd=fd))
+            transfer = _Transfer(
+                path=directory / ".incoming" / name,
+                sha256=chunk.sha256,
+                size=chunk.size,
+                total=chunk.total,
+            )
             self._transfers[key] = transfer
         if transfer is None or chunk.seq != transfer.next_seq or chunk.sha256 != transfer.sha256:
             want = 0 if transfer is None or chunk.sha256 != transfer.sha256 else transfer.next_seq
             return ShardAck(ok=False, next_seq=want, message=f"expected piece {want}"), None
-        with transfer.path.open("ab") as f:
-            f.write(chunk.data)
+        incoming = transfer.path.name
+        with self._dir(directory, ".incoming") as fd:
+            flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+            with os.fdopen(os.open(incoming, flags, dir_fd=fd), "ab") as f:
+                f.write(chunk.data)
         transfer.hasher.update(chunk.data)
         transfer.received += len(chunk.data)
         transfer.next_seq += 1
@@ -117,7 +254,8 @@ class ExportStore:
         del self._transfers[key]
         digest = transfer.hasher.hexdigest()
         if digest != transfer.sha256 or transfer.received != transfer.size:
-            transfer.path.unlink(missing_ok=True)
+            with self._dir(directory, ".incoming") as fd, contextlib.suppress(FileNotFoundError):
+                os.unlink(incoming, dir_fd=fd)
             return (
                 ShardAck(
                     ok=False,
@@ -127,19 +265,20 @@ class ExportStore:
                 ),
                 None,
             )
-        target_dir = self.step_dir(directory, chunk.step)
-        target_dir.mkdir(parents=True, exist_ok=True)
-        os.replace(transfer.path, target_dir / chunk.name)
-        _write_atomic(target_dir / f"{chunk.name}.sha256", digest.encode())
+        step_parts = ("shards", f"step-{chunk.step}")
+        with self._dir(directory, ".incoming") as src, self._dir(directory, *step_parts) as dst:
+            os.replace(incoming, chunk.name, src_dir_fd=src, dst_dir_fd=dst)
+            _write_atomic(dst, f"{chunk.name}.sha256", digest.encode())
+            npz_size = _plain_size(dst, f"stage-{chunk.stage}.npz")
         receipt = None
         if chunk.name.endswith(".json"):
-            npz = target_dir / f"stage-{chunk.stage}.npz"
+            npz = self.step_dir(directory, chunk.step) / f"stage-{chunk.stage}.npz"
             receipt = ShardReceipt(
                 fellow_id=chunk.fellow_id,
                 stage=chunk.stage,
                 step=chunk.step,
                 attempt=chunk.attempt,
-                size=transfer.size + (npz.stat().st_size if npz.exists() else 0),
+                size=transfer.size + (npz_size or 0),
                 sha256=self.sha256_of(npz) or "",
                 at=time.time(),
             )
@@ -153,22 +292,27 @@ class ExportStore:
 
     @staticmethod
     def sha256_of(path: Path) -> str | None:
+        sidecar = path.with_name(f"{path.name}.sha256")
         try:
-            return path.with_name(f"{path.name}.sha256").read_text().strip()
+            if stat.S_ISLNK(os.lstat(sidecar).st_mode):
+                return None
+            return sidecar.read_text().strip()
         except OSError:
             return None
 
     def complete_steps(self, directory: Path, n_stages: int) -> list[int]:
-        """Steps for which every stage's shard (both files) is there, oldest first."""
+        """Steps for which every stage's shard (both files, plain files) is there, oldest
+        first. Symlinks count as missing."""
         root = directory / "shards"
         steps = []
-        if root.is_dir():
+        if root.is_dir() and not self._links_below(directory, "shards"):
             for entry in root.iterdir():
-                if not entry.name.startswith("step-") or not entry.name[5:].isdigit():
+                if _step_of(entry) is None or entry.is_symlink():
                     continue
                 if all(
-                    (entry / f"stage-{i}.json").exists() and (entry / f"stage-{i}.npz").exists()
+                    _is_plain(entry / f"stage-{i}.{suffix}")
                     for i in range(n_stages)
+                    for suffix in ("json", "npz")
                 ):
                     steps.append(int(entry.name[5:]))
         return sorted(steps)
@@ -179,18 +323,24 @@ class ExportStore:
         if len(complete) <= KEEP_COMPLETE_STEPS:
             return
         oldest_kept = complete[-KEEP_COMPLETE_STEPS]
-        for entry in (directory / "shards").iterdir():
-            if _step_of(entry) is not None and _step_of(entry) < oldest_kept:
-                shutil.rmtree(entry, ignore_errors=True)
+        self._remove_steps(directory, lambda step: step < oldest_kept)
 
     def drop_after(self, directory: Path, step: int) -> None:
         """A resume from ``step``: the failed attempt's later (partial) shards must not mix
         with the new attempt's."""
-        root = directory / "shards"
-        if root.is_dir():
-            for entry in root.iterdir():
-                if _step_of(entry) is not None and _step_of(entry) > step:
-                    shutil.rmtree(entry, ignore_errors=True)
+        self._remove_steps(directory, lambda found: found > step)
+
+    def _remove_steps(self, directory: Path, doomed: Callable[[int], bool]) -> None:
+        """Step directories removed relative to a no-follow descriptor of ``shards/`` (a
+        symlink there is refused by rmtree, never followed)."""
+        try:
+            with self._dir(directory, "shards", create=False) as fd:
+                for name in os.listdir(fd):
+                    step = _step_of(Path(name))
+                    if step is not None and doomed(step):
+                        shutil.rmtree(name, ignore_errors=True, dir_fd=fd)
+        except (FileNotFoundError, ExportPathError):
+            return
 
     def shard_files(self, directory: Path, step: int, stage: int) -> list[tuple[str, str]]:
         """(file name, sha256) of a stage's shard at ``step``, arrays first."""
@@ -204,10 +354,13 @@ class ExportStore:
         return out
 
     def file_path(self, directory: Path, step: int, name: str) -> Path | None:
-        if SHARD_FILE.match(name) is None:
+        """A shard file to serve: a plain file reached without any symlink, else None."""
+        if SHARD_FILE.match(name) is None or step < 0:
+            return None
+        if self._links_below(directory, "shards", f"step-{step}", name):
             return None
         path = self.step_dir(directory, step) / name
-        return path if path.is_file() else None
+        return path if _is_plain(path) else None
 
     # --- the manifest ---------------------------------------------------------------------
 
@@ -260,6 +413,36 @@ class ExportStore:
             "stages": stages,
             "updated_at": time.time(),
         }
-        path = directory / MANIFEST
-        _write_atomic(path, json.dumps(manifest, indent=1).encode() + b"\n")
-        return path
+        with self._dir(directory) as fd:
+            _write_atomic(fd, MANIFEST, json.dumps(manifest, indent=1).encode() + b"\n")
+        return directory / MANIFEST
+
+
+def _write_atomic(dir_fd: int, name: str, data: bytes) -> None:
+    """``name`` in the directory ``dir_fd`` replaced whole: a fresh temporary file (O_EXCL,
+    O_NOFOLLOW) renamed over it (a rename replaces a symlink, never follows it)."""
+    tmp = f".{name}.{secrets.token_hex(4)}.tmp"
+    try:
+        with os.fdopen(os.open(tmp, _NEW_FILE, 0o644, dir_fd=dir_fd), "wb") as f:
+            f.write(data)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+
+
+def _plain_size(dir_fd: int, name: str) -> int | None:
+    """The size of a plain file in ``dir_fd`` (None: missing, or a symlink or not a file)."""
+    try:
+        info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    return info.st_size if stat.S_ISREG(info.st_mode) else None
+
+
+def _is_plain(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import msgspec
 
+from leader.naming import NameState, settle_fellow_name
 from swarm import __version__
 from swarm.errors import NotFoundError, SwarmError
 
@@ -111,12 +112,17 @@ class JoinSessions:
         return sorted((e.session for e in self._entries.values()), key=lambda s: s.created_at)
 
     def claim(
-        self, session_id: str, token: str, proposed_name: str | None = None
+        self,
+        session_id: str,
+        token: str,
+        proposed_name: str | None = None,
+        state_of: Callable[[str], NameState] = lambda _: NameState.FREE,
     ) -> tuple[JoinSession, str]:
         """Exchange the single-use token for the session secret the installer then uses.
 
-        The fellow's name is settled here: the operator's, else the host's proposal, else a
-        fresh one (its NATS user is bound to it)."""
+        The fellow's name is settled here (leader.naming): the operator's, else the host's
+        proposal, else a fresh one; its NATS user is bound to it. ``state_of`` says what the
+        leader knows of a name. A refused name leaves the session unclaimed."""
         entry = self._entry(session_id)
         if not hmac.compare_digest(_hash(token), entry.token_hash):
             raise JoinRefusedError("this join token is not the session's; nothing was installed")
@@ -125,14 +131,38 @@ class JoinSessions:
             raise JoinGoneError("this join session expired; ask the operator for a new one")
         if entry.session.claimed_at is not None:
             raise JoinGoneError("this join token was already used; ask for a new session")
+
+        def known(name: str) -> NameState:
+            state = state_of(name)
+            if state is NameState.FREE and self.holds(name, other_than=session_id):
+                return NameState.RESERVED
+            return state
+
+        name = settle_fellow_name(
+            operator_name=entry.session.fellow_name,
+            proposed_name=proposed_name,
+            state_of=known,
+            fresh=lambda: f"fellow-{secrets.token_hex(3)}",
+        )
         secret = secrets.token_urlsafe(24)
         entry.secret_hash = _hash(secret)
         entry.session.claimed_at = self._wall()
         entry.session.status = "installing"
-        if entry.session.fellow_name is None:
-            entry.session.fellow_name = proposed_name or f"fellow-{secrets.token_hex(3)}"
+        entry.session.fellow_name = name
         entry.changed.set()
         return entry.session, secret
+
+    def holds(self, name: str, *, other_than: str | None = None) -> bool:
+        """Does a session hold ``name``: being installed under it, or named by the operator
+        and still open?"""
+        for entry in self._entries.values():
+            session = entry.session
+            if session.session_id == other_than or session.fellow_name != name:
+                continue
+            self._expire(entry)
+            if session.status in ("created", "installing"):
+                return True
+        return False
 
     def append_log(self, session_id: str, secret: str, lines: list[str], *, failed: bool) -> int:
         entry = self._entry(session_id)

@@ -1,7 +1,9 @@
 """The leader's NATS edge: decodes what fellows send and hands it to the registry.
 
-Malformed messages are logged with their subject, counted, and dropped; they never reach
-the registry and never take the leader down.
+Malformed messages are logged with their subject (rate-limited), counted, and dropped; they
+never reach the registry and never take the leader down. Replies go only to the sender's own
+inbox (:func:`swarm.subjects.reply_allowed`): a reply subject a fellow chose elsewhere is
+refused, counted and logged, never answered.
 """
 
 from __future__ import annotations
@@ -9,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import Counter
+import time
+from collections import Counter, OrderedDict
 from typing import Any
 
 from nats.aio.client import Client
@@ -23,6 +26,9 @@ from swarm.protocol import DeregisterRequest, RegisterReply, RegisterRequest
 
 log = logging.getLogger(__name__)
 HEARTBEATS_PER_YIELD = 32
+# A flood must not flood the leader's log: per subject, one warning per interval.
+DROP_LOG_EVERY_S = 5.0
+DROP_LOG_SUBJECTS = 1024
 
 
 class LeaderBus:
@@ -36,6 +42,8 @@ class LeaderBus:
         self._connect_task: asyncio.Task[None] | None = None
         self.connected = asyncio.Event()
         self._heartbeats = 0
+        # subject -> (monotonic time of its last warning, drops not logged since)
+        self._drop_log: OrderedDict[str, tuple[float, int]] = OrderedDict()
 
     async def start(self) -> None:
         """Connect in the background: the HTTP API serves (and says so) while NATS is down."""
@@ -91,10 +99,38 @@ class LeaderBus:
             return None
         return payload
 
-    def drop(self, msg: Msg, reason: str) -> None:
-        kind = msg.subject.split(".")[1] if "." in msg.subject else msg.subject
+    def drop(self, msg: Msg, reason: str, *, kind: str | None = None) -> None:
+        """Count a refused message (by ``kind``: the subject's, unless given) and log it,
+        at most once per subject every DROP_LOG_EVERY_S."""
+        if kind is None:
+            kind = msg.subject.split(".")[1] if "." in msg.subject else msg.subject
         self.dropped[kind] += 1
-        log.warning("dropped message on %s: %s", msg.subject, reason)
+        now = time.monotonic()
+        last, quiet = self._drop_log.pop(msg.subject, (float("-inf"), 0))
+        if now - last < DROP_LOG_EVERY_S:
+            self._drop_log[msg.subject] = (last, quiet + 1)
+        else:
+            more = f" ({quiet} more not logged)" if quiet else ""
+            log.warning("dropped message on %s: %s%s", msg.subject[:200], reason, more)
+            self._drop_log[msg.subject] = (now, 0)
+        while len(self._drop_log) > DROP_LOG_SUBJECTS:
+            self._drop_log.popitem(last=False)
+
+    async def respond(self, msg: Msg, sender: str, payload: bytes) -> bool:
+        """Answer ``sender``'s request, but only in its own inbox; False when not sent."""
+        if not msg.reply:
+            return False
+        if not topics.reply_allowed(msg.reply, sender):
+            self.drop(
+                msg, f"reply subject {msg.reply[:120]!r} is not {sender}'s inbox", kind="reply"
+            )
+            return False
+        try:
+            await msg.respond(payload)
+        except Exception as exc:  # the requester resends on timeout
+            log.debug("reply on %s lost: %s", msg.subject, exc)
+            return False
+        return True
 
     def _sender(self, topic: topics.Topic, msg: Msg) -> str | None:
         try:
@@ -111,21 +147,25 @@ class LeaderBus:
             req = topics.REGISTER.decode(msg.data)
         except ProtocolError as exc:
             self.drop(msg, str(exc))
-            await self._reply(msg, RegisterReply(accepted=False, code=exc.code, message=str(exc)))
+            reply = RegisterReply(accepted=False, code=exc.code, message=str(exc))
+            await self._reply(msg, sender, reply)
             return
         claimed = req.fellow.fellow_id if isinstance(req, RegisterRequest) else req.fellow_id
         if claimed != sender:
             reason = f"fellow id {claimed!r} does not match its subject {msg.subject!r}"
             self.drop(msg, reason)
-            await self._reply(
-                msg, RegisterReply(accepted=False, code="SUBJECT_MISMATCH", message=reason)
-            )
+            reply = RegisterReply(accepted=False, code="SUBJECT_MISMATCH", message=reason)
+            await self._reply(msg, sender, reply)
+            return
+        if not msg.reply or not topics.reply_allowed(msg.reply, sender):
+            # Registering changes the registry: only a request that can hear its answer may.
+            await self._reply(msg, sender, RegisterReply(accepted=False))
             return
         if isinstance(req, DeregisterRequest):
             reply = self.registry.deregister(req)
         else:
             reply = self.registry.register(req)
-        await self._reply(msg, reply)
+        await self._reply(msg, sender, reply)
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         sender = self._sender(topics.HEARTBEAT, msg)
@@ -146,9 +186,6 @@ class LeaderBus:
         if self._heartbeats % HEARTBEATS_PER_YIELD == 0:
             await asyncio.sleep(0)
 
-    async def _reply(self, msg: Msg, reply: RegisterReply) -> None:
-        if not msg.reply:
-            return
+    async def _reply(self, msg: Msg, sender: str, reply: RegisterReply) -> None:
         reply.leader_version = reply.leader_version or self.registry.leader_version
-        with contextlib.suppress(Exception):
-            await msg.respond(topics.encode(reply))
+        await self.respond(msg, sender, topics.encode(reply))

@@ -4,8 +4,10 @@ shards a resumed attempt downloads.
 Pushes arrive on ``<prefix>.shard.<job>.<fellow>`` (request/reply, see agent/shardpush.py)
 from the fellow placed for that stage in the job's current attempt; anything else is refused
 in the reply and counted as dropped. A resumed attempt's fellows fetch their stage's shard
-over HTTP with a token only START gives them (an HMAC of the job and attempt under the
-operator token, so nothing is stored and a leader restart changes nothing).
+over HTTP with a token only START gives them, in the ``X-Swarm-Shard-Token`` header (never
+in the URL): an HMAC of the job, attempt and stage under the operator token, so nothing is
+stored, a leader restart changes nothing, a stage's token opens only that stage's files, and
+a new attempt's tokens void the old ones.
 """
 
 from __future__ import annotations
@@ -42,17 +44,18 @@ class ExportService:
         bus: LeaderBus,
         jobs: JobManager,
         prefix: str,
-        state_dir: Path,
+        export_root: Path,
         secret: bytes,
         public_url: str,
     ) -> None:
         self.bus = bus
         self.jobs = jobs
         self.prefix = prefix
-        self.state_dir = state_dir
+        # Absolute, resolved once (settings.model_export_root): every export stays under it.
+        self.export_root = export_root
         self.secret = secret
         self.public_url = public_url.rstrip("/")
-        self.store = ExportStore()
+        self.store = ExportStore(root=export_root)
         self.on_push: Any = None  # the orchestrator's wake-up
 
     async def start(self, nc: Client) -> None:
@@ -62,7 +65,9 @@ class ExportService:
         """The job's export directory (recorded on the job the first time)."""
         if job.export_dir is None:
             configured = job.spec.artifact_paths.model_export_dir
-            job.export_dir = str(export_dir(self.state_dir, job.job_id, configured).resolve())
+            # Not resolve()d: a symlink planted on the way must not become the recorded
+            # directory (the writes under the root refuse it, naming the path).
+            job.export_dir = str(export_dir(self.export_root, job.job_id, configured))
             self.jobs.dirty.add(job.job_id)
         return Path(job.export_dir)
 
@@ -71,6 +76,12 @@ class ExportService:
     async def _on_shard(self, msg: Msg) -> None:
         chunk = self.bus.decode_job_message(msg, topics.SHARD)
         if chunk is None:
+            return
+        if not msg.reply or not topics.reply_allowed(msg.reply, chunk.fellow_id):
+            # A piece is request/reply: one whose answer would go elsewhere is not taken.
+            self.bus.drop(
+                msg, f"reply subject {msg.reply[:120]!r} is not the sender's inbox", kind="reply"
+            )
             return
         refusal = self._refusal(chunk)
         if refusal is not None:
@@ -131,11 +142,8 @@ class ExportService:
         return None
 
     async def _reply(self, msg: Msg, ack: ShardAck) -> None:
-        if msg.reply:
-            try:
-                await msg.respond(topics.encode(ack))
-            except Exception as exc:  # the fellow resends on timeout
-                log.debug("shard ack lost: %s", exc)
+        sender = topics.SHARD.parse(self.prefix, msg.subject)["fellow"]
+        await self.bus.respond(msg, sender, topics.encode(ack))
 
     def _export_failed(self, job: JobRecord, error: str) -> None:
         job.export_error = error
@@ -169,9 +177,36 @@ class ExportService:
         if job.export_dir is not None:
             self.store.drop_after(Path(job.export_dir), step)
 
-    def token(self, job_id: str, attempt: int) -> str:
-        message = f"shards:{job_id}:{attempt}".encode()
+    # The header a resumed stage sends its download token in (agent/shardpush.py's too).
+    TOKEN_HEADER = "X-Swarm-Shard-Token"
+
+    @classmethod
+    def download_token(cls, header: str | None, query: Any) -> str:
+        """A shard download's token: from the header only. One in the URL (``?token=``) is
+        refused, and the download with it: URLs end up in access and client logs."""
+        if "token" in query:
+            raise ShardAccessError(
+                "a shard token is never accepted in the URL (?token=): send it in the "
+                f"{cls.TOKEN_HEADER} header"
+            )
+        return (header or "").strip()
+
+    def token(self, job_id: str, attempt: int, stage: int) -> str:
+        """The download token of one stage of one attempt: an HMAC of job, attempt and stage
+        under the operator token (nothing stored; a new attempt's tokens are new ones)."""
+        message = f"shards:{job_id}:{attempt}:{stage}".encode()
         return hmac.new(self.secret, message, hashlib.sha256).hexdigest()
+
+    def _token_stage(self, job: JobRecord, token: str) -> int | None:
+        """The stage of the job's current attempt that ``token`` was made for, if any."""
+        if not token or job.placement is None:
+            return None
+        given, found = token.encode(), None
+        for placed in job.placement.stages:  # every one compared: constant time per stage
+            expected = self.token(job.job_id, job.attempt, placed.stage).encode()
+            if hmac.compare_digest(given, expected):
+                found = placed.stage
+        return found
 
     def resume_args(self, job: JobRecord, stage: int) -> dict[str, Any] | None:
         """What START tells a resumed attempt's stage: the step and where its shard is."""
@@ -187,17 +222,37 @@ class ExportService:
             }
             for name, digest in self.store.shard_files(directory, step, stage)
         ]
-        return {"step": step, "files": files, "token": self.token(job.job_id, job.attempt)}
+        # The token goes in the TOKEN_HEADER of each download, never in the URL.
+        return {"step": step, "files": files, "token": self.token(job.job_id, job.attempt, stage)}
 
     def shard_file(self, job_id: str, step: int, name: str, token: str) -> Path:
-        """The file a resumed stage downloads; ShardAccessError without the right token."""
+        """The file a resumed stage downloads; ShardAccessError unless ``token`` is the one
+        START gave the stage that file belongs to, in the job's current attempt."""
         job = self.jobs.get(job_id)
-        expected = self.token(job_id, job.attempt)
-        if not token or not hmac.compare_digest(token, expected):
-            raise ShardAccessError("this token does not open the shards of that job attempt")
+        stage = self._token_stage(job, token)
+        if stage is None:
+            raise ShardAccessError(
+                f"this token does not open the shards of job {job_id}'s current attempt "
+                f"(send the one from START in the {self.TOKEN_HEADER} header)"
+            )
+        if _stage_of(name) != stage:
+            raise ShardAccessError(f"this token opens stage {stage}'s shard files, not {name!r}")
         if job.export_dir is None:
             raise NotFoundError(f"job {job_id} has no shards")
         path = self.store.file_path(Path(job.export_dir), step, name)
         if path is None:
             raise NotFoundError(f"job {job_id} has no shard file {name} at step {step}")
         return path
+
+
+def _stage_of(name: str) -> int | None:
+    """The stage a shard file name (``stage-<n>.npz|json``) belongs to."""
+    stem, _, suffix = name.partition(".")
+    number = stem.removeprefix("stage-")
+    if (
+        stem == number
+        or not (number.isascii() and number.isdigit())
+        or suffix not in ("npz", "json")
+    ):
+        return None
+    return int(number)

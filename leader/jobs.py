@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from leader.admission import Admission, admit_progress
 from leader.artifacts import ShardReceipt
 from leader.placement import DEFAULTS, Candidate, PlacementDefaults, Unplaceable, place
 from swarm.errors import ConflictError, NotFoundError
@@ -377,6 +378,13 @@ class JobManager:
         job.reason = reason
         self._finish(job, JobEvent.CANCELLED, reason)
         return job
+
+    def admit_progress(self, msg: Progress) -> Admission:
+        """Whether the fellow placed at that stage of the job's current attempt sent it."""
+        job = self._jobs.get(msg.job_id)
+        if job is None:
+            return admit_progress(None, None, msg)
+        return admit_progress(job.attempt, job.placement, msg)
 
     def record_progress(self, msg: Progress) -> JobRecord | None:
         """Apply a progress report of the current attempt; None when it was not."""

@@ -20,6 +20,7 @@ import uvicorn
 
 from leader.app import create_app
 from leader.auth import operator_token
+from leader.exposure import exposure_warnings
 from swarm.entry import configure_logging, run_or_exit
 from swarm.errors import ConfigError
 from swarm.natsauth import NatsAuthority
@@ -83,6 +84,13 @@ def run_leader(settings: Settings) -> None:
         )
     if settings.dev:
         warn_dev_mode()
+    elif authority is None:
+        log.error(
+            "this leader has NATS credentials but no NATS authority (%s): it cannot mint the "
+            "per-attempt users that placed stages need, so fellows will refuse START; set "
+            "SWARM_NATS_AUTH_DIR to the directory 'swarm nats-auth init' made",
+            settings.authority_dir,
+        )
     child: NatsServer | None = None
     url = settings.nats_url
     if url is None:
@@ -97,6 +105,7 @@ def run_leader(settings: Settings) -> None:
         )
         url = child.url
         log.info("started child nats-server %s (pid %d, store %s)", url, child.pid, child.store_dir)
+    warn_exposure(settings, url)
     # uvicorn re-raises the SIGTERM it caught once it has shut down; with this handler that
     # becomes a clean exit (0) that still runs the finally below, as it does during start-up.
     signal.signal(signal.SIGTERM, _exit_cleanly)
@@ -138,6 +147,24 @@ def nats_authority(settings: Settings) -> NatsAuthority | None:
     if (settings.authority_dir / "account.nk").exists():
         return NatsAuthority.load(settings.authority_dir)
     return None
+
+
+def warn_exposure(settings: Settings, nats_url: str) -> None:
+    """Loud warnings for clear text off loopback; and who may read the API."""
+    for warning in exposure_warnings(settings, nats_url):
+        log.warning("=" * 78)
+        log.warning("NO TLS: %s", warning)
+        log.warning("=" * 78)
+    if settings.reads_public:
+        why = "on loopback" if settings.api_public_reads is None else "SWARM_API_PUBLIC_READS=1"
+        log.info("reads (GET) are open without the operator token (%s)", why)
+    else:
+        log.info(
+            "every read (GET) needs the operator token or a read ticket%s",
+            " (the leader listens off loopback; SWARM_API_PUBLIC_READS=1 opens them)"
+            if settings.api_public_reads is None
+            else "",
+        )
 
 
 def warn_dev_mode() -> None:

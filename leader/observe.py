@@ -20,6 +20,7 @@ from litestar.response import ServerSentEventMessage
 from nats.aio.client import Client
 
 from leader import streams
+from leader.admission import Verdict
 from leader.aggregate import HistoryPoint, JobMetrics, JobMetricsAggregator, history
 from leader.bus import LeaderBus
 from leader.jobs import JobManager
@@ -27,6 +28,7 @@ from leader.logs import LogEntry, WorkerLogBuffer, entries
 from swarm import subjects as topics
 from swarm.errors import ProtocolError, SwarmError
 from swarm.protocol import LogBatch, Progress
+from swarm.redact import redact
 
 log = logging.getLogger(__name__)
 KEEPALIVE_S = 15.0
@@ -121,7 +123,7 @@ class Observability:
         records = [
             p
             async for r in streams.read(nc, self.progress.name, self._job_subject(job_id))
-            if (p := self._decode_progress(r)) is not None
+            if (p := self._decode_progress(r)) is not None and self._admitted(p)
         ]
         return history(records, job_id)
 
@@ -148,7 +150,7 @@ class Observability:
 
         def on_record(record: streams.Record) -> ServerSentEventMessage | None:
             progress = self._decode_progress(record)
-            if progress is None:
+            if progress is None or not self._admitted(progress):
                 return None
             aggregator.apply(progress)
             view = msgspec.to_builtins(aggregator.view())
@@ -194,6 +196,11 @@ class Observability:
 
     # --- decoding --------------------------------------------------------------------------
 
+    def _admitted(self, progress: Progress) -> bool:
+        """The stream holds what fellows published; only what the placed stages of the
+        job's current attempt sent is shown (leader.admission, as for live progress)."""
+        return self.jobs.admit_progress(progress).verdict is Verdict.ADMIT
+
     def _decode_progress(self, record: streams.Record) -> Progress | None:
         try:
             return topics.PROGRESS.decode(record.data)
@@ -219,6 +226,13 @@ class Observability:
                 record.subject,
             )
             return None
+        # Fellows redact before they ship; an older (or careless) one may not have.
+        batch.records = [
+            r
+            if (clean := redact(r.message)) is r.message
+            else msgspec.structs.replace(r, message=clean)
+            for r in batch.records
+        ]
         return batch
 
 

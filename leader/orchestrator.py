@@ -21,6 +21,7 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 
+from leader.admission import RateLimiter, Verdict
 from leader.bus import LeaderBus
 from leader.exports import ExportService
 from leader.jobs import (
@@ -41,6 +42,7 @@ from leader.store import StateStore
 from swarm import subjects as topics
 from swarm.errors import ConflictError, NotFoundError, SwarmError
 from swarm.jobspec import JobSpec, stage_plans
+from swarm.natsauth import NatsAuthority
 from swarm.plan import StagePlan
 from swarm.protocol import FellowStatus, JobState, Progress, SignalKind, StageOutcome
 from swarm.telemetry import offered_ram, usable_gpus
@@ -53,6 +55,9 @@ PURGE_RETRY_S = 5.0
 START_COOLDOWN_S = 10.0
 # A stage of an attempt the leader no longer runs gets STOP again at most this often.
 ORPHAN_STOP_EVERY_S = 5.0
+# Progress a fellow may send: a record per step of a fast stage, with room to spare.
+PROGRESS_PER_S = 200.0
+PROGRESS_BURST = 1000.0
 
 
 class NotReadyError(SwarmError):
@@ -72,8 +77,12 @@ class Orchestrator:
         defaults: PlacementDefaults = DEFAULTS,
         on_progress: Callable[[Progress], None] | None = None,
         exports: ExportService | None = None,
+        authority: NatsAuthority | None = None,
     ) -> None:
         self.bus = bus
+        # Mints each placed stage of each attempt its own NATS user (None: no NATS users).
+        self.authority = authority
+        self.progress_limit = RateLimiter(PROGRESS_PER_S, PROGRESS_BURST)
         self.exports = exports
         self.registry = registry
         self.jobs = jobs
@@ -312,6 +321,17 @@ class Orchestrator:
 
     def _start_args(self, job: JobRecord, plan: StagePlan) -> dict[str, Any]:
         args: dict[str, Any] = {"plan": msgspec.to_builtins(plan)}
+        if self.authority is not None:
+            # The stage's own NATS user for this attempt: its progress, shard and relay
+            # subjects only. It travels only on the fellow's signal subject, is never stored.
+            args["nats_creds"] = self.authority.attempt_creds(
+                self.prefix,
+                fellow_id=plan.fellow_id,
+                job_id=job.job_id,
+                attempt=job.attempt,
+                stage=plan.stage,
+                n_stages=plan.n_stages,
+            )
         if self.exports is not None:
             self.exports.directory(job)
             resume = self.exports.resume_args(job, plan.stage)
@@ -338,6 +358,9 @@ class Orchestrator:
             ):
                 continue
             key = (record.fellow_id, record.job_id, record.attempt or 0)
+            ended = record.outcome
+            if ended is not None and (ended.job_id, ended.attempt) == key[1:]:
+                continue  # it says that run has ended: its next heartbeat says it is idle
             try:
                 job = self.jobs.get(record.job_id)
             except NotFoundError:
@@ -346,6 +369,9 @@ class Orchestrator:
             current = placed and record.attempt == job.attempt
             if current and (job.state is JobState.RUNNING or job.job_id in self.jobs.starting):
                 continue
+            stage = job.stage_progress(record.fellow_id) if current else None
+            if stage is not None and stage.result is not None:
+                continue  # its end reached us (progress) before its idle heartbeat did
             if now - self._orphan_stops.get(key, -1e9) < ORPHAN_STOP_EVERY_S:
                 continue
             log.warning(
@@ -391,6 +417,15 @@ class Orchestrator:
     async def _on_progress(self, msg: Msg) -> None:
         progress = self.bus.decode_job_message(msg, topics.PROGRESS)
         if progress is None:
+            return
+        if not self.progress_limit.allow(progress.fellow_id):
+            self.bus.drop(msg, "over the fellow's progress rate", kind="progress_rate")
+            return
+        admission = self.jobs.admit_progress(progress)
+        if admission.verdict is Verdict.REFUSE:
+            self.bus.drop(msg, admission.reason)
+            return
+        if admission.verdict is Verdict.STALE:
             return
         if self.on_progress is not None:
             self.on_progress(progress)

@@ -10,7 +10,10 @@ offline.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import os
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -110,6 +113,7 @@ class WorkerRegistry:
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         purge_pending: Callable[[str], bool] = lambda _: False,
+        instance_key: bytes | None = None,
     ) -> None:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.offline_after_s = offline_after_s
@@ -118,6 +122,9 @@ class WorkerRegistry:
         self._wall = wall
         # Set by the leader: a released agent with a pending purge must wait for it, not exit.
         self.purge_pending = purge_pending
+        # Makes each instance's deregister secret (an HMAC: nothing stored, and the same
+        # after a leader restart when the key is the same).
+        self._instance_key = instance_key or os.urandom(32)
         self._entries: dict[str, _Entry] = {}
         self._connected_since: float | None = None
         self.dropped: Counter[str] = Counter()
@@ -155,7 +162,7 @@ class WorkerRegistry:
         if entry is None:
             self._entries[fid] = self._new_entry(req.fellow, req.hardware, req.status, "registered")
             log.info("fellow %s registered (host %s)", fid, req.fellow.hostname)
-            return self._accept("registered")
+            return self._registered(req.fellow, "registered")
         record = entry.record
         if record.instance_id != req.fellow.instance_id and not self._is_gone(entry):
             age = self._clock() - entry.last_seen
@@ -172,7 +179,16 @@ class WorkerRegistry:
         entry.record.last_registered_at = self._wall()
         self._set_status(entry, req.status, "registered again")
         log.info("fellow %s registered again (instance %s)", fid, req.fellow.instance_id)
-        return self._accept("registered again")
+        return self._registered(req.fellow, "registered again")
+
+    def instance_secret(self, fellow_id: str, instance_id: str) -> str:
+        message = f"instance:{fellow_id}:{instance_id}".encode()
+        return hmac.new(self._instance_key, message, hashlib.sha256).hexdigest()[:32]
+
+    def _registered(self, fellow: FellowIdentity, message: str) -> RegisterReply:
+        reply = self._accept(message)
+        reply.instance_secret = self.instance_secret(fellow.fellow_id, fellow.instance_id)
+        return reply
 
     def deregister(self, req: DeregisterRequest) -> RegisterReply:
         entry = self._entries.get(req.fellow_id)
@@ -182,6 +198,14 @@ class WorkerRegistry:
             return self._reject(
                 "INSTANCE_MISMATCH",
                 f"fellow {req.fellow_id!r} is held by another agent instance",
+            )
+        expected = self.instance_secret(req.fellow_id, req.instance_id)
+        if not hmac.compare_digest(req.instance_secret.encode(), expected.encode()):
+            self.dropped["deregister_secret"] += 1
+            log.warning("refused a deregister of %s without its instance's secret", req.fellow_id)
+            return self._reject(
+                "INSTANCE_SECRET_INVALID",
+                "a deregister needs the secret the leader gave this instance when it registered",
             )
         if req.outcome is not None:
             entry.record.outcome = req.outcome

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import msgspec
 
+from leader.artifacts import resolve_export_dir
 from leader.bootstrap import (
     JoinSession,
     JoinSessions,
@@ -23,13 +24,14 @@ from leader.bootstrap import (
 from leader.bus import LeaderBus
 from leader.exports import ExportService
 from leader.jobs import JobManager, JobRecord, SignalRecord
+from leader.naming import NameState, settle_fellow_name
 from leader.observe import Observability
 from leader.orchestrator import Orchestrator
 from leader.purges import PurgeBook
 from leader.registry import FellowRecord, NodeView, WorkerRegistry
 from swarm import __version__
-from swarm.errors import ConflictError, NotFoundError, SwarmError
-from swarm.jobspec import FieldError
+from swarm.errors import NotFoundError, SwarmError
+from swarm.jobspec import FieldError, JobSpec
 from swarm.natsauth import NatsAuthError, NatsAuthority
 from swarm.protocol import PROTOCOL_VERSION, FellowStatus
 from swarm.settings import Settings
@@ -229,9 +231,11 @@ class LeaderServices:
             )
         session, token = self.joins.create(fellow_name=fellow_name, ttl_s=ttl_s)
         base = self._public_url(request_base)
+        # The token in sh's environment, not its arguments: `ps` shows arguments to every
+        # user of the host, and fellow.sh unsets the variable at once.
         command = (
-            f"curl -fsSL {base}/api/v1/bootstrap/fellow.sh | sh -s -- "
-            f"--join {base} {session.session_id} {token}"
+            f"curl -fsSL {base}/api/v1/bootstrap/fellow.sh | SWARM_JOIN_TOKEN={token} sh -s -- "
+            f"--join {base} {session.session_id}"
         )
         return {**msgspec.to_builtins(session), "token": token, "command": command}
 
@@ -251,7 +255,7 @@ class LeaderServices:
         if proposed_name is not None:
             _check_fellow_name(proposed_name)
         package = self.package_or_503()
-        session, secret = self.joins.claim(session_id, token, proposed_name)
+        session, secret = self.joins.claim(session_id, token, proposed_name, self.name_state)
         assert session.fellow_name is not None
         creds = None
         if self.authority is not None:
@@ -269,7 +273,8 @@ class LeaderServices:
 
     def enroll(self, fellow_name: str, token: str) -> dict[str, object]:
         """A NATS user for a fleet fellow that shows the enrollment token (SWARM_ENROLL_TOKEN).
-        Refused for a name that is online now: the token cannot take over a live fellow."""
+        Refused (leader.naming) for a name that is online, known (offline) or held by a join
+        session: the token cannot take over a fellow; the operator names known fellows."""
         expected = self.settings.enroll_token
         if not expected:
             raise EnrollRefusedError(
@@ -279,13 +284,12 @@ class LeaderServices:
         if not hmac.compare_digest(token.encode(), expected.encode()):
             raise EnrollRefusedError("wrong enrollment token (SWARM_ENROLL_TOKEN)")
         _check_fellow_name(fellow_name)
-        record = self.registry.get(fellow_name)
-        if record is not None and record.status is not FellowStatus.OFFLINE:
-            raise ConflictError(
-                f"fellow {fellow_name!r} is online ({record.hostname}); an enrollment cannot "
-                "take its name",
-                code="FELLOW_ID_IN_USE",
-            )
+        settle_fellow_name(
+            operator_name=None,
+            proposed_name=fellow_name,
+            state_of=self._enroll_state,
+            what="an enrollment",
+        )
         if self.authority is None and self.nats_auth != "dev":
             raise NatsAuthError(
                 "this leader cannot mint NATS users: it has no NATS authority "
@@ -300,6 +304,29 @@ class LeaderServices:
             "nats_url": self.settings.public_nats_url or self.nats_url,
             "nats_creds": creds,
         }
+
+    def name_state(self, name: str) -> NameState:
+        """What the registry knows of a fellow name now (for leader.naming)."""
+        record = self.registry.get(name)
+        if record is None:
+            return NameState.FREE
+        return NameState.OFFLINE if record.status is FellowStatus.OFFLINE else NameState.ONLINE
+
+    def _enroll_state(self, name: str) -> NameState:
+        state = self.name_state(name)
+        if state is NameState.FREE and self.joins.holds(name):
+            return NameState.RESERVED
+        return state
+
+    # --- jobs ----------------------------------------------------------------------------------
+
+    async def submit(self, spec: JobSpec) -> JobRecord:
+        """Accept a job whose export directory (if it names one) is inside the export root:
+        FieldError (400, ``artifact_paths.model_export_dir``) otherwise."""
+        configured = spec.artifact_paths.model_export_dir
+        if configured is not None:
+            resolve_export_dir(self.settings.model_export_root, configured)
+        return await self.orchestrator.submit(spec)
 
     def _mark_registered(self) -> None:
         for session in self.joins.list():

@@ -34,25 +34,48 @@ DAY_S = 86400.0
 
 @dataclass(frozen=True)
 class StreamSpec:
+    """A history stream over fellows' own subjects.
+
+    Fellows are strangers, so the limits are per subject (a fellow's own subject, or its
+    own per job): ``max_msgs_per_subject`` messages of at most ``max_msg_size`` bytes,
+    dropped oldest first within that subject only. There is no total byte limit with
+    discard-old (it would let one fellow's volume evict everyone else's history); age ends
+    everything. The stream never acknowledges (``no_ack``): a PubAck goes to whatever reply
+    subject a message carries, and a fellow chooses that.
+    """
+
     name: str
     subject: str
-    max_bytes: int
     max_age_s: float
-    max_msgs_per_subject: int = -1
+    max_msgs_per_subject: int
+    max_msg_size: int
+
+    @property
+    def max_bytes_per_subject(self) -> int:
+        return self.max_msgs_per_subject * self.max_msg_size
+
+
+# Progress records are a few hundred bytes (their strings are bounded in swarm.protocol);
+# one job's subject of one fellow keeps its newest 100,000.
+PROGRESS_MAX_MSG_BYTES = 4096
+PROGRESS_PER_SUBJECT = 100_000
+# Log batches stay under LOG_MAX_MSG_BYTES (agent/logship.py cuts them so); a fellow keeps
+# its newest 5,000 batches.
+LOG_MAX_MSG_BYTES = 32 * 1024
+LOG_PER_SUBJECT = 5_000
 
 
 def progress_stream(prefix: str) -> StreamSpec:
     return StreamSpec(
-        name=f"{prefix}_progress", subject=f"{prefix}.progress.>", max_bytes=2 << 30,
-        max_age_s=30 * DAY_S,
+        name=f"{prefix}_progress", subject=f"{prefix}.progress.>", max_age_s=30 * DAY_S,
+        max_msgs_per_subject=PROGRESS_PER_SUBJECT, max_msg_size=PROGRESS_MAX_MSG_BYTES,
     )  # fmt: skip
 
 
 def log_stream(prefix: str) -> StreamSpec:
-    # Per fellow at most 20000 batches (each up to a few hundred lines), a week, 512 MiB.
     return StreamSpec(
-        name=f"{prefix}_logs", subject=f"{prefix}.log.>", max_bytes=512 << 20,
-        max_age_s=7 * DAY_S, max_msgs_per_subject=20000,
+        name=f"{prefix}_logs", subject=f"{prefix}.log.>", max_age_s=7 * DAY_S,
+        max_msgs_per_subject=LOG_PER_SUBJECT, max_msg_size=LOG_MAX_MSG_BYTES,
     )  # fmt: skip
 
 
@@ -61,11 +84,13 @@ async def ensure_stream(nc: Client, spec: StreamSpec) -> None:
     config = StreamConfig(
         name=spec.name,
         subjects=[spec.subject],
-        max_bytes=spec.max_bytes,
+        max_bytes=-1,
         max_age=spec.max_age_s,
         max_msgs_per_subject=spec.max_msgs_per_subject,
+        max_msg_size=spec.max_msg_size,
         discard=DiscardPolicy.OLD,
         storage=StorageType.FILE,
+        no_ack=True,
     )
     js = nc.jetstream()
     try:

@@ -11,12 +11,22 @@ from swarm.errors import SwarmError
 
 T = TypeVar("T")
 LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
+# HTTP clients that log every request's URL at INFO (query string and all: a shard download
+# token, an access_token, ...): only their warnings get through.
+QUIET_HTTP_LOGGERS = ("httpx", "httpcore")
 
 
 def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True)
     # nats-py logs every failed reconnect attempt at ERROR; our own callbacks say it once.
     logging.getLogger("nats.aio.client").setLevel(logging.CRITICAL)
+    quiet_http_clients()
+
+
+def quiet_http_clients() -> None:
+    """Request URLs are never logged, whatever the level: httpx and httpcore at WARNING."""
+    for name in QUIET_HTTP_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def fail(prog: str, message: str, exit_code: int) -> NoReturn:

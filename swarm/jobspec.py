@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import re
 import secrets
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
 import msgspec
 
@@ -31,46 +31,60 @@ class LastStagePlacement(enum.StrEnum):
     PRESERVE = "preserve"  # keep the ranked order
 
 
+# Bounds on every number and string of a spec: far beyond what a demanding real job needs,
+# short of what would overflow, allocate absurdly or never end. Out of bounds is a 400 that
+# names the field (msgspec checks them while decoding, here and in ``swarm submit``).
+MAX_STEPS = 10**9
+MAX_STAGES = 1024
+Steps = Annotated[int, msgspec.Meta(ge=1, le=MAX_STEPS)]
+StepCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_STEPS)]
+Seconds = Annotated[float, msgspec.Meta(gt=0, le=30 * 86400)]
+PathText = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+
+
 class ArtifactPaths(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    model_export_dir: str | None = None
+    # Under the leader's export root (SWARM_EXPORT_ROOT); a relative path is taken under it.
+    model_export_dir: PathText | None = None
 
 
 class JobSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    name: str = "job"
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=128)] = "job"
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
-    data: list[str] = msgspec.field(default_factory=lambda: ["stdlib"])
-    max_data_bytes: int | None = None
-    steps: int = 200
-    batch_size: int = 8
-    micro_batches: int = 4
-    learning_rate: float = 3e-3
-    warmup_steps: int = 10
-    weight_decay: float = 0.01
-    seed: int = 0
-    val_every: int = 0
+    data: Annotated[list[PathText], msgspec.Meta(min_length=1, max_length=1024)] = msgspec.field(
+        default_factory=lambda: ["stdlib"]
+    )
+    max_data_bytes: Annotated[int, msgspec.Meta(ge=1, le=2**50)] | None = None
+    steps: Steps = 200
+    batch_size: Annotated[int, msgspec.Meta(ge=1, le=2**20)] = 8
+    micro_batches: Annotated[int, msgspec.Meta(ge=1, le=2**16)] = 4
+    learning_rate: Annotated[float, msgspec.Meta(gt=0, le=100.0)] = 3e-3
+    warmup_steps: StepCount = 10
+    weight_decay: Annotated[float, msgspec.Meta(ge=0, le=100.0)] = 0.01
+    seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
+    val_every: StepCount = 0
     # Exactly this many stages (one fellow each); None: every ready fellow, at least
     # ``min_fellows`` and at most one per layer.
-    stages: int | None = None
-    min_fellows: int = 1
+    stages: Annotated[int, msgspec.Meta(ge=1, le=MAX_STAGES)] | None = None
+    min_fellows: Annotated[int, msgspec.Meta(ge=1, le=MAX_STAGES)] = 1
     partition: Partition = Partition.EQUAL
-    compression: str = "none"
+    compression: Annotated[str, msgspec.Meta(max_length=64)] = "none"
     transport: Transport = Transport.AUTO
     allow_cpu: bool = True
     # None: the leader's SWARM_PLACEMENT_MIN_GPU_FREE_GB (default 4.0).
-    placement_min_gpu_free_gb: float | None = None
-    max_gpus_per_worker: int | None = None
+    placement_min_gpu_free_gb: Annotated[float, msgspec.Meta(ge=0, le=100_000.0)] | None = None
+    max_gpus_per_worker: Annotated[int, msgspec.Meta(ge=1, le=1024)] | None = None
     # None: the leader's SWARM_PIPELINE_LAST_STAGE_PLACEMENT (default largest_vram).
     pipeline_last_stage_placement: LastStagePlacement | None = None
-    shard_push_interval_steps: int = 0
+    shard_push_interval_steps: StepCount = 0
     shard_push_to_leader: bool = False
     # Automatic resume when a fellow is lost: at most this many times, from the newest step
     # every stage pushed; without any push, from step 0 only if resume_from_scratch.
-    max_resumes: int = 3
+    max_resumes: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 3
     resume_from_scratch: bool = False
     # A resumed job that cannot be placed again within this long fails.
-    resume_wait_s: float = 600.0
+    resume_wait_s: Seconds = 600.0
     artifact_paths: ArtifactPaths = msgspec.field(default_factory=ArtifactPaths)
-    peer_timeout_s: float = 60.0
+    peer_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=86400.0)] = 60.0
 
     def train_config(self) -> TrainConfig:
         return TrainConfig(
@@ -245,11 +259,15 @@ def stage_plans(
 ) -> list[StagePlan]:
     """One StagePlan per placed stage. Each fellow fills in its own NATS URL and folders.
 
-    Every p2p boundary gets fresh CURVE keys, so only the placed neighbours can connect.
+    Every p2p boundary gets fresh CURVE keys, so only the placed neighbours can connect, and
+    every boundary that may use the relay (auto, tunnel) a fresh relay token, so only they
+    can send relay messages the other accepts.
     """
     n = len(placement.stages)
     train = spec.train_config()
     keys = boundary_keys(n) if placement.transport != Transport.TUNNEL else []
+    relay = placement.transport != Transport.P2P
+    tokens = [secrets.token_hex(32) for _ in range(n - 1)] if relay else []
     plans = []
     for placed in placement.stages:
         i = placed.stage
@@ -275,6 +293,8 @@ def stage_plans(
                 gpu_slots=list(placed.gpu_slots),
                 curve_up=keys[i - 1][1] if keys and i > 0 else None,
                 curve_down=keys[i][0] if keys and i + 1 < n else None,
+                relay_up_token=tokens[i - 1] if tokens and i > 0 else None,
+                relay_down_token=tokens[i] if tokens and i + 1 < n else None,
                 peer_timeout_s=spec.peer_timeout_s,
                 intra_op_threads=placed.intra_op_threads,
                 # Every stage checkpoints at the end (the export) and, with shard pushes,

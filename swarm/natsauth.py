@@ -58,27 +58,54 @@ class Permissions:
 
 
 def fellow_permissions(prefix: str, fellow_id: str) -> Permissions:
-    """A fellow publishes only its own subjects, hears only its signals and its own inbox,
-    replies to the signals it gets, and uses the relay (whose frames carry their own
-    attempt checks)."""
+    """A fellow's own, long-lived user: it registers, heartbeats and ships logs on its own
+    subjects, hears only its signals and its own inbox, and replies to the signals it gets.
+    Nothing of a job: progress, shard pushes and the relay need the attempt's user
+    (:func:`attempt_permissions`), which only START hands out."""
     own = {"fellow": fellow_id}
-    relay = f"{prefix}.relay.>"
     return Permissions(
         publish=(
             topics.REGISTER.subject(prefix, **own),
             topics.HEARTBEAT.subject(prefix, **own),
             topics.LOG.subject(prefix, **own),
-            topics.PROGRESS.wildcard(prefix, **own),
-            topics.SHARD.wildcard(prefix, **own),
-            relay,
         ),
         subscribe=(
             topics.SIGNAL.subject(prefix, **own),
             f"{topics.inbox_prefix(fellow_id)}.>",
-            relay,
         ),
         allow_responses=True,
     )
+
+
+def attempt_permissions(
+    prefix: str, *, fellow_id: str, job_id: str, attempt: int, stage: int, n_stages: int
+) -> Permissions:
+    """The user of one placed stage of one attempt: its progress and shard subjects for that
+    job, its inbox (the leader's shard acks), and exactly the relay subjects of its own
+    boundaries, in the direction it sends and the one it hears. Nobody else can read or
+    write them (the leader aside), and a new attempt has new subjects."""
+
+    def relay(boundary: int, direction: str) -> str:
+        return topics.RELAY.subject(
+            prefix, job=job_id, attempt=attempt, boundary=boundary, direction=direction
+        )
+
+    publish = [
+        topics.PROGRESS.subject(prefix, job=job_id, fellow=fellow_id),
+        topics.SHARD.subject(prefix, job=job_id, fellow=fellow_id),
+    ]
+    subscribe = [f"{topics.inbox_prefix(fellow_id)}.>"]
+    if stage > 0:  # the upstream boundary: gradients go up, activations come down
+        publish.append(relay(stage - 1, "bwd"))
+        subscribe.append(relay(stage - 1, "fwd"))
+    if stage + 1 < n_stages:  # the downstream boundary
+        publish.append(relay(stage, "fwd"))
+        subscribe.append(relay(stage, "bwd"))
+    return Permissions(publish=tuple(publish), subscribe=tuple(subscribe))
+
+
+def attempt_user_name(fellow_id: str, job_id: str, attempt: int) -> str:
+    return f"{fellow_id}@{job_id}/{attempt}"
 
 
 # --- keys and JWTs --------------------------------------------------------------------------
@@ -309,6 +336,20 @@ class NatsAuthority:
 
     def fellow_creds(self, prefix: str, fellow_id: str) -> str:
         return self.user_creds(fellow_id, fellow_permissions(prefix, fellow_id))
+
+    def attempt_creds(
+        self, prefix: str, *, fellow_id: str, job_id: str, attempt: int, stage: int, n_stages: int
+    ) -> str:
+        """A fresh user for one placed stage of one attempt (never stored here)."""
+        perms = attempt_permissions(
+            prefix,
+            fellow_id=fellow_id,
+            job_id=job_id,
+            attempt=attempt,
+            stage=stage,
+            n_stages=n_stages,
+        )
+        return self.user_creds(attempt_user_name(fellow_id, job_id, attempt), perms)
 
     def write_creds(self, path: Path, name: str, perms: Permissions) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import os
-from typing import Self
+from typing import Annotated, Self
 
 import msgspec
 
@@ -19,13 +19,13 @@ from swarm.subjects import TOKEN_RE
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    vocab_size: int = 256
-    seq_len: int = 64
-    n_layers: int = 4
-    d_model: int = 128
-    n_heads: int = 4
-    mlp_ratio: int = 4
-    dropout: float = 0.0
+    vocab_size: Annotated[int, msgspec.Meta(ge=1, le=2**22)] = 256
+    seq_len: Annotated[int, msgspec.Meta(ge=1, le=2**20)] = 64
+    n_layers: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 4
+    d_model: Annotated[int, msgspec.Meta(ge=1, le=2**16)] = 128
+    n_heads: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 4
+    mlp_ratio: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
+    dropout: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.0
 
     def problems(self) -> list[str]:
         out = []
@@ -40,19 +40,23 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
 
 class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    steps: int = 100
-    batch_size: int = 8
-    micro_batches: int = 4
-    learning_rate: float = 3e-3
-    warmup_steps: int = 10
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.01
-    seed: int = 0
-    data: list[str] = msgspec.field(default_factory=lambda: ["stdlib"])
-    max_data_bytes: int | None = None
-    val_fraction: float = 0.05
-    val_batches: int = 4
-    val_every: int = 0  # 0: validate only after the last step
+    steps: Annotated[int, msgspec.Meta(ge=1, le=10**9)] = 100
+    batch_size: Annotated[int, msgspec.Meta(ge=1, le=2**20)] = 8
+    micro_batches: Annotated[int, msgspec.Meta(ge=1, le=2**16)] = 4
+    learning_rate: Annotated[float, msgspec.Meta(gt=0, le=100.0)] = 3e-3
+    warmup_steps: Annotated[int, msgspec.Meta(ge=0, le=10**9)] = 10
+    min_lr_ratio: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.1
+    weight_decay: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 0.01
+    seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
+    data: Annotated[
+        list[Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]],
+        msgspec.Meta(min_length=1, max_length=1024),
+    ] = msgspec.field(default_factory=lambda: ["stdlib"])
+    max_data_bytes: Annotated[int, msgspec.Meta(ge=1, le=2**50)] | None = None
+    val_fraction: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.05
+    val_batches: Annotated[int, msgspec.Meta(ge=1, le=10**6)] = 4
+    # 0: validate only after the last step
+    val_every: Annotated[int, msgspec.Meta(ge=0, le=10**9)] = 0
     jit_compile: bool = True  # XLA-compile the stage's forward (and so its backward)
 
     def problems(self) -> list[str]:
@@ -124,6 +128,11 @@ class StagePlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     # and down (this stage connects; it trusts only the downstream peer). None: plain TCP.
     curve_up: CurveKeys | None = None
     curve_down: CurveKeys | None = None
+    # The relay secret (hex) of the up and down boundaries: every relay message is tagged with
+    # it and one without a valid tag is dropped. None (plans made without a leader): the
+    # relay accepts untagged messages.
+    relay_up_token: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32,128}$")] | None = None
+    relay_down_token: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32,128}$")] | None = None
     peer_timeout_s: float = 60.0
     p2p_probe_timeout_s: float = 3.0
     intra_op_threads: int | None = None

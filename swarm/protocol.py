@@ -13,11 +13,21 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 PROTOCOL_VERSION = 1
+
+# Bounds on what a fellow may claim (a stranger's numbers reach placement and the metrics
+# page): a value outside them fails decoding, and the message is refused with the reason.
+Id = Annotated[str, msgspec.Meta(max_length=64)]
+Name = Annotated[str, msgspec.Meta(max_length=256)]
+Text = Annotated[str, msgspec.Meta(max_length=4096)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
+Bytes = Annotated[int, msgspec.Meta(ge=0, le=2**60)]  # an exabyte: more than any machine
+Rate = Annotated[float, msgspec.Meta(ge=0.0, le=1e15)]
+MAX_GPUS = 64
 
 
 class Message(msgspec.Struct, kw_only=True, gc=False):
@@ -30,40 +40,42 @@ class Message(msgspec.Struct, kw_only=True, gc=False):
 
 
 class GpuInfo(msgspec.Struct, kw_only=True, gc=False):
-    index: int
-    uuid: str
-    name: str
-    memory_total_bytes: int
-    memory_free_bytes: int
-    memory_used_bytes: int
-    utilization_pct: float | None = None
-    temperature_c: float | None = None
+    index: Annotated[int, msgspec.Meta(ge=0, lt=MAX_GPUS)]
+    uuid: Name
+    name: Name
+    memory_total_bytes: Bytes
+    memory_free_bytes: Bytes
+    memory_used_bytes: Bytes
+    utilization_pct: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] | None = None
+    temperature_c: Annotated[float, msgspec.Meta(ge=-100.0, le=200.0)] | None = None
 
 
 class FellowLimits(msgspec.Struct, kw_only=True, gc=False):
     """What an operator lets a fellow offer (``SWARM_FELLOW_MAX_*``); None: no cap."""
 
-    max_vram_bytes: int | None = None
-    max_memory_bytes: int | None = None
-    max_network_bytes_per_s: int | None = None
+    max_vram_bytes: Bytes | None = None
+    max_memory_bytes: Bytes | None = None
+    max_network_bytes_per_s: Bytes | None = None
 
 
 class HardwareSnapshot(msgspec.Struct, kw_only=True, gc=False):
-    hostname: str
-    platform: str = ""
-    cpu_cores: int
-    cpu_load_pct: float = 0.0
-    ram_total_bytes: int
-    ram_available_bytes: int
-    net_sent_bytes_per_s: float = 0.0
-    net_recv_bytes_per_s: float = 0.0
-    gpus: list[GpuInfo] = msgspec.field(default_factory=list)
+    hostname: Name
+    platform: Name = ""
+    cpu_cores: Annotated[int, msgspec.Meta(ge=0, le=65536)]
+    cpu_load_pct: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 0.0
+    ram_total_bytes: Bytes
+    ram_available_bytes: Bytes
+    net_sent_bytes_per_s: Rate = 0.0
+    net_recv_bytes_per_s: Rate = 0.0
+    gpus: Annotated[list[GpuInfo], msgspec.Meta(max_length=MAX_GPUS)] = msgspec.field(
+        default_factory=list
+    )
     # Why NVML gave no GPUs (no driver, no library); None when NVML answered.
-    nvml_error: str | None = None
+    nvml_error: Text | None = None
     # How many GPUs TensorFlow itself can use, from a probe at agent start; None: not
     # probed (NVML saw no GPU, so there was nothing to check) or the probe is still running.
-    tf_gpu_count: int | None = None
-    tf_probe_error: str | None = None
+    tf_gpu_count: Annotated[int, msgspec.Meta(ge=0, le=MAX_GPUS)] | None = None
+    tf_probe_error: Text | None = None
     limits: FellowLimits = msgspec.field(default_factory=FellowLimits)
     taken_at: float = msgspec.field(default_factory=time.time)
 
@@ -91,12 +103,12 @@ class JobState(enum.StrEnum):
 class FellowIdentity(msgspec.Struct, kw_only=True, gc=False):
     """Who a fellow is. ``instance_id`` changes with every agent process."""
 
-    fellow_id: str
-    instance_id: str
-    hostname: str
-    version: str
-    pid: int
-    data_address: str | None = None
+    fellow_id: Id
+    instance_id: Id
+    hostname: Name
+    version: Annotated[str, msgspec.Meta(max_length=128)]
+    pid: Annotated[int, msgspec.Meta(ge=0, le=2**32)]
+    data_address: Name | None = None
 
 
 class RegisterRequest(Message, tag="register", tag_field="kind"):
@@ -118,20 +130,23 @@ class StageOutcome(msgspec.Struct, kw_only=True, gc=False):
     or cut off from NATS) when the job ended still learns how it ended.
     """
 
-    job_id: str
-    attempt: int
+    job_id: Id
+    attempt: Count
     result: StageResult
-    step: int | None = None
+    step: Count | None = None
     loss: float | None = None
     val_loss: float | None = None
-    message: str = ""
+    message: Text = ""
     ended_at: float = msgspec.field(default_factory=time.time)
 
 
 class DeregisterRequest(Message, tag="deregister", tag_field="kind"):
-    fellow_id: str
-    instance_id: str
-    reason: str = "agent stopped"
+    fellow_id: Id
+    instance_id: Id
+    # What the leader's register reply gave this instance: only the registering process
+    # holds it, so nobody who merely knows the (public) instance id can deregister it.
+    instance_secret: Annotated[str, msgspec.Meta(max_length=128)] = ""
+    reason: Name = "agent stopped"
     # How its last stage run ended: the deregister may overtake the last heartbeat.
     outcome: StageOutcome | None = None
 
@@ -146,19 +161,21 @@ class RegisterReply(Message, kw_only=True):
     heartbeat_interval_s: float = 1.0
     offline_after_s: float = 3.0
     leader_version: str = ""
+    # The secret a deregister of this instance must carry (in every accepted reply).
+    instance_secret: str = ""
 
 
 class Heartbeat(Message, kw_only=True):
     fellow: FellowIdentity
-    seq: int
+    seq: Count
     status: FellowStatus
-    job_id: str | None = None
-    attempt: int | None = None
-    step: int | None = None
+    job_id: Id | None = None
+    attempt: Count | None = None
+    step: Count | None = None
     loss: float | None = None
     outcome: StageOutcome | None = None
-    bytes_sent: int = 0
-    bytes_received: int = 0
+    bytes_sent: Bytes = 0
+    bytes_received: Bytes = 0
     hardware: HardwareSnapshot
     sent_at: float = msgspec.field(default_factory=time.time)
 
@@ -196,14 +213,14 @@ class SignalAck(Message, kw_only=True):
 
 class LogRecord(msgspec.Struct, kw_only=True, gc=False):
     ts: float
-    level: str
-    logger: str
-    message: str
+    level: Annotated[str, msgspec.Meta(max_length=16)]
+    logger: Name
+    message: Annotated[str, msgspec.Meta(max_length=8192)]
 
 
 class LogBatch(Message, kw_only=True):
-    fellow_id: str
-    records: list[LogRecord]
+    fellow_id: Id
+    records: Annotated[list[LogRecord], msgspec.Meta(max_length=1000)]
 
 
 class ProgressEvent(enum.StrEnum):
@@ -213,27 +230,29 @@ class ProgressEvent(enum.StrEnum):
 
 
 class Progress(Message, kw_only=True):
-    job_id: str
-    fellow_id: str
-    attempt: int
+    job_id: Id
+    fellow_id: Id
+    attempt: Count
     event: ProgressEvent = ProgressEvent.STEP
-    stage: int | None = None
-    step: int
-    total_steps: int | None = None
+    stage: Annotated[int, msgspec.Meta(ge=0, le=4096)] | None = None
+    step: Count
+    total_steps: Count | None = None
     loss: float | None = None
     val_loss: float | None = None
     lr: float | None = None
     step_time_s: float | None = None
     tokens_per_s: float | None = None
-    bytes_sent: int = 0  # over both boundaries of the stage, since it started
-    bytes_received: int = 0
-    down_bytes_sent: int = 0  # over the boundary to the next stage only
-    down_bytes_received: int = 0
-    down_transport: str | None = None  # how that boundary runs: "p2p" or "relay"
+    bytes_sent: Bytes = 0  # over both boundaries of the stage, since it started
+    bytes_received: Bytes = 0
+    down_bytes_sent: Bytes = 0  # over the boundary to the next stage only
+    down_bytes_received: Bytes = 0
+    down_transport: Annotated[str, msgspec.Meta(max_length=16)] | None = None  # p2p, relay
+    # Relay messages the stage dropped because they failed its checks (agent/pipe/link.py).
+    relay_dropped: Count = 0
     ok: bool = True
-    message: str = ""
-    checkpoint_path: str | None = None
-    checkpoint_id: str | None = None
+    message: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+    checkpoint_path: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
+    checkpoint_id: Id | None = None
     outcome: StageOutcome | None = None
     at: float = msgspec.field(default_factory=time.time)
 
@@ -242,17 +261,17 @@ class ShardChunk(Message, kw_only=True):
     """One piece of one file of a stage's shard (its checkpoint after ``step`` steps), sent by
     request/reply in order; the leader verifies ``sha256`` once it has all ``total`` pieces."""
 
-    job_id: str
-    fellow_id: str
-    attempt: int
-    stage: int
-    step: int
-    name: str  # stage-<i>.npz or stage-<i>.json (the JSON last: it completes the shard)
-    size: int
-    sha256: str
-    seq: int
-    total: int
-    data: bytes
+    job_id: Id
+    fellow_id: Id
+    attempt: Count
+    stage: Annotated[int, msgspec.Meta(ge=0, le=4096)]
+    step: Count
+    name: Id  # stage-<i>.npz or stage-<i>.json (the JSON last: it completes the shard)
+    size: Bytes
+    sha256: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+    seq: Annotated[int, msgspec.Meta(ge=0, le=2**32)]
+    total: Annotated[int, msgspec.Meta(ge=1, le=2**32)]
+    data: Annotated[bytes, msgspec.Meta(max_length=1 << 20)]
 
 
 class ShardAck(Message, kw_only=True):

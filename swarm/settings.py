@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from swarm.errors import ConfigError
+from swarm.hosts import is_loopback
 from swarm.natsconn import NatsAccess
 from swarm.subjects import TOKEN_RE
 
@@ -77,9 +78,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # running version, found or built once).
     bootstrap_wheel: Path | None = None
     # The operator token (unset: the leader generates one in <state>/api-token) and whether
-    # reads (GET) need it too.
+    # reads (GET) are open without it: None (the default) opens them only while the leader
+    # listens on loopback; off loopback every read needs the token or a read ticket.
     api_token: str | None = None
-    api_public_reads: bool = True
+    api_public_reads: bool | None = None
+    # Where job exports may go (unset: <state>/model_exports): a job's
+    # artifact_paths.model_export_dir must resolve inside it; relative paths are taken
+    # under it.
+    export_root: Path | None = None
     # The leader's placement defaults for jobs that leave these fields unset.
     placement_min_gpu_free_gb: float = 4.0
     pipeline_last_stage_placement: str = "largest_vram"
@@ -160,6 +166,18 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def nats_store_dir(self) -> Path:
         return self.state_dir / "nats"
+
+    @property
+    def reads_public(self) -> bool:
+        """Whether GET routes answer without the operator token."""
+        if self.api_public_reads is not None:
+            return self.api_public_reads
+        return is_loopback(self.leader_host)
+
+    @property
+    def model_export_root(self) -> Path:
+        """The export root, absolute (symlinks in it resolved: it is the operator's)."""
+        return (self.export_root or self.state_dir / "model_exports").resolve()
 
     @property
     def authority_dir(self) -> Path:

@@ -111,3 +111,22 @@ def inbox_prefix(fellow_id: str) -> str:
     if not TOKEN_RE.match(fellow_id):
         raise ProtocolError(f"fellow id {fellow_id!r} is not a valid subject token")
     return f"_INBOX.{fellow_id}"
+
+
+def reply_allowed(reply: str, fellow_id: str) -> bool:
+    """Whether a responder may answer a fellow's request on ``reply``.
+
+    A request's reply subject is chosen by its sender, and the leader's user may publish
+    anywhere: answering an arbitrary reply subject would let a fellow make the leader write
+    into a KV bucket, purge a stream or reach another fellow's inbox (a confused deputy). So
+    the leader answers only under the sender's own inbox, where the sender's NATS user is
+    the only one that can listen.
+    """
+    if not TOKEN_RE.match(fellow_id):
+        return False
+    inbox = f"_INBOX.{fellow_id}."
+    return (
+        reply.startswith(inbox)
+        and len(reply) <= 256
+        and all(TOKEN_RE.match(part) for part in reply[len(inbox) :].split("."))
+    )

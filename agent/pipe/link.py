@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
+from agent.pipe import relaymsg
 from agent.pipe.wire import frame_nbytes
 
 log = logging.getLogger(__name__)
@@ -235,15 +236,15 @@ def _bind(sock: zmq.Socket, address: str) -> None:
 
 # --- NATS relay -----------------------------------------------------------------------------
 
-_DATA, _CREDIT, _HELLO, _ACK, _DONE = b"D", b"C", b"H", b"A", b"E"
-_DATA_HEAD = struct.Struct(">QII")  # chunk seq, chunk index within the frame, chunks in frame
-_CREDIT_HEAD = struct.Struct(">I")
+_HELLO, _ACK, _DONE = relaymsg.HELLO, relaymsg.ACK, relaymsg.DONE
+CONTROL_BACKLOG = 64  # control messages kept for the handshake; older ones are dropped
+DROP_LOG_EVERY_S = 5.0
 
 
 def serialize_parts(parts: Sequence[bytes | memoryview]) -> bytes:
-    lengths = [memoryview(p).nbytes for p in parts]
-    head = struct.pack(f">I{len(parts)}Q", len(parts), *lengths)
-    return b"".join([head, *(bytes(p) if isinstance(p, memoryview) else p for p in parts)])
+    views = [memoryview(p) for p in parts]
+    head = struct.pack(f">I{len(views)}Q", len(views), *(v.nbytes for v in views))
+    return b"".join([head, *(v if v.contiguous else v.tobytes() for v in views)])
 
 
 def deserialize_parts(blob: bytes) -> Parts:
@@ -274,6 +275,12 @@ class RelayLink:
     at most ``window`` chunks are in flight and a fast sender cannot exhaust memory. Grants
     pause while ``max_frames`` whole frames wait unread and resume as the reader takes them,
     so a reader that keeps reading never stalls a sender, whatever the frame size.
+
+    With ``token`` (the boundary's relay secret) every message is tagged and checked (see
+    :mod:`agent.pipe.relaymsg`). A message that fails the check, or is malformed, or repeats
+    a chunk or a grant already seen, is dropped and counted in ``dropped`` and
+    ``dropped_by_reason``; it never fails the link. Only a gap in the sequence of the
+    authentic peer's chunks does.
     """
 
     def __init__(
@@ -283,6 +290,7 @@ class RelayLink:
         nats: str | dict[str, Any],
         send_subject: str,
         recv_subject: str,
+        token: bytes | None = None,
         chunk_bytes: int = 512 * 1024,
         window: int = 16,
         max_frames: int = 4,
@@ -292,24 +300,31 @@ class RelayLink:
         self.transport = "relay"
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.dropped = 0
+        self.dropped_by_reason: dict[str, int] = {}
         self.send_subject = send_subject
         self.recv_subject = recv_subject
+        self._send_auth = relaymsg.RelayAuth(token, send_subject)
+        self._recv_auth = relaymsg.RelayAuth(token, recv_subject)
         self._chunk = chunk_bytes
         self._window = window
         self._max_frames = max_frames
         self._frames: deque[Parts | LinkError] = deque()
-        self._control: deque[bytes] = deque()
+        self._control: deque[bytes] = deque(maxlen=CONTROL_BACKLOG)
         self._cv = threading.Condition()
-        self._assembling: list[bytes] = []
+        self._assembling: list[memoryview] = []
         self._expected_seq = 0
         self._next_seq = 0
+        self._granted = 0  # chunks this end has granted its peer, in all
         self._deferred_grants = 0
+        self._peer_granted = 0  # the largest total the peer has granted this end
+        self._drop_logged_at: float | None = None
+        self._drops_unlogged = 0
         self._peer_done = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"relay-{name}")
         self._thread.daemon = True
         self._thread.start()
-        self._credits = 0
         self._credit_event: asyncio.Event | None = None
         self._nc = None
         try:
@@ -327,7 +342,7 @@ class RelayLink:
         except TimeoutError:
             future.cancel()
             raise PeerTimeoutError(
-                f"{self.name}: relay did not answer within {timeout:.0f}s"
+                f"{self.name}: relay did not answer within {timeout:.0f}s{self._drops_note()}"
             ) from None
 
     async def _connect(self, access: str | dict[str, Any]) -> None:
@@ -337,8 +352,6 @@ class RelayLink:
         if isinstance(access, str):
             access = {"servers": [access]}
         self._credit_event = asyncio.Event()
-        self._credits = self._window
-        self._credit_event.set()
         self._nc = await nats.connect(
             **access,
             max_reconnect_attempts=-1,
@@ -346,7 +359,7 @@ class RelayLink:
             name=f"relay-{self.name}",
         )
         # Chunks must fit the server's max_payload (1 MiB by default, smaller if configured).
-        self._chunk = max(1024, min(self._chunk, self._nc.max_payload - 64))
+        self._chunk = max(1024, min(self._chunk, self._nc.max_payload - 2 * relaymsg.OVERHEAD))
         await self._nc.subscribe(self.recv_subject, cb=self._on_message)
         await self._nc.flush()
 
@@ -354,30 +367,38 @@ class RelayLink:
 
     async def _on_message(self, msg) -> None:
         data = msg.data
-        self.bytes_received += len(data)
-        kind, body = data[:1], data[1:]
-        if kind == _CREDIT:
-            (grant,) = _CREDIT_HEAD.unpack_from(body, 0)
-            self._credits += grant
-            self._credit_event.set()
-        elif kind == _DATA:
-            self._on_chunk(body)
-        elif kind in (_HELLO, _ACK):
-            with self._cv:
-                self._control.append(kind + body)
-                self._cv.notify_all()
-        elif kind == _DONE:
-            with self._cv:
-                self._peer_done = True
-                self._cv.notify_all()
+        reason = self._take(relaymsg.parse_message(data, self._recv_auth))
+        if reason is None:
+            self.bytes_received += len(data)  # junk does not count: it would skew the ratios
         else:
-            self._fail(LinkError(f"{self.name}: unknown relay message kind {kind!r}"))
+            self._drop(reason)
 
-    def _on_chunk(self, body: bytes) -> None:
-        if len(body) < _DATA_HEAD.size:
-            self._fail(LinkError(f"{self.name}: truncated relay chunk"))
-            return
-        seq, index, count = _DATA_HEAD.unpack_from(body, 0)
+    def _take(
+        self, message: relaymsg.DataChunk | relaymsg.Credit | relaymsg.Control | relaymsg.DropReason
+    ) -> relaymsg.DropReason | None:
+        """Act on a parsed message; why it is dropped instead, if it is."""
+        if isinstance(message, relaymsg.DropReason):
+            return message
+        if isinstance(message, relaymsg.DataChunk):
+            return self._on_chunk(message)
+        if isinstance(message, relaymsg.Credit):
+            if message.total <= self._peer_granted:
+                return relaymsg.DropReason.STALE
+            self._peer_granted = message.total
+            self._credit_event.set()
+            return None
+        with self._cv:
+            if message.kind == _DONE:
+                self._peer_done = True
+            else:  # HELLO, ACK: for the handshake
+                self._control.append(message.kind + message.body)
+            self._cv.notify_all()
+        return None
+
+    def _on_chunk(self, chunk: relaymsg.DataChunk) -> relaymsg.DropReason | None:
+        seq, index, count = chunk.seq, chunk.index, chunk.count
+        if seq < self._expected_seq:  # seen already: the peer never repeats a chunk
+            return relaymsg.DropReason.STALE
         if seq != self._expected_seq or index != len(self._assembling):
             self._fail(
                 RelayGapError(
@@ -387,16 +408,16 @@ class RelayLink:
             )
             self._expected_seq = seq + 1
             self._assembling = []
-            return
+            return None
         self._expected_seq += 1
-        self._assembling.append(body[_DATA_HEAD.size :])
+        self._assembling.append(chunk.chunk)
         with self._cv:
             if len(self._frames) < self._max_frames:
                 self._grant(1)
             else:
                 self._deferred_grants += 1
         if index + 1 < count:
-            return
+            return None
         blob = b"".join(self._assembling)
         self._assembling = []
         try:
@@ -406,6 +427,35 @@ class RelayLink:
         with self._cv:
             self._frames.append(parts)
             self._cv.notify_all()
+        return None
+
+    def _drop(self, reason: relaymsg.DropReason) -> None:
+        """Count a message that is not acted on; log the first, then every few seconds."""
+        self.dropped += 1
+        # A new dict each time: another thread may be reading the old one.
+        counts = self.dropped_by_reason
+        self.dropped_by_reason = {**counts, reason.value: counts.get(reason.value, 0) + 1}
+        self._drops_unlogged += 1
+        now = time.monotonic()
+        if self._drop_logged_at is not None and now - self._drop_logged_at < DROP_LOG_EVERY_S:
+            return
+        log.warning(
+            "%s: dropped %d relay message(s) on %s, the last one %s; %d dropped in all %s",
+            self.name,
+            self._drops_unlogged,
+            self.recv_subject,
+            reason.value,
+            self.dropped,
+            self.dropped_by_reason,
+        )
+        self._drop_logged_at = now
+        self._drops_unlogged = 0
+
+    def _drops_note(self) -> str:
+        if not self.dropped:
+            return ""
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(self.dropped_by_reason.items()))
+        return f" ({self.dropped} relay messages dropped: {reasons})"
 
     def _fail(self, error: LinkError) -> None:
         with self._cv:
@@ -414,26 +464,29 @@ class RelayLink:
 
     def _grant(self, n: int) -> None:
         if n > 0 and self._nc is not None:
-            payload = _CREDIT + _CREDIT_HEAD.pack(n)
+            self._granted += n
+            payload = self._send_auth.credit(self._granted)
             self.bytes_sent += len(payload)
             self._loop.create_task(self._nc.publish(self.send_subject, payload))
 
     # --- sending (caller thread -> NATS thread) -------------------------------------------
 
     async def _send_blob(self, blob: bytes, timeout_s: float) -> None:
-        count = max(1, -(-len(blob) // self._chunk))
+        view = memoryview(blob)
+        count = max(1, -(-len(view) // self._chunk))
         for index in range(count):
-            while self._credits <= 0:
+            # The first ``window`` chunks need no grant; each grant allows one more.
+            while self._next_seq >= self._window + self._peer_granted:
                 self._credit_event.clear()
                 try:
                     await asyncio.wait_for(self._credit_event.wait(), timeout_s)
                 except TimeoutError:
                     raise PeerTimeoutError(
                         f"{self.name}: the receiver granted no credit for {timeout_s:.0f}s"
+                        f"{self._drops_note()}"
                     ) from None
-            self._credits -= 1
-            chunk = blob[index * self._chunk : (index + 1) * self._chunk]
-            payload = _DATA + _DATA_HEAD.pack(self._next_seq, index, count) + chunk
+            chunk = view[index * self._chunk : (index + 1) * self._chunk]
+            payload = self._send_auth.data(self._next_seq, index, count, chunk)
             self._next_seq += 1
             self.bytes_sent += len(payload)
             await self._nc.publish(self.send_subject, payload)
@@ -443,7 +496,7 @@ class RelayLink:
 
     def send_control(self, kind: bytes, body: bytes = b"") -> None:
         async def publish() -> None:
-            payload = kind + body
+            payload = self._send_auth.message(kind, body)
             self.bytes_sent += len(payload)
             await self._nc.publish(self.send_subject, payload)
             await self._nc.flush()
@@ -466,7 +519,9 @@ class RelayLink:
     def recv(self, timeout_s: float) -> Parts:
         with self._cv:
             if not self._cv.wait_for(lambda: bool(self._frames), timeout_s):
-                raise PeerTimeoutError(f"{self.name}: nothing received for {timeout_s:.0f}s")
+                raise PeerTimeoutError(
+                    f"{self.name}: nothing received for {timeout_s:.0f}s{self._drops_note()}"
+                )
             item = self._frames.popleft()
             deferred = 0
             if len(self._frames) < self._max_frames:

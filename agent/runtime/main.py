@@ -44,7 +44,7 @@ def run(
         cyclopts.Parameter(help="Take commands on stdin; exit 70 when stdin closes"),
     ] = False,
 ) -> None:
-    configure_logging(log_level)
+    configure_logging(log_level)  # httpx/httpcore at WARNING: no request URLs logged
     try:
         data = plan.read_bytes()
     except OSError as exc:

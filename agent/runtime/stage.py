@@ -149,8 +149,13 @@ class StageRunner:
         digest.update(np.ascontiguousarray(data.tokens).tobytes())
         return digest.digest()
 
-    def _relay(self, boundary: int, name: str, send: str, recv: str) -> Callable[[], RelayLink]:
+    def _relay(
+        self, boundary: int, name: str, send: str, recv: str, token: str | None
+    ) -> Callable[[], RelayLink] | None:
+        """How to open the relay end of a boundary; None without NATS in the plan."""
         plan = self.plan
+        if plan.nats is None:
+            return None
 
         def subject(direction: str) -> str:
             return subjects.RELAY.subject(
@@ -163,11 +168,13 @@ class StageRunner:
 
         def make() -> RelayLink:
             assert plan.nats is not None
+            # A leader's plan tags every relay message with the boundary's token.
             return RelayLink(
                 name=name,
                 nats=plan.nats.connect_options(),
                 send_subject=subject(send),
                 recv_subject=subject(recv),
+                token=None if token is None else bytes.fromhex(token),
             )
 
         return make
@@ -183,7 +190,7 @@ class StageRunner:
                 name=name,
                 transport=transport,
                 bind=plan.data_address,
-                relay=self._relay(b, name, send="bwd", recv="fwd") if plan.nats else None,
+                relay=self._relay(b, name, "bwd", "fwd", plan.relay_up_token),
                 timeout_s=plan.peer_timeout_s,
                 p2p_grace_s=plan.p2p_probe_timeout_s,
                 fingerprint=fingerprint,
@@ -199,7 +206,7 @@ class StageRunner:
                 name=name,
                 transport=transport,
                 address=plan.next.data_address,
-                relay=self._relay(b, name, send="fwd", recv="bwd") if plan.nats else None,
+                relay=self._relay(b, name, "fwd", "bwd", plan.relay_down_token),
                 timeout_s=plan.peer_timeout_s,
                 fingerprint=fingerprint,
                 curve=_curve(plan.curve_down),
@@ -345,6 +352,7 @@ class StageRunner:
             "params": self.model.n_params,
             "dropped_frames": sum(b.dropped for b in self._boundaries()),
             **self.bytes_summary(),
+            "relay_dropped_by_reason": self.relay_dropped(),
         }
         self.emit(summary)
         return summary
@@ -424,6 +432,16 @@ class StageRunner:
                 out[f"{key}_boundary"] = boundary.index
                 out[f"{key}_bytes_sent"] = boundary.link.bytes_sent
                 out[f"{key}_bytes_received"] = boundary.link.bytes_received
+        out["relay_dropped"] = sum(self.relay_dropped().values())
+        return out
+
+    def relay_dropped(self) -> dict[str, int]:
+        """Relay messages dropped unread (junk, forged, replayed), by reason, both ends."""
+        out: dict[str, int] = {}
+        for boundary in self._boundaries():
+            if isinstance(boundary.link, RelayLink):
+                for reason, n in boundary.link.dropped_by_reason.items():
+                    out[reason] = out.get(reason, 0) + n
         return out
 
 

@@ -125,9 +125,15 @@ async def register(nc: Any, ident: FellowIdentity, hw: HardwareSnapshot) -> None
     subject = topics.REGISTER.subject(PREFIX, fellow=ident.fellow_id)
     payload = topics.encode(RegisterRequest(fellow=ident, hardware=hw))
     for attempt in range(5):
+        # The leader answers only in the sender's own inbox, and simulated fellows share
+        # connections: each asks with a reply subject under its own inbox.
+        inbox = f"{topics.inbox_prefix(ident.fellow_id)}.r{attempt}"
+        sub = await nc.subscribe(inbox, max_msgs=1)
         try:
-            reply = await nc.request(subject, payload, timeout=10)
-        except (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError):
+            await nc.publish(subject, payload, reply=inbox)
+            reply = await sub.next_msg(timeout=10)
+        except (TimeoutError, nats.errors.TimeoutError):
+            await sub.unsubscribe()
             await asyncio.sleep(0.5 * (attempt + 1))
             continue
         answer = topics.REGISTER.decode_reply(reply.data)

@@ -1,5 +1,6 @@
 """Thin HTTP controllers; the logic lives in leader.services and below."""
 
+from leader.api.auth import AuthController
 from leader.api.bootstrap import BootstrapController
 from leader.api.health import HealthController
 from leader.api.info import ClusterController, InfoController
@@ -20,6 +21,7 @@ CONTROLLERS = [
     JobsController,
     LogsController,
     BootstrapController,
+    AuthController,
     MetricsController,
     OpsController,
     STATIC,

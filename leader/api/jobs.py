@@ -23,7 +23,7 @@ class JobsController(Controller):
     async def submit(self, request: Request, services: LeaderServices) -> JobRecord:
         # Decoded here, strictly, so that the error names the field the way the CLI shows it.
         spec = decode_job_spec(await request.body())
-        return await services.orchestrator.submit(spec)
+        return await services.submit(spec)
 
     @get("/", summary="Every job, oldest first")
     async def list_jobs(self, services: LeaderServices) -> list[JobRecord]:
@@ -72,13 +72,19 @@ class JobsController(Controller):
 
     @get(
         "/{job_id:str}/shards/{step:int}/{name:str}",
-        summary="A shard file for a resumed attempt's stage (?token= from its START)",
+        summary=(
+            "A shard file for a resumed attempt's stage (the X-Swarm-Shard-Token header from "
+            "its START: that stage's files only; never ?token=)"
+        ),
         media_type="application/octet-stream",
     )
     async def shard(
         self, job_id: str, step: int, name: str, request: Request, services: LeaderServices
     ) -> File:
         services.orchestrator.require_loaded()
-        token = request.query_params.get("token") or ""
-        path = services.exports.shard_file(job_id, step, name, token)
+        exports = services.exports
+        token = exports.download_token(
+            request.headers.get(exports.TOKEN_HEADER), request.query_params
+        )
+        path = exports.shard_file(job_id, step, name, token)
         return File(path, filename=name, media_type="application/octet-stream")

@@ -2,6 +2,8 @@
 # SilentSwarm fellow installer, served by a leader at /api/v1/bootstrap/fellow.sh.
 #
 #   curl -fsSL <leader>/api/v1/bootstrap/fellow.sh | sh -s -- --join <leader> <session> <token>
+#   curl -fsSL <leader>/api/v1/bootstrap/fellow.sh | SWARM_JOIN_TOKEN=<token> sh -s -- \
+#     --join <leader> <session>      (the token stays out of every process's arguments)
 #
 # Checks Python >= 3.11, claims the join session (its token works once), downloads the
 # leader's package and checks its sha256, installs it into a venv under the prefix, writes
@@ -13,7 +15,13 @@
 # --pip-args "ARGS" (e.g. "--index-url https://mirror/simple" for an offline site),
 # --site-packages DIR (add DIR to the venv's path: a pre-installed dependency set),
 # --no-systemd, --no-start.
+#
+# Secrets: everything it writes is private (umask 077: files 0600, directories 0700, the
+# prefix too); the claim's answer (join.json: NATS JWT and seed, the session secret) is removed
+# as soon as it is read, and on every exit; the join token and the session secret never go on
+# a command line (the helper reads them from stdin or a 0600 file), nor into fellow.env.
 set -eu
+umask 077
 
 PREFIX="${HOME:-/tmp}/.silentswarm"
 PYTHON="python3"
@@ -33,7 +41,12 @@ usage() {
 
 while [ $# -gt 0 ]; do
   case "$1" in
-    --join) [ $# -ge 4 ] || usage; LEADER="$2"; SESSION="$3"; TOKEN="$4"; shift 4 ;;
+    --join)
+      [ $# -ge 3 ] || usage
+      LEADER="$2"; SESSION="$3"; shift 3
+      # The token as an argument (older join commands: visible in this shell's arguments),
+      # else from SWARM_JOIN_TOKEN below.
+      if [ $# -gt 0 ] && [ "${1#--}" = "$1" ]; then TOKEN="$1"; shift; fi ;;
     --prefix) PREFIX="$2"; shift 2 ;;
     --name) NAME="$2"; shift 2 ;;
     --python) PYTHON="$2"; shift 2 ;;
@@ -45,13 +58,28 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ -n "$LEADER" ] || usage
+[ -n "$TOKEN" ] || TOKEN="${SWARM_JOIN_TOKEN:-}"
+unset SWARM_JOIN_TOKEN  # no child inherits it
+[ -n "$TOKEN" ] || usage
 
 mkdir -p "$PREFIX"
+chmod 700 "$PREFIX"
 LOG="$PREFIX/join.log"
 : >"$LOG"
+chmod 600 "$LOG"
 HELPER="$PREFIX/join-helper.py"
-SECRET=""
+JOIN="$PREFIX/join.json"
+SECRET_FILE="$PREFIX/join.secret"
 SENT=0
+
+# join.json and the session secret go whatever happens; a signal exits through here too.
+cleanup() {
+  rm -f "$JOIN" "$SECRET_FILE"
+}
+trap cleanup EXIT
+trap 'exit 129' HUP
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
 say() {
   echo "$*"
@@ -60,8 +88,8 @@ say() {
 
 # Ship the log lines written since the last call (best effort: the install goes on).
 ship() {
-  if [ -n "$SECRET" ]; then
-    SENT=$("$PYTHON" "$HELPER" post "$LEADER" "$SESSION" "$SECRET" "$LOG" "$SENT" "${1:-ok}" 2>/dev/null || echo "$SENT")
+  if [ -s "$SECRET_FILE" ]; then
+    SENT=$("$PYTHON" "$HELPER" post "$LEADER" "$SESSION" "$SECRET_FILE" "$LOG" "$SENT" "${1:-ok}" 2>/dev/null || echo "$SENT")
   fi
 }
 
@@ -78,6 +106,13 @@ command -v "$PYTHON" >/dev/null 2>&1 || { echo "FAILED: $PYTHON not found; insta
 cat >"$HELPER" <<'PY'
 import hashlib, json, os, sys, urllib.request
 
+def private(path, data):
+    # 0600 also when the file was there before with another mode.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
 def call(method, url, body=None, headers=None):
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json", **(headers or {})})
@@ -89,7 +124,8 @@ def call(method, url, body=None, headers=None):
 
 cmd = sys.argv[1]
 if cmd == "claim":
-    leader, session, token, name, out = sys.argv[2:7]
+    leader, session, name, out = sys.argv[2:6]
+    token = sys.stdin.readline().strip()  # never an argument: arguments are public
     claim = {"token": token, "fellow_name": name or None}
     status, body = call("POST", f"{leader}/api/v1/bootstrap/join-sessions/{session}/claim", claim)
     if status != 200:
@@ -99,16 +135,14 @@ if cmd == "claim":
             message = body.decode(errors="replace")[:300]
         print(f"the leader refused the join ({status}): {message}")
         sys.exit(1)
-    open(out, "wb").write(body)
+    private(out, body)
 elif cmd == "get":
     print(json.load(open(sys.argv[2]))[sys.argv[3]] or "")
-elif cmd == "creds":
-    creds = json.load(open(sys.argv[2])).get("nats_creds")
-    if not creds:
+elif cmd == "private":  # a secret field into its own 0600 file (exit 1: the answer has none)
+    value = json.load(open(sys.argv[2])).get(sys.argv[3])
+    if not value:
         sys.exit(1)
-    fd = os.open(sys.argv[3], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(creds)
+    private(sys.argv[4], value.encode())
 elif cmd == "fetch":
     url, sha256, out = sys.argv[2:5]
     with urllib.request.urlopen(url, timeout=300) as r:
@@ -119,7 +153,8 @@ elif cmd == "fetch":
         sys.exit(1)
     open(out, "wb").write(data)
 elif cmd == "post":
-    leader, session, secret, log, sent, result = sys.argv[2:8]
+    leader, session, secret_file, log, sent, result = sys.argv[2:8]
+    secret = open(secret_file).read().strip()
     lines = open(log, errors="replace").read().splitlines()[int(sent):]
     if lines or result == "failed":
         status, _ = call("POST", f"{leader}/api/v1/bootstrap/join-sessions/{session}/logs",
@@ -134,19 +169,25 @@ PY
 # bound to the name the leader settles.
 [ -n "$NAME" ] || NAME=$(hostname | cut -d. -f1 | tr -c 'A-Za-z0-9_\n-' '-' | cut -c1-64)
 say "claiming join session $SESSION at $LEADER"
-"$PYTHON" "$HELPER" claim "$LEADER" "$SESSION" "$TOKEN" "$NAME" "$PREFIX/join.json" >>"$LOG" 2>&1 \
+# The token goes on the helper's stdin (a here-document: no process's arguments).
+"$PYTHON" "$HELPER" claim "$LEADER" "$SESSION" "$NAME" "$JOIN" >>"$LOG" 2>&1 <<END_TOKEN \
   || { cat "$LOG" >&2; exit 1; }
-SECRET=$("$PYTHON" "$HELPER" get "$PREFIX/join.json" secret)
-NATS_URL=$("$PYTHON" "$HELPER" get "$PREFIX/join.json" nats_url)
-NAME=$("$PYTHON" "$HELPER" get "$PREFIX/join.json" fellow_name)
-PUBLIC_LEADER=$("$PYTHON" "$HELPER" get "$PREFIX/join.json" leader_url)
+$TOKEN
+END_TOKEN
+TOKEN=""
+# The secrets into their own 0600 files, the rest into variables; then join.json goes.
+"$PYTHON" "$HELPER" private "$JOIN" secret "$SECRET_FILE" || fail "the leader sent no session secret"
+NATS_URL=$("$PYTHON" "$HELPER" get "$JOIN" nats_url)
+NAME=$("$PYTHON" "$HELPER" get "$JOIN" fellow_name)
+PUBLIC_LEADER=$("$PYTHON" "$HELPER" get "$JOIN" leader_url)
 [ -n "$PUBLIC_LEADER" ] || PUBLIC_LEADER="$LEADER"
 CREDS_LINE=""
-if "$PYTHON" "$HELPER" creds "$PREFIX/join.json" "$PREFIX/fellow.creds"; then
+if "$PYTHON" "$HELPER" private "$JOIN" nats_creds "$PREFIX/fellow.creds"; then
   CREDS_LINE="SWARM_NATS_CREDS=$PREFIX/fellow.creds"
 fi
-PACKAGE=$("$PYTHON" "$HELPER" get "$PREFIX/join.json" package_file)
-SHA256=$("$PYTHON" "$HELPER" get "$PREFIX/join.json" package_sha256)
+PACKAGE=$("$PYTHON" "$HELPER" get "$JOIN" package_file)
+SHA256=$("$PYTHON" "$HELPER" get "$JOIN" package_sha256)
+rm -f "$JOIN"
 say "fellow $NAME, NATS $NATS_URL${CREDS_LINE:+ (its own NATS user)}, package $PACKAGE"
 ship
 
@@ -176,6 +217,8 @@ ship
 say "installed"
 
 mkdir -p "$PREFIX/state"
+chmod 700 "$PREFIX/state"
+rm -f "$PREFIX/fellow.env"  # written anew: 0600 (an older one may have had another mode)
 cat >"$PREFIX/fellow.env" <<ENV
 SWARM_NATS_URL=$NATS_URL
 SWARM_FELLOW_NAME=$NAME

@@ -22,12 +22,20 @@ function authHeaders() {
   return token ? { authorization: `Bearer ${token}` } : {};
 }
 
-function withToken(url) {
-  // EventSource sends no headers: the token rides in the query (only needed when the leader
-  // closes reads, SWARM_API_PUBLIC_READS=0).
-  const token = sessionStorage.getItem("swarm-token");
-  if (!token) return url;
-  return `${url}${url.includes("?") ? "&" : "?"}access_token=${encodeURIComponent(token)}`;
+async function streamUrl(url, lastId) {
+  // EventSource sends no headers, and the operator token never goes in a URL: with a token,
+  // ask for a short-lived read ticket (60 s) and pass that. A fresh one for every (re)open.
+  const target = new URL(url, window.location.href);
+  if (lastId) target.searchParams.set("after", lastId);
+  if (sessionStorage.getItem("swarm-token")) {
+    try {
+      const response = await fetch(`${API}/auth/read-ticket`, { method: "POST", headers: authHeaders() });
+      if (response.ok) target.searchParams.set("ticket", (await response.json()).ticket);
+    } catch (error) {
+      // No ticket: the stream itself then answers (open reads, or a 401 and polling).
+    }
+  }
+  return target.pathname + target.search;
 }
 
 async function getJSON(path) {
@@ -262,28 +270,43 @@ function openDetail() {
 
 function stream(url, handlers, fallback) {
   // An SSE stream. When the browser gives up on it (a 4xx/5xx, or the leader restarting),
-  // poll with ``fallback`` and try the stream again a little later.
+  // poll with ``fallback`` and try the stream again a little later. A stream opened with a
+  // read ticket is never left to the browser's own reconnect (its ticket may have expired):
+  // it is reopened with a new ticket, from the last event it saw.
   let source = null;
   let timer = null;
   let retry = null;
   let closed = false;
   let delay = 5000;
+  let failures = 0;
+  let lastId = null;
   const poll = () => Promise.resolve().then(fallback).catch(() => {});
-  const open = () => {
+  const open = async () => {
     if (closed || !window.EventSource) return;
-    source = new EventSource(withToken(url));
+    const target = await streamUrl(url, lastId);
+    if (closed) return;
+    const ticketed = target.includes("ticket=");
+    const current = new EventSource(target);
+    source = current;
     for (const [event, handler] of Object.entries(handlers)) {
-      source.addEventListener(event, (message) => handler(JSON.parse(message.data), message.lastEventId));
+      current.addEventListener(event, (message) => {
+        if (message.lastEventId) lastId = message.lastEventId;
+        handler(JSON.parse(message.data), message.lastEventId);
+      });
     }
-    source.onopen = () => {
+    current.onopen = () => {
       delay = 5000;
+      failures = 0;
       if (timer) clearInterval(timer);
       timer = null;
     };
-    source.onerror = () => {
-      if (source.readyState !== EventSource.CLOSED) return; // the browser reconnects itself
+    current.onerror = () => {
+      if (closed || current !== source) return;
+      if (current.readyState !== EventSource.CLOSED && !ticketed) return; // the browser reconnects itself
+      current.close();
       if (!timer) timer = setInterval(poll, POLL_MS);
-      retry = setTimeout(open, delay);
+      retry = setTimeout(open, ticketed && failures === 0 ? 1000 : delay);
+      failures += 1;
       delay = Math.min(delay * 2, 60000);
     };
   };

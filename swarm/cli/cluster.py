@@ -205,7 +205,8 @@ def _start_all(
                 _why_not(started, f"the leader did not answer at {manifest.leader_url}")
             )
         progress(f"leader   {manifest.leader_url} (pid {started['leader'][0].pid})")
-
+    # Reads need the operator token when the leader listens off loopback; it exists now.
+    with LeaderClient(manifest.leader_url, timeout=2.0, token=settings.client_token()) as client:
         names = [f"fellow-{i}" for i in range(1, fellows + 1)]
         for name in names:
             # Each fellow binds its own loopback port for tensors from its upstream stage.

@@ -13,6 +13,7 @@ import pytest
 
 from tests.conftest import start_agent
 from tests.helpers import Leader, stage_processes, wait_for
+from tests.hostile.test_shard_tokens import signer
 from tests.integration.test_jobs import agents, tiny, wait_ready, wait_steps
 
 pytestmark = pytest.mark.timeout(300)
@@ -82,6 +83,12 @@ def test_a_lost_fellow_is_replaced_and_the_job_resumes_from_its_last_push(
     assert history[-1]["step"] == 400
     assert history[0]["loss"] < 4.0, history[0]  # an untrained byte model starts near 5.5
     assert any("resuming from step" in h["reason"] for h in job["history"])
+    # The resumed stages downloaded their shards with header tokens: no log line shipped to
+    # the leader (served to anyone who asks) holds one, nor any token= in a URL.
+    tokens = [signer(leader).token(job_id, job["attempt"], s["stage"]) for s in placed]
+    for fid in [s["fellow_id"] for s in placed]:
+        lines = [r["message"] for r in leader.get(f"/api/v1/workers/{fid}/logs?limit=2000")]
+        assert lines and not [m for m in lines if "token=" in m or any(t in m for t in tokens)]
 
 
 def test_without_a_spare_the_resumed_job_fails_with_the_reason(procs, nats_server, leader):

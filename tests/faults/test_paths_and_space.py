@@ -52,7 +52,9 @@ def test_a_full_disk_while_exporting_is_a_clear_error_and_keeps_earlier_shards(
     for name in ("d1", "d2"):
         start_agent(procs, nats_server.url, name)
     wait_ready(leader, "d1", "d2")
-    export = tmp_path / "export"
+    # Inside the leader's export root (the default, <state>/model_exports): one outside it
+    # is refused at submit.
+    export = tmp_path / "leader-state" / "model_exports" / "full-disk"
     spec = tiny(
         name="full-disk",
         steps=400,

@@ -11,9 +11,12 @@ import nats
 T = TypeVar("T")
 
 
-def with_nats(url: str, fn: Callable[[Any], Awaitable[T]]) -> T:
+def with_nats(url: str, fn: Callable[[Any], Awaitable[T]], **options: Any) -> T:
+    """Run ``fn(nc)`` on a fresh connection; ``options`` go to ``nats.connect`` (for example
+    ``inbox_prefix="_INBOX.<fellow>"``: the leader answers requests only in the sender's inbox)."""
+
     async def main() -> T:
-        nc = await nats.connect(url, max_reconnect_attempts=1)
+        nc = await nats.connect(url, max_reconnect_attempts=1, **options)
         try:
             return await fn(nc)
         finally:

@@ -178,7 +178,9 @@ def test_the_cli_creates_and_lists_join_sessions(leader):
 
     created = swarm("join-session", "create", "--name", "cli-joined", "--ttl", "600")
     assert created.returncode == 0, created.stderr
-    assert "fellow.sh | sh -s -- --join" in created.stdout
+    # The join token goes in sh's environment, never its arguments (`ps` shows those).
+    assert "fellow.sh | SWARM_JOIN_TOKEN=" in created.stdout
+    assert " sh -s -- --join " in created.stdout
     listed = swarm("join-session", "list")
     assert "cli-joined" in listed.stdout and "created" in listed.stdout
     bad = swarm("join-session", "create", "--name", "no spaces allowed")

@@ -39,6 +39,8 @@ def check_manifest(directory: Path, n_stages: int) -> dict:
 def test_shards_are_pushed_every_n_steps_survive_a_leader_restart_and_make_the_export(
     procs, nats_server, restartable_leader, tmp_path
 ):
+    # An export directory must be inside the leader's export root (SWARM_EXPORT_ROOT).
+    restartable_leader.env["SWARM_EXPORT_ROOT"] = str(tmp_path / "exports")
     restartable_leader.start()
     leader = restartable_leader.client
     for name in ("e1", "e2"):

@@ -80,7 +80,7 @@ def test_junk_is_dropped_logged_and_counted_and_changes_nothing(procs, nats_serv
         total=1,
         data=b"abc",
     )
-    *replies, shard_reply = with_nats(nats_server.url, attack)
+    *replies, shard_reply = with_nats(nats_server.url, attack, inbox_prefix="_INBOX.mallory")
     assert all(not r.accepted and r.code == "PROTOCOL_ERROR" for r in replies)
     assert not shard_reply.ok and "no job" in shard_reply.message
     # Every kind of junk on the heartbeat, register, progress, log and shard subjects counts.

@@ -254,6 +254,18 @@ def test_update_restarts_an_idle_agent_in_place(procs, nats_server, leader):
         (b'{"steps": 10', 400, "INVALID_FIELD", "$"),
         (b'{"stages": 5, "model": {"n_layers": 4}}', 400, "JOB_INVALID", None),
         (b'{"model": {"d_model": 30, "n_heads": 4}}', 400, "JOB_INVALID", None),
+        # Absurd numbers and strings: bounded, so the field is named (msgspec.Meta).
+        (b'{"steps": 100000000000000000000000}', 400, "INVALID_FIELD", "steps"),
+        (b'{"steps": 0}', 400, "INVALID_FIELD", "steps"),
+        (b'{"model": {"d_model": 1000000000}}', 400, "INVALID_FIELD", "model.d_model"),
+        (b'{"model": {"n_layers": 100000}}', 400, "INVALID_FIELD", "model.n_layers"),
+        (b'{"model": {"seq_len": 1099511627776}}', 400, "INVALID_FIELD", "model.seq_len"),
+        (b'{"batch_size": 1e9}', 400, "INVALID_FIELD", "batch_size"),
+        (b'{"micro_batches": 10000000}', 400, "INVALID_FIELD", "micro_batches"),
+        (b'{"learning_rate": 1e300}', 400, "INVALID_FIELD", "learning_rate"),
+        (b'{"max_resumes": 1000000}', 400, "INVALID_FIELD", "max_resumes"),
+        (b'{"peer_timeout_s": 1e12}', 400, "INVALID_FIELD", "peer_timeout_s"),
+        (b'{"name": "' + b"n" * 5000 + b'"}', 400, "INVALID_FIELD", "name"),
     ],
 )
 def test_bad_job_bodies_are_400_naming_the_field(leader, body, status, code, field):

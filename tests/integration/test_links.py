@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -10,6 +12,7 @@ import textwrap
 import threading
 
 import msgspec
+import nats
 import numpy as np
 import pytest
 
@@ -23,13 +26,16 @@ from agent.pipe.link import (
     ZmqLink,
     accept_upstream,
     connect_downstream,
+    serialize_parts,
 )
+from agent.pipe.relaymsg import RelayAuth
 from agent.pipe.wire import Direction, FrameError, decode_frame, encode_frame, parse_wire_codec
 from swarm.procs import free_port
-from tests.helpers import REPO, child_env
+from tests.helpers import REPO, child_env, wait_for
 from tests.integration.nats_client import with_nats
 
 pytestmark = pytest.mark.integration
+TOKEN = bytes(range(32))  # a boundary's relay token, as the leader makes one per START
 
 
 def frame(step: int, value: float = 1.0, shape=(4, 8, 16), codec="none", attempt=1, micro=0):
@@ -179,17 +185,16 @@ def test_relay_sender_waits_for_credit_and_fails_loudly_without_it(nats_server):
         b.close()
 
 
-def test_relay_gap_fails_the_receive(nats_server):
-    a, b = relay_pair(nats_server.url)
+@pytest.mark.parametrize("token", [None, TOKEN], ids=["untagged", "tagged"])
+def test_relay_gap_fails_the_receive(nats_server, token):
+    """A chunk of the authentic peer that skips a sequence number, as after a lost message."""
+    a, b = relay_pair(nats_server.url, token=token)
     try:
         a.send(frame(1), timeout_s=5)
         assert decode_frame(b.recv(5))[0].step == 1
 
         async def inject(nc):
-            # A chunk that skips a sequence number, as after a lost message.
-            import struct
-
-            await nc.publish("t.fwd", b"D" + struct.pack(">QII", 99, 0, 1) + b"xx")
+            await nc.publish("t.fwd", RelayAuth(token, "t.fwd").data(99, 0, 1, b"xx"))
 
         with_nats(nats_server.url, inject)
         with pytest.raises(RelayGapError, match="expected chunk 1"):
@@ -199,12 +204,164 @@ def test_relay_gap_fails_the_receive(nats_server):
         b.close()
 
 
-def test_tunnel_handshake_over_the_relay(nats_server):
+class Intruder:
+    """A third NATS client on the relay's subjects: it records what the pair sends (its own
+    messages are not echoed back to it) and publishes what a test gives it."""
+
+    def __init__(self, url: str, subjects: list[str]) -> None:
+        self.seen: dict[str, list[bytes]] = {s: [] for s in subjects}
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._nc = self._run(self._connect(url, subjects))
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
+
+    async def _connect(self, url: str, subjects: list[str]):
+        nc = await nats.connect(url, no_echo=True, max_reconnect_attempts=1)
+        for subject in subjects:
+
+            async def record(msg, subject=subject) -> None:
+                self.seen[subject].append(msg.data)
+
+            await nc.subscribe(subject, cb=record)
+        await nc.flush()
+        return nc
+
+    def publish(self, subject: str, payloads: list[bytes]) -> None:
+        """Publish and flush: the server has them all before this returns."""
+
+        async def go() -> None:
+            for payload in payloads:
+                await self._nc.publish(subject, payload)
+            await self._nc.flush()
+
+        self._run(go())
+
+    def close(self) -> None:
+        self._run(self._nc.drain())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()
+
+
+def junk(subject: str, seq: int, other: str, rng: random.Random) -> list[bytes]:
+    """What an intruder without the token can publish on ``subject``, whose receiver expects
+    chunk ``seq`` next; ``other`` is the opposite direction's subject."""
+    forged = serialize_parts(frame(666, value=-1.0, shape=(4, 8)))
+    wrong = RelayAuth(os.urandom(32), subject)
+    return [
+        b"Zjunk",
+        b"",
+        b"D\x00\x01",  # truncated
+        bytes(rng.getrandbits(8) for _ in range(300)),
+        RelayAuth(None, subject).data(seq, 0, 1, forged),  # the next chunk, untagged
+        wrong.data(seq, 0, 1, forged),  # the next chunk, tagged with another token
+        wrong.credit(10**9),  # a grant of unlimited credit
+        wrong.message(b"E"),  # "done"
+        wrong.message(b"A", b"!refused"),
+        RelayAuth(TOKEN, other).data(seq, 0, 1, forged),  # the right token, the other subject
+    ]
+
+
+def test_relay_drops_junk_and_forgeries_and_counts_them(nats_server):
+    """While a tagged pair exchanges frames both ways, an intruder publishes junk, forged
+    chunks at the very sequence number expected next, forged grants and forged control
+    messages on both subjects, then replays everything the pair sent. Every frame arrives
+    intact and in order, no send fails, and each piece of junk is counted once."""
+    rng = random.Random(17)
+    a, b = relay_pair(nats_server.url, token=TOKEN, chunk_bytes=64 * 1024, window=4)
+    intruder = Intruder(nats_server.url, ["t.fwd", "t.bwd"])
+    shape = (2, 64, 256)  # 128 KiB + header: 3 chunks of 64 KiB
+    rounds, per_frame = 6, 3
+    try:
+        for step in range(rounds):
+            intruder.publish("t.fwd", junk("t.fwd", step * per_frame, "t.bwd", rng))
+            intruder.publish("t.bwd", junk("t.bwd", step * per_frame, "t.fwd", rng))
+            a.send(frame(step, value=step, shape=shape), timeout_s=10)
+            b.send(frame(step, value=-step, shape=shape), timeout_s=10)
+            header, array = decode_frame(b.recv(10))
+            assert (header.step, array.shape) == (step, shape) and np.all(array == step)
+            header, array = decode_frame(a.recv(10))
+            assert (header.step, array.shape) == (step, shape) and np.all(array == -step)
+        per_link = rounds * len(junk("t.fwd", 0, "t.bwd", rng))
+        wait_for(lambda: (a.dropped, b.dropped) == (per_link, per_link), timeout=10, what="drops")
+        assert not a.wait_done(0) and not b.wait_done(0), "a forged DONE ended nothing"
+        for counts in (a.dropped_by_reason, b.dropped_by_reason):
+            assert counts.keys() <= {"unknown_kind", "truncated", "bad_tag"}
+            assert counts["unknown_kind"] >= 2 * rounds and counts["truncated"] >= rounds
+            assert counts["bad_tag"] >= 6 * rounds
+
+        # Replays of the authentic chunks and grants are stale: dropped, not a gap.
+        sent = rounds * per_frame * 2  # on each subject: one end's chunks and its grants
+        wait_for(
+            lambda: [len(seen) for seen in intruder.seen.values()] == [sent, sent],
+            timeout=10,
+            what="the intruder to see every chunk and grant",
+        )
+        replayed = {subject: list(seen) for subject, seen in intruder.seen.items()}
+        for subject, messages in replayed.items():
+            intruder.publish(subject, messages)
+        a.send(frame(rounds, value=7.0, shape=shape), timeout_s=10)
+        header, array = decode_frame(b.recv(10))
+        assert header.step == rounds and np.all(array == 7.0)
+        wait_for(
+            lambda: (
+                (a.dropped, b.dropped)
+                == (per_link + len(replayed["t.bwd"]), per_link + len(replayed["t.fwd"]))
+            ),
+            timeout=10,
+            what="replays counted",
+        )
+        assert a.dropped_by_reason["stale"] == len(replayed["t.bwd"])
+        assert b.dropped_by_reason["stale"] == len(replayed["t.fwd"])
+        b.send_done()
+        assert a.wait_done(10)
+    finally:
+        intruder.close()
+        a.close()
+        b.close()
+
+
+def test_an_untagged_relay_drops_malformed_messages(nats_server):
+    """Without a token (no leader) anything tagged or not is taken, as before; but junk that
+    is no relay message at all is dropped and counted, not fatal."""
+    a, b = relay_pair(nats_server.url)
+    try:
+
+        async def inject(nc):
+            for payload in (b"Zjunk", b"", b"D\x00\x01", b"C" + bytes(16) + b"\x01"):
+                await nc.publish("t.fwd", payload)
+
+        with_nats(nats_server.url, inject)
+        a.send(frame(3), timeout_s=5)
+        assert decode_frame(b.recv(5))[0].step == 3
+        wait_for(lambda: b.dropped == 4, timeout=5, what="drops")
+        assert b.dropped_by_reason == {"unknown_kind": 2, "truncated": 2}
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("token", [None, TOKEN], ids=["untagged", "tagged"])
+def test_tunnel_handshake_over_the_relay(nats_server, token):
     def relay(send: str, recv: str):
-        return lambda: RelayLink(
-            name=f"{send}", nats=nats_server.url, send_subject=send, recv_subject=recv
+        return RelayLink(
+            name=f"{send}", nats=nats_server.url, send_subject=send, recv_subject=recv, token=token
         )
 
+    down_end, up_end = relay("h.bwd", "h.fwd"), relay("h.fwd", "h.bwd")
+    if token is not None:
+        # A forged refusal waiting for the connector, a forged HELLO for the binder: dropped.
+        wrong = os.urandom(32)
+
+        async def forge(nc):
+            await nc.publish("h.bwd", RelayAuth(wrong, "h.bwd").message(b"A", b"!go away"))
+            await nc.publish("h.fwd", RelayAuth(wrong, "h.fwd").message(b"H", b"other data"))
+
+        with_nats(nats_server.url, forge)
+        wait_for(lambda: up_end.dropped == down_end.dropped == 1, timeout=5, what="forgeries")
     result = {}
 
     def downstream() -> None:
@@ -212,7 +369,7 @@ def test_tunnel_handshake_over_the_relay(nats_server):
             name="down",
             transport=TransportKind.TUNNEL,
             bind=None,
-            relay=relay("h.bwd", "h.fwd"),
+            relay=lambda: down_end,
             timeout_s=20,
             p2p_grace_s=0,
         )
@@ -223,7 +380,7 @@ def test_tunnel_handshake_over_the_relay(nats_server):
         name="up",
         transport=TransportKind.TUNNEL,
         address=None,
-        relay=relay("h.fwd", "h.bwd"),
+        relay=lambda: up_end,
         timeout_s=20,
     )
     thread.join(20)

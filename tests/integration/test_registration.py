@@ -6,6 +6,7 @@ import signal
 import time
 
 import msgspec
+import nats
 import pytest
 
 from swarm import protocol as p
@@ -130,12 +131,17 @@ def test_malformed_messages_are_dropped_and_change_nothing(procs, nats_server, l
         await nc.publish("swarm.hb.eta", topics.encode(p.Signal(signal_id="s", kind="STOP")))
         await nc.publish("swarm.hb.theta", b"")
         await nc.publish("swarm.hb.eta.extra", b"")
+        # The leader answers only in the sender's own inbox: one connection per name.
+        as_iota = await nats.connect(nats_server.url, inbox_prefix="_INBOX.iota")
+        try:
+            spoofed = await as_iota.request("swarm.register.iota", topics.encode(good), timeout=5)
+        finally:
+            await as_iota.drain()
         garbage = await nc.request("swarm.register.eta", b"garbage", timeout=5)
-        spoofed = await nc.request("swarm.register.iota", topics.encode(good), timeout=5)
         taken = await nc.request("swarm.register.eta", topics.encode(good), timeout=5)
         return [topics.REGISTER.decode_reply(m.data) for m in (garbage, spoofed, taken)]
 
-    garbage, spoofed, taken = with_nats(nats_server.url, scenario)
+    garbage, spoofed, taken = with_nats(nats_server.url, scenario, inbox_prefix="_INBOX.eta")
     assert not garbage.accepted and garbage.code == "PROTOCOL_ERROR"
     assert not spoofed.accepted and spoofed.code == "SUBJECT_MISMATCH"
     assert not taken.accepted and taken.code == "FELLOW_ID_IN_USE"

@@ -14,7 +14,7 @@ from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 
-from tests.conftest import start_agent
+from tests.conftest import leader_process, start_agent
 from tests.helpers import wait_for
 from tests.integration.test_jobs import tiny, wait_ready, wait_steps
 
@@ -171,3 +171,50 @@ def test_ops_ui_shows_fellows_logs_loss_and_the_cluster(
         "narrow.png",
         "overview.png",
     ]
+
+
+def test_with_private_reads_the_ui_streams_over_read_tickets_never_the_token(
+    procs, nats_server, browser, tmp_path
+):
+    started = leader_process(procs, nats_server, tmp_path, SWARM_API_PUBLIC_READS="0")
+    leader = next(started)
+    start_agent(procs, nats_server.url, "tk-1")
+    wait_ready(leader, "tk-1")
+    job_id = leader.submit(**tiny(name="tickets", steps=100_000, stages=1))["job_id"]
+    leader.wait_job(job_id, "RUNNING", timeout=20)
+    wait_steps(leader, job_id, 3)
+
+    # The operator's token in this tab's sessionStorage, as the join panel keeps it.
+    browser.get(f"{leader.url}/health")
+    browser.execute_script("sessionStorage.setItem('swarm-token', arguments[0])", leader.token)
+    browser.get(f"{leader.url}/ops/join-v2")
+    # Every request is looked at below (a stream's entry appears once it closes).
+    browser.execute_script("performance.setResourceTimingBufferSize(100000)")
+    wait_for(
+        lambda: count(browser, '#fellows tr[data-fellow="tk-1"]'), timeout=15, what="the fellow"
+    )
+    click(browser, '#fellows tr[data-fellow="tk-1"]')
+    wait_for(lambda: count(browser, "#logs .line") > 0, timeout=15, what="log lines")
+    checkpoint = leader.request("POST", f"/api/v1/jobs/{job_id}/checkpoint")
+    assert checkpoint.status_code == 202
+    wait_for(
+        lambda: "signal CHECKPOINT" in browser.find_element(By.ID, "logs").text,
+        timeout=20,
+        what="a log line over the ticketed stream",
+    )
+    click(browser, f'#jobs tr[data-job="{job_id}"]')
+    first = wait_for(lambda: chart_points(browser), timeout=15, what="the loss curve")
+    wait_for(lambda: chart_points(browser) > first + 3, timeout=30, what="live points")
+    click(browser, '#graph g[data-node="leader"]')  # closes the job's stream
+
+    urls = browser.execute_script(
+        "return performance.getEntriesByType('resource').map((e) => e.name)"
+    )
+    streams = [u for u in urls if "/stream" in u]
+    assert any("/logs/stream" in u for u in streams), urls
+    assert any("/metrics/stream" in u for u in streams), urls
+    assert all("ticket=" in u for u in streams), streams
+    assert not any("access_token" in u or leader.token in u for u in urls)
+    # No request was refused (the /health page above has no favicon: not the UI's).
+    assert [e for e in console_errors(browser) if "favicon.ico" not in e] == []
+    started.close()

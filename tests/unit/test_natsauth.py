@@ -13,6 +13,7 @@ from swarm.natsauth import (
     NatsAuthError,
     NatsAuthority,
     Permissions,
+    attempt_permissions,
     creds_user_name,
     decode_jwt_claims,
     encode_jwt,
@@ -24,17 +25,38 @@ from swarm.natsauth import (
 
 def test_a_fellow_may_publish_only_its_own_subjects_and_hear_only_its_own():
     perms = fellow_permissions("swarm", "gpu-7")
-    assert set(perms.publish) == {
-        "swarm.register.gpu-7",
-        "swarm.hb.gpu-7",
-        "swarm.log.gpu-7",
-        "swarm.progress.*.gpu-7",
-        "swarm.shard.*.gpu-7",
-        "swarm.relay.>",
-    }
-    assert set(perms.subscribe) == {"swarm.sig.gpu-7", "_INBOX.gpu-7.>", "swarm.relay.>"}
+    # Nothing of a job: progress, shards and the relay need an attempt's user.
+    assert set(perms.publish) == {"swarm.register.gpu-7", "swarm.hb.gpu-7", "swarm.log.gpu-7"}
+    assert set(perms.subscribe) == {"swarm.sig.gpu-7", "_INBOX.gpu-7.>"}
     assert perms.allow_responses  # it answers the signals it gets
     assert not any("gpu-8" in s or s == ">" for s in perms.publish + perms.subscribe)
+
+
+@pytest.mark.parametrize(
+    ("stage", "n_stages", "relay_pub", "relay_sub"),
+    [
+        (0, 1, set(), set()),
+        (0, 3, {"swarm.relay.j1.2.0.fwd"}, {"swarm.relay.j1.2.0.bwd"}),
+        (
+            1,
+            3,
+            {"swarm.relay.j1.2.0.bwd", "swarm.relay.j1.2.1.fwd"},
+            {"swarm.relay.j1.2.0.fwd", "swarm.relay.j1.2.1.bwd"},
+        ),
+        (2, 3, {"swarm.relay.j1.2.1.bwd"}, {"swarm.relay.j1.2.1.fwd"}),
+    ],
+)
+def test_an_attempt_user_reaches_exactly_its_stage_of_that_attempt(
+    stage, n_stages, relay_pub, relay_sub
+):
+    perms = attempt_permissions(
+        "swarm", fellow_id="gpu-7", job_id="j1", attempt=2, stage=stage, n_stages=n_stages
+    )
+    own = {"swarm.progress.j1.gpu-7", "swarm.shard.j1.gpu-7"}
+    assert set(perms.publish) == own | relay_pub
+    assert set(perms.subscribe) == {"_INBOX.gpu-7.>"} | relay_sub
+    assert not perms.allow_responses
+    assert not any("*" in s or ">" in s for s in perms.publish)
 
 
 def test_a_jwt_is_signed_by_its_issuer_and_names_its_subject():

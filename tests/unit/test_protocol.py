@@ -1,3 +1,5 @@
+import re
+
 import msgspec
 import pytest
 
@@ -51,7 +53,7 @@ MESSAGES = [
             step=10,
             name="stage-0.npz",
             size=2,
-            sha256="ab",
+            sha256="ab" * 32,
             seq=0,
             total=1,
             data=b"xy",
@@ -102,3 +104,66 @@ def test_malformed_payloads_raise_protocol_error(data):
     with pytest.raises(ProtocolError) as err:
         topics.REGISTER.decode(data)
     assert err.value.code == "PROTOCOL_ERROR"
+
+
+def _hardware(**overrides):
+    fields = {"hostname": "h", "cpu_cores": 4, "ram_total_bytes": 8, "ram_available_bytes": 4}
+    return {**fields, **overrides}
+
+
+def _gpu(index=0, **overrides):
+    return {
+        "index": index,
+        "uuid": "GPU-1",
+        "name": "A100",
+        "memory_total_bytes": 80 << 30,
+        "memory_free_bytes": 80 << 30,
+        "memory_used_bytes": 0,
+        **overrides,
+    }
+
+
+@pytest.mark.parametrize(
+    ("hardware", "where"),
+    [
+        (_hardware(gpus=[_gpu(i % 60) for i in range(7000)]), "$.hardware.gpus"),
+        (_hardware(gpus=[_gpu(index=64)]), "$.hardware.gpus[0].index"),
+        (_hardware(gpus=[_gpu(memory_total_bytes=2**62)]), "memory_total_bytes"),
+        (_hardware(gpus=[_gpu(utilization_pct=250.0)]), "utilization_pct"),
+        (_hardware(hostname="h" * 300), "$.hardware.hostname"),
+        (_hardware(cpu_cores=-1), "$.hardware.cpu_cores"),
+        (_hardware(ram_total_bytes=2**63), "$.hardware.ram_total_bytes"),
+        (_hardware(nvml_error="x" * 5000), "$.hardware.nvml_error"),
+    ],
+)
+def test_a_heartbeat_claiming_too_much_is_refused_naming_the_field(hardware, where):
+    hb = {
+        "v": 1,
+        "fellow": msgspec.to_builtins(identity()),
+        "seq": 1,
+        "status": "ready",
+        "hardware": hardware,
+    }
+    with pytest.raises(ProtocolError, match=re.escape(where)):
+        topics.HEARTBEAT.decode(msgspec.msgpack.encode(hb))
+
+
+def test_a_fellow_with_64_gpus_is_still_a_fellow():
+    hb = {
+        "v": 1,
+        "fellow": msgspec.to_builtins(identity()),
+        "seq": 1,
+        "status": "ready",
+        "hardware": _hardware(gpus=[_gpu(i) for i in range(64)]),
+    }
+    assert len(topics.HEARTBEAT.decode(msgspec.msgpack.encode(hb)).hardware.gpus) == 64
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("message", "x" * 2000), ("step", -1), ("job_id", "j" * 65), ("checkpoint_path", "p" * 2000)],
+)
+def test_progress_out_of_bounds_is_refused(field, value):
+    record = {"v": 1, "job_id": "j", "fellow_id": "f1", "attempt": 1, "step": 1, field: value}
+    with pytest.raises(ProtocolError, match=field):
+        topics.PROGRESS.decode(msgspec.msgpack.encode(record))

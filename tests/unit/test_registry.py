@@ -151,9 +151,11 @@ def test_same_instance_registering_again_keeps_its_status(reg):
 
 
 def test_deregister_marks_offline_at_once_and_a_restart_is_accepted(reg):
-    register(reg, "f1", instance="a")
+    secret = register(reg, "f1", instance="a").instance_secret
     beat(reg, "f1", instance="a")
-    reply = reg.deregister(DeregisterRequest(fellow_id="f1", instance_id="a"))
+    reply = reg.deregister(
+        DeregisterRequest(fellow_id="f1", instance_id="a", instance_secret=secret)
+    )
     assert reply.accepted
     record = reg.get("f1")
     assert record.status is FellowStatus.OFFLINE
@@ -176,6 +178,24 @@ def test_deregister_by_another_instance_is_refused(reg):
     assert reg.deregister(DeregisterRequest(fellow_id="nobody", instance_id="a")).code == (
         "NOT_FOUND"
     )
+
+
+def test_deregister_needs_the_secret_only_the_registering_process_got(reg):
+    """The instance id is public (the API shows it): knowing it deregisters nobody."""
+    secret = register(reg, "f1", instance="a").instance_secret
+    assert len(secret) == 32
+    assert register(reg, "f1", instance="a").instance_secret == secret  # again: the same
+    for guess in ("", "a", "0" * 32, secret[:-1] + ("0" if secret[-1] != "0" else "1")):
+        reply = reg.deregister(
+            DeregisterRequest(fellow_id="f1", instance_id="a", instance_secret=guess)
+        )
+        assert not reply.accepted and reply.code == "INSTANCE_SECRET_INVALID", guess
+    assert reg.get("f1").status is FellowStatus.REGISTERING
+    assert reg.dropped["deregister_secret"] == 4
+    # Another leader with another key (or another instance) makes another secret.
+    other = WorkerRegistry(heartbeat_interval_s=1, offline_after_s=3, leader_version="t")
+    assert other.instance_secret("f1", "a") != secret
+    assert reg.instance_secret("f1", "b") != secret
 
 
 def test_unknown_heartbeat_is_adopted(reg):
@@ -251,9 +271,9 @@ def test_history_is_bounded(reg, clock):
 
 
 def test_a_heartbeat_that_arrives_after_deregister_does_not_revive(reg):
-    register(reg, "f1", instance="a")
+    secret = register(reg, "f1", instance="a").instance_secret
     beat(reg, "f1", instance="a")
-    reg.deregister(DeregisterRequest(fellow_id="f1", instance_id="a"))
+    reg.deregister(DeregisterRequest(fellow_id="f1", instance_id="a", instance_secret=secret))
     assert not beat(reg, "f1", instance="a")
     assert reg.get("f1").status is FellowStatus.OFFLINE
     assert reg.dropped["after_deregister"] == 1

@@ -46,3 +46,26 @@ def test_each_fellow_gets_its_own_inbox_prefix():
     assert topics.inbox_prefix("f1") == "_INBOX.f1"
     with pytest.raises(ProtocolError):
         topics.inbox_prefix("f.1")
+
+
+@pytest.mark.parametrize(
+    ("reply", "fellow", "allowed"),
+    [
+        ("_INBOX.f1.AbC123.xyz", "f1", True),
+        ("_INBOX.f1.AbC123", "f1", True),
+        ("_INBOX.f1", "f1", False),
+        ("_INBOX.f1.", "f1", False),
+        ("_INBOX.f2.AbC.x", "f1", False),  # another fellow's inbox
+        ("_INBOX.f10.AbC.x", "f1", False),
+        ("$KV.swarm_jobs.j1", "f1", False),
+        ("$JS.API.STREAM.PURGE.swarm_progress", "f1", False),
+        ("swarm.sig.f2", "f1", False),
+        ("_INBOX.f1.*", "f1", False),
+        ("_INBOX.f1.>", "f1", False),
+        ("_INBOX.f1.a..b", "f1", False),
+        ("_INBOX.f1." + "a" * 300, "f1", False),
+        ("_INBOX.bad.id.x", "bad.id", False),
+    ],
+)
+def test_the_leader_answers_only_in_the_senders_own_inbox(reply, fellow, allowed):
+    assert topics.reply_allowed(reply, fellow) is allowed

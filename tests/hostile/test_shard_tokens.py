@@ -1,0 +1,91 @@
+"""A shard download against a real leader: the token travels in a header (never in a URL),
+opens one stage's files of the job's current attempt, and no log line holds it."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agent.shardpush import SHARD_TOKEN_HEADER, FetchError, fetch_shard
+from leader.exports import ExportService
+from leader.jobs import JobManager
+from tests.integration.test_jobs import agents, tiny, wait_ready
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+
+def signer(leader) -> ExportService:
+    """The leader's own token maker: the operator token is its key."""
+    return ExportService(
+        bus=None,  # type: ignore[arg-type]
+        jobs=JobManager(),
+        prefix="swarm",
+        export_root=Path(".").resolve(),
+        secret=leader.token.encode(),
+        public_url=leader.url,
+    )
+
+
+def test_a_shard_opens_with_its_stages_header_token_only(
+    procs, nats_server, leader, tmp_path, caplog
+):
+    agents(procs, nats_server, "t1", "t2")
+    wait_ready(leader, "t1", "t2")
+    spec = tiny(
+        name="tokens", steps=20, stages=2, shard_push_to_leader=True, shard_push_interval_steps=10
+    )
+    job_id = leader.submit(**spec)["job_id"]
+    job = leader.wait_job(job_id, "COMPLETED", timeout=150)
+    step, attempt = job["pushed_step"], job["attempt"]
+    assert step == 20
+    tokens = {s: signer(leader).token(job_id, attempt, s) for s in (0, 1)}
+    base = f"{leader.url}/api/v1/jobs/{job_id}/shards/{step}"
+    on_disk = Path(job["export_dir"]) / "shards" / f"step-{step}"
+    anonymous = httpx.Client(timeout=10)  # no operator token: the shard token is enough
+
+    got = anonymous.get(f"{base}/stage-1.npz", headers={SHARD_TOKEN_HEADER: tokens[1]})
+    assert got.status_code == 200, got.text
+    assert got.content == (on_disk / "stage-1.npz").read_bytes()
+
+    refusals = [
+        ({}, {}, "does not open"),
+        ({SHARD_TOKEN_HEADER: "0" * 64}, {}, "does not open"),
+        ({SHARD_TOKEN_HEADER: tokens[0]}, {}, "stage 0's shard files"),  # the neighbour's
+        ({}, {"token": tokens[1]}, "never accepted in the URL"),  # the old way
+        ({SHARD_TOKEN_HEADER: tokens[1]}, {"token": tokens[1]}, "never accepted in the URL"),
+        # A token of another attempt (the previous one) opens nothing now.
+        ({SHARD_TOKEN_HEADER: signer(leader).token(job_id, attempt - 1, 1)}, {}, "does not"),
+    ]
+    for headers, params, says in refusals:
+        refused = anonymous.get(f"{base}/stage-1.npz", headers=headers, params=params)
+        assert refused.status_code == 403, (headers, params, refused.text)
+        body = refused.json()
+        assert body["code"] == "SHARD_TOKEN_INVALID" and says in body["message"], body
+
+    # The agent's download: sha256-checked, and its HTTP client logs a URL without the token.
+    resume = {
+        "step": step,
+        "token": tokens[0],
+        "files": [
+            {
+                "name": name,
+                "sha256": hashlib.sha256((on_disk / name).read_bytes()).hexdigest(),
+                "url": f"{base}/{name}",
+            }
+            for name in ("stage-0.npz", "stage-0.json")
+        ],
+    }
+    with caplog.at_level(logging.DEBUG, logger="httpx"):
+        json_path = fetch_shard(resume, tmp_path / "fetched")
+    assert json_path.read_bytes() == (on_disk / "stage-0.json").read_bytes()
+    requests = [r.getMessage() for r in caplog.records if r.name == "httpx"]
+    assert any(f"{base}/stage-0.npz" in line for line in requests), requests
+    assert all(tokens[0] not in line and "token=" not in line for line in requests), requests
+    # Stage 0's token does not fetch stage 1's files.
+    stolen = {**resume, "files": [{**resume["files"][0], "url": f"{base}/stage-1.npz"}]}
+    with pytest.raises(FetchError, match="HTTP 403"):
+        fetch_shard(stolen, tmp_path / "stolen")

@@ -1,0 +1,49 @@
+"""Read tickets: HMAC-signed expiries under a key derived from the operator token (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from leader.auth import ForbiddenError, ReadTickets, UnauthorizedError
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_ticket_opens_until_it_expires():
+    clock = Clock()
+    tickets = ReadTickets("the-token", wall=clock)
+    ticket, expires = tickets.issue()
+    assert expires == 1_000_060
+    tickets.check(ticket)
+    clock.now += 60
+    tickets.check(ticket)
+    clock.now += 1
+    with pytest.raises(UnauthorizedError) as err:
+        tickets.check(ticket)
+    assert err.value.code == "TICKET_EXPIRED" and "read-ticket" in err.value.message
+
+
+@pytest.mark.parametrize(
+    "forged",
+    ["", "garbage", "9999999999.", "9999999999.00", "-1.abc", "1e9.abc", "99999999999999.x"],
+)
+def test_forged_tickets_are_refused(forged):
+    with pytest.raises(ForbiddenError):
+        ReadTickets("the-token").check(forged)
+
+
+def test_a_later_expiry_cannot_be_written_in_and_another_token_voids_it():
+    tickets = ReadTickets("the-token")
+    ticket, expires = tickets.issue()
+    mac = ticket.partition(".")[2]
+    with pytest.raises(ForbiddenError):
+        tickets.check(f"{expires + 3600}.{mac}")
+    with pytest.raises(ForbiddenError):
+        ReadTickets("a-new-token").check(ticket)
+    assert "the-token" not in ticket

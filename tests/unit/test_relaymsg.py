@@ -1,0 +1,174 @@
+"""Relay messages: layout, tags and parsing (agent/pipe/relaymsg.py), without NATS."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import numpy as np
+import pytest
+
+from agent.pipe.link import deserialize_parts, serialize_parts
+from agent.pipe.relaymsg import (
+    OVERHEAD,
+    TAG_BYTES,
+    Control,
+    Credit,
+    DataChunk,
+    DropReason,
+    RelayAuth,
+    parse_message,
+)
+from swarm.errors import ConfigError
+from swarm.jobspec import JobSpec, PlacedStage, Placement, stage_plans
+from swarm.plan import ModelConfig, StagePlan, Transport, decode_plan
+
+TOKEN = bytes(range(32))
+SUBJECT = "swarm.relay.j-1.2.0.fwd"
+AUTH = RelayAuth(TOKEN, SUBJECT)
+
+
+def test_tagged_messages_round_trip():
+    data = AUTH.data(7, 1, 3, b"chunk bytes")
+    assert len(data) == OVERHEAD + len(b"chunk bytes")
+    chunk = parse_message(data, AUTH)
+    assert isinstance(chunk, DataChunk)
+    assert (chunk.seq, chunk.index, chunk.count, bytes(chunk.chunk)) == (7, 1, 3, b"chunk bytes")
+    assert parse_message(AUTH.credit(2**40), AUTH) == Credit(total=2**40)
+    assert parse_message(AUTH.message(b"H", b"fingerprint"), AUTH) == Control(b"H", b"fingerprint")
+    assert parse_message(AUTH.message(b"E"), AUTH) == Control(b"E", b"")
+
+
+def test_a_data_chunk_is_a_view_of_the_message():
+    data = AUTH.data(0, 0, 1, b"x" * 1000)
+    chunk = parse_message(data, AUTH)
+    assert isinstance(chunk.chunk, memoryview) and chunk.chunk.obj is data
+
+
+@pytest.mark.parametrize(
+    ("data", "reason"),
+    [
+        (b"", DropReason.UNKNOWN_KIND),
+        (b"Zjunk", DropReason.UNKNOWN_KIND),
+        (b"d" + bytes(40), DropReason.UNKNOWN_KIND),  # kinds are case-sensitive
+        (b"D", DropReason.TRUNCATED),
+        (b"D" + bytes(TAG_BYTES + 15), DropReason.TRUNCATED),  # one byte short of the header
+        (b"C" + bytes(TAG_BYTES + 7), DropReason.TRUNCATED),
+        (b"H" + bytes(TAG_BYTES - 1), DropReason.TRUNCATED),
+        (b"E" + bytes(3), DropReason.TRUNCATED),
+    ],
+)
+def test_malformed_messages_say_why(data, reason):
+    assert parse_message(data, AUTH) is reason
+    assert parse_message(data, RelayAuth(None, SUBJECT)) is reason
+
+
+def _flip(data: bytes, at: int) -> bytes:
+    return data[:at] + bytes([data[at] ^ 1]) + data[at + 1 :]
+
+
+@pytest.mark.parametrize(
+    "forged",
+    [
+        RelayAuth(None, SUBJECT).data(0, 0, 1, b"xx"),  # untagged
+        RelayAuth(bytes(32), SUBJECT).data(0, 0, 1, b"xx"),  # another token
+        RelayAuth(TOKEN, SUBJECT.replace("fwd", "bwd")).data(0, 0, 1, b"xx"),  # other subject
+        RelayAuth(TOKEN, SUBJECT.replace(".2.", ".1.")).credit(5),  # an older attempt's
+        _flip(AUTH.data(0, 0, 1, b"xx"), 1 + TAG_BYTES + 7),  # seq 0 -> 1
+        _flip(AUTH.data(0, 0, 1, b"xx"), 1 + TAG_BYTES + 15),  # count 1 -> 0
+        AUTH.data(0, 0, 1, b"xx")[:-1],  # the chunk cut short
+        AUTH.data(0, 0, 1, b"xx") + b"!",  # or extended
+        b"C" + AUTH.data(0, 0, 1, b"xx")[1:],  # another kind, same tag
+        _flip(AUTH.credit(5), len(AUTH.credit(5)) - 1),  # a larger grant
+        _flip(AUTH.message(b"A", b"ok"), 1),  # a damaged tag
+        AUTH.message(b"A", b"ok")[:-1],  # a changed body
+    ],
+)
+def test_a_message_without_a_valid_tag_is_dropped(forged):
+    assert parse_message(forged, AUTH) is DropReason.BAD_TAG
+
+
+def test_the_tag_covers_the_chunk_header_not_its_bytes():
+    """By design (see the module docstring): integrity of the bytes comes from TLS and the
+    server's permissions; the tag binds subject, kind, seq, index, count and length."""
+    data = AUTH.data(4, 0, 1, b"abcd")
+    altered = parse_message(data[:-4] + b"wxyz", AUTH)
+    assert isinstance(altered, DataChunk) and bytes(altered.chunk) == b"wxyz"
+
+
+def test_a_tagged_credit_of_another_length_is_malformed():
+    assert parse_message(AUTH.message(b"C", bytes(12)), AUTH) is DropReason.MALFORMED
+
+
+def test_without_a_token_anything_well_formed_is_taken():
+    untagged = RelayAuth(None, SUBJECT)
+    assert not untagged.enabled and AUTH.enabled
+    assert untagged.data(1, 0, 1, b"x")[1 : 1 + TAG_BYTES] == bytes(TAG_BYTES)
+    for message in (untagged.data(1, 0, 1, b"x"), AUTH.data(1, 0, 1, b"x")):
+        assert isinstance(parse_message(message, untagged), DataChunk)
+    assert parse_message(RelayAuth(bytes(32), SUBJECT).credit(3), untagged) == Credit(3)
+
+
+@pytest.mark.parametrize("token", [b"short", bytes(15), bytes(65)])
+def test_a_token_of_the_wrong_size_is_refused(token):
+    with pytest.raises(ValueError, match="16 to 64 bytes"):
+        RelayAuth(token, SUBJECT)
+
+
+def test_parsing_never_raises_on_random_input():
+    rng = random.Random(5)
+    kinds = b"DCHAEZ"
+    for _ in range(2000):
+        size = rng.choice([0, 1, 5, 16, 17, 24, 25, 33, 34, 100])
+        data = bytes([rng.choice(kinds)]) + rng.randbytes(size)
+        assert isinstance(parse_message(data, AUTH), DropReason)
+        parse_message(data, RelayAuth(None, SUBJECT))  # any result, never an exception
+
+
+def test_parts_serialize_from_views_of_any_format():
+    array = np.arange(12, dtype=np.float32).reshape(3, 4)
+    parts = [b"head", memoryview(array), memoryview(array)[::2], bytearray(b"x")]
+    back = deserialize_parts(serialize_parts(parts))
+    assert [bytes(p) for p in back] == [b"head", array.tobytes(), array[::2].tobytes(), b"x"]
+
+
+# --- the tokens in the plans --------------------------------------------------------------
+
+
+def _plans(transport: Transport, n: int = 3) -> list[StagePlan]:
+    placement = Placement(
+        stages=[
+            PlacedStage(
+                stage=i,
+                fellow_id=f"f{i}",
+                hostname=f"h{i}",
+                layer_start=i,
+                layer_end=i + 1,
+                data_address=f"tcp://h{i}:1",
+            )
+            for i in range(n)
+        ],
+        transport=transport,
+    )
+    spec = JobSpec(model=ModelConfig(n_layers=n), stages=n)
+    return stage_plans(job_id="j-1", attempt=2, spec=spec, placement=placement, subject_prefix="s")
+
+
+@pytest.mark.parametrize("transport", [Transport.AUTO, Transport.TUNNEL])
+def test_each_relay_boundary_gets_a_fresh_token_both_neighbours_share(transport):
+    plans = _plans(transport)
+    assert plans[0].relay_up_token is None and plans[-1].relay_down_token is None
+    tokens = [p.relay_down_token for p in plans[:-1]]
+    assert tokens == [p.relay_up_token for p in plans[1:]]
+    assert len(set(tokens)) == 2 and all(len(bytes.fromhex(t)) == 32 for t in tokens)
+    assert not set(tokens) & {p.relay_down_token for p in _plans(transport)[:-1]}
+    # A plan travels as JSON (START, the stage's plan file) and keeps its tokens.
+    again = msgspec.json.decode(msgspec.json.encode(plans[1]), type=StagePlan)
+    assert (again.relay_up_token, again.relay_down_token) == tuple(tokens)
+
+
+def test_p2p_plans_have_no_relay_token_and_a_bad_token_is_refused():
+    assert all(p.relay_up_token is p.relay_down_token is None for p in _plans(Transport.P2P))
+    raw = msgspec.to_builtins(_plans(Transport.TUNNEL)[0])
+    with pytest.raises(ConfigError, match="relay_down_token"):
+        decode_plan(msgspec.json.encode({**raw, "relay_down_token": "not hex"}))
