@@ -11,7 +11,6 @@ test waits for it to complete in its first attempt.
 from __future__ import annotations
 
 import asyncio
-import secrets
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,22 +20,13 @@ import nats
 import pytest
 
 from swarm.natsauth import NatsAuthority
-from swarm.procs import free_port
-from tests.conftest import NatsControl, secure_env, start_agent
-from tests.helpers import Leader, Processes, child_env, wait_for
+from tests.conftest import NatsControl, leader_process, secure_env, start_agent
+from tests.helpers import Leader, Processes, wait_for
+from tests.integration.test_jobs import tiny
 
 T = TypeVar("T")
 HONEST = ("h1", "h2")
-JOB = {
-    "name": "beside",
-    "model": {"vocab_size": 256, "seq_len": 32, "n_layers": 2, "d_model": 32, "n_heads": 2},
-    "max_data_bytes": 300_000,
-    "batch_size": 8,
-    "micro_batches": 2,
-    "learning_rate": 0.01,
-    "warmup_steps": 5,
-    "stages": 2,
-}
+JOB = tiny(name="beside", stages=2)
 
 
 @dataclass
@@ -96,22 +86,9 @@ def beside(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Beside]:
     procs = Processes(tmp / "proc-logs")
     authority = NatsAuthority.load_or_create(tmp / "nats-auth")
     control = NatsControl(tmp, authority)
-    port, token = free_port(), secrets.token_urlsafe(16)
-    leader = Leader(f"http://127.0.0.1:{port}", token=token)
+    leaders = leader_process(procs, control, tmp, **secure_env(authority))
     try:
-        env = child_env(
-            SWARM_NATS_URL=control.url,
-            SWARM_LEADER_PORT=str(port),
-            SWARM_STATE_DIR=str(tmp / "leader-state"),
-            SWARM_API_TOKEN=token,
-            **secure_env(authority),
-        )
-        proc = procs.python("leader", "leader.main", env=env)
-        wait_for(
-            lambda: proc.poll() is None and leader.get("/api/v1/info")["state_loaded"],
-            timeout=30,
-            what="the leader to serve with its state loaded",
-        )
+        leader = next(leaders)
         for name in HONEST:
             creds = authority.write_fellow_creds("swarm", name)
             # No data address: the stages talk over the relay, which the attacks go after.
@@ -138,6 +115,6 @@ def beside(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Beside]:
             mallory_creds=authority.write_fellow_creds("swarm", "mallory"),
         )
     finally:
-        leader.close()
+        leaders.close()
         procs.cleanup()
         control.stop()

@@ -102,6 +102,23 @@ def test_pruning_keeps_the_newest_two_complete_steps_and_a_resume_drops_later_on
 
 
 def test_the_manifest_names_every_stage_of_the_newest_complete_step(tmp_path):
+    job = placed_job()
+    store = ExportStore()
+    assert store.write_manifest(tmp_path, job) is None  # nothing complete yet
+    for stage in (0, 1):
+        send_shard(store, tmp_path, stage=stage, step=30)
+    manifest = json.loads(store.write_manifest(tmp_path, job).read_text())
+    assert manifest["step"] == 30 and manifest["job_id"] == job.job_id
+    assert [s["stage"] for s in manifest["stages"]] == [0, 1]
+    for stage in manifest["stages"]:
+        data = (tmp_path / stage["weights"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == stage["weights_sha256"]
+        assert stage["layer_end"] > stage["layer_start"]
+    assert manifest["spec"]["steps"] == 30 and manifest["placement"]["stages"]
+
+
+def placed_job():
+    """A 2-stage job placed on two CPU fellows, its first attempt starting."""
     manager = JobManager()
     job = manager.submit(JobSpec(model=ModelConfig(n_layers=4), stages=2, steps=30))
     fellows = [
@@ -116,15 +133,4 @@ def test_the_manifest_names_every_stage_of_the_newest_complete_step(tmp_path):
     ]
     [assignment], _ = plan_schedule(manager.pending(), fellows)
     manager.begin_start(job.job_id, assignment.placement)
-    store = ExportStore()
-    assert store.write_manifest(tmp_path, job) is None  # nothing complete yet
-    for stage in (0, 1):
-        send_shard(store, tmp_path, stage=stage, step=30)
-    manifest = json.loads(store.write_manifest(tmp_path, job).read_text())
-    assert manifest["step"] == 30 and manifest["job_id"] == job.job_id
-    assert [s["stage"] for s in manifest["stages"]] == [0, 1]
-    for stage in manifest["stages"]:
-        data = (tmp_path / stage["weights"]).read_bytes()
-        assert hashlib.sha256(data).hexdigest() == stage["weights_sha256"]
-        assert stage["layer_end"] > stage["layer_start"]
-    assert manifest["spec"]["steps"] == 30 and manifest["placement"]["stages"]
+    return job

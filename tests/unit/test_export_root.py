@@ -15,11 +15,8 @@ from leader.artifacts import (
     export_dir,
     resolve_export_dir,
 )
-from leader.jobs import JobManager, plan_schedule
-from leader.placement import Candidate
-from swarm.jobspec import FieldError, JobSpec
-from swarm.plan import ModelConfig
-from tests.unit.test_artifacts import chunks, send_shard
+from swarm.jobspec import FieldError
+from tests.unit.test_artifacts import chunks, placed_job, send_shard
 
 
 @pytest.fixture
@@ -139,24 +136,6 @@ def test_a_directory_outside_the_root_is_refused(root, tmp_path):
     with pytest.raises(ExportPathError):
         send_shard(ExportStore(root=root), outside / "run", stage=0, step=5)
     assert list(outside.iterdir()) == []
-
-
-def placed_job():
-    manager = JobManager()
-    job = manager.submit(JobSpec(model=ModelConfig(n_layers=4), stages=2, steps=30))
-    fellows = [
-        Candidate(
-            fellow_id=f,
-            hostname=f,
-            data_address="tcp://x:1",
-            cpu_cores=2,
-            ram_available_bytes=8 << 30,
-        )
-        for f in ("f1", "f2")
-    ]
-    [assignment], _ = plan_schedule(manager.pending(), fellows)
-    manager.begin_start(job.job_id, assignment.placement)
-    return job
 
 
 def test_the_manifest_is_not_written_through_a_symlink(root, tmp_path):
