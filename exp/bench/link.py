@@ -102,9 +102,16 @@ class LinkChannel:
         self.link.close()
 
 
+# Both ends share a boundary token, as a leader's plan gives them: every message is tagged
+# and checked, so this measures the relay as jobs run it.
+RELAY_TOKEN = bytes(range(32))
+
+
 def relay(url: str, outbound: bool) -> RelayLink:
     send, recv = (FWD, BWD) if outbound else (BWD, FWD)
-    return RelayLink(name=f"bench-{send}", nats=url, send_subject=send, recv_subject=recv)
+    return RelayLink(
+        name=f"bench-{send}", nats=url, send_subject=send, recv_subject=recv, token=RELAY_TOKEN
+    )
 
 
 def measure_sync(ch, size: int, frames: int, pings: int) -> dict[str, float]:

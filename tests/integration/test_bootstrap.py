@@ -34,12 +34,14 @@ def create_session(leader, **body):
 def run_script(leader, script: Path, session: dict, prefix: Path, home: Path):
     """The join command, with the network left out: the wheel's dependencies come from this
     test environment (a .pth file) instead of an index."""
-    args = session["command"].split("sh -s -- ", 1)[1].split()
+    pipe, args = session["command"].split("sh -s -- ", 1)
+    # The command hands the token to sh in its environment (`... | SWARM_JOIN_TOKEN=T sh`).
+    token = pipe.rsplit("SWARM_JOIN_TOKEN=", 1)[1].split()[0]
     return subprocess.run(
         [
             "sh",
             str(script),
-            *args,
+            *args.split(),
             "--prefix",
             str(prefix),
             "--pip-args",
@@ -51,7 +53,7 @@ def run_script(leader, script: Path, session: dict, prefix: Path, home: Path):
         capture_output=True,
         text=True,
         timeout=180,
-        env=child_env(HOME=str(home)),
+        env=child_env(HOME=str(home), SWARM_JOIN_TOKEN=token),
     )
 
 
