@@ -16,6 +16,7 @@ import pytest
 
 from tests.conftest import start_agent
 from tests.helpers import Leader, run_swarm, wait_for
+from tests.integration.nats_client import with_nats
 from tests.integration.test_jobs import tiny, wait_ready
 
 pytestmark = pytest.mark.timeout(300)
@@ -24,6 +25,17 @@ pytestmark = pytest.mark.timeout(300)
 def pushed(leader: Leader, job_id: str, step: int) -> bool:
     job = leader.job(job_id)
     return (job["pushed_step"] or 0) >= step
+
+
+def saved_pushes(nats_url: str, job_id: str) -> set[tuple[int, int]]:
+    """The (stage, step) receipts of the job as the leader saved them in JetStream KV."""
+
+    async def read(nc):
+        entry = await (await nc.jetstream().key_value("swarm_jobs")).get(job_id)
+        return json.loads(entry.value)
+
+    record = with_nats(nats_url, read)
+    return {(r["stage"], r["step"]) for r in record.get("latest_shard_pushes") or []}
 
 
 def check_manifest(directory: Path, n_stages: int) -> dict:
@@ -57,7 +69,13 @@ def test_shards_are_pushed_every_n_steps_survive_a_leader_restart_and_make_the_e
     )
     job_id = leader.submit(**spec)["job_id"]
     wait_for(lambda: pushed(leader, job_id, 10), timeout=90, what="the first complete push")
-
+    # Killed once the receipts are saved (a receipt the leader acked but had not written yet
+    # is gone with it, and the fellow does not send an acked piece again).
+    wait_for(
+        lambda: {(0, 10), (1, 10)} <= saved_pushes(nats_server.url, job_id),
+        timeout=10,
+        what="the first receipts to be saved",
+    )
     restartable_leader.kill()  # pushes in flight are retried against the new leader
     restartable_leader.start()
     job = leader.wait_job(job_id, "COMPLETED", timeout=150)

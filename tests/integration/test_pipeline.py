@@ -156,19 +156,22 @@ def test_auto_prefers_the_direct_path_when_it_works(procs, nats_server, tmp_path
     assert links(results[0])["down"] == "p2p"
 
 
+@pytest.mark.timeout(240)
 def test_a_vanished_peer_ends_the_stage_with_an_error_naming_the_boundary(procs, tmp_path):
-    plans = chain("vanish", 2, train(100_000), peer_timeout_s=3.0)
+    # Long enough for the first step's compilation on a busy machine, short for the test.
+    plans = chain("vanish", 2, train(100_000), peer_timeout_s=8.0)
     paths = write_plans(plans, tmp_path)
     env = child_env(TF_CPP_MIN_LOG_LEVEL="2")
     last, first = (
         procs.python(name, "agent.runtime.main", "--plan", str(path), env=env)
         for name, path in (("last", paths[1]), ("first", paths[0]))
     )
-    wait_for(lambda: '"event": "step"' in procs.log(last), timeout=60, what="training to start")
+    # Two TensorFlow start-ups on two cores: slow when the machine is busy.
+    wait_for(lambda: '"event": "step"' in procs.log(last), timeout=150, what="training to start")
     first.kill()
     killed_at = time.monotonic()
     assert last.wait(timeout=30) == 1
-    assert time.monotonic() - killed_at < 3.0 + 10.0
+    assert time.monotonic() - killed_at < 8.0 + 10.0
     log = procs.log(last)
     assert "boundary 0 (stage-0 -> stage-1)" in log and "nothing received" in log
     assert "Traceback" not in log
