@@ -86,7 +86,7 @@ class ExportService:
         refusal = self._refusal(chunk)
         if refusal is not None:
             self.bus.drop(msg, refusal)
-            await self._reply(msg, ShardAck(ok=False, next_seq=chunk.seq, message=refusal))
+            await self._reply(msg, chunk, ShardAck(ok=False, next_seq=chunk.seq, message=refusal))
             return
         job = self.jobs.get(chunk.job_id)
         assert job.placement is not None
@@ -101,7 +101,7 @@ class ExportService:
             log.error("job %s: %s", job.job_id, error)
             self._export_failed(job, error)
             ack, receipt = ShardAck(ok=False, next_seq=chunk.seq, message=error), None
-        await self._reply(msg, ack)
+        await self._reply(msg, chunk, ack)
         if receipt is not None:
             n = len(job.placement.stages)
             complete = self.store.complete_steps(directory, n)
@@ -141,9 +141,9 @@ class ExportService:
             return f"fellow {chunk.fellow_id} does not run stage {chunk.stage} of this attempt"
         return None
 
-    async def _reply(self, msg: Msg, ack: ShardAck) -> None:
-        sender = topics.SHARD.parse(self.prefix, msg.subject)["fellow"]
-        await self.bus.respond(msg, sender, topics.encode(ack))
+    async def _reply(self, msg: Msg, chunk: Any, ack: ShardAck) -> None:
+        # decode_job_message checked that the piece's fellow is its subject's.
+        await self.bus.respond(msg, chunk.fellow_id, topics.encode(ack))
 
     def _export_failed(self, job: JobRecord, error: str) -> None:
         job.export_error = error
