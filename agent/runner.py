@@ -37,6 +37,7 @@ from swarm.natsauth import write_private
 from swarm.natsconn import NatsAccess, connect_forever
 from swarm.plan import StagePlan
 from swarm.protocol import (
+    EXPORT_ERROR_CHARS,
     DeregisterRequest,
     FellowIdentity,
     FellowStatus,
@@ -110,6 +111,10 @@ class FellowAgent:
         self.loss: float | None = None
         self.outcome: StageOutcome | None = None
         self._checkpoint_final = False
+        # The run's own final checkpoint (id "end"): handed to the pusher, or why it could not
+        # be written. Together they say whether the final shard reached the leader.
+        self._end_submitted = False
+        self._end_error: str | None = None
         # Set by UPDATE: the agent process restarts (re-exec) once it has stopped.
         self.restart_requested = False
         self._update_when_idle = False
@@ -425,6 +430,7 @@ class FellowAgent:
         self.run_nc = run_nc
         self._down_transport = None
         self._checkpoint_final = False
+        self._end_submitted, self._end_error = False, None
         self._set_status(FellowEvent.START)
         if resume:
             self._background(self._fetch_and_start(run, resume, fetched), "stage-fetch")
@@ -593,6 +599,11 @@ class FellowAgent:
             )
         elif kind == "checkpoint":
             final = bool(event.get("final"))
+            if event.get("id") == "end":
+                if event.get("ok") and event.get("path"):
+                    self._end_submitted = self.pusher is not None
+                else:
+                    self._end_error = str(event.get("message") or "the checkpoint failed")
             if event.get("ok") and event.get("path") and self.pusher is not None:
                 # Every checkpoint goes to the leader (the export, and where a resume starts);
                 # a periodic one may be overtaken by the next, the others are kept.
@@ -633,10 +644,26 @@ class FellowAgent:
         outcome = await run.finished
         if len(outcome.message) > MESSAGE_CHARS:
             outcome = msgspec.structs.replace(outcome, message=outcome.message[:MESSAGE_CHARS])
-        # The export must be whole when the job is COMPLETED: report the end after it.
-        pushing = outcome.result is StageResult.COMPLETED and self.pusher is not None
-        if pushing and not await self.pusher.drain(PUSH_DRAIN_S):
-            log.warning("job %s: shard push still running after %.0fs", run.job_id, PUSH_DRAIN_S)
+        # The export must be whole when the job is COMPLETED: report the end after it, and
+        # if the final shard did not make it, say why.
+        if outcome.result is StageResult.COMPLETED:
+            drained = self.pusher is not None and await self.pusher.drain(PUSH_DRAIN_S)
+            push_error = None
+            if self.pusher is not None:
+                push_error = self.pusher.failure(run.job_id, run.attempt, run.plan.train.steps)
+            export_error = final_export_error(
+                submitted=self._end_submitted,
+                checkpoint_error=self._end_error,
+                drained=drained,
+                push_error=push_error,
+            )
+            if export_error is not None:
+                log.error(
+                    "job %s: the final shard is not on the leader: %s", run.job_id, export_error
+                )
+                outcome = msgspec.structs.replace(
+                    outcome, export_error=export_error[:EXPORT_ERROR_CHARS]
+                )
         self.outcome = outcome
         self.step = outcome.step
         log.info(
@@ -711,6 +738,23 @@ class FellowAgent:
         if msg.reply:
             with contextlib.suppress(NatsError):
                 await msg.respond(topics.encode(ack))
+
+
+def final_export_error(
+    *, submitted: bool, checkpoint_error: str | None, drained: bool, push_error: str | None
+) -> str | None:
+    """Why a completed stage's final shard is not on the leader; None when it is.
+
+    ``submitted``: its final checkpoint was written and handed to the pusher;
+    ``checkpoint_error``: why it could not be written; ``drained``: the pushes ended within
+    PUSH_DRAIN_S; ``push_error``: why the final push failed, if it did."""
+    if checkpoint_error is not None:
+        return checkpoint_error
+    if not submitted:
+        return "the stage wrote no final checkpoint (or this agent cannot push shards)"
+    if not drained:
+        return f"the final shard push was still running after {PUSH_DRAIN_S:.0f}s"
+    return push_error
 
 
 class StartRefused(Exception):

@@ -9,6 +9,10 @@ a shard is complete on the leader exactly when its JSON is.
 Pushes run in the agent's event loop, one at a time, while the stage runtime trains on: they
 never stall training. Only the newest periodic push waits its turn; an older one that has not
 started yet is dropped (it would be stale by the time it arrived).
+
+A push that fails is given up (the next periodic one may succeed); for a kept one (the final
+checkpoint, an operator's) the pusher remembers why, naming the file, so that the stage's
+outcome can tell the leader why its export is missing (:meth:`ShardPusher.failure`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import contextlib
 import hashlib
 import logging
 import shutil
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +37,11 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 512 * 1024
 REQUEST_TIMEOUT_S = 10.0
 ATTEMPTS = 6
+FAILURES_KEPT = 32  # the failed kept pushes remembered (by job, attempt and step)
+
+
+class PushError(Exception):
+    """A shard could not be pushed; the message names the file and the cause."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +74,12 @@ class ShardPusher:
         self._task: asyncio.Task[None] | None = None
         self._periodic: dict[str, Path] = {}  # job -> the pushed periodic checkpoint kept
         self._kept: set[Path] = set()  # checkpoints someone asked for: never removed
+        # (job, attempt, step) -> why the last push of that kept checkpoint failed.
+        self._failures: OrderedDict[tuple[str, int, int], str] = OrderedDict()
+
+    def failure(self, job_id: str, attempt: int, step: int) -> str | None:
+        """Why the latest push of a kept checkpoint failed; None: it succeeded (or never ran)."""
+        return self._failures.get((job_id, attempt, step))
 
     def submit(self, shard: Shard) -> None:
         """Queue a push; a periodic one replaces older periodic ones still waiting."""
@@ -94,10 +110,9 @@ class ShardPusher:
     async def _run(self) -> None:
         while self._queue:
             shard = self._queue.pop(0)
+            key = (shard.job_id, shard.attempt, shard.step)
             try:
                 await self.push(shard)
-                if shard.periodic:
-                    self._forget_older(shard)
             except Exception as exc:  # a push is best effort: the next one may succeed
                 log.warning(
                     "push of job %s stage %d step %d failed: %s",
@@ -106,6 +121,16 @@ class ShardPusher:
                     shard.step,
                     exc,
                 )
+                if not shard.periodic:
+                    self._failures[key] = str(exc) or type(exc).__name__
+                    self._failures.move_to_end(key)
+                    while len(self._failures) > FAILURES_KEPT:
+                        self._failures.popitem(last=False)
+            else:
+                if shard.periodic:
+                    self._forget_older(shard)
+                else:
+                    self._failures.pop(key, None)
         self._idle.set()
 
     def _forget_older(self, shard: Shard) -> None:
@@ -116,9 +141,16 @@ class ShardPusher:
             shutil.rmtree(older, ignore_errors=True)
 
     async def push(self, shard: Shard) -> None:
+        """Send the shard's files, arrays first; PushError naming the file on failure."""
         for path in shard.files():
-            data = await asyncio.to_thread(path.read_bytes)
-            await self._send_file(shard, path.name, data)
+            try:
+                data = await asyncio.to_thread(path.read_bytes)
+            except OSError as exc:
+                raise PushError(f"cannot read {path}: [Errno {exc.errno}] {exc.strerror}") from None
+            try:
+                await self._send_file(shard, path.name, data)
+            except PushError as exc:
+                raise PushError(f"cannot push {path}: {exc}") from None
         log.info(
             "pushed job %s stage %d step %d to the leader", shard.job_id, shard.stage, shard.step
         )
@@ -150,15 +182,13 @@ class ShardPusher:
             except (NatsError, TimeoutError, ProtocolError) as exc:
                 failures += 1
                 if failures >= ATTEMPTS:
-                    raise RuntimeError(
-                        f"{name}: the leader did not take piece {seq}: {exc}"
-                    ) from None
+                    raise PushError(f"the leader did not take piece {seq}: {exc}") from None
                 await asyncio.sleep(min(5.0, 0.5 * 2**failures))
                 continue
             if ack.done:
                 return
             if not ack.ok and ack.next_seq == seq:
-                raise RuntimeError(f"{name}: the leader refused it: {ack.message}")
+                raise PushError(f"the leader refused it: {ack.message}")
             failures = 0
             seq = ack.next_seq
 

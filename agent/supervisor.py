@@ -18,7 +18,7 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import msgspec
 
@@ -199,16 +199,35 @@ class StageRun:
             self.finished.set_result(self._outcome(code))
 
     async def _read_stderr(self) -> None:
-        """Keep the runtime's stderr in ``stage.err`` and hand every line on."""
+        """Keep the runtime's stderr in ``stage.err`` and hand every line on.
+
+        The pipe is read to its end whatever happens to the file: a full disk must not stop
+        the reading, or the runtime blocks on a full stderr pipe and training hangs."""
         proc = self.proc
         assert proc is not None and proc.stderr is not None
-        with open(self.stderr_path, "ab") as out:
+        out = self._open_stderr_file()
+        try:
             async for raw in proc.stderr:
-                out.write(raw)
-                out.flush()
+                if out is not None:
+                    try:
+                        out.write(raw)
+                        out.flush()
+                    except OSError as exc:
+                        log.error("%s: cannot write %s any more: %s", self.job_id, out.name, exc)
+                        out = _closed(out)
                 line = raw.decode(errors="replace").rstrip()
                 if line:
                     self.on_output("stderr", line)
+        finally:
+            if out is not None:
+                _closed(out)
+
+    def _open_stderr_file(self) -> BinaryIO | None:
+        try:
+            return open(self.stderr_path, "ab")
+        except OSError as exc:
+            log.error("%s: cannot open %s: %s", self.job_id, self.stderr_path, exc)
+            return None
 
     def _remember(self, event: dict[str, Any]) -> None:
         kind = event.get("event")
@@ -240,3 +259,9 @@ class StageRun:
 def _last_line(path: Path) -> str:
     lines = [line for line in tail(path, 5).splitlines() if line.strip()]
     return lines[-1].strip()[:500] if lines else ""
+
+
+def _closed(out: BinaryIO) -> None:
+    """Close a log file that may not take its last buffered bytes (a full disk)."""
+    with contextlib.suppress(OSError):
+        out.close()

@@ -28,6 +28,7 @@ from leader.placement import PlacementDefaults
 from leader.purges import PurgeBook
 from leader.registry import WorkerRegistry
 from leader.services import LeaderServices
+from leader.storage import StorageMonitor
 from swarm import __version__
 from swarm.jobspec import LastStagePlacement
 from swarm.natsauth import NatsAuthority
@@ -36,6 +37,7 @@ from swarm.sdnotify import watchdog_forever
 from swarm.settings import Settings
 
 log = logging.getLogger(__name__)
+OBSERVE_RETRY_MAX_S = 5.0  # the streams are retried at least this often
 
 
 def create_app(
@@ -61,6 +63,9 @@ def create_app(
     bus = LeaderBus(nats=nats, prefix=settings.subject_prefix, registry=registry)
     jobs, purges = JobManager(), PurgeBook()
     observe = Observability(bus=bus, jobs=jobs, prefix=settings.subject_prefix)
+    storage = StorageMonitor(
+        prefix=settings.subject_prefix, specs=[observe.progress, observe.logs_stream]
+    )
     exports = ExportService(
         bus=bus,
         jobs=jobs,
@@ -94,6 +99,7 @@ def create_app(
             authority=authority,
         ),
         exports=exports,
+        storage=storage,
     )
     metrics = LeaderMetrics(services)
     tickets = ReadTickets(token)
@@ -104,7 +110,8 @@ def create_app(
         tasks = [
             asyncio.create_task(_sweep_forever(registry, settings), name="registry-sweep"),
             asyncio.create_task(services.orchestrator.run(), name="job-loop"),
-            asyncio.create_task(_observe(bus, observe), name="observability"),
+            asyncio.create_task(_observe(bus, observe, storage), name="observability"),
+            asyncio.create_task(_watch_storage(services), name="storage-monitor"),
             asyncio.create_task(watchdog_forever(), name="systemd-watchdog"),
             asyncio.create_task(_package(services, settings), name="bootstrap-package"),
         ]
@@ -155,15 +162,27 @@ async def _package(services: LeaderServices, settings: Settings) -> None:
         log.info("serving %s (sha256 %s)", found.file, found.sha256)
 
 
-async def _observe(bus: LeaderBus, observe: Observability) -> None:
+async def _observe(bus: LeaderBus, observe: Observability, storage: StorageMonitor) -> None:
+    """Open the history streams (retried with backoff while JetStream is not ready or the
+    store refuses them: the storage monitor reports why), then keep the log buffer filled."""
     await bus.connected.wait()
+    retry_s = 1.0
     while True:
         try:
             await observe.start()
             return
-        except Exception as exc:  # JetStream not ready yet: say so, try again
-            log.error("cannot open the history streams (%s); retrying", exc)
-            await asyncio.sleep(1.0)
+        except Exception as exc:
+            storage.streams_failed(exc, retry_s)
+            await asyncio.sleep(retry_s)
+            retry_s = min(OBSERVE_RETRY_MAX_S, retry_s * 2)
+
+
+async def _watch_storage(services: LeaderServices) -> None:
+    def write_error() -> str | None:
+        store = services.orchestrator.store
+        return None if store is None else store.write_error
+
+    await services.storage.run(lambda: services.bus.nc, write_error, services.observe.ready)
 
 
 async def _sweep_forever(registry: WorkerRegistry, settings: Settings) -> None:

@@ -8,7 +8,9 @@ it leads out of it), else ``<root>/<job_id>/model_export``::
     shards/step-<n>/stage-<i>.npz         a stage's checkpoint after n steps (arrays)
     shards/step-<n>/stage-<i>.json        ... and its metadata (written last: it completes it)
     shards/step-<n>/stage-<i>.*.sha256    the verified sha256 of each file
-    .incoming/                            files being received
+    .incoming/                            files being received (a failed write removes its
+                                          file; the leader empties it at start-up and
+                                          when the job or attempt ends)
 
 A step is *complete* when every stage's JSON is there; resume and glue use the newest complete
 step. Older complete steps are pruned (the newest two are kept).
@@ -227,10 +229,15 @@ class ExportStore:
         transfer = self._transfers.get(key)
         if chunk.seq == 0:
             name = f"{chunk.fellow_id}-a{chunk.attempt}-s{chunk.step}-{chunk.name}"
-            with self._dir(directory, ".incoming") as fd:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(name, dir_fd=fd)
-                os.close(os.open(name, _NEW_FILE, 0o644, dir_fd=fd))
+            self._transfers.pop(key, None)
+            try:
+                with self._dir(directory, ".incoming") as fd:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(name, dir_fd=fd)
+                    os.close(os.open(name, _NEW_FILE, 0o644, dir_fd=fd))
+            except OSError:
+                self._abandon(directory, name)
+                raise
             transfer = _Transfer(
                 path=directory / ".incoming" / name,
                 sha256=chunk.sha256,
@@ -242,10 +249,15 @@ class ExportStore:
             want = 0 if transfer is None or chunk.sha256 != transfer.sha256 else transfer.next_seq
             return ShardAck(ok=False, next_seq=want, message=f"expected piece {want}"), None
         incoming = transfer.path.name
-        with self._dir(directory, ".incoming") as fd:
-            flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
-            with os.fdopen(os.open(incoming, flags, dir_fd=fd), "ab") as f:
-                f.write(chunk.data)
+        try:
+            with self._dir(directory, ".incoming") as fd:
+                flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+                with os.fdopen(os.open(incoming, flags, dir_fd=fd), "ab") as f:
+                    f.write(chunk.data)
+        except OSError:
+            del self._transfers[key]
+            self._abandon(directory, incoming)
+            raise
         transfer.hasher.update(chunk.data)
         transfer.received += len(chunk.data)
         transfer.next_seq += 1
@@ -266,10 +278,25 @@ class ExportStore:
                 None,
             )
         step_parts = ("shards", f"step-{chunk.step}")
-        with self._dir(directory, ".incoming") as src, self._dir(directory, *step_parts) as dst:
-            os.replace(incoming, chunk.name, src_dir_fd=src, dst_dir_fd=dst)
-            _write_atomic(dst, f"{chunk.name}.sha256", digest.encode())
-            npz_size = _plain_size(dst, f"stage-{chunk.stage}.npz")
+        try:
+            with (
+                self._dir(directory, ".incoming") as src,
+                self._dir(directory, *step_parts) as dst,
+            ):
+                # The sidecar is written first, under a temporary name: a full disk fails
+                # here, before anything stored (perhaps a complete step's file) is replaced.
+                sidecar = _write_temp(dst, f"{chunk.name}.sha256", digest.encode())
+                try:
+                    os.replace(incoming, chunk.name, src_dir_fd=src, dst_dir_fd=dst)
+                    os.replace(sidecar, f"{chunk.name}.sha256", src_dir_fd=dst, dst_dir_fd=dst)
+                except BaseException:
+                    with contextlib.suppress(OSError):
+                        os.unlink(sidecar, dir_fd=dst)
+                    raise
+                npz_size = _plain_size(dst, f"stage-{chunk.stage}.npz")
+        except OSError:
+            self._abandon(directory, incoming)
+            raise
         receipt = None
         if chunk.name.endswith(".json"):
             npz = self.step_dir(directory, chunk.step) / f"stage-{chunk.stage}.npz"
@@ -283,6 +310,49 @@ class ExportStore:
                 at=time.time(),
             )
         return ShardAck(ok=True, next_seq=transfer.total, done=True), receipt
+
+    def _abandon(self, directory: Path, incoming: str) -> None:
+        """A write failed: the partial file goes (on a full disk, its space comes back)."""
+        with contextlib.suppress(OSError), self._dir(directory, ".incoming", create=False) as fd:
+            os.unlink(incoming, dir_fd=fd)
+
+    def forget(self, job_id: str) -> None:
+        """The job is over: its unfinished transfers will never finish."""
+        for key in [k for k in self._transfers if k[0] == job_id]:
+            del self._transfers[key]
+
+    def sweep_incoming(self, directory: Path) -> list[str]:
+        """Remove what ``.incoming/`` holds, and the folder itself; the names removed.
+
+        Only for a directory no transfer is under way in (at start-up, after the job or
+        attempt ended): stored shards and the manifest are never touched, and a symlink
+        (planted as ``.incoming`` or in it) is removed, never followed."""
+        removed: list[str] = []
+        try:
+            with self._dir(directory, create=False) as parent:
+                try:
+                    fd = os.open(".incoming", _DIR_FLAGS, dir_fd=parent)
+                except OSError as exc:
+                    if exc.errno == errno.ENOENT:
+                        return removed
+                    if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                        raise
+                    os.unlink(".incoming", dir_fd=parent)  # a symlink or file, not ours
+                    return [".incoming"]
+                try:
+                    for name in os.listdir(fd):
+                        if stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                            shutil.rmtree(name, ignore_errors=True, dir_fd=fd)
+                        else:
+                            os.unlink(name, dir_fd=fd)
+                        removed.append(name)
+                finally:
+                    os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.rmdir(".incoming", dir_fd=parent)
+        except (FileNotFoundError, ExportPathError):
+            pass
+        return removed
 
     # --- what is there --------------------------------------------------------------------
 
@@ -421,15 +491,27 @@ class ExportStore:
 def _write_atomic(dir_fd: int, name: str, data: bytes) -> None:
     """``name`` in the directory ``dir_fd`` replaced whole: a fresh temporary file (O_EXCL,
     O_NOFOLLOW) renamed over it (a rename replaces a symlink, never follows it)."""
-    tmp = f".{name}.{secrets.token_hex(4)}.tmp"
+    tmp = _write_temp(dir_fd, name, data)
     try:
-        with os.fdopen(os.open(tmp, _NEW_FILE, 0o644, dir_fd=dir_fd), "wb") as f:
-            f.write(data)
         os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=dir_fd)
         raise
+
+
+def _write_temp(dir_fd: int, name: str, data: bytes) -> str:
+    """``data`` in a fresh temporary file next to ``name`` (O_EXCL, O_NOFOLLOW); its name.
+    Nothing is left behind when the write fails."""
+    tmp = f".{name}.{secrets.token_hex(4)}.tmp"
+    try:
+        with os.fdopen(os.open(tmp, _NEW_FILE, 0o644, dir_fd=dir_fd), "wb") as f:
+            f.write(data)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    return tmp
 
 
 def _plain_size(dir_fd: int, name: str) -> int | None:

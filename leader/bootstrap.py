@@ -9,18 +9,25 @@ or ``failed`` (the script said so, or the session expired unused).
 
 The package is the wheel of exactly the running version: located when the leader starts
 (cached, or shipped with the .deb), or built once from the source checkout on the first
-request that needs it, then cached; never per request.
+request that needs it (in a temporary copy: the checkout is never written to), then cached;
+never per request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import hashlib
 import hmac
 import logging
+import os
 import secrets
 import shutil
+import subprocess
+import sys
+import tempfile
 import time
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -233,7 +240,8 @@ def find_or_build_wheel(
 
     Looked for in ``cache`` (the leader's state), then next to the installed package (the
     .deb puts it in ``<prefix>/share/silentswarm/``); else built from the source tree this
-    code runs from (an editable or source checkout) with setuptools' backend.
+    code runs from (an editable or source checkout) with setuptools' backend, in a temporary
+    copy of it (:func:`build_wheel`).
     """
     if wheel is not None:
         return package_of(newest_wheel(wheel))
@@ -248,7 +256,7 @@ def find_or_build_wheel(
         if found is not None:
             shutil.copyfile(found, target)
         elif source is not None and build:
-            _build(source, cache)
+            build_wheel(source, cache)
         elif not build:
             return None
         if not target.exists():
@@ -278,25 +286,71 @@ def package_of(path: Path) -> Package:
     )
 
 
-def _build(source: Path, out: Path) -> None:
-    import os
-    import subprocess
-    import sys
-    import tempfile
+# What a wheel is built from: the project's top-level files (metadata, readme, licence) and
+# its packages (top-level directories with an ``__init__.py``), without build leftovers.
+_PROJECT_FILES = ("pyproject.toml", "setup.py", "setup.cfg", "MANIFEST.in")
+_PROJECT_FILE_PREFIXES = ("README", "LICENSE", "LICENCE", "COPYING", "NOTICE")
+_NOT_IN_A_WHEEL = shutil.ignore_patterns(
+    "__pycache__", "*.pyc", "*.pyo", "build", "dist", "*.egg-info", ".*"
+)
 
-    with tempfile.TemporaryDirectory() as build:
-        code = (
-            "import os, sys; from setuptools import build_meta; "
-            "print(build_meta.build_wheel(sys.argv[1]))"
-        )
-        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+
+def copy_project(source: Path, dest: Path) -> None:
+    """Copy what building ``source``'s wheel reads into ``dest`` (which must not exist).
+
+    setuptools writes ``build/`` and ``*.egg-info`` into the directory it builds in, so the
+    leader builds in a copy and the source checkout stays as it was."""
+    dest.mkdir()
+    included = _package_patterns(source / "pyproject.toml")
+    for entry in sorted(source.iterdir()):
+        if entry.name.startswith(".") or entry.is_symlink():
+            continue
+        if entry.is_file() and (
+            entry.name in _PROJECT_FILES or entry.name.startswith(_PROJECT_FILE_PREFIXES)
+        ):
+            shutil.copy2(entry, dest / entry.name)
+        elif (
+            entry.is_dir()
+            and (entry / "__init__.py").is_file()
+            and any(fnmatch.fnmatchcase(entry.name, pattern) for pattern in included)
+        ):
+            shutil.copytree(entry, dest / entry.name, ignore=_NOT_IN_A_WHEEL)
+
+
+def _package_patterns(pyproject: Path) -> list[str]:
+    """The top-level packages setuptools is told to find (``[tool.setuptools.packages.find]
+    include``); every package when the project does not say."""
+    try:
+        config = tomllib.loads(pyproject.read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return ["*"]  # the build will say what is wrong
+    find = config.get("tool", {}).get("setuptools", {}).get("packages", {})
+    patterns = find.get("find", {}).get("include") if isinstance(find, dict) else None
+    return [p.split(".")[0] for p in patterns] if patterns else ["*"]
+
+
+def build_wheel(source: Path, out: Path) -> Path | None:
+    """Build ``source``'s wheel into ``out`` with setuptools' backend, in a temporary copy of
+    the project (nothing is written into ``source``). None, logged, when the build fails."""
+    code = (
+        "import sys; from setuptools import build_meta; print(build_meta.build_wheel(sys.argv[1]))"
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="swarm-wheel-") as scratch:
+        project = Path(scratch) / "project"
+        copy_project(source, project)
+        tmp = Path(scratch) / "tmp"
+        tmp.mkdir()
+        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "TMPDIR": str(tmp)}
         done = subprocess.run(
-            [sys.executable, "-c", code, str(out)],
-            cwd=source,
-            env={**env, "TMPDIR": build},
+            [sys.executable, "-c", code, str(out.resolve())],
+            cwd=project,
+            env=env,
             capture_output=True,
             text=True,
             timeout=300,
         )
     if done.returncode != 0:
         log.error("building the bootstrap wheel failed: %s", done.stderr[-2000:])
+        return None
+    return out / done.stdout.strip().splitlines()[-1]

@@ -22,7 +22,7 @@ from typing import Any
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from leader.artifacts import ExportStore, export_dir
+from leader.artifacts import ExportStore, ShardReceipt, export_dir
 from leader.bus import LeaderBus
 from leader.jobs import JobManager, JobRecord
 from swarm import subjects as topics
@@ -59,7 +59,30 @@ class ExportService:
         self.on_push: Any = None  # the orchestrator's wake-up
 
     async def start(self, nc: Client) -> None:
+        """Take pushes. The jobs are loaded by now: first, every job's ``.incoming/`` is
+        emptied (a transfer does not survive a leader restart; its fellow starts it over)."""
+        await asyncio.to_thread(self._sweep_all)
         await nc.subscribe(topics.SHARD.wildcard(self.prefix), cb=self._on_shard)
+
+    def _sweep_all(self) -> None:
+        for job in self.jobs.list():
+            if job.export_dir is not None:
+                self._sweep(job)
+
+    def _sweep(self, job: JobRecord) -> None:
+        assert job.export_dir is not None
+        try:
+            removed = self.store.sweep_incoming(Path(job.export_dir))
+        except OSError as exc:
+            log.warning("job %s: cannot empty %s/.incoming: %s", job.job_id, job.export_dir, exc)
+            return
+        if removed:
+            log.info(
+                "job %s: removed %d partial upload(s) from .incoming: %s",
+                job.job_id,
+                len(removed),
+                ", ".join(removed[:5]) + (", ..." if len(removed) > 5 else ""),
+            )
 
     def directory(self, job: JobRecord) -> Path:
         """The job's export directory (recorded on the job the first time)."""
@@ -101,32 +124,39 @@ class ExportService:
             log.error("job %s: %s", job.job_id, error)
             self._export_failed(job, error)
             ack, receipt = ShardAck(ok=False, next_seq=chunk.seq, message=error), None
-        await self._reply(msg, chunk, ack)
         if receipt is not None:
-            n = len(job.placement.stages)
-            complete = self.store.complete_steps(directory, n)
-            newest = complete[-1] if complete else None
-            became = newest is not None and newest == receipt.step
-            self.jobs.record_push(job.job_id, receipt, newest)
-            log.info(
-                "job %s: stage %d pushed step %d (%d bytes)%s",
-                job.job_id,
-                receipt.stage,
-                receipt.step,
-                receipt.size,
-                "; every stage has it" if became else "",
-            )
-            if became:
-                try:
-                    await asyncio.to_thread(self._refresh, directory, job)
-                except OSError as exc:
-                    self._export_failed(job, f"cannot write {directory}/run_manifest.json: {exc}")
-                else:
-                    if job.export_error is not None:
-                        job.export_error = None
-                        self.jobs.dirty.add(job.job_id)
-            if self.on_push is not None:
-                self.on_push()
+            # Recorded (and the manifest written) before the fellow hears the shard is
+            # stored: it reports its stage's end only after that, so a job that completes
+            # has its final push on the record (leader.jobs.final_export_error).
+            await self._stored(job, directory, receipt)
+        await self._reply(msg, chunk, ack)
+        if receipt is not None and self.on_push is not None:
+            self.on_push()
+
+    async def _stored(self, job: JobRecord, directory: Path, receipt: ShardReceipt) -> None:
+        assert job.placement is not None
+        n = len(job.placement.stages)
+        complete = self.store.complete_steps(directory, n)
+        newest = complete[-1] if complete else None
+        became = newest is not None and newest == receipt.step
+        self.jobs.record_push(job.job_id, receipt, newest)
+        log.info(
+            "job %s: stage %d pushed step %d (%d bytes)%s",
+            job.job_id,
+            receipt.stage,
+            receipt.step,
+            receipt.size,
+            "; every stage has it" if became else "",
+        )
+        if became:
+            try:
+                await asyncio.to_thread(self._refresh, directory, job)
+            except OSError as exc:
+                self._export_failed(job, f"cannot write {directory}/run_manifest.json: {exc}")
+            else:
+                if job.export_error is not None:
+                    job.export_error = None
+                    self.jobs.dirty.add(job.job_id)
 
     def _refusal(self, chunk: Any) -> str | None:
         try:
@@ -134,6 +164,9 @@ class ExportService:
         except NotFoundError:
             return f"no job {chunk.job_id!r}"
         placement = job.placement
+        if job.terminal:
+            # Its export is final (and described on the record): nothing changes it now.
+            return f"job {job.job_id} is {job.state.value}: its export takes no more pushes"
         if placement is None or chunk.attempt != job.attempt:
             return f"attempt {chunk.attempt} is not the job's current attempt"
         placed = placement.stage_of(chunk.fellow_id)
@@ -155,15 +188,20 @@ class ExportService:
         self.store.prune(directory, len(job.placement.stages))
 
     async def job_ended(self, job: JobRecord) -> None:
-        """The final manifest (with the final loss) once a job is over."""
+        """The final manifest (with the final loss) once a job is over; its partial uploads
+        removed (it takes no more pushes)."""
+        self.store.forget(job.job_id)
         if job.placement is None:
             return
         directory = self.directory(job)
+        await asyncio.to_thread(self._sweep, job)
         try:
             written = await asyncio.to_thread(self.store.write_manifest, directory, job)
         except OSError as exc:
             log.error("cannot write the manifest of job %s: %s", job.job_id, exc)
-            self._export_failed(job, f"cannot write {directory}/run_manifest.json: {exc}")
+            error = f"cannot write {directory}/run_manifest.json: {exc}"
+            # Added to what the record says already (why the final model is missing).
+            self._export_failed(job, f"{job.export_error}; {error}" if job.export_error else error)
             return
         if written is not None:
             log.info("job %s: model export in %s (step %s)", job.job_id, directory, job.pushed_step)
@@ -176,6 +214,9 @@ class ExportService:
         """A resume from ``step``: drop the failed attempt's later, partial shards."""
         if job.export_dir is not None:
             self.store.drop_after(Path(job.export_dir), step)
+            # The failed attempt's pushes are refused from now on: theirs can never finish.
+            self.store.forget(job.job_id)
+            self._sweep(job)
 
     # The header a resumed stage sends its download token in (agent/shardpush.py's too).
     TOKEN_HEADER = "X-Swarm-Shard-Token"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from swarm.lifecycle import (
     next_job_state,
 )
 from swarm.protocol import (
+    EXPORT_ERROR_CHARS,
     FellowStatus,
     JobState,
     Progress,
@@ -51,6 +53,10 @@ PUSH_LOG_LEN = 50
 START_GRACE_S = 3.0
 # A job whose START round failed waits 2, 4, 8, ... seconds (at most this) before the next.
 START_RETRY_MAX_S = 30.0
+# A job's export_error, all stages' reasons together, is cut to this many characters.
+JOB_EXPORT_ERROR_CHARS = 4096
+# What a fellow says is shown to operators (terminals, the UI): control characters go.
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]+")
 
 
 class JobTransition(msgspec.Struct, kw_only=True):
@@ -74,6 +80,8 @@ class StageProgress(msgspec.Struct, kw_only=True):
     bytes_received: int = 0
     result: StageResult | None = None
     message: str = ""
+    # Why the stage's final shard is not on the leader, as its fellow told (cleaned).
+    export_error: str | None = None
     updated_at: float | None = None
 
 
@@ -130,8 +138,9 @@ class JobRecord(msgspec.Struct, kw_only=True):
     history: list[JobTransition] = msgspec.field(default_factory=list)
     # Exports: where the shards go, the newest step every stage pushed, the latest pushes.
     export_dir: str | None = None
-    # Why the leader could not store the export (a full disk...); cleared by the next
-    # complete step.
+    # While running: why the leader could not store the export (a full disk...), cleared by
+    # the next complete step. Once COMPLETED: why the final model is not in the export
+    # (final_export_error), naming the stage, fellow, path and cause; None: it is there.
     export_error: str | None = None
     pushed_step: int | None = None
     latest_shard_pushes: list[ShardReceipt] = msgspec.field(default_factory=list)
@@ -204,6 +213,42 @@ def resume_from(job: JobRecord) -> int | str:
     if job.spec.resume_from_scratch:
         return 0
     return "no shard push to resume from (set shard_push_to_leader, or resume_from_scratch)"
+
+
+def clean_report(text: str, limit: int) -> str:
+    """A fellow's words made fit to show: control and bidi characters become one space, at
+    most ``limit`` characters (fellows are untrusted; their text reaches terminals)."""
+    cleaned = _UNPRINTABLE.sub(" ", text).strip()
+    return cleaned if len(cleaned) <= limit else cleaned[: limit - 3] + "..."
+
+
+def final_export_error(job: JobRecord) -> str | None:
+    """What the record of a job that just COMPLETED says about its export: None when every
+    stage's shard of the last step is there, else why the final model is missing.
+
+    Every stage plan checkpoints at the end and its fellow pushes that checkpoint, so a job
+    that completed has its final model in the export unless something failed: the leader's
+    own storing (``job.export_error`` while running), a stage's fellow (what it reported in
+    its outcome), or, when nobody said why, that is said too."""
+    final = job.spec.steps
+    if job.pushed_step == final:
+        return job.export_error  # the shards are there; perhaps the manifest is not
+    arrived = {
+        r.stage for r in job.latest_shard_pushes if r.step == final and r.attempt == job.attempt
+    }
+    reasons = [] if job.export_error is None else [f"the leader: {job.export_error}"]
+    for stage in sorted(job.progress, key=lambda p: p.stage):
+        if stage.stage in arrived:
+            continue  # whatever its fellow says: the leader has that shard
+        where = f"stage {stage.stage} on fellow {stage.fellow_id}"
+        if stage.export_error is not None:
+            reasons.append(f"{where}: {stage.export_error}")
+        elif job.export_error is None:
+            reasons.append(f"{where}: no final shard arrived and the fellow did not say why")
+    if not reasons:
+        reasons.append("every stage's final shard arrived, but the step is not complete")
+    text = f"the final model (step {final}) is not in the export: " + "; ".join(reasons)
+    return clean_report(text, JOB_EXPORT_ERROR_CHARS)
 
 
 def reconcile(
@@ -419,6 +464,8 @@ class JobManager:
         if stage is None or stage.result is not None:
             return None
         stage.result, stage.message = outcome.result, outcome.message
+        if outcome.export_error is not None:
+            stage.export_error = clean_report(outcome.export_error, EXPORT_ERROR_CHARS)
         if outcome.step is not None:
             stage.step = max(stage.step, outcome.step)
         if outcome.loss is not None:
@@ -431,6 +478,12 @@ class JobManager:
             if all(p.result is StageResult.COMPLETED for p in job.progress):
                 last = max(job.progress, key=lambda p: p.stage)
                 job.final_loss, job.final_val_loss = last.loss, last.val_loss
+                # Decided with the state itself: whoever sees COMPLETED sees the export's fate.
+                job.export_error = final_export_error(job)
+                if job.export_error is not None:
+                    log.error(
+                        "job %s completed without its final model: %s", job.job_id, job.export_error
+                    )
                 self._finish(job, JobEvent.COMPLETED, "every stage completed")
         else:
             what = outcome.message or outcome.result.value

@@ -2,7 +2,9 @@
 
 With ``SWARM_NATS_URL`` (or ``--nats-url``) it joins that NATS server. Without one it starts
 a child nats-server for convenience: the child dies with the leader (PR_SET_PDEATHSIG) and
-keeps its JetStream store under the state directory, so a restarted leader finds it again.
+keeps its JetStream store under the state directory, so a restarted leader finds it again, on
+the same port (with ``SWARM_NATS_PORT=0`` the port the store's server first got is kept), and
+no second server can take that store while the child runs (see swarm.natsd).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 from pathlib import Path
@@ -24,7 +27,7 @@ from leader.exposure import exposure_warnings
 from swarm.entry import configure_logging, run_or_exit
 from swarm.errors import ConfigError
 from swarm.natsauth import NatsAuthority
-from swarm.natsd import NatsServer, start_nats_server
+from swarm.natsd import NatsServer, StoreOwner, start_nats_server
 from swarm.procs import ensure_port_free
 from swarm.sdnotify import notify
 from swarm.settings import Settings
@@ -42,7 +45,11 @@ def serve(
         str | None, cyclopts.Parameter(help="NATS server URL; none starts a child [SWARM_NATS_URL]")
     ] = None,
     nats_port: Annotated[
-        int | None, cyclopts.Parameter(help="Port of the child nats-server [SWARM_NATS_PORT]")
+        int | None,
+        cyclopts.Parameter(
+            help="Port of the child nats-server; 0: the port its store had before, else a "
+            "free one, kept from then on [SWARM_NATS_PORT]"
+        ),
     ] = None,
     state_dir: Annotated[
         Path | None, cyclopts.Parameter(help="State directory [SWARM_STATE_DIR]")
@@ -102,6 +109,12 @@ def run_leader(settings: Settings) -> None:
             config=authority.server_config_path if authority else None,
             websocket_port=settings.nats_websocket_port,
             tie_to_parent=True,
+            owner=StoreOwner(
+                kind="leader",
+                pid=os.getpid(),
+                state_dir=str(settings.state_dir.resolve()),
+                leader_url=settings.default_leader_url,
+            ),
         )
         url = child.url
         log.info("started child nats-server %s (pid %d, store %s)", url, child.pid, child.store_dir)

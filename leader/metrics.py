@@ -374,6 +374,22 @@ def leader_families(services: LeaderServices) -> Iterator[Metric]:
         "When the leader started, in seconds since the Unix epoch",
         value=services.started_at,
     )
+    storage = services.storage.view()
+    yield GaugeMetricFamily(
+        "swarm_leader_storage_degraded",
+        "1 while the JetStream store is short of room (/health gives the reasons), else 0",
+        value=float(bool(storage.reasons)),
+    )
+    store = GaugeMetricFamily(
+        "swarm_leader_jetstream_store_bytes",
+        "The JetStream store as the leader last saw it: used by its account, and the "
+        "capacity the server grants it",
+        labels=["kind"],
+    )
+    for kind, value in (("used", storage.used_bytes), ("capacity", storage.capacity_bytes)):
+        if value is not None:
+            store.add_metric([kind], float(value))
+    yield store
     build = InfoMetricFamily("swarm_leader_build", "The leader's version and protocol")
     build.add_metric(
         [],

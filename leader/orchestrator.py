@@ -38,6 +38,7 @@ from leader.placement import DEFAULTS, Candidate, PlacementDefaults
 from leader.purges import PendingPurge, PurgeBook
 from leader.registry import FellowRecord, WorkerRegistry
 from leader.signals import SignalHub
+from leader.storage import Throttle
 from leader.store import StateStore
 from swarm import subjects as topics
 from swarm.errors import ConflictError, NotFoundError, SwarmError
@@ -101,6 +102,7 @@ class Orchestrator:
         self._reserved: set[str] = set()
         self._cooldown: dict[str, float] = {}  # fellow id -> monotonic time it may be placed
         self._orphan_stops: dict[tuple[str, str, int], float] = {}  # (fellow, job, attempt)
+        self._store_logs = Throttle()  # a store that stays unavailable: a line a minute
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -166,7 +168,9 @@ class Orchestrator:
                 state = await self.store.load()
                 break
             except Exception as exc:  # JetStream not ready yet, or off: say so and retry
-                log.error("cannot open the JetStream state store (%s); retrying", exc)
+                held = self._store_logs.allow("open")
+                if held is not None:
+                    log.error("cannot open the JetStream state store (%s); retrying", exc)
                 await asyncio.sleep(1.0)
         self.registry.restore(state.fellows)
         self.jobs.restore(state.jobs)
@@ -640,9 +644,16 @@ async def _save(store: StateStore, bucket: KeyValue, key: str, value: Any) -> bo
         else:
             await store.put(bucket, key, value)
     except Exception as exc:
-        log.warning("record %s not saved yet (kept for the next try): %s", key, exc)
+        # Retried every tick: a full store must not write a line per record per tick.
+        held = _SAVE_LOGS.allow(key)
+        if held is not None:
+            more = f" ({held} more tries since the last line)" if held else ""
+            log.warning("record %s not saved yet (kept for the next try)%s: %s", key, more, exc)
         return False
     return True
+
+
+_SAVE_LOGS = Throttle()
 
 
 def _candidate(record: FellowRecord) -> Candidate:

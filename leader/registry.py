@@ -21,20 +21,20 @@ from dataclasses import dataclass
 
 import msgspec
 
+from leader.hostview import HostFellow, NodeView, merge_host
 from swarm.lifecycle import FellowEvent, can_go_offline, next_status
 from swarm.protocol import (
     DeregisterRequest,
     FellowIdentity,
-    FellowLimits,
     FellowStatus,
-    GpuInfo,
     HardwareSnapshot,
     Heartbeat,
     RegisterReply,
     RegisterRequest,
     StageOutcome,
 )
-from swarm.telemetry import gpu_warning
+
+__all__ = ["FellowRecord", "NodeView", "Transition", "WorkerRegistry"]
 
 log = logging.getLogger(__name__)
 HISTORY_LEN = 50
@@ -73,26 +73,6 @@ class FellowRecord(msgspec.Struct, kw_only=True, gc=False):
     last_heartbeat_age_s: float | None = None
     offline_reason: str | None = None
     history: list[Transition] = msgspec.field(default_factory=list)
-
-
-class NodeView(msgspec.Struct, kw_only=True):
-    """One host, as seen through the freshest snapshot of any fellow running on it."""
-
-    hostname: str
-    online: bool
-    fellows: list[str]
-    cpu_cores: int
-    cpu_load_pct: float
-    ram_total_bytes: int
-    ram_available_bytes: int
-    gpus: list[GpuInfo]
-    nvml_error: str | None
-    # GPUs NVML reports that TensorFlow cannot use (and the fix); None when all are usable.
-    gpu_warning: str | None = None
-    tf_gpu_count: int | None = None
-    limits: FellowLimits = msgspec.field(default_factory=FellowLimits)
-    net_sent_bytes_per_s: float = 0.0
-    net_recv_bytes_per_s: float = 0.0
 
 
 @dataclass
@@ -325,33 +305,18 @@ class WorkerRegistry:
         return len({e.record.hostname for e in self._entries.values()})
 
     def nodes(self) -> list[NodeView]:
-        by_host: dict[str, list[_Entry]] = {}
+        """One view per host, merged over all its fellows (:func:`leader.hostview.merge_host`)."""
+        by_host: dict[str, list[HostFellow]] = {}
         for entry in self._entries.values():
-            by_host.setdefault(entry.record.hostname, []).append(entry)
-        nodes = []
-        for host, entries in sorted(by_host.items()):
-            online = [e for e in entries if e.record.status is not FellowStatus.OFFLINE]
-            freshest = max(online or entries, key=lambda e: e.record.hardware.taken_at)
-            hw = freshest.record.hardware
-            nodes.append(
-                NodeView(
-                    hostname=host,
-                    online=bool(online),
-                    fellows=sorted(e.record.fellow_id for e in entries),
-                    cpu_cores=hw.cpu_cores,
-                    cpu_load_pct=hw.cpu_load_pct,
-                    ram_total_bytes=hw.ram_total_bytes,
-                    ram_available_bytes=hw.ram_available_bytes,
-                    gpus=hw.gpus,
-                    nvml_error=hw.nvml_error,
-                    gpu_warning=gpu_warning(hw),
-                    tf_gpu_count=hw.tf_gpu_count,
-                    limits=hw.limits,
-                    net_sent_bytes_per_s=hw.net_sent_bytes_per_s,
-                    net_recv_bytes_per_s=hw.net_recv_bytes_per_s,
+            record = entry.record
+            by_host.setdefault(record.hostname, []).append(
+                HostFellow(
+                    fellow_id=record.fellow_id,
+                    online=record.status is not FellowStatus.OFFLINE,
+                    hardware=record.hardware,
                 )
             )
-        return nodes
+        return [merge_host(host, fellows) for host, fellows in sorted(by_host.items())]
 
     # --- internals -------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from leader.observe import Observability
 from leader.orchestrator import Orchestrator
 from leader.purges import PurgeBook
 from leader.registry import FellowRecord, NodeView, WorkerRegistry
+from leader.storage import StorageMonitor
 from swarm import __version__
 from swarm.errors import NotFoundError, SwarmError
 from swarm.jobspec import FieldError, JobSpec
@@ -58,6 +59,7 @@ class LeaderServices:
     orchestrator: Orchestrator
     exports: ExportService
     joins: JoinSessions = field(default_factory=JoinSessions)
+    storage: StorageMonitor = field(default_factory=StorageMonitor)
     package: Package | None = None
     _package_build: asyncio.Future[Package | None] | None = None
     started_at: float = field(default_factory=time.time)
@@ -78,6 +80,7 @@ class LeaderServices:
             "fellows": self.registry.counts(),
             "jobs": self.jobs.counts(),
             "nodes": self.registry.host_count(),
+            "storage": msgspec.to_builtins(self.storage.view()),
         }
 
     @property

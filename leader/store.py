@@ -3,11 +3,16 @@
 Values are msgspec JSON (readable with ``nats kv get``). Records are written when they
 change (the managers mark them dirty), never on every heartbeat, and all read back when
 the leader starts, so a leader restart loses nothing. There is no second database.
+
+The buckets reserve nothing (no ``max_bytes``): the history streams reserve at most 70% of
+the store (leader.streams), and what is left is theirs. A write that fails for want of
+storage is remembered (``write_error``, until a write succeeds) for the leader's health.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import msgspec
@@ -19,6 +24,7 @@ from nats.js.kv import KeyValue
 from leader.jobs import JobRecord
 from leader.purges import PendingPurge
 from leader.registry import FellowRecord
+from leader.streams import describe, is_storage_error
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -37,6 +43,7 @@ class StateStore:
         self.jobs = jobs
         self.fellows = fellows
         self.purges = purges
+        self.write_error: str | None = None
 
     @classmethod
     async def open(cls, nc: Client, *, prefix: str) -> StateStore:
@@ -55,10 +62,20 @@ class StateStore:
         )
 
     async def put(self, bucket: KeyValue, key: str, value: Any) -> None:
-        await bucket.put(key, msgspec.json.encode(value))
+        data = msgspec.json.encode(value)
+        await self._write(lambda: bucket.put(key, data))
 
     async def delete(self, bucket: KeyValue, key: str) -> None:
-        await bucket.delete(key)
+        await self._write(lambda: bucket.delete(key))
+
+    async def _write(self, write: Callable[[], Awaitable[Any]]) -> None:
+        try:
+            await write()
+        except Exception as exc:
+            if is_storage_error(exc):
+                self.write_error = describe(exc)
+            raise
+        self.write_error = None
 
 
 async def _load(bucket: KeyValue, kind: type[T]) -> list[T]:

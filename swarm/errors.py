@@ -55,6 +55,13 @@ class NatsServerError(SwarmError):
     code = "NATS_SERVER_FAILED"
 
 
+class StoreInUseError(NatsServerError):
+    """Another nats-server already runs on this JetStream store: one store, one server. The
+    message names that server and who started it."""
+
+    code = "NATS_STORE_IN_USE"
+
+
 class LeaderUnreachableError(SwarmError):
     code = "LEADER_UNREACHABLE"
     exit_code = 3

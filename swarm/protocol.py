@@ -28,6 +28,8 @@ Count = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
 Bytes = Annotated[int, msgspec.Meta(ge=0, le=2**60)]  # an exabyte: more than any machine
 Rate = Annotated[float, msgspec.Meta(ge=0.0, le=1e15)]
 MAX_GPUS = 64
+# How long a fellow's account of a missing final export may be (StageOutcome.export_error).
+EXPORT_ERROR_CHARS = 1024
 
 
 class Message(msgspec.Struct, kw_only=True, gc=False):
@@ -138,6 +140,10 @@ class StageOutcome(msgspec.Struct, kw_only=True, gc=False):
     val_loss: float | None = None
     message: Text = ""
     ended_at: float = msgspec.field(default_factory=time.time)
+    # A completed run whose final shard did not reach the leader: why, in the fellow's words
+    # (its checkpoint could not be written, or the push failed). The leader cleans it, names
+    # the stage and fellow itself, and puts it in the job's ``export_error``.
+    export_error: Annotated[str, msgspec.Meta(max_length=EXPORT_ERROR_CHARS)] | None = None
 
 
 class DeregisterRequest(Message, tag="deregister", tag_field="kind"):

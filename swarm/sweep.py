@@ -9,13 +9,14 @@ Each point has a stable id, a short hash of its grid values: the same values alw
 same id, whatever the axis order in the file. That is what makes a sweep resumable: a rerun
 reads ``results.csv`` and skips the point ids already there.
 
-The top of this module is pure (expansion, ids, bookkeeping, the numbers of a row, the PNG
-encoder); only :func:`run_sweep` and the small file helpers at the bottom do I/O, and they
-take the leader client as an argument so tests can drive them with a fake.
+The top of this module is pure (expansion, ids, the GPU check, bookkeeping, the numbers of a
+row, the PNG encoder); only :func:`run_sweep` and the small file helpers at the bottom do I/O,
+and they take the leader client as an argument so tests can drive them with a fake.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import csv
 import hashlib
@@ -25,17 +26,19 @@ import json
 import math
 import os
 import re
+import signal
 import struct
+import threading
 import time
 import zlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
 
 from swarm.compression import parse_compression
-from swarm.errors import ConfigError, LeaderResponseError, LeaderUnreachableError
+from swarm.errors import ConfigError, LeaderResponseError, LeaderUnreachableError, SwarmError
 from swarm.jobspec import FieldError, JobSpec, decode_job_spec
 
 T = TypeVar("T")
@@ -77,6 +80,8 @@ class Sweep(msgspec.Struct, frozen=True, kw_only=True):
     config: SweepConfig
     axes: list[str]
     points: list[SweepPoint]
+    # Grid axes a command-line override narrowed to its one value: axis -> the grid's values.
+    overridden: dict[str, list[Any]] = msgspec.field(default_factory=dict)
 
     @property
     def columns(self) -> list[str]:
@@ -152,16 +157,16 @@ def expand(
     """Every point of the grid as a validated job spec (the base with the point's values and
     ``overrides`` applied; each job named ``<sweep name>-<point id>``).
 
-    ``overrides`` are top-level fields forced on every point (the CLI's ``--partition``); one
-    that is also a grid axis is an error, since it would collapse the axis.
+    ``overrides`` are top-level fields forced on every point (the CLI's ``--partition``). One
+    that is also a grid axis narrows the axis to its value (recorded in ``overridden``), so
+    the points keep the ids and CSV columns they have in the full grid; one that would
+    collapse a nested axis (``model`` over ``model.d_model``) is an error.
     """
     overrides = dict(overrides or {})
-    axes = list(config.grid)
-    clash = sorted(set(overrides) & {a.split(".")[0] for a in axes})
-    if clash:
-        raise ConfigError(f"{source}: grid.{clash[0]}: is a grid axis and cannot be overridden")
+    grid, overridden = narrow_grid(config.grid, overrides, source=source)
+    axes = list(grid)
     points = []
-    for combo in itertools.product(*(config.grid[a] for a in axes)):
+    for combo in itertools.product(*(grid[a] for a in axes)):
         values = dict(zip(axes, combo, strict=True))
         pid = point_id(values)
         doc = copy.deepcopy(config.base)
@@ -185,7 +190,113 @@ def expand(
         config=config,
         axes=axes,
         points=points,
+        overridden=overridden,
     )
+
+
+def narrow_grid(
+    grid: Mapping[str, list[Any]], overrides: Mapping[str, Any], *, source: str
+) -> tuple[dict[str, list[Any]], dict[str, list[Any]]]:
+    """The grid with every axis an override names narrowed to the override's value, and
+    those axes' grid values; ConfigError for an override over a nested axis."""
+    nested = sorted(a for a in grid if "." in a and a.split(".")[0] in overrides)
+    if nested:
+        raise ConfigError(
+            f"{source}: grid.{nested[0]}: is a grid axis inside "
+            f"{nested[0].split('.')[0]!r}, which is overridden"
+        )
+    narrowed = {a: [overrides[a]] if a in overrides else list(v) for a, v in grid.items()}
+    return narrowed, {a: list(grid[a]) for a in grid if a in overrides}
+
+
+def override_notes(sweep: Sweep, full_points: int, flags: Mapping[str, str]) -> list[str]:
+    """What each override did to the grid, for the operator: ``--partition weighted overrides
+    the grid's partition axis (equal, weighted): 36 of 72 points``."""
+    notes = []
+    for axis, values in sweep.overridden.items():
+        flag = flags.get(axis, axis)
+        shown = ", ".join(v if isinstance(v, str) else canonical(v) for v in values)
+        value = sweep.points[0].values[axis] if sweep.points else "?"
+        notes.append(
+            f"{flag} {value} overrides the grid's {axis} axis ({shown}): "
+            f"{len(sweep.points)} of {full_points} points"
+        )
+    return notes
+
+
+def grid_size(config: SweepConfig) -> int:
+    return math.prod(len(v) for v in config.grid.values())
+
+
+# --- what the swarm must offer (pure) -------------------------------------------------------
+
+
+def gpu_only_points(sweep: Sweep) -> list[SweepPoint]:
+    """The points that may not run on CPU-only fellows (``allow_cpu: false``)."""
+    return [p for p in sweep.points if not p.spec.allow_cpu]
+
+
+def gpu_refusal(sweep: Sweep, nodes: Sequence[Mapping[str, Any]]) -> str | None:
+    """Why the sweep cannot run on this swarm now, or None.
+
+    A point with ``allow_cpu: false`` on a swarm where no online host has a GPU TensorFlow
+    can use would wait in PENDING forever (the leader waits for fellows to come), so such a
+    sweep is refused before anything is submitted. ``nodes`` is ``GET /api/v1/nodes``.
+    """
+    gpu_only = gpu_only_points(sweep)
+    if not gpu_only:
+        return None
+    online = [n for n in nodes if n.get("online")]
+    usable = sum(int(n.get("tf_gpu_count") or 0) for n in online)
+    if usable:
+        return None
+    seen = sum(len(n.get("gpus") or []) for n in online)
+    fellows = sum(len(n.get("fellows") or []) for n in online)
+    gpus = f"{seen} GPU(s), none that TensorFlow can use" if seen else "no GPU"
+    why = [f"{n['hostname']}: {n['gpu_warning']}" for n in online if n.get("gpu_warning")]
+    return (
+        f"sweep {sweep.sweep_id} needs GPUs ({len(gpu_only)} of {len(sweep.points)} point(s) "
+        f"have allow_cpu: false) but the swarm has {len(online)} online host(s) with "
+        f"{fellows} fellow(s) and {gpus}"
+        + (f" ({'; '.join(why)})" if why else "")
+        + "; run it where GPU fellows are connected, or set allow_cpu: true in the config's "
+        "base to let CPU fellows run it"
+    )
+
+
+def plan_report(
+    sweep: Sweep,
+    rows: Sequence[Mapping[str, str]],
+    out_dir: Path,
+    refusal: str | None,
+    *,
+    retry_failed: bool = False,
+) -> tuple[dict[str, Any], str]:
+    """What ``swarm sweep --dry-run`` prints (JSON value, text): the points still to run and
+    whether the swarm can run them."""
+    todo = pending_points(sweep, rows, retry_failed=retry_failed)
+    value = {
+        "sweep_id": sweep.sweep_id,
+        "out_dir": str(out_dir),
+        "points": len(sweep.points),
+        "to_run": [{"point_id": p.point_id, "values": p.values} for p in todo],
+        "overridden": sweep.overridden,
+        "refusal": refusal,
+    }
+    lines = [
+        f"sweep {sweep.sweep_id}: {len(sweep.points)} point(s), {len(todo)} to run; "
+        f"results in {out_dir}",
+        *(f"  {p.point_id} " + " ".join(f"{k}={v}" for k, v in p.values.items()) for p in todo),
+        f"refused: {refusal}" if refusal else "the swarm can run it",
+    ]
+    return value, "\n".join(lines)
+
+
+class SweepRefusedError(SwarmError):
+    """The swarm cannot run the sweep as it is (the message says what is missing)."""
+
+    code = "SWEEP_REFUSED"
+    exit_code = 1
 
 
 # --- resumability bookkeeping (pure) --------------------------------------------------------
@@ -541,6 +652,64 @@ def _changes_only(
     return on_poll
 
 
+class _Started:
+    """The job a point started, once the leader has said its id."""
+
+    job_id: str | None = None
+
+
+@contextlib.contextmanager
+def cancelled_on_interrupt(
+    client: Any, point: SweepPoint, progress: Callable[[str], None], label: str
+) -> Iterator[_Started]:
+    """On Ctrl-C (KeyboardInterrupt) inside the block, cancel the job the point started, then
+    let the interrupt go on. Interrupted inside the submit, before its id came back, the job
+    is found by its name (``<sweep name>-<point id>``) among the jobs not ended. A second
+    Ctrl-C while cancelling is ignored: leaving the job running is what this prevents.
+
+    The point gets no row, so a resumed sweep runs it again."""
+    started = _Started()
+    try:
+        yield started
+    except KeyboardInterrupt:
+        with _sigint_ignored():
+            for job_id in _jobs_to_cancel(client, point, started.job_id):
+                try:
+                    client.cancel(job_id)
+                except (LeaderResponseError, LeaderUnreachableError) as exc:
+                    progress(f"{label} interrupted; could not cancel {job_id}: {exc.message}")
+                else:
+                    progress(f"{label} interrupted: cancelled {job_id} (it runs again on resume)")
+        raise
+
+
+def _jobs_to_cancel(client: Any, point: SweepPoint, job_id: str | None) -> list[str]:
+    if job_id is not None:
+        return [job_id]
+    try:
+        jobs = client.jobs()
+    except (LeaderResponseError, LeaderUnreachableError):
+        return []
+    return [
+        str(j["job_id"])
+        for j in jobs
+        if j.get("name") == point.spec.name and j.get("state") not in TERMINAL_STATES
+    ]
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored for the block (only the main thread may change signal handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run_sweep(
     client: Any,
     sweep: Sweep,
@@ -555,7 +724,8 @@ def run_sweep(
 
     A point the leader refuses, or that fails or times out (it is cancelled), gets a row with
     its state and reason and the sweep goes on. After every point ``results.csv`` and
-    ``val_loss_vs_bytes.png`` are rewritten, so an interrupted sweep keeps what it has.
+    ``val_loss_vs_bytes.png`` are rewritten, so an interrupted sweep keeps what it has; Ctrl-C
+    cancels the running point's job (:func:`cancelled_on_interrupt`).
     """
     csv_path = out_dir / "results.csv"
     rows = read_rows(csv_path)
@@ -571,27 +741,29 @@ def run_sweep(
         index = sweep.points.index(point) + 1
         job: dict[str, Any] | None = None
         reason = ""
-        try:
-            record = client.submit(point.spec_json)
-        except LeaderResponseError as exc:
-            reason = f"submit refused: {exc.code}: {exc.message}"
-            progress(f"[{index}/{total}] {point.point_id} FAILED ({reason})")
-        else:
-            job_id = record["job_id"]
-            progress(f"[{index}/{total}] {point.point_id} submitted {job_id}")
-            job = wait_for_end(
-                client,
-                job_id,
-                poll_s=poll_s,
-                timeout_s=point_timeout_s,
-                on_poll=_changes_only(progress, index, total, point),
-            )
-            if job is None:
-                reason = f"timed out after {point_timeout_s:.0f}s; cancelled"
-                try:
-                    job = client.cancel(job_id)
-                except LeaderResponseError:
-                    job = client.job(job_id)
+        label = f"[{index}/{total}] {point.point_id}"
+        with cancelled_on_interrupt(client, point, progress, label) as started:
+            try:
+                record = client.submit(point.spec_json)
+            except LeaderResponseError as exc:
+                reason = f"submit refused: {exc.code}: {exc.message}"
+                progress(f"{label} FAILED ({reason})")
+            else:
+                job_id = started.job_id = record["job_id"]
+                progress(f"{label} submitted {job_id}")
+                job = wait_for_end(
+                    client,
+                    job_id,
+                    poll_s=poll_s,
+                    timeout_s=point_timeout_s,
+                    on_poll=_changes_only(progress, index, total, point),
+                )
+                if job is None:
+                    reason = f"timed out after {point_timeout_s:.0f}s; cancelled"
+                    try:
+                        job = client.cancel(job_id)
+                    except LeaderResponseError:
+                        job = client.job(job_id)
         row = result_row(sweep, point, job, reason=reason)
         rows = merge_row(rows, row)
         write_rows(csv_path, sweep.columns, rows)

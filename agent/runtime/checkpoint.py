@@ -44,6 +44,20 @@ class CheckpointError(Exception):
     """A checkpoint cannot be written, read or applied (beyond a plain OSError)."""
 
 
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint file or directory could not be written (a full disk, no permission...).
+
+    The message names the path and the OS's reason, ``cannot write PATH: [Errno 28] No space
+    left on device``: it travels to the leader as the reason the export is missing, and a
+    failed ``write()`` alone names no file."""
+
+    def __init__(self, path: Path, exc: OSError) -> None:
+        why = f"[Errno {exc.errno}] {exc.strerror}" if exc.errno is not None else str(exc)
+        super().__init__(f"cannot write {path}: {why}")
+        self.path = path
+        self.errno = exc.errno
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     meta: dict[str, Any]
@@ -117,7 +131,9 @@ def build_meta(
 
 
 def _write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Write through a temporary file in the same directory, fsync it, rename it over ``path``."""
+    """Write through a temporary file in the same directory, fsync it, rename it over ``path``.
+
+    CheckpointWriteError (naming ``path``) when the OS refuses; the temporary file is gone."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as handle:
@@ -125,6 +141,9 @@ def _write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointWriteError(path, exc) from exc
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -148,14 +167,27 @@ def save_checkpoint(
     steps_done: int,
     data_state: DataState,
 ) -> Path:
-    """Write this stage's checkpoint under ``root``; the step directory. OSError on failure."""
+    """Write this stage's checkpoint under ``root``; the step directory.
+
+    CheckpointWriteError naming the path that could not be written; then nothing of this
+    checkpoint is left behind (a full disk gets its space back)."""
     directory = step_dir(root, plan.job_id, plan.attempt, steps_done)
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CheckpointWriteError(directory, exc) from exc
     meta = build_meta(plan, arrays, steps_done=steps_done, data_state=data_state)
-    _write_atomic(directory / meta["npz"], lambda f: np.savez(f, **arrays))
-    _fsync_dir(directory)
+    npz = directory / meta["npz"]
     body = json.dumps(meta, indent=1).encode() + b"\n"
-    _write_atomic(directory / f"stage-{plan.stage}.json", lambda f: f.write(body))
+    try:
+        _write_atomic(npz, lambda f: np.savez(f, **arrays))
+        _fsync_dir(directory)
+        _write_atomic(directory / f"stage-{plan.stage}.json", lambda f: f.write(body))
+    except CheckpointWriteError:
+        npz.unlink(missing_ok=True)  # arrays without their JSON are no checkpoint
+        with contextlib.suppress(OSError):
+            directory.rmdir()  # only if no other stage wrote there
+        raise
     _fsync_dir(directory)
     return directory
 
@@ -234,6 +266,7 @@ def restore_into(model: StageModel, dataset: TextDataset | None, checkpoint: Che
 __all__ = [
     "Checkpoint",
     "CheckpointError",
+    "CheckpointWriteError",
     "build_meta",
     "load_checkpoint",
     "named_variables",

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -68,7 +69,14 @@ def run_repeat(
         return results
     job_id = record["job_id"]
     print(f"  {scenario.name} #{repeat_dir.name}: {job_id} submitted", flush=True)
-    job = wait_for_end(client, job_id, poll_s=args.poll, timeout_s=args.job_timeout)
+    try:
+        job = wait_for_end(client, job_id, poll_s=args.poll, timeout_s=args.job_timeout)
+    except KeyboardInterrupt:
+        # Ctrl-C stops the suite, and with it the job it started: never leave one running.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        client.cancel(job_id)
+        print(f"  interrupted: cancelled {job_id}", file=sys.stderr, flush=True)
+        raise
     if job is None:
         client.cancel(job_id)
         job = client.job(job_id)

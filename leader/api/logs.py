@@ -9,8 +9,14 @@ from litestar.response import ServerSentEvent
 from leader.api.sse import last_event_id
 from leader.logs import LogEntry
 from leader.services import LeaderServices
+from swarm.errors import SwarmError
 from swarm.jobspec import FieldError
 from swarm.subjects import TOKEN_RE
+
+
+class StorageUnavailableError(SwarmError):
+    code = "STORAGE_UNAVAILABLE"
+    http_status = 503
 
 
 def _check(fellow_id: str) -> None:
@@ -37,5 +43,9 @@ class LogsController(Controller):
         self, fellow_id: str, request: Request, services: LeaderServices
     ) -> ServerSentEvent:
         _check(fellow_id)
+        if not services.observe.ready.is_set() and services.storage.create_error:
+            raise StorageUnavailableError(
+                f"the log stream could not be created: {services.storage.create_error}"
+            )
         services.observe.check_stream()
         return ServerSentEvent(services.observe.log_events(fellow_id, last_event_id(request)))

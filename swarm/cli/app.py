@@ -190,7 +190,9 @@ def submit(
         Parameter(help="Override the spec's partition: equal layers, or weighted by memory"),
     ] = None,
 ) -> None:
-    """Submit a job; prints its id. With --watch, follows it and fails unless it completes."""
+    """Submit a job; prints its id. With --watch, follows it to its end: exit 0 when it
+    COMPLETED with its final model exported, 1 when it failed or was cancelled, 4 when it
+    completed but its final model is not in the export (the job's export_error is printed)."""
     try:
         body = config.read_bytes()
     except OSError as exc:
@@ -222,7 +224,7 @@ def sweep(
     config: Annotated[Path, Parameter(help="Sweep config (JSON): name, base job spec, grid")],
     partition: Annotated[
         Literal["equal", "weighted"] | None,
-        Parameter(help="Force this partition on every point (not with a partition axis)"),
+        Parameter(help="Force this partition on every point (overrides a partition axis)"),
     ] = None,
     out: Annotated[
         Path, Parameter(help="Parent of the sweep's directory (results in OUT/SWEEP_ID/)")
@@ -237,11 +239,15 @@ def sweep(
         float | None, Parameter(help="Seconds a point may take; then it is cancelled")
     ] = None,
     poll: Annotated[float, Parameter(help="Seconds between polls of a running point")] = 2.0,
+    dry_run: Annotated[
+        bool, Parameter(help="Print the points and check the swarm can run them; submit nothing")
+    ] = False,
 ) -> None:
     """Run a grid of jobs one after another; results.csv and a val-loss-vs-bytes PNG.
 
     Rerunning with the same config and --out skips the points already in results.csv.
-    Ctrl-C stops the sweep, not the running job."""
+    A sweep with allow_cpu: false points is refused at once on a swarm without usable GPUs.
+    Ctrl-C cancels the running point's job and stops the sweep (rerun to resume)."""
     from swarm import sweep as sweeps
 
     try:
@@ -250,15 +256,29 @@ def sweep(
         raise ConfigError(f"cannot read {config}: {exc.strerror}") from None
     if sweep_id is not None and not TOKEN_RE.match(sweep_id):
         raise ConfigError(f"--sweep-id {sweep_id!r}: 1-64 letters, digits, '-' or '_'")
+    parsed = sweeps.decode_sweep_config(data, source=str(config))
     plan = sweeps.expand(
-        sweeps.decode_sweep_config(data, source=str(config)),
+        parsed,
         source=str(config),
         overrides={"partition": partition} if partition else None,
         sweep_id_override=sweep_id,
     )
     out_dir = out / plan.sweep_id
     progress = _stderr if CTX.json else print
+    notes = sweeps.override_notes(plan, sweeps.grid_size(parsed), {"partition": "--partition"})
+    for note in notes:
+        progress(note)
     with CTX.client() as client:
+        refusal = sweeps.gpu_refusal(plan, client.nodes())
+        if dry_run:
+            rows = sweeps.read_rows(out_dir / "results.csv")
+            report = sweeps.plan_report(plan, rows, out_dir, refusal, retry_failed=retry_failed)
+            CTX.emit(*report)
+            if refusal:
+                raise SystemExit(1)
+            return
+        if refusal:
+            raise sweeps.SweepRefusedError(refusal)
         rows = sweeps.run_sweep(
             client,
             plan,
@@ -276,6 +296,7 @@ def sweep(
         "plot": str(out_dir / "val_loss_vs_bytes.png"),
         "points": len(plan.points),
         "completed": completed,
+        "overridden": plan.overridden,
         "rows": rows,
     }
     CTX.emit(
@@ -288,15 +309,19 @@ def sweep(
 @app.command
 def watch(job_id: str) -> None:
     """Live merged metrics of a job (SSE): progress bar, loss, tokens/s, step time, ETA and a
-    row per fellow, until it ends; exit 0 if it COMPLETED, 1 otherwise."""
+    row per fellow, until it ends. Exit 0 if it COMPLETED with its final model exported, 1 if
+    it failed or was cancelled, 4 if it completed but its final model is not in the export
+    (the job's export_error is printed)."""
     out = _stderr if CTX.json else print
-    end = watch_stream(
-        CTX.leader_url,
-        job_id,
-        out=out,
-        tty=sys.stdout.isatty() and not CTX.json,
-        token=CTX.token,
-    )
+    with CTX.client() as client:
+        end = watch_stream(
+            CTX.leader_url,
+            job_id,
+            out=out,
+            tty=sys.stdout.isatty() and not CTX.json,
+            token=CTX.token,
+            fetch_job=client.job,
+        )
     if CTX.json:
         print(render.dumps(end))
 
@@ -578,7 +603,11 @@ def start_cluster(
     fellows: Annotated[int, Parameter(help="How many fellow agents to start")] = 2,
     leader_port: Annotated[int | None, Parameter(help="[SWARM_LEADER_PORT, default 8080]")] = None,
     nats_port: Annotated[
-        int | None, Parameter(help="[SWARM_NATS_PORT, default 4222; 0 = a free port]")
+        int | None,
+        Parameter(
+            help="[SWARM_NATS_PORT, default 4222; 0 = the port this state directory's NATS "
+            "had before, else a free one, kept from then on so clients keep the URL]"
+        ),
     ] = None,
     state_dir: Annotated[Path | None, Parameter(help="[SWARM_STATE_DIR, default ./.swarm]")] = None,
     timeout: Annotated[float, Parameter(help="Seconds to wait for every fellow")] = 60.0,
@@ -589,7 +618,13 @@ def start_cluster(
         ),
     ] = None,
 ) -> None:
-    """Start NATS, the leader and N fellows in the background; return when all are ready."""
+    """Start NATS, the leader and N fellows in the background; return when all are ready.
+
+    Refused while a cluster from this state directory runs, even one whose record
+    (run/cluster.json) is gone: its nats-server holds the NATS store for as long as it lives.
+    """
+    if fellows < 1:
+        raise ConfigError(f"--fellows {fellows}: a cluster needs at least 1 fellow")
     settings = CTX.settings.replace(
         leader_port=leader_port, nats_port=nats_port, state_dir=state_dir, dev=dev
     )
@@ -609,8 +644,13 @@ def stop_cluster(
     *,
     state_dir: Annotated[Path | None, Parameter(help="[SWARM_STATE_DIR, default ./.swarm]")] = None,
 ) -> None:
-    """Stop exactly what start-cluster started; safe to run twice."""
+    """Stop exactly what start-cluster started; safe to run twice.
+
+    A process it cannot stop (or cannot tell is the cluster's) keeps its record in
+    run/cluster.json, and the command says which and exits 1.
+    """
     settings = CTX.settings.replace(state_dir=state_dir)
+    settings = settings.replace(state_dir=settings.state_dir.resolve())
     progress = _stderr if CTX.json else print
     stopped = cluster.stop_cluster(settings, progress=progress)
     CTX.emit(

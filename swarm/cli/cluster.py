@@ -1,9 +1,23 @@
 """``swarm start-cluster`` / ``swarm stop-cluster``: a local swarm as background processes.
 
 NATS runs as its own process; the leader and the fellows get its URL as ``SWARM_NATS_URL``.
-Every process is written to ``<state>/run/cluster.json`` (pid and start time, so a reused pid
-is never killed by mistake) and to ``<state>/run/<name>.pid`` as soon as it starts, so
-stop-cluster can clean up even after a start that failed half way.
+Every process is written to ``<state>/run/cluster.json`` and ``<state>/run/<name>.pid`` as
+soon as it starts, so stop-cluster can clean up even after a start that failed half way.
+
+A record names its process by pid, start time in clock ticks since boot and boot id
+(``swarm.procs.ProcessIdentity``): a reused pid is never killed by mistake, and a step of the
+wall clock does not make a live process look dead. Manifests from before that hold only a
+wall-clock ``create_time``; such a record is taken to be ours when its pid runs the command
+start-cluster gave it, for this state directory (``legacy_owned``), whatever the clock says.
+
+stop-cluster forgets a record only once its process is gone: one it could not stop, or
+cannot inspect, stays in the manifest and the command fails saying so. The CLI takes the
+leader URL from the manifest, and says what is wrong with a manifest it cannot use rather
+than quietly trying the default URL.
+
+The nats-server holds the lock on its store for its life and keeps its port (swarm.natsd): a
+second cluster on this state directory is refused even when the manifest is gone, and with
+``--nats-port 0`` the port the first start got stays this state directory's NATS port.
 """
 
 from __future__ import annotations
@@ -11,7 +25,8 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +36,24 @@ import psutil
 from swarm.cli.client import LeaderClient
 from swarm.errors import ClusterError, ConfigError, LeaderUnreachableError
 from swarm.natsauth import NatsAuthority
-from swarm.natsd import start_nats_server
-from swarm.procs import ensure_port_free, free_port, spawn, stop_processes, tail, wait_until
+from swarm.natsd import (
+    StoreOwner,
+    describe_store_use,
+    start_nats_server,
+    store_in_use_error,
+    store_lock_state,
+)
+from swarm.procs import (
+    ProcessIdentity,
+    ensure_port_free,
+    free_port,
+    identity_of,
+    same_process,
+    spawn,
+    stop_processes,
+    tail,
+    wait_until,
+)
 from swarm.settings import Settings
 
 MANIFEST = "cluster.json"
@@ -33,8 +64,11 @@ class ClusterProcess(msgspec.Struct):
     name: str
     role: str  # nats | leader | fellow
     pid: int
-    create_time: float
     log: str
+    identity: ProcessIdentity | None = None  # None only in manifests from before it
+    # Wall-clock start time, all that older manifests hold. Still written for older swarm
+    # versions that read this file; never trusted here (a clock step moves it).
+    create_time: float = 0.0
 
 
 class ClusterManifest(msgspec.Struct):
@@ -42,6 +76,20 @@ class ClusterManifest(msgspec.Struct):
     nats_url: str
     leader_url: str
     processes: list[ClusterProcess] = msgspec.field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What runs now under a record's pid: ``process`` when it is ours; ``doubt`` (why)
+    when something runs there but whether it is ours cannot be told; neither when gone."""
+
+    record: ClusterProcess
+    process: psutil.Process | None = None
+    doubt: str | None = None
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None or self.doubt is not None
 
 
 def manifest_path(settings: Settings) -> Path:
@@ -54,8 +102,13 @@ def read_manifest(settings: Settings) -> ClusterManifest | None:
         return None
     try:
         return msgspec.json.decode(path.read_bytes(), type=ClusterManifest)
-    except msgspec.DecodeError as exc:
-        raise ClusterError(f"{path} is damaged ({exc}); remove it by hand") from None
+    except (OSError, msgspec.DecodeError) as exc:
+        raise ClusterError(
+            f"{path} cannot be read ({exc}); it lists the processes of the cluster started "
+            f"from {settings.state_dir}: look for them ('ps -ef | grep {settings.state_dir}'), "
+            "stop them, then remove the file by hand",
+            code="CLUSTER_MANIFEST_DAMAGED",
+        ) from None
 
 
 def _write_manifest(settings: Settings, manifest: ClusterManifest) -> None:
@@ -68,34 +121,111 @@ def _write_manifest(settings: Settings, manifest: ClusterManifest) -> None:
 
 
 def running_leader_url(settings: Settings) -> str | None:
-    """The leader URL of the cluster started from this state directory, if it still runs."""
-    try:
-        manifest = read_manifest(settings)
-    except ClusterError:
-        return None
+    """The leader URL of the cluster started from this state directory; None when there is
+    no manifest. A manifest that cannot be read, or whose leader does not run, is a
+    ClusterError that says so: the CLI must not quietly talk to whatever answers at the
+    default URL instead."""
+    manifest = read_manifest(settings)
     if manifest is None:
         return None
-    leaders = [p for p in manifest.processes if p.role == "leader"]
-    return manifest.leader_url if leaders and _live(leaders[0]) is not None else None
+    leaders = [observe(p, manifest.state_dir) for p in manifest.processes if p.role == "leader"]
+    if any(o.running for o in leaders):
+        return manifest.leader_url
+    if leaders:
+        record = leaders[0].record
+        what = f"its leader (pid {record.pid}) is not running; its log is {record.log}"
+    else:
+        what = "it records no leader (a start that failed half way)"
+    raise ClusterError(
+        f"the cluster recorded in {manifest_path(settings)} is not running: {what}. "
+        "'swarm stop-cluster' clears the record and stops what is left of it; or pass "
+        "--leader-url / set SWARM_LEADER_URL to reach another leader",
+        code="CLUSTER_NOT_RUNNING",
+    )
 
 
-def _live(proc: ClusterProcess) -> psutil.Process | None:
-    """The process, if it is still the one we started (same pid and start time)."""
+def observe(record: ClusterProcess, state_dir: str) -> Observed:
+    """Whether ``record``'s process still runs and is ours. The wall clock plays no part."""
+    if record.identity is not None:
+        try:
+            return Observed(record, process=same_process(record.identity))
+        except psutil.AccessDenied:
+            return Observed(record, doubt=_denied(record))
     try:
-        p = psutil.Process(proc.pid)
-        if abs(p.create_time() - proc.create_time) > 1.0 or p.status() == psutil.STATUS_ZOMBIE:
-            return None
-        return p
+        proc = psutil.Process(record.pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return Observed(record)
+        cmdline = proc.cmdline()
+        environ = None if record.role == "nats" else proc.environ()
     except psutil.NoSuchProcess:
-        return None
+        return Observed(record)
+    except psutil.AccessDenied:
+        return Observed(record, doubt=_denied(record))
+    owned = legacy_owned(
+        role=record.role,
+        name=record.name,
+        state_dir=state_dir,
+        cmdline=cmdline,
+        environ=environ,
+    )
+    return Observed(record, process=proc if owned else None)
 
 
-def _record(name: str, role: str, pid: int, log: Path) -> ClusterProcess:
+def _denied(record: ClusterProcess) -> str:
+    return f"pid {record.pid} runs but may not be inspected (permission denied)"
+
+
+def legacy_owned(
+    *,
+    role: str,
+    name: str,
+    state_dir: str,
+    cmdline: Sequence[str],
+    environ: Mapping[str, str] | None,
+) -> bool:
+    """Whether a process is the one an old manifest's record (no identity) describes: it
+    runs the command start-cluster gives that role, for this state directory. Pure."""
+    state = os.path.normpath(state_dir) if state_dir else None
+    if state is None or not cmdline:
+        return False
+    if role == "nats":
+        store = _flag(cmdline, "--store_dir")
+        return (
+            Path(cmdline[0]).name == "nats-server"
+            and store is not None
+            and os.path.normpath(store) == os.path.join(state, "nats")
+        )
+    ours = environ is not None and os.path.normpath(environ.get("SWARM_STATE_DIR", "")) == state
+    if role == "leader":
+        return ours and _flag(cmdline, "-m") == "leader.main"
+    if role == "fellow":
+        return ours and _flag(cmdline, "-m") == "agent.main" and _flag(cmdline, "--name") == name
+    return False
+
+
+def _flag(cmdline: Sequence[str], flag: str) -> str | None:
+    for i, arg in enumerate(cmdline[:-1]):
+        if arg == flag:
+            return cmdline[i + 1]
+    return None
+
+
+def _live(proc: ClusterProcess, state_dir: str = "") -> psutil.Process | None:
+    """The record's process if it still runs and is ours (see ``observe``)."""
+    return observe(proc, state_dir).process
+
+
+def _record(
+    name: str, role: str, pid: int, log: Path, identity: ProcessIdentity | None = None
+) -> ClusterProcess:
+    identity = identity or identity_of(pid)
     try:
         created = psutil.Process(pid).create_time()
     except psutil.NoSuchProcess:
         created = 0.0
-    return ClusterProcess(name=name, role=role, pid=pid, create_time=created, log=str(log))
+    return ClusterProcess(
+        name=name, role=role, pid=pid, log=str(log), identity=identity, create_time=created
+    )
 
 
 def start_cluster(
@@ -105,19 +235,27 @@ def start_cluster(
     timeout: float,
     progress: Callable[[str], None],
 ) -> ClusterManifest:
-    """Start NATS, the leader and ``fellows`` fellows; return once every fellow is ready."""
-    if fellows < 1:
-        raise ConfigError(f"--fellows {fellows}: a cluster needs at least 1 fellow")
+    """Start NATS, the leader and ``fellows`` fellows; return once every fellow is ready.
+
+    ``fellows`` 0 starts NATS and the leader only (fellows join from elsewhere). Refused
+    while anything of a cluster from this state directory runs: a recorded process, or a
+    nats-server on its store (also when the manifest is gone).
+    """
+    if fellows < 0:
+        raise ConfigError(f"--fellows {fellows}: a number of fellows is 0 or more")
     existing = read_manifest(settings)
     if existing is not None:
-        alive = [p for p in existing.processes if _live(p) is not None]
+        alive = [o for o in _observe_all(existing) if o.running]
         if alive:
             raise ClusterError(
                 f"a cluster from {settings.state_dir} is already running "
-                f"({', '.join(f'{p.name} pid {p.pid}' for p in alive)}); "
+                f"({', '.join(f'{o.record.name} pid {o.record.pid}' for o in alive)}); "
                 "stop it with 'swarm stop-cluster'"
             )
         _remove_run_files(settings, existing)
+    store = store_lock_state(settings.nats_store_dir)
+    if store.locked:
+        raise store_in_use_error(settings.nats_store_dir, store)
     ensure_port_free(
         settings.leader_host,
         settings.leader_port,
@@ -140,9 +278,19 @@ def start_cluster(
     try:
         _start_all(settings, manifest, fellows=fellows, timeout=timeout, progress=progress)
     except BaseException:
-        stop_cluster(settings, progress=lambda _: None)
+        _clean_up_failed_start(settings, progress)
         raise
     return manifest
+
+
+def _clean_up_failed_start(settings: Settings, progress: Callable[[str], None]) -> None:
+    """Stop what a failed start had started; a part that would not stop is said, not lost."""
+    try:
+        manifest = read_manifest(settings)
+        if manifest is not None:
+            _stop_recorded(settings, manifest, progress=lambda _: None)
+    except ClusterError as exc:
+        progress(f"cleaning up the failed start: {exc.message}")
 
 
 def _start_all(
@@ -164,9 +312,15 @@ def _start_all(
         config=authority.server_config_path if authority else None,
         websocket_port=settings.nats_websocket_port,
         detach=True,
+        owner=StoreOwner(
+            kind="cluster",
+            pid=os.getpid(),
+            state_dir=str(settings.state_dir),
+            leader_url=manifest.leader_url,
+        ),
     )
     manifest.nats_url = nats.url
-    manifest.processes.append(_record("nats", "nats", nats.pid, nats_log))
+    manifest.processes.append(_record("nats", "nats", nats.pid, nats_log, nats.identity))
     _write_manifest(settings, manifest)
     security = "DEV MODE, no authentication" if authority is None else "a NATS user per process"
     progress(f"nats     {nats.url} (pid {nats.pid}, {security})")
@@ -218,7 +372,8 @@ def _start_all(
                 SWARM_DATA_ADDRESS=address,
                 **fellow_creds(name),
             )
-        progress(f"fellows  starting {', '.join(names)}")
+        if names:
+            progress(f"fellows  starting {', '.join(names)}")
         ready = wait_until(
             lambda: _all_ready(client, names),
             timeout=max(0.0, deadline - time.monotonic()),
@@ -275,23 +430,93 @@ def _why_not(started: dict[str, Any], fallback: str) -> str:
 
 
 def stop_cluster(settings: Settings, *, progress: Callable[[str], None]) -> list[str]:
-    """Stop what start-cluster started, fellows first; idempotent. Returns what was stopped."""
+    """Stop what start-cluster started, fellows first; safe to run twice. Returns what was
+    stopped.
+
+    A ClusterError when something is left: a recorded process that could not be stopped or
+    cannot be inspected (its record stays in the manifest, the rest are forgotten), or no
+    manifest while a nats-server of a cluster still holds this state directory's store.
+    """
     manifest = read_manifest(settings)
-    if manifest is None:
+    if manifest is not None:
+        return _stop_recorded(settings, manifest, progress=progress)
+    store = store_lock_state(settings.nats_store_dir)
+    if not store.locked:
         return []
+    if store.holder is not None and store.holder.owner.kind == "leader":
+        progress(
+            f"note: {store.holder.owner.describe()} runs its own nats-server on this state "
+            "directory; stop-cluster leaves it alone"
+        )
+        return []
+    raise ClusterError(
+        f"no cluster is recorded in {manifest_path(settings)}, but "
+        f"{describe_store_use(settings.nats_store_dir, store)}. "
+        "Without its record stop-cluster cannot tell that cluster's processes: stop them by "
+        "hand (its leader and fellows run 'python -m leader.main' / 'agent.main' with "
+        f"SWARM_STATE_DIR={settings.state_dir})",
+        code="CLUSTER_RECORD_LOST",
+    )
+
+
+def _stop_recorded(
+    settings: Settings, manifest: ClusterManifest, *, progress: Callable[[str], None]
+) -> list[str]:
     stopped: list[str] = []
-    for role in STOP_ORDER:
-        procs = [(p, _live(p)) for p in manifest.processes if p.role == role]
-        live = [(p, lp) for p, lp in procs if lp is not None]
-        stop_processes([lp for _, lp in live], timeout=15.0)
-        for p, _ in live:
-            progress(f"stopped {p.name} (pid {p.pid})")
-            stopped.append(p.name)
-    _remove_run_files(settings, manifest)
-    return stopped
+    kept: list[tuple[ClusterProcess, str]] = []
+    roles = [r for r in {p.role for p in manifest.processes} if r not in STOP_ORDER]
+    for role in (*roles, *STOP_ORDER):
+        observed = [observe(p, manifest.state_dir) for p in manifest.processes if p.role == role]
+        ours = [o for o in observed if o.process is not None]
+        left = stop_processes([o.process for o in ours if o.process is not None], timeout=15.0)
+        for o in ours:
+            why = _why_alive(o.record.pid) if o.process in left else None
+            if why is not None:
+                kept.append((o.record, why))
+            else:
+                progress(f"stopped {o.record.name} (pid {o.record.pid})")
+                stopped.append(o.record.name)
+        kept.extend((o.record, o.doubt) for o in observed if o.doubt is not None)
+    if not kept:
+        _remove_run_files(settings, manifest)
+        return stopped
+    records = [record for record, _ in kept]
+    if len(records) != len(manifest.processes):
+        _remove_pid_files(settings, [p for p in manifest.processes if p not in records])
+        manifest.processes = records
+        _write_manifest(settings, manifest)
+    raise ClusterError(
+        "could not stop "
+        + "; ".join(f"{r.name} (pid {r.pid}): {why}" for r, why in kept)
+        + f". Their records stay in {manifest_path(settings)}; run 'swarm stop-cluster' "
+        "again once that is resolved",
+        code="CLUSTER_NOT_STOPPED",
+    )
+
+
+def _why_alive(pid: int) -> str | None:
+    """Why a process that would not stop still runs; None if it has gone after all."""
+    try:
+        os.kill(pid, 0)
+    except PermissionError:
+        return (
+            "not allowed to signal it (another user's process: run stop-cluster as the user "
+            "who started the cluster, or as root)"
+        )
+    except ProcessLookupError:
+        return None
+    return "it survived SIGTERM and SIGKILL (stuck in the kernel?)"
+
+
+def _observe_all(manifest: ClusterManifest) -> list[Observed]:
+    return [observe(p, manifest.state_dir) for p in manifest.processes]
+
+
+def _remove_pid_files(settings: Settings, records: Sequence[ClusterProcess]) -> None:
+    for proc in records:
+        (settings.run_dir / f"{proc.name}.pid").unlink(missing_ok=True)
 
 
 def _remove_run_files(settings: Settings, manifest: ClusterManifest) -> None:
-    for proc in manifest.processes:
-        (settings.run_dir / f"{proc.name}.pid").unlink(missing_ok=True)
+    _remove_pid_files(settings, manifest.processes)
     manifest_path(settings).unlink(missing_ok=True)

@@ -21,6 +21,22 @@ class JobEndedBadlyError(SwarmError):
     exit_code = 1
 
 
+class ExportMissingError(SwarmError):
+    """The job COMPLETED (its training finished) but its final model is not in the export:
+    the record's ``export_error`` says which stage, fellow, path and cause. Its own exit code,
+    so that scripts can tell "no model" from "the job failed" (1)."""
+
+    code = "EXPORT_MISSING"
+    exit_code = 4
+
+
+def check_export(job: dict[str, Any]) -> None:
+    """ExportMissingError when a COMPLETED job's record says its final model is missing."""
+    error = job.get("export_error")
+    if job.get("state") == "COMPLETED" and error:
+        raise ExportMissingError(f"job {job['job_id']} COMPLETED without its export: {error}")
+
+
 def progress_line(job: dict[str, Any], elapsed: float) -> str:
     state = job["state"]
     if state == "PENDING":
@@ -65,7 +81,8 @@ def watch_job(
     out: Callable[[str], None],
     timeout: float | None = None,
 ) -> dict[str, Any]:
-    """Poll the job until it ends; raise JobEndedBadlyError unless it COMPLETED."""
+    """Poll the job until it ends; raise JobEndedBadlyError unless it COMPLETED, and
+    ExportMissingError if it did without its final model in the export."""
     started = time.monotonic()
     last_state, last_printed, unreachable_since = "", 0.0, None
     while True:
@@ -85,6 +102,7 @@ def watch_job(
             out(final_line(job))
             if job["state"] != "COMPLETED":
                 raise JobEndedBadlyError(final_line(job))
+            check_export(job)
             return job
         if job["state"] != last_state or now - last_printed >= LINE_EVERY_S:
             out(progress_line(job, now - started))
@@ -174,8 +192,11 @@ def watch_stream(
     out: Callable[[str], None],
     tty: bool,
     token: str | None = None,
+    fetch_job: Callable[[str], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Follow ``/metrics/stream`` to the end event; JobEndedBadlyError unless COMPLETED."""
+    """Follow ``/metrics/stream`` to the end event; JobEndedBadlyError unless COMPLETED,
+    ExportMissingError when it completed without its final model (the end event's
+    ``export_error``, else the job record's, from ``fetch_job``)."""
     import json
 
     from swarm.cli import sse
@@ -194,5 +215,8 @@ def watch_stream(
             out(final_line({**end, "started_at": None}))
             if end["state"] != "COMPLETED":
                 raise JobEndedBadlyError(final_line(end))
+            if "export_error" not in end and fetch_job is not None:
+                end["export_error"] = fetch_job(job_id).get("export_error")
+            check_export(end)
             return end
     raise JobEndedBadlyError(f"the stream of {job_id} ended without its end event")

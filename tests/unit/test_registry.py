@@ -1,17 +1,21 @@
 """WorkerRegistry rules, with both clocks under the test's control."""
 
+import msgspec
 import pytest
 
+from leader.hostview import HostFellow, merge_host
 from leader.registry import WorkerRegistry
 from swarm.protocol import (
     DeregisterRequest,
     FellowIdentity,
+    FellowLimits,
     FellowStatus,
     GpuInfo,
     HardwareSnapshot,
     Heartbeat,
     RegisterRequest,
 )
+from swarm.telemetry import CUDA_FIX
 
 
 class Clock:
@@ -323,3 +327,176 @@ def test_restored_records_get_a_fresh_offline_window(reg, clock):
     assert second.sweep() == [] and second.get("a").status is FellowStatus.READY
     clock.now += 4
     assert [fid for fid, _ in second.sweep()] == ["a"]
+
+
+# --- host views merged over every fellow of a host (leader.hostview) ------------------------
+
+
+def gpu_at(index: int, uuid: str, free_gib: int = 70, total_gib: int = 80) -> GpuInfo:
+    return msgspec.structs.replace(gpu(uuid, "A100", total_gib, free_gib), index=index)
+
+
+def snap(taken_at: float, gpus=(), tf=None, nvml_error=None, ram_free_gib=16, **limits):
+    return msgspec.structs.replace(
+        hw(gpus=list(gpus), taken_at=taken_at),
+        tf_gpu_count=tf,
+        nvml_error=nvml_error,
+        ram_available_bytes=ram_free_gib << 30,
+        limits=FellowLimits(**limits),
+    )
+
+
+def fellow(fid: str, hardware: HardwareSnapshot, online: bool = True) -> HostFellow:
+    return HostFellow(fellow_id=fid, online=online, hardware=hardware)
+
+
+G0, G1 = gpu_at(0, "GPU-0"), gpu_at(1, "GPU-1")
+
+
+@pytest.mark.parametrize(
+    ("fellows", "expected"),
+    [
+        pytest.param(  # pinned to different GPUs: the union, whoever reported last
+            [fellow("a", snap(2.0, [G0], tf=1)), fellow("b", snap(1.0, [G1], tf=1))],
+            {"gpus": ["GPU-0", "GPU-1"], "tf_gpu_count": 2, "ram_free_gib": 16},
+            id="pinned-a-fresher",
+        ),
+        pytest.param(
+            [fellow("a", snap(1.0, [G0], tf=1)), fellow("b", snap(2.0, [G1], tf=1))],
+            {"gpus": ["GPU-0", "GPU-1"], "tf_gpu_count": 2},
+            id="pinned-b-fresher",
+        ),
+        pytest.param(  # one GPU seen by both: once, with the freshest reading
+            [
+                fellow("a", snap(1.0, [gpu_at(0, "GPU-0", free_gib=70)], tf=1)),
+                fellow("b", snap(2.0, [gpu_at(0, "GPU-0", free_gib=10)], tf=1)),
+            ],
+            {"gpus": ["GPU-0"], "gpu0_free_gib": 10, "tf_gpu_count": 1},
+            id="shared-gpu-freshest-reading",
+        ),
+        pytest.param(  # an unpinned fellow and one pinned to GPU 1: both GPUs, counted once
+            [fellow("a", snap(1.0, [G0, G1], tf=2)), fellow("b", snap(2.0, [G1], tf=1))],
+            {"gpus": ["GPU-0", "GPU-1"], "tf_gpu_count": 2},
+            id="unpinned-and-pinned",
+        ),
+        pytest.param(  # host numbers from the freshest snapshot
+            [fellow("a", snap(1.0, ram_free_gib=4)), fellow("b", snap(2.0, ram_free_gib=9))],
+            {"gpus": [], "tf_gpu_count": None, "ram_free_gib": 9},
+            id="host-numbers-freshest",
+        ),
+        pytest.param(  # an offline fellow's stale readings do not count while one is online
+            [
+                fellow("a", snap(9.0, [G0], tf=1, ram_free_gib=1), online=False),
+                fellow("b", snap(2.0, [G1], tf=1, ram_free_gib=5)),
+            ],
+            {"gpus": ["GPU-1"], "tf_gpu_count": 1, "ram_free_gib": 5, "online": True},
+            id="offline-fellow-left-out",
+        ),
+        pytest.param(  # ... but all of them give the last known view of an offline host
+            [
+                fellow("a", snap(1.0, [G0], tf=1), online=False),
+                fellow("b", snap(2.0, [G1], tf=1), online=False),
+            ],
+            {"gpus": ["GPU-0", "GPU-1"], "tf_gpu_count": 2, "online": False},
+            id="offline-host-last-known",
+        ),
+        pytest.param(  # a probe not answered yet counts nothing; a probe that did counts
+            [fellow("a", snap(1.0, [G0], tf=None)), fellow("b", snap(2.0, [G1], tf=1))],
+            {"gpus": ["GPU-0", "GPU-1"], "tf_gpu_count": 1},
+            id="probe-pending-on-one",
+        ),
+        pytest.param(  # NVML works for one fellow: the host has no NVML error
+            [
+                fellow("a", snap(2.0, nvml_error="NVML unavailable: no library")),
+                fellow("b", snap(1.0, [G1], tf=1)),
+            ],
+            {"gpus": ["GPU-1"], "nvml_error": None},
+            id="nvml-error-on-one",
+        ),
+        pytest.param(
+            [fellow("a", snap(2.0, nvml_error="NVML unavailable: no library"))],
+            {"gpus": [], "nvml_error": "NVML unavailable: no library"},
+            id="nvml-error-on-all",
+        ),
+    ],
+)
+def test_merge_host_table(fellows, expected):
+    view = merge_host("h1", fellows)
+    assert [g.uuid for g in view.gpus] == expected["gpus"]
+    if "tf_gpu_count" in expected:
+        assert view.tf_gpu_count == expected["tf_gpu_count"]
+    if "gpu0_free_gib" in expected:
+        assert view.gpus[0].memory_free_bytes == expected["gpu0_free_gib"] << 30
+    if "ram_free_gib" in expected:
+        assert view.ram_available_bytes == expected["ram_free_gib"] << 30
+    if "online" in expected:
+        assert view.online is expected["online"]
+    if "nvml_error" in expected:
+        assert view.nvml_error == expected["nvml_error"]
+    assert view.fellows == sorted(f.fellow_id for f in fellows)
+    assert view == merge_host("h1", list(reversed(fellows))), "the input order does not matter"
+
+
+def test_merge_host_keeps_caps_and_gpus_per_fellow():
+    view = merge_host(
+        "h1",
+        [
+            fellow("b", snap(2.0, [G1], tf=1, max_memory_bytes=2 << 30)),
+            fellow("a", snap(1.0, [G0], tf=1, max_vram_bytes=8 << 30), online=False),
+        ],
+    )
+    assert view.limits == {
+        "a": FellowLimits(max_vram_bytes=8 << 30),
+        "b": FellowLimits(max_memory_bytes=2 << 30),
+    }
+    assert view.fellow_gpus == {"a": ["GPU-0"], "b": ["GPU-1"]}
+    assert list(view.limits) == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("tfs", "expected"),
+    [
+        ((None, None), "TensorFlow GPU probe still running; GPUs unused until it answers"),
+        ((0, 1), "a: NVML sees 1 GPU(s) but TensorFlow sees none: " + CUDA_FIX),
+        ((1, 1), None),
+        (
+            (0, None),
+            "a: NVML sees 1 GPU(s) but TensorFlow sees none: "
+            f"{CUDA_FIX}; b: TensorFlow GPU probe still running; GPUs unused until it answers",
+        ),
+    ],
+)
+def test_merge_host_gpu_warning_names_the_fellow_when_they_differ(tfs, expected):
+    a, b = tfs
+    view = merge_host(
+        "h1", [fellow("a", snap(1.0, [G0], tf=a)), fellow("b", snap(2.0, [G1], tf=b))]
+    )
+    assert view.gpu_warning == expected
+
+
+def test_merge_host_needs_a_fellow():
+    with pytest.raises(ValueError):
+        merge_host("h1", [])
+
+
+def test_two_pinned_fellows_on_one_host_give_the_same_view_on_every_heartbeat(reg, clock):
+    """The fault: each heartbeat used to replace the host's GPUs with the sender's."""
+    register(reg, "a")
+    register(reg, "b")
+    views = []
+    for i in range(6):
+        clock.now += 0.5
+        sender, seen = ("a", G0) if i % 2 == 0 else ("b", G1)
+        caps = {"max_vram_bytes": 8 << 30} if sender == "a" else {"max_memory_bytes": 4 << 30}
+        beat(reg, sender, hardware=snap(clock.now, [seen], tf=1, **caps))
+        if i >= 1:  # both have heartbeated
+            views.append(reg.nodes())
+    for [node] in views:
+        assert [g.uuid for g in node.gpus] == ["GPU-0", "GPU-1"]
+        assert sum(g.memory_total_bytes for g in node.gpus) == 160 << 30
+        assert node.tf_gpu_count == 2
+        assert node.limits == {
+            "a": FellowLimits(max_vram_bytes=8 << 30),
+            "b": FellowLimits(max_memory_bytes=4 << 30),
+        }
+    assert all(v == views[0] for v in views), "the same readings give the same view"

@@ -79,12 +79,32 @@ def test_the_sweep_id_changes_with_the_content_and_the_overrides():
     assert named.sweep_id == "mine"
 
 
-def test_an_override_may_not_collapse_a_grid_axis():
-    with pytest.raises(ConfigError, match=r"s.json: grid.partition"):
+def test_an_override_narrows_a_grid_axis_to_its_value_and_says_so():
+    grid = {"partition": ["equal", "weighted"], "stages": [1, 2]}
+    full = sweep.expand(config(grid), source="s.json")
+    s = sweep.expand(config(grid), source="s.json", overrides={"partition": "weighted"})
+    assert s.axes == ["partition", "stages"], "the axis stays a CSV column"
+    assert [p.values for p in s.points] == [
+        {"partition": "weighted", "stages": 1},
+        {"partition": "weighted", "stages": 2},
+    ]
+    assert all(p.spec.partition == "weighted" for p in s.points)
+    weighted = [p.point_id for p in full.points if p.values["partition"] == "weighted"]
+    assert [p.point_id for p in s.points] == weighted, "the same ids as in the full grid"
+    assert s.sweep_id != full.sweep_id
+    assert s.overridden == {"partition": ["equal", "weighted"]}
+    assert sweep.override_notes(s, sweep.grid_size(config(grid)), {"partition": "--partition"}) == [
+        "--partition weighted overrides the grid's partition axis (equal, weighted): 2 of 4 points"
+    ]
+    assert sweep.override_notes(full, 4, {}) == []
+
+
+def test_an_override_may_not_collapse_a_nested_axis():
+    with pytest.raises(ConfigError, match=r"s.json: grid.model.d_model: .* 'model'"):
         sweep.expand(
-            config({"partition": ["equal", "weighted"]}),
+            config({"model.d_model": [32, 64]}),
             source="s.json",
-            overrides={"partition": "weighted"},
+            overrides={"model": {"d_model": 16}},
         )
 
 
@@ -224,12 +244,92 @@ def test_the_scatter_plot_is_a_png_with_the_points_drawn():
     assert sweep.plot_points(rows) == [(100.0, 2.0, "fp16")]
 
 
-def test_the_bundled_sweeps_expand():
-    for name in ("exp_full_sweep_unlimited_v1", "exp_large_unlimited_compute_v1"):
-        path = REPO / "exp" / "configs" / f"{name}.json"
-        s = sweep.expand(sweep.decode_sweep_config(path.read_bytes(), source=str(path)), source="")
-        assert set(s.axes) >= {"compression", "partition", "stages", "micro_batches"}
-        assert len(s.points) == len({p.point_id for p in s.points}) > 16
+def bundled_sweep(name: str, **overrides) -> sweep.Sweep:
+    path = REPO / "exp" / "configs" / f"{name}.json"
+    parsed = sweep.decode_sweep_config(path.read_bytes(), source=str(path))
+    return sweep.expand(parsed, source=str(path), overrides=overrides)
+
+
+@pytest.mark.parametrize(
+    ("name", "points"),
+    [("exp_full_sweep_unlimited_v1", 64), ("exp_large_unlimited_compute_v1", 72)],
+)
+def test_the_bundled_sweeps_expand_are_gpu_only_and_take_partition(name, points):
+    """As the README runs them: with and without --partition; both are meant for GPUs."""
+    s = bundled_sweep(name)
+    assert set(s.axes) >= {"compression", "partition", "stages", "micro_batches"}
+    assert len(s.points) == len({p.point_id for p in s.points}) == points
+    assert sweep.gpu_only_points(s) == s.points, "configs meant for GPUs say allow_cpu: false"
+    weighted = bundled_sweep(name, partition="weighted")
+    assert len(weighted.points) == points // 2
+    assert {p.spec.partition for p in weighted.points} == {"weighted"}
+
+
+def node(host="h1", online=True, gpus=0, tf=None, fellows=("f1",), warning=None):
+    return {
+        "hostname": host,
+        "online": online,
+        "fellows": list(fellows),
+        "gpus": [{"uuid": f"GPU-{i}"} for i in range(gpus)],
+        "tf_gpu_count": tf,
+        "gpu_warning": warning,
+    }
+
+
+GPU_ONLY = {**TINY, "allow_cpu": False}
+
+
+@pytest.mark.parametrize(
+    ("base", "nodes", "refused"),
+    [
+        pytest.param(TINY, [node()], None, id="cpu-allowed-on-cpu"),
+        pytest.param(GPU_ONLY, [node(gpus=1, tf=1)], None, id="gpu-only-with-a-gpu"),
+        pytest.param(
+            GPU_ONLY,
+            [node(), node("h2", fellows=("f2", "f3"))],
+            "but the swarm has 2 online host(s) with 3 fellow(s) and no GPU; ",
+            id="gpu-only-on-cpu",
+        ),
+        pytest.param(GPU_ONLY, [], "has 0 online host(s) with 0 fellow(s)", id="empty-swarm"),
+        pytest.param(
+            GPU_ONLY,
+            [node(gpus=2, tf=0, warning="TensorFlow sees none")],
+            "and 2 GPU(s), none that TensorFlow can use (h1: TensorFlow sees none); ",
+            id="gpus-tensorflow-cannot-use",
+        ),
+        pytest.param(
+            GPU_ONLY,
+            [node(gpus=1, tf=1, online=False), node("h2")],
+            "1 online host(s) with 1 fellow(s) and no GPU",
+            id="the-gpu-host-is-offline",
+        ),
+    ],
+)
+def test_a_gpu_only_sweep_is_refused_on_a_swarm_without_usable_gpus(base, nodes, refused):
+    s = sweep.expand(config({"stages": [1, 2]}, base=base), source="s.json")
+    reason = sweep.gpu_refusal(s, nodes)
+    if refused is None:
+        assert reason is None
+    else:
+        assert reason is not None and refused in reason
+        assert reason.startswith(f"sweep {s.sweep_id} needs GPUs (2 of 2 point(s) have allow_cpu")
+        assert reason.endswith(
+            "or set allow_cpu: true in the config's base to let CPU fellows run it"
+        )
+
+
+def test_the_dry_run_report_lists_the_points_to_run_and_the_verdict(tmp_path):
+    s = sweep.expand(config({"stages": [1, 2]}), source="s.json")
+    done = [{"point_id": s.points[0].point_id, "state": "COMPLETED"}]
+    value, text = sweep.plan_report(s, done, tmp_path, None)
+    assert value["to_run"] == [{"point_id": s.points[1].point_id, "values": {"stages": 2}}]
+    assert text.splitlines() == [
+        f"sweep {s.sweep_id}: 2 point(s), 1 to run; results in {tmp_path}",
+        f"  {s.points[1].point_id} stages=2",
+        "the swarm can run it",
+    ]
+    value, text = sweep.plan_report(s, [], tmp_path, "no GPU")
+    assert value["refusal"] == "no GPU" and text.endswith("refused: no GPU")
 
 
 # --- suites ---------------------------------------------------------------------------------
@@ -419,3 +519,53 @@ def test_summary_keeps_mean_and_spread_of_completed_repeats():
     assert summary["a"]["final_loss"] == {"mean": 2.0, "min": 1.0, "max": 3.0}
     assert "tokens_per_s" not in summary["a"]
     assert summary["b"] == {"repeats": 1, "completed": 0}
+
+
+class InterruptedLeader:
+    """Ctrl-C arrives while the sweep waits on its first job, or inside its submit."""
+
+    def __init__(self, during_submit: bool = False) -> None:
+        self.during_submit = during_submit
+        self.cancelled: list[str] = []
+        self.polls = 0
+        self.name = ""
+
+    def submit(self, spec_json: bytes) -> dict:
+        self.name = json.loads(spec_json)["name"]
+        if self.during_submit:  # the leader made the job; its id never came back
+            raise KeyboardInterrupt
+        return {"job_id": "j1"}
+
+    def job(self, job_id: str) -> dict:
+        self.polls += 1
+        if self.polls == 2:
+            raise KeyboardInterrupt
+        return {"job_id": job_id, "state": "RUNNING", "progress": []}
+
+    def jobs(self) -> list[dict]:
+        return [
+            {"job_id": "old", "name": self.name, "state": "CANCELLED"},
+            {"job_id": "j9", "name": self.name, "state": "PENDING"},
+            {"job_id": "other", "name": "someone-else", "state": "RUNNING"},
+        ]
+
+    def cancel(self, job_id: str) -> dict:
+        self.cancelled.append(job_id)
+        return {"job_id": job_id, "state": "CANCELLED"}
+
+
+@pytest.mark.parametrize(("during_submit", "cancelled"), [(False, ["j1"]), (True, ["j9"])])
+def test_ctrl_c_cancels_the_job_the_sweep_started_and_records_no_row(
+    tmp_path, during_submit, cancelled
+):
+    s = sweep.expand(config({"stages": [1, 2]}), source="s.json")
+    fake = InterruptedLeader(during_submit=during_submit)
+    lines: list[str] = []
+    with pytest.raises(KeyboardInterrupt):
+        sweep.run_sweep(fake, s, tmp_path, progress=lines.append, poll_s=0.0)
+    assert fake.cancelled == cancelled
+    assert lines[-1] == (
+        f"[1/2] {s.points[0].point_id} interrupted: cancelled {cancelled[0]} "
+        "(it runs again on resume)"
+    )
+    assert sweep.read_rows(tmp_path / "results.csv") == [], "the point runs again on resume"

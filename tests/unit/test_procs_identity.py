@@ -1,0 +1,177 @@
+"""Process identity that a wall-clock step cannot fool (``/proc/<pid>/stat`` start ticks and
+the boot id), the pure rules around it, and file locks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from swarm.cli.cluster import legacy_owned
+from swarm.natsd import choose_port
+from swarm.procs import (
+    ProcessIdentity,
+    ProcStat,
+    identity_of,
+    is_gone,
+    is_locked,
+    parse_proc_stat,
+    same_process,
+    try_lock,
+    wait_until,
+)
+
+# A real line (fields 3..52) after "<pid> (<comm>)"; field 22 (starttime) is 5555.
+_REST = (
+    "S 1 1234 1234 0 -1 4194560 2841 0 0 0 10 3 0 0 20 0 1 0 5555 12943360 2304 "
+    "18446744073709551615 1 1 0 0 0 0 0 16781312 2 0 0 0 17 1 0 0 0 0 0 0 0 0 0 0 0 0 0"
+)
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        (f"1234 (python) {_REST}\n", ProcStat("S", 5555)),
+        (f"1234 (tmux: server) {_REST}", ProcStat("S", 5555)),
+        (f"1234 (a (b) c) {_REST}", ProcStat("S", 5555)),
+        # comm is the process's to choose: one that mimics fields must not shift them.
+        (f"1234 (x) Z 1 2 3) {_REST}", ProcStat("S", 5555)),
+        (f"1234 ()) {_REST}", ProcStat("S", 5555)),
+        (f"1234 () {_REST}", ProcStat("S", 5555)),
+        (f"1234 (nats-server) {_REST.replace('S ', 'Z ', 1)}", ProcStat("Z", 5555)),
+        (f"7 (kworker/0:1-events) {_REST.replace(' 5555 ', ' 0 ')}", ProcStat("S", 0)),
+    ],
+)
+def test_parse_proc_stat(line, expected):
+    assert parse_proc_stat(line) == expected
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "",
+        "1234 python S 1 2 3",  # no parentheses
+        f"1234 python) {_REST}",  # no opening parenthesis
+        "1234 (python) S 1 2 3",  # too short
+        f"1234 (python) {_REST.replace(' 5555 ', ' 55x5 ')}",
+        f"1234 (python) {_REST.replace(' 5555 ', ' -5 ')}",
+        f"1234 (python) {_REST.replace('S ', 'SS ', 1)}",
+    ],
+)
+def test_parse_proc_stat_rejects_what_is_not_a_stat_line(line):
+    with pytest.raises(ValueError):
+        parse_proc_stat(line)
+
+
+def test_identity_is_the_boot_relative_start_tick_count():
+    me = identity_of(os.getpid())
+    assert me is not None
+    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    assert me.start_ticks == int(fields[19])
+    # psutil's create_time() is the same count plus the wall-clock boot time (which a clock
+    # step moves); the identity keeps only the count.
+    since_boot = psutil.Process().create_time() - psutil.boot_time()
+    assert me.start_ticks / os.sysconf("SC_CLK_TCK") == pytest.approx(since_boot, abs=0.02)
+    assert me.boot_id == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    assert identity_of(os.getpid()) == me, "stable over time"
+
+
+def test_same_process_matches_start_ticks_and_boot_not_just_the_pid():
+    me = identity_of(os.getpid())
+    assert me is not None
+    found = same_process(me)
+    assert found is not None and found.pid == os.getpid()
+    assert same_process(ProcessIdentity(me.pid, me.start_ticks + 1, me.boot_id)) is None
+    assert same_process(ProcessIdentity(me.pid, me.start_ticks, "another-boot")) is None
+
+
+def test_an_exited_process_and_a_zombie_are_not_the_same_process():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    identity = identity_of(child.pid)
+    assert identity is not None or child.poll() is not None
+    # Not reaped yet: a zombie, which is no running process.
+    assert wait_until(lambda: is_gone(psutil.Process(child.pid)), timeout=30)
+    assert identity_of(child.pid) is None
+    if identity is not None:
+        assert same_process(identity) is None
+    child.wait()
+    assert identity_of(child.pid) is None
+
+
+@pytest.mark.parametrize(
+    ("role", "name", "cmdline", "environ", "owned"),
+    [
+        ("nats", "nats", ["/v/bin/nats-server", "--store_dir", "/s/nats"], None, True),
+        ("nats", "nats", ["/v/bin/nats-server", "--store_dir", "/s/nats/"], None, True),
+        ("nats", "nats", ["/v/bin/nats-server", "--store_dir", "/other/nats"], None, False),
+        ("nats", "nats", ["/v/bin/nats-server"], None, False),
+        ("nats", "nats", ["/bin/sleep", "--store_dir", "/s/nats"], None, False),
+        ("leader", "leader", ["python", "-m", "leader.main"], {"SWARM_STATE_DIR": "/s"}, True),
+        ("leader", "leader", ["python", "-m", "leader.main"], {"SWARM_STATE_DIR": "/s/"}, True),
+        ("leader", "leader", ["python", "-m", "leader.main"], {"SWARM_STATE_DIR": "/t"}, False),
+        ("leader", "leader", ["python", "-m", "leader.main"], {}, False),
+        ("leader", "leader", ["python", "-m", "leader.main"], None, False),
+        ("leader", "leader", ["python", "-m", "agent.main"], {"SWARM_STATE_DIR": "/s"}, False),
+        ("leader", "leader", ["vim", "leader.main"], {"SWARM_STATE_DIR": "/s"}, False),
+        (
+            "fellow",
+            "fellow-1",
+            ["python", "-m", "agent.main", "--name", "fellow-1"],
+            {"SWARM_STATE_DIR": "/s"},
+            True,
+        ),
+        (
+            "fellow",
+            "fellow-1",
+            ["python", "-m", "agent.main", "--name", "fellow-2"],
+            {"SWARM_STATE_DIR": "/s"},
+            False,
+        ),
+        ("fellow", "fellow-1", ["python", "-m", "agent.main"], {"SWARM_STATE_DIR": "/s"}, False),
+        ("ghost", "x", ["python", "-m", "leader.main"], {"SWARM_STATE_DIR": "/s"}, False),
+        ("leader", "leader", [], {"SWARM_STATE_DIR": "/s"}, False),
+    ],
+)
+def test_a_record_without_identity_is_ours_by_command_and_state_dir(
+    role, name, cmdline, environ, owned
+):
+    got = legacy_owned(role=role, name=name, state_dir="/s", cmdline=cmdline, environ=environ)
+    assert got is owned
+
+
+def test_a_record_without_identity_and_without_state_dir_is_never_ours():
+    assert not legacy_owned(
+        role="leader",
+        name="leader",
+        state_dir="",
+        cmdline=["python", "-m", "leader.main"],
+        environ={"SWARM_STATE_DIR": ""},
+    )
+
+
+@pytest.mark.parametrize(
+    ("requested", "pinned", "port"),
+    [(0, None, 0), (0, 4300, 4300), (4400, 4300, 4400), (4400, None, 4400)],
+)
+def test_choose_port_keeps_the_stores_port_for_any(requested, pinned, port):
+    assert choose_port(requested, pinned) == port
+
+
+def test_try_lock_is_exclusive_until_closed(tmp_path):
+    path = tmp_path / "x.lock"
+    assert not is_locked(path)
+    fd = try_lock(path)
+    assert fd is not None
+    try:
+        assert try_lock(path) is None
+        assert is_locked(path)
+    finally:
+        os.close(fd)
+    assert not is_locked(path)
+    again = try_lock(path)
+    assert again is not None
+    os.close(again)
