@@ -15,23 +15,14 @@ import sys
 import urllib.request
 from pathlib import Path
 
-import msgspec
-
 from swarm.errors import SwarmError
+from swarm.types.signals import PackageRef
 
 PIP_TIMEOUT_S = 600
 
 
 class UpdateError(SwarmError):
     code = "UPDATE_FAILED"
-
-
-class PackageRef(msgspec.Struct, forbid_unknown_fields=False):
-    """What the leader's UPDATE names: its package, where to get it, and its sha256."""
-
-    file: str
-    sha256: str
-    url: str
 
 
 def reinstall(package: PackageRef, prefix: Path, pip_args: str) -> str:

@@ -24,6 +24,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
+from agent.decide import AgentState, Refusal, Start, decide, malformed
 from agent.hardware import HardwareProbe, limits_from
 from agent.logship import FellowLogShipper
 from agent.reinstall import PackageRef, UpdateError, reinstall
@@ -35,24 +36,36 @@ from swarm.errors import ProtocolError
 from swarm.lifecycle import FellowEvent, IllegalTransitionError, next_status
 from swarm.natsauth import write_private
 from swarm.natsconn import NatsAccess, connect_forever
-from swarm.plan import StagePlan
 from swarm.protocol import (
     EXPORT_ERROR_CHARS,
+    CheckpointSignal,
     DeregisterRequest,
     FellowIdentity,
     FellowStatus,
     Heartbeat,
     Progress,
     ProgressEvent,
+    PurgeSignal,
     RegisterRequest,
     Signal,
     SignalAck,
-    SignalKind,
+    SignalHead,
     StageOutcome,
     StageResult,
+    StartSignal,
+    StopSignal,
+    UpdateSignal,
 )
 from swarm.sdnotify import notify, watchdog_forever
 from swarm.settings import Settings
+from swarm.types.signals import ResumeArgs
+from swarm.types.stage import (
+    CheckpointEvent,
+    CheckpointRequest,
+    LinksEvent,
+    StageEvent,
+    StepEvent,
+)
 
 log = logging.getLogger(__name__)
 
@@ -314,17 +327,7 @@ class FellowAgent:
         try:
             sig = topics.SIGNAL.decode(msg.data)
         except ProtocolError as exc:
-            log.warning("dropped malformed signal on %s: %s", msg.subject, exc)
-            await self._respond(
-                msg,
-                SignalAck(
-                    signal_id="",
-                    fellow_id=self.fellow_id,
-                    ok=False,
-                    code=exc.code,
-                    message=str(exc),
-                ),
-            )
+            await self._refuse_malformed(msg, exc)
             return
         seen = self._acks.get(sig.signal_id)
         if seen is not None:
@@ -335,21 +338,52 @@ class FellowAgent:
         except Exception as exc:  # a bug must still be answered, and not kill the agent
             log.exception("signal %s failed", sig.kind)
             ack = self._ack(sig, False, "SIGNAL_FAILED", f"{type(exc).__name__}: {exc}")
-        self._acks[sig.signal_id] = ack
+        self._remember_ack(ack)
+        await self._respond(msg, ack)
+
+    async def _refuse_malformed(self, msg: Msg, exc: ProtocolError) -> None:
+        """Answer a signal that does not decode: by its id and with what was wrong, when those
+        can still be read (and that answer again to a retry), else as a protocol error."""
+        try:
+            head: SignalHead | None = msgspec.msgpack.decode(msg.data, type=SignalHead)
+        except msgspec.DecodeError:
+            head = None
+        refusal = malformed(head, str(exc))
+        log.warning("refused a malformed signal on %s: %s", msg.subject, exc)
+        signal_id = head.signal_id if head is not None else ""
+        seen = self._acks.get(signal_id) if signal_id else None
+        if seen is not None:
+            await self._respond(msg, _as_duplicate(seen))
+            return
+        ack = SignalAck(
+            signal_id=signal_id,
+            fellow_id=self.fellow_id,
+            ok=False,
+            code=refusal.code,
+            message=refusal.message,
+        )
+        if signal_id:
+            self._remember_ack(ack)
+        await self._respond(msg, ack)
+
+    def _remember_ack(self, ack: SignalAck) -> None:
+        self._acks[ack.signal_id] = ack
         while len(self._acks) > SEEN_SIGNALS:
             self._acks.popitem(last=False)
-        await self._respond(msg, ack)
 
     async def _handle(self, sig: Signal) -> SignalAck:
         log.info("signal %s (%s) for job %s", sig.kind, sig.signal_id, sig.job_id)
-        handler = {
-            SignalKind.START: self._on_start,
-            SignalKind.STOP: self._on_stop,
-            SignalKind.CHECKPOINT: self._on_checkpoint,
-            SignalKind.UPDATE: self._on_update,
-            SignalKind.PURGE: self._on_purge,
-        }[sig.kind]
-        return await handler(sig)
+        match sig:
+            case StartSignal():
+                return await self._on_start(sig)
+            case StopSignal():
+                return await self._on_stop(sig)
+            case CheckpointSignal():
+                return await self._on_checkpoint(sig)
+            case UpdateSignal():
+                return await self._on_update(sig)
+            case PurgeSignal():
+                return await self._on_purge(sig)
 
     def _ack(self, sig: Signal, ok: bool, code: str | None = None, message: str = "") -> SignalAck:
         return SignalAck(
@@ -364,40 +398,38 @@ class FellowAgent:
             return False
         return sig.job_id in (None, run.job_id) and sig.attempt in (None, run.attempt)
 
-    async def _on_start(self, sig: Signal) -> SignalAck:
-        if self._stop is not None and self._stop.is_set():
-            return self._ack(sig, False, "AGENT_STOPPING", "the agent is shutting down")
-        if self.status is not FellowStatus.READY or self.run_ is not None:
-            doing = f" (job {self.run_.job_id})" if self.run_ else ""
-            return self._ack(sig, False, "FELLOW_BUSY", f"fellow is {self.status}{doing}")
-        if self._updating is not None:
-            return self._ack(sig, False, "FELLOW_BUSY", "fellow is installing an update")
-        try:
-            plan = msgspec.convert(sig.args.get("plan"), StagePlan)
-        except msgspec.ValidationError as exc:
-            return self._ack(sig, False, "PLAN_INVALID", f"plan: {exc}")
-        plan = msgspec.structs.replace(
-            plan,
+    def start_state(self) -> AgentState:
+        """What :func:`agent.decide.decide` needs to know about this agent."""
+        ended = self.outcome
+        return AgentState(
+            fellow_id=self.fellow_id,
+            status=self.status,
             nats=self.nats,
             subject_prefix=self.prefix,
-            checkpoint_dir=str(self.fellow_dir / "checkpoints"),
+            fellow_dir=self.fellow_dir,
+            stopping=self._stop is not None and self._stop.is_set(),
+            running_job=self.run_.job_id if self.run_ is not None else None,
+            updating=self._updating is not None,
+            data_bind=self.settings.data_bind,
+            last_run=None if ended is None else (ended.job_id, ended.attempt),
         )
-        if plan.data_address and self.settings.data_bind:
-            plan = msgspec.structs.replace(plan, data_address=self.settings.data_bind)
-        problems = plan.problems()
-        if plan.fellow_id != self.fellow_id:
-            problems.append(f"the plan is for {plan.fellow_id!r}, not {self.fellow_id!r}")
-        if (sig.job_id, sig.attempt) != (plan.job_id, plan.attempt):
-            problems.append("the signal's job and attempt do not match the plan's")
-        if problems:
-            return self._ack(sig, False, "PLAN_INVALID", "; ".join(problems))
-        workdir = self.fellow_dir / "jobs" / f"{plan.job_id}-a{plan.attempt}"
-        try:
-            attempt_nats = await self._attempt_access(sig, workdir)
-        except StartRefused as exc:
-            return self._ack(sig, False, exc.code, exc.message)
+
+    async def _on_start(self, sig: StartSignal) -> SignalAck:
+        decision = decide(self.start_state(), sig)
+        if isinstance(decision, Refusal):
+            return self._ack(sig, False, decision.code, decision.message)
+        refusal = await self._start(decision)
+        if refusal is not None:
+            return self._ack(sig, False, refusal.code, refusal.message)
+        return self._ack(sig, True, message=decision.message)
+
+    async def _start(self, start: Start) -> Refusal | None:
+        """Act on an accepted START: the attempt's NATS connection, then the runtime (after
+        its shard arrives, for a resumed attempt). A refusal when that cannot be done."""
+        plan = start.plan
         run_nc: Client | None = None
-        if attempt_nats is not None:
+        if start.nats_creds is not None:
+            attempt_nats = await self._attempt_access(start.nats_creds, start.workdir)
             try:
                 run_nc = await asyncio.wait_for(
                     connect_forever(
@@ -408,52 +440,31 @@ class FellowAgent:
                     ATTEMPT_CONNECT_S,
                 )
             except (TimeoutError, NatsError, OSError) as exc:
-                return self._ack(
-                    sig, False, "START_FAILED", f"cannot connect as the attempt's NATS user: {exc}"
-                )
+                return Refusal("START_FAILED", f"cannot connect as the attempt's NATS user: {exc}")
             plan = msgspec.structs.replace(plan, nats=attempt_nats)
-        resume = sig.args.get("resume")
-        if resume:
-            # A resumed attempt: its shard comes from the leader before the runtime starts.
-            fetched = self.fellow_dir / "resume" / f"{plan.job_id}-a{plan.attempt}"
-            plan = msgspec.structs.replace(
-                plan, resume_from=str(fetched / f"stage-{plan.stage}.json")
-            )
-        run = StageRun(plan, workdir, self._on_stage_event, self._on_stage_output)
-        if not resume:
+        run = StageRun(plan, start.workdir, self._on_stage_event, self._on_stage_output)
+        if start.resume is None:
             try:
                 await run.start()
             except OSError as exc:
                 await _close(run_nc)
-                return self._ack(sig, False, "START_FAILED", f"cannot start the runtime: {exc}")
+                return Refusal("START_FAILED", f"cannot start the runtime: {exc}")
         self.run_, self.outcome, self.step, self.loss = run, None, 0, None
         self.run_nc = run_nc
         self._down_transport = None
         self._checkpoint_final = False
         self._end_submitted, self._end_error = False, None
         self._set_status(FellowEvent.START)
-        if resume:
-            self._background(self._fetch_and_start(run, resume, fetched), "stage-fetch")
+        if start.resume is not None:
+            assert start.resume_dir is not None
+            fetch = self._fetch_and_start(run, start.resume, start.resume_dir)
+            self._background(fetch, "stage-fetch")
         self._background(self._supervise(run), "stage-supervisor")
-        if resume:
-            step = resume.get("step")
-            return self._ack(sig, True, message=f"stage {plan.stage} resuming from step {step}")
-        return self._ack(sig, True, message=f"stage {plan.stage} started")
+        return None
 
-    async def _attempt_access(self, sig: Signal, workdir: Path) -> NatsAccess | None:
-        """How the run reaches NATS: as the attempt's own user when START brought one (its
-        credentials written 0600 in the run's private folder), else as this agent."""
-        creds = sig.args.get("nats_creds")
-        if not creds:
-            if self.nats.creds:
-                raise StartRefused(
-                    "START_INVALID",
-                    "START brought no NATS user for this attempt, and this swarm has NATS "
-                    "users: the leader needs its NATS authority (SWARM_NATS_AUTH_DIR)",
-                )
-            return None
-        if not isinstance(creds, str) or len(creds) > 16384:
-            raise StartRefused("START_INVALID", "nats_creds: not a credentials file's text")
+    async def _attempt_access(self, creds: str, workdir: Path) -> NatsAccess:
+        """How the run reaches NATS: as the attempt's own user, its credentials written 0600
+        in the run's private folder."""
         workdir.mkdir(parents=True, exist_ok=True)
         workdir.chmod(0o700)
         path = workdir / "attempt.creds"
@@ -465,10 +476,10 @@ class FellowAgent:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _fetch_and_start(self, run: StageRun, resume: dict, directory: Path) -> None:
+    async def _fetch_and_start(self, run: StageRun, resume: ResumeArgs, directory: Path) -> None:
         try:
             await asyncio.to_thread(fetch_shard, resume, directory)
-        except (FetchError, OSError, KeyError) as exc:
+        except (FetchError, OSError) as exc:
             log.error("job %s: cannot resume: %s", run.job_id, exc)
             run.fail_unstarted(f"cannot fetch the shard to resume from: {exc}")
             return
@@ -479,38 +490,33 @@ class FellowAgent:
         except OSError as exc:
             run.fail_unstarted(f"cannot start the runtime: {exc}")
 
-    async def _on_stop(self, sig: Signal) -> SignalAck:
-        reason = str(sig.args.get("reason") or "stopped by the leader")
+    async def _on_stop(self, sig: StopSignal) -> SignalAck:
+        reason = sig.args.reason or "stopped by the leader"
         stopped = ""
-        if self.run_ is not None and (self._matches(sig) or sig.args.get("release")):
+        if self.run_ is not None and (self._matches(sig) or sig.args.release):
             # Acknowledged once the runtime has its SIGTERM; its outcome follows in progress
             # and heartbeats. Waiting here would hold up every other signal to this fellow.
             self.run_.terminate(reason)
             stopped = f"stopping job {sig.job_id or self.run_.job_id}"
-        if sig.args.get("release"):
+        if sig.args.release:
             self._exit("released by an operator")
             return self._ack(sig, True, message=(stopped + "; " if stopped else "") + "exiting")
         return self._ack(sig, True, message=stopped or "nothing to stop")
 
-    async def _on_checkpoint(self, sig: Signal) -> SignalAck:
+    async def _on_checkpoint(self, sig: CheckpointSignal) -> SignalAck:
         run = self.run_
         if run is None or not self._matches(sig):
             return self._ack(sig, False, "NOT_TRAINING", "this fellow is not running that job")
-        at_step = sig.args.get("at_step")
-        sent = await run.command(
-            {"cmd": "checkpoint", "id": sig.args.get("checkpoint_id"), "at_step": at_step}
-        )
+        at_step = sig.args.at_step
+        sent = await run.command(CheckpointRequest(id=sig.args.checkpoint_id, at_step=at_step))
         if not sent:
             return self._ack(sig, False, "RUNTIME_GONE", "the stage runtime has exited")
         if self.status is FellowStatus.TRAINING:
             self._set_status(FellowEvent.CHECKPOINT)
         return self._ack(sig, True, message=f"checkpoint at step {at_step}")
 
-    async def _on_update(self, sig: Signal) -> SignalAck:
-        try:
-            package = msgspec.convert(sig.args["package"], PackageRef) if sig.args else None
-        except (KeyError, msgspec.ValidationError) as exc:
-            return self._ack(sig, False, "UPDATE_INVALID", f"package: {exc}")
+    async def _on_update(self, sig: UpdateSignal) -> SignalAck:
+        package: PackageRef | None = sig.args.package
         if self.settings.fellow_prefix is None:
             package = None  # installed by other means (a .deb, pip): restart as installed
         if self._updating is not None:
@@ -551,7 +557,7 @@ class FellowAgent:
 
         self._updating = asyncio.get_running_loop().create_task(update())
 
-    async def _on_purge(self, sig: Signal) -> SignalAck:
+    async def _on_purge(self, sig: PurgeSignal) -> SignalAck:
         """Stop, remove what this fellow keeps (and, when fellow.sh installed it, the whole
         install: its systemd user unit, venv, configuration), answer, then exit."""
         if self.run_ is not None:
@@ -566,73 +572,77 @@ class FellowAgent:
     def fellow_dir(self):
         return self.settings.fellow_dir(self.fellow_id).resolve()
 
-    def _on_stage_event(self, event: dict[str, Any]) -> None:
+    def _on_stage_event(self, event: StageEvent) -> None:
         run = self.run_
         if run is None:
             return
-        kind = event.get("event")
-        if kind == "links":
-            self._down_transport = event.get("down")
-        elif kind == "step":
-            self.step, self.loss = int(event["step"]) + 1, event.get("loss")
-            self.bytes_sent = event.get("down_bytes_sent", 0) + event.get("up_bytes_sent", 0)
-            self.bytes_received = event.get("down_bytes_received", 0) + event.get(
-                "up_bytes_received", 0
-            )
-            # Every step: the leader's history stream keeps the whole curve.
-            self._publish_progress(
-                run,
-                ProgressEvent.STEP,
-                step=self.step,
-                total_steps=run.plan.train.steps,
-                loss=event.get("loss"),
-                val_loss=event.get("val_loss"),
-                lr=event.get("lr"),
-                step_time_s=event.get("step_time_s"),
-                tokens_per_s=event.get("tokens_per_s"),
-                bytes_sent=self.bytes_sent,
-                bytes_received=self.bytes_received,
-                down_bytes_sent=event.get("down_bytes_sent", 0),
-                down_bytes_received=event.get("down_bytes_received", 0),
-                down_transport=self._down_transport,
-                relay_dropped=int(event.get("relay_dropped") or 0),
-            )
-        elif kind == "checkpoint":
-            final = bool(event.get("final"))
-            if event.get("id") == "end":
-                if event.get("ok") and event.get("path"):
-                    self._end_submitted = self.pusher is not None
-                else:
-                    self._end_error = str(event.get("message") or "the checkpoint failed")
-            if event.get("ok") and event.get("path") and self.pusher is not None:
-                # Every checkpoint goes to the leader (the export, and where a resume starts);
-                # a periodic one may be overtaken by the next, the others are kept.
-                self.pusher.submit(
-                    Shard(
-                        job_id=run.job_id,
-                        attempt=run.attempt,
-                        stage=run.plan.stage,
-                        step=int(event.get("step") or 0),
-                        directory=Path(str(event["path"])),
-                        periodic=str(event.get("id", "")).startswith("every-"),
-                        client=self.run_nc,
-                    )
+        if isinstance(event, LinksEvent):
+            self._down_transport = event.down
+        elif isinstance(event, StepEvent):
+            self._on_step(run, event)
+        elif isinstance(event, CheckpointEvent):
+            self._on_checkpoint_written(run, event)
+
+    def _on_step(self, run: StageRun, event: StepEvent) -> None:
+        self.step, self.loss = event.step + 1, event.loss
+        self.bytes_sent, self.bytes_received = event.bytes_sent, event.bytes_received
+        # Every step: the leader's history stream keeps the whole curve.
+        self._publish_progress(
+            run,
+            ProgressEvent.STEP,
+            step=self.step,
+            total_steps=run.plan.train.steps,
+            loss=event.loss,
+            val_loss=event.val_loss,
+            lr=event.lr,
+            step_time_s=event.step_time_s,
+            tokens_per_s=event.tokens_per_s,
+            bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received,
+            down_bytes_sent=event.down_bytes_sent or 0,
+            down_bytes_received=event.down_bytes_received or 0,
+            down_transport=self._down_transport,
+            relay_dropped=event.relay_dropped,
+        )
+
+    def _on_checkpoint_written(self, run: StageRun, event: CheckpointEvent) -> None:
+        written = event.ok and event.path is not None
+        periodic = event.id.startswith("every-")
+        if event.id == "end":
+            if written:
+                self._end_submitted = self.pusher is not None
+            else:
+                self._end_error = event.message or "the checkpoint failed"
+        if written and self.pusher is not None:
+            assert event.path is not None
+            # Every checkpoint goes to the leader (the export, and where a resume starts);
+            # a periodic one may be overtaken by the next, the others are kept.
+            self.pusher.submit(
+                Shard(
+                    job_id=run.job_id,
+                    attempt=run.attempt,
+                    stage=run.plan.stage,
+                    step=event.step,
+                    directory=Path(event.path),
+                    periodic=periodic,
+                    client=self.run_nc,
                 )
-            if str(event.get("id", "")).startswith("every-") or event.get("id") == "end":
-                return  # the stage's own checkpoints: no operator's CHECKPOINT to answer
-            self._publish_progress(
-                run,
-                ProgressEvent.CHECKPOINT,
-                step=int(event.get("step") or 0),
-                ok=bool(event.get("ok")),
-                message=str(event.get("message", ""))[:MESSAGE_CHARS],
-                checkpoint_path=event.get("path"),
-                checkpoint_id=event.get("id"),
             )
-            if final:
-                self._checkpoint_final = True
-            elif self.status is FellowStatus.CHECKPOINTING:
-                self._set_status(FellowEvent.CHECKPOINT_WRITTEN)
+        if periodic or event.id == "end":
+            return  # the stage's own checkpoints: no operator's CHECKPOINT to answer
+        self._publish_progress(
+            run,
+            ProgressEvent.CHECKPOINT,
+            step=event.step,
+            ok=event.ok,
+            message=event.message[:MESSAGE_CHARS],
+            checkpoint_path=event.path,
+            checkpoint_id=event.id,
+        )
+        if event.final:
+            self._checkpoint_final = True
+        elif self.status is FellowStatus.CHECKPOINTING:
+            self._set_status(FellowEvent.CHECKPOINT_WRITTEN)
 
     def _on_stage_output(self, stream: str, line: str) -> None:
         """A line the runtime wrote: into the fellow's shipped logs."""
@@ -647,23 +657,7 @@ class FellowAgent:
         # The export must be whole when the job is COMPLETED: report the end after it, and
         # if the final shard did not make it, say why.
         if outcome.result is StageResult.COMPLETED:
-            drained = self.pusher is not None and await self.pusher.drain(PUSH_DRAIN_S)
-            push_error = None
-            if self.pusher is not None:
-                push_error = self.pusher.failure(run.job_id, run.attempt, run.plan.train.steps)
-            export_error = final_export_error(
-                submitted=self._end_submitted,
-                checkpoint_error=self._end_error,
-                drained=drained,
-                push_error=push_error,
-            )
-            if export_error is not None:
-                log.error(
-                    "job %s: the final shard is not on the leader: %s", run.job_id, export_error
-                )
-                outcome = msgspec.structs.replace(
-                    outcome, export_error=export_error[:EXPORT_ERROR_CHARS]
-                )
+            outcome = await self._with_export_error(run, outcome)
         self.outcome = outcome
         self.step = outcome.step
         log.info(
@@ -680,17 +674,37 @@ class FellowAgent:
         self.run_ = None
         run_nc, self.run_nc = self.run_nc, None
         await _close(run_nc)  # flushes what is still buffered, then the attempt's user goes
+        self._back_to_ready()
+        await self._send_heartbeat()
+        if self.settings.fellow_exit_after_training:
+            self._exit("SWARM_FELLOW_EXIT_AFTER_TRAINING is set")
+        elif self._update_when_idle and self.status is FellowStatus.READY:
+            self._update_now()
+
+    async def _with_export_error(self, run: StageRun, outcome: StageOutcome) -> StageOutcome:
+        """A completed run's outcome, with why its final shard is not on the leader if not."""
+        drained = self.pusher is not None and await self.pusher.drain(PUSH_DRAIN_S)
+        push_error = None
+        if self.pusher is not None:
+            push_error = self.pusher.failure(run.job_id, run.attempt, run.plan.train.steps)
+        export_error = final_export_error(
+            submitted=self._end_submitted,
+            checkpoint_error=self._end_error,
+            drained=drained,
+            push_error=push_error,
+        )
+        if export_error is None:
+            return outcome
+        log.error("job %s: the final shard is not on the leader: %s", run.job_id, export_error)
+        return msgspec.structs.replace(outcome, export_error=export_error[:EXPORT_ERROR_CHARS])
+
+    def _back_to_ready(self) -> None:
         if self.status is FellowStatus.FAILED:
             self._set_status(FellowEvent.RECOVERED)
         elif self.status is FellowStatus.CHECKPOINTING and self._checkpoint_final:
             self._set_status(FellowEvent.FINAL_CHECKPOINT_WRITTEN)
         elif self.status in (FellowStatus.TRAINING, FellowStatus.CHECKPOINTING):
             self._set_status(FellowEvent.JOB_TERMINAL)
-        await self._send_heartbeat()
-        if self.settings.fellow_exit_after_training:
-            self._exit("SWARM_FELLOW_EXIT_AFTER_TRAINING is set")
-        elif self._update_when_idle and self.status is FellowStatus.READY:
-            self._update_now()
 
     def _publish_progress(
         self, run: StageRun, event: ProgressEvent, **fields: Any
@@ -755,12 +769,6 @@ def final_export_error(
     if not drained:
         return f"the final shard push was still running after {PUSH_DRAIN_S:.0f}s"
     return push_error
-
-
-class StartRefused(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
 
 
 async def _publish(nc: Client, subject: str, payload: bytes) -> None:

@@ -32,6 +32,7 @@ from nats.errors import Error as NatsError
 from swarm import subjects as topics
 from swarm.errors import ProtocolError
 from swarm.protocol import ShardChunk
+from swarm.types.signals import ResumeArgs
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 512 * 1024
@@ -201,21 +202,21 @@ class FetchError(Exception):
 SHARD_TOKEN_HEADER = "X-Swarm-Shard-Token"
 
 
-def fetch_shard(resume: dict, directory: Path) -> Path:
+def fetch_shard(resume: ResumeArgs, directory: Path) -> Path:
     """Download a resumed stage's shard files (START's ``resume``) into ``directory``, each
     checked against its sha256; the checkpoint's JSON path. Runs in a thread."""
     import httpx
 
     directory.mkdir(parents=True, exist_ok=True)
     # In a header, never in the URL: URLs get logged (by httpx at INFO, proxies, the leader).
-    headers = {SHARD_TOKEN_HEADER: str(resume.get("token", ""))}
+    headers = {SHARD_TOKEN_HEADER: resume.token}
     json_path: Path | None = None
-    for entry in resume.get("files", []):
-        name = str(entry["name"])
+    for entry in resume.files:
+        name = entry.name
         if "/" in name or not name.startswith("stage-"):
             raise FetchError(f"the leader named an odd shard file {name!r}")
         try:
-            response = httpx.get(entry["url"], headers=headers, timeout=300)
+            response = httpx.get(entry.url, headers=headers, timeout=300)
         except httpx.HTTPError as exc:
             raise FetchError(f"cannot download {name}: {exc}") from None
         if response.status_code != 200:
@@ -223,8 +224,8 @@ def fetch_shard(resume: dict, directory: Path) -> Path:
                 f"cannot download {name}: HTTP {response.status_code} {response.text[:200]}"
             )
         digest = hashlib.sha256(response.content).hexdigest()
-        if digest != entry["sha256"]:
-            raise FetchError(f"{name}: sha256 {digest} is not the leader's {entry['sha256']}")
+        if digest != entry.sha256:
+            raise FetchError(f"{name}: sha256 {digest} is not the leader's {entry.sha256}")
         (directory / name).write_bytes(response.content)
         if name.endswith(".json"):
             json_path = directory / name

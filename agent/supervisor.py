@@ -3,28 +3,38 @@
 The runtime (``python -m agent.runtime.main --plan FILE --control-stdin``) is the only
 process that imports TensorFlow. It exits when the job ends, which frees every byte of
 TensorFlow and CUDA memory, and it dies with the agent two ways: PR_SET_PDEATHSIG (SIGKILL)
-and EOF on its stdin pipe. Its JSON-line events (stdout) are handed to a callback; its
-stderr (TensorFlow's start-up noise, tracebacks) goes to a file in the job's folder.
+and EOF on its stdin pipe. Its JSON-line events (stdout, :mod:`swarm.types.stage`) are
+decoded and handed to a callback; a line that starts like JSON but is no event is logged and
+counted (``malformed_events``), never fatal. Its stderr (TensorFlow's start-up noise,
+tracebacks) goes to a file in the job's folder.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import msgspec
 
 from swarm.plan import StagePlan
 from swarm.procs import die_with_parent, tail
 from swarm.protocol import StageOutcome, StageResult
+from swarm.types.stage import (
+    Command,
+    DoneEvent,
+    ErrorEvent,
+    StageEvent,
+    StepEvent,
+    decode_event,
+    encode_command,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +66,7 @@ class StageRun:
         self,
         plan: StagePlan,
         workdir: Path,
-        on_event: Callable[[dict[str, Any]], None],
+        on_event: Callable[[StageEvent], None],
         on_output: Callable[[str, str], None] | None = None,
     ) -> None:
         self.plan = plan
@@ -67,9 +77,10 @@ class StageRun:
         self.on_output = on_output or (lambda _stream, _line: None)
         self.proc: asyncio.subprocess.Process | None = None
         self.stopping: str | None = None  # why we stopped it, when we did
-        self.last_step: dict[str, Any] | None = None
-        self.done: dict[str, Any] | None = None
+        self.last_step: StepEvent | None = None
+        self.done: DoneEvent | None = None
         self.error: str | None = None
+        self.malformed_events = 0  # lines that looked like events but were not
         self.finished: asyncio.Future[StageOutcome] = asyncio.get_running_loop().create_future()
         self._reader: asyncio.Task[None] | None = None
         self._stderr_reader: asyncio.Task[None] | None = None
@@ -119,13 +130,13 @@ class StageRun:
         self._stderr_reader = asyncio.create_task(self._read_stderr(), name="stage-stderr")
         self._reader = asyncio.create_task(self._read(), name=f"stage-{self.job_id}")
 
-    async def command(self, command: dict[str, Any]) -> bool:
+    async def command(self, command: Command) -> bool:
         """Write one control command to the runtime; False when it is gone."""
         proc = self.proc
         if proc is None or proc.stdin is None or proc.returncode is not None:
             return False
         try:
-            proc.stdin.write(json.dumps(command).encode() + b"\n")
+            proc.stdin.write(encode_command(command))
             await proc.stdin.drain()
         except (BrokenPipeError, ConnectionResetError):
             return False
@@ -180,15 +191,16 @@ class StageRun:
                         self.on_output("stdout", line)
                     continue
                 try:
-                    event = json.loads(line)
-                except ValueError:
-                    log.warning("stage wrote a malformed event: %.200s", line)
+                    event = decode_event(line)
+                except msgspec.DecodeError as exc:
+                    self.malformed_events += 1
+                    log.warning("stage wrote a malformed event (%s): %.200s", exc, line)
                     continue
                 self._remember(event)
                 try:
                     self.on_event(event)
                 except Exception:
-                    log.exception("handling stage event %s failed", event.get("event"))
+                    log.exception("handling stage event %s failed", type(event).__name__)
         finally:
             if proc.stdin is not None:
                 proc.stdin.close()
@@ -229,31 +241,38 @@ class StageRun:
             log.error("%s: cannot open %s: %s", self.job_id, self.stderr_path, exc)
             return None
 
-    def _remember(self, event: dict[str, Any]) -> None:
-        kind = event.get("event")
-        if kind == "step":
+    def _remember(self, event: StageEvent) -> None:
+        if isinstance(event, StepEvent):
             self.last_step = event
-        elif kind == "done":
+        elif isinstance(event, DoneEvent):
             self.done = event
-        elif kind == "error":
-            self.error = str(event.get("message", ""))
+        elif isinstance(event, ErrorEvent):
+            self.error = event.message
 
     def _outcome(self, code: int) -> StageOutcome:
-        last = self.done or self.last_step or {}
-        steps_done = self.done["steps"] if self.done else (last.get("step", -1) + 1 or None)
-        common = {
-            "job_id": self.job_id,
-            "attempt": self.attempt,
-            "step": steps_done,
-            "loss": last.get("loss"),
-            "val_loss": (self.done or {}).get("val_loss"),
-        }
-        if code == 0 and self.done is not None:
-            return StageOutcome(result=StageResult.COMPLETED, **common)
-        if self.stopping is not None:
-            return StageOutcome(result=StageResult.STOPPED, message=self.stopping, **common)
-        message = self.error or _last_line(self.stderr_path) or f"runtime exited with {code}"
-        return StageOutcome(result=StageResult.FAILED, message=f"{message} (exit {code})", **common)
+        done, last = self.done, self.last_step
+        if done is not None:
+            steps_done, loss, val_loss = done.steps, done.loss, done.val_loss
+        elif last is not None:
+            steps_done, loss, val_loss = last.step + 1, last.loss, None
+        else:
+            steps_done, loss, val_loss = None, None, None
+        if code == 0 and done is not None:
+            result, message = StageResult.COMPLETED, ""
+        elif self.stopping is not None:
+            result, message = StageResult.STOPPED, self.stopping
+        else:
+            why = self.error or _last_line(self.stderr_path) or f"runtime exited with {code}"
+            result, message = StageResult.FAILED, f"{why} (exit {code})"
+        return StageOutcome(
+            result=result,
+            message=message,
+            job_id=self.job_id,
+            attempt=self.attempt,
+            step=steps_done,
+            loss=loss,
+            val_loss=val_loss,
+        )
 
 
 def _last_line(path: Path) -> str:

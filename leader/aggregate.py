@@ -1,7 +1,8 @@
 """JobMetricsAggregator: per-fellow progress records merged into one view of a job. Pure.
 
 The global step is the step every stage has finished; loss, validation loss and the learning
-rate come from the last stage (the only one that sees the targets); throughput per boundary
+rate come from the last stage (the only one that sees the targets): the rules of
+:mod:`swarm.types.views`. Throughput per boundary
 is the rate of the bytes crossing it (activations down, gradients up), measured at its
 upstream end; steps/min and the ETA come from the last stage's recent steps.
 """
@@ -14,6 +15,7 @@ from collections import deque
 import msgspec
 
 from swarm.protocol import Progress, ProgressEvent, StageResult
+from swarm.types.views import is_last_stage, pipeline_step
 
 RATE_WINDOW = 50  # recent steps the rate and ETA are measured over
 
@@ -112,8 +114,7 @@ class JobMetricsAggregator:
         self.total_steps = p.total_steps or self.total_steps
         if p.val_loss is not None:
             self._val_loss = p.val_loss
-        is_last = all(p.stage is not None and p.stage >= f.stage for f in self._fellows.values())
-        if not is_last or p.loss is None:
+        if not is_last_stage(p.stage, self._fellows.values()) or p.loss is None:
             return None
         self._last = p
         self._recent.append((p.at, p.step))
@@ -159,7 +160,7 @@ class JobMetricsAggregator:
             (t0, s0), (t1, s1) = self._recent[0], self._recent[-1]
             if t1 > t0:
                 steps_per_min = (s1 - s0) / (t1 - t0) * 60
-        step = min((f.step for f in fellows), default=0)
+        step = pipeline_step(fellows) or 0
         eta = None
         if steps_per_min and self.total_steps is not None:
             eta = max(0, self.total_steps - step) / steps_per_min * 60

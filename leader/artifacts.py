@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import json
 import os
 import re
 import secrets
@@ -40,11 +39,12 @@ import msgspec
 from swarm import __version__
 from swarm.jobspec import FieldError
 from swarm.protocol import ShardAck, ShardChunk
+from swarm.types.manifests import RUN_MANIFEST, ExportedShard, RunManifest, encode_run_manifest
+from swarm.types.views import job_view
 
 SHARD_FILE = re.compile(r"^stage-(\d{1,4})\.(npz|json)$")
-MANIFEST = "run_manifest.json"
+MANIFEST = RUN_MANIFEST
 KEEP_COMPLETE_STEPS = 2
-MANIFEST_FORMAT = 1
 
 
 class ShardReceipt(msgspec.Struct, kw_only=True):
@@ -445,46 +445,48 @@ class ExportStore:
             return None
         step = complete[-1]
         stages = []
+        base = f"shards/step-{step}"
         for placed in placement.stages:
             (npz, npz_sha), (meta, meta_sha) = self.shard_files(directory, step, placed.stage)
-            base = f"shards/step-{step}"
             stages.append(
-                {
-                    "stage": placed.stage,
-                    "fellow_id": placed.fellow_id,
-                    "layer_start": placed.layer_start,
-                    "layer_end": placed.layer_end,
-                    "checkpoint": f"{base}/{meta}",
-                    "checkpoint_sha256": meta_sha,
-                    "weights": f"{base}/{npz}",
-                    "weights_sha256": npz_sha,
-                    "bytes": sum(
+                ExportedShard(
+                    stage=placed.stage,
+                    fellow_id=placed.fellow_id,
+                    layer_start=placed.layer_start,
+                    layer_end=placed.layer_end,
+                    checkpoint=f"{base}/{meta}",
+                    checkpoint_sha256=meta_sha,
+                    weights=f"{base}/{npz}",
+                    weights_sha256=npz_sha,
+                    bytes=sum(
                         (self.step_dir(directory, step) / f).stat().st_size for f in (npz, meta)
                     ),
-                }
+                )
             )
-        last = max(job.progress, key=lambda p: p.stage) if job.progress else None
-        manifest = {
-            "format": MANIFEST_FORMAT,
-            "job_id": job.job_id,
-            "name": job.name,
-            "attempt": job.attempt,
-            "state": job.state.value,
-            "package_version": __version__,
-            "spec": msgspec.to_builtins(job.spec),
-            "placement": msgspec.to_builtins(placement),
-            "compression": job.spec.compression,
-            "step": step,
-            "total_steps": job.spec.steps,
-            "loss": job.final_loss if job.final_loss is not None else (last and last.loss),
-            "val_loss": (
-                job.final_val_loss if job.final_val_loss is not None else (last and last.val_loss)
-            ),
-            "stages": stages,
-            "updated_at": time.time(),
-        }
+        view = job_view(
+            job.progress,
+            total_steps=job.spec.steps,
+            final_loss=job.final_loss,
+            final_val_loss=job.final_val_loss,
+        )
+        manifest = RunManifest(
+            job_id=job.job_id,
+            name=job.name,
+            attempt=job.attempt,
+            state=job.state.value,
+            package_version=__version__,
+            spec=job.spec,
+            placement=placement,
+            compression=job.spec.compression,
+            step=step,
+            total_steps=job.spec.steps,
+            loss=view.loss,
+            val_loss=view.val_loss,
+            stages=stages,
+            updated_at=time.time(),
+        )
         with self._dir(directory) as fd:
-            _write_atomic(fd, MANIFEST, json.dumps(manifest, indent=1).encode() + b"\n")
+            _write_atomic(fd, MANIFEST, encode_run_manifest(manifest))
         return directory / MANIFEST
 
 

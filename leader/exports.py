@@ -28,6 +28,7 @@ from leader.jobs import JobManager, JobRecord
 from swarm import subjects as topics
 from swarm.errors import NotFoundError, SwarmError
 from swarm.protocol import JobState, ShardAck
+from swarm.types.signals import ResumeArgs, ShardFile
 
 log = logging.getLogger(__name__)
 
@@ -249,22 +250,23 @@ class ExportService:
                 found = placed.stage
         return found
 
-    def resume_args(self, job: JobRecord, stage: int) -> dict[str, Any] | None:
+    def resume_args(self, job: JobRecord, stage: int) -> ResumeArgs | None:
         """What START tells a resumed attempt's stage: the step and where its shard is."""
         step = job.resume_step
         if not step:
             return None
         directory = self.directory(job)
         files = [
-            {
-                "name": name,
-                "sha256": digest,
-                "url": f"{self.public_url}/api/v1/jobs/{job.job_id}/shards/{step}/{name}",
-            }
+            ShardFile(
+                name=name,
+                sha256=digest,
+                url=f"{self.public_url}/api/v1/jobs/{job.job_id}/shards/{step}/{name}",
+            )
             for name, digest in self.store.shard_files(directory, step, stage)
         ]
         # The token goes in the TOKEN_HEADER of each download, never in the URL.
-        return {"step": step, "files": files, "token": self.token(job.job_id, job.attempt, stage)}
+        token = self.token(job.job_id, job.attempt, stage)
+        return ResumeArgs(step=step, files=files, token=token)
 
     def shard_file(self, job_id: str, step: int, name: str, token: str) -> Path:
         """The file a resumed stage downloads; ShardAccessError unless ``token`` is the one

@@ -42,6 +42,7 @@ from swarm.protocol import (
     StageOutcome,
     StageResult,
 )
+from swarm.types.views import JobView, job_view, last_stage
 
 log = logging.getLogger(__name__)
 HISTORY_LEN = 50
@@ -149,6 +150,9 @@ class JobRecord(msgspec.Struct, kw_only=True):
     resumes: list[ResumeRecord] = msgspec.field(default_factory=list)
     resume_step: int | None = None
     layer_ranges: list[tuple[int, int]] | None = None
+    # The job's numbers as one pipeline (swarm/types/views.py), derived from ``progress``
+    # and the final losses whenever they change: what the Ops UI shows.
+    view: JobView = msgspec.field(default_factory=JobView)
 
     @property
     def terminal(self) -> bool:
@@ -156,6 +160,18 @@ class JobRecord(msgspec.Struct, kw_only=True):
 
     def stage_progress(self, fellow_id: str) -> StageProgress | None:
         return next((p for p in self.progress if p.fellow_id == fellow_id), None)
+
+    def current_view(self) -> JobView:
+        """The view from the record as it is now (``view`` is this, as of the last change)."""
+        return job_view(
+            self.progress,
+            total_steps=self.spec.steps,
+            final_loss=self.final_loss,
+            final_val_loss=self.final_val_loss,
+        )
+
+    def refresh_view(self) -> None:
+        self.view = self.current_view()
 
 
 @dataclass(frozen=True)
@@ -344,6 +360,7 @@ class JobManager:
     def restore(self, records: Iterable[JobRecord]) -> None:
         """Jobs loaded from the store at start-up."""
         for record in records:
+            record.refresh_view()
             self._jobs[record.job_id] = record
 
     def submit(self, spec: JobSpec) -> JobRecord:
@@ -365,6 +382,7 @@ class JobManager:
                 )
             ],
         )
+        job.refresh_view()
         self._jobs[job_id] = job
         self.dirty.add(job_id)
         log.info("job %s submitted (%s)", job_id, spec.name)
@@ -449,6 +467,7 @@ class JobManager:
                     setattr(stage, name, value)
             stage.bytes_sent, stage.bytes_received = msg.bytes_sent, msg.bytes_received
             stage.updated_at = now
+            job.refresh_view()
         elif msg.event is ProgressEvent.CHECKPOINT:
             self._checkpoint_written(job, msg)
         elif msg.event is ProgressEvent.ENDED and msg.outcome is not None:
@@ -476,7 +495,8 @@ class JobManager:
         self._touch(job)
         if outcome.result is StageResult.COMPLETED:
             if all(p.result is StageResult.COMPLETED for p in job.progress):
-                last = max(job.progress, key=lambda p: p.stage)
+                last = last_stage(job.progress)
+                assert last is not None  # every stage completed: there are stages
                 job.final_loss, job.final_val_loss = last.loss, last.val_loss
                 # Decided with the state itself: whoever sees COMPLETED sees the export's fate.
                 job.export_error = final_export_error(job)
@@ -627,4 +647,5 @@ class JobManager:
 
     def _touch(self, job: JobRecord) -> None:
         job.updated_at = self._wall()
+        job.refresh_view()
         self.dirty.add(job.job_id)

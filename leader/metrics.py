@@ -229,32 +229,6 @@ STAGE_LABELS = ("job_id", "stage", "fellow")
 JobStage = tuple[JobRecord, StageProgress]
 
 
-def _last_stage(job: JobRecord) -> StageProgress | None:
-    return max(job.progress, key=lambda p: p.stage, default=None)
-
-
-def _job_step(job: JobRecord) -> int | None:
-    """The pipeline's step: the slowest stage's (every stage must finish a step)."""
-    return min((p.step for p in job.progress), default=None)
-
-
-def _job_loss(job: JobRecord) -> float | None:
-    last = _last_stage(job)
-    loss = None if last is None else last.loss
-    return job.final_loss if loss is None else loss
-
-
-def _job_val_loss(job: JobRecord) -> float | None:
-    last = _last_stage(job)
-    loss = None if last is None else last.val_loss
-    return job.final_val_loss if loss is None else loss
-
-
-def _job_lr(job: JobRecord) -> float | None:
-    last = _last_stage(job)
-    return None if last is None else last.lr
-
-
 def _pick(values: Iterable[float | None], pick: Callable[[list[float]], float]) -> Value:
     """``pick`` (min or max) of the values the stages reported; None if none did."""
     known = [v for v in values if v is not None]
@@ -263,10 +237,20 @@ def _pick(values: Iterable[float | None], pick: Callable[[list[float]], float]) 
 
 JOB_SERIES: tuple[Series[JobRecord], ...] = (
     Series("swarm_job_attempt", "Start attempts of the job so far", lambda j: j.attempt),
-    Series("swarm_job_step", "Steps every stage of the job has completed", _job_step),
+    Series(
+        "swarm_job_step",
+        "Steps every stage of the job has completed",
+        lambda j: j.current_view().step,
+    ),
     Series("swarm_job_total_steps", "Steps the job trains for", lambda j: j.spec.steps),
-    Series("swarm_job_loss", "Training loss of the job's last stage", _job_loss),
-    Series("swarm_job_val_loss", "Validation loss of the job's last stage", _job_val_loss),
+    Series(
+        "swarm_job_loss", "Training loss of the job's last stage", lambda j: j.current_view().loss
+    ),
+    Series(
+        "swarm_job_val_loss",
+        "Validation loss of the job's last stage",
+        lambda j: j.current_view().val_loss,
+    ),
 )
 
 # Throughput only while the job runs: a finished job's last rate is not a current one.
@@ -284,7 +268,7 @@ RUNNING_JOB_SERIES: tuple[Series[JobRecord], ...] = (
     Series(
         "swarm_job_learning_rate",
         "Learning rate of the job's last stage",
-        _job_lr,
+        lambda j: j.current_view().lr,
     ),
 )
 

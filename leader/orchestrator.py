@@ -17,7 +17,6 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 
@@ -45,8 +44,16 @@ from swarm.errors import ConflictError, NotFoundError, SwarmError
 from swarm.jobspec import JobSpec, stage_plans
 from swarm.natsauth import NatsAuthority
 from swarm.plan import StagePlan
-from swarm.protocol import FellowStatus, JobState, Progress, SignalKind, StageOutcome
+from swarm.protocol import FellowStatus, JobState, Progress, StageOutcome
 from swarm.telemetry import offered_ram, usable_gpus
+from swarm.types.signals import (
+    REASON_CHARS,
+    CheckpointArgs,
+    PurgeArgs,
+    StartArgs,
+    StopArgs,
+    UpdateArgs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -297,10 +304,9 @@ class Orchestrator:
                 *(
                     hub.send(
                         plan.fellow_id,
-                        SignalKind.START,
+                        self._start_args(job, plan),
                         job_id=job_id,
                         attempt=attempt,
-                        args=self._start_args(job, plan),
                     )
                     for plan in plans
                 )
@@ -323,12 +329,12 @@ class Orchestrator:
         if self.jobs.start_succeeded(job_id) is None:  # cancelled while starting
             self._stop_all(job_id, attempt, placement.fellow_ids, "cancelled")
 
-    def _start_args(self, job: JobRecord, plan: StagePlan) -> dict[str, Any]:
-        args: dict[str, Any] = {"plan": msgspec.to_builtins(plan)}
+    def _start_args(self, job: JobRecord, plan: StagePlan) -> StartArgs:
+        creds = None
         if self.authority is not None:
             # The stage's own NATS user for this attempt: its progress, shard and relay
             # subjects only. It travels only on the fellow's signal subject, is never stored.
-            args["nats_creds"] = self.authority.attempt_creds(
+            creds = self.authority.attempt_creds(
                 self.prefix,
                 fellow_id=plan.fellow_id,
                 job_id=job.job_id,
@@ -336,12 +342,11 @@ class Orchestrator:
                 stage=plan.stage,
                 n_stages=plan.n_stages,
             )
+        resume = None
         if self.exports is not None:
             self.exports.directory(job)
             resume = self.exports.resume_args(job, plan.stage)
-            if resume is not None:
-                args["resume"] = resume
-        return args
+        return StartArgs(plan=plan, nats_creds=creds, resume=resume)
 
     def _stop_orphans(self) -> None:
         """STOP stages of attempts the leader does not run (any more).
@@ -408,11 +413,7 @@ class Orchestrator:
     async def _stop(self, job_id: str, attempt: int, fellow_id: str, reason: str) -> None:
         assert self.hub is not None
         record = await self.hub.send(
-            fellow_id,
-            SignalKind.STOP,
-            job_id=job_id,
-            attempt=attempt,
-            args={"reason": reason},
+            fellow_id, StopArgs(reason=reason[:REASON_CHARS]), job_id=job_id, attempt=attempt
         )
         self.jobs.add_signal(job_id, record)
 
@@ -482,10 +483,9 @@ class Orchestrator:
             *(
                 hub.send(
                     stage.fellow_id,
-                    SignalKind.CHECKPOINT,
+                    CheckpointArgs(checkpoint_id=record.checkpoint_id, at_step=at_step),
                     job_id=job_id,
                     attempt=job.attempt,
-                    args={"at_step": at_step, "checkpoint_id": record.checkpoint_id},
                 )
                 for stage in record.stages
             )
@@ -499,8 +499,9 @@ class Orchestrator:
         return record
 
     async def update(
-        self, fellow_id: str | None, *, args: dict[str, Any] | None = None
+        self, fellow_id: str | None, *, args: UpdateArgs | None = None
     ) -> list[SignalRecord]:
+        args = args or UpdateArgs()
         hub = self._hub()
         if fellow_id is not None:
             record = self.registry.get(fellow_id)
@@ -512,11 +513,7 @@ class Orchestrator:
         ids = {r.fellow_id for r in targets} - set(self.jobs.busy_fellows())
         self._reserved |= ids
         try:
-            return list(
-                await asyncio.gather(
-                    *(hub.send(r.fellow_id, SignalKind.UPDATE, args=args) for r in targets)
-                )
-            )
+            return list(await asyncio.gather(*(hub.send(r.fellow_id, args) for r in targets)))
         finally:
             self._reserved -= ids
 
@@ -542,9 +539,7 @@ class Orchestrator:
                 if online and await self._deliver_purge(fellow_id):
                     result["purge"] = "delivered"
             elif online:
-                ack = await hub.send(
-                    fellow_id, SignalKind.STOP, args={"release": True, "reason": "released"}
-                )
+                ack = await hub.send(fellow_id, StopArgs(release=True, reason="released"))
                 result["agent_stopped"] = ack.ok
             if self.registry.get(fellow_id) is not None:
                 self.registry.release(fellow_id)
@@ -613,10 +608,7 @@ class Orchestrator:
 
     async def _send_purge(self, fellow_id: str, deadline_s: float) -> bool:
         ack = await self._hub().send(
-            fellow_id,
-            SignalKind.PURGE,
-            args={"reason": "released with --purge-install"},
-            deadline_s=deadline_s,
+            fellow_id, PurgeArgs(reason="released with --purge-install"), deadline_s=deadline_s
         )
         if ack.ok:
             self.purges.delivered(fellow_id)

@@ -37,6 +37,7 @@ from swarm.natsauth import NatsAuthError, NatsAuthority
 from swarm.protocol import PROTOCOL_VERSION, FellowStatus
 from swarm.settings import Settings
 from swarm.subjects import TOKEN_RE
+from swarm.types.signals import PackageRef, UpdateArgs
 
 log = logging.getLogger(__name__)
 
@@ -180,18 +181,17 @@ class LeaderServices:
     async def update(self, fellow_id: str | None, request_base: str) -> list[SignalRecord]:
         """UPDATE: fellows that fellow.sh installed reinstall from this leader's package
         (checked against its sha256), then restart; others restart from their install."""
-        args: dict[str, object] = {}
+        args = UpdateArgs()
         try:
             package = await self.ensure_package()
         except PackageUnavailableError as exc:
             log.warning("update without a package (fellows restart as installed): %s", exc)
         else:
             base = self._public_url(request_base)
-            args["package"] = {
-                "file": package.file,
-                "sha256": package.sha256,
-                "url": f"{base}/api/v1/bootstrap/source",
-            }
+            ref = PackageRef(
+                file=package.file, sha256=package.sha256, url=f"{base}/api/v1/bootstrap/source"
+            )
+            args = UpdateArgs(package=ref)
         return await self.orchestrator.update(fellow_id, args=args)
 
     def package_or_503(self) -> Package:

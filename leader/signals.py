@@ -12,7 +12,6 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any
 
 import msgspec
 from nats.aio.client import Client
@@ -21,7 +20,8 @@ from nats.errors import Error as NatsError
 from leader.jobs import SignalRecord
 from swarm import subjects as topics
 from swarm.errors import ProtocolError
-from swarm.protocol import Signal, SignalKind
+from swarm.protocol import make_signal
+from swarm.types.signals import SignalArgs
 
 log = logging.getLogger(__name__)
 
@@ -42,20 +42,15 @@ class SignalHub:
     async def send(
         self,
         fellow_id: str,
-        kind: SignalKind,
+        args: SignalArgs,
         *,
         job_id: str | None = None,
         attempt: int | None = None,
-        args: dict[str, Any] | None = None,
         deadline_s: float = 8.0,
     ) -> SignalRecord:
-        sig = Signal(
-            signal_id=new_signal_id(),
-            kind=kind,
-            job_id=job_id,
-            attempt=attempt,
-            args=args or {},
-        )
+        """Send the signal that carries ``args`` (its kind follows from their type)."""
+        sig = make_signal(args, signal_id=new_signal_id(), job_id=job_id, attempt=attempt)
+        kind = sig.kind
         subject = topics.SIGNAL.subject(self.prefix, fellow=fellow_id)
         payload = topics.encode(sig)
         sent_at = time.time()

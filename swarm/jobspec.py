@@ -3,6 +3,11 @@
 A spec is decoded strictly (an unknown or mistyped field is an error that names it) and
 then checked for what cannot work (more stages than layers, heads not dividing d_model, an
 unknown compression spec, ...). Everything has a default that trains something sensible.
+
+The spec is flat JSON: the training fields are :class:`swarm.plan.TrainConfig`'s, which
+``JobSpec`` embeds (a subclass, like an embedded struct), so every job file written for
+earlier versions still decodes, and each field has one default and one bound, the same in a
+job spec and in a stage plan's ``train``.
 """
 
 from __future__ import annotations
@@ -16,7 +21,17 @@ import msgspec
 
 from swarm.compression import parse_compression
 from swarm.errors import ConfigError
-from swarm.plan import CurveKeys, GpuSlot, ModelConfig, Peer, StagePlan, TrainConfig, Transport
+from swarm.plan import (
+    CurveKeys,
+    GpuSlot,
+    ModelConfig,
+    PathText,
+    Peer,
+    StagePlan,
+    StepCount,
+    TrainConfig,
+    Transport,
+)
 
 T = TypeVar("T")
 
@@ -31,15 +46,12 @@ class LastStagePlacement(enum.StrEnum):
     PRESERVE = "preserve"  # keep the ranked order
 
 
-# Bounds on every number and string of a spec: far beyond what a demanding real job needs,
-# short of what would overflow, allocate absurdly or never end. Out of bounds is a 400 that
-# names the field (msgspec checks them while decoding, here and in ``swarm submit``).
-MAX_STEPS = 10**9
+# Bounds on every number and string of a spec (the training fields' are TrainConfig's, in
+# swarm/plan.py): far beyond what a demanding real job needs, short of what would overflow,
+# allocate absurdly or never end. Out of bounds is a 400 that names the field (msgspec checks
+# them while decoding, here and in ``swarm submit``).
 MAX_STAGES = 1024
-Steps = Annotated[int, msgspec.Meta(ge=1, le=MAX_STEPS)]
-StepCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_STEPS)]
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=30 * 86400)]
-PathText = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
 
 
 class ArtifactPaths(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -47,21 +59,13 @@ class ArtifactPaths(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     model_export_dir: PathText | None = None
 
 
-class JobSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class JobSpec(TrainConfig, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A job as users write it: TrainConfig's fields (``steps``, ``batch_size``, ``data``, ...)
+    at the top level, embedded, not copied (one default and one bound each, the plan's
+    ``train`` as well), and what the leader needs to place and look after the job."""
+
     name: Annotated[str, msgspec.Meta(min_length=1, max_length=128)] = "job"
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
-    data: Annotated[list[PathText], msgspec.Meta(min_length=1, max_length=1024)] = msgspec.field(
-        default_factory=lambda: ["stdlib"]
-    )
-    max_data_bytes: Annotated[int, msgspec.Meta(ge=1, le=2**50)] | None = None
-    steps: Steps = 200
-    batch_size: Annotated[int, msgspec.Meta(ge=1, le=2**20)] = 8
-    micro_batches: Annotated[int, msgspec.Meta(ge=1, le=2**16)] = 4
-    learning_rate: Annotated[float, msgspec.Meta(gt=0, le=100.0)] = 3e-3
-    warmup_steps: StepCount = 10
-    weight_decay: Annotated[float, msgspec.Meta(ge=0, le=100.0)] = 0.01
-    seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
-    val_every: StepCount = 0
     # Exactly this many stages (one fellow each); None: every ready fellow, at least
     # ``min_fellows`` and at most one per layer.
     stages: Annotated[int, msgspec.Meta(ge=1, le=MAX_STAGES)] | None = None
@@ -86,28 +90,13 @@ class JobSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     artifact_paths: ArtifactPaths = msgspec.field(default_factory=ArtifactPaths)
     peer_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=86400.0)] = 60.0
 
-    def train_config(self) -> TrainConfig:
-        return TrainConfig(
-            steps=self.steps,
-            batch_size=self.batch_size,
-            micro_batches=self.micro_batches,
-            learning_rate=self.learning_rate,
-            warmup_steps=self.warmup_steps,
-            weight_decay=self.weight_decay,
-            seed=self.seed,
-            data=list(self.data),
-            max_data_bytes=self.max_data_bytes,
-            val_every=self.val_every,
-        )
-
     @property
     def min_stages(self) -> int:
         return self.stages if self.stages is not None else self.min_fellows
 
     def problems(self) -> list[str]:
         """Why this job cannot run, in words that name the field; empty when it can."""
-        out = [*self.model.problems()]
-        out += [p.replace("train.", "") for p in self.train_config().problems()]
+        out = [*self.model.problems(), *self.train_problems(prefix="")]
         if not 1 <= len(self.name) <= 128:
             out.append("name must be 1-128 characters")
         layers = self.model.n_layers
@@ -117,10 +106,6 @@ class JobSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
             out.append(
                 f"min_fellows ({self.min_fellows}) must be between 1 and model.n_layers ({layers})"
             )
-        if self.warmup_steps < 0:
-            out.append("warmup_steps must be >= 0")
-        if self.val_every < 0:
-            out.append("val_every must be >= 0")
         if self.placement_min_gpu_free_gb is not None and self.placement_min_gpu_free_gb < 0:
             out.append("placement_min_gpu_free_gb must be >= 0")
         if self.max_gpus_per_worker is not None and self.max_gpus_per_worker < 1:
@@ -135,8 +120,6 @@ class JobSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
             out.append("resume_wait_s must be > 0")
         if self.peer_timeout_s <= 0:
             out.append("peer_timeout_s must be > 0")
-        if self.max_data_bytes is not None and self.max_data_bytes < 1:
-            out.append("max_data_bytes must be >= 1")
         try:
             parse_compression(self.compression, d_model=self.model.d_model)
         except ConfigError as exc:

@@ -12,10 +12,9 @@ from typing import Annotated, Self
 
 import msgspec
 
-from swarm.compression import parse_compression, parse_wire_spec
+from swarm.compression import CompressionSpec, WireCodec, parse_compression, parse_wire_codec
 from swarm.errors import ConfigError
 from swarm.natsconn import NatsAccess
-from swarm.subjects import TOKEN_RE
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -39,43 +38,73 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         return out
 
 
+# Bounds of the numbers and strings a job spec and a plan carry: far beyond what a demanding
+# real job needs, short of what would overflow, allocate absurdly or never end. msgspec checks
+# them while decoding, so out of bounds is an error that names the field.
+MAX_STEPS = 10**9
+Steps = Annotated[int, msgspec.Meta(ge=1, le=MAX_STEPS)]
+StepCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_STEPS)]
+PathText = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+
+
 class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    steps: Annotated[int, msgspec.Meta(ge=1, le=10**9)] = 100
+    """How a job trains: a plan's ``train``, and the top-level training fields of a job spec
+    (:class:`swarm.jobspec.JobSpec` embeds these fields; the README documents the defaults)."""
+
+    steps: Steps = 200
     batch_size: Annotated[int, msgspec.Meta(ge=1, le=2**20)] = 8
     micro_batches: Annotated[int, msgspec.Meta(ge=1, le=2**16)] = 4
     learning_rate: Annotated[float, msgspec.Meta(gt=0, le=100.0)] = 3e-3
-    warmup_steps: Annotated[int, msgspec.Meta(ge=0, le=10**9)] = 10
+    warmup_steps: StepCount = 10
+    # The cosine decay ends at this fraction of learning_rate.
     min_lr_ratio: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.1
     weight_decay: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 0.01
     seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
-    data: Annotated[
-        list[Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]],
-        msgspec.Meta(min_length=1, max_length=1024),
-    ] = msgspec.field(default_factory=lambda: ["stdlib"])
+    data: Annotated[list[PathText], msgspec.Meta(min_length=1, max_length=1024)] = msgspec.field(
+        default_factory=lambda: ["stdlib"]
+    )
     max_data_bytes: Annotated[int, msgspec.Meta(ge=1, le=2**50)] | None = None
     val_fraction: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.05
     val_batches: Annotated[int, msgspec.Meta(ge=1, le=10**6)] = 4
     # 0: validate only after the last step
-    val_every: Annotated[int, msgspec.Meta(ge=0, le=10**9)] = 0
+    val_every: StepCount = 0
     jit_compile: bool = True  # XLA-compile the stage's forward (and so its backward)
 
     def problems(self) -> list[str]:
+        return self.train_problems()
+
+    def train_problems(self, prefix: str = "train.") -> list[str]:
+        """Why this training cannot run, each reason naming ``<prefix><field>``."""
         out = []
         for name in ("steps", "batch_size", "micro_batches", "val_batches"):
             if getattr(self, name) < 1:
-                out.append(f"train.{name} must be >= 1")
+                out.append(f"{prefix}{name} must be >= 1")
         if self.micro_batches >= 1 and self.batch_size % self.micro_batches:
             out.append(
-                f"train.micro_batches ({self.micro_batches}) must divide "
-                f"train.batch_size ({self.batch_size})"
+                f"{prefix}micro_batches ({self.micro_batches}) must divide "
+                f"{prefix}batch_size ({self.batch_size})"
             )
         if self.learning_rate <= 0:
-            out.append("train.learning_rate must be > 0")
+            out.append(f"{prefix}learning_rate must be > 0")
+        if self.warmup_steps < 0:
+            out.append(f"{prefix}warmup_steps must be >= 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            out.append(f"{prefix}min_lr_ratio must be in [0, 1]")
         if not 0.0 < self.val_fraction < 1.0:
-            out.append("train.val_fraction must be in (0, 1)")
+            out.append(f"{prefix}val_fraction must be in (0, 1)")
+        if self.val_every < 0:
+            out.append(f"{prefix}val_every must be >= 0")
+        if self.max_data_bytes is not None and self.max_data_bytes < 1:
+            out.append(f"{prefix}max_data_bytes must be >= 1")
         if not self.data:
-            out.append("train.data must name at least one path or glob")
+            out.append(f"{prefix}data must name at least one path or glob")
         return out
+
+    def train_config(self) -> TrainConfig:
+        """Exactly the training fields, as a TrainConfig (of a JobSpec: for its plans)."""
+        if type(self) is TrainConfig:
+            return self
+        return TrainConfig(**{name: getattr(self, name) for name in TrainConfig.__struct_fields__})
 
 
 class Transport(enum.StrEnum):
@@ -153,8 +182,35 @@ class StagePlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     def is_last(self) -> bool:
         return self.stage == self.n_stages - 1
 
+    def codecs(self) -> tuple[CompressionSpec, WireCodec]:
+        """The boundaries' compression and the gradients' wire codec (the activations' unless
+        ``grad_compression`` says otherwise); ConfigError naming the bad spec."""
+        spec = parse_compression(self.compression, d_model=self.model.d_model)
+        if self.grad_compression is None:
+            return spec, spec.codec
+        return spec, parse_wire_codec(self.grad_compression, what="grad_compression")
+
     def problems(self) -> list[str]:
+        """Why this plan cannot run: every reason, each naming its field."""
         out = [*self.model.problems(), *self.train.problems()]
+        out.extend(self._layout_problems())
+        out.extend(self._peer_problems())
+        try:
+            self.codecs()
+        except ConfigError as exc:
+            out.append(exc.message)
+        out.extend(self._id_problems())
+        if self.attempt < 0:
+            out.append("attempt must be >= 0")
+        if self.peer_timeout_s <= 0 or self.p2p_probe_timeout_s < 0:
+            out.append("peer_timeout_s must be > 0 and p2p_probe_timeout_s >= 0")
+        if self.intra_op_threads is not None and self.intra_op_threads < 1:
+            out.append("intra_op_threads must be >= 1")
+        out.extend(self._slot_problems())
+        return out
+
+    def _layout_problems(self) -> list[str]:
+        out = []
         if not 0 <= self.stage < self.n_stages:
             out.append(f"stage {self.stage} is outside 0..{self.n_stages - 1}")
         if not 0 <= self.layer_start <= self.layer_end <= self.model.n_layers:
@@ -164,39 +220,38 @@ class StagePlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             )
         if self.n_stages > 1 and self.layer_start == self.layer_end:
             out.append(f"stage {self.stage} owns no layer")
+        return out
+
+    def _peer_problems(self) -> list[str]:
+        out = []
+        p2p = self.transport != Transport.TUNNEL
         if not self.is_first and self.prev is None:
             out.append(f"stage {self.stage} needs 'prev' (the upstream peer)")
         if not self.is_last and self.next is None:
             out.append(f"stage {self.stage} needs 'next' (the downstream peer)")
-        if (
-            not self.is_last
-            and self.transport != Transport.TUNNEL
-            and (self.next is None or not self.next.data_address)
-        ):
+        if not self.is_last and p2p and (self.next is None or not self.next.data_address):
             out.append(f"stage {self.stage} needs 'next' with a data_address for p2p")
-        if not self.is_first and self.transport != Transport.TUNNEL and not self.data_address:
+        if not self.is_first and p2p and not self.data_address:
             out.append(f"stage {self.stage} needs 'data_address' to bind for p2p")
-        if self.n_stages > 1 and self.transport == Transport.TUNNEL and not self.nats:
+        if self.n_stages > 1 and not p2p and not self.nats:
             out.append("transport 'tunnel' needs 'nats' (the NATS URL) for the relay")
-        try:
-            parse_compression(self.compression, d_model=self.model.d_model)
-            if self.grad_compression is not None:
-                parse_wire_spec(self.grad_compression)
-        except ConfigError as exc:
-            out.append(exc.message)
-        for name in ("job_id", "fellow_id"):
-            if not TOKEN_RE.match(getattr(self, name)):
-                out.append(f"{name} {getattr(self, name)!r}: use 1-64 letters, digits, '-', '_'")
-        for peer in (self.prev, self.next):
-            if peer is not None and not TOKEN_RE.match(peer.fellow_id):
-                out.append(f"peer fellow_id {peer.fellow_id!r}: use 1-64 letters, digits, '-', '_'")
-        if self.attempt < 0:
-            out.append("attempt must be >= 0")
-        if self.peer_timeout_s <= 0 or self.p2p_probe_timeout_s < 0:
-            out.append("peer_timeout_s must be > 0 and p2p_probe_timeout_s >= 0")
-        if self.intra_op_threads is not None and self.intra_op_threads < 1:
-            out.append("intra_op_threads must be >= 1")
-        out.extend(self._slot_problems())
+        return out
+
+    def _id_problems(self) -> list[str]:
+        # Imported here: swarm.subjects imports the protocol, whose START carries a StagePlan.
+        from swarm.subjects import TOKEN_RE
+
+        rule = "use 1-64 letters, digits, '-', '_'"
+        out = [
+            f"{name} {getattr(self, name)!r}: {rule}"
+            for name in ("job_id", "fellow_id")
+            if not TOKEN_RE.match(getattr(self, name))
+        ]
+        out.extend(
+            f"peer fellow_id {peer.fellow_id!r}: {rule}"
+            for peer in (self.prev, self.next)
+            if peer is not None and not TOKEN_RE.match(peer.fellow_id)
+        )
         return out
 
     def _slot_problems(self) -> list[str]:

@@ -13,9 +13,18 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Annotated, Any
+from typing import Annotated
 
 import msgspec
+
+from swarm.types.signals import (
+    CheckpointArgs,
+    PurgeArgs,
+    SignalArgs,
+    StartArgs,
+    StopArgs,
+    UpdateArgs,
+)
 
 PROTOCOL_VERSION = 1
 
@@ -197,12 +206,63 @@ class SignalKind(enum.StrEnum):
     PURGE = "PURGE"
 
 
-class Signal(Message, kw_only=True):
-    signal_id: str
-    kind: SignalKind
-    job_id: str | None = None
-    attempt: int | None = None
-    args: dict[str, Any] = msgspec.field(default_factory=dict)
+class _Signal(Message, kw_only=True, tag_field="kind"):
+    """A signal from the leader to one fellow: one Struct per kind (the ``kind`` tag), each
+    with its kind's typed ``args`` (:mod:`swarm.types.signals`). ``job_id`` and ``attempt``
+    name the run it is about (None: whatever runs)."""
+
+    signal_id: Id
+    job_id: Id | None = None
+    attempt: Count | None = None
+
+    @property
+    def kind(self) -> SignalKind:
+        return SignalKind(self.__struct_config__.tag)
+
+
+class StartSignal(_Signal, tag="START", kw_only=True):
+    args: StartArgs
+
+
+class CheckpointSignal(_Signal, tag="CHECKPOINT", kw_only=True):
+    args: CheckpointArgs
+
+
+class StopSignal(_Signal, tag="STOP", kw_only=True):
+    args: StopArgs = msgspec.field(default_factory=StopArgs)
+
+
+class UpdateSignal(_Signal, tag="UPDATE", kw_only=True):
+    args: UpdateArgs = msgspec.field(default_factory=UpdateArgs)
+
+
+class PurgeSignal(_Signal, tag="PURGE", kw_only=True):
+    args: PurgeArgs = msgspec.field(default_factory=PurgeArgs)
+
+
+Signal = StartSignal | CheckpointSignal | StopSignal | UpdateSignal | PurgeSignal
+_SIGNAL_OF: dict[type[SignalArgs], type[Signal]] = {
+    StartArgs: StartSignal,
+    CheckpointArgs: CheckpointSignal,
+    StopArgs: StopSignal,
+    UpdateArgs: UpdateSignal,
+    PurgeArgs: PurgeSignal,
+}
+
+
+def make_signal(
+    args: SignalArgs, *, signal_id: str, job_id: str | None = None, attempt: int | None = None
+) -> Signal:
+    """The signal that carries ``args``: its kind follows from their type."""
+    return _SIGNAL_OF[type(args)](signal_id=signal_id, job_id=job_id, attempt=attempt, args=args)
+
+
+class SignalHead(Message, kw_only=True):
+    """What a fellow can still read of a signal that does not decode: its id and kind, so
+    the refusal answers that signal and says what was wrong with it."""
+
+    signal_id: Id = ""
+    kind: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
 
 class SignalAck(Message, kw_only=True):
@@ -253,7 +313,7 @@ class Progress(Message, kw_only=True):
     down_bytes_sent: Bytes = 0  # over the boundary to the next stage only
     down_bytes_received: Bytes = 0
     down_transport: Annotated[str, msgspec.Meta(max_length=16)] | None = None  # p2p, relay
-    # Relay messages the stage dropped because they failed its checks (agent/pipe/link.py).
+    # Relay messages the stage dropped because they failed its checks (agent/pipe/relay.py).
     relay_dropped: Count = 0
     ok: bool = True
     message: Annotated[str, msgspec.Meta(max_length=1024)] = ""

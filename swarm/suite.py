@@ -25,6 +25,7 @@ import msgspec
 from swarm.errors import ConfigError
 from swarm.jobspec import FieldError, JobSpec, decode_job_spec
 from swarm.sweep import decode_config
+from swarm.types.views import view_of_record
 
 GIB = 2**30
 USABLE_STATUSES = frozenset({"ready"})
@@ -288,26 +289,23 @@ def run_results(job: Mapping[str, Any]) -> dict[str, Any]:
     """results.json of one repeat: state, losses, throughput and bytes on the wire."""
     from swarm import sweep
 
-    last = sweep.last_stage_progress(job)
+    view = view_of_record(job)
     return {
         "job_id": job.get("job_id"),
         "state": job.get("state"),
         "reason": job.get("reason", ""),
         "final_loss": job.get("final_loss"),
         "final_val_loss": job.get("final_val_loss"),
-        "tokens_per_s": last.get("tokens_per_s"),
-        "step_time_s": last.get("step_time_s"),
-        "steps": sweep.steps_done(job),
+        "tokens_per_s": view.tokens_per_s,
+        "step_time_s": view.step_time_s,
+        "steps": view.step or 0,
         "stages": sweep.n_boundaries(job) + 1 if job.get("placement") else None,
-        "bytes_sent": sum(int(p.get("bytes_sent") or 0) for p in job.get("progress") or []),
+        "bytes_sent": view.bytes_sent,
         "bytes_per_step_per_boundary": sweep.bytes_per_step_per_boundary(job),
         "compression_ratio_vs_fp32": sweep.compression_ratio(job),
         "started_at": job.get("started_at"),
         "finished_at": job.get("finished_at"),
-        "fellows": [
-            p.get("fellow_id")
-            for p in sorted(job.get("progress") or [], key=lambda p: p.get("stage", 0))
-        ],
+        "fellows": view.fellows,
     }
 
 

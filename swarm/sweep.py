@@ -40,6 +40,7 @@ import msgspec
 from swarm.compression import parse_compression
 from swarm.errors import ConfigError, LeaderResponseError, LeaderUnreachableError, SwarmError
 from swarm.jobspec import FieldError, JobSpec, decode_job_spec
+from swarm.types.views import view_of_record
 
 T = TypeVar("T")
 
@@ -330,8 +331,7 @@ def n_boundaries(job: Mapping[str, Any]) -> int:
 
 def steps_done(job: Mapping[str, Any]) -> int:
     """Steps every stage finished (the pipeline's step)."""
-    progress = job.get("progress") or []
-    return min((int(p.get("step") or 0) for p in progress), default=0)
+    return view_of_record(job).step or 0
 
 
 def bytes_per_step_per_boundary(job: Mapping[str, Any]) -> float | None:
@@ -341,8 +341,7 @@ def bytes_per_step_per_boundary(job: Mapping[str, Any]) -> float | None:
     boundaries, steps = n_boundaries(job), steps_done(job)
     if boundaries == 0 or steps == 0:
         return None
-    sent = sum(int(p.get("bytes_sent") or 0) for p in job.get("progress") or [])
-    return sent / steps / boundaries
+    return view_of_record(job).bytes_sent / steps / boundaries
 
 
 def fp32_bytes_per_step_per_boundary(spec: Mapping[str, Any]) -> float:
@@ -358,12 +357,7 @@ def fp32_bytes_per_step_per_boundary(spec: Mapping[str, Any]) -> float:
 def nominal_compression_ratio(compression: str, d_model: int) -> float:
     """fp32 bytes over the codec's payload bytes per value, ignoring headers and scales: what
     the spec promises (the measured ratio also pays for frames, scales and validation)."""
-    parsed = parse_compression(compression, d_model=d_model)
-    bits = {"none": 32.0, "fp16": 16.0}.get(parsed.wire)
-    if bits is None:
-        bits = float(parsed.wire.removeprefix("fixed_int"))
-    dims = parsed.bottleneck_dim or d_model
-    return (32.0 * d_model) / (bits * dims)
+    return parse_compression(compression, d_model=d_model).ratio(d_model)
 
 
 def compression_ratio(job: Mapping[str, Any]) -> float | None:
@@ -372,11 +366,6 @@ def compression_ratio(job: Mapping[str, Any]) -> float | None:
     if not measured:
         return None
     return fp32_bytes_per_step_per_boundary(job.get("spec") or {}) / measured
-
-
-def last_stage_progress(job: Mapping[str, Any]) -> Mapping[str, Any]:
-    progress = job.get("progress") or []
-    return max(progress, key=lambda p: p.get("stage", 0)) if progress else {}
 
 
 def result_row(
@@ -388,12 +377,12 @@ def result_row(
         value = point.values[axis]
         row[axis] = value if isinstance(value, str) else canonical(value)
     job = job or {}
-    last = last_stage_progress(job)
+    view = view_of_record(job)
     numbers = {
         "final_loss": job.get("final_loss"),
         "final_val_loss": job.get("final_val_loss"),
-        "tokens_per_s": last.get("tokens_per_s"),
-        "step_time_s": last.get("step_time_s"),
+        "tokens_per_s": view.tokens_per_s,
+        "step_time_s": view.step_time_s,
         "bytes_per_step_per_boundary": bytes_per_step_per_boundary(job) if job else None,
         "compression_ratio_vs_fp32": compression_ratio(job) if job else None,
     }
@@ -408,9 +397,9 @@ def result_row(
 def progress_line(index: int, total: int, point: SweepPoint, job: Mapping[str, Any]) -> str:
     """``[2/8] 1a2b3c4d5e compression=fp16 ... RUNNING step 40/200 loss 2.1``."""
     values = " ".join(f"{k}={v}" for k, v in point.values.items())
-    last = last_stage_progress(job)
-    loss = last.get("loss")
-    step = f"step {steps_done(job)}/{point.spec.steps}"
+    view = view_of_record(job)
+    loss = view.loss
+    step = f"step {view.step or 0}/{point.spec.steps}"
     return f"[{index}/{total}] {point.point_id} {values} {job.get('state', '?')} {step}" + (
         "" if loss is None else f" loss {loss:.4f}"
     )

@@ -1,5 +1,9 @@
 """Fixtures that start real components: nats-server on a free port with JetStream in a temp
-dir, the leader and fellow agents as real processes. Nothing outlives its test."""
+dir, the leader and fellow agents as real processes. Nothing outlives its test.
+
+Every test under the folders in :data:`INTEGRATION_DIRS` is marked ``integration``, so
+``pytest -m "not integration"`` is the fast subset: the unit tests, less those that mark
+themselves (they train TensorFlow models or start stage processes)."""
 
 from __future__ import annotations
 
@@ -14,6 +18,17 @@ from swarm.natsauth import NatsAuthority
 from swarm.natsd import NatsServer, start_nats_server
 from swarm.procs import free_port
 from tests.helpers import Leader, Processes, child_env, wait_for
+
+TESTS = Path(__file__).resolve().parent
+INTEGRATION_DIRS = ("integration", "faults", "hostile", "ui")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark by location: what lives under an integration folder starts real processes."""
+    for item in items:
+        path = item.path.resolve()
+        if path.is_relative_to(TESTS) and path.relative_to(TESTS).parts[0] in INTEGRATION_DIRS:
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -40,6 +41,19 @@ def wait_for(predicate: Callable[[], T], *, timeout: float, what: str, interval:
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
         time.sleep(interval)
+
+
+async def until(
+    predicate: Callable[[], T], *, timeout: float, what: str, interval: float = 0.02
+) -> T:
+    """:func:`wait_for` inside an event loop: poll ``predicate`` (a plain callable, checked
+    between the loop's other work) and fail loudly after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not (last := predicate()):
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+        await asyncio.sleep(interval)
+    return last
 
 
 @contextlib.contextmanager

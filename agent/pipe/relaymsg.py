@@ -1,6 +1,6 @@
 """Relay messages: their layout on a NATS subject, their authentication, and their parsing.
 
-Every message a :class:`~agent.pipe.link.RelayLink` publishes is::
+Every message a :class:`~agent.pipe.relay.RelayLink` publishes is::
 
     kind (1 byte) | tag (16 bytes) | body
 

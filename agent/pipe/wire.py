@@ -17,20 +17,23 @@ A frame is a list of parts, sent as one ZeroMQ multipart message (or relayed in 
   is ``ceil(count * N / 8)`` bytes; the pad bits of the last byte are zero.
 - ``scales``: one float16 per row (``rows = prod(shape[:-1])``), ``x ~= q * scale``.
 
-Everything here is numpy and msgspec only: no TensorFlow, nothing of SilentSwarm.
+The codecs themselves (:class:`CodecKind`, :class:`WireCodec`, :func:`parse_wire_codec`) are
+the codec table's, ``swarm/compression.py`` (pure Python); the rest is numpy and msgspec
+only: no TensorFlow.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgspec
 import numpy as np
+
+from swarm.compression import MAX_INT_BITS, MIN_INT_BITS, CodecKind, WireCodec, parse_wire_codec
+from swarm.errors import ConfigError
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -51,67 +54,11 @@ __all__ = [
 
 PROTOCOL_VERSION = 1
 
-MIN_INT_BITS = 2
-MAX_INT_BITS = 8
-
 # Scales are float16. Round them into [smallest subnormal, largest finite] so a zero row gets a
 # positive scale (decodes to exact zeros, never 0/0) and a huge row saturates instead of
 # turning into inf.
 _SCALE_MIN = float(np.finfo(np.float16).smallest_subnormal)  # 2**-24
 _SCALE_MAX = float(np.finfo(np.float16).max)  # 65504
-
-_ACCEPTED = "'none', 'fp16' or 'fixed_intN' with N in 2..8"
-_INT_SPEC = re.compile(r"fixed_int([2-8])")
-
-
-class CodecKind(enum.StrEnum):
-    NONE = "none"  # float32 as is
-    FP16 = "fp16"  # cast to float16
-    INT = "int"  # fixed_intN: per-row absmax scales, N bits packed, N in 2..8
-
-
-_KIND_BITS = {CodecKind.NONE: 32, CodecKind.FP16: 16}
-
-
-@dataclass(frozen=True)
-class WireCodec:
-    """How a tensor is encoded on the wire. ``bits`` is 32 for NONE, 16 for FP16, N for INT."""
-
-    kind: CodecKind
-    bits: int = 32
-
-    def __post_init__(self) -> None:
-        kind = CodecKind(self.kind)
-        object.__setattr__(self, "kind", kind)
-        if kind is CodecKind.INT:
-            if not MIN_INT_BITS <= self.bits <= MAX_INT_BITS:
-                raise ValueError(f"fixed_intN needs N in 2..8, got bits={self.bits}")
-        elif self.bits != _KIND_BITS[kind]:
-            raise ValueError(f"codec {kind.value!r} has {_KIND_BITS[kind]} bits, got {self.bits}")
-
-    @property
-    def name(self) -> str:
-        """The spec string: ``none``, ``fp16``, ``fixed_int8``, ``fixed_int4``, ..."""
-        if self.kind is CodecKind.INT:
-            return f"fixed_int{self.bits}"
-        return self.kind.value
-
-    def __str__(self) -> str:
-        return self.name
-
-
-def parse_wire_codec(spec: str) -> WireCodec:
-    """Parse a wire codec spec string (exact, case-sensitive: it is a public interface)."""
-    if spec == CodecKind.NONE.value:
-        return WireCodec(CodecKind.NONE, 32)
-    if spec == CodecKind.FP16.value:
-        return WireCodec(CodecKind.FP16, 16)
-    if isinstance(spec, str) and (m := _INT_SPEC.fullmatch(spec)):
-        return WireCodec(CodecKind.INT, int(m.group(1)))
-    hint = ""
-    if isinstance(spec, str) and spec.startswith("learned_"):
-        hint = " (learned_dimN* specs are handled by the runtime; pass only their wire part)"
-    raise ValueError(f"unknown wire codec {spec!r}: expected {_ACCEPTED}{hint}")
 
 
 class Direction(enum.StrEnum):
@@ -437,34 +384,10 @@ def decode_frame(parts: Sequence[Any]) -> tuple[FrameHeader, np.ndarray]:
     if not views:
         raise FrameError("empty frame: no header part")
     header = _parse_header(views[0])
-    try:
-        codec = parse_wire_codec(header.codec)
-    except ValueError as exc:
-        raise FrameError(f"frame codec: {exc}") from None
-    if header.bits != codec.bits:
-        raise FrameError(
-            f"frame codec {codec.name!r} has {codec.bits} bits, header says {header.bits}"
-        )
-    if header.dtype != "float32":
-        raise FrameError(f"frame dtype {header.dtype!r} is not supported (only 'float32')")
-    shape = header.shape
-    if not shape or any(d < 0 for d in shape):
-        raise FrameError(f"bad frame shape {list(shape)}: need rank >= 1, no negative sizes")
+    codec = _header_codec(header)
     impl = _CODECS[codec.kind]
-    count = math.prod(shape)
-    rows = math.prod(shape[:-1])
-    want_payload = impl.payload_nbytes(count, codec.bits)
-    want_scales = impl.scales_nbytes(rows)
-    if header.payload_nbytes != want_payload:
-        raise FrameError(
-            f"header says payload_nbytes={header.payload_nbytes}, but shape {list(shape)} "
-            f"with codec {codec.name!r} needs {want_payload}"
-        )
-    if header.scales_nbytes != want_scales:
-        raise FrameError(
-            f"header says scales_nbytes={header.scales_nbytes}, but shape {list(shape)} "
-            f"with codec {codec.name!r} needs {want_scales}"
-        )
+    shape = header.shape
+    _check_sizes(header, codec, impl)
     want_parts = 3 if codec.kind is CodecKind.INT else 2
     if len(views) != want_parts:
         what = "header, payload, scales" if want_parts == 3 else "header, payload"
@@ -482,3 +405,38 @@ def decode_frame(parts: Sequence[Any]) -> tuple[FrameHeader, np.ndarray]:
     except (ValueError, TypeError) as exc:  # defensive: sizes were checked above
         raise FrameError(f"cannot decode {codec.name!r} payload: {exc}") from None
     return header, array
+
+
+def _header_codec(header: FrameHeader) -> WireCodec:
+    """The header's codec, checked against its bits, dtype and shape."""
+    try:
+        codec = parse_wire_codec(header.codec)
+    except ConfigError as exc:
+        raise FrameError(f"frame codec: {exc.message}") from None
+    if header.bits != codec.bits:
+        raise FrameError(
+            f"frame codec {codec.name!r} has {codec.bits} bits, header says {header.bits}"
+        )
+    if header.dtype != "float32":
+        raise FrameError(f"frame dtype {header.dtype!r} is not supported (only 'float32')")
+    shape = header.shape
+    if not shape or any(d < 0 for d in shape):
+        raise FrameError(f"bad frame shape {list(shape)}: need rank >= 1, no negative sizes")
+    return codec
+
+
+def _check_sizes(header: FrameHeader, codec: WireCodec, impl: _Codec) -> None:
+    """The payload and scales sizes the header claims are the ones its shape needs."""
+    shape = header.shape
+    want_payload = impl.payload_nbytes(math.prod(shape), codec.bits)
+    want_scales = impl.scales_nbytes(math.prod(shape[:-1]))
+    if header.payload_nbytes != want_payload:
+        raise FrameError(
+            f"header says payload_nbytes={header.payload_nbytes}, but shape {list(shape)} "
+            f"with codec {codec.name!r} needs {want_payload}"
+        )
+    if header.scales_nbytes != want_scales:
+        raise FrameError(
+            f"header says scales_nbytes={header.scales_nbytes}, but shape {list(shape)} "
+            f"with codec {codec.name!r} needs {want_scales}"
+        )

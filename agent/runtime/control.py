@@ -1,7 +1,8 @@
 """The stage's control channel: JSON-line commands from the supervising agent on stdin.
 
 ``swarm-stage --control-stdin`` is started by the fellow agent with stdin as a pipe. A daemon
-thread reads it line by line; each line is one JSON object:
+thread reads it line by line; each line is one JSON object, a command of
+:mod:`swarm.types.stage` (tagged by ``cmd``):
 
     {"cmd": "checkpoint", "id": "<request id>", "at_step": N}   (at_step null or absent: now)
 
@@ -20,9 +21,11 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterable
-from typing import Annotated, NoReturn
+from typing import NoReturn
 
 import msgspec
+
+from swarm.types.stage import COMMANDS, CheckpointRequest, Command
 
 log = logging.getLogger(__name__)
 
@@ -31,25 +34,6 @@ EXIT_SUPERVISOR_GONE = 70
 
 MAX_LINE_BYTES = 64 * 1024
 """A longer line is no command of ours: it is dropped rather than buffered without bound."""
-
-
-class CheckpointRequest(msgspec.Struct, frozen=True, tag_field="cmd", tag="checkpoint"):
-    """Write a checkpoint once ``at_step`` training steps have completed (None: at once)."""
-
-    id: Annotated[str, msgspec.Meta(min_length=1)]
-    at_step: Annotated[int, msgspec.Meta(ge=0)] | None = None
-
-    def is_due(self, steps_done: int, total_steps: int) -> bool:
-        """Due at the first step boundary at or after ``at_step``; at the last step at the latest.
-
-        A request that arrives after its step has passed is honoured at the next boundary, and
-        one for a step beyond the run is honoured after the last step (a final checkpoint).
-        """
-        return self.at_step is None or self.at_step <= steps_done or steps_done >= total_steps
-
-
-Command = CheckpointRequest  # a union once there is more than one command
-COMMANDS: dict[str, type[Command]] = {"checkpoint": CheckpointRequest}
 
 
 def parse_command(line: bytes | str) -> Command | None:

@@ -1,8 +1,9 @@
 """``swarm-stage --plan plan.json``: run one pipeline stage from an explicit plan.
 
 Writes JSON lines to stdout (``placement``, ``links``, ``step``, ``checkpoint``, ``done``, or
-``error``) and exits non-zero with a one-line message on stderr when it fails. No leader is
-needed: two or three of these processes train a model together.
+``error``: the events of :mod:`swarm.types.stage`) and exits non-zero with a one-line message
+on stderr when it fails. No leader is needed: two or three of these processes train a model
+together.
 
 With ``--control-stdin`` the stage takes JSON-line commands on stdin (see
 :mod:`agent.runtime.control`) and exits 70 at once when stdin reaches EOF: the supervising
@@ -11,12 +12,11 @@ agent is gone. Without it stdin is never read, so it may be anything, even at EO
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, NoReturn
 
 import cyclopts
 
@@ -24,14 +24,18 @@ from agent.runtime.control import ControlChannel
 from swarm.entry import configure_logging, fail
 from swarm.errors import ConfigError, SwarmError
 from swarm.plan import decode_plan
+from swarm.types.stage import ErrorEvent, StageEvent, encode_event
 
 app = cyclopts.App(name="swarm-stage", help="Run one pipeline stage from an explicit plan.")
 log = logging.getLogger("stage")
+MESSAGE_CHARS = 8192  # an error event's bound (swarm.types.stage)
 
 
-def emit(event: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(event) + "\n")
-    sys.stdout.flush()
+def emit(event: StageEvent) -> None:
+    """One event, one line on stdout, flushed at once: the agent follows the run by them."""
+    sys.stdout.flush()  # whatever was printed before it comes first
+    sys.stdout.buffer.write(encode_event(event) + b"\n")
+    sys.stdout.buffer.flush()
 
 
 @app.default
@@ -88,7 +92,7 @@ def stage_failed(stage: int, message: str, control: ControlChannel | None) -> No
     """
     if control is not None:
         control.close()
-    emit({"event": "error", "stage": stage, "message": message})
+    emit(ErrorEvent(stage=stage, message=message[:MESSAGE_CHARS]))
     fail("swarm-stage", f"stage {stage}: {message}", 1)
 
 

@@ -7,7 +7,7 @@ layer would create for them.
 Every layer is registered with Keras (package ``silentswarm``) and has a ``get_config``, so a
 model made of them saves as one ``.keras`` file and loads back anywhere this module is
 importable: :class:`GluedTransformer` is the whole pipeline as one single-device model
-(``agent/runtime/glue.py`` assembles it from stage checkpoints), and :class:`WireRoundTrip`
+(``agent/runtime/glue/`` assembles it from stage checkpoints), and :class:`WireRoundTrip`
 reproduces a boundary's wire codec in TensorFlow ops. ``ModelConfig`` travels in a config as
 plain JSON (``msgspec.to_builtins``) and comes back through ``msgspec.convert``.
 
@@ -18,7 +18,6 @@ position, so that order (and every initial value) must never change.
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 import keras
@@ -26,7 +25,7 @@ import msgspec
 import numpy as np
 import tensorflow as tf
 
-from swarm.compression import parse_compression
+from swarm.compression import CodecKind, parse_compression, parse_wire_codec
 from swarm.plan import ModelConfig
 
 EMBED_LAYER = -1  # seed index of the embedding
@@ -225,16 +224,6 @@ _SCALE_MIN = float(np.finfo(np.float16).smallest_subnormal)
 _SCALE_MAX = float(np.finfo(np.float16).max)
 
 
-def _wire_bits(codec: str) -> int | None:
-    """``fixed_intN`` -> N; ``none`` and ``fp16`` -> None; ValueError for anything else."""
-    if codec in ("none", "fp16"):
-        return None
-    match = re.fullmatch(r"fixed_int([2-8])", codec)
-    if match is None:
-        raise ValueError(f"unknown wire codec {codec!r}: expected none, fp16 or fixed_intN (N 2-8)")
-    return int(match.group(1))
-
-
 def _divide(a, b):
     """``a / b`` correctly rounded to float32, as numpy divides.
 
@@ -262,15 +251,15 @@ class WireRoundTrip(keras.layers.Layer):
 
     def __init__(self, codec: str = "none", **kwargs) -> None:
         super().__init__(**kwargs)
-        self.bits = _wire_bits(codec)
+        self._wire = parse_wire_codec(codec)  # ConfigError for anything but a wire codec
         self.codec = codec
 
     def call(self, x):
-        if self.codec == "none":
+        if self._wire.kind is CodecKind.NONE:
             return x
-        if self.codec == "fp16":
+        if self._wire.kind is CodecKind.FP16:
             return tf.cast(tf.cast(x, tf.float16), x.dtype)
-        qmax = float((1 << (self.bits - 1)) - 1)
+        qmax = float(self._wire.qmax)
         absmax = tf.reduce_max(tf.abs(x), axis=-1, keepdims=True)
         wanted = tf.clip_by_value(_divide(absmax, qmax), _SCALE_MIN, _SCALE_MAX)
         half = tf.cast(wanted, tf.float16)

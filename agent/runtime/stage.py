@@ -12,7 +12,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 import numpy as np
@@ -29,19 +28,27 @@ from agent.pipe.link import (
 )
 from agent.pipe.link import connect_downstream as open_downstream
 from agent.pipe.wire import Direction, FrameError, WireCodec, decode_frame, encode_frame
-from agent.pipe.wire import parse_wire_codec as wire_codec
 from agent.runtime.checkpoint import CheckpointError, load_checkpoint, restore_into, save_stage
-from agent.runtime.control import CheckpointRequest, ControlChannel
+from agent.runtime.control import ControlChannel
 from agent.runtime.data import job_dataset, job_val_batches
 from agent.runtime.schedule import Op, one_f_one_b
 from agent.runtime.stage_model import StageModel
 from swarm import subjects
-from swarm.compression import parse_compression
 from swarm.plan import CurveKeys as PlanCurveKeys
 from swarm.plan import StagePlan
+from swarm.types.stage import (
+    CheckpointEvent,
+    CheckpointRequest,
+    DoneEvent,
+    LinksEvent,
+    PlacementEvent,
+    StageEvent,
+    StepEvent,
+)
 
 log = logging.getLogger(__name__)
-Emit = Callable[[dict[str, Any]], None]
+MESSAGE_CHARS = 4096  # a failed checkpoint's message, cut to fit the event's bound
+Emit = Callable[[StageEvent], None]
 
 
 @dataclass
@@ -129,9 +136,8 @@ class StageRunner:
             restore_into(self.model, self.data, checkpoint)
             self.start_step = int(checkpoint.meta["steps_done"])
             log.info("resumed from %s at step %d", plan.resume_from, self.start_step)
-        spec = parse_compression(plan.compression, d_model=plan.model.d_model)
-        self.act_codec = wire_codec(spec.wire)
-        self.grad_codec = wire_codec(plan.grad_compression or spec.wire)  # validated in the plan
+        spec, self.grad_codec = plan.codecs()  # the codec table's; validated in the plan
+        self.act_codec = spec.codec
 
     # --- links ----------------------------------------------------------------------------
 
@@ -215,12 +221,11 @@ class StageRunner:
                 link, b, name, plan.job_id, plan.attempt, self.act_codec, plan.peer_timeout_s
             )
         self.emit(
-            {
-                "event": "links",
-                "stage": plan.stage,
-                "up": None if self.up is None else self.up.link.transport,
-                "down": None if self.down is None else self.down.link.transport,
-            }
+            LinksEvent(
+                stage=plan.stage,
+                up=None if self.up is None else self.up.link.transport,
+                down=None if self.down is None else self.down.link.transport,
+            )
         )
 
     def _boundaries(self) -> list[Boundary]:
@@ -304,9 +309,9 @@ class StageRunner:
                 )
         return sum(losses) / len(losses) if losses else None
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> DoneEvent:
         plan = self.plan
-        self.emit({"event": "placement", "stage": plan.stage, "devices": self.model.devices()})
+        self.emit(PlacementEvent(stage=plan.stage, devices=self.model.devices()))
         self.open_links()
         tokens_per_step = plan.train.batch_size * plan.model.seq_len
         step_times: list[float] = []
@@ -314,21 +319,24 @@ class StageRunner:
         for step in range(self.start_step, plan.train.steps):
             last = self.train_step(step)
             step_times.append(last.seconds)
-            event = {
-                "event": "step",
-                "stage": plan.stage,
-                "step": step,
-                "loss": last.loss,
-                "lr": last.lr,
-                "step_time_s": round(last.seconds, 5),
-                "tokens_per_s": round(tokens_per_step / last.seconds, 1),
-                "wait_s": round(self.take_wait(), 5),
-                **self.bytes_summary(),
-            }
+            wait_s, traffic = self.take_wait(), self.bytes_summary()  # before validation
+            val_loss = None
             every = plan.train.val_every
             if every and (step + 1) % every == 0 and step + 1 < plan.train.steps:
-                event["val_loss"] = self.evaluate(step)
-            self.emit(event)
+                val_loss = self.evaluate(step)
+            self.emit(
+                StepEvent(
+                    stage=plan.stage,
+                    step=step,
+                    loss=last.loss,
+                    lr=last.lr,
+                    step_time_s=round(last.seconds, 5),
+                    tokens_per_s=round(tokens_per_step / last.seconds, 1),
+                    wait_s=round(wait_s, 5),
+                    val_loss=val_loss,
+                    **traffic,
+                )
+            )
             self.serve_checkpoints(step + 1)
             every = plan.checkpoint_every
             if every and (step + 1) % every == 0 and step + 1 < plan.train.steps:
@@ -341,19 +349,18 @@ class StageRunner:
         # The first steps pay for tracing: report the steady state.
         steady = step_times[len(step_times) // 5 :] or step_times
         mean_step = sum(steady) / len(steady) if steady else 0.0  # resumed at the very end
-        summary = {
-            "event": "done",
-            "stage": plan.stage,
-            "steps": plan.train.steps,
-            "loss": None if last is None else last.loss,
-            "val_loss": val_loss,
-            "step_time_s": round(mean_step, 5),
-            "tokens_per_s": round(tokens_per_step / mean_step, 1) if mean_step else 0.0,
-            "params": self.model.n_params,
-            "dropped_frames": sum(b.dropped for b in self._boundaries()),
+        summary = DoneEvent(
+            stage=plan.stage,
+            steps=plan.train.steps,
+            loss=None if last is None else last.loss,
+            val_loss=val_loss,
+            step_time_s=round(mean_step, 5),
+            tokens_per_s=round(tokens_per_step / mean_step, 1) if mean_step else 0.0,
+            params=self.model.n_params,
+            dropped_frames=sum(b.dropped for b in self._boundaries()),
+            relay_dropped_by_reason=self.relay_dropped(),
             **self.bytes_summary(),
-            "relay_dropped_by_reason": self.relay_dropped(),
-        }
+        )
         self.emit(summary)
         return summary
 
@@ -378,22 +385,23 @@ class StageRunner:
         that may have hours of training in it.
         """
         plan = self.plan
-        event: dict[str, Any] = {
-            "event": "checkpoint",
-            "stage": plan.stage,
-            "id": request.id,
-            "step": steps_done,
-            "path": None,
-            "final": steps_done >= plan.train.steps,
-        }
+        path, message = None, ""
         try:
-            event["path"] = self._write_checkpoint(steps_done)
+            path = self._write_checkpoint(steps_done)
         except (OSError, CheckpointError) as exc:
             log.warning("checkpoint %r after step %d failed: %s", request.id, steps_done, exc)
-            event.update(ok=False, message=str(exc))
-        else:
-            event["ok"] = True
-        self.emit(event)
+            message = str(exc)[:MESSAGE_CHARS] or type(exc).__name__
+        self.emit(
+            CheckpointEvent(
+                stage=plan.stage,
+                id=request.id,
+                step=steps_done,
+                path=path,
+                final=steps_done >= plan.train.steps,
+                ok=path is not None,
+                message=message,
+            )
+        )
 
     def _write_checkpoint(self, steps_done: int) -> str:
         if steps_done in self._checkpoints:
@@ -425,8 +433,9 @@ class StageRunner:
             total, boundary.wait_s = total + boundary.wait_s, 0.0
         return total
 
-    def bytes_summary(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+    def bytes_summary(self) -> dict[str, int]:
+        """The traffic fields of step and done events (:class:`swarm.types.stage.StepEvent`)."""
+        out: dict[str, int] = {}
         for key, boundary in (("up", self.up), ("down", self.down)):
             if boundary is not None:
                 out[f"{key}_boundary"] = boundary.index

@@ -38,7 +38,8 @@ from typing import Any
 import numpy as np
 from _common import REPO, emit, median, percentile, verdict  # puts the repo on sys.path
 
-from agent.pipe.link import RelayLink, ZmqLink
+from agent.pipe.relay import RelayLink
+from agent.pipe.zmq import ZmqLink
 from swarm.natsd import start_nats_server
 from swarm.procs import free_port
 

@@ -181,17 +181,16 @@ function renderJobs() {
   const body = document.querySelector("#jobs tbody");
   body.replaceChildren(
     ...[...state.jobs].reverse().slice(0, 20).map((job) => {
-      const progress = job.progress || [];
-      const step = progress.length ? Math.min(...progress.map((p) => p.step)) : 0;
-      const last = progress.length ? progress[progress.length - 1] : null;
+      // The leader computes the pipeline's step and loss (swarm/types/views.py): never here.
+      const view = job.view || {};
       return el(
         "tr",
         { "data-job": job.job_id, onclick: () => select("job", job.job_id) },
         el("td", {}, job.job_id),
         el("td", { class: `state-${job.state}` }, job.state),
-        el("td", {}, `${step}/${job.spec.steps}`),
-        el("td", {}, num(job.final_loss ?? (last && last.loss))),
-        el("td", {}, progress.map((p) => p.fellow_id).join(", ") || "-"),
+        el("td", {}, `${view.step ?? 0}/${view.total_steps ?? job.spec.steps}`),
+        el("td", {}, num(view.loss)),
+        el("td", {}, (view.fellows || []).join(", ") || "-"),
       );
     }),
   );
@@ -535,13 +534,13 @@ function jobView(id) {
       summary.replaceChildren(el("p", { class: "muted" }, "Unknown job."));
       return;
     }
-    const progress = job.progress || [];
+    const view = job.view || {};
     summary.replaceChildren(
       dl([
         ["state", job.state, "job-state"],
         ["attempt", job.attempt],
-        ["step", `${progress.length ? Math.min(...progress.map((p) => p.step)) : 0} of ${job.spec.steps}`],
-        ["loss", num(job.final_loss ?? (points.length ? points[points.length - 1][1] : null))],
+        ["step", `${view.step ?? 0} of ${view.total_steps ?? job.spec.steps}`, "job-step"],
+        ["loss", num(view.loss ?? (points.length ? points[points.length - 1][1] : null)), "job-loss"],
         ["reason", job.reason || "-"],
       ]),
     );

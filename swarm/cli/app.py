@@ -23,6 +23,7 @@ from swarm.jobspec import decode_job_spec
 from swarm.natsauth import NatsAuthority, fellow_permissions
 from swarm.settings import Settings
 from swarm.subjects import TOKEN_RE
+from swarm.types.views import view_of_record
 
 app = cyclopts.App(
     name="swarm",
@@ -154,16 +155,14 @@ def jobs() -> None:
         records = client.jobs()
     rows = []
     for j in records:
-        progress = sorted(j.get("progress") or [], key=lambda p: p["stage"])
-        step = min((p["step"] for p in progress), default=None)
-        loss = j.get("final_loss") or (progress[-1].get("loss") if progress else None)
+        view = view_of_record(j)
         rows.append(
             [
                 j["job_id"],
                 j["state"],
-                f"{step if step is not None else '-'}/{j['spec']['steps']}",
-                "-" if loss is None else f"{loss:.4f}",
-                ",".join(p["fellow_id"] for p in progress) or "-",
+                f"{view.step if view.step is not None else '-'}/{j['spec']['steps']}",
+                "-" if view.loss is None else f"{view.loss:.4f}",
+                ",".join(view.fellows) or "-",
                 render.since(j["created_at"]),
                 (j.get("reason") or "")[:60],
             ]

@@ -8,6 +8,7 @@ from typing import Any
 
 from swarm.cli.client import LeaderClient
 from swarm.errors import LeaderResponseError, LeaderUnreachableError, SwarmError
+from swarm.types.views import stage_records, view_of_record
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED"}
 POLL_S = 0.5
@@ -41,21 +42,18 @@ def progress_line(job: dict[str, Any], elapsed: float) -> str:
     state = job["state"]
     if state == "PENDING":
         return f"[{elapsed:5.0f}s] PENDING    {job.get('reason') or ''}".rstrip()
-    stages = sorted(job.get("progress") or [], key=lambda p: p["stage"])
+    stages = stage_records(job)
     if not stages:
         return f"[{elapsed:5.0f}s] {state}"
-    total = stages[0].get("total_steps") or job["spec"]["steps"]
-    step = min(p["step"] for p in stages)
-    last = stages[-1]
-    if step == 0 and all(p.get("loss") is None and not p.get("step_time_s") for p in stages):
-        fellows = ", ".join(p["fellow_id"] for p in stages)
-        return f"[{elapsed:5.0f}s] {state:<10} stages starting on {fellows}"
-    parts = [f"[{elapsed:5.0f}s] {state:<10} step {step:>5}/{total}"]
-    if last.get("loss") is not None:
-        parts.append(f"loss {last['loss']:.4f}")
-    if last.get("tokens_per_s"):
-        parts.append(f"{last['tokens_per_s']:.0f} tok/s")
-    parts.append("(" + ", ".join(f"{p['fellow_id']}: {p['step']}" for p in stages) + ")")
+    view = view_of_record(job)
+    if not view.step and all(p.loss is None and not p.step_time_s for p in stages):
+        return f"[{elapsed:5.0f}s] {state:<10} stages starting on {', '.join(view.fellows)}"
+    parts = [f"[{elapsed:5.0f}s] {state:<10} step {view.step:>5}/{view.total_steps}"]
+    if view.loss is not None:
+        parts.append(f"loss {view.loss:.4f}")
+    if view.tokens_per_s:
+        parts.append(f"{view.tokens_per_s:.0f} tok/s")
+    parts.append("(" + ", ".join(f"{p.fellow_id}: {p.step}" for p in stages) + ")")
     return "  ".join(parts)
 
 

@@ -31,7 +31,7 @@ from swarm.protocol import (
     RegisterRequest,
     ShardChunk,
 )
-from tests.helpers import wait_for
+from tests.helpers import until, wait_for
 from tests.hostile.conftest import HONEST, Beside
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -74,11 +74,6 @@ def legacy_user(beside: Beside, name: str):
     path.write_text(beside.authority.user_creds(name, perms))
     path.chmod(0o600)
     return path
-
-
-async def errors_until(errors: list[str], count: int) -> None:
-    while len(errors) < count:
-        await asyncio.sleep(0.02)
 
 
 def test_the_leader_answers_only_in_the_senders_inbox(beside: Beside):
@@ -188,7 +183,11 @@ def test_the_relay_is_closed_to_fellows_the_attempt_did_not_place(beside: Beside
             await nc.publish(f"{boundary}.fwd", b"Zjunk")
             await nc.publish(f"{boundary}.bwd", b"Zjunk")
             await nc.flush()
-            await asyncio.wait_for(errors_until(errors, 4), timeout=10)
+            await until(
+                lambda errors=errors: len(errors) >= 4,
+                timeout=10,
+                what=f"4 permission errors for {who}",
+            )
             await traffic.next_msg(timeout=10)  # frames kept flowing meanwhile
             results[who] = (list(errors), len(read))
             await nc.close()
@@ -239,7 +238,7 @@ def test_progress_from_anyone_but_the_placed_stage_shows_nowhere(beside: Beside)
         own = await beside.connect(beside.mallory_creds, error_cb=on_error)
         await own.publish(f"swarm.progress.{job_id}.mallory", topics.encode(forged[0][1]))
         await own.flush()
-        await asyncio.wait_for(errors_until(errors, 1), timeout=10)
+        await until(lambda: errors, timeout=10, what="the server to refuse mallory's progress")
         await own.close()
         for creds, record in forged:
             nc = await beside.connect(creds)

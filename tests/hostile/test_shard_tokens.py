@@ -8,11 +8,13 @@ import logging
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 
 from agent.shardpush import SHARD_TOKEN_HEADER, FetchError, fetch_shard
 from leader.exports import ExportService
 from leader.jobs import JobManager
+from swarm.types.signals import ResumeArgs, ShardFile
 from tests.integration.test_jobs import agents, tiny, wait_ready
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -67,18 +69,18 @@ def test_a_shard_opens_with_its_stages_header_token_only(
         assert body["code"] == "SHARD_TOKEN_INVALID" and says in body["message"], body
 
     # The agent's download: sha256-checked, and its HTTP client logs a URL without the token.
-    resume = {
-        "step": step,
-        "token": tokens[0],
-        "files": [
-            {
-                "name": name,
-                "sha256": hashlib.sha256((on_disk / name).read_bytes()).hexdigest(),
-                "url": f"{base}/{name}",
-            }
+    resume = ResumeArgs(
+        step=step,
+        token=tokens[0],
+        files=[
+            ShardFile(
+                name=name,
+                sha256=hashlib.sha256((on_disk / name).read_bytes()).hexdigest(),
+                url=f"{base}/{name}",
+            )
             for name in ("stage-0.npz", "stage-0.json")
         ],
-    }
+    )
     with caplog.at_level(logging.DEBUG, logger="httpx"):
         json_path = fetch_shard(resume, tmp_path / "fetched")
     assert json_path.read_bytes() == (on_disk / "stage-0.json").read_bytes()
@@ -86,6 +88,8 @@ def test_a_shard_opens_with_its_stages_header_token_only(
     assert any(f"{base}/stage-0.npz" in line for line in requests), requests
     assert all(tokens[0] not in line and "token=" not in line for line in requests), requests
     # Stage 0's token does not fetch stage 1's files.
-    stolen = {**resume, "files": [{**resume["files"][0], "url": f"{base}/stage-1.npz"}]}
+    stolen = msgspec.structs.replace(
+        resume, files=[msgspec.structs.replace(resume.files[0], url=f"{base}/stage-1.npz")]
+    )
     with pytest.raises(FetchError, match="HTTP 403"):
         fetch_shard(stolen, tmp_path / "stolen")

@@ -7,13 +7,13 @@ import math
 import signal
 from pathlib import Path
 
-import msgspec
 import psutil
 import pytest
 
 from swarm import subjects
 from swarm.plan import ModelConfig, StagePlan, TrainConfig
-from swarm.protocol import Signal, SignalKind
+from swarm.protocol import StartSignal, StopSignal
+from swarm.types.signals import StartArgs
 from tests.conftest import agent_state_dir, start_agent
 from tests.helpers import Leader, stage_processes, swarm_cli, wait_for
 from tests.integration.nats_client import with_nats
@@ -163,13 +163,7 @@ def test_a_duplicated_start_is_acknowledged_once(procs, nats_server, leader):
         train=TrainConfig(steps=100_000, batch_size=8, micro_batches=2, max_data_bytes=300_000),
         fellow_id="d1",
     )
-    start = Signal(
-        signal_id="sig-dup-1",
-        kind=SignalKind.START,
-        job_id="dup",
-        attempt=1,
-        args={"plan": msgspec.to_builtins(plan)},
-    )
+    start = StartSignal(signal_id="sig-dup-1", job_id="dup", attempt=1, args=StartArgs(plan=plan))
 
     async def send_twice(nc):
         subject = subjects.SIGNAL.subject("swarm", fellow="d1")
@@ -186,7 +180,7 @@ def test_a_duplicated_start_is_acknowledged_once(procs, nats_server, leader):
     assert len(stage_processes("dup")) == 1
 
     async def stop(nc):
-        sig = Signal(signal_id="sig-dup-stop", kind=SignalKind.STOP, job_id="dup", attempt=1)
+        sig = StopSignal(signal_id="sig-dup-stop", job_id="dup", attempt=1)
         msg = await nc.request(
             subjects.SIGNAL.subject("swarm", fellow="d1"), subjects.encode(sig), timeout=15
         )

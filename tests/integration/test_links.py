@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import random
 import signal
@@ -16,20 +15,13 @@ import nats
 import numpy as np
 import pytest
 
-from agent.pipe.link import (
-    ACK,
-    HELLO,
-    PeerTimeoutError,
-    RelayGapError,
-    RelayLink,
-    TransportKind,
-    ZmqLink,
-    accept_upstream,
-    connect_downstream,
-    serialize_parts,
-)
+from agent.pipe.base import PeerTimeoutError, RelayGapError
+from agent.pipe.handshake import ACK, HELLO
+from agent.pipe.link import TransportKind, accept_upstream, connect_downstream
+from agent.pipe.relay import LoopThread, RelayLink, serialize_parts
 from agent.pipe.relaymsg import RelayAuth
 from agent.pipe.wire import Direction, FrameError, decode_frame, encode_frame, parse_wire_codec
+from agent.pipe.zmq import ZmqLink
 from swarm.procs import free_port
 from tests.helpers import REPO, child_env, wait_for
 from tests.integration.nats_client import with_nats
@@ -210,13 +202,11 @@ class Intruder:
 
     def __init__(self, url: str, subjects: list[str]) -> None:
         self.seen: dict[str, list[bytes]] = {s: [] for s in subjects}
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._thread.start()
+        self._io = LoopThread("intruder")
         self._nc = self._run(self._connect(url, subjects))
 
     def _run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(10)
+        return self._io.run(coro, 10)
 
     async def _connect(self, url: str, subjects: list[str]):
         nc = await nats.connect(url, no_echo=True, max_reconnect_attempts=1)
@@ -241,9 +231,7 @@ class Intruder:
 
     def close(self) -> None:
         self._run(self._nc.drain())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
-        self._loop.close()
+        self._io.stop()
 
 
 def junk(subject: str, seq: int, other: str, rng: random.Random) -> list[bytes]:
@@ -472,9 +460,10 @@ def test_curve_lets_only_the_placed_neighbour_connect():
 
     import zmq
 
-    from agent.pipe.link import CurveKeys, PeerTimeoutError, TransportKind
+    from agent.pipe.link import PeerTimeoutError, TransportKind
     from agent.pipe.link import accept_upstream as accept
     from agent.pipe.link import connect_downstream as connect
+    from agent.pipe.zmq import CurveKeys
     from swarm.procs import free_port
 
     def keys():

@@ -16,7 +16,7 @@ import pytest
 from swarm.natsauth import NatsAuthority, creds_user_name
 from swarm.natsd import start_nats_server
 from tests.conftest import NatsControl, leader_process, secure_env, start_agent
-from tests.helpers import Leader, child_env, wait_for
+from tests.helpers import Leader, child_env, until, wait_for
 from tests.integration.test_jobs import tiny, wait_ready
 
 pytestmark = pytest.mark.timeout(240)
@@ -85,10 +85,14 @@ def test_a_fellow_cannot_pose_as_another_or_read_its_inbox(
         await f1.flush()
         await leader.publish("_INBOX.f2.x", b"secret reply for f2")
         await leader.flush()
-        await asyncio.wait_for(_until(lambda: len(errors) >= 4), timeout=10)
+        await until(lambda: len(errors) >= 4, timeout=10, what="4 permission errors")
         await f1.publish("swarm.hb.f1", b"still mine")
         await f1.flush()
-        await asyncio.wait_for(_until(lambda: heartbeats.count("swarm.hb.f1") == 2), timeout=10)
+        await until(
+            lambda: heartbeats.count("swarm.hb.f1") == 2,
+            timeout=10,
+            what="f1's second heartbeat",
+        )
         assert heartbeats == ["swarm.hb.f1", "swarm.hb.f1"], "the forged heartbeat never arrived"
         assert inbox_f2 == []
         joined = " ".join(errors).lower()
@@ -103,11 +107,6 @@ def test_a_fellow_cannot_pose_as_another_or_read_its_inbox(
         await leader.close()
 
     asyncio.run(main())
-
-
-async def _until(predicate) -> None:
-    while not predicate():
-        await asyncio.sleep(0.02)
 
 
 def test_an_authenticated_swarm_trains_over_the_relay(

@@ -167,7 +167,7 @@ def test_a_vanished_peer_ends_the_stage_with_an_error_naming_the_boundary(procs,
         for name, path in (("last", paths[1]), ("first", paths[0]))
     )
     # Two TensorFlow start-ups on two cores: slow when the machine is busy.
-    wait_for(lambda: '"event": "step"' in procs.log(last), timeout=150, what="training to start")
+    wait_for(lambda: '"event":"step"' in procs.log(last), timeout=150, what="training to start")
     first.kill()
     killed_at = time.monotonic()
     assert last.wait(timeout=30) == 1

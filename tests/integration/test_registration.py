@@ -11,6 +11,7 @@ import pytest
 
 from swarm import protocol as p
 from swarm import subjects as topics
+from swarm.types.signals import CheckpointArgs
 from tests.conftest import start_agent
 from tests.helpers import wait_for
 from tests.integration.nats_client import with_nats
@@ -98,7 +99,7 @@ def test_signals_are_acknowledged_once_and_duplicates_flagged(procs, nats_server
     start_agent(procs, nats_server.url, "zeta")
     leader.wait_status("zeta", "ready", timeout=20)
     subject = topics.SIGNAL.subject("swarm", fellow="zeta")
-    sig = p.Signal(signal_id="sig-1", kind=p.SignalKind.CHECKPOINT, job_id="j1")
+    sig = p.CheckpointSignal(signal_id="sig-1", job_id="j1", args=CheckpointArgs(checkpoint_id="c"))
 
     async def scenario(nc):
         first = await nc.request(subject, topics.encode(sig), timeout=5)
@@ -128,7 +129,7 @@ def test_malformed_messages_are_dropped_and_change_nothing(procs, nats_server, l
     async def scenario(nc):
         await nc.publish("swarm.hb.eta", b"\xc1\xc1 not msgpack")
         await nc.publish("swarm.hb.eta", msgspec.msgpack.encode({"v": 1, "seq": "x"}))
-        await nc.publish("swarm.hb.eta", topics.encode(p.Signal(signal_id="s", kind="STOP")))
+        await nc.publish("swarm.hb.eta", topics.encode(p.StopSignal(signal_id="s")))
         await nc.publish("swarm.hb.theta", b"")
         await nc.publish("swarm.hb.eta.extra", b"")
         # The leader answers only in the sender's own inbox: one connection per name.

@@ -145,6 +145,14 @@ def test_ops_ui_shows_fellows_logs_loss_and_the_cluster(
     wait_for(lambda: chart_points(browser) >= grown, timeout=15, what="the curve after reload")
     wait_for(lambda: text(browser, "job-state") == "RUNNING", timeout=10, what="the job state")
 
+    # Step and loss are the leader's view of the job (the slowest stage's, the last stage's).
+    def shown_step() -> bool:
+        step, _, total = text(browser, "job-step").partition(" of ")
+        return step.isdigit() and int(step) >= 3 and total == "100000"
+
+    wait_for(shown_step, timeout=10, what="the job's step")
+    assert float(text(browser, "job-loss")) > 0
+
     # The leader: aggregate CPU and RAM, and the placement plan.
     click(browser, '#graph g[data-node="leader"]')
     cores = str(psutil.cpu_count(logical=True))

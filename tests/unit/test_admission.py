@@ -7,6 +7,7 @@ import pytest
 from leader.admission import RateLimiter, Verdict, admit_progress
 from swarm.jobspec import PlacedStage, Placement, Transport
 from swarm.protocol import Progress
+from tests.fakes import Clock
 
 PLACEMENT = Placement(
     stages=[
@@ -45,13 +46,13 @@ def test_only_the_placed_stage_of_the_current_attempt_reports(
 
 
 def test_the_rate_limiter_admits_bursts_then_the_rate_per_key():
-    now = [0.0]
-    limiter = RateLimiter(rate=10.0, burst=5.0, clock=lambda: now[0])
+    clock = Clock(0.0)
+    limiter = RateLimiter(rate=10.0, burst=5.0, clock=clock)
     assert [limiter.allow("a") for _ in range(7)] == [True] * 5 + [False] * 2
     assert limiter.allow("b")  # another fellow has its own bucket
-    now[0] += 0.25  # 2.5 tokens back
+    clock.advance(0.25)  # 2.5 tokens back
     assert [limiter.allow("a") for _ in range(3)] == [True, True, False]
-    now[0] += 100.0  # never more than the burst
+    clock.advance(100.0)  # never more than the burst
     assert sum(limiter.allow("a") for _ in range(10)) == 5
 
 

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import numpy as np
@@ -20,6 +19,7 @@ import pytest
 
 from agent.runtime.control import CheckpointRequest, ControlChannel, parse_command
 from swarm.plan import ModelConfig, StagePlan, TrainConfig, single_process_plan
+from swarm.types.stage import CheckpointEvent, DoneEvent, PlacementEvent, StageEvent
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ModelConfig(vocab_size=256, seq_len=16, n_layers=2, d_model=32, n_heads=2)
@@ -189,6 +189,7 @@ def _values(runner) -> dict[str, np.ndarray]:
     return stage_arrays(runner.model)
 
 
+@pytest.mark.integration  # trains a TensorFlow stage
 def test_a_checkpoint_round_trips_and_training_continues_identically(tmp_path):
     from agent.runtime.checkpoint import load_checkpoint, restore_into, save_stage
 
@@ -225,6 +226,7 @@ def test_a_checkpoint_round_trips_and_training_continues_identically(tmp_path):
     assert a.loss == b.loss and a.lr == b.lr
 
 
+@pytest.mark.integration  # trains a TensorFlow stage
 def test_restoring_into_another_stage_is_refused(tmp_path):
     from agent.runtime.checkpoint import CheckpointError, load_checkpoint, restore_into, save_stage
 
@@ -237,19 +239,24 @@ def test_restoring_into_another_stage_is_refused(tmp_path):
         restore_into(_runner(other).model, None, load_checkpoint(directory / "stage-0.json"))
 
 
+@pytest.mark.integration  # trains a TensorFlow stage
 def test_the_stage_loop_answers_requests_at_step_boundaries(tmp_path):
     channel, _ = _channel()
     for line in (_line("two", 2), _line("now"), _line("end", 99)):
         channel.feed_line(line)
-    events: list[dict[str, Any]] = []
+    events: list[StageEvent] = []
 
-    def emit(event: dict[str, Any]) -> None:
+    def emit(event: StageEvent) -> None:
         events.append(event)
-        if event["event"] == "checkpoint" and event["id"] == "end":
+        if isinstance(event, CheckpointEvent) and event.id == "end":
             channel.feed_line(_line("after-the-last-step"))
 
     _runner(_plan(tmp_path, steps=4), emit, channel).run()
-    kinds = [(e["event"], e.get("step"), e.get("id")) for e in events if e["event"] != "placement"]
+    kinds = [
+        (type(e).__struct_config__.tag, getattr(e, "step", None), getattr(e, "id", None))
+        for e in events
+        if not isinstance(e, PlacementEvent)
+    ]
     assert kinds == [
         ("links", None, None),
         ("step", 0, None),
@@ -262,25 +269,26 @@ def test_the_stage_loop_answers_requests_at_step_boundaries(tmp_path):
         ("checkpoint", 4, "after-the-last-step"),
         ("done", None, None),
     ]
-    checkpoints = [e for e in events if e["event"] == "checkpoint"]
-    assert all(e["ok"] and e["stage"] == 0 for e in checkpoints)
-    assert [e["final"] for e in checkpoints] == [False, False, True, True]
-    assert checkpoints[2]["path"] == checkpoints[3]["path"], "the final state is written once"
+    checkpoints = [e for e in events if isinstance(e, CheckpointEvent)]
+    assert all(e.ok and e.stage == 0 and e.path for e in checkpoints)
+    assert [e.final for e in checkpoints] == [False, False, True, True]
+    assert checkpoints[2].path == checkpoints[3].path, "the final state is written once"
     for event in checkpoints:
-        meta = json.loads((Path(event["path"]) / "stage-0.json").read_text())
-        assert meta["steps_done"] == event["step"]
+        meta = json.loads((Path(str(event.path)) / "stage-0.json").read_text())
+        assert meta["steps_done"] == event.step
     assert channel.close() == []
 
 
+@pytest.mark.integration  # trains a TensorFlow stage
 @pytest.mark.parametrize("where", ["none", "a-file"])
 def test_a_checkpoint_that_cannot_be_written_is_reported_and_training_goes_on(tmp_path, where):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")
     channel, _ = _channel()
     channel.feed_line(_line("x", 1))
-    events: list[dict[str, Any]] = []
+    events: list[StageEvent] = []
     _runner(_plan(None if where == "none" else blocker, steps=2), events.append, channel).run()
-    (event,) = [e for e in events if e["event"] == "checkpoint"]
-    assert event["ok"] is False and event["path"] is None and event["step"] == 1
-    assert event["message"]
-    assert events[-1]["event"] == "done"
+    (event,) = [e for e in events if isinstance(e, CheckpointEvent)]
+    assert event.ok is False and event.path is None and event.step == 1
+    assert event.message
+    assert isinstance(events[-1], DoneEvent)

@@ -26,7 +26,11 @@ from swarm.jobspec import JobSpec, PlacedStage, Placement, stage_plans
 from swarm.plan import ModelConfig, StagePlan, Transport
 
 # Keras's own variable saving trips numpy 2's __array__(copy=...) deprecation.
-pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
+# Real stage processes train the export the glue reads (a minute here): integration tests.
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning"),
+]
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ModelConfig(vocab_size=256, seq_len=32, n_layers=2, d_model=32, n_heads=2)
@@ -381,13 +385,13 @@ def test_a_learned_bottleneck_with_int8_glues_and_reproduces_the_pipeline(tmp_pa
     from agent.runtime.glue import end_to_end_rtol, glue
 
     models = make_export(tmp_path, "learned_dim8_int8", steps=3)
-    result = glue(tmp_path, tmp_path / "glued")
-    assert result["compression"] == "learned_dim8_int8" and result["bottleneck_dim"] == 8
-    assert result["wire_codec"] == "fixed_int8"
-    assert result["check"]["stage_max_abs_diff"][0] < 1e-4
-    assert result["max_abs_diff"] <= result["tolerance"]
-    want_tolerance = end_to_end_rtol("fixed_int8") * result["check"]["logit_scale"]
-    assert result["tolerance"] == pytest.approx(want_tolerance)
+    result = glue(tmp_path, tmp_path / "glued").manifest
+    assert result.compression == "learned_dim8_int8" and result.bottleneck_dim == 8
+    assert result.wire_codec == "fixed_int8"
+    assert result.check.stage_max_abs_diff[0] < 1e-4
+    assert result.max_abs_diff <= result.tolerance
+    want_tolerance = end_to_end_rtol("fixed_int8") * result.check.logit_scale
+    assert result.tolerance == pytest.approx(want_tolerance)
     import keras
 
     model = keras.saving.load_model(tmp_path / "glued" / "model.keras")
@@ -395,7 +399,7 @@ def test_a_learned_bottleneck_with_int8_glues_and_reproduces_the_pipeline(tmp_pa
     tokens = np.random.default_rng(1).integers(0, 256, (2, TINY.seq_len)).astype(np.int32)
     want = chain_logits(models, tokens, "fixed_int8")
     got = model(tokens).numpy()
-    assert np.max(np.abs(got - want)) <= result["tolerance"]
+    assert np.max(np.abs(got - want)) <= result.tolerance
 
 
 def test_a_corrupt_shard_is_an_error_naming_it_and_nothing_is_written(export, tmp_path):
@@ -441,19 +445,19 @@ def test_a_bad_manifest_is_an_error_naming_the_problem(export, tmp_path):
 
 
 def test_a_glued_model_that_differs_from_the_pipeline_is_refused(export, monkeypatch, tmp_path):
-    import agent.runtime.glue as glue_module
+    from agent.runtime.glue import GlueMismatchError, assemble, glue
 
     directory, _, _ = export
-    build = glue_module.glued_from_stages
+    build = assemble.glued_from_stages
 
     def broken(models):
         glued = build(models)
         glued.blocks[1].w_o.assign(glued.blocks[1].w_o * 1.5)
         return glued
 
-    monkeypatch.setattr(glue_module, "glued_from_stages", broken)
-    with pytest.raises(glue_module.GlueMismatchError, match=r"stage 1: .* differs .* by"):
-        glue_module.glue(directory, tmp_path / "out")
+    monkeypatch.setattr(assemble, "glued_from_stages", broken)
+    with pytest.raises(GlueMismatchError, match=r"stage 1: .* differs .* by"):
+        glue(directory, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
@@ -489,15 +493,15 @@ def test_without_the_keras_format_it_falls_back_to_weights_and_config(
 
     # The job's data lives elsewhere here: --data points at it (the same text, so the same
     # validation batches).
-    result = glue(moved, out, data=["stdlib"])
-    assert result["fallback"] == "saving model.keras failed: OSError: no .keras today"
+    result = glue(moved, out, data=["stdlib"]).manifest
+    assert result.fallback == "saving model.keras failed: OSError: no .keras today"
     assert sorted(p.name for p in out.iterdir()) == [
         "config.json",
         "inference_manifest.json",
         "model.weights.h5",
     ]
-    assert result["data"]["override"] and result["max_abs_diff"] <= result["tolerance"]
-    assert set(result["files"]) == {"model.weights.h5", "config.json"}
+    assert result.data.override and result.max_abs_diff <= result.tolerance
+    assert set(result.files) == {"model.weights.h5", "config.json"}
     loaded = load_model(out)
     assert isinstance(loaded.model, GluedTransformer)
     assert len(generate(loaded, b"import", max_new_tokens=4, seed=1)) == 4

@@ -2,6 +2,7 @@
 
 import psutil
 import pynvml
+import pytest
 
 from agent.hardware import HardwareProbe
 
@@ -87,6 +88,7 @@ def test_cuda_visible_devices_hides_gpus_by_index_or_uuid():
     assert not _visible(gpu, "0") and not _visible(gpu, "") and not _visible(gpu, "GPU-ffff")
 
 
+@pytest.mark.integration  # starts TensorFlow in a subprocess
 def test_the_tensorflow_probe_runs_tensorflow_in_a_subprocess():
     from agent.hardware import probe_tensorflow_gpus
 

@@ -2,6 +2,7 @@
 
 import itertools
 
+import msgspec
 import pytest
 
 from leader.jobs import FellowState, JobManager, plan_schedule, reconcile
@@ -17,16 +18,10 @@ from swarm.lifecycle import (
 from swarm.plan import ModelConfig
 from swarm.protocol import FellowStatus, JobState, Progress, ProgressEvent, StageOutcome
 from swarm.protocol import StageResult as R
+from swarm.types.views import JobView
+from tests.fakes import Clock
 
 J = JobState
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def fellow(fid: str, **kw) -> Candidate:
@@ -75,7 +70,7 @@ def test_every_job_pair_is_an_edge_or_rejected(state, event):
 
 
 def submit(manager: JobManager, clock: Clock, **kw):
-    clock.t += 1
+    clock.now += 1
     return manager.submit(spec(**kw))
 
 
@@ -111,7 +106,7 @@ def test_job_lifecycle_through_the_manager():
     assert job.attempt == 1 and manager.pending() == []
     assert set(manager.busy_fellows()) == {"f1", "f2"}
     manager.start_succeeded(job.job_id)
-    assert job.state is J.RUNNING and job.started_at == clock.t
+    assert job.state is J.RUNNING and job.started_at == clock.now
     f_last = job.placement.stages[-1].fellow_id
     manager.record_progress(
         Progress(job_id=job.job_id, fellow_id=f_last, attempt=1, step=5, loss=2.0, total_steps=10)
@@ -154,13 +149,13 @@ def test_start_failure_returns_the_job_to_waiting_and_cancel_is_final():
     assert job.state is J.PENDING and job.placement is None and "FELLOW_BUSY" in job.reason
     # It backs off (2 s, then 4 s, ...) before it is placed again.
     assert manager.pending() == [] and "retrying in 2s" in job.reason
-    clock.t += 2
+    clock.now += 2
     assert manager.pending() == [job]
     manager.begin_start(job.job_id, assignment.placement)
     manager.start_failed(job.job_id, "again")
-    clock.t += 3
+    clock.now += 3
     assert manager.pending() == []
-    clock.t += 1
+    clock.now += 1
     assert manager.pending() == [job]
     manager.cancel(job.job_id)
     assert job.state is J.CANCELLED
@@ -258,3 +253,28 @@ def test_progress_event_ended_carries_the_outcome():
             )
         )
     assert job.state is J.COMPLETED
+
+
+def test_the_served_view_is_the_pipeline_step_and_the_last_stage_loss():
+    clock = Clock()
+    manager = JobManager(wall=clock)
+    job = submit(manager, clock, stages=2, steps=10)
+    assert (job.view.step, job.view.total_steps, job.view.loss) == (None, 10, None)
+    [assignment], _ = plan_schedule(manager.pending(), [fellow("f1"), fellow("f2")])
+    manager.begin_start(job.job_id, assignment.placement)
+    first, last = (s.fellow_id for s in job.placement.stages)
+    assert (job.view.step, job.view.total_steps, job.view.fellows) == (0, 10, [first, last])
+    manager.start_succeeded(job.job_id)
+    for fid, step, loss in ((first, 7, None), (last, 5, 2.5)):
+        progress = Progress(job_id=job.job_id, fellow_id=fid, attempt=1, step=step, loss=loss)
+        manager.record_progress(progress)
+    assert (job.view.step, job.view.loss) == (5, 2.5)  # the slowest stage; the last stage
+    for fid in (first, last):
+        outcome = StageOutcome(job_id=job.job_id, attempt=1, result=R.COMPLETED, step=10, loss=1.5)
+        manager.record_outcome(fid, outcome)
+    assert (job.view.step, job.view.loss, job.view) == (10, 1.5, job.current_view())
+    # A record from the store (an older leader's has no view) gets its view on restore.
+    stale = msgspec.structs.replace(job, view=JobView())
+    restored = JobManager(wall=clock)
+    restored.restore([stale])
+    assert restored.get(job.job_id).view == job.view

@@ -1,7 +1,6 @@
 import msgspec
 import pytest
 
-from swarm.compression import parse_compression, parse_wire_spec
 from swarm.errors import ConfigError
 from swarm.plan import (
     GpuSlot,
@@ -14,50 +13,6 @@ from swarm.plan import (
     decode_plan,
     split_layers,
 )
-
-
-@pytest.mark.parametrize(
-    ("spec", "wire", "dim"),
-    [
-        ("none", "none", None),
-        ("fp16", "fp16", None),
-        ("fixed_int8", "fixed_int8", None),
-        ("fixed_int2", "fixed_int2", None),
-        ("learned_dim32", "none", 32),
-        ("learned_dim32_int8", "fixed_int8", 32),
-        ("learned_dim16_int4", "fixed_int4", 16),
-        ("learned_dim32_fp16", "fp16", 32),
-    ],
-)
-def test_compression_specs(spec, wire, dim):
-    parsed = parse_compression(spec, d_model=256)
-    assert (parsed.wire, parsed.bottleneck_dim) == (wire, dim)
-
-
-@pytest.mark.parametrize(
-    "spec",
-    [
-        "",
-        "zip",
-        "fixed_int1",
-        "fixed_int9",
-        "fixed_int8\n",
-        "learned_dim0",
-        "learned_dim8_int9",
-        "learned_dim256",
-        "learned_dim8_bf16",
-    ],
-)
-def test_bad_compression_specs_name_the_spec(spec):
-    with pytest.raises(ConfigError) as err:
-        parse_compression(spec, d_model=256)
-    assert repr(spec) in err.value.message
-
-
-def test_gradient_codecs_are_wire_forms_only():
-    assert parse_wire_spec("fixed_int4") == "fixed_int4"
-    with pytest.raises(ConfigError, match="grad_compression"):
-        parse_wire_spec("learned_dim8")
 
 
 def test_split_layers_is_contiguous_and_covers_everything():

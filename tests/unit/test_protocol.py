@@ -35,7 +35,7 @@ MESSAGES = [
             hardware=snapshot(),
         ),
     ),
-    (topics.SIGNAL, p.Signal(signal_id="s1", kind=p.SignalKind.STOP, job_id="j", attempt=2)),
+    (topics.SIGNAL, p.StopSignal(signal_id="s1", job_id="j", attempt=2)),
     (
         topics.LOG,
         p.LogBatch(
@@ -78,7 +78,7 @@ def test_replies_round_trip():
 
 def test_peers_fields_unknown_to_us_are_ignored():
     """A newer peer may add fields; an older reader must still decode the message."""
-    raw = msgspec.to_builtins(p.Signal(signal_id="s1", kind=p.SignalKind.START))
+    raw = msgspec.to_builtins(p.StopSignal(signal_id="s1"))
     raw["added_in_v2"] = {"anything": [1, 2]}
     raw["v"] = 2
     decoded = topics.SIGNAL.decode(msgspec.msgpack.encode(raw))
@@ -96,7 +96,7 @@ def test_register_subject_carries_a_tagged_union():
     [
         b"\x00\xffgarbage",
         msgspec.msgpack.encode({"kind": "no-such-kind"}),
-        topics.encode(p.Signal(signal_id="s", kind=p.SignalKind.STOP)),  # wrong Struct
+        topics.encode(p.StopSignal(signal_id="s")),  # wrong Struct
         msgspec.msgpack.encode({"kind": "register", "fellow": "not a struct"}),
     ],
 )

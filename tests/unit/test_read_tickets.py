@@ -5,18 +5,11 @@ from __future__ import annotations
 import pytest
 
 from leader.auth import ForbiddenError, ReadTickets, UnauthorizedError
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.fakes import Clock
 
 
 def test_a_ticket_opens_until_it_expires():
-    clock = Clock()
+    clock = Clock(1_000_000.0)
     tickets = ReadTickets("the-token", wall=clock)
     ticket, expires = tickets.issue()
     assert expires == 1_000_060

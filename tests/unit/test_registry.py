@@ -16,14 +16,7 @@ from swarm.protocol import (
     RegisterRequest,
 )
 from swarm.telemetry import CUDA_FIX
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.fakes import Clock
 
 
 def hw(host: str = "h1", gpus: list[GpuInfo] | None = None, taken_at: float = 0.0):

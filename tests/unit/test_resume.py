@@ -10,14 +10,7 @@ from swarm.jobspec import JobSpec, Partition
 from swarm.plan import ModelConfig
 from swarm.protocol import JobState, StageOutcome
 from swarm.protocol import StageResult as R
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.fakes import Clock
 
 
 def fellow(fid: str, gib: float) -> Candidate:
@@ -31,7 +24,7 @@ def fellow(fid: str, gib: float) -> Candidate:
 
 
 def running(manager: JobManager, clock: Clock, fellows: list[Candidate], **kw):
-    clock.t += 1
+    clock.now += 1
     job = manager.submit(JobSpec(model=ModelConfig(n_layers=6), stages=2, steps=100, **kw))
     [assignment], _ = plan_schedule(manager.pending(), fellows)
     manager.begin_start(job.job_id, assignment.placement)
@@ -113,8 +106,8 @@ def test_the_job_fails_with_its_history_after_max_resumes_or_when_nobody_comes()
     waiting = running(manager, clock, [fellow("g1", 4), fellow("g2", 8)], resume_wait_s=30)
     push(manager, waiting, 20)
     manager.fail(waiting.job_id, "fellow g1 went offline")
-    clock.t += 10
+    clock.now += 10
     assert manager.expire_resumes() == [] and waiting.state is JobState.PENDING
-    clock.t += 25
+    clock.now += 25
     assert manager.expire_resumes() == [waiting] and waiting.state is JobState.FAILED
     assert "could not resume within 30s" in waiting.reason

@@ -10,7 +10,8 @@ import pytest
 from agent.shardpush import SHARD_TOKEN_HEADER
 from leader.exports import ExportService, ShardAccessError
 from leader.jobs import JobManager, plan_schedule
-from tests.unit.test_resume import Clock, fellow, push, running
+from tests.fakes import Clock
+from tests.unit.test_resume import fellow, push, running
 
 
 def service(manager: JobManager, tmp_path: Path) -> ExportService:
@@ -79,10 +80,10 @@ def test_tokens_are_per_stage_and_attempt_and_only_in_a_header(tmp_path):
     with pytest.raises(ShardAccessError):
         exports.shard_file(job.job_id, 40, "stage-1.npz", tokens[1])
     resume = exports.resume_args(job, 1)
-    assert resume is not None and resume["step"] == 40
-    assert resume["token"] == exports.token(job.job_id, job.attempt, 1) != tokens[1]
-    assert [f["url"] for f in resume["files"]] == [
+    assert resume is not None and resume.step == 40
+    assert resume.token == exports.token(job.job_id, job.attempt, 1) != tokens[1]
+    assert [f.url for f in resume.files] == [
         f"http://leader:8000/api/v1/jobs/{job.job_id}/shards/40/stage-1.{suffix}"
         for suffix in ("npz", "json")
     ]
-    assert exports.shard_file(job.job_id, 40, "stage-1.json", resume["token"]).is_file()
+    assert exports.shard_file(job.job_id, 40, "stage-1.json", resume.token).is_file()

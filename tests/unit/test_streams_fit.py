@@ -27,6 +27,7 @@ from leader.streams import (
     progress_stream,
     settle,
 )
+from tests.fakes import Clock
 
 PROGRESS, LOGS = progress_stream("swarm"), log_stream("swarm")
 SPECS = [PROGRESS, LOGS]
@@ -220,16 +221,16 @@ def test_health_is_degraded_with_its_reasons(connected, storage, status, reasons
 
 
 def test_throttle_lets_one_line_a_minute_through_and_counts_the_rest():
-    now = [0.0]
-    throttle = Throttle(every_s=60, clock=lambda: now[0])
+    clock = Clock(0.0)
+    throttle = Throttle(every_s=60, clock=clock)
     assert throttle.allow("streams") == 0
     for t in (1, 2, 59):
-        now[0] = t
+        clock.now = t
         assert throttle.allow("streams") is None
     assert throttle.allow("other") == 0
-    now[0] = 60
+    clock.now = 60
     assert throttle.allow("streams") == 3
-    now[0] = 61
+    clock.now = 61
     assert throttle.allow("streams") is None
 
 

@@ -21,6 +21,7 @@ from agent.pipe.wire import (
     quantize,
     unpack_bits,
 )
+from swarm.errors import ConfigError
 
 SHAPES = [(8, 64, 128), (3, 5), (1, 7)]
 INT_BITS = range(2, 9)
@@ -72,9 +73,9 @@ def test_parse_valid_specs(spec: str, kind: CodecKind, bits: int) -> None:
     ["fixed_int1", "fixed_int9", "fixed_int08", "int8", "learned_dim8", "", "NONE", " fp16"],
 )
 def test_parse_invalid_specs(spec: str) -> None:
-    with pytest.raises(ValueError, match="fixed_intN") as info:
+    with pytest.raises(ConfigError, match="fixed_intN") as info:
         parse_wire_codec(spec)
-    assert repr(spec) in str(info.value)
+    assert repr(spec) in info.value.message
 
 
 def test_wire_codec_rejects_inconsistent_bits() -> None:

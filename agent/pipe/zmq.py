@@ -1,0 +1,174 @@
+"""ZeroMQ point to point: :class:`ZmqLink`, a DEALER socket per end, optionally with CURVE.
+
+The binding end is the downstream stage (it binds its advertised data address); the
+connecting end is the upstream one. A control message from the peer that arrives after the
+handshake (a repeated HELLO, DONE) is answered or noted here, never handed to the caller.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from agent.pipe.base import LinkError, Parts, PeerTimeoutError
+from agent.pipe.handshake import ACK, DONE, HELLO, OK, is_control
+from agent.pipe.wire import frame_nbytes
+
+CLOSE_LINGER_MS = 2000  # let the last queued messages (DONE, final frames) leave on close
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """CURVE for one end of a boundary (Z85 text): its own keypair and the one peer key.
+
+    The binding end is the CURVE server and accepts only the client whose public key is
+    ``peer_public`` (a ZAP handler checks it); the connecting end is the client and trusts
+    only a server whose public key is ``peer_public``.
+    """
+
+    public: str
+    secret: str
+    peer_public: str
+
+
+class _OnlyThisPeer:
+    """ZAP credentials: exactly one client key."""
+
+    def __init__(self, allowed: str) -> None:
+        self.allowed = allowed.encode()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key == self.allowed
+
+
+class ZmqLink:
+    """A DEALER socket: it reconnects by itself, and ZMTP heartbeats drop dead peers, so a
+    replaced peer can take over the boundary. With ``curve`` the traffic is encrypted and
+    only the placed neighbour can connect."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        bind: str | None = None,
+        connect: str | None = None,
+        context: zmq.Context | None = None,
+        curve: CurveKeys | None = None,
+    ) -> None:
+        if (bind is None) == (connect is None):
+            raise ValueError("give exactly one of bind or connect")
+        self.name = name
+        self.transport = "p2p"
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._auth = None
+        if curve is not None and bind is not None:
+            # ZAP is per context: a context of its own keeps this check to this socket.
+            context = zmq.Context()
+            self._auth = ThreadAuthenticator(context)
+            self._auth.start()
+            self._auth.configure_curve_callback("*", _OnlyThisPeer(curve.peer_public))
+        self._own_context = curve is not None and bind is not None
+        self._ctx = context or zmq.Context.instance()
+        sock = self._ctx.socket(zmq.DEALER)
+        if curve is not None:
+            sock.curve_publickey = curve.public.encode()
+            sock.curve_secretkey = curve.secret.encode()
+            if bind is not None:
+                sock.curve_server = True
+            else:
+                sock.curve_serverkey = curve.peer_public.encode()
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, 10000)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        sock.setsockopt(zmq.SNDBUF, 4 * 1024 * 1024)
+        sock.setsockopt(zmq.RCVBUF, 4 * 1024 * 1024)
+        if bind is not None:
+            _bind(sock, bind)
+        else:
+            sock.connect(connect)
+        self.address = bind or connect
+        self.peer_done = False
+        self._sock = sock
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
+
+    def send(self, parts: Sequence[bytes | memoryview], timeout_s: float = 60.0) -> None:
+        """Queue a message; PeerTimeoutError when no peer takes it within ``timeout_s``.
+
+        A bound DEALER with no connected peer would block for ever without the timeout.
+        """
+        self._sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
+        try:
+            self._sock.send_multipart(list(parts), copy=False)
+        except zmq.Again:
+            raise PeerTimeoutError(
+                f"{self.name}: no peer took a message for {timeout_s:.0f}s"
+            ) from None
+        self.bytes_sent += frame_nbytes(parts)
+
+    def poll(self, timeout_s: float) -> bool:
+        return bool(self._poller.poll(max(0, int(timeout_s * 1000))))
+
+    def recv_any(self, timeout_s: float) -> Parts | None:
+        """The next message, control messages included; None on timeout."""
+        if not self.poll(timeout_s):
+            return None
+        frames = self._sock.recv_multipart(copy=False)
+        parts: Parts = [f.buffer for f in frames]
+        self.bytes_received += frame_nbytes(parts)
+        return parts
+
+    def recv(self, timeout_s: float) -> Parts:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            parts = self.recv_any(max(0.0, deadline - time.monotonic()))
+            if parts is None:
+                raise PeerTimeoutError(f"{self.name}: nothing received for {timeout_s:.0f}s")
+            if not is_control(parts):
+                return parts
+            self._on_control(bytes(parts[0]))
+
+    def _on_control(self, kind: bytes) -> None:
+        if kind == HELLO:  # the peer missed our ACK: answer again
+            self.send([ACK, OK], timeout_s=1.0)
+        elif kind == DONE:
+            self.peer_done = True
+
+    def send_done(self) -> None:
+        self.send([DONE, b""], timeout_s=5.0)
+
+    def wait_done(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not self.peer_done:
+            parts = self.recv_any(max(0.0, deadline - time.monotonic()))
+            if parts is None:
+                return False
+            if is_control(parts):
+                self._on_control(bytes(parts[0]))
+        return True
+
+    def close(self) -> None:
+        self._sock.close(linger=CLOSE_LINGER_MS)
+        if self._auth is not None:
+            self._auth.stop()
+        if self._own_context:
+            self._ctx.term()
+
+
+def _bind(sock: zmq.Socket, address: str) -> None:
+    """Bind the advertised address; behind NAT it is not local, so fall back to all interfaces."""
+    try:
+        sock.bind(address)
+    except zmq.ZMQError as exc:
+        if exc.errno != zmq.EADDRNOTAVAIL:
+            raise LinkError(f"cannot bind {address}: {exc}") from None
+        port = address.rsplit(":", 1)[1]
+        sock.bind(f"tcp://*:{port}")

@@ -1,0 +1,1 @@
+"""Shared types: the Structs every join between the parts uses (one module per subject)."""

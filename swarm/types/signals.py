@@ -1,0 +1,119 @@
+"""The arguments of each signal kind: what ``Signal.args`` holds, one Struct per kind.
+
+The leader builds them (:mod:`leader.orchestrator`, :mod:`leader.services`); the fellow gets
+them decoded with the signal (:data:`swarm.protocol.Signal`, a union tagged by ``kind``) and
+reads attributes. On the wire ``args`` is the map it always was, with the same keys (None
+and defaults left out), so a fellow of an older version still takes an UPDATE from a newer
+leader: it reads ``args["package"]`` with ``file``, ``sha256`` and ``url``.
+
+A signal comes from the leader but crosses the network: every size and value is bounded,
+and one outside its bounds fails decoding, which the fellow answers with a refusal that says
+why (``START_INVALID``, ``PLAN_INVALID``, ``UPDATE_INVALID``: :func:`agent.decide.malformed`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from swarm.plan import StagePlan
+
+MAX_CREDS_CHARS = 16384  # a .creds file: a user JWT and its nkey seed, with room to spare
+MAX_SHARD_FILES = 64  # a stage's shard is two files (stage-<i>.npz, stage-<i>.json)
+REASON_CHARS = 4096  # a STOP's or PURGE's reason: the sender cuts a longer one
+
+Id = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+Text = Annotated[str, msgspec.Meta(max_length=REASON_CHARS)]
+Url = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+Sha256 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+Step = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
+
+
+class _Args(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Base of every kind's arguments: unknown keys are ignored (a newer leader may add some)."""
+
+
+# --- START ----------------------------------------------------------------------------------
+
+
+class ShardFile(_Args, kw_only=True):
+    """One file of the shard a resumed stage starts from, and where the leader serves it."""
+
+    name: Annotated[str, msgspec.Meta(pattern=r"^stage-[0-9]{1,4}\.(npz|json)$")]
+    sha256: Sha256
+    url: Url
+
+
+class ResumeArgs(_Args, kw_only=True):
+    """A resumed attempt's stage: the step its shard holds, the shard's files, and the token
+    that opens them (sent in a header, never in the URL)."""
+
+    step: Annotated[int, msgspec.Meta(ge=1, le=2**53)]
+    files: Annotated[list[ShardFile], msgspec.Meta(max_length=MAX_SHARD_FILES)]
+    token: Annotated[str, msgspec.Meta(max_length=256)]
+
+
+class StartArgs(_Args, kw_only=True):
+    """START: the stage plan; the attempt's own NATS user (a ``.creds`` file's text) when the
+    swarm has NATS users; and, for a resumed attempt, where its shard is."""
+
+    plan: StagePlan
+    nats_creds: Annotated[str, msgspec.Meta(max_length=MAX_CREDS_CHARS)] | None = None
+    resume: ResumeArgs | None = None
+
+
+# --- the others -----------------------------------------------------------------------------
+
+
+class StopArgs(_Args, kw_only=True):
+    """STOP: end the stage run; ``release``: the operator released the fellow, so its agent
+    exits too (whatever job the signal names)."""
+
+    reason: Text = ""
+    release: bool = False
+
+
+class CheckpointArgs(_Args, kw_only=True):
+    """CHECKPOINT: write ``checkpoint_id`` once ``at_step`` steps are done (None: at once)."""
+
+    checkpoint_id: Id
+    at_step: Step | None = None
+
+
+class PackageRef(_Args, kw_only=True):
+    """What UPDATE names: the leader's package, where to get it, and its sha256."""
+
+    file: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+    sha256: Sha256
+    url: Url
+
+
+class UpdateArgs(_Args, kw_only=True):
+    """UPDATE: reinstall ``package`` first (fellows that fellow.sh installed), then restart;
+    None: restart as installed."""
+
+    package: PackageRef | None = None
+
+
+class PurgeArgs(_Args, kw_only=True):
+    """PURGE: remove the fellow's state (and its install), then exit."""
+
+    reason: Text = ""
+
+
+SignalArgs = StartArgs | StopArgs | CheckpointArgs | UpdateArgs | PurgeArgs
+
+__all__ = [
+    "MAX_CREDS_CHARS",
+    "REASON_CHARS",
+    "CheckpointArgs",
+    "PackageRef",
+    "PurgeArgs",
+    "ResumeArgs",
+    "ShardFile",
+    "SignalArgs",
+    "StartArgs",
+    "StopArgs",
+    "UpdateArgs",
+]
