@@ -42,7 +42,7 @@ from swarm.protocol import (
     StageOutcome,
     StageResult,
 )
-from swarm.types.views import JobView, job_view, last_stage
+from swarm.types.views import JobView, StageProgress, job_view, last_stage
 
 log = logging.getLogger(__name__)
 HISTORY_LEN = 50
@@ -65,25 +65,6 @@ class JobTransition(msgspec.Struct, kw_only=True):
     from_state: JobState | None
     to_state: JobState
     reason: str
-
-
-class StageProgress(msgspec.Struct, kw_only=True):
-    stage: int
-    fellow_id: str
-    step: int = 0
-    total_steps: int | None = None
-    loss: float | None = None
-    val_loss: float | None = None
-    lr: float | None = None
-    step_time_s: float | None = None
-    tokens_per_s: float | None = None
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    result: StageResult | None = None
-    message: str = ""
-    # Why the stage's final shard is not on the leader, as its fellow told (cleaned).
-    export_error: str | None = None
-    updated_at: float | None = None
 
 
 class SignalRecord(SignalAck, kw_only=True):

@@ -8,8 +8,9 @@ the Ops UI, which reads the ``view`` the leader serves with every job record):
 - its **loss** (and validation loss, learning rate, step time, tokens/s) is the **last
   stage's**, the only one that sees the targets; once the job completed, its final loss.
 
-Pure functions over anything with a stage's numbers (the leader's ``StageProgress``, the
-aggregator's ``FellowMetrics``, :class:`StageRecord` decoded from a job record's JSON).
+Pure functions over anything with a stage's numbers (:class:`StageProgress`, the leader's
+record of a stage and what a client decodes from a job record's JSON; the aggregator's
+``FellowMetrics``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Protocol, TypeVar
 
 import msgspec
+
+from swarm.protocol import StageResult
 
 
 class StageNumbers(Protocol):
@@ -133,12 +136,12 @@ def job_view(
 # --- the same from a job record's JSON (what the REST API returns) --------------------------
 
 
-class StageRecord(msgspec.Struct, kw_only=True):
-    """One entry of a job record's ``progress``, as JSON; fields the views do not read are
-    ignored."""
+class StageProgress(msgspec.Struct, kw_only=True):
+    """One stage of a job as the leader records and serves it (a job record's ``progress``):
+    the leader's own record and what a client decodes from the REST JSON."""
 
     stage: int
-    fellow_id: str = ""
+    fellow_id: str
     step: int = 0
     total_steps: int | None = None
     loss: float | None = None
@@ -148,6 +151,11 @@ class StageRecord(msgspec.Struct, kw_only=True):
     tokens_per_s: float | None = None
     bytes_sent: int = 0
     bytes_received: int = 0
+    result: StageResult | None = None
+    message: str = ""
+    # Why the stage's final shard is not on the leader, as its fellow told (cleaned).
+    export_error: str | None = None
+    updated_at: float | None = None
 
 
 class _SpecSteps(msgspec.Struct):
@@ -155,13 +163,13 @@ class _SpecSteps(msgspec.Struct):
 
 
 class _RecordNumbers(msgspec.Struct):
-    progress: list[StageRecord] | None = None
+    progress: list[StageProgress] | None = None
     final_loss: float | None = None
     final_val_loss: float | None = None
     spec: _SpecSteps = msgspec.field(default_factory=_SpecSteps)
 
 
-def stage_records(record: Mapping[str, Any]) -> list[StageRecord]:
+def stage_records(record: Mapping[str, Any]) -> list[StageProgress]:
     """A job record's (JSON) stages, in stage order."""
     numbers = msgspec.convert(record, _RecordNumbers)
     return sorted(numbers.progress or [], key=lambda s: s.stage)

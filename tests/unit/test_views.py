@@ -7,7 +7,7 @@ import pytest
 
 from swarm.types.views import (
     JobView,
-    StageRecord,
+    StageProgress,
     is_last_stage,
     job_view,
     last_stage,
@@ -18,9 +18,9 @@ from swarm.types.views import (
 )
 
 
-def stages(*rows: tuple[int, int, float | None]) -> list[StageRecord]:
+def stages(*rows: tuple[int, int, float | None]) -> list[StageProgress]:
     """(stage, step, loss) rows, in any order."""
-    return [StageRecord(stage=s, fellow_id=f"f{s}", step=n, loss=loss) for s, n, loss in rows]
+    return [StageProgress(stage=s, fellow_id=f"f{s}", step=n, loss=loss) for s, n, loss in rows]
 
 
 @pytest.mark.parametrize(
@@ -59,10 +59,10 @@ def test_is_last_stage(stage, known, last):
 
 def test_the_job_view_takes_the_last_stage_numbers_and_sums_the_bytes():
     progress = [
-        StageRecord(stage=1, fellow_id="b", step=5, total_steps=9, loss=2.0, val_loss=2.2,
+        StageProgress(stage=1, fellow_id="b", step=5, total_steps=9, loss=2.0, val_loss=2.2,
                     lr=1e-3, step_time_s=0.5, tokens_per_s=1000.0, bytes_sent=30,
                     bytes_received=40),
-        StageRecord(stage=0, fellow_id="a", step=6, loss=None, step_time_s=0.7,
+        StageProgress(stage=0, fellow_id="a", step=6, loss=None, step_time_s=0.7,
                     tokens_per_s=900.0, bytes_sent=10, bytes_received=20),
     ]  # fmt: skip
     view = job_view(progress, total_steps=100)
