@@ -4,6 +4,11 @@ Values are msgspec JSON (readable with ``nats kv get``). Records are written whe
 change (the managers mark them dirty), never on every heartbeat, and all read back when
 the leader starts, so a leader restart loses nothing. There is no second database.
 
+The keys are listed by asking the server for the bucket stream's subjects (STREAM.INFO with
+a subjects filter, paged), not with nats-py's ``KeyValue.keys()``: its watcher can signal
+"no more keys" before it has processed the ones already delivered (nats-io/nats.py#842),
+which once made a restarted leader load no jobs at all.
+
 The buckets reserve nothing (no ``max_bytes``): the history streams reserve at most 70% of
 the store (leader.streams), and what is left is theirs. A write that fails for want of
 storage is remembered (``write_error``, until a write succeeds) for the leader's health.
@@ -18,7 +23,7 @@ from typing import Any, TypeVar
 import msgspec
 from nats.aio.client import Client
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import KeyDeletedError, KeyNotFoundError, NoKeysError
+from nats.js.errors import KeyDeletedError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from leader.jobs import JobRecord
@@ -39,7 +44,11 @@ class LoadedState(msgspec.Struct):
 class StateStore:
     """The three KV buckets, named ``<prefix>_jobs``, ``<prefix>_fellows``, ``<prefix>_purges``."""
 
-    def __init__(self, jobs: KeyValue, fellows: KeyValue, purges: KeyValue) -> None:
+    def __init__(
+        self, nc: Client, prefix: str, jobs: KeyValue, fellows: KeyValue, purges: KeyValue
+    ) -> None:
+        self.nc = nc
+        self.prefix = prefix
         self.jobs = jobs
         self.fellows = fellows
         self.purges = purges
@@ -52,14 +61,21 @@ class StateStore:
         for name in ("jobs", "fellows", "purges"):
             config = KeyValueConfig(bucket=f"{prefix}_{name}", history=1, storage=StorageType.FILE)
             buckets.append(await js.create_key_value(config))
-        return cls(*buckets)
+        return cls(nc, prefix, *buckets)
 
     async def load(self) -> LoadedState:
         return LoadedState(
-            jobs=await _load(self.jobs, JobRecord),
-            fellows=await _load(self.fellows, FellowRecord),
-            purges=await _load(self.purges, PendingPurge),
+            jobs=await self._load("jobs", JobRecord),
+            fellows=await self._load("fellows", FellowRecord),
+            purges=await self._load("purges", PendingPurge),
         )
+
+    async def keys(self, name: str) -> list[str]:
+        """Every key bucket ``name`` holds a message for (deleted ones too: ``get`` skips them)."""
+        bucket = f"{self.prefix}_{name}"
+        subject_prefix = f"$KV.{bucket}."
+        subjects = await stream_subjects(self.nc, f"KV_{bucket}", f"{subject_prefix}>")
+        return sorted(subject[len(subject_prefix) :] for subject in subjects)
 
     async def put(self, bucket: KeyValue, key: str, value: Any) -> None:
         data = msgspec.json.encode(value)
@@ -77,23 +93,58 @@ class StateStore:
             raise
         self.write_error = None
 
+    async def _load(self, name: str, kind: type[T]) -> list[T]:
+        bucket: KeyValue = getattr(self, name)
+        out = []
+        for key in await self.keys(name):
+            try:
+                entry = await bucket.get(key)
+            except (KeyNotFoundError, KeyDeletedError):
+                continue
+            if not entry.value:
+                continue
+            try:
+                out.append(msgspec.json.decode(entry.value, type=kind))
+            except msgspec.DecodeError as exc:
+                # A record written by an incompatible version: keep the leader up, say so.
+                log.error("skipped unreadable %s record %r: %s", kind.__name__, key, exc)
+        return out
 
-async def _load(bucket: KeyValue, kind: type[T]) -> list[T]:
-    try:
-        keys = await bucket.keys()
-    except NoKeysError:
-        return []
-    out = []
-    for key in keys:
-        try:
-            entry = await bucket.get(key)
-        except (KeyNotFoundError, KeyDeletedError):
-            continue
-        if not entry.value:
-            continue
-        try:
-            out.append(msgspec.json.decode(entry.value, type=kind))
-        except msgspec.DecodeError as exc:
-            # A record written by an incompatible version: keep the leader up, say so.
-            log.error("skipped unreadable %s record %r: %s", kind.__name__, key, exc)
-    return out
+
+class _ApiError(msgspec.Struct):
+    code: int = 0
+    description: str = ""
+
+
+class _StreamState(msgspec.Struct):
+    subjects: dict[str, int] | None = None
+
+
+class _StreamInfo(msgspec.Struct):
+    state: _StreamState | None = None
+    error: _ApiError | None = None
+    total: int = 0  # how many subjects match the filter, over all pages
+
+
+class StoreReadError(Exception):
+    """The server did not list a bucket's keys: the leader must not start on a partial state."""
+
+
+async def stream_subjects(nc: Client, stream: str, subjects_filter: str) -> set[str]:
+    """All subjects of ``stream`` matching the filter, page by page (the server sends 100k each)."""
+    found: set[str] = set()
+    while True:
+        request = msgspec.json.encode({"subjects_filter": subjects_filter, "offset": len(found)})
+        reply = await nc.request(f"$JS.API.STREAM.INFO.{stream}", request, timeout=5.0)
+        info = msgspec.json.decode(reply.data, type=_StreamInfo)
+        if info.error is not None or info.state is None:
+            why = info.error.description if info.error else "no state in the reply"
+            raise StoreReadError(f"cannot list the subjects of stream {stream}: {why}")
+        before = len(found)
+        found.update(info.state.subjects or {})
+        if len(found) >= info.total:
+            return found
+        if len(found) == before:
+            raise StoreReadError(
+                f"stream {stream} has {info.total} subjects, the server listed {len(found)}"
+            )

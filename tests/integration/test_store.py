@@ -1,11 +1,14 @@
 """The leader's durable state in a real JetStream: written, read back after a restart."""
 
+import asyncio
+
 import msgspec
+import pytest
 from nats.js.api import KeyValueConfig
 
 from leader.jobs import JobManager
 from leader.purges import PurgeBook
-from leader.store import StateStore
+from leader.store import StateStore, StoreReadError, stream_subjects
 from swarm.jobspec import JobSpec
 from tests.integration.nats_client import with_nats
 
@@ -46,3 +49,51 @@ def test_an_empty_store_loads_as_empty_and_other_prefixes_are_apart(nats_server)
 
     state = with_nats(nats_server.url, run)
     assert (state.jobs, state.fellows, state.purges) == ([], [], [])
+
+
+def test_every_load_lists_every_key(nats_server):
+    # nats-py's KeyValue.keys() can answer "no keys" for a bucket that has some
+    # (nats-io/nats.py#842); a restarted leader then loaded no jobs. Every load must see all.
+    jobs = JobManager()
+    records = [jobs.submit(JobSpec(name=f"job {i}", steps=3)) for i in range(3)]
+
+    async def run(nc):
+        store = await StateStore.open(nc, prefix="swarm")
+        for record in records:
+            await store.put(store.jobs, record.job_id, record)
+        await store.delete(store.jobs, records[1].job_id)
+        seen = []
+        for _ in range(40):
+            state = await (await StateStore.open(nc, prefix="swarm")).load()
+            seen.append(sorted(job.job_id for job in state.jobs))
+        return seen
+
+    expected = sorted([records[0].job_id, records[2].job_id])
+    assert with_nats(nats_server.url, run) == [expected] * 40
+
+
+def test_subjects_are_read_past_the_servers_page_of_100k(nats_server):
+    async def run(nc):
+        js = nc.jetstream()
+        await js.add_stream(name="MANY", subjects=["many.>"])
+        for i in range(100_050):
+            await nc.publish(f"many.{i}", b"")
+        await nc.flush()
+        for _ in range(100):  # core publishes land asynchronously; wait for the last one
+            if (await js.stream_info("MANY")).state.messages == 100_050:
+                break
+            await asyncio.sleep(0.1)
+        return await stream_subjects(nc, "MANY", "many.>")
+
+    subjects = with_nats(nats_server.url, run)
+    assert len(subjects) == 100_050 and "many.100049" in subjects and "many.0" in subjects
+
+
+def test_a_bucket_the_server_cannot_list_stops_the_load(nats_server):
+    async def run(nc):
+        store = await StateStore.open(nc, prefix="swarm")
+        await nc.jetstream().delete_stream("KV_swarm_jobs")
+        with pytest.raises(StoreReadError, match="KV_swarm_jobs"):
+            await store.load()
+
+    with_nats(nats_server.url, run)
