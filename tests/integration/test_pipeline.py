@@ -9,7 +9,8 @@ import time
 import msgspec
 import pytest
 
-from agent.runtime.launch import StageFailedError, done, links, run_plans, steps, write_plans
+from agent.errors import StageFailedError
+from agent.runtime.launch import done, links, run_plans, steps, write_plans
 from swarm.plan import (
     GpuSlot,
     ModelConfig,
