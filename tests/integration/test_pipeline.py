@@ -175,6 +175,7 @@ def test_a_vanished_peer_ends_the_stage_with_an_error_naming_the_boundary(procs,
     assert time.monotonic() - killed_at < 8.0 + 10.0
     log = procs.log(last)
     assert "boundary 0 (stage-0 -> stage-1)" in log and "nothing received" in log
+    assert '"code":"PEER_TIMEOUT"' in log  # the error event says why in a code
     assert "Traceback" not in log
 
 
