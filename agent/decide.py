@@ -24,6 +24,7 @@ from pathlib import Path
 
 import msgspec
 
+from swarm.errors import ErrorCode
 from swarm.natsconn import NatsAccess
 from swarm.plan import StagePlan
 from swarm.protocol import FellowStatus, SignalHead, SignalKind, StartSignal
@@ -48,7 +49,7 @@ class AgentState:
 
 @dataclass(frozen=True)
 class Refusal:
-    code: str
+    code: ErrorCode
     message: str
 
 
@@ -102,12 +103,12 @@ def decide(state: AgentState, signal: StartSignal) -> Decision:
 
 def _unavailable(state: AgentState) -> Refusal | None:
     if state.stopping:
-        return Refusal("AGENT_STOPPING", "the agent is shutting down")
+        return Refusal(ErrorCode.AGENT_STOPPING, "the agent is shutting down")
     if state.status is not FellowStatus.READY or state.running_job is not None:
         doing = f" (job {state.running_job})" if state.running_job else ""
-        return Refusal("FELLOW_BUSY", f"fellow is {state.status}{doing}")
+        return Refusal(ErrorCode.FELLOW_BUSY, f"fellow is {state.status}{doing}")
     if state.updating:
-        return Refusal("FELLOW_BUSY", "fellow is installing an update")
+        return Refusal(ErrorCode.FELLOW_BUSY, "fellow is installing an update")
     return None
 
 
@@ -117,7 +118,7 @@ def _invalid(state: AgentState, signal: StartSignal, plan: StagePlan) -> Refusal
         problems.append(f"the plan is for {plan.fellow_id!r}, not {state.fellow_id!r}")
     if (signal.job_id, signal.attempt) != (plan.job_id, plan.attempt):
         problems.append("the signal's job and attempt do not match the plan's")
-    return Refusal("PLAN_INVALID", "; ".join(problems)) if problems else None
+    return Refusal(ErrorCode.PLAN_INVALID, "; ".join(problems)) if problems else None
 
 
 def _stale(state: AgentState, plan: StagePlan) -> Refusal | None:
@@ -127,7 +128,7 @@ def _stale(state: AgentState, plan: StagePlan) -> Refusal | None:
     if plan.job_id != job or plan.attempt > attempt:
         return None
     return Refusal(
-        "START_STALE",
+        ErrorCode.START_STALE,
         f"attempt {plan.attempt} of job {job} is not newer than attempt {attempt}, "
         "which already ran here",
     )
@@ -137,7 +138,7 @@ def _without_user(state: AgentState, signal: StartSignal) -> Refusal | None:
     if signal.args.nats_creds or not state.nats.creds:
         return None
     return Refusal(
-        "START_INVALID",
+        ErrorCode.START_INVALID,
         "START brought no NATS user for this attempt, and this swarm has NATS users: "
         "the leader needs its NATS authority (SWARM_NATS_AUTH_DIR)",
     )
@@ -157,7 +158,14 @@ def localised(state: AgentState, plan: StagePlan) -> StagePlan:
     return plan
 
 
-_KINDS = frozenset(SignalKind)
+# The refusal of a signal whose arguments did not decode, by its kind.
+INVALID_ARGS = {
+    SignalKind.START.value: ErrorCode.START_INVALID,
+    SignalKind.CHECKPOINT.value: ErrorCode.CHECKPOINT_INVALID,
+    SignalKind.STOP.value: ErrorCode.STOP_INVALID,
+    SignalKind.UPDATE.value: ErrorCode.UPDATE_INVALID,
+    SignalKind.PURGE.value: ErrorCode.PURGE_INVALID,
+}
 
 
 def malformed(head: SignalHead | None, error: str) -> Refusal:
@@ -167,11 +175,12 @@ def malformed(head: SignalHead | None, error: str) -> Refusal:
     plan (``PLAN_INVALID``) or another argument (``<KIND>_INVALID``); otherwise the payload is
     no signal at all (``PROTOCOL_ERROR``).
     """
-    if head is None or head.kind not in _KINDS:
-        return Refusal("PROTOCOL_ERROR", error)
+    invalid = INVALID_ARGS.get(head.kind) if head is not None else None
+    if invalid is None:
+        return Refusal(ErrorCode.PROTOCOL_ERROR, error)
     if "$.args.plan" in error:
-        return Refusal("PLAN_INVALID", error)
-    return Refusal(f"{head.kind}_INVALID", error)
+        return Refusal(ErrorCode.PLAN_INVALID, error)
+    return Refusal(invalid, error)
 
 
 __all__ = ["AgentState", "Decision", "Refusal", "Start", "decide", "localised", "malformed"]

@@ -15,14 +15,10 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from swarm.errors import SwarmError
+from agent.errors import UpdateError
 from swarm.types.signals import PackageRef
 
 PIP_TIMEOUT_S = 600
-
-
-class UpdateError(SwarmError):
-    code = "UPDATE_FAILED"
 
 
 def reinstall(package: PackageRef, prefix: Path, pip_args: str) -> str:

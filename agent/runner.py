@@ -25,15 +25,16 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
 from agent.decide import AgentState, Refusal, Start, decide, malformed
+from agent.errors import FetchError, UpdateError
 from agent.hardware import HardwareProbe, limits_from
 from agent.logship import FellowLogShipper
-from agent.reinstall import PackageRef, UpdateError, reinstall
-from agent.shardpush import FetchError, Shard, ShardPusher, fetch_shard
+from agent.reinstall import PackageRef, reinstall
+from agent.shardpush import Shard, ShardPusher, fetch_shard
 from agent.supervisor import StageRun
 from swarm import __version__
 from swarm import subjects as topics
-from swarm.errors import ProtocolError
-from swarm.lifecycle import FellowEvent, IllegalTransitionError, next_status
+from swarm.errors import ErrorCode, IllegalTransitionError, ProtocolError
+from swarm.lifecycle import FellowEvent, next_status
 from swarm.natsauth import write_private
 from swarm.natsconn import NatsAccess, connect_forever
 from swarm.protocol import (
@@ -254,7 +255,7 @@ class FellowAgent:
         except ProtocolError as exc:
             return str(exc)
         if not reply.accepted:
-            if reply.code == "RELEASED":
+            if reply.code == ErrorCode.RELEASED:
                 self._exit("released by an operator")
             # PURGE_PENDING: released, but a purge is coming; keep asking until it does.
             return f"{reply.code}: {reply.message}"
@@ -337,7 +338,7 @@ class FellowAgent:
             ack = await self._handle(sig)
         except Exception as exc:  # a bug must still be answered, and not kill the agent
             log.exception("signal %s failed", sig.kind)
-            ack = self._ack(sig, False, "SIGNAL_FAILED", f"{type(exc).__name__}: {exc}")
+            ack = self._ack(sig, False, ErrorCode.SIGNAL_FAILED, f"{type(exc).__name__}: {exc}")
         self._remember_ack(ack)
         await self._respond(msg, ack)
 
@@ -385,7 +386,9 @@ class FellowAgent:
             case PurgeSignal():
                 return await self._on_purge(sig)
 
-    def _ack(self, sig: Signal, ok: bool, code: str | None = None, message: str = "") -> SignalAck:
+    def _ack(
+        self, sig: Signal, ok: bool, code: ErrorCode | None = None, message: str = ""
+    ) -> SignalAck:
         return SignalAck(
             signal_id=sig.signal_id, fellow_id=self.fellow_id, ok=ok, code=code, message=message
         )
@@ -440,7 +443,9 @@ class FellowAgent:
                     ATTEMPT_CONNECT_S,
                 )
             except (TimeoutError, NatsError, OSError) as exc:
-                return Refusal("START_FAILED", f"cannot connect as the attempt's NATS user: {exc}")
+                return Refusal(
+                    ErrorCode.START_FAILED, f"cannot connect as the attempt's NATS user: {exc}"
+                )
             plan = msgspec.structs.replace(plan, nats=attempt_nats)
         run = StageRun(plan, start.workdir, self._on_stage_event, self._on_stage_output)
         if start.resume is None:
@@ -448,7 +453,7 @@ class FellowAgent:
                 await run.start()
             except OSError as exc:
                 await _close(run_nc)
-                return Refusal("START_FAILED", f"cannot start the runtime: {exc}")
+                return Refusal(ErrorCode.START_FAILED, f"cannot start the runtime: {exc}")
         self.run_, self.outcome, self.step, self.loss = run, None, 0, None
         self.run_nc = run_nc
         self._down_transport = None
@@ -506,11 +511,13 @@ class FellowAgent:
     async def _on_checkpoint(self, sig: CheckpointSignal) -> SignalAck:
         run = self.run_
         if run is None or not self._matches(sig):
-            return self._ack(sig, False, "NOT_TRAINING", "this fellow is not running that job")
+            return self._ack(
+                sig, False, ErrorCode.NOT_TRAINING, "this fellow is not running that job"
+            )
         at_step = sig.args.at_step
         sent = await run.command(CheckpointRequest(id=sig.args.checkpoint_id, at_step=at_step))
         if not sent:
-            return self._ack(sig, False, "RUNTIME_GONE", "the stage runtime has exited")
+            return self._ack(sig, False, ErrorCode.RUNTIME_GONE, "the stage runtime has exited")
         if self.status is FellowStatus.TRAINING:
             self._set_status(FellowEvent.CHECKPOINT)
         return self._ack(sig, True, message=f"checkpoint at step {at_step}")

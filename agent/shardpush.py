@@ -29,6 +29,7 @@ from pathlib import Path
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
 
+from agent.errors import FetchError, PushError
 from swarm import subjects as topics
 from swarm.errors import ProtocolError
 from swarm.protocol import ShardChunk
@@ -39,10 +40,6 @@ CHUNK_BYTES = 512 * 1024
 REQUEST_TIMEOUT_S = 10.0
 ATTEMPTS = 6
 FAILURES_KEPT = 32  # the failed kept pushes remembered (by job, attempt and step)
-
-
-class PushError(Exception):
-    """A shard could not be pushed; the message names the file and the cause."""
 
 
 @dataclass(frozen=True)
@@ -192,10 +189,6 @@ class ShardPusher:
                 raise PushError(f"the leader refused it: {ack.message}")
             failures = 0
             seq = ack.next_seq
-
-
-class FetchError(Exception):
-    pass
 
 
 # The header the leader takes a shard download's token from (leader/exports.py's TOKEN_HEADER).

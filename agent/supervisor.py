@@ -80,6 +80,7 @@ class StageRun:
         self.last_step: StepEvent | None = None
         self.done: DoneEvent | None = None
         self.error: str | None = None
+        self.error_code: str | None = None  # the error event's code
         self.malformed_events = 0  # lines that looked like events but were not
         self.finished: asyncio.Future[StageOutcome] = asyncio.get_running_loop().create_future()
         self._reader: asyncio.Task[None] | None = None
@@ -247,7 +248,7 @@ class StageRun:
         elif isinstance(event, DoneEvent):
             self.done = event
         elif isinstance(event, ErrorEvent):
-            self.error = event.message
+            self.error, self.error_code = event.message, event.code or None
 
     def _outcome(self, code: int) -> StageOutcome:
         done, last = self.done, self.last_step
@@ -257,6 +258,7 @@ class StageRun:
             steps_done, loss, val_loss = last.step + 1, last.loss, None
         else:
             steps_done, loss, val_loss = None, None, None
+        error_code = None
         if code == 0 and done is not None:
             result, message = StageResult.COMPLETED, ""
         elif self.stopping is not None:
@@ -264,9 +266,11 @@ class StageRun:
         else:
             why = self.error or _last_line(self.stderr_path) or f"runtime exited with {code}"
             result, message = StageResult.FAILED, f"{why} (exit {code})"
+            error_code = self.error_code
         return StageOutcome(
             result=result,
             message=message,
+            code=error_code,
             job_id=self.job_id,
             attempt=self.attempt,
             step=steps_done,

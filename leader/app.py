@@ -15,10 +15,10 @@ from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 
 from leader.api import CONTROLLERS
+from leader.api.error_handlers import EXCEPTION_HANDLERS
 from leader.auth import ReadTickets, make_guard
 from leader.bootstrap import find_or_build_wheel
 from leader.bus import LeaderBus
-from leader.errors import EXCEPTION_HANDLERS
 from leader.exports import ExportService
 from leader.jobs import JobManager
 from leader.metrics import LeaderMetrics

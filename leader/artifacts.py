@@ -36,8 +36,9 @@ from typing import Any
 
 import msgspec
 
+from leader.errors import ExportPathError
 from swarm import __version__
-from swarm.jobspec import FieldError
+from swarm.errors import FieldError
 from swarm.protocol import ShardAck, ShardChunk
 from swarm.types.manifests import RUN_MANIFEST, ExportedShard, RunManifest, encode_run_manifest
 from swarm.types.views import job_view
@@ -78,17 +79,6 @@ def _step_of(entry: Path) -> int | None:
 # --- where exports go -------------------------------------------------------------------------
 
 EXPORT_DIR_FIELD = "artifact_paths.model_export_dir"
-
-
-class ExportPathError(OSError):
-    """A write into an export directory would leave the export root or follow a symlink."""
-
-    def __init__(self, path: Path | str, why: str) -> None:
-        super().__init__(
-            errno.EPERM,
-            f"{path}: {why}; exports never follow symlinks or leave "
-            "the export root (SWARM_EXPORT_ROOT)",
-        )
 
 
 def export_dir(root: Path, job_id: str, configured: str | None) -> Path:

@@ -24,7 +24,8 @@ from collections.abc import Callable
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
-from swarm.errors import SwarmError
+from leader.errors import ForbiddenError, UnauthorizedError
+from swarm.errors import ErrorCode
 from swarm.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -40,16 +41,6 @@ OPEN_PATHS = re.compile(
     r"|join-sessions/[^/]+/(claim|logs|logs/stream))"
     r"|/api/v1/jobs/[^/]+/shards/\d+/[^/]+)/?$"
 )
-
-
-class UnauthorizedError(SwarmError):
-    code = "UNAUTHORIZED"
-    http_status = 401
-
-
-class ForbiddenError(SwarmError):
-    code = "FORBIDDEN"
-    http_status = 403
 
 
 def operator_token(settings: Settings) -> str:
@@ -107,7 +98,7 @@ class ReadTickets:
             raise UnauthorizedError(
                 f"this read ticket expired; get a new one: POST {TICKET_ROUTE} "
                 "(with 'Authorization: Bearer <token>')",
-                code="TICKET_EXPIRED",
+                code=ErrorCode.TICKET_EXPIRED,
             )
 
     def _sign(self, expires: int) -> str:

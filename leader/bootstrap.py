@@ -33,27 +33,13 @@ from pathlib import Path
 
 import msgspec
 
+from leader.errors import JoinGoneError, JoinRefusedError, PackageUnavailableError
 from leader.naming import NameState, settle_fellow_name
 from swarm import __version__
-from swarm.errors import NotFoundError, SwarmError
+from swarm.errors import NotFoundError
 
 log = logging.getLogger(__name__)
 LOG_LINES = 5000  # kept per session
-
-
-class JoinRefusedError(SwarmError):
-    code = "JOIN_TOKEN_INVALID"
-    http_status = 401
-
-
-class JoinGoneError(SwarmError):
-    code = "JOIN_SESSION_GONE"
-    http_status = 410
-
-
-class PackageUnavailableError(SwarmError):
-    code = "PACKAGE_UNAVAILABLE"
-    http_status = 503
 
 
 class JoinSession(msgspec.Struct, kw_only=True):

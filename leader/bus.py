@@ -20,7 +20,7 @@ from nats.aio.msg import Msg
 
 from leader.registry import WorkerRegistry
 from swarm import subjects as topics
-from swarm.errors import ProtocolError
+from swarm.errors import ErrorCode, ProtocolError
 from swarm.natsconn import NatsAccess, connect_forever
 from swarm.protocol import DeregisterRequest, RegisterReply, RegisterRequest
 
@@ -154,7 +154,7 @@ class LeaderBus:
         if claimed != sender:
             reason = f"fellow id {claimed!r} does not match its subject {msg.subject!r}"
             self.drop(msg, reason)
-            reply = RegisterReply(accepted=False, code="SUBJECT_MISMATCH", message=reason)
+            reply = RegisterReply(accepted=False, code=ErrorCode.SUBJECT_MISMATCH, message=reason)
             await self._reply(msg, sender, reply)
             return
         if not msg.reply or not topics.reply_allowed(msg.reply, sender):

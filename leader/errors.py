@@ -1,45 +1,115 @@
-"""Every error leaves the API as JSON ``{"code", "message"}`` (plus ``details`` for 400s)."""
+"""Every error the leader raises, each with its :class:`~swarm.errors.ErrorCode`.
+
+The API's handlers (:mod:`leader.api.error_handlers`) turn them into ``{"code", "message"}``
+answers with their ``http_status``. Imports only :mod:`swarm.errors`.
+"""
 
 from __future__ import annotations
 
-import logging
-from typing import Any
+import errno
+from pathlib import Path
 
-from litestar import Request, Response
-from litestar.exceptions import HTTPException, ValidationException
-from litestar.status_codes import HTTP_500_INTERNAL_SERVER_ERROR
+from swarm.errors import ConflictError, ErrorCode, SwarmError
 
-from swarm.errors import SwarmError
-
-log = logging.getLogger(__name__)
-
-_HTTP_CODES = {400: "BAD_REQUEST", 404: "NOT_FOUND", 405: "METHOD_NOT_ALLOWED", 409: "CONFLICT"}
+# --- authentication and onboarding ------------------------------------------------------------
 
 
-def error_response(status: int, code: str, message: str, **extra: Any) -> Response[dict[str, Any]]:
-    return Response({"code": code, "message": message, **extra}, status_code=status)
+class UnauthorizedError(SwarmError):
+    code = ErrorCode.UNAUTHORIZED
+    http_status = 401
 
 
-def swarm_error_handler(_: Request, exc: SwarmError) -> Response[dict[str, Any]]:
-    return Response(exc.to_dict(), status_code=exc.http_status)
+class ForbiddenError(SwarmError):
+    code = ErrorCode.FORBIDDEN
+    http_status = 403
 
 
-def http_error_handler(_: Request, exc: HTTPException) -> Response[dict[str, Any]]:
-    if isinstance(exc, ValidationException):
-        return error_response(
-            exc.status_code, "VALIDATION_ERROR", exc.detail, details=exc.extra or []
+class JoinRefusedError(SwarmError):
+    code = ErrorCode.JOIN_TOKEN_INVALID
+    http_status = 401
+
+
+class JoinGoneError(SwarmError):
+    code = ErrorCode.JOIN_SESSION_GONE
+    http_status = 410
+
+
+class PackageUnavailableError(SwarmError):
+    code = ErrorCode.PACKAGE_UNAVAILABLE
+    http_status = 503
+
+
+class EnrollRefusedError(SwarmError):
+    code = ErrorCode.ENROLL_REFUSED
+    http_status = 403
+
+
+class FellowNameError(ConflictError):
+    """A join or enrollment may not take this name (409, naming the field)."""
+
+    field = "fellow_name"
+
+    def __init__(self, message: str, *, code: ErrorCode) -> None:
+        super().__init__(message, code=code)
+
+    def to_dict(self) -> dict[str, str]:
+        return {**super().to_dict(), "field": self.field}
+
+
+# --- readiness and storage --------------------------------------------------------------------
+
+
+class NotReadyError(SwarmError):
+    """The job loop has not loaded its durable state yet."""
+
+    code = ErrorCode.LEADER_NOT_READY
+    http_status = 503
+
+
+class StreamsUnavailableError(SwarmError):
+    """The history streams are not made yet."""
+
+    code = ErrorCode.LEADER_NOT_READY
+    http_status = 503
+
+
+class StorageUnavailableError(SwarmError):
+    code = ErrorCode.STORAGE_UNAVAILABLE
+    http_status = 503
+
+
+class StoreTooSmallError(SwarmError):
+    """The JetStream store cannot hold a history stream at all."""
+
+    code = ErrorCode.JETSTREAM_STORE_TOO_SMALL
+    http_status = 503
+
+
+class StoreReadError(SwarmError):
+    """The server did not list a bucket's keys: the leader must not start on a partial state."""
+
+    code = ErrorCode.STATE_UNREADABLE
+    http_status = 503
+
+
+# --- exports ----------------------------------------------------------------------------------
+
+
+class ShardAccessError(SwarmError):
+    code = ErrorCode.SHARD_TOKEN_INVALID
+    http_status = 403
+
+
+class ExportPathError(OSError):
+    """A write into an export directory would leave the export root or follow a symlink.
+
+    An ``OSError`` (EPERM), not a :class:`SwarmError`: every writer of an export handles it
+    as the disk failure it stands in for, and reports it in the job's ``export_error``.
+    """
+
+    def __init__(self, path: Path | str, why: str) -> None:
+        super().__init__(
+            errno.EPERM,
+            f"{path}: {why}; exports never follow symlinks or leave "
+            "the export root (SWARM_EXPORT_ROOT)",
         )
-    code = _HTTP_CODES.get(exc.status_code, f"HTTP_{exc.status_code}")
-    return error_response(exc.status_code, code, exc.detail)
-
-
-def internal_error_handler(request: Request, exc: Exception) -> Response[dict[str, Any]]:
-    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(HTTP_500_INTERNAL_SERVER_ERROR, "INTERNAL", "internal server error")
-
-
-EXCEPTION_HANDLERS = {
-    SwarmError: swarm_error_handler,
-    HTTPException: http_error_handler,
-    HTTP_500_INTERNAL_SERVER_ERROR: internal_error_handler,
-}

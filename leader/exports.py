@@ -24,18 +24,14 @@ from nats.aio.msg import Msg
 
 from leader.artifacts import ExportStore, ShardReceipt, export_dir
 from leader.bus import LeaderBus
+from leader.errors import ShardAccessError
 from leader.jobs import JobManager, JobRecord
 from swarm import subjects as topics
-from swarm.errors import NotFoundError, SwarmError
+from swarm.errors import NotFoundError
 from swarm.protocol import JobState, ShardAck
 from swarm.types.signals import ResumeArgs, ShardFile
 
 log = logging.getLogger(__name__)
-
-
-class ShardAccessError(SwarmError):
-    code = "SHARD_TOKEN_INVALID"
-    http_status = 403
 
 
 class ExportService:

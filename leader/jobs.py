@@ -24,14 +24,9 @@ import msgspec
 from leader.admission import Admission, admit_progress
 from leader.artifacts import ShardReceipt
 from leader.placement import DEFAULTS, Candidate, PlacementDefaults, Unplaceable, place
-from swarm.errors import ConflictError, NotFoundError
+from swarm.errors import ConflictError, ErrorCode, IllegalTransitionError, NotFoundError
 from swarm.jobspec import JobSpec, Placement, new_job_id
-from swarm.lifecycle import (
-    TERMINAL_JOB_STATES,
-    IllegalTransitionError,
-    JobEvent,
-    next_job_state,
-)
+from swarm.lifecycle import TERMINAL_JOB_STATES, JobEvent, next_job_state
 from swarm.protocol import (
     EXPORT_ERROR_CHARS,
     FellowStatus,
@@ -418,7 +413,9 @@ class JobManager:
     def cancel(self, job_id: str, reason: str = "cancelled by the operator") -> JobRecord:
         job = self.get(job_id)
         if job.terminal:
-            raise ConflictError(f"job {job_id} is already {job.state.value}", code="JOB_TERMINAL")
+            raise ConflictError(
+                f"job {job_id} is already {job.state.value}", code=ErrorCode.JOB_TERMINAL
+            )
         job.reason = reason
         self._finish(job, JobEvent.CANCELLED, reason)
         return job
@@ -577,7 +574,7 @@ class JobManager:
         if job.state is not JobState.RUNNING:
             raise ConflictError(
                 f"job {job_id} is {job.state.value}; only a RUNNING job can checkpoint",
-                code="JOB_NOT_RUNNING",
+                code=ErrorCode.JOB_NOT_RUNNING,
             )
         step = max((p.step for p in job.progress), default=0)
         times = [p.step_time_s for p in job.progress if p.step_time_s]

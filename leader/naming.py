@@ -20,9 +20,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 
-from swarm.errors import ConflictError
+from leader.errors import FellowNameError
+from swarm.errors import ErrorCode
 
-FIELD = "fellow_name"
+FIELD = FellowNameError.field
 
 
 class NameState(enum.Enum):
@@ -30,17 +31,6 @@ class NameState(enum.Enum):
     RESERVED = "reserved"  # another join session holds it
     OFFLINE = "offline"  # a known fellow, offline now
     ONLINE = "online"  # a known fellow with a fresh heartbeat
-
-
-class FellowNameError(ConflictError):
-    """A join or enrollment may not take this name (409, naming the field)."""
-
-    def __init__(self, message: str, *, code: str) -> None:
-        super().__init__(message, code=code)
-        self.field = FIELD
-
-    def to_dict(self) -> dict[str, str]:
-        return {**super().to_dict(), "field": self.field}
 
 
 def settle_fellow_name(
@@ -68,27 +58,29 @@ def settle_fellow_name(
                 "take a known name unless the operator names it: create a join session with "
                 f'{{"fellow_name": "{proposed_name}"}}, or forget the old fellow first '
                 f"(swarm release {proposed_name})",
-                code="FELLOW_NAME_KNOWN",
+                code=ErrorCode.FELLOW_NAME_KNOWN,
             )
         if state is NameState.RESERVED:
             raise FellowNameError(
                 f"{FIELD}: {proposed_name!r} is held by another join session; pick another",
-                code="FELLOW_NAME_RESERVED",
+                code=ErrorCode.FELLOW_NAME_RESERVED,
             )
         return proposed_name
     if fresh is None:
-        raise FellowNameError(f"{FIELD}: {what} needs a fellow name", code="FELLOW_NAME_MISSING")
+        raise FellowNameError(
+            f"{FIELD}: {what} needs a fellow name", code=ErrorCode.FELLOW_NAME_MISSING
+        )
     for _ in range(100):
         name = fresh()
         if state_of(name) is NameState.FREE:
             return name
     raise FellowNameError(
-        f"{FIELD}: no free fellow name found; name it", code="FELLOW_NAME_MISSING"
+        f"{FIELD}: no free fellow name found; name it", code=ErrorCode.FELLOW_NAME_MISSING
     )
 
 
 def _online(name: str, what: str) -> FellowNameError:
     return FellowNameError(
         f"{FIELD}: fellow {name!r} is online; {what} cannot take the name of a live fellow",
-        code="FELLOW_ID_IN_USE",
+        code=ErrorCode.FELLOW_ID_IN_USE,
     )

@@ -23,10 +23,11 @@ from leader import streams
 from leader.admission import Verdict
 from leader.aggregate import HistoryPoint, JobMetrics, JobMetricsAggregator, history
 from leader.bus import LeaderBus
+from leader.errors import StreamsUnavailableError
 from leader.jobs import JobManager
 from leader.logs import LogEntry, WorkerLogBuffer, entries
 from swarm import subjects as topics
-from swarm.errors import ProtocolError, SwarmError
+from swarm.errors import ProtocolError
 from swarm.protocol import LogBatch, Progress
 from swarm.redact import redact
 
@@ -34,11 +35,6 @@ log = logging.getLogger(__name__)
 KEEPALIVE_S = 15.0
 LIVE_JOBS = 64  # merged views kept in memory (the most recently active jobs)
 POLL_S = 1.0  # how often an idle stream checks whether its job has ended
-
-
-class StreamsUnavailableError(SwarmError):
-    code = "LEADER_NOT_READY"
-    http_status = 503
 
 
 class Observability:

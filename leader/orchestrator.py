@@ -22,6 +22,7 @@ from nats.js.kv import KeyValue
 
 from leader.admission import RateLimiter, Verdict
 from leader.bus import LeaderBus
+from leader.errors import NotReadyError
 from leader.exports import ExportService
 from leader.jobs import (
     CheckpointRecord,
@@ -40,7 +41,7 @@ from leader.signals import SignalHub
 from leader.storage import Throttle
 from leader.store import StateStore
 from swarm import subjects as topics
-from swarm.errors import ConflictError, NotFoundError, SwarmError
+from swarm.errors import ConflictError, ErrorCode, NotFoundError
 from swarm.jobspec import JobSpec, stage_plans
 from swarm.natsauth import NatsAuthority
 from swarm.plan import StagePlan
@@ -66,11 +67,6 @@ ORPHAN_STOP_EVERY_S = 5.0
 # Progress a fellow may send: a record per step of a fast stage, with room to spare.
 PROGRESS_PER_S = 200.0
 PROGRESS_BURST = 1000.0
-
-
-class NotReadyError(SwarmError):
-    code = "LEADER_NOT_READY"
-    http_status = 503
 
 
 class Orchestrator:
@@ -527,7 +523,7 @@ class Orchestrator:
             raise ConflictError(
                 f"fellow {fellow_id} is running job {job_id}; cancel the job first "
                 f"(swarm cancel {job_id})",
-                code="FELLOW_BUSY",
+                code=ErrorCode.FELLOW_BUSY,
             )
         online = record.status is not FellowStatus.OFFLINE
         result: dict[str, Any] = {"fellow_id": fellow_id, "released": True, "purge": None}

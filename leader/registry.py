@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import msgspec
 
 from leader.hostview import HostFellow, NodeView, merge_host
+from swarm.errors import ErrorCode
 from swarm.lifecycle import FellowEvent, can_go_offline, next_status
 from swarm.protocol import (
     DeregisterRequest,
@@ -133,9 +134,9 @@ class WorkerRegistry:
         if self._released.get(fid) == req.fellow.instance_id:
             if self.purge_pending(fid):
                 return self._reject(
-                    "PURGE_PENDING", f"fellow {fid!r} was released; a purge is on its way"
+                    ErrorCode.PURGE_PENDING, f"fellow {fid!r} was released; a purge is on its way"
                 )
-            return self._reject("RELEASED", f"fellow {fid!r} was released by an operator")
+            return self._reject(ErrorCode.RELEASED, f"fellow {fid!r} was released by an operator")
         self._released.pop(fid, None)
         self.dirty.add(fid)
         entry = self._entries.get(fid)
@@ -147,7 +148,7 @@ class WorkerRegistry:
         if record.instance_id != req.fellow.instance_id and not self._is_gone(entry):
             age = self._clock() - entry.last_seen
             return self._reject(
-                "FELLOW_ID_IN_USE",
+                ErrorCode.FELLOW_ID_IN_USE,
                 f"fellow id {fid!r} is held by a live agent (pid {record.pid} on "
                 f"{record.hostname}, heard {age:.1f}s ago); choose another --name, or wait "
                 f"{self.offline_after_s:.0f}s for it to go offline",
@@ -173,10 +174,10 @@ class WorkerRegistry:
     def deregister(self, req: DeregisterRequest) -> RegisterReply:
         entry = self._entries.get(req.fellow_id)
         if entry is None:
-            return self._reject("NOT_FOUND", f"fellow {req.fellow_id!r} is not registered")
+            return self._reject(ErrorCode.NOT_FOUND, f"fellow {req.fellow_id!r} is not registered")
         if entry.record.instance_id != req.instance_id:
             return self._reject(
-                "INSTANCE_MISMATCH",
+                ErrorCode.INSTANCE_MISMATCH,
                 f"fellow {req.fellow_id!r} is held by another agent instance",
             )
         expected = self.instance_secret(req.fellow_id, req.instance_id)
@@ -184,7 +185,7 @@ class WorkerRegistry:
             self.dropped["deregister_secret"] += 1
             log.warning("refused a deregister of %s without its instance's secret", req.fellow_id)
             return self._reject(
-                "INSTANCE_SECRET_INVALID",
+                ErrorCode.INSTANCE_SECRET_INVALID,
                 "a deregister needs the secret the leader gave this instance when it registered",
             )
         if req.outcome is not None:
@@ -323,10 +324,10 @@ class WorkerRegistry:
     def _accept(self, message: str) -> RegisterReply:
         return self._reply(True, None, message)
 
-    def _reject(self, code: str, message: str) -> RegisterReply:
+    def _reject(self, code: ErrorCode, message: str) -> RegisterReply:
         return self._reply(False, code, message)
 
-    def _reply(self, accepted: bool, code: str | None, message: str) -> RegisterReply:
+    def _reply(self, accepted: bool, code: ErrorCode | None, message: str) -> RegisterReply:
         return RegisterReply(
             accepted=accepted,
             code=code,

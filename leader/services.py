@@ -16,12 +16,12 @@ from leader.bootstrap import (
     JoinSession,
     JoinSessions,
     Package,
-    PackageUnavailableError,
     find_or_build_wheel,
     newest_wheel,
     package_of,
 )
 from leader.bus import LeaderBus
+from leader.errors import EnrollRefusedError, PackageUnavailableError
 from leader.exports import ExportService
 from leader.jobs import JobManager, JobRecord, SignalRecord
 from leader.naming import NameState, settle_fellow_name
@@ -31,20 +31,15 @@ from leader.purges import PurgeBook
 from leader.registry import FellowRecord, NodeView, WorkerRegistry
 from leader.storage import StorageMonitor
 from swarm import __version__
-from swarm.errors import NotFoundError, SwarmError
-from swarm.jobspec import FieldError, JobSpec
-from swarm.natsauth import NatsAuthError, NatsAuthority
+from swarm.errors import ErrorCode, FieldError, NatsAuthError, NotFoundError
+from swarm.jobspec import JobSpec
+from swarm.natsauth import NatsAuthority
 from swarm.protocol import PROTOCOL_VERSION, FellowStatus
 from swarm.settings import Settings
 from swarm.subjects import TOKEN_RE
 from swarm.types.signals import PackageRef, UpdateArgs
 
 log = logging.getLogger(__name__)
-
-
-class EnrollRefusedError(SwarmError):
-    code = "ENROLL_REFUSED"
-    http_status = 403
 
 
 @dataclass
@@ -282,7 +277,7 @@ class LeaderServices:
         if not expected:
             raise EnrollRefusedError(
                 "enrollment is off on this leader (set SWARM_ENROLL_TOKEN to turn it on)",
-                code="ENROLL_DISABLED",
+                code=ErrorCode.ENROLL_DISABLED,
             )
         if not hmac.compare_digest(token.encode(), expected.encode()):
             raise EnrollRefusedError("wrong enrollment token (SWARM_ENROLL_TOKEN)")

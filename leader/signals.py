@@ -19,7 +19,7 @@ from nats.errors import Error as NatsError
 
 from leader.jobs import SignalRecord
 from swarm import subjects as topics
-from swarm.errors import ProtocolError
+from swarm.errors import ErrorCode, ProtocolError
 from swarm.protocol import make_signal
 from swarm.types.signals import SignalArgs
 
@@ -90,7 +90,7 @@ class SignalHub:
                     sent_at=sent_at,
                     attempts=tries,
                     ok=False,
-                    code="NO_ANSWER",
+                    code=ErrorCode.NO_ANSWER,
                     message=f"{last_error} after {tries} tries",
                 )
             await asyncio.sleep(delay)

@@ -26,6 +26,7 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import KeyDeletedError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
+from leader.errors import StoreReadError
 from leader.jobs import JobRecord
 from leader.purges import PendingPurge
 from leader.registry import FellowRecord
@@ -124,10 +125,6 @@ class _StreamInfo(msgspec.Struct):
     state: _StreamState | None = None
     error: _ApiError | None = None
     total: int = 0  # how many subjects match the filter, over all pages
-
-
-class StoreReadError(Exception):
-    """The server did not list a bucket's keys: the leader must not start on a partial state."""
 
 
 async def stream_subjects(nc: Client, stream: str, subjects_filter: str) -> set[str]:

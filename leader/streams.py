@@ -36,20 +36,13 @@ from nats.js.api import (
 from nats.js.client import JetStreamContext
 from nats.js.errors import APIError, BadRequestError, NotFoundError
 
-from swarm.errors import SwarmError
+from leader.errors import StoreTooSmallError
 
 log = logging.getLogger(__name__)
 
 DAY_S = 86400.0
 MIB = 1 << 20
 GIB = 1 << 30
-
-
-class StoreTooSmallError(SwarmError):
-    """The JetStream store cannot hold a history stream at all."""
-
-    code = "JETSTREAM_STORE_TOO_SMALL"
-    http_status = 503
 
 
 @dataclass(frozen=True)

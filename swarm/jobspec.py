@@ -20,7 +20,7 @@ from typing import Annotated, TypeVar
 import msgspec
 
 from swarm.compression import parse_compression
-from swarm.errors import ConfigError
+from swarm.errors import ConfigError, FieldError, JobSpecError
 from swarm.plan import (
     CurveKeys,
     GpuSlot,
@@ -125,25 +125,6 @@ class JobSpec(TrainConfig, frozen=True, kw_only=True, forbid_unknown_fields=True
         except ConfigError as exc:
             out.append(f"compression: {exc.message}")
         return out
-
-
-class FieldError(ConfigError):
-    """One field of a submitted document is unknown or has the wrong type."""
-
-    code = "INVALID_FIELD"
-
-    def __init__(self, message: str, *, field: str) -> None:
-        super().__init__(message)
-        self.field = field
-
-    def to_dict(self) -> dict[str, str]:
-        return {**super().to_dict(), "field": self.field}
-
-
-class JobSpecError(ConfigError):
-    """The spec decodes but describes a job that cannot run."""
-
-    code = "JOB_INVALID"
 
 
 _AT = re.compile(r"^(?P<reason>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)

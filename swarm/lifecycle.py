@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 
-from swarm.errors import SwarmError
+from swarm.errors import IllegalTransitionError
 from swarm.protocol import FellowStatus as S
 from swarm.protocol import JobState as J
 
@@ -52,11 +52,6 @@ TRANSITIONS: dict[tuple[S, FellowEvent], S] = {
     (S.FAILED, FellowEvent.RECOVERED): S.READY,
     (S.OFFLINE, FellowEvent.RECONNECT): S.REGISTERING,
 }
-
-
-class IllegalTransitionError(SwarmError):
-    code = "ILLEGAL_TRANSITION"
-    http_status = 409
 
 
 def next_status(status: S, event: FellowEvent) -> S:

@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 
 from swarm import subjects as topics
-from swarm.errors import ConfigError, SwarmError
+from swarm.errors import ConfigError, NatsAuthError
 
 ACCOUNT_NAME = "SWARM"
 SYSTEM_ACCOUNT_NAME = "SYS"
@@ -41,11 +41,6 @@ _ACCOUNT_LIMITS = {
 }
 # JetStream is enabled for an account by giving it storage (-1: unlimited).
 _JETSTREAM_LIMITS = {"mem_storage": -1, "disk_storage": -1, "streams": -1, "consumer": -1}
-
-
-class NatsAuthError(SwarmError):
-    code = "NATS_AUTH_UNAVAILABLE"
-    http_status = 409
 
 
 @dataclass(frozen=True)

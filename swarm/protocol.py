@@ -148,6 +148,9 @@ class StageOutcome(msgspec.Struct, kw_only=True, gc=False):
     loss: float | None = None
     val_loss: float | None = None
     message: Text = ""
+    # A FAILED run's ErrorCode from the stage's error event, as text (a fellow of another
+    # version may send a code this leader does not know); None when the stage gave none.
+    code: Id | None = None
     ended_at: float = msgspec.field(default_factory=time.time)
     # A completed run whose final shard did not reach the leader: why, in the fellow's words
     # (its checkpoint could not be written, or the push failed). The leader cleans it, names

@@ -22,8 +22,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from swarm.errors import ConfigError
-from swarm.jobspec import FieldError, JobSpec, decode_job_spec
+from swarm.errors import ConfigError, FieldError
+from swarm.jobspec import JobSpec, decode_job_spec
 from swarm.sweep import decode_config
 from swarm.types.views import view_of_record
 

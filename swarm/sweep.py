@@ -38,8 +38,13 @@ from typing import Any, TypeVar
 import msgspec
 
 from swarm.compression import parse_compression
-from swarm.errors import ConfigError, LeaderResponseError, LeaderUnreachableError, SwarmError
-from swarm.jobspec import FieldError, JobSpec, decode_job_spec
+from swarm.errors import (
+    ConfigError,
+    FieldError,
+    LeaderResponseError,
+    LeaderUnreachableError,
+)
+from swarm.jobspec import JobSpec, decode_job_spec
 from swarm.types.views import view_of_record
 
 T = TypeVar("T")
@@ -291,13 +296,6 @@ def plan_report(
         f"refused: {refusal}" if refusal else "the swarm can run it",
     ]
     return value, "\n".join(lines)
-
-
-class SweepRefusedError(SwarmError):
-    """The swarm cannot run the sweep as it is (the message says what is missing)."""
-
-    code = "SWEEP_REFUSED"
-    exit_code = 1
 
 
 # --- resumability bookkeeping (pure) --------------------------------------------------------

@@ -18,8 +18,8 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from agent.errors import HandshakeError, PeerTimeoutError
 from agent.pipe import relaymsg
-from agent.pipe.base import HandshakeError, PeerTimeoutError
 
 if TYPE_CHECKING:
     from agent.pipe.link import Link

@@ -19,8 +19,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from agent.errors import LinkError
 from agent.pipe import handshake
-from agent.pipe.base import HandshakeError, LinkError, Parts, PeerTimeoutError, RelayGapError
+from agent.pipe.base import Parts
 from agent.pipe.handshake import ACK, DONE, HELLO, HELLO_EVERY_S
 from agent.pipe.relay import RelayLink, deserialize_parts, serialize_parts
 from agent.pipe.zmq import CLOSE_LINGER_MS, CurveKeys, ZmqLink
@@ -32,13 +33,9 @@ __all__ = [
     "HELLO",
     "HELLO_EVERY_S",
     "CurveKeys",
-    "HandshakeError",
     "Link",
-    "LinkError",
     "Parts",
-    "PeerTimeoutError",
     "RelayFactory",
-    "RelayGapError",
     "RelayLink",
     "TransportKind",
     "ZmqLink",

@@ -18,8 +18,9 @@ from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
+from agent.errors import LinkError, PeerTimeoutError, RelayGapError
 from agent.pipe import relaymsg
-from agent.pipe.base import LinkError, Parts, PeerTimeoutError, RelayGapError
+from agent.pipe.base import Parts
 
 log = logging.getLogger(__name__)
 

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import msgspec
 import numpy as np
 
+from agent.errors import FrameError
 from swarm.compression import MAX_INT_BITS, MIN_INT_BITS, CodecKind, WireCodec, parse_wire_codec
 from swarm.errors import ConfigError
 
@@ -39,7 +40,6 @@ __all__ = [
     "PROTOCOL_VERSION",
     "CodecKind",
     "Direction",
-    "FrameError",
     "FrameHeader",
     "WireCodec",
     "decode_frame",
@@ -86,10 +86,6 @@ class _Version(msgspec.Struct):
     """Only the version, read first so a newer header gets a version error, not a field error."""
 
     v: int = -1
-
-
-class FrameError(Exception):
-    """A frame that cannot be decoded; the message says why."""
 
 
 _header_encoder = msgspec.msgpack.Encoder()

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from agent.pipe.base import LinkError, Parts, PeerTimeoutError
+from agent.errors import LinkError, PeerTimeoutError
+from agent.pipe.base import Parts
 from agent.pipe.handshake import ACK, DONE, HELLO, OK, is_control
 from agent.pipe.wire import frame_nbytes
 

@@ -31,6 +31,7 @@ from typing import IO, TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
+from agent.errors import CheckpointError, CheckpointWriteError
 from agent.runtime.data import DataState, TextDataset
 from swarm.plan import StagePlan
 
@@ -38,24 +39,6 @@ if TYPE_CHECKING:
     from agent.runtime.stage_model import StageModel
 
 FORMAT_VERSION = 1
-
-
-class CheckpointError(Exception):
-    """A checkpoint cannot be written, read or applied (beyond a plain OSError)."""
-
-
-class CheckpointWriteError(CheckpointError):
-    """A checkpoint file or directory could not be written (a full disk, no permission...).
-
-    The message names the path and the OS's reason, ``cannot write PATH: [Errno 28] No space
-    left on device``: it travels to the leader as the reason the export is missing, and a
-    failed ``write()`` alone names no file."""
-
-    def __init__(self, path: Path, exc: OSError) -> None:
-        why = f"[Errno {exc.errno}] {exc.strerror}" if exc.errno is not None else str(exc)
-        super().__init__(f"cannot write {path}: {why}")
-        self.path = path
-        self.errno = exc.errno
 
 
 @dataclass(frozen=True)
@@ -265,8 +248,6 @@ def restore_into(model: StageModel, dataset: TextDataset | None, checkpoint: Che
 
 __all__ = [
     "Checkpoint",
-    "CheckpointError",
-    "CheckpointWriteError",
     "build_meta",
     "load_checkpoint",
     "named_variables",

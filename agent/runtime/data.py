@@ -23,13 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from agent.errors import DataError
+
 if TYPE_CHECKING:
     from swarm.plan import TrainConfig
 
 __all__ = [
     "DEFAULT_CORPUS",
     "VOCAB_SIZE",
-    "DataError",
     "DataState",
     "TextDataset",
     "default_corpus_paths",
@@ -43,10 +44,6 @@ DEFAULT_CORPUS = "stdlib"
 
 VOCAB_SIZE = 256
 _SEPARATOR = b"\n"
-
-
-class DataError(Exception):
-    """The requested text cannot be turned into a dataset (no files, not enough text, ...)."""
 
 
 @dataclass(frozen=True)

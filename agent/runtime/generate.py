@@ -34,22 +34,15 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from agent.errors import GenerateError
 from agent.runtime.glue.manifest import sha256_file
 from agent.runtime.glue.save import DEFAULT_OUT as DEFAULT_SUBDIR
 from agent.runtime.tool import ToolParser, exit_with
-from swarm.types.manifests import (
-    INFERENCE_MANIFEST,
-    InferenceManifest,
-    ManifestError,
-    decode_inference_manifest,
-)
+from swarm.errors import ManifestError
+from swarm.types.manifests import INFERENCE_MANIFEST, InferenceManifest, decode_inference_manifest
 
 PROG = "generate"
 START = b"\n"
-
-
-class GenerateError(Exception):
-    """A bad argument or model directory: exit 2."""
 
 
 @dataclass

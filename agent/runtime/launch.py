@@ -17,11 +17,8 @@ from typing import Any
 
 import msgspec
 
+from agent.errors import StageFailedError
 from swarm.plan import StagePlan
-
-
-class StageFailedError(RuntimeError):
-    pass
 
 
 def write_plans(plans: list[StagePlan], directory: Path) -> list[Path]:

@@ -20,9 +20,10 @@ from typing import Annotated, NoReturn
 
 import cyclopts
 
+from agent.errors import DataError, FrameError, LinkError
 from agent.runtime.control import ControlChannel
 from swarm.entry import configure_logging, fail
-from swarm.errors import ConfigError, SwarmError
+from swarm.errors import ConfigError, ErrorCode, SwarmError
 from swarm.plan import decode_plan
 from swarm.types.stage import ErrorEvent, StageEvent, encode_event
 
@@ -64,9 +65,6 @@ def run(
         intra_op_threads=stage_plan.intra_op_threads or os.cpu_count() or 1,
         logical_cpus=max(1, len(stage_plan.gpu_slots)),
     )
-    from agent.pipe.link import LinkError
-    from agent.pipe.wire import FrameError
-    from agent.runtime.data import DataError
     from agent.runtime.stage import StageRunner
 
     runner: StageRunner | None = None
@@ -74,25 +72,28 @@ def run(
         runner = StageRunner(stage_plan, emit, control)
         runner.run()
     except (LinkError, FrameError, DataError) as exc:
-        stage_failed(stage_plan.stage, str(exc), control)
+        stage_failed(stage_plan.stage, str(exc), control, exc.code)
     except Exception as exc:  # a bug or a TensorFlow failure: say so, keep the trace in the log
         log.exception("stage %d failed", stage_plan.stage)
         message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        stage_failed(stage_plan.stage, message, control)
+        code = exc.code if isinstance(exc, SwarmError) else ErrorCode.STAGE_FAILED
+        stage_failed(stage_plan.stage, message, control, code)
     finally:
         if runner is not None:
             runner.close()
 
 
-def stage_failed(stage: int, message: str, control: ControlChannel | None) -> NoReturn:
-    """Report the failure and exit 1.
+def stage_failed(
+    stage: int, message: str, control: ControlChannel | None, code: ErrorCode
+) -> NoReturn:
+    """Report the failure (its message and code) and exit 1.
 
     The control channel is closed first: an agent that closes stdin once it has read the
     ``error`` event must not turn exit 1 into exit 70.
     """
     if control is not None:
         control.close()
-    emit(ErrorEvent(stage=stage, message=message[:MESSAGE_CHARS]))
+    emit(ErrorEvent(stage=stage, message=message[:MESSAGE_CHARS], code=code))
     fail("swarm-stage", f"stage {stage}: {message}", 1)
 
 

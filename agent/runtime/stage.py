@@ -17,18 +17,11 @@ import msgspec
 import numpy as np
 import tensorflow as tf
 
-from agent.pipe.link import (
-    CurveKeys,
-    Link,
-    LinkError,
-    PeerTimeoutError,
-    RelayLink,
-    TransportKind,
-    accept_upstream,
-)
+from agent.errors import CheckpointError, FrameError, PeerTimeoutError
+from agent.pipe.link import CurveKeys, Link, RelayLink, TransportKind, accept_upstream
 from agent.pipe.link import connect_downstream as open_downstream
-from agent.pipe.wire import Direction, FrameError, WireCodec, decode_frame, encode_frame
-from agent.runtime.checkpoint import CheckpointError, load_checkpoint, restore_into, save_stage
+from agent.pipe.wire import Direction, WireCodec, decode_frame, encode_frame
+from agent.runtime.checkpoint import load_checkpoint, restore_into, save_stage
 from agent.runtime.control import ControlChannel
 from agent.runtime.data import job_dataset, job_val_batches
 from agent.runtime.schedule import Op, one_f_one_b
@@ -460,4 +453,7 @@ def _curve(keys: PlanCurveKeys | None) -> CurveKeys | None:
     return CurveKeys(public=keys.public, secret=keys.secret, peer_public=keys.peer_public)
 
 
-__all__ = ["Boundary", "LinkError", "StageRunner"]
+__all__ = [
+    "Boundary",
+    "StageRunner",
+]

@@ -7,16 +7,11 @@ from litestar.params import Parameter
 from litestar.response import ServerSentEvent
 
 from leader.api.sse import last_event_id
+from leader.errors import StorageUnavailableError
 from leader.logs import LogEntry
 from leader.services import LeaderServices
-from swarm.errors import SwarmError
-from swarm.jobspec import FieldError
+from swarm.errors import FieldError
 from swarm.subjects import TOKEN_RE
-
-
-class StorageUnavailableError(SwarmError):
-    code = "STORAGE_UNAVAILABLE"
-    http_status = 503
 
 
 def _check(fellow_id: str) -> None:

@@ -18,7 +18,7 @@ from swarm.cli import cluster, render, sse
 from swarm.cli.client import LeaderClient
 from swarm.cli.watch import watch_job, watch_stream
 from swarm.entry import run_or_exit
-from swarm.errors import ConfigError
+from swarm.errors import ConfigError, SweepRefusedError
 from swarm.jobspec import decode_job_spec
 from swarm.natsauth import NatsAuthority, fellow_permissions
 from swarm.settings import Settings
@@ -277,7 +277,7 @@ def sweep(
                 raise SystemExit(1)
             return
         if refusal:
-            raise sweeps.SweepRefusedError(refusal)
+            raise SweepRefusedError(refusal)
         rows = sweeps.run_sweep(
             client,
             plan,

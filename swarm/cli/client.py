@@ -6,7 +6,7 @@ from typing import Any
 
 import httpx
 
-from swarm.errors import LeaderResponseError, LeaderUnreachableError
+from swarm.errors import ErrorCode, LeaderResponseError, LeaderUnreachableError
 
 # Calls that wait for fellows to answer signals (8 s per signal, retries included).
 SIGNAL_TIMEOUT_S = 30.0
@@ -126,5 +126,5 @@ class LeaderClient:
             raise LeaderResponseError(str(body.get("message", "")), code=str(body["code"]))
         raise LeaderResponseError(
             f"leader answered {response.status_code} for {method} {path}",
-            code=f"HTTP_{response.status_code}",
+            code=ErrorCode.HTTP_ERROR,
         )

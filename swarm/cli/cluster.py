@@ -34,7 +34,7 @@ import msgspec
 import psutil
 
 from swarm.cli.client import LeaderClient
-from swarm.errors import ClusterError, ConfigError, LeaderUnreachableError
+from swarm.errors import ClusterError, ConfigError, ErrorCode, LeaderUnreachableError
 from swarm.natsauth import NatsAuthority
 from swarm.natsd import (
     StoreOwner,
@@ -107,7 +107,7 @@ def read_manifest(settings: Settings) -> ClusterManifest | None:
             f"{path} cannot be read ({exc}); it lists the processes of the cluster started "
             f"from {settings.state_dir}: look for them ('ps -ef | grep {settings.state_dir}'), "
             "stop them, then remove the file by hand",
-            code="CLUSTER_MANIFEST_DAMAGED",
+            code=ErrorCode.CLUSTER_MANIFEST_DAMAGED,
         ) from None
 
 
@@ -140,7 +140,7 @@ def running_leader_url(settings: Settings) -> str | None:
         f"the cluster recorded in {manifest_path(settings)} is not running: {what}. "
         "'swarm stop-cluster' clears the record and stops what is left of it; or pass "
         "--leader-url / set SWARM_LEADER_URL to reach another leader",
-        code="CLUSTER_NOT_RUNNING",
+        code=ErrorCode.CLUSTER_NOT_RUNNING,
     )
 
 
@@ -455,7 +455,7 @@ def stop_cluster(settings: Settings, *, progress: Callable[[str], None]) -> list
         "Without its record stop-cluster cannot tell that cluster's processes: stop them by "
         "hand (its leader and fellows run 'python -m leader.main' / 'agent.main' with "
         f"SWARM_STATE_DIR={settings.state_dir})",
-        code="CLUSTER_RECORD_LOST",
+        code=ErrorCode.CLUSTER_RECORD_LOST,
     )
 
 
@@ -490,7 +490,7 @@ def _stop_recorded(
         + "; ".join(f"{r.name} (pid {r.pid}): {why}" for r, why in kept)
         + f". Their records stay in {manifest_path(settings)}; run 'swarm stop-cluster' "
         "again once that is resolved",
-        code="CLUSTER_NOT_STOPPED",
+        code=ErrorCode.CLUSTER_NOT_STOPPED,
     )
 
 

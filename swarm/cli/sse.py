@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from swarm.errors import LeaderResponseError, LeaderUnreachableError
+from swarm.errors import ErrorCode, LeaderResponseError, LeaderUnreachableError
 
 RETRY_S = 1.0
 
@@ -78,7 +78,7 @@ def follow(
                         if event.event == "end":
                             return
             except (httpx.TransportError, LeaderResponseError) as exc:
-                if isinstance(exc, LeaderResponseError) and exc.code != "LEADER_NOT_READY":
+                if isinstance(exc, LeaderResponseError) and exc.code != ErrorCode.LEADER_NOT_READY:
                     raise
                 down_since = down_since or time.monotonic()
                 if time.monotonic() - down_since > give_up_after_s:
@@ -98,5 +98,5 @@ def _raise_for(response: httpx.Response, path: str) -> None:
         raise LeaderResponseError(str(body.get("message", "")), code=str(body["code"]))
     raise LeaderResponseError(
         f"leader answered {response.status_code} for GET {path}",
-        code=f"HTTP_{response.status_code}",
+        code=ErrorCode.HTTP_ERROR,
     )

@@ -7,7 +7,13 @@ from collections.abc import Callable
 from typing import Any
 
 from swarm.cli.client import LeaderClient
-from swarm.errors import LeaderResponseError, LeaderUnreachableError, SwarmError
+from swarm.errors import (
+    ErrorCode,
+    ExportMissingError,
+    JobEndedBadlyError,
+    LeaderResponseError,
+    LeaderUnreachableError,
+)
 from swarm.types.views import stage_records, view_of_record
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED"}
@@ -15,20 +21,6 @@ POLL_S = 0.5
 LINE_EVERY_S = 2.0
 # The leader may restart while a job runs (the job keeps going): keep asking this long.
 UNREACHABLE_GRACE_S = 60.0
-
-
-class JobEndedBadlyError(SwarmError):
-    code = "JOB_NOT_COMPLETED"
-    exit_code = 1
-
-
-class ExportMissingError(SwarmError):
-    """The job COMPLETED (its training finished) but its final model is not in the export:
-    the record's ``export_error`` says which stage, fellow, path and cause. Its own exit code,
-    so that scripts can tell "no model" from "the job failed" (1)."""
-
-    code = "EXPORT_MISSING"
-    exit_code = 4
 
 
 def check_export(job: dict[str, Any]) -> None:
@@ -88,7 +80,7 @@ def watch_job(
             job = client.job(job_id)
             unreachable_since = None
         except (LeaderUnreachableError, LeaderResponseError) as exc:
-            if isinstance(exc, LeaderResponseError) and exc.code != "LEADER_NOT_READY":
+            if isinstance(exc, LeaderResponseError) and exc.code != ErrorCode.LEADER_NOT_READY:
                 raise
             unreachable_since = unreachable_since or time.monotonic()
             if time.monotonic() - unreachable_since > UNREACHABLE_GRACE_S:

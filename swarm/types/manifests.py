@@ -26,7 +26,7 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
-from swarm.errors import ConfigError
+from swarm.errors import ManifestError
 from swarm.jobspec import JobSpec, Placement
 from swarm.plan import ModelConfig
 
@@ -35,12 +35,6 @@ RUN_MANIFEST_FORMAT = 1
 INFERENCE_MANIFEST = "inference_manifest.json"
 INFERENCE_FORMAT = 1
 GLUED_KIND = "silentswarm-glued-transformer"
-
-
-class ManifestError(ConfigError):
-    """A manifest that cannot be read: the message names the file and the field."""
-
-    code = "MANIFEST_INVALID"
 
 
 # --- the run manifest (leader -> glue) --------------------------------------------------------

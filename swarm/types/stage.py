@@ -32,6 +32,8 @@ Message = Annotated[str, msgspec.Meta(max_length=8192)]
 Transport = Annotated[str, msgspec.Meta(max_length=16)]  # p2p, relay
 Label = Annotated[str, msgspec.Meta(max_length=256)]
 PathText = Annotated[str, msgspec.Meta(max_length=4096)]
+# An ErrorCode (swarm.errors) as text: a reader keeps a code it does not know as it came.
+CodeText = Annotated[str, msgspec.Meta(max_length=64)]
 
 
 # --- events ---------------------------------------------------------------------------------
@@ -115,9 +117,11 @@ class DoneEvent(_Traffic, tag="done", kw_only=True):
 
 
 class ErrorEvent(_Event, tag="error", kw_only=True):
-    """The run failed; the runtime exits 1 after this line."""
+    """The run failed; the runtime exits 1 after this line. ``code`` is the failure's
+    ``ErrorCode`` (``STAGE_FAILED`` for one without a code of its own)."""
 
     message: Message
+    code: CodeText = ""
 
 
 StageEvent = PlacementEvent | LinksEvent | StepEvent | CheckpointEvent | DoneEvent | ErrorEvent

@@ -11,7 +11,8 @@ import httpx
 import msgspec
 import pytest
 
-from agent.shardpush import SHARD_TOKEN_HEADER, FetchError, fetch_shard
+from agent.errors import FetchError
+from agent.shardpush import SHARD_TOKEN_HEADER, fetch_shard
 from leader.exports import ExportService
 from leader.jobs import JobManager
 from swarm.types.signals import ResumeArgs, ShardFile

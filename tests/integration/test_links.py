@@ -15,12 +15,12 @@ import nats
 import numpy as np
 import pytest
 
-from agent.pipe.base import PeerTimeoutError, RelayGapError
+from agent.errors import FrameError, PeerTimeoutError, RelayGapError
 from agent.pipe.handshake import ACK, HELLO
 from agent.pipe.link import TransportKind, accept_upstream, connect_downstream
 from agent.pipe.relay import LoopThread, RelayLink, serialize_parts
 from agent.pipe.relaymsg import RelayAuth
-from agent.pipe.wire import Direction, FrameError, decode_frame, encode_frame, parse_wire_codec
+from agent.pipe.wire import Direction, decode_frame, encode_frame, parse_wire_codec
 from agent.pipe.zmq import ZmqLink
 from swarm.procs import free_port
 from tests.helpers import REPO, child_env, wait_for
@@ -460,7 +460,8 @@ def test_curve_lets_only_the_placed_neighbour_connect():
 
     import zmq
 
-    from agent.pipe.link import PeerTimeoutError, TransportKind
+    from agent.errors import PeerTimeoutError
+    from agent.pipe.link import TransportKind
     from agent.pipe.link import accept_upstream as accept
     from agent.pipe.link import connect_downstream as connect
     from agent.pipe.zmq import CurveKeys

@@ -9,7 +9,8 @@ import time
 import msgspec
 import pytest
 
-from agent.runtime.launch import StageFailedError, done, links, run_plans, steps, write_plans
+from agent.errors import StageFailedError
+from agent.runtime.launch import done, links, run_plans, steps, write_plans
 from swarm.plan import (
     GpuSlot,
     ModelConfig,
@@ -174,6 +175,7 @@ def test_a_vanished_peer_ends_the_stage_with_an_error_naming_the_boundary(procs,
     assert time.monotonic() - killed_at < 8.0 + 10.0
     log = procs.log(last)
     assert "boundary 0 (stage-0 -> stage-1)" in log and "nothing received" in log
+    assert '"code":"PEER_TIMEOUT"' in log  # the error event says why in a code
     assert "Traceback" not in log
 
 

@@ -6,9 +6,10 @@ import msgspec
 import pytest
 from nats.js.api import KeyValueConfig
 
+from leader.errors import StoreReadError
 from leader.jobs import JobManager
 from leader.purges import PurgeBook
-from leader.store import StateStore, StoreReadError, stream_subjects
+from leader.store import StateStore, stream_subjects
 from swarm.jobspec import JobSpec
 from tests.integration.nats_client import with_nats
 

@@ -72,9 +72,10 @@ def _names_in(path: Path) -> set[str]:
     return names
 
 
-# What the pipe may take from the shared core: the codec table and the error hierarchy, both
-# standard-library only (so the pipe stays a leaf that a benchmark or a bare stage can load).
-PIPE_MAY_IMPORT = {"swarm.compression", "swarm.errors"}
+# What the pipe may take from the rest of SilentSwarm: the codec table, the shared error
+# hierarchy and the agent's error module, all standard-library only (so the pipe stays a leaf
+# that a benchmark or a bare stage can load).
+PIPE_MAY_IMPORT = {"swarm.compression", "swarm.errors", "agent.errors"}
 
 
 def test_the_pipe_imports_only_the_codec_table_and_errors_of_ours_and_no_tensorflow():

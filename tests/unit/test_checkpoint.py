@@ -228,7 +228,8 @@ def test_a_checkpoint_round_trips_and_training_continues_identically(tmp_path):
 
 @pytest.mark.integration  # trains a TensorFlow stage
 def test_restoring_into_another_stage_is_refused(tmp_path):
-    from agent.runtime.checkpoint import CheckpointError, load_checkpoint, restore_into, save_stage
+    from agent.errors import CheckpointError
+    from agent.runtime.checkpoint import load_checkpoint, restore_into, save_stage
 
     runner = _runner(_plan(tmp_path))
     directory = save_stage(tmp_path, runner.model, runner.data, steps_done=0)

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from agent.errors import DataError
 from agent.runtime.data import (
     DEFAULT_CORPUS,
-    DataError,
     DataState,
     TextDataset,
     default_corpus_paths,

@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from agent.errors import CheckpointWriteError
 from agent.runner import PUSH_DRAIN_S
 from agent.runner import final_export_error as fellow_export_error
-from agent.runtime.checkpoint import CheckpointWriteError
 from leader.artifacts import ExportStore, ShardReceipt
 from leader.jobs import clean_report, final_export_error
-from swarm.cli.watch import ExportMissingError, JobEndedBadlyError, check_export
+from swarm.cli.watch import check_export
+from swarm.errors import ExportMissingError, JobEndedBadlyError
 from swarm.protocol import EXPORT_ERROR_CHARS, StageOutcome, StageResult
 from tests.unit.test_artifacts import chunks, placed_job, send_shard
 

@@ -8,14 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from leader.artifacts import (
-    EXPORT_DIR_FIELD,
-    ExportPathError,
-    ExportStore,
-    export_dir,
-    resolve_export_dir,
-)
-from swarm.jobspec import FieldError
+from leader.artifacts import EXPORT_DIR_FIELD, ExportStore, export_dir, resolve_export_dir
+from leader.errors import ExportPathError
+from swarm.errors import FieldError
 from tests.unit.test_artifacts import chunks, placed_job, send_shard
 
 

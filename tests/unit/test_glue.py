@@ -422,7 +422,8 @@ def test_a_corrupt_shard_is_an_error_naming_it_and_nothing_is_written(export, tm
 
 
 def test_a_bad_manifest_is_an_error_naming_the_problem(export, tmp_path):
-    from agent.runtime.glue import GlueError, read_run_manifest
+    from agent.errors import GlueError
+    from agent.runtime.glue import read_run_manifest
 
     directory, _, _ = export
     raw = json.loads((directory / "run_manifest.json").read_text())
@@ -445,7 +446,8 @@ def test_a_bad_manifest_is_an_error_naming_the_problem(export, tmp_path):
 
 
 def test_a_glued_model_that_differs_from_the_pipeline_is_refused(export, monkeypatch, tmp_path):
-    from agent.runtime.glue import GlueMismatchError, assemble, glue
+    from agent.errors import GlueMismatchError
+    from agent.runtime.glue import assemble, glue
 
     directory, _, _ = export
     build = assemble.glued_from_stages
@@ -464,8 +466,9 @@ def test_a_glued_model_that_differs_from_the_pipeline_is_refused(export, monkeyp
 def test_without_the_keras_format_it_falls_back_to_weights_and_config(
     export, monkeypatch, tmp_path
 ):
+    from agent.errors import GlueError
     from agent.runtime.generate import generate, load_model
-    from agent.runtime.glue import GlueError, glue
+    from agent.runtime.glue import glue
     from agent.runtime.model import GluedTransformer
 
     directory, _, _ = export

@@ -7,14 +7,9 @@ import pytest
 
 from leader.jobs import FellowState, JobManager, plan_schedule, reconcile
 from leader.placement import Candidate
-from swarm.errors import ConflictError, NotFoundError
+from swarm.errors import ConflictError, IllegalTransitionError, NotFoundError
 from swarm.jobspec import JobSpec
-from swarm.lifecycle import (
-    JOB_TRANSITIONS,
-    IllegalTransitionError,
-    JobEvent,
-    next_job_state,
-)
+from swarm.lifecycle import JOB_TRANSITIONS, JobEvent, next_job_state
 from swarm.plan import ModelConfig
 from swarm.protocol import FellowStatus, JobState, Progress, ProgressEvent, StageOutcome
 from swarm.protocol import StageResult as R

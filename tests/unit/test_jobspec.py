@@ -9,7 +9,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from swarm.jobspec import FieldError, JobSpec, JobSpecError, decode_job_spec, stage_plans
+from swarm.errors import FieldError, JobSpecError
+from swarm.jobspec import JobSpec, decode_job_spec, stage_plans
 from swarm.plan import TrainConfig
 
 REPO = Path(__file__).resolve().parents[2]

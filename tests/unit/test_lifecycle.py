@@ -2,7 +2,8 @@ import itertools
 
 import pytest
 
-from swarm.lifecycle import TRANSITIONS, FellowEvent, IllegalTransitionError, next_status
+from swarm.errors import IllegalTransitionError
+from swarm.lifecycle import TRANSITIONS, FellowEvent, next_status
 from swarm.protocol import FellowStatus as S
 
 # The ARCHITECTURE.md lifecycle, plus: every live status goes offline when stale, and

@@ -8,6 +8,7 @@ import json
 import msgspec
 import pytest
 
+from swarm.errors import ManifestError
 from swarm.jobspec import JobSpec, PlacedStage, Placement
 from swarm.plan import ModelConfig, Transport
 from swarm.types.manifests import (
@@ -15,7 +16,6 @@ from swarm.types.manifests import (
     FileEntry,
     GlueCheck,
     InferenceManifest,
-    ManifestError,
     decode_inference_manifest,
     decode_run_manifest,
     describe,

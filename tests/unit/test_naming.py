@@ -7,7 +7,8 @@ import itertools
 import pytest
 
 from leader.bootstrap import JoinSessions
-from leader.naming import FellowNameError, NameState, settle_fellow_name
+from leader.errors import FellowNameError
+from leader.naming import NameState, settle_fellow_name
 
 KNOWN = {
     "live": NameState.ONLINE,

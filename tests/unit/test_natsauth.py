@@ -8,9 +8,8 @@ import stat
 import nkeys
 import pytest
 
-from swarm.errors import ConfigError
+from swarm.errors import ConfigError, NatsAuthError
 from swarm.natsauth import (
-    NatsAuthError,
     NatsAuthority,
     Permissions,
     attempt_permissions,

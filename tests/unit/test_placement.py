@@ -14,7 +14,8 @@ from leader.placement import (
     place,
     weighted_ranges,
 )
-from swarm.jobspec import FieldError, JobSpec, JobSpecError, decode_job_spec, stage_plans
+from swarm.errors import FieldError, JobSpecError
+from swarm.jobspec import JobSpec, decode_job_spec, stage_plans
 from swarm.natsconn import NatsAccess
 from swarm.plan import ModelConfig, Transport
 from swarm.protocol import FellowLimits, GpuInfo, HardwareSnapshot

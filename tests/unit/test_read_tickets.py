@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from leader.auth import ForbiddenError, ReadTickets, UnauthorizedError
+from leader.auth import ReadTickets
+from leader.errors import ForbiddenError, UnauthorizedError
 from tests.fakes import Clock
 
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from agent.shardpush import SHARD_TOKEN_HEADER
-from leader.exports import ExportService, ShardAccessError
+from leader.errors import ShardAccessError
+from leader.exports import ExportService
 from leader.jobs import JobManager, plan_schedule
 from tests.fakes import Clock
 from tests.unit.test_resume import fellow, push, running

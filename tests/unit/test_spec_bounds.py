@@ -9,7 +9,8 @@ import json
 import msgspec
 import pytest
 
-from swarm.jobspec import FieldError, JobSpec, decode_job_spec, decode_strict
+from swarm.errors import FieldError
+from swarm.jobspec import JobSpec, decode_job_spec, decode_strict
 from swarm.plan import StagePlan
 
 # (field path, the largest accepted value, a value past it)

@@ -5,11 +5,11 @@ import msgspec
 import numpy as np
 import pytest
 
+from agent.errors import FrameError
 from agent.pipe.wire import (
     PROTOCOL_VERSION,
     CodecKind,
     Direction,
-    FrameError,
     FrameHeader,
     WireCodec,
     decode_frame,

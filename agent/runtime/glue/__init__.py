@@ -48,7 +48,6 @@ from agent.runtime.glue.check import (
 )
 from agent.runtime.glue.cli import PROG, main, summary
 from agent.runtime.glue.data import ValidationData, validation_data
-from agent.runtime.glue.errors import GlueError, GlueMismatchError
 from agent.runtime.glue.manifest import CheckedExport, StageFiles, read_run_manifest, sha256_file
 from agent.runtime.glue.run import GlueResult, glue
 from agent.runtime.glue.save import (
@@ -78,8 +77,6 @@ __all__ = [
     "Chain",
     "CheckResult",
     "CheckedExport",
-    "GlueError",
-    "GlueMismatchError",
     "GlueResult",
     "SavedModel",
     "StageFiles",

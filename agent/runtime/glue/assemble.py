@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from agent.runtime.glue.errors import GlueError, GlueMismatchError
+from agent.errors import GlueError, GlueMismatchError
 from agent.runtime.glue.manifest import CheckedExport
 from swarm.jobspec import stage_plans
 from swarm.plan import StagePlan
@@ -38,7 +38,8 @@ def plans_for(export: CheckedExport) -> list[StagePlan]:
 
 
 def build_stage_models(export: CheckedExport, plans: list[StagePlan]) -> list[StageModel]:
-    from agent.runtime.checkpoint import CheckpointError, load_checkpoint, restore_into
+    from agent.errors import CheckpointError
+    from agent.runtime.checkpoint import load_checkpoint, restore_into
     from agent.runtime.stage_model import StageModel
 
     models = []

@@ -40,8 +40,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from agent.errors import GlueMismatchError
 from agent.pipe.wire import CodecKind, WireCodec, parse_wire_codec
-from agent.runtime.glue.errors import GlueMismatchError
 from swarm.types.manifests import GlueCheck
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from agent.runtime.glue.errors import GlueError
+from agent.errors import GlueError
 from swarm.plan import StagePlan
 from swarm.types.manifests import DataInfo
 
@@ -37,7 +37,8 @@ def validation_data(plan: StagePlan, data: Sequence[str] | None) -> ValidationDa
     """
     import numpy as np
 
-    from agent.runtime.data import DataError, job_dataset, job_val_batches
+    from agent.errors import DataError
+    from agent.runtime.data import job_dataset, job_val_batches
 
     train = plan.train
     patterns = list(data) if data else list(train.data)

@@ -17,15 +17,10 @@ from pathlib import Path
 
 import msgspec
 
-from agent.runtime.glue.errors import GlueError
+from agent.errors import GlueError
+from swarm.errors import ManifestError
 from swarm.jobspec import JobSpec, Placement
-from swarm.types.manifests import (
-    RUN_MANIFEST,
-    ExportedShard,
-    ManifestError,
-    RunManifest,
-    decode_run_manifest,
-)
+from swarm.types.manifests import RUN_MANIFEST, ExportedShard, RunManifest, decode_run_manifest
 
 
 @dataclass(frozen=True)

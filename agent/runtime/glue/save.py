@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agent.runtime.glue.errors import GlueError, GlueMismatchError
+from agent.errors import GlueError, GlueMismatchError
 from agent.runtime.glue.manifest import sha256_file
 from swarm.types.manifests import INFERENCE_MANIFEST, FileEntry
 

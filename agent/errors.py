@@ -1,0 +1,123 @@
+"""Every error the agent and the stage runtime raise, each with its
+:class:`~swarm.errors.ErrorCode`.
+
+A stage that fails on one of these reports its code in its ``error`` event; the agent logs
+refusals and failures with theirs. Imports only :mod:`swarm.errors` (standard library
+otherwise), so the pipe, the runtime and the agent can all import it without a cycle and
+without TensorFlow.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from swarm.errors import ConfigError, ErrorCode, SwarmError
+
+# --- the data plane (agent/pipe) --------------------------------------------------------------
+
+
+class LinkError(SwarmError):
+    """The link cannot deliver: the message names the boundary and the peer."""
+
+    code = ErrorCode.LINK_FAILED
+
+
+class PeerTimeoutError(LinkError):
+    """Nothing came from the peer, or no peer took a message, within the peer timeout."""
+
+    code = ErrorCode.PEER_TIMEOUT
+
+
+class RelayGapError(LinkError):
+    """The authentic peer's relay chunks skipped a sequence number."""
+
+    code = ErrorCode.RELAY_GAP
+
+
+class HandshakeError(LinkError):
+    """The two ends cannot work together (for example their training data differ)."""
+
+    code = ErrorCode.HANDSHAKE_REFUSED
+
+
+class FrameError(SwarmError):
+    """A frame that cannot be decoded; the message says why."""
+
+    code = ErrorCode.FRAME_INVALID
+
+
+# --- the stage runtime (agent/runtime) --------------------------------------------------------
+
+
+class DataError(SwarmError):
+    """The requested text cannot be turned into a dataset (no files, not enough text, ...)."""
+
+    code = ErrorCode.DATA_INVALID
+
+
+class CheckpointError(SwarmError):
+    """A checkpoint cannot be written, read or applied (beyond a plain OSError)."""
+
+    code = ErrorCode.CHECKPOINT_FAILED
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint file or directory could not be written (a full disk, no permission...).
+
+    The message names the path and the OS's reason, ``cannot write PATH: [Errno 28] No space
+    left on device``: it travels to the leader as the reason the export is missing, and a
+    failed ``write()`` alone names no file."""
+
+    code = ErrorCode.CHECKPOINT_WRITE_FAILED
+
+    def __init__(self, path: Path, exc: OSError) -> None:
+        why = f"[Errno {exc.errno}] {exc.strerror}" if exc.errno is not None else str(exc)
+        super().__init__(f"cannot write {path}: {why}")
+        self.path = path
+        self.errno = exc.errno
+
+
+class StageFailedError(SwarmError):
+    """A stage started by :mod:`agent.runtime.launch` exited non-zero or did not finish."""
+
+    code = ErrorCode.STAGE_FAILED
+
+
+class GenerateError(ConfigError):
+    """A bad argument or model directory: exit 2."""
+
+    code = ErrorCode.GENERATE_INVALID
+
+
+class GlueError(ConfigError):
+    """The export cannot be glued: a bad manifest, a missing or corrupt file, no data."""
+
+    code = ErrorCode.GLUE_INVALID
+
+
+class GlueMismatchError(SwarmError):
+    """The glued model does not compute what the pipeline computed."""
+
+    code = ErrorCode.GLUE_MISMATCH
+    exit_code = 1
+
+
+# --- the agent --------------------------------------------------------------------------------
+
+
+class UpdateError(SwarmError):
+    """An UPDATE's package could not be downloaded, verified or installed."""
+
+    code = ErrorCode.UPDATE_FAILED
+
+
+class PushError(SwarmError):
+    """A shard could not be pushed; the message names the file and the cause."""
+
+    code = ErrorCode.SHARD_PUSH_FAILED
+
+
+class FetchError(SwarmError):
+    """A resumed stage's shard could not be downloaded or does not match its sha256."""
+
+    code = ErrorCode.SHARD_FETCH_FAILED
