@@ -1,21 +1,32 @@
-"""JobMetricsAggregator: per-fellow progress records merged into one view of a job. Pure.
+"""A job's metrics: its stages' progress with the rates measured over its progress records.
 
-The global step is the step every stage has finished; loss, validation loss and the learning
-rate come from the last stage (the only one that sees the targets): the rules of
-:mod:`swarm.types.views`. Throughput per boundary
-is the rate of the bytes crossing it (activations down, gradients up), measured at its
-upstream end; steps/min and the ETA come from the last stage's recent steps.
+Pure. One model of a job's progress: the stages' :class:`~swarm.types.views.StageProgress`
+and the job view computed from them (:mod:`swarm.types.views`: the global step is the step
+every stage has finished; loss, validation loss and the learning rate come from the last
+stage, the only one that sees the targets). :func:`job_metrics` adds to them only what a
+record cannot hold, the rates of a :class:`RateMeter`: throughput per boundary (the rate of
+the bytes crossing it, activations down and gradients up, measured at its upstream end),
+each fellow's bytes/s, steps/min and the ETA (over the last stage's recent steps).
+
+- The **live** metrics of a job are its record's progress (kept by the JobManager) with the
+  rates of a meter fed by the same progress messages (:mod:`leader.observe`).
+- A **replay** of the progress stream (:class:`JobMetricsAggregator`: the SSE metrics
+  stream, the loss curve) folds stored records into stages by the same rule as the record
+  (:mod:`leader.progress`), so the two never disagree.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import msgspec
 
+from leader.progress import apply_outcome, apply_step
 from swarm.protocol import Progress, ProgressEvent, StageResult
-from swarm.types.views import is_last_stage, pipeline_step
+from swarm.types.views import JobView, StageProgress, is_last_stage, job_view
 
 RATE_WINDOW = 50  # recent steps the rate and ETA are measured over
 
@@ -77,48 +88,161 @@ class HistoryPoint(msgspec.Struct, kw_only=True):
     bytes_received: int
 
 
-class JobMetricsAggregator:
+@dataclass
+class _FellowRates:
+    """One fellow's latest step record's time and counters, and the rates since the one
+    before."""
+
+    at: float
+    bytes_sent: int
+    bytes_received: int
+    down_bytes: int  # both directions of its downstream boundary
+    sent_per_s: float = 0.0
+    received_per_s: float = 0.0
+    down_per_s: float = 0.0
+    transport: str | None = None
+
+
+class RateMeter:
+    """The rates one attempt's step records show. Holds no step or loss of its own: those
+    are the stages' progress (the job's record, or a replay's fold)."""
+
     def __init__(self, job_id: str) -> None:
         self.job_id = job_id
         self.attempt = 0
-        self.total_steps: int | None = None
-        self._fellows: dict[str, FellowMetrics] = {}
-        self._down: dict[str, tuple[int, float]] = {}  # fellow -> (down bytes, rate)
-        self._transport: dict[str, str] = {}  # fellow -> transport of its downstream boundary
-        self._last: Progress | None = None  # the last stage's latest step record
-        self._val_loss: float | None = None
+        self._fellows: dict[str, _FellowRates] = {}
         self._recent: deque[tuple[float, int]] = deque(maxlen=RATE_WINDOW)
+
+    def apply(self, p: Progress, *, last_stage: bool) -> None:
+        """Take one record (``last_stage``: its stage is the job's last); a newer attempt
+        starts the meter afresh, an older one is ignored, as is what is not a step."""
+        if p.job_id != self.job_id or p.attempt < self.attempt:
+            return
+        if p.attempt > self.attempt:
+            self._fellows.clear()
+            self._recent.clear()
+            self.attempt = p.attempt
+        if p.event is not ProgressEvent.STEP:
+            return
+        down = p.down_bytes_sent + p.down_bytes_received
+        now = _FellowRates(
+            at=p.at, bytes_sent=p.bytes_sent, bytes_received=p.bytes_received, down_bytes=down
+        )
+        before = self._fellows.get(p.fellow_id)
+        if before is not None:
+            now.transport = before.transport
+            now.sent_per_s, now.received_per_s = before.sent_per_s, before.received_per_s
+            if p.at > before.at:
+                elapsed = p.at - before.at
+                now.sent_per_s = max(0, p.bytes_sent - before.bytes_sent) / elapsed
+                now.received_per_s = max(0, p.bytes_received - before.bytes_received) / elapsed
+                now.down_per_s = max(0, down - before.down_bytes) / elapsed
+        now.transport = p.down_transport or now.transport
+        self._fellows[p.fellow_id] = now
+        if last_stage and p.loss is not None:
+            self._recent.append((p.at, p.step))
+
+    def steps_per_min(self) -> float | None:
+        if len(self._recent) < 2:
+            return None
+        (t0, s0), (t1, s1) = self._recent[0], self._recent[-1]
+        return (s1 - s0) / (t1 - t0) * 60 if t1 > t0 else None
+
+    def fellow(self, stage: StageProgress) -> FellowMetrics:
+        rates = self._fellows.get(stage.fellow_id)
+        return FellowMetrics(
+            fellow_id=stage.fellow_id,
+            stage=stage.stage,
+            step=stage.step,
+            loss=stage.loss,
+            step_time_s=stage.step_time_s,
+            tokens_per_s=stage.tokens_per_s,
+            bytes_sent=stage.bytes_sent,
+            bytes_received=stage.bytes_received,
+            sent_bytes_per_s=0.0 if rates is None else rates.sent_per_s,
+            received_bytes_per_s=0.0 if rates is None else rates.received_per_s,
+            result=stage.result,
+            at=None if rates is None else rates.at,
+        )
+
+    def boundary(self, upstream: StageProgress, downstream: StageProgress) -> BoundaryMetrics:
+        rates = self._fellows.get(upstream.fellow_id)
+        return BoundaryMetrics(
+            boundary=upstream.stage,
+            upstream=upstream.fellow_id,
+            downstream=downstream.fellow_id,
+            bytes_per_s=0.0 if rates is None else round(rates.down_per_s, 1),
+            bytes_total=0 if rates is None else rates.down_bytes,
+            transport=None if rates is None else rates.transport,
+        )
+
+
+def job_metrics(
+    job_id: str, attempt: int, view: JobView, stages: Iterable[StageProgress], rates: RateMeter
+) -> JobMetrics:
+    """A job's metrics: its view and stages (one attempt's), with ``rates`` (of the same
+    attempt; a fresh meter when there are none)."""
+    ordered = sorted(stages, key=lambda s: s.stage)
+    fellows = [rates.fellow(s) for s in ordered]
+    steps_per_min = rates.steps_per_min()
+    step = view.step or 0
+    eta = None
+    if steps_per_min and view.total_steps is not None:
+        eta = max(0, view.total_steps - step) / steps_per_min * 60
+    return JobMetrics(
+        job_id=job_id,
+        attempt=attempt,
+        step=step,
+        total_steps=view.total_steps,
+        loss=view.loss,
+        val_loss=view.val_loss,
+        lr=view.lr,
+        steps_per_min=None if steps_per_min is None else round(steps_per_min, 2),
+        step_time_s=view.step_time_s,
+        tokens_per_s=view.tokens_per_s,
+        eta_s=None if eta is None else round(eta, 1),
+        bytes_sent=view.bytes_sent,
+        bytes_received=view.bytes_received,
+        boundaries=[rates.boundary(up, down) for up, down in itertools.pairwise(ordered)],
+        fellows=fellows,
+        updated_at=max((f.at for f in fellows if f.at), default=None),
+    )
+
+
+class JobMetricsAggregator:
+    """A replay of a job's progress records (from the stream): the stages folded by the
+    job record's rule (:mod:`leader.progress`), with their rates; the latest attempt's."""
+
+    def __init__(self, job_id: str) -> None:
+        self.job_id = job_id
+        self.attempt = 0
+        self._stages: dict[str, StageProgress] = {}
+        self._rates = RateMeter(job_id)
 
     def apply(self, p: Progress) -> HistoryPoint | None:
         """Take one record; a history point when it is a finished step of the last stage."""
         if p.job_id != self.job_id or p.attempt < self.attempt:
             return None
-        if p.attempt > self.attempt:  # a new attempt starts the view afresh
-            self.__init__(self.job_id)  # type: ignore[misc]
+        if p.attempt > self.attempt:  # a new attempt starts the replay afresh
+            self._stages.clear()
             self.attempt = p.attempt
-        fellow = self._fellows.get(p.fellow_id)
-        if fellow is None:
-            fellow = self._fellows[p.fellow_id] = FellowMetrics(
-                fellow_id=p.fellow_id, stage=p.stage or 0
+        stage = self._stages.get(p.fellow_id)
+        if stage is None:
+            stage = self._stages[p.fellow_id] = StageProgress(
+                stage=p.stage or 0, fellow_id=p.fellow_id
             )
+        last = is_last_stage(p.stage, self._stages.values())
+        self._rates.apply(p, last_stage=last)
         if p.event is not ProgressEvent.STEP:
             # An end or a checkpoint still says how far the stage got (a new stream starts
             # from each fellow's latest record, which may be one of these).
-            fellow.step = max(fellow.step, p.step)
+            stage.step = max(stage.step, p.step)
             if p.event is ProgressEvent.ENDED and p.outcome is not None:
-                fellow.result = p.outcome.result
-                if p.outcome.val_loss is not None:
-                    self._val_loss = p.outcome.val_loss
+                apply_outcome(stage, p.outcome, now=p.at)
             return None
-        self._measure(fellow, p)
-        self.total_steps = p.total_steps or self.total_steps
-        if p.val_loss is not None:
-            self._val_loss = p.val_loss
-        if not is_last_stage(p.stage, self._fellows.values()) or p.loss is None:
+        apply_step(stage, p, now=p.at)
+        if not last or p.loss is None:
             return None
-        self._last = p
-        self._recent.append((p.at, p.step))
-        sent, received = self._bytes()
         return HistoryPoint(
             step=p.step,
             at=p.at,
@@ -127,75 +251,13 @@ class JobMetricsAggregator:
             lr=p.lr,
             step_time_s=p.step_time_s,
             tokens_per_s=p.tokens_per_s,
-            bytes_sent=sent,
-            bytes_received=received,
+            bytes_sent=sum(s.bytes_sent for s in self._stages.values()),
+            bytes_received=sum(s.bytes_received for s in self._stages.values()),
         )
-
-    def _measure(self, fellow: FellowMetrics, p: Progress) -> None:
-        if fellow.at is not None and p.at > fellow.at:
-            elapsed = p.at - fellow.at
-            fellow.sent_bytes_per_s = max(0, p.bytes_sent - fellow.bytes_sent) / elapsed
-            fellow.received_bytes_per_s = max(0, p.bytes_received - fellow.bytes_received) / elapsed
-            before, _ = self._down.get(p.fellow_id, (0, 0.0))
-            down = p.down_bytes_sent + p.down_bytes_received
-            self._down[p.fellow_id] = (down, max(0, down - before) / elapsed)
-        else:
-            self._down[p.fellow_id] = (p.down_bytes_sent + p.down_bytes_received, 0.0)
-        if p.down_transport:
-            self._transport[p.fellow_id] = p.down_transport
-        fellow.step = max(fellow.step, p.step)
-        fellow.loss = p.loss if p.loss is not None else fellow.loss
-        fellow.step_time_s, fellow.tokens_per_s = p.step_time_s, p.tokens_per_s
-        fellow.bytes_sent, fellow.bytes_received, fellow.at = p.bytes_sent, p.bytes_received, p.at
-
-    def _bytes(self) -> tuple[int, int]:
-        fellows = self._fellows.values()
-        return sum(f.bytes_sent for f in fellows), sum(f.bytes_received for f in fellows)
 
     def view(self) -> JobMetrics:
-        fellows = sorted(self._fellows.values(), key=lambda f: f.stage)
-        last = self._last
-        steps_per_min = None
-        if len(self._recent) >= 2:
-            (t0, s0), (t1, s1) = self._recent[0], self._recent[-1]
-            if t1 > t0:
-                steps_per_min = (s1 - s0) / (t1 - t0) * 60
-        step = pipeline_step(fellows) or 0
-        eta = None
-        if steps_per_min and self.total_steps is not None:
-            eta = max(0, self.total_steps - step) / steps_per_min * 60
-        boundaries = []
-        for upstream, downstream in itertools.pairwise(fellows):
-            total, rate = self._down.get(upstream.fellow_id, (0, 0.0))
-            boundaries.append(
-                BoundaryMetrics(
-                    boundary=upstream.stage,
-                    upstream=upstream.fellow_id,
-                    downstream=downstream.fellow_id,
-                    bytes_per_s=round(rate, 1),
-                    bytes_total=total,
-                    transport=self._transport.get(upstream.fellow_id),
-                )
-            )
-        sent, received = self._bytes()
-        return JobMetrics(
-            job_id=self.job_id,
-            attempt=self.attempt,
-            step=step,
-            total_steps=self.total_steps,
-            loss=last.loss if last else None,
-            val_loss=self._val_loss,
-            lr=last.lr if last else None,
-            steps_per_min=None if steps_per_min is None else round(steps_per_min, 2),
-            step_time_s=last.step_time_s if last else None,
-            tokens_per_s=last.tokens_per_s if last else None,
-            eta_s=None if eta is None else round(eta, 1),
-            bytes_sent=sent,
-            bytes_received=received,
-            boundaries=boundaries,
-            fellows=fellows,
-            updated_at=max((f.at for f in fellows if f.at), default=None),
-        )
+        stages = list(self._stages.values())
+        return job_metrics(self.job_id, self.attempt, job_view(stages), stages, self._rates)
 
 
 def history(records: list[Progress], job_id: str) -> list[HistoryPoint]:

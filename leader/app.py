@@ -53,19 +53,24 @@ def create_app(
     if isinstance(nats, str):
         nats = NatsAccess(url=nats)
     token = token or settings.api_token or secrets.token_urlsafe(32)
+    # Every part gets what it depends on when it is built, in this order; none is wired
+    # up afterwards.
+    jobs, purges = JobManager(), PurgeBook()
     registry = WorkerRegistry(
         heartbeat_interval_s=settings.heartbeat_interval_s,
         offline_after_s=settings.offline_after_s,
         leader_version=__version__,
+        # A released agent with a pending purge waits for it instead of exiting.
+        purge_pending=purges.is_pending,
         # Under the operator token, like shard tokens: deregister secrets outlive restarts.
         instance_key=hmac.new(token.encode(), b"instance-secrets", hashlib.sha256).digest(),
     )
     bus = LeaderBus(nats=nats, prefix=settings.subject_prefix, registry=registry)
-    jobs, purges = JobManager(), PurgeBook()
     observe = Observability(bus=bus, jobs=jobs, prefix=settings.subject_prefix)
     storage = StorageMonitor(
         prefix=settings.subject_prefix, specs=[observe.progress, observe.logs_stream]
     )
+    job_loop_wake = asyncio.Event()  # the export service wakes the job loop on a push
     exports = ExportService(
         bus=bus,
         jobs=jobs,
@@ -73,8 +78,23 @@ def create_app(
         export_root=settings.model_export_root,
         secret=token.encode(),
         public_url=settings.public_url or settings.default_leader_url,
+        on_push=job_loop_wake.set,
     )
-    registry.purge_pending = lambda fellow_id: purges.get(fellow_id) is not None
+    orchestrator = Orchestrator(
+        bus=bus,
+        registry=registry,
+        jobs=jobs,
+        purges=purges,
+        prefix=settings.subject_prefix,
+        defaults=PlacementDefaults(
+            min_gpu_free_gb=settings.placement_min_gpu_free_gb,
+            last_stage=LastStagePlacement(settings.pipeline_last_stage_placement),
+        ),
+        on_progress=observe.on_progress,
+        exports=exports,
+        authority=authority,
+        wake=job_loop_wake,
+    )
     services = LeaderServices(
         settings=settings,
         nats_url=nats.url,
@@ -84,20 +104,7 @@ def create_app(
         jobs=jobs,
         purges=purges,
         observe=observe,
-        orchestrator=Orchestrator(
-            bus=bus,
-            registry=registry,
-            jobs=jobs,
-            purges=purges,
-            prefix=settings.subject_prefix,
-            defaults=PlacementDefaults(
-                min_gpu_free_gb=settings.placement_min_gpu_free_gb,
-                last_stage=LastStagePlacement(settings.pipeline_last_stage_placement),
-            ),
-            on_progress=observe.on_progress,
-            exports=exports,
-            authority=authority,
-        ),
+        orchestrator=orchestrator,
         exports=exports,
         storage=storage,
     )
@@ -109,9 +116,11 @@ def create_app(
         await bus.start()
         tasks = [
             asyncio.create_task(_sweep_forever(registry, settings), name="registry-sweep"),
-            asyncio.create_task(services.orchestrator.run(), name="job-loop"),
+            asyncio.create_task(orchestrator.run(), name="job-loop"),
             asyncio.create_task(_observe(bus, observe, storage), name="observability"),
-            asyncio.create_task(_watch_storage(services), name="storage-monitor"),
+            asyncio.create_task(
+                _watch_storage(storage, bus, orchestrator, observe), name="storage-monitor"
+            ),
             asyncio.create_task(watchdog_forever(), name="systemd-watchdog"),
             asyncio.create_task(_package(services, settings), name="bootstrap-package"),
         ]
@@ -122,7 +131,7 @@ def create_app(
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await services.orchestrator.close()
+            await orchestrator.close()
             await bus.close()
 
     return Litestar(
@@ -177,12 +186,14 @@ async def _observe(bus: LeaderBus, observe: Observability, storage: StorageMonit
             retry_s = min(OBSERVE_RETRY_MAX_S, retry_s * 2)
 
 
-async def _watch_storage(services: LeaderServices) -> None:
+async def _watch_storage(
+    storage: StorageMonitor, bus: LeaderBus, orchestrator: Orchestrator, observe: Observability
+) -> None:
     def write_error() -> str | None:
-        store = services.orchestrator.store
+        store = orchestrator.store
         return None if store is None else store.write_error
 
-    await services.storage.run(lambda: services.bus.nc, write_error, services.observe.ready)
+    await storage.run(lambda: bus.nc, write_error, observe.ready)
 
 
 async def _sweep_forever(registry: WorkerRegistry, settings: Settings) -> None:

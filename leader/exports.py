@@ -16,6 +16,7 @@ import asyncio
 import hashlib
 import hmac
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,9 @@ class ExportService:
         export_root: Path,
         secret: bytes,
         public_url: str,
+        on_push: Callable[[], None] | None = None,
     ) -> None:
+        """``on_push``: called when a stored shard arrived (the job loop's wake-up)."""
         self.bus = bus
         self.jobs = jobs
         self.prefix = prefix
@@ -53,7 +56,7 @@ class ExportService:
         self.secret = secret
         self.public_url = public_url.rstrip("/")
         self.store = ExportStore(root=export_root)
-        self.on_push: Any = None  # the orchestrator's wake-up
+        self.on_push = on_push
 
     async def start(self, nc: Client) -> None:
         """Take pushes. The jobs are loaded by now: first, every job's ``.incoming/`` is

@@ -24,6 +24,7 @@ import msgspec
 from leader.admission import Admission, admit_progress
 from leader.artifacts import ShardReceipt
 from leader.placement import DEFAULTS, Candidate, PlacementDefaults, Unplaceable, place
+from leader.progress import apply_outcome, apply_step
 from swarm.errors import ConflictError, ErrorCode, IllegalTransitionError, NotFoundError
 from swarm.jobspec import JobSpec, Placement, new_job_id
 from swarm.lifecycle import TERMINAL_JOB_STATES, JobEvent, next_job_state
@@ -437,14 +438,7 @@ class JobManager:
             return None
         now = self._wall()
         if msg.event is ProgressEvent.STEP:
-            stage.step = max(stage.step, msg.step)
-            stage.total_steps = msg.total_steps or stage.total_steps
-            for name in ("loss", "val_loss", "lr", "step_time_s", "tokens_per_s"):
-                value = getattr(msg, name)
-                if value is not None:
-                    setattr(stage, name, value)
-            stage.bytes_sent, stage.bytes_received = msg.bytes_sent, msg.bytes_received
-            stage.updated_at = now
+            apply_step(stage, msg, now=now)
             job.refresh_view()
         elif msg.event is ProgressEvent.CHECKPOINT:
             self._checkpoint_written(job, msg)
@@ -460,16 +454,9 @@ class JobManager:
         stage = job.stage_progress(fellow_id)
         if stage is None or stage.result is not None:
             return None
-        stage.result, stage.message = outcome.result, outcome.message
+        apply_outcome(stage, outcome, now=self._wall())
         if outcome.export_error is not None:
             stage.export_error = clean_report(outcome.export_error, EXPORT_ERROR_CHARS)
-        if outcome.step is not None:
-            stage.step = max(stage.step, outcome.step)
-        if outcome.loss is not None:
-            stage.loss = outcome.loss
-        if outcome.val_loss is not None:
-            stage.val_loss = outcome.val_loss
-        stage.updated_at = self._wall()
         self._touch(job)
         if outcome.result is StageResult.COMPLETED:
             if all(p.result is StageResult.COMPLETED for p in job.progress):

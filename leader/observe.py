@@ -21,19 +21,27 @@ from nats.aio.client import Client
 
 from leader import streams
 from leader.admission import Verdict
-from leader.aggregate import HistoryPoint, JobMetrics, JobMetricsAggregator, history
+from leader.aggregate import (
+    HistoryPoint,
+    JobMetrics,
+    JobMetricsAggregator,
+    RateMeter,
+    history,
+    job_metrics,
+)
 from leader.bus import LeaderBus
 from leader.errors import StreamsUnavailableError
 from leader.jobs import JobManager
 from leader.logs import LogEntry, WorkerLogBuffer, entries
 from swarm import subjects as topics
-from swarm.errors import ProtocolError
+from swarm.errors import ProtocolError, SwarmError
 from swarm.protocol import LogBatch, Progress
 from swarm.redact import redact
+from swarm.types.views import is_last_stage
 
 log = logging.getLogger(__name__)
 KEEPALIVE_S = 15.0
-LIVE_JOBS = 64  # merged views kept in memory (the most recently active jobs)
+LIVE_JOBS = 64  # rate meters kept in memory (the most recently active jobs)
 POLL_S = 1.0  # how often an idle stream checks whether its job has ended
 
 
@@ -45,7 +53,9 @@ class Observability:
         self.progress = streams.progress_stream(prefix)
         self.logs_stream = streams.log_stream(prefix)
         self.logs = WorkerLogBuffer()
-        self.live: dict[str, JobMetricsAggregator] = {}
+        # Job id -> the rates of its current attempt's progress. A job's numbers (step,
+        # loss...) are its record's, kept by the JobManager: not copied here.
+        self.live: dict[str, RateMeter] = {}
         self.stopping = asyncio.Event()
         self.ready = asyncio.Event()
 
@@ -84,11 +94,16 @@ class Observability:
     # --- live progress (called for every progress message) ----------------------------------
 
     def on_progress(self, progress: Progress) -> None:
-        aggregator = self.live.pop(progress.job_id, None) or JobMetricsAggregator(progress.job_id)
-        self.live[progress.job_id] = aggregator  # most recently updated last
+        """An admitted progress message: its rates (the job's record takes its numbers)."""
+        meter = self.live.pop(progress.job_id, None) or RateMeter(progress.job_id)
+        self.live[progress.job_id] = meter  # most recently updated last
         while len(self.live) > LIVE_JOBS:
             del self.live[next(iter(self.live))]
-        aggregator.apply(progress)
+        try:
+            stages = self.jobs.get(progress.job_id).progress
+        except SwarmError:  # admitted progress has a job; without one, no stage is last
+            stages = []
+        meter.apply(progress, last_stage=bool(stages) and is_last_stage(progress.stage, stages))
         log.info(
             "progress job=%s fellow=%s attempt=%d %s step=%d loss=%s latency=%.3fs "
             "bytes_sent=%d bytes_received=%d",
@@ -104,9 +119,13 @@ class Observability:
         )
 
     def metrics(self, job_id: str) -> JobMetrics:
-        self.jobs.get(job_id)  # 404 for an unknown job
-        aggregator = self.live.get(job_id) or JobMetricsAggregator(job_id)
-        return aggregator.view()
+        """The job's live metrics: its record's progress and view, with the rates of its
+        current attempt (none after a leader restart, or for an attempt with no step yet)."""
+        job = self.jobs.get(job_id)  # 404 for an unknown job
+        meter = self.live.get(job_id)
+        if meter is None or meter.attempt != job.attempt:
+            meter = RateMeter(job_id)
+        return job_metrics(job.job_id, job.attempt, job.view, job.progress, meter)
 
     # --- history and SSE -------------------------------------------------------------------
 

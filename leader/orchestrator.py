@@ -2,9 +2,12 @@
 
 Once NATS is up it loads the durable state from JetStream, then, on every tick or wake-up:
 reconciles running jobs with what their fellows report, places pending jobs and sends
-START, delivers pending purges to fellows that are back, and writes what changed to the
+START, stops orphaned stages, delivers pending purges, and writes what changed to the
 store. Progress reports arrive on ``swarm.progress.<job>.<fellow>``. Signals go out through
 the SignalHub; their outcomes are recorded on the job.
+
+What to do is decided by pure functions (:mod:`leader.decide`, :mod:`leader.jobs`); this
+module gathers their inputs, applies their answers and does the I/O.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 
+from leader import decide
 from leader.admission import RateLimiter, Verdict
 from leader.bus import LeaderBus
 from leader.errors import NotReadyError
@@ -27,16 +31,14 @@ from leader.exports import ExportService
 from leader.jobs import (
     CheckpointRecord,
     CheckpointStage,
-    FellowState,
     JobManager,
     JobRecord,
     SignalRecord,
     plan_schedule,
-    reconcile,
 )
-from leader.placement import DEFAULTS, Candidate, PlacementDefaults
+from leader.placement import DEFAULTS, PlacementDefaults
 from leader.purges import PendingPurge, PurgeBook
-from leader.registry import FellowRecord, WorkerRegistry
+from leader.registry import WorkerRegistry
 from leader.signals import SignalHub
 from leader.storage import Throttle
 from leader.store import StateStore
@@ -45,8 +47,7 @@ from swarm.errors import ConflictError, ErrorCode, NotFoundError
 from swarm.jobspec import JobSpec, stage_plans
 from swarm.natsauth import NatsAuthority
 from swarm.plan import StagePlan
-from swarm.protocol import FellowStatus, JobState, Progress, StageOutcome
-from swarm.telemetry import offered_ram, usable_gpus
+from swarm.protocol import FellowStatus, JobState, Progress
 from swarm.types.signals import (
     REASON_CHARS,
     CheckpointArgs,
@@ -59,11 +60,6 @@ from swarm.types.signals import (
 log = logging.getLogger(__name__)
 
 TICK_S = 0.25
-PURGE_RETRY_S = 5.0
-# A fellow that refused or did not answer START is not placed again for this long.
-START_COOLDOWN_S = 10.0
-# A stage of an attempt the leader no longer runs gets STOP again at most this often.
-ORPHAN_STOP_EVERY_S = 5.0
 # Progress a fellow may send: a record per step of a fast stage, with room to spare.
 PROGRESS_PER_S = 200.0
 PROGRESS_BURST = 1000.0
@@ -82,7 +78,10 @@ class Orchestrator:
         on_progress: Callable[[Progress], None] | None = None,
         exports: ExportService | None = None,
         authority: NatsAuthority | None = None,
+        wake: asyncio.Event | None = None,
     ) -> None:
+        """``wake``: set (by anyone: the export service when a shard arrives) to run the
+        next tick at once instead of after ``TICK_S``."""
         self.bus = bus
         # Mints each placed stage of each attempt its own NATS user (None: no NATS users).
         self.authority = authority
@@ -97,14 +96,15 @@ class Orchestrator:
         self.hub: SignalHub | None = None
         self.store: StateStore | None = None
         self.loaded = asyncio.Event()
-        self._wake = asyncio.Event()
+        self._wake = wake if wake is not None else asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
         # Fellow id -> the purge delivery in flight (one at a time; others wait for it).
         self._purging: dict[str, asyncio.Future[bool]] = {}
         # Fellows an operator action (release, update) is signalling: not placed meanwhile.
         self._reserved: set[str] = set()
         self._cooldown: dict[str, float] = {}  # fellow id -> monotonic time it may be placed
-        self._orphan_stops: dict[tuple[str, str, int], float] = {}  # (fellow, job, attempt)
+        # When each stage last got a STOP (monotonic): the orphan sweep waits a while after.
+        self._stops_sent: dict[decide.StageKey, float] = {}
         self._store_logs = Throttle()  # a store that stays unavailable: a line a minute
 
     # --- the loop --------------------------------------------------------------------------
@@ -117,7 +117,6 @@ class Orchestrator:
         await self._open_store()
         await nc.subscribe(topics.PROGRESS.wildcard(self.prefix), cb=self._on_progress)
         if self.exports is not None:
-            self.exports.on_push = self.wake
             await self.exports.start(nc)
         self.loaded.set()
         while True:
@@ -184,12 +183,11 @@ class Orchestrator:
             len(state.fellows),
             len(state.purges),
         )
-        for job in self.jobs.list():
-            if job.state is JobState.PENDING and job.placement is not None:
-                # The leader stopped half way through a START round: undo it, place again.
-                fellows = job.placement.fellow_ids
-                self.jobs.start_failed(job.job_id, "the leader restarted while starting it")
-                self._stop_all(job.job_id, job.attempt, fellows, "start abandoned")
+        for job in decide.abandoned_starts(self.jobs.list()):
+            assert job.placement is not None
+            fellows = job.placement.fellow_ids
+            self.jobs.start_failed(job.job_id, "the leader restarted while starting it")
+            self._stop_all(job.job_id, job.attempt, fellows, "start abandoned")
 
     async def flush(self) -> None:
         """Write every changed record; a failed write stays dirty for the next tick."""
@@ -210,34 +208,18 @@ class Orchestrator:
 
     # --- reconciling and scheduling --------------------------------------------------------
 
-    def _fellow_states(self) -> dict[str, FellowState]:
-        return {
-            r.fellow_id: FellowState(
-                fellow_id=r.fellow_id,
-                status=r.status,
-                job_id=r.job_id,
-                attempt=r.attempt,
-                outcome=r.outcome,
-                last_heartbeat_at=r.last_heartbeat_at,
-                offline_reason=r.offline_reason,
-            )
-            for r in self.registry.list()
-        }
-
     def _reconcile(self) -> None:
         running = self.jobs.running()
         if not running:
             return
-        fellows = self._fellow_states()
+        fellows = {r.fellow_id: decide.fellow_state(r) for r in self.registry.list()}
         now = time.time()
         for job in running:
-            for fid, finding in reconcile(job, fellows, now=now):
-                if isinstance(finding, StageOutcome):
-                    self.jobs.record_outcome(fid, finding)
+            for finding in decide.judge_running(job, fellows, now=now):
+                if isinstance(finding, decide.StageEnded):
+                    self.jobs.record_outcome(finding.fellow_id, finding.outcome)
                 else:
-                    stage = job.placement.stage_of(fid) if job.placement else None
-                    where = f" (stage {stage.stage})" if stage else ""
-                    self.jobs.fail(job.job_id, f"fellow {fid}{where} {finding}")
+                    self.jobs.fail(job.job_id, finding.reason)
                 if job.terminal:
                     self._after_terminal(job)
                     break
@@ -257,17 +239,14 @@ class Orchestrator:
         pending = self.jobs.pending()
         if not pending:
             return
-        busy = self.jobs.busy_fellows()
-        now = time.monotonic()
-        idle = [
-            _candidate(r)
-            for r in self.registry.list()
-            if r.status is FellowStatus.READY
-            and r.fellow_id not in busy
-            and r.fellow_id not in self._reserved
-            and self._cooldown.get(r.fellow_id, 0.0) <= now
-            and self.purges.get(r.fellow_id) is None
-        ]
+        idle = decide.idle_candidates(
+            self.registry.list(),
+            busy=self.jobs.busy_fellows(),
+            reserved=self._reserved,
+            cooldown=self._cooldown,
+            purging={p.fellow_id for p in self.purges.list()},
+            now=time.monotonic(),
+        )
         assignments, waiting = plan_schedule(pending, idle, self.defaults)
         self.jobs.set_waiting(waiting)
         for assignment in assignments:
@@ -313,13 +292,10 @@ class Orchestrator:
             raise
         for record in records:
             self.jobs.add_signal(job_id, record)
-        refused = [r for r in records if not r.ok]
-        if refused:
-            until = time.monotonic() + START_COOLDOWN_S
-            for r in refused:
-                self._cooldown[r.fellow_id] = until
-            why = "; ".join(f"{r.fellow_id}: {r.code}: {r.message}" for r in refused)
-            self.jobs.start_failed(job_id, why)
+        verdict = decide.judge_start(records, now=time.monotonic())
+        if not verdict.ok:
+            self._cooldown.update(verdict.cooldown)
+            self.jobs.start_failed(job_id, verdict.reason)
             self._stop_all(job_id, attempt, placement.fellow_ids, "start failed")
             return
         if self.jobs.start_succeeded(job_id) is None:  # cancelled while starting
@@ -345,57 +321,33 @@ class Orchestrator:
         return StartArgs(plan=plan, nats_creds=creds, resume=resume)
 
     def _stop_orphans(self) -> None:
-        """STOP stages of attempts the leader does not run (any more).
-
-        A STOP can be lost (the fellow was cut off for longer than the signal's deadline),
-        and a leader can die between a START round and its end: whatever a fellow reports
-        running must be the current attempt of a running (or starting) job it is placed in.
-        Fellows running jobs this leader never knew are left alone (and logged).
-        """
+        """STOP stages of attempts the leader does not run (any more): see
+        :func:`leader.decide.orphan_stops`."""
         now = time.monotonic()
-        for key, at in list(self._orphan_stops.items()):
-            if now - at > 12 * ORPHAN_STOP_EVERY_S:
-                del self._orphan_stops[key]
-        for record in self.registry.list():
-            if record.job_id is None or record.status not in (
-                FellowStatus.TRAINING,
-                FellowStatus.CHECKPOINTING,
-            ):
-                continue
-            key = (record.fellow_id, record.job_id, record.attempt or 0)
-            ended = record.outcome
-            if ended is not None and (ended.job_id, ended.attempt) == key[1:]:
-                continue  # it says that run has ended: its next heartbeat says it is idle
-            try:
-                job = self.jobs.get(record.job_id)
-            except NotFoundError:
-                continue
-            placed = job.placement is not None and record.fellow_id in job.placement.fellow_ids
-            current = placed and record.attempt == job.attempt
-            if current and (job.state is JobState.RUNNING or job.job_id in self.jobs.starting):
-                continue
-            stage = job.stage_progress(record.fellow_id) if current else None
-            if stage is not None and stage.result is not None:
-                continue  # its end reached us (progress) before its idle heartbeat did
-            if now - self._orphan_stops.get(key, -1e9) < ORPHAN_STOP_EVERY_S:
-                continue
+        self._stops_sent = decide.forget_old_stops(self._stops_sent, now=now)
+        stops = decide.orphan_stops(
+            [decide.fellow_state(r) for r in self.registry.list()],
+            {job.job_id: job for job in self.jobs.list()},
+            starting=self.jobs.starting,
+            stopped=self._stops_sent,
+            now=now,
+        )
+        for stop in stops:
             log.warning(
                 "fellow %s runs %s attempt %s, which is %s: stopping it",
-                record.fellow_id,
-                record.job_id,
-                record.attempt,
-                job.state.value if current else "not its current attempt",
+                stop.fellow_id,
+                stop.job_id,
+                stop.attempt,
+                stop.why,
             )
-            self._stop_all(job.job_id, record.attempt or 0, [record.fellow_id], "orphaned stage")
+            self._stop_all(stop.job_id, stop.attempt, [stop.fellow_id], "orphaned stage")
 
     def _after_terminal(self, job: JobRecord) -> None:
         """A job ended: its final manifest; stop the stages still running (after a failure or
         a cancel)."""
         if self.exports is not None:
             self._spawn(self.exports.job_ended(job), f"export-{job.job_id}")
-        if job.placement is None or job.state is JobState.COMPLETED:
-            return
-        still = [p.fellow_id for p in job.progress if p.result is None]
+        still = decide.stages_to_stop(job)
         if still:
             self._stop_all(job.job_id, job.attempt, still, job.reason)
 
@@ -403,7 +355,7 @@ class Orchestrator:
         now = time.monotonic()
         for fid in fellows:
             # The orphan sweep leaves a stage alone for a while after any STOP to it.
-            self._orphan_stops[(fid, job_id, attempt)] = now
+            self._stops_sent[(fid, job_id, attempt)] = now
             self._spawn(self._stop(job_id, attempt, fid, reason), f"stop-{job_id}-{fid}")
 
     async def _stop(self, job_id: str, attempt: int, fellow_id: str, reason: str) -> None:
@@ -570,17 +522,17 @@ class Orchestrator:
         waits (PURGE_PENDING) instead of exiting; either answers on its signal subject. A
         fellow nobody serves answers "no responders" at once, so trying is cheap.
         """
-        now = time.time()
-        busy = self.jobs.busy_fellows()
-        for pending in self.purges.list():
-            fid = pending.fellow_id
-            if fid in self._purging or fid in busy:
-                continue
-            record = self.registry.get(fid)
-            back = record is not None and record.status is not FellowStatus.OFFLINE
-            due = not pending.last_attempt_at or now - pending.last_attempt_at >= PURGE_RETRY_S
-            if back or due:
-                self._spawn(self._deliver_purge(fid, deadline_s=2.0), f"purge-{fid}")
+        due = decide.purges_due(
+            self.purges.list(),
+            online={
+                r.fellow_id for r in self.registry.list() if r.status is not FellowStatus.OFFLINE
+            },
+            busy=self.jobs.busy_fellows(),
+            in_flight=self._purging,
+            now=time.time(),
+        )
+        for fid in due:
+            self._spawn(self._deliver_purge(fid, deadline_s=2.0), f"purge-{fid}")
 
     async def _deliver_purge(self, fellow_id: str, *, deadline_s: float = 8.0) -> bool:
         """One PURGE delivery per fellow at a time: a second caller (an operator's retry
@@ -642,16 +594,3 @@ async def _save(store: StateStore, bucket: KeyValue, key: str, value: Any) -> bo
 
 
 _SAVE_LOGS = Throttle()
-
-
-def _candidate(record: FellowRecord) -> Candidate:
-    """What the fellow offers: GPUs TensorFlow can use, memory within the operator's caps."""
-    hw = record.hardware
-    return Candidate(
-        fellow_id=record.fellow_id,
-        hostname=record.hostname,
-        data_address=record.data_address,
-        cpu_cores=hw.cpu_cores,
-        ram_available_bytes=offered_ram(hw),
-        gpus=tuple(usable_gpus(hw)),
-    )

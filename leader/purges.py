@@ -43,6 +43,9 @@ class PurgeBook:
     def get(self, fellow_id: str) -> PendingPurge | None:
         return self._pending.get(fellow_id)
 
+    def is_pending(self, fellow_id: str) -> bool:
+        return fellow_id in self._pending
+
     def list(self) -> list[PendingPurge]:
         return sorted(self._pending.values(), key=lambda p: (p.requested_at, p.fellow_id))
 

@@ -3,10 +3,19 @@ log shipper's bounded queue: pure logic."""
 
 import logging
 
+import msgspec
+import pytest
+
 from agent.logship import FellowLogShipper
-from leader.aggregate import JobMetricsAggregator, history
+from leader.aggregate import JobMetricsAggregator, RateMeter, history, job_metrics
+from leader.jobs import JobManager, plan_schedule
 from leader.logs import WorkerLogBuffer
+from leader.observe import Observability
+from leader.placement import Candidate
+from swarm.jobspec import JobSpec
+from swarm.plan import ModelConfig
 from swarm.protocol import LogBatch, LogRecord, Progress, ProgressEvent, StageOutcome, StageResult
+from tests.fakes import Clock
 
 
 def step(fellow, stage, n, at, *, loss=None, attempt=1, sent=0, down=0, total=100):
@@ -72,6 +81,111 @@ def test_history_is_one_point_per_finished_step_of_the_latest_attempt():
     points = history(records, "j")
     assert [p.step for p in points] == [1, 2, 3]
     assert [p.loss for p in points] == [4.0, 3.0, 2.0]
+
+
+def running(manager: JobManager) -> str:
+    """A two-stage job running on fellows a and b (attempt 1): its id."""
+    job = manager.submit(JobSpec(model=ModelConfig(n_layers=4), stages=2, steps=100))
+    candidates = [
+        Candidate(
+            fellow_id=f,
+            hostname="h",
+            data_address=f"tcp://127.0.0.1:1{n}",
+            cpu_cores=2,
+            ram_available_bytes=8 << 30,
+        )
+        for n, f in enumerate(("a", "b"))
+    ]
+    [assignment], _ = plan_schedule(manager.pending(), candidates)
+    manager.begin_start(job.job_id, assignment.placement)
+    manager.start_succeeded(job.job_id)
+    return job.job_id
+
+
+def records(job_id: str, first: str, last: str) -> list[Progress]:
+    """Ten steps of a two-stage pipeline (fellow ``first`` at stage 0, ``last`` at 1), and
+    the last stage's end."""
+    out = []
+    for i in range(1, 11):
+        out.append(step(first, 0, i, 100.0 + i, sent=1000 * i, down=1000 * i))
+        out.append(step(last, 1, i - 1, 100.5 + i, loss=5.0 - i / 10, sent=1000 * i))
+    out.append(
+        Progress(
+            job_id="j",
+            fellow_id=last,
+            attempt=1,
+            stage=1,
+            step=10,
+            event=ProgressEvent.ENDED,
+            outcome=StageOutcome(job_id=job_id, attempt=1, result=StageResult.FAILED, step=10),
+            at=200.0,
+        )
+    )
+    return [msgspec.structs.replace(r, job_id=job_id) for r in out]
+
+
+def pipeline(manager: JobManager, job_id: str) -> tuple[str, str]:
+    first, last = (s.fellow_id for s in manager.get(job_id).placement.stages)
+    return first, last
+
+
+@pytest.mark.parametrize("ended", [False, True])
+def test_live_metrics_are_the_job_records_numbers_and_a_replay_agrees(ended):
+    """One model of a job's progress: the live metrics read the JobManager's record (the
+    observer keeps only rates), and a replay of the same records folds them by the same
+    rule, so step and loss never disagree."""
+    manager = JobManager(wall=Clock())
+    job_id = running(manager)
+    observe = Observability(bus=None, jobs=manager, prefix="swarm")  # type: ignore[arg-type]
+    replay = JobMetricsAggregator(job_id)
+    first, last = pipeline(manager, job_id)
+    stream = records(job_id, first, last)
+    for record in stream if ended else stream[:-1]:
+        observe.on_progress(record)
+        manager.record_progress(record)
+        replay.apply(record)
+    job = manager.get(job_id)
+    live = observe.metrics(job_id)
+    assert (live.step, live.loss, live.total_steps) == (job.view.step, job.view.loss, 100)
+    assert live.step == (10 if ended else 9) and live.loss == 5.0 - 1.0
+    replayed = replay.view()
+    for name in ("step", "loss", "val_loss", "lr", "bytes_sent", "bytes_received", "eta_s"):
+        assert getattr(live, name) == getattr(replayed, name), name
+    assert live.steps_per_min == replayed.steps_per_min == 60.0
+    assert [f.result for f in live.fellows] == [f.result for f in replayed.fellows]
+    [boundary] = live.boundaries
+    assert (boundary.upstream, boundary.downstream, boundary.bytes_per_s) == (first, last, 1000.0)
+    assert live.boundaries == replayed.boundaries
+
+
+def test_live_metrics_without_rates_still_show_the_records_numbers():
+    """After a leader restart the meters are gone; the record (from the store) is not."""
+    manager = JobManager(wall=Clock())
+    job_id = running(manager)
+    for record in records(job_id, *pipeline(manager, job_id))[:-1]:
+        manager.record_progress(record)
+    observe = Observability(bus=None, jobs=manager, prefix="swarm")  # type: ignore[arg-type]
+    live = observe.metrics(job_id)
+    assert (live.step, live.loss, live.steps_per_min) == (9, 5.0 - 1.0, None)
+    assert [f.fellow_id for f in live.fellows] == list(pipeline(manager, job_id))
+
+
+def test_a_meter_of_another_attempt_gives_no_rates():
+    meter = RateMeter("j")
+    meter.apply(step("a", 0, 1, 1.0, loss=1.0, sent=10), last_stage=True)
+    meter.apply(step("a", 0, 2, 2.0, loss=1.0, sent=20), last_stage=True)
+    assert meter.steps_per_min() == 60.0
+    meter.apply(step("a", 0, 1, 3.0, loss=1.0, attempt=2), last_stage=True)
+    assert meter.attempt == 2 and meter.steps_per_min() is None
+    meter.apply(step("a", 0, 9, 4.0, loss=1.0, attempt=1), last_stage=True)  # older: ignored
+    assert meter.attempt == 2 and meter.steps_per_min() is None
+
+
+def test_job_metrics_of_a_job_with_no_stages_yet():
+    from swarm.types.views import JobView
+
+    view = job_metrics("j", 0, JobView(), [], RateMeter("j"))
+    assert view.step == 0 and view.fellows == [] and view.boundaries == []
 
 
 def test_log_buffer_is_bounded_per_fellow_and_skips_replays():
