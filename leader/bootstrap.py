@@ -36,6 +36,7 @@ import msgspec
 from leader.naming import NameState, settle_fellow_name
 from swarm import __version__
 from swarm.errors import NotFoundError, SwarmError
+from swarm.types.onboarding import JoinSession, SessionLogLine
 
 log = logging.getLogger(__name__)
 LOG_LINES = 5000  # kept per session
@@ -54,24 +55,6 @@ class JoinGoneError(SwarmError):
 class PackageUnavailableError(SwarmError):
     code = "PACKAGE_UNAVAILABLE"
     http_status = 503
-
-
-class JoinSession(msgspec.Struct, kw_only=True):
-    session_id: str
-    fellow_name: str | None
-    status: str  # created | installing | registered | failed
-    created_at: float
-    expires_at: float
-    claimed_at: float | None = None
-    registered_at: float | None = None
-    reason: str = ""
-    log_lines: int = 0
-
-
-class SessionLogLine(msgspec.Struct):
-    seq: int
-    ts: float
-    line: str
 
 
 class _Entry:

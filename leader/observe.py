@@ -21,14 +21,16 @@ from nats.aio.client import Client
 
 from leader import streams
 from leader.admission import Verdict
-from leader.aggregate import HistoryPoint, JobMetrics, JobMetricsAggregator, history
+from leader.aggregate import JobMetricsAggregator, history
 from leader.bus import LeaderBus
 from leader.jobs import JobManager
-from leader.logs import LogEntry, WorkerLogBuffer, entries
+from leader.logs import WorkerLogBuffer, entries
 from swarm import subjects as topics
 from swarm.errors import ProtocolError, SwarmError
 from swarm.protocol import LogBatch, Progress
 from swarm.redact import redact
+from swarm.types.fleet import LogEntry
+from swarm.types.metrics import HistoryPoint, JobMetrics
 
 log = logging.getLogger(__name__)
 KEEPALIVE_S = 15.0

@@ -23,19 +23,10 @@ from nats.js.kv import KeyValue
 from leader.admission import RateLimiter, Verdict
 from leader.bus import LeaderBus
 from leader.exports import ExportService
-from leader.jobs import (
-    CheckpointRecord,
-    CheckpointStage,
-    FellowState,
-    JobManager,
-    JobRecord,
-    SignalRecord,
-    plan_schedule,
-    reconcile,
-)
+from leader.jobs import FellowState, JobManager, plan_schedule, reconcile
 from leader.placement import DEFAULTS, Candidate, PlacementDefaults
-from leader.purges import PendingPurge, PurgeBook
-from leader.registry import FellowRecord, WorkerRegistry
+from leader.purges import PurgeBook
+from leader.registry import WorkerRegistry
 from leader.signals import SignalHub
 from leader.storage import Throttle
 from leader.store import StateStore
@@ -46,6 +37,8 @@ from swarm.natsauth import NatsAuthority
 from swarm.plan import StagePlan
 from swarm.protocol import FellowStatus, JobState, Progress, StageOutcome
 from swarm.telemetry import offered_ram, usable_gpus
+from swarm.types.fleet import FellowRecord, PendingPurge
+from swarm.types.jobs import CheckpointRecord, CheckpointStage, JobRecord, SignalRecord
 from swarm.types.signals import (
     REASON_CHARS,
     CheckpointArgs,

@@ -13,7 +13,6 @@ import msgspec
 
 from leader.artifacts import resolve_export_dir
 from leader.bootstrap import (
-    JoinSession,
     JoinSessions,
     Package,
     PackageUnavailableError,
@@ -23,12 +22,12 @@ from leader.bootstrap import (
 )
 from leader.bus import LeaderBus
 from leader.exports import ExportService
-from leader.jobs import JobManager, JobRecord, SignalRecord
+from leader.jobs import JobManager
 from leader.naming import NameState, settle_fellow_name
 from leader.observe import Observability
 from leader.orchestrator import Orchestrator
 from leader.purges import PurgeBook
-from leader.registry import FellowRecord, NodeView, WorkerRegistry
+from leader.registry import WorkerRegistry
 from leader.storage import StorageMonitor
 from swarm import __version__
 from swarm.errors import NotFoundError, SwarmError
@@ -37,6 +36,9 @@ from swarm.natsauth import NatsAuthError, NatsAuthority
 from swarm.protocol import PROTOCOL_VERSION, FellowStatus
 from swarm.settings import Settings
 from swarm.subjects import TOKEN_RE
+from swarm.types.fleet import FellowRecord, NodeView
+from swarm.types.jobs import JobRecord, SignalRecord
+from swarm.types.onboarding import JoinSession
 from swarm.types.signals import PackageRef, UpdateArgs
 
 log = logging.getLogger(__name__)

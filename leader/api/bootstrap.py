@@ -10,9 +10,9 @@ from litestar import Controller, Request, get, post
 from litestar.response import File, Response, ServerSentEvent, ServerSentEventMessage
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
 
-from leader.bootstrap import JoinSession
 from leader.services import LeaderServices
 from swarm.jobspec import decode_strict
+from swarm.types.onboarding import JoinSession
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "fellow.sh"
 

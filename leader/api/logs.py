@@ -7,11 +7,11 @@ from litestar.params import Parameter
 from litestar.response import ServerSentEvent
 
 from leader.api.sse import last_event_id
-from leader.logs import LogEntry
 from leader.services import LeaderServices
 from swarm.errors import SwarmError
 from swarm.jobspec import FieldError
 from swarm.subjects import TOKEN_RE
+from swarm.types.fleet import LogEntry
 
 
 class StorageUnavailableError(SwarmError):

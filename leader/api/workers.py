@@ -6,11 +6,10 @@ import msgspec
 from litestar import Controller, Request, get, post
 from litestar.status_codes import HTTP_200_OK
 
-from leader.jobs import SignalRecord
-from leader.purges import PendingPurge
-from leader.registry import FellowRecord
 from leader.services import LeaderServices
 from swarm.jobspec import decode_strict
+from swarm.types.fleet import FellowRecord, PendingPurge
+from swarm.types.jobs import SignalRecord
 
 
 class ReleaseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -16,10 +16,11 @@ import pytest
 from agent.runner import PUSH_DRAIN_S
 from agent.runner import final_export_error as fellow_export_error
 from agent.runtime.checkpoint import CheckpointWriteError
-from leader.artifacts import ExportStore, ShardReceipt
+from leader.artifacts import ExportStore
 from leader.jobs import clean_report, final_export_error
 from swarm.cli.watch import ExportMissingError, JobEndedBadlyError, check_export
 from swarm.protocol import EXPORT_ERROR_CHARS, StageOutcome, StageResult
+from swarm.types.jobs import ShardReceipt
 from tests.unit.test_artifacts import chunks, placed_job, send_shard
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ import pytest
 from nats.js.errors import APIError, BadRequestError, ServerError, ServiceUnavailableError
 
 from leader.api.health import health_body
-from leader.storage import StreamUsage, Throttle, storage_reasons
+from leader.storage import Throttle, storage_reasons
 from leader.store import StateStore
 from leader.streams import (
     GIB,
@@ -27,6 +27,7 @@ from leader.streams import (
     progress_stream,
     settle,
 )
+from swarm.types.api import StreamUsage
 from tests.fakes import Clock
 
 PROGRESS, LOGS = progress_stream("swarm"), log_stream("swarm")
