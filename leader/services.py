@@ -8,7 +8,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import msgspec
 
@@ -37,7 +36,7 @@ from swarm.natsauth import NatsAuthError, NatsAuthority
 from swarm.protocol import PROTOCOL_VERSION, FellowStatus
 from swarm.settings import Settings
 from swarm.subjects import TOKEN_RE
-from swarm.types.api import LeaderInfo
+from swarm.types.api import LeaderInfo, NatsAuthMode
 from swarm.types.fleet import FellowRecord, NodeView
 from swarm.types.jobs import JobRecord, SignalRecord
 from swarm.types.metrics import ClusterView, RunningJob
@@ -97,7 +96,7 @@ class LeaderServices:
         )
 
     @property
-    def nats_auth(self) -> Literal["dev", "jwt", "credentials"]:
+    def nats_auth(self) -> NatsAuthMode:
         """``dev`` (no authentication), ``jwt`` (this leader mints each fellow its own NATS
         user) or ``credentials`` (it has its own user but cannot mint others)."""
         if self.settings.dev:

@@ -39,6 +39,11 @@ class StorageView(msgspec.Struct, frozen=True):
     reasons: list[str]
 
 
+# How the leader's NATS connections authenticate: ``dev`` (none), ``jwt`` (it mints each
+# fellow its own user) or ``credentials`` (it has its own user but cannot mint others).
+NatsAuthMode = Literal["dev", "jwt", "credentials"]
+
+
 class LeaderInfo(msgspec.Struct, kw_only=True):
     """``GET /api/v1/info``: the leader's version, NATS and counts."""
 
@@ -46,7 +51,7 @@ class LeaderInfo(msgspec.Struct, kw_only=True):
     protocol_version: int
     nats_url: str
     nats_connected: bool
-    nats_auth: Literal["dev", "jwt", "credentials"]
+    nats_auth: NatsAuthMode
     subject_prefix: str
     started_at: float
     uptime_s: float
