@@ -12,10 +12,12 @@ import time
 from pathlib import Path
 
 import httpx
+import msgspec
 
 from swarm.errors import ConfigError
 from swarm.natsauth import write_private
 from swarm.settings import Settings
+from swarm.types.onboarding import Enroll, Enrollment
 
 log = logging.getLogger(__name__)
 RETRY_MAX_S = 10.0
@@ -38,16 +40,20 @@ def enroll(settings: Settings, fellow_id: str) -> Path | None:
     if not settings.leader_url:
         raise ConfigError("SWARM_ENROLL_TOKEN needs SWARM_LEADER_URL (where to enroll)")
     url = f"{settings.leader_url.rstrip('/')}/api/v1/bootstrap/enroll"
-    headers = {"authorization": f"Bearer {settings.enroll_token}"}
+    headers = {
+        "authorization": f"Bearer {settings.enroll_token}",
+        "content-type": "application/json",
+    }
+    body = msgspec.json.encode(Enroll(fellow_name=fellow_id))
     delay, reported = 0.5, ""
     while True:
         try:
-            response = httpx.post(url, json={"fellow_name": fellow_id}, headers=headers, timeout=10)
+            response = httpx.post(url, content=body, headers=headers, timeout=10)
         except httpx.HTTPError as exc:
             reason = f"cannot reach the leader at {url} ({type(exc).__name__})"
         else:
             if response.status_code == 200:
-                return _save(path, response.json().get("nats_creds"), fellow_id)
+                return _save(path, _enrollment(response, url).nats_creds, fellow_id)
             message = _message(response)
             if response.status_code not in RETRY_STATUSES:
                 raise ConfigError(f"the leader refused to enroll {fellow_id!r}: {message}")
@@ -57,6 +63,13 @@ def enroll(settings: Settings, fellow_id: str) -> Path | None:
             reported = reason
         time.sleep(delay)
         delay = min(RETRY_MAX_S, delay * 2)
+
+
+def _enrollment(response: httpx.Response, url: str) -> Enrollment:
+    try:
+        return msgspec.json.decode(response.content, type=Enrollment)
+    except msgspec.DecodeError as exc:
+        raise ConfigError(f"{url} answered what is not an enrollment: {exc}") from None
 
 
 def _save(path: Path, creds: str | None, fellow_id: str) -> Path | None:

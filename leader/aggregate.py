@@ -22,70 +22,12 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import msgspec
-
 from leader.progress import apply_outcome, apply_step
-from swarm.protocol import Progress, ProgressEvent, StageResult
+from swarm.protocol import Progress, ProgressEvent
+from swarm.types.metrics import BoundaryMetrics, FellowMetrics, HistoryPoint, JobMetrics
 from swarm.types.views import JobView, StageProgress, is_last_stage, job_view
 
 RATE_WINDOW = 50  # recent steps the rate and ETA are measured over
-
-
-class FellowMetrics(msgspec.Struct, kw_only=True):
-    fellow_id: str
-    stage: int
-    step: int = 0
-    loss: float | None = None
-    step_time_s: float | None = None
-    tokens_per_s: float | None = None
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    sent_bytes_per_s: float = 0.0
-    received_bytes_per_s: float = 0.0
-    result: StageResult | None = None
-    at: float | None = None
-
-
-class BoundaryMetrics(msgspec.Struct, kw_only=True):
-    boundary: int  # between stage `boundary` and `boundary + 1`
-    upstream: str
-    downstream: str
-    bytes_per_s: float
-    bytes_total: int
-    transport: str | None = None  # "p2p" (ZeroMQ) or "relay" (NATS), as the stage reports
-
-
-class JobMetrics(msgspec.Struct, kw_only=True):
-    job_id: str
-    attempt: int
-    step: int
-    total_steps: int | None
-    loss: float | None
-    val_loss: float | None
-    lr: float | None
-    steps_per_min: float | None
-    step_time_s: float | None
-    tokens_per_s: float | None
-    eta_s: float | None
-    bytes_sent: int
-    bytes_received: int
-    boundaries: list[BoundaryMetrics]
-    fellows: list[FellowMetrics]
-    updated_at: float | None
-
-
-class HistoryPoint(msgspec.Struct, kw_only=True):
-    """One finished step of the last stage, with the job's byte counters at that moment."""
-
-    step: int
-    at: float
-    loss: float | None
-    val_loss: float | None
-    lr: float | None
-    step_time_s: float | None
-    tokens_per_s: float | None
-    bytes_sent: int
-    bytes_received: int
 
 
 @dataclass

@@ -34,30 +34,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from leader.errors import ExportPathError
 from swarm import __version__
 from swarm.errors import FieldError
 from swarm.protocol import ShardAck, ShardChunk
+from swarm.types.jobs import ShardReceipt
 from swarm.types.manifests import RUN_MANIFEST, ExportedShard, RunManifest, encode_run_manifest
 from swarm.types.views import job_view
 
 SHARD_FILE = re.compile(r"^stage-(\d{1,4})\.(npz|json)$")
 MANIFEST = RUN_MANIFEST
 KEEP_COMPLETE_STEPS = 2
-
-
-class ShardReceipt(msgspec.Struct, kw_only=True):
-    """A stage's shard arrived whole and verified."""
-
-    fellow_id: str
-    stage: int
-    step: int
-    attempt: int
-    size: int  # both files
-    sha256: str  # of the arrays (.npz)
-    at: float
 
 
 @dataclass

@@ -37,27 +37,10 @@ from leader.errors import JoinGoneError, JoinRefusedError, PackageUnavailableErr
 from leader.naming import NameState, settle_fellow_name
 from swarm import __version__
 from swarm.errors import NotFoundError
+from swarm.types.onboarding import JoinSession, SessionLogLine
 
 log = logging.getLogger(__name__)
 LOG_LINES = 5000  # kept per session
-
-
-class JoinSession(msgspec.Struct, kw_only=True):
-    session_id: str
-    fellow_name: str | None
-    status: str  # created | installing | registered | failed
-    created_at: float
-    expires_at: float
-    claimed_at: float | None = None
-    registered_at: float | None = None
-    reason: str = ""
-    log_lines: int = 0
-
-
-class SessionLogLine(msgspec.Struct):
-    seq: int
-    ts: float
-    line: str
 
 
 class _Entry:

@@ -23,13 +23,14 @@ from typing import Any
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from leader.artifacts import ExportStore, ShardReceipt, export_dir
+from leader.artifacts import ExportStore, export_dir
 from leader.bus import LeaderBus
 from leader.errors import ShardAccessError
-from leader.jobs import JobManager, JobRecord
+from leader.jobs import JobManager
 from swarm import subjects as topics
 from swarm.errors import NotFoundError
 from swarm.protocol import JobState, ShardAck
+from swarm.types.jobs import JobRecord, ShardReceipt
 from swarm.types.signals import ResumeArgs, ShardFile
 
 log = logging.getLogger(__name__)

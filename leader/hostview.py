@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import msgspec
 
-from swarm.protocol import FellowLimits, GpuInfo, HardwareSnapshot
+from swarm.protocol import GpuInfo, HardwareSnapshot
 from swarm.telemetry import gpu_warning
+from swarm.types.fleet import NodeView
 
 
 class HostFellow(msgspec.Struct, kw_only=True, gc=False):
@@ -31,30 +32,6 @@ class HostFellow(msgspec.Struct, kw_only=True, gc=False):
     fellow_id: str
     online: bool
     hardware: HardwareSnapshot
-
-
-class NodeView(msgspec.Struct, kw_only=True):
-    """One host, merged over all its fellows (see the module docstring)."""
-
-    hostname: str
-    online: bool
-    fellows: list[str]
-    cpu_cores: int
-    cpu_load_pct: float
-    ram_total_bytes: int
-    ram_available_bytes: int
-    gpus: list[GpuInfo]
-    nvml_error: str | None
-    # GPUs NVML reports that TensorFlow cannot use (and the fix); None when all are usable.
-    # Prefixed with the fellow ids when the host's fellows say different things.
-    gpu_warning: str | None = None
-    tf_gpu_count: int | None = None
-    # The operator's caps, per fellow id.
-    limits: dict[str, FellowLimits] = msgspec.field(default_factory=dict)
-    # The UUIDs of the GPUs each fellow sees, per fellow id.
-    fellow_gpus: dict[str, list[str]] = msgspec.field(default_factory=dict)
-    net_sent_bytes_per_s: float = 0.0
-    net_recv_bytes_per_s: float = 0.0
 
 
 def _freshness(fellow: HostFellow) -> tuple[float, str]:

@@ -19,26 +19,30 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import msgspec
-
 from leader.admission import Admission, admit_progress
-from leader.artifacts import ShardReceipt
 from leader.placement import DEFAULTS, Candidate, PlacementDefaults, Unplaceable, place
 from leader.progress import apply_outcome, apply_step
 from swarm.errors import ConflictError, ErrorCode, IllegalTransitionError, NotFoundError
 from swarm.jobspec import JobSpec, Placement, new_job_id
-from swarm.lifecycle import TERMINAL_JOB_STATES, JobEvent, next_job_state
+from swarm.lifecycle import JobEvent, next_job_state
 from swarm.protocol import (
     EXPORT_ERROR_CHARS,
     FellowStatus,
     JobState,
     Progress,
     ProgressEvent,
-    SignalAck,
     StageOutcome,
     StageResult,
 )
-from swarm.types.views import JobView, StageProgress, job_view, last_stage
+from swarm.types.jobs import (
+    CheckpointRecord,
+    JobRecord,
+    JobTransition,
+    ResumeRecord,
+    ShardReceipt,
+    SignalRecord,
+)
+from swarm.types.views import StageProgress, last_stage
 
 log = logging.getLogger(__name__)
 HISTORY_LEN = 50
@@ -54,101 +58,6 @@ START_RETRY_MAX_S = 30.0
 JOB_EXPORT_ERROR_CHARS = 4096
 # What a fellow says is shown to operators (terminals, the UI): control characters go.
 _UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]+")
-
-
-class JobTransition(msgspec.Struct, kw_only=True):
-    at: float
-    from_state: JobState | None
-    to_state: JobState
-    reason: str
-
-
-class SignalRecord(SignalAck, kw_only=True):
-    """One signal the leader sent and how it ended: the fellow's ack, or ``NO_ANSWER``."""
-
-    kind: str
-    sent_at: float
-    attempts: int
-
-
-class CheckpointStage(msgspec.Struct, kw_only=True):
-    fellow_id: str
-    acknowledged: bool = False
-    ok: bool | None = None  # None until the fellow reports the checkpoint written
-    step: int | None = None
-    path: str | None = None
-    message: str = ""
-
-
-class CheckpointRecord(msgspec.Struct, kw_only=True):
-    checkpoint_id: str
-    requested_at: float
-    attempt: int
-    at_step: int | None
-    stages: list[CheckpointStage]
-
-
-class ResumeRecord(msgspec.Struct, kw_only=True):
-    at: float
-    failed_attempt: int
-    reason: str
-    from_step: int
-
-
-class JobRecord(msgspec.Struct, kw_only=True):
-    job_id: str
-    name: str
-    spec: JobSpec
-    state: JobState
-    created_at: float
-    updated_at: float
-    attempt: int = 0
-    started_at: float | None = None
-    finished_at: float | None = None
-    # PENDING: why it waits; FAILED: which fellow failed and how; CANCELLED: by whom.
-    reason: str = ""
-    placement: Placement | None = None
-    progress: list[StageProgress] = msgspec.field(default_factory=list)
-    final_loss: float | None = None
-    final_val_loss: float | None = None
-    checkpoints: list[CheckpointRecord] = msgspec.field(default_factory=list)
-    signals: list[SignalRecord] = msgspec.field(default_factory=list)
-    history: list[JobTransition] = msgspec.field(default_factory=list)
-    # Exports: where the shards go, the newest step every stage pushed, the latest pushes.
-    export_dir: str | None = None
-    # While running: why the leader could not store the export (a full disk...), cleared by
-    # the next complete step. Once COMPLETED: why the final model is not in the export
-    # (final_export_error), naming the stage, fellow, path and cause; None: it is there.
-    export_error: str | None = None
-    pushed_step: int | None = None
-    latest_shard_pushes: list[ShardReceipt] = msgspec.field(default_factory=list)
-    # Automatic resume: each one, the step the current attempt started from, and the layer
-    # ranges every attempt keeps (learned bottlenecks stay where they were trained).
-    resumes: list[ResumeRecord] = msgspec.field(default_factory=list)
-    resume_step: int | None = None
-    layer_ranges: list[tuple[int, int]] | None = None
-    # The job's numbers as one pipeline (swarm/types/views.py), derived from ``progress``
-    # and the final losses whenever they change: what the Ops UI shows.
-    view: JobView = msgspec.field(default_factory=JobView)
-
-    @property
-    def terminal(self) -> bool:
-        return self.state in TERMINAL_JOB_STATES
-
-    def stage_progress(self, fellow_id: str) -> StageProgress | None:
-        return next((p for p in self.progress if p.fellow_id == fellow_id), None)
-
-    def current_view(self) -> JobView:
-        """The view from the record as it is now (``view`` is this, as of the last change)."""
-        return job_view(
-            self.progress,
-            total_steps=self.spec.steps,
-            final_loss=self.final_loss,
-            final_val_loss=self.final_val_loss,
-        )
-
-    def refresh_view(self) -> None:
-        self.view = self.current_view()
 
 
 @dataclass(frozen=True)

@@ -8,20 +8,10 @@ from __future__ import annotations
 
 from collections import deque
 
-import msgspec
-
 from swarm.protocol import LogBatch
+from swarm.types.fleet import LogEntry
 
 PER_FELLOW = 2000
-
-
-class LogEntry(msgspec.Struct, kw_only=True):
-    seq: int  # the stream sequence of the batch it came in
-    fellow_id: str
-    ts: float
-    level: str
-    logger: str
-    message: str
 
 
 def entries(seq: int, batch: LogBatch) -> list[LogEntry]:

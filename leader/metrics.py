@@ -28,10 +28,10 @@ from prometheus_client.core import (
     Metric,
 )
 
-from leader.jobs import JobRecord
-from leader.registry import FellowRecord
 from swarm import __version__
 from swarm.protocol import PROTOCOL_VERSION, FellowStatus, GpuInfo, JobState
+from swarm.types.fleet import FellowRecord
+from swarm.types.jobs import JobRecord
 from swarm.types.views import StageProgress
 
 if TYPE_CHECKING:

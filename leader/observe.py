@@ -13,7 +13,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 import msgspec
 from litestar.response import ServerSentEventMessage
@@ -21,22 +20,18 @@ from nats.aio.client import Client
 
 from leader import streams
 from leader.admission import Verdict
-from leader.aggregate import (
-    HistoryPoint,
-    JobMetrics,
-    JobMetricsAggregator,
-    RateMeter,
-    history,
-    job_metrics,
-)
+from leader.aggregate import JobMetricsAggregator, RateMeter, history, job_metrics
 from leader.bus import LeaderBus
 from leader.errors import StreamsUnavailableError
 from leader.jobs import JobManager
-from leader.logs import LogEntry, WorkerLogBuffer, entries
+from leader.logs import WorkerLogBuffer, entries
 from swarm import subjects as topics
 from swarm.errors import ProtocolError, SwarmError
 from swarm.protocol import LogBatch, Progress
 from swarm.redact import redact
+from swarm.types.fleet import LogEntry
+from swarm.types.jobs import JobEnd, JobRecord
+from swarm.types.metrics import HistoryPoint, JobMetrics
 from swarm.types.views import is_last_stage
 
 log = logging.getLogger(__name__)
@@ -287,12 +282,12 @@ async def _sse(
             await records.aclose()
 
 
-def _end_event(job: Any) -> ServerSentEventMessage:
-    data = {
-        "job_id": job.job_id,
-        "state": job.state.value,
-        "reason": job.reason,
-        "final_loss": job.final_loss,
-        "final_val_loss": job.final_val_loss,
-    }
-    return ServerSentEventMessage(data=msgspec.json.encode(data).decode(), event="end")
+def _end_event(job: JobRecord) -> ServerSentEventMessage:
+    end = JobEnd(
+        job_id=job.job_id,
+        state=job.state,
+        reason=job.reason,
+        final_loss=job.final_loss,
+        final_val_loss=job.final_val_loss,
+    )
+    return ServerSentEventMessage(data=msgspec.json.encode(end).decode(), event="end")

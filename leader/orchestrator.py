@@ -28,16 +28,9 @@ from leader.admission import RateLimiter, Verdict
 from leader.bus import LeaderBus
 from leader.errors import NotReadyError
 from leader.exports import ExportService
-from leader.jobs import (
-    CheckpointRecord,
-    CheckpointStage,
-    JobManager,
-    JobRecord,
-    SignalRecord,
-    plan_schedule,
-)
+from leader.jobs import JobManager, plan_schedule
 from leader.placement import DEFAULTS, PlacementDefaults
-from leader.purges import PendingPurge, PurgeBook
+from leader.purges import PurgeBook
 from leader.registry import WorkerRegistry
 from leader.signals import SignalHub
 from leader.storage import Throttle
@@ -48,6 +41,8 @@ from swarm.jobspec import JobSpec, stage_plans
 from swarm.natsauth import NatsAuthority
 from swarm.plan import StagePlan
 from swarm.protocol import FellowStatus, JobState, Progress
+from swarm.types.fleet import PendingPurge, PurgeDelivery, ReleaseResult
+from swarm.types.jobs import CheckpointRecord, CheckpointStage, JobRecord, SignalRecord
 from swarm.types.signals import (
     REASON_CHARS,
     CheckpointArgs,
@@ -465,7 +460,7 @@ class Orchestrator:
         finally:
             self._reserved -= ids
 
-    async def release(self, fellow_id: str, *, purge_install: bool) -> dict[str, Any]:
+    async def release(self, fellow_id: str, *, purge_install: bool) -> ReleaseResult:
         record = self.registry.get(fellow_id)
         if record is None:
             raise NotFoundError(f"no fellow {fellow_id!r} is registered")
@@ -478,17 +473,17 @@ class Orchestrator:
                 code=ErrorCode.FELLOW_BUSY,
             )
         online = record.status is not FellowStatus.OFFLINE
-        result: dict[str, Any] = {"fellow_id": fellow_id, "released": True, "purge": None}
+        result = ReleaseResult(fellow_id=fellow_id, released=True, purge=None)
         self._reserved.add(fellow_id)
         try:
             if purge_install:
                 self.purges.add(fellow_id)
-                result["purge"] = "pending"
+                result.purge = "pending"
                 if online and await self._deliver_purge(fellow_id):
-                    result["purge"] = "delivered"
+                    result.purge = "delivered"
             elif online:
                 ack = await hub.send(fellow_id, StopArgs(release=True, reason="released"))
-                result["agent_stopped"] = ack.ok
+                result.agent_stopped = ack.ok
             if self.registry.get(fellow_id) is not None:
                 self.registry.release(fellow_id)
         finally:
@@ -499,7 +494,7 @@ class Orchestrator:
     def pending_purges(self) -> list[PendingPurge]:
         return self.purges.list()
 
-    async def retry_purges(self, fellow_id: str | None) -> list[dict[str, Any]]:
+    async def retry_purges(self, fellow_id: str | None) -> list[PurgeDelivery]:
         self._hub()
         if fellow_id is not None and self.purges.get(fellow_id) is None:
             raise NotFoundError(f"no pending purge for {fellow_id!r}")
@@ -511,7 +506,7 @@ class Orchestrator:
         for fid, ok in zip(targets, delivered, strict=True):
             pending = self.purges.get(fid)
             error = "" if pending is None else pending.last_error
-            results.append({"fellow_id": fid, "delivered": ok, "error": error})
+            results.append(PurgeDelivery(fellow_id=fid, delivered=ok, error=error))
         await self.flush()
         return results
 

@@ -9,15 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-import msgspec
-
-
-class PendingPurge(msgspec.Struct, kw_only=True):
-    fellow_id: str
-    requested_at: float
-    attempts: int = 0
-    last_attempt_at: float | None = None
-    last_error: str = ""
+from swarm.types.fleet import PendingPurge
 
 
 class PurgeBook:

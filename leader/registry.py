@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from leader.hostview import HostFellow, NodeView, merge_host
+from leader.hostview import HostFellow, merge_host
 from swarm.errors import ErrorCode
 from swarm.lifecycle import FellowEvent, can_go_offline, next_status
 from swarm.protocol import (
@@ -32,48 +32,13 @@ from swarm.protocol import (
     Heartbeat,
     RegisterReply,
     RegisterRequest,
-    StageOutcome,
 )
+from swarm.types.fleet import FellowRecord, NodeView, Transition
 
 __all__ = ["FellowRecord", "NodeView", "Transition", "WorkerRegistry"]
 
 log = logging.getLogger(__name__)
 HISTORY_LEN = 50
-
-
-class Transition(msgspec.Struct, kw_only=True, gc=False):
-    at: float
-    from_status: FellowStatus | None
-    to_status: FellowStatus
-    reason: str
-
-
-class FellowRecord(msgspec.Struct, kw_only=True, gc=False):
-    fellow_id: str
-    instance_id: str
-    hostname: str
-    version: str
-    pid: int
-    data_address: str | None
-    status: FellowStatus
-    job_id: str | None = None
-    attempt: int | None = None
-    step: int | None = None
-    loss: float | None = None
-    # How the fellow's last stage run ended, as its heartbeats repeat it.
-    outcome: StageOutcome | None = None
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    hardware: HardwareSnapshot
-    registered_at: float
-    # Accepted register requests from this id: > 1 after reconnects and restarts.
-    registrations: int = 1
-    last_registered_at: float | None = None
-    last_heartbeat_at: float | None = None
-    heartbeats: int = 0  # accepted heartbeats, since the record was created
-    last_heartbeat_age_s: float | None = None
-    offline_reason: str | None = None
-    history: list[Transition] = msgspec.field(default_factory=list)
 
 
 @dataclass

@@ -13,7 +13,6 @@ import msgspec
 
 from leader.artifacts import resolve_export_dir
 from leader.bootstrap import (
-    JoinSession,
     JoinSessions,
     Package,
     find_or_build_wheel,
@@ -23,12 +22,12 @@ from leader.bootstrap import (
 from leader.bus import LeaderBus
 from leader.errors import EnrollRefusedError, PackageUnavailableError
 from leader.exports import ExportService
-from leader.jobs import JobManager, JobRecord, SignalRecord
+from leader.jobs import JobManager
 from leader.naming import NameState, settle_fellow_name
 from leader.observe import Observability
 from leader.orchestrator import Orchestrator
 from leader.purges import PurgeBook
-from leader.registry import FellowRecord, NodeView, WorkerRegistry
+from leader.registry import WorkerRegistry
 from leader.storage import StorageMonitor
 from swarm import __version__
 from swarm.errors import ErrorCode, FieldError, NatsAuthError, NotFoundError
@@ -37,6 +36,18 @@ from swarm.natsauth import NatsAuthority
 from swarm.protocol import PROTOCOL_VERSION, FellowStatus
 from swarm.settings import Settings
 from swarm.subjects import TOKEN_RE
+from swarm.types.api import LeaderInfo, NatsAuthMode
+from swarm.types.fleet import FellowRecord, NodeView
+from swarm.types.jobs import JobRecord, SignalRecord
+from swarm.types.metrics import ClusterView, RunningJob
+from swarm.types.onboarding import (
+    BootstrapManifest,
+    Enrollment,
+    JoinClaim,
+    JoinSession,
+    JoinSessionCreated,
+    PackageInfo,
+)
 from swarm.types.signals import PackageRef, UpdateArgs
 
 log = logging.getLogger(__name__)
@@ -60,27 +71,27 @@ class LeaderServices:
     _package_build: asyncio.Future[Package | None] | None = None
     started_at: float = field(default_factory=time.time)
 
-    def info(self) -> dict[str, object]:
-        return {
-            "version": __version__,
-            "protocol_version": PROTOCOL_VERSION,
-            "nats_url": self.nats_url,
-            "nats_connected": self.bus.is_connected,
-            "nats_auth": self.nats_auth,
-            "subject_prefix": self.settings.subject_prefix,
-            "started_at": self.started_at,
-            "uptime_s": round(time.time() - self.started_at, 3),
-            "heartbeat_interval_s": self.settings.heartbeat_interval_s,
-            "offline_after_s": self.settings.offline_after_s,
-            "state_loaded": self.orchestrator.loaded.is_set(),
-            "fellows": self.registry.counts(),
-            "jobs": self.jobs.counts(),
-            "nodes": self.registry.host_count(),
-            "storage": msgspec.to_builtins(self.storage.view()),
-        }
+    def info(self) -> LeaderInfo:
+        return LeaderInfo(
+            version=__version__,
+            protocol_version=PROTOCOL_VERSION,
+            nats_url=self.nats_url,
+            nats_connected=self.bus.is_connected,
+            nats_auth=self.nats_auth,
+            subject_prefix=self.settings.subject_prefix,
+            started_at=self.started_at,
+            uptime_s=round(time.time() - self.started_at, 3),
+            heartbeat_interval_s=self.settings.heartbeat_interval_s,
+            offline_after_s=self.settings.offline_after_s,
+            state_loaded=self.orchestrator.loaded.is_set(),
+            fellows=self.registry.counts(),
+            jobs=self.jobs.counts(),
+            nodes=self.registry.host_count(),
+            storage=self.storage.view(),
+        )
 
     @property
-    def nats_auth(self) -> str:
+    def nats_auth(self) -> NatsAuthMode:
         """``dev`` (no authentication), ``jwt`` (this leader mints each fellow its own NATS
         user) or ``credentials`` (it has its own user but cannot mint others)."""
         if self.settings.dev:
@@ -107,7 +118,7 @@ class LeaderServices:
         self.orchestrator.require_loaded()
         return self.jobs.list()
 
-    def cluster(self) -> dict[str, object]:
+    def cluster(self) -> ClusterView:
         """What the swarm has online (per host, so fellows sharing a host count it once) and
         how its running jobs perform."""
         hosts = [n for n in self.registry.nodes() if n.online]
@@ -116,32 +127,32 @@ class LeaderServices:
         for job in self.jobs.running():
             view = self.observe.metrics(job.job_id)
             running.append(
-                {
-                    "job_id": job.job_id,
-                    "name": job.name,
-                    "step": view.step,
-                    "total_steps": view.total_steps,
-                    "loss": view.loss,
-                    "step_time_s": view.step_time_s,
-                    "steps_per_min": view.steps_per_min,
-                    "tokens_per_s": view.tokens_per_s,
-                    "boundaries": view.boundaries,
-                    "placement": job.placement,
-                }
+                RunningJob(
+                    job_id=job.job_id,
+                    name=job.name,
+                    step=view.step,
+                    total_steps=view.total_steps,
+                    loss=view.loss,
+                    step_time_s=view.step_time_s,
+                    steps_per_min=view.steps_per_min,
+                    tokens_per_s=view.tokens_per_s,
+                    boundaries=view.boundaries,
+                    placement=job.placement,
+                )
             )
-        return {
-            "fellows": self.registry.counts(),
-            "hosts": len(hosts),
-            "cpu_cores": sum(n.cpu_cores for n in hosts),
-            "ram_total_bytes": sum(n.ram_total_bytes for n in hosts),
-            "ram_available_bytes": sum(n.ram_available_bytes for n in hosts),
-            "gpus": len(gpus),
-            "vram_total_bytes": sum(g.memory_total_bytes for g in gpus),
-            "vram_free_bytes": sum(g.memory_free_bytes for g in gpus),
-            "net_sent_bytes_per_s": round(sum(n.net_sent_bytes_per_s for n in hosts), 1),
-            "net_recv_bytes_per_s": round(sum(n.net_recv_bytes_per_s for n in hosts), 1),
-            "running_jobs": running,
-        }
+        return ClusterView(
+            fellows=self.registry.counts(),
+            hosts=len(hosts),
+            cpu_cores=sum(n.cpu_cores for n in hosts),
+            ram_total_bytes=sum(n.ram_total_bytes for n in hosts),
+            ram_available_bytes=sum(n.ram_available_bytes for n in hosts),
+            gpus=len(gpus),
+            vram_total_bytes=sum(g.memory_total_bytes for g in gpus),
+            vram_free_bytes=sum(g.memory_free_bytes for g in gpus),
+            net_sent_bytes_per_s=round(sum(n.net_sent_bytes_per_s for n in hosts), 1),
+            net_recv_bytes_per_s=round(sum(n.net_recv_bytes_per_s for n in hosts), 1),
+            running_jobs=running,
+        )
 
     # --- onboarding --------------------------------------------------------------------------
 
@@ -197,26 +208,26 @@ class LeaderServices:
     def _public_url(self, request_base: str) -> str:
         return (self.settings.public_url or request_base).rstrip("/")
 
-    def bootstrap_manifest(self, request_base: str) -> dict[str, object]:
+    def bootstrap_manifest(self, request_base: str) -> BootstrapManifest:
         package = self.package_or_503()
         base = self._public_url(request_base)
-        return {
-            "leader_version": __version__,
-            "leader_url": base,
-            "package": {
-                "file": package.file,
-                "sha256": package.sha256,
-                "size": package.size,
-                "url": f"{base}/api/v1/bootstrap/source",
-            },
-            "nats_urls": [self.settings.public_nats_url or self.nats_url],
-            "transport_default": "auto",
-            "min_python": "3.11",
-        }
+        return BootstrapManifest(
+            leader_version=__version__,
+            leader_url=base,
+            package=PackageInfo(
+                file=package.file,
+                sha256=package.sha256,
+                size=package.size,
+                url=f"{base}/api/v1/bootstrap/source",
+            ),
+            nats_urls=[self.settings.public_nats_url or self.nats_url],
+            transport_default="auto",
+            min_python="3.11",
+        )
 
     def create_join_session(
         self, fellow_name: str | None, ttl_s: float, request_base: str
-    ) -> dict[str, object]:
+    ) -> JoinSessionCreated:
         if fellow_name is not None:
             _check_fellow_name(fellow_name)
         if not 1 <= ttl_s <= 7 * 86400:
@@ -235,7 +246,8 @@ class LeaderServices:
             f"curl -fsSL {base}/api/v1/bootstrap/fellow.sh | SWARM_JOIN_TOKEN={token} sh -s -- "
             f"--join {base} {session.session_id}"
         )
-        return {**msgspec.to_builtins(session), "token": token, "command": command}
+        fields = msgspec.structs.asdict(session)
+        return JoinSessionCreated(**fields, token=token, command=command)
 
     def join_sessions(self) -> list[JoinSession]:
         self._mark_registered()
@@ -247,7 +259,7 @@ class LeaderServices:
 
     def claim_join_session(
         self, session_id: str, token: str, proposed_name: str | None
-    ) -> dict[str, object]:
+    ) -> JoinClaim:
         """The installer's single-use token for what it installs, and (unless in dev mode)
         the fellow's own NATS user, bound to the fellow name settled here."""
         if proposed_name is not None:
@@ -258,18 +270,18 @@ class LeaderServices:
         creds = None
         if self.authority is not None:
             creds = self.authority.fellow_creds(self.settings.subject_prefix, session.fellow_name)
-        return {
-            "session_id": session.session_id,
-            "secret": secret,
-            "fellow_name": session.fellow_name,
-            "leader_url": self.settings.public_url,
-            "nats_url": self.settings.public_nats_url or self.nats_url,
-            "nats_creds": creds,
-            "package_file": package.file,
-            "package_sha256": package.sha256,
-        }
+        return JoinClaim(
+            session_id=session.session_id,
+            secret=secret,
+            fellow_name=session.fellow_name,
+            leader_url=self.settings.public_url,
+            nats_url=self.settings.public_nats_url or self.nats_url,
+            nats_creds=creds,
+            package_file=package.file,
+            package_sha256=package.sha256,
+        )
 
-    def enroll(self, fellow_name: str, token: str) -> dict[str, object]:
+    def enroll(self, fellow_name: str, token: str) -> Enrollment:
         """A NATS user for a fleet fellow that shows the enrollment token (SWARM_ENROLL_TOKEN).
         Refused (leader.naming) for a name that is online, known (offline) or held by a join
         session: the token cannot take over a fellow; the operator names known fellows."""
@@ -297,11 +309,11 @@ class LeaderServices:
         if self.authority is not None:
             creds = self.authority.fellow_creds(self.settings.subject_prefix, fellow_name)
         log.info("enrolled fellow %s", fellow_name)
-        return {
-            "fellow_name": fellow_name,
-            "nats_url": self.settings.public_nats_url or self.nats_url,
-            "nats_creds": creds,
-        }
+        return Enrollment(
+            fellow_name=fellow_name,
+            nats_url=self.settings.public_nats_url or self.nats_url,
+            nats_creds=creds,
+        )
 
     def name_state(self, name: str) -> NameState:
         """What the registry knows of a fellow name now (for leader.naming)."""

@@ -17,10 +17,10 @@ import msgspec
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
 
-from leader.jobs import SignalRecord
 from swarm import subjects as topics
 from swarm.errors import ErrorCode, ProtocolError
 from swarm.protocol import make_signal
+from swarm.types.jobs import SignalRecord
 from swarm.types.signals import SignalArgs
 
 log = logging.getLogger(__name__)

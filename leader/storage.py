@@ -15,12 +15,12 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 
-import msgspec
 from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 
 from leader import streams
 from leader.streams import StoreCapacity, StreamSpec
+from swarm.types.api import StorageView, StreamUsage
 
 log = logging.getLogger(__name__)
 
@@ -32,26 +32,6 @@ LOG_EVERY_S = 60.0
 FULL_FRACTION = 0.9
 # The monitor's probe goes this far (a store larger than this is never full by our hand).
 CAPACITY_PROBE_UPPER = 1 << 40
-
-
-class StreamUsage(msgspec.Struct, frozen=True):
-    name: str
-    max_bytes: int  # -1: no limit; 0: the stream does not exist
-    bytes: int
-    max_msgs_per_subject: int
-    min_bytes: int
-
-
-class StorageView(msgspec.Struct, frozen=True):
-    """What the leader last saw of its store (``/api/v1/info``'s ``storage``)."""
-
-    checks: int
-    checked_at: float | None
-    capacity_bytes: int | None
-    capacity_at_least: bool
-    used_bytes: int | None
-    streams: list[StreamUsage]
-    reasons: list[str]
 
 
 def _mib(n: int) -> str:

@@ -27,10 +27,9 @@ from nats.js.errors import KeyDeletedError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from leader.errors import StoreReadError
-from leader.jobs import JobRecord
-from leader.purges import PendingPurge
-from leader.registry import FellowRecord
 from leader.streams import describe, is_storage_error
+from swarm.types.fleet import FellowRecord, PendingPurge
+from swarm.types.jobs import JobRecord
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

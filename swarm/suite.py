@@ -25,7 +25,8 @@ import msgspec
 from swarm.errors import ConfigError, FieldError
 from swarm.jobspec import JobSpec, decode_job_spec
 from swarm.sweep import decode_config
-from swarm.types.views import view_of_record
+from swarm.types.fleet import FellowRecord
+from swarm.types.jobs import JobRecord
 
 GIB = 2**30
 USABLE_STATUSES = frozenset({"ready"})
@@ -183,32 +184,31 @@ def _resolve(config: SuiteConfig, scenario: Scenario, source: str) -> ResolvedSc
 # --- dry run ----------------------------------------------------------------------------------
 
 
-def qualifying_gpus(worker: Mapping[str, Any], min_free_gb: float) -> int:
+def qualifying_gpus(worker: FellowRecord, min_free_gb: float) -> int:
     """GPUs of the fellow with at least ``min_free_gb`` GiB free."""
-    gpus = (worker.get("hardware") or {}).get("gpus") or []
     need = min_free_gb * GIB
-    return sum(1 for g in gpus if (g.get("memory_free_bytes") or 0) >= need)
+    return sum(1 for g in worker.hardware.gpus if g.memory_free_bytes >= need)
 
 
-def fellow_qualifies(worker: Mapping[str, Any], infra: InfraProfile) -> bool:
-    if worker.get("status") not in USABLE_STATUSES:
+def fellow_qualifies(worker: FellowRecord, infra: InfraProfile) -> bool:
+    if worker.status not in USABLE_STATUSES:
         return False
     return qualifying_gpus(worker, infra.min_free_vram_gb) >= infra.gpus_per_fellow
 
 
-def pick_fellows(workers: Sequence[Mapping[str, Any]], infra: InfraProfile) -> list[str] | None:
+def pick_fellows(workers: Sequence[FellowRecord], infra: InfraProfile) -> list[str] | None:
     """Fellows that satisfy the profile (spanning ``hosts`` host names), or None.
 
     One fellow per new host first, then the rest by id: a greedy pick is exact here, since
     every qualifying fellow is interchangeable apart from its host.
     """
-    good = sorted((w for w in workers if fellow_qualifies(w, infra)), key=lambda w: w["fellow_id"])
-    picked: list[Mapping[str, Any]] = []
+    good = sorted((w for w in workers if fellow_qualifies(w, infra)), key=lambda w: w.fellow_id)
+    picked: list[FellowRecord] = []
     seen: set[str] = set()
     for w in good:
-        if len(seen) < infra.hosts and w.get("hostname") not in seen:
+        if len(seen) < infra.hosts and w.hostname not in seen:
             picked.append(w)
-            seen.add(w.get("hostname"))
+            seen.add(w.hostname)
     for w in good:
         if len(picked) >= infra.fellows:
             break
@@ -216,7 +216,7 @@ def pick_fellows(workers: Sequence[Mapping[str, Any]], infra: InfraProfile) -> l
             picked.append(w)
     if len(seen) < infra.hosts or len(picked) < infra.fellows:
         return None
-    return [w["fellow_id"] for w in picked[: infra.fellows]]
+    return [w.fellow_id for w in picked[: infra.fellows]]
 
 
 def describe_need(infra: InfraProfile) -> str:
@@ -230,11 +230,11 @@ def describe_need(infra: InfraProfile) -> str:
     return f"{fellows}{hosts}{each} {gpus} with >= {infra.min_free_vram_gb:g} GiB free"
 
 
-def describe_have(workers: Sequence[Mapping[str, Any]], infra: InfraProfile) -> str:
+def describe_have(workers: Sequence[FellowRecord], infra: InfraProfile) -> str:
     """``have 2 fellows (2 ready) on 1 host, 0 GPUs (0 with >= 20 GiB free)``."""
-    ready = [w for w in workers if w.get("status") in USABLE_STATUSES]
-    hosts = {w.get("hostname") for w in ready}
-    gpus = sum(len((w.get("hardware") or {}).get("gpus") or []) for w in ready)
+    ready = [w for w in workers if w.status in USABLE_STATUSES]
+    hosts = {w.hostname for w in ready}
+    gpus = sum(len(w.hardware.gpus) for w in ready)
     roomy = sum(qualifying_gpus(w, infra.min_free_vram_gb) for w in ready)
     text = (
         f"have {len(workers)} fellow{'s' if len(workers) != 1 else ''} ({len(ready)} ready) "
@@ -246,7 +246,7 @@ def describe_have(workers: Sequence[Mapping[str, Any]], infra: InfraProfile) -> 
     return text
 
 
-def dry_run(suite: Suite, workers: Sequence[Mapping[str, Any]]) -> list[Finding]:
+def dry_run(suite: Suite, workers: Sequence[FellowRecord]) -> list[Finding]:
     """Per scenario: can it run on these fellows, and if not, exactly what is missing."""
     findings = []
     for s in suite.scenarios:
@@ -280,31 +280,31 @@ def dry_run(suite: Suite, workers: Sequence[Mapping[str, Any]]) -> list[Finding]
     return findings
 
 
-def busy_jobs(jobs: Sequence[Mapping[str, Any]]) -> list[str]:
+def busy_jobs(jobs: Sequence[JobRecord]) -> list[str]:
     """Ids of jobs that would share the fellows with a benchmark (PENDING or RUNNING)."""
-    return [j["job_id"] for j in jobs if j.get("state") in BUSY_JOB_STATES]
+    return [j.job_id for j in jobs if j.state in BUSY_JOB_STATES]
 
 
-def run_results(job: Mapping[str, Any]) -> dict[str, Any]:
+def run_results(job: JobRecord) -> dict[str, Any]:
     """results.json of one repeat: state, losses, throughput and bytes on the wire."""
     from swarm import sweep
 
-    view = view_of_record(job)
+    view = job.current_view()
     return {
-        "job_id": job.get("job_id"),
-        "state": job.get("state"),
-        "reason": job.get("reason", ""),
-        "final_loss": job.get("final_loss"),
-        "final_val_loss": job.get("final_val_loss"),
+        "job_id": job.job_id,
+        "state": job.state.value,
+        "reason": job.reason,
+        "final_loss": job.final_loss,
+        "final_val_loss": job.final_val_loss,
         "tokens_per_s": view.tokens_per_s,
         "step_time_s": view.step_time_s,
         "steps": view.step or 0,
-        "stages": sweep.n_boundaries(job) + 1 if job.get("placement") else None,
+        "stages": sweep.n_boundaries(job) + 1 if job.placement is not None else None,
         "bytes_sent": view.bytes_sent,
         "bytes_per_step_per_boundary": sweep.bytes_per_step_per_boundary(job),
         "compression_ratio_vs_fp32": sweep.compression_ratio(job),
-        "started_at": job.get("started_at"),
-        "finished_at": job.get("finished_at"),
+        "started_at": job.started_at,
+        "finished_at": job.finished_at,
         "fellows": view.fellows,
     }
 

@@ -33,7 +33,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
@@ -45,7 +45,8 @@ from swarm.errors import (
     LeaderUnreachableError,
 )
 from swarm.jobspec import JobSpec, decode_job_spec
-from swarm.types.views import view_of_record
+from swarm.types.fleet import NodeView
+from swarm.types.jobs import JobRecord
 
 T = TypeVar("T")
 
@@ -65,6 +66,20 @@ TAIL_COLUMNS = [
     "compression_ratio_vs_fp32",
     "reason",
 ]
+# The numbers a finished job gives a row (empty for a point that never got a job).
+NUMBER_COLUMNS = TAIL_COLUMNS[2:-1]
+
+
+class JobsClient(Protocol):
+    """What sweeps ask of the leader (:class:`swarm.cli.client.LeaderClient`; tests fake it)."""
+
+    def submit(self, spec_json: bytes) -> JobRecord: ...
+
+    def job(self, job_id: str) -> JobRecord: ...
+
+    def jobs(self) -> list[JobRecord]: ...
+
+    def cancel(self, job_id: str) -> JobRecord: ...
 
 
 class SweepConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -242,7 +257,7 @@ def gpu_only_points(sweep: Sweep) -> list[SweepPoint]:
     return [p for p in sweep.points if not p.spec.allow_cpu]
 
 
-def gpu_refusal(sweep: Sweep, nodes: Sequence[Mapping[str, Any]]) -> str | None:
+def gpu_refusal(sweep: Sweep, nodes: Sequence[NodeView]) -> str | None:
     """Why the sweep cannot run on this swarm now, or None.
 
     A point with ``allow_cpu: false`` on a swarm where no online host has a GPU TensorFlow
@@ -252,14 +267,14 @@ def gpu_refusal(sweep: Sweep, nodes: Sequence[Mapping[str, Any]]) -> str | None:
     gpu_only = gpu_only_points(sweep)
     if not gpu_only:
         return None
-    online = [n for n in nodes if n.get("online")]
-    usable = sum(int(n.get("tf_gpu_count") or 0) for n in online)
+    online = [n for n in nodes if n.online]
+    usable = sum(n.tf_gpu_count or 0 for n in online)
     if usable:
         return None
-    seen = sum(len(n.get("gpus") or []) for n in online)
-    fellows = sum(len(n.get("fellows") or []) for n in online)
+    seen = sum(len(n.gpus) for n in online)
+    fellows = sum(len(n.fellows) for n in online)
     gpus = f"{seen} GPU(s), none that TensorFlow can use" if seen else "no GPU"
-    why = [f"{n['hostname']}: {n['gpu_warning']}" for n in online if n.get("gpu_warning")]
+    why = [f"{n.hostname}: {n.gpu_warning}" for n in online if n.gpu_warning]
     return (
         f"sweep {sweep.sweep_id} needs GPUs ({len(gpu_only)} of {len(sweep.points)} point(s) "
         f"have allow_cpu: false) but the swarm has {len(online)} online host(s) with "
@@ -321,35 +336,30 @@ def merge_row(rows: Sequence[Mapping[str, str]], row: Mapping[str, str]) -> list
 # --- numbers of a finished job (pure) -------------------------------------------------------
 
 
-def n_boundaries(job: Mapping[str, Any]) -> int:
-    placement = job.get("placement") or {}
-    stages = len(placement.get("stages") or []) or len(job.get("progress") or [])
-    return max(stages - 1, 0)
+def n_boundaries(job: JobRecord) -> int:
+    placed = len(job.placement.stages) if job.placement is not None else 0
+    return max((placed or len(job.progress)) - 1, 0)
 
 
-def steps_done(job: Mapping[str, Any]) -> int:
+def steps_done(job: JobRecord) -> int:
     """Steps every stage finished (the pipeline's step)."""
-    return view_of_record(job).step or 0
+    return job.current_view().step or 0
 
 
-def bytes_per_step_per_boundary(job: Mapping[str, Any]) -> float | None:
+def bytes_per_step_per_boundary(job: JobRecord) -> float | None:
     """Bytes on the wire per optimizer step per stage boundary, both directions (activations
     forward, gradients back): every stage's ``bytes_sent`` summed, over steps and boundaries.
     None for a single stage (no wire) or before a step."""
     boundaries, steps = n_boundaries(job), steps_done(job)
     if boundaries == 0 or steps == 0:
         return None
-    return view_of_record(job).bytes_sent / steps / boundaries
+    return job.current_view().bytes_sent / steps / boundaries
 
 
-def fp32_bytes_per_step_per_boundary(spec: Mapping[str, Any]) -> float:
+def fp32_bytes_per_step_per_boundary(spec: JobSpec) -> float:
     """What an uncompressed boundary carries per step: the float32 activations of the whole
     batch forward and their gradients back (``2 * batch * seq_len * d_model * 4``)."""
-    model = spec.get("model") or {}
-    batch = int(spec.get("batch_size", 8))
-    seq_len = int(model.get("seq_len", 64))
-    d_model = int(model.get("d_model", 128))
-    return 2.0 * batch * seq_len * d_model * FP32_BYTES
+    return 2.0 * spec.batch_size * spec.model.seq_len * spec.model.d_model * FP32_BYTES
 
 
 def nominal_compression_ratio(compression: str, d_model: int) -> float:
@@ -358,47 +368,50 @@ def nominal_compression_ratio(compression: str, d_model: int) -> float:
     return parse_compression(compression, d_model=d_model).ratio(d_model)
 
 
-def compression_ratio(job: Mapping[str, Any]) -> float | None:
+def compression_ratio(job: JobRecord) -> float | None:
     """Measured: fp32 bytes per step per boundary over the bytes actually sent."""
     measured = bytes_per_step_per_boundary(job)
     if not measured:
         return None
-    return fp32_bytes_per_step_per_boundary(job.get("spec") or {}) / measured
+    return fp32_bytes_per_step_per_boundary(job.spec) / measured
 
 
 def result_row(
-    sweep: Sweep, point: SweepPoint, job: Mapping[str, Any] | None, *, reason: str = ""
+    sweep: Sweep, point: SweepPoint, job: JobRecord | None, *, reason: str = ""
 ) -> dict[str, str]:
-    """The CSV row of a point: its grid values and, from the job record, the numbers."""
+    """The CSV row of a point: its grid values and, from the job record (None: the point
+    never got a job), the numbers."""
     row = {"point_id": point.point_id}
     for axis in sweep.axes:
         value = point.values[axis]
         row[axis] = value if isinstance(value, str) else canonical(value)
-    job = job or {}
-    view = view_of_record(job)
-    numbers = {
-        "final_loss": job.get("final_loss"),
-        "final_val_loss": job.get("final_val_loss"),
-        "tokens_per_s": view.tokens_per_s,
-        "step_time_s": view.step_time_s,
-        "bytes_per_step_per_boundary": bytes_per_step_per_boundary(job) if job else None,
-        "compression_ratio_vs_fp32": compression_ratio(job) if job else None,
-    }
-    row["job_id"] = str(job.get("job_id") or "")
-    row["state"] = str(job.get("state") or "FAILED")
+    numbers: dict[str, float | None] = dict.fromkeys(NUMBER_COLUMNS)
+    if job is not None:
+        view = job.current_view()
+        numbers = {
+            "final_loss": job.final_loss,
+            "final_val_loss": job.final_val_loss,
+            "tokens_per_s": view.tokens_per_s,
+            "step_time_s": view.step_time_s,
+            "bytes_per_step_per_boundary": bytes_per_step_per_boundary(job),
+            "compression_ratio_vs_fp32": compression_ratio(job),
+        }
+    row["job_id"] = "" if job is None else job.job_id
+    row["state"] = "FAILED" if job is None else str(job.state)
     for key, value in numbers.items():
         row[key] = "" if value is None else f"{value:.6g}"
-    row["reason"] = reason or ("" if row["state"] == "COMPLETED" else str(job.get("reason", "")))
+    job_reason = "" if job is None else job.reason
+    row["reason"] = reason or ("" if row["state"] == "COMPLETED" else job_reason)
     return row
 
 
-def progress_line(index: int, total: int, point: SweepPoint, job: Mapping[str, Any]) -> str:
+def progress_line(index: int, total: int, point: SweepPoint, job: JobRecord) -> str:
     """``[2/8] 1a2b3c4d5e compression=fp16 ... RUNNING step 40/200 loss 2.1``."""
     values = " ".join(f"{k}={v}" for k, v in point.values.items())
-    view = view_of_record(job)
+    view = job.current_view()
     loss = view.loss
     step = f"step {view.step or 0}/{point.spec.steps}"
-    return f"[{index}/{total}] {point.point_id} {values} {job.get('state', '?')} {step}" + (
+    return f"[{index}/{total}] {point.point_id} {values} {job.state} {step}" + (
         "" if loss is None else f" loss {loss:.4f}"
     )
 
@@ -588,15 +601,15 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 
 def wait_for_end(
-    client: Any,
+    client: JobsClient,
     job_id: str,
     *,
     poll_s: float = 2.0,
     timeout_s: float | None = None,
-    on_poll: Callable[[Mapping[str, Any]], None] | None = None,
+    on_poll: Callable[[JobRecord], None] | None = None,
     unreachable_grace_s: float = 60.0,
     sleep: Callable[[float], None] = time.sleep,
-) -> dict[str, Any] | None:
+) -> JobRecord | None:
     """Poll ``GET /api/v1/jobs/{id}`` until the job ends; None after ``timeout_s``.
 
     A leader that is briefly unreachable (a restart) is waited out for
@@ -617,7 +630,7 @@ def wait_for_end(
             continue
         if on_poll:
             on_poll(job)
-        if job.get("state") in TERMINAL_STATES:
+        if job.state in TERMINAL_STATES:
             return job
         if timeout_s is not None and time.monotonic() - started > timeout_s:
             return None
@@ -626,11 +639,11 @@ def wait_for_end(
 
 def _changes_only(
     progress: Callable[[str], None], index: int, total: int, point: SweepPoint
-) -> Callable[[Mapping[str, Any]], None]:
+) -> Callable[[JobRecord], None]:
     """A poll callback that prints the point's progress line only when it changed."""
     last = [""]
 
-    def on_poll(job: Mapping[str, Any]) -> None:
+    def on_poll(job: JobRecord) -> None:
         line = progress_line(index, total, point, job)
         if line != last[0]:
             last[0] = line
@@ -647,7 +660,7 @@ class _Started:
 
 @contextlib.contextmanager
 def cancelled_on_interrupt(
-    client: Any, point: SweepPoint, progress: Callable[[str], None], label: str
+    client: JobsClient, point: SweepPoint, progress: Callable[[str], None], label: str
 ) -> Iterator[_Started]:
     """On Ctrl-C (KeyboardInterrupt) inside the block, cancel the job the point started, then
     let the interrupt go on. Interrupted inside the submit, before its id came back, the job
@@ -670,18 +683,14 @@ def cancelled_on_interrupt(
         raise
 
 
-def _jobs_to_cancel(client: Any, point: SweepPoint, job_id: str | None) -> list[str]:
+def _jobs_to_cancel(client: JobsClient, point: SweepPoint, job_id: str | None) -> list[str]:
     if job_id is not None:
         return [job_id]
     try:
         jobs = client.jobs()
     except (LeaderResponseError, LeaderUnreachableError):
         return []
-    return [
-        str(j["job_id"])
-        for j in jobs
-        if j.get("name") == point.spec.name and j.get("state") not in TERMINAL_STATES
-    ]
+    return [j.job_id for j in jobs if j.name == point.spec.name and j.state not in TERMINAL_STATES]
 
 
 @contextlib.contextmanager
@@ -698,7 +707,7 @@ def _sigint_ignored() -> Iterator[None]:
 
 
 def run_sweep(
-    client: Any,
+    client: JobsClient,
     sweep: Sweep,
     out_dir: Path,
     *,
@@ -726,7 +735,7 @@ def run_sweep(
     _atomic_write(out_dir / "sweep.json", msgspec.json.format(msgspec.json.encode(sweep.config)))
     for point in todo:
         index = sweep.points.index(point) + 1
-        job: dict[str, Any] | None = None
+        job: JobRecord | None = None
         reason = ""
         label = f"[{index}/{total}] {point.point_id}"
         with cancelled_on_interrupt(client, point, progress, label) as started:
@@ -736,7 +745,7 @@ def run_sweep(
                 reason = f"submit refused: {exc.code}: {exc.message}"
                 progress(f"{label} FAILED ({reason})")
             else:
-                job_id = started.job_id = record["job_id"]
+                job_id = started.job_id = record.job_id
                 progress(f"{label} submitted {job_id}")
                 job = wait_for_end(
                     client,

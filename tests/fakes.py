@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import msgspec
+
+from swarm.types.fleet import FellowRecord, NodeView
+from swarm.types.jobs import JobRecord
+
 
 class Clock:
     """A clock that moves only when a test moves it: pass it where the code takes a
@@ -17,3 +24,66 @@ class Clock:
         """Move the clock on by ``seconds``; the new time."""
         self.now += seconds
         return self.now
+
+
+# --- what the leader answers, as the CLI decodes it ------------------------------------------
+# Tests name only the fields they care about; the rest gets a plain default, and the result
+# goes through msgspec.convert, so it is exactly what the client would decode.
+
+
+def job_record(**fields: Any) -> JobRecord:
+    """A job record (``GET /api/v1/jobs/{id}``) with ``fields`` set."""
+    body = {"job_id": "j", "name": "j", "spec": {}, "state": "RUNNING"}
+    return msgspec.convert({**body, "created_at": 0.0, "updated_at": 0.0, **fields}, JobRecord)
+
+
+def placed_stage(stage: int, **fields: Any) -> dict[str, Any]:
+    """One stage of a placement, as JSON."""
+    return {
+        "stage": stage,
+        "fellow_id": f"f{stage}",
+        "hostname": "h",
+        "layer_start": stage,
+        "layer_end": stage + 1,
+        **fields,
+    }
+
+
+def gpu(index: int, *, free_bytes: int = 0, **fields: Any) -> dict[str, Any]:
+    """One GPU of a hardware snapshot, as JSON."""
+    return {
+        "index": index,
+        "uuid": f"GPU-{index}",
+        "name": "gpu",
+        "memory_total_bytes": max(free_bytes, 1),
+        "memory_free_bytes": free_bytes,
+        "memory_used_bytes": 0,
+        **fields,
+    }
+
+
+def fellow_record(fellow_id: str, **fields: Any) -> FellowRecord:
+    """A fellow (``GET /api/v1/workers``) with ``fields`` set; ``gpus`` (JSON) goes into its
+    hardware."""
+    gpus = fields.pop("gpus", [])
+    hostname = fields.get("hostname", "h")
+    hardware = {"hostname": hostname, "cpu_cores": 1, "ram_total_bytes": 1}
+    body = {
+        "fellow_id": fellow_id,
+        "instance_id": "i",
+        "hostname": hostname,
+        "version": "0",
+        "pid": 1,
+        "data_address": None,
+        "status": "ready",
+        "registered_at": 0.0,
+        "hardware": {**hardware, "ram_available_bytes": 1, "gpus": gpus},
+    }
+    return msgspec.convert({**body, **fields}, FellowRecord)
+
+
+def node_view(hostname: str = "h", **fields: Any) -> NodeView:
+    """A host (``GET /api/v1/nodes``) with ``fields`` set."""
+    body = {"hostname": hostname, "online": True, "fellows": [], "cpu_cores": 1}
+    body |= {"cpu_load_pct": 0.0, "ram_total_bytes": 1, "ram_available_bytes": 1}
+    return msgspec.convert({**body, "gpus": [], "nvml_error": None, **fields}, NodeView)

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
@@ -54,7 +56,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def write_json(path: Path, value: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
+    path.write_text(json.dumps(msgspec.to_builtins(value), indent=2, sort_keys=True) + "\n")
 
 
 def run_repeat(
@@ -67,7 +69,7 @@ def run_repeat(
         results = {"state": "REFUSED", "reason": f"{exc.code}: {exc.message}"}
         write_json(repeat_dir / "results.json", results)
         return results
-    job_id = record["job_id"]
+    job_id = record.job_id
     print(f"  {scenario.name} #{repeat_dir.name}: {job_id} submitted", flush=True)
     try:
         job = wait_for_end(client, job_id, poll_s=args.poll, timeout_s=args.job_timeout)
@@ -91,7 +93,7 @@ def run_repeat(
             "target_latency_ms": scenario.network.target_latency_ms,
             "enforcement": scenario.network.enforcement,
         }
-    export = job.get("export_dir")
+    export = job.export_dir
     if export and Path(export).is_dir():
         shutil.copytree(
             export,
@@ -102,7 +104,7 @@ def run_repeat(
         results["model_export"] = str(repeat_dir / "model_export")
     write_json(repeat_dir / "results.json", results)
     print(
-        f"  {scenario.name} #{repeat_dir.name}: {job['state']} loss {results['final_loss']} "
+        f"  {scenario.name} #{repeat_dir.name}: {job.state} loss {results['final_loss']} "
         f"val {results['final_val_loss']} tok/s {results['tokens_per_s']}",
         flush=True,
     )

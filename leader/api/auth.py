@@ -6,6 +6,7 @@ from litestar import Controller, Request, post
 from litestar.status_codes import HTTP_200_OK
 
 from leader.auth import TICKET_ROUTE, ReadTickets
+from swarm.types.api import ReadTicket
 
 
 class AuthController(Controller):
@@ -18,7 +19,7 @@ class AuthController(Controller):
         summary="A read ticket (operator token): GET routes accept it as ?ticket= until it "
         "expires (60 s)",
     )
-    async def read_ticket(self, request: Request) -> dict[str, object]:
+    async def read_ticket(self, request: Request) -> ReadTicket:
         tickets: ReadTickets = request.app.state["tickets"]
         ticket, expires_at = tickets.issue()
-        return {"ticket": ticket, "expires_at": expires_at, "ttl_s": tickets.ttl_s}
+        return ReadTicket(ticket=ticket, expires_at=expires_at, ttl_s=tickets.ttl_s)

@@ -3,37 +3,28 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import msgspec
 from litestar import Controller, Request, get, post
 from litestar.response import File, Response, ServerSentEvent, ServerSentEventMessage
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
 
-from leader.bootstrap import JoinSession
 from leader.services import LeaderServices
 from swarm.jobspec import decode_strict
+from swarm.types.onboarding import (
+    BootstrapManifest,
+    Claim,
+    CreateSession,
+    Enroll,
+    Enrollment,
+    JoinClaim,
+    JoinSession,
+    JoinSessionCreated,
+    LogLines,
+    LogLinesTaken,
+)
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "fellow.sh"
-
-
-class CreateSession(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    fellow_name: str | None = None
-    ttl_s: float = 3600.0
-
-
-class Claim(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    token: str
-    fellow_name: str | None = None  # the host's proposal; the operator's name wins
-
-
-class Enroll(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    fellow_name: str
-
-
-class LogLines(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    lines: list[str]
-    failed: bool = False
 
 
 class BootstrapController(Controller):
@@ -41,7 +32,7 @@ class BootstrapController(Controller):
     tags = ["bootstrap"]
 
     @get("/manifest", summary="What a joining host installs: version, package, NATS URLs")
-    async def manifest(self, request: Request, services: LeaderServices) -> dict[str, Any]:
+    async def manifest(self, request: Request, services: LeaderServices) -> BootstrapManifest:
         await services.ensure_package()
         return services.bootstrap_manifest(str(request.base_url))
 
@@ -59,7 +50,7 @@ class BootstrapController(Controller):
         status_code=HTTP_201_CREATED,
         summary="Create a join session (operator token): its single-use token and command",
     )
-    async def create(self, request: Request, services: LeaderServices) -> dict[str, Any]:
+    async def create(self, request: Request, services: LeaderServices) -> JoinSessionCreated:
         body = decode_strict(await request.body(), CreateSession)
         return services.create_join_session(body.fellow_name, body.ttl_s, str(request.base_url))
 
@@ -76,7 +67,7 @@ class BootstrapController(Controller):
         status_code=HTTP_200_OK,
         summary="The installer exchanges the single-use token (401 wrong, 410 used or expired)",
     )
-    async def claim(self, session_id: str, request: Request, services: LeaderServices) -> dict:
+    async def claim(self, session_id: str, request: Request, services: LeaderServices) -> JoinClaim:
         body = decode_strict(await request.body(), Claim)
         await services.ensure_package()
         return services.claim_join_session(session_id, body.token, body.fellow_name or None)
@@ -86,7 +77,7 @@ class BootstrapController(Controller):
         status_code=HTTP_200_OK,
         summary="A fleet fellow's own NATS user (Authorization: Bearer <SWARM_ENROLL_TOKEN>)",
     )
-    async def enroll(self, request: Request, services: LeaderServices) -> dict[str, Any]:
+    async def enroll(self, request: Request, services: LeaderServices) -> Enrollment:
         body = decode_strict(await request.body(), Enroll)
         token = request.headers.get("authorization", "").partition(" ")[2].strip()
         return services.enroll(body.fellow_name, token)
@@ -96,11 +87,13 @@ class BootstrapController(Controller):
         status_code=HTTP_200_OK,
         summary="The installer's log lines (Authorization: Bearer <session secret>)",
     )
-    async def post_logs(self, session_id: str, request: Request, services: LeaderServices) -> dict:
+    async def post_logs(
+        self, session_id: str, request: Request, services: LeaderServices
+    ) -> LogLinesTaken:
         body = decode_strict(await request.body(), LogLines)
         secret = request.headers.get("authorization", "").partition(" ")[2].strip()
         count = services.joins.append_log(session_id, secret, body.lines, failed=body.failed)
-        return {"lines": count}
+        return LogLinesTaken(lines=count)
 
     @get("/join-sessions/{session_id:str}/logs/stream", summary="SSE: the installer's log")
     async def stream(self, session_id: str, services: LeaderServices) -> ServerSentEvent:

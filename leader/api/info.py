@@ -3,6 +3,8 @@ from __future__ import annotations
 from litestar import Controller, get
 
 from leader.services import LeaderServices
+from swarm.types.api import LeaderInfo
+from swarm.types.metrics import ClusterView
 
 
 class InfoController(Controller):
@@ -10,7 +12,7 @@ class InfoController(Controller):
     tags = ["info"]
 
     @get("/", summary="Leader version, NATS URL and fellow counts by status")
-    async def info(self, services: LeaderServices) -> dict[str, object]:
+    async def info(self, services: LeaderServices) -> LeaderInfo:
         return services.info()
 
 
@@ -19,5 +21,5 @@ class ClusterController(Controller):
     tags = ["info"]
 
     @get("/", summary="Online capacity (CPU, RAM, VRAM, network) and running jobs' performance")
-    async def cluster(self, services: LeaderServices) -> dict[str, object]:
+    async def cluster(self, services: LeaderServices) -> ClusterView:
         return services.cluster()

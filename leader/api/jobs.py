@@ -4,11 +4,11 @@ from litestar import Controller, Request, delete, get, post
 from litestar.response import File, ServerSentEvent
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED, HTTP_202_ACCEPTED
 
-from leader.aggregate import HistoryPoint, JobMetrics
 from leader.api.sse import last_event_id
-from leader.jobs import CheckpointRecord, JobRecord
 from leader.services import LeaderServices
 from swarm.jobspec import decode_job_spec
+from swarm.types.jobs import CheckpointRecord, JobRecord
+from swarm.types.metrics import HistoryPoint, JobMetrics
 
 
 class JobsController(Controller):

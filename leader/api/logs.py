@@ -8,10 +8,10 @@ from litestar.response import ServerSentEvent
 
 from leader.api.sse import last_event_id
 from leader.errors import StorageUnavailableError
-from leader.logs import LogEntry
 from leader.services import LeaderServices
 from swarm.errors import FieldError
 from swarm.subjects import TOKEN_RE
+from swarm.types.fleet import LogEntry
 
 
 def _check(fellow_id: str) -> None:

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 from litestar import Controller, get
 
-from leader.hostview import NodeView
 from leader.services import LeaderServices
+from swarm.types.fleet import NodeView
 
 
 class NodesController(Controller):

@@ -1,28 +1,20 @@
 from __future__ import annotations
 
-from typing import Any
-
-import msgspec
 from litestar import Controller, Request, get, post
 from litestar.status_codes import HTTP_200_OK
 
-from leader.jobs import SignalRecord
-from leader.purges import PendingPurge
-from leader.registry import FellowRecord
 from leader.services import LeaderServices
 from swarm.jobspec import decode_strict
-
-
-class ReleaseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    purge_install: bool = False
-
-
-class UpdateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    fellow_id: str | None = None
-
-
-class RetryPurgeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    fellow_id: str | None = None
+from swarm.types.fleet import (
+    FellowRecord,
+    PendingPurge,
+    PurgeDelivery,
+    ReleaseRequest,
+    ReleaseResult,
+    RetryPurgeRequest,
+    UpdateRequest,
+)
+from swarm.types.jobs import SignalRecord
 
 
 class WorkersController(Controller):
@@ -44,7 +36,7 @@ class WorkersController(Controller):
     )
     async def release(
         self, fellow_id: str, request: Request, services: LeaderServices
-    ) -> dict[str, Any]:
+    ) -> ReleaseResult:
         body = decode_strict(await request.body(), ReleaseRequest)
         return await services.orchestrator.release(fellow_id, purge_install=body.purge_install)
 
@@ -67,6 +59,6 @@ class PurgesController(Controller):
         return services.orchestrator.pending_purges()
 
     @post("/retry", status_code=HTTP_200_OK, summary="Try to deliver pending purges now")
-    async def retry(self, request: Request, services: LeaderServices) -> list[dict[str, Any]]:
+    async def retry(self, request: Request, services: LeaderServices) -> list[PurgeDelivery]:
         body = decode_strict(await request.body(), RetryPurgeRequest)
         return await services.orchestrator.retry_purges(body.fellow_id)

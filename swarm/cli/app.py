@@ -15,7 +15,7 @@ from cyclopts import Parameter
 
 from swarm import __version__
 from swarm.cli import cluster, render, sse
-from swarm.cli.client import LeaderClient
+from swarm.cli.client import LeaderClient, decode_answer
 from swarm.cli.watch import watch_job, watch_stream
 from swarm.entry import run_or_exit
 from swarm.errors import ConfigError, SweepRefusedError
@@ -23,7 +23,7 @@ from swarm.jobspec import decode_job_spec
 from swarm.natsauth import NatsAuthority, fellow_permissions
 from swarm.settings import Settings
 from swarm.subjects import TOKEN_RE
-from swarm.types.views import view_of_record
+from swarm.types.fleet import LogEntry
 
 app = cyclopts.App(
     name="swarm",
@@ -83,17 +83,17 @@ def info() -> None:
     """Leader version, NATS URL and fellow counts."""
     with CTX.client() as client:
         data = client.info()
-    counts = ", ".join(f"{k} {v}" for k, v in data["fellows"].items() if v) or "none"
+    counts = ", ".join(f"{k} {v}" for k, v in data.fellows.items() if v) or "none"
     CTX.emit(
         data,
         "\n".join(
             [
-                f"leader    {CTX.leader_url} (version {data['version']})",
-                f"nats      {data['nats_url']} "
-                f"({'connected' if data['nats_connected'] else 'DISCONNECTED'})",
+                f"leader    {CTX.leader_url} (version {data.version})",
+                f"nats      {data.nats_url} "
+                f"({'connected' if data.nats_connected else 'DISCONNECTED'})",
                 f"fellows   {counts}",
-                f"nodes     {data['nodes']}",
-                f"uptime    {data['uptime_s']:.0f}s",
+                f"nodes     {data.nodes}",
+                f"uptime    {data.uptime_s:.0f}s",
             ]
         ),
     )
@@ -106,13 +106,13 @@ def fellows() -> None:
         workers = client.workers()
     rows = [
         [
-            w["fellow_id"],
-            w["status"],
-            w["hostname"],
-            len(w["hardware"]["gpus"]) or "cpu",
-            render.gib(w["hardware"]["ram_available_bytes"]),
-            w.get("job_id"),
-            render.ago(w.get("last_heartbeat_age_s")),
+            w.fellow_id,
+            w.status,
+            w.hostname,
+            len(w.hardware.gpus) or "cpu",
+            render.gib(w.hardware.ram_available_bytes),
+            w.job_id,
+            render.ago(w.last_heartbeat_age_s),
         ]
         for w in workers
     ]
@@ -128,22 +128,22 @@ def nodes() -> None:
     rows = []
     for n in hosts:
         gpus = ", ".join(
-            f"{g['index']}:{g['name']} {render.gib(g['memory_free_bytes'])}/"
-            f"{render.gib(g['memory_total_bytes'])}"
-            for g in n["gpus"]
+            f"{g.index}:{g.name} {render.gib(g.memory_free_bytes)}/"
+            f"{render.gib(g.memory_total_bytes)}"
+            for g in n.gpus
         )
         rows.append(
             [
-                n["hostname"],
-                "online" if n["online"] else "offline",
-                n["cpu_cores"],
-                f"{render.gib(n['ram_available_bytes'])}/{render.gib(n['ram_total_bytes'])}",
+                n.hostname,
+                "online" if n.online else "offline",
+                n.cpu_cores,
+                f"{render.gib(n.ram_available_bytes)}/{render.gib(n.ram_total_bytes)}",
                 gpus or "none",
-                ",".join(n["fellows"]),
+                ",".join(n.fellows),
             ]
         )
     headers = ["HOST", "STATE", "CORES", "RAM FREE/TOTAL", "GPUS (FREE/TOTAL)", "FELLOWS"]
-    warnings = [f"{n['hostname']}: {n['gpu_warning']}" for n in hosts if n.get("gpu_warning")]
+    warnings = [f"{n.hostname}: {n.gpu_warning}" for n in hosts if n.gpu_warning]
     text = render.table(headers, rows) if rows else "no nodes"
     CTX.emit(hosts, "\n".join([text, *warnings]))
 
@@ -155,16 +155,16 @@ def jobs() -> None:
         records = client.jobs()
     rows = []
     for j in records:
-        view = view_of_record(j)
+        view = j.current_view()
         rows.append(
             [
-                j["job_id"],
-                j["state"],
-                f"{view.step if view.step is not None else '-'}/{j['spec']['steps']}",
+                j.job_id,
+                j.state,
+                f"{view.step if view.step is not None else '-'}/{j.spec.steps}",
                 "-" if view.loss is None else f"{view.loss:.4f}",
                 ",".join(view.fellows) or "-",
-                render.since(j["created_at"]),
-                (j.get("reason") or "")[:60],
+                render.since(j.created_at),
+                j.reason[:60],
             ]
         )
     headers = ["JOB", "STATE", "STEP", "LOSS", "FELLOWS", "AGE", "REASON"]
@@ -205,14 +205,14 @@ def submit(
     with CTX.client() as client:
         record = client.submit(body)
         if not watch:
-            CTX.emit(record, record["job_id"])
+            CTX.emit(record, record.job_id)
             return
         progress = _stderr if CTX.json else print
         progress(
-            f"submitted {record['job_id']} ({record['name']}); following it (Ctrl-C stops "
+            f"submitted {record.job_id} ({record.name}); following it (Ctrl-C stops "
             f"following, not the job)"
         )
-        final = watch_job(client, record["job_id"], out=progress)
+        final = watch_job(client, record.job_id, out=progress)
     if CTX.json:
         print(render.dumps(final))
 
@@ -339,7 +339,7 @@ def logs(
         _print_log(r)
     if not follow:
         return
-    last = str(records[-1]["seq"]) if records else None
+    last = str(records[-1].seq) if records else None
     for event in sse.follow(
         CTX.leader_url,
         f"/api/v1/workers/{fellow_id}/logs/stream",
@@ -347,16 +347,16 @@ def logs(
         token=CTX.token,
     ):
         if event.event == "logs":
-            for r in json.loads(event.data):
+            for r in decode_answer(event.data, list[LogEntry], "the log stream"):
                 _print_log(r)
 
 
-def _print_log(r: dict[str, Any]) -> None:
+def _print_log(r: LogEntry) -> None:
     if CTX.json:
-        print(json.dumps(r, sort_keys=True))
+        print(json.dumps(msgspec.to_builtins(r), sort_keys=True))
         return
-    stamp = time.strftime("%H:%M:%S", time.localtime(r["ts"]))
-    print(f"{stamp} {r['fellow_id']} {r['level']:<7} {r['logger']}: {r['message']}")
+    stamp = time.strftime("%H:%M:%S", time.localtime(r.ts))
+    print(f"{stamp} {r.fellow_id} {r.level:<7} {r.logger}: {r.message}")
 
 
 @app.command
@@ -364,7 +364,7 @@ def cancel(job_id: str) -> None:
     """Cancel a pending or running job (its fellows stop and return to ready)."""
     with CTX.client() as client:
         record = client.cancel(job_id)
-    CTX.emit(record, f"job {record['job_id']} {record['state']}")
+    CTX.emit(record, f"job {record.job_id} {record.state}")
 
 
 @app.command
@@ -372,11 +372,11 @@ def checkpoint(job_id: str) -> None:
     """Ask every fellow of a running job to write a checkpoint at the same step."""
     with CTX.client() as client:
         record = client.checkpoint(job_id)
-    acked = sum(1 for s in record["stages"] if s["acknowledged"])
+    acked = sum(1 for s in record.stages if s.acknowledged)
     CTX.emit(
         record,
-        f"checkpoint {record['checkpoint_id']} at step {record['at_step']}: "
-        f"{acked}/{len(record['stages'])} fellows acknowledged "
+        f"checkpoint {record.checkpoint_id} at step {record.at_step}: "
+        f"{acked}/{len(record.stages)} fellows acknowledged "
         f"(see 'swarm job {job_id}' for the paths)",
     )
 
@@ -389,7 +389,7 @@ def update(
     """Update idle fellows: joined ones reinstall the leader's package; all restart in place."""
     with CTX.client() as client:
         records = client.update(fellow_id)
-    rows = [[r["fellow_id"], "ok" if r["ok"] else r["code"], r["message"]] for r in records]
+    rows = [[r.fellow_id, "ok" if r.ok else r.code, r.message] for r in records]
     CTX.emit(records, render.table(["FELLOW", "RESULT", "MESSAGE"], rows) if rows else "no fellows")
 
 
@@ -408,7 +408,7 @@ def release(
         None: "",
         "delivered": "; purge delivered",
         "pending": "; purge pending until it comes back (swarm pending-purges)",
-    }[result["purge"]]
+    }[result.purge]
     CTX.emit(result, f"released {fellow_id}{purge}")
 
 
@@ -429,8 +429,8 @@ def join_session_create(
         session = client.create_join_session(name, ttl)
     CTX.emit(
         session,
-        f"join session {session['session_id']} (valid {ttl:.0f}s, single use); "
-        f"on the new host run:\n  {session['command']}",
+        f"join session {session.session_id} (valid {ttl:.0f}s, single use); "
+        f"on the new host run:\n  {session.command}",
     )
 
 
@@ -441,12 +441,12 @@ def join_session_list() -> None:
         sessions = client.join_sessions()
     rows = [
         [
-            s["session_id"],
-            s["status"],
-            s["fellow_name"] or "-",
-            render.since(s["created_at"]),
-            s["log_lines"],
-            s["reason"] or "-",
+            s.session_id,
+            s.status,
+            s.fellow_name or "-",
+            render.since(s.created_at),
+            s.log_lines,
+            s.reason or "-",
         ]
         for s in sessions
     ]
@@ -517,7 +517,7 @@ def pending_purges() -> None:
     with CTX.client() as client:
         records = client.pending_purges()
     rows = [
-        [p["fellow_id"], render.since(p["requested_at"]), p["attempts"], p["last_error"] or "-"]
+        [p.fellow_id, render.since(p.requested_at), p.attempts, p.last_error or "-"]
         for p in records
     ]
     headers = ["FELLOW", "REQUESTED", "ATTEMPTS", "LAST ERROR"]
@@ -533,8 +533,7 @@ def retry_purge(
     with CTX.client() as client:
         results = client.retry_purges(fellow_id)
     rows = [
-        [r["fellow_id"], "delivered" if r["delivered"] else "pending", r["error"] or "-"]
-        for r in results
+        [r.fellow_id, "delivered" if r.delivered else "pending", r.error or "-"] for r in results
     ]
     CTX.emit(
         results, render.table(["FELLOW", "PURGE", "ERROR"], rows) if rows else "nothing pending"

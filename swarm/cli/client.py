@@ -1,15 +1,45 @@
-"""LeaderClient: the typed HTTP client every CLI command goes through."""
+"""LeaderClient: the typed HTTP client every CLI command goes through.
+
+Each call decodes the leader's answer into its Struct (:mod:`swarm.types`), the same types
+the leader encodes; an answer that does not decode is a :class:`LeaderResponseError` with
+code ``LEADER_RESPONSE_INVALID`` that names the route and the field, not a traceback.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
+import msgspec
 
 from swarm.errors import ErrorCode, LeaderResponseError, LeaderUnreachableError
+from swarm.types.api import Health, LeaderInfo
+from swarm.types.fleet import (
+    FellowRecord,
+    LogEntry,
+    NodeView,
+    PendingPurge,
+    PurgeDelivery,
+    ReleaseRequest,
+    ReleaseResult,
+    RetryPurgeRequest,
+    UpdateRequest,
+)
+from swarm.types.jobs import CheckpointRecord, JobRecord, SignalRecord
+from swarm.types.metrics import ClusterView, HistoryPoint, JobMetrics
+from swarm.types.onboarding import CreateSession, JoinSession, JoinSessionCreated
 
 # Calls that wait for fellows to answer signals (8 s per signal, retries included).
 SIGNAL_TIMEOUT_S = 30.0
+
+T = TypeVar("T")
+
+
+class _ErrorBody(msgspec.Struct):
+    """What the leader's error handlers answer (leader/api/error_handlers.py)."""
+
+    code: str
+    message: str = ""
 
 
 class LeaderClient:
@@ -27,88 +57,110 @@ class LeaderClient:
     def close(self) -> None:
         self._http.close()
 
-    def health(self) -> dict[str, Any]:
-        return self._get("/health", ok_statuses=(200, 503))
+    def health(self) -> Health:
+        return self._call("GET", "/health", Health, ok_statuses=(200, 503))
 
-    def info(self) -> dict[str, Any]:
-        return self._get("/api/v1/info")
+    def info(self) -> LeaderInfo:
+        return self._call("GET", "/api/v1/info", LeaderInfo)
 
-    def workers(self) -> list[dict[str, Any]]:
-        return self._get("/api/v1/workers")
+    def cluster(self) -> ClusterView:
+        return self._call("GET", "/api/v1/cluster", ClusterView)
 
-    def worker(self, fellow_id: str) -> dict[str, Any]:
-        return self._get(f"/api/v1/workers/{fellow_id}")
+    def workers(self) -> list[FellowRecord]:
+        return self._call("GET", "/api/v1/workers", list[FellowRecord])
 
-    def nodes(self) -> list[dict[str, Any]]:
-        return self._get("/api/v1/nodes")
+    def worker(self, fellow_id: str) -> FellowRecord:
+        return self._call("GET", f"/api/v1/workers/{fellow_id}", FellowRecord)
 
-    def jobs(self) -> list[dict[str, Any]]:
-        return self._get("/api/v1/jobs")
+    def nodes(self) -> list[NodeView]:
+        return self._call("GET", "/api/v1/nodes", list[NodeView])
 
-    def job(self, job_id: str) -> dict[str, Any]:
-        return self._get(f"/api/v1/jobs/{job_id}")
+    def jobs(self) -> list[JobRecord]:
+        return self._call("GET", "/api/v1/jobs", list[JobRecord])
 
-    def logs(self, fellow_id: str, *, limit: int) -> list[dict[str, Any]]:
-        return self._call("GET", f"/api/v1/workers/{fellow_id}/logs", params={"limit": limit})
+    def job(self, job_id: str) -> JobRecord:
+        return self._call("GET", f"/api/v1/jobs/{job_id}", JobRecord)
 
-    def history(self, job_id: str) -> list[dict[str, Any]]:
-        return self._get(f"/api/v1/jobs/{job_id}/metrics/history")
+    def logs(self, fellow_id: str, *, limit: int) -> list[LogEntry]:
+        path = f"/api/v1/workers/{fellow_id}/logs"
+        return self._call("GET", path, list[LogEntry], params={"limit": limit})
 
-    def submit(self, spec_json: bytes) -> dict[str, Any]:
-        return self._call("POST", "/api/v1/jobs", content=spec_json, ok_statuses=(201,))
+    def metrics(self, job_id: str) -> JobMetrics:
+        return self._call("GET", f"/api/v1/jobs/{job_id}/metrics", JobMetrics)
 
-    def cancel(self, job_id: str) -> dict[str, Any]:
-        return self._call("DELETE", f"/api/v1/jobs/{job_id}")
+    def history(self, job_id: str) -> list[HistoryPoint]:
+        return self._call("GET", f"/api/v1/jobs/{job_id}/metrics/history", list[HistoryPoint])
 
-    def checkpoint(self, job_id: str) -> dict[str, Any]:
+    def submit(self, spec_json: bytes) -> JobRecord:
+        return self._call("POST", "/api/v1/jobs", JobRecord, content=spec_json, ok_statuses=(201,))
+
+    def cancel(self, job_id: str) -> JobRecord:
+        return self._call("DELETE", f"/api/v1/jobs/{job_id}", JobRecord)
+
+    def checkpoint(self, job_id: str) -> CheckpointRecord:
         return self._call(
             "POST",
             f"/api/v1/jobs/{job_id}/checkpoint",
+            CheckpointRecord,
             ok_statuses=(202,),
             timeout=SIGNAL_TIMEOUT_S,
         )
 
-    def update(self, fellow_id: str | None) -> list[dict[str, Any]]:
+    def update(self, fellow_id: str | None) -> list[SignalRecord]:
         return self._call(
             "POST",
             "/api/v1/workers/update",
-            json={"fellow_id": fellow_id},
+            list[SignalRecord],
+            body=UpdateRequest(fellow_id=fellow_id),
             timeout=SIGNAL_TIMEOUT_S,
         )
 
-    def release(self, fellow_id: str, *, purge_install: bool) -> dict[str, Any]:
+    def release(self, fellow_id: str, *, purge_install: bool) -> ReleaseResult:
         return self._call(
             "POST",
             f"/api/v1/workers/{fellow_id}/release",
-            json={"purge_install": purge_install},
+            ReleaseResult,
+            body=ReleaseRequest(purge_install=purge_install),
             timeout=SIGNAL_TIMEOUT_S,
         )
 
-    def create_join_session(self, fellow_name: str | None, ttl_s: float) -> dict[str, Any]:
+    def create_join_session(self, fellow_name: str | None, ttl_s: float) -> JoinSessionCreated:
         return self._call(
             "POST",
             "/api/v1/bootstrap/join-sessions",
-            json={"fellow_name": fellow_name, "ttl_s": ttl_s},
+            JoinSessionCreated,
+            body=CreateSession(fellow_name=fellow_name, ttl_s=ttl_s),
             ok_statuses=(201,),
         )
 
-    def join_sessions(self) -> list[dict[str, Any]]:
-        return self._get("/api/v1/bootstrap/join-sessions")
+    def join_sessions(self) -> list[JoinSession]:
+        return self._call("GET", "/api/v1/bootstrap/join-sessions", list[JoinSession])
 
-    def pending_purges(self) -> list[dict[str, Any]]:
-        return self._get("/api/v1/purges")
+    def pending_purges(self) -> list[PendingPurge]:
+        return self._call("GET", "/api/v1/purges", list[PendingPurge])
 
-    def retry_purges(self, fellow_id: str | None) -> list[dict[str, Any]]:
+    def retry_purges(self, fellow_id: str | None) -> list[PurgeDelivery]:
         return self._call(
-            "POST", "/api/v1/purges/retry", json={"fellow_id": fellow_id}, timeout=SIGNAL_TIMEOUT_S
+            "POST",
+            "/api/v1/purges/retry",
+            list[PurgeDelivery],
+            body=RetryPurgeRequest(fellow_id=fellow_id),
+            timeout=SIGNAL_TIMEOUT_S,
         )
 
-    def _get(self, path: str, *, ok_statuses: tuple[int, ...] = (200,)) -> Any:
-        return self._call("GET", path, ok_statuses=ok_statuses)
-
     def _call(
-        self, method: str, path: str, *, ok_statuses: tuple[int, ...] = (200,), **kwargs: Any
-    ) -> Any:
+        self,
+        method: str,
+        path: str,
+        answer: type[T],
+        *,
+        ok_statuses: tuple[int, ...] = (200,),
+        body: msgspec.Struct | None = None,
+        **kwargs: Any,  # httpx's request options, passed through
+    ) -> T:
+        if body is not None:
+            kwargs["content"] = msgspec.json.encode(body)
+            kwargs["headers"] = {"content-type": "application/json"}
         try:
             response = self._http.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
@@ -116,15 +168,25 @@ class LeaderClient:
                 f"cannot reach the leader at {self.base_url} ({type(exc).__name__}: {exc}); "
                 "is it running? (swarm start-cluster, or set SWARM_LEADER_URL / --leader-url)"
             ) from None
-        try:
-            body = response.json()
-        except ValueError:
-            body = None
         if response.status_code in ok_statuses:
-            return body
-        if isinstance(body, dict) and "code" in body:
-            raise LeaderResponseError(str(body.get("message", "")), code=str(body["code"]))
+            return decode_answer(response.content, answer, f"{method} {path}")
+        try:
+            error = msgspec.json.decode(response.content, type=_ErrorBody)
+        except msgspec.DecodeError:
+            raise LeaderResponseError(
+                f"leader answered {response.status_code} for {method} {path}",
+                code=ErrorCode.HTTP_ERROR,
+            ) from None
+        raise LeaderResponseError(error.message, code=error.code)
+
+
+def decode_answer(body: bytes | str, answer: type[T], what: str) -> T:
+    """``body`` (JSON) as ``answer``; LeaderResponseError (``LEADER_RESPONSE_INVALID``) naming
+    ``what`` and msgspec's reason (with the field's path) when it does not decode."""
+    try:
+        return msgspec.json.decode(body, type=answer)
+    except msgspec.DecodeError as exc:
         raise LeaderResponseError(
-            f"leader answered {response.status_code} for {method} {path}",
-            code=ErrorCode.HTTP_ERROR,
-        )
+            f"the leader's answer to {what} is not what this client expects: {exc}",
+            code=ErrorCode.LEADER_RESPONSE_INVALID,
+        ) from None

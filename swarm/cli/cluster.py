@@ -400,7 +400,7 @@ def _answers(client: LeaderClient) -> bool:
 
 def _all_ready(client: LeaderClient, names: list[str]) -> bool:
     try:
-        workers = {w["fellow_id"]: w["status"] for w in client.workers()}
+        workers = {w.fellow_id: w.status for w in client.workers()}
     except LeaderUnreachableError:
         return False
     return all(workers.get(n) == "ready" for n in names)
@@ -408,7 +408,7 @@ def _all_ready(client: LeaderClient, names: list[str]) -> bool:
 
 def _states(client: LeaderClient, names: list[str]) -> str:
     try:
-        workers = {w["fellow_id"]: w["status"] for w in client.workers()}
+        workers = {w.fellow_id: w.status for w in client.workers()}
     except LeaderUnreachableError as exc:
         return exc.message
     return ", ".join(f"{n}: {workers.get(n, 'not registered')}" for n in names)

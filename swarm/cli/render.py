@@ -7,6 +7,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
+
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     cells = [[str(h) for h in headers]] + [["-" if v is None else str(v) for v in r] for r in rows]
@@ -30,4 +32,5 @@ def since(epoch: float | None) -> str:
 
 
 def dumps(value: Any) -> str:
-    return json.dumps(value, indent=2, sort_keys=True)
+    """``--json`` output: Structs (and lists of them) as the JSON the leader sent."""
+    return json.dumps(msgspec.to_builtins(value), indent=2, sort_keys=True)

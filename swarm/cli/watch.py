@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
-from swarm.cli.client import LeaderClient
+import msgspec
+
+from swarm.cli.client import LeaderClient, decode_answer
 from swarm.errors import (
     ErrorCode,
     ExportMissingError,
@@ -14,7 +15,8 @@ from swarm.errors import (
     LeaderResponseError,
     LeaderUnreachableError,
 )
-from swarm.types.views import stage_records, view_of_record
+from swarm.types.jobs import JobEnd, JobRecord
+from swarm.types.metrics import JobMetrics
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED"}
 POLL_S = 0.5
@@ -23,21 +25,29 @@ LINE_EVERY_S = 2.0
 UNREACHABLE_GRACE_S = 60.0
 
 
-def check_export(job: dict[str, Any]) -> None:
+class WatchedEnd(JobEnd, kw_only=True):
+    """How a watched job ended: the stream's end event and the record's ``export_error``
+    (what ``swarm watch --json`` prints)."""
+
+    export_error: str | None = None
+
+
+def check_export(job: JobRecord) -> None:
     """ExportMissingError when a COMPLETED job's record says its final model is missing."""
-    error = job.get("export_error")
-    if job.get("state") == "COMPLETED" and error:
-        raise ExportMissingError(f"job {job['job_id']} COMPLETED without its export: {error}")
+    if job.state == "COMPLETED" and job.export_error:
+        raise ExportMissingError(
+            f"job {job.job_id} COMPLETED without its export: {job.export_error}"
+        )
 
 
-def progress_line(job: dict[str, Any], elapsed: float) -> str:
-    state = job["state"]
+def progress_line(job: JobRecord, elapsed: float) -> str:
+    state = job.state
     if state == "PENDING":
-        return f"[{elapsed:5.0f}s] PENDING    {job.get('reason') or ''}".rstrip()
-    stages = stage_records(job)
+        return f"[{elapsed:5.0f}s] PENDING    {job.reason}".rstrip()
+    stages = job.stages()
     if not stages:
         return f"[{elapsed:5.0f}s] {state}"
-    view = view_of_record(job)
+    view = job.current_view()
     if not view.step and all(p.loss is None and not p.step_time_s for p in stages):
         return f"[{elapsed:5.0f}s] {state:<10} stages starting on {', '.join(view.fellows)}"
     parts = [f"[{elapsed:5.0f}s] {state:<10} step {view.step:>5}/{view.total_steps}"]
@@ -49,19 +59,19 @@ def progress_line(job: dict[str, Any], elapsed: float) -> str:
     return "  ".join(parts)
 
 
-def final_line(job: dict[str, Any]) -> str:
+def final_line(job: JobRecord | JobEnd) -> str:
+    """How the job ended (with how long it ran, when the record says so)."""
     took = ""
-    if job.get("started_at") and job.get("finished_at"):
-        took = f" in {job['finished_at'] - job['started_at']:.0f}s"
-    if job["state"] == "COMPLETED":
-        loss = job.get("final_loss")
-        val = job.get("final_val_loss")
-        text = f"job {job['job_id']} COMPLETED{took}: final loss "
+    if isinstance(job, JobRecord) and job.started_at and job.finished_at:
+        took = f" in {job.finished_at - job.started_at:.0f}s"
+    if job.state == "COMPLETED":
+        loss, val = job.final_loss, job.final_val_loss
+        text = f"job {job.job_id} COMPLETED{took}: final loss "
         text += "-" if loss is None else f"{loss:.4f}"
         if val is not None:
             text += f" (validation {val:.4f})"
         return text
-    return f"job {job['job_id']} {job['state']}{took}: {job.get('reason') or 'no reason given'}"
+    return f"job {job.job_id} {job.state}{took}: {job.reason or 'no reason given'}"
 
 
 def watch_job(
@@ -70,7 +80,7 @@ def watch_job(
     *,
     out: Callable[[str], None],
     timeout: float | None = None,
-) -> dict[str, Any]:
+) -> JobRecord:
     """Poll the job until it ends; raise JobEndedBadlyError unless it COMPLETED, and
     ExportMissingError if it did without its final model in the export."""
     started = time.monotonic()
@@ -88,17 +98,17 @@ def watch_job(
             time.sleep(POLL_S)
             continue
         now = time.monotonic()
-        if job["state"] in TERMINAL:
+        if job.state in TERMINAL:
             out(final_line(job))
-            if job["state"] != "COMPLETED":
+            if job.state != "COMPLETED":
                 raise JobEndedBadlyError(final_line(job))
             check_export(job)
             return job
-        if job["state"] != last_state or now - last_printed >= LINE_EVERY_S:
+        if job.state != last_state or now - last_printed >= LINE_EVERY_S:
             out(progress_line(job, now - started))
-            last_state, last_printed = job["state"], now
+            last_state, last_printed = job.state, now
         if timeout is not None and now - started > timeout:
-            raise JobEndedBadlyError(f"job {job_id} still {job['state']} after {timeout:.0f}s")
+            raise JobEndedBadlyError(f"job {job_id} still {job.state} after {timeout:.0f}s")
         time.sleep(POLL_S)
 
 
@@ -125,20 +135,21 @@ def _num(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
-def metrics_lines(view: dict[str, Any]) -> list[str]:
-    """The merged view as a progress bar, a summary line and one row per fellow."""
+def metrics_lines(view: JobMetrics, state: str = "") -> list[str]:
+    """The merged view as a progress bar, a summary line and one row per fellow; ``state``:
+    the job's, once the stream's end event said it."""
     lines = [
-        f"{view['job_id']} {view.get('state', '')} " + bar(view["step"], view.get("total_steps")),
-        f"loss {_num(view.get('loss'), '.4f')}  val {_num(view.get('val_loss'), '.4f')}  "
-        f"{_num(view.get('tokens_per_s'), ',.0f')} tok/s  "
-        f"{_num(view.get('step_time_s'), '.3f')} s/step  "
-        f"{_num(view.get('steps_per_min'), '.0f')} steps/min  ETA {_duration(view.get('eta_s'))}",
+        f"{view.job_id} {state} " + bar(view.step, view.total_steps),
+        f"loss {_num(view.loss, '.4f')}  val {_num(view.val_loss, '.4f')}  "
+        f"{_num(view.tokens_per_s, ',.0f')} tok/s  "
+        f"{_num(view.step_time_s, '.3f')} s/step  "
+        f"{_num(view.steps_per_min, '.0f')} steps/min  ETA {_duration(view.eta_s)}",
     ]
-    for f in view.get("fellows", []):
+    for f in view.fellows:
         lines.append(
-            f"  stage {f['stage']} {f['fellow_id']:<16} step {f['step']:>6}  "
-            f"sent {_rate(f.get('sent_bytes_per_s'))}  recv {_rate(f.get('received_bytes_per_s'))}"
-            + (f"  {f['result']}" if f.get("result") else "")
+            f"  stage {f.stage} {f.fellow_id:<16} step {f.step:>6}  "
+            f"sent {_rate(f.sent_bytes_per_s)}  recv {_rate(f.received_bytes_per_s)}"
+            + (f"  {f.result}" if f.result else "")
         )
     return lines
 
@@ -182,31 +193,31 @@ def watch_stream(
     out: Callable[[str], None],
     tty: bool,
     token: str | None = None,
-    fetch_job: Callable[[str], dict[str, Any]] | None = None,
-) -> dict[str, Any]:
+    fetch_job: Callable[[str], JobRecord] | None = None,
+) -> WatchedEnd:
     """Follow ``/metrics/stream`` to the end event; JobEndedBadlyError unless COMPLETED,
-    ExportMissingError when it completed without its final model (the end event's
-    ``export_error``, else the job record's, from ``fetch_job``)."""
-    import json
-
+    ExportMissingError when it completed without its final model (the job record's
+    ``export_error``, from ``fetch_job``)."""
     from swarm.cli import sse
 
     screen = Screen(out, tty)
-    view: dict[str, Any] | None = None
-    for event in sse.follow(base_url, f"/api/v1/jobs/{job_id}/metrics/stream", token=token):
+    view: JobMetrics | None = None
+    stream = f"/api/v1/jobs/{job_id}/metrics/stream"
+    for event in sse.follow(base_url, stream, token=token):
         if event.event == "metrics":
-            view = json.loads(event.data)
+            view = decode_answer(event.data, JobMetrics, stream)
             screen.show(metrics_lines(view))
         elif event.event == "end":
-            end = json.loads(event.data)
+            end = decode_answer(event.data, JobEnd, stream)
             if view is not None:
-                view["state"] = end["state"]
-                screen.show(metrics_lines(view), force=True)
-            out(final_line({**end, "started_at": None}))
-            if end["state"] != "COMPLETED":
+                screen.show(metrics_lines(view, end.state), force=True)
+            out(final_line(end))
+            if end.state != "COMPLETED":
                 raise JobEndedBadlyError(final_line(end))
-            if "export_error" not in end and fetch_job is not None:
-                end["export_error"] = fetch_job(job_id).get("export_error")
-            check_export(end)
-            return end
+            watched = WatchedEnd(**msgspec.structs.asdict(end))
+            if fetch_job is not None:
+                record = fetch_job(job_id)
+                check_export(record)
+                watched.export_error = record.export_error
+            return watched
     raise JobEndedBadlyError(f"the stream of {job_id} ended without its end event")

@@ -15,8 +15,8 @@ record of a stage and what a client decodes from a job record's JSON; the aggreg
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from typing import Any, Protocol, TypeVar
+from collections.abc import Iterable
+from typing import Protocol, TypeVar
 
 import msgspec
 
@@ -133,9 +133,6 @@ def job_view(
     )
 
 
-# --- the same from a job record's JSON (what the REST API returns) --------------------------
-
-
 class StageProgress(msgspec.Struct, kw_only=True):
     """One stage of a job as the leader records and serves it (a job record's ``progress``):
     the leader's own record and what a client decodes from the REST JSON."""
@@ -156,31 +153,3 @@ class StageProgress(msgspec.Struct, kw_only=True):
     # Why the stage's final shard is not on the leader, as its fellow told (cleaned).
     export_error: str | None = None
     updated_at: float | None = None
-
-
-class _SpecSteps(msgspec.Struct):
-    steps: int | None = None
-
-
-class _RecordNumbers(msgspec.Struct):
-    progress: list[StageProgress] | None = None
-    final_loss: float | None = None
-    final_val_loss: float | None = None
-    spec: _SpecSteps = msgspec.field(default_factory=_SpecSteps)
-
-
-def stage_records(record: Mapping[str, Any]) -> list[StageProgress]:
-    """A job record's (JSON) stages, in stage order."""
-    numbers = msgspec.convert(record, _RecordNumbers)
-    return sorted(numbers.progress or [], key=lambda s: s.stage)
-
-
-def view_of_record(record: Mapping[str, Any]) -> JobView:
-    """The job view of a job record as JSON (computed here, so any leader's record will do)."""
-    numbers = msgspec.convert(record, _RecordNumbers)
-    return job_view(
-        numbers.progress or [],
-        total_steps=numbers.spec.steps,
-        final_loss=numbers.final_loss,
-        final_val_loss=numbers.final_val_loss,
-    )

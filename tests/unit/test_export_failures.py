@@ -11,16 +11,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from agent.errors import CheckpointWriteError
 from agent.runner import PUSH_DRAIN_S
 from agent.runner import final_export_error as fellow_export_error
-from leader.artifacts import ExportStore, ShardReceipt
+from leader.artifacts import ExportStore
 from leader.jobs import clean_report, final_export_error
 from swarm.cli.watch import check_export
 from swarm.errors import ExportMissingError, JobEndedBadlyError
 from swarm.protocol import EXPORT_ERROR_CHARS, StageOutcome, StageResult
+from swarm.types.jobs import JobRecord, ShardReceipt
 from tests.unit.test_artifacts import chunks, placed_job, send_shard
 
 REPO = Path(__file__).resolve().parents[2]
@@ -194,14 +196,20 @@ def test_a_fellows_words_are_cleaned_and_bounded(text, limit, want):
 # --- the CLI ----------------------------------------------------------------------------------
 
 
+def record(state: str, export_error: str | None = None) -> JobRecord:
+    """A job record as the CLI decodes it from the leader's JSON."""
+    body = {"job_id": "j", "name": "j", "spec": {}, "state": state, "created_at": 0}
+    body |= {"updated_at": 0, "export_error": export_error}
+    return msgspec.convert(body, JobRecord)
+
+
 @pytest.mark.parametrize(
     ("job", "raises"),
     [
-        ({"job_id": "j", "state": "COMPLETED", "export_error": None}, None),
-        ({"job_id": "j", "state": "COMPLETED"}, None),
-        ({"job_id": "j", "state": "COMPLETED", "export_error": FULL}, ExportMissingError),
+        (record("COMPLETED", None), None),
+        (record("COMPLETED", FULL), ExportMissingError),
         # A failed job's missing model is no news: the failure is (exit 1, elsewhere).
-        ({"job_id": "j", "state": "FAILED", "export_error": FULL}, None),
+        (record("FAILED", FULL), None),
     ],
 )
 def test_watch_turns_a_missing_export_into_its_own_exit_code(job, raises):

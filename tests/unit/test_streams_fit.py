@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 from nats.js.errors import APIError, BadRequestError, ServerError, ServiceUnavailableError
 
 from leader.api.health import health_body
-from leader.storage import StreamUsage, Throttle, storage_reasons
+from leader.storage import Throttle, storage_reasons
 from leader.store import StateStore
 from leader.streams import (
     GIB,
@@ -27,6 +28,7 @@ from leader.streams import (
     progress_stream,
     settle,
 )
+from swarm.types.api import StreamUsage
 from tests.fakes import Clock
 
 PROGRESS, LOGS = progress_stream("swarm"), log_stream("swarm")
@@ -211,7 +213,8 @@ def test_storage_reasons(kwargs, expected):
     ],
 )
 def test_health_is_degraded_with_its_reasons(connected, storage, status, reasons):
-    body, code = health_body(connected, storage)
+    health, code = health_body(connected, storage)
+    body = msgspec.to_builtins(health)  # the JSON /health answers
     assert code == status
     assert body["status"] == ("ok" if status == 200 else "degraded")
     assert body["nats"] == ("connected" if connected else "disconnected")

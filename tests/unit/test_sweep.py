@@ -8,11 +8,14 @@ import struct
 import zlib
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from swarm import suite as suites
 from swarm import sweep
 from swarm.errors import ConfigError
+from swarm.types.jobs import JobRecord
+from tests.fakes import fellow_record, gpu, job_record, node_view, placed_stage
 
 REPO = Path(__file__).resolve().parents[2]
 GIB = 2**30
@@ -158,12 +161,12 @@ def test_resume_skips_recorded_points_and_retries_failed_ones_on_request():
 
 def finished_job(*, compression="none", stages=2, steps=10, sent_per_stage=(1000, 1000)):
     spec = {**TINY, "compression": compression, "steps": steps}
-    return {
-        "job_id": "s-abc-123456",
-        "state": "COMPLETED",
-        "spec": spec,
-        "placement": {"stages": [{"stage": i} for i in range(stages)]},
-        "progress": [
+    return job_record(
+        job_id="s-abc-123456",
+        state="COMPLETED",
+        spec=spec,
+        placement={"stages": [placed_stage(i) for i in range(stages)], "transport": "auto"},
+        progress=[
             {
                 "stage": i,
                 "fellow_id": f"f{i}",
@@ -175,17 +178,22 @@ def finished_job(*, compression="none", stages=2, steps=10, sent_per_stage=(1000
             }
             for i in range(stages)
         ],
-        "final_loss": 1.5,
-        "final_val_loss": 1.6,
-        "reason": "",
-    }
+        final_loss=1.5,
+        final_val_loss=1.6,
+        reason="",
+    )
+
+
+def finished_as(**changes) -> JobRecord:
+    """The finished job with some fields changed."""
+    return job_record(**{**msgspec.to_builtins(finished_job()), **changes})
 
 
 def test_bytes_per_step_per_boundary_and_the_compression_ratio():
     job = finished_job(sent_per_stage=(4096, 4096))
     assert sweep.bytes_per_step_per_boundary(job) == 8192 / 10 / 1
     fp32 = 2 * 8 * 32 * 32 * 4
-    assert sweep.fp32_bytes_per_step_per_boundary(job["spec"]) == fp32
+    assert sweep.fp32_bytes_per_step_per_boundary(job.spec) == fp32
     assert sweep.compression_ratio(job) == pytest.approx(fp32 / 819.2)
     assert sweep.bytes_per_step_per_boundary(finished_job(stages=1, sent_per_stage=(5,))) is None
     assert sweep.nominal_compression_ratio("none", 128) == 1
@@ -266,14 +274,14 @@ def test_the_bundled_sweeps_expand_are_gpu_only_and_take_partition(name, points)
 
 
 def node(host="h1", online=True, gpus=0, tf=None, fellows=("f1",), warning=None):
-    return {
-        "hostname": host,
-        "online": online,
-        "fellows": list(fellows),
-        "gpus": [{"uuid": f"GPU-{i}"} for i in range(gpus)],
-        "tf_gpu_count": tf,
-        "gpu_warning": warning,
-    }
+    return node_view(
+        host,
+        online=online,
+        fellows=list(fellows),
+        gpus=[gpu(i) for i in range(gpus)],
+        tf_gpu_count=tf,
+        gpu_warning=warning,
+    )
 
 
 GPU_ONLY = {**TINY, "allow_cpu": False}
@@ -342,8 +350,8 @@ def bundled_suite() -> suites.Suite:
 
 
 def worker(fid, host="vm", gpus_free_gb=(), status="ready"):
-    gpus = [{"index": i, "memory_free_bytes": int(g * GIB)} for i, g in enumerate(gpus_free_gb)]
-    return {"fellow_id": fid, "hostname": host, "status": status, "hardware": {"gpus": gpus}}
+    gpus = [gpu(i, free_bytes=int(g * GIB)) for i, g in enumerate(gpus_free_gb)]
+    return fellow_record(fid, hostname=host, status=status, gpus=gpus)
 
 
 def test_the_bundled_suite_decodes_with_its_profiles():
@@ -437,9 +445,9 @@ def test_dry_run_checks_free_vram_hosts_and_status():
 
 def test_busy_jobs_and_run_results():
     jobs = [
-        {"job_id": "a", "state": "COMPLETED"},
-        {"job_id": "b", "state": "RUNNING"},
-        {"job_id": "c", "state": "PENDING"},
+        job_record(job_id="a", state="COMPLETED"),
+        job_record(job_id="b", state="RUNNING"),
+        job_record(job_id="c", state="PENDING"),
     ]
     assert suites.busy_jobs(jobs) == ["b", "c"]
     results = suites.run_results(finished_job(sent_per_stage=(100, 300)))
@@ -456,25 +464,28 @@ class FakeLeader:
         self.submitted: list[dict] = []
         self.cancelled: list[str] = []
 
-    def submit(self, spec_json: bytes) -> dict:
+    def submit(self, spec_json: bytes) -> JobRecord:
         from swarm.errors import LeaderResponseError
 
         spec = json.loads(spec_json)
         self.submitted.append(spec)
         if len(self.submitted) == 1:
             raise LeaderResponseError("no fellow can take it", code="JOB_INVALID")
-        return {"job_id": f"j{len(self.submitted)}", "name": spec["name"]}
+        return job_record(job_id=f"j{len(self.submitted)}", name=spec["name"])
 
-    def job(self, job_id: str) -> dict:
+    def job(self, job_id: str) -> JobRecord:
         n = int(job_id[1:])
         if n == 2:
-            return {**finished_job(), "job_id": job_id, "state": "FAILED", "reason": "f1 died"}
+            return finished_as(job_id=job_id, state="FAILED", reason="f1 died")
         if n == 3:
             state = "CANCELLED" if job_id in self.cancelled else "RUNNING"
-            return {**finished_job(), "job_id": job_id, "state": state, "reason": "by operator"}
-        return {**finished_job(), "job_id": job_id}
+            return finished_as(job_id=job_id, state=state, reason="by operator")
+        return finished_as(job_id=job_id)
 
-    def cancel(self, job_id: str) -> dict:
+    def jobs(self) -> list[JobRecord]:
+        return []
+
+    def cancel(self, job_id: str) -> JobRecord:
         self.cancelled.append(job_id)
         return self.job(job_id)
 
@@ -499,7 +510,7 @@ def test_run_sweep_records_failures_goes_on_and_resumes(tmp_path):
     assert again.submitted == []
     retry = FakeLeader()
     retry.submitted = [{}]  # its next submission is accepted and completes
-    retry.job = lambda job_id: {**finished_job(), "job_id": job_id}
+    retry.job = lambda job_id: finished_as(job_id=job_id)
     rows = sweep.run_sweep(retry, s, tmp_path, progress=lines.append, poll_s=0, retry_failed=True)
     assert len(retry.submitted) == 4 and [r["state"] for r in rows] == ["COMPLETED"] * 4
 
@@ -530,28 +541,28 @@ class InterruptedLeader:
         self.polls = 0
         self.name = ""
 
-    def submit(self, spec_json: bytes) -> dict:
+    def submit(self, spec_json: bytes) -> JobRecord:
         self.name = json.loads(spec_json)["name"]
         if self.during_submit:  # the leader made the job; its id never came back
             raise KeyboardInterrupt
-        return {"job_id": "j1"}
+        return job_record(job_id="j1")
 
-    def job(self, job_id: str) -> dict:
+    def job(self, job_id: str) -> JobRecord:
         self.polls += 1
         if self.polls == 2:
             raise KeyboardInterrupt
-        return {"job_id": job_id, "state": "RUNNING", "progress": []}
+        return job_record(job_id=job_id, state="RUNNING", progress=[])
 
-    def jobs(self) -> list[dict]:
+    def jobs(self) -> list[JobRecord]:
         return [
-            {"job_id": "old", "name": self.name, "state": "CANCELLED"},
-            {"job_id": "j9", "name": self.name, "state": "PENDING"},
-            {"job_id": "other", "name": "someone-else", "state": "RUNNING"},
+            job_record(job_id="old", name=self.name, state="CANCELLED"),
+            job_record(job_id="j9", name=self.name, state="PENDING"),
+            job_record(job_id="other", name="someone-else", state="RUNNING"),
         ]
 
-    def cancel(self, job_id: str) -> dict:
+    def cancel(self, job_id: str) -> JobRecord:
         self.cancelled.append(job_id)
-        return {"job_id": job_id, "state": "CANCELLED"}
+        return job_record(job_id=job_id, state="CANCELLED")
 
 
 @pytest.mark.parametrize(("during_submit", "cancelled"), [(False, ["j1"]), (True, ["j9"])])

@@ -3,8 +3,10 @@ last stage's (the final loss once completed). Table tests of swarm/types/views.p
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
+from swarm.types.jobs import JobRecord
 from swarm.types.views import (
     JobView,
     StageProgress,
@@ -13,8 +15,6 @@ from swarm.types.views import (
     last_stage,
     pipeline_loss,
     pipeline_step,
-    stage_records,
-    view_of_record,
 )
 
 
@@ -83,10 +83,13 @@ def test_the_job_view_takes_the_last_stage_numbers_and_sums_the_bytes():
     assert job_view([], total_steps=100) == JobView(total_steps=100)
 
 
-def test_the_view_of_a_job_record_as_json():
+def test_the_view_of_a_job_record_as_the_cli_decodes_it():
     record = {
         "job_id": "j",
+        "name": "j",
         "state": "RUNNING",
+        "created_at": 0,
+        "updated_at": 0,
         "spec": {"steps": 50, "model": {"n_layers": 4}},
         "progress": [
             {"stage": 1, "fellow_id": "b", "step": 3, "loss": 2.0, "result": None, "extra": 1},
@@ -95,8 +98,11 @@ def test_the_view_of_a_job_record_as_json():
         "final_loss": None,
         "view": {"step": 99},  # what the leader served is not trusted: computed again here
     }
-    view = view_of_record(record)
+    job = msgspec.convert(record, JobRecord)
+    view = job.current_view()
     assert (view.step, view.total_steps, view.loss, view.fellows) == (3, 50, 2.0, ["a", "b"])
-    assert [s.fellow_id for s in stage_records(record)] == ["a", "b"]
-    assert view_of_record({}) == JobView()
-    assert view_of_record({"progress": None, "spec": {"steps": 5}}) == JobView(total_steps=5)
+    assert [s.fellow_id for s in job.stages()] == ["a", "b"]
+    bare = {k: record[k] for k in ("job_id", "name", "state", "created_at", "updated_at")}
+    assert msgspec.convert({**bare, "spec": {"steps": 5}}, JobRecord).current_view() == JobView(
+        total_steps=5
+    )

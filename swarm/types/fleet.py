@@ -1,0 +1,120 @@
+"""The fleet as the leader serves it: fellows (``/api/v1/workers``), hosts
+(``/api/v1/nodes``), a fellow's logs, release and pending purges, and the bodies of the
+requests that act on fellows. The leader's registry, purge book and log buffer own the
+logic (:mod:`leader.registry`, :mod:`leader.purges`, :mod:`leader.logs`)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from swarm.protocol import FellowLimits, FellowStatus, GpuInfo, HardwareSnapshot, StageOutcome
+
+
+class Transition(msgspec.Struct, kw_only=True, gc=False):
+    at: float
+    from_status: FellowStatus | None
+    to_status: FellowStatus
+    reason: str
+
+
+class FellowRecord(msgspec.Struct, kw_only=True, gc=False):
+    fellow_id: str
+    instance_id: str
+    hostname: str
+    version: str
+    pid: int
+    data_address: str | None
+    status: FellowStatus
+    job_id: str | None = None
+    attempt: int | None = None
+    step: int | None = None
+    loss: float | None = None
+    # How the fellow's last stage run ended, as its heartbeats repeat it.
+    outcome: StageOutcome | None = None
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    hardware: HardwareSnapshot
+    registered_at: float
+    # Accepted register requests from this id: > 1 after reconnects and restarts.
+    registrations: int = 1
+    last_registered_at: float | None = None
+    last_heartbeat_at: float | None = None
+    heartbeats: int = 0  # accepted heartbeats, since the record was created
+    last_heartbeat_age_s: float | None = None
+    offline_reason: str | None = None
+    history: list[Transition] = msgspec.field(default_factory=list)
+
+
+class NodeView(msgspec.Struct, kw_only=True):
+    """One host, merged over all its fellows (:mod:`leader.hostview` says how)."""
+
+    hostname: str
+    online: bool
+    fellows: list[str]
+    cpu_cores: int
+    cpu_load_pct: float
+    ram_total_bytes: int
+    ram_available_bytes: int
+    gpus: list[GpuInfo]
+    nvml_error: str | None
+    # GPUs NVML reports that TensorFlow cannot use (and the fix); None when all are usable.
+    # Prefixed with the fellow ids when the host's fellows say different things.
+    gpu_warning: str | None = None
+    tf_gpu_count: int | None = None
+    # The operator's caps, per fellow id.
+    limits: dict[str, FellowLimits] = msgspec.field(default_factory=dict)
+    # The UUIDs of the GPUs each fellow sees, per fellow id.
+    fellow_gpus: dict[str, list[str]] = msgspec.field(default_factory=dict)
+    net_sent_bytes_per_s: float = 0.0
+    net_recv_bytes_per_s: float = 0.0
+
+
+class LogEntry(msgspec.Struct, kw_only=True):
+    """One log record of a fellow (``/api/v1/workers/{id}/logs`` and its stream)."""
+
+    seq: int  # the stream sequence of the batch it came in
+    fellow_id: str
+    ts: float
+    level: str
+    logger: str
+    message: str
+
+
+class PendingPurge(msgspec.Struct, kw_only=True):
+    fellow_id: str
+    requested_at: float
+    attempts: int = 0
+    last_attempt_at: float | None = None
+    last_error: str = ""
+
+
+class ReleaseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    purge_install: bool = False
+
+
+class UpdateRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    fellow_id: str | None = None  # None: every online fellow
+
+
+class RetryPurgeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    fellow_id: str | None = None  # None: every pending purge
+
+
+class ReleaseResult(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What a release did. ``agent_stopped`` only when the fellow was online and got a STOP
+    (no purge asked): whether it acknowledged it."""
+
+    fellow_id: str
+    released: bool
+    purge: Literal["pending", "delivered"] | None
+    agent_stopped: bool | None = None
+
+
+class PurgeDelivery(msgspec.Struct, kw_only=True):
+    """One pending purge tried now (``POST /api/v1/purges/retry``)."""
+
+    fellow_id: str
+    delivered: bool
+    error: str  # the last delivery's error ("" once delivered)

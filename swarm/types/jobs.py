@@ -1,0 +1,139 @@
+"""A job as the leader records and serves it: ``GET /api/v1/jobs`` and the routes that
+answer with a job, a checkpoint round or a signal (and the leader's KV store keeps it so).
+
+The leader's :mod:`leader.jobs` owns the logic; these are the records, here so that the CLI,
+sweeps and suites decode the REST JSON into the same types the leader encodes.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from swarm.jobspec import JobSpec, Placement
+from swarm.lifecycle import TERMINAL_JOB_STATES
+from swarm.protocol import JobState, SignalAck
+from swarm.types.views import JobView, StageProgress, job_view
+
+
+class JobTransition(msgspec.Struct, kw_only=True):
+    at: float
+    from_state: JobState | None
+    to_state: JobState
+    reason: str
+
+
+class SignalRecord(SignalAck, kw_only=True):
+    """One signal the leader sent and how it ended: the fellow's ack, or ``NO_ANSWER``."""
+
+    kind: str
+    sent_at: float
+    attempts: int
+
+
+class CheckpointStage(msgspec.Struct, kw_only=True):
+    fellow_id: str
+    acknowledged: bool = False
+    ok: bool | None = None  # None until the fellow reports the checkpoint written
+    step: int | None = None
+    path: str | None = None
+    message: str = ""
+
+
+class CheckpointRecord(msgspec.Struct, kw_only=True):
+    checkpoint_id: str
+    requested_at: float
+    attempt: int
+    at_step: int | None
+    stages: list[CheckpointStage]
+
+
+class ResumeRecord(msgspec.Struct, kw_only=True):
+    at: float
+    failed_attempt: int
+    reason: str
+    from_step: int
+
+
+class ShardReceipt(msgspec.Struct, kw_only=True):
+    """A stage's shard arrived whole and verified."""
+
+    fellow_id: str
+    stage: int
+    step: int
+    attempt: int
+    size: int  # both files
+    sha256: str  # of the arrays (.npz)
+    at: float
+
+
+class JobRecord(msgspec.Struct, kw_only=True):
+    job_id: str
+    name: str
+    spec: JobSpec
+    state: JobState
+    created_at: float
+    updated_at: float
+    attempt: int = 0
+    started_at: float | None = None
+    finished_at: float | None = None
+    # PENDING: why it waits; FAILED: which fellow failed and how; CANCELLED: by whom.
+    reason: str = ""
+    placement: Placement | None = None
+    progress: list[StageProgress] = msgspec.field(default_factory=list)
+    final_loss: float | None = None
+    final_val_loss: float | None = None
+    checkpoints: list[CheckpointRecord] = msgspec.field(default_factory=list)
+    signals: list[SignalRecord] = msgspec.field(default_factory=list)
+    history: list[JobTransition] = msgspec.field(default_factory=list)
+    # Exports: where the shards go, the newest step every stage pushed, the latest pushes.
+    export_dir: str | None = None
+    # While running: why the leader could not store the export (a full disk...), cleared by
+    # the next complete step. Once COMPLETED: why the final model is not in the export
+    # (final_export_error), naming the stage, fellow, path and cause; None: it is there.
+    export_error: str | None = None
+    pushed_step: int | None = None
+    latest_shard_pushes: list[ShardReceipt] = msgspec.field(default_factory=list)
+    # Automatic resume: each one, the step the current attempt started from, and the layer
+    # ranges every attempt keeps (learned bottlenecks stay where they were trained).
+    resumes: list[ResumeRecord] = msgspec.field(default_factory=list)
+    resume_step: int | None = None
+    layer_ranges: list[tuple[int, int]] | None = None
+    # The job's numbers as one pipeline (swarm/types/views.py), derived from ``progress``
+    # and the final losses whenever they change: what the Ops UI shows.
+    view: JobView = msgspec.field(default_factory=JobView)
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL_JOB_STATES
+
+    def stage_progress(self, fellow_id: str) -> StageProgress | None:
+        return next((p for p in self.progress if p.fellow_id == fellow_id), None)
+
+    def stages(self) -> list[StageProgress]:
+        """The stages' progress in stage order."""
+        return sorted(self.progress, key=lambda s: s.stage)
+
+    def current_view(self) -> JobView:
+        """The view from the record as it is now (``view`` is this, as of the last change).
+
+        Clients compute it too, rather than trust ``view``: a leader from before the view
+        served none."""
+        return job_view(
+            self.progress,
+            total_steps=self.spec.steps,
+            final_loss=self.final_loss,
+            final_val_loss=self.final_val_loss,
+        )
+
+    def refresh_view(self) -> None:
+        self.view = self.current_view()
+
+
+class JobEnd(msgspec.Struct, kw_only=True):
+    """The ``end`` event of a job's metrics stream (SSE): how the job ended."""
+
+    job_id: str
+    state: JobState
+    reason: str
+    final_loss: float | None
+    final_val_loss: float | None

@@ -1,0 +1,99 @@
+"""A job's merged live metrics (``/api/v1/jobs/{id}/metrics``, its SSE stream and history)
+and the swarm's capacity (``/api/v1/cluster``). The leader's :mod:`leader.aggregate` computes
+them; ``swarm watch`` decodes them."""
+
+from __future__ import annotations
+
+import msgspec
+
+from swarm.jobspec import Placement
+from swarm.protocol import StageResult
+
+
+class FellowMetrics(msgspec.Struct, kw_only=True):
+    fellow_id: str
+    stage: int
+    step: int = 0
+    loss: float | None = None
+    step_time_s: float | None = None
+    tokens_per_s: float | None = None
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    sent_bytes_per_s: float = 0.0
+    received_bytes_per_s: float = 0.0
+    result: StageResult | None = None
+    at: float | None = None
+
+
+class BoundaryMetrics(msgspec.Struct, kw_only=True):
+    boundary: int  # between stage `boundary` and `boundary + 1`
+    upstream: str
+    downstream: str
+    bytes_per_s: float
+    bytes_total: int
+    transport: str | None = None  # "p2p" (ZeroMQ) or "relay" (NATS), as the stage reports
+
+
+class JobMetrics(msgspec.Struct, kw_only=True):
+    job_id: str
+    attempt: int
+    step: int
+    total_steps: int | None
+    loss: float | None
+    val_loss: float | None
+    lr: float | None
+    steps_per_min: float | None
+    step_time_s: float | None
+    tokens_per_s: float | None
+    eta_s: float | None
+    bytes_sent: int
+    bytes_received: int
+    boundaries: list[BoundaryMetrics]
+    fellows: list[FellowMetrics]
+    updated_at: float | None
+
+
+class HistoryPoint(msgspec.Struct, kw_only=True):
+    """One finished step of the last stage, with the job's byte counters at that moment."""
+
+    step: int
+    at: float
+    loss: float | None
+    val_loss: float | None
+    lr: float | None
+    step_time_s: float | None
+    tokens_per_s: float | None
+    bytes_sent: int
+    bytes_received: int
+
+
+class RunningJob(msgspec.Struct, kw_only=True):
+    """How one running job performs (``/api/v1/cluster``'s ``running_jobs``)."""
+
+    job_id: str
+    name: str
+    step: int
+    total_steps: int | None
+    loss: float | None
+    step_time_s: float | None
+    steps_per_min: float | None
+    tokens_per_s: float | None
+    boundaries: list[BoundaryMetrics]
+    placement: Placement | None
+
+
+class ClusterView(msgspec.Struct, kw_only=True):
+    """What the swarm has online, per host (fellows sharing a host count it once), and how
+    its running jobs perform: ``GET /api/v1/cluster``."""
+
+    fellows: dict[str, int]  # fellows by status
+    hosts: int
+    cpu_cores: int
+    ram_total_bytes: int
+    ram_available_bytes: int
+    gpus: int
+    vram_total_bytes: int
+    vram_free_bytes: int
+    net_sent_bytes_per_s: float
+    net_recv_bytes_per_s: float
+    running_jobs: list[RunningJob]
