@@ -73,7 +73,13 @@ def test_history_sse_and_watch_of_a_finished_job_survive_a_leader_restart(
 
     restartable_leader.kill()
     restartable_leader.start()
-    assert client.get(f"/api/v1/jobs/{job_id}/metrics/history") == curve
+    # Loaded state comes before the history streams: until they are bound, 503 "try again".
+    replayed = wait_for(
+        lambda: client.get(f"/api/v1/jobs/{job_id}/metrics/history"),
+        timeout=30,
+        what="the restarted leader's history",
+    )
+    assert replayed == curve
 
 
 def test_logs_resume_from_last_event_id_without_gaps_or_duplicates(procs, nats_server, leader):
