@@ -47,6 +47,7 @@ class ErrorCode(StrEnum):
     JOB_NOT_COMPLETED = "JOB_NOT_COMPLETED"
     EXPORT_MISSING = "EXPORT_MISSING"
     SWEEP_REFUSED = "SWEEP_REFUSED"
+    EXTRA_MISSING = "EXTRA_MISSING"  # an optional dependency (an extra) is not installed
 
     # --- the leader's HTTP answers -----------------------------------------------------------
     BAD_REQUEST = "BAD_REQUEST"
@@ -274,4 +275,12 @@ class SweepRefusedError(SwarmError):
     """The swarm cannot run the sweep as it is (the message says what is missing)."""
 
     code = ErrorCode.SWEEP_REFUSED
+    exit_code = 1
+
+
+class ExtraMissingError(SwarmError):
+    """What was asked needs an optional dependency that is not installed; the message names
+    the extra that brings it (``pip install 'silentswarm[plots]'``)."""
+
+    code = ErrorCode.EXTRA_MISSING
     exit_code = 1

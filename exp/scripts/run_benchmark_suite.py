@@ -33,12 +33,12 @@ import msgspec
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from swarm import suite as suites  # noqa: E402
 from swarm.cli.client import LeaderClient  # noqa: E402
+from swarm.cli.experiments import suite as suites  # noqa: E402
+from swarm.cli.experiments.runner import wait_for_end  # noqa: E402
 from swarm.entry import run_or_exit  # noqa: E402
 from swarm.errors import ConfigError, LeaderResponseError  # noqa: E402
 from swarm.settings import Settings  # noqa: E402
-from swarm.sweep import wait_for_end  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
 
         url = cluster.running_leader_url(settings) or url
     with LeaderClient(url, token=settings.client_token()) as client:
-        findings = suites.dry_run(suite, client.workers())
+        findings = suites.dry_run(suite, client.fellows())
         wanted = [s for s in suite.scenarios if not args.only or s.name in args.only]
         by_name = {f.scenario: f for f in findings}
         for s in wanted:

@@ -66,10 +66,10 @@ class LeaderClient:
     def cluster(self) -> ClusterView:
         return self._call("GET", "/api/v1/cluster", ClusterView)
 
-    def workers(self) -> list[FellowRecord]:
+    def fellows(self) -> list[FellowRecord]:
         return self._call("GET", "/api/v1/workers", list[FellowRecord])
 
-    def worker(self, fellow_id: str) -> FellowRecord:
+    def fellow(self, fellow_id: str) -> FellowRecord:
         return self._call("GET", f"/api/v1/workers/{fellow_id}", FellowRecord)
 
     def nodes(self) -> list[NodeView]:

@@ -400,18 +400,18 @@ def _answers(client: LeaderClient) -> bool:
 
 def _all_ready(client: LeaderClient, names: list[str]) -> bool:
     try:
-        workers = {w.fellow_id: w.status for w in client.workers()}
+        statuses = {f.fellow_id: f.status for f in client.fellows()}
     except LeaderUnreachableError:
         return False
-    return all(workers.get(n) == "ready" for n in names)
+    return all(statuses.get(n) == "ready" for n in names)
 
 
 def _states(client: LeaderClient, names: list[str]) -> str:
     try:
-        workers = {w.fellow_id: w.status for w in client.workers()}
+        statuses = {f.fellow_id: f.status for f in client.fellows()}
     except LeaderUnreachableError as exc:
         return exc.message
-    return ", ".join(f"{n}: {workers.get(n, 'not registered')}" for n in names)
+    return ", ".join(f"{n}: {statuses.get(n, 'not registered')}" for n in names)
 
 
 def _exited(started: dict[str, Any]) -> str | None:

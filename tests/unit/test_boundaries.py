@@ -49,12 +49,22 @@ def _imports(package: str) -> dict[str, set[str]]:
     ("package", "forbidden"),
     [
         ("swarm", {"leader", "agent", "tensorflow", "keras"}),
-        ("leader", {"agent", "tensorflow", "keras"}),
+        ("leader", {"agent", "tensorflow", "keras", "matplotlib"}),
+        ("agent", {"leader", "matplotlib"}),
     ],
 )
 def test_imports_point_down_only(package, forbidden):
     offenders = {f: r & forbidden for f, r in _imports(package).items() if r & forbidden}
     assert offenders == {}
+
+
+def test_experiments_and_plotting_stay_on_the_cli_side():
+    """Sweeps, suites and their plot serve the CLI and exp/: the leader and the agent never
+    import them, and the CLI loads matplotlib only to draw (so ``swarm`` starts fast)."""
+    for package in ("leader", "agent"):
+        for file, names in _import_names(package).items():
+            assert not {n for n in names if n.startswith("swarm.cli.experiments")}, file
+    _assert_loads_none_of("import swarm.cli.app", {"matplotlib"})
 
 
 def _import_names(package: str) -> dict[str, set[str]]:

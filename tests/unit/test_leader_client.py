@@ -36,7 +36,7 @@ def test_an_answer_that_does_not_decode_names_the_route_and_the_field():
     assert err.value.code == ErrorCode.LEADER_RESPONSE_INVALID
     assert "GET /api/v1/jobs/j" in err.value.message and "$.state" in err.value.message
     with pytest.raises(LeaderResponseError) as err:
-        client_answering(200, b"<html>").workers()
+        client_answering(200, b"<html>").fellows()
     assert err.value.code == ErrorCode.LEADER_RESPONSE_INVALID
 
 

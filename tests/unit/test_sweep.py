@@ -1,18 +1,16 @@
-"""Sweeps and benchmark suites, pure logic: expansion, ids, resumability, numbers, the PNG
-writer, suite decoding and dry-run findings."""
+"""Sweeps and benchmark suites, pure logic: expansion, ids, resumability, numbers, the run
+loop over a fake leader, suite decoding and dry-run findings (the plot: test_sweep_plot.py)."""
 
 from __future__ import annotations
 
 import json
-import struct
-import zlib
 from pathlib import Path
 
 import msgspec
 import pytest
 
-from swarm import suite as suites
-from swarm import sweep
+from swarm.cli.experiments import job_numbers, runner, sweep
+from swarm.cli.experiments import suite as suites
 from swarm.errors import ConfigError
 from swarm.types.jobs import JobRecord
 from tests.fakes import fellow_record, gpu, job_record, node_view, placed_stage
@@ -191,14 +189,15 @@ def finished_as(**changes) -> JobRecord:
 
 def test_bytes_per_step_per_boundary_and_the_compression_ratio():
     job = finished_job(sent_per_stage=(4096, 4096))
-    assert sweep.bytes_per_step_per_boundary(job) == 8192 / 10 / 1
+    assert job_numbers.bytes_per_step_per_boundary(job) == 8192 / 10 / 1
     fp32 = 2 * 8 * 32 * 32 * 4
-    assert sweep.fp32_bytes_per_step_per_boundary(job.spec) == fp32
-    assert sweep.compression_ratio(job) == pytest.approx(fp32 / 819.2)
-    assert sweep.bytes_per_step_per_boundary(finished_job(stages=1, sent_per_stage=(5,))) is None
-    assert sweep.nominal_compression_ratio("none", 128) == 1
-    assert sweep.nominal_compression_ratio("fixed_int8", 128) == 4
-    assert sweep.nominal_compression_ratio("learned_dim32_int4", 128) == 32
+    assert job_numbers.fp32_bytes_per_step_per_boundary(job.spec) == fp32
+    assert job_numbers.compression_ratio(job) == pytest.approx(fp32 / 819.2)
+    single = finished_job(stages=1, sent_per_stage=(5,))
+    assert job_numbers.bytes_per_step_per_boundary(single) is None
+    assert job_numbers.nominal_compression_ratio("none", 128) == 1
+    assert job_numbers.nominal_compression_ratio("fixed_int8", 128) == 4
+    assert job_numbers.nominal_compression_ratio("learned_dim32_int4", 128) == 32
 
 
 def test_a_result_row_has_the_grid_values_and_the_numbers():
@@ -213,43 +212,6 @@ def test_a_result_row_has_the_grid_values_and_the_numbers():
     refused = sweep.result_row(s, p, None, reason="submit refused: NO: nope")
     assert refused["state"] == "FAILED" and refused["reason"].startswith("submit refused")
     assert refused["final_loss"] == ""
-
-
-def parse_png(data: bytes):
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    chunks, i = [], 8
-    while i < len(data):
-        (length,) = struct.unpack(">I", data[i : i + 4])
-        kind, body = data[i + 4 : i + 8], data[i + 8 : i + 8 + length]
-        (crc,) = struct.unpack(">I", data[i + 8 + length : i + 12 + length])
-        assert crc == zlib.crc32(kind + body)
-        chunks.append((kind, body))
-        i += 12 + length
-    return chunks
-
-
-def test_the_png_writer_makes_a_valid_png():
-    chunks = parse_png(sweep.png_bytes(3, 2, bytearray(range(18))))
-    assert [k for k, _ in chunks] == [b"IHDR", b"IDAT", b"IEND"]
-    assert struct.unpack(">IIBBBBB", chunks[0][1]) == (3, 2, 8, 2, 0, 0, 0)
-    raw = zlib.decompress(chunks[1][1])
-    assert raw == b"\x00" + bytes(range(9)) + b"\x00" + bytes(range(9, 18))
-    with pytest.raises(ValueError):
-        sweep.png_bytes(3, 2, bytearray(5))
-
-
-def test_the_scatter_plot_is_a_png_with_the_points_drawn():
-    png = sweep.scatter_png([(1e3, 2.0, "none"), (2.5e2, 2.2, "fixed_int8")], width=200, height=150)
-    chunks = parse_png(png)
-    assert struct.unpack(">II", chunks[0][1][:8]) == (200, 150)
-    raw = zlib.decompress(chunks[1][1])
-    assert bytes(sweep.PALETTE[0]) in raw and bytes(sweep.PALETTE[1]) in raw
-    assert parse_png(sweep.scatter_png([]))  # no data: still a valid (empty) plot
-    rows = [
-        {"bytes_per_step_per_boundary": "100", "final_val_loss": "2", "compression": "fp16"},
-        {"bytes_per_step_per_boundary": "", "final_val_loss": "2", "compression": "none"},
-    ]
-    assert sweep.plot_points(rows) == [(100.0, 2.0, "fp16")]
 
 
 def bundled_sweep(name: str, **overrides) -> sweep.Sweep:
@@ -494,24 +456,24 @@ def test_run_sweep_records_failures_goes_on_and_resumes(tmp_path):
     s = sweep.expand(config({"stages": [1, 2], "micro_batches": [2, 4]}), source="s.json")
     lines: list[str] = []
     fake = FakeLeader()
-    rows = sweep.run_sweep(
+    rows = runner.run_sweep(
         fake, s, tmp_path, progress=lines.append, poll_s=0.0, point_timeout_s=0.0
     )
     assert [r["state"] for r in rows] == ["FAILED", "FAILED", "CANCELLED", "COMPLETED"]
     assert rows[0]["reason"] == "submit refused: JOB_INVALID: no fellow can take it"
     assert rows[1]["reason"] == "f1 died" and rows[1]["job_id"] == "j2"
     assert rows[2]["reason"].startswith("timed out") and fake.cancelled == ["j3"]
-    assert sweep.read_rows(tmp_path / "results.csv") == rows
+    assert runner.read_rows(tmp_path / "results.csv") == rows
     assert (tmp_path / "val_loss_vs_bytes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert lines[0].endswith("0 already in " + str(tmp_path / "results.csv") + ", 4 to run")
 
     again = FakeLeader()
-    sweep.run_sweep(again, s, tmp_path, progress=lines.append, poll_s=0.0)
+    runner.run_sweep(again, s, tmp_path, progress=lines.append, poll_s=0.0)
     assert again.submitted == []
     retry = FakeLeader()
     retry.submitted = [{}]  # its next submission is accepted and completes
     retry.job = lambda job_id: finished_as(job_id=job_id)
-    rows = sweep.run_sweep(retry, s, tmp_path, progress=lines.append, poll_s=0, retry_failed=True)
+    rows = runner.run_sweep(retry, s, tmp_path, progress=lines.append, poll_s=0, retry_failed=True)
     assert len(retry.submitted) == 4 and [r["state"] for r in rows] == ["COMPLETED"] * 4
 
 
@@ -573,10 +535,10 @@ def test_ctrl_c_cancels_the_job_the_sweep_started_and_records_no_row(
     fake = InterruptedLeader(during_submit=during_submit)
     lines: list[str] = []
     with pytest.raises(KeyboardInterrupt):
-        sweep.run_sweep(fake, s, tmp_path, progress=lines.append, poll_s=0.0)
+        runner.run_sweep(fake, s, tmp_path, progress=lines.append, poll_s=0.0)
     assert fake.cancelled == cancelled
     assert lines[-1] == (
         f"[1/2] {s.points[0].point_id} interrupted: cancelled {cancelled[0]} "
         "(it runs again on resume)"
     )
-    assert sweep.read_rows(tmp_path / "results.csv") == [], "the point runs again on resume"
+    assert runner.read_rows(tmp_path / "results.csv") == [], "the point runs again on resume"

@@ -22,9 +22,10 @@ from typing import Any, Literal
 
 import msgspec
 
+from swarm.cli.experiments import job_numbers
+from swarm.cli.experiments.config import decode_config
 from swarm.errors import ConfigError, FieldError
 from swarm.jobspec import JobSpec, decode_job_spec
-from swarm.sweep import decode_config
 from swarm.types.fleet import FellowRecord
 from swarm.types.jobs import JobRecord
 
@@ -184,39 +185,39 @@ def _resolve(config: SuiteConfig, scenario: Scenario, source: str) -> ResolvedSc
 # --- dry run ----------------------------------------------------------------------------------
 
 
-def qualifying_gpus(worker: FellowRecord, min_free_gb: float) -> int:
+def qualifying_gpus(fellow: FellowRecord, min_free_gb: float) -> int:
     """GPUs of the fellow with at least ``min_free_gb`` GiB free."""
     need = min_free_gb * GIB
-    return sum(1 for g in worker.hardware.gpus if g.memory_free_bytes >= need)
+    return sum(1 for g in fellow.hardware.gpus if g.memory_free_bytes >= need)
 
 
-def fellow_qualifies(worker: FellowRecord, infra: InfraProfile) -> bool:
-    if worker.status not in USABLE_STATUSES:
+def fellow_qualifies(fellow: FellowRecord, infra: InfraProfile) -> bool:
+    if fellow.status not in USABLE_STATUSES:
         return False
-    return qualifying_gpus(worker, infra.min_free_vram_gb) >= infra.gpus_per_fellow
+    return qualifying_gpus(fellow, infra.min_free_vram_gb) >= infra.gpus_per_fellow
 
 
-def pick_fellows(workers: Sequence[FellowRecord], infra: InfraProfile) -> list[str] | None:
+def pick_fellows(fellows: Sequence[FellowRecord], infra: InfraProfile) -> list[str] | None:
     """Fellows that satisfy the profile (spanning ``hosts`` host names), or None.
 
     One fellow per new host first, then the rest by id: a greedy pick is exact here, since
     every qualifying fellow is interchangeable apart from its host.
     """
-    good = sorted((w for w in workers if fellow_qualifies(w, infra)), key=lambda w: w.fellow_id)
+    good = sorted((f for f in fellows if fellow_qualifies(f, infra)), key=lambda f: f.fellow_id)
     picked: list[FellowRecord] = []
     seen: set[str] = set()
-    for w in good:
-        if len(seen) < infra.hosts and w.hostname not in seen:
-            picked.append(w)
-            seen.add(w.hostname)
-    for w in good:
+    for f in good:
+        if len(seen) < infra.hosts and f.hostname not in seen:
+            picked.append(f)
+            seen.add(f.hostname)
+    for f in good:
         if len(picked) >= infra.fellows:
             break
-        if w not in picked:
-            picked.append(w)
+        if f not in picked:
+            picked.append(f)
     if len(seen) < infra.hosts or len(picked) < infra.fellows:
         return None
-    return [w.fellow_id for w in picked[: infra.fellows]]
+    return [f.fellow_id for f in picked[: infra.fellows]]
 
 
 def describe_need(infra: InfraProfile) -> str:
@@ -230,14 +231,14 @@ def describe_need(infra: InfraProfile) -> str:
     return f"{fellows}{hosts}{each} {gpus} with >= {infra.min_free_vram_gb:g} GiB free"
 
 
-def describe_have(workers: Sequence[FellowRecord], infra: InfraProfile) -> str:
+def describe_have(fellows: Sequence[FellowRecord], infra: InfraProfile) -> str:
     """``have 2 fellows (2 ready) on 1 host, 0 GPUs (0 with >= 20 GiB free)``."""
-    ready = [w for w in workers if w.status in USABLE_STATUSES]
-    hosts = {w.hostname for w in ready}
-    gpus = sum(len(w.hardware.gpus) for w in ready)
-    roomy = sum(qualifying_gpus(w, infra.min_free_vram_gb) for w in ready)
+    ready = [f for f in fellows if f.status in USABLE_STATUSES]
+    hosts = {f.hostname for f in ready}
+    gpus = sum(len(f.hardware.gpus) for f in ready)
+    roomy = sum(qualifying_gpus(f, infra.min_free_vram_gb) for f in ready)
     text = (
-        f"have {len(workers)} fellow{'s' if len(workers) != 1 else ''} ({len(ready)} ready) "
+        f"have {len(fellows)} fellow{'s' if len(fellows) != 1 else ''} ({len(ready)} ready) "
         f"on {len(hosts)} host{'s' if len(hosts) != 1 else ''}, "
         f"{gpus} GPU{'s' if gpus != 1 else ''}"
     )
@@ -246,12 +247,12 @@ def describe_have(workers: Sequence[FellowRecord], infra: InfraProfile) -> str:
     return text
 
 
-def dry_run(suite: Suite, workers: Sequence[FellowRecord]) -> list[Finding]:
+def dry_run(suite: Suite, fellows: Sequence[FellowRecord]) -> list[Finding]:
     """Per scenario: can it run on these fellows, and if not, exactly what is missing."""
     findings = []
     for s in suite.scenarios:
         need = describe_need(s.infra)
-        picked = pick_fellows(workers, s.infra)
+        picked = pick_fellows(fellows, s.infra)
         network = ""
         if s.network is not None:
             parts = []
@@ -265,7 +266,7 @@ def dry_run(suite: Suite, workers: Sequence[FellowRecord]) -> list[Finding]:
                 Finding(
                     scenario=s.name,
                     ok=False,
-                    message=f"{s.name}: needs {need}; {describe_have(workers, s.infra)}",
+                    message=f"{s.name}: needs {need}; {describe_have(fellows, s.infra)}",
                 )
             )
         else:
@@ -287,8 +288,6 @@ def busy_jobs(jobs: Sequence[JobRecord]) -> list[str]:
 
 def run_results(job: JobRecord) -> dict[str, Any]:
     """results.json of one repeat: state, losses, throughput and bytes on the wire."""
-    from swarm import sweep
-
     view = job.current_view()
     return {
         "job_id": job.job_id,
@@ -299,10 +298,10 @@ def run_results(job: JobRecord) -> dict[str, Any]:
         "tokens_per_s": view.tokens_per_s,
         "step_time_s": view.step_time_s,
         "steps": view.step or 0,
-        "stages": sweep.n_boundaries(job) + 1 if job.placement is not None else None,
+        "stages": job_numbers.n_boundaries(job) + 1 if job.placement is not None else None,
         "bytes_sent": view.bytes_sent,
-        "bytes_per_step_per_boundary": sweep.bytes_per_step_per_boundary(job),
-        "compression_ratio_vs_fp32": sweep.compression_ratio(job),
+        "bytes_per_step_per_boundary": job_numbers.bytes_per_step_per_boundary(job),
+        "compression_ratio_vs_fp32": job_numbers.compression_ratio(job),
         "started_at": job.started_at,
         "finished_at": job.finished_at,
         "fellows": view.fellows,

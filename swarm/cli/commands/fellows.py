@@ -1,0 +1,167 @@
+"""The fleet: ``fellows``, ``nodes``, a fellow's ``logs``, ``update``, ``release`` and the
+purges that wait for an offline fellow (``pending-purges``, ``retry-purge``)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated
+
+import cyclopts
+import msgspec
+from cyclopts import Parameter
+
+from swarm.cli import render, sse
+from swarm.cli.client import decode_answer
+from swarm.cli.context import CliContext, Ctx
+from swarm.types.fleet import LogEntry
+
+
+def fellows(*, ctx: Ctx) -> None:
+    """Every fellow the leader knows: status, host, hardware, last heartbeat."""
+    with ctx.client() as client:
+        records = client.fellows()
+    rows = [
+        [
+            f.fellow_id,
+            f.status,
+            f.hostname,
+            len(f.hardware.gpus) or "cpu",
+            render.gib(f.hardware.ram_available_bytes),
+            f.job_id,
+            render.ago(f.last_heartbeat_age_s),
+        ]
+        for f in records
+    ]
+    headers = ["FELLOW", "STATUS", "HOST", "GPUS", "RAM FREE", "JOB", "LAST HEARTBEAT"]
+    ctx.emit(records, render.table(headers, rows) if rows else "no fellows registered")
+
+
+def nodes(*, ctx: Ctx) -> None:
+    """Hosts with their CPU cores, RAM and GPUs (total/free VRAM)."""
+    with ctx.client() as client:
+        hosts = client.nodes()
+    rows = []
+    for n in hosts:
+        gpus = ", ".join(
+            f"{g.index}:{g.name} {render.gib(g.memory_free_bytes)}/"
+            f"{render.gib(g.memory_total_bytes)}"
+            for g in n.gpus
+        )
+        rows.append(
+            [
+                n.hostname,
+                "online" if n.online else "offline",
+                n.cpu_cores,
+                f"{render.gib(n.ram_available_bytes)}/{render.gib(n.ram_total_bytes)}",
+                gpus or "none",
+                ",".join(n.fellows),
+            ]
+        )
+    headers = ["HOST", "STATE", "CORES", "RAM FREE/TOTAL", "GPUS (FREE/TOTAL)", "FELLOWS"]
+    warnings = [f"{n.hostname}: {n.gpu_warning}" for n in hosts if n.gpu_warning]
+    text = render.table(headers, rows) if rows else "no nodes"
+    ctx.emit(hosts, "\n".join([text, *warnings]))
+
+
+def logs(
+    fellow_id: str,
+    *,
+    follow: Annotated[bool, Parameter(help="Keep printing new records (SSE)")] = False,
+    limit: Annotated[int, Parameter(help="How many of the latest records")] = 100,
+    ctx: Ctx,
+) -> None:
+    """A fellow's logs (its agent and its stage runtime), shipped to the leader."""
+    with ctx.client() as client:
+        records = client.logs(fellow_id, limit=limit)
+    for r in records:
+        _print_log(ctx, r)
+    if not follow:
+        return
+    last = str(records[-1].seq) if records else None
+    for event in sse.follow(
+        ctx.leader_url,
+        f"/api/v1/workers/{fellow_id}/logs/stream",
+        last_event_id=last,
+        token=ctx.token,
+    ):
+        if event.event == "logs":
+            for r in decode_answer(event.data, list[LogEntry], "the log stream"):
+                _print_log(ctx, r)
+
+
+def _print_log(ctx: CliContext, r: LogEntry) -> None:
+    if ctx.json:
+        print(json.dumps(msgspec.to_builtins(r), sort_keys=True))
+        return
+    stamp = time.strftime("%H:%M:%S", time.localtime(r.ts))
+    print(f"{stamp} {r.fellow_id} {r.level:<7} {r.logger}: {r.message}")
+
+
+def update(
+    *,
+    fellow_id: Annotated[str | None, Parameter(help="Only this fellow (default: all)")] = None,
+    ctx: Ctx,
+) -> None:
+    """Update idle fellows: joined ones reinstall the leader's package; all restart in place."""
+    with ctx.client() as client:
+        records = client.update(fellow_id)
+    rows = [[r.fellow_id, "ok" if r.ok else r.code, r.message] for r in records]
+    ctx.emit(records, render.table(["FELLOW", "RESULT", "MESSAGE"], rows) if rows else "no fellows")
+
+
+def release(
+    *,
+    fellow_id: Annotated[str, Parameter(help="The fellow to remove from the registry")],
+    purge_install: Annotated[
+        bool, Parameter(help="Also make it delete its local state (<state>/fellows/<id>)")
+    ] = False,
+    ctx: Ctx,
+) -> None:
+    """Remove a fellow from the registry (its agent exits); --purge-install also wipes it."""
+    with ctx.client() as client:
+        result = client.release(fellow_id, purge_install=purge_install)
+    purge = {
+        None: "",
+        "delivered": "; purge delivered",
+        "pending": "; purge pending until it comes back (swarm pending-purges)",
+    }[result.purge]
+    ctx.emit(result, f"released {fellow_id}{purge}")
+
+
+def pending_purges(*, ctx: Ctx) -> None:
+    """Purges waiting for their (offline) fellow to come back."""
+    with ctx.client() as client:
+        records = client.pending_purges()
+    rows = [
+        [p.fellow_id, render.since(p.requested_at), p.attempts, p.last_error or "-"]
+        for p in records
+    ]
+    headers = ["FELLOW", "REQUESTED", "ATTEMPTS", "LAST ERROR"]
+    ctx.emit(records, render.table(headers, rows) if rows else "no pending purges")
+
+
+def retry_purge(
+    *,
+    fellow_id: Annotated[str | None, Parameter(help="Only this fellow (default: all)")] = None,
+    ctx: Ctx,
+) -> None:
+    """Try to deliver pending purges now."""
+    with ctx.client() as client:
+        results = client.retry_purges(fellow_id)
+    rows = [
+        [r.fellow_id, "delivered" if r.delivered else "pending", r.error or "-"] for r in results
+    ]
+    ctx.emit(
+        results, render.table(["FELLOW", "PURGE", "ERROR"], rows) if rows else "nothing pending"
+    )
+
+
+def register(app: cyclopts.App) -> None:
+    app.command(fellows)
+    app.command(nodes)
+    app.command(logs)
+    app.command(update)
+    app.command(release)
+    app.command(pending_purges, name="pending-purges")
+    app.command(retry_purge, name="retry-purge")

@@ -1,0 +1,50 @@
+"""The numbers of a finished job that sweeps and suites record (pure): bytes on the wire per
+step per stage boundary, and the compression they achieved against float32."""
+
+from __future__ import annotations
+
+from swarm.compression import parse_compression
+from swarm.jobspec import JobSpec
+from swarm.types.jobs import JobRecord
+
+FP32_BYTES = 4
+
+
+def n_boundaries(job: JobRecord) -> int:
+    placed = len(job.placement.stages) if job.placement is not None else 0
+    return max((placed or len(job.progress)) - 1, 0)
+
+
+def steps_done(job: JobRecord) -> int:
+    """Steps every stage finished (the pipeline's step)."""
+    return job.current_view().step or 0
+
+
+def bytes_per_step_per_boundary(job: JobRecord) -> float | None:
+    """Bytes on the wire per optimizer step per stage boundary, both directions (activations
+    forward, gradients back): every stage's ``bytes_sent`` summed, over steps and boundaries.
+    None for a single stage (no wire) or before a step."""
+    boundaries, steps = n_boundaries(job), steps_done(job)
+    if boundaries == 0 or steps == 0:
+        return None
+    return job.current_view().bytes_sent / steps / boundaries
+
+
+def fp32_bytes_per_step_per_boundary(spec: JobSpec) -> float:
+    """What an uncompressed boundary carries per step: the float32 activations of the whole
+    batch forward and their gradients back (``2 * batch * seq_len * d_model * 4``)."""
+    return 2.0 * spec.batch_size * spec.model.seq_len * spec.model.d_model * FP32_BYTES
+
+
+def nominal_compression_ratio(compression: str, d_model: int) -> float:
+    """fp32 bytes over the codec's payload bytes per value, ignoring headers and scales: what
+    the spec promises (the measured ratio also pays for frames, scales and validation)."""
+    return parse_compression(compression, d_model=d_model).ratio(d_model)
+
+
+def compression_ratio(job: JobRecord) -> float | None:
+    """Measured: fp32 bytes per step per boundary over the bytes actually sent."""
+    measured = bytes_per_step_per_boundary(job)
+    if not measured:
+        return None
+    return fp32_bytes_per_step_per_boundary(job.spec) / measured
