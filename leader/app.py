@@ -17,17 +17,21 @@ from litestar.openapi import OpenAPIConfig
 from leader.api import CONTROLLERS
 from leader.api.error_handlers import EXCEPTION_HANDLERS
 from leader.auth import ReadTickets, make_guard
-from leader.bootstrap import find_or_build_wheel
+from leader.bootstrap import JoinSessions, find_or_build_wheel
 from leader.bus import LeaderBus
 from leader.exports import ExportService
 from leader.jobs import JobManager
-from leader.metrics import LeaderMetrics
+from leader.metrics import LeaderMetrics, SwarmCollector
 from leader.observe import Observability
 from leader.orchestrator import Orchestrator
 from leader.placement import PlacementDefaults
 from leader.purges import PurgeBook
-from leader.registry import WorkerRegistry
-from leader.services import LeaderServices
+from leader.registry import FellowRegistry
+from leader.services.fleet import FleetService
+from leader.services.info import InfoService, nats_auth_mode
+from leader.services.jobs import JobsService
+from leader.services.onboarding import OnboardingService
+from leader.services.package import BootstrapPackage
 from leader.storage import StorageMonitor
 from swarm import __version__
 from swarm.jobspec import LastStagePlacement
@@ -56,7 +60,7 @@ def create_app(
     # Every part gets what it depends on when it is built, in this order; none is wired
     # up afterwards.
     jobs, purges = JobManager(), PurgeBook()
-    registry = WorkerRegistry(
+    registry = FellowRegistry(
         heartbeat_interval_s=settings.heartbeat_interval_s,
         offline_after_s=settings.offline_after_s,
         leader_version=__version__,
@@ -95,20 +99,47 @@ def create_app(
         authority=authority,
         wake=job_loop_wake,
     )
-    services = LeaderServices(
+    # The domain services the controllers call; each gets the loop as the narrow
+    # collaborator its Protocol names (leader.services), never more.
+    nats_auth = nats_auth_mode(settings, authority)
+    package = BootstrapPackage(settings)
+    info = InfoService(
         settings=settings,
         nats_url=nats.url,
-        authority=authority,
-        registry=registry,
+        nats_auth=nats_auth,
         bus=bus,
+        registry=registry,
+        jobs=jobs,
+        storage=storage,
+        loaded=orchestrator.loaded,
+    )
+    jobs_service = JobsService(
+        jobs=jobs,
+        loop=orchestrator,
+        observe=observe,
+        exports=exports,
+        export_root=settings.model_export_root,
+    )
+    fleet = FleetService(
+        registry=registry,
         jobs=jobs,
         purges=purges,
+        loop=orchestrator,
         observe=observe,
-        orchestrator=orchestrator,
-        exports=exports,
         storage=storage,
+        package=package,
     )
-    metrics = LeaderMetrics(services)
+    onboarding = OnboardingService(
+        settings=settings,
+        nats_url=nats.url,
+        nats_auth=nats_auth,
+        authority=authority,
+        registry=registry,
+        joins=JoinSessions(),
+        package=package,
+        stopping=observe.stopping,
+    )
+    metrics = LeaderMetrics(SwarmCollector(info=info, bus=bus, registry=registry, jobs=jobs))
     tickets = ReadTickets(token)
 
     @contextlib.asynccontextmanager
@@ -122,7 +153,7 @@ def create_app(
                 _watch_storage(storage, bus, orchestrator, observe), name="storage-monitor"
             ),
             asyncio.create_task(watchdog_forever(), name="systemd-watchdog"),
-            asyncio.create_task(_package(services, settings), name="bootstrap-package"),
+            asyncio.create_task(_package(package, settings), name="bootstrap-package"),
         ]
         try:
             yield
@@ -136,25 +167,40 @@ def create_app(
 
     return Litestar(
         route_handlers=CONTROLLERS,
-        dependencies={"services": Provide(_provider(services), sync_to_thread=False)},
+        dependencies={
+            "info": _provide(info),
+            "jobs": _provide(jobs_service),
+            "fleet": _provide(fleet),
+            "onboarding": _provide(onboarding),
+        },
         exception_handlers=EXCEPTION_HANDLERS,
         guards=[make_guard(token, public_reads=settings.reads_public, tickets=tickets)],
         lifespan=[lifespan],
         middleware=[metrics.middleware()],
         logging_config=None,  # the process configured logging (swarm.entry)
         openapi_config=OpenAPIConfig(title="SilentSwarm leader", version=__version__),
-        state={"services": services, "metrics": metrics, "tickets": tickets},
+        # What the process around the app reaches: main.py ends SSE streams on a signal with
+        # "stopping"; tests fill "registry" and "jobs" without NATS.
+        state={
+            "metrics": metrics,
+            "tickets": tickets,
+            "stopping": observe.stopping,
+            "registry": registry,
+            "jobs": jobs,
+        },
     )
 
 
-def _provider(services: LeaderServices):
-    def provide_services() -> LeaderServices:
-        return services
+def _provide(service: object) -> Provide:
+    """A dependency that is always the one ``service`` this app built."""
 
-    return provide_services
+    def provide() -> object:
+        return service
+
+    return Provide(provide, sync_to_thread=False, use_cache=True)
 
 
-async def _package(services: LeaderServices, settings: Settings) -> None:
+async def _package(package: BootstrapPackage, settings: Settings) -> None:
     """Find the wheel remote hosts install (cached or shipped); building waits for a join."""
     try:
         found = await asyncio.to_thread(
@@ -166,9 +212,8 @@ async def _package(services: LeaderServices, settings: Settings) -> None:
     except Exception as exc:
         log.error("no package for remote fellows: %s", exc)
         return
-    if found is not None and services.package is None:
-        services.package = found
-        log.info("serving %s (sha256 %s)", found.file, found.sha256)
+    if found is not None:
+        package.found(found)
 
 
 async def _observe(bus: LeaderBus, observe: Observability, storage: StorageMonitor) -> None:
@@ -196,7 +241,7 @@ async def _watch_storage(
     await storage.run(lambda: bus.nc, write_error, observe.ready)
 
 
-async def _sweep_forever(registry: WorkerRegistry, settings: Settings) -> None:
+async def _sweep_forever(registry: FellowRegistry, settings: Settings) -> None:
     interval = min(0.25, settings.offline_after_s / 8)
     while True:
         registry.sweep()

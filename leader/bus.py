@@ -18,7 +18,7 @@ from typing import Any
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from leader.registry import WorkerRegistry
+from leader.registry import FellowRegistry
 from swarm import subjects as topics
 from swarm.errors import ErrorCode, ProtocolError
 from swarm.natsconn import NatsAccess, connect_forever
@@ -32,7 +32,7 @@ DROP_LOG_SUBJECTS = 1024
 
 
 class LeaderBus:
-    def __init__(self, *, nats: NatsAccess, prefix: str, registry: WorkerRegistry) -> None:
+    def __init__(self, *, nats: NatsAccess, prefix: str, registry: FellowRegistry) -> None:
         self.access = nats
         self.url = nats.url
         self.prefix = prefix

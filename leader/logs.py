@@ -1,4 +1,4 @@
-"""WorkerLogBuffer: the latest log records of every fellow, for quick snapshots. Pure state.
+"""FellowLogBuffer: the latest log records of every fellow, for quick snapshots. Pure state.
 
 Filled from the log stream (so it is refilled after a leader restart) and bounded per
 fellow; the stream itself keeps more, and the SSE endpoint reads it for resumable tails.
@@ -28,7 +28,7 @@ def entries(seq: int, batch: LogBatch) -> list[LogEntry]:
     ]
 
 
-class WorkerLogBuffer:
+class FellowLogBuffer:
     def __init__(self, per_fellow: int = PER_FELLOW) -> None:
         self.per_fellow = per_fellow
         self._logs: dict[str, deque[LogEntry]] = {}

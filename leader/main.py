@@ -140,7 +140,7 @@ def run_leader(settings: Settings) -> None:
                 lifespan="on",
                 timeout_graceful_shutdown=5,
             ),
-            stopping=app.state["services"].observe.stopping,
+            stopping=app.state["stopping"],
         )
         log.info("leader listening on http://%s:%d", settings.leader_host, settings.leader_port)
         server.run()

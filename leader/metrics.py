@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import platform
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
@@ -30,6 +30,7 @@ from prometheus_client.core import (
 
 from swarm import __version__
 from swarm.protocol import PROTOCOL_VERSION, FellowStatus, GpuInfo, JobState
+from swarm.types.api import LeaderInfo
 from swarm.types.fleet import FellowRecord
 from swarm.types.jobs import JobRecord
 from swarm.types.views import StageProgress
@@ -37,7 +38,10 @@ from swarm.types.views import StageProgress
 if TYPE_CHECKING:
     from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
-    from leader.services import LeaderServices
+    from leader.bus import LeaderBus
+    from leader.jobs import JobManager
+    from leader.registry import FellowRegistry
+    from leader.services.info import InfoService
 
 # The text exposition format 0.0.4, which generate_latest() writes. prometheus-client >= 0.22
 # calls its 1.0.0 variant CONTENT_TYPE_LATEST; Prometheus 2.x only knows 0.0.4 by name.
@@ -342,24 +346,27 @@ def job_families(jobs: list[JobRecord]) -> Iterator[Metric]:
 # --- the leader itself ---------------------------------------------------------------------
 
 
-def leader_families(services: LeaderServices) -> Iterator[Metric]:
-    """The leader's own state: NATS, the store, its build, dropped messages."""
+def leader_families(
+    state: LeaderInfo, dropped_by_source: Mapping[str, Mapping[str, int]]
+) -> Iterator[Metric]:
+    """The leader's own state (what ``/api/v1/info`` says: NATS, the store, its start) and
+    its build. ``dropped_by_source``: dropped messages by source (bus, registry) and reason."""
     yield GaugeMetricFamily(
         "swarm_leader_nats_connected",
         "1 while the leader is connected to NATS, else 0",
-        value=float(services.bus.is_connected),
+        value=float(state.nats_connected),
     )
     yield GaugeMetricFamily(
         "swarm_leader_state_loaded",
         "1 once the leader has loaded its jobs and fellows from JetStream, else 0",
-        value=float(services.orchestrator.loaded.is_set()),
+        value=float(state.state_loaded),
     )
     yield GaugeMetricFamily(
         "swarm_leader_start_time_seconds",
         "When the leader started, in seconds since the Unix epoch",
-        value=services.started_at,
+        value=state.started_at,
     )
-    storage = services.storage.view()
+    storage = state.storage
     yield GaugeMetricFamily(
         "swarm_leader_storage_degraded",
         "1 while the JetStream store is short of room (/health gives the reasons), else 0",
@@ -390,7 +397,7 @@ def leader_families(services: LeaderServices) -> Iterator[Metric]:
         "NATS messages the leader dropped: malformed (bus) or from a stale agent (registry)",
         labels=["source", "reason"],
     )
-    for source, counter in (("bus", services.bus.dropped), ("registry", services.registry.dropped)):
+    for source, counter in dropped_by_source.items():
         for reason, count in sorted(counter.items()):
             dropped.add_metric([source, reason], count)
     yield dropped
@@ -420,16 +427,21 @@ def _state_set(
 
 
 class SwarmCollector:
-    """Reads the leader's services at scrape time (a ``prometheus_client`` Collector)."""
+    """Reads the leader's live parts at scrape time (a ``prometheus_client`` Collector)."""
 
-    def __init__(self, services: LeaderServices) -> None:
-        self.services = services
+    def __init__(
+        self, *, info: InfoService, bus: LeaderBus, registry: FellowRegistry, jobs: JobManager
+    ) -> None:
+        self.info = info
+        self.bus = bus
+        self.registry = registry
+        self.jobs = jobs
 
     def collect(self) -> Iterator[Metric]:
-        services = self.services
-        yield from leader_families(services)
-        yield from fellow_families(services.registry.list(), services.registry.counts())
-        yield from job_families(services.jobs.list())
+        dropped = {"bus": self.bus.dropped, "registry": self.registry.dropped}
+        yield from leader_families(self.info.info(), dropped)
+        yield from fellow_families(self.registry.list(), self.registry.counts())
+        yield from job_families(self.jobs.list())
 
 
 # --- request latency -----------------------------------------------------------------------
@@ -484,9 +496,9 @@ class RequestTimer(ASGIMiddleware):
 class LeaderMetrics:
     """One app's metrics: its own registry, the state collector and the latency histogram."""
 
-    def __init__(self, services: LeaderServices) -> None:
+    def __init__(self, collector: SwarmCollector) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(SwarmCollector(services))
+        self.registry.register(collector)
         self.request_duration = Histogram(
             REQUEST_DURATION,
             "Time from an HTTP request's arrival to the start of the leader's response",

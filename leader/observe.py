@@ -24,7 +24,7 @@ from leader.aggregate import JobMetricsAggregator, RateMeter, history, job_metri
 from leader.bus import LeaderBus
 from leader.errors import StreamsUnavailableError
 from leader.jobs import JobManager
-from leader.logs import WorkerLogBuffer, entries
+from leader.logs import FellowLogBuffer, entries
 from swarm import subjects as topics
 from swarm.errors import ProtocolError, SwarmError
 from swarm.protocol import LogBatch, Progress
@@ -47,7 +47,7 @@ class Observability:
         self.prefix = prefix
         self.progress = streams.progress_stream(prefix)
         self.logs_stream = streams.log_stream(prefix)
-        self.logs = WorkerLogBuffer()
+        self.logs = FellowLogBuffer()
         # Job id -> the rates of its current attempt's progress. A job's numbers (step,
         # loss...) are its record's, kept by the JobManager: not copied here.
         self.live: dict[str, RateMeter] = {}

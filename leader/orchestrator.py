@@ -1,4 +1,4 @@
-"""The leader's job loop: the I/O around the pure JobManager, WorkerRegistry and PurgeBook.
+"""The leader's job loop: the I/O around the pure JobManager, FellowRegistry and PurgeBook.
 
 Once NATS is up it loads the durable state from JetStream, then, on every tick or wake-up:
 reconciles running jobs with what their fellows report, places pending jobs and sends
@@ -8,6 +8,11 @@ the SignalHub; their outcomes are recorded on the job.
 
 What to do is decided by pure functions (:mod:`leader.decide`, :mod:`leader.jobs`); this
 module gathers their inputs, applies their answers and does the I/O.
+
+The operator's actions (submit, cancel, checkpoint, release, update, purge retries) live in
+the domain services (:mod:`leader.services`); they reach the loop only through the few
+methods under "what the domain services ask of the loop": its readiness, its signal hub,
+a save and a wake-up, reserving fellows, ending a job, and one purge delivery.
 """
 
 from __future__ import annotations
@@ -16,8 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -31,25 +35,21 @@ from leader.exports import ExportService
 from leader.jobs import JobManager, plan_schedule
 from leader.placement import DEFAULTS, PlacementDefaults
 from leader.purges import PurgeBook
-from leader.registry import WorkerRegistry
+from leader.registry import FellowRegistry
 from leader.signals import SignalHub
 from leader.storage import Throttle
 from leader.store import StateStore
 from swarm import subjects as topics
-from swarm.errors import ConflictError, ErrorCode, NotFoundError
-from swarm.jobspec import JobSpec, stage_plans
+from swarm.jobspec import stage_plans
 from swarm.natsauth import NatsAuthority
 from swarm.plan import StagePlan
 from swarm.protocol import FellowStatus, JobState, Progress
-from swarm.types.fleet import PendingPurge, PurgeDelivery, ReleaseResult
-from swarm.types.jobs import CheckpointRecord, CheckpointStage, JobRecord, SignalRecord
+from swarm.types.jobs import JobRecord
 from swarm.types.signals import (
     REASON_CHARS,
-    CheckpointArgs,
     PurgeArgs,
     StartArgs,
     StopArgs,
-    UpdateArgs,
 )
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class Orchestrator:
         self,
         *,
         bus: LeaderBus,
-        registry: WorkerRegistry,
+        registry: FellowRegistry,
         jobs: JobManager,
         purges: PurgeBook,
         prefix: str,
@@ -137,7 +137,7 @@ class Orchestrator:
         self._reconcile()
         self._stop_resumed()
         for job in self.jobs.expire_resumes():
-            self._after_terminal(job)
+            self.job_ended(job)
         self._stop_orphans()
         await self._schedule()
         self._deliver_purges()
@@ -216,7 +216,7 @@ class Orchestrator:
                 else:
                     self.jobs.fail(job.job_id, finding.reason)
                 if job.terminal:
-                    self._after_terminal(job)
+                    self.job_ended(job)
                     break
 
     def _stop_resumed(self) -> None:
@@ -337,15 +337,6 @@ class Orchestrator:
             )
             self._stop_all(stop.job_id, stop.attempt, [stop.fellow_id], "orphaned stage")
 
-    def _after_terminal(self, job: JobRecord) -> None:
-        """A job ended: its final manifest; stop the stages still running (after a failure or
-        a cancel)."""
-        if self.exports is not None:
-            self._spawn(self.exports.job_ended(job), f"export-{job.job_id}")
-        still = decide.stages_to_stop(job)
-        if still:
-            self._stop_all(job.job_id, job.attempt, still, job.reason)
-
     def _stop_all(self, job_id: str, attempt: int, fellows: list[str], reason: str) -> None:
         now = time.monotonic()
         for fid in fellows:
@@ -379,136 +370,44 @@ class Orchestrator:
             self.on_progress(progress)
         job = self.jobs.record_progress(progress)
         if job is not None and job.terminal:
-            self._after_terminal(job)
+            self.job_ended(job)
             self.wake()
         elif job is not None and job.state is JobState.PENDING:  # resumed
             self.wake()
 
-    # --- operator actions ------------------------------------------------------------------
-
-    async def submit(self, spec: JobSpec) -> JobRecord:
-        """Accept a job; it is saved before the caller hears of it."""
-        self.require_loaded()
-        job = self.jobs.submit(spec)
-        await self.flush()
-        self.wake()
-        return job
-
-    async def cancel(self, job_id: str) -> JobRecord:
-        self.require_loaded()
-        starting = job_id in self.jobs.starting
-        job = self.jobs.cancel(job_id)
-        if not starting:
-            self._after_terminal(job)
-        # A job cancelled mid-START is stopped by _start once the round is over.
-        await self.flush()
-        self.wake()
-        return job
+    # --- what the domain services ask of the loop (leader.services) -------------------------
 
     def require_loaded(self) -> None:
         """Job reads and writes wait for the durable state: before it, answers would lie."""
         if not self.loaded.is_set():
             raise NotReadyError("the leader is still loading its state; try again shortly")
 
-    async def checkpoint(self, job_id: str) -> CheckpointRecord:
-        job, at_step = self.jobs.checkpoint_target(job_id)
-        hub = self._hub()
-        assert job.placement is not None
-        record = CheckpointRecord(
-            checkpoint_id=uuid.uuid4().hex[:12],
-            requested_at=time.time(),
-            attempt=job.attempt,
-            at_step=at_step,
-            stages=[CheckpointStage(fellow_id=fid) for fid in job.placement.fellow_ids],
-        )
-        self.jobs.add_checkpoint(job_id, record)
-        acks = await asyncio.gather(
-            *(
-                hub.send(
-                    stage.fellow_id,
-                    CheckpointArgs(checkpoint_id=record.checkpoint_id, at_step=at_step),
-                    job_id=job_id,
-                    attempt=job.attempt,
-                )
-                for stage in record.stages
-            )
-        )
-        for stage, ack in zip(record.stages, acks, strict=True):
-            self.jobs.add_signal(job_id, ack)
-            stage.acknowledged = ack.ok
-            if not ack.ok and stage.ok is None:
-                stage.ok, stage.message = False, f"{ack.code}: {ack.message}"
-        self.jobs.dirty.add(job_id)
-        return record
+    def signal_hub(self) -> SignalHub:
+        """The hub that signals fellows, once NATS is up and the state is loaded."""
+        if self.hub is None or not self.loaded.is_set():
+            raise NotReadyError("the leader is not connected to NATS yet; try again shortly")
+        return self.hub
 
-    async def update(
-        self, fellow_id: str | None, *, args: UpdateArgs | None = None
-    ) -> list[SignalRecord]:
-        args = args or UpdateArgs()
-        hub = self._hub()
-        if fellow_id is not None:
-            record = self.registry.get(fellow_id)
-            if record is None:
-                raise NotFoundError(f"no fellow {fellow_id!r} is registered")
-            targets = [record]
-        else:
-            targets = [r for r in self.registry.list() if r.status is not FellowStatus.OFFLINE]
-        ids = {r.fellow_id for r in targets} - set(self.jobs.busy_fellows())
+    @contextlib.contextmanager
+    def reserve(self, fellow_ids: Iterable[str]) -> Iterator[None]:
+        """Fellows an operator action (release, update) is signalling: not placed meanwhile."""
+        ids = set(fellow_ids) - self._reserved
         self._reserved |= ids
         try:
-            return list(await asyncio.gather(*(hub.send(r.fellow_id, args) for r in targets)))
+            yield
         finally:
             self._reserved -= ids
 
-    async def release(self, fellow_id: str, *, purge_install: bool) -> ReleaseResult:
-        record = self.registry.get(fellow_id)
-        if record is None:
-            raise NotFoundError(f"no fellow {fellow_id!r} is registered")
-        hub = self._hub()
-        job_id = self.jobs.busy_fellows().get(fellow_id)
-        if job_id is not None:
-            raise ConflictError(
-                f"fellow {fellow_id} is running job {job_id}; cancel the job first "
-                f"(swarm cancel {job_id})",
-                code=ErrorCode.FELLOW_BUSY,
-            )
-        online = record.status is not FellowStatus.OFFLINE
-        result = ReleaseResult(fellow_id=fellow_id, released=True, purge=None)
-        self._reserved.add(fellow_id)
-        try:
-            if purge_install:
-                self.purges.add(fellow_id)
-                result.purge = "pending"
-                if online and await self._deliver_purge(fellow_id):
-                    result.purge = "delivered"
-            elif online:
-                ack = await hub.send(fellow_id, StopArgs(release=True, reason="released"))
-                result.agent_stopped = ack.ok
-            if self.registry.get(fellow_id) is not None:
-                self.registry.release(fellow_id)
-        finally:
-            self._reserved.discard(fellow_id)
-        await self.flush()
-        return result
+    def job_ended(self, job: JobRecord) -> None:
+        """A job ended: its final manifest; stop the stages still running (after a failure or
+        a cancel)."""
+        if self.exports is not None:
+            self._spawn(self.exports.job_ended(job), f"export-{job.job_id}")
+        still = decide.stages_to_stop(job)
+        if still:
+            self._stop_all(job.job_id, job.attempt, still, job.reason)
 
-    def pending_purges(self) -> list[PendingPurge]:
-        return self.purges.list()
-
-    async def retry_purges(self, fellow_id: str | None) -> list[PurgeDelivery]:
-        self._hub()
-        if fellow_id is not None and self.purges.get(fellow_id) is None:
-            raise NotFoundError(f"no pending purge for {fellow_id!r}")
-        targets = [fellow_id] if fellow_id else [p.fellow_id for p in self.purges.list()]
-        delivered = await asyncio.gather(
-            *(self._deliver_purge(fid, deadline_s=2.0) for fid in targets)
-        )
-        results = []
-        for fid, ok in zip(targets, delivered, strict=True):
-            pending = self.purges.get(fid)
-            error = "" if pending is None else pending.last_error
-            results.append(PurgeDelivery(fellow_id=fid, delivered=ok, error=error))
-        await self.flush()
-        return results
+    # --- purges ----------------------------------------------------------------------------
 
     def _deliver_purges(self) -> None:
         """Try pending purges: at once for a fellow that is back, else every few seconds.
@@ -527,9 +426,9 @@ class Orchestrator:
             now=time.time(),
         )
         for fid in due:
-            self._spawn(self._deliver_purge(fid, deadline_s=2.0), f"purge-{fid}")
+            self._spawn(self.deliver_purge(fid, deadline_s=2.0), f"purge-{fid}")
 
-    async def _deliver_purge(self, fellow_id: str, *, deadline_s: float = 8.0) -> bool:
+    async def deliver_purge(self, fellow_id: str, *, deadline_s: float = 8.0) -> bool:
         """One PURGE delivery per fellow at a time: a second caller (an operator's retry
         while the job loop is trying) waits for the one in flight and gets its result."""
         inflight = self._purging.get(fellow_id)
@@ -550,7 +449,7 @@ class Orchestrator:
             del self._purging[fellow_id]
 
     async def _send_purge(self, fellow_id: str, deadline_s: float) -> bool:
-        ack = await self._hub().send(
+        ack = await self.signal_hub().send(
             fellow_id, PurgeArgs(reason="released with --purge-install"), deadline_s=deadline_s
         )
         if ack.ok:
@@ -561,11 +460,6 @@ class Orchestrator:
             return True
         self.purges.failed(fellow_id, f"{ack.code}: {ack.message}")
         return False
-
-    def _hub(self) -> SignalHub:
-        if self.hub is None or not self.loaded.is_set():
-            raise NotReadyError("the leader is not connected to NATS yet; try again shortly")
-        return self.hub
 
 
 async def _save(store: StateStore, bucket: KeyValue, key: str, value: Any) -> bool:

@@ -1,4 +1,4 @@
-"""WorkerRegistry: what the leader knows of each fellow.
+"""FellowRegistry: what the leader knows of each fellow.
 
 Pure state: no I/O, and both clocks are injected, so every rule is unit-tested. The leader
 mirrors the status each fellow reports about itself and owns one transition of its own:
@@ -35,7 +35,7 @@ from swarm.protocol import (
 )
 from swarm.types.fleet import FellowRecord, NodeView, Transition
 
-__all__ = ["FellowRecord", "NodeView", "Transition", "WorkerRegistry"]
+__all__ = ["FellowRecord", "FellowRegistry", "NodeView", "Transition"]
 
 log = logging.getLogger(__name__)
 HISTORY_LEN = 50
@@ -49,7 +49,7 @@ class _Entry:
     deregistered: bool = False
 
 
-class WorkerRegistry:
+class FellowRegistry:
     def __init__(
         self,
         *,

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 from litestar import Controller, get
+from litestar.di import NamedDependency
 
-from leader.services import LeaderServices
+from leader.services.fleet import FleetService
+from leader.services.info import InfoService
 from swarm.types.api import LeaderInfo
 from swarm.types.metrics import ClusterView
 
@@ -12,8 +14,8 @@ class InfoController(Controller):
     tags = ["info"]
 
     @get("/", summary="Leader version, NATS URL and fellow counts by status")
-    async def info(self, services: LeaderServices) -> LeaderInfo:
-        return services.info()
+    async def info(self, info: NamedDependency[InfoService]) -> LeaderInfo:
+        return info.info()
 
 
 class ClusterController(Controller):
@@ -21,5 +23,5 @@ class ClusterController(Controller):
     tags = ["info"]
 
     @get("/", summary="Online capacity (CPU, RAM, VRAM, network) and running jobs' performance")
-    async def cluster(self, services: LeaderServices) -> ClusterView:
-        return services.cluster()
+    async def cluster(self, fleet: NamedDependency[FleetService]) -> ClusterView:
+        return fleet.cluster()

@@ -1,11 +1,14 @@
 from __future__ import annotations
 
 from litestar import Controller, Request, delete, get, post
+from litestar.di import NamedDependency
+from litestar.params import FromPath
 from litestar.response import File, ServerSentEvent
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED, HTTP_202_ACCEPTED
 
 from leader.api.sse import last_event_id
-from leader.services import LeaderServices
+from leader.exports import ExportService
+from leader.services.jobs import JobsService
 from swarm.jobspec import decode_job_spec
 from swarm.types.jobs import CheckpointRecord, JobRecord
 from swarm.types.metrics import HistoryPoint, JobMetrics
@@ -20,55 +23,56 @@ class JobsController(Controller):
         status_code=HTTP_201_CREATED,
         summary="Submit a job (the job spec as JSON); 400 names a wrong or unknown field",
     )
-    async def submit(self, request: Request, services: LeaderServices) -> JobRecord:
+    async def submit(self, request: Request, jobs: NamedDependency[JobsService]) -> JobRecord:
         # Decoded here, strictly, so that the error names the field the way the CLI shows it.
         spec = decode_job_spec(await request.body())
-        return await services.submit(spec)
+        return await jobs.submit(spec)
 
     @get("/", summary="Every job, oldest first")
-    async def list_jobs(self, services: LeaderServices) -> list[JobRecord]:
-        return services.job_list()
+    async def list_jobs(self, jobs: NamedDependency[JobsService]) -> list[JobRecord]:
+        return jobs.list()
 
     @get("/{job_id:str}", summary="One job: state, placement, per-fellow progress, reason")
-    async def get_job(self, job_id: str, services: LeaderServices) -> JobRecord:
-        return services.job(job_id)
+    async def get_job(self, job_id: FromPath[str], jobs: NamedDependency[JobsService]) -> JobRecord:
+        return jobs.get(job_id)
 
     @delete("/{job_id:str}", status_code=HTTP_200_OK, summary="Cancel a PENDING or RUNNING job")
-    async def cancel(self, job_id: str, services: LeaderServices) -> JobRecord:
-        return await services.orchestrator.cancel(job_id)
+    async def cancel(self, job_id: FromPath[str], jobs: NamedDependency[JobsService]) -> JobRecord:
+        return await jobs.cancel(job_id)
 
     @post(
         "/{job_id:str}/checkpoint",
         status_code=HTTP_202_ACCEPTED,
         summary="Ask every fellow of a running job to write a checkpoint at the same step",
     )
-    async def checkpoint(self, job_id: str, services: LeaderServices) -> CheckpointRecord:
-        return await services.orchestrator.checkpoint(job_id)
+    async def checkpoint(
+        self, job_id: FromPath[str], jobs: NamedDependency[JobsService]
+    ) -> CheckpointRecord:
+        return await jobs.checkpoint(job_id)
 
     @get("/{job_id:str}/metrics", summary="The job's merged live metrics")
-    async def metrics(self, job_id: str, services: LeaderServices) -> JobMetrics:
-        services.orchestrator.require_loaded()
-        return services.observe.metrics(job_id)
+    async def metrics(
+        self, job_id: FromPath[str], jobs: NamedDependency[JobsService]
+    ) -> JobMetrics:
+        return jobs.metrics(job_id)
 
     @get(
         "/{job_id:str}/metrics/history",
         summary="Every finished step of the job's latest attempt (durable: JetStream)",
     )
-    async def history(self, job_id: str, services: LeaderServices) -> list[HistoryPoint]:
-        services.orchestrator.require_loaded()
-        return await services.observe.history(job_id)
+    async def history(
+        self, job_id: FromPath[str], jobs: NamedDependency[JobsService]
+    ) -> list[HistoryPoint]:
+        return await jobs.history(job_id)
 
     @get(
         "/{job_id:str}/metrics/stream",
         summary="SSE: merged metrics per record (ids: stream sequence), then an 'end' event",
     )
     async def stream(
-        self, job_id: str, request: Request, services: LeaderServices
+        self, job_id: FromPath[str], request: Request, jobs: NamedDependency[JobsService]
     ) -> ServerSentEvent:
-        services.orchestrator.require_loaded()
-        services.observe.check_stream(job_id)
-        events = services.observe.metrics_events(job_id, last_event_id(request))
-        return ServerSentEvent(events)
+        return ServerSentEvent(jobs.metrics_stream(job_id, last_event_id(request)))
 
     @get(
         "/{job_id:str}/shards/{step:int}/{name:str}",
@@ -79,12 +83,13 @@ class JobsController(Controller):
         media_type="application/octet-stream",
     )
     async def shard(
-        self, job_id: str, step: int, name: str, request: Request, services: LeaderServices
+        self,
+        job_id: FromPath[str],
+        step: FromPath[int],
+        name: FromPath[str],
+        request: Request,
+        jobs: NamedDependency[JobsService],
     ) -> File:
-        services.orchestrator.require_loaded()
-        exports = services.exports
-        token = exports.download_token(
-            request.headers.get(exports.TOKEN_HEADER), request.query_params
-        )
-        path = exports.shard_file(job_id, step, name, token)
+        header = request.headers.get(ExportService.TOKEN_HEADER)
+        path = jobs.shard_file(job_id, step, name, header, request.query_params)
         return File(path, filename=name, media_type="application/octet-stream")

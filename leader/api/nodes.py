@@ -1,8 +1,9 @@
 from __future__ import annotations
 
 from litestar import Controller, get
+from litestar.di import NamedDependency
 
-from leader.services import LeaderServices
+from leader.services.fleet import FleetService
 from swarm.types.fleet import NodeView
 
 
@@ -11,5 +12,5 @@ class NodesController(Controller):
     tags = ["nodes"]
 
     @get("/", summary="Hosts: CPU cores, RAM and GPUs (total/free VRAM), merged over their fellows")
-    async def list_nodes(self, services: LeaderServices) -> list[NodeView]:
-        return services.nodes()
+    async def list_nodes(self, fleet: NamedDependency[FleetService]) -> list[NodeView]:
+        return fleet.nodes()

@@ -114,7 +114,13 @@ def secrets_of(session: dict, claim: dict) -> dict[str, str]:
 
 
 def exit_line(trace: Path, pid: str) -> str | None:
-    ends = [line for line in trace.read_text().splitlines() if line.startswith(f"{pid} +++")]
+    # strace pads the pid column to the widest pid so far ("9682  +++" once a 5-digit pid
+    # has appeared), so the pid and the marker are split on any run of spaces.
+    ends = [
+        line
+        for line in trace.read_text().splitlines()
+        if line.split(maxsplit=1)[:1] == [pid] and line.split(maxsplit=1)[1].startswith("+++")
+    ]
     return ends[0] if ends else None
 
 

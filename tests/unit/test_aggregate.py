@@ -9,7 +9,7 @@ import pytest
 from agent.logship import FellowLogShipper
 from leader.aggregate import JobMetricsAggregator, RateMeter, history, job_metrics
 from leader.jobs import JobManager, plan_schedule
-from leader.logs import WorkerLogBuffer
+from leader.logs import FellowLogBuffer
 from leader.observe import Observability
 from leader.placement import Candidate
 from swarm.jobspec import JobSpec
@@ -189,7 +189,7 @@ def test_job_metrics_of_a_job_with_no_stages_yet():
 
 
 def test_log_buffer_is_bounded_per_fellow_and_skips_replays():
-    buffer = WorkerLogBuffer(per_fellow=3)
+    buffer = FellowLogBuffer(per_fellow=3)
     batch = LogBatch(
         fellow_id="f",
         records=[LogRecord(ts=i, level="INFO", logger="x", message=str(i)) for i in range(5)],

@@ -18,7 +18,8 @@ from litestar.testing import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from leader.app import create_app
-from leader.services import LeaderServices
+from leader.jobs import JobManager
+from leader.registry import FellowRegistry
 from swarm.jobspec import JobSpec, PlacedStage, Placement
 from swarm.plan import Transport
 from swarm.protocol import (
@@ -75,9 +76,8 @@ def _hardware() -> HardwareSnapshot:
     )
 
 
-def populate(services: LeaderServices) -> str:
+def populate(registry: FellowRegistry, jobs: JobManager) -> str:
     """One training fellow with a GPU, one running job, one dropped heartbeat; the job id."""
-    registry, jobs = services.registry, services.jobs
     registry.register(RegisterRequest(fellow=_identity("gpu-1"), hardware=_hardware()))
     job = jobs.submit(JobSpec(name="demo", steps=100))
     placement = Placement(
@@ -136,7 +136,7 @@ def populate(services: LeaderServices) -> str:
 def scrape() -> tuple[str, str]:
     """The metrics text of a populated app (after one request, for the latency histogram)."""
     app = create_app(Settings(), nats="nats://127.0.0.1:1")
-    job_id = populate(app.state["services"])
+    job_id = populate(app.state["registry"], app.state["jobs"])
     client = TestClient(app)  # not entered: the lifespan (NATS, job loop) does not run
     assert client.get("/health").status_code == 503  # NATS is down: still timed
     response = client.get("/api/v1/metrics")

@@ -1,10 +1,10 @@
-"""WorkerRegistry rules, with both clocks under the test's control."""
+"""FellowRegistry rules, with both clocks under the test's control."""
 
 import msgspec
 import pytest
 
 from leader.hostview import HostFellow, merge_host
-from leader.registry import WorkerRegistry
+from leader.registry import FellowRegistry
 from swarm.protocol import (
     DeregisterRequest,
     FellowIdentity,
@@ -69,7 +69,7 @@ def clock():
 
 @pytest.fixture
 def reg(clock):
-    r = WorkerRegistry(
+    r = FellowRegistry(
         heartbeat_interval_s=1.0, offline_after_s=3.0, leader_version="t", clock=clock, wall=clock
     )
     r.bus_connected()
@@ -190,7 +190,7 @@ def test_deregister_needs_the_secret_only_the_registering_process_got(reg):
     assert reg.get("f1").status is FellowStatus.REGISTERING
     assert reg.dropped["deregister_secret"] == 4
     # Another leader with another key (or another instance) makes another secret.
-    other = WorkerRegistry(heartbeat_interval_s=1, offline_after_s=3, leader_version="t")
+    other = FellowRegistry(heartbeat_interval_s=1, offline_after_s=3, leader_version="t")
     assert other.instance_secret("f1", "a") != secret
     assert reg.instance_secret("f1", "b") != secret
 
@@ -312,7 +312,7 @@ def test_restored_records_get_a_fresh_offline_window(reg, clock):
     beat(first, "a")
     saved = [record for _, record in first.take_dirty()]
     clock.now += 100
-    second = WorkerRegistry(
+    second = FellowRegistry(
         heartbeat_interval_s=1.0, offline_after_s=3.0, leader_version="t", clock=clock, wall=clock
     )
     second.restore(saved)

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 from nats.js.errors import APIError, BadRequestError, ServerError, ServiceUnavailableError
 
-from leader.api.health import health_body
+from leader.services.info import health_body
 from leader.storage import Throttle, storage_reasons
 from leader.store import StateStore
 from leader.streams import (

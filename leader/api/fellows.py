@@ -1,9 +1,13 @@
+"""Fellows (under the public route ``/api/v1/workers``, kept) and their pending purges."""
+
 from __future__ import annotations
 
 from litestar import Controller, Request, get, post
+from litestar.di import NamedDependency
+from litestar.params import FromPath
 from litestar.status_codes import HTTP_200_OK
 
-from leader.services import LeaderServices
+from leader.services.fleet import FleetService
 from swarm.jobspec import decode_strict
 from swarm.types.fleet import (
     FellowRecord,
@@ -17,17 +21,19 @@ from swarm.types.fleet import (
 from swarm.types.jobs import SignalRecord
 
 
-class WorkersController(Controller):
+class FellowsController(Controller):
     path = "/api/v1/workers"
     tags = ["workers"]
 
     @get("/", summary="Every fellow the leader knows, online or not")
-    async def list_workers(self, services: LeaderServices) -> list[FellowRecord]:
-        return services.workers()
+    async def list_fellows(self, fleet: NamedDependency[FleetService]) -> list[FellowRecord]:
+        return fleet.fellows()
 
     @get("/{fellow_id:str}", summary="One fellow, with its recent status transitions")
-    async def get_worker(self, fellow_id: str, services: LeaderServices) -> FellowRecord:
-        return services.worker(fellow_id)
+    async def get_fellow(
+        self, fellow_id: FromPath[str], fleet: NamedDependency[FleetService]
+    ) -> FellowRecord:
+        return fleet.fellow(fellow_id)
 
     @post(
         "/{fellow_id:str}/release",
@@ -35,19 +41,21 @@ class WorkersController(Controller):
         summary="Remove a fellow from the registry; purge_install also wipes its install",
     )
     async def release(
-        self, fellow_id: str, request: Request, services: LeaderServices
+        self, fellow_id: FromPath[str], request: Request, fleet: NamedDependency[FleetService]
     ) -> ReleaseResult:
         body = decode_strict(await request.body(), ReleaseRequest)
-        return await services.orchestrator.release(fellow_id, purge_install=body.purge_install)
+        return await fleet.release(fellow_id, purge_install=body.purge_install)
 
     @post(
         "/update",
         status_code=HTTP_200_OK,
         summary="Update idle fellows: joined ones reinstall the leader's package, then restart",
     )
-    async def update(self, request: Request, services: LeaderServices) -> list[SignalRecord]:
+    async def update(
+        self, request: Request, fleet: NamedDependency[FleetService]
+    ) -> list[SignalRecord]:
         body = decode_strict(await request.body(), UpdateRequest)
-        return await services.update(body.fellow_id, str(request.base_url))
+        return await fleet.update(body.fellow_id, str(request.base_url))
 
 
 class PurgesController(Controller):
@@ -55,10 +63,12 @@ class PurgesController(Controller):
     tags = ["workers"]
 
     @get("/", summary="Purges waiting for their fellow to come back")
-    async def pending(self, services: LeaderServices) -> list[PendingPurge]:
-        return services.orchestrator.pending_purges()
+    async def pending(self, fleet: NamedDependency[FleetService]) -> list[PendingPurge]:
+        return fleet.pending_purges()
 
     @post("/retry", status_code=HTTP_200_OK, summary="Try to deliver pending purges now")
-    async def retry(self, request: Request, services: LeaderServices) -> list[PurgeDelivery]:
+    async def retry(
+        self, request: Request, fleet: NamedDependency[FleetService]
+    ) -> list[PurgeDelivery]:
         body = decode_strict(await request.body(), RetryPurgeRequest)
-        return await services.orchestrator.retry_purges(body.fellow_id)
+        return await fleet.retry_purges(body.fellow_id)

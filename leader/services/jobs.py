@@ -1,0 +1,158 @@
+"""The jobs service: what an operator can ask of jobs, and the shard downloads of resumes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+from typing import Protocol
+
+from litestar.response import ServerSentEventMessage
+
+from leader.artifacts import resolve_export_dir
+from leader.exports import ExportService
+from leader.jobs import JobManager
+from leader.observe import Observability
+from leader.signals import SignalHub
+from swarm.jobspec import JobSpec
+from swarm.types.jobs import CheckpointRecord, CheckpointStage, JobRecord
+from swarm.types.metrics import HistoryPoint, JobMetrics
+from swarm.types.signals import CheckpointArgs
+
+
+class JobLoop(Protocol):
+    """What the jobs service asks of the job loop (:class:`leader.orchestrator.Orchestrator`)."""
+
+    def require_loaded(self) -> None:
+        """NotReadyError (503) until the durable state is loaded."""
+        ...
+
+    def signal_hub(self) -> SignalHub:
+        """The hub that signals fellows (NotReadyError before NATS is up)."""
+        ...
+
+    async def flush(self) -> None:
+        """Save every changed record now."""
+        ...
+
+    def wake(self) -> None:
+        """Run the next tick at once."""
+        ...
+
+    def job_ended(self, job: JobRecord) -> None:
+        """Write its final manifest; stop the stages still running."""
+        ...
+
+
+class JobsService:
+    def __init__(
+        self,
+        *,
+        jobs: JobManager,
+        loop: JobLoop,
+        observe: Observability,
+        exports: ExportService,
+        export_root: Path,
+    ) -> None:
+        """``export_root``: SWARM_EXPORT_ROOT, which every job's export directory stays under."""
+        self.jobs = jobs
+        self.loop = loop
+        self.observe = observe
+        self.exports = exports
+        self.export_root = export_root
+
+    # --- the records -------------------------------------------------------------------------
+
+    async def submit(self, spec: JobSpec) -> JobRecord:
+        """Accept a job whose export directory (if it names one) is inside the export root:
+        FieldError (400, ``artifact_paths.model_export_dir``) otherwise. It is saved before
+        the caller hears of it."""
+        configured = spec.artifact_paths.model_export_dir
+        if configured is not None:
+            resolve_export_dir(self.export_root, configured)
+        self.loop.require_loaded()
+        job = self.jobs.submit(spec)
+        await self.loop.flush()
+        self.loop.wake()
+        return job
+
+    def list(self) -> list[JobRecord]:
+        self.loop.require_loaded()
+        return self.jobs.list()
+
+    def get(self, job_id: str) -> JobRecord:
+        self.loop.require_loaded()
+        return self.jobs.get(job_id)
+
+    # --- operator actions --------------------------------------------------------------------
+
+    async def cancel(self, job_id: str) -> JobRecord:
+        self.loop.require_loaded()
+        starting = job_id in self.jobs.starting
+        job = self.jobs.cancel(job_id)
+        if not starting:
+            self.loop.job_ended(job)
+        # A job cancelled mid-START is stopped by the loop once the round is over.
+        await self.loop.flush()
+        self.loop.wake()
+        return job
+
+    async def checkpoint(self, job_id: str) -> CheckpointRecord:
+        """CHECKPOINT to every stage of a running job, all at the same step (ahead of the
+        furthest stage: :meth:`leader.jobs.JobManager.checkpoint_target`)."""
+        job, at_step = self.jobs.checkpoint_target(job_id)
+        hub = self.loop.signal_hub()
+        assert job.placement is not None
+        record = CheckpointRecord(
+            checkpoint_id=uuid.uuid4().hex[:12],
+            requested_at=time.time(),
+            attempt=job.attempt,
+            at_step=at_step,
+            stages=[CheckpointStage(fellow_id=fid) for fid in job.placement.fellow_ids],
+        )
+        self.jobs.add_checkpoint(job_id, record)
+        args = CheckpointArgs(checkpoint_id=record.checkpoint_id, at_step=at_step)
+        acks = await asyncio.gather(
+            *(
+                hub.send(stage.fellow_id, args, job_id=job_id, attempt=job.attempt)
+                for stage in record.stages
+            )
+        )
+        for stage, ack in zip(record.stages, acks, strict=True):
+            self.jobs.add_signal(job_id, ack)
+            stage.acknowledged = ack.ok
+            if not ack.ok and stage.ok is None:
+                stage.ok, stage.message = False, f"{ack.code}: {ack.message}"
+        self.jobs.dirty.add(job_id)
+        return record
+
+    # --- metrics -----------------------------------------------------------------------------
+
+    def metrics(self, job_id: str) -> JobMetrics:
+        self.loop.require_loaded()
+        return self.observe.metrics(job_id)
+
+    async def history(self, job_id: str) -> list[HistoryPoint]:
+        self.loop.require_loaded()
+        return await self.observe.history(job_id)
+
+    def metrics_stream(
+        self, job_id: str, last_event_id: int | None
+    ) -> AsyncIterator[ServerSentEventMessage]:
+        """The SSE events of the job's metrics; what would not be a 200 raises first."""
+        self.loop.require_loaded()
+        self.observe.check_stream(job_id)
+        return self.observe.metrics_events(job_id, last_event_id)
+
+    # --- shards ------------------------------------------------------------------------------
+
+    def shard_file(
+        self, job_id: str, step: int, name: str, header: str | None, query: Mapping[str, str]
+    ) -> Path:
+        """A shard file a resumed stage may download: its token (the ``header``; a ``query``
+        token is refused) must be for that job's attempt and that stage's files."""
+        self.loop.require_loaded()
+        token = self.exports.download_token(header, query)
+        return self.exports.shard_file(job_id, step, name, token)
