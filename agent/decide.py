@@ -2,8 +2,8 @@
 
 :func:`decide` looks at what the agent is doing (:class:`AgentState`) and at the START, and
 says :class:`Start` (the plan made this fellow's, where the run lives, what to fetch first)
-or :class:`Refusal` (a code and why). The runner (:mod:`agent.runner`) does the I/O either
-way: the attempt's NATS user, the runtime, the acknowledgement. Refusals, in order:
+or :class:`Refusal` (a code and why). The runner (:mod:`silentswarm.agent.runner`) does the I/O
+either way: the attempt's NATS user, the runtime, the acknowledgement. Refusals, in order:
 
 - ``AGENT_STOPPING``: the agent is shutting down;
 - ``FELLOW_BUSY``: it is not ready, runs a stage, or installs an update;
@@ -24,11 +24,11 @@ from pathlib import Path
 
 import msgspec
 
-from swarm.errors import ErrorCode
-from swarm.natsconn import NatsAccess
-from swarm.plan import StagePlan
-from swarm.protocol import FellowStatus, SignalHead, SignalKind, StartSignal
-from swarm.types.signals import ResumeArgs
+from silentswarm.errors import ErrorCode
+from silentswarm.natsconn import NatsAccess
+from silentswarm.plan import StagePlan
+from silentswarm.protocol import FellowStatus, SignalHead, SignalKind, StartSignal
+from silentswarm.types.signals import ResumeArgs
 
 
 @dataclass(frozen=True)

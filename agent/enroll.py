@@ -14,10 +14,10 @@ from pathlib import Path
 import httpx
 import msgspec
 
-from swarm.errors import ConfigError
-from swarm.natsauth import write_private
-from swarm.settings import Settings
-from swarm.types.onboarding import Enroll, Enrollment
+from silentswarm.errors import ConfigError
+from silentswarm.natsauth import write_private
+from silentswarm.settings import Settings
+from silentswarm.types.onboarding import Enroll, Enrollment
 
 log = logging.getLogger(__name__)
 RETRY_MAX_S = 10.0

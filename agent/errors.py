@@ -2,7 +2,7 @@
 :class:`~swarm.errors.ErrorCode`.
 
 A stage that fails on one of these reports its code in its ``error`` event; the agent logs
-refusals and failures with theirs. Imports only :mod:`swarm.errors` (standard library
+refusals and failures with theirs. Imports only :mod:`silentswarm.errors` (standard library
 otherwise), so the pipe, the runtime and the agent can all import it without a cycle and
 without TensorFlow.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from swarm.errors import ConfigError, ErrorCode, SwarmError
+from silentswarm.errors import ConfigError, ErrorCode, SwarmError
 
 # --- the data plane (agent/pipe) --------------------------------------------------------------
 
@@ -78,7 +78,8 @@ class CheckpointWriteError(CheckpointError):
 
 
 class StageFailedError(SwarmError):
-    """A stage started by :mod:`agent.runtime.launch` exited non-zero or did not finish."""
+    """A stage started by :mod:`silentswarm.agent.runtime.launch` exited non-zero or did not
+    finish."""
 
     code = ErrorCode.STAGE_FAILED
 

@@ -24,8 +24,8 @@ import msgspec
 import psutil
 import pynvml
 
-from swarm.protocol import FellowLimits, GpuInfo, HardwareSnapshot
-from swarm.settings import Settings
+from silentswarm.protocol import FellowLimits, GpuInfo, HardwareSnapshot
+from silentswarm.settings import Settings
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -52,7 +52,7 @@ def probe_tensorflow_gpus(timeout: float = TF_PROBE_TIMEOUT_S) -> tuple[int | No
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "agent.runtime.gpus"],
+            [sys.executable, "-m", "silentswarm.agent.runtime.gpus"],
             capture_output=True,
             text=True,
             timeout=timeout,

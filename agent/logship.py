@@ -22,9 +22,9 @@ from collections import deque
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
 
-from swarm import subjects as topics
-from swarm.protocol import LogBatch, LogRecord
-from swarm.redact import redact
+from silentswarm import subjects as topics
+from silentswarm.protocol import LogBatch, LogRecord
+from silentswarm.redact import redact
 
 CAPACITY = 10_000
 BATCH_RECORDS = 200

@@ -12,13 +12,13 @@ from typing import Annotated
 
 import cyclopts
 
-from agent.enroll import enroll
-from agent.runner import FellowAgent, default_fellow_id
-from swarm.entry import configure_logging, run_or_exit
-from swarm.errors import ConfigError
-from swarm.natsauth import read_creds_user_name
-from swarm.natsconn import NatsAccess
-from swarm.settings import Settings
+from silentswarm.agent.enroll import enroll
+from silentswarm.agent.runner import FellowAgent, default_fellow_id
+from silentswarm.entry import configure_logging, run_or_exit
+from silentswarm.errors import ConfigError
+from silentswarm.natsauth import read_creds_user_name
+from silentswarm.natsconn import NatsAccess
+from silentswarm.settings import Settings
 
 log = logging.getLogger("agent")
 app = cyclopts.App(name="swarm-agent", help="Run a SilentSwarm fellow agent.")
@@ -107,7 +107,7 @@ def _restart() -> None:
     logging.shutdown()
     # -P: the working directory stays off sys.path, so the new process imports the installed
     # package (a checkout or an 'agent' folder where the agent was started cannot shadow it).
-    os.execv(sys.executable, [sys.executable, "-P", "-m", "agent.main", *sys.argv[1:]])
+    os.execv(sys.executable, [sys.executable, "-P", "-m", "silentswarm.agent.main", *sys.argv[1:]])
 
 
 def main() -> None:

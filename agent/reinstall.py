@@ -15,8 +15,8 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from agent.errors import UpdateError
-from swarm.types.signals import PackageRef
+from silentswarm.agent.errors import UpdateError
+from silentswarm.types.signals import PackageRef
 
 PIP_TIMEOUT_S = 600
 

@@ -1,6 +1,6 @@
 """The fellow's NATS session: register, heartbeat, answer signals, deregister on the way out.
 
-The agent drives its own status through :mod:`swarm.lifecycle`. It reconnects to NATS
+The agent drives its own status through :mod:`silentswarm.lifecycle`. It reconnects to NATS
 forever, and after every reconnect registers again (the leader may have restarted, or
 judged it offline) without restarting the process.
 """
@@ -24,20 +24,20 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
-from agent.decide import AgentState, Refusal, Start, decide, malformed
-from agent.errors import FetchError, UpdateError
-from agent.hardware import HardwareProbe, limits_from
-from agent.logship import FellowLogShipper
-from agent.reinstall import PackageRef, reinstall
-from agent.shardpush import Shard, ShardPusher, fetch_shard
-from agent.supervisor import StageRun
-from swarm import __version__
-from swarm import subjects as topics
-from swarm.errors import ErrorCode, IllegalTransitionError, ProtocolError
-from swarm.lifecycle import FellowEvent, next_status
-from swarm.natsauth import write_private
-from swarm.natsconn import NatsAccess, connect_forever
-from swarm.protocol import (
+from silentswarm import __version__
+from silentswarm import subjects as topics
+from silentswarm.agent.decide import AgentState, Refusal, Start, decide, malformed
+from silentswarm.agent.errors import FetchError, UpdateError
+from silentswarm.agent.hardware import HardwareProbe, limits_from
+from silentswarm.agent.logship import FellowLogShipper
+from silentswarm.agent.reinstall import PackageRef, reinstall
+from silentswarm.agent.shardpush import Shard, ShardPusher, fetch_shard
+from silentswarm.agent.supervisor import StageRun
+from silentswarm.errors import ErrorCode, IllegalTransitionError, ProtocolError
+from silentswarm.lifecycle import FellowEvent, next_status
+from silentswarm.natsauth import write_private
+from silentswarm.natsconn import NatsAccess, connect_forever
+from silentswarm.protocol import (
     EXPORT_ERROR_CHARS,
     CheckpointSignal,
     DeregisterRequest,
@@ -57,10 +57,10 @@ from swarm.protocol import (
     StopSignal,
     UpdateSignal,
 )
-from swarm.sdnotify import notify, watchdog_forever
-from swarm.settings import Settings
-from swarm.types.signals import ResumeArgs
-from swarm.types.stage import (
+from silentswarm.sdnotify import notify, watchdog_forever
+from silentswarm.settings import Settings
+from silentswarm.types.signals import ResumeArgs
+from silentswarm.types.stage import (
     CheckpointEvent,
     CheckpointRequest,
     LinksEvent,
@@ -402,7 +402,7 @@ class FellowAgent:
         return sig.job_id in (None, run.job_id) and sig.attempt in (None, run.attempt)
 
     def start_state(self) -> AgentState:
-        """What :func:`agent.decide.decide` needs to know about this agent."""
+        """What :func:`silentswarm.agent.decide.decide` needs to know about this agent."""
         ended = self.outcome
         return AgentState(
             fellow_id=self.fellow_id,

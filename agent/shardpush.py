@@ -29,11 +29,11 @@ from pathlib import Path
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
 
-from agent.errors import FetchError, PushError
-from swarm import subjects as topics
-from swarm.errors import ProtocolError
-from swarm.protocol import ShardChunk
-from swarm.types.signals import ResumeArgs
+from silentswarm import subjects as topics
+from silentswarm.agent.errors import FetchError, PushError
+from silentswarm.errors import ProtocolError
+from silentswarm.protocol import ShardChunk
+from silentswarm.types.signals import ResumeArgs
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 512 * 1024

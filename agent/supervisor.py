@@ -1,9 +1,9 @@
 """One job's stage, run as a supervised runtime subprocess.
 
-The runtime (``python -m agent.runtime.main --plan FILE --control-stdin``) is the only
+The runtime (``python -m silentswarm.agent.runtime.main --plan FILE --control-stdin``) is the only
 process that imports TensorFlow. It exits when the job ends, which frees every byte of
 TensorFlow and CUDA memory, and it dies with the agent two ways: PR_SET_PDEATHSIG (SIGKILL)
-and EOF on its stdin pipe. Its JSON-line events (stdout, :mod:`swarm.types.stage`) are
+and EOF on its stdin pipe. Its JSON-line events (stdout, :mod:`silentswarm.types.stage`) are
 decoded and handed to a callback; a line that starts like JSON but is no event is logged and
 counted (``malformed_events``), never fatal. Its stderr (TensorFlow's start-up noise,
 tracebacks) goes to a file in the job's folder.
@@ -23,10 +23,10 @@ from typing import BinaryIO
 
 import msgspec
 
-from swarm.plan import StagePlan
-from swarm.procs import die_with_parent, tail
-from swarm.protocol import StageOutcome, StageResult
-from swarm.types.stage import (
+from silentswarm.plan import StagePlan
+from silentswarm.procs import die_with_parent, tail
+from silentswarm.protocol import StageOutcome, StageResult
+from silentswarm.types.stage import (
     Command,
     DoneEvent,
     ErrorEvent,
@@ -108,7 +108,7 @@ class StageRun:
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "agent.runtime.main",
+            "silentswarm.agent.runtime.main",
             "--plan",
             str(plan_path),
             "--control-stdin",

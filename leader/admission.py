@@ -15,8 +15,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from swarm.jobspec import Placement
-from swarm.protocol import Progress
+from silentswarm.jobspec import Placement
+from silentswarm.protocol import Progress
 
 
 class Verdict(enum.Enum):

@@ -1,7 +1,7 @@
 """A job's metrics: its stages' progress with the rates measured over its progress records.
 
 Pure. One model of a job's progress: the stages' :class:`~swarm.types.views.StageProgress`
-and the job view computed from them (:mod:`swarm.types.views`: the global step is the step
+and the job view computed from them (:mod:`silentswarm.types.views`: the global step is the step
 every stage has finished; loss, validation loss and the learning rate come from the last
 stage, the only one that sees the targets). :func:`job_metrics` adds to them only what a
 record cannot hold, the rates of a :class:`RateMeter`: throughput per boundary (the rate of
@@ -9,10 +9,10 @@ the bytes crossing it, activations down and gradients up, measured at its upstre
 each fellow's bytes/s, steps/min and the ETA (over the last stage's recent steps).
 
 - The **live** metrics of a job are its record's progress (kept by the JobManager) with the
-  rates of a meter fed by the same progress messages (:mod:`leader.observe`).
+  rates of a meter fed by the same progress messages (:mod:`silentswarm.leader.observe`).
 - A **replay** of the progress stream (:class:`JobMetricsAggregator`: the SSE metrics
   stream, the loss curve) folds stored records into stages by the same rule as the record
-  (:mod:`leader.progress`), so the two never disagree.
+  (:mod:`silentswarm.leader.progress`), so the two never disagree.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from leader.progress import apply_outcome, apply_step
-from swarm.protocol import Progress, ProgressEvent
-from swarm.types.metrics import BoundaryMetrics, FellowMetrics, HistoryPoint, JobMetrics
-from swarm.types.views import JobView, StageProgress, is_last_stage, job_view
+from silentswarm.leader.progress import apply_outcome, apply_step
+from silentswarm.protocol import Progress, ProgressEvent
+from silentswarm.types.metrics import BoundaryMetrics, FellowMetrics, HistoryPoint, JobMetrics
+from silentswarm.types.views import JobView, StageProgress, is_last_stage, job_view
 
 RATE_WINDOW = 50  # recent steps the rate and ETA are measured over
 
@@ -153,7 +153,8 @@ def job_metrics(
 
 class JobMetricsAggregator:
     """A replay of a job's progress records (from the stream): the stages folded by the
-    job record's rule (:mod:`leader.progress`), with their rates; the latest attempt's."""
+    job record's rule (:mod:`silentswarm.leader.progress`), with their rates; the latest
+    attempt's."""
 
     def __init__(self, job_id: str) -> None:
         self.job_id = job_id

@@ -14,31 +14,31 @@ from litestar import Litestar
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 
-from leader.api import CONTROLLERS
-from leader.api.error_handlers import EXCEPTION_HANDLERS
-from leader.auth import ReadTickets, make_guard
-from leader.bootstrap import JoinSessions, find_or_build_wheel
-from leader.bus import LeaderBus
-from leader.exports import ExportService
-from leader.jobs import JobManager
-from leader.metrics import LeaderMetrics, SwarmCollector
-from leader.observe import Observability
-from leader.orchestrator import Orchestrator
-from leader.placement import PlacementDefaults
-from leader.purges import PurgeBook
-from leader.registry import FellowRegistry
-from leader.services.fleet import FleetService
-from leader.services.info import InfoService, nats_auth_mode
-from leader.services.jobs import JobsService
-from leader.services.onboarding import OnboardingService
-from leader.services.package import BootstrapPackage
-from leader.storage import StorageMonitor
-from swarm import __version__
-from swarm.jobspec import LastStagePlacement
-from swarm.natsauth import NatsAuthority
-from swarm.natsconn import NatsAccess
-from swarm.sdnotify import watchdog_forever
-from swarm.settings import Settings
+from silentswarm import __version__
+from silentswarm.jobspec import LastStagePlacement
+from silentswarm.leader.api import CONTROLLERS
+from silentswarm.leader.api.error_handlers import EXCEPTION_HANDLERS
+from silentswarm.leader.auth import ReadTickets, make_guard
+from silentswarm.leader.bootstrap import JoinSessions, find_or_build_wheel
+from silentswarm.leader.bus import LeaderBus
+from silentswarm.leader.exports import ExportService
+from silentswarm.leader.jobs import JobManager
+from silentswarm.leader.metrics import LeaderMetrics, SwarmCollector
+from silentswarm.leader.observe import Observability
+from silentswarm.leader.orchestrator import Orchestrator
+from silentswarm.leader.placement import PlacementDefaults
+from silentswarm.leader.purges import PurgeBook
+from silentswarm.leader.registry import FellowRegistry
+from silentswarm.leader.services.fleet import FleetService
+from silentswarm.leader.services.info import InfoService, nats_auth_mode
+from silentswarm.leader.services.jobs import JobsService
+from silentswarm.leader.services.onboarding import OnboardingService
+from silentswarm.leader.services.package import BootstrapPackage
+from silentswarm.leader.storage import StorageMonitor
+from silentswarm.natsauth import NatsAuthority
+from silentswarm.natsconn import NatsAccess
+from silentswarm.sdnotify import watchdog_forever
+from silentswarm.settings import Settings
 
 log = logging.getLogger(__name__)
 OBSERVE_RETRY_MAX_S = 5.0  # the streams are retried at least this often
@@ -52,7 +52,7 @@ def create_app(
     authority: NatsAuthority | None = None,
 ) -> Litestar:
     """The leader's app. ``token``: the operator token (swarm-leader resolves it with
-    :func:`leader.auth.operator_token`); without one, SWARM_API_TOKEN or a random one.
+    :func:`silentswarm.leader.auth.operator_token`); without one, SWARM_API_TOKEN or a random one.
     ``authority``: the keys that mint each joining fellow its own NATS user."""
     if isinstance(nats, str):
         nats = NatsAccess(url=nats)

@@ -34,13 +34,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from leader.errors import ExportPathError
-from swarm import __version__
-from swarm.errors import FieldError
-from swarm.protocol import ShardAck, ShardChunk
-from swarm.types.jobs import ShardReceipt
-from swarm.types.manifests import RUN_MANIFEST, ExportedShard, RunManifest, encode_run_manifest
-from swarm.types.views import job_view
+from silentswarm import __version__
+from silentswarm.errors import FieldError
+from silentswarm.leader.errors import ExportPathError
+from silentswarm.protocol import ShardAck, ShardChunk
+from silentswarm.types.jobs import ShardReceipt
+from silentswarm.types.manifests import (
+    RUN_MANIFEST,
+    ExportedShard,
+    RunManifest,
+    encode_run_manifest,
+)
+from silentswarm.types.views import job_view
 
 SHARD_FILE = re.compile(r"^stage-(\d{1,4})\.(npz|json)$")
 MANIFEST = RUN_MANIFEST

@@ -24,9 +24,9 @@ from collections.abc import Callable
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
-from leader.errors import ForbiddenError, UnauthorizedError
-from swarm.errors import ErrorCode
-from swarm.settings import Settings
+from silentswarm.errors import ErrorCode
+from silentswarm.leader.errors import ForbiddenError, UnauthorizedError
+from silentswarm.settings import Settings
 
 log = logging.getLogger(__name__)
 READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})

@@ -33,11 +33,11 @@ from pathlib import Path
 
 import msgspec
 
-from leader.errors import JoinGoneError, JoinRefusedError, PackageUnavailableError
-from leader.naming import NameState, settle_fellow_name
-from swarm import __version__
-from swarm.errors import NotFoundError
-from swarm.types.onboarding import JoinSession, SessionLogLine
+from silentswarm import __version__
+from silentswarm.errors import NotFoundError
+from silentswarm.leader.errors import JoinGoneError, JoinRefusedError, PackageUnavailableError
+from silentswarm.leader.naming import NameState, settle_fellow_name
+from silentswarm.types.onboarding import JoinSession, SessionLogLine
 
 log = logging.getLogger(__name__)
 LOG_LINES = 5000  # kept per session
@@ -270,7 +270,6 @@ def copy_project(source: Path, dest: Path) -> None:
     setuptools writes ``build/`` and ``*.egg-info`` into the directory it builds in, so the
     leader builds in a copy and the source checkout stays as it was."""
     dest.mkdir()
-    included = _package_patterns(source / "pyproject.toml")
     for entry in sorted(source.iterdir()):
         if entry.name.startswith(".") or entry.is_symlink():
             continue
@@ -278,24 +277,43 @@ def copy_project(source: Path, dest: Path) -> None:
             entry.name in _PROJECT_FILES or entry.name.startswith(_PROJECT_FILE_PREFIXES)
         ):
             shutil.copy2(entry, dest / entry.name)
-        elif (
-            entry.is_dir()
-            and (entry / "__init__.py").is_file()
-            and any(fnmatch.fnmatchcase(entry.name, pattern) for pattern in included)
-        ):
-            shutil.copytree(entry, dest / entry.name, ignore=_NOT_IN_A_WHEEL)
+    for folder in _package_folders(source):
+        target = dest / folder.relative_to(source)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(folder, target, ignore=_NOT_IN_A_WHEEL)
 
 
-def _package_patterns(pyproject: Path) -> list[str]:
-    """The top-level packages setuptools is told to find (``[tool.setuptools.packages.find]
-    include``); every package when the project does not say."""
+def _package_folders(source: Path) -> list[Path]:
+    """The folders setuptools builds packages from: the ``[tool.setuptools] package-dir``
+    values when the project maps its folders (this one maps swarm/, leader/ and agent/ into
+    ``silentswarm``), else the top-level package folders ``packages.find include`` names
+    (every one when it says nothing). Never a folder outside ``source`` or behind a link."""
     try:
-        config = tomllib.loads(pyproject.read_text())
+        config = tomllib.loads((source / "pyproject.toml").read_text())
     except (OSError, tomllib.TOMLDecodeError):
-        return ["*"]  # the build will say what is wrong
-    find = config.get("tool", {}).get("setuptools", {}).get("packages", {})
+        config = {}  # the build will say what is wrong
+    setuptools_config = config.get("tool", {}).get("setuptools", {})
+    mapped = setuptools_config.get("package-dir")
+    if isinstance(mapped, dict) and mapped:
+        folders = [source / str(rel) for rel in mapped.values()]
+        root = source.resolve()
+        return [
+            f
+            for f in folders
+            if f.is_dir() and not f.is_symlink() and f.resolve().is_relative_to(root)
+        ]
+    find = setuptools_config.get("packages", {})
     patterns = find.get("find", {}).get("include") if isinstance(find, dict) else None
-    return [p.split(".")[0] for p in patterns] if patterns else ["*"]
+    included = [p.split(".")[0] for p in patterns] if patterns else ["*"]
+    return [
+        entry
+        for entry in sorted(source.iterdir())
+        if entry.is_dir()
+        and not entry.is_symlink()
+        and not entry.name.startswith(".")
+        and (entry / "__init__.py").is_file()
+        and any(fnmatch.fnmatchcase(entry.name, pattern) for pattern in included)
+    ]
 
 
 def build_wheel(source: Path, out: Path) -> Path | None:

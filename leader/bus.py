@@ -2,7 +2,7 @@
 
 Malformed messages are logged with their subject (rate-limited), counted, and dropped; they
 never reach the registry and never take the leader down. Replies go only to the sender's own
-inbox (:func:`swarm.subjects.reply_allowed`): a reply subject a fellow chose elsewhere is
+inbox (:func:`silentswarm.subjects.reply_allowed`): a reply subject a fellow chose elsewhere is
 refused, counted and logged, never answered.
 """
 
@@ -18,11 +18,11 @@ from typing import Any
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from leader.registry import FellowRegistry
-from swarm import subjects as topics
-from swarm.errors import ErrorCode, ProtocolError
-from swarm.natsconn import NatsAccess, connect_forever
-from swarm.protocol import DeregisterRequest, RegisterReply, RegisterRequest
+from silentswarm import subjects as topics
+from silentswarm.errors import ErrorCode, ProtocolError
+from silentswarm.leader.registry import FellowRegistry
+from silentswarm.natsconn import NatsAccess, connect_forever
+from silentswarm.protocol import DeregisterRequest, RegisterReply, RegisterRequest
 
 log = logging.getLogger(__name__)
 HEARTBEATS_PER_YIELD = 32

@@ -1,9 +1,10 @@
 """The job loop's decisions, pure: what the orchestrator does on a tick, given what it knows.
 
 Each function takes plain data (job and fellow records, the loop's own bookkeeping, ``now``)
-and returns what to do; :mod:`leader.orchestrator` gathers the data, applies the decisions
-and does the I/O. The decisions about one job's record (placing, reconciling, resuming) are
-:mod:`leader.jobs`'s; these are the loop's:
+and returns what to do; :mod:`silentswarm.leader.orchestrator` gathers the data, applies the
+decisions and does the I/O. The decisions about one job's record (placing, reconciling, resuming)
+are
+:mod:`silentswarm.leader.jobs`'s; these are the loop's:
 
 - which fellows may be placed now (:func:`idle_candidates`), and what a START round's acks
   mean (:func:`judge_start`);
@@ -21,12 +22,12 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from leader.jobs import FellowState, JobRecord, SignalRecord, reconcile
-from leader.placement import Candidate
-from leader.purges import PendingPurge
-from leader.registry import FellowRecord
-from swarm.protocol import FellowStatus, JobState, StageOutcome
-from swarm.telemetry import offered_ram, usable_gpus
+from silentswarm.leader.jobs import FellowState, JobRecord, SignalRecord, reconcile
+from silentswarm.leader.placement import Candidate
+from silentswarm.leader.purges import PendingPurge
+from silentswarm.leader.registry import FellowRecord
+from silentswarm.protocol import FellowStatus, JobState, StageOutcome
+from silentswarm.telemetry import offered_ram, usable_gpus
 
 # A fellow that refused or did not answer START is not placed again for this long.
 START_COOLDOWN_S = 10.0

@@ -1,7 +1,7 @@
 """Every error the leader raises, each with its :class:`~swarm.errors.ErrorCode`.
 
-The API's handlers (:mod:`leader.api.error_handlers`) turn them into ``{"code", "message"}``
-answers with their ``http_status``. Imports only :mod:`swarm.errors`.
+The API's handlers (:mod:`silentswarm.leader.api.error_handlers`) turn them into ``{"code",
+"message"}`` answers with their ``http_status``. Imports only :mod:`silentswarm.errors`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import errno
 from pathlib import Path
 
-from swarm.errors import ConflictError, ErrorCode, SwarmError
+from silentswarm.errors import ConflictError, ErrorCode, SwarmError
 
 # --- authentication and onboarding ------------------------------------------------------------
 

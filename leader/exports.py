@@ -23,15 +23,15 @@ from typing import Any
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from leader.artifacts import ExportStore, export_dir
-from leader.bus import LeaderBus
-from leader.errors import ShardAccessError
-from leader.jobs import JobManager
-from swarm import subjects as topics
-from swarm.errors import NotFoundError
-from swarm.protocol import JobState, ShardAck
-from swarm.types.jobs import JobRecord, ShardReceipt
-from swarm.types.signals import ResumeArgs, ShardFile
+from silentswarm import subjects as topics
+from silentswarm.errors import NotFoundError
+from silentswarm.leader.artifacts import ExportStore, export_dir
+from silentswarm.leader.bus import LeaderBus
+from silentswarm.leader.errors import ShardAccessError
+from silentswarm.leader.jobs import JobManager
+from silentswarm.protocol import JobState, ShardAck
+from silentswarm.types.jobs import JobRecord, ShardReceipt
+from silentswarm.types.signals import ResumeArgs, ShardFile
 
 log = logging.getLogger(__name__)
 

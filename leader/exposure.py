@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from swarm.hosts import is_loopback, url_hosts
-from swarm.settings import Settings
+from silentswarm.hosts import is_loopback, url_hosts
+from silentswarm.settings import Settings
 
 SECURITY_DOC = "docs/operations/security.md"
 PLAIN_NATS = frozenset({"nats", "ws"})

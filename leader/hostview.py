@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import msgspec
 
-from swarm.protocol import GpuInfo, HardwareSnapshot
-from swarm.telemetry import gpu_warning
-from swarm.types.fleet import NodeView
+from silentswarm.protocol import GpuInfo, HardwareSnapshot
+from silentswarm.telemetry import gpu_warning
+from silentswarm.types.fleet import NodeView
 
 
 class HostFellow(msgspec.Struct, kw_only=True, gc=False):
@@ -41,7 +41,7 @@ def _freshness(fellow: HostFellow) -> tuple[float, str]:
 
 def tf_usable_uuids(hw: HardwareSnapshot) -> list[str]:
     """The GPUs a fellow's TensorFlow probe covers: its first ``tf_gpu_count`` by index (the
-    order TensorFlow numbers them in, as :func:`swarm.telemetry.usable_gpus` reads it)."""
+    order TensorFlow numbers them in, as :func:`silentswarm.telemetry.usable_gpus` reads it)."""
     return [g.uuid for g in sorted(hw.gpus, key=lambda g: g.index)[: hw.tf_gpu_count or 0]]
 
 

@@ -3,9 +3,10 @@
 Pure state with an injected clock, like the registry: which pending job goes next and onto
 which fellows (:func:`plan_schedule`), what a progress report or a stage outcome does to a
 job, and what the fellows' heartbeats say about the jobs they should be running
-(:func:`reconcile`). The I/O (signals, NATS, JetStream) lives in :mod:`leader.orchestrator`.
+(:func:`reconcile`). The I/O (signals, NATS, JetStream) lives in
+:mod:`silentswarm.leader.orchestrator`.
 
-Every state change goes through :func:`swarm.lifecycle.next_job_state`; an illegal one is
+Every state change goes through :func:`silentswarm.lifecycle.next_job_state`; an illegal one is
 logged and raised, never applied (callers check the state first, so one is a bug). Changed
 jobs are marked dirty for the store to write.
 """
@@ -19,13 +20,13 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from leader.admission import Admission, admit_progress
-from leader.placement import DEFAULTS, Candidate, PlacementDefaults, Unplaceable, place
-from leader.progress import apply_outcome, apply_step
-from swarm.errors import ConflictError, ErrorCode, IllegalTransitionError, NotFoundError
-from swarm.jobspec import JobSpec, Placement, new_job_id
-from swarm.lifecycle import JobEvent, next_job_state
-from swarm.protocol import (
+from silentswarm.errors import ConflictError, ErrorCode, IllegalTransitionError, NotFoundError
+from silentswarm.jobspec import JobSpec, Placement, new_job_id
+from silentswarm.leader.admission import Admission, admit_progress
+from silentswarm.leader.placement import DEFAULTS, Candidate, PlacementDefaults, Unplaceable, place
+from silentswarm.leader.progress import apply_outcome, apply_step
+from silentswarm.lifecycle import JobEvent, next_job_state
+from silentswarm.protocol import (
     EXPORT_ERROR_CHARS,
     FellowStatus,
     JobState,
@@ -34,7 +35,7 @@ from swarm.protocol import (
     StageOutcome,
     StageResult,
 )
-from swarm.types.jobs import (
+from silentswarm.types.jobs import (
     CheckpointRecord,
     JobRecord,
     JobTransition,
@@ -42,7 +43,7 @@ from swarm.types.jobs import (
     ShardReceipt,
     SignalRecord,
 )
-from swarm.types.views import StageProgress, last_stage
+from silentswarm.types.views import StageProgress, last_stage
 
 log = logging.getLogger(__name__)
 HISTORY_LEN = 50

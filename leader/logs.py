@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from swarm.protocol import LogBatch
-from swarm.types.fleet import LogEntry
+from silentswarm.protocol import LogBatch
+from silentswarm.types.fleet import LogEntry
 
 PER_FELLOW = 2000
 

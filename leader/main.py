@@ -21,16 +21,16 @@ from typing import Annotated
 import cyclopts
 import uvicorn
 
-from leader.app import create_app
-from leader.auth import operator_token
-from leader.exposure import exposure_warnings
-from swarm.entry import configure_logging, run_or_exit
-from swarm.errors import ConfigError
-from swarm.natsauth import NatsAuthority
-from swarm.natsd import NatsServer, StoreOwner, start_nats_server
-from swarm.procs import ensure_port_free
-from swarm.sdnotify import notify
-from swarm.settings import Settings
+from silentswarm.entry import configure_logging, run_or_exit
+from silentswarm.errors import ConfigError
+from silentswarm.leader.app import create_app
+from silentswarm.leader.auth import operator_token
+from silentswarm.leader.exposure import exposure_warnings
+from silentswarm.natsauth import NatsAuthority
+from silentswarm.natsd import NatsServer, StoreOwner, start_nats_server
+from silentswarm.procs import ensure_port_free
+from silentswarm.sdnotify import notify
+from silentswarm.settings import Settings
 
 log = logging.getLogger("leader")
 app = cyclopts.App(name="swarm-leader", help="Run the SilentSwarm leader (REST API, registry).")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
-from swarm.plan import ModelConfig
+from silentswarm.plan import ModelConfig
 
 FLOAT = 4
 BYTES_PER_PARAM = 5 * FLOAT

@@ -28,20 +28,20 @@ from prometheus_client.core import (
     Metric,
 )
 
-from swarm import __version__
-from swarm.protocol import PROTOCOL_VERSION, FellowStatus, GpuInfo, JobState
-from swarm.types.api import LeaderInfo
-from swarm.types.fleet import FellowRecord
-from swarm.types.jobs import JobRecord
-from swarm.types.views import StageProgress
+from silentswarm import __version__
+from silentswarm.protocol import PROTOCOL_VERSION, FellowStatus, GpuInfo, JobState
+from silentswarm.types.api import LeaderInfo
+from silentswarm.types.fleet import FellowRecord
+from silentswarm.types.jobs import JobRecord
+from silentswarm.types.views import StageProgress
 
 if TYPE_CHECKING:
     from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
-    from leader.bus import LeaderBus
-    from leader.jobs import JobManager
-    from leader.registry import FellowRegistry
-    from leader.services.info import InfoService
+    from silentswarm.leader.bus import LeaderBus
+    from silentswarm.leader.jobs import JobManager
+    from silentswarm.leader.registry import FellowRegistry
+    from silentswarm.leader.services.info import InfoService
 
 # The text exposition format 0.0.4, which generate_latest() writes. prometheus-client >= 0.22
 # calls its 1.0.0 variant CONTENT_TYPE_LATEST; Prometheus 2.x only knows 0.0.4 by name.

@@ -20,8 +20,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 
-from leader.errors import FellowNameError
-from swarm.errors import ErrorCode
+from silentswarm.errors import ErrorCode
+from silentswarm.leader.errors import FellowNameError
 
 FIELD = FellowNameError.field
 

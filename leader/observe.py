@@ -1,7 +1,7 @@
 """Observability services: job metrics (live, history, SSE) and fellow logs (snapshot, SSE).
 
-History and tails are read from the JetStream streams (:mod:`leader.streams`); SSE event ids
-are stream sequence numbers, so a client that reconnects with ``Last-Event-ID`` continues
+History and tails are read from the JetStream streams (:mod:`silentswarm.leader.streams`); SSE event
+ids are stream sequence numbers, so a client that reconnects with ``Last-Event-ID`` continues
 exactly where it stopped. Streams end when the leader shuts down (``stopping``), with a
 keep-alive comment while idle.
 """
@@ -18,21 +18,21 @@ import msgspec
 from litestar.response import ServerSentEventMessage
 from nats.aio.client import Client
 
-from leader import streams
-from leader.admission import Verdict
-from leader.aggregate import JobMetricsAggregator, RateMeter, history, job_metrics
-from leader.bus import LeaderBus
-from leader.errors import StreamsUnavailableError
-from leader.jobs import JobManager
-from leader.logs import FellowLogBuffer, entries
-from swarm import subjects as topics
-from swarm.errors import ProtocolError, SwarmError
-from swarm.protocol import LogBatch, Progress
-from swarm.redact import redact
-from swarm.types.fleet import LogEntry
-from swarm.types.jobs import JobEnd, JobRecord
-from swarm.types.metrics import HistoryPoint, JobMetrics
-from swarm.types.views import is_last_stage
+from silentswarm import subjects as topics
+from silentswarm.errors import ProtocolError, SwarmError
+from silentswarm.leader import streams
+from silentswarm.leader.admission import Verdict
+from silentswarm.leader.aggregate import JobMetricsAggregator, RateMeter, history, job_metrics
+from silentswarm.leader.bus import LeaderBus
+from silentswarm.leader.errors import StreamsUnavailableError
+from silentswarm.leader.jobs import JobManager
+from silentswarm.leader.logs import FellowLogBuffer, entries
+from silentswarm.protocol import LogBatch, Progress
+from silentswarm.redact import redact
+from silentswarm.types.fleet import LogEntry
+from silentswarm.types.jobs import JobEnd, JobRecord
+from silentswarm.types.metrics import HistoryPoint, JobMetrics
+from silentswarm.types.views import is_last_stage
 
 log = logging.getLogger(__name__)
 KEEPALIVE_S = 15.0

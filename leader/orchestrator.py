@@ -6,11 +6,12 @@ START, stops orphaned stages, delivers pending purges, and writes what changed t
 store. Progress reports arrive on ``swarm.progress.<job>.<fellow>``. Signals go out through
 the SignalHub; their outcomes are recorded on the job.
 
-What to do is decided by pure functions (:mod:`leader.decide`, :mod:`leader.jobs`); this
-module gathers their inputs, applies their answers and does the I/O.
+What to do is decided by pure functions (:mod:`silentswarm.leader.decide`,
+:mod:`silentswarm.leader.jobs`); this module gathers their inputs, applies their answers and does
+the I/O.
 
 The operator's actions (submit, cancel, checkpoint, release, update, purge retries) live in
-the domain services (:mod:`leader.services`); they reach the loop only through the few
+the domain services (:mod:`silentswarm.leader.services`); they reach the loop only through the few
 methods under "what the domain services ask of the loop": its readiness, its signal hub,
 a save and a wake-up, reserving fellows, ending a job, and one purge delivery.
 """
@@ -27,25 +28,25 @@ from typing import Any
 from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 
-from leader import decide
-from leader.admission import RateLimiter, Verdict
-from leader.bus import LeaderBus
-from leader.errors import NotReadyError
-from leader.exports import ExportService
-from leader.jobs import JobManager, plan_schedule
-from leader.placement import DEFAULTS, PlacementDefaults
-from leader.purges import PurgeBook
-from leader.registry import FellowRegistry
-from leader.signals import SignalHub
-from leader.storage import Throttle
-from leader.store import StateStore
-from swarm import subjects as topics
-from swarm.jobspec import stage_plans
-from swarm.natsauth import NatsAuthority
-from swarm.plan import StagePlan
-from swarm.protocol import FellowStatus, JobState, Progress
-from swarm.types.jobs import JobRecord
-from swarm.types.signals import (
+from silentswarm import subjects as topics
+from silentswarm.jobspec import stage_plans
+from silentswarm.leader import decide
+from silentswarm.leader.admission import RateLimiter, Verdict
+from silentswarm.leader.bus import LeaderBus
+from silentswarm.leader.errors import NotReadyError
+from silentswarm.leader.exports import ExportService
+from silentswarm.leader.jobs import JobManager, plan_schedule
+from silentswarm.leader.placement import DEFAULTS, PlacementDefaults
+from silentswarm.leader.purges import PurgeBook
+from silentswarm.leader.registry import FellowRegistry
+from silentswarm.leader.signals import SignalHub
+from silentswarm.leader.storage import Throttle
+from silentswarm.leader.store import StateStore
+from silentswarm.natsauth import NatsAuthority
+from silentswarm.plan import StagePlan
+from silentswarm.protocol import FellowStatus, JobState, Progress
+from silentswarm.types.jobs import JobRecord
+from silentswarm.types.signals import (
     REASON_CHARS,
     PurgeArgs,
     StartArgs,
@@ -317,7 +318,7 @@ class Orchestrator:
 
     def _stop_orphans(self) -> None:
         """STOP stages of attempts the leader does not run (any more): see
-        :func:`leader.decide.orphan_stops`."""
+        :func:`silentswarm.leader.decide.orphan_stops`."""
         now = time.monotonic()
         self._stops_sent = decide.forget_old_stops(self._stops_sent, now=now)
         stops = decide.orphan_stops(

@@ -1,7 +1,7 @@
 """Placement: which ready fellows run a job, in which order, with which layers on which device.
 
 A pure function of the job spec and the fellows' latest telemetry (already reduced to what
-each fellow offers: :mod:`swarm.telemetry`). The rules:
+each fellow offers: :mod:`silentswarm.telemetry`). The rules:
 
 - A GPU is eligible when it has at least ``placement_min_gpu_free_gb`` free;
   ``max_gpus_per_worker`` caps how many of a fellow's GPUs count.
@@ -13,7 +13,8 @@ each fellow offers: :mod:`swarm.telemetry`). The rules:
   eligible free memory, every stage getting at least one layer.
 - Inside a fellow, ``gpu_slots`` split its layers over its eligible GPUs by free VRAM, the
   GPU with the most free memory last, so it also hosts the head on the last stage.
-- Every stage and every slot must fit its memory estimate (:mod:`leader.memory`); a job that
+- Every stage and every slot must fit its memory estimate (:mod:`silentswarm.leader.memory`); a job
+that
   does not fit is unplaceable with the numbers.
 """
 
@@ -24,10 +25,15 @@ from dataclasses import dataclass
 
 import msgspec
 
-from leader.memory import CPU_RUNTIME_BYTES, GPU_RUNTIME_BYTES, StageMemory, stage_memory
-from swarm.jobspec import JobSpec, LastStagePlacement, Partition, PlacedStage, Placement
-from swarm.plan import GpuSlot, Transport, split_layers
-from swarm.protocol import GpuInfo
+from silentswarm.jobspec import JobSpec, LastStagePlacement, Partition, PlacedStage, Placement
+from silentswarm.leader.memory import (
+    CPU_RUNTIME_BYTES,
+    GPU_RUNTIME_BYTES,
+    StageMemory,
+    stage_memory,
+)
+from silentswarm.plan import GpuSlot, Transport, split_layers
+from silentswarm.protocol import GpuInfo
 
 GIB = 1024**3
 

@@ -1,16 +1,16 @@
 """One stage's progress, folded from what its fellow reports. Pure.
 
 The one rule by which a :class:`~swarm.types.views.StageProgress` takes a progress record
-or a stage outcome. The job's record (:class:`leader.jobs.JobManager`) folds live reports
-with it; the metrics replays of the progress stream (:mod:`leader.aggregate`: the SSE
-metrics stream, the loss curve) fold stored records with it. So a job's step and loss read
+or a stage outcome. The job's record (:class:`silentswarm.leader.jobs.JobManager`) folds live
+reports with it; the metrics replays of the progress stream (:mod:`silentswarm.leader.aggregate`:
+the SSE metrics stream, the loss curve) fold stored records with it. So a job's step and loss read
 from its record and from a replay of its stream are the same numbers.
 """
 
 from __future__ import annotations
 
-from swarm.protocol import Progress, StageOutcome
-from swarm.types.views import StageProgress
+from silentswarm.protocol import Progress, StageOutcome
+from silentswarm.types.views import StageProgress
 
 # The numbers a step record carries that a stage keeps until a record says otherwise.
 _STEP_NUMBERS = ("loss", "val_loss", "lr", "step_time_s", "tokens_per_s")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-from swarm.types.fleet import PendingPurge
+from silentswarm.types.fleet import PendingPurge
 
 
 class PurgeBook:

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import msgspec
 
-from leader.hostview import HostFellow, merge_host
-from swarm.errors import ErrorCode
-from swarm.lifecycle import FellowEvent, can_go_offline, next_status
-from swarm.protocol import (
+from silentswarm.errors import ErrorCode
+from silentswarm.leader.hostview import HostFellow, merge_host
+from silentswarm.lifecycle import FellowEvent, can_go_offline, next_status
+from silentswarm.protocol import (
     DeregisterRequest,
     FellowIdentity,
     FellowStatus,
@@ -33,7 +33,7 @@ from swarm.protocol import (
     RegisterReply,
     RegisterRequest,
 )
-from swarm.types.fleet import FellowRecord, NodeView, Transition
+from silentswarm.types.fleet import FellowRecord, NodeView, Transition
 
 __all__ = ["FellowRecord", "FellowRegistry", "NodeView", "Transition"]
 
@@ -271,7 +271,8 @@ class FellowRegistry:
         return len({e.record.hostname for e in self._entries.values()})
 
     def nodes(self) -> list[NodeView]:
-        """One view per host, merged over all its fellows (:func:`leader.hostview.merge_host`)."""
+        """One view per host, merged over all its fellows
+        (:func:`silentswarm.leader.hostview.merge_host`)."""
         by_host: dict[str, list[HostFellow]] = {}
         for entry in self._entries.values():
             record = entry.record

@@ -17,11 +17,11 @@ import msgspec
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
 
-from swarm import subjects as topics
-from swarm.errors import ErrorCode, ProtocolError
-from swarm.protocol import make_signal
-from swarm.types.jobs import SignalRecord
-from swarm.types.signals import SignalArgs
+from silentswarm import subjects as topics
+from silentswarm.errors import ErrorCode, ProtocolError
+from silentswarm.protocol import make_signal
+from silentswarm.types.jobs import SignalRecord
+from silentswarm.types.signals import SignalArgs
 
 log = logging.getLogger(__name__)
 

@@ -2,8 +2,8 @@
 
 :class:`StorageMonitor` looks at the store every CHECK_S seconds (the history streams'
 limits and usage, the account's usage, and, every CAPACITY_EVERY_S, the capacity the server
-grants: :func:`leader.streams.store_capacity`), takes in what failed elsewhere (the streams
-could not be created; the state store could not write), and :func:`storage_reasons` turns
+grants: :func:`silentswarm.leader.streams.store_capacity`), takes in what failed elsewhere (the
+streams could not be created; the state store could not write), and :func:`storage_reasons` turns
 all that into the reasons ``/health`` gives for being degraded. Each change is logged once,
 and a failure that repeats is logged at most once per LOG_EVERY_S.
 """
@@ -18,9 +18,9 @@ from collections.abc import Callable, Sequence
 from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 
-from leader import streams
-from leader.streams import StoreCapacity, StreamSpec
-from swarm.types.api import StorageView, StreamUsage
+from silentswarm.leader import streams
+from silentswarm.leader.streams import StoreCapacity, StreamSpec
+from silentswarm.types.api import StorageView, StreamUsage
 
 log = logging.getLogger(__name__)
 

@@ -26,10 +26,10 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import KeyDeletedError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
-from leader.errors import StoreReadError
-from leader.streams import describe, is_storage_error
-from swarm.types.fleet import FellowRecord, PendingPurge
-from swarm.types.jobs import JobRecord
+from silentswarm.leader.errors import StoreReadError
+from silentswarm.leader.streams import describe, is_storage_error
+from silentswarm.types.fleet import FellowRecord, PendingPurge
+from silentswarm.types.jobs import JobRecord
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

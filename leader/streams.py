@@ -36,7 +36,7 @@ from nats.js.api import (
 from nats.js.client import JetStreamContext
 from nats.js.errors import APIError, BadRequestError, NotFoundError
 
-from leader.errors import StoreTooSmallError
+from silentswarm.leader.errors import StoreTooSmallError
 
 log = logging.getLogger(__name__)
 

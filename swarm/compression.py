@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from swarm.errors import ConfigError
+from silentswarm.errors import ConfigError
 
 FP32_BITS = 32  # what an uncompressed value takes: the reference of every ratio
 MIN_INT_BITS = 2

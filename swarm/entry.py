@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn, TypeVar
 
-from swarm.errors import SwarmError
+from silentswarm.errors import SwarmError
 
 T = TypeVar("T")
 LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"

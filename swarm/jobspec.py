@@ -4,7 +4,7 @@ A spec is decoded strictly (an unknown or mistyped field is an error that names 
 then checked for what cannot work (more stages than layers, heads not dividing d_model, an
 unknown compression spec, ...). Everything has a default that trains something sensible.
 
-The spec is flat JSON: the training fields are :class:`swarm.plan.TrainConfig`'s, which
+The spec is flat JSON: the training fields are :class:`silentswarm.plan.TrainConfig`'s, which
 ``JobSpec`` embeds (a subclass, like an embedded struct), so every job file written for
 earlier versions still decodes, and each field has one default and one bound, the same in a
 job spec and in a stage plan's ``train``.
@@ -19,9 +19,9 @@ from typing import Annotated, TypeVar
 
 import msgspec
 
-from swarm.compression import parse_compression
-from swarm.errors import ConfigError, FieldError, JobSpecError
-from swarm.plan import (
+from silentswarm.compression import parse_compression
+from silentswarm.errors import ConfigError, FieldError, JobSpecError
+from silentswarm.plan import (
     CurveKeys,
     GpuSlot,
     ModelConfig,

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import enum
 
-from swarm.errors import IllegalTransitionError
-from swarm.protocol import FellowStatus as S
-from swarm.protocol import JobState as J
+from silentswarm.errors import IllegalTransitionError
+from silentswarm.protocol import FellowStatus as S
+from silentswarm.protocol import JobState as J
 
 
 class FellowEvent(enum.StrEnum):

@@ -29,9 +29,9 @@ from typing import Literal
 import msgspec
 import psutil
 
-from swarm.errors import NatsServerError, PortInUseError, StoreInUseError
-from swarm.natsauth import write_private
-from swarm.procs import (
+from silentswarm.errors import NatsServerError, PortInUseError, StoreInUseError
+from silentswarm.natsauth import write_private
+from silentswarm.procs import (
     ProcessIdentity,
     ensure_port_free,
     identity_of,
@@ -47,9 +47,9 @@ from swarm.procs import (
 )
 
 SERVER_NAME = "swarm-nats"
-LOCK_FILE = "swarm.lock"
+LOCK_FILE = "silentswarm.lock"
 PORT_FILE = "swarm-port.json"
-log = logging.getLogger("swarm.natsd")
+log = logging.getLogger("silentswarm.natsd")
 
 
 class StoreOwner(msgspec.Struct, frozen=True, kw_only=True):

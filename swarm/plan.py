@@ -12,9 +12,9 @@ from typing import Annotated, Self
 
 import msgspec
 
-from swarm.compression import CompressionSpec, WireCodec, parse_compression, parse_wire_codec
-from swarm.errors import ConfigError
-from swarm.natsconn import NatsAccess
+from silentswarm.compression import CompressionSpec, WireCodec, parse_compression, parse_wire_codec
+from silentswarm.errors import ConfigError
+from silentswarm.natsconn import NatsAccess
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -49,7 +49,8 @@ PathText = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
 
 class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How a job trains: a plan's ``train``, and the top-level training fields of a job spec
-    (:class:`swarm.jobspec.JobSpec` embeds these fields; the README documents the defaults)."""
+    (:class:`silentswarm.jobspec.JobSpec` embeds these fields; the README documents the
+    defaults)."""
 
     steps: Steps = 200
     batch_size: Annotated[int, msgspec.Meta(ge=1, le=2**20)] = 8
@@ -239,7 +240,7 @@ class StagePlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
     def _id_problems(self) -> list[str]:
         # Imported here: swarm.subjects imports the protocol, whose START carries a StagePlan.
-        from swarm.subjects import TOKEN_RE
+        from silentswarm.subjects import TOKEN_RE
 
         rule = "use 1-64 letters, digits, '-', '_'"
         out = [

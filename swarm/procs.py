@@ -19,7 +19,7 @@ from typing import TypeVar
 import msgspec
 import psutil
 
-from swarm.errors import PortInUseError
+from silentswarm.errors import PortInUseError
 
 T = TypeVar("T")
 _PR_SET_PDEATHSIG = 1

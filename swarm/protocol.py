@@ -6,7 +6,7 @@ Rules:
   fields without breaking an older one;
 - a subject that carries several kinds uses a tagged union (``kind`` field).
 
-Which subject carries which Struct is said once, in :mod:`swarm.subjects`.
+Which subject carries which Struct is said once, in :mod:`silentswarm.subjects`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Annotated
 
 import msgspec
 
-from swarm.types.signals import (
+from silentswarm.types.signals import (
     CheckpointArgs,
     PurgeArgs,
     SignalArgs,
@@ -211,7 +211,7 @@ class SignalKind(enum.StrEnum):
 
 class _Signal(Message, kw_only=True, tag_field="kind"):
     """A signal from the leader to one fellow: one Struct per kind (the ``kind`` tag), each
-    with its kind's typed ``args`` (:mod:`swarm.types.signals`). ``job_id`` and ``attempt``
+    with its kind's typed ``args`` (:mod:`silentswarm.types.signals`). ``job_id`` and ``attempt``
     name the run it is about (None: whatever runs)."""
 
     signal_id: Id

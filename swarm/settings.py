@@ -15,10 +15,10 @@ from typing import Any
 
 import msgspec
 
-from swarm.errors import ConfigError
-from swarm.hosts import is_loopback
-from swarm.natsconn import NatsAccess
-from swarm.subjects import TOKEN_RE
+from silentswarm.errors import ConfigError
+from silentswarm.hosts import is_loopback
+from silentswarm.natsconn import NatsAccess
+from silentswarm.subjects import TOKEN_RE
 
 ENV_PREFIX = "SWARM_"
 

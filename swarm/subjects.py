@@ -14,8 +14,8 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from swarm import protocol as p
-from swarm.errors import ProtocolError
+from silentswarm import protocol as p
+from silentswarm.errors import ProtocolError
 
 T = TypeVar("T")
 TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

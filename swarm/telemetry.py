@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
-from swarm.protocol import GpuInfo, HardwareSnapshot
+from silentswarm.protocol import GpuInfo, HardwareSnapshot
 
 CUDA_FIX = "install the [cuda] extra: pip install 'silentswarm[cuda]'"
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from swarm.natsauth import NatsAuthority
-from swarm.natsd import NatsServer, start_nats_server
-from swarm.procs import free_port
+from silentswarm.natsauth import NatsAuthority
+from silentswarm.natsd import NatsServer, start_nats_server
+from silentswarm.procs import free_port
 from tests.helpers import Leader, Processes, child_env, wait_for
 
 TESTS = Path(__file__).resolve().parent
@@ -144,7 +144,7 @@ def leader_process(
         SWARM_API_TOKEN=token,
         **extra,
     )
-    proc = procs.python("leader", "leader.main", env=env)
+    proc = procs.python("leader", "silentswarm.leader.main", env=env)
     client = Leader(f"http://127.0.0.1:{port}", token=token)
     try:
         try:
@@ -166,7 +166,7 @@ def start_agent(procs: Processes, nats_url: str, name: str, **env: str):
     env.setdefault("SWARM_DATA_ADDRESS", f"tcp://127.0.0.1:{free_port()}")
     return procs.python(
         f"agent-{name}",
-        "agent.main",
+        "silentswarm.agent.main",
         "--nats-url",
         nats_url,
         "--name",
@@ -197,7 +197,7 @@ class RestartableLeader:
         self.proc = None
 
     def start(self):
-        self.proc = self.procs.python("leader", "leader.main", env=self.env)
+        self.proc = self.procs.python("leader", "silentswarm.leader.main", env=self.env)
         wait_for(
             lambda: self.client.get("/api/v1/info")["state_loaded"],
             timeout=20,

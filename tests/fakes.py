@@ -6,8 +6,8 @@ from typing import Any
 
 import msgspec
 
-from swarm.types.fleet import FellowRecord, NodeView
-from swarm.types.jobs import JobRecord
+from silentswarm.types.fleet import FellowRecord, NodeView
+from silentswarm.types.jobs import JobRecord
 
 
 class Clock:

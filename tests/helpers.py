@@ -80,7 +80,7 @@ def run_swarm(
 ) -> subprocess.CompletedProcess[str]:
     """The ``swarm`` CLI as a user runs it, in a subprocess."""
     return subprocess.run(
-        [sys.executable, "-m", "swarm.cli.app", *args],
+        [sys.executable, "-m", "silentswarm.cli.app", *args],
         env=env or child_env(),
         capture_output=True,
         text=True,
@@ -207,11 +207,14 @@ class Leader:
 
 
 def stage_processes(job_id: str | None = None) -> list[psutil.Process]:
-    """Live stage runtimes (``agent.runtime.main``), of one job or of any."""
+    """Live stage runtimes (``silentswarm.agent.runtime.main``), of one job or of any."""
     found = []
     for proc in psutil.process_iter(["cmdline", "status"]):
         cmdline = proc.info["cmdline"] or []
-        if proc.info["status"] == psutil.STATUS_ZOMBIE or "agent.runtime.main" not in cmdline:
+        if (
+            proc.info["status"] == psutil.STATUS_ZOMBIE
+            or "silentswarm.agent.runtime.main" not in cmdline
+        ):
             continue
         if job_id is None or any(job_id in part for part in cmdline):
             found.append(proc)

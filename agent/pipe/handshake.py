@@ -7,8 +7,8 @@ ends, such as the training data); a binder with another one answers ACK with a r
 (``!`` and the reason) and both ends raise HandshakeError.
 
 On ZeroMQ the control messages are two-part messages ``[HELLO|ACK|DONE, body]``; on the
-relay they are relay messages of their own kind (:mod:`agent.pipe.relaymsg`). The links are
-opened by :mod:`agent.pipe.link`; here they are only talked over.
+relay they are relay messages of their own kind (:mod:`silentswarm.agent.pipe.relaymsg`). The links
+are opened by :mod:`silentswarm.agent.pipe.link`; here they are only talked over.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from agent.errors import HandshakeError, PeerTimeoutError
-from agent.pipe import relaymsg
+from silentswarm.agent.errors import HandshakeError, PeerTimeoutError
+from silentswarm.agent.pipe import relaymsg
 
 if TYPE_CHECKING:
-    from agent.pipe.link import Link
-    from agent.pipe.relay import RelayLink
-    from agent.pipe.zmq import ZmqLink
+    from silentswarm.agent.pipe.link import Link
+    from silentswarm.agent.pipe.relay import RelayLink
+    from silentswarm.agent.pipe.zmq import ZmqLink
 
 HELLO = b"\x00swarm-hello"
 ACK = b"\x00swarm-ack"

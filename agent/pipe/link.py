@@ -2,10 +2,11 @@
 
 Each boundary has two ends. The upstream stage *connects* (it sends activations and receives
 gradients); the downstream stage *binds* its advertised data address (it receives
-activations and sends gradients). A link is ZeroMQ point to point (:mod:`agent.pipe.zmq`) or
-a relay through NATS subjects (:mod:`agent.pipe.relay`); :func:`connect_downstream` and
+activations and sends gradients). A link is ZeroMQ point to point
+(:mod:`silentswarm.agent.pipe.zmq`) or a relay through NATS subjects
+(:mod:`silentswarm.agent.pipe.relay`); :func:`connect_downstream` and
 :func:`accept_upstream` open every link the transport allows, shake hands over them
-(:mod:`agent.pipe.handshake`) and return the one both ends picked, closing the others.
+(:mod:`silentswarm.agent.pipe.handshake`) and return the one both ends picked, closing the others.
 
 Everything outside this package is injected: addresses, relay subjects, the NATS URL.
 """
@@ -19,12 +20,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from agent.errors import LinkError
-from agent.pipe import handshake
-from agent.pipe.base import Parts
-from agent.pipe.handshake import ACK, DONE, HELLO, HELLO_EVERY_S
-from agent.pipe.relay import RelayLink, deserialize_parts, serialize_parts
-from agent.pipe.zmq import CLOSE_LINGER_MS, CurveKeys, ZmqLink
+from silentswarm.agent.errors import LinkError
+from silentswarm.agent.pipe import handshake
+from silentswarm.agent.pipe.base import Parts
+from silentswarm.agent.pipe.handshake import ACK, DONE, HELLO, HELLO_EVERY_S
+from silentswarm.agent.pipe.relay import RelayLink, deserialize_parts, serialize_parts
+from silentswarm.agent.pipe.zmq import CLOSE_LINGER_MS, CurveKeys, ZmqLink
 
 __all__ = [
     "ACK",

@@ -18,9 +18,9 @@ from collections import deque
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
-from agent.errors import LinkError, PeerTimeoutError, RelayGapError
-from agent.pipe import relaymsg
-from agent.pipe.base import Parts
+from silentswarm.agent.errors import LinkError, PeerTimeoutError, RelayGapError
+from silentswarm.agent.pipe import relaymsg
+from silentswarm.agent.pipe.base import Parts
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +95,8 @@ class RelayLink:
     so a reader that keeps reading never stalls a sender, whatever the frame size.
 
     With ``token`` (the boundary's relay secret) every message is tagged and checked (see
-    :mod:`agent.pipe.relaymsg`). A message that fails the check, or is malformed, or repeats
-    a chunk or a grant already seen, is dropped and counted in ``dropped`` and
+    :mod:`silentswarm.agent.pipe.relaymsg`). A message that fails the check, or is malformed, or
+    repeats a chunk or a grant already seen, is dropped and counted in ``dropped`` and
     ``dropped_by_reason``; it never fails the link. Only a gap in the sequence of the
     authentic peer's chunks does.
     """

@@ -32,9 +32,15 @@ from typing import Any, Protocol
 import msgspec
 import numpy as np
 
-from agent.errors import FrameError
-from swarm.compression import MAX_INT_BITS, MIN_INT_BITS, CodecKind, WireCodec, parse_wire_codec
-from swarm.errors import ConfigError
+from silentswarm.agent.errors import FrameError
+from silentswarm.compression import (
+    MAX_INT_BITS,
+    MIN_INT_BITS,
+    CodecKind,
+    WireCodec,
+    parse_wire_codec,
+)
+from silentswarm.errors import ConfigError
 
 __all__ = [
     "PROTOCOL_VERSION",

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from agent.errors import LinkError, PeerTimeoutError
-from agent.pipe.base import Parts
-from agent.pipe.handshake import ACK, DONE, HELLO, OK, is_control
-from agent.pipe.wire import frame_nbytes
+from silentswarm.agent.errors import LinkError, PeerTimeoutError
+from silentswarm.agent.pipe.base import Parts
+from silentswarm.agent.pipe.handshake import ACK, DONE, HELLO, OK, is_control
+from silentswarm.agent.pipe.wire import frame_nbytes
 
 CLOSE_LINGER_MS = 2000  # let the last queued messages (DONE, final frames) leave on close
 

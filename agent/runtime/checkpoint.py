@@ -31,12 +31,12 @@ from typing import IO, TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
-from agent.errors import CheckpointError, CheckpointWriteError
-from agent.runtime.data import DataState, TextDataset
-from swarm.plan import StagePlan
+from silentswarm.agent.errors import CheckpointError, CheckpointWriteError
+from silentswarm.agent.runtime.data import DataState, TextDataset
+from silentswarm.plan import StagePlan
 
 if TYPE_CHECKING:
-    from agent.runtime.stage_model import StageModel
+    from silentswarm.agent.runtime.stage_model import StageModel
 
 FORMAT_VERSION = 1
 

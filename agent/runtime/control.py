@@ -2,7 +2,7 @@
 
 ``swarm-stage --control-stdin`` is started by the fellow agent with stdin as a pipe. A daemon
 thread reads it line by line; each line is one JSON object, a command of
-:mod:`swarm.types.stage` (tagged by ``cmd``):
+:mod:`silentswarm.types.stage` (tagged by ``cmd``):
 
     {"cmd": "checkpoint", "id": "<request id>", "at_step": N}   (at_step null or absent: now)
 
@@ -25,7 +25,7 @@ from typing import NoReturn
 
 import msgspec
 
-from swarm.types.stage import COMMANDS, CheckpointRequest, Command
+from silentswarm.types.stage import COMMANDS, CheckpointRequest, Command
 
 log = logging.getLogger(__name__)
 

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from agent.errors import DataError
+from silentswarm.agent.errors import DataError
 
 if TYPE_CHECKING:
-    from swarm.plan import TrainConfig
+    from silentswarm.plan import TrainConfig
 
 __all__ = [
     "DEFAULT_CORPUS",

@@ -1,9 +1,9 @@
 """Sample text from a glued model.
 
-``python -m agent.runtime.generate --model-dir DIR --prompt TEXT [--max-new-tokens 100]
+``python -m silentswarm.agent.runtime.generate --model-dir DIR --prompt TEXT [--max-new-tokens 100]
 [--temperature 0.8] [--top-k 40] [--seed 0]``
 
-``DIR`` is what ``python -m agent.runtime.glue`` wrote (``inference_manifest.json`` and
+``DIR`` is what ``python -m silentswarm.agent.runtime.glue`` wrote (``inference_manifest.json`` and
 ``model.keras``, or the ``model.weights.h5`` + ``config.json`` fallback), or the export
 directory that holds it as ``full_model/``. The model file's sha256 is checked against the
 manifest before it is loaded.
@@ -34,12 +34,16 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from agent.errors import GenerateError
-from agent.runtime.glue.manifest import sha256_file
-from agent.runtime.glue.save import DEFAULT_OUT as DEFAULT_SUBDIR
-from agent.runtime.tool import ToolParser, exit_with
-from swarm.errors import ManifestError
-from swarm.types.manifests import INFERENCE_MANIFEST, InferenceManifest, decode_inference_manifest
+from silentswarm.agent.errors import GenerateError
+from silentswarm.agent.runtime.glue.manifest import sha256_file
+from silentswarm.agent.runtime.glue.save import DEFAULT_OUT as DEFAULT_SUBDIR
+from silentswarm.agent.runtime.tool import ToolParser, exit_with
+from silentswarm.errors import ManifestError
+from silentswarm.types.manifests import (
+    INFERENCE_MANIFEST,
+    InferenceManifest,
+    decode_inference_manifest,
+)
 
 PROG = "generate"
 START = b"\n"
@@ -89,8 +93,8 @@ def load_model(path: str | os.PathLike[str]) -> LoadedModel:
             raise GenerateError(f"{file}: sha256 does not match {INFERENCE_MANIFEST}")
     import keras
 
-    import agent.runtime.model  # noqa: F401  (registers the layers with Keras)
-    from agent.runtime.glue import load_fallback
+    import silentswarm.agent.runtime.model  # noqa: F401  (registers the layers with Keras)
+    from silentswarm.agent.runtime.glue import load_fallback
 
     if manifest.config_file:
         model = load_fallback(directory)

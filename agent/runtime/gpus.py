@@ -1,4 +1,4 @@
-"""``python -m agent.runtime.gpus``: print how many GPUs TensorFlow can use, as JSON.
+"""``python -m silentswarm.agent.runtime.gpus``: print how many GPUs TensorFlow can use, as JSON.
 
 The agent runs this once at start, in a subprocess (it must never import TensorFlow itself),
 when NVML reports GPUs: a GPU that NVML sees but TensorFlow cannot use (no CUDA/cuDNN

@@ -17,8 +17,8 @@ from typing import Any
 
 import msgspec
 
-from agent.errors import StageFailedError
-from swarm.plan import StagePlan
+from silentswarm.agent.errors import StageFailedError
+from silentswarm.plan import StagePlan
 
 
 def write_plans(plans: list[StagePlan], directory: Path) -> list[Path]:
@@ -33,7 +33,7 @@ def write_plans(plans: list[StagePlan], directory: Path) -> list[Path]:
 
 def stage_command(plan_path: Path, *, control_stdin: bool = False) -> list[str]:
     """The command line of one ``swarm-stage`` process for ``plan_path``."""
-    argv = [sys.executable, "-m", "agent.runtime.main", "--plan", str(plan_path)]
+    argv = [sys.executable, "-m", "silentswarm.agent.runtime.main", "--plan", str(plan_path)]
     return [*argv, "--control-stdin"] if control_stdin else argv
 
 

@@ -1,13 +1,13 @@
 """``swarm-stage --plan plan.json``: run one pipeline stage from an explicit plan.
 
 Writes JSON lines to stdout (``placement``, ``links``, ``step``, ``checkpoint``, ``done``, or
-``error``: the events of :mod:`swarm.types.stage`) and exits non-zero with a one-line message
+``error``: the events of :mod:`silentswarm.types.stage`) and exits non-zero with a one-line message
 on stderr when it fails. No leader is needed: two or three of these processes train a model
 together.
 
 With ``--control-stdin`` the stage takes JSON-line commands on stdin (see
-:mod:`agent.runtime.control`) and exits 70 at once when stdin reaches EOF: the supervising
-agent is gone. Without it stdin is never read, so it may be anything, even at EOF.
+:mod:`silentswarm.agent.runtime.control`) and exits 70 at once when stdin reaches EOF: the
+supervising agent is gone. Without it stdin is never read, so it may be anything, even at EOF.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from typing import Annotated, NoReturn
 
 import cyclopts
 
-from agent.errors import DataError, FrameError, LinkError
-from agent.runtime.control import ControlChannel
-from swarm.entry import configure_logging, fail
-from swarm.errors import ConfigError, ErrorCode, SwarmError
-from swarm.plan import decode_plan
-from swarm.types.stage import ErrorEvent, StageEvent, encode_event
+from silentswarm.agent.errors import DataError, FrameError, LinkError
+from silentswarm.agent.runtime.control import ControlChannel
+from silentswarm.entry import configure_logging, fail
+from silentswarm.errors import ConfigError, ErrorCode, SwarmError
+from silentswarm.plan import decode_plan
+from silentswarm.types.stage import ErrorEvent, StageEvent, encode_event
 
 app = cyclopts.App(name="swarm-stage", help="Run one pipeline stage from an explicit plan.")
 log = logging.getLogger("stage")
@@ -59,13 +59,13 @@ def run(
     if control_stdin:
         control = ControlChannel()
         control.start_reader(0)  # fd 0, not sys.stdin: see start_reader
-    from agent.runtime.tfsetup import configure_tensorflow
+    from silentswarm.agent.runtime.tfsetup import configure_tensorflow
 
     configure_tensorflow(
         intra_op_threads=stage_plan.intra_op_threads or os.cpu_count() or 1,
         logical_cpus=max(1, len(stage_plan.gpu_slots)),
     )
-    from agent.runtime.stage import StageRunner
+    from silentswarm.agent.runtime.stage import StageRunner
 
     runner: StageRunner | None = None
     try:

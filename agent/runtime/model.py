@@ -25,8 +25,8 @@ import msgspec
 import numpy as np
 import tensorflow as tf
 
-from swarm.compression import CodecKind, parse_compression, parse_wire_codec
-from swarm.plan import ModelConfig
+from silentswarm.compression import CodecKind, parse_compression, parse_wire_codec
+from silentswarm.plan import ModelConfig
 
 EMBED_LAYER = -1  # seed index of the embedding
 HEAD_LAYER = 10_000  # seed index of the final norm + LM head

@@ -17,19 +17,19 @@ import msgspec
 import numpy as np
 import tensorflow as tf
 
-from agent.errors import CheckpointError, FrameError, PeerTimeoutError
-from agent.pipe.link import CurveKeys, Link, RelayLink, TransportKind, accept_upstream
-from agent.pipe.link import connect_downstream as open_downstream
-from agent.pipe.wire import Direction, WireCodec, decode_frame, encode_frame
-from agent.runtime.checkpoint import load_checkpoint, restore_into, save_stage
-from agent.runtime.control import ControlChannel
-from agent.runtime.data import job_dataset, job_val_batches
-from agent.runtime.schedule import Op, one_f_one_b
-from agent.runtime.stage_model import StageModel
-from swarm import subjects
-from swarm.plan import CurveKeys as PlanCurveKeys
-from swarm.plan import StagePlan
-from swarm.types.stage import (
+from silentswarm import subjects
+from silentswarm.agent.errors import CheckpointError, FrameError, PeerTimeoutError
+from silentswarm.agent.pipe.link import CurveKeys, Link, RelayLink, TransportKind, accept_upstream
+from silentswarm.agent.pipe.link import connect_downstream as open_downstream
+from silentswarm.agent.pipe.wire import Direction, WireCodec, decode_frame, encode_frame
+from silentswarm.agent.runtime.checkpoint import load_checkpoint, restore_into, save_stage
+from silentswarm.agent.runtime.control import ControlChannel
+from silentswarm.agent.runtime.data import job_dataset, job_val_batches
+from silentswarm.agent.runtime.schedule import Op, one_f_one_b
+from silentswarm.agent.runtime.stage_model import StageModel
+from silentswarm.plan import CurveKeys as PlanCurveKeys
+from silentswarm.plan import StagePlan
+from silentswarm.types.stage import (
     CheckpointEvent,
     CheckpointRequest,
     DoneEvent,
@@ -427,7 +427,8 @@ class StageRunner:
         return total
 
     def bytes_summary(self) -> dict[str, int]:
-        """The traffic fields of step and done events (:class:`swarm.types.stage.StepEvent`)."""
+        """The traffic fields of step and done events
+        (:class:`silentswarm.types.stage.StepEvent`)."""
         out: dict[str, int] = {}
         for key, boundary in (("up", self.up), ("down", self.down)):
             if boundary is not None:

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import keras
 import tensorflow as tf
 
-from agent.runtime.devices import tf_gpu_index
-from agent.runtime.model import Block, Embedding, Head, Projection, token_loss
-from agent.runtime.schedule import lr_at
-from swarm.compression import parse_compression
-from swarm.plan import StagePlan
+from silentswarm.agent.runtime.devices import tf_gpu_index
+from silentswarm.agent.runtime.model import Block, Embedding, Head, Projection, token_loss
+from silentswarm.agent.runtime.schedule import lr_at
+from silentswarm.compression import parse_compression
+from silentswarm.plan import StagePlan
 
 log = logging.getLogger(__name__)
 NO_DECAY = ["gamma", "beta", "^b$", "^b_", "tok", "pos"]

@@ -28,9 +28,9 @@ from typing import Any
 import msgspec
 from _common import emit, median, verdict  # puts the repo on sys.path
 
-from agent.runtime.launch import done, run_plans, steps
-from swarm.plan import ModelConfig, TrainConfig, Transport, chain_plans
-from swarm.procs import free_port
+from silentswarm.agent.runtime.launch import done, run_plans, steps
+from silentswarm.plan import ModelConfig, TrainConfig, Transport, chain_plans
+from silentswarm.procs import free_port
 
 SPECS = ["none", "fp16", "fixed_int8", "fixed_int4", "learned_dim{k}", "learned_dim{k}_int8"]
 QUICK_SPECS = ["none", "fixed_int8", "learned_dim{k}_int8"]

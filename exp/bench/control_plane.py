@@ -7,8 +7,9 @@ This bench measures exactly that, against the real processes, for N = 100, 1,000
 
 Set-up per N (everything fresh, in a temp dir):
 
-- nats-server (``swarm.natsd``, JetStream on, dev mode: no users);
-- the leader (``python -m leader.main``), pinned to core 0 with ``taskset -c 0`` when taskset
+- nats-server (``silentswarm.natsd``, JetStream on, dev mode: no users);
+- the leader (``python -m silentswarm.leader.main``), pinned to core 0 with ``taskset -c 0`` when
+taskset
   exists, so its CPU share is one core's worth;
 - worker processes (multiprocessing), each running a slice of the fellows over one shared
   NATS connection: every fellow registers by request/reply on ``swarm.register.<id>`` and then
@@ -60,10 +61,10 @@ import httpx  # noqa: E402
 import nats  # noqa: E402
 import psutil  # noqa: E402
 
-from swarm import subjects as topics  # noqa: E402
-from swarm.natsd import start_nats_server  # noqa: E402
-from swarm.procs import die_with_parent, free_port, spawn, stop_processes, tail  # noqa: E402
-from swarm.protocol import (  # noqa: E402
+from silentswarm import subjects as topics  # noqa: E402
+from silentswarm.natsd import start_nats_server  # noqa: E402
+from silentswarm.procs import die_with_parent, free_port, spawn, stop_processes, tail  # noqa: E402
+from silentswarm.protocol import (  # noqa: E402
     FellowIdentity,
     FellowStatus,
     HardwareSnapshot,
@@ -302,9 +303,9 @@ def start_leader(stack: contextlib.ExitStack, work: Path, nats_url: str) -> tupl
     """The leader, pinned to core 0; returns (its psutil.Process, URL, token)."""
     port, token = free_port(), secrets.token_urlsafe(16)
     pin = ["taskset", "-c", "0"] if shutil.which("taskset") else []
-    log = work / "leader.log"
+    log = work / "silentswarm.leader.log"
     proc = spawn(
-        [*pin, sys.executable, "-m", "leader.main"],
+        [*pin, sys.executable, "-m", "silentswarm.leader.main"],
         log_path=log,
         env=leader_env(nats_url, port, work / "leader-state", token),
         detach=True,  # its own session: Ctrl-C reaches the bench, which stops it last

@@ -38,10 +38,10 @@ from typing import Any
 import numpy as np
 from _common import REPO, emit, median, percentile, verdict  # puts the repo on sys.path
 
-from agent.pipe.relay import RelayLink
-from agent.pipe.zmq import ZmqLink
-from swarm.natsd import start_nats_server
-from swarm.procs import free_port
+from silentswarm.agent.pipe.relay import RelayLink
+from silentswarm.agent.pipe.zmq import ZmqLink
+from silentswarm.natsd import start_nats_server
+from silentswarm.procs import free_port
 
 KINDS = ["tcp", "zmq", "nats", "relay"]
 SIZES = {"64KiB": 64 * 1024, "1MiB": 1024 * 1024, "4MiB": 4 * 1024 * 1024}

@@ -32,8 +32,8 @@ from pathlib import Path
 import msgspec
 from _common import REPO, emit, median, verdict  # puts the repo on sys.path
 
-from agent.runtime.launch import run_plans, stage_env, steps
-from swarm.plan import ModelConfig, TrainConfig, single_process_plan
+from silentswarm.agent.runtime.launch import run_plans, stage_env, steps
+from silentswarm.plan import ModelConfig, TrainConfig, single_process_plan
 
 VARIANTS = ["runtime", "plain_xla", "plain"]
 TARGET = 0.05
@@ -48,16 +48,16 @@ def steady(times: list[float]) -> float:
 
 
 def plain_child(model_json: str, train_json: str, jit: bool) -> None:
-    from agent.runtime.tfsetup import configure_tensorflow
+    from silentswarm.agent.runtime.tfsetup import configure_tensorflow
 
     configure_tensorflow(intra_op_threads=1)
     import keras
     import tensorflow as tf
 
-    from agent.runtime.data import job_dataset
-    from agent.runtime.model import Block, Embedding, Head, token_loss
-    from agent.runtime.schedule import lr_at
-    from agent.runtime.stage_model import NO_DECAY
+    from silentswarm.agent.runtime.data import job_dataset
+    from silentswarm.agent.runtime.model import Block, Embedding, Head, token_loss
+    from silentswarm.agent.runtime.schedule import lr_at
+    from silentswarm.agent.runtime.stage_model import NO_DECAY
 
     cfg = msgspec.json.decode(model_json, type=ModelConfig)
     train = msgspec.json.decode(train_json, type=TrainConfig)

@@ -38,17 +38,17 @@ sys.path.insert(0, str(REPO))
 
 import msgspec  # noqa: E402
 
-from agent.runtime.data import TextDataset  # noqa: E402
-from agent.runtime.launch import done, run_plans  # noqa: E402
-from agent.runtime.schedule import ideal_speedup  # noqa: E402
-from swarm.plan import (  # noqa: E402
+from silentswarm.agent.runtime.data import TextDataset  # noqa: E402
+from silentswarm.agent.runtime.launch import done, run_plans  # noqa: E402
+from silentswarm.agent.runtime.schedule import ideal_speedup  # noqa: E402
+from silentswarm.plan import (  # noqa: E402
     ModelConfig,
     TrainConfig,
     Transport,
     chain_plans,
     single_process_plan,
 )
-from swarm.procs import free_port  # noqa: E402
+from silentswarm.procs import free_port  # noqa: E402
 
 SPECS = [
     "none",

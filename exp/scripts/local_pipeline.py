@@ -18,10 +18,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from agent.runtime.launch import done, links, run_plans  # noqa: E402
-from swarm.natsd import NatsServer, start_nats_server  # noqa: E402
-from swarm.plan import ModelConfig, TrainConfig, Transport, chain_plans  # noqa: E402
-from swarm.procs import free_port  # noqa: E402
+from silentswarm.agent.runtime.launch import done, links, run_plans  # noqa: E402
+from silentswarm.natsd import NatsServer, start_nats_server  # noqa: E402
+from silentswarm.plan import ModelConfig, TrainConfig, Transport, chain_plans  # noqa: E402
+from silentswarm.procs import free_port  # noqa: E402
 
 
 def main() -> None:

@@ -33,12 +33,12 @@ import msgspec
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from swarm.cli.client import LeaderClient  # noqa: E402
-from swarm.cli.experiments import suite as suites  # noqa: E402
-from swarm.cli.experiments.runner import wait_for_end  # noqa: E402
-from swarm.entry import run_or_exit  # noqa: E402
-from swarm.errors import ConfigError, LeaderResponseError  # noqa: E402
-from swarm.settings import Settings  # noqa: E402
+from silentswarm.cli.client import LeaderClient  # noqa: E402
+from silentswarm.cli.experiments import suite as suites  # noqa: E402
+from silentswarm.cli.experiments.runner import wait_for_end  # noqa: E402
+from silentswarm.entry import run_or_exit  # noqa: E402
+from silentswarm.errors import ConfigError, LeaderResponseError  # noqa: E402
+from silentswarm.settings import Settings  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = Settings.from_env().replace(leader_url=args.leader_url)
     url = settings.leader_url or settings.default_leader_url
     if not args.leader_url and not settings.leader_url:
-        from swarm.cli import cluster
+        from silentswarm.cli import cluster
 
         url = cluster.running_leader_url(settings) or url
     with LeaderClient(url, token=settings.client_token()) as client:

@@ -1,15 +1,15 @@
 """Thin HTTP controllers; each calls the one domain service it needs (leader.services)."""
 
-from leader.api.auth import AuthController
-from leader.api.bootstrap import BootstrapController
-from leader.api.fellows import FellowsController, PurgesController
-from leader.api.health import HealthController
-from leader.api.info import ClusterController, InfoController
-from leader.api.jobs import JobsController
-from leader.api.logs import LogsController
-from leader.api.metrics import MetricsController
-from leader.api.nodes import NodesController
-from leader.api.ui import STATIC, OpsController
+from silentswarm.leader.api.auth import AuthController
+from silentswarm.leader.api.bootstrap import BootstrapController
+from silentswarm.leader.api.fellows import FellowsController, PurgesController
+from silentswarm.leader.api.health import HealthController
+from silentswarm.leader.api.info import ClusterController, InfoController
+from silentswarm.leader.api.jobs import JobsController
+from silentswarm.leader.api.logs import LogsController
+from silentswarm.leader.api.metrics import MetricsController
+from silentswarm.leader.api.nodes import NodesController
+from silentswarm.leader.api.ui import STATIC, OpsController
 
 CONTROLLERS = [
     HealthController,

@@ -5,8 +5,8 @@ from __future__ import annotations
 from litestar import Controller, Request, post
 from litestar.status_codes import HTTP_200_OK
 
-from leader.auth import TICKET_ROUTE, ReadTickets
-from swarm.types.api import ReadTicket
+from silentswarm.leader.auth import TICKET_ROUTE, ReadTickets
+from silentswarm.types.api import ReadTicket
 
 
 class AuthController(Controller):

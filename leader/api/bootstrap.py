@@ -10,9 +10,9 @@ from litestar.params import FromPath
 from litestar.response import File, Response, ServerSentEvent
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
 
-from leader.services.onboarding import OnboardingService
-from swarm.jobspec import decode_strict
-from swarm.types.onboarding import (
+from silentswarm.jobspec import decode_strict
+from silentswarm.leader.services.onboarding import OnboardingService
+from silentswarm.types.onboarding import (
     BootstrapManifest,
     Claim,
     CreateSession,

@@ -14,7 +14,7 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 from litestar.status_codes import HTTP_500_INTERNAL_SERVER_ERROR
 
-from swarm.errors import ErrorCode, SwarmError
+from silentswarm.errors import ErrorCode, SwarmError
 
 log = logging.getLogger(__name__)
 

@@ -7,9 +7,9 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath
 from litestar.status_codes import HTTP_200_OK
 
-from leader.services.fleet import FleetService
-from swarm.jobspec import decode_strict
-from swarm.types.fleet import (
+from silentswarm.jobspec import decode_strict
+from silentswarm.leader.services.fleet import FleetService
+from silentswarm.types.fleet import (
     FellowRecord,
     PendingPurge,
     PurgeDelivery,
@@ -18,7 +18,7 @@ from swarm.types.fleet import (
     RetryPurgeRequest,
     UpdateRequest,
 )
-from swarm.types.jobs import SignalRecord
+from silentswarm.types.jobs import SignalRecord
 
 
 class FellowsController(Controller):

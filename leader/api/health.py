@@ -3,8 +3,8 @@ from __future__ import annotations
 from litestar import Controller, Response, get
 from litestar.di import NamedDependency
 
-from leader.services.info import InfoService
-from swarm.types.api import Health
+from silentswarm.leader.services.info import InfoService
+from silentswarm.types.api import Health
 
 
 class HealthController(Controller):

@@ -3,10 +3,10 @@ from __future__ import annotations
 from litestar import Controller, get
 from litestar.di import NamedDependency
 
-from leader.services.fleet import FleetService
-from leader.services.info import InfoService
-from swarm.types.api import LeaderInfo
-from swarm.types.metrics import ClusterView
+from silentswarm.leader.services.fleet import FleetService
+from silentswarm.leader.services.info import InfoService
+from silentswarm.types.api import LeaderInfo
+from silentswarm.types.metrics import ClusterView
 
 
 class InfoController(Controller):

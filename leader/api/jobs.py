@@ -6,12 +6,12 @@ from litestar.params import FromPath
 from litestar.response import File, ServerSentEvent
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED, HTTP_202_ACCEPTED
 
-from leader.api.sse import last_event_id
-from leader.exports import ExportService
-from leader.services.jobs import JobsService
-from swarm.jobspec import decode_job_spec
-from swarm.types.jobs import CheckpointRecord, JobRecord
-from swarm.types.metrics import HistoryPoint, JobMetrics
+from silentswarm.jobspec import decode_job_spec
+from silentswarm.leader.api.sse import last_event_id
+from silentswarm.leader.exports import ExportService
+from silentswarm.leader.services.jobs import JobsService
+from silentswarm.types.jobs import CheckpointRecord, JobRecord
+from silentswarm.types.metrics import HistoryPoint, JobMetrics
 
 
 class JobsController(Controller):

@@ -7,9 +7,9 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, QueryParameter
 from litestar.response import ServerSentEvent
 
-from leader.api.sse import last_event_id
-from leader.services.fleet import FleetService
-from swarm.types.fleet import LogEntry
+from silentswarm.leader.api.sse import last_event_id
+from silentswarm.leader.services.fleet import FleetService
+from silentswarm.types.fleet import LogEntry
 
 
 class LogsController(Controller):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from litestar import Controller, Request, Response, get
 
-from leader.metrics import MEDIA_TYPE, LeaderMetrics
+from silentswarm.leader.metrics import MEDIA_TYPE, LeaderMetrics
 
 
 class MetricsController(Controller):

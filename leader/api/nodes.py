@@ -3,8 +3,8 @@ from __future__ import annotations
 from litestar import Controller, get
 from litestar.di import NamedDependency
 
-from leader.services.fleet import FleetService
-from swarm.types.fleet import NodeView
+from silentswarm.leader.services.fleet import FleetService
+from silentswarm.types.fleet import NodeView
 
 
 class NodesController(Controller):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from litestar import Request
 
-from swarm.errors import FieldError
+from silentswarm.errors import FieldError
 
 
 def last_event_id(request: Request) -> int | None:

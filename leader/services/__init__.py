@@ -1,7 +1,7 @@
 """The leader's domain services: what the controllers call.
 
 Each owns one part of what an operator (or a joining host) can ask, and gets what it depends
-on in its constructor (:func:`leader.app.create_app` builds them in order):
+on in its constructor (:func:`silentswarm.leader.app.create_app` builds them in order):
 
 - :class:`~leader.services.jobs.JobsService`: submit, read, cancel and checkpoint jobs, their
   metrics, history and stream, and shard downloads;
@@ -14,5 +14,5 @@ on in its constructor (:func:`leader.app.create_app` builds them in order):
 Where an action needs the job loop's machinery (its signal hub, a save, a wake-up), the
 service gets the loop through a narrow Protocol of the few methods it uses, never the
 whole :class:`~leader.orchestrator.Orchestrator`. The push side of exports is
-:class:`leader.exports.ExportService`, which the loop and the jobs service share.
+:class:`silentswarm.leader.exports.ExportService`, which the loop and the jobs service share.
 """

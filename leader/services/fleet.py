@@ -11,18 +11,18 @@ from typing import Protocol
 
 from litestar.response import ServerSentEventMessage
 
-from leader.errors import PackageUnavailableError, StorageUnavailableError
-from leader.jobs import JobManager
-from leader.observe import Observability
-from leader.purges import PurgeBook
-from leader.registry import FellowRegistry
-from leader.services.package import BootstrapPackage
-from leader.signals import SignalHub
-from leader.storage import StorageMonitor
-from swarm.errors import ConflictError, ErrorCode, FieldError, NotFoundError
-from swarm.protocol import FellowStatus
-from swarm.subjects import TOKEN_RE
-from swarm.types.fleet import (
+from silentswarm.errors import ConflictError, ErrorCode, FieldError, NotFoundError
+from silentswarm.leader.errors import PackageUnavailableError, StorageUnavailableError
+from silentswarm.leader.jobs import JobManager
+from silentswarm.leader.observe import Observability
+from silentswarm.leader.purges import PurgeBook
+from silentswarm.leader.registry import FellowRegistry
+from silentswarm.leader.services.package import BootstrapPackage
+from silentswarm.leader.signals import SignalHub
+from silentswarm.leader.storage import StorageMonitor
+from silentswarm.protocol import FellowStatus
+from silentswarm.subjects import TOKEN_RE
+from silentswarm.types.fleet import (
     FellowRecord,
     LogEntry,
     NodeView,
@@ -30,15 +30,16 @@ from swarm.types.fleet import (
     PurgeDelivery,
     ReleaseResult,
 )
-from swarm.types.jobs import SignalRecord
-from swarm.types.metrics import ClusterView, RunningJob
-from swarm.types.signals import PackageRef, StopArgs, UpdateArgs
+from silentswarm.types.jobs import SignalRecord
+from silentswarm.types.metrics import ClusterView, RunningJob
+from silentswarm.types.signals import PackageRef, StopArgs, UpdateArgs
 
 log = logging.getLogger(__name__)
 
 
 class FleetLoop(Protocol):
-    """What the fleet service asks of the job loop (:class:`leader.orchestrator.Orchestrator`)."""
+    """What the fleet service asks of the job loop
+    (:class:`silentswarm.leader.orchestrator.Orchestrator`)."""
 
     def signal_hub(self) -> SignalHub:
         """The hub that signals fellows (NotReadyError before NATS is up)."""

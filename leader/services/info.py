@@ -5,15 +5,15 @@ from __future__ import annotations
 import asyncio
 import time
 
-from leader.bus import LeaderBus
-from leader.jobs import JobManager
-from leader.registry import FellowRegistry
-from leader.storage import StorageMonitor
-from swarm import __version__
-from swarm.natsauth import NatsAuthority
-from swarm.protocol import PROTOCOL_VERSION
-from swarm.settings import Settings
-from swarm.types.api import Health, LeaderInfo, NatsAuthMode
+from silentswarm import __version__
+from silentswarm.leader.bus import LeaderBus
+from silentswarm.leader.jobs import JobManager
+from silentswarm.leader.registry import FellowRegistry
+from silentswarm.leader.storage import StorageMonitor
+from silentswarm.natsauth import NatsAuthority
+from silentswarm.protocol import PROTOCOL_VERSION
+from silentswarm.settings import Settings
+from silentswarm.types.api import Health, LeaderInfo, NatsAuthMode
 
 
 def nats_auth_mode(settings: Settings, authority: NatsAuthority | None) -> NatsAuthMode:

@@ -11,19 +11,20 @@ from typing import Protocol
 
 from litestar.response import ServerSentEventMessage
 
-from leader.artifacts import resolve_export_dir
-from leader.exports import ExportService
-from leader.jobs import JobManager
-from leader.observe import Observability
-from leader.signals import SignalHub
-from swarm.jobspec import JobSpec
-from swarm.types.jobs import CheckpointRecord, CheckpointStage, JobRecord
-from swarm.types.metrics import HistoryPoint, JobMetrics
-from swarm.types.signals import CheckpointArgs
+from silentswarm.jobspec import JobSpec
+from silentswarm.leader.artifacts import resolve_export_dir
+from silentswarm.leader.exports import ExportService
+from silentswarm.leader.jobs import JobManager
+from silentswarm.leader.observe import Observability
+from silentswarm.leader.signals import SignalHub
+from silentswarm.types.jobs import CheckpointRecord, CheckpointStage, JobRecord
+from silentswarm.types.metrics import HistoryPoint, JobMetrics
+from silentswarm.types.signals import CheckpointArgs
 
 
 class JobLoop(Protocol):
-    """What the jobs service asks of the job loop (:class:`leader.orchestrator.Orchestrator`)."""
+    """What the jobs service asks of the job loop
+    (:class:`silentswarm.leader.orchestrator.Orchestrator`)."""
 
     def require_loaded(self) -> None:
         """NotReadyError (503) until the durable state is loaded."""

@@ -11,19 +11,19 @@ from collections.abc import AsyncIterator
 import msgspec
 from litestar.response import ServerSentEventMessage
 
-from leader.bootstrap import JoinSessions, Package
-from leader.errors import EnrollRefusedError
-from leader.naming import NameState, settle_fellow_name
-from leader.registry import FellowRegistry
-from leader.services.package import BootstrapPackage
-from swarm import __version__
-from swarm.errors import ErrorCode, FieldError, NatsAuthError
-from swarm.natsauth import NatsAuthority
-from swarm.protocol import FellowStatus
-from swarm.settings import Settings
-from swarm.subjects import TOKEN_RE
-from swarm.types.api import NatsAuthMode
-from swarm.types.onboarding import (
+from silentswarm import __version__
+from silentswarm.errors import ErrorCode, FieldError, NatsAuthError
+from silentswarm.leader.bootstrap import JoinSessions, Package
+from silentswarm.leader.errors import EnrollRefusedError
+from silentswarm.leader.naming import NameState, settle_fellow_name
+from silentswarm.leader.registry import FellowRegistry
+from silentswarm.leader.services.package import BootstrapPackage
+from silentswarm.natsauth import NatsAuthority
+from silentswarm.protocol import FellowStatus
+from silentswarm.settings import Settings
+from silentswarm.subjects import TOKEN_RE
+from silentswarm.types.api import NatsAuthMode
+from silentswarm.types.onboarding import (
     BootstrapManifest,
     Enrollment,
     JoinClaim,

@@ -6,9 +6,9 @@ import asyncio
 import logging
 from pathlib import Path
 
-from leader.bootstrap import Package, find_or_build_wheel, newest_wheel, package_of
-from leader.errors import PackageUnavailableError
-from swarm.settings import Settings
+from silentswarm.leader.bootstrap import Package, find_or_build_wheel, newest_wheel, package_of
+from silentswarm.leader.errors import PackageUnavailableError
+from silentswarm.settings import Settings
 
 log = logging.getLogger(__name__)
 

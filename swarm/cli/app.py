@@ -1,4 +1,4 @@
-"""The ``swarm`` CLI (cyclopts): the app assembled from :mod:`swarm.cli.commands`, and the
+"""The ``swarm`` CLI (cyclopts): the app assembled from :mod:`silentswarm.cli.commands`, and the
 meta app that parses the global options (``--leader-url``, ``--json``) into one
 :class:`~swarm.cli.context.CliContext` and hands it to the command."""
 
@@ -9,11 +9,19 @@ from typing import Annotated, Any
 import cyclopts
 from cyclopts import Parameter
 
-from swarm import __version__
-from swarm.cli.commands import cluster, experiments, fellows, jobs, models, nats_auth, onboarding
-from swarm.cli.context import CliContext
-from swarm.entry import run_or_exit
-from swarm.settings import Settings
+from silentswarm import __version__
+from silentswarm.cli.commands import (
+    cluster,
+    experiments,
+    fellows,
+    jobs,
+    models,
+    nats_auth,
+    onboarding,
+)
+from silentswarm.cli.context import CliContext
+from silentswarm.entry import run_or_exit
+from silentswarm.settings import Settings
 
 app = cyclopts.App(
     name="swarm",

@@ -1,6 +1,6 @@
 """LeaderClient: the typed HTTP client every CLI command goes through.
 
-Each call decodes the leader's answer into its Struct (:mod:`swarm.types`), the same types
+Each call decodes the leader's answer into its Struct (:mod:`silentswarm.types`), the same types
 the leader encodes; an answer that does not decode is a :class:`LeaderResponseError` with
 code ``LEADER_RESPONSE_INVALID`` that names the route and the field, not a traceback.
 """
@@ -12,9 +12,9 @@ from typing import Any, TypeVar
 import httpx
 import msgspec
 
-from swarm.errors import ErrorCode, LeaderResponseError, LeaderUnreachableError
-from swarm.types.api import Health, LeaderInfo
-from swarm.types.fleet import (
+from silentswarm.errors import ErrorCode, LeaderResponseError, LeaderUnreachableError
+from silentswarm.types.api import Health, LeaderInfo
+from silentswarm.types.fleet import (
     FellowRecord,
     LogEntry,
     NodeView,
@@ -25,9 +25,9 @@ from swarm.types.fleet import (
     RetryPurgeRequest,
     UpdateRequest,
 )
-from swarm.types.jobs import CheckpointRecord, JobRecord, SignalRecord
-from swarm.types.metrics import ClusterView, HistoryPoint, JobMetrics
-from swarm.types.onboarding import CreateSession, JoinSession, JoinSessionCreated
+from silentswarm.types.jobs import CheckpointRecord, JobRecord, SignalRecord
+from silentswarm.types.metrics import ClusterView, HistoryPoint, JobMetrics
+from silentswarm.types.onboarding import CreateSession, JoinSession, JoinSessionCreated
 
 # Calls that wait for fellows to answer signals (8 s per signal, retries included).
 SIGNAL_TIMEOUT_S = 30.0

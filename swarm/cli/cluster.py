@@ -5,7 +5,7 @@ Every process is written to ``<state>/run/cluster.json`` and ``<state>/run/<name
 soon as it starts, so stop-cluster can clean up even after a start that failed half way.
 
 A record names its process by pid, start time in clock ticks since boot and boot id
-(``swarm.procs.ProcessIdentity``): a reused pid is never killed by mistake, and a step of the
+(``silentswarm.procs.ProcessIdentity``): a reused pid is never killed by mistake, and a step of the
 wall clock does not make a live process look dead. Manifests from before that hold only a
 wall-clock ``create_time``; such a record is taken to be ours when its pid runs the command
 start-cluster gave it, for this state directory (``legacy_owned``), whatever the clock says.
@@ -33,17 +33,17 @@ from typing import Any
 import msgspec
 import psutil
 
-from swarm.cli.client import LeaderClient
-from swarm.errors import ClusterError, ConfigError, ErrorCode, LeaderUnreachableError
-from swarm.natsauth import NatsAuthority
-from swarm.natsd import (
+from silentswarm.cli.client import LeaderClient
+from silentswarm.errors import ClusterError, ConfigError, ErrorCode, LeaderUnreachableError
+from silentswarm.natsauth import NatsAuthority
+from silentswarm.natsd import (
     StoreOwner,
     describe_store_use,
     start_nats_server,
     store_in_use_error,
     store_lock_state,
 )
-from swarm.procs import (
+from silentswarm.procs import (
     ProcessIdentity,
     ensure_port_free,
     free_port,
@@ -54,7 +54,7 @@ from swarm.procs import (
     tail,
     wait_until,
 )
-from swarm.settings import Settings
+from silentswarm.settings import Settings
 
 MANIFEST = "cluster.json"
 STOP_ORDER = ("fellow", "leader", "nats")  # fellows deregister while the leader still listens
@@ -184,7 +184,10 @@ def legacy_owned(
     environ: Mapping[str, str] | None,
 ) -> bool:
     """Whether a process is the one an old manifest's record (no identity) describes: it
-    runs the command start-cluster gives that role, for this state directory. Pure."""
+    runs the command start-cluster gives that role, for this state directory. Pure.
+
+    Such manifests were written before 0.2, whose processes run the old layout's modules
+    (``-m leader.main``, ``-m agent.main``); the one package's names count as well."""
     state = os.path.normpath(state_dir) if state_dir else None
     if state is None or not cmdline:
         return False
@@ -197,9 +200,13 @@ def legacy_owned(
         )
     ours = environ is not None and os.path.normpath(environ.get("SWARM_STATE_DIR", "")) == state
     if role == "leader":
-        return ours and _flag(cmdline, "-m") == "leader.main"
+        return ours and _flag(cmdline, "-m") in ("leader.main", "silentswarm.leader.main")
     if role == "fellow":
-        return ours and _flag(cmdline, "-m") == "agent.main" and _flag(cmdline, "--name") == name
+        return (
+            ours
+            and _flag(cmdline, "-m") in ("agent.main", "silentswarm.agent.main")
+            and _flag(cmdline, "--name") == name
+        )
     return False
 
 
@@ -346,7 +353,7 @@ def _start_all(
         manifest.processes.append(_record(name, role, proc.pid, log))
         _write_manifest(settings, manifest)
 
-    launch("leader", "leader", [sys.executable, "-m", "leader.main"])
+    launch("leader", "leader", [sys.executable, "-m", "silentswarm.leader.main"])
     deadline = time.monotonic() + timeout
     with LeaderClient(manifest.leader_url, timeout=2.0) as client:
         up = wait_until(
@@ -368,7 +375,7 @@ def _start_all(
             launch(
                 name,
                 "fellow",
-                [sys.executable, "-m", "agent.main", "--name", name],
+                [sys.executable, "-m", "silentswarm.agent.main", "--name", name],
                 SWARM_DATA_ADDRESS=address,
                 **fellow_creds(name),
             )
@@ -453,8 +460,8 @@ def stop_cluster(settings: Settings, *, progress: Callable[[str], None]) -> list
         f"no cluster is recorded in {manifest_path(settings)}, but "
         f"{describe_store_use(settings.nats_store_dir, store)}. "
         "Without its record stop-cluster cannot tell that cluster's processes: stop them by "
-        "hand (its leader and fellows run 'python -m leader.main' / 'agent.main' with "
-        f"SWARM_STATE_DIR={settings.state_dir})",
+        "hand (its leader and fellows run 'python -m silentswarm.leader.main' / "
+        f"'silentswarm.agent.main' with SWARM_STATE_DIR={settings.state_dir})",
         code=ErrorCode.CLUSTER_RECORD_LOST,
     )
 

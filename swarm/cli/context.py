@@ -1,6 +1,6 @@
 """The CLI's context: what the global options and the environment say, built once per run.
 
-The meta app (:mod:`swarm.cli.app`) parses ``--leader-url`` and ``--json``, builds one
+The meta app (:mod:`silentswarm.cli.app`) parses ``--leader-url`` and ``--json``, builds one
 :class:`CliContext` and hands it to the command, which declares it as a ``ctx: Ctx``
 parameter (cyclopts leaves ``parse=False`` parameters to the caller). Nothing is global.
 """
@@ -13,9 +13,9 @@ from typing import Annotated, Any
 
 from cyclopts import Parameter
 
-from swarm.cli import cluster, render
-from swarm.cli.client import LeaderClient
-from swarm.settings import Settings
+from silentswarm.cli import cluster, render
+from silentswarm.cli.client import LeaderClient
+from silentswarm.settings import Settings
 
 # How long one HTTP call to the leader may take (LeaderClient's own default).
 HTTP_TIMEOUT_S = 10.0

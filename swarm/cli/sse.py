@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from swarm.errors import ErrorCode, LeaderResponseError, LeaderUnreachableError
+from silentswarm.errors import ErrorCode, LeaderResponseError, LeaderUnreachableError
 
 RETRY_S = 1.0
 

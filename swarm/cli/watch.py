@@ -7,16 +7,16 @@ from collections.abc import Callable
 
 import msgspec
 
-from swarm.cli.client import LeaderClient, decode_answer
-from swarm.errors import (
+from silentswarm.cli.client import LeaderClient, decode_answer
+from silentswarm.errors import (
     ErrorCode,
     ExportMissingError,
     JobEndedBadlyError,
     LeaderResponseError,
     LeaderUnreachableError,
 )
-from swarm.types.jobs import JobEnd, JobRecord
-from swarm.types.metrics import JobMetrics
+from silentswarm.types.jobs import JobEnd, JobRecord
+from silentswarm.types.metrics import JobMetrics
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED"}
 POLL_S = 0.5
@@ -198,7 +198,7 @@ def watch_stream(
     """Follow ``/metrics/stream`` to the end event; JobEndedBadlyError unless COMPLETED,
     ExportMissingError when it completed without its final model (the job record's
     ``export_error``, from ``fetch_job``)."""
-    from swarm.cli import sse
+    from silentswarm.cli import sse
 
     screen = Screen(out, tty)
     view: JobMetrics | None = None

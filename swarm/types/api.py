@@ -1,7 +1,7 @@
 """The leader's own REST answers: ``/health``, ``/api/v1/info`` (with the JetStream store's
 state) and read tickets. The other bodies live with what they describe:
-:mod:`swarm.types.jobs`, :mod:`swarm.types.fleet`, :mod:`swarm.types.metrics`,
-:mod:`swarm.types.onboarding`."""
+:mod:`silentswarm.types.jobs`, :mod:`silentswarm.types.fleet`, :mod:`silentswarm.types.metrics`,
+:mod:`silentswarm.types.onboarding`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The fleet as the leader serves it: fellows (``/api/v1/workers``), hosts
 (``/api/v1/nodes``), a fellow's logs, release and pending purges, and the bodies of the
 requests that act on fellows. The leader's registry, purge book and log buffer own the
-logic (:mod:`leader.registry`, :mod:`leader.purges`, :mod:`leader.logs`)."""
+logic (:mod:`silentswarm.leader.registry`, :mod:`silentswarm.leader.purges`,
+:mod:`silentswarm.leader.logs`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Literal
 
 import msgspec
 
-from swarm.protocol import FellowLimits, FellowStatus, GpuInfo, HardwareSnapshot, StageOutcome
+from silentswarm.protocol import FellowLimits, FellowStatus, GpuInfo, HardwareSnapshot, StageOutcome
 
 
 class Transition(msgspec.Struct, kw_only=True, gc=False):
@@ -48,7 +49,7 @@ class FellowRecord(msgspec.Struct, kw_only=True, gc=False):
 
 
 class NodeView(msgspec.Struct, kw_only=True):
-    """One host, merged over all its fellows (:mod:`leader.hostview` says how)."""
+    """One host, merged over all its fellows (:mod:`silentswarm.leader.hostview` says how)."""
 
     hostname: str
     online: bool

@@ -1,18 +1,18 @@
 """A job as the leader records and serves it: ``GET /api/v1/jobs`` and the routes that
 answer with a job, a checkpoint round or a signal (and the leader's KV store keeps it so).
 
-The leader's :mod:`leader.jobs` owns the logic; these are the records, here so that the CLI,
-sweeps and suites decode the REST JSON into the same types the leader encodes.
+The leader's :mod:`silentswarm.leader.jobs` owns the logic; these are the records, here so that the
+CLI, sweeps and suites decode the REST JSON into the same types the leader encodes.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-from swarm.jobspec import JobSpec, Placement
-from swarm.lifecycle import TERMINAL_JOB_STATES
-from swarm.protocol import JobState, SignalAck
-from swarm.types.views import JobView, StageProgress, job_view
+from silentswarm.jobspec import JobSpec, Placement
+from silentswarm.lifecycle import TERMINAL_JOB_STATES
+from silentswarm.protocol import JobState, SignalAck
+from silentswarm.types.views import JobView, StageProgress, job_view
 
 
 class JobTransition(msgspec.Struct, kw_only=True):

@@ -3,9 +3,9 @@
 - ``run_manifest.json``: the leader writes it into a job's export directory
   (:meth:`leader.artifacts.ExportStore.write_manifest`): the job, its spec and placement, and
   every stage's shard of the newest complete step. Glue reads it
-  (:func:`agent.runtime.glue.read_run_manifest`).
+  (:func:`silentswarm.agent.runtime.glue.read_run_manifest`).
 - ``inference_manifest.json``: glue writes it next to the glued model; generate reads it
-  (:func:`agent.runtime.generate.load_model`).
+  (:func:`silentswarm.agent.runtime.generate.load_model`).
 
 Both are JSON objects with ``"format": 1``; the format is read first, so a newer manifest is
 refused by its format instead of by a field it renamed. Unknown fields are ignored (a newer
@@ -26,9 +26,9 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
-from swarm.errors import ManifestError
-from swarm.jobspec import JobSpec, Placement
-from swarm.plan import ModelConfig
+from silentswarm.errors import ManifestError
+from silentswarm.jobspec import JobSpec, Placement
+from silentswarm.plan import ModelConfig
 
 RUN_MANIFEST = "run_manifest.json"
 RUN_MANIFEST_FORMAT = 1

@@ -1,13 +1,13 @@
 """A job's merged live metrics (``/api/v1/jobs/{id}/metrics``, its SSE stream and history)
-and the swarm's capacity (``/api/v1/cluster``). The leader's :mod:`leader.aggregate` computes
-them; ``swarm watch`` decodes them."""
+and the swarm's capacity (``/api/v1/cluster``). The leader's :mod:`silentswarm.leader.aggregate`
+computes them; ``swarm watch`` decodes them."""
 
 from __future__ import annotations
 
 import msgspec
 
-from swarm.jobspec import Placement
-from swarm.protocol import StageResult
+from silentswarm.jobspec import Placement
+from silentswarm.protocol import StageResult
 
 
 class FellowMetrics(msgspec.Struct, kw_only=True):

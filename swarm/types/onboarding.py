@@ -1,7 +1,7 @@
 """Remote onboarding over REST: join sessions, the installer's claim and log lines, fleet
-enrollment and the bootstrap manifest. The leader's :mod:`leader.bootstrap` and
-:mod:`leader.services` own the logic; ``fellow.sh``, the agent's enrollment and the CLI read
-these bodies."""
+enrollment and the bootstrap manifest. The leader's :mod:`silentswarm.leader.bootstrap` and
+:mod:`silentswarm.leader.services` own the logic; ``fellow.sh``, the agent's enrollment and the CLI
+read these bodies."""
 
 from __future__ import annotations
 

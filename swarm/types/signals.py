@@ -1,14 +1,15 @@
 """The arguments of each signal kind: what ``Signal.args`` holds, one Struct per kind.
 
-The leader builds them (:mod:`leader.orchestrator`, :mod:`leader.services`); the fellow gets
-them decoded with the signal (:data:`swarm.protocol.Signal`, a union tagged by ``kind``) and
-reads attributes. On the wire ``args`` is the map it always was, with the same keys (None
-and defaults left out), so a fellow of an older version still takes an UPDATE from a newer
+The leader builds them (:mod:`silentswarm.leader.orchestrator`, :mod:`silentswarm.leader.services`);
+the fellow gets them decoded with the signal (:data:`silentswarm.protocol.Signal`, a union tagged by
+``kind``) and reads attributes. On the wire ``args`` is the map it always was, with the same keys
+(None and defaults left out), so a fellow of an older version still takes an UPDATE from a newer
 leader: it reads ``args["package"]`` with ``file``, ``sha256`` and ``url``.
 
 A signal comes from the leader but crosses the network: every size and value is bounded,
 and one outside its bounds fails decoding, which the fellow answers with a refusal that says
-why (``START_INVALID``, ``PLAN_INVALID``, ``UPDATE_INVALID``: :func:`agent.decide.malformed`).
+why (``START_INVALID``, ``PLAN_INVALID``, ``UPDATE_INVALID``:
+:func:`silentswarm.agent.decide.malformed`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Annotated
 
 import msgspec
 
-from swarm.plan import StagePlan
+from silentswarm.plan import StagePlan
 
 MAX_CREDS_CHARS = 16384  # a .creds file: a user JWT and its nkey seed, with room to spare
 MAX_SHARD_FILES = 64  # a stage's shard is two files (stage-<i>.npz, stage-<i>.json)

@@ -2,11 +2,11 @@
 
 - **Events**, runtime → agent on stdout, tagged by ``event``: ``placement``, ``links``,
   ``step`` (every training step), ``checkpoint`` (one was written, or could not be), ``done``
-  (the run's summary) and ``error`` (why it failed). :mod:`agent.runtime.stage` and
-  :mod:`agent.runtime.main` write them with :func:`encode_event`; the agent
-  (:mod:`agent.supervisor`) reads them with :func:`decode_event`.
+  (the run's summary) and ``error`` (why it failed). :mod:`silentswarm.agent.runtime.stage` and
+  :mod:`silentswarm.agent.runtime.main` write them with :func:`encode_event`; the agent
+  (:mod:`silentswarm.agent.supervisor`) reads them with :func:`decode_event`.
 - **Commands**, agent → runtime on stdin, tagged by ``cmd``: ``checkpoint``.
-  :mod:`agent.runtime.control` reads them.
+  :mod:`silentswarm.agent.runtime.control` reads them.
 
 Lines leave out what they do not say (``omit_defaults``): ``val_loss`` on a step only when
 that step was validated, ``up_*``/``down_*`` only for the boundaries the stage has,

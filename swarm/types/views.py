@@ -20,7 +20,7 @@ from typing import Protocol, TypeVar
 
 import msgspec
 
-from swarm.protocol import StageResult
+from silentswarm.protocol import StageResult
 
 
 class StageNumbers(Protocol):

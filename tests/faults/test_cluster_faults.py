@@ -23,15 +23,15 @@ import nats
 import psutil
 import pytest
 
-from swarm.cli.cluster import (
+from silentswarm.cli.cluster import (
     ClusterManifest,
     ClusterProcess,
     manifest_path,
     start_cluster,
 )
-from swarm.errors import PortInUseError, StoreInUseError
-from swarm.natsd import PORT_FILE, pinned_port, start_nats_server, store_lock_state
-from swarm.procs import (
+from silentswarm.errors import PortInUseError, StoreInUseError
+from silentswarm.natsd import PORT_FILE, pinned_port, start_nats_server, store_lock_state
+from silentswarm.procs import (
     ProcessIdentity,
     boot_id,
     free_port,
@@ -43,7 +43,7 @@ from swarm.procs import (
     stop_processes,
     wait_until,
 )
-from swarm.settings import Settings
+from silentswarm.settings import Settings
 from tests.helpers import REPO, Leader, child_env, wait_for
 from tests.helpers import run_swarm as swarm
 
@@ -160,7 +160,7 @@ def test_a_bare_leader_on_a_cluster_store_is_refused(control_plane, tmp_path):
     nats_pid = _pid(first, "nats")
     leader_port = free_port()
     done = subprocess.run(
-        [sys.executable, "-m", "leader.main"],
+        [sys.executable, "-m", "silentswarm.leader.main"],
         env=child_env(
             SWARM_STATE_DIR=str(settings.state_dir),
             SWARM_LEADER_PORT=str(leader_port),
@@ -189,7 +189,7 @@ def test_a_bare_leader_on_a_cluster_store_is_refused(control_plane, tmp_path):
 _STARTER = """
 import sys
 from pathlib import Path
-from swarm.natsd import start_nats_server
+from silentswarm.natsd import start_nats_server
 server = start_nats_server(
     host="127.0.0.1", port=0, store_dir=Path(sys.argv[1]), log_path=Path(sys.argv[2]),
     detach=True,
@@ -215,7 +215,7 @@ def test_the_store_lock_outlives_the_process_that_started_the_server(tmp_path):
     server = psutil.Process(int(pid))
     try:
         assert not is_gone(server), "the starter has exited; its server runs"
-        assert is_locked(store / "swarm.lock")
+        assert is_locked(store / "silentswarm.lock")
         holder = store_lock_state(store).holder
         assert holder is not None
         assert holder.server == identity_of(server.pid) and holder.url == url
@@ -231,7 +231,7 @@ def test_the_store_lock_outlives_the_process_that_started_the_server(tmp_path):
         assert _nats_servers_on(store) == [server.pid]
     finally:
         stop_processes([server])
-    assert not is_locked(store / "swarm.lock"), "the lock died with the server"
+    assert not is_locked(store / "silentswarm.lock"), "the lock died with the server"
     again = start_nats_server(
         host="127.0.0.1", port=0, store_dir=store, log_path=tmp_path / "n.log", tie_to_parent=True
     )
@@ -303,7 +303,7 @@ def test_stop_cluster_never_signals_a_process_that_is_not_ours(procs, tmp_path):
             name="leader",
             role="leader",
             pid=victim.pid,
-            log="leader.log",
+            log="silentswarm.leader.log",
             identity=ProcessIdentity(victim.pid, identity.start_ticks + 1, identity.boot_id),
         ),
         ClusterProcess(
@@ -332,7 +332,7 @@ def test_stop_cluster_keeps_the_record_of_what_it_cannot_stop(control_plane):
         as_nobody = subprocess.run(
             [
                 *("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"),
-                *(sys.executable, "-m", "swarm.cli.app", "stop-cluster"),
+                *(sys.executable, "-m", "silentswarm.cli.app", "stop-cluster"),
                 *("--state-dir", str(settings.state_dir)),
             ],
             env=child_env(),
@@ -412,7 +412,7 @@ def test_a_restarted_bare_leader_brings_nats_back_on_its_url_and_clients_reconne
     def serving() -> bool:
         return leader.get("/health")["nats"] == "connected"
 
-    first = procs.python("leader", "leader.main", env=env)
+    first = procs.python("leader", "silentswarm.leader.main", env=env)
     wait_for(serving, timeout=90, what="the leader and its nats-server")
     url = leader.get("/api/v1/info")["nats_url"]
     child = next(c for c in psutil.Process(first.pid).children() if "nats-server" in c.name())
@@ -421,7 +421,7 @@ def test_a_restarted_bare_leader_brings_nats_back_on_its_url_and_clients_reconne
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=10)
         wait_for(lambda: is_gone(child), timeout=10, what="its nats-server to die with it")
-        procs.python("leader", "leader.main", env=env)
+        procs.python("leader", "silentswarm.leader.main", env=env)
         wait_for(serving, timeout=90, what="the restarted leader")
         return leader.get("/api/v1/info")["nats_url"]
 
@@ -465,7 +465,7 @@ def test_a_busy_kept_port_is_a_clear_error_not_a_quiet_new_port(tmp_path):
             )
     message = busy.value.message
     assert f"port {port}" in message and PORT_FILE in message and "SWARM_NATS_PORT" in message
-    assert not is_locked(store / "swarm.lock"), "a start that failed holds nothing"
+    assert not is_locked(store / "silentswarm.lock"), "a start that failed holds nothing"
     moved = start_nats_server(
         host="127.0.0.1",
         port=free_port(),

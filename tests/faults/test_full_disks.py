@@ -109,7 +109,7 @@ def test_a_full_fellow_disk_completes_with_an_export_error_and_a_failing_watch(
     )
     config.write_text(json.dumps(spec))
     # `swarm submit --watch`, as a user runs it, follows the job from the start.
-    cli = [sys.executable, "-m", "swarm.cli.app", "--leader-url", leader.url]
+    cli = [sys.executable, "-m", "silentswarm.cli.app", "--leader-url", leader.url]
     watcher = procs.start(
         "submit-watch",
         [*cli, "submit", str(config), "--watch"],

@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from swarm.procs import free_port
+from silentswarm.procs import free_port
 from tests.conftest import start_agent
 from tests.helpers import Leader, wait_for
 from tests.integration.test_jobs import tiny, wait_ready
@@ -70,7 +70,9 @@ def test_a_full_disk_while_exporting_is_a_clear_error_and_keeps_earlier_shards(
     # From now on the leader cannot write a file past 1 KiB (as if its disk were full); its
     # own log goes to a file too, so leave it room for that.
     leader_pid = next(
-        p.pid for p in procs.started if "leader.main" in " ".join(psutil.Process(p.pid).cmdline())
+        p.pid
+        for p in procs.started
+        if "silentswarm.leader.main" in " ".join(psutil.Process(p.pid).cmdline())
     )
     log_size = max(p.stat().st_size for p in procs.log_dir.glob("leader*"))
     npz_size = min(len(data) for p, data in kept.items() if p.suffix == ".npz")

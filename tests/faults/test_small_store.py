@@ -17,9 +17,9 @@ import pytest
 from nats.js.api import KeyValueConfig, StorageType, StreamConfig
 from nats.js.errors import APIError, KeyNotFoundError
 
-from swarm import subjects as topics
-from swarm.natsd import NatsServer, start_nats_server
-from swarm.protocol import LogBatch, LogRecord
+from silentswarm import subjects as topics
+from silentswarm.natsd import NatsServer, start_nats_server
+from silentswarm.protocol import LogBatch, LogRecord
 from tests.conftest import leader_process, start_agent
 from tests.helpers import Leader, Processes, wait_for
 from tests.integration.test_jobs import tiny, wait_ready

@@ -12,8 +12,8 @@ import nats
 import psutil
 import pytest
 
-from swarm import subjects as topics
-from swarm.protocol import (
+from silentswarm import subjects as topics
+from silentswarm.protocol import (
     FellowIdentity,
     FellowStatus,
     HardwareSnapshot,
@@ -72,7 +72,8 @@ def test_200_fellows_heartbeat_without_loss_and_the_leader_stays_flat(nats_serve
     leader_proc = next(
         p
         for p in psutil.process_iter(["cmdline"])
-        if "leader.main" in " ".join(p.info["cmdline"] or []) and p.ppid() == os.getpid()
+        if "silentswarm.leader.main" in " ".join(p.info["cmdline"] or [])
+        and p.ppid() == os.getpid()
     )
     fellows = [SimulatedFellow(i) for i in range(FELLOWS)]
     rss: list[int] = []

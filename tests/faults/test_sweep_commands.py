@@ -98,7 +98,7 @@ def test_ctrl_c_on_a_sweep_cancels_the_job_it_started(procs, nats_server, leader
         )
     )
     out = tmp_path / "sweeps"
-    argv = [sys.executable, "-m", "swarm.cli.app", "--leader-url", leader.url, "sweep"]
+    argv = [sys.executable, "-m", "silentswarm.cli.app", "--leader-url", leader.url, "sweep"]
     argv += ["--config", str(config), "--out", str(out), "--partition", "weighted"]
     sweep = procs.start(
         "sweep", [*argv, "--poll", "0.2"], env=child_env(SWARM_API_TOKEN=leader.token or "")

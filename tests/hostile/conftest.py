@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import nats
 import pytest
 
-from swarm.natsauth import NatsAuthority
+from silentswarm.natsauth import NatsAuthority
 from tests.conftest import NatsControl, leader_process, secure_env, start_agent
 from tests.helpers import Leader, Processes, wait_for
 from tests.integration.test_jobs import tiny

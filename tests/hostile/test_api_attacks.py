@@ -14,8 +14,8 @@ import time
 import httpx
 import pytest
 
-from leader.auth import ReadTickets
-from swarm.natsauth import creds_user_name
+from silentswarm.leader.auth import ReadTickets
+from silentswarm.natsauth import creds_user_name
 from tests.conftest import leader_process, secure_env, start_agent
 from tests.helpers import Leader, child_env, run_swarm, wait_for
 from tests.integration.test_jobs import tiny, wait_ready

@@ -17,9 +17,9 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from swarm import subjects as topics
-from swarm.natsauth import Permissions
-from swarm.protocol import (
+from silentswarm import subjects as topics
+from silentswarm.natsauth import Permissions
+from silentswarm.protocol import (
     DeregisterRequest,
     FellowIdentity,
     GpuInfo,

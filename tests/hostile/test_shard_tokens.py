@@ -11,11 +11,11 @@ import httpx
 import msgspec
 import pytest
 
-from agent.errors import FetchError
-from agent.shardpush import SHARD_TOKEN_HEADER, fetch_shard
-from leader.exports import ExportService
-from leader.jobs import JobManager
-from swarm.types.signals import ResumeArgs, ShardFile
+from silentswarm.agent.errors import FetchError
+from silentswarm.agent.shardpush import SHARD_TOKEN_HEADER, fetch_shard
+from silentswarm.leader.exports import ExportService
+from silentswarm.leader.jobs import JobManager
+from silentswarm.types.signals import ResumeArgs, ShardFile
 from tests.integration.test_jobs import agents, tiny, wait_ready
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

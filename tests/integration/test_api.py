@@ -80,7 +80,7 @@ def test_mutating_routes_need_the_operator_token(leader):
 def test_a_leader_without_a_token_makes_one_and_can_close_reads(procs, nats_server, tmp_path):
     import stat
 
-    from swarm.procs import free_port
+    from silentswarm.procs import free_port
     from tests.helpers import Leader, child_env, wait_for
 
     port, state = free_port(), tmp_path / "state"
@@ -90,7 +90,7 @@ def test_a_leader_without_a_token_makes_one_and_can_close_reads(procs, nats_serv
         SWARM_STATE_DIR=str(state),
         SWARM_API_PUBLIC_READS="0",
     )
-    procs.python("leader", "leader.main", env=env)
+    procs.python("leader", "silentswarm.leader.main", env=env)
     anonymous = Leader(f"http://127.0.0.1:{port}")
     wait_for(lambda: anonymous.get("/health"), timeout=20, what="the leader")
     token_file = state / "api-token"

@@ -17,7 +17,7 @@ import httpx
 import psutil
 import pytest
 
-from leader.bootstrap import find_or_build_wheel
+from silentswarm.leader.bootstrap import find_or_build_wheel
 from tests.conftest import leader_process, secure_env
 from tests.helpers import child_env, kill_tree, swarm_cli, wait_for
 
@@ -211,6 +211,18 @@ def test_update_reinstalls_the_newer_package_the_leader_serves(
         done = run_script(leader, script, session, prefix, tmp_path)
         assert done.returncode == 0, done.stdout + done.stderr
         before = leader.wait_status("rolling-1", "ready", timeout=60)["version"]
+        # A fellow of the old layout (0.1, top-level `agent`) re-execs `python -P -m
+        # agent.main` once its UPDATE installed this package: that runs this agent.
+        legacy = subprocess.run(
+            [str(prefix / "venv" / "bin" / "python"), "-P", "-m", "agent.main", "--help"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=tmp_path,
+            env=child_env(),
+        )
+        assert legacy.returncode == 0, legacy.stderr
+        assert "Usage: swarm-agent" in legacy.stdout
         [current] = wheels.glob("*.whl")
         newer = with_version(current, f"{before}.post7", wheels)
 

@@ -13,8 +13,8 @@ import nats
 import psutil
 import pytest
 
-from swarm.cli.cluster import ClusterManifest, _live
-from swarm.procs import free_port, is_gone
+from silentswarm.cli.cluster import ClusterManifest, _live
+from silentswarm.procs import free_port, is_gone
 from tests.helpers import busy_port, child_env, kill_tree
 from tests.helpers import run_swarm as swarm
 
@@ -161,7 +161,7 @@ def test_bad_input_exits_2_without_a_traceback(argv, env, needle, tmp_path):
 
 def test_agent_without_nats_url_exits_2():
     result = subprocess.run(
-        [sys.executable, "-m", "agent.main", "--name", "x"],
+        [sys.executable, "-m", "silentswarm.agent.main", "--name", "x"],
         env=child_env(),
         capture_output=True,
         text=True,

@@ -17,9 +17,9 @@ import msgspec
 import pytest
 from hcl2.utils import SerializationOptions
 
-from swarm.natsauth import NatsAuthority, creds_user_name
-from swarm.procs import free_port
-from swarm.settings import Settings, env_name
+from silentswarm.natsauth import NatsAuthority, creds_user_name
+from silentswarm.procs import free_port
+from silentswarm.settings import Settings, env_name
 from tests.conftest import leader_process, secure_env
 from tests.helpers import REPO, child_env
 
@@ -215,7 +215,7 @@ def test_the_leader_and_nats_tasks_get_the_nats_authority_from_variables(nats_au
         "operator_nk": (auth / "operator.nk").read_text(),
         "account_nk": (auth / "account.nk").read_text(),
         "system_nk": (auth / "system.nk").read_text(),
-        "leader_creds": (auth / "leader.creds").read_text(),
+        "leader_creds": (auth / "silentswarm.leader.creds").read_text(),
         "enroll_token": "fleet-secret",
     }
     nats_var = {"server_conf": nats_authority.server_config_path.read_text()}

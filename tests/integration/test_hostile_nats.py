@@ -8,8 +8,8 @@ import os
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
-from swarm import subjects
-from swarm.protocol import FellowIdentity, HardwareSnapshot, Heartbeat, Progress, ShardChunk
+from silentswarm import subjects
+from silentswarm.protocol import FellowIdentity, HardwareSnapshot, Heartbeat, Progress, ShardChunk
 from tests.conftest import start_agent
 from tests.helpers import wait_for
 from tests.integration.nats_client import with_nats

@@ -10,10 +10,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from swarm import subjects
-from swarm.plan import ModelConfig, StagePlan, TrainConfig
-from swarm.protocol import StartSignal, StopSignal
-from swarm.types.signals import StartArgs
+from silentswarm import subjects
+from silentswarm.plan import ModelConfig, StagePlan, TrainConfig
+from silentswarm.protocol import StartSignal, StopSignal
+from silentswarm.types.signals import StartArgs
 from tests.conftest import agent_state_dir, start_agent
 from tests.helpers import Leader, stage_processes, swarm_cli, wait_for
 from tests.integration.nats_client import with_nats

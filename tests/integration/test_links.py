@@ -15,14 +15,14 @@ import nats
 import numpy as np
 import pytest
 
-from agent.errors import FrameError, PeerTimeoutError, RelayGapError
-from agent.pipe.handshake import ACK, HELLO
-from agent.pipe.link import TransportKind, accept_upstream, connect_downstream
-from agent.pipe.relay import LoopThread, RelayLink, serialize_parts
-from agent.pipe.relaymsg import RelayAuth
-from agent.pipe.wire import Direction, decode_frame, encode_frame, parse_wire_codec
-from agent.pipe.zmq import ZmqLink
-from swarm.procs import free_port
+from silentswarm.agent.errors import FrameError, PeerTimeoutError, RelayGapError
+from silentswarm.agent.pipe.handshake import ACK, HELLO
+from silentswarm.agent.pipe.link import TransportKind, accept_upstream, connect_downstream
+from silentswarm.agent.pipe.relay import LoopThread, RelayLink, serialize_parts
+from silentswarm.agent.pipe.relaymsg import RelayAuth
+from silentswarm.agent.pipe.wire import Direction, decode_frame, encode_frame, parse_wire_codec
+from silentswarm.agent.pipe.zmq import ZmqLink
+from silentswarm.procs import free_port
 from tests.helpers import REPO, child_env, wait_for
 from tests.integration.nats_client import with_nats
 
@@ -80,7 +80,7 @@ def test_zmq_recv_times_out_with_the_link_name():
 PEER = textwrap.dedent(
     """
     import sys, time
-    from agent.pipe.link import connect_downstream, TransportKind
+    from silentswarm.agent.pipe.link import connect_downstream, TransportKind
     link = connect_downstream(name="peer", transport=TransportKind.P2P, address=sys.argv[1],
                               relay=None, timeout_s=20)
     link.send([b"from-" + sys.argv[2].encode()])
@@ -391,7 +391,7 @@ def test_control_messages_never_reach_the_caller(zmq_pair):
 
 
 def test_boundary_rejects_corrupt_and_drops_stale_frames(zmq_pair):
-    from agent.runtime.stage import Boundary
+    from silentswarm.agent.runtime.stage import Boundary
 
     binder, connector = zmq_pair
     boundary = Boundary(binder, 0, "boundary 0 (x -> y)", "j", 2, parse_wire_codec("none"), 5.0)
@@ -460,12 +460,12 @@ def test_curve_lets_only_the_placed_neighbour_connect():
 
     import zmq
 
-    from agent.errors import PeerTimeoutError
-    from agent.pipe.link import TransportKind
-    from agent.pipe.link import accept_upstream as accept
-    from agent.pipe.link import connect_downstream as connect
-    from agent.pipe.zmq import CurveKeys
-    from swarm.procs import free_port
+    from silentswarm.agent.errors import PeerTimeoutError
+    from silentswarm.agent.pipe.link import TransportKind
+    from silentswarm.agent.pipe.link import accept_upstream as accept
+    from silentswarm.agent.pipe.link import connect_downstream as connect
+    from silentswarm.agent.pipe.zmq import CurveKeys
+    from silentswarm.procs import free_port
 
     def keys():
         return [k.decode() for k in zmq.curve_keypair()]

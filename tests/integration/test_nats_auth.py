@@ -13,8 +13,8 @@ import httpx
 import nats
 import pytest
 
-from swarm.natsauth import NatsAuthority, creds_user_name
-from swarm.natsd import start_nats_server
+from silentswarm.natsauth import NatsAuthority, creds_user_name
+from silentswarm.natsd import start_nats_server
 from tests.conftest import NatsControl, leader_process, secure_env, start_agent
 from tests.helpers import Leader, child_env, until, wait_for
 from tests.integration.test_jobs import tiny, wait_ready
@@ -136,7 +136,7 @@ def test_credentials_bind_the_fellow_id_and_a_leader_needs_its_own(
 
     leader = procs.python(
         "leader",
-        "leader.main",
+        "silentswarm.leader.main",
         env=child_env(
             SWARM_DEV="0",
             SWARM_NATS_URL=secure_nats.url,

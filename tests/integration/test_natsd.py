@@ -10,9 +10,9 @@ import psutil
 import pytest
 from nats.js.api import KeyValueConfig
 
-from swarm.errors import PortInUseError
-from swarm.natsd import nats_server_binary, start_nats_server
-from swarm.procs import free_port, is_gone
+from silentswarm.errors import PortInUseError
+from silentswarm.natsd import nats_server_binary, start_nats_server
+from silentswarm.procs import free_port, is_gone
 from tests.helpers import Leader, busy_port, child_env, wait_for
 from tests.integration.nats_client import with_nats
 
@@ -72,7 +72,7 @@ def test_bare_leader_child_nats_dies_with_it_and_the_store_is_reused(procs, tmp_
     env = child_env(SWARM_LEADER_PORT=str(port), SWARM_NATS_PORT="0", SWARM_STATE_DIR=str(state))
     leader = Leader(f"http://127.0.0.1:{port}")
 
-    first = procs.python("leader", "leader.main", env=env)
+    first = procs.python("leader", "silentswarm.leader.main", env=env)
     wait_for(lambda: leader.get("/health")["nats"] == "connected", timeout=20, what="leader")
     url = leader.get("/api/v1/info")["nats_url"]
     child = _child_nats(first.pid)
@@ -86,7 +86,7 @@ def test_bare_leader_child_nats_dies_with_it_and_the_store_is_reused(procs, tmp_
     first.wait(timeout=10)
     wait_for(lambda: is_gone(child), timeout=10, what="the child nats-server to die")
 
-    second = procs.python("leader", "leader.main", env=env)
+    second = procs.python("leader", "silentswarm.leader.main", env=env)
     wait_for(lambda: leader.get("/health")["nats"] == "connected", timeout=20, what="leader")
     url = leader.get("/api/v1/info")["nats_url"]
     assert (state / "nats" / "jetstream").is_dir()
@@ -107,7 +107,7 @@ def test_leader_with_a_busy_port_exits_2_with_one_line(tmp_path):
     with busy_port() as port:
         env = child_env(SWARM_LEADER_PORT=str(port), SWARM_STATE_DIR=str(tmp_path))
         done = subprocess.run(
-            [sys.executable, "-m", "leader.main"],
+            [sys.executable, "-m", "silentswarm.leader.main"],
             env=env,
             capture_output=True,
             text=True,

@@ -9,7 +9,7 @@ import sys
 import httpx
 import pytest
 
-from swarm.cli import sse
+from silentswarm.cli import sse
 from tests.conftest import start_agent
 from tests.helpers import REPO, child_env, swarm_cli, wait_for
 from tests.integration.test_jobs import tiny, wait_ready, wait_steps
@@ -121,7 +121,7 @@ def test_watch_exits_non_zero_on_a_cancelled_job(procs, nats_server, leader):
     leader.wait_job(job_id, "RUNNING", timeout=20)
     wait_steps(leader, job_id, 2)
     watcher = subprocess.Popen(
-        [sys.executable, "-m", "swarm.cli.app", "--leader-url", leader.url, "watch", job_id],
+        [sys.executable, "-m", "silentswarm.cli.app", "--leader-url", leader.url, "watch", job_id],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -9,9 +9,9 @@ import time
 import msgspec
 import pytest
 
-from agent.errors import StageFailedError
-from agent.runtime.launch import done, links, run_plans, steps, write_plans
-from swarm.plan import (
+from silentswarm.agent.errors import StageFailedError
+from silentswarm.agent.runtime.launch import done, links, run_plans, steps, write_plans
+from silentswarm.plan import (
     GpuSlot,
     ModelConfig,
     Peer,
@@ -21,7 +21,7 @@ from swarm.plan import (
     chain_plans,
     single_process_plan,
 )
-from swarm.procs import free_port
+from silentswarm.procs import free_port
 from tests.helpers import child_env, wait_for
 
 pytestmark = pytest.mark.integration
@@ -164,7 +164,7 @@ def test_a_vanished_peer_ends_the_stage_with_an_error_naming_the_boundary(procs,
     paths = write_plans(plans, tmp_path)
     env = child_env(TF_CPP_MIN_LOG_LEVEL="2")
     last, first = (
-        procs.python(name, "agent.runtime.main", "--plan", str(path), env=env)
+        procs.python(name, "silentswarm.agent.runtime.main", "--plan", str(path), env=env)
         for name, path in (("last", paths[1]), ("first", paths[0]))
     )
     # Two TensorFlow start-ups on two cores: slow when the machine is busy.
@@ -203,7 +203,7 @@ def test_a_bad_plan_is_a_one_line_error_and_exit_2(tmp_path, content, needle):
     path = tmp_path / "plan.json"
     path.write_bytes(content)
     result = subprocess.run(
-        [sys.executable, "-m", "agent.runtime.main", "--plan", str(path)],
+        [sys.executable, "-m", "silentswarm.agent.runtime.main", "--plan", str(path)],
         capture_output=True,
         text=True,
         env=child_env(),

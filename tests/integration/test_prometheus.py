@@ -19,7 +19,7 @@ from litestar.testing import TestClient
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from leader.metrics import CONTENT_TYPE, REQUEST_DURATION, REQUEST_LABELS, RequestTimer
+from silentswarm.leader.metrics import CONTENT_TYPE, REQUEST_DURATION, REQUEST_LABELS, RequestTimer
 from tests.conftest import start_agent
 from tests.helpers import Leader
 

@@ -9,9 +9,9 @@ import msgspec
 import nats
 import pytest
 
-from swarm import protocol as p
-from swarm import subjects as topics
-from swarm.types.signals import CheckpointArgs
+from silentswarm import protocol as p
+from silentswarm import subjects as topics
+from silentswarm.types.signals import CheckpointArgs
 from tests.conftest import start_agent
 from tests.helpers import wait_for
 from tests.integration.nats_client import with_nats

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from swarm.procs import free_port
+from silentswarm.procs import free_port
 from tests.helpers import child_env
 
 
@@ -47,7 +47,7 @@ def test_ready_and_watchdog_reach_notify_socket(who, procs, nats_server, notify_
         SWARM_STATE_DIR=str(tmp_path / "state"),
         SWARM_LEADER_PORT=str(free_port()),
     )
-    module = "leader.main" if who == "leader" else "agent.main"
+    module = "silentswarm.leader.main" if who == "leader" else "silentswarm.agent.main"
     args = ("--name", "notified") if who == "agent" else ()
     proc = procs.python(who, module, *args, env=env)
     seen = receive_until(sock, {"READY=1", "WATCHDOG=1"}, timeout=30)

@@ -16,11 +16,11 @@ from typing import Any
 import msgspec
 import pytest
 
-from agent.runtime.checkpoint import load_checkpoint
-from agent.runtime.control import EXIT_SUPERVISOR_GONE
-from agent.runtime.launch import stage_command, stage_env, write_plans
-from swarm.plan import ModelConfig, StagePlan, TrainConfig, Transport, chain_plans
-from swarm.procs import free_port
+from silentswarm.agent.runtime.checkpoint import load_checkpoint
+from silentswarm.agent.runtime.control import EXIT_SUPERVISOR_GONE
+from silentswarm.agent.runtime.launch import stage_command, stage_env, write_plans
+from silentswarm.plan import ModelConfig, StagePlan, TrainConfig, Transport, chain_plans
+from silentswarm.procs import free_port
 from tests.helpers import REPO, kill_tree
 
 pytestmark = pytest.mark.integration

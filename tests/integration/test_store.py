@@ -6,11 +6,11 @@ import msgspec
 import pytest
 from nats.js.api import KeyValueConfig
 
-from leader.errors import StoreReadError
-from leader.jobs import JobManager
-from leader.purges import PurgeBook
-from leader.store import StateStore, stream_subjects
-from swarm.jobspec import JobSpec
+from silentswarm.jobspec import JobSpec
+from silentswarm.leader.errors import StoreReadError
+from silentswarm.leader.jobs import JobManager
+from silentswarm.leader.purges import PurgeBook
+from silentswarm.leader.store import StateStore, stream_subjects
 from tests.integration.nats_client import with_nats
 
 

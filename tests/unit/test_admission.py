@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from leader.admission import RateLimiter, Verdict, admit_progress
-from swarm.jobspec import PlacedStage, Placement, Transport
-from swarm.protocol import Progress
+from silentswarm.jobspec import PlacedStage, Placement, Transport
+from silentswarm.leader.admission import RateLimiter, Verdict, admit_progress
+from silentswarm.protocol import Progress
 from tests.fakes import Clock
 
 PLACEMENT = Placement(

@@ -7,11 +7,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from agent.decide import AgentState, Refusal, Start, decide, malformed
-from swarm.natsconn import NatsAccess
-from swarm.plan import ModelConfig, StagePlan, TrainConfig, single_process_plan
-from swarm.protocol import FellowStatus, SignalHead, StartSignal
-from swarm.types.signals import ResumeArgs, ShardFile, StartArgs
+from silentswarm.agent.decide import AgentState, Refusal, Start, decide, malformed
+from silentswarm.natsconn import NatsAccess
+from silentswarm.plan import ModelConfig, StagePlan, TrainConfig, single_process_plan
+from silentswarm.protocol import FellowStatus, SignalHead, StartSignal
+from silentswarm.types.signals import ResumeArgs, ShardFile, StartArgs
 
 HOME = Path("/var/lib/swarm/fellows/f1")
 PLAIN = NatsAccess(url="nats://127.0.0.1:4222")

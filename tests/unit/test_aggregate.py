@@ -6,15 +6,22 @@ import logging
 import msgspec
 import pytest
 
-from agent.logship import FellowLogShipper
-from leader.aggregate import JobMetricsAggregator, RateMeter, history, job_metrics
-from leader.jobs import JobManager, plan_schedule
-from leader.logs import FellowLogBuffer
-from leader.observe import Observability
-from leader.placement import Candidate
-from swarm.jobspec import JobSpec
-from swarm.plan import ModelConfig
-from swarm.protocol import LogBatch, LogRecord, Progress, ProgressEvent, StageOutcome, StageResult
+from silentswarm.agent.logship import FellowLogShipper
+from silentswarm.jobspec import JobSpec
+from silentswarm.leader.aggregate import JobMetricsAggregator, RateMeter, history, job_metrics
+from silentswarm.leader.jobs import JobManager, plan_schedule
+from silentswarm.leader.logs import FellowLogBuffer
+from silentswarm.leader.observe import Observability
+from silentswarm.leader.placement import Candidate
+from silentswarm.plan import ModelConfig
+from silentswarm.protocol import (
+    LogBatch,
+    LogRecord,
+    Progress,
+    ProgressEvent,
+    StageOutcome,
+    StageResult,
+)
 from tests.fakes import Clock
 
 
@@ -182,7 +189,7 @@ def test_a_meter_of_another_attempt_gives_no_rates():
 
 
 def test_job_metrics_of_a_job_with_no_stages_yet():
-    from swarm.types.views import JobView
+    from silentswarm.types.views import JobView
 
     view = job_metrics("j", 0, JobView(), [], RateMeter("j"))
     assert view.step == 0 and view.fellows == [] and view.boundaries == []

@@ -6,12 +6,12 @@ from __future__ import annotations
 import hashlib
 import json
 
-from leader.artifacts import ExportStore
-from leader.jobs import JobManager, plan_schedule
-from leader.placement import Candidate
-from swarm.jobspec import JobSpec
-from swarm.plan import ModelConfig
-from swarm.protocol import ShardChunk
+from silentswarm.jobspec import JobSpec
+from silentswarm.leader.artifacts import ExportStore
+from silentswarm.leader.jobs import JobManager, plan_schedule
+from silentswarm.leader.placement import Candidate
+from silentswarm.plan import ModelConfig
+from silentswarm.protocol import ShardChunk
 
 
 def chunks(name: str, data: bytes, *, stage: int, step: int, piece: int = 4, fellow: str = "f1"):

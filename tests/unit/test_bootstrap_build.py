@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from leader.bootstrap import build_wheel, copy_project
+from silentswarm.leader.bootstrap import build_wheel, copy_project
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(300)
@@ -42,8 +42,14 @@ def test_building_the_wheel_writes_nothing_into_the_source(checkout: Path, tmp_p
     assert not list(checkout.glob("build")) and not list(checkout.glob("*.egg-info"))
     assert [p.name for p in out.iterdir()] == [wheel.name]
     names = zipfile.ZipFile(wheel).namelist()
-    assert "leader/bootstrap.py" in names and "leader/ui/index.html" in names
-    assert "swarm/__init__.py" in names and "agent/main.py" in names
+    # One import package: the three folders land under silentswarm/ (plus the old layout's
+    # agent/main.py, a namespace portion without __init__.py).
+    assert (
+        "silentswarm/leader/bootstrap.py" in names and "silentswarm/leader/ui/index.html" in names
+    )
+    assert "silentswarm/__init__.py" in names and "silentswarm/agent/main.py" in names
+    assert "agent/main.py" in names and "agent/__init__.py" not in names
+    assert not [n for n in names if n.startswith(("swarm/", "leader/"))]
     assert not [n for n in names if "__pycache__" in n or n.startswith(("tests/", "exp/"))]
 
 
@@ -51,7 +57,9 @@ def test_the_copy_holds_only_what_a_wheel_is_built_from(checkout: Path, tmp_path
     copy = tmp_path / "copy"
     copy_project(checkout, copy)
     top = {p.name for p in copy.iterdir()}
-    assert {"pyproject.toml", "README.md", "leader", "swarm", "agent"} <= top
+    assert {"pyproject.toml", "README.md", "leader", "swarm", "agent", "packaging"} <= top
+    assert (copy / "packaging" / "legacy" / "agent" / "main.py").is_file()
+    assert not (copy / "packaging" / "deb").exists(), "only the mapped folder of packaging/"
     assert not top & {".venv", ".git", "exp", "tests", "docs", "build"}, top
     assert not list(copy.rglob("__pycache__"))
 

@@ -12,12 +12,26 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
+def layer(module: str) -> str:
+    """The part of the one package a module is in (``leader``, ``agent`` or ``swarm``, the
+    shared core and CLI), or the top-level name of anything else (``tensorflow``)."""
+    parts = module.split(".")
+    if parts[0] != "silentswarm":
+        return parts[0]
+    return parts[1] if len(parts) > 1 and parts[1] in ("leader", "agent") else "swarm"
+
+
 def _assert_loads_none_of(setup: str, forbidden: set[str]) -> None:
-    """Run ``setup`` in a fresh interpreter; fail if any ``forbidden`` package got imported."""
+    """Run ``setup`` in a fresh interpreter; fail if anything of a ``forbidden`` layer (or
+    third-party package) got imported."""
     code = (
         "import sys\n"
         f"{setup}\n"
-        f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {sorted(forbidden)!r})\n"
+        "def layer(m):\n"
+        "    p = m.split('.')\n"
+        "    if p[0] != 'silentswarm': return p[0]\n"
+        "    return p[1] if len(p) > 1 and p[1] in ('leader', 'agent') else 'swarm'\n"
+        f"bad = sorted(m for m in sys.modules if layer(m) in {sorted(forbidden)!r})\n"
         "print(bad)\n"
         "sys.exit(1 if bad else 0)\n"
     )
@@ -27,22 +41,33 @@ def _assert_loads_none_of(setup: str, forbidden: set[str]) -> None:
 
 def test_leader_swarm_and_agent_runner_never_import_tensorflow():
     _assert_loads_none_of(
-        "import leader.main, leader.app, leader.bus, leader.registry\n"
-        "import swarm.cli.app, swarm.natsd, swarm.natsconn, swarm.protocol, swarm.subjects\n"
-        "import agent.main, agent.runner, agent.hardware\n"
-        "from leader.app import create_app\n"
-        "from swarm.settings import Settings\n"
+        "import silentswarm.leader.main, silentswarm.leader.app\n"
+        "import silentswarm.leader.bus, silentswarm.leader.registry\n"
+        "import silentswarm.cli.app, silentswarm.natsd, silentswarm.natsconn\n"
+        "import silentswarm.protocol, silentswarm.subjects\n"
+        "import silentswarm.agent.main, silentswarm.agent.runner, silentswarm.agent.hardware\n"
+        "from silentswarm.leader.app import create_app\n"
+        "from silentswarm.settings import Settings\n"
         "create_app(Settings(), nats='nats://127.0.0.1:1')",
         {"tensorflow", "keras"},
     )
 
 
 def _imports(package: str) -> dict[str, set[str]]:
-    """Top-level names each module imports (absolute imports only)."""
-    return {
-        file: {name.split(".")[0] for name in names}
-        for file, names in _import_names(package).items()
-    }
+    """The layers (see :func:`layer`) each module imports (absolute imports only)."""
+    return {file: {layer(name) for name in names} for file, names in _import_names(package).items()}
+
+
+def test_nothing_imports_the_old_top_level_names():
+    """One import package: ``swarm``, ``leader`` and ``agent`` are folders, not import names
+    (an import of them from a checkout would load a second copy of every module)."""
+    offenders = {}
+    for folder in ("swarm", "leader", "agent", "tests", "exp", "packaging"):
+        for file, names in _import_names(folder).items():
+            old = {n for n in names if n.split(".")[0] in ("swarm", "leader", "agent")}
+            if old:
+                offenders[file] = old
+    assert offenders == {}
 
 
 @pytest.mark.parametrize(
@@ -63,8 +88,8 @@ def test_experiments_and_plotting_stay_on_the_cli_side():
     import them, and the CLI loads matplotlib only to draw (so ``swarm`` starts fast)."""
     for package in ("leader", "agent"):
         for file, names in _import_names(package).items():
-            assert not {n for n in names if n.startswith("swarm.cli.experiments")}, file
-    _assert_loads_none_of("import swarm.cli.app", {"matplotlib"})
+            assert not {n for n in names if n.startswith("silentswarm.cli.experiments")}, file
+    _assert_loads_none_of("import silentswarm.cli.app", {"matplotlib"})
 
 
 def _import_names(package: str) -> dict[str, set[str]]:
@@ -85,7 +110,7 @@ def _names_in(path: Path) -> set[str]:
 # What the pipe may take from the rest of SilentSwarm: the codec table, the shared error
 # hierarchy and the agent's error module, all standard-library only (so the pipe stays a leaf
 # that a benchmark or a bare stage can load).
-PIPE_MAY_IMPORT = {"swarm.compression", "swarm.errors", "agent.errors"}
+PIPE_MAY_IMPORT = {"silentswarm.compression", "silentswarm.errors", "silentswarm.agent.errors"}
 
 
 def test_the_pipe_imports_only_the_codec_table_and_errors_of_ours_and_no_tensorflow():
@@ -95,7 +120,7 @@ def test_the_pipe_imports_only_the_codec_table_and_errors_of_ours_and_no_tensorf
         bad = {
             n
             for n in names
-            if not n.startswith("agent.pipe")
+            if not n.startswith("silentswarm.agent.pipe")
             and n not in PIPE_MAY_IMPORT
             and n.split(".")[0] not in allowed_third_party
             and n.split(".")[0] not in sys.stdlib_module_names
@@ -104,9 +129,12 @@ def test_the_pipe_imports_only_the_codec_table_and_errors_of_ours_and_no_tensorf
             offenders[file] = bad
     assert offenders == {}
     for module in PIPE_MAY_IMPORT:
-        path = REPO / (module.replace(".", "/") + ".py")
+        folder = {"swarm": "swarm", "agent": "agent"}[layer(module)]
+        rest = module.split(".")[2 if layer(module) == "agent" else 1 :]
+        path = REPO / folder / ("/".join(rest) + ".py")
         ours = {n for n in _names_in(path) if n.split(".")[0] not in sys.stdlib_module_names}
         assert ours <= PIPE_MAY_IMPORT, (module, ours)
     _assert_loads_none_of(
-        "import agent.pipe.link, agent.pipe.wire", {"tensorflow", "keras", "leader"}
+        "import silentswarm.agent.pipe.link, silentswarm.agent.pipe.wire",
+        {"tensorflow", "keras", "leader"},
     )

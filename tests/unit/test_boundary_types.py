@@ -18,8 +18,8 @@ from pathlib import Path
 
 import msgspec
 
-import swarm.types
-from swarm import protocol
+import silentswarm.types
+from silentswarm import protocol
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -75,7 +75,7 @@ def struct_holes(cls: type[msgspec.Struct], seen: set[type]) -> list[str]:
 def shared_structs() -> list[type[msgspec.Struct]]:
     """Every Struct defined in swarm/types and swarm/protocol.py."""
     modules = [protocol]
-    for info in pkgutil.iter_modules(swarm.types.__path__, "swarm.types."):
+    for info in pkgutil.iter_modules(silentswarm.types.__path__, "silentswarm.types."):
         modules.append(importlib.import_module(info.name))
     return [
         obj
@@ -89,14 +89,14 @@ def shared_structs() -> list[type[msgspec.Struct]]:
 
 def route_handlers() -> list[tuple[str, object]]:
     """(route, the answer's type) of every route the leader's own controllers serve."""
-    from leader.app import create_app
-    from swarm.settings import Settings
+    from silentswarm.leader.app import create_app
+    from silentswarm.settings import Settings
 
     app = create_app(Settings(), nats="nats://127.0.0.1:1")
     out = []
     for route in app.routes:
         for handler in getattr(route, "route_handlers", []):
-            if not handler.fn.__module__.startswith("leader."):
+            if not handler.fn.__module__.startswith("silentswarm.leader."):
                 continue  # Litestar's own (OPTIONS, static files)
             methods = ",".join(sorted(handler.http_methods))
             out.append(
@@ -122,11 +122,11 @@ def answer_body(tp: object) -> object | None:
 def request_bodies() -> list[tuple[str, object]]:
     """The types the controllers decode request bodies into (``decode_strict(body, T)``,
     ``decode_job_spec``), found in their source and resolved in their modules."""
-    from swarm.jobspec import JobSpec
+    from silentswarm.jobspec import JobSpec
 
     out = []
     for path in sorted((REPO / "leader" / "api").glob("*.py")):
-        module = importlib.import_module(f"leader.api.{path.stem}")
+        module = importlib.import_module(f"silentswarm.leader.api.{path.stem}")
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
                 continue

@@ -17,9 +17,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from agent.runtime.control import CheckpointRequest, ControlChannel, parse_command
-from swarm.plan import ModelConfig, StagePlan, TrainConfig, single_process_plan
-from swarm.types.stage import CheckpointEvent, DoneEvent, PlacementEvent, StageEvent
+from silentswarm.agent.runtime.control import CheckpointRequest, ControlChannel, parse_command
+from silentswarm.plan import ModelConfig, StagePlan, TrainConfig, single_process_plan
+from silentswarm.types.stage import CheckpointEvent, DoneEvent, PlacementEvent, StageEvent
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ModelConfig(vocab_size=256, seq_len=16, n_layers=2, d_model=32, n_heads=2)
@@ -59,7 +59,7 @@ def test_a_checkpoint_command_parses(line, want):
     ],
 )
 def test_a_malformed_or_unknown_command_is_a_warning_only(line, caplog):
-    with caplog.at_level(logging.WARNING, logger="agent.runtime.control"):
+    with caplog.at_level(logging.WARNING, logger="silentswarm.agent.runtime.control"):
         assert parse_command(line) is None
     assert "ignoring control line" in caplog.text
 
@@ -109,7 +109,7 @@ def test_close_hands_back_what_is_pending_and_drops_what_comes_later(caplog):
     channel, eofs = _channel()
     channel.feed_line(_line("a", 7))
     assert channel.close() == [CheckpointRequest("a", 7)]
-    with caplog.at_level(logging.WARNING, logger="agent.runtime.control"):
+    with caplog.at_level(logging.WARNING, logger="silentswarm.agent.runtime.control"):
         channel.feed_line(_line("b"))
     assert "the run has ended" in caplog.text
     assert channel.due_checkpoints(100, 10) == []
@@ -129,7 +129,7 @@ def test_lines_split_across_chunks_and_a_last_line_without_newline():
 def test_an_overlong_line_is_dropped(caplog):
     channel, _ = _channel()
     junk = b'{"cmd": "checkpoint", "id": "' + b"x" * 100_000 + b'"}\n'
-    with caplog.at_level(logging.WARNING, logger="agent.runtime.control"):
+    with caplog.at_level(logging.WARNING, logger="silentswarm.agent.runtime.control"):
         channel.feed_chunks([junk[i : i + 4096] for i in range(0, len(junk), 4096)] + [_line("ok")])
     assert [r.id for r in channel.due_checkpoints(1, 5)] == ["ok"]
     assert "longer than" in caplog.text
@@ -157,7 +157,7 @@ def test_the_reader_thread_reads_a_pipe_and_reports_its_end():
 def test_control_and_checkpoint_meta_need_no_tensorflow():
     code = (
         "import sys\n"
-        "import agent.runtime.control, agent.runtime.checkpoint\n"
+        "import silentswarm.agent.runtime.control, silentswarm.agent.runtime.checkpoint\n"
         "sys.exit(1 if {'tensorflow', 'keras'} & {m.split('.')[0] for m in sys.modules} else 0)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
@@ -178,20 +178,20 @@ def _plan(checkpoint_dir: Path | None, steps: int = 4) -> StagePlan:
 
 
 def _runner(plan: StagePlan, emit=None, control: ControlChannel | None = None):
-    from agent.runtime.stage import StageRunner
+    from silentswarm.agent.runtime.stage import StageRunner
 
     return StageRunner(plan, emit or (lambda event: None), control)
 
 
 def _values(runner) -> dict[str, np.ndarray]:
-    from agent.runtime.checkpoint import stage_arrays
+    from silentswarm.agent.runtime.checkpoint import stage_arrays
 
     return stage_arrays(runner.model)
 
 
 @pytest.mark.integration  # trains a TensorFlow stage
 def test_a_checkpoint_round_trips_and_training_continues_identically(tmp_path):
-    from agent.runtime.checkpoint import load_checkpoint, restore_into, save_stage
+    from silentswarm.agent.runtime.checkpoint import load_checkpoint, restore_into, save_stage
 
     plan = _plan(tmp_path)
     trained = _runner(plan)
@@ -228,8 +228,8 @@ def test_a_checkpoint_round_trips_and_training_continues_identically(tmp_path):
 
 @pytest.mark.integration  # trains a TensorFlow stage
 def test_restoring_into_another_stage_is_refused(tmp_path):
-    from agent.errors import CheckpointError
-    from agent.runtime.checkpoint import load_checkpoint, restore_into, save_stage
+    from silentswarm.agent.errors import CheckpointError
+    from silentswarm.agent.runtime.checkpoint import load_checkpoint, restore_into, save_stage
 
     runner = _runner(_plan(tmp_path))
     directory = save_stage(tmp_path, runner.model, runner.data, steps_done=0)

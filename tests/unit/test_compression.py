@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from swarm.compression import (
+from silentswarm.compression import (
     CODECS,
     CodecKind,
     WireCodec,
     parse_compression,
     parse_wire_codec,
 )
-from swarm.errors import ConfigError
-from swarm.plan import ModelConfig, StagePlan
+from silentswarm.errors import ConfigError
+from silentswarm.plan import ModelConfig, StagePlan
 
 # spec, wire codec, bits, bottleneck, lossy, ratio at d_model 256
 SPECS = [

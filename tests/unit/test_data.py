@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent.errors import DataError
-from agent.runtime.data import (
+from silentswarm.agent.errors import DataError
+from silentswarm.agent.runtime.data import (
     DEFAULT_CORPUS,
     DataState,
     TextDataset,
@@ -119,7 +119,7 @@ def _empty_dir(tmp_path: Path) -> Path:
 def test_non_utf8_files_are_skipped_with_a_warning(tmp_path: Path, caplog):
     good = _write(tmp_path / "good.txt", "héllo wörld\n".encode())
     bad = _write(tmp_path / "bad.bin", b"\xff\xfe\x00binary\x80")
-    with caplog.at_level(logging.WARNING, logger="agent.runtime.data"):
+    with caplog.at_level(logging.WARNING, logger="silentswarm.agent.runtime.data"):
         assert resolve_paths([str(tmp_path)]) == [good]
     assert any(str(bad) in r.getMessage() and "UTF-8" in r.getMessage() for r in caplog.records)
     with pytest.raises(DataError, match="no valid UTF-8"):

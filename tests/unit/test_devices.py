@@ -1,6 +1,6 @@
 import pytest
 
-from agent.runtime.devices import tf_gpu_index
+from silentswarm.agent.runtime.devices import tf_gpu_index
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from swarm.plan import decode_plan
+from silentswarm.plan import decode_plan
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -21,8 +21,8 @@ def test_readme_stage_plans_are_valid_and_agree():
 def test_readme_documents_every_job_spec_field_and_setting():
     import msgspec
 
-    from swarm.jobspec import JobSpec
-    from swarm.settings import Settings, env_name
+    from silentswarm.jobspec import JobSpec
+    from silentswarm.settings import Settings, env_name
 
     text = README.read_text()
     for field in msgspec.structs.fields(JobSpec):

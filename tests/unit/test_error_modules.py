@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm.errors import ErrorCode, LeaderResponseError, SwarmError, received_code
+from silentswarm.errors import ErrorCode, LeaderResponseError, SwarmError, received_code
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("leader", "agent", "swarm")
@@ -70,9 +70,9 @@ def test_every_error_class_lives_in_one_of_the_three_error_modules():
 
 
 def test_every_swarm_error_has_a_code_of_its_own_kind():
-    from agent import errors as agent_errors
-    from leader import errors as leader_errors
-    from swarm import errors as swarm_errors
+    from silentswarm import errors as swarm_errors
+    from silentswarm.agent import errors as agent_errors
+    from silentswarm.leader import errors as leader_errors
 
     seen = set()
     for module in (swarm_errors, leader_errors, agent_errors):
@@ -143,8 +143,8 @@ def test_a_code_is_its_wire_string(member):
 
 
 def test_every_signal_kind_has_its_invalid_arguments_code():
-    from agent.decide import INVALID_ARGS
-    from swarm.protocol import SignalKind
+    from silentswarm.agent.decide import INVALID_ARGS
+    from silentswarm.protocol import SignalKind
 
     assert set(INVALID_ARGS) == {kind.value for kind in SignalKind}
     assert all(code == f"{kind}_INVALID" for kind, code in INVALID_ARGS.items())
@@ -162,4 +162,4 @@ def test_an_error_module_imports_only_the_shared_one_of_ours(module, allowed):
                 ours.add(node.module)
         elif isinstance(node, ast.Import):
             ours |= {a.name for a in node.names if a.name.split(".")[0] in PACKAGES}
-    assert ours <= {"swarm.errors"} and {m.split(".")[0] for m in ours} <= allowed
+    assert ours <= {"silentswarm.errors"} and {m.split(".")[0] for m in ours} <= allowed

@@ -14,15 +14,15 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from agent.errors import CheckpointWriteError
-from agent.runner import PUSH_DRAIN_S
-from agent.runner import final_export_error as fellow_export_error
-from leader.artifacts import ExportStore
-from leader.jobs import clean_report, final_export_error
-from swarm.cli.watch import check_export
-from swarm.errors import ExportMissingError, JobEndedBadlyError
-from swarm.protocol import EXPORT_ERROR_CHARS, StageOutcome, StageResult
-from swarm.types.jobs import JobRecord, ShardReceipt
+from silentswarm.agent.errors import CheckpointWriteError
+from silentswarm.agent.runner import PUSH_DRAIN_S
+from silentswarm.agent.runner import final_export_error as fellow_export_error
+from silentswarm.cli.watch import check_export
+from silentswarm.errors import ExportMissingError, JobEndedBadlyError
+from silentswarm.leader.artifacts import ExportStore
+from silentswarm.leader.jobs import clean_report, final_export_error
+from silentswarm.protocol import EXPORT_ERROR_CHARS, StageOutcome, StageResult
+from silentswarm.types.jobs import JobRecord, ShardReceipt
 from tests.unit.test_artifacts import chunks, placed_job, send_shard
 
 REPO = Path(__file__).resolve().parents[2]
@@ -66,7 +66,7 @@ def test_a_checkpoint_write_error_names_the_file_and_the_cause():
 def test_the_outcome_bounds_what_a_fellow_may_say():
     import msgspec
 
-    from swarm import subjects
+    from silentswarm import subjects
 
     ok = StageOutcome(
         job_id="j", attempt=1, result=StageResult.COMPLETED, export_error="x" * EXPORT_ERROR_CHARS
@@ -156,7 +156,7 @@ def test_a_completed_job_says_why_its_final_model_is_missing(job, want, absent):
 
 
 def test_completing_sets_the_export_error_with_the_state_from_the_fellows_outcome():
-    from leader.jobs import JobManager
+    from silentswarm.leader.jobs import JobManager
 
     manager = JobManager()
     job = placed_job()
@@ -229,7 +229,7 @@ def test_watch_turns_a_missing_export_into_its_own_exit_code(job, raises):
 CHILD = """
 import json, resource, sys
 from pathlib import Path
-from leader.artifacts import ExportStore
+from silentswarm.leader.artifacts import ExportStore
 from tests.unit.test_artifacts import chunks, send_shard
 
 directory, limit = Path(sys.argv[1]), int(sys.argv[2])

@@ -8,9 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from leader.artifacts import EXPORT_DIR_FIELD, ExportStore, export_dir, resolve_export_dir
-from leader.errors import ExportPathError
-from swarm.errors import FieldError
+from silentswarm.errors import FieldError
+from silentswarm.leader.artifacts import (
+    EXPORT_DIR_FIELD,
+    ExportStore,
+    export_dir,
+    resolve_export_dir,
+)
+from silentswarm.leader.errors import ExportPathError
 from tests.unit.test_artifacts import chunks, placed_job, send_shard
 
 

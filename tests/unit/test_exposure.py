@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from leader.exposure import exposure_warnings
-from swarm.hosts import is_loopback
-from swarm.settings import Settings
+from silentswarm.hosts import is_loopback
+from silentswarm.leader.exposure import exposure_warnings
+from silentswarm.settings import Settings
 
 
 @pytest.mark.parametrize(

@@ -22,8 +22,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from swarm.jobspec import JobSpec, PlacedStage, Placement, stage_plans
-from swarm.plan import ModelConfig, StagePlan, Transport
+from silentswarm.jobspec import JobSpec, PlacedStage, Placement, stage_plans
+from silentswarm.plan import ModelConfig, StagePlan, Transport
 
 # Keras's own variable saving trips numpy 2's __array__(copy=...) deprecation.
 # Real stage processes train the export the glue reads (a minute here): integration tests.
@@ -69,7 +69,7 @@ def _placement(ranges: list[tuple[int, int]]) -> Placement:
 
 
 def _wire(array: np.ndarray, spec: str) -> np.ndarray:
-    from agent.pipe.wire import Direction, decode_frame, encode_frame, parse_wire_codec
+    from silentswarm.agent.pipe.wire import Direction, decode_frame, encode_frame, parse_wire_codec
 
     _, parts = encode_frame(
         np.ascontiguousarray(array, dtype=np.float32),
@@ -87,9 +87,9 @@ def _train(plans: list[StagePlan], steps: int):
     """Every stage's model and dataset after ``steps`` steps of the stage loop's arithmetic."""
     import tensorflow as tf
 
-    from agent.runtime.data import TextDataset
-    from agent.runtime.stage_model import StageModel
-    from swarm.compression import parse_compression
+    from silentswarm.agent.runtime.data import TextDataset
+    from silentswarm.agent.runtime.stage_model import StageModel
+    from silentswarm.compression import parse_compression
 
     models = [StageModel(p) for p in plans]
     train, cfg = plans[0].train, plans[0].model
@@ -147,7 +147,7 @@ def make_export(
     ranges: tuple[tuple[int, int], ...] = ((0, 1), (1, 2)),
 ):
     """An export directory as the leader writes it; also the trained stage models."""
-    from agent.runtime.checkpoint import save_checkpoint, stage_arrays
+    from silentswarm.agent.runtime.checkpoint import save_checkpoint, stage_arrays
 
     spec, placement = _spec(compression, steps, model), _placement(list(ranges))
     plans = stage_plans(
@@ -215,8 +215,8 @@ def export_from_stage_processes(directory: Path, work: Path) -> dict:
     Each stage gets the checkpoint request over ``--control-stdin`` as from its agent. The
     last stage's ``done`` event (with the pipeline's own validation loss) is returned.
     """
-    from agent.runtime.launch import stage_command, stage_env, write_plans
-    from swarm.procs import free_port
+    from silentswarm.agent.runtime.launch import stage_command, stage_env, write_plans
+    from silentswarm.procs import free_port
 
     spec = _spec("none", STEPS, TINY)
     placement = _placement([(0, 1), (1, 2)])
@@ -294,7 +294,7 @@ def run(module: str, *args: str, timeout: float = 120) -> subprocess.CompletedPr
 @pytest.fixture(scope="module")
 def export(tmp_path_factory):
     """An export of a run of real stage processes, and those stages' models, restored."""
-    from agent.runtime.glue import build_stage_models, plans_for, read_run_manifest
+    from silentswarm.agent.runtime.glue import build_stage_models, plans_for, read_run_manifest
 
     directory = tmp_path_factory.mktemp("export-none")
     done = export_from_stage_processes(directory, tmp_path_factory.mktemp("run"))
@@ -306,7 +306,7 @@ def export(tmp_path_factory):
 def glued(export):
     """The export glued by the command line, as a user would."""
     directory, models, _ = export
-    done = run("agent.runtime.glue", "--export-dir", str(directory), "--json")
+    done = run("silentswarm.agent.runtime.glue", "--export-dir", str(directory), "--json")
     assert done.returncode == 0, done.stderr
     return directory, models, json.loads(done.stdout)
 
@@ -319,7 +319,7 @@ def test_the_tensorflow_codec_is_the_wire_bit_for_bit(codec):
     """Eager, in a tf.function (where Grappler rewrites divisions) and under XLA."""
     import tensorflow as tf
 
-    from agent.runtime.model import WireRoundTrip
+    from silentswarm.agent.runtime.model import WireRoundTrip
 
     rng = np.random.default_rng(0)
     rows = rng.exponential(1.0, (16, 64, 1)) * 10.0 ** rng.integers(-6, 3, (16, 64, 1))
@@ -365,7 +365,7 @@ def test_the_keras_file_loads_in_a_fresh_process_and_is_the_pipeline(glued, tmp_
     np.save(tmp_path / "tokens.npy", tokens)
     code = (
         "import sys, numpy as np, keras\n"
-        "import agent.runtime.model\n"
+        "import silentswarm.agent.runtime.model\n"
         f"model = keras.saving.load_model({str(directory / 'full_model' / 'model.keras')!r})\n"
         f"tokens = np.load({str(tmp_path / 'tokens.npy')!r})\n"
         f"np.save({str(tmp_path / 'logits.npy')!r}, model(tokens).numpy())\n"
@@ -382,7 +382,7 @@ def test_the_keras_file_loads_in_a_fresh_process_and_is_the_pipeline(glued, tmp_
 
 
 def test_a_learned_bottleneck_with_int8_glues_and_reproduces_the_pipeline(tmp_path):
-    from agent.runtime.glue import end_to_end_rtol, glue
+    from silentswarm.agent.runtime.glue import end_to_end_rtol, glue
 
     models = make_export(tmp_path, "learned_dim8_int8", steps=3)
     result = glue(tmp_path, tmp_path / "glued").manifest
@@ -410,20 +410,20 @@ def test_a_corrupt_shard_is_an_error_naming_it_and_nothing_is_written(export, tm
     data = bytearray(npz.read_bytes())
     data[100:104] = bytes(b ^ 0xFF for b in data[100:104])
     npz.write_bytes(bytes(data))
-    done = run("agent.runtime.glue", "--export-dir", str(copy))
+    done = run("silentswarm.agent.runtime.glue", "--export-dir", str(copy))
     assert done.returncode == 2
     assert f"glue: error: shards/step-{STEPS}/stage-1.npz: sha256" in done.stderr
     assert "does not match the manifest" in done.stderr and "Traceback" not in done.stderr
     assert sorted(p.name for p in copy.iterdir()) == ["run_manifest.json", "shards"]
 
     npz.unlink()
-    done = run("agent.runtime.glue", "--export-dir", str(copy))
+    done = run("silentswarm.agent.runtime.glue", "--export-dir", str(copy))
     assert done.returncode == 2 and f"shards/step-{STEPS}/stage-1.npz: missing" in done.stderr
 
 
 def test_a_bad_manifest_is_an_error_naming_the_problem(export, tmp_path):
-    from agent.errors import GlueError
-    from agent.runtime.glue import read_run_manifest
+    from silentswarm.agent.errors import GlueError
+    from silentswarm.agent.runtime.glue import read_run_manifest
 
     directory, _, _ = export
     raw = json.loads((directory / "run_manifest.json").read_text())
@@ -446,8 +446,8 @@ def test_a_bad_manifest_is_an_error_naming_the_problem(export, tmp_path):
 
 
 def test_a_glued_model_that_differs_from_the_pipeline_is_refused(export, monkeypatch, tmp_path):
-    from agent.errors import GlueMismatchError
-    from agent.runtime.glue import assemble, glue
+    from silentswarm.agent.errors import GlueMismatchError
+    from silentswarm.agent.runtime.glue import assemble, glue
 
     directory, _, _ = export
     build = assemble.glued_from_stages
@@ -466,10 +466,10 @@ def test_a_glued_model_that_differs_from_the_pipeline_is_refused(export, monkeyp
 def test_without_the_keras_format_it_falls_back_to_weights_and_config(
     export, monkeypatch, tmp_path
 ):
-    from agent.errors import GlueError
-    from agent.runtime.generate import generate, load_model
-    from agent.runtime.glue import glue
-    from agent.runtime.model import GluedTransformer
+    from silentswarm.agent.errors import GlueError
+    from silentswarm.agent.runtime.generate import generate, load_model
+    from silentswarm.agent.runtime.glue import glue
+    from silentswarm.agent.runtime.model import GluedTransformer
 
     directory, _, _ = export
     out = tmp_path / "out"
@@ -526,7 +526,7 @@ def test_the_exp_script_is_the_glue_command(tmp_path):
 
 
 def test_generate_gives_the_requested_bytes_deterministically(glued):
-    from agent.runtime.generate import Sampler, generate, load_model
+    from silentswarm.agent.runtime.generate import Sampler, generate, load_model
 
     directory, _, _ = glued
     loaded = load_model(directory)  # the export directory: its full_model/ is found
@@ -540,8 +540,8 @@ def test_generate_gives_the_requested_bytes_deterministically(glued):
     assert len(generate(loaded, b"", max_new_tokens=3, sampler=sampler)) == 3
 
     args = ["--model-dir", str(directory / "full_model"), "--prompt", "import ", "--seed", "2"]
-    first = run("agent.runtime.generate", *args, "--max-new-tokens", "20")
-    second = run("agent.runtime.generate", *args, "--max-new-tokens", "20")
+    first = run("silentswarm.agent.runtime.generate", *args, "--max-new-tokens", "20")
+    second = run("silentswarm.agent.runtime.generate", *args, "--max-new-tokens", "20")
     assert first.returncode == 0, first.stderr
     assert first.stdout == second.stdout and first.stdout.endswith("\n")
 
@@ -556,11 +556,13 @@ def test_generate_gives_the_requested_bytes_deterministically(glued):
     ],
 )
 def test_generate_refuses_bad_arguments(tmp_path, args, needle):
-    done = run("agent.runtime.generate", "--model-dir", str(tmp_path), "--prompt", "a", *args)
+    done = run(
+        "silentswarm.agent.runtime.generate", "--model-dir", str(tmp_path), "--prompt", "a", *args
+    )
     assert done.returncode == 2 and needle in done.stderr and "Traceback" not in done.stderr
     assert done.stderr.startswith("generate: error: ")
 
 
 def test_generate_needs_a_glued_model(tmp_path):
-    done = run("agent.runtime.generate", "--model-dir", str(tmp_path), "--prompt", "a")
+    done = run("silentswarm.agent.runtime.generate", "--model-dir", str(tmp_path), "--prompt", "a")
     assert done.returncode == 2 and "inference_manifest.json" in done.stderr

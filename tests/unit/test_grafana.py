@@ -17,12 +17,12 @@ import pytest
 from litestar.testing import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from leader.app import create_app
-from leader.jobs import JobManager
-from leader.registry import FellowRegistry
-from swarm.jobspec import JobSpec, PlacedStage, Placement
-from swarm.plan import Transport
-from swarm.protocol import (
+from silentswarm.jobspec import JobSpec, PlacedStage, Placement
+from silentswarm.leader.app import create_app
+from silentswarm.leader.jobs import JobManager
+from silentswarm.leader.registry import FellowRegistry
+from silentswarm.plan import Transport
+from silentswarm.protocol import (
     FellowIdentity,
     FellowStatus,
     GpuInfo,
@@ -31,7 +31,7 @@ from swarm.protocol import (
     Progress,
     RegisterRequest,
 )
-from swarm.settings import Settings
+from silentswarm.settings import Settings
 from tests.helpers import REPO
 
 DASHBOARD = REPO / "packaging" / "grafana" / "silentswarm.json"

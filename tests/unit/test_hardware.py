@@ -4,7 +4,7 @@ import psutil
 import pynvml
 import pytest
 
-from agent.hardware import HardwareProbe
+from silentswarm.agent.hardware import HardwareProbe
 
 
 def test_snapshot_reports_this_machine():
@@ -50,8 +50,8 @@ def test_nvml_errors_after_init_do_not_escape(monkeypatch):
 
 
 def test_caps_travel_with_every_snapshot_and_network_rates_are_measured():
-    from agent.hardware import limits_from
-    from swarm.settings import Settings
+    from silentswarm.agent.hardware import limits_from
+    from silentswarm.settings import Settings
 
     settings = Settings.from_env(
         {
@@ -73,8 +73,8 @@ def test_caps_travel_with_every_snapshot_and_network_rates_are_measured():
 
 
 def test_cuda_visible_devices_hides_gpus_by_index_or_uuid():
-    from agent.hardware import _visible
-    from swarm.protocol import GpuInfo
+    from silentswarm.agent.hardware import _visible
+    from silentswarm.protocol import GpuInfo
 
     gpu = GpuInfo(
         index=1,
@@ -90,7 +90,7 @@ def test_cuda_visible_devices_hides_gpus_by_index_or_uuid():
 
 @pytest.mark.integration  # starts TensorFlow in a subprocess
 def test_the_tensorflow_probe_runs_tensorflow_in_a_subprocess():
-    from agent.hardware import probe_tensorflow_gpus
+    from silentswarm.agent.hardware import probe_tensorflow_gpus
 
     count, error = probe_tensorflow_gpus(timeout=60)
     assert error is None and count is not None and count >= 0

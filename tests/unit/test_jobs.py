@@ -5,15 +5,15 @@ import itertools
 import msgspec
 import pytest
 
-from leader.jobs import FellowState, JobManager, plan_schedule, reconcile
-from leader.placement import Candidate
-from swarm.errors import ConflictError, IllegalTransitionError, NotFoundError
-from swarm.jobspec import JobSpec
-from swarm.lifecycle import JOB_TRANSITIONS, JobEvent, next_job_state
-from swarm.plan import ModelConfig
-from swarm.protocol import FellowStatus, JobState, Progress, ProgressEvent, StageOutcome
-from swarm.protocol import StageResult as R
-from swarm.types.views import JobView
+from silentswarm.errors import ConflictError, IllegalTransitionError, NotFoundError
+from silentswarm.jobspec import JobSpec
+from silentswarm.leader.jobs import FellowState, JobManager, plan_schedule, reconcile
+from silentswarm.leader.placement import Candidate
+from silentswarm.lifecycle import JOB_TRANSITIONS, JobEvent, next_job_state
+from silentswarm.plan import ModelConfig
+from silentswarm.protocol import FellowStatus, JobState, Progress, ProgressEvent, StageOutcome
+from silentswarm.protocol import StageResult as R
+from silentswarm.types.views import JobView
 from tests.fakes import Clock
 
 J = JobState

@@ -9,9 +9,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from swarm.errors import FieldError, JobSpecError
-from swarm.jobspec import JobSpec, decode_job_spec, stage_plans
-from swarm.plan import TrainConfig
+from silentswarm.errors import FieldError, JobSpecError
+from silentswarm.jobspec import JobSpec, decode_job_spec, stage_plans
+from silentswarm.plan import TrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINING = msgspec.structs.fields(TrainConfig)
@@ -67,8 +67,8 @@ def test_semantic_problems_name_the_top_level_field(raw, needle):
 
 
 def test_plans_carry_the_training_fields_the_spec_sets():
-    from swarm.jobspec import PlacedStage, Placement
-    from swarm.plan import Transport
+    from silentswarm.jobspec import PlacedStage, Placement
+    from silentswarm.plan import Transport
 
     spec = JobSpec(jit_compile=False, val_batches=3, min_lr_ratio=0.5, steps=9)
     placement = Placement(

@@ -10,11 +10,11 @@ import httpx
 import msgspec
 import pytest
 
-from swarm.cli import render
-from swarm.cli.client import LeaderClient
-from swarm.errors import ErrorCode, LeaderResponseError
-from swarm.types.api import Health
-from swarm.types.fleet import ReleaseResult
+from silentswarm.cli import render
+from silentswarm.cli.client import LeaderClient
+from silentswarm.errors import ErrorCode, LeaderResponseError
+from silentswarm.types.api import Health
+from silentswarm.types.fleet import ReleaseResult
 from tests.fakes import fellow_record, gpu, job_record, placed_stage
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from leader import decide
-from leader.decide import (
+from silentswarm.jobspec import JobSpec, PlacedStage, Placement
+from silentswarm.leader import decide
+from silentswarm.leader.decide import (
     ORPHAN_STOP_EVERY_S,
     PURGE_RETRY_S,
     START_COOLDOWN_S,
@@ -14,13 +15,12 @@ from leader.decide import (
     StageEnded,
     StageLost,
 )
-from leader.jobs import FellowState, JobRecord, SignalRecord
-from leader.purges import PendingPurge
-from leader.registry import FellowRecord
-from swarm.jobspec import JobSpec, PlacedStage, Placement
-from swarm.plan import ModelConfig
-from swarm.protocol import FellowStatus, HardwareSnapshot, JobState, StageOutcome, StageResult
-from swarm.types.views import StageProgress
+from silentswarm.leader.jobs import FellowState, JobRecord, SignalRecord
+from silentswarm.leader.purges import PendingPurge
+from silentswarm.leader.registry import FellowRecord
+from silentswarm.plan import ModelConfig
+from silentswarm.protocol import FellowStatus, HardwareSnapshot, JobState, StageOutcome, StageResult
+from silentswarm.types.views import StageProgress
 
 S = FellowStatus
 NOW = 1000.0

@@ -13,21 +13,21 @@ from pathlib import Path
 
 import pytest
 
-from leader.jobs import JobManager
-from leader.observe import Observability
-from leader.purges import PurgeBook
-from leader.registry import FellowRegistry
-from leader.services.fleet import FleetService
-from leader.services.jobs import JobsService
-from leader.services.package import BootstrapPackage
-from leader.storage import StorageMonitor
-from swarm.errors import ConflictError, ErrorCode, FieldError
-from swarm.jobspec import ArtifactPaths, JobSpec, PlacedStage, Placement
-from swarm.plan import Transport
-from swarm.protocol import FellowIdentity, HardwareSnapshot, JobState, RegisterRequest
-from swarm.settings import Settings
-from swarm.types.jobs import JobRecord, SignalRecord
-from swarm.types.signals import SignalArgs, StopArgs, UpdateArgs
+from silentswarm.errors import ConflictError, ErrorCode, FieldError
+from silentswarm.jobspec import ArtifactPaths, JobSpec, PlacedStage, Placement
+from silentswarm.leader.jobs import JobManager
+from silentswarm.leader.observe import Observability
+from silentswarm.leader.purges import PurgeBook
+from silentswarm.leader.registry import FellowRegistry
+from silentswarm.leader.services.fleet import FleetService
+from silentswarm.leader.services.jobs import JobsService
+from silentswarm.leader.services.package import BootstrapPackage
+from silentswarm.leader.storage import StorageMonitor
+from silentswarm.plan import Transport
+from silentswarm.protocol import FellowIdentity, HardwareSnapshot, JobState, RegisterRequest
+from silentswarm.settings import Settings
+from silentswarm.types.jobs import JobRecord, SignalRecord
+from silentswarm.types.signals import SignalArgs, StopArgs, UpdateArgs
 
 
 class FakeHub:

@@ -2,9 +2,9 @@ import itertools
 
 import pytest
 
-from swarm.errors import IllegalTransitionError
-from swarm.lifecycle import TRANSITIONS, FellowEvent, next_status
-from swarm.protocol import FellowStatus as S
+from silentswarm.errors import IllegalTransitionError
+from silentswarm.lifecycle import TRANSITIONS, FellowEvent, next_status
+from silentswarm.protocol import FellowStatus as S
 
 # The ARCHITECTURE.md lifecycle, plus: every live status goes offline when stale, and
 # checkpointing ends the two ways training does (job terminal, runtime failure).

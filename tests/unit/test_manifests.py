@@ -8,10 +8,10 @@ import json
 import msgspec
 import pytest
 
-from swarm.errors import ManifestError
-from swarm.jobspec import JobSpec, PlacedStage, Placement
-from swarm.plan import ModelConfig, Transport
-from swarm.types.manifests import (
+from silentswarm.errors import ManifestError
+from silentswarm.jobspec import JobSpec, PlacedStage, Placement
+from silentswarm.plan import ModelConfig, Transport
+from silentswarm.types.manifests import (
     DataInfo,
     FileEntry,
     GlueCheck,

@@ -6,9 +6,9 @@ import itertools
 
 import pytest
 
-from leader.bootstrap import JoinSessions
-from leader.errors import FellowNameError
-from leader.naming import NameState, settle_fellow_name
+from silentswarm.leader.bootstrap import JoinSessions
+from silentswarm.leader.errors import FellowNameError
+from silentswarm.leader.naming import NameState, settle_fellow_name
 
 KNOWN = {
     "live": NameState.ONLINE,

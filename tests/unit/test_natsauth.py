@@ -8,8 +8,8 @@ import stat
 import nkeys
 import pytest
 
-from swarm.errors import ConfigError, NatsAuthError
-from swarm.natsauth import (
+from silentswarm.errors import ConfigError, NatsAuthError
+from silentswarm.natsauth import (
     NatsAuthority,
     Permissions,
     attempt_permissions,
@@ -82,7 +82,13 @@ def test_the_authority_is_created_once_privately_and_reloaded(tmp_path):
     directory = tmp_path / "auth"
     first = NatsAuthority.load_or_create(directory)
     assert stat.S_IMODE(directory.stat().st_mode) == 0o700
-    for name in ("operator.nk", "account.nk", "system.nk", "leader.creds", "server.conf"):
+    for name in (
+        "operator.nk",
+        "account.nk",
+        "system.nk",
+        "silentswarm.leader.creds",
+        "server.conf",
+    ):
         assert stat.S_IMODE((directory / name).stat().st_mode) == 0o600, name
     again = NatsAuthority.load_or_create(directory)
     assert again.account_public == first.account_public  # users minted before stay valid

@@ -5,8 +5,10 @@ import json
 import msgspec
 import pytest
 
-from leader.memory import block_params, in_flight, stage_memory
-from leader.placement import (
+from silentswarm.errors import FieldError, JobSpecError
+from silentswarm.jobspec import JobSpec, decode_job_spec, stage_plans
+from silentswarm.leader.memory import block_params, in_flight, stage_memory
+from silentswarm.leader.placement import (
     Candidate,
     PlacementDefaults,
     Unplaceable,
@@ -14,12 +16,10 @@ from leader.placement import (
     place,
     weighted_ranges,
 )
-from swarm.errors import FieldError, JobSpecError
-from swarm.jobspec import JobSpec, decode_job_spec, stage_plans
-from swarm.natsconn import NatsAccess
-from swarm.plan import ModelConfig, Transport
-from swarm.protocol import FellowLimits, GpuInfo, HardwareSnapshot
-from swarm.telemetry import gpu_warning, offered_ram, usable_gpus
+from silentswarm.natsconn import NatsAccess
+from silentswarm.plan import ModelConfig, Transport
+from silentswarm.protocol import FellowLimits, GpuInfo, HardwareSnapshot
+from silentswarm.telemetry import gpu_warning, offered_ram, usable_gpus
 
 GIB = 1 << 30
 

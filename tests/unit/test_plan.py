@@ -1,8 +1,8 @@
 import msgspec
 import pytest
 
-from swarm.errors import ConfigError
-from swarm.plan import (
+from silentswarm.errors import ConfigError
+from silentswarm.plan import (
     GpuSlot,
     ModelConfig,
     Peer,

@@ -11,9 +11,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from swarm.cli.cluster import legacy_owned
-from swarm.natsd import choose_port
-from swarm.procs import (
+from silentswarm.cli.cluster import legacy_owned
+from silentswarm.natsd import choose_port
+from silentswarm.procs import (
     ProcessIdentity,
     ProcStat,
     identity_of,
@@ -110,13 +110,31 @@ def test_an_exited_process_and_a_zombie_are_not_the_same_process():
         ("nats", "nats", ["/v/bin/nats-server", "--store_dir", "/other/nats"], None, False),
         ("nats", "nats", ["/v/bin/nats-server"], None, False),
         ("nats", "nats", ["/bin/sleep", "--store_dir", "/s/nats"], None, False),
+        (
+            "leader",
+            "leader",
+            ["python", "-m", "silentswarm.leader.main"],
+            {"SWARM_STATE_DIR": "/s"},
+            True,
+        ),
+        (
+            "leader",
+            "leader",
+            ["python", "-m", "silentswarm.leader.main"],
+            {"SWARM_STATE_DIR": "/s/"},
+            True,
+        ),
+        (
+            "leader",
+            "leader",
+            ["python", "-m", "silentswarm.leader.main"],
+            {"SWARM_STATE_DIR": "/t"},
+            False,
+        ),
+        ("leader", "leader", ["python", "-m", "silentswarm.leader.main"], {}, False),
+        # A manifest from before 0.2 names processes of the old layout's modules.
         ("leader", "leader", ["python", "-m", "leader.main"], {"SWARM_STATE_DIR": "/s"}, True),
-        ("leader", "leader", ["python", "-m", "leader.main"], {"SWARM_STATE_DIR": "/s/"}, True),
-        ("leader", "leader", ["python", "-m", "leader.main"], {"SWARM_STATE_DIR": "/t"}, False),
-        ("leader", "leader", ["python", "-m", "leader.main"], {}, False),
-        ("leader", "leader", ["python", "-m", "leader.main"], None, False),
-        ("leader", "leader", ["python", "-m", "agent.main"], {"SWARM_STATE_DIR": "/s"}, False),
-        ("leader", "leader", ["vim", "leader.main"], {"SWARM_STATE_DIR": "/s"}, False),
+        ("leader", "leader", ["python", "-m", "leader.mainx"], {"SWARM_STATE_DIR": "/s"}, False),
         (
             "fellow",
             "fellow-1",
@@ -124,15 +142,43 @@ def test_an_exited_process_and_a_zombie_are_not_the_same_process():
             {"SWARM_STATE_DIR": "/s"},
             True,
         ),
+        ("leader", "leader", ["python", "-m", "silentswarm.leader.main"], None, False),
         (
-            "fellow",
-            "fellow-1",
-            ["python", "-m", "agent.main", "--name", "fellow-2"],
+            "leader",
+            "leader",
+            ["python", "-m", "silentswarm.agent.main"],
             {"SWARM_STATE_DIR": "/s"},
             False,
         ),
-        ("fellow", "fellow-1", ["python", "-m", "agent.main"], {"SWARM_STATE_DIR": "/s"}, False),
-        ("ghost", "x", ["python", "-m", "leader.main"], {"SWARM_STATE_DIR": "/s"}, False),
+        ("leader", "leader", ["vim", "silentswarm.leader.main"], {"SWARM_STATE_DIR": "/s"}, False),
+        (
+            "fellow",
+            "fellow-1",
+            ["python", "-m", "silentswarm.agent.main", "--name", "fellow-1"],
+            {"SWARM_STATE_DIR": "/s"},
+            True,
+        ),
+        (
+            "fellow",
+            "fellow-1",
+            ["python", "-m", "silentswarm.agent.main", "--name", "fellow-2"],
+            {"SWARM_STATE_DIR": "/s"},
+            False,
+        ),
+        (
+            "fellow",
+            "fellow-1",
+            ["python", "-m", "silentswarm.agent.main"],
+            {"SWARM_STATE_DIR": "/s"},
+            False,
+        ),
+        (
+            "ghost",
+            "x",
+            ["python", "-m", "silentswarm.leader.main"],
+            {"SWARM_STATE_DIR": "/s"},
+            False,
+        ),
         ("leader", "leader", [], {"SWARM_STATE_DIR": "/s"}, False),
     ],
 )
@@ -148,7 +194,7 @@ def test_a_record_without_identity_and_without_state_dir_is_never_ours():
         role="leader",
         name="leader",
         state_dir="",
-        cmdline=["python", "-m", "leader.main"],
+        cmdline=["python", "-m", "silentswarm.leader.main"],
         environ={"SWARM_STATE_DIR": ""},
     )
 

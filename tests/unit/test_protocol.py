@@ -3,9 +3,9 @@ import re
 import msgspec
 import pytest
 
-from swarm import protocol as p
-from swarm import subjects as topics
-from swarm.errors import ProtocolError
+from silentswarm import protocol as p
+from silentswarm import subjects as topics
+from silentswarm.errors import ProtocolError
 
 
 def snapshot() -> p.HardwareSnapshot:

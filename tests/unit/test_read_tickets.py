@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from leader.auth import ReadTickets
-from leader.errors import ForbiddenError, UnauthorizedError
+from silentswarm.leader.auth import ReadTickets
+from silentswarm.leader.errors import ForbiddenError, UnauthorizedError
 from tests.fakes import Clock
 
 

@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from agent.logship import MESSAGE_CHARS, FellowLogShipper
-from swarm.natsauth import Permissions, creds_text, new_seed, public_key, user_jwt
-from swarm.redact import REDACTED, redact
+from silentswarm.agent.logship import MESSAGE_CHARS, FellowLogShipper
+from silentswarm.natsauth import Permissions, creds_text, new_seed, public_key, user_jwt
+from silentswarm.redact import REDACTED, redact
 
 SEED = new_seed("user")
 ACCOUNT = new_seed("account")
@@ -116,7 +116,7 @@ def test_the_log_shipper_buffers_only_redacted_records():
 
 
 def test_http_client_loggers_log_no_request_urls_at_any_level():
-    from swarm.entry import QUIET_HTTP_LOGGERS, quiet_http_clients
+    from silentswarm.entry import QUIET_HTTP_LOGGERS, quiet_http_clients
 
     loggers = [logging.getLogger(name) for name in QUIET_HTTP_LOGGERS]
     before = [logger.level for logger in loggers]

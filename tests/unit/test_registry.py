@@ -3,9 +3,9 @@
 import msgspec
 import pytest
 
-from leader.hostview import HostFellow, merge_host
-from leader.registry import FellowRegistry
-from swarm.protocol import (
+from silentswarm.leader.hostview import HostFellow, merge_host
+from silentswarm.leader.registry import FellowRegistry
+from silentswarm.protocol import (
     DeregisterRequest,
     FellowIdentity,
     FellowLimits,
@@ -15,7 +15,7 @@ from swarm.protocol import (
     Heartbeat,
     RegisterRequest,
 )
-from swarm.telemetry import CUDA_FIX
+from silentswarm.telemetry import CUDA_FIX
 from tests.fakes import Clock
 
 

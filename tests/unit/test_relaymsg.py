@@ -8,8 +8,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from agent.pipe.link import deserialize_parts, serialize_parts
-from agent.pipe.relaymsg import (
+from silentswarm.agent.pipe.link import deserialize_parts, serialize_parts
+from silentswarm.agent.pipe.relaymsg import (
     OVERHEAD,
     TAG_BYTES,
     Control,
@@ -19,9 +19,9 @@ from agent.pipe.relaymsg import (
     RelayAuth,
     parse_message,
 )
-from swarm.errors import ConfigError
-from swarm.jobspec import JobSpec, PlacedStage, Placement, stage_plans
-from swarm.plan import ModelConfig, StagePlan, Transport, decode_plan
+from silentswarm.errors import ConfigError
+from silentswarm.jobspec import JobSpec, PlacedStage, Placement, stage_plans
+from silentswarm.plan import ModelConfig, StagePlan, Transport, decode_plan
 
 TOKEN = bytes(range(32))
 SUBJECT = "swarm.relay.j-1.2.0.fwd"

@@ -3,13 +3,13 @@ placed again (same layer ranges), and when it gives up."""
 
 from __future__ import annotations
 
-from leader.jobs import JobManager, plan_schedule, resume_from
-from leader.placement import Candidate
-from swarm.jobspec import JobSpec, Partition
-from swarm.plan import ModelConfig
-from swarm.protocol import JobState, StageOutcome
-from swarm.protocol import StageResult as R
-from swarm.types.jobs import ShardReceipt
+from silentswarm.jobspec import JobSpec, Partition
+from silentswarm.leader.jobs import JobManager, plan_schedule, resume_from
+from silentswarm.leader.placement import Candidate
+from silentswarm.plan import ModelConfig
+from silentswarm.protocol import JobState, StageOutcome
+from silentswarm.protocol import StageResult as R
+from silentswarm.types.jobs import ShardReceipt
 from tests.fakes import Clock
 
 

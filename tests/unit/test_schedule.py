@@ -2,7 +2,7 @@ import itertools
 
 import pytest
 
-from agent.runtime.schedule import (
+from silentswarm.agent.runtime.schedule import (
     Op,
     Step,
     bubble_fraction,

@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from swarm.errors import ConfigError
-from swarm.settings import Settings
+from silentswarm.errors import ConfigError
+from silentswarm.settings import Settings
 
 
 def test_defaults_match_the_documented_ones():

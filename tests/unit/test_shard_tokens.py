@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from agent.shardpush import SHARD_TOKEN_HEADER
-from leader.errors import ShardAccessError
-from leader.exports import ExportService
-from leader.jobs import JobManager, plan_schedule
+from silentswarm.agent.shardpush import SHARD_TOKEN_HEADER
+from silentswarm.leader.errors import ShardAccessError
+from silentswarm.leader.exports import ExportService
+from silentswarm.leader.jobs import JobManager, plan_schedule
 from tests.fakes import Clock
 from tests.unit.test_resume import fellow, push, running
 

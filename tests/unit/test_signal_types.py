@@ -8,11 +8,11 @@ from typing import Any
 import msgspec
 import pytest
 
-from swarm import protocol as p
-from swarm import subjects as topics
-from swarm.errors import ProtocolError
-from swarm.plan import ModelConfig, TrainConfig, single_process_plan
-from swarm.types.signals import (
+from silentswarm import protocol as p
+from silentswarm import subjects as topics
+from silentswarm.errors import ProtocolError
+from silentswarm.plan import ModelConfig, TrainConfig, single_process_plan
+from silentswarm.types.signals import (
     MAX_CREDS_CHARS,
     CheckpointArgs,
     PackageRef,

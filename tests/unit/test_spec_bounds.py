@@ -9,9 +9,9 @@ import json
 import msgspec
 import pytest
 
-from swarm.errors import FieldError
-from swarm.jobspec import JobSpec, decode_job_spec, decode_strict
-from swarm.plan import StagePlan
+from silentswarm.errors import FieldError
+from silentswarm.jobspec import JobSpec, decode_job_spec, decode_strict
+from silentswarm.plan import StagePlan
 
 # (field path, the largest accepted value, a value past it)
 BOUNDS = [

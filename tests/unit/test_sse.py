@@ -1,6 +1,6 @@
 """The CLI's SSE parser: the rules of the spec that matter to us."""
 
-from swarm.cli.sse import parse
+from silentswarm.cli.sse import parse
 
 
 def test_events_ids_comments_and_keepalives():

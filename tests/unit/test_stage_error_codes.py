@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from agent.errors import PeerTimeoutError
-from agent.runtime.main import stage_failed
-from agent.supervisor import StageRun
-from swarm.errors import ErrorCode
-from swarm.plan import ModelConfig, StagePlan, TrainConfig
-from swarm.protocol import StageResult
-from swarm.types.stage import ErrorEvent, decode_event, encode_event
+from silentswarm.agent.errors import PeerTimeoutError
+from silentswarm.agent.runtime.main import stage_failed
+from silentswarm.agent.supervisor import StageRun
+from silentswarm.errors import ErrorCode
+from silentswarm.plan import ModelConfig, StagePlan, TrainConfig
+from silentswarm.protocol import StageResult
+from silentswarm.types.stage import ErrorEvent, decode_event, encode_event
 
 PLAN = StagePlan(
     job_id="j",

@@ -11,11 +11,11 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from agent.runtime.control import parse_command
-from agent.supervisor import StageRun
-from swarm.plan import ModelConfig, TrainConfig, single_process_plan
-from swarm.protocol import StageResult
-from swarm.types.stage import (
+from silentswarm.agent.runtime.control import parse_command
+from silentswarm.agent.supervisor import StageRun
+from silentswarm.plan import ModelConfig, TrainConfig, single_process_plan
+from silentswarm.protocol import StageResult
+from silentswarm.types.stage import (
     CheckpointEvent,
     CheckpointRequest,
     DoneEvent,

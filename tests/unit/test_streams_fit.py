@@ -8,10 +8,10 @@ import msgspec
 import pytest
 from nats.js.errors import APIError, BadRequestError, ServerError, ServiceUnavailableError
 
-from leader.services.info import health_body
-from leader.storage import Throttle, storage_reasons
-from leader.store import StateStore
-from leader.streams import (
+from silentswarm.leader.services.info import health_body
+from silentswarm.leader.storage import Throttle, storage_reasons
+from silentswarm.leader.store import StateStore
+from silentswarm.leader.streams import (
     GIB,
     LOG_PER_SUBJECT,
     MIB,
@@ -28,7 +28,7 @@ from leader.streams import (
     progress_stream,
     settle,
 )
-from swarm.types.api import StreamUsage
+from silentswarm.types.api import StreamUsage
 from tests.fakes import Clock
 
 PROGRESS, LOGS = progress_stream("swarm"), log_stream("swarm")

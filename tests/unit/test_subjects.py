@@ -1,8 +1,8 @@
 import pytest
 
-from swarm import protocol as p
-from swarm import subjects as topics
-from swarm.errors import ProtocolError
+from silentswarm import protocol as p
+from silentswarm import subjects as topics
+from silentswarm.errors import ProtocolError
 
 
 def test_subjects_are_exactly_the_documented_per_fellow_families():

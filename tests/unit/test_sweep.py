@@ -9,10 +9,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from swarm.cli.experiments import job_numbers, runner, sweep
-from swarm.cli.experiments import suite as suites
-from swarm.errors import ConfigError
-from swarm.types.jobs import JobRecord
+from silentswarm.cli.experiments import job_numbers, runner, sweep
+from silentswarm.cli.experiments import suite as suites
+from silentswarm.errors import ConfigError
+from silentswarm.types.jobs import JobRecord
 from tests.fakes import fellow_record, gpu, job_record, node_view, placed_stage
 
 REPO = Path(__file__).resolve().parents[2]
@@ -427,7 +427,7 @@ class FakeLeader:
         self.cancelled: list[str] = []
 
     def submit(self, spec_json: bytes) -> JobRecord:
-        from swarm.errors import LeaderResponseError
+        from silentswarm.errors import LeaderResponseError
 
         spec = json.loads(spec_json)
         self.submitted.append(spec)

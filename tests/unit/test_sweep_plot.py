@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from swarm.cli.experiments import plot
+from silentswarm.cli.experiments import plot
 
 REPO = Path(__file__).resolve().parents[2]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -94,8 +94,8 @@ def test_without_matplotlib_a_sweep_is_a_clear_error_naming_the_extra(tmp_path):
 
 def test_without_matplotlib_drawing_raises_the_error_naming_the_extra():
     code = BLOCK_MATPLOTLIB + (
-        "from swarm.cli.experiments import plot\n"
-        "from swarm.errors import ExtraMissingError\n"
+        "from silentswarm.cli.experiments import plot\n"
+        "from silentswarm.errors import ExtraMissingError\n"
         "try:\n"
         "    plot.scatter_png([(1.0, 1.0, 'none')])\n"
         "except ExtraMissingError as exc:\n"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from swarm.types.jobs import JobRecord
-from swarm.types.views import (
+from silentswarm.types.jobs import JobRecord
+from silentswarm.types.views import (
     JobView,
     StageProgress,
     is_last_stage,

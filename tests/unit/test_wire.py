@@ -5,8 +5,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from agent.errors import FrameError
-from agent.pipe.wire import (
+from silentswarm.agent.errors import FrameError
+from silentswarm.agent.pipe.wire import (
     PROTOCOL_VERSION,
     CodecKind,
     Direction,
@@ -21,7 +21,7 @@ from agent.pipe.wire import (
     quantize,
     unpack_bits,
 )
-from swarm.errors import ConfigError
+from silentswarm.errors import ConfigError
 
 SHAPES = [(8, 64, 128), (3, 5), (1, 7)]
 INT_BITS = range(2, 9)

@@ -1,10 +1,11 @@
 """Glue an exported pipeline into one single-device Keras model, and prove it is the same model.
 
-``python -m agent.runtime.glue --export-dir DIR [--out OUT] [--data PATTERN ...] [--json]``
+``python -m silentswarm.agent.runtime.glue --export-dir DIR [--out OUT] [--data PATTERN ...]
+[--json]``
 
 A job's export directory (written by the leader) holds ``run_manifest.json`` and every stage's
 checkpoint of one step (``shards/step-N/stage-i.json`` + ``.npz``, exactly what
-:func:`agent.runtime.checkpoint.save_checkpoint` writes). Glueing, one module per step:
+:func:`silentswarm.agent.runtime.checkpoint.save_checkpoint` writes). Glueing, one module per step:
 
 1. :mod:`~agent.runtime.glue.manifest`: reads and checks the manifest (its types, the
    stages against the placement) and every file it lists (present, sha256 as recorded),
@@ -12,7 +13,7 @@ checkpoint of one step (``shards/step-N/stage-i.json`` + ``.npz``, exactly what
    ``glue: error: <file>: ...``, exit 2, nothing written;
 2. and 3. :mod:`~agent.runtime.glue.assemble`: rebuilds each stage's ``StageModel`` from the
    very plans the job ran and restores its checkpoint into it, then assembles a
-   :class:`agent.runtime.model.GluedTransformer` from them;
+   :class:`silentswarm.agent.runtime.model.GluedTransformer` from them;
 4. and 5. :mod:`~agent.runtime.glue.check`: checks that it reproduces the pipeline on the
    job's validation batches (:mod:`~agent.runtime.glue.data`: the same batches, built with
    the same configuration, as the last stage's validation in
@@ -22,23 +23,24 @@ checkpoint of one step (``shards/step-N/stage-i.json`` + ``.npz``, exactly what
    compares logits (if the ``.keras`` format fails: ``model.weights.h5`` + ``config.json``
    and ``"fallback": <reason>``);
 7. :mod:`~agent.runtime.glue.run`: writes ``inference_manifest.json``
-   (:class:`swarm.types.manifests.InferenceManifest`) next to it.
+   (:class:`silentswarm.types.manifests.InferenceManifest`) next to it.
 
 Output: one self-contained directory, ``OUT`` (default ``DIR/full_model``), holding
 ``model.keras`` (or the fallback pair) and ``inference_manifest.json``; it can be copied
-anywhere and read by ``python -m agent.runtime.generate --model-dir OUT``. It is built in a
-temporary sibling directory and renamed into place only when everything passed. Loading the
-model needs this package, whose ``agent.runtime.model`` registers the layers with Keras::
+anywhere and read by ``python -m silentswarm.agent.runtime.generate --model-dir OUT``. It is built
+in a temporary sibling directory and renamed into place only when everything passed. Loading the
+model needs this package, whose ``silentswarm.agent.runtime.model`` registers the layers with
+Keras::
 
-    import keras, agent.runtime.model
+    import keras, silentswarm.agent.runtime.model
     model = keras.saving.load_model("OUT/model.keras")  # tokens (batch, seq) -> logits
 
 The command line and its exit codes: :mod:`~agent.runtime.glue.cli`. Nothing here imports
 TensorFlow at import time.
 """
 
-from agent.runtime.glue.assemble import build_stage_models, glued_from_stages, plans_for
-from agent.runtime.glue.check import (
+from silentswarm.agent.runtime.glue.assemble import build_stage_models, glued_from_stages, plans_for
+from silentswarm.agent.runtime.glue.check import (
     CODEC_MISMATCH_FRACTION,
     STAGE_RTOL,
     Chain,
@@ -46,11 +48,16 @@ from agent.runtime.glue.check import (
     check_and_evaluate,
     end_to_end_rtol,
 )
-from agent.runtime.glue.cli import PROG, main, summary
-from agent.runtime.glue.data import ValidationData, validation_data
-from agent.runtime.glue.manifest import CheckedExport, StageFiles, read_run_manifest, sha256_file
-from agent.runtime.glue.run import GlueResult, glue
-from agent.runtime.glue.save import (
+from silentswarm.agent.runtime.glue.cli import PROG, main, summary
+from silentswarm.agent.runtime.glue.data import ValidationData, validation_data
+from silentswarm.agent.runtime.glue.manifest import (
+    CheckedExport,
+    StageFiles,
+    read_run_manifest,
+    sha256_file,
+)
+from silentswarm.agent.runtime.glue.run import GlueResult, glue
+from silentswarm.agent.runtime.glue.save import (
     CONFIG_FILE,
     DEFAULT_OUT,
     MODEL_FILE,
@@ -61,7 +68,7 @@ from agent.runtime.glue.save import (
     load_fallback,
     save_model,
 )
-from swarm.types.manifests import INFERENCE_MANIFEST, RUN_MANIFEST
+from silentswarm.types.manifests import INFERENCE_MANIFEST, RUN_MANIFEST
 
 __all__ = [
     "CODEC_MISMATCH_FRACTION",

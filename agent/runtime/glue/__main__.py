@@ -1,5 +1,5 @@
-"""``python -m agent.runtime.glue``: see :mod:`agent.runtime.glue.cli`."""
+"""``python -m silentswarm.agent.runtime.glue``: see :mod:`silentswarm.agent.runtime.glue.cli`."""
 
-from agent.runtime.glue.cli import main
+from silentswarm.agent.runtime.glue.cli import main
 
 raise SystemExit(main())

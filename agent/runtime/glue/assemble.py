@@ -1,8 +1,8 @@
 """Steps 2 and 3 of glue: the job's stage models restored from their shards, and one
-:class:`agent.runtime.model.GluedTransformer` built from them.
+:class:`silentswarm.agent.runtime.model.GluedTransformer` built from them.
 
 Each stage's ``StageModel`` is rebuilt from the very plans the job ran
-(:func:`swarm.jobspec.stage_plans`, GPU slots dropped so any machine can build them) and its
+(:func:`silentswarm.jobspec.stage_plans`, GPU slots dropped so any machine can build them) and its
 checkpoint restored into it. The glued model holds embed, the blocks in order, and at every
 stage boundary what the pipeline did there (the learned ``down``/``up`` bottleneck, the wire
 codec's round trip in TensorFlow ops), then the head; its variables are the stage models'
@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from agent.errors import GlueError, GlueMismatchError
-from agent.runtime.glue.manifest import CheckedExport
-from swarm.jobspec import stage_plans
-from swarm.plan import StagePlan
+from silentswarm.agent.errors import GlueError, GlueMismatchError
+from silentswarm.agent.runtime.glue.manifest import CheckedExport
+from silentswarm.jobspec import stage_plans
+from silentswarm.plan import StagePlan
 
 if TYPE_CHECKING:
-    from agent.runtime.model import GluedTransformer
-    from agent.runtime.stage_model import StageModel
+    from silentswarm.agent.runtime.model import GluedTransformer
+    from silentswarm.agent.runtime.stage_model import StageModel
 
 
 def plans_for(export: CheckedExport) -> list[StagePlan]:
@@ -38,9 +38,9 @@ def plans_for(export: CheckedExport) -> list[StagePlan]:
 
 
 def build_stage_models(export: CheckedExport, plans: list[StagePlan]) -> list[StageModel]:
-    from agent.errors import CheckpointError
-    from agent.runtime.checkpoint import load_checkpoint, restore_into
-    from agent.runtime.stage_model import StageModel
+    from silentswarm.agent.errors import CheckpointError
+    from silentswarm.agent.runtime.checkpoint import load_checkpoint, restore_into
+    from silentswarm.agent.runtime.stage_model import StageModel
 
     models = []
     for plan, files in zip(plans, export.stages, strict=True):
@@ -55,7 +55,7 @@ def build_stage_models(export: CheckedExport, plans: list[StagePlan]) -> list[St
 
 def glued_from_stages(models: list[StageModel]) -> GluedTransformer:
     """A GluedTransformer holding exactly the stage models' variables (values copied)."""
-    from agent.runtime.model import GluedTransformer
+    from silentswarm.agent.runtime.model import GluedTransformer
 
     plans = [m.plan for m in models]
     first = plans[0]

@@ -40,15 +40,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from agent.errors import GlueMismatchError
-from agent.pipe.wire import CodecKind, WireCodec, parse_wire_codec
-from swarm.types.manifests import GlueCheck
+from silentswarm.agent.errors import GlueMismatchError
+from silentswarm.agent.pipe.wire import CodecKind, WireCodec, parse_wire_codec
+from silentswarm.types.manifests import GlueCheck
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from agent.runtime.model import GluedTransformer
-    from agent.runtime.stage_model import StageModel
+    from silentswarm.agent.runtime.model import GluedTransformer
+    from silentswarm.agent.runtime.stage_model import StageModel
 
 STAGE_RTOL = 1e-3  # per stage and end to end without a lossy codec, times max(1, max|ref|)
 CODEC_MISMATCH_FRACTION = 1e-4
@@ -82,8 +82,8 @@ class Chain:
     def __init__(self, models: list[StageModel]) -> None:
         import tensorflow as tf
 
-        from agent.runtime.model import Head
-        from swarm.compression import parse_compression
+        from silentswarm.agent.runtime.model import Head
+        from silentswarm.compression import parse_compression
 
         self.models = models
         last = models[-1]
@@ -106,7 +106,7 @@ class Chain:
 
     def wire(self, array: np.ndarray, *, step: int = 0, micro: int = 0) -> np.ndarray:
         """What the next stage receives: encoded into a frame, over "the wire", decoded."""
-        from agent.pipe.wire import Direction, decode_frame, encode_frame
+        from silentswarm.agent.pipe.wire import Direction, decode_frame, encode_frame
 
         plan = self.models[0].plan
         _, parts = encode_frame(
@@ -190,7 +190,7 @@ def check_and_evaluate(
     import numpy as np
     import tensorflow as tf
 
-    from agent.runtime.model import token_loss
+    from silentswarm.agent.runtime.model import token_loss
 
     n = len(chain.models)
     codec = chain.codec

@@ -1,4 +1,5 @@
-"""``python -m agent.runtime.glue --export-dir DIR [--out OUT] [--data PATTERN ...] [--json]``
+"""``python -m silentswarm.agent.runtime.glue --export-dir DIR [--out OUT] [--data PATTERN ...]
+[--json]``
 
 Exit codes: 0 glued; 1 the glued model does not reproduce the pipeline (or TensorFlow
 failed); 2 a bad argument, manifest, missing or corrupt file, or unreadable data. Errors are
@@ -13,11 +14,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from agent.runtime.glue.manifest import read_run_manifest
-from agent.runtime.glue.run import GlueResult, glue
-from agent.runtime.glue.save import DEFAULT_OUT, check_out
-from agent.runtime.tool import ToolParser, exit_with
-from swarm.errors import SwarmError
+from silentswarm.agent.runtime.glue.manifest import read_run_manifest
+from silentswarm.agent.runtime.glue.run import GlueResult, glue
+from silentswarm.agent.runtime.glue.save import DEFAULT_OUT, check_out
+from silentswarm.agent.runtime.tool import ToolParser, exit_with
+from silentswarm.errors import SwarmError
 
 PROG = "glue"
 
@@ -78,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Fail fast, before TensorFlow starts.
         export = read_run_manifest(args.export_dir)
         check_out(args.export_dir, args.out or args.export_dir / DEFAULT_OUT)
-        from agent.runtime.tfsetup import configure_tensorflow
+        from silentswarm.agent.runtime.tfsetup import configure_tensorflow
 
         configure_tensorflow(intra_op_threads=os.cpu_count() or 1)
         import tensorflow as tf

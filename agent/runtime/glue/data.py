@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from agent.errors import GlueError
-from swarm.plan import StagePlan
-from swarm.types.manifests import DataInfo
+from silentswarm.agent.errors import GlueError
+from silentswarm.plan import StagePlan
+from silentswarm.types.manifests import DataInfo
 
 if TYPE_CHECKING:
     import numpy as np
@@ -37,8 +37,8 @@ def validation_data(plan: StagePlan, data: Sequence[str] | None) -> ValidationDa
     """
     import numpy as np
 
-    from agent.errors import DataError
-    from agent.runtime.data import job_dataset, job_val_batches
+    from silentswarm.agent.errors import DataError
+    from silentswarm.agent.runtime.data import job_dataset, job_val_batches
 
     train = plan.train
     patterns = list(data) if data else list(train.data)

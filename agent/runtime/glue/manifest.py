@@ -1,7 +1,7 @@
 """Step 1 of glue: an export directory's ``run_manifest.json`` and every file it lists, checked.
 
 No TensorFlow here: a missing or corrupt shard is found before TensorFlow is imported. The
-manifest's fields and types are the Struct's (:class:`swarm.types.manifests.RunManifest`);
+manifest's fields and types are the Struct's (:class:`silentswarm.types.manifests.RunManifest`);
 this module checks what the types cannot: the spec is valid, the stages are the placement's,
 every path stays inside the export directory, every file is there with the recorded sha256,
 and each checkpoint's own JSON describes the stage and step the manifest says it does.
@@ -17,10 +17,15 @@ from pathlib import Path
 
 import msgspec
 
-from agent.errors import GlueError
-from swarm.errors import ManifestError
-from swarm.jobspec import JobSpec, Placement
-from swarm.types.manifests import RUN_MANIFEST, ExportedShard, RunManifest, decode_run_manifest
+from silentswarm.agent.errors import GlueError
+from silentswarm.errors import ManifestError
+from silentswarm.jobspec import JobSpec, Placement
+from silentswarm.types.manifests import (
+    RUN_MANIFEST,
+    ExportedShard,
+    RunManifest,
+    decode_run_manifest,
+)
 
 
 @dataclass(frozen=True)

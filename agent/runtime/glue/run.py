@@ -11,11 +11,11 @@ from pathlib import Path
 
 import msgspec
 
-from agent.runtime.glue import assemble
-from agent.runtime.glue.check import Chain, CheckResult, check_and_evaluate
-from agent.runtime.glue.data import validation_data
-from agent.runtime.glue.manifest import CheckedExport, read_run_manifest
-from agent.runtime.glue.save import (
+from silentswarm.agent.runtime.glue import assemble
+from silentswarm.agent.runtime.glue.check import Chain, CheckResult, check_and_evaluate
+from silentswarm.agent.runtime.glue.data import validation_data
+from silentswarm.agent.runtime.glue.manifest import CheckedExport, read_run_manifest
+from silentswarm.agent.runtime.glue.save import (
     DEFAULT_OUT,
     SavedModel,
     check_out,
@@ -23,7 +23,7 @@ from agent.runtime.glue.save import (
     save_model,
     temp_dir,
 )
-from swarm.types.manifests import (
+from silentswarm.types.manifests import (
     INFERENCE_MANIFEST,
     DataInfo,
     FileEntry,
@@ -97,8 +97,8 @@ def _inference_manifest(
     import keras
     import tensorflow as tf
 
-    import swarm
-    from swarm.compression import parse_compression
+    import silentswarm
+    from silentswarm.compression import parse_compression
 
     spec, run = export.spec, export.manifest
     compression = parse_compression(spec.compression, d_model=spec.model.d_model)
@@ -130,7 +130,7 @@ def _inference_manifest(
         data=data,
         keras_version=keras.__version__,
         tensorflow_version=tf.__version__,
-        package_version=swarm.__version__,
+        package_version=silentswarm.__version__,
         run_package_version=run.package_version,
         run_manifest_sha256=export.sha256,
         export_dir=str(export_dir.resolve()),

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agent.errors import GlueError, GlueMismatchError
-from agent.runtime.glue.manifest import sha256_file
-from swarm.types.manifests import INFERENCE_MANIFEST, FileEntry
+from silentswarm.agent.errors import GlueError, GlueMismatchError
+from silentswarm.agent.runtime.glue.manifest import sha256_file
+from silentswarm.types.manifests import INFERENCE_MANIFEST, FileEntry
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from agent.runtime.model import GluedTransformer
+    from silentswarm.agent.runtime.model import GluedTransformer
 
 DEFAULT_OUT = "full_model"
 MODEL_FILE = "model.keras"
@@ -66,7 +66,7 @@ def save_model(
     """Save (``.keras``, else weights + config) and prove it loads back to the same logits."""
     import keras
 
-    from agent.runtime.model import GluedTransformer
+    from silentswarm.agent.runtime.model import GluedTransformer
 
     tolerance = RELOAD_RTOL * max(1.0, float(abs(want).max()))
     path = directory / MODEL_FILE
@@ -98,7 +98,7 @@ def save_model(
 
 def load_fallback(directory: Path) -> GluedTransformer:
     """A model saved as ``config.json`` + ``model.weights.h5``."""
-    from agent.runtime.model import GluedTransformer
+    from silentswarm.agent.runtime.model import GluedTransformer
 
     config = json.loads((directory / CONFIG_FILE).read_text())
     model = GluedTransformer.from_config(config)

@@ -1,2 +1,2 @@
 """The ``swarm`` commands, one module per subject; each module's ``register(app)`` adds its
-commands to the app (:mod:`swarm.cli.app` assembles them)."""
+commands to the app (:mod:`silentswarm.cli.app` assembles them)."""

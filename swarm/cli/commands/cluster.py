@@ -1,6 +1,6 @@
 """The cluster as a whole: ``info`` (the leader's view of it), ``start-cluster`` and
 ``stop-cluster`` (a local swarm as background processes; the mechanics are
-:mod:`swarm.cli.cluster`)."""
+:mod:`silentswarm.cli.cluster`)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import cyclopts
 import msgspec
 from cyclopts import Parameter
 
-from swarm.cli import cluster
-from swarm.cli.context import Ctx
-from swarm.errors import ConfigError
+from silentswarm.cli import cluster
+from silentswarm.cli.context import Ctx
+from silentswarm.errors import ConfigError
 
 STATE_DIR = Parameter(help="[SWARM_STATE_DIR, default ./.swarm]")
 

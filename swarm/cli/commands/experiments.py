@@ -1,5 +1,5 @@
 """Experiments: ``swarm sweep``, a grid of jobs run one after another (the logic is
-:mod:`swarm.cli.experiments`)."""
+:mod:`silentswarm.cli.experiments`)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from typing import Annotated, Any, Literal
 import cyclopts
 from cyclopts import Parameter
 
-from swarm.cli.commands.jobs import read_config
-from swarm.cli.context import CliContext, Ctx
-from swarm.cli.experiments import plot, runner
-from swarm.cli.experiments import sweep as sweeps
-from swarm.errors import ConfigError, ExtraMissingError, SweepRefusedError
-from swarm.subjects import TOKEN_RE
+from silentswarm.cli.commands.jobs import read_config
+from silentswarm.cli.context import CliContext, Ctx
+from silentswarm.cli.experiments import plot, runner
+from silentswarm.cli.experiments import sweep as sweeps
+from silentswarm.errors import ConfigError, ExtraMissingError, SweepRefusedError
+from silentswarm.subjects import TOKEN_RE
 
 
 def sweep(

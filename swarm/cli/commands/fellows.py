@@ -11,10 +11,10 @@ import cyclopts
 import msgspec
 from cyclopts import Parameter
 
-from swarm.cli import render, sse
-from swarm.cli.client import decode_answer
-from swarm.cli.context import CliContext, Ctx
-from swarm.types.fleet import LogEntry
+from silentswarm.cli import render, sse
+from silentswarm.cli.client import decode_answer
+from silentswarm.cli.context import CliContext, Ctx
+from silentswarm.types.fleet import LogEntry
 
 
 def fellows(*, ctx: Ctx) -> None:

@@ -11,11 +11,11 @@ from typing import Annotated, Any, Literal
 import cyclopts
 from cyclopts import Parameter
 
-from swarm.cli import render
-from swarm.cli.context import Ctx
-from swarm.cli.watch import watch_job, watch_stream
-from swarm.errors import ConfigError
-from swarm.jobspec import decode_job_spec
+from silentswarm.cli import render
+from silentswarm.cli.context import Ctx
+from silentswarm.cli.watch import watch_job, watch_stream
+from silentswarm.errors import ConfigError
+from silentswarm.jobspec import decode_job_spec
 
 
 def jobs(*, ctx: Ctx) -> None:

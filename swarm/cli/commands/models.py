@@ -13,7 +13,7 @@ from typing import Annotated
 import cyclopts
 from cyclopts import Parameter
 
-from swarm.cli.context import Ctx
+from silentswarm.cli.context import Ctx
 
 
 def glue(
@@ -26,7 +26,7 @@ def glue(
 ) -> None:
     """Assemble a job's pushed shards into one Keras model, checked against the pipeline."""
     argv = ["--export-dir", str(export_dir), *(["--out", str(out)] if out else [])]
-    run_runtime("agent.runtime.glue", [*argv, *(["--json"] if ctx.json else [])])
+    run_runtime("silentswarm.agent.runtime.glue", [*argv, *(["--json"] if ctx.json else [])])
 
 
 def generate(
@@ -40,7 +40,7 @@ def generate(
 ) -> None:
     """Sample text from a glued model."""
     run_runtime(
-        "agent.runtime.generate",
+        "silentswarm.agent.runtime.generate",
         [
             "--model-dir",
             str(model_dir),

@@ -10,10 +10,10 @@ from typing import Annotated
 import cyclopts
 from cyclopts import Parameter
 
-from swarm.cli.context import Ctx
-from swarm.errors import ConfigError
-from swarm.natsauth import NatsAuthority, fellow_permissions
-from swarm.subjects import TOKEN_RE
+from silentswarm.cli.context import Ctx
+from silentswarm.errors import ConfigError
+from silentswarm.natsauth import NatsAuthority, fellow_permissions
+from silentswarm.subjects import TOKEN_RE
 
 AUTH_DIR = Parameter(
     help="The authority directory [SWARM_NATS_AUTH_DIR, default <state>/nats-auth]"

@@ -7,8 +7,8 @@ from typing import Annotated
 import cyclopts
 from cyclopts import Parameter
 
-from swarm.cli import render
-from swarm.cli.context import Ctx
+from silentswarm.cli import render
+from silentswarm.cli.context import Ctx
 
 
 def create(

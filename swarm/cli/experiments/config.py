@@ -6,7 +6,7 @@ from typing import TypeVar
 
 import msgspec
 
-from swarm.errors import ConfigError
+from silentswarm.errors import ConfigError
 
 T = TypeVar("T")
 

@@ -3,9 +3,9 @@ step per stage boundary, and the compression they achieved against float32."""
 
 from __future__ import annotations
 
-from swarm.compression import parse_compression
-from swarm.jobspec import JobSpec
-from swarm.types.jobs import JobRecord
+from silentswarm.compression import parse_compression
+from silentswarm.jobspec import JobSpec
+from silentswarm.types.jobs import JobRecord
 
 FP32_BYTES = 4
 

@@ -13,7 +13,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
-from swarm.errors import ExtraMissingError
+from silentswarm.errors import ExtraMissingError
 
 PLOT_FILE = "val_loss_vs_bytes.png"
 INSTALL_HINT = "pip install 'silentswarm[plots]'"

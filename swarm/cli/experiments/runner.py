@@ -19,8 +19,8 @@ from typing import Protocol
 
 import msgspec
 
-from swarm.cli.experiments import plot
-from swarm.cli.experiments.sweep import (
+from silentswarm.cli.experiments import plot
+from silentswarm.cli.experiments.sweep import (
     Sweep,
     SweepPoint,
     merge_row,
@@ -28,15 +28,16 @@ from swarm.cli.experiments.sweep import (
     progress_line,
     result_row,
 )
-from swarm.errors import LeaderResponseError, LeaderUnreachableError
-from swarm.types.jobs import JobRecord
+from silentswarm.errors import LeaderResponseError, LeaderUnreachableError
+from silentswarm.types.jobs import JobRecord
 
 TERMINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED"})
 FP32_BYTES = 4
 
 
 class JobsClient(Protocol):
-    """What sweeps ask of the leader (:class:`swarm.cli.client.LeaderClient`; tests fake it)."""
+    """What sweeps ask of the leader (:class:`silentswarm.cli.client.LeaderClient`; tests fake
+    it)."""
 
     def submit(self, spec_json: bytes) -> JobRecord: ...
 

@@ -22,12 +22,12 @@ from typing import Any, Literal
 
 import msgspec
 
-from swarm.cli.experiments import job_numbers
-from swarm.cli.experiments.config import decode_config
-from swarm.errors import ConfigError, FieldError
-from swarm.jobspec import JobSpec, decode_job_spec
-from swarm.types.fleet import FellowRecord
-from swarm.types.jobs import JobRecord
+from silentswarm.cli.experiments import job_numbers
+from silentswarm.cli.experiments.config import decode_config
+from silentswarm.errors import ConfigError, FieldError
+from silentswarm.jobspec import JobSpec, decode_job_spec
+from silentswarm.types.fleet import FellowRecord
+from silentswarm.types.jobs import JobRecord
 
 GIB = 2**30
 USABLE_STATUSES = frozenset({"ready"})

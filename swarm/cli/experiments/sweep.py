@@ -27,12 +27,12 @@ from typing import Any
 
 import msgspec
 
-from swarm.cli.experiments.config import decode_config
-from swarm.cli.experiments.job_numbers import bytes_per_step_per_boundary, compression_ratio
-from swarm.errors import ConfigError, FieldError
-from swarm.jobspec import JobSpec, decode_job_spec
-from swarm.types.fleet import NodeView
-from swarm.types.jobs import JobRecord
+from silentswarm.cli.experiments.config import decode_config
+from silentswarm.cli.experiments.job_numbers import bytes_per_step_per_boundary, compression_ratio
+from silentswarm.errors import ConfigError, FieldError
+from silentswarm.jobspec import JobSpec, decode_job_spec
+from silentswarm.types.fleet import NodeView
+from silentswarm.types.jobs import JobRecord
 
 # Columns of results.csv around the grid values (which sit between point_id and job_id).
 HEAD_COLUMNS = ["point_id"]
