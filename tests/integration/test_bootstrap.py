@@ -7,6 +7,8 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
+import shutil
 import stat
 import subprocess
 import sysconfig
@@ -23,6 +25,11 @@ from tests.helpers import child_env, kill_tree, swarm_cli, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 SITE_PACKAGES = sysconfig.get_paths()["purelib"]
+# The last wheel of the old layout (top-level swarm, leader, agent): `git archive 073549c`
+# built with `pip wheel --no-deps`. Its fellows must be able to UPDATE to this package.
+OLD_LAYOUT_WHEEL = (
+    Path(__file__).resolve().parents[1] / "data" / "silentswarm-0.1.0-py3-none-any.whl"
+)
 
 
 def create_session(leader, **body):
@@ -197,10 +204,15 @@ def wheels(tmp_path):
     return directory
 
 
-def test_update_reinstalls_the_newer_package_the_leader_serves(
+def test_update_takes_an_old_layout_fellow_to_this_package_and_this_one_to_a_newer(
     procs, secure_nats, nats_authority, tmp_path, wheels
 ):
-    env = {**secure_env(nats_authority), "SWARM_BOOTSTRAP_WHEEL": str(wheels)}
+    """0.1 (top-level `agent`, tests/data's wheel) -> this version -> a newer build, on one
+    fellow that fellow.sh installed and started as a bare background process."""
+    served = tmp_path / "served"
+    served.mkdir()
+    shutil.copy2(OLD_LAYOUT_WHEEL, served / OLD_LAYOUT_WHEEL.name)
+    env = {**secure_env(nats_authority), "SWARM_BOOTSTRAP_WHEEL": str(served)}
     started = leader_process(procs, secure_nats, tmp_path, **env)
     leader = next(started)
     script = fetch_script(leader, tmp_path)
@@ -210,36 +222,43 @@ def test_update_reinstalls_the_newer_package_the_leader_serves(
     try:
         done = run_script(leader, script, session, prefix, tmp_path)
         assert done.returncode == 0, done.stdout + done.stderr
-        before = leader.wait_status("rolling-1", "ready", timeout=60)["version"]
-        # A fellow of the old layout (0.1, top-level `agent`) re-execs `python -P -m
-        # agent.main` once its UPDATE installed this package: that runs this agent.
-        legacy = subprocess.run(
-            [str(prefix / "venv" / "bin" / "python"), "-P", "-m", "agent.main", "--help"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd=tmp_path,
-            env=child_env(),
-        )
-        assert legacy.returncode == 0, legacy.stderr
-        assert "Usage: swarm-agent" in legacy.stdout
-        [current] = wheels.glob("*.whl")
-        newer = with_version(current, f"{before}.post7", wheels)
+        assert leader.wait_status("rolling-1", "ready", timeout=60)["version"] == "0.1.0"
+        pid = int(pid_file.read_text())
 
-        updated = swarm_cli(leader, "update", "--fellow-id", "rolling-1", timeout=30)
-        assert updated.returncode == 0, updated.stderr
-        assert f"reinstalling {newer.name}" in updated.stdout
-        wait_for(
-            lambda: leader.workers()["rolling-1"]["version"] == f"{before}.post7",
-            timeout=150,
-            what="the fellow to come back with the new version",
-        )
-        assert leader.status("rolling-1") == "ready"
-        assert (prefix / "dist" / newer.name).exists()
+        # The old agent re-execs `python -P -m agent.main`: the wheel's legacy module.
+        [current] = wheels.glob("*.whl")
+        version = current.name.split("-")[1]
+        update_to(leader, served, current, version, prefix)
+        assert psutil.Process(pid).cmdline()[1:4] == ["-P", "-m", "agent.main"], "same pid"
+
+        # This agent re-execs its own module.
+        newer = with_version(current, f"{version}.post7", tmp_path)
+        update_to(leader, served, newer, f"{version}.post7", prefix)
+        assert psutil.Process(pid).cmdline()[1:4] == ["-P", "-m", "silentswarm.agent.main"]
+        assert not list((prefix / "venv").glob("lib/python*/site-packages/leader"))
     finally:
         if pid_file.exists():
             kill_tree(int(pid_file.read_text()))
         started.close()
+
+
+def update_to(leader, served: Path, wheel: Path, version: str, prefix: Path) -> None:
+    """Serve ``wheel`` (the newest in ``served``), UPDATE rolling-1, wait for ``version``."""
+    target = served / wheel.name
+    if wheel != target:
+        shutil.copy2(wheel, target)
+    newest = max(p.stat().st_mtime_ns for p in served.iterdir())
+    os.utime(target, ns=(newest + 1_000_000, newest + 1_000_000))
+    updated = swarm_cli(leader, "update", "--fellow-id", "rolling-1", timeout=30)
+    assert updated.returncode == 0, updated.stderr
+    assert f"reinstalling {wheel.name}" in updated.stdout
+    wait_for(
+        lambda: leader.workers()["rolling-1"]["version"] == version,
+        timeout=150,
+        what=f"the fellow to come back with {version}",
+    )
+    assert leader.status("rolling-1") == "ready"
+    assert (prefix / "dist" / wheel.name).exists()
 
 
 def with_version(wheel: Path, version: str, out_dir: Path) -> Path:
