@@ -16,16 +16,15 @@ Everything here is pure: decoding and decisions, no I/O.
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import msgspec
 
 from silentswarm.cli.experiments import job_numbers
-from silentswarm.cli.experiments.config import decode_config
-from silentswarm.errors import ConfigError, FieldError
-from silentswarm.jobspec import JobSpec, decode_job_spec
+from silentswarm.cli.experiments.config import decode_config, spec_of
+from silentswarm.errors import ConfigError
+from silentswarm.jobspec import JobSpec
 from silentswarm.types.fleet import FellowRecord
 from silentswarm.types.jobs import JobRecord
 
@@ -156,15 +155,7 @@ def _resolve(config: SuiteConfig, scenario: Scenario, source: str) -> ResolvedSc
         raise ConfigError(f"{where}.repeats: must be >= 1")
     doc = deep_merge(deep_merge(config.base, profile), scenario.job)
     doc.setdefault("name", f"{config.name}-{scenario.name}")
-    spec_json = json.dumps(doc, sort_keys=True).encode()
-    try:
-        spec = decode_job_spec(spec_json)
-    except FieldError as exc:
-        raise ConfigError(
-            f"{where}.job: {exc.field}: {exc.message.removeprefix(exc.field + ': ')}"
-        ) from None
-    except ConfigError as exc:
-        raise ConfigError(f"{where}.job: {exc.message}") from None
+    spec, spec_json = spec_of(doc, where=f"{where}.job")
     if spec.stages is not None and spec.stages > infra.fellows:
         raise ConfigError(
             f"{where}.job: stages ({spec.stages}) needs more fellows than infra "

@@ -27,10 +27,10 @@ from typing import Any
 
 import msgspec
 
-from silentswarm.cli.experiments.config import decode_config
+from silentswarm.cli.experiments.config import decode_config, spec_of
 from silentswarm.cli.experiments.job_numbers import bytes_per_step_per_boundary, compression_ratio
-from silentswarm.errors import ConfigError, FieldError
-from silentswarm.jobspec import JobSpec, decode_job_spec
+from silentswarm.errors import ConfigError
+from silentswarm.jobspec import JobSpec
 from silentswarm.types.fleet import NodeView
 from silentswarm.types.jobs import JobRecord
 
@@ -154,16 +154,7 @@ def expand(
         for axis, value in values.items():
             set_dotted(doc, axis, copy.deepcopy(value))
         doc["name"] = f"{config.name}-{pid}"[:128]
-        spec_json = json.dumps(doc, sort_keys=True).encode()
-        try:
-            spec = decode_job_spec(spec_json)
-        except FieldError as exc:
-            raise ConfigError(
-                f"{source}: point {pid} {canonical(values)}: {exc.field}: "
-                f"{exc.message.removeprefix(exc.field + ': ')}"
-            ) from None
-        except ConfigError as exc:
-            raise ConfigError(f"{source}: point {pid} {canonical(values)}: {exc.message}") from None
+        spec, spec_json = spec_of(doc, where=f"{source}: point {pid} {canonical(values)}")
         points.append(SweepPoint(point_id=pid, values=values, spec=spec, spec_json=spec_json))
     return Sweep(
         sweep_id=sweep_id_override or sweep_id(config, overrides),
