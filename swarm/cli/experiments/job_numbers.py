@@ -7,6 +7,16 @@ from silentswarm.compression import parse_compression
 from silentswarm.jobspec import JobSpec
 from silentswarm.types.jobs import JobRecord
 
+# What a finished job gives a sweep's CSV row and a suite's summary, in that order.
+RESULT_FIELDS = (
+    "final_loss",
+    "final_val_loss",
+    "tokens_per_s",
+    "step_time_s",
+    "bytes_per_step_per_boundary",
+    "compression_ratio_vs_fp32",
+)
+
 FP32_BYTES = 4
 
 

@@ -299,14 +299,7 @@ def run_results(job: JobRecord) -> dict[str, Any]:
     }
 
 
-SUMMARY_FIELDS = (
-    "final_loss",
-    "final_val_loss",
-    "tokens_per_s",
-    "step_time_s",
-    "bytes_per_step_per_boundary",
-    "compression_ratio_vs_fp32",
-)
+SUMMARY_FIELDS = job_numbers.RESULT_FIELDS
 
 
 def summarize(results: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, Any]:

@@ -28,7 +28,11 @@ from typing import Any
 import msgspec
 
 from silentswarm.cli.experiments.config import decode_config, spec_of
-from silentswarm.cli.experiments.job_numbers import bytes_per_step_per_boundary, compression_ratio
+from silentswarm.cli.experiments.job_numbers import (
+    RESULT_FIELDS,
+    bytes_per_step_per_boundary,
+    compression_ratio,
+)
 from silentswarm.errors import ConfigError
 from silentswarm.jobspec import JobSpec
 from silentswarm.types.fleet import NodeView
@@ -36,17 +40,7 @@ from silentswarm.types.jobs import JobRecord
 
 # Columns of results.csv around the grid values (which sit between point_id and job_id).
 HEAD_COLUMNS = ["point_id"]
-TAIL_COLUMNS = [
-    "job_id",
-    "state",
-    "final_loss",
-    "final_val_loss",
-    "tokens_per_s",
-    "step_time_s",
-    "bytes_per_step_per_boundary",
-    "compression_ratio_vs_fp32",
-    "reason",
-]
+TAIL_COLUMNS = ["job_id", "state", *RESULT_FIELDS, "reason"]
 # The numbers a finished job gives a row (empty for a point that never got a job).
 NUMBER_COLUMNS = TAIL_COLUMNS[2:-1]
 
