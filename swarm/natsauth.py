@@ -8,7 +8,7 @@ when the fellow connects. Each fellow's user may publish only its own subjects (
 
 Everything lives in one directory (the *authority*), private to its owner (0700/0600):
 ``operator.nk``, ``account.nk``, ``system.nk`` (seeds), ``server.conf`` (what nats-server
-needs), ``silentswarm.leader.creds``, and ``fellows/<name>.creds`` for the users minted here.
+needs), ``leader.creds``, and ``fellows/<name>.creds`` for the users minted here.
 """
 
 from __future__ import annotations
@@ -280,7 +280,7 @@ class NatsAuthority:
 
     @property
     def leader_creds_path(self) -> Path:
-        return self.dir / "silentswarm.leader.creds"
+        return self.dir / "leader.creds"
 
     def fellow_creds_path(self, fellow_id: str) -> Path:
         return self.dir / "fellows" / f"{fellow_id}.creds"

@@ -47,7 +47,7 @@ from silentswarm.procs import (
 )
 
 SERVER_NAME = "swarm-nats"
-LOCK_FILE = "silentswarm.lock"
+LOCK_FILE = "swarm.lock"
 PORT_FILE = "swarm-port.json"
 log = logging.getLogger("silentswarm.natsd")
 

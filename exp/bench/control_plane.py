@@ -303,7 +303,7 @@ def start_leader(stack: contextlib.ExitStack, work: Path, nats_url: str) -> tupl
     """The leader, pinned to core 0; returns (its psutil.Process, URL, token)."""
     port, token = free_port(), secrets.token_urlsafe(16)
     pin = ["taskset", "-c", "0"] if shutil.which("taskset") else []
-    log = work / "silentswarm.leader.log"
+    log = work / "leader.log"
     proc = spawn(
         [*pin, sys.executable, "-m", "silentswarm.leader.main"],
         log_path=log,

@@ -215,7 +215,7 @@ def test_the_store_lock_outlives_the_process_that_started_the_server(tmp_path):
     server = psutil.Process(int(pid))
     try:
         assert not is_gone(server), "the starter has exited; its server runs"
-        assert is_locked(store / "silentswarm.lock")
+        assert is_locked(store / "swarm.lock")
         holder = store_lock_state(store).holder
         assert holder is not None
         assert holder.server == identity_of(server.pid) and holder.url == url
@@ -231,7 +231,7 @@ def test_the_store_lock_outlives_the_process_that_started_the_server(tmp_path):
         assert _nats_servers_on(store) == [server.pid]
     finally:
         stop_processes([server])
-    assert not is_locked(store / "silentswarm.lock"), "the lock died with the server"
+    assert not is_locked(store / "swarm.lock"), "the lock died with the server"
     again = start_nats_server(
         host="127.0.0.1", port=0, store_dir=store, log_path=tmp_path / "n.log", tie_to_parent=True
     )
@@ -303,7 +303,7 @@ def test_stop_cluster_never_signals_a_process_that_is_not_ours(procs, tmp_path):
             name="leader",
             role="leader",
             pid=victim.pid,
-            log="silentswarm.leader.log",
+            log="leader.log",
             identity=ProcessIdentity(victim.pid, identity.start_ticks + 1, identity.boot_id),
         ),
         ClusterProcess(
@@ -465,7 +465,7 @@ def test_a_busy_kept_port_is_a_clear_error_not_a_quiet_new_port(tmp_path):
             )
     message = busy.value.message
     assert f"port {port}" in message and PORT_FILE in message and "SWARM_NATS_PORT" in message
-    assert not is_locked(store / "silentswarm.lock"), "a start that failed holds nothing"
+    assert not is_locked(store / "swarm.lock"), "a start that failed holds nothing"
     moved = start_nats_server(
         host="127.0.0.1",
         port=free_port(),

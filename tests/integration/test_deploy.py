@@ -215,7 +215,7 @@ def test_the_leader_and_nats_tasks_get_the_nats_authority_from_variables(nats_au
         "operator_nk": (auth / "operator.nk").read_text(),
         "account_nk": (auth / "account.nk").read_text(),
         "system_nk": (auth / "system.nk").read_text(),
-        "leader_creds": (auth / "silentswarm.leader.creds").read_text(),
+        "leader_creds": (auth / "leader.creds").read_text(),
         "enroll_token": "fleet-secret",
     }
     nats_var = {"server_conf": nats_authority.server_config_path.read_text()}

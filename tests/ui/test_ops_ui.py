@@ -165,7 +165,7 @@ def test_ops_ui_shows_fellows_logs_loss_and_the_cluster(
     wait_for(
         lambda: count(browser, "table.placement tbody tr") == 2, timeout=10, what="the placement"
     )
-    browser.save_screenshot(str(shots / "silentswarm.leader.png"))
+    browser.save_screenshot(str(shots / "leader.png"))
 
     # A narrow screen still shows everything (one column).
     browser.set_window_size(420, 900)
@@ -175,7 +175,7 @@ def test_ops_ui_shows_fellows_logs_loss_and_the_cluster(
     assert sorted(p.name for p in shots.iterdir()) == [
         "fellow.png",
         "job.png",
-        "silentswarm.leader.png",
+        "leader.png",
         "narrow.png",
         "overview.png",
     ]

@@ -86,7 +86,7 @@ def test_the_authority_is_created_once_privately_and_reloaded(tmp_path):
         "operator.nk",
         "account.nk",
         "system.nk",
-        "silentswarm.leader.creds",
+        "leader.creds",
         "server.conf",
     ):
         assert stat.S_IMODE((directory / name).stat().st_mode) == 0o600, name
