@@ -2,9 +2,8 @@
 
 Each function takes plain data (job and fellow records, the loop's own bookkeeping, ``now``)
 and returns what to do; :mod:`silentswarm.leader.orchestrator` gathers the data, applies the
-decisions and does the I/O. The decisions about one job's record (placing, reconciling, resuming)
-are
-:mod:`silentswarm.leader.jobs`'s; these are the loop's:
+decisions and does the I/O. The decisions about one job's record (placing, reconciling,
+resuming) are :mod:`silentswarm.leader.jobs`'s; these are the loop's:
 
 - which fellows may be placed now (:func:`idle_candidates`), and what a START round's acks
   mean (:func:`judge_start`);

@@ -14,8 +14,7 @@ each fellow offers: :mod:`silentswarm.telemetry`). The rules:
 - Inside a fellow, ``gpu_slots`` split its layers over its eligible GPUs by free VRAM, the
   GPU with the most free memory last, so it also hosts the head on the last stage.
 - Every stage and every slot must fit its memory estimate (:mod:`silentswarm.leader.memory`); a job
-that
-  does not fit is unplaceable with the numbers.
+  that does not fit is unplaceable with the numbers.
 """
 
 from __future__ import annotations

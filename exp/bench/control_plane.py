@@ -8,9 +8,8 @@ This bench measures exactly that, against the real processes, for N = 100, 1,000
 Set-up per N (everything fresh, in a temp dir):
 
 - nats-server (``silentswarm.natsd``, JetStream on, dev mode: no users);
-- the leader (``python -m silentswarm.leader.main``), pinned to core 0 with ``taskset -c 0`` when
-taskset
-  exists, so its CPU share is one core's worth;
+- the leader (``python -m silentswarm.leader.main``), pinned to core 0 with ``taskset -c 0``
+  when taskset exists, so its CPU share is one core's worth;
 - worker processes (multiprocessing), each running a slice of the fellows over one shared
   NATS connection: every fellow registers by request/reply on ``swarm.register.<id>`` and then
   publishes a ``Heartbeat`` on ``swarm.hb.<id>`` once a second, phases spread over the second.

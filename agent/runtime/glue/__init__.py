@@ -1,7 +1,9 @@
 """Glue an exported pipeline into one single-device Keras model, and prove it is the same model.
 
-``python -m silentswarm.agent.runtime.glue --export-dir DIR [--out OUT] [--data PATTERN ...]
-[--json]``
+Usage::
+
+    python -m silentswarm.agent.runtime.glue --export-dir DIR [--out OUT]
+        [--data PATTERN ...] [--json]
 
 A job's export directory (written by the leader) holds ``run_manifest.json`` and every stage's
 checkpoint of one step (``shards/step-N/stage-i.json`` + ``.npz``, exactly what

@@ -1,5 +1,7 @@
-"""``python -m silentswarm.agent.runtime.glue --export-dir DIR [--out OUT] [--data PATTERN ...]
-[--json]``
+"""The glue command line::
+
+    python -m silentswarm.agent.runtime.glue --export-dir DIR [--out OUT]
+        [--data PATTERN ...] [--json]
 
 Exit codes: 0 glued; 1 the glued model does not reproduce the pipeline (or TensorFlow
 failed); 2 a bad argument, manifest, missing or corrupt file, or unreadable data. Errors are
