@@ -41,6 +41,11 @@ class LoadedState(msgspec.Struct):
     purges: list[PendingPurge]
 
 
+def bucket_name(prefix: str, name: str) -> str:
+    """The KV bucket of one kind of record (``jobs``, ``fellows``, ``purges``)."""
+    return f"{prefix}_{name}"
+
+
 class StateStore:
     """The three KV buckets, named ``<prefix>_jobs``, ``<prefix>_fellows``, ``<prefix>_purges``."""
 
@@ -59,7 +64,9 @@ class StateStore:
         js = nc.jetstream()
         buckets = []
         for name in ("jobs", "fellows", "purges"):
-            config = KeyValueConfig(bucket=f"{prefix}_{name}", history=1, storage=StorageType.FILE)
+            config = KeyValueConfig(
+                bucket=bucket_name(prefix, name), history=1, storage=StorageType.FILE
+            )
             buckets.append(await js.create_key_value(config))
         return cls(nc, prefix, *buckets)
 
@@ -72,7 +79,7 @@ class StateStore:
 
     async def keys(self, name: str) -> list[str]:
         """Every key bucket ``name`` holds a message for (deleted ones too: ``get`` skips them)."""
-        bucket = f"{self.prefix}_{name}"
+        bucket = bucket_name(self.prefix, name)
         subject_prefix = f"$KV.{bucket}."
         subjects = await stream_subjects(self.nc, f"KV_{bucket}", f"{subject_prefix}>")
         return sorted(subject[len(subject_prefix) :] for subject in subjects)
