@@ -104,3 +104,58 @@ def lr_at(step: int, *, base: float, warmup: int, total: int, min_ratio: float) 
     span = max(1, total - warmup)
     progress = min(1.0, (step - warmup) / span)
     return base * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class OpTimes(NamedTuple):
+    """Seconds one stage spends on each kind of op (measured, e.g. by the pipeline bench)."""
+
+    forward: float
+    backward: float
+    apply: float = 0.0
+
+
+def step_period(schedules: list[list[Step]], times: list[OpTimes], steps: int = 6) -> float:
+    """Seconds per step of a pipeline whose stages take ``times``, in the steady state.
+
+    Every stage runs its schedule in order, each op as soon as the stage is free and the op's
+    input exists: a forward of micro i on stage s needs stage s-1's forward of i, a backward
+    needs stage s+1's backward of i (on the last stage, its own forward). After its schedule a
+    stage applies its optimizer step and starts the next step's schedule, so consecutive steps
+    overlap where the schedule allows. The result is the mean of the last ``steps - 1`` step
+    intervals (a step ends when every stage has applied). No waiting on links: this is the
+    ceiling that the schedule's bubble and the stages' own compute allow.
+    """
+    n = len(schedules)
+    if n != len(times) or n == 0 or steps < 2:
+        raise ValueError("one OpTimes per schedule, and at least two steps")
+    finish: dict[tuple[int, int, Op, int], float] = {}
+    clock = [0.0] * n
+    step_end: list[float] = []
+    for k in range(steps):
+        position = [0] * n
+        while any(position[s] < len(schedules[s]) for s in range(n)):
+            progressed = False
+            for s in range(n):
+                if position[s] >= len(schedules[s]):
+                    continue
+                op, i = schedules[s][position[s]]
+                if op is Op.FORWARD:
+                    needs = [] if s == 0 else [(k, s - 1, Op.FORWARD, i)]
+                    cost = times[s].forward
+                else:
+                    needs = [(k, s, Op.FORWARD, i)]
+                    if s < n - 1:
+                        needs.append((k, s + 1, Op.BACKWARD, i))
+                    cost = times[s].backward
+                if any(need not in finish for need in needs):
+                    continue
+                start = max([clock[s], *(finish[need] for need in needs)])
+                clock[s] = finish[(k, s, op, i)] = start + cost
+                position[s] += 1
+                progressed = True
+            if not progressed:
+                raise RuntimeError(f"deadlock at positions {position} of step {k}")
+        for s in range(n):
+            clock[s] += times[s].apply
+        step_end.append(max(clock))
+    return (step_end[-1] - step_end[0]) / (steps - 1)

@@ -236,17 +236,38 @@ class StageRunner:
         mb = plan.train.batch_size // m
         started = time.perf_counter()
         inputs, targets = self.data.next_batch(plan.train.batch_size)
-        inflight: dict[int, tuple[tf.GradientTape, tf.Tensor, tf.Tensor]] = {}
-        losses: list[float] = []
-        n_vars = len(model.variables)
+        scale = tf.constant(1.0 / m, tf.float32)
+        lr = model.set_lr(step)
+
+        def part(array: np.ndarray, i: int) -> tf.Tensor:
+            return tf.constant(array[i * mb : (i + 1) * mb])
+
         if plan.n_stages == 1:  # the whole model here: one compiled call per micro-batch
+            for i in range(m - 1):
+                model.local_micro(part(inputs, i), part(targets, i))
+            model.local_micro_apply(part(inputs, m - 1), part(targets, m - 1), scale, m == 1)
+        elif plan.is_last:  # 1F1B on the last stage is F0 B0 F1 B1 ...: one call for each pair
             for i in range(m):
-                part = slice(i * mb, (i + 1) * mb)
-                loss = model.local_step(tf.constant(inputs[part]), tf.constant(targets[part]))
-                losses.append(float(loss))
-            lr = model.apply(step, m)
-            loss = sum(losses) / len(losses)
-            return StepResult(step=step, loss=loss, lr=lr, seconds=time.perf_counter() - started)
+                x = tf.constant(self.up.recv(step=step, micro=i, direction=Direction.FWD))
+                if i < m - 1:
+                    dx = model.last_micro(x, part(targets, i))
+                else:
+                    dx = model.last_micro_apply(x, part(targets, i), scale, m == 1)
+                self.up.send(dx.numpy(), step=step, micro=i, direction=Direction.BWD)
+        else:
+            self._tape_step(step, inputs)
+            model.apply(step, m)
+        loss = model.take_loss() / m if plan.is_last else None
+        return StepResult(step=step, loss=loss, lr=lr, seconds=time.perf_counter() - started)
+
+    def _tape_step(self, step: int, inputs: np.ndarray) -> None:
+        """A stage before the last: forwards and backwards in 1F1B order, gradients
+        accumulated; the backward of each micro-batch is the tape kept from its forward."""
+        plan, model = self.plan, self.model
+        m = plan.train.micro_batches
+        mb = plan.train.batch_size // m
+        inflight: dict[int, tuple[tf.GradientTape, tf.Tensor, tf.Tensor]] = {}
+        n_vars = len(model.variables)
         for op, i in one_f_one_b(plan.stage, plan.n_stages, m):
             if op is Op.FORWARD:
                 if plan.is_first:
@@ -256,30 +277,17 @@ class StageRunner:
                 with tf.GradientTape() as tape:
                     if not plan.is_first:
                         tape.watch(x)
-                    if plan.is_last:
-                        out = model.forward_loss(x, tf.constant(targets[i * mb : (i + 1) * mb]))
-                    else:
-                        out = model.forward(x)
-                if plan.is_last:
-                    losses.append(float(out))
-                else:
-                    self.down.send(out.numpy(), step=step, micro=i, direction=Direction.FWD)
+                    out = model.forward(x)
+                self.down.send(out.numpy(), step=step, micro=i, direction=Direction.FWD)
                 inflight[i] = (tape, x, out)
             else:
                 tape, x, out = inflight.pop(i)
-                received = None
-                if not plan.is_last:
-                    received = tf.constant(
-                        self.down.recv(step=step, micro=i, direction=Direction.BWD)
-                    )
+                received = tf.constant(self.down.recv(step=step, micro=i, direction=Direction.BWD))
                 sources = model.variables if plan.is_first else [*model.variables, x]
                 grads = tape.gradient(out, sources, output_gradients=received)
                 model.accumulate(grads[:n_vars])
                 if not plan.is_first:
                     self.up.send(grads[n_vars].numpy(), step=step, micro=i, direction=Direction.BWD)
-        lr = model.apply(step, m)
-        loss = sum(losses) / len(losses) if losses else None
-        return StepResult(step=step, loss=loss, lr=lr, seconds=time.perf_counter() - started)
 
     def evaluate(self, step: int) -> float | None:
         """Forward-only validation through the whole pipeline; the last stage gets the loss."""

@@ -1,8 +1,19 @@
 """One stage's slice of the model, its compiled forward, gradient accumulation and optimizer.
 
-The forward is a ``tf.function``; each in-flight micro-batch keeps its own GradientTape
-around it, and the backward is ``tape.gradient(outputs, variables, output_gradients=g)``
-with the gradient received from the next stage: no recomputation, no eager fallback.
+How each kind of stage runs a micro-batch (the choice measured, see docs/performance.md):
+
+- The last stage needs no gradient from a peer, so forward, loss, backward (to its
+  variables and to its input), gradient accumulation and the running loss sum are one
+  compiled XLA call (:meth:`StageModel.last_micro`); its last micro-batch of a step also
+  applies the optimizer in that same call (:meth:`StageModel.last_micro_apply`). A stage that
+  is the whole model is the same with no input gradient (:meth:`StageModel.local_micro`).
+- The other stages keep a GradientTape around their compiled forward for each micro-batch in
+  flight; the backward is ``tape.gradient(outputs, variables, output_gradients=g)`` with the
+  gradient received from the next stage. Recomputing the forward inside one compiled backward
+  was measured slower: it pays a second forward to save the tape's bookkeeping.
+
+The loss is summed on the device and read once per step (:meth:`StageModel.take_loss`), not
+once per micro-batch.
 """
 
 from __future__ import annotations
@@ -103,15 +114,21 @@ class StageModel:
         )
         self.optimizer.exclude_from_weight_decay(var_names=NO_DECAY)
         self.optimizer.build(self.variables)
+        self.loss_sum = tf.Variable(0.0, trainable=False, name="loss_sum")
         # An XLA cluster cannot span devices: compile only a stage that lives on one.
         jit = train.jit_compile and len({p.device for p in self.pieces}) <= 1
         self.forward = tf.function(self._forward, reduce_retracing=True, jit_compile=jit)
         self.forward_loss = tf.function(self._forward_loss, reduce_retracing=True, jit_compile=jit)
         self._accumulate = tf.function(self._accumulate_impl)
         self._apply = tf.function(self._apply_impl, jit_compile=jit)
-        # A stage that is the whole model needs no gradient from a peer: its forward,
-        # backward and accumulation compile into one call per micro-batch.
-        self.local_step = tf.function(self._local_step, reduce_retracing=True, jit_compile=jit)
+
+        def compiled(fn):
+            return tf.function(fn, reduce_retracing=True, jit_compile=jit)
+
+        self.local_micro = compiled(self._local_micro)
+        self.local_micro_apply = compiled(self._local_micro_apply)
+        self.last_micro = compiled(self._last_micro)
+        self.last_micro_apply = compiled(self._last_micro_apply)
 
     def devices(self) -> dict[str, str]:
         """Where each piece's variables actually live, e.g. ``{"block_2": "/job:.../CPU:1"}``."""
@@ -149,27 +166,67 @@ class StageModel:
         with tf.device(head.device):
             return token_loss(head.layer(h), targets)
 
-    def _local_step(self, x, targets):
+    def _loss_grads(self, x, targets, *, input_grad: bool):
+        """This micro-batch's loss (added to the running sum) and gradients; the last stage."""
         with tf.GradientTape() as tape:
+            if input_grad:
+                tape.watch(x)
             loss = self._forward_loss(x, targets, training=True)
-        self._accumulate_impl(tape.gradient(loss, self.variables))
-        return loss
+        sources = [*self.variables, x] if input_grad else self.variables
+        grads = tape.gradient(loss, sources)
+        self.loss_sum.assign_add(loss)
+        return grads[: len(self.variables)], grads[len(self.variables) :]
+
+    def _local_micro(self, x, targets) -> None:
+        grads, _ = self._loss_grads(x, targets, input_grad=False)
+        self._accumulate_impl(grads)
+
+    def _local_micro_apply(self, x, targets, scale, fresh: bool = False) -> None:
+        grads, _ = self._loss_grads(x, targets, input_grad=False)
+        self._apply_impl(scale, grads, fresh=fresh)
+
+    def _last_micro(self, x, targets):
+        """Forward, loss, backward and accumulation; returns the gradient for upstream."""
+        grads, (dx,) = self._loss_grads(x, targets, input_grad=True)
+        self._accumulate_impl(grads)
+        return dx
+
+    def _last_micro_apply(self, x, targets, scale, fresh: bool = False):
+        """:meth:`_last_micro` for a step's last micro-batch, with the optimizer step."""
+        grads, (dx,) = self._loss_grads(x, targets, input_grad=True)
+        self._apply_impl(scale, grads, fresh=fresh)
+        return dx
 
     def _accumulate_impl(self, grads) -> None:
         for acc, g in zip(self.accumulators, grads, strict=True):
             acc.assign_add(tf.convert_to_tensor(g))  # the embedding's gradient is sparse
 
-    def _apply_impl(self, scale) -> None:
-        grads = [acc * scale for acc in self.accumulators]
-        self.optimizer.apply_gradients(zip(grads, self.variables, strict=True))
-        for acc in self.accumulators:
-            acc.assign(tf.zeros_like(acc))
+    def _apply_impl(self, scale, last_grads=None, *, fresh: bool = False) -> None:
+        """The optimizer step on the accumulated gradients (plus ``last_grads``, not yet
+        accumulated) times ``scale``; the accumulators start again from zero.
+
+        ``fresh``: nothing was accumulated this step (one micro-batch), so the accumulators
+        are neither read nor cleared: the step is then exactly a plain training loop's.
+        """
+        if last_grads is None:
+            totals = [acc * scale for acc in self.accumulators]
+        elif fresh:
+            totals = [tf.convert_to_tensor(g) * scale for g in last_grads]
+        else:
+            totals = [
+                (acc + tf.convert_to_tensor(g)) * scale
+                for acc, g in zip(self.accumulators, last_grads, strict=True)
+            ]
+        self.optimizer.apply_gradients(zip(totals, self.variables, strict=True))
+        if not fresh:
+            for acc in self.accumulators:
+                acc.assign(tf.zeros_like(acc))
 
     def accumulate(self, grads: list[tf.Tensor]) -> None:
         self._accumulate(grads)
 
-    def apply(self, step: int, micro_batches: int) -> float:
-        """One optimizer step on the mean of the accumulated micro-batch gradients."""
+    def set_lr(self, step: int) -> float:
+        """The learning rate of ``step``, set on the optimizer before its apply."""
         train = self.plan.train
         lr = lr_at(
             step,
@@ -179,5 +236,16 @@ class StageModel:
             min_ratio=train.min_lr_ratio,
         )
         self.optimizer.learning_rate.assign(lr)
+        return lr
+
+    def apply(self, step: int, micro_batches: int) -> float:
+        """One optimizer step on the mean of the accumulated micro-batch gradients."""
+        lr = self.set_lr(step)
         self._apply(tf.constant(1.0 / micro_batches, tf.float32))
         return lr
+
+    def take_loss(self) -> float:
+        """The loss summed since the last call (one read per step), and a fresh sum."""
+        total = float(self.loss_sum.numpy())
+        self.loss_sum.assign(0.0)
+        return total

@@ -4,8 +4,14 @@ compression spec costs in bytes and in validation loss.
 Everything is measured side by side in one invocation (these machines are noisy):
 
 1. Speed: the same model as one process doing m micro-batches with gradient accumulation
-   (1 intra-op thread) and as a 2-stage pipeline (2 processes, 1 thread each, loopback
-   ZeroMQ). Prints tokens/s of each, the speedup, and the ideal min(p, cores) * m / (m+p-1).
+   (1 intra-op thread, the fused XLA path) and as a 2-stage pipeline (2 processes, 1 thread
+   each, loopback ZeroMQ), and as a 3-stage one beside it. Prints tokens/s of each, the
+   speedup, and the ideal min(p, cores) * m / (m+p-1). The formula assumes equal halves and
+   no contention, so the run also measures the **ceiling**: every stage's own compute (the
+   same StageModel calls, synthetic inputs, no links) run as concurrent processes, each op
+   timed, and the 1F1B step period those op times allow (``schedule.step_period``: the
+   bubble is in it, the links are not). ``fraction_of_ceiling`` is the pipeline's share of
+   that.
 1b. Sweep: 2 and 3 stages against one process at several micro-batch counts m (a 6-block
    model, so 3 stages split it evenly): speedup, ideal and % of ideal for each (p, m). On
    2 cores 3 stages cannot beat 2x; the sweep shows how much of that the bubble and the
@@ -28,8 +34,10 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +47,16 @@ sys.path.insert(0, str(REPO))
 import msgspec  # noqa: E402
 
 from silentswarm.agent.runtime.data import TextDataset  # noqa: E402
-from silentswarm.agent.runtime.launch import done, run_plans  # noqa: E402
-from silentswarm.agent.runtime.schedule import ideal_speedup  # noqa: E402
+from silentswarm.agent.runtime.launch import done, run_plans, stage_env  # noqa: E402
+from silentswarm.agent.runtime.schedule import (  # noqa: E402
+    OpTimes,
+    ideal_speedup,
+    one_f_one_b,
+    step_period,
+)
 from silentswarm.plan import (  # noqa: E402
     ModelConfig,
+    StagePlan,
     TrainConfig,
     Transport,
     chain_plans,
@@ -75,30 +89,173 @@ def pipeline_plans(
     )
 
 
+def pipeline_tps(work: Path, job: str, model: ModelConfig, train: TrainConfig, p: int) -> float:
+    """Tokens/s of a p-stage pipeline: its slowest stage's steady state."""
+    stages = run_plans(pipeline_plans(job, model, train, stages=p), work)
+    return min(done(s)["tokens_per_s"] for s in stages)
+
+
 def speed(work: Path, model: ModelConfig, train: TrainConfig, repeats: int) -> dict[str, Any]:
-    single_tps, pipe_tps = [], []
+    """One process, the 2- and 3-stage pipelines and the 2-stage ceiling, interleaved rounds."""
+    arms = ["single", "p2", "p3", "ceiling"]
+    rounds: list[dict[str, float]] = []
+    ceiling_ops: list[list[dict[str, float]]] = []
     for r in range(repeats):
-        (one,) = run_plans(
-            [single_process_plan(job_id=f"speed-one-{r}", model=model, train=train)], work
-        )
-        single_tps.append(done(one)["tokens_per_s"])
-        stages = run_plans(pipeline_plans(f"speed-pipe-{r}", model, train), work)
-        pipe_tps.append(min(done(s)["tokens_per_s"] for s in stages))
+        got: dict[str, float] = {}
+        for arm in arms if r % 2 == 0 else arms[::-1]:
+            if arm == "single":
+                (one,) = run_plans(
+                    [single_process_plan(job_id=f"speed-one-{r}", model=model, train=train)], work
+                )
+                got[arm] = done(one)["tokens_per_s"]
+            elif arm == "ceiling":
+                got[arm], ops = ceiling(work, f"speed-ceiling-{r}", model, train)
+                ceiling_ops.append(ops)
+            else:
+                got[arm] = pipeline_tps(work, f"speed-{arm}-{r}", model, train, int(arm[1:]))
+        rounds.append(got)
         print(
-            f"  round {r + 1}: one process {single_tps[-1]:8.0f} tok/s, "
-            f"2-stage pipeline {pipe_tps[-1]:8.0f} tok/s",
+            f"  round {r + 1}: one process {got['single']:8.0f} tok/s, 2-stage pipeline "
+            f"{got['p2']:8.0f} (ceiling {got['ceiling']:8.0f}), 3-stage {got['p3']:8.0f}",
             flush=True,
         )
-    single, pipe = statistics.median(single_tps), statistics.median(pipe_tps)
-    ideal = ideal_speedup(2, train.micro_batches, os.cpu_count() or 1)
+    cores = os.cpu_count() or 1
+    m = train.micro_batches
+
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in rounds)
+
+    def ratio(a: str, b: str) -> float:
+        return statistics.median(r[a] / r[b] for r in rounds)
+
+    ideal, ideal3 = ideal_speedup(2, m, cores), ideal_speedup(3, m, cores)
     return {
-        "single_tokens_per_s": single,
-        "pipeline_tokens_per_s": pipe,
-        "speedup": pipe / single,
+        "single_tokens_per_s": med("single"),
+        "pipeline_tokens_per_s": med("p2"),
+        "speedup": ratio("p2", "single"),
         "ideal_speedup": ideal,
-        "fraction_of_ideal": pipe / single / ideal,
-        "micro_batches": train.micro_batches,
+        "fraction_of_ideal": ratio("p2", "single") / ideal,
+        "ceiling_tokens_per_s": med("ceiling"),
+        "fraction_of_ceiling": ratio("p2", "ceiling"),
+        "ceiling_speedup": ratio("ceiling", "single"),
+        "ceiling_stage_ops_ms": ceiling_ops[len(ceiling_ops) // 2],
+        "p3": {
+            "pipeline_tokens_per_s": med("p3"),
+            "speedup": ratio("p3", "single"),
+            "ideal_speedup": ideal3,
+            "fraction_of_ideal": ratio("p3", "single") / ideal3,
+        },
+        "micro_batches": m,
+        "rounds": repeats,
+        "per_round": rounds,
     }
+
+
+def ceiling(
+    work: Path, job: str, model: ModelConfig, train: TrainConfig, p: int = 2
+) -> tuple[float, list[dict[str, float]]]:
+    """Tokens/s the 1F1B schedule allows with each stage's compute measured concurrently.
+
+    Every stage's :func:`compute_child` runs at once, each in its own process with the
+    pipeline's thread count, so the op times include two processes' contention on the cores.
+    """
+    plans = pipeline_plans(job, model, train, stages=p)
+    procs = []
+    for plan in plans:
+        path = work / f"ceiling-{job}-{plan.stage}.json"
+        path.write_bytes(msgspec.json.encode(plan))
+        argv = [sys.executable, str(Path(__file__).resolve()), "--compute-child", str(path)]
+        procs.append(
+            subprocess.Popen(
+                argv,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=stage_env({"PYTHONPATH": str(REPO)}),
+            )
+        )
+    times = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=900)
+        if proc.returncode:
+            raise RuntimeError(f"compute child failed:\n{err[-3000:]}")
+        times.append(OpTimes(**json.loads(out.strip().splitlines()[-1])))
+    schedules = [one_f_one_b(s, p, train.micro_batches) for s in range(p)]
+    period = step_period(schedules, times)
+    ops = [{k: round(1e3 * v, 3) for k, v in t._asdict().items()} for t in times]
+    return train.batch_size * model.seq_len / period, ops
+
+
+def compute_child(plan_path: Path) -> None:
+    """One stage's compute without links: the calls :class:`StageRunner` makes, timed.
+
+    Inputs are synthetic (tokens on the first stage, activations and gradients of the
+    boundary's shape elsewhere); the first 20% of the steps are left out, as the runtime
+    does. Prints ``{"forward": s, "backward": s, "apply": s}`` medians per op.
+    """
+    plan = msgspec.json.decode(plan_path.read_bytes(), type=StagePlan)
+    from silentswarm.agent.runtime.tfsetup import configure_tensorflow
+
+    configure_tensorflow(intra_op_threads=plan.intra_op_threads or 1)
+    import numpy as np
+    import tensorflow as tf
+
+    from silentswarm.agent.runtime.schedule import Op
+    from silentswarm.agent.runtime.stage_model import StageModel
+
+    model = StageModel(plan)
+    cfg, train = plan.model, plan.train
+    m, mb = train.micro_batches, train.batch_size // train.micro_batches
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab_size, (mb, cfg.seq_len)).astype(np.int32)
+    boundary = rng.standard_normal((mb, cfg.seq_len, cfg.d_model)).astype(np.float32) * 0.1
+    scale = tf.constant(1.0 / m, tf.float32)
+    n_vars = len(model.variables)
+    spans: dict[str, list[float]] = {"forward": [], "backward": [], "apply": []}
+    first_kept = train.steps // 5
+    for step in range(train.steps):
+        took: dict[str, list[float]] = {"forward": [], "backward": [], "apply": []}
+        model.set_lr(step)
+        if plan.is_last:
+            for i in range(m):
+                started = time.perf_counter()
+                x = tf.constant(boundary)
+                if i < m - 1:
+                    model.last_micro(x, tf.constant(tokens)).numpy()
+                else:
+                    model.last_micro_apply(x, tf.constant(tokens), scale, m == 1).numpy()
+                took["forward"].append(time.perf_counter() - started)
+            model.take_loss()
+            fused = statistics.median(took["forward"][:-1] or took["forward"])
+            took["apply"] = [max(0.0, took["forward"].pop() - fused)]
+        else:
+            inflight = {}
+            for op, i in one_f_one_b(plan.stage, plan.n_stages, m):
+                started = time.perf_counter()
+                if op is Op.FORWARD:
+                    x = tf.constant(tokens if plan.is_first else boundary)
+                    with tf.GradientTape() as tape:
+                        if not plan.is_first:
+                            tape.watch(x)
+                        out = model.forward(x)
+                    out.numpy()
+                    inflight[i] = (tape, x, out)
+                    took["forward"].append(time.perf_counter() - started)
+                else:
+                    tape, x, out = inflight.pop(i)
+                    sources = model.variables if plan.is_first else [*model.variables, x]
+                    grads = tape.gradient(out, sources, output_gradients=tf.constant(boundary))
+                    model.accumulate(grads[:n_vars])
+                    if not plan.is_first:
+                        grads[n_vars].numpy()
+                    took["backward"].append(time.perf_counter() - started)
+            started = time.perf_counter()
+            model.apply(step, m)
+            took["apply"].append(time.perf_counter() - started)
+        if step >= first_kept:
+            for key, values in took.items():
+                spans[key].extend(values)
+    print(json.dumps({k: statistics.median(v) if v else 0.0 for k, v in spans.items()}))
 
 
 def sweep_point(
@@ -196,10 +353,15 @@ def main() -> None:
     parser.add_argument(
         "--compression-layers", type=int, default=2, help="blocks of the compression model"
     )
+    parser.add_argument("--compute-child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.compute_child:
+        compute_child(args.compute_child)
+        return
 
     if args.quick:
-        model = comp_model = ModelConfig(n_layers=2, d_model=64, n_heads=4, seq_len=32)
+        model = ModelConfig(n_layers=3, d_model=64, n_heads=4, seq_len=32)  # 3 stages fit
+        comp_model = ModelConfig(n_layers=2, d_model=64, n_heads=4, seq_len=32)
         speed_train = TrainConfig(steps=6, batch_size=8, micro_batches=4, max_data_bytes=500_000)
         comp_steps = args.steps or 6
         sweep_model = ModelConfig(n_layers=3, d_model=64, n_heads=4, seq_len=32)
@@ -241,12 +403,20 @@ def main() -> None:
             flush=True,
         )
         speed_figures = speed(work, model, speed_train, repeats)
+        p3 = speed_figures["p3"]
         print(
             f"  speedup {speed_figures['speedup']:.2f}x, "
             f"ideal {speed_figures['ideal_speedup']:.2f}x "
-            f"-> {100 * speed_figures['fraction_of_ideal']:.0f}% of ideal",
+            f"-> {100 * speed_figures['fraction_of_ideal']:.0f}% of ideal, "
+            f"{100 * speed_figures['fraction_of_ceiling']:.0f}% of the ceiling "
+            f"({speed_figures['ceiling_speedup']:.2f}x); 3 stages {p3['speedup']:.2f}x "
+            f"of ideal {p3['ideal_speedup']:.2f}x -> {100 * p3['fraction_of_ideal']:.0f}%",
             flush=True,
         )
+        speed_figures["targets"] = {
+            "fraction_of_ideal_ge_0.85": speed_figures["fraction_of_ideal"] >= 0.85,
+            "fraction_of_ceiling_ge_0.95": speed_figures["fraction_of_ceiling"] >= 0.95,
+        }
     if args.only in (None, "sweep"):
         print(
             f"sweep: {sweep_model}, {sweep_train.steps} steps, batch {sweep_train.batch_size}, "

@@ -60,7 +60,12 @@ def test_pipeline_benchmark_quick():
     figures = run_quick("pipeline", timeout=280)
     assert figures["bench"] == "pipeline"
     speed = figures["speed"]
-    assert all(positive(speed[k]) for k in ("single_tokens_per_s", "speedup", "ideal_speedup"))
+    keys = ("single_tokens_per_s", "speedup", "ideal_speedup", "ceiling_tokens_per_s")
+    assert all(positive(speed[k]) for k in (*keys, "fraction_of_ceiling")), speed
+    assert all(positive(speed["p3"][k]) for k in ("speedup", "ideal_speedup")), speed["p3"]
+    assert set(speed["targets"]) == {"fraction_of_ideal_ge_0.85", "fraction_of_ceiling_ge_0.95"}
+    for stage in speed["ceiling_stage_ops_ms"]:  # every stage's ops were timed
+        assert positive(stage["forward"]) and stage["backward"] >= 0 and stage["apply"] >= 0
     rows = figures["sweep"]["rows"]
     assert {row["stages"] for row in rows} == {2, 3}
     for row in rows:

@@ -79,9 +79,11 @@ def test_two_stages_reproduce_one_process_step_by_step(procs, tmp_path):
     assert done(first)["down_bytes_sent"] > 0
 
 
-def test_three_stages_over_zeromq_match_one_process(procs, tmp_path):
-    """A middle stage (both boundaries) passes gradients on exactly too."""
-    config = train(10)
+@pytest.mark.parametrize("micro_batches", [4, 1])
+def test_three_stages_over_zeromq_match_one_process(procs, tmp_path, micro_batches):
+    """A middle stage (both boundaries) passes gradients on exactly too; with one
+    micro-batch the fused calls apply straight from the gradients (no accumulators)."""
+    config = msgspec.structs.replace(train(10), micro_batches=micro_batches)
     single = single_process_plan(job_id="ref3", model=SMALL, train=config)
     plans = chain("zmq3", 3, config)
     (reference,) = run_plans([single], tmp_path)

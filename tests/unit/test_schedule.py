@@ -4,6 +4,7 @@ import pytest
 
 from silentswarm.agent.runtime.schedule import (
     Op,
+    OpTimes,
     Step,
     bubble_fraction,
     gpipe,
@@ -12,6 +13,7 @@ from silentswarm.agent.runtime.schedule import (
     max_in_flight,
     one_f_one_b,
     simulate,
+    step_period,
 )
 
 
@@ -69,3 +71,42 @@ def test_lr_warms_up_then_decays_to_the_floor():
     assert lr_at(500, **kw) == pytest.approx(0.1)
     values = [lr_at(s, **kw) for s in range(10, 111)]
     assert all(a >= b for a, b in itertools.pairwise(values))
+
+
+def _period(p: int, m: int, times: list[OpTimes]) -> float:
+    return step_period([one_f_one_b(s, p, m) for s in range(p)], times)
+
+
+@pytest.mark.parametrize(
+    ("p", "m", "times", "expected"),
+    [
+        # one stage: m forwards and backwards, then its apply
+        (1, 4, [OpTimes(1, 2, 0.5)], 4 * 3 + 0.5),
+        # equal stages: (m + p - 1) slots of forward + backward, the 1F1B bubble
+        (2, 4, [OpTimes(1, 1)] * 2, (4 + 1) * 2),
+        (2, 8, [OpTimes(1, 1)] * 2, (8 + 1) * 2),
+        (3, 8, [OpTimes(1, 1)] * 3, (8 + 2) * 2),
+        # a fused last stage (all its work in the forward) three times the first's ops:
+        # the first forward, m fused calls, the first stage's last backward
+        (2, 4, [OpTimes(1, 1), OpTimes(3, 0)], 1 + 4 * 3 + 1),
+        # the applies are on the critical path once per step
+        (2, 4, [OpTimes(1, 1, 0.5), OpTimes(1, 1, 0.5)], 10.5),
+    ],
+)
+def test_step_period_of_measured_op_times(p, m, times, expected):
+    assert _period(p, m, times) == pytest.approx(expected)
+
+
+def test_step_period_matches_the_ideal_speedup_for_an_even_split():
+    """Halving a one-stage model's ops across 2 stages gives the formula's speedup."""
+    m = 8
+    one = _period(1, m, [OpTimes(2, 4)])
+    two = _period(2, m, [OpTimes(1, 2)] * 2)
+    assert one / two == pytest.approx(ideal_speedup(2, m, cores=2))
+
+
+def test_step_period_refuses_mismatched_input():
+    with pytest.raises(ValueError):
+        step_period([one_f_one_b(0, 2, 4), one_f_one_b(1, 2, 4)], [OpTimes(1, 1)])
+    with pytest.raises(ValueError):
+        step_period([one_f_one_b(0, 1, 4)], [OpTimes(1, 1)], steps=1)
