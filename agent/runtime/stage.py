@@ -236,27 +236,26 @@ class StageRunner:
         mb = plan.train.batch_size // m
         started = time.perf_counter()
         inputs, targets = self.data.next_batch(plan.train.batch_size)
-        scale = tf.constant(1.0 / m, tf.float32)
         lr = model.set_lr(step)
 
         def part(array: np.ndarray, i: int) -> tf.Tensor:
             return tf.constant(array[i * mb : (i + 1) * mb])
 
-        if plan.n_stages == 1:  # the whole model here: one compiled call per micro-batch
-            for i in range(m - 1):
+        if plan.n_stages == 1 and m == 1:  # a plain training step: one compiled call
+            model.local_step(part(inputs, 0), part(targets, 0))
+        elif plan.n_stages == 1:  # the whole model here: one compiled call per micro-batch
+            for i in range(m):
                 model.local_micro(part(inputs, i), part(targets, i))
-            model.local_micro_apply(part(inputs, m - 1), part(targets, m - 1), scale, m == 1)
+            model.apply_mean(m)
         elif plan.is_last:  # 1F1B on the last stage is F0 B0 F1 B1 ...: one call for each pair
             for i in range(m):
                 x = tf.constant(self.up.recv(step=step, micro=i, direction=Direction.FWD))
-                if i < m - 1:
-                    dx = model.last_micro(x, part(targets, i))
-                else:
-                    dx = model.last_micro_apply(x, part(targets, i), scale, m == 1)
+                dx = model.last_micro(x, part(targets, i))
                 self.up.send(dx.numpy(), step=step, micro=i, direction=Direction.BWD)
+            model.apply_mean(m)
         else:
             self._tape_step(step, inputs)
-            model.apply(step, m)
+            model.apply_mean(m)
         loss = model.take_loss() / m if plan.is_last else None
         return StepResult(step=step, loss=loss, lr=lr, seconds=time.perf_counter() - started)
 

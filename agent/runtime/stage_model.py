@@ -4,9 +4,12 @@ How each kind of stage runs a micro-batch (the choice measured, see docs/perform
 
 - The last stage needs no gradient from a peer, so forward, loss, backward (to its
   variables and to its input), gradient accumulation and the running loss sum are one
-  compiled XLA call (:meth:`StageModel.last_micro`); its last micro-batch of a step also
-  applies the optimizer in that same call (:meth:`StageModel.last_micro_apply`). A stage that
-  is the whole model is the same with no input gradient (:meth:`StageModel.local_micro`).
+  compiled XLA call (:meth:`StageModel.last_micro`). The optimizer step stays a call of its
+  own, after the last input gradient has gone upstream, so it overlaps the upstream stage's
+  last backward instead of delaying it. A stage that is the whole model is the same with no
+  input gradient (:meth:`StageModel.local_micro`); with one micro-batch per step it needs no
+  accumulators at all, and forward, backward and the optimizer step are one call
+  (:meth:`StageModel.local_step`), a plain training loop's step.
 - The other stages keep a GradientTape around their compiled forward for each micro-batch in
   flight; the backward is ``tape.gradient(outputs, variables, output_gradients=g)`` with the
   gradient received from the next stage. Recomputing the forward inside one compiled backward
@@ -125,10 +128,10 @@ class StageModel:
         def compiled(fn):
             return tf.function(fn, reduce_retracing=True, jit_compile=jit)
 
+        # Each is one XLA compilation (seconds): a run traces only those its plan uses.
         self.local_micro = compiled(self._local_micro)
-        self.local_micro_apply = compiled(self._local_micro_apply)
+        self.local_step = compiled(self._local_step)
         self.last_micro = compiled(self._last_micro)
-        self.last_micro_apply = compiled(self._last_micro_apply)
 
     def devices(self) -> dict[str, str]:
         """Where each piece's variables actually live, e.g. ``{"block_2": "/job:.../CPU:1"}``."""
@@ -181,9 +184,10 @@ class StageModel:
         grads, _ = self._loss_grads(x, targets, input_grad=False)
         self._accumulate_impl(grads)
 
-    def _local_micro_apply(self, x, targets, scale, fresh: bool = False) -> None:
+    def _local_step(self, x, targets) -> None:
+        """A whole step of one micro-batch: the optimizer applies the gradients themselves."""
         grads, _ = self._loss_grads(x, targets, input_grad=False)
-        self._apply_impl(scale, grads, fresh=fresh)
+        self._apply_impl(tf.constant(1.0), grads)
 
     def _last_micro(self, x, targets):
         """Forward, loss, backward and accumulation; returns the gradient for upstream."""
@@ -191,34 +195,20 @@ class StageModel:
         self._accumulate_impl(grads)
         return dx
 
-    def _last_micro_apply(self, x, targets, scale, fresh: bool = False):
-        """:meth:`_last_micro` for a step's last micro-batch, with the optimizer step."""
-        grads, (dx,) = self._loss_grads(x, targets, input_grad=True)
-        self._apply_impl(scale, grads, fresh=fresh)
-        return dx
-
     def _accumulate_impl(self, grads) -> None:
         for acc, g in zip(self.accumulators, grads, strict=True):
             acc.assign_add(tf.convert_to_tensor(g))  # the embedding's gradient is sparse
 
-    def _apply_impl(self, scale, last_grads=None, *, fresh: bool = False) -> None:
-        """The optimizer step on the accumulated gradients (plus ``last_grads``, not yet
-        accumulated) times ``scale``; the accumulators start again from zero.
-
-        ``fresh``: nothing was accumulated this step (one micro-batch), so the accumulators
-        are neither read nor cleared: the step is then exactly a plain training loop's.
-        """
-        if last_grads is None:
+    def _apply_impl(self, scale, grads=None) -> None:
+        """The optimizer step on the accumulated gradients times ``scale``, and the
+        accumulators start again from zero; or, given ``grads`` (a step of one micro-batch,
+        nothing accumulated), on those, and the accumulators are neither read nor cleared."""
+        if grads is None:
             totals = [acc * scale for acc in self.accumulators]
-        elif fresh:
-            totals = [tf.convert_to_tensor(g) * scale for g in last_grads]
-        else:
-            totals = [
-                (acc + tf.convert_to_tensor(g)) * scale
-                for acc, g in zip(self.accumulators, last_grads, strict=True)
-            ]
+        else:  # dense, as accumulation makes them (the embedding's gradient is sparse)
+            totals = [tf.convert_to_tensor(g) * scale for g in grads]
         self.optimizer.apply_gradients(zip(totals, self.variables, strict=True))
-        if not fresh:
+        if grads is None:
             for acc in self.accumulators:
                 acc.assign(tf.zeros_like(acc))
 
@@ -238,10 +228,15 @@ class StageModel:
         self.optimizer.learning_rate.assign(lr)
         return lr
 
-    def apply(self, step: int, micro_batches: int) -> float:
-        """One optimizer step on the mean of the accumulated micro-batch gradients."""
-        lr = self.set_lr(step)
+    def apply_mean(self, micro_batches: int) -> None:
+        """One optimizer step on the mean of the accumulated micro-batch gradients, at the
+        learning rate :meth:`set_lr` set."""
         self._apply(tf.constant(1.0 / micro_batches, tf.float32))
+
+    def apply(self, step: int, micro_batches: int) -> float:
+        """:meth:`apply_mean` at ``step``'s learning rate; the rate, returned."""
+        lr = self.set_lr(step)
+        self.apply_mean(micro_batches)
         return lr
 
     def take_loss(self) -> float:

@@ -209,7 +209,6 @@ def compute_child(plan_path: Path) -> None:
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, (mb, cfg.seq_len)).astype(np.int32)
     boundary = rng.standard_normal((mb, cfg.seq_len, cfg.d_model)).astype(np.float32) * 0.1
-    scale = tf.constant(1.0 / m, tf.float32)
     n_vars = len(model.variables)
     spans: dict[str, list[float]] = {"forward": [], "backward": [], "apply": []}
     first_kept = train.steps // 5
@@ -217,17 +216,14 @@ def compute_child(plan_path: Path) -> None:
         took: dict[str, list[float]] = {"forward": [], "backward": [], "apply": []}
         model.set_lr(step)
         if plan.is_last:
-            for i in range(m):
+            for _ in range(m):
                 started = time.perf_counter()
-                x = tf.constant(boundary)
-                if i < m - 1:
-                    model.last_micro(x, tf.constant(tokens)).numpy()
-                else:
-                    model.last_micro_apply(x, tf.constant(tokens), scale, m == 1).numpy()
+                model.last_micro(tf.constant(boundary), tf.constant(tokens)).numpy()
                 took["forward"].append(time.perf_counter() - started)
+            started = time.perf_counter()
+            model.apply_mean(m)
+            took["apply"].append(time.perf_counter() - started)
             model.take_loss()
-            fused = statistics.median(took["forward"][:-1] or took["forward"])
-            took["apply"] = [max(0.0, took["forward"].pop() - fused)]
         else:
             inflight = {}
             for op, i in one_f_one_b(plan.stage, plan.n_stages, m):
@@ -250,7 +246,7 @@ def compute_child(plan_path: Path) -> None:
                         grads[n_vars].numpy()
                     took["backward"].append(time.perf_counter() - started)
             started = time.perf_counter()
-            model.apply(step, m)
+            model.apply_mean(m)
             took["apply"].append(time.perf_counter() - started)
         if step >= first_kept:
             for key, values in took.items():
