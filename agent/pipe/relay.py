@@ -317,12 +317,18 @@ class RelayLink:
         self._ack_body: bytes | None = None  # our handshake answer, said again to a late HELLO
         self._answered_at = -math.inf
         # sending
-        self._next_seq = 0
+        self._next_seq = 0  # the next chunk's seq (the caller's thread)
+        self._published = 0  # every chunk below this one has been handed to NATS (the loop's)
         self._peer_granted = 0  # the largest total the peer has granted this end
         self._peer_acked = 0  # the peer has every chunk below this one
         self._retained: deque[tuple[int, bytes]] = deque()  # sent, not acknowledged yet
+        self._outbox: deque[tuple[int, bytes]] = deque()  # made, not handed to NATS yet
+        self._send_lock = threading.Lock()  # one frame's chunks at a time, in seq order
         self._resend_from: int | None = None
-        self._resend_task: asyncio.Task[None] | None = None
+        self._pump_idle = False
+        self._pump_wake: asyncio.Event | None = None
+        self._drained: asyncio.Event | None = None  # set when the pump has nothing left
+        self._pump: asyncio.Task[None] | None = None
         self._waiting_credit = False
         self._active_at = time.monotonic()  # the last time the peer or this sender did anything
         self._done_seen = False
@@ -332,8 +338,6 @@ class RelayLink:
         self._drop_logged_at: float | None = None
         self._drops_unlogged = 0
         self._io = LoopThread(f"relay-{name}")
-        self._credit_event: asyncio.Event | None = None
-        self._pub_lock: asyncio.Lock | None = None
         self._ticker: asyncio.Task[None] | None = None
         self._nc: Any = None
         try:
@@ -341,6 +345,11 @@ class RelayLink:
         except BaseException:
             self._io.stop()
             raise
+
+    @property
+    def connected(self) -> bool:
+        """Whether its NATS client is connected now (it reconnects on its own)."""
+        return self._nc is not None and self._nc.is_connected
 
     # --- thread bridging ------------------------------------------------------------------
 
@@ -358,8 +367,8 @@ class RelayLink:
 
         if isinstance(access, str):
             access = {"servers": [access]}
-        self._credit_event = asyncio.Event()
-        self._pub_lock = asyncio.Lock()
+        self._pump_wake = asyncio.Event()
+        self._drained = asyncio.Event()
         self._nc = await nats.connect(
             **access,
             max_reconnect_attempts=-1,
@@ -373,7 +382,9 @@ class RelayLink:
         self._chunk = max(1024, min(self._chunk, self._nc.max_payload - 2 * relaymsg.OVERHEAD))
         await self._nc.subscribe(self.recv_subject, cb=self._on_message)
         await self._nc.flush()
-        self._ticker = asyncio.get_running_loop().create_task(self._tick())
+        loop = asyncio.get_running_loop()
+        self._ticker = loop.create_task(self._tick())
+        self._pump = loop.create_task(self._run_pump())
 
     async def _on_disconnected(self) -> None:
         log.info("%s: the relay lost NATS; it keeps what the peer has not acknowledged", self.name)
@@ -386,7 +397,7 @@ class RelayLink:
             "%s: the relay reconnected to NATS; asking for chunks from %d, sent up to %d",
             self.name,
             self._expected_seq,
-            self._next_seq,
+            self._published,
         )
         await self._announce(resend=True)
         await self._probe()
@@ -556,44 +567,63 @@ class RelayLink:
     def _on_credit(self, credit: relaymsg.Credit) -> relaymsg.DropReason | None:
         if credit.serial <= self._peer_serial:
             return relaymsg.DropReason.STALE
-        if not self._peer_acked <= credit.acked <= self._next_seq:
+        if not self._peer_acked <= credit.acked <= self._published:
             return relaymsg.DropReason.BAD_SEQ  # acks chunks never sent, or goes back
         self._peer_serial = credit.serial
         self._active_at = time.monotonic()
-        if credit.acked > self._peer_acked:
-            self._peer_acked = credit.acked
-            while self._retained and self._retained[0][0] < credit.acked:
-                self._retained.popleft()
-            if not self._retained:
-                with self._cv:
-                    self._cv.notify_all()  # send_done waits for everything acknowledged
-        if credit.granted > self._peer_granted:
-            self._peer_granted = credit.granted
-            assert self._credit_event is not None
-            self._credit_event.set()
-        if credit.resend and credit.acked < self._next_seq:
-            self._schedule_resend(credit.acked)
+        if credit.acked > self._peer_acked or credit.granted > self._peer_granted:
+            with self._cv:  # the sender waits for grants, send_done for acknowledgements
+                self._peer_granted = max(self._peer_granted, credit.granted)
+                self._peer_acked = credit.acked
+                while self._retained and self._retained[0][0] < credit.acked:
+                    self._retained.popleft()
+                self._cv.notify_all()
+        if credit.resend and credit.acked < self._published:
+            self._resend_from = (
+                credit.acked if self._resend_from is None else min(credit.acked, self._resend_from)
+            )
+            self._wake_pump()
         return None
 
-    def _schedule_resend(self, start: int) -> None:
-        self._resend_from = start if self._resend_from is None else min(start, self._resend_from)
-        if self._resend_task is None or self._resend_task.done():
-            self._resend_task = asyncio.get_running_loop().create_task(self._resend())
+    def _wake_pump(self) -> None:
+        """From the loop: the pump has chunks to send (again)."""
+        self._pump_idle = False
+        assert self._pump_wake is not None
+        self._pump_wake.set()
+
+    async def _run_pump(self) -> None:
+        """The one task that publishes chunks: those the caller made, in order, and those the
+        peer asked for again, which go first (in order too: a resend never interleaves)."""
+        assert self._pump_wake is not None and self._drained is not None
+        while True:
+            self._pump_idle = True  # before the last look: a caller that adds then wakes it
+            if not (self._outbox or self._resend_from is not None):
+                self._drained.set()
+                await self._pump_wake.wait()
+            self._pump_wake.clear()
+            self._pump_idle = False
+            if self._resend_from is not None:
+                await self._resend()
+            elif self._outbox:
+                seq, payload = self._outbox.popleft()
+                self._published = seq + 1
+                if self._nc.is_connected:  # otherwise it waits for the peer to ask
+                    await self._publish(payload)
 
     async def _resend(self) -> None:
-        """Send again, in order, every kept chunk from the one asked for; new chunks wait."""
-        assert self._pub_lock is not None
-        async with self._pub_lock:
-            while self._resend_from is not None:
-                start, self._resend_from = self._resend_from, None
-                for seq, payload in list(self._retained):
-                    if seq >= start and self._nc.is_connected and await self._publish(payload):
-                        self.resent += 1
-                self._active_at = time.monotonic()
+        """Send again every kept chunk from the one asked for that was sent already."""
+        start, self._resend_from = self._resend_from, None
+        assert start is not None
+        for seq, payload in list(self._retained):
+            if not self._nc.is_connected:
+                return  # the reconnect will ask again
+            if start <= seq < self._published and await self._publish(payload):
+                self.resent += 1
+        self._active_at = time.monotonic()
 
     async def _probe(self) -> None:
         self._active_at = time.monotonic()
-        await self._publish(self._send_auth.probe(self._next_serial(), self._next_seq))
+        await self._publish(self._send_auth.probe(self._next_serial(), self._published))
 
     async def _tick(self) -> None:
         """A sender that waits (for credit, or for acknowledgements) and has heard nothing for
@@ -606,39 +636,29 @@ class RelayLink:
             if waiting and quiet and self._nc.is_connected:
                 await self._probe()
 
-    async def _wait_credit(self, timeout_s: float) -> None:
+    # --- sending (caller thread) ----------------------------------------------------------
+
+    def _wait_credit(self, timeout_s: float) -> None:
         """Until the next chunk is within the window: the first ``window`` chunks need no
-        grant; each grant allows one more."""
-        assert self._credit_event is not None
-        while self._next_seq >= self._window + self._peer_granted:
-            self._credit_event.clear()
-            self._waiting_credit = True
-            try:
-                await asyncio.wait_for(self._credit_event.wait(), timeout_s)
-            except TimeoutError:
+        grant; each grant allows one more. Called with ``_cv`` held."""
+        if self._next_seq < self._window + self._peer_granted:
+            return
+        self._waiting_credit = True
+        try:
+            if not self._cv.wait_for(
+                lambda: self._next_seq < self._window + self._peer_granted, timeout_s
+            ):
                 raise PeerTimeoutError(
                     f"{self.name}: the receiver granted no credit for {timeout_s:.0f}s"
                     f"{self._drops_note()}"
-                ) from None
-            finally:
-                self._waiting_credit = False
-
-    async def _send_frame(self, views: list[memoryview], timeout_s: float) -> None:
-        assert self._pub_lock is not None
-        chunks = chunk_frame(views, self._chunk)
-        size = sum(v.nbytes for v in views)
-        for index, pieces in enumerate(chunks):
-            await self._wait_credit(timeout_s)
-            async with self._pub_lock:
-                seq = self._next_seq
-                payload = self._send_auth.data(seq, index, len(chunks), size, pieces)
-                self._next_seq += 1
-                self._retained.append((seq, payload))
-                if self._nc.is_connected:  # otherwise it waits for the peer to ask
-                    await self._publish(payload)
-                self._active_at = time.monotonic()
+                )
+        finally:
+            self._waiting_credit = False
 
     def send(self, parts: Sequence[bytes | memoryview], timeout_s: float = 60.0) -> None:
+        """Send a frame: chunked from its parts (each chunk copied once, into its message),
+        each chunk waiting for credit up to ``timeout_s``. Returns once every chunk is made
+        and queued: the loop thread publishes them (the caller may reuse ``parts`` at once)."""
         views = frame_views(parts)
         size = sum(v.nbytes for v in views)
         if size > self._max_frame_bytes:
@@ -646,7 +666,20 @@ class RelayLink:
                 f"{self.name}: a frame of {size} bytes is over the relay's limit of "
                 f"{self._max_frame_bytes}"
             )
-        self._run(self._send_frame(views, timeout_s), timeout=timeout_s + 5)
+        chunks = chunk_frame(views, self._chunk)
+        with self._send_lock:
+            for index, pieces in enumerate(chunks):
+                with self._cv:
+                    self._wait_credit(timeout_s)
+                seq = self._next_seq
+                payload = self._send_auth.data(seq, index, len(chunks), size, pieces)
+                self._retained.append((seq, payload))
+                self._outbox.append((seq, payload))
+                self._next_seq = seq + 1
+                self._active_at = time.monotonic()
+                if self._pump_idle:
+                    self._pump_idle = False
+                    self._io.call_soon(self._wake_pump)
 
     def send_control(self, kind: bytes, body: bytes = b"") -> None:
         """Publish a handshake message. Not an error while NATS is away: the handshake says
@@ -661,9 +694,10 @@ class RelayLink:
 
         self._run(publish(), timeout=10)
 
-    def send_done(self, timeout_s: float = DONE_TIMEOUT_S) -> None:
+    def send_done(self, timeout_s: float = DONE_TIMEOUT_S) -> bool:
         """The end of the run, once every chunk sent has arrived; said again until the peer
-        confirms it or ``timeout_s`` passes (then the peer's wait times out: only logged)."""
+        confirms it (True) or ``timeout_s`` passes (False, and logged: the peer's own wait
+        times out, this end has nothing more to do)."""
         deadline = time.monotonic() + timeout_s
         with self._cv:
             if not self._cv.wait_for(lambda: not self._retained, timeout_s):
@@ -680,10 +714,10 @@ class RelayLink:
             left = deadline - time.monotonic()
             with self._cv:
                 if self._cv.wait_for(lambda: self._done_seen, min(DONE_EVERY_S, max(0, left))):
-                    return
+                    return True
             if left <= 0:
                 log.warning("%s: the peer did not confirm DONE within %.0fs", self.name, timeout_s)
-                return
+                return False
 
     def wait_done(self, timeout_s: float) -> bool:
         with self._cv:
@@ -725,6 +759,13 @@ class RelayLink:
         async def shutdown() -> None:
             if self._ticker is not None:
                 self._ticker.cancel()
+            if self._outbox and self._drained is not None and self.connected:
+                self._drained.clear()  # the pump hands the last chunks to NATS first
+                self._wake_pump()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._drained.wait(), 4)
+            if self._pump is not None:
+                self._pump.cancel()
             if self._nc is not None:
                 with contextlib.suppress(Exception):
                     await self._nc.drain()  # flushes what is still buffered

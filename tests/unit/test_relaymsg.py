@@ -8,7 +8,9 @@ import msgspec
 import numpy as np
 import pytest
 
+from silentswarm.agent.errors import LinkError
 from silentswarm.agent.pipe.link import deserialize_parts, serialize_parts
+from silentswarm.agent.pipe.relay import FrameAssembler, chunk_frame, frame_views
 from silentswarm.agent.pipe.relaymsg import (
     OVERHEAD,
     TAG_BYTES,
@@ -163,9 +165,110 @@ def test_parsing_never_raises_on_random_input():
 
 def test_parts_serialize_from_views_of_any_format():
     array = np.arange(12, dtype=np.float32).reshape(3, 4)
-    parts = [b"head", memoryview(array), memoryview(array)[::2], bytearray(b"x")]
+    empty = np.zeros((0, 4), dtype=np.float32)
+    parts = [b"head", memoryview(array), memoryview(array)[::2], bytearray(b"x"), empty]
     back = deserialize_parts(serialize_parts(parts))
-    assert [bytes(p) for p in back] == [b"head", array.tobytes(), array[::2].tobytes(), b"x"]
+    assert [bytes(p) for p in back] == [
+        b"head",
+        array.tobytes(),
+        array[::2].tobytes(),
+        b"x",
+        b"",
+    ]
+
+
+# --- frames in chunks, and put together again ---------------------------------------------
+
+
+def _chunks(parts, chunk_bytes: int, seq: int = 0) -> list[DataChunk]:
+    """The frame's chunks as the receiver parses them (tagged and checked on the way)."""
+    views = frame_views(parts)
+    size = sum(v.nbytes for v in views)
+    pieces = chunk_frame(views, chunk_bytes)
+    out = []
+    for index, piece in enumerate(pieces):
+        message = AUTH.data(seq + index, index, len(pieces), size, piece)
+        chunk = parse_message(message, AUTH)
+        assert isinstance(chunk, DataChunk)
+        out.append(chunk)
+    return out
+
+
+def test_a_frame_is_chunked_across_its_parts_without_copying_them():
+    array = np.arange(3000, dtype=np.float32)  # 12000 bytes
+    views = frame_views([b"header", array])
+    pieces = chunk_frame(views, 4096)
+    assert [sum(p.nbytes for p in piece) for piece in pieces] == [4096, 4096, 20 + 6 + 12000 - 8192]
+    assert b"".join(b"".join(piece) for piece in pieces) == serialize_parts([b"header", array])
+    # The array's bytes are slices of the array itself, not copies.
+    assert all(p.obj is array for piece in pieces for p in piece if p.nbytes > 100)
+    assert chunk_frame(frame_views([]), 4096) == [[frame_views([])[0]]]
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 7, 64, 4096, 1 << 20])
+def test_every_split_is_put_together_into_one_buffer(chunk_bytes):
+    rng = np.random.default_rng(chunk_bytes)
+    array = rng.standard_normal((3, 50)).astype(np.float32)
+    parts = [b"head", array, b"", bytes(range(256))]
+    assembler = FrameAssembler()
+    chunks = _chunks(parts, chunk_bytes)
+    done = [item for chunk in chunks for item in assembler.add(chunk)]
+    assert len(done) == 1 and not assembler.assembling
+    [back] = done
+    assert [bytes(p) for p in back] == [b"head", array.tobytes(), b"", bytes(range(256))]
+    assert np.array_equal(np.frombuffer(back[1], dtype=np.float32).reshape(3, 50), array)
+    if len(chunks) == 1:  # one chunk: views of the message itself, no copy at all
+        assert back[1].obj is chunks[0].chunk.obj
+    else:  # all parts are views of one buffer
+        assert len({id(p.obj) for p in back}) == 1
+
+
+def test_a_frame_over_the_limit_is_never_allocated_and_its_chunks_are_skipped():
+    assembler = FrameAssembler(max_frame_bytes=1000)
+    huge = AUTH.data(0, 0, 3, 1 << 40, b"x" * 10)
+    [error] = assembler.add(parse_message(huge, AUTH))
+    assert isinstance(error, LinkError) and "over the limit of 1000" in str(error)
+    rest = parse_message(AUTH.data(1, 1, 3, 1 << 40, b"x" * 10), AUTH)
+    assert assembler.add(rest) == [] and not assembler.assembling
+    [frame] = [item for c in _chunks([b"ok"], 4, seq=2) for item in assembler.add(c)]
+    assert [bytes(p) for p in frame] == [b"ok"]
+
+
+def _chunk(index: int, count: int, size: int, data: bytes) -> DataChunk:
+    chunk = parse_message(AUTH.data(index, index, count, size, data), AUTH)
+    assert isinstance(chunk, DataChunk)
+    return chunk
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        [_chunk(0, 2, 10, b"12345"), _chunk(1, 2, 11, b"67890")],  # the size changes
+        [_chunk(0, 2, 10, b"12345"), _chunk(1, 3, 10, b"67890")],  # the count changes
+        [_chunk(0, 3, 10, b"12345"), _chunk(2, 3, 10, b"67890")],  # an index skipped
+        [_chunk(0, 2, 10, b"12345"), _chunk(1, 2, 10, b"6789")],  # the last one short
+        [_chunk(0, 2, 10, b"123456"), _chunk(1, 2, 10, b"67890")],  # more than the size
+        [_chunk(0, 1, 10, b"12345")],  # one chunk that is not the whole frame
+        [_chunk(0, 20, 10, b"1")],  # more chunks than bytes
+        [_chunk(0, 2, 10, b"12345"), _chunk(1, 2, 10, b"")],  # an empty chunk
+        [_chunk(0, 2, 9, b"12345"), _chunk(1, 2, 9, b"6789")],  # bytes that are no frame
+    ],
+)
+def test_chunks_that_do_not_add_up_fail_their_frame_and_the_next_one_is_taken(chunks):
+    assembler = FrameAssembler()
+    out = [item for chunk in chunks for item in assembler.add(chunk)]
+    assert len(out) == 1 and isinstance(out[0], LinkError), out
+    [frame] = [item for c in _chunks([b"next"], 3, seq=9) for item in assembler.add(c)]
+    assert [bytes(p) for p in frame] == [b"next"]
+
+
+def test_a_frame_cut_short_by_a_new_one_fails_and_the_new_one_is_taken():
+    assembler = FrameAssembler()
+    first = _chunks([b"a" * 100], 32)
+    assert assembler.add(first[0]) == [] and assembler.assembling
+    out = [item for c in _chunks([b"b" * 100], 32, seq=1) for item in assembler.add(c)]
+    assert isinstance(out[0], LinkError) and "cut short" in str(out[0])
+    assert [bytes(p) for p in out[1]] == [b"b" * 100]
 
 
 # --- the tokens in the plans --------------------------------------------------------------
