@@ -403,7 +403,14 @@ class RelayLink:
         await self._probe()
 
     async def _on_error(self, exc: Exception) -> None:
-        log.debug("%s: relay NATS client: %r", self.name, exc)
+        """nats-py's errors: those of a connection (refused while the server is away, a
+        socket that died) are expected and retried on their own; anything else is a bug."""
+        import nats.errors
+
+        if isinstance(exc, OSError | asyncio.TimeoutError | nats.errors.Error):
+            log.debug("%s: relay NATS client: %r", self.name, exc)
+        else:
+            log.error("%s: relay NATS client: %r", self.name, exc, exc_info=exc)
 
     async def _publish(self, payload: bytes) -> bool:
         """Publish; False if NATS would not take it (closed, reconnecting with a full buffer):

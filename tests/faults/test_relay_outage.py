@@ -14,7 +14,7 @@ from tests.integration.test_links import kill_nats
 
 pytestmark = pytest.mark.timeout(300)
 
-STEPS = 400
+STEPS = 300
 OUTAGES_S = (6.0, 2.0, 6.0)  # how long each outage lasts, as in issue 20 (~6 s)
 
 
