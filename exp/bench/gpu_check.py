@@ -467,6 +467,8 @@ def main() -> int:
         "check": "gpu",
         "python": sys.version.split()[0],
         "python_path": sys.executable,
+        # hardware.py hides the GPUs CUDA would not see; the direct read does not.
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "heartbeat_ok": False,
         "placement_ok": False,
     }

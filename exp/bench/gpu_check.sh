@@ -29,8 +29,11 @@
 #
 # then, through the device tool (the folder is ignored by git, so it travels as carry):
 #
-#   run(command="bash exp/bench/gpu_check.sh 2>&1 | tee $OUT/gpu_check.log",
+#   run(command="set -o pipefail; bash exp/bench/gpu_check.sh 2>&1 | tee $OUT/gpu_check.log",
 #       carry=["exp/bench/gpu_wheels"], timeout_s=330)
+#
+# (then give_back). The last line of the output is the JSON object; $OUT/gpu_check.log
+# comes back with all of it.
 #
 # Other uses:
 #   bash exp/bench/gpu_check.sh --python .venv/bin/python --allow-no-gpu
@@ -39,7 +42,9 @@
 #       wheels for other CPython versions (default "3.12 3.11"; the GPU machine has 3.12)
 #
 # Options: --wheels DIR (default exp/bench/gpu_wheels), --deadline SECONDS, --keep (keep the
-# scratch folder with the services' logs and print its path).
+# scratch folder with the services' logs and print its path), --install venv|target (how to
+# install: a venv, or pip --target folders on PYTHONPATH; default: a venv if the interpreter
+# makes one with pip, else target).
 set -uo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -49,6 +54,7 @@ PYTHON=""
 HELPER_ARGS=()
 FETCH=0
 KEEP=0
+INSTALL_MODE=auto
 DEADLINE=280
 PY_VERSIONS="3.12 3.11"
 # pip matches manylinux_2_N tags exactly: name every glibc generation the wheels use.
@@ -68,6 +74,7 @@ while [[ $# -gt 0 ]]; do
     --deadline) DEADLINE=${2:?--deadline needs seconds}; shift ;;
     --py-versions) PY_VERSIONS=${2:?--py-versions needs versions}; shift ;;
     --keep) KEEP=1 ;;
+    --install) INSTALL_MODE=${2:?--install needs venv or target}; shift ;;
     -h | --help) usage; exit 0 ;;
     *) echo "gpu_check: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -134,7 +141,8 @@ fetch_wheels() {
     find_python
     py=$PY
   fi
-  mapfile -t reqs < <(requirements "$py") || fail fetch "cannot read pyproject.toml's dependencies"
+  mapfile -t reqs < <(requirements "$py")
+  ((${#reqs[@]})) || fail fetch "cannot read pyproject.toml's dependencies"
   mkdir -p "$WHEELS"
   # The versions tested here: every package the local environment has is pinned to it.
   "$py" -m pip freeze --exclude-editable >"$WORK/constraints.txt" || fail fetch "pip freeze failed"
@@ -154,7 +162,8 @@ fetch_wheels() {
   bytes=$(du -sb "$WHEELS" | cut -f1)
   say "$(find "$WHEELS" -name '*.whl' | wc -l) wheels, $((bytes / 1024 / 1024)) MiB in $WHEELS"
   ((bytes < 60 * 1024 * 1024)) || say "WARNING: over 60 MiB; the device takes 64 MiB in all"
-  say "now: run(command=\"bash exp/bench/gpu_check.sh 2>&1 | tee \$OUT/gpu_check.log\"," \
+  say "now: run(command=\"set -o pipefail; bash exp/bench/gpu_check.sh 2>&1 |" \
+    "tee \$OUT/gpu_check.log\"," \
     "carry=[\"${WHEELS#"$REPO"/}\"], timeout_s=330)"
 }
 
@@ -164,13 +173,14 @@ install() {
   local py=$1 reqs
   [[ -d $WHEELS ]] || fail install "no wheel folder $WHEELS: run --fetch-wheels where pip can" \
     "download, and carry the folder"
-  mapfile -t reqs < <(requirements "$py") || fail install "cannot read pyproject.toml"
+  mapfile -t reqs < <(requirements "$py")
+  ((${#reqs[@]})) || fail install "cannot read pyproject.toml's dependencies with $py"
   # Only the wheel folder: no index, no configuration of this machine's pip.
   local pip_args=(install -q --no-index --find-links "$WHEELS" --no-cache-dir
     --disable-pip-version-check)
   export PIP_CONFIG_FILE=/dev/null
   unset PIP_FIND_LINKS PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_CONSTRAINT
-  if "$py" -m venv "$WORK/venv" >"$WORK/venv.log" 2>&1 &&
+  if [[ $INSTALL_MODE != target ]] && "$py" -m venv "$WORK/venv" >"$WORK/venv.log" 2>&1 &&
     "$WORK/venv/bin/python" -m pip --version >/dev/null 2>&1; then
     INSTALL=venv
     CHECK_PY=$WORK/venv/bin/python
@@ -180,7 +190,9 @@ install() {
     "$CHECK_PY" -m pip "${pip_args[@]}" --no-deps "$REPO" >>"$WORK/pip.log" 2>&1 ||
       fail install "pip install of the checkout failed: $(tail -5 "$WORK/pip.log")"
   else
-    say "no venv with pip from $py ($(tail -1 "$WORK/venv.log")): pip --target instead"
+    [[ $INSTALL_MODE != venv ]] || fail install "no venv with pip: $(tail -3 "$WORK/venv.log")"
+    [[ $INSTALL_MODE == target ]] ||
+      say "no venv with pip from $py ($(tail -1 "$WORK/venv.log")): pip --target instead"
     INSTALL=target
     CHECK_PY=$py
     "$py" -m pip "${pip_args[@]}" --target "$WORK/deps" "${reqs[@]}" >"$WORK/pip.log" 2>&1 ||
