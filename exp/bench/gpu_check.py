@@ -11,7 +11,9 @@ It runs in an environment where ``silentswarm`` and its services' dependencies a
    equal; free VRAM and utilisation within a tolerance: they move on a busy GPU).
 3. The placement of a one-stage job on that fellow, computed by the leader's own functions
    (``leader.decide.candidate`` then ``leader.placement.place``, the path of the job loop's
-   ``_schedule``) from the record the leader serves, with the leader's placement defaults.
+   ``_schedule``) from the record the leader serves, with the leader's placement defaults,
+   and the stage plan START would carry (``jobspec.stage_plans``: its ``gpu_slots`` must be
+   the placement's).
    Twice: from the telemetry as received, and, where NVML sees GPUs, as if TensorFlow saw
    them all (a machine without TensorFlow has a fellow whose TensorFlow probe fails, and the
    leader rightly offers none of its GPUs: ``gpu_warning`` says so).
@@ -246,7 +248,7 @@ def placements(record_json: bytes, min_free_gb: float) -> dict[str, Any]:
     """The placement of a one-stage job on the fellow, as the leader's job loop computes it."""
     import msgspec
 
-    from silentswarm.jobspec import JobSpec
+    from silentswarm.jobspec import JobSpec, stage_plans
     from silentswarm.leader.decide import candidate
     from silentswarm.leader.placement import PlacementDefaults, Unplaceable, place
     from silentswarm.plan import ModelConfig
@@ -263,12 +265,17 @@ def placements(record_json: bytes, min_free_gb: float) -> dict[str, Any]:
         if isinstance(result, Unplaceable):
             return {"placed": False, "reason": result.reason}
         stage = result.stages[0]
+        # What START would carry to the fellow: the plan's slots are the placement's.
+        (plan,) = stage_plans(
+            job_id="gpu-check", attempt=1, spec=spec, placement=result, subject_prefix="swarm"
+        )
         return {
             "placed": True,
             "fellow_id": stage.fellow_id,
             "layers": [stage.layer_start, stage.layer_end],
             "device": "gpu" if stage.gpu_slots else "cpu",
             "gpu_slots": msgspec.to_builtins(stage.gpu_slots),
+            "plan_gpu_slots_match": plan.gpu_slots == stage.gpu_slots,
             "memory_estimate_bytes": stage.memory_estimate_bytes,
             "memory_offered_bytes": stage.memory_offered_bytes,
         }
@@ -397,7 +404,9 @@ def run_check(work: Path, deadline: float, out: dict[str, Any]) -> None:
     out["placement"] = placements(response.content, min_free)
     chosen = out["placement"].get("if_tensorflow_saw_all") or out["placement"]["as_received"]
     out["gpu_slots"] = chosen.get("gpu_slots", [])
-    out["placement_ok"] = all(p["placed"] for p in out["placement"].values())
+    out["placement_ok"] = all(
+        p["placed"] and p["plan_gpu_slots_match"] for p in out["placement"].values()
+    )
     http.close()
 
 

@@ -11,7 +11,7 @@
 #      (leader.decide.candidate, leader.placement.place) on the record the leader serves:
 #      as received, and as if TensorFlow saw every NVML GPU (without TensorFlow the
 #      fellow's probe fails and the leader rightly offers no GPU; gpu_warning says so), with
-#      the gpu_slots it gives.
+#      the gpu_slots it gives, which the stage plan START would carry must repeat.
 # It prints a summary, then one JSON line (nvml_ok, gpus, leader_gpus, gpus_match,
 # heartbeat_ok, placement, gpu_slots, leftover_pids, seconds, ok, failures) and exits 0 only
 # if every check passed. Without a GPU (no NVIDIA driver) it still runs the heartbeat,

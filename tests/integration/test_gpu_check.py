@@ -167,7 +167,7 @@ def test_with_a_stand_in_gpu_the_leader_sees_it_and_places_on_it(tmp_path: Path)
     assert result["placement"]["as_received"]["device"] == "cpu"
     on_gpu = result["placement"]["if_tensorflow_saw_all"]
     assert on_gpu["placed"] and on_gpu["device"] == "gpu"
-    assert on_gpu["memory_offered_bytes"] == 60 * GIB
+    assert on_gpu["memory_offered_bytes"] == 60 * GIB and on_gpu["plan_gpu_slots_match"]
     slot = {"gpu_index": 0, "gpu_uuid": FAKE_UUID, "layer_start": 0, "layer_end": 4}
     assert result["gpu_slots"] == [slot]
     assert_nothing_left(result)
