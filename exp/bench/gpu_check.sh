@@ -175,6 +175,11 @@ install() {
     fail install "no wheel folder $WHEELS: run --fetch-wheels where pip can download, and carry it"
   mapfile -t reqs < <(requirements "$py")
   ((${#reqs[@]})) || fail install "cannot read pyproject.toml's dependencies with $py"
+  # msgspec has one wheel per CPython version: without this one's, say which to fetch.
+  local tag
+  tag=$("$py" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+  compgen -G "$WHEELS/msgspec-*-$tag-$tag-*.whl" >/dev/null ||
+    fail install "no $tag wheels in $WHEELS: run --fetch-wheels --py-versions ${tag:2:1}.${tag:3} here"
   # Only the wheel folder: no index, no configuration of this machine's pip.
   local pip_args=(install -q --no-index --find-links "$WHEELS" --no-cache-dir
     --disable-pip-version-check)
