@@ -15,9 +15,11 @@ Throughput streams frames one way and waits for the peer's acknowledgement of th
 latency is half the round trip of one frame echoed back (p50 and p99). Every transport runs
 in each round, rounds interleave, and the figures are medians over rounds. Targets (printed,
 never failing the run): ZmqLink >= 0.90 of raw TCP at 4 MiB, RelayLink >= 0.80 of bare
-nats-py. The last line is one JSON object with every figure.
+nats-py. The last line is one JSON object with every figure, the ratios of every round
+(``round_ratios``) and the load averages at the start and the end (``load_avg``): on a
+machine shared with other work the ratios move by +-0.2 from round to round.
 
-    python exp/bench/link.py            # the full run (about a minute)
+    python exp/bench/link.py            # the full run (about two minutes)
     python exp/bench/link.py --quick    # a smoke run
 """
 
@@ -348,7 +350,18 @@ def collect(rounds: list[dict], kinds: list[str], sizes: dict[str, int]) -> dict
 
 def paired_ratio(rounds: list[dict], a: str, b: str, label: str) -> float:
     """Median over rounds of a/b throughput, each pair measured in the same round."""
-    return median([r[a][label]["gb_per_s"] / r[b][label]["gb_per_s"] for r in rounds])
+    return median(round_ratios(rounds, a, b, label))
+
+
+def round_ratios(rounds: list[dict], a: str, b: str, label: str) -> list[float]:
+    """a/b throughput in each round, in round order (what :func:`paired_ratio` takes the
+    median of)."""
+    return [r[a][label]["gb_per_s"] / r[b][label]["gb_per_s"] for r in rounds]
+
+
+def load_now() -> list[float]:
+    """The 1, 5 and 15 minute load averages: the machine's other work during the run."""
+    return [round(v, 2) for v in os.getloadavg()]
 
 
 def report(figures: dict, sizes: dict[str, int]) -> None:
@@ -374,6 +387,7 @@ def main() -> None:
     repeats = args.repeats or (1 if args.quick else 5)
     total = (16 if args.quick else 256) * 1024 * 1024  # bytes streamed per throughput run
     pings = 10 if args.quick else 100
+    load_start = load_now()
     work = Path(tempfile.mkdtemp(prefix="swarm-bench-link-"))
     server = start_nats_server(
         host="127.0.0.1",
@@ -392,6 +406,7 @@ def main() -> None:
             print(f"  round {r + 1}: 4 MiB GB/s: {line}", flush=True)
     finally:
         server.stop()
+    load_end = load_now()
     figures = collect(rounds, KINDS, SIZES)
     report(figures, SIZES)
     zmq_tcp = paired_ratio(rounds, "zmq", "tcp", "4MiB")
@@ -401,8 +416,21 @@ def main() -> None:
         "zmq_vs_tcp": {label: paired_ratio(rounds, "zmq", "tcp", label) for label in SIZES},
         "relay_vs_nats": relay_nats,
     }
+    per_round = {
+        "zmq_vs_tcp": {label: round_ratios(rounds, "zmq", "tcp", label) for label in SIZES},
+        "relay_vs_nats": {label: round_ratios(rounds, "relay", "nats", label) for label in SIZES},
+    }
     for name, row in ratios.items():
         print(f"  {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
+        for label, values in per_round[name].items():
+            print(f"    {label} per round: " + " ".join(f"{v:.2f}" for v in values), flush=True)
+    print(
+        f"  load average (1, 5, 15 min) on {os.cpu_count()} cores: start "
+        + " ".join(f"{v:.2f}" for v in load_start)
+        + ", end "
+        + " ".join(f"{v:.2f}" for v in load_end),
+        flush=True,
+    )
     zmq_met = verdict("ZmqLink / raw TCP at 4 MiB", zmq_tcp, ">= 0.90", zmq_tcp >= 0.90)
     relay_met = verdict(
         "RelayLink / bare nats-py at 4 MiB", relay_nats_4m, ">= 0.80", relay_nats_4m >= 0.80
@@ -421,6 +449,11 @@ def main() -> None:
                 "zmq_vs_tcp_4mib_ge_0.90": zmq_met,
                 "relay_vs_nats_4mib_ge_0.80": relay_met,
             },
+            # Additive keys: the ratios round by round, and how busy the machine was, so a
+            # run on a loaded machine is recognisable as one.
+            "round_ratios": per_round,
+            "cpu_count": os.cpu_count(),
+            "load_avg": {"start": load_start, "end": load_end},
         }
     )
 
