@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -34,3 +35,8 @@ def verdict(label: str, value: float, target: str, met: bool) -> bool:
 def emit(figures: dict[str, Any]) -> None:
     """The benchmark's last line: one JSON object with every figure."""
     print(json.dumps(figures), flush=True)
+
+
+def load_avg() -> list[float]:
+    """The 1, 5 and 15 minute load averages: the machine's other work while a bench runs."""
+    return [round(v, 2) for v in os.getloadavg()]

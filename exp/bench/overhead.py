@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -30,7 +31,7 @@ import time
 from pathlib import Path
 
 import msgspec
-from _common import REPO, emit, median, verdict  # puts the repo on sys.path
+from _common import REPO, emit, load_avg, median, verdict  # puts the repo on sys.path
 
 from silentswarm.agent.runtime.launch import run_plans, stage_env, steps
 from silentswarm.plan import ModelConfig, TrainConfig, single_process_plan
@@ -178,7 +179,9 @@ def main() -> None:
     print(
         f"model {model}\n{train.steps} steps, batch {train.batch_size}, m=1, 1 thread", flush=True
     )
+    load_start = load_avg()
     result = measure(work, model, train, repeats)
+    load_end = load_avg()
     times = result["times"]
     step_ms = {v: 1e3 * median(t) for v, t in times.items()}
     overhead = {
@@ -210,6 +213,8 @@ def main() -> None:
             "overhead": overhead,
             "overhead_vs_plain_xla": overhead["plain_xla"],
             "target_le_0.05_met": met,
+            "cpu_count": os.cpu_count(),
+            "load_avg": {"start": load_start, "end": load_end},
         }
     )
 

@@ -391,6 +391,7 @@ def main() -> None:
     repeats = args.repeats or (1 if args.quick else 2)
     work = args.work or Path(tempfile.mkdtemp(prefix="swarm-bench-"))
     print(f"model {model}\nwork dir {work}", flush=True)
+    load_start = [round(v, 2) for v in os.getloadavg()]
     speed_figures = sweep_figures = comp_figures = {}
     if args.only in (None, "speed"):
         print(
@@ -433,6 +434,11 @@ def main() -> None:
                 "speed": speed_figures,
                 "sweep": sweep_figures,
                 "compression": comp_figures,
+                "cpu_count": os.cpu_count(),
+                "load_avg": {
+                    "start": load_start,
+                    "end": [round(v, 2) for v in os.getloadavg()],
+                },
             }
         )
     )
