@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import signal
@@ -28,6 +29,8 @@ from tests.helpers import REPO, child_env, wait_for
 from tests.integration.nats_client import with_nats
 
 pytestmark = pytest.mark.integration
+
+MIB = 1024 * 1024
 TOKEN = bytes(range(32))  # a boundary's relay token, as the leader makes one per START
 
 
@@ -55,6 +58,41 @@ def zmq_pair():
     finally:
         binder.close()
         connector.close()
+
+
+def test_zmq_large_frames_arrive_intact_though_the_sender_dropped_its_arrays_at_once(zmq_pair):
+    """What ZmqLink sends is the caller's own buffer, kept alive by ZeroMQ until written,
+    and what it receives is a view, not a copy."""
+    binder, connector = zmq_pair
+    sizes = (16 * 1024, 64 * 1024, MIB, 4 * MIB)  # both sides of pyzmq's copy threshold
+    for step, nbytes in enumerate(sizes):
+        array = np.arange(nbytes // 4, dtype=np.float32) + step
+        _, parts = encode_frame(
+            array,
+            parse_wire_codec("none"),
+            job="j",
+            attempt=1,
+            step=step,
+            micro=0,
+            direction=Direction.FWD,
+        )
+        connector.send(parts)
+        del array, parts  # only ZeroMQ holds the payload now
+    gc.collect()
+    for step, nbytes in enumerate(sizes):
+        parts = binder.recv(10)
+        assert all(isinstance(p, memoryview) for p in parts)
+        header, got = decode_frame(parts)
+        assert header.step == step
+        assert np.array_equal(got, np.arange(nbytes // 4, dtype=np.float32) + step)
+        # For the uncompressed codec the decoded array is a view of the received message.
+        assert not got.flags.owndata
+
+
+def test_zmq_link_leaves_socket_buffers_to_the_kernel(zmq_pair):
+    """A fixed SO_SNDBUF/SO_RCVBUF would turn Linux's autotuning off (zmq.py says why)."""
+    for link in zmq_pair:
+        assert link._sock.sndbuf == -1 and link._sock.rcvbuf == -1
 
 
 def test_zmq_link_carries_frames_both_ways_and_counts_bytes(zmq_pair):
