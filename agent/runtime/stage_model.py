@@ -13,7 +13,8 @@ How each kind of stage runs a micro-batch (the choice measured, see docs/perform
 - The other stages keep a GradientTape around their compiled forward for each micro-batch in
   flight; the backward is ``tape.gradient(outputs, variables, output_gradients=g)`` with the
   gradient received from the next stage. Recomputing the forward inside one compiled backward
-  was measured slower: it pays a second forward to save the tape's bookkeeping.
+  measured slower on the speed benchmark's model (a second forward costs more than the tape's
+  bookkeeping) but faster on small micro-batches; choosing per run is not built yet.
 
 The loss is summed on the device and read once per step (:meth:`StageModel.take_loss`), not
 once per micro-batch.

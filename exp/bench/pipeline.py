@@ -349,6 +349,9 @@ def main() -> None:
     parser.add_argument(
         "--compression-layers", type=int, default=2, help="blocks of the compression model"
     )
+    parser.add_argument(
+        "--sweep-m", type=int, nargs="+", default=None, help="the sweep's micro-batch counts"
+    )
     parser.add_argument("--compute-child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.compute_child:
@@ -377,7 +380,7 @@ def main() -> None:
         # Sweep: 6 blocks split evenly by 2 and by 3 stages; small enough for 9 points.
         sweep_model = ModelConfig(n_layers=6, d_model=128, n_heads=4, seq_len=64)
         sweep_train = TrainConfig(steps=30, batch_size=16, micro_batches=2)
-        sweep_m = [2, 4, 8]
+        sweep_m = args.sweep_m or [2, 4, 8]
         specs = args.specs
     comp_train = TrainConfig(
         steps=comp_steps,
