@@ -230,17 +230,18 @@ class StageRunner:
 
     # --- training -------------------------------------------------------------------------
 
+    def _micro(self, array: np.ndarray, i: int) -> tf.Tensor:
+        """Micro-batch ``i`` of a step's batch rows."""
+        mb = self.plan.train.batch_size // self.plan.train.micro_batches
+        return tf.constant(array[i * mb : (i + 1) * mb])
+
     def train_step(self, step: int) -> StepResult:
         plan, model = self.plan, self.model
         m = plan.train.micro_batches
-        mb = plan.train.batch_size // m
+        part = self._micro
         started = time.perf_counter()
         inputs, targets = self.data.next_batch(plan.train.batch_size)
         lr = model.set_lr(step)
-
-        def part(array: np.ndarray, i: int) -> tf.Tensor:
-            return tf.constant(array[i * mb : (i + 1) * mb])
-
         if plan.n_stages == 1 and m == 1:  # a plain training step: one compiled call
             model.local_step(part(inputs, 0), part(targets, 0))
         elif plan.n_stages == 1:  # the whole model here: one compiled call per micro-batch
@@ -263,30 +264,23 @@ class StageRunner:
         """A stage before the last: forwards and backwards in 1F1B order, gradients
         accumulated; the backward of each micro-batch is the tape kept from its forward."""
         plan, model = self.plan, self.model
-        m = plan.train.micro_batches
-        mb = plan.train.batch_size // m
+        input_grad = not plan.is_first
         inflight: dict[int, tuple[tf.GradientTape, tf.Tensor, tf.Tensor]] = {}
-        n_vars = len(model.variables)
-        for op, i in one_f_one_b(plan.stage, plan.n_stages, m):
+        for op, i in one_f_one_b(plan.stage, plan.n_stages, plan.train.micro_batches):
             if op is Op.FORWARD:
                 if plan.is_first:
-                    x = tf.constant(inputs[i * mb : (i + 1) * mb])
+                    x = self._micro(inputs, i)
                 else:
                     x = tf.constant(self.up.recv(step=step, micro=i, direction=Direction.FWD))
-                with tf.GradientTape() as tape:
-                    if not plan.is_first:
-                        tape.watch(x)
-                    out = model.forward(x)
+                tape, out = model.tape_forward(x, input_grad=input_grad)
                 self.down.send(out.numpy(), step=step, micro=i, direction=Direction.FWD)
                 inflight[i] = (tape, x, out)
             else:
                 tape, x, out = inflight.pop(i)
                 received = tf.constant(self.down.recv(step=step, micro=i, direction=Direction.BWD))
-                sources = model.variables if plan.is_first else [*model.variables, x]
-                grads = tape.gradient(out, sources, output_gradients=received)
-                model.accumulate(grads[:n_vars])
-                if not plan.is_first:
-                    self.up.send(grads[n_vars].numpy(), step=step, micro=i, direction=Direction.BWD)
+                dx = model.tape_backward(tape, x, out, received, input_grad=input_grad)
+                if dx is not None:
+                    self.up.send(dx.numpy(), step=step, micro=i, direction=Direction.BWD)
 
     def evaluate(self, step: int) -> float | None:
         """Forward-only validation through the whole pipeline; the last stage gets the loss."""

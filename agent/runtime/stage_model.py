@@ -121,14 +121,14 @@ class StageModel:
         self.loss_sum = tf.Variable(0.0, trainable=False, name="loss_sum")
         # An XLA cluster cannot span devices: compile only a stage that lives on one.
         jit = train.jit_compile and len({p.device for p in self.pieces}) <= 1
-        self.forward = tf.function(self._forward, reduce_retracing=True, jit_compile=jit)
-        self.forward_loss = tf.function(self._forward_loss, reduce_retracing=True, jit_compile=jit)
-        self._accumulate = tf.function(self._accumulate_impl)
-        self._apply = tf.function(self._apply_impl, jit_compile=jit)
 
         def compiled(fn):
             return tf.function(fn, reduce_retracing=True, jit_compile=jit)
 
+        self.forward = compiled(self._forward)
+        self.forward_loss = compiled(self._forward_loss)
+        self._accumulate = tf.function(self._accumulate_impl)
+        self._apply = tf.function(self._apply_impl, jit_compile=jit)
         # Each is one XLA compilation (seconds): a run traces only those its plan uses.
         self.local_micro = compiled(self._local_micro)
         self.local_step = compiled(self._local_step)
@@ -215,6 +215,32 @@ class StageModel:
 
     def accumulate(self, grads: list[tf.Tensor]) -> None:
         self._accumulate(grads)
+
+    def tape_forward(self, x: tf.Tensor, *, input_grad: bool) -> tuple[tf.GradientTape, tf.Tensor]:
+        """A stage before the last: the compiled forward under a tape of its own, kept until
+        :meth:`tape_backward` (``input_grad``: the tape watches the input too)."""
+        with tf.GradientTape() as tape:
+            if input_grad:
+                tape.watch(x)
+            out = self.forward(x)
+        return tape, out
+
+    def tape_backward(
+        self,
+        tape: tf.GradientTape,
+        x: tf.Tensor,
+        out: tf.Tensor,
+        received: tf.Tensor,
+        *,
+        input_grad: bool,
+    ) -> tf.Tensor | None:
+        """The backward of :meth:`tape_forward` with the next stage's gradient: the variables'
+        gradients accumulated, the input's returned (None without ``input_grad``)."""
+        sources = [*self.variables, x] if input_grad else self.variables
+        grads = tape.gradient(out, sources, output_gradients=received)
+        n_vars = len(self.variables)
+        self.accumulate(grads[:n_vars])
+        return grads[n_vars] if input_grad else None
 
     def set_lr(self, step: int) -> float:
         """The learning rate of ``step``, set on the optimizer before its apply."""

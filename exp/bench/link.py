@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import REPO, emit, median, percentile, verdict  # puts the repo on sys.path
+from _common import REPO, emit, load_avg, median, percentile, verdict  # puts the repo on sys.path
 
 from silentswarm.agent.pipe.relay import RelayLink
 from silentswarm.agent.pipe.zmq import ZmqLink
@@ -359,11 +359,6 @@ def round_ratios(rounds: list[dict], a: str, b: str, label: str) -> list[float]:
     return [r[a][label]["gb_per_s"] / r[b][label]["gb_per_s"] for r in rounds]
 
 
-def load_now() -> list[float]:
-    """The 1, 5 and 15 minute load averages: the machine's other work during the run."""
-    return [round(v, 2) for v in os.getloadavg()]
-
-
 def report(figures: dict, sizes: dict[str, int]) -> None:
     print(f"  {'transport':8s} {'frame':>6s} {'GB/s':>7s} {'p50 ms':>8s} {'p99 ms':>8s}")
     for kind, rows in figures.items():
@@ -387,7 +382,7 @@ def main() -> None:
     repeats = args.repeats or (1 if args.quick else 5)
     total = (16 if args.quick else 256) * 1024 * 1024  # bytes streamed per throughput run
     pings = 10 if args.quick else 100
-    load_start = load_now()
+    load_start = load_avg()
     work = Path(tempfile.mkdtemp(prefix="swarm-bench-link-"))
     server = start_nats_server(
         host="127.0.0.1",
@@ -406,7 +401,7 @@ def main() -> None:
             print(f"  round {r + 1}: 4 MiB GB/s: {line}", flush=True)
     finally:
         server.stop()
-    load_end = load_now()
+    load_end = load_avg()
     figures = collect(rounds, KINDS, SIZES)
     report(figures, SIZES)
     zmq_tcp = paired_ratio(rounds, "zmq", "tcp", "4MiB")

@@ -41,20 +41,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+import msgspec
+from _common import REPO, load_avg  # puts the repo on sys.path
 
-import msgspec  # noqa: E402
-
-from silentswarm.agent.runtime.data import TextDataset  # noqa: E402
-from silentswarm.agent.runtime.launch import done, run_plans, stage_env  # noqa: E402
-from silentswarm.agent.runtime.schedule import (  # noqa: E402
+from silentswarm.agent.runtime.data import TextDataset
+from silentswarm.agent.runtime.launch import done, run_plans, stage_env
+from silentswarm.agent.runtime.schedule import (
     OpTimes,
     ideal_speedup,
     one_f_one_b,
     step_period,
 )
-from silentswarm.plan import (  # noqa: E402
+from silentswarm.plan import (
     ModelConfig,
     StagePlan,
     TrainConfig,
@@ -62,7 +60,7 @@ from silentswarm.plan import (  # noqa: E402
     chain_plans,
     single_process_plan,
 )
-from silentswarm.procs import free_port  # noqa: E402
+from silentswarm.procs import free_port
 
 SPECS = [
     "none",
@@ -209,7 +207,6 @@ def compute_child(plan_path: Path) -> None:
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, (mb, cfg.seq_len)).astype(np.int32)
     boundary = rng.standard_normal((mb, cfg.seq_len, cfg.d_model)).astype(np.float32) * 0.1
-    n_vars = len(model.variables)
     spans: dict[str, list[float]] = {"forward": [], "backward": [], "apply": []}
     first_kept = train.steps // 5
     for step in range(train.steps):
@@ -226,24 +223,21 @@ def compute_child(plan_path: Path) -> None:
             model.take_loss()
         else:
             inflight = {}
+            input_grad = not plan.is_first
             for op, i in one_f_one_b(plan.stage, plan.n_stages, m):
                 started = time.perf_counter()
                 if op is Op.FORWARD:
                     x = tf.constant(tokens if plan.is_first else boundary)
-                    with tf.GradientTape() as tape:
-                        if not plan.is_first:
-                            tape.watch(x)
-                        out = model.forward(x)
+                    tape, out = model.tape_forward(x, input_grad=input_grad)
                     out.numpy()
                     inflight[i] = (tape, x, out)
                     took["forward"].append(time.perf_counter() - started)
                 else:
                     tape, x, out = inflight.pop(i)
-                    sources = model.variables if plan.is_first else [*model.variables, x]
-                    grads = tape.gradient(out, sources, output_gradients=tf.constant(boundary))
-                    model.accumulate(grads[:n_vars])
-                    if not plan.is_first:
-                        grads[n_vars].numpy()
+                    g = tf.constant(boundary)
+                    dx = model.tape_backward(tape, x, out, g, input_grad=input_grad)
+                    if dx is not None:
+                        dx.numpy()
                     took["backward"].append(time.perf_counter() - started)
             started = time.perf_counter()
             model.apply_mean(m)
@@ -394,7 +388,7 @@ def main() -> None:
     repeats = args.repeats or (1 if args.quick else 2)
     work = args.work or Path(tempfile.mkdtemp(prefix="swarm-bench-"))
     print(f"model {model}\nwork dir {work}", flush=True)
-    load_start = [round(v, 2) for v in os.getloadavg()]
+    load_start = load_avg()
     speed_figures = sweep_figures = comp_figures = {}
     if args.only in (None, "speed"):
         print(
@@ -440,7 +434,7 @@ def main() -> None:
                 "cpu_count": os.cpu_count(),
                 "load_avg": {
                     "start": load_start,
-                    "end": [round(v, 2) for v in os.getloadavg()],
+                    "end": load_avg(),
                 },
             }
         )
