@@ -163,21 +163,40 @@ def ceiling(
         path = work / f"ceiling-{job}-{plan.stage}.json"
         path.write_bytes(msgspec.json.encode(plan))
         argv = [sys.executable, str(Path(__file__).resolve()), "--compute-child", str(path)]
-        procs.append(
-            subprocess.Popen(
-                argv,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env=stage_env({"PYTHONPATH": str(REPO)}),
+        with open(path.with_suffix(".err"), "wb") as stderr:
+            procs.append(
+                subprocess.Popen(
+                    argv,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=stderr,
+                    text=True,
+                    env=stage_env({"PYTHONPATH": str(REPO)}),
+                )
             )
-        )
-    times = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=900)
-        if proc.returncode:
-            raise RuntimeError(f"compute child failed:\n{err[-3000:]}")
-        times.append(OpTimes(**json.loads(out.strip().splitlines()[-1])))
+    try:
+        # A barrier: the timed steps start together, after every child has compiled and warmed
+        # up (one child's XLA compilation would otherwise run beside the other's timed ops).
+        for proc, plan in zip(procs, plans, strict=True):
+            if proc.stdout.readline().strip() != "ready":
+                proc.wait(timeout=60)
+                err = work / f"ceiling-{job}-{plan.stage}.err"
+                raise RuntimeError(f"compute child failed:\n{err.read_text()[-3000:]}")
+        for proc in procs:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        times = []
+        for proc, plan in zip(procs, plans, strict=True):
+            out, _ = proc.communicate(timeout=900)
+            if proc.returncode:
+                err = work / f"ceiling-{job}-{plan.stage}.err"
+                raise RuntimeError(f"compute child failed:\n{err.read_text()[-3000:]}")
+            times.append(OpTimes(**json.loads(out.strip().splitlines()[-1])))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     schedules = [one_f_one_b(s, p, train.micro_batches) for s in range(p)]
     period = step_period(schedules, times)
     ops = [{k: round(1e3 * v, 3) for k, v in t._asdict().items()} for t in times]
@@ -188,8 +207,10 @@ def compute_child(plan_path: Path) -> None:
     """One stage's compute without links: the calls :class:`StageRunner` makes, timed.
 
     Inputs are synthetic (tokens on the first stage, activations and gradients of the
-    boundary's shape elsewhere); the first 20% of the steps are left out, as the runtime
-    does. Prints ``{"forward": s, "backward": s, "apply": s}`` medians per op.
+    boundary's shape elsewhere). The first 20% of the steps warm up (compilation included, as
+    the runtime leaves them out); then the child prints ``ready`` and waits for a line on
+    stdin, so that every child's timed steps run at the same time. Prints
+    ``{"forward": s, "backward": s, "apply": s}`` medians per op.
     """
     plan = msgspec.json.decode(plan_path.read_bytes(), type=StagePlan)
     from silentswarm.agent.runtime.tfsetup import configure_tensorflow
@@ -210,6 +231,9 @@ def compute_child(plan_path: Path) -> None:
     spans: dict[str, list[float]] = {"forward": [], "backward": [], "apply": []}
     first_kept = train.steps // 5
     for step in range(train.steps):
+        if step == first_kept:
+            print("ready", flush=True)
+            sys.stdin.readline()
         took: dict[str, list[float]] = {"forward": [], "backward": [], "apply": []}
         model.set_lr(step)
         if plan.is_last:
