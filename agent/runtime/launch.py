@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +52,14 @@ def run_plans(
     timeout: float = 600.0,
     env: Mapping[str, str] | None = None,
     on_event: Callable[[dict[str, Any]], None] | None = None,
+    command_prefixes: Mapping[int, Sequence[str]] | None = None,
 ) -> list[list[dict[str, Any]]]:
     """Start one process per stage, wait for all; each stage's events, in stage order.
 
     Stage stdout goes to ``<directory>/stage-<job>-<i>.out`` and stderr to ``.err``.
     ``on_event`` sees every event of every stage as it is written (live progress).
+    ``command_prefixes[i]`` goes in front of stage i's command line (for example
+    ``ip netns exec NS``: the link emulator's far side).
     """
     tails: dict[Path, int] = {}
     paths = write_plans(plans, directory)
@@ -66,7 +69,7 @@ def run_plans(
             out = directory / f"stage-{plan.job_id}-{plan.stage}.out"
             with open(out, "wb") as stdout, open(out.with_suffix(".err"), "wb") as stderr:
                 proc = subprocess.Popen(
-                    stage_command(path),
+                    [*(command_prefixes or {}).get(plan.stage, ()), *stage_command(path)],
                     stdout=stdout,
                     stderr=stderr,
                     env=stage_env(env),

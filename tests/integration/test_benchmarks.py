@@ -7,6 +7,8 @@ targets: timings on a shared machine are not a test.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from typing import Any
@@ -20,10 +22,10 @@ pytestmark = pytest.mark.integration
 BENCH = REPO / "exp" / "bench"
 
 
-def run_quick(name: str, timeout: float = 240.0) -> dict[str, Any]:
-    """Run ``exp/bench/<name>.py --quick``; its last stdout line, parsed."""
+def run_quick(name: str, *args: str, timeout: float = 240.0) -> dict[str, Any]:
+    """Run ``exp/bench/<name>.py --quick [args]``; its last stdout line, parsed."""
     out = subprocess.run(
-        [sys.executable, str(BENCH / f"{name}.py"), "--quick"],
+        [sys.executable, str(BENCH / f"{name}.py"), "--quick", *args],
         cwd=REPO,
         env=child_env(TF_CPP_MIN_LOG_LEVEL="2"),
         capture_output=True,
@@ -100,3 +102,30 @@ def test_overhead_benchmark_quick():
     assert set(figures["overhead"]) == {"plain_xla", "plain"}
     # the runtime and the hand-written loop train the same numbers: the same workload
     assert figures["final_loss_gap_vs_plain_xla"] < 1e-3, figures["final_loss"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")),
+    reason="the link emulator needs root, ip and tc (iproute2)",
+)
+def test_wan_benchmark_quick(tmp_path):
+    png = tmp_path / "wan.png"
+    figures = run_quick("wan", "--profiles", "wan100", "--specs", "none", "--png", str(png))
+    assert figures["bench"] == "wan" and figures["quick"] is True
+    arms = {(a["profile"], a["compression"]): a for a in figures["arms"]}
+    assert set(arms) == {("loopback", "none"), ("wan100", "none")}  # the reference, added
+    keys = {"profile", "compression", "transport", "schedule", "micro_batches", "tokens_per_s",
+            "retention", "bytes_per_step", "val_loss", "val_loss_vs_reference"}  # fmt: skip
+    for arm in arms.values():
+        assert keys <= set(arm), sorted(keys - set(arm))
+        assert (arm["transport"], arm["schedule"]) == ("p2p", "1f1b")
+        assert positive(arm["tokens_per_s"]) and positive(arm["bytes_per_step"])
+    ref, slow = arms["loopback", "none"], arms["wan100", "none"]
+    assert ref["retention"] == 1.0 and ref["val_loss_vs_reference"] == 0.0
+    # The same frames cross both links: the same bytes, and one loss run for both.
+    assert slow["bytes_per_step"] == ref["bytes_per_step"]
+    assert slow["val_loss"] == ref["val_loss"]
+    assert figures["profiles"]["wan100"]["forward"] == {
+        "rate_bit_s": 100e6, "delay_s": 0.025, "jitter_s": 0.0}  # fmt: skip
+    assert figures["png"] == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

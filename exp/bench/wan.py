@@ -1,0 +1,318 @@
+"""WAN benchmark: a 2-stage pipeline over emulated slow links, per profile, codec and transport.
+
+Every boundary of a shaped arm crosses a path of ``linkemu.py`` (a network namespace, a
+``tbf`` rate limit per direction, a user-space relay for the one-way delay): stage 1 runs in
+the namespace, stage 0 in the root namespace. ``loopback`` arms use no path. In ``tunnel``
+arms the nats-server runs beside stage 0 and stage 1 reaches it through the path, so the
+relay crosses the slow link once, as p2p does.
+
+Each arm is (profile, compression, transport, schedule, micro_batches). Its reference is the
+``loopback`` arm with codec ``none`` and the same transport, schedule and micro-batches, run
+in the same invocation (added when not asked for):
+
+- ``tokens_per_s``: the median over short interleaved rounds (the arms' order flips every
+  round) of the last stage's steady-state tokens/s; ``retention`` the median of the per-round
+  ratios to the reference's;
+- ``bytes_per_step``: both directions of the boundary, headers and scales included;
+- ``val_loss`` after ``--loss-steps`` steps, same seed and data; ``val_loss_vs_reference`` its
+  relative difference from the reference's. A synchronous schedule's math does not depend on
+  the link (the same frames arrive, later), so each (codec, transport, schedule, m) trains
+  once, over loopback, and its arms on every profile share that run (``loss_profile``);
+  ``--loss-per-arm`` trains every arm over its own link instead, to check that claim.
+
+The last line is one JSON object: ``{"bench": "wan", "arms": [...], ...}``; a PNG of tokens/s
+per profile and codec is written beside it (``--png``).
+
+    python exp/bench/wan.py --profiles wan100 --specs none fixed_int8
+    python exp/bench/wan.py --quick        # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from _common import emit, load_avg  # puts the repo on sys.path
+from linkemu import PROFILES, EmulatorUnavailable, FarSide, check_available, profile, remove_stale
+
+from silentswarm.agent.runtime.launch import done, run_plans
+from silentswarm.natsd import start_nats_server
+from silentswarm.plan import ModelConfig, NatsAccess, Peer, TrainConfig, Transport, chain_plans
+from silentswarm.procs import free_port
+
+SPECS = ["none", "fp16", "fixed_int8", "fixed_int4", "learned_dim32_int8"]
+SCHEDULES = ["1f1b"]  # the synchronous 1F1B schedule: what the runtime runs
+
+
+@dataclass(frozen=True)
+class Arm:
+    profile: str
+    compression: str
+    transport: str
+    schedule: str
+    micro_batches: int
+
+    @property
+    def reference(self) -> Arm:
+        return Arm("loopback", "none", self.transport, self.schedule, self.micro_batches)
+
+    @property
+    def math(self) -> tuple[str, str, str, int]:
+        """What decides the arm's losses under a synchronous schedule: not the link."""
+        return (self.compression, self.transport, self.schedule, self.micro_batches)
+
+    @property
+    def tag(self) -> str:
+        return f"{self.profile}-{self.compression}-{self.transport}-m{self.micro_batches}".replace(
+            "_", "-"
+        )
+
+
+def plan_arms(
+    profiles: list[str],
+    specs: list[str],
+    transports: list[str],
+    schedules: list[str],
+    ms: list[int],
+) -> list[Arm]:
+    """Every combination asked for, and each one's reference where it is not among them."""
+    arms = [
+        Arm(p, c, t, s, m)
+        for p in profiles
+        for c in specs
+        for t in transports
+        for s in schedules
+        for m in ms
+    ]
+    for arm in list(arms):
+        if arm.reference not in arms:
+            arms.insert(0, arm.reference)
+    return arms
+
+
+def run_arm(
+    work: Path, arm: Arm, model: ModelConfig, train: TrainConfig, *, shaped: bool = True
+) -> dict[str, Any]:
+    """One 2-stage run of ``arm`` (over its profile's path unless ``shaped`` is False): the
+    last stage's done event, with the boundary's bytes per step."""
+    prof = profile(arm.profile) if shaped else PROFILES["loopback"]
+    train = msgspec.structs.replace(train, micro_batches=arm.micro_batches)
+    run_dir = work / f"{arm.tag}-{train.steps}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    far = FarSide(prof, seed=train.seed) if prof.shaped else None
+    nats = None
+    try:
+        if far is not None:
+            far.__enter__()
+        near_host = far.near_ip if far else "127.0.0.1"
+        if arm.transport == "tunnel":
+            nats = start_nats_server(
+                host=near_host,
+                port=0,
+                store_dir=run_dir / "nats",
+                log_path=run_dir / "nats.log",
+                tie_to_parent=True,
+            )
+        port = free_port()
+        plans = chain_plans(
+            job_id=f"wan-{arm.tag}",
+            model=model,
+            train=train,
+            addresses=[None, f"tcp://127.0.0.1:{port}"],
+            compression=arm.compression,
+            transport=Transport(arm.transport),
+            nats_url=nats.url if nats else None,
+            intra_op_threads=1,
+        )
+        prefixes: dict[int, list[str]] = {}
+        if far is not None:
+            prefixes[1] = far.prefix
+            if arm.transport == "tunnel":
+                nats_port = int(nats.url.rsplit(":", 1)[1])
+                host, entry = far.relay(far=True, target=(far.near_ip, nats_port))
+                plans[1] = msgspec.structs.replace(
+                    plans[1], nats=NatsAccess(url=f"nats://{host}:{entry}")
+                )
+            else:
+                host, entry = far.relay(far=False, target=(far.far_ip, port))
+                plans[1] = msgspec.structs.replace(
+                    plans[1], data_address=f"tcp://{far.far_ip}:{port}"
+                )
+                plans[0] = msgspec.structs.replace(
+                    plans[0],
+                    next=Peer(fellow_id=plans[1].fellow_id, data_address=f"tcp://{host}:{entry}"),
+                )
+        first, last = run_plans(plans, run_dir, timeout=3600, command_prefixes=prefixes)
+    finally:
+        if nats is not None:
+            nats.stop()
+        if far is not None:
+            far.close()
+    summary = dict(done(last))
+    head = done(first)
+    summary["bytes_per_step"] = (head["down_bytes_sent"] + head["down_bytes_received"]) / (
+        train.steps
+    )
+    return summary
+
+
+def throughput(
+    work: Path, arms: list[Arm], model: ModelConfig, train: TrainConfig, rounds: int
+) -> dict[Arm, list[float]]:
+    """tokens/s of every arm in every round; the order flips every round."""
+    got: dict[Arm, list[float]] = {arm: [] for arm in arms}
+    for r in range(rounds):
+        for arm in arms if r % 2 == 0 else arms[::-1]:
+            tps = run_arm(work / f"round-{r}", arm, model, train)["tokens_per_s"]
+            got[arm].append(tps)
+            print(f"  round {r + 1} {arm.tag:40s} {tps:8.0f} tok/s", flush=True)
+    return got
+
+
+def losses(
+    work: Path, arms: list[Arm], model: ModelConfig, train: TrainConfig, per_arm: bool
+) -> dict[Arm, dict[str, Any]]:
+    """Each arm's loss run: its own, or the loopback run of its math (see the module doc)."""
+    runs: dict[Any, dict[str, Any]] = {}
+    out = {}
+    for arm in arms:
+        key = arm if per_arm else arm.math
+        if key not in runs:
+            result = run_arm(work / "loss", arm, model, train, shaped=per_arm)
+            result["loss_profile"] = arm.profile if per_arm else "loopback"
+            runs[key] = result
+            print(
+                f"  loss {arm.tag if per_arm else '/'.join(map(str, arm.math)):40s} "
+                f"val loss {result['val_loss']:.4f} over {result['loss_profile']}",
+                flush=True,
+            )
+        out[arm] = runs[key]
+    return out
+
+
+def draw(path: Path, rows: list[dict[str, Any]]) -> bool:
+    """Grouped bars: tokens/s per profile (groups) and codec (bars); False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    profiles = list(dict.fromkeys(r["profile"] for r in rows))
+    codecs = list(dict.fromkeys(r["compression"] for r in rows))
+    width = 0.8 / max(1, len(codecs))
+    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(profiles), 4))
+    for i, codec in enumerate(codecs):
+        xs, ys = [], []
+        for j, prof in enumerate(profiles):
+            values = [r["tokens_per_s"] for r in rows if (r["profile"], r["compression"]) == (
+                prof, codec)]  # fmt: skip
+            if values:
+                xs.append(j + (i - (len(codecs) - 1) / 2) * width)
+                ys.append(statistics.median(values))
+        ax.bar(xs, ys, width, label=codec)
+    ax.set_xticks(range(len(profiles)), profiles)
+    ax.set_ylabel("tokens/s (2 stages)")
+    ax.set_title("Pipeline throughput per link profile and codec")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profiles", nargs="+", default=["wan100", "wan20"], choices=PROFILES)
+    parser.add_argument("--specs", nargs="+", default=None, help=f"codecs (default: {SPECS})")
+    parser.add_argument("--schedules", nargs="+", default=["1f1b"], choices=SCHEDULES)
+    parser.add_argument("--transports", nargs="+", default=["p2p"], choices=["p2p", "tunnel"])
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=None)
+    parser.add_argument("--rounds", type=int, default=None, help="throughput rounds (default 2)")
+    parser.add_argument("--steps", type=int, default=None, help="steps of a throughput run")
+    parser.add_argument("--loss-steps", type=int, default=None, help="steps of a loss run (400)")
+    parser.add_argument("--loss-per-arm", action="store_true", help="train each arm on its link")
+    parser.add_argument("--png", type=Path, default=None, help="where the plot goes")
+    parser.add_argument("--work", type=Path, default=None)
+    parser.add_argument("--quick", action="store_true", help="tiny smoke run")
+    args = parser.parse_args()
+    try:
+        check_available()
+    except EmulatorUnavailable as e:
+        sys.exit(f"wan.py: {e}")
+    remove_stale()
+
+    if args.quick:
+        model = ModelConfig(n_layers=2, d_model=64, n_heads=4, seq_len=32)
+        train = TrainConfig(steps=args.steps or 6, batch_size=8, max_data_bytes=500_000)
+        loss_train = msgspec.structs.replace(train, steps=args.loss_steps or 6, val_batches=2)
+        ms = args.micro_batches or [4]
+        specs = args.specs or ["none", "fixed_int8"]
+    else:
+        # The speed model of pipeline.py.
+        model = ModelConfig(n_layers=4, d_model=256, n_heads=8, seq_len=128)
+        train = TrainConfig(steps=args.steps or 20, batch_size=16)
+        loss_train = msgspec.structs.replace(
+            train, steps=args.loss_steps or 400, warmup_steps=20, val_batches=64
+        )
+        ms = args.micro_batches or [8]
+        specs = args.specs or SPECS
+    arms = plan_arms(args.profiles, specs, args.transports, args.schedules, ms)
+    rounds = args.rounds or (1 if args.quick else 2)
+    work = args.work or Path(tempfile.mkdtemp(prefix="swarm-wan-"))
+    png = args.png or work / "wan_tokens_per_s.png"
+    print(f"model {model}\nwork dir {work}\n{len(arms)} arms, {rounds} rounds", flush=True)
+    load_start = load_avg()
+    tps = throughput(work, arms, model, train, rounds)
+    loss = losses(work, arms, model, loss_train, args.loss_per_arm)
+    rows = []
+    for arm in arms:
+        ref = arm.reference
+        run, ref_run = loss[arm], loss[ref]
+        row = {
+            **asdict(arm),
+            "tokens_per_s": statistics.median(tps[arm]),
+            "retention": statistics.median(a / b for a, b in zip(tps[arm], tps[ref], strict=True)),
+            "bytes_per_step": run["bytes_per_step"],
+            "val_loss": run["val_loss"],
+            "val_loss_vs_reference": run["val_loss"] / ref_run["val_loss"] - 1.0,
+            "loss_profile": run["loss_profile"],
+            "per_round_tokens_per_s": tps[arm],
+        }
+        rows.append(row)
+        print(
+            f"  {arm.tag:40s} {row['tokens_per_s']:8.0f} tok/s  retention {row['retention']:.2f}"
+            f"  {row['bytes_per_step'] / 2**20:7.2f} MiB/step  val loss {row['val_loss']:.4f}"
+            f" ({100 * row['val_loss_vs_reference']:+.2f}%)",
+            flush=True,
+        )
+    drew = draw(png, rows)
+    emit(
+        {
+            "bench": "wan",
+            "quick": args.quick,
+            "model": msgspec.to_builtins(model),
+            "steps": train.steps,
+            "loss_steps": loss_train.steps,
+            "arms": rows,
+            "profiles": {
+                name: msgspec.to_builtins(asdict(PROFILES[name]))
+                for name in dict.fromkeys(a.profile for a in arms)
+            },
+            "png": str(png) if drew else None,
+            "cpu_count": os.cpu_count(),
+            "load_avg": {"start": load_start, "end": load_avg()},
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""The link emulator's and the WAN benchmark's pure parts: shaping arguments, release times,
+profiles, and which arms a run plans."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+
+from tests.helpers import REPO
+
+sys.path.insert(0, str(REPO / "exp" / "bench"))
+linkemu = importlib.import_module("linkemu")
+wan = importlib.import_module("wan")
+
+
+@pytest.mark.parametrize(
+    ("rate", "burst", "limit"),
+    [
+        (20e6, 64 * 1024, 256 * 1024),  # small rates: the floors
+        (100e6, 64 * 1024, 1_250_000),  # 4 ms = 50 KB < 64 KiB; 100 ms = 1.25 MB
+        (1e9, 500_000, 12_500_000),
+    ],
+)
+def test_tbf_args_bucket_and_queue(rate, burst, limit):
+    args = linkemu.tbf_args(rate)
+    assert args[0] == "tbf"
+    got = dict(zip(args[1::2], args[2::2], strict=True))
+    assert got == {"rate": f"{int(rate)}bit", "burst": str(burst), "limit": str(limit)}
+
+
+@pytest.mark.parametrize(
+    ("previous", "arrival", "delay", "jitter", "expected"),
+    [
+        (0.0, 10.0, 0.025, 0.0, 10.025),  # plain delay
+        (0.0, 10.0, 0.025, 0.010, 10.035),  # plus the jitter sample
+        (10.050, 10.0, 0.025, 0.0, 10.050),  # never before the chunk ahead of it
+        (10.030, 10.010, 0.025, 0.0, 10.035),  # the one ahead left earlier: own time
+    ],
+)
+def test_release_keeps_order(previous, arrival, delay, jitter, expected):
+    assert linkemu.release_at(previous, arrival, delay, jitter) == pytest.approx(expected)
+
+
+def test_profiles_are_the_named_ones():
+    p = linkemu.PROFILES
+    assert set(p) == {"loopback", "lan", "wan100", "wan20"}
+    assert not p["loopback"].shaped
+    for name, rate, delay in [
+        ("lan", 1e9, 0.25e-3),
+        ("wan100", 100e6, 25e-3),
+        ("wan20", 20e6, 50e-3),
+    ]:
+        assert p[name].shaped
+        for d in (p[name].forward, p[name].backward):
+            assert (d.rate_bit_s, d.delay_s) == (rate, delay)
+    with pytest.raises(ValueError, match=r"unknown link profile 'wan5'.*wan100"):
+        linkemu.profile("wan5")
+
+
+def test_plan_arms_adds_each_reference_once():
+    arms = wan.plan_arms(["wan100", "wan20"], ["none", "fixed_int8"], ["p2p"], ["1f1b"], [8])
+    ref = wan.Arm("loopback", "none", "p2p", "1f1b", 8)
+    assert arms[0] == ref and arms.count(ref) == 1
+    assert len(arms) == 5
+    assert all(a.reference == ref for a in arms)
+
+
+def test_plan_arms_reference_per_transport_and_m():
+    arms = wan.plan_arms(["wan100"], ["fixed_int8"], ["p2p", "tunnel"], ["1f1b"], [4, 8])
+    refs = {a for a in arms if a.profile == "loopback"}
+    assert refs == {
+        wan.Arm("loopback", "none", t, "1f1b", m) for t in ("p2p", "tunnel") for m in (4, 8)
+    }
+    assert len(arms) == 8
+
+
+def test_plan_arms_keeps_an_asked_for_reference():
+    arms = wan.plan_arms(["loopback", "wan20"], ["none"], ["p2p"], ["1f1b"], [8])
+    assert arms == [
+        wan.Arm("loopback", "none", "p2p", "1f1b", 8),
+        wan.Arm("wan20", "none", "p2p", "1f1b", 8),
+    ]
+
+
+def test_loss_runs_are_shared_by_math_not_link():
+    a = wan.Arm("wan100", "fixed_int8", "p2p", "1f1b", 8)
+    b = wan.Arm("wan20", "fixed_int8", "p2p", "1f1b", 8)
+    assert a.math == b.math and a.tag != b.tag
+    assert a.math != wan.Arm("wan100", "fp16", "p2p", "1f1b", 8).math
