@@ -3,8 +3,9 @@
 fp32 everywhere. Per parameter a stage holds the weight, its gradient accumulator, Adam's
 two moments and the gradient of the micro-batch in flight. Per layer and micro-batch it keeps
 what the backward pass needs; under 1F1B stage ``s`` of ``p`` holds at most ``min(m, p - s)``
-micro-batches at once. The last stage adds the head: its weights and the logits (with their
-softmax and gradient) of its micro-batches. Each process also pays a fixed runtime cost
+micro-batches at once, or the job's larger ``in_flight`` window (``plan.stage_in_flight``).
+The last stage adds the head: its weights and the logits (with their softmax and gradient)
+of its micro-batches. Each process also pays a fixed runtime cost
 (TensorFlow itself, and a CUDA context per GPU). Estimates err on the high side.
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import msgspec
 
-from silentswarm.plan import ModelConfig
+from silentswarm.plan import ModelConfig, stage_in_flight
 
 FLOAT = 4
 BYTES_PER_PARAM = 5 * FLOAT
@@ -48,16 +49,19 @@ def block_params(m: ModelConfig) -> int:
     return attention + mlp + 4 * d  # two LayerNorms
 
 
-def in_flight(stage: int, n_stages: int, micro_batches: int) -> int:
-    """Micro-batches a stage holds activations for under 1F1B."""
-    return max(1, min(micro_batches, n_stages - stage))
-
-
 def stage_memory(
-    m: ModelConfig, *, batch_size: int, micro_batches: int, stage: int, n_stages: int, layers: int
+    m: ModelConfig,
+    *,
+    batch_size: int,
+    micro_batches: int,
+    stage: int,
+    n_stages: int,
+    layers: int,
+    in_flight: int | None = None,
 ) -> StageMemory:
+    """``in_flight``: the job's window (``TrainConfig.in_flight``; None: 1F1B's)."""
     mb = max(1, batch_size // max(1, micro_batches))
-    held = in_flight(stage, n_stages, micro_batches)
+    held = stage_in_flight(stage, n_stages, micro_batches, in_flight)
     tokens = mb * m.seq_len
     # Saved for backward: LayerNorm outputs, q/k/v, attention output, MLP hidden (twice),
     # residuals; plus scores and probabilities per head.

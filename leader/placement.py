@@ -138,6 +138,7 @@ def place(
             stage=i,
             n_stages=len(chosen),
             layers=end - start,
+            in_flight=spec.in_flight,
         )
         placed = _place_stage(i, c, gpus[c.fellow_id], memory, start, end, per_host)
         if isinstance(placed, Unplaceable):

@@ -55,6 +55,9 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     steps: Steps = 200
     batch_size: Annotated[int, msgspec.Meta(ge=1, le=2**20)] = 8
     micro_batches: Annotated[int, msgspec.Meta(ge=1, le=2**16)] = 4
+    # Micro-batches a stage before the last keeps in flight (forwards ahead of its backwards):
+    # at least 1F1B's p - s; more hides the links' latency for activation memory. None: 1F1B.
+    in_flight: Annotated[int, msgspec.Meta(ge=1, le=2**16)] | None = None
     learning_rate: Annotated[float, msgspec.Meta(gt=0, le=100.0)] = 3e-3
     warmup_steps: StepCount = 10
     # The cosine decay ends at this fraction of learning_rate.
@@ -84,6 +87,11 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             out.append(
                 f"{prefix}micro_batches ({self.micro_batches}) must divide "
                 f"{prefix}batch_size ({self.batch_size})"
+            )
+        if self.in_flight is not None and not 1 <= self.in_flight <= self.micro_batches:
+            out.append(
+                f"{prefix}in_flight ({self.in_flight}) must be in [1, {prefix}micro_batches "
+                f"({self.micro_batches})]"
             )
         if self.learning_rate <= 0:
             out.append(f"{prefix}learning_rate must be > 0")
@@ -301,6 +309,21 @@ def split_layers(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
         ranges.append((start, end))
         start = end
     return ranges
+
+
+def stage_in_flight(
+    stage: int, n_stages: int, micro_batches: int, in_flight: int | None = None
+) -> int:
+    """Micro-batches stage ``stage`` holds activations for at once.
+
+    1F1B's ``p - s``, or ``in_flight`` where that is more, never more than ``m``; the last
+    stage runs each micro-batch's forward and backward together, so 1. The count never grows
+    along the chain, which keeps the schedule free of deadlock: a stage has sent every
+    forward its downstream needs before it waits for a gradient.
+    """
+    if stage == n_stages - 1:
+        return 1
+    return max(1, min(micro_batches, max(n_stages - stage, in_flight or 0)))
 
 
 def single_process_plan(

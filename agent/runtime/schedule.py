@@ -8,6 +8,8 @@ import enum
 import math
 from typing import NamedTuple
 
+from silentswarm.plan import stage_in_flight
+
 
 class Op(enum.StrEnum):
     FORWARD = "F"
@@ -19,15 +21,19 @@ class Step(NamedTuple):
     micro: int
 
 
-def one_f_one_b(stage: int, n_stages: int, micro_batches: int) -> list[Step]:
+def one_f_one_b(
+    stage: int, n_stages: int, micro_batches: int, in_flight: int | None = None
+) -> list[Step]:
     """1F1B: warm up with forwards, then alternate one forward and one backward, then drain.
 
     Stage s keeps at most ``n_stages - s`` micro-batches in flight, so activation memory is
-    bounded by the pipeline depth rather than by the number of micro-batches (as in GPipe).
+    bounded by the pipeline depth rather than by the number of micro-batches (as in GPipe);
+    ``in_flight`` raises that (:func:`silentswarm.plan.stage_in_flight`), so that a stage
+    keeps computing forwards while the gradients of slow links are on their way.
     """
     if not 0 <= stage < n_stages or micro_batches < 1:
         raise ValueError(f"bad schedule request: stage {stage}/{n_stages}, m={micro_batches}")
-    warmup = min(n_stages - stage - 1, micro_batches)
+    warmup = stage_in_flight(stage, n_stages, micro_batches, in_flight) - 1
     steps = [Step(Op.FORWARD, i) for i in range(warmup)]
     forward, backward = warmup, 0
     while forward < micro_batches:
@@ -114,7 +120,9 @@ class OpTimes(NamedTuple):
     apply: float = 0.0
 
 
-def step_period(schedules: list[list[Step]], times: list[OpTimes], steps: int = 6) -> float:
+def step_period(
+    schedules: list[list[Step]], times: list[OpTimes], steps: int = 6, link_s: float = 0.0
+) -> float:
     """Seconds per step of a pipeline whose stages take ``times``, in the steady state.
 
     Every stage runs its schedule in order, each op as soon as the stage is free and the op's
@@ -122,8 +130,10 @@ def step_period(schedules: list[list[Step]], times: list[OpTimes], steps: int = 
     needs stage s+1's backward of i (on the last stage, its own forward). After its schedule a
     stage applies its optimizer step and starts the next step's schedule, so consecutive steps
     overlap where the schedule allows. The result is the mean of the last ``steps - 1`` step
-    intervals (a step ends when every stage has applied). No waiting on links: this is the
-    ceiling that the schedule's bubble and the stages' own compute allow.
+    intervals (a step ends when every stage has applied). With ``link_s`` 0 there is no
+    waiting on links: the ceiling that the schedule's bubble and the stages' own compute
+    allow; otherwise every frame takes ``link_s`` seconds (one-way delay plus transfer) to
+    cross a boundary, so a schedule's tolerance of slow links can be compared.
     """
     n = len(schedules)
     if n != len(times) or n == 0 or steps < 2:
@@ -149,7 +159,12 @@ def step_period(schedules: list[list[Step]], times: list[OpTimes], steps: int = 
                     cost = times[s].backward
                 if any(need not in finish for need in needs):
                     continue
-                start = max([clock[s], *(finish[need] for need in needs)])
+                start = max(
+                    [
+                        clock[s],
+                        *(finish[need] + (link_s if need[1] != s else 0.0) for need in needs),
+                    ]
+                )
                 clock[s] = finish[(k, s, op, i)] = start + cost
                 position[s] += 1
                 progressed = True

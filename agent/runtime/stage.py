@@ -266,7 +266,8 @@ class StageRunner:
         plan, model = self.plan, self.model
         input_grad = not plan.is_first
         inflight: dict[int, tuple[tf.GradientTape, tf.Tensor, tf.Tensor]] = {}
-        for op, i in one_f_one_b(plan.stage, plan.n_stages, plan.train.micro_batches):
+        train = plan.train
+        for op, i in one_f_one_b(plan.stage, plan.n_stages, train.micro_batches, train.in_flight):
             if op is Op.FORWARD:
                 if plan.is_first:
                     x = self._micro(inputs, i)

@@ -6,9 +6,9 @@ the namespace, stage 0 in the root namespace. ``loopback`` arms use no path. In 
 arms the nats-server runs beside stage 0 and stage 1 reaches it through the path, so the
 relay crosses the slow link once, as p2p does.
 
-Each arm is (profile, compression, transport, schedule, micro_batches). Its reference is the
-``loopback`` arm with codec ``none`` and the same transport, schedule and micro-batches, run
-in the same invocation (added when not asked for):
+Each arm is (profile, compression, transport, schedule, micro_batches, in_flight). Its
+reference is the ``loopback`` arm with codec ``none`` and the same transport, schedule,
+micro-batches and in-flight window, run in the same invocation (added when not asked for):
 
 - ``tokens_per_s``: the median over short interleaved rounds (the arms' order flips every
   round) of the last stage's steady-state tokens/s; ``retention`` the median of the per-round
@@ -58,21 +58,25 @@ class Arm:
     transport: str
     schedule: str
     micro_batches: int
+    in_flight: int | None = None  # TrainConfig.in_flight; None: 1F1B's p - s
 
     @property
     def reference(self) -> Arm:
-        return Arm("loopback", "none", self.transport, self.schedule, self.micro_batches)
+        return Arm(
+            "loopback", "none", self.transport, self.schedule, self.micro_batches, self.in_flight
+        )
 
     @property
-    def math(self) -> tuple[str, str, str, int]:
+    def math(self) -> tuple[Any, ...]:
         """What decides the arm's losses under a synchronous schedule: not the link."""
-        return (self.compression, self.transport, self.schedule, self.micro_batches)
+        return (self.compression, self.transport, self.schedule, self.micro_batches, self.in_flight)
 
     @property
     def tag(self) -> str:
-        return f"{self.profile}-{self.compression}-{self.transport}-m{self.micro_batches}".replace(
-            "_", "-"
-        )
+        window = f"-w{self.in_flight}" if self.in_flight else ""
+        return (
+            f"{self.profile}-{self.compression}-{self.transport}-m{self.micro_batches}{window}"
+        ).replace("_", "-")
 
 
 def plan_arms(
@@ -81,15 +85,17 @@ def plan_arms(
     transports: list[str],
     schedules: list[str],
     ms: list[int],
+    in_flights: list[int | None] | None = None,
 ) -> list[Arm]:
     """Every combination asked for, and each one's reference where it is not among them."""
     arms = [
-        Arm(p, c, t, s, m)
+        Arm(p, c, t, s, m, w)
         for p in profiles
         for c in specs
         for t in transports
         for s in schedules
         for m in ms
+        for w in in_flights or [None]
     ]
     for arm in list(arms):
         if arm.reference not in arms:
@@ -103,7 +109,7 @@ def run_arm(
     """One 2-stage run of ``arm`` (over its profile's path unless ``shaped`` is False): the
     last stage's done event, with the boundary's bytes per step."""
     prof = profile(arm.profile) if shaped else PROFILES["loopback"]
-    train = msgspec.structs.replace(train, micro_batches=arm.micro_batches)
+    train = msgspec.structs.replace(train, micro_batches=arm.micro_batches, in_flight=arm.in_flight)
     run_dir = work / f"{arm.tag}-{train.steps}"
     run_dir.mkdir(parents=True, exist_ok=True)
     far = FarSide(prof, seed=train.seed) if prof.shaped else None
@@ -236,6 +242,13 @@ def main() -> None:
     parser.add_argument("--schedules", nargs="+", default=["1f1b"], choices=SCHEDULES)
     parser.add_argument("--transports", nargs="+", default=["p2p"], choices=["p2p", "tunnel"])
     parser.add_argument("--micro-batches", type=int, nargs="+", default=None)
+    parser.add_argument(
+        "--in-flight",
+        type=int,
+        nargs="+",
+        default=None,
+        help="micro-batches in flight per stage (TrainConfig.in_flight; default: 1F1B's)",
+    )
     parser.add_argument("--rounds", type=int, default=None, help="throughput rounds (default 2)")
     parser.add_argument("--steps", type=int, default=None, help="steps of a throughput run")
     parser.add_argument("--loss-steps", type=int, default=None, help="steps of a loss run (400)")
@@ -265,7 +278,7 @@ def main() -> None:
         )
         ms = args.micro_batches or [8]
         specs = args.specs or SPECS
-    arms = plan_arms(args.profiles, specs, args.transports, args.schedules, ms)
+    arms = plan_arms(args.profiles, specs, args.transports, args.schedules, ms, args.in_flight)
     rounds = args.rounds or (1 if args.quick else 2)
     work = args.work or Path(tempfile.mkdtemp(prefix="swarm-wan-"))
     png = args.png or work / "wan_tokens_per_s.png"

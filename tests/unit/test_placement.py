@@ -7,7 +7,7 @@ import pytest
 
 from silentswarm.errors import FieldError, JobSpecError
 from silentswarm.jobspec import JobSpec, decode_job_spec, stage_plans
-from silentswarm.leader.memory import block_params, in_flight, stage_memory
+from silentswarm.leader.memory import block_params, stage_memory
 from silentswarm.leader.placement import (
     Candidate,
     PlacementDefaults,
@@ -17,7 +17,7 @@ from silentswarm.leader.placement import (
     weighted_ranges,
 )
 from silentswarm.natsconn import NatsAccess
-from silentswarm.plan import ModelConfig, Transport
+from silentswarm.plan import ModelConfig, Transport, stage_in_flight
 from silentswarm.protocol import FellowLimits, GpuInfo, HardwareSnapshot
 from silentswarm.telemetry import gpu_warning, offered_ram, usable_gpus
 
@@ -212,7 +212,7 @@ def test_memory_estimate_grows_with_layers_micro_batches_in_flight_and_the_head(
     assert block_params(m) == 12 * 128 * 128 + 13 * 128
     first = stage_memory(m, batch_size=8, micro_batches=4, stage=0, n_stages=2, layers=2)
     last = stage_memory(m, batch_size=8, micro_batches=4, stage=1, n_stages=2, layers=2)
-    assert in_flight(0, 2, 4) == 2 and in_flight(1, 2, 4) == 1
+    assert stage_in_flight(0, 2, 4) == 2 and stage_in_flight(1, 2, 4) == 1
     assert first.per_layer[0] > last.per_layer[0]  # stage 0 holds more micro-batches
     wide = ModelConfig(n_layers=4, d_model=128, n_heads=4, seq_len=64, vocab_size=50_000)
     head = stage_memory(wide, batch_size=8, micro_batches=4, stage=1, n_stages=2, layers=2)
@@ -325,3 +325,21 @@ def test_defaults_train_something_and_the_quickstart_config_is_valid():
 
     spec = decode_job_spec((REPO / "exp/configs/quickstart.json").read_bytes())
     assert spec.stages == 2
+
+
+def test_an_in_flight_window_is_in_the_memory_estimate():
+    m = ModelConfig(n_layers=4, d_model=128, n_heads=4, seq_len=64, vocab_size=256)
+    kw = dict(batch_size=16, micro_batches=8, n_stages=2, layers=2)
+    plain = stage_memory(m, stage=0, **kw)
+    deep = stage_memory(m, stage=0, in_flight=8, **kw)
+    assert deep.per_layer[0] > plain.per_layer[0] and deep.first_extra > plain.first_extra
+    # the last stage holds one micro-batch whatever the window
+    assert stage_memory(m, stage=1, in_flight=8, **kw) == stage_memory(m, stage=1, **kw)
+
+
+def test_placement_estimates_the_jobs_window():
+    fellows = [cand("a"), cand("b")]
+    plain = place(spec(stages=2, micro_batches=8, batch_size=16), fellows)
+    deep = place(spec(stages=2, micro_batches=8, batch_size=16, in_flight=8), fellows)
+    assert deep.stages[0].memory_estimate_bytes > plain.stages[0].memory_estimate_bytes
+    assert deep.stages[1].memory_estimate_bytes == plain.stages[1].memory_estimate_bytes

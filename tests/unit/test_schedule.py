@@ -15,6 +15,7 @@ from silentswarm.agent.runtime.schedule import (
     simulate,
     step_period,
 )
+from silentswarm.plan import stage_in_flight
 
 
 @pytest.mark.parametrize(("p", "m"), list(itertools.product([1, 2, 3, 4, 6], [1, 2, 3, 4, 8])))
@@ -110,3 +111,43 @@ def test_step_period_refuses_mismatched_input():
         step_period([one_f_one_b(0, 2, 4), one_f_one_b(1, 2, 4)], [OpTimes(1, 1)])
     with pytest.raises(ValueError):
         step_period([one_f_one_b(0, 1, 4)], [OpTimes(1, 1)], steps=1)
+
+
+@pytest.mark.parametrize(("p", "m"), list(itertools.product([2, 3, 4], [1, 2, 4, 8])))
+@pytest.mark.parametrize("window", [1, 2, 3, 5, 8])
+def test_an_in_flight_window_never_deadlocks_and_bounds_activations(p, m, window):
+    window = min(window, m)
+    schedules = [one_f_one_b(s, p, m, window) for s in range(p)]
+    simulate(schedules)
+    for s, steps in enumerate(schedules):
+        held = stage_in_flight(s, p, m, window)
+        assert max_in_flight(steps) == held
+        assert held == (1 if s == p - 1 else min(m, max(p - s, window)))
+    helds = [stage_in_flight(s, p, m, window) for s in range(p)]
+    assert helds == sorted(helds, reverse=True)  # never grows along the chain
+
+
+def test_none_window_is_1f1b():
+    for s in range(3):
+        assert one_f_one_b(s, 3, 8, None) == one_f_one_b(s, 3, 8)
+
+
+@pytest.mark.parametrize(
+    ("link_ms", "window", "slower_than_loopback"),
+    [(0, None, False), (25, None, True), (25, 8, False)],
+)
+def test_a_window_hides_link_latency(link_ms, window, slower_than_loopback):
+    # The speed model's stage op times (ms): stage 0 tape, the fused last stage.
+    times = [OpTimes(0.027, 0.048, 0.011), OpTimes(0.058, 0.0, 0.011)]
+    base = step_period([one_f_one_b(s, 2, 8) for s in range(2)], times)
+    period = step_period(
+        [one_f_one_b(s, 2, 8, window) for s in range(2)], times, link_s=link_ms / 1e3
+    )
+    assert (period > 1.1 * base) is slower_than_loopback, (period, base)
+
+
+def test_link_time_is_paid_per_crossing():
+    times = [OpTimes(0.01, 0.01), OpTimes(0.01, 0.0)]
+    one = [[Step(Op.FORWARD, 0), Step(Op.BACKWARD, 0)], [Step(Op.FORWARD, 0), Step(Op.BACKWARD, 0)]]
+    # F0 (10) -> link -> last F (10) and B (0) -> link -> B0 (10): 30 ms of compute + 2 links.
+    assert step_period(one, times, link_s=0.005) == pytest.approx(0.040)

@@ -9,7 +9,7 @@ import json
 import msgspec
 import pytest
 
-from silentswarm.errors import FieldError
+from silentswarm.errors import FieldError, JobSpecError
 from silentswarm.jobspec import JobSpec, decode_job_spec, decode_strict
 from silentswarm.plan import StagePlan
 
@@ -18,6 +18,7 @@ BOUNDS = [
     ("steps", 10**9, 10**23),
     ("batch_size", 2**20, 2**20 + 1),
     ("micro_batches", 2**16, 2**16 + 1),
+    ("in_flight", 2**16, 2**16 + 1),
     ("learning_rate", 100.0, 1e300),
     ("warmup_steps", 10**9, 10**12),
     ("weight_decay", 100.0, 1e9),
@@ -46,6 +47,7 @@ FLOORS = [
     ("steps", 0),
     ("batch_size", 0),
     ("micro_batches", -1),
+    ("in_flight", 0),
     ("learning_rate", 0.0),
     ("warmup_steps", -1),
     ("seed", -1),
@@ -111,3 +113,12 @@ def test_a_stage_plan_carries_the_same_bounds():
     plan = {"job_id": "j", "stage": 0, "n_stages": 1, "layer_start": 0, "layer_end": 1}
     with pytest.raises(msgspec.ValidationError, match=r"train\.steps"):
         msgspec.json.decode(json.dumps({**plan, "train": {"steps": 10**12}}), type=StagePlan)
+
+
+def test_an_in_flight_window_past_the_micro_batches_names_the_field():
+    with pytest.raises(JobSpecError) as err:
+        decode_job_spec(b'{"batch_size": 8, "micro_batches": 4, "in_flight": 5}')
+    assert str(err.value.message).startswith("in_flight (5) must be in [1, micro_batches (4)]")
+    assert err.value.http_status == 400
+    spec = decode_job_spec(b'{"batch_size": 8, "micro_batches": 4, "in_flight": 4}')
+    assert spec.in_flight == 4 and spec.train_config().in_flight == 4
