@@ -166,8 +166,21 @@ class FarSide:
         try:
             ns = self.prefix
             _run(["ip", "netns", "add", self.namespace])
-            _run(["ip", "link", "add", self._near_dev, "type", "veth", "peer", "name",
-                  self._far_dev, "netns", self.namespace])  # fmt: skip
+            _run(
+                [
+                    "ip",
+                    "link",
+                    "add",
+                    self._near_dev,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    self._far_dev,
+                    "netns",
+                    self.namespace,
+                ]
+            )
             _run(["ip", "addr", "add", f"{self.near_ip}/30", "dev", self._near_dev])
             _run(["ip", "link", "set", self._near_dev, "up"])
             _run([*ns, "ip", "addr", "add", f"{self.far_ip}/30", "dev", self._far_dev])
@@ -252,8 +265,15 @@ class _DelayedPipe:
     """One direction of a relayed connection: chunks read from ``src`` leave for ``dst``
     when :func:`release_at` says so. Reading stops while ``QUEUE_CAP`` bytes wait."""
 
-    def __init__(self, src: socket.socket, dst: socket.socket, delay_s: float, jitter_s: float,
-                 rng: random.Random, on_end) -> None:  # fmt: skip
+    def __init__(
+        self,
+        src: socket.socket,
+        dst: socket.socket,
+        delay_s: float,
+        jitter_s: float,
+        rng: random.Random,
+        on_end,
+    ) -> None:
         self.src, self.dst = src, dst
         self.delay_s, self.jitter_s, self.rng = delay_s, jitter_s, rng
         self.on_end = on_end
@@ -304,8 +324,12 @@ class _DelayedPipe:
             self.on_end()
 
 
-def _serve(target: tuple[str, int], to_target: tuple[float, float],
-           from_target: tuple[float, float], seed: int) -> None:  # fmt: skip
+def _serve(
+    target: tuple[str, int],
+    to_target: tuple[float, float],
+    from_target: tuple[float, float],
+    seed: int,
+) -> None:
     listener = socket.create_server(("127.0.0.1", 0))
     print(f"listening {listener.getsockname()[1]}", flush=True)
     rng = random.Random(seed)

@@ -13,11 +13,13 @@ micro-batches and in-flight window, run in the same invocation (added when not a
 - ``tokens_per_s``: the median over short interleaved rounds (the arms' order flips every
   round) of the last stage's steady-state tokens/s; ``retention`` the median of the per-round
   ratios to the reference's;
-- ``bytes_per_step``: both directions of the boundary, headers and scales included;
+- ``bytes_per_step``: a training step's bytes across the boundary, both directions, headers and
+  scales included (the median per step; validation left out);
 - ``val_loss`` after ``--loss-steps`` steps, same seed and data; ``val_loss_vs_reference`` its
-  relative difference from the reference's. A synchronous schedule's math does not depend on
-  the link (the same frames arrive, later), so each (codec, transport, schedule, m) trains
-  once, over loopback, and its arms on every profile share that run (``loss_profile``);
+  relative difference from the reference's. A synchronous schedule's math depends neither on
+  the link (the same frames arrive, later) nor on the in-flight window (the same gradients
+  accumulate in the same order), so each (codec, transport, schedule, m) trains once, over
+  loopback, and its arms on every profile and window share that run (``loss_profile``);
   ``--loss-per-arm`` trains every arm over its own link instead, to check that claim.
 
 The last line is one JSON object: ``{"bench": "wan", "arms": [...], ...}``; a PNG of tokens/s
@@ -30,6 +32,8 @@ per profile and codec is written beside it (``--png``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import os
 import statistics
 import sys
@@ -42,7 +46,7 @@ import msgspec
 from _common import emit, load_avg  # puts the repo on sys.path
 from linkemu import PROFILES, EmulatorUnavailable, FarSide, check_available, profile, remove_stale
 
-from silentswarm.agent.runtime.launch import done, run_plans
+from silentswarm.agent.runtime.launch import done, run_plans, steps
 from silentswarm.natsd import start_nats_server
 from silentswarm.plan import ModelConfig, NatsAccess, Peer, TrainConfig, Transport, chain_plans
 from silentswarm.procs import free_port
@@ -68,8 +72,9 @@ class Arm:
 
     @property
     def math(self) -> tuple[Any, ...]:
-        """What decides the arm's losses under a synchronous schedule: not the link."""
-        return (self.compression, self.transport, self.schedule, self.micro_batches, self.in_flight)
+        """What decides the arm's losses under a synchronous schedule: neither the link nor
+        the in-flight window (the same gradients accumulate in the same order)."""
+        return (self.compression, self.transport, self.schedule, self.micro_batches)
 
     @property
     def tag(self) -> str:
@@ -162,11 +167,16 @@ def run_arm(
         if far is not None:
             far.close()
     summary = dict(done(last))
-    head = done(first)
-    summary["bytes_per_step"] = (head["down_bytes_sent"] + head["down_bytes_received"]) / (
-        train.steps
-    )
+    summary["bytes_per_step"] = wire_per_step(first)
     return summary
+
+
+def wire_per_step(events: list[dict[str, Any]]) -> float:
+    """Median bytes one training step moves across stage 0's boundary, both directions
+    (validation's forwards left out)."""
+    totals = [e["down_bytes_sent"] + e["down_bytes_received"] for e in steps(events)]
+    deltas = [b - a for a, b in itertools.pairwise(totals)]
+    return statistics.median(deltas) if deltas else float(totals[0])
 
 
 def throughput(
@@ -203,8 +213,55 @@ def losses(
     return out
 
 
+def tunnel_vs_p2p(tps: dict[Arm, list[float]]) -> list[dict[str, Any]]:
+    """For every tunnel arm with a p2p twin: the median per-round ratio of their tokens/s."""
+    out = []
+    for arm, values in tps.items():
+        twin = dataclasses.replace(arm, transport="p2p")
+        if arm.transport == "tunnel" and twin in tps:
+            out.append(
+                {
+                    "profile": arm.profile,
+                    "compression": arm.compression,
+                    "schedule": arm.schedule,
+                    "micro_batches": arm.micro_batches,
+                    "in_flight": arm.in_flight,
+                    "ratio": statistics.median(
+                        a / b for a, b in zip(values, tps[twin], strict=True)
+                    ),
+                }
+            )
+    return out
+
+
+def targets(rows: list[dict[str, Any]], relay: list[dict[str, Any]]) -> dict[str, bool]:
+    """The issue's targets, for the arms this run has (a target without its arm is left out):
+    met where any arm of that profile and codec (any transport, schedule, m, window) meets it."""
+    goals = {
+        "wan100_fixed_int8_retention_ge_0.90_loss_le_1pct": ("wan100", "fixed_int8", 0.90, 0.01),
+        "wan20_learned_dim32_int8_retention_ge_0.80_loss_le_3pct": (
+            "wan20",
+            "learned_dim32_int8",
+            0.80,
+            0.03,
+        ),
+    }
+    out = {}
+    for name, (prof, codec, retention, loss) in goals.items():
+        arms = [r for r in rows if (r["profile"], r["compression"]) == (prof, codec)]
+        if arms:
+            out[name] = any(
+                r["retention"] >= retention and r["val_loss_vs_reference"] <= loss for r in arms
+            )
+    wan100 = [r["ratio"] for r in relay if r["profile"] == "wan100"]
+    if wan100:
+        out["wan100_tunnel_within_5pct_of_p2p"] = all(r >= 0.95 for r in wan100)
+    return out
+
+
 def draw(path: Path, rows: list[dict[str, Any]]) -> bool:
-    """Grouped bars: tokens/s per profile (groups) and codec (bars); False without matplotlib."""
+    """Grouped bars: tokens/s per profile (groups) and codec (bars; one per in-flight window
+    where the run has several, 1F1B's hatched); False without matplotlib."""
     try:
         import matplotlib
 
@@ -214,21 +271,33 @@ def draw(path: Path, rows: list[dict[str, Any]]) -> bool:
         return False
     profiles = list(dict.fromkeys(r["profile"] for r in rows))
     codecs = list(dict.fromkeys(r["compression"] for r in rows))
-    width = 0.8 / max(1, len(codecs))
-    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * len(profiles), 4))
-    for i, codec in enumerate(codecs):
+    series = sorted(
+        {(r["compression"], r["in_flight"]) for r in rows},
+        key=lambda cw: (codecs.index(cw[0]), cw[1] or 0),
+    )
+    windows = len({w for _, w in series}) > 1
+    colours = {c: f"C{i}" for i, c in enumerate(codecs)}
+    width = 0.8 / max(1, len(series))
+    fig, ax = plt.subplots(figsize=(2.0 + 1.8 * len(profiles), 4.8))
+    for i, (codec, window) in enumerate(series):
         xs, ys = [], []
         for j, prof in enumerate(profiles):
-            values = [r["tokens_per_s"] for r in rows if (r["profile"], r["compression"]) == (
-                prof, codec)]  # fmt: skip
+            values = [
+                r["tokens_per_s"]
+                for r in rows
+                if (r["profile"], r["compression"], r["in_flight"]) == (prof, codec, window)
+            ]
             if values:
-                xs.append(j + (i - (len(codecs) - 1) / 2) * width)
+                xs.append(j + (i - (len(series) - 1) / 2) * width)
                 ys.append(statistics.median(values))
-        ax.bar(xs, ys, width, label=codec)
+        label = (
+            codec if not windows else f"{codec}, " + (f"{window} in flight" if window else "1F1B")
+        )
+        ax.bar(xs, ys, width, label=label, color=colours[codec], hatch="" if window else "//")
     ax.set_xticks(range(len(profiles)), profiles)
     ax.set_ylabel("tokens/s (2 stages)")
-    ax.set_title("Pipeline throughput per link profile and codec")
-    ax.legend(fontsize="small")
+    ax.set_title("Pipeline throughput per link profile, codec and window")
+    ax.legend(fontsize="x-small", ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.08))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -247,7 +316,7 @@ def main() -> None:
         type=int,
         nargs="+",
         default=None,
-        help="micro-batches in flight per stage (TrainConfig.in_flight; default: 1F1B's)",
+        help="micro-batches in flight per stage (TrainConfig.in_flight; 0 or default: 1F1B's)",
     )
     parser.add_argument("--rounds", type=int, default=None, help="throughput rounds (default 2)")
     parser.add_argument("--steps", type=int, default=None, help="steps of a throughput run")
@@ -278,7 +347,8 @@ def main() -> None:
         )
         ms = args.micro_batches or [8]
         specs = args.specs or SPECS
-    arms = plan_arms(args.profiles, specs, args.transports, args.schedules, ms, args.in_flight)
+    windows = [w or None for w in args.in_flight] if args.in_flight else None
+    arms = plan_arms(args.profiles, specs, args.transports, args.schedules, ms, windows)
     rounds = args.rounds or (1 if args.quick else 2)
     work = args.work or Path(tempfile.mkdtemp(prefix="swarm-wan-"))
     png = args.png or work / "wan_tokens_per_s.png"
@@ -308,6 +378,13 @@ def main() -> None:
             flush=True,
         )
     drew = draw(png, rows)
+    relay = tunnel_vs_p2p(tps)
+    for row in relay:
+        print(
+            f"  tunnel vs p2p {row['profile']} {row['compression']} in flight "
+            f"{row['in_flight'] or '1F1B'}: {row['ratio']:.2f}",
+            flush=True,
+        )
     emit(
         {
             "bench": "wan",
@@ -320,6 +397,8 @@ def main() -> None:
                 name: msgspec.to_builtins(asdict(PROFILES[name]))
                 for name in dict.fromkeys(a.profile for a in arms)
             },
+            "tunnel_vs_p2p": relay,
+            "targets": targets(rows, relay),
             "png": str(png) if drew else None,
             "cpu_count": os.cpu_count(),
             "load_avg": {"start": load_start, "end": load_avg()},

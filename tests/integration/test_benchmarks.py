@@ -115,8 +115,18 @@ def test_wan_benchmark_quick(tmp_path):
     assert figures["bench"] == "wan" and figures["quick"] is True
     arms = {(a["profile"], a["compression"]): a for a in figures["arms"]}
     assert set(arms) == {("loopback", "none"), ("wan100", "none")}  # the reference, added
-    keys = {"profile", "compression", "transport", "schedule", "micro_batches", "tokens_per_s",
-            "retention", "bytes_per_step", "val_loss", "val_loss_vs_reference"}  # fmt: skip
+    keys = {
+        "profile",
+        "compression",
+        "transport",
+        "schedule",
+        "micro_batches",
+        "tokens_per_s",
+        "retention",
+        "bytes_per_step",
+        "val_loss",
+        "val_loss_vs_reference",
+    }
     for arm in arms.values():
         assert keys <= set(arm), sorted(keys - set(arm))
         assert (arm["transport"], arm["schedule"]) == ("p2p", "1f1b")
@@ -127,5 +137,8 @@ def test_wan_benchmark_quick(tmp_path):
     assert slow["bytes_per_step"] == ref["bytes_per_step"]
     assert slow["val_loss"] == ref["val_loss"]
     assert figures["profiles"]["wan100"]["forward"] == {
-        "rate_bit_s": 100e6, "delay_s": 0.025, "jitter_s": 0.0}  # fmt: skip
+        "rate_bit_s": 100e6,
+        "delay_s": 0.025,
+        "jitter_s": 0.0,
+    }
     assert figures["png"] == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

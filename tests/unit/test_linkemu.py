@@ -89,3 +89,47 @@ def test_loss_runs_are_shared_by_math_not_link():
     b = wan.Arm("wan20", "fixed_int8", "p2p", "1f1b", 8)
     assert a.math == b.math and a.tag != b.tag
     assert a.math != wan.Arm("wan100", "fp16", "p2p", "1f1b", 8).math
+    assert a.math == wan.Arm("wan20", "fixed_int8", "p2p", "1f1b", 8, in_flight=8).math
+
+
+def test_tunnel_is_compared_with_its_p2p_twin_round_by_round():
+    p2p = wan.Arm("wan100", "fixed_int8", "p2p", "1f1b", 8, 8)
+    tunnel = wan.Arm("wan100", "fixed_int8", "tunnel", "1f1b", 8, 8)
+    lonely = wan.Arm("wan20", "none", "tunnel", "1f1b", 8)
+    got = wan.tunnel_vs_p2p(
+        {p2p: [100.0, 200.0, 100.0], tunnel: [90.0, 220.0, 99.0], lonely: [5.0]}
+    )
+    assert [(r["profile"], r["in_flight"]) for r in got] == [("wan100", 8)]
+    assert got[0]["ratio"] == pytest.approx(0.99)  # median of 0.90, 1.10, 0.99
+
+
+def row(profile, codec, retention, loss):
+    return {
+        "profile": profile,
+        "compression": codec,
+        "retention": retention,
+        "val_loss_vs_reference": loss,
+    }
+
+
+@pytest.mark.parametrize(
+    ("rows", "relay", "expected"),
+    [
+        ([], [], {}),  # no arm of a target: no verdict
+        (
+            [row("wan100", "fixed_int8", 0.80, 0.0), row("wan100", "fixed_int8", 0.93, 0.004)],
+            [],
+            {"wan100_fixed_int8_retention_ge_0.90_loss_le_1pct": True},  # any arm meeting it
+        ),
+        (
+            [row("wan20", "learned_dim32_int8", 0.85, 0.05)],  # fast but too lossy
+            [{"profile": "wan100", "ratio": 0.94}],
+            {
+                "wan20_learned_dim32_int8_retention_ge_0.80_loss_le_3pct": False,
+                "wan100_tunnel_within_5pct_of_p2p": False,
+            },
+        ),
+    ],
+)
+def test_targets_judge_only_the_arms_present(rows, relay, expected):
+    assert wan.targets(rows, relay) == expected
