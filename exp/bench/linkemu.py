@@ -25,6 +25,7 @@ Both are documented in docs/performance.md beside the figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -36,6 +37,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -242,6 +244,29 @@ class FarSide:
             raise EmulatorUnavailable(f"the delay relay did not start (exit {proc.poll()})")
         return "127.0.0.1", int(line.split()[1])
 
+    @contextlib.contextmanager
+    def connect_to_server(self, serve: str) -> Iterator[socket.socket]:
+        """A socket connected, through a near-side relay, to a Python server on the far side
+        that accepts one connection ``c`` and runs the code ``serve`` on it (for probes and
+        tests of the path itself)."""
+        code = (
+            "import socket\n"
+            f"s=socket.create_server(({self.far_ip!r},0));print(s.getsockname()[1],flush=True)\n"
+            f"c,_=s.accept()\n{serve}"
+        )
+        server = subprocess.Popen(
+            [*self.prefix, sys.executable, "-c", code], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            port = int(server.stdout.readline() if server.stdout else "")
+            host, entry = self.relay(far=False, target=(self.far_ip, port))
+            with socket.create_connection((host, entry), timeout=60) as sock:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                yield sock
+        finally:
+            server.kill()
+            server.wait()
+
 
 def remove_stale() -> list[str]:
     """Delete the namespaces of runs whose process is gone; their names, returned."""
@@ -367,39 +392,24 @@ def _host_port(text: str) -> tuple[str, int]:
 
 def probe(prof: Profile, megabytes: float = 4.0) -> dict[str, float]:
     """Round trip of a small message and one-way throughput, through a fresh path."""
-    with FarSide(prof) as far:
-        code = (
-            "import socket,sys\n"
-            f"s=socket.create_server(({far.far_ip!r},0));print(s.getsockname()[1],flush=True)\n"
-            "c,_=s.accept()\n"
-            "while d:=c.recv(1<<20):\n"
-            "  c.sendall(b'k') if d==b'p' else None\n"
-            "  if d.endswith(b'E'): c.sendall(b'done')\n"
-        )
-        server = subprocess.Popen(
-            [*far.prefix, sys.executable, "-c", code], stdout=subprocess.PIPE, text=True
-        )
-        try:
-            port = int(server.stdout.readline())
-            host, entry = far.relay(far=False, target=(far.far_ip, port))
-            sock = socket.create_connection((host, entry))
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            rtts = []
-            for _ in range(5):
-                started = time.perf_counter()
-                sock.sendall(b"p")
-                sock.recv(1)
-                rtts.append(time.perf_counter() - started)
-            payload = b"x" * int(megabytes * 2**20 - 1) + b"E"
+    serve = (
+        "while d:=c.recv(1<<20):\n"
+        "  c.sendall(b'k') if d==b'p' else None\n"
+        "  if d.endswith(b'E'): c.sendall(b'done')\n"
+    )
+    with FarSide(prof) as far, far.connect_to_server(serve) as sock:
+        rtts = []
+        for _ in range(5):
             started = time.perf_counter()
-            sock.sendall(payload)
-            while not sock.recv(16).endswith(b"done"):
-                pass
-            took = time.perf_counter() - started
-            sock.close()
-        finally:
-            server.kill()
-            server.wait()
+            sock.sendall(b"p")
+            sock.recv(1)
+            rtts.append(time.perf_counter() - started)
+        payload = b"x" * int(megabytes * 2**20 - 1) + b"E"
+        started = time.perf_counter()
+        sock.sendall(payload)
+        while not sock.recv(16).endswith(b"done"):
+            pass
+        took = time.perf_counter() - started
     rtt = sorted(rtts)[len(rtts) // 2]
     return {
         "profile": prof.name,

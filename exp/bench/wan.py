@@ -322,6 +322,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="steps of a throughput run")
     parser.add_argument("--loss-steps", type=int, default=None, help="steps of a loss run (400)")
     parser.add_argument("--loss-per-arm", action="store_true", help="train each arm on its link")
+    parser.add_argument("--seed", type=int, default=0, help="the runs' seed (one for all arms)")
     parser.add_argument("--png", type=Path, default=None, help="where the plot goes")
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="tiny smoke run")
@@ -334,14 +335,16 @@ def main() -> None:
 
     if args.quick:
         model = ModelConfig(n_layers=2, d_model=64, n_heads=4, seq_len=32)
-        train = TrainConfig(steps=args.steps or 6, batch_size=8, max_data_bytes=500_000)
+        train = TrainConfig(
+            steps=args.steps or 6, batch_size=8, max_data_bytes=500_000, seed=args.seed
+        )
         loss_train = msgspec.structs.replace(train, steps=args.loss_steps or 6, val_batches=2)
         ms = args.micro_batches or [4]
         specs = args.specs or ["none", "fixed_int8"]
     else:
         # The speed model of pipeline.py.
         model = ModelConfig(n_layers=4, d_model=256, n_heads=8, seq_len=128)
-        train = TrainConfig(steps=args.steps or 20, batch_size=16)
+        train = TrainConfig(steps=args.steps or 20, batch_size=16, seed=args.seed)
         loss_train = msgspec.structs.replace(
             train, steps=args.loss_steps or 400, warmup_steps=20, val_batches=64
         )

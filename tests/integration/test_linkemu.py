@@ -7,7 +7,6 @@ import importlib
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -56,36 +55,21 @@ def test_each_direction_has_its_own_rate_and_delay():
 def test_jitter_keeps_every_byte_in_order():
     prof = Profile("jittery", Direction(50e6, 0.005, 0.010), Direction(50e6, 0.005, 0.010))
     payload = random.Random(7).randbytes(3 * 2**20)
-    with linkemu.FarSide(prof) as far:
-        echo = (
-            "import socket\n"
-            f"s=socket.create_server(({far.far_ip!r},0));print(s.getsockname()[1],flush=True)\n"
-            "c,_=s.accept()\n"
-            "while d:=c.recv(1<<16): c.sendall(d)\n"
-        )
-        server = subprocess.Popen(
-            [*far.prefix, sys.executable, "-c", echo], stdout=subprocess.PIPE, text=True
-        )
-        try:
-            port = int(server.stdout.readline())
-            host, entry = far.relay(far=False, target=(far.far_ip, port))
-            sock = socket.create_connection((host, entry), timeout=30)
-            sender = threading.Thread(
-                target=lambda: [
-                    sock.sendall(payload[i : i + 10_000]) for i in range(0, len(payload), 10_000)
-                ]
-            )
-            sender.start()
-            got = bytearray()
-            while len(got) < len(payload):
-                chunk = sock.recv(1 << 20)
-                assert chunk, "the path closed early"
-                got += chunk
-            sender.join()
-            sock.close()
-        finally:
-            server.kill()
-            server.wait()
+    echo = "while d:=c.recv(1<<16): c.sendall(d)\n"
+    with linkemu.FarSide(prof) as far, far.connect_to_server(echo) as sock:
+
+        def send() -> None:
+            for i in range(0, len(payload), 10_000):
+                sock.sendall(payload[i : i + 10_000])
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        got = bytearray()
+        while len(got) < len(payload):
+            chunk = sock.recv(1 << 20)
+            assert chunk, "the path closed early"
+            got += chunk
+        sender.join()
     assert bytes(got) == payload
 
 
