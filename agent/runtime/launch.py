@@ -1,7 +1,8 @@
 """Run a chain of ``swarm-stage`` processes on this machine and collect their JSON lines.
 
 For tests, benchmarks and quick local experiments; imports no TensorFlow itself. Every
-process is killed if any fails or the time runs out, so nothing outlives a run.
+process is killed if any fails or the time runs out, and gets SIGTERM when its caller dies
+(even by SIGKILL), so nothing outlives a run.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import msgspec
 
 from silentswarm.agent.errors import StageFailedError
 from silentswarm.plan import StagePlan
+from silentswarm.procs import die_with_parent
 
 
 def write_plans(plans: list[StagePlan], directory: Path) -> list[Path]:
@@ -73,6 +75,7 @@ def run_plans(
                     stdout=stdout,
                     stderr=stderr,
                     env=stage_env(env),
+                    preexec_fn=die_with_parent(),  # a killed caller takes its stages along
                 )
             running.append((plan, proc, out))
         deadline = time.monotonic() + timeout

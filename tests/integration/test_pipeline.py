@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
 
 import msgspec
+import psutil
 import pytest
 
 from silentswarm.agent.errors import StageFailedError
@@ -22,7 +24,7 @@ from silentswarm.plan import (
     single_process_plan,
 )
 from silentswarm.procs import free_port
-from tests.helpers import child_env, wait_for
+from tests.helpers import REPO, child_env, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -240,3 +242,40 @@ def test_gpu_slots_place_layers_on_their_own_devices_even_on_cpu(tmp_path):
     assert len(first_slot) == len(second_slot) == 1 and first_slot != second_slot
     assert all("CPU" in d for d in devices.values())
     assert done(events)["val_loss"] is not None
+
+
+CALLER = """
+import sys
+from pathlib import Path
+
+from silentswarm.agent.runtime.launch import run_plans
+from silentswarm.plan import ModelConfig, TrainConfig, single_process_plan
+
+model = ModelConfig(n_layers=1, d_model=32, n_heads=2, seq_len=16)
+train = TrainConfig(steps=10**6, batch_size=2, micro_batches=1, max_data_bytes=100_000)
+run_plans([single_process_plan(job_id="orphan", model=model, train=train)], Path(sys.argv[1]))
+"""
+
+
+def test_a_killed_caller_takes_its_stages_along(tmp_path):
+    """A benchmark or script killed mid-run (SIGKILL: no finally runs) leaves no stage."""
+    script = tmp_path / "caller.py"
+    script.write_text(CALLER)
+    caller = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "run")], env=child_env(PYTHONPATH=str(REPO))
+    )
+    stages: list[psutil.Process] = []
+    try:
+        stages = wait_for(
+            lambda: psutil.Process(caller.pid).children(), timeout=30, what="the stage process"
+        )
+        caller.kill()
+        caller.wait(timeout=10)
+        _, alive = psutil.wait_procs(stages, timeout=30)
+        assert not alive, f"stages outlived their caller: {alive}"
+    finally:
+        for proc in [psutil.Process(caller.pid)] if caller.poll() is None else []:
+            proc.kill()
+        for stage in stages:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                stage.kill()
