@@ -125,6 +125,18 @@ def check_available() -> None:
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             raise EmulatorUnavailable(f"shaped paths need `{tool}` (Debian: iproute2)")
+    scratch = f"ssw-{os.getpid()}-test"  # root in a container may still not make namespaces
+    _run(["ip", "netns", "add", scratch])
+    _run(["ip", "netns", "del", scratch])
+
+
+def unavailable_reason() -> str | None:
+    """Why no path can be built here, or None (for a test's skip condition)."""
+    try:
+        check_available()
+    except EmulatorUnavailable as e:
+        return str(e)
+    return None
 
 
 def _used_subnets() -> set[int]:

@@ -4,9 +4,7 @@ per direction, bytes arrive whole and in order under jitter, and nothing outlive
 from __future__ import annotations
 
 import importlib
-import os
 import random
-import shutil
 import subprocess
 import sys
 import threading
@@ -22,8 +20,7 @@ linkemu = importlib.import_module("linkemu")
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(
-        os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")),
-        reason="shaped paths need root, ip and tc (iproute2)",
+        linkemu.unavailable_reason() is not None, reason=str(linkemu.unavailable_reason())
     ),
 ]
 Direction, Profile = linkemu.Direction, linkemu.Profile
