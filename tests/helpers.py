@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import importlib
 import os
 import signal
 import socket
@@ -19,6 +21,21 @@ import psutil
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "exp" / "bench"
+
+
+def bench_module(name: str) -> Any:
+    """A module of ``exp/bench``, imported the way the benchmarks import each other (by bare
+    name, with ``exp/bench`` on ``sys.path``)."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    return importlib.import_module(name)
+
+
+@functools.cache
+def shaped_paths_unavailable() -> str | None:
+    """Why the link emulator cannot build a path here (None: it can); asked once per run."""
+    return bench_module("linkemu").unavailable_reason()
 
 
 def wait_for(predicate: Callable[[], T], *, timeout: float, what: str, interval: float = 0.05) -> T:

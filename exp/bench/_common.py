@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -40,3 +41,13 @@ def emit(figures: dict[str, Any]) -> None:
 def load_avg() -> list[float]:
     """The 1, 5 and 15 minute load averages: the machine's other work while a bench runs."""
     return [round(v, 2) for v in os.getloadavg()]
+
+
+def wire_per_step(events: list[dict[str, Any]]) -> float:
+    """Median bytes one training step moves across stage 0's downstream boundary, both
+    directions, from its step events (validation's forwards left out)."""
+    totals = [
+        e["down_bytes_sent"] + e["down_bytes_received"] for e in events if e["event"] == "step"
+    ]
+    deltas = [b - a for a, b in itertools.pairwise(totals)]
+    return median(deltas) if deltas else float(totals[0])

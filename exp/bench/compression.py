@@ -20,27 +20,19 @@ Targets (printed, never failing the run): ``fixed_int8`` <= 26% of the fp32 byte
 from __future__ import annotations
 
 import argparse
-import itertools
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import msgspec
-from _common import emit, median, verdict  # puts the repo on sys.path
+from _common import emit, verdict, wire_per_step  # puts the repo on sys.path
 
-from silentswarm.agent.runtime.launch import done, run_plans, steps
+from silentswarm.agent.runtime.launch import done, run_plans
 from silentswarm.plan import ModelConfig, TrainConfig, Transport, chain_plans
 from silentswarm.procs import free_port
 
 SPECS = ["none", "fp16", "fixed_int8", "fixed_int4", "learned_dim{k}", "learned_dim{k}_int8"]
 QUICK_SPECS = ["none", "fixed_int8", "learned_dim{k}_int8"]
-
-
-def wire_per_step(events: list[dict[str, Any]]) -> float:
-    """Median bytes one training step moves across stage 0's downstream boundary."""
-    totals = [s["down_bytes_sent"] + s["down_bytes_received"] for s in steps(events)]
-    deltas = [b - a for a, b in itertools.pairwise(totals)]
-    return median(deltas) if deltas else float(totals[0])
 
 
 def run_spec(work: Path, spec: str, model: ModelConfig, train: TrainConfig) -> dict[str, Any]:

@@ -118,13 +118,17 @@ def _run(argv: list[str]) -> None:
         raise EmulatorUnavailable(f"{' '.join(argv)} failed: {result.stderr.strip()}")
 
 
-def check_available() -> None:
-    """Raise :class:`EmulatorUnavailable` with the reason, where a path cannot be built."""
+def _check_tools() -> None:
     if os.geteuid() != 0:
         raise EmulatorUnavailable("shaped paths need root (network namespaces, tc)")
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             raise EmulatorUnavailable(f"shaped paths need `{tool}` (Debian: iproute2)")
+
+
+def check_available() -> None:
+    """Raise :class:`EmulatorUnavailable` with the reason, where a path cannot be built."""
+    _check_tools()
     scratch = f"ssw-{os.getpid()}-test"  # root in a container may still not make namespaces
     _run(["ip", "netns", "add", scratch])
     _run(["ip", "netns", "del", scratch])
@@ -171,7 +175,7 @@ class FarSide:
         return ["ip", "netns", "exec", self.namespace]
 
     def __enter__(self) -> FarSide:
-        check_available()
+        _check_tools()  # a namespace that cannot be made fails below, with ip's reason
         free = sorted(set(range(1, 255)) - _used_subnets())
         if not free:
             raise EmulatorUnavailable("no free 10.213.x.0/30 subnet")
@@ -218,8 +222,7 @@ class FarSide:
                 proc.kill()
             proc.wait()
         self._relays.clear()
-        subprocess.run(["ip", "netns", "del", self.namespace], capture_output=True)
-        subprocess.run(["ip", "link", "del", self._near_dev], capture_output=True)
+        _remove(self.namespace, self._near_dev)
 
     def relay(self, *, far: bool, target: tuple[str, int]) -> tuple[str, int]:
         """Start a delay relay on the far side (``far``) or the near side, forwarding to
@@ -280,6 +283,12 @@ class FarSide:
             server.wait()
 
 
+def _remove(namespace: str, near_dev: str) -> None:
+    """Delete a path: its namespace (with the far end of the veth pair) and the near end."""
+    subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
+    subprocess.run(["ip", "link", "del", near_dev], capture_output=True)
+
+
 def remove_stale() -> list[str]:
     """Delete the namespaces of runs whose process is gone; their names, returned."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
@@ -289,8 +298,7 @@ def remove_stale() -> list[str]:
         parts = name.split("-")
         ours = len(parts) == 3 and parts[0] == "ssw" and parts[1].isdigit()
         if ours and not Path(f"/proc/{parts[1]}").exists():
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
-            subprocess.run(["ip", "link", "del", f"ssw{parts[2]}h"], capture_output=True)
+            _remove(name, f"ssw{parts[2]}h")
             removed.append(name)
     return removed
 

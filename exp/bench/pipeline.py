@@ -174,14 +174,18 @@ def ceiling(
                     env=stage_env({"PYTHONPATH": str(REPO)}),
                 )
             )
+
+    def failed(plan: StagePlan) -> RuntimeError:
+        err = work / f"ceiling-{job}-{plan.stage}.err"
+        return RuntimeError(f"compute child failed:\n{err.read_text()[-3000:]}")
+
     try:
         # A barrier: the timed steps start together, after every child has compiled and warmed
         # up (one child's XLA compilation would otherwise run beside the other's timed ops).
         for proc, plan in zip(procs, plans, strict=True):
             if proc.stdout.readline().strip() != "ready":
                 proc.wait(timeout=60)
-                err = work / f"ceiling-{job}-{plan.stage}.err"
-                raise RuntimeError(f"compute child failed:\n{err.read_text()[-3000:]}")
+                raise failed(plan)
         for proc in procs:
             proc.stdin.write("go\n")
             proc.stdin.flush()
@@ -189,8 +193,7 @@ def ceiling(
         for proc, plan in zip(procs, plans, strict=True):
             out, _ = proc.communicate(timeout=900)
             if proc.returncode:
-                err = work / f"ceiling-{job}-{plan.stage}.err"
-                raise RuntimeError(f"compute child failed:\n{err.read_text()[-3000:]}")
+                raise failed(plan)
             times.append(OpTimes(**json.loads(out.strip().splitlines()[-1])))
     finally:
         for proc in procs:

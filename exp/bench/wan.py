@@ -32,8 +32,8 @@ per profile and codec is written beside it (``--png``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
-import itertools
 import os
 import statistics
 import sys
@@ -43,10 +43,10 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from _common import emit, load_avg  # puts the repo on sys.path
+from _common import emit, load_avg, wire_per_step  # puts the repo on sys.path
 from linkemu import PROFILES, EmulatorUnavailable, FarSide, check_available, profile, remove_stale
 
-from silentswarm.agent.runtime.launch import done, run_plans, steps
+from silentswarm.agent.runtime.launch import done, run_plans
 from silentswarm.natsd import start_nats_server
 from silentswarm.plan import ModelConfig, NatsAccess, Peer, TrainConfig, Transport, chain_plans
 from silentswarm.procs import free_port
@@ -117,11 +117,9 @@ def run_arm(
     train = msgspec.structs.replace(train, micro_batches=arm.micro_batches, in_flight=arm.in_flight)
     run_dir = work / f"{arm.tag}-{train.steps}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    far = FarSide(prof, seed=train.seed) if prof.shaped else None
-    nats = None
-    try:
-        if far is not None:
-            far.__enter__()
+    with contextlib.ExitStack() as cleanup:
+        far = cleanup.enter_context(FarSide(prof, seed=train.seed)) if prof.shaped else None
+        nats = None
         near_host = far.near_ip if far else "127.0.0.1"
         if arm.transport == "tunnel":
             nats = start_nats_server(
@@ -131,6 +129,7 @@ def run_arm(
                 log_path=run_dir / "nats.log",
                 tie_to_parent=True,
             )
+            cleanup.callback(nats.stop)
         port = free_port()
         plans = chain_plans(
             job_id=f"wan-{arm.tag}",
@@ -146,8 +145,7 @@ def run_arm(
         if far is not None:
             prefixes[1] = far.prefix
             if arm.transport == "tunnel":
-                nats_port = int(nats.url.rsplit(":", 1)[1])
-                host, entry = far.relay(far=True, target=(far.near_ip, nats_port))
+                host, entry = far.relay(far=True, target=(far.near_ip, nats.port))
                 plans[1] = msgspec.structs.replace(
                     plans[1], nats=NatsAccess(url=f"nats://{host}:{entry}")
                 )
@@ -161,22 +159,9 @@ def run_arm(
                     next=Peer(fellow_id=plans[1].fellow_id, data_address=f"tcp://{host}:{entry}"),
                 )
         first, last = run_plans(plans, run_dir, timeout=3600, command_prefixes=prefixes)
-    finally:
-        if nats is not None:
-            nats.stop()
-        if far is not None:
-            far.close()
     summary = dict(done(last))
     summary["bytes_per_step"] = wire_per_step(first)
     return summary
-
-
-def wire_per_step(events: list[dict[str, Any]]) -> float:
-    """Median bytes one training step moves across stage 0's boundary, both directions
-    (validation's forwards left out)."""
-    totals = [e["down_bytes_sent"] + e["down_bytes_received"] for e in steps(events)]
-    deltas = [b - a for a, b in itertools.pairwise(totals)]
-    return statistics.median(deltas) if deltas else float(totals[0])
 
 
 def throughput(

@@ -6,7 +6,6 @@ targets: timings on a shared machine are not a test.
 
 from __future__ import annotations
 
-import importlib
 import json
 import subprocess
 import sys
@@ -14,20 +13,9 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import REPO, child_env
+from tests.helpers import BENCH, REPO, child_env, shaped_paths_unavailable
 
 pytestmark = pytest.mark.integration
-
-BENCH = REPO / "exp" / "bench"
-
-
-def linkemu_unavailable() -> str | None:
-    """Why the link emulator cannot build a path on this machine (None: it can)."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        return importlib.import_module("linkemu").unavailable_reason()
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 def run_quick(name: str, *args: str, timeout: float = 240.0) -> dict[str, Any]:
@@ -114,7 +102,7 @@ def test_overhead_benchmark_quick():
 
 @pytest.mark.timeout(480)
 @pytest.mark.skipif(
-    (why := linkemu_unavailable()) is not None, reason=f"no shaped paths here: {why}"
+    (why := shaped_paths_unavailable()) is not None, reason=f"no shaped paths here: {why}"
 )
 def test_wan_benchmark_quick(tmp_path):
     png = tmp_path / "wan.png"

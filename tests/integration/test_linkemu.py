@@ -3,24 +3,21 @@ per direction, bytes arrive whole and in order under jitter, and nothing outlive
 
 from __future__ import annotations
 
-import importlib
 import random
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import bench_module, shaped_paths_unavailable
 
-sys.path.insert(0, str(REPO / "exp" / "bench"))
-linkemu = importlib.import_module("linkemu")
+linkemu = bench_module("linkemu")
 
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(
-        linkemu.unavailable_reason() is not None, reason=str(linkemu.unavailable_reason())
+        (why := shaped_paths_unavailable()) is not None, reason=f"no shaped paths here: {why}"
     ),
 ]
 Direction, Profile = linkemu.Direction, linkemu.Profile

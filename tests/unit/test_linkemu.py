@@ -3,16 +3,12 @@ profiles, and which arms a run plans."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import bench_module
 
-sys.path.insert(0, str(REPO / "exp" / "bench"))
-linkemu = importlib.import_module("linkemu")
-wan = importlib.import_module("wan")
+linkemu = bench_module("linkemu")
+wan = bench_module("wan")
 
 
 @pytest.mark.parametrize(
