@@ -59,6 +59,7 @@ from silentswarm.protocol import (
 )
 from silentswarm.sdnotify import notify, watchdog_forever
 from silentswarm.settings import Settings
+from silentswarm.types.links import LinkStats, Tuning
 from silentswarm.types.signals import ResumeArgs
 from silentswarm.types.stage import (
     CheckpointEvent,
@@ -137,6 +138,8 @@ class FellowAgent:
         self.exit_reason: str | None = None
         self.shipper = FellowLogShipper(fellow_id)
         self._down_transport: str | None = None
+        self._down_link: LinkStats | None = None  # the latest calibration's, and schedule
+        self._tuning: Tuning | None = None
         self.pusher: ShardPusher | None = None
         # The current run's connection as its attempt's own NATS user (progress, shards);
         # None in a swarm without NATS users, where the agent's own connection serves.
@@ -457,6 +460,7 @@ class FellowAgent:
         self.run_, self.outcome, self.step, self.loss = run, None, 0, None
         self.run_nc = run_nc
         self._down_transport = None
+        self._down_link, self._tuning = None, None
         self._checkpoint_final = False
         self._end_submitted, self._end_error = False, None
         self._set_status(FellowEvent.START)
@@ -585,6 +589,8 @@ class FellowAgent:
             return
         if isinstance(event, LinksEvent):
             self._down_transport = event.down
+            self._down_link = event.down_link or self._down_link
+            self._tuning = event.tuning or self._tuning
         elif isinstance(event, StepEvent):
             self._on_step(run, event)
         elif isinstance(event, CheckpointEvent):
@@ -609,6 +615,8 @@ class FellowAgent:
             down_bytes_sent=event.down_bytes_sent or 0,
             down_bytes_received=event.down_bytes_received or 0,
             down_transport=self._down_transport,
+            down_link=self._down_link,
+            tuning=self._tuning,
             relay_dropped=event.relay_dropped,
         )
 

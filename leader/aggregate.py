@@ -116,6 +116,7 @@ class RateMeter:
             bytes_per_s=0.0 if rates is None else round(rates.down_per_s, 1),
             bytes_total=0 if rates is None else rates.down_bytes,
             transport=None if rates is None else rates.transport,
+            link=upstream.link,
         )
 
 
@@ -148,6 +149,11 @@ def job_metrics(
         boundaries=[rates.boundary(up, down) for up, down in itertools.pairwise(ordered)],
         fellows=fellows,
         updated_at=max((f.at for f in fellows if f.at), default=None),
+        tuning=max(
+            (s.tuning for s in ordered if s.tuning is not None),
+            key=lambda t: t.step,
+            default=None,
+        ),
     )
 
 

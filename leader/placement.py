@@ -129,16 +129,17 @@ def place(
     else:
         ranges = split_layers(layers, len(chosen))
     per_host = Counter(c.hostname for c in chosen)
+    micro_batches, in_flight = spec.memory_schedule()
     stages = []
     for i, (c, (start, end)) in enumerate(zip(chosen, ranges, strict=True)):
         memory = stage_memory(
             spec.model,
             batch_size=spec.batch_size,
-            micro_batches=spec.micro_batches,
+            micro_batches=micro_batches,
             stage=i,
             n_stages=len(chosen),
             layers=end - start,
-            in_flight=spec.in_flight,
+            in_flight=in_flight,
         )
         placed = _place_stage(i, c, gpus[c.fellow_id], memory, start, end, per_host)
         if isinstance(placed, Unplaceable):

@@ -26,6 +26,8 @@ def apply_step(stage: StageProgress, msg: Progress, *, now: float) -> None:
         if value is not None:
             setattr(stage, name, value)
     stage.bytes_sent, stage.bytes_received = msg.bytes_sent, msg.bytes_received
+    stage.link = msg.down_link or stage.link
+    stage.tuning = msg.tuning or stage.tuning
     stage.updated_at = now
 
 

@@ -1,8 +1,9 @@
 """The codec table: every compression spec of a stage boundary, parsed once into a typed spec.
 
 A compression spec is a public string, kept as is in job specs, stage plans, job records and
-manifests: ``none``, ``fp16``, ``fixed_intN`` (N in 2..8), ``learned_dimK``,
-``learned_dimK_intN`` and ``learned_dimK_fp16``. A learned spec puts a trained
+manifests: ``auto``, ``none``, ``fp16``, ``fixed_intN`` (N in 2..8), ``learned_dimK``,
+``learned_dimK_intN`` and ``learned_dimK_fp16``. ``auto`` lets each boundary direction choose
+its wire codec from its measured link (``agent/runtime/tuning.py``). A learned spec puts a trained
 down-projection to K dims at the end of stage k and an up-projection at the start of stage
 k+1; the wire codec then applies to the K-dim tensor.
 
@@ -52,8 +53,9 @@ CODECS: Mapping[CodecKind, CodecInfo] = MappingProxyType(
     }
 )
 
+AUTO = "auto"
 _WIRE_ACCEPTED = f"none, fp16, fixed_intN (N {MIN_INT_BITS}-{MAX_INT_BITS})"
-ACCEPTED = f"{_WIRE_ACCEPTED}, learned_dimN, learned_dimN_intK, learned_dimN_fp16"
+ACCEPTED = f"{AUTO}, {_WIRE_ACCEPTED}, learned_dimN, learned_dimN_intK, learned_dimN_fp16"
 _FIXED = re.compile(rf"fixed_int([{MIN_INT_BITS}-{MAX_INT_BITS}])")
 _LEARNED = re.compile(
     rf"learned_dim([1-9][0-9]*)(?:_(?:int([{MIN_INT_BITS}-{MAX_INT_BITS}])|(fp16)))?"
@@ -120,6 +122,9 @@ class CompressionSpec:
     spec: str
     codec: WireCodec
     bottleneck_dim: int | None = None
+    # "auto": each boundary direction's codec is chosen from the measured link
+    # (agent/runtime/tuning.py); ``codec`` is the one used until then.
+    auto: bool = False
 
     @property
     def wire(self) -> str:
@@ -132,8 +137,9 @@ class CompressionSpec:
 
     @property
     def lossy(self) -> bool:
-        """Whether a boundary changes the activations (a bottleneck or a lossy wire codec)."""
-        return self.learned or self.codec.lossy
+        """Whether a boundary changes the activations (a bottleneck or a lossy wire codec,
+        which "auto" may choose)."""
+        return self.learned or self.codec.lossy or self.auto
 
     def dims(self, d_model: int) -> int:
         """Values per position on the wire: the bottleneck's, else the model's width."""
@@ -162,8 +168,11 @@ def parse_wire_codec(spec: str, *, what: str = "unknown wire codec") -> WireCode
 def parse_compression(spec: str, *, d_model: int | None = None) -> CompressionSpec:
     """The parsed spec; ConfigError naming the spec and the accepted forms otherwise.
 
-    With ``d_model``, a bottleneck must also be narrower than the model.
+    With ``d_model``, a bottleneck must also be narrower than the model. ``auto`` starts with
+    ``none`` on the wire.
     """
+    if spec == AUTO:
+        return CompressionSpec(spec=spec, codec=_FIXED_WIDTH[CodecKind.NONE.value], auto=True)
     match = _LEARNED.fullmatch(spec) if isinstance(spec, str) else None
     if match is None:
         try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import os
-from typing import Annotated, Self
+from typing import Annotated, Literal, Self
 
 import msgspec
 
@@ -38,6 +38,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         return out
 
 
+PROVISIONAL_MICRO_BATCHES = 4  # micro_batches "auto" before the stages have measured
+
 # Bounds of the numbers and strings a job spec and a plan carry: far beyond what a demanding
 # real job needs, short of what would overflow, allocate absurdly or never end. msgspec checks
 # them while decoding, so out of bounds is an error that names the field.
@@ -54,10 +56,17 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
     steps: Steps = 200
     batch_size: Annotated[int, msgspec.Meta(ge=1, le=2**20)] = 8
-    micro_batches: Annotated[int, msgspec.Meta(ge=1, le=2**16)] = 4
+    # "auto": the stages choose the count (and the window below) from their measured links
+    # and compute (agent/runtime/tuning.py), starting from PROVISIONAL_MICRO_BATCHES.
+    micro_batches: Annotated[int, msgspec.Meta(ge=1, le=2**16)] | Literal["auto"] = 4
     # Micro-batches a stage before the last keeps in flight (forwards ahead of its backwards):
     # at least 1F1B's p - s; more hides the links' latency for activation memory. None: 1F1B.
+    # Under micro_batches "auto": the most the stages may choose (None: up to the count).
     in_flight: Annotated[int, msgspec.Meta(ge=1, le=2**16)] | None = None
+    # Re-measure every boundary's link every this many steps (the start of an attempt and
+    # the end of the warm-up always): what `compression`/`micro_batches` "auto" follow.
+    # 0: only at those two points.
+    link_probe_every: StepCount = 100
     learning_rate: Annotated[float, msgspec.Meta(gt=0, le=100.0)] = 3e-3
     warmup_steps: StepCount = 10
     # The cosine decay ends at this fraction of learning_rate.
@@ -80,19 +89,10 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     def train_problems(self, prefix: str = "train.") -> list[str]:
         """Why this training cannot run, each reason naming ``<prefix><field>``."""
         out = []
-        for name in ("steps", "batch_size", "micro_batches", "val_batches"):
+        for name in ("steps", "batch_size", "val_batches"):
             if getattr(self, name) < 1:
                 out.append(f"{prefix}{name} must be >= 1")
-        if self.micro_batches >= 1 and self.batch_size % self.micro_batches:
-            out.append(
-                f"{prefix}micro_batches ({self.micro_batches}) must divide "
-                f"{prefix}batch_size ({self.batch_size})"
-            )
-        if self.in_flight is not None and not 1 <= self.in_flight <= self.micro_batches:
-            out.append(
-                f"{prefix}in_flight ({self.in_flight}) must be in [1, {prefix}micro_batches "
-                f"({self.micro_batches})]"
-            )
+        out.extend(self._schedule_problems(prefix))
         if self.learning_rate <= 0:
             out.append(f"{prefix}learning_rate must be > 0")
         if self.warmup_steps < 0:
@@ -108,6 +108,47 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         if not self.data:
             out.append(f"{prefix}data must name at least one path or glob")
         return out
+
+    def _schedule_problems(self, prefix: str) -> list[str]:
+        out = []
+        m = self.micro_batches
+        if m != "auto" and m < 1:
+            out.append(f'{prefix}micro_batches must be >= 1 or "auto"')
+        elif m != "auto" and self.batch_size % m:
+            out.append(
+                f"{prefix}micro_batches ({m}) must divide {prefix}batch_size ({self.batch_size})"
+            )
+        top = self.batch_size if m == "auto" else m
+        if self.in_flight is not None and not 1 <= self.in_flight <= top:
+            what = f"{prefix}batch_size" if m == "auto" else f"{prefix}micro_batches"
+            out.append(f"{prefix}in_flight ({self.in_flight}) must be in [1, {what} ({top})]")
+        return out
+
+    @property
+    def auto_micro_batches(self) -> bool:
+        return self.micro_batches == "auto"
+
+    @property
+    def initial_micro_batches(self) -> int:
+        """The count a step runs with before any decision: the spec's, or under "auto" the
+        largest divisor of the batch up to :data:`PROVISIONAL_MICRO_BATCHES`."""
+        if self.micro_batches != "auto":
+            return self.micro_batches
+        top = min(PROVISIONAL_MICRO_BATCHES, self.batch_size)
+        return max(d for d in range(1, top + 1) if self.batch_size % d == 0)
+
+    @property
+    def initial_in_flight(self) -> int:
+        """The forward window before any decision (1: 1F1B's own, see :func:`stage_in_flight`)."""
+        window = self.in_flight or 1
+        return min(window, self.initial_micro_batches)
+
+    def memory_schedule(self) -> tuple[int, int | None]:
+        """The micro-batch count and window a memory estimate must assume: under "auto",
+        a whole batch's activations held at once (the most any choice can hold)."""
+        if self.micro_batches == "auto":
+            return 1, None
+        return self.micro_batches, self.in_flight
 
     def train_config(self) -> TrainConfig:
         """Exactly the training fields, as a TrainConfig (of a JobSpec: for its plans)."""

@@ -17,6 +17,7 @@ from typing import Annotated
 
 import msgspec
 
+from silentswarm.types.links import LinkStats, Tuning
 from silentswarm.types.signals import (
     CheckpointArgs,
     PurgeArgs,
@@ -316,6 +317,10 @@ class Progress(Message, kw_only=True):
     down_bytes_sent: Bytes = 0  # over the boundary to the next stage only
     down_bytes_received: Bytes = 0
     down_transport: Annotated[str, msgspec.Meta(max_length=16)] | None = None  # p2p, relay
+    # The downstream boundary as the latest calibration measured it, and the schedule then
+    # agreed (agent/runtime/calibrate.py); None before the first.
+    down_link: LinkStats | None = None
+    tuning: Tuning | None = None
     # Relay messages the stage dropped because they failed its checks (agent/pipe/relay.py).
     relay_dropped: Count = 0
     ok: bool = True

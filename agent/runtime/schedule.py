@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from silentswarm.plan import stage_in_flight
@@ -121,7 +122,10 @@ class OpTimes(NamedTuple):
 
 
 def step_period(
-    schedules: list[list[Step]], times: list[OpTimes], steps: int = 6, link_s: float = 0.0
+    schedules: list[list[Step]],
+    times: list[OpTimes],
+    steps: int = 6,
+    link_s: float | Sequence[tuple[float, float]] = 0.0,
 ) -> float:
     """Seconds per step of a pipeline whose stages take ``times``, in the steady state.
 
@@ -133,11 +137,14 @@ def step_period(
     intervals (a step ends when every stage has applied). With ``link_s`` 0 there is no
     waiting on links: the ceiling that the schedule's bubble and the stages' own compute
     allow; otherwise every frame takes ``link_s`` seconds (one-way delay plus transfer) to
-    cross a boundary, so a schedule's tolerance of slow links can be compared.
+    cross a boundary, so a schedule's tolerance of slow links can be compared. ``link_s`` may
+    also give each boundary its own ``(forward, backward)`` seconds, boundary ``b`` being
+    the one between stages ``b`` and ``b + 1``.
     """
     n = len(schedules)
     if n != len(times) or n == 0 or steps < 2:
         raise ValueError("one OpTimes per schedule, and at least two steps")
+    crossing = _crossings(link_s, n)
     finish: dict[tuple[int, int, Op, int], float] = {}
     clock = [0.0] * n
     step_end: list[float] = []
@@ -160,10 +167,7 @@ def step_period(
                 if any(need not in finish for need in needs):
                     continue
                 start = max(
-                    [
-                        clock[s],
-                        *(finish[need] + (link_s if need[1] != s else 0.0) for need in needs),
-                    ]
+                    [clock[s], *(finish[need] + _crossing(crossing, need, s) for need in needs)]
                 )
                 clock[s] = finish[(k, s, op, i)] = start + cost
                 position[s] += 1
@@ -174,3 +178,25 @@ def step_period(
             clock[s] += times[s].apply
         step_end.append(max(clock))
     return (step_end[-1] - step_end[0]) / (steps - 1)
+
+
+def _crossings(
+    link_s: float | Sequence[tuple[float, float]], n_stages: int
+) -> list[tuple[float, float]]:
+    """Each boundary's (forward, backward) seconds, from one figure for all or one pair each."""
+    if isinstance(link_s, int | float):
+        return [(float(link_s), float(link_s))] * max(0, n_stages - 1)
+    crossing = [(float(f), float(b)) for f, b in link_s]
+    if len(crossing) != n_stages - 1:
+        raise ValueError(
+            f"{n_stages} stages have {n_stages - 1} boundaries, got {len(crossing)} link times"
+        )
+    return crossing
+
+
+def _crossing(crossing: list[tuple[float, float]], need: tuple[int, int, Op, int], s: int) -> float:
+    """Seconds the input ``need`` takes to reach stage ``s``: 0 from the stage itself."""
+    source = need[1]
+    if source == s:
+        return 0.0
+    return crossing[source][0] if source < s else crossing[s][1]

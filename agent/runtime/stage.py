@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,14 +22,18 @@ from silentswarm import subjects
 from silentswarm.agent.errors import CheckpointError, FrameError, PeerTimeoutError
 from silentswarm.agent.pipe.link import CurveKeys, Link, RelayLink, TransportKind, accept_upstream
 from silentswarm.agent.pipe.link import connect_downstream as open_downstream
+from silentswarm.agent.pipe.probe import ChainBack
 from silentswarm.agent.pipe.wire import Direction, WireCodec, decode_frame, encode_frame
+from silentswarm.agent.runtime import calibrate, tuning
 from silentswarm.agent.runtime.checkpoint import load_checkpoint, restore_into, save_stage
 from silentswarm.agent.runtime.control import ControlChannel
 from silentswarm.agent.runtime.data import job_dataset, job_val_batches
 from silentswarm.agent.runtime.schedule import Op, one_f_one_b
 from silentswarm.agent.runtime.stage_model import StageModel
+from silentswarm.compression import parse_compression, parse_wire_codec
 from silentswarm.plan import CurveKeys as PlanCurveKeys
 from silentswarm.plan import StagePlan
+from silentswarm.types.links import LinkStats, Tuning
 from silentswarm.types.stage import (
     CheckpointEvent,
     CheckpointRequest,
@@ -41,6 +46,7 @@ from silentswarm.types.stage import (
 
 log = logging.getLogger(__name__)
 MESSAGE_CHARS = 4096  # a failed checkpoint's message, cut to fit the event's bound
+BUSY_SAMPLES_KEPT = 20  # per micro-batch count: the median of the latest steps' work
 Emit = Callable[[StageEvent], None]
 
 
@@ -77,7 +83,9 @@ class Boundary:
             direction=direction,
             phase=phase,
         )
-        self.link.send(parts, timeout_s=self.timeout_s)
+        started = time.perf_counter()
+        self.link.send(parts, timeout_s=self.timeout_s)  # blocks only on a full link
+        self.wait_s += time.perf_counter() - started
 
     def recv(
         self, *, step: int, micro: int, direction: Direction, phase: str = "train"
@@ -131,6 +139,27 @@ class StageRunner:
             log.info("resumed from %s at step %d", plan.resume_from, self.start_step)
         spec, self.grad_codec = plan.codecs()  # the codec table's; validated in the plan
         self.act_codec = spec.codec
+        # What "auto" may change, and what is in force: the schedule every stage shares, and
+        # the codecs of this stage's downstream boundary (the backward one as agreed last).
+        self.auto_fwd = spec.auto
+        self.auto_bwd = spec.auto and plan.grad_compression is None
+        self.m = plan.train.initial_micro_batches
+        self.in_flight = plan.train.initial_in_flight
+        if plan.n_stages == 1 and plan.train.auto_micro_batches:
+            self.m = self.in_flight = 1  # nothing to pipeline: one call per step
+        self.tuning = Tuning(
+            step=0,
+            micro_batches=self.m,
+            in_flight=self.in_flight,
+            auto=plan.train.auto_micro_batches,
+        )
+        self.down_bwd_codec = self.grad_codec.name
+        self.down_link: LinkStats | None = None
+        # Seconds of work per step (its time less its waits on peers), by micro-batch count:
+        # what the tuner fits each stage's cost to.
+        self._busy: dict[int, list[float]] = {}
+        self._skip_sample = True  # the next step compiles (the first, or a new micro-batch size)
+        self._next_calibration: int | None = self.start_step if plan.n_stages > 1 else None
 
     # --- links ----------------------------------------------------------------------------
 
@@ -213,13 +242,7 @@ class StageRunner:
             self.down = Boundary(
                 link, b, name, plan.job_id, plan.attempt, self.act_codec, plan.peer_timeout_s
             )
-        self.emit(
-            LinksEvent(
-                stage=plan.stage,
-                up=None if self.up is None else self.up.link.transport,
-                down=None if self.down is None else self.down.link.transport,
-            )
-        )
+        self.emit_links()
 
     def _boundaries(self) -> list[Boundary]:
         return [b for b in (self.up, self.down) if b is not None]
@@ -232,12 +255,12 @@ class StageRunner:
 
     def _micro(self, array: np.ndarray, i: int) -> tf.Tensor:
         """Micro-batch ``i`` of a step's batch rows."""
-        mb = self.plan.train.batch_size // self.plan.train.micro_batches
+        mb = self.plan.train.batch_size // self.m
         return tf.constant(array[i * mb : (i + 1) * mb])
 
     def train_step(self, step: int) -> StepResult:
         plan, model = self.plan, self.model
-        m = plan.train.micro_batches
+        m = self.m
         part = self._micro
         started = time.perf_counter()
         inputs, targets = self.data.next_batch(plan.train.batch_size)
@@ -266,8 +289,7 @@ class StageRunner:
         plan, model = self.plan, self.model
         input_grad = not plan.is_first
         inflight: dict[int, tuple[tf.GradientTape, tf.Tensor, tf.Tensor]] = {}
-        train = plan.train
-        for op, i in one_f_one_b(plan.stage, plan.n_stages, train.micro_batches, train.in_flight):
+        for op, i in one_f_one_b(plan.stage, plan.n_stages, self.m, self.in_flight):
             if op is Op.FORWARD:
                 if plan.is_first:
                     x = self._micro(inputs, i)
@@ -312,13 +334,17 @@ class StageRunner:
         step_times: list[float] = []
         last: StepResult | None = None
         for step in range(self.start_step, plan.train.steps):
+            if step == self._next_calibration:
+                self.calibrate(step)
             last = self.train_step(step)
             step_times.append(last.seconds)
             wait_s, traffic = self.take_wait(), self.bytes_summary()  # before validation
+            self._sample_compute(last.seconds - wait_s)
             val_loss = None
             every = plan.train.val_every
             if every and (step + 1) % every == 0 and step + 1 < plan.train.steps:
                 val_loss = self.evaluate(step)
+                self.take_wait()  # the validation's waits are no step's
             self.emit(
                 StepEvent(
                     stage=plan.stage,
@@ -358,6 +384,132 @@ class StageRunner:
         )
         self.emit(summary)
         return summary
+
+    # --- calibration ----------------------------------------------------------------------
+
+    def _sample_compute(self, busy_s: float) -> None:
+        """Keep a step's seconds of work (not the first after a compile)."""
+        if self._skip_sample:
+            self._skip_sample = False
+        elif busy_s > 0:
+            samples = self._busy.setdefault(self.m, [])
+            samples.append(busy_s)
+            del samples[:-BUSY_SAMPLES_KEPT]
+
+    def busy_points(self) -> list[tuple[int, float]]:
+        """(micro-batches, median seconds of work per step) for every count this stage ran."""
+        return [(m, statistics.median(v)) for m, v in sorted(self._busy.items()) if v]
+
+    def _rules(self) -> calibrate.Rules:
+        plan, train = self.plan, self.plan.train
+        auto_names = [c.name for c in tuning.AUTO_CODECS]
+        return calibrate.Rules(
+            n_stages=plan.n_stages,
+            batch_size=train.batch_size,
+            fwd_codecs=auto_names if self.auto_fwd else [self.act_codec.name],
+            bwd_codecs=auto_names if self.auto_bwd else [self.grad_codec.name],
+            max_in_flight=train.in_flight,
+            fixed=None if train.auto_micro_batches else (self.m, self.in_flight),
+        )
+
+    def calibrate(self, step: int) -> None:
+        """Measure the links with the rest of the chain and take up what it decided."""
+        plan = self.plan
+        current = None
+        if self.down is not None:
+            current = (self.down.send_codec.name, self.down_bwd_codec)
+        back = calibrate.calibrate(
+            stage=plan.stage,
+            n_stages=plan.n_stages,
+            up=None if self.up is None else self.up.link,
+            down=None if self.down is None else self.down.link,
+            step=step,
+            busy=self.busy_points(),
+            current=current,
+            decide=self._decide,
+            rules=self._rules(),
+            timeout_s=plan.peer_timeout_s,
+        )
+        if self.up is not None:
+            self.up.send_codec = parse_wire_codec(back.links[plan.stage - 1].bwd_codec)
+        if self.down is not None:
+            self.down_link = back.links[plan.stage]
+            self.down.send_codec = parse_wire_codec(self.down_link.fwd_codec)
+            self.down_bwd_codec = self.down_link.bwd_codec
+        changed = back.tuning.micro_batches != self.m
+        if changed:
+            self._skip_sample = True
+        self._next_calibration = calibrate.next_due(
+            step,
+            start_step=self.start_step,
+            probe_every=plan.train.link_probe_every,
+            changed=changed,
+        )
+        self.m, self.in_flight, self.tuning = (
+            back.tuning.micro_batches,
+            back.tuning.in_flight,
+            back.tuning,
+        )
+        log.info(
+            "calibrated before step %d: %s; %d micro-batches, window %d",
+            step,
+            ", ".join(
+                f"boundary {s.boundary} rtt {s.rtt_ms:.1f} ms, {s.fwd_mbit_s:.0f}/"
+                f"{s.bwd_mbit_s:.0f} Mbit/s, {s.fwd_codec}/{s.bwd_codec}"
+                for s in back.links
+            ),
+            self.m,
+            self.in_flight,
+        )
+        self.emit_links()
+
+    def _decide(self, links: list[LinkStats], busy: list[calibrate.Busy]) -> ChainBack:
+        """The last stage's decision for the whole chain (:func:`tuning.tune`)."""
+        plan, train = self.plan, self.plan.train
+        spec = parse_compression(plan.compression, d_model=plan.model.d_model)
+        codecs = [(parse_wire_codec(s.fwd_codec), parse_wire_codec(s.bwd_codec)) for s in links]
+        step = links[0].step
+        result = tuning.tune(
+            tuning.TuneInput(
+                batch_size=train.batch_size,
+                seq_len=plan.model.seq_len,
+                dims=spec.dims(plan.model.d_model),
+                links=links,
+                busy=busy,
+                codecs=codecs,
+                auto_fwd=self.auto_fwd,
+                auto_bwd=self.auto_bwd,
+                micro_batches=self.m,
+                in_flight=self.in_flight,
+                auto_micro_batches=train.auto_micro_batches,
+                in_flight_cap=train.in_flight,
+            )
+        )
+        predicted = None if result.predicted_step_s is None else round(result.predicted_step_s, 5)
+        return ChainBack(
+            links=[
+                msgspec.structs.replace(s, fwd_codec=fwd.name, bwd_codec=bwd.name)
+                for s, (fwd, bwd) in zip(links, result.codecs, strict=True)
+            ],
+            tuning=Tuning(
+                step=step,
+                micro_batches=result.micro_batches,
+                in_flight=result.in_flight,
+                auto=train.auto_micro_batches,
+                predicted_step_s=predicted,
+            ),
+        )
+
+    def emit_links(self) -> None:
+        self.emit(
+            LinksEvent(
+                stage=self.plan.stage,
+                up=None if self.up is None else self.up.link.transport,
+                down=None if self.down is None else self.down.link.transport,
+                down_link=self.down_link,
+                tuning=self.tuning,
+            )
+        )
 
     # --- checkpoints ----------------------------------------------------------------------
 

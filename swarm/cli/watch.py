@@ -16,7 +16,7 @@ from silentswarm.errors import (
     LeaderUnreachableError,
 )
 from silentswarm.types.jobs import JobEnd, JobRecord
-from silentswarm.types.metrics import JobMetrics
+from silentswarm.types.metrics import BoundaryMetrics, JobMetrics
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED"}
 POLL_S = 0.5
@@ -151,7 +151,32 @@ def metrics_lines(view: JobMetrics, state: str = "") -> list[str]:
             f"sent {_rate(f.sent_bytes_per_s)}  recv {_rate(f.received_bytes_per_s)}"
             + (f"  {f.result}" if f.result else "")
         )
+    lines.extend(link_line(b) for b in view.boundaries if b.link is not None)
+    if view.tuning is not None:
+        t = view.tuning
+        lines.append(
+            f"  schedule {t.micro_batches} micro-batches, {t.in_flight} in flight"
+            + (" (auto)" if t.auto else "")
+            + f" since step {t.step}"
+        )
     return lines
+
+
+def link_line(b: BoundaryMetrics) -> str:
+    """One boundary as its ends last measured it: round trip, rate each way, codecs."""
+    link = b.link
+    assert link is not None
+    return (
+        f"  link {b.boundary} {b.upstream} -> {b.downstream} {b.transport or '-'}  "
+        f"rtt {link.rtt_ms:.1f} ms  {_mbit(link.fwd_mbit_s)} down / {_mbit(link.bwd_mbit_s)} up  "
+        f"{link.fwd_codec}/{link.bwd_codec}  {_rate(b.bytes_per_s)}  (step {link.step})"
+    )
+
+
+def _mbit(mbit_s: float) -> str:
+    if mbit_s >= 1000:
+        return f"{mbit_s / 1000:,.1f} Gbit/s"
+    return f"{mbit_s:.1f} Mbit/s"
 
 
 def _rate(bps: float | None) -> str:

@@ -8,6 +8,7 @@ import msgspec
 
 from silentswarm.jobspec import Placement
 from silentswarm.protocol import StageResult
+from silentswarm.types.links import LinkStats, Tuning
 
 
 class FellowMetrics(msgspec.Struct, kw_only=True):
@@ -32,6 +33,7 @@ class BoundaryMetrics(msgspec.Struct, kw_only=True):
     bytes_per_s: float
     bytes_total: int
     transport: str | None = None  # "p2p" (ZeroMQ) or "relay" (NATS), as the stage reports
+    link: LinkStats | None = None  # as its two ends last measured it, with the codecs in use
 
 
 class JobMetrics(msgspec.Struct, kw_only=True):
@@ -51,6 +53,9 @@ class JobMetrics(msgspec.Struct, kw_only=True):
     boundaries: list[BoundaryMetrics]
     fellows: list[FellowMetrics]
     updated_at: float | None
+    # The schedule the stages agreed on at their latest calibration (micro_batches "auto"
+    # shows its choice here).
+    tuning: Tuning | None = None
 
 
 class HistoryPoint(msgspec.Struct, kw_only=True):

@@ -25,6 +25,8 @@ from typing import Annotated
 
 import msgspec
 
+from silentswarm.types.links import LinkStats, Tuning
+
 StageIndex = Annotated[int, msgspec.Meta(ge=0, le=4096)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
 CheckpointId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
@@ -50,10 +52,14 @@ class PlacementEvent(_Event, tag="placement", kw_only=True):
 
 
 class LinksEvent(_Event, tag="links", kw_only=True):
-    """The transport each boundary settled on; None where the stage has no such boundary."""
+    """The transport each boundary settled on (None where the stage has no such boundary);
+    after each calibration also what the downstream boundary measured and the codecs it
+    uses (``down_link``), and the schedule in force (``tuning``)."""
 
     up: Transport | None
     down: Transport | None
+    down_link: LinkStats | None = None
+    tuning: Tuning | None = None
 
 
 class _Traffic(_Event, kw_only=True):

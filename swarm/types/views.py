@@ -21,6 +21,7 @@ from typing import Protocol, TypeVar
 import msgspec
 
 from silentswarm.protocol import StageResult
+from silentswarm.types.links import LinkStats, Tuning
 
 
 class StageNumbers(Protocol):
@@ -148,6 +149,10 @@ class StageProgress(msgspec.Struct, kw_only=True):
     tokens_per_s: float | None = None
     bytes_sent: int = 0
     bytes_received: int = 0
+    # Its downstream boundary as last measured (with the codecs in use), and the schedule
+    # the stages then agreed on: the latest calibration's.
+    link: LinkStats | None = None
+    tuning: Tuning | None = None
     result: StageResult | None = None
     message: str = ""
     # Why the stage's final shard is not on the leader, as its fellow told (cleaned).

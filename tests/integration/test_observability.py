@@ -49,11 +49,22 @@ def test_history_sse_and_watch_of_a_finished_job_survive_a_leader_restart(
     for name in ("h1", "h2"):
         start_agent(procs, nats_server.url, name)
     wait_ready(client, "h1", "h2")
-    job_id = client.submit(**tiny(name="curve", steps=30, stages=2))["job_id"]
+    spec = tiny(name="curve", steps=30, stages=2, compression="auto", micro_batches="auto")
+    job_id = client.submit(**spec)["job_id"]
     watched = swarm_cli(client, "watch", job_id)
     assert watched.returncode == 0, watched.stdout + watched.stderr
     assert "COMPLETED" in watched.stdout and "30/30 100%" in watched.stdout
     assert "stage 0" in watched.stdout and "stage 1" in watched.stdout
+    # The boundary as its ends measured it, and the schedule "auto" chose, on screen and in
+    # the job's record.
+    assert "link 0 h" in watched.stdout and "rtt " in watched.stdout, watched.stdout
+    assert "(auto) since step" in watched.stdout
+    record = client.job(job_id)
+    first = next(p for p in record["progress"] if p["stage"] == 0)
+    assert first["link"]["rtt_ms"] > 0 and first["link"]["fwd_mbit_s"] > 0
+    assert first["link"]["fwd_codec"] in ("none", "fp16", "fixed_int8", "fixed_int4")
+    assert all(p["tuning"]["auto"] for p in record["progress"])
+    assert 8 % first["tuning"]["micro_batches"] == 0
 
     curve = client.get(f"/api/v1/jobs/{job_id}/metrics/history")
     assert [p["step"] for p in curve] == list(range(1, 31)), "every step, in order"

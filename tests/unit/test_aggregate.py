@@ -225,3 +225,30 @@ def test_the_shipper_never_blocks_drops_the_oldest_and_batches_within_bounds():
     assert [r.message for r in shipper.take()] == [f"line {i}" for i in range(3, 8)]
     shipper.add("INFO", "big", "x" * 100_000)
     assert len(shipper.take()[0].message) == 4000
+
+
+def test_the_measured_link_and_the_agreed_schedule_reach_the_metrics_and_swarm_watch():
+    from silentswarm.cli.watch import metrics_lines
+    from silentswarm.types.links import LinkStats, Tuning
+
+    link = LinkStats(
+        boundary=0,
+        step=2,
+        rtt_ms=101.7,
+        fwd_mbit_s=19.4,
+        bwd_mbit_s=2500.0,
+        fwd_codec="fp16",
+        bwd_codec="fixed_int8",
+    )
+    tuning = Tuning(step=2, micro_batches=8, in_flight=8, auto=True, predicted_step_s=0.8)
+    agg = JobMetricsAggregator("j")
+    agg.apply(msgspec.structs.replace(step("a", 0, 1, 100.0), down_link=link, tuning=tuning))
+    agg.apply(msgspec.structs.replace(step("b", 1, 1, 100.1, loss=4.0), tuning=tuning))
+    # A later record without them (an older fellow) keeps the latest measured.
+    agg.apply(step("a", 0, 2, 101.0))
+    view = agg.view()
+    assert view.boundaries[0].link == link and view.tuning == tuning
+    text = "\n".join(metrics_lines(view))
+    assert "link 0 a -> b" in text and "rtt 101.7 ms" in text
+    assert "19.4 Mbit/s down / 2.5 Gbit/s up" in text and "fp16/fixed_int8" in text
+    assert "schedule 8 micro-batches, 8 in flight (auto) since step 2" in text

@@ -117,3 +117,11 @@ def test_a_plan_gives_its_codecs_from_the_table():
 
 def _fields(plan: StagePlan) -> dict:
     return {name: getattr(plan, name) for name in plan.__struct_fields__}
+
+
+def test_auto_is_a_compression_that_starts_at_full_precision():
+    from silentswarm.compression import parse_compression
+
+    spec = parse_compression("auto", d_model=64)
+    assert spec.auto and spec.codec.name == "none" and not spec.learned and spec.lossy
+    assert spec.dims(64) == 64

@@ -58,6 +58,7 @@ def test_the_spec_is_flat_a_nested_train_is_an_unknown_field():
         ({"batch_size": 6, "micro_batches": 4}, "micro_batches (4) must divide batch_size (6)"),
         ({"compression": "zip"}, "compression: compression 'zip'"),
         ({"stages": 5}, "stages (5)"),
+        ({"micro_batches": "auto", "in_flight": 9}, "in_flight (9) must be in [1, batch_size (8)]"),
     ],
 )
 def test_semantic_problems_name_the_top_level_field(raw, needle):
@@ -86,3 +87,20 @@ def test_plans_carry_the_training_fields_the_spec_sets():
         3,
         0.5,
     )
+
+
+def test_auto_compression_and_micro_batches_are_accepted_and_nothing_else_is():
+    spec = decode_job_spec(b'{"compression": "auto", "micro_batches": "auto", "batch_size": 12}')
+    assert spec.auto_micro_batches and spec.initial_micro_batches == 4
+    assert spec.initial_in_flight == 1
+    assert spec.memory_schedule() == (1, None)  # a whole batch's activations at once
+    odd = decode_job_spec(b'{"micro_batches": "auto", "batch_size": 9, "in_flight": 2}')
+    assert (odd.initial_micro_batches, odd.initial_in_flight) == (3, 2)
+    fixed = decode_job_spec(b'{"micro_batches": 2, "in_flight": 2}')
+    assert fixed.memory_schedule() == (2, 2) and not fixed.auto_micro_batches
+    with pytest.raises(FieldError) as err:
+        decode_job_spec(b'{"micro_batches": "fast"}')
+    assert err.value.field == "micro_batches"
+    with pytest.raises(FieldError) as err:
+        decode_job_spec(b'{"link_probe_every": -1}')
+    assert err.value.field == "link_probe_every"

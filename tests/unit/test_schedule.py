@@ -151,3 +151,13 @@ def test_link_time_is_paid_per_crossing():
     one = [[Step(Op.FORWARD, 0), Step(Op.BACKWARD, 0)], [Step(Op.FORWARD, 0), Step(Op.BACKWARD, 0)]]
     # F0 (10) -> link -> last F (10) and B (0) -> link -> B0 (10): 30 ms of compute + 2 links.
     assert step_period(one, times, link_s=0.005) == pytest.approx(0.040)
+
+
+def test_each_boundary_and_direction_has_its_own_link_time():
+    times = [OpTimes(0.01, 0.01), OpTimes(0.01, 0.0)]
+    one = [[Step(Op.FORWARD, 0), Step(Op.BACKWARD, 0)], [Step(Op.FORWARD, 0), Step(Op.BACKWARD, 0)]]
+    # 30 ms of compute, 2 ms forward, 7 ms back.
+    assert step_period(one, times, link_s=[(0.002, 0.007)]) == pytest.approx(0.039)
+    assert step_period(one, times, link_s=[(0.005, 0.005)]) == step_period(one, times, link_s=0.005)
+    with pytest.raises(ValueError, match="boundaries"):
+        step_period(one, times, link_s=[(0.001, 0.001), (0.001, 0.001)])

@@ -1,0 +1,239 @@
+"""Measuring a boundary's link: round trip and bandwidth each way, over the link itself.
+
+Both ends run their half at the same point of their streams (after the handshake, and
+between training steps when the stages recalibrate), so probe messages never mix with frames.
+A probe message is a two-part message ``[CALIB, msgpack body]`` (a tagged union, below) or a
+piece of a burst, ``[CALIB_DATA, zeros]``. Over ZeroMQ and the relay alike:
+
+1. **Round trip**: the upstream end sends :data:`PINGS` pings, one at a time; the downstream
+   end answers each at once; the median round trip counts.
+2. **Bandwidth, forward then backward**: the sending end sends bursts of growing size (from
+   :data:`FIRST_BURST`, at least doubling, sized to last about :data:`BURST_TARGET_S` at the
+   last rate, at most :data:`MAX_BURST`), the receiving end times each from the arrival of its
+   first piece to its last and answers the rate; the rounds stop when a rate is less than
+   :data:`RAMP` times the one before (TCP's window has opened) or after :data:`MAX_ROUNDS`. The
+   best round counts. A cold connection starts small (slow start), hence the ramp.
+3. The upstream end sends what it measured so that both ends hold the same numbers.
+
+A peer's probe message is checked like a frame: a wrong kind, size, count or order raises
+FrameError (the attempt fails as it would on a bad frame); the sizes the peer asks for are
+bounded by :data:`MAX_BURST`.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Annotated, TypeVar
+
+import msgspec
+
+from silentswarm.agent.errors import FrameError
+from silentswarm.agent.pipe.link import Link
+from silentswarm.types.links import LinkStats, Tuning
+
+CALIB = b"\x00swarm-calib"
+CALIB_DATA = b"\x00swarm-calib-data"
+PINGS = 5
+CHUNK = 64 * 1024
+FIRST_BURST = 256 * 1024
+MAX_BURST = 8 * 1024 * 1024
+BURST_TARGET_S = 0.2
+MAX_ROUNDS = 5
+RAMP = 1.2
+MAX_RATE_MBIT_S = 10_000_000.0  # LinkStats' bound: a burst faster than the clock can tell
+_ZEROS = bytes(CHUNK)
+
+Seq = Annotated[int, msgspec.Meta(ge=0, le=1024)]
+# One stage's (micro-batch count, seconds of work per step) points.
+Busy = Annotated[
+    list[
+        tuple[
+            Annotated[int, msgspec.Meta(ge=1, le=2**16)],
+            Annotated[float, msgspec.Meta(ge=0.0, le=1e6)],
+        ]
+    ],
+    msgspec.Meta(max_length=64),
+]
+Links = Annotated[list[LinkStats], msgspec.Meta(max_length=4096)]
+
+
+class _Msg(msgspec.Struct, frozen=True, tag_field="kind"):
+    pass
+
+
+class Ping(_Msg, tag="ping"):
+    seq: Seq
+
+
+class Pong(_Msg, tag="pong"):
+    seq: Seq
+
+
+class Burst(_Msg, tag="burst"):
+    """``nbytes`` in ``chunks`` pieces follow; 0 bytes: the rounds are over."""
+
+    round: Seq
+    nbytes: Annotated[int, msgspec.Meta(ge=0, le=MAX_BURST)]
+    chunks: Annotated[int, msgspec.Meta(ge=0, le=MAX_BURST // CHUNK)]
+
+
+class Rate(_Msg, tag="rate"):
+    round: Seq
+    mbit_s: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_RATE_MBIT_S)]
+
+
+class Measured(_Msg, tag="measured"):
+    stats: LinkStats
+
+
+class ChainForward(_Msg, tag="chain"):
+    """Down the chain: every boundary measured so far and each stage's work per step at
+    the micro-batch counts it has run."""
+
+    links: Links
+    busy: Annotated[list[Busy], msgspec.Meta(max_length=4097)]
+
+
+class ChainBack(_Msg, tag="tuned"):
+    """Up the chain: the last stage's decision, every boundary with its codecs."""
+
+    links: Links
+    tuning: Tuning
+
+
+ProbeMsg = Ping | Pong | Burst | Rate | Measured | ChainForward | ChainBack
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(ProbeMsg)
+M = TypeVar("M", bound=_Msg)
+
+
+def send_msg(link: Link, msg: ProbeMsg, timeout_s: float) -> None:
+    link.send([CALIB, _encoder.encode(msg)], timeout_s=timeout_s)
+
+
+def recv_msg(link: Link, kind: type[M], timeout_s: float) -> M:
+    """The next message, which must be a probe message of ``kind``; FrameError otherwise."""
+    parts = link.recv(timeout_s)
+    if len(parts) != 2 or bytes(parts[0]) != CALIB:
+        raise FrameError(f"{link.name}: expected a link probe message ({kind.__name__.lower()})")
+    try:
+        msg = _decoder.decode(parts[1])
+    except msgspec.DecodeError as exc:
+        raise FrameError(f"{link.name}: bad link probe message: {exc}") from None
+    if not isinstance(msg, kind):
+        raise FrameError(f"{link.name}: expected {kind.__name__}, got {type(msg).__name__}")
+    return msg
+
+
+def measure_as_upstream(link: Link, *, boundary: int, step: int, timeout_s: float) -> LinkStats:
+    """The connecting end's half: pings, bursts forward, bursts back; both ends' result."""
+    rtts = []
+    for seq in range(PINGS):
+        started = time.perf_counter()
+        send_msg(link, Ping(seq), timeout_s)
+        pong = recv_msg(link, Pong, timeout_s)
+        if pong.seq != seq:
+            raise FrameError(f"{link.name}: pong {pong.seq} answers no ping (expected {seq})")
+        rtts.append(time.perf_counter() - started)
+    fwd = send_bursts(link, timeout_s)
+    bwd = receive_bursts(link, timeout_s)
+    stats = LinkStats(
+        boundary=boundary,
+        step=step,
+        rtt_ms=round(statistics.median(rtts) * 1000, 3),
+        fwd_mbit_s=round(fwd, 3),
+        bwd_mbit_s=round(bwd, 3),
+    )
+    send_msg(link, Measured(stats), timeout_s)
+    return stats
+
+
+def measure_as_downstream(link: Link, *, boundary: int, step: int, timeout_s: float) -> LinkStats:
+    """The binding end's half: answer the pings, time the bursts forward, send bursts back."""
+    for seq in range(PINGS):
+        ping = recv_msg(link, Ping, timeout_s)
+        if ping.seq != seq:
+            raise FrameError(f"{link.name}: ping {ping.seq} out of order (expected {seq})")
+        send_msg(link, Pong(seq), timeout_s)
+    receive_bursts(link, timeout_s)
+    send_bursts(link, timeout_s)
+    stats = recv_msg(link, Measured, timeout_s).stats
+    if (stats.boundary, stats.step) != (boundary, step):
+        raise FrameError(
+            f"{link.name}: the peer measured boundary {stats.boundary} at step {stats.step}, "
+            f"not boundary {boundary} at step {step}"
+        )
+    return stats
+
+
+def send_bursts(link: Link, timeout_s: float) -> float:
+    """Send growing bursts until the peer's rate stops rising; the best rate, Mbit/s."""
+    size, rates = FIRST_BURST, []
+    for round_ in range(MAX_ROUNDS):
+        chunks = math.ceil(size / CHUNK)
+        send_msg(link, Burst(round_, size, chunks), timeout_s)
+        left = size
+        for _ in range(chunks):
+            piece = min(CHUNK, left)
+            link.send([CALIB_DATA, memoryview(_ZEROS)[:piece]], timeout_s=timeout_s)
+            left -= piece
+        rate = recv_msg(link, Rate, timeout_s)
+        if rate.round != round_:
+            raise FrameError(f"{link.name}: rate of round {rate.round}, expected {round_}")
+        rates.append(rate.mbit_s)
+        if len(rates) >= 2 and rates[-1] < RAMP * rates[-2]:
+            break
+        wanted = rate.mbit_s * 1e6 / 8 * BURST_TARGET_S
+        size = min(MAX_BURST, max(2 * size, math.ceil(wanted / CHUNK) * CHUNK))
+    send_msg(link, Burst(len(rates), 0, 0), timeout_s)
+    return max(rates)
+
+
+def receive_bursts(link: Link, timeout_s: float) -> float:
+    """Time the peer's bursts and answer each one's rate; the best rate, Mbit/s."""
+    best = 0.0
+    for round_ in range(MAX_ROUNDS + 1):
+        burst = recv_msg(link, Burst, timeout_s)
+        if burst.round != round_:
+            raise FrameError(f"{link.name}: burst round {burst.round}, expected {round_}")
+        if burst.nbytes == 0:
+            return best
+        if burst.chunks != math.ceil(burst.nbytes / CHUNK):
+            raise FrameError(
+                f"{link.name}: a burst of {burst.nbytes} bytes in {burst.chunks} pieces"
+            )
+        first_at = last_at = 0.0
+        after_first = 0
+        for index in range(burst.chunks):
+            parts = link.recv(timeout_s)
+            now = time.perf_counter()
+            if len(parts) != 2 or bytes(parts[0]) != CALIB_DATA:
+                raise FrameError(f"{link.name}: expected piece {index} of a probe burst")
+            size = memoryview(parts[1]).nbytes
+            if size > CHUNK:
+                raise FrameError(f"{link.name}: a probe piece of {size} bytes")
+            if index == 0:
+                first_at = now
+            else:
+                after_first += size
+            last_at = now
+        elapsed = last_at - first_at
+        mbit_s = MAX_RATE_MBIT_S if elapsed <= 0 else after_first * 8 / elapsed / 1e6
+        mbit_s = min(MAX_RATE_MBIT_S, mbit_s)
+        best = max(best, mbit_s)
+        send_msg(link, Rate(round_, round(mbit_s, 3)), timeout_s)
+    raise FrameError(f"{link.name}: more than {MAX_ROUNDS} probe bursts")
+
+
+__all__ = [
+    "CALIB",
+    "CALIB_DATA",
+    "ChainBack",
+    "ChainForward",
+    "measure_as_downstream",
+    "measure_as_upstream",
+    "recv_msg",
+    "send_msg",
+]

@@ -1,0 +1,250 @@
+"""Choosing the wire codecs and the schedule from what the stages measured. Pure.
+
+``compression: "auto"`` and ``micro_batches: "auto"`` are decided here, by the last stage of
+an attempt, from every boundary's measured link (:class:`~silentswarm.types.links.LinkStats`)
+and every stage's measured compute time per sample (its step time less the time it waited on
+its peers); the decision travels back up the chain (:mod:`silentswarm.agent.runtime.calibrate`).
+
+- **Codecs.** In steady state a pipeline takes one micro-batch per period of its slowest stage;
+  a boundary keeps up when one micro-batch's frame crosses within that period. So each
+  direction of each boundary gets the least lossy codec of :data:`AUTO_CODECS` whose transfer
+  takes at most :data:`FIT` of the slowest stage's compute, else the one with the fewest
+  bytes: the fewest bytes are not the goal, the least loss that keeps up is. The ratio does not
+  depend on the number of micro-batches (both scale with the micro-batch's size).
+- **Micro-batches and the forward window.** :func:`~silentswarm.agent.runtime.schedule.step_period`
+  predicts the step time of each candidate (every divisor of the batch, each forward window up
+  to it) with the measured compute and the link's delay plus the chosen codec's transfer per
+  crossing. More micro-batches always look better to that model, which knows nothing of the
+  fixed cost of an op, so the smallest count within :data:`NEAR_BEST` of the best wins, and then
+  the smallest window within it of that count's best (less activation memory). Only under
+  ``micro_batches: "auto"``, whose memory estimate holds a whole batch's activations; a spec's
+  own count and window are kept. The schedule
+  in force is kept unless the new one is predicted :data:`KEEP_UNLESS` faster: switching costs a
+  compilation of the new micro-batch shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from silentswarm.agent.runtime.schedule import OpTimes, one_f_one_b, step_period
+from silentswarm.compression import CodecKind, WireCodec
+from silentswarm.types.links import LinkStats
+
+# Least lossy first: what compression "auto" picks from.
+AUTO_CODECS: tuple[WireCodec, ...] = (
+    WireCodec(CodecKind.NONE, 32),
+    WireCodec(CodecKind.FP16, 16),
+    WireCodec(CodecKind.INT, 8),
+    WireCodec(CodecKind.INT, 4),
+)
+FIT = 0.8  # a transfer keeps up when it takes at most this share of the slowest stage's period
+NEAR_BEST = 0.03  # a schedule this close to the best predicted one is as good
+KEEP_UNLESS = 0.05  # the schedule in force stays unless another is predicted this much faster
+MAX_AUTO_MICRO_BATCHES = 64
+BACKWARD_SHARE = 2 / 3  # of a stage's compute per sample, for the model of its ops
+SCALE_BYTES = 2  # fixed_intN: one float16 scale per row (position)
+MBIT = 1e6 / 8  # bytes per second in one Mbit/s
+
+
+def wire_bytes_per_sample(codec: WireCodec, seq_len: int, dims: int) -> float:
+    """Payload bytes one sample's boundary tensor takes on the wire (no frame header)."""
+    scales = SCALE_BYTES * seq_len if codec.kind is CodecKind.INT else 0
+    return seq_len * dims * codec.bits / 8 + scales
+
+
+def choose_codec(
+    bytes_per_s: float, budget_s_per_sample: float, *, seq_len: int, dims: int
+) -> WireCodec:
+    """The least lossy of :data:`AUTO_CODECS` whose transfer of one sample takes at most
+    ``budget_s_per_sample`` at ``bytes_per_s``; the smallest when none does."""
+    for codec in AUTO_CODECS:
+        needed = wire_bytes_per_sample(codec, seq_len, dims)
+        if bytes_per_s > 0 and needed / bytes_per_s <= budget_s_per_sample:
+            return codec
+    return AUTO_CODECS[-1]
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """A stage's seconds of work per step at ``m`` micro-batches: ``per_step + m * per_micro``.
+
+    ``per_micro`` is each micro-batch's fixed cost (dispatch, framing, small-op
+    inefficiency), fitted once the stage has run at two counts; until then it is unknown
+    (``explore`` is the count measured) and taken as 0."""
+
+    per_step: float
+    per_micro: float = 0.0
+    explore: int | None = None
+
+    def micro_s(self, batch_size: int, m: int) -> float:
+        """Seconds of work per micro-batch at ``m`` micro-batches."""
+        return self.per_step / m + self.per_micro
+
+
+def fit_cost(points: Sequence[tuple[int, float]]) -> StageCost | None:
+    """Least squares of ``busy = per_step + m * per_micro`` over (m, busy seconds per step)
+    points, both terms kept >= 0; None without a point."""
+    if not points:
+        return None
+    ms = sorted({m for m, _ in points})
+    mean_m = sum(m for m, _ in points) / len(points)
+    mean_b = sum(b for _, b in points) / len(points)
+    if len(ms) == 1:
+        return StageCost(per_step=mean_b, explore=ms[0])
+    var = sum((m - mean_m) ** 2 for m, _ in points)
+    slope = sum((m - mean_m) * (b - mean_b) for m, b in points) / var
+    slope = max(0.0, slope)
+    intercept = mean_b - slope * mean_m
+    if intercept <= 0:  # all overhead: keep the work per micro-batch as measured
+        return StageCost(per_step=0.0, per_micro=mean_b / mean_m)
+    return StageCost(per_step=intercept, per_micro=slope)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    micro_batches: int
+    in_flight: int
+    predicted_step_s: float
+    codecs: tuple[tuple[WireCodec, WireCodec], ...] = ()
+
+
+@dataclass(frozen=True)
+class TuneInput:
+    """What the chain measured and what the plan allows. ``busy``: each stage's (m, seconds
+    of work per step) points; ``codecs``: each boundary's ``(forward, backward)`` codecs in
+    force; ``auto_fwd``/``auto_bwd``: whether a direction's codec is the tuner's to choose;
+    ``in_flight_cap``: the spec's window, the most the tuner may use (None: up to the count)."""
+
+    batch_size: int
+    seq_len: int
+    dims: int  # values per position on the wire
+    links: Sequence[LinkStats]
+    busy: Sequence[Sequence[tuple[int, float]]]
+    codecs: Sequence[tuple[WireCodec, WireCodec]]
+    auto_fwd: bool
+    auto_bwd: bool
+    micro_batches: int
+    in_flight: int
+    auto_micro_batches: bool
+    in_flight_cap: int | None = None
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    codecs: list[tuple[WireCodec, WireCodec]]
+    micro_batches: int
+    in_flight: int
+    predicted_step_s: float | None
+
+
+class _Model:
+    """The measured chain: each stage's cost and each boundary's link."""
+
+    def __init__(self, inp: TuneInput, costs: list[StageCost]) -> None:
+        self.inp = inp
+        self.costs = costs
+
+    def codecs(self, m: int) -> tuple[tuple[WireCodec, WireCodec], ...]:
+        """Each direction's codec at ``m`` micro-batches: auto ones chosen, others kept."""
+        inp = self.inp
+        mb = inp.batch_size / m
+        budget = FIT * max(c.micro_s(inp.batch_size, m) for c in self.costs) / mb
+        out = []
+        for link, (fwd, bwd) in zip(inp.links, inp.codecs, strict=True):
+            if inp.auto_fwd:
+                fwd = choose_codec(
+                    link.fwd_mbit_s * MBIT, budget, seq_len=inp.seq_len, dims=inp.dims
+                )
+            if inp.auto_bwd:
+                bwd = choose_codec(
+                    link.bwd_mbit_s * MBIT, budget, seq_len=inp.seq_len, dims=inp.dims
+                )
+            out.append((fwd, bwd))
+        return tuple(out)
+
+    def predict(self, m: int, window: int, codecs: Sequence[tuple[WireCodec, WireCodec]]) -> float:
+        """Predicted seconds per step (:func:`step_period`)."""
+        inp, n = self.inp, len(self.costs)
+        mb = inp.batch_size / m
+        schedules = [one_f_one_b(s, n, m, window) for s in range(n)]
+        times = []
+        for cost in self.costs:
+            t = cost.micro_s(inp.batch_size, m)
+            times.append(OpTimes(t * (1 - BACKWARD_SHARE), t * BACKWARD_SHARE))
+        links = []
+        for link, (fwd, bwd) in zip(inp.links, codecs, strict=True):
+            delay = link.rtt_ms / 2000
+            f = wire_bytes_per_sample(fwd, inp.seq_len, inp.dims) * mb
+            b = wire_bytes_per_sample(bwd, inp.seq_len, inp.dims) * mb
+            links.append(
+                (
+                    delay + f / max(link.fwd_mbit_s * MBIT, 1.0),
+                    delay + b / max(link.bwd_mbit_s * MBIT, 1.0),
+                )
+            )
+        return step_period(schedules, times, steps=4, link_s=links)
+
+    def best_window(self, m: int, cap: int | None) -> Schedule:
+        """The smallest window within :data:`NEAR_BEST` of the best for ``m``."""
+        codecs = self.codecs(m)
+        tried = [Schedule(m, k, self.predict(m, k, codecs), codecs) for k in _windows(m, cap)]
+        best = min(s.predicted_step_s for s in tried)
+        return next(s for s in tried if s.predicted_step_s <= best * (1 + NEAR_BEST))
+
+    def counts(self) -> list[int]:
+        """Micro-batch counts to try: divisors of the batch, at most twice a count measured
+        while a stage's fixed cost per micro-batch is still unknown."""
+        top = min(self.inp.batch_size, MAX_AUTO_MICRO_BATCHES)
+        explored = [c.explore for c in self.costs if c.explore is not None]
+        if explored:
+            top = min(top, 2 * max(explored))
+        return [m for m in range(1, top + 1) if self.inp.batch_size % m == 0]
+
+
+def tune(inp: TuneInput) -> TuneResult:
+    """The codecs and schedule to run next; what is in force where nothing was measured."""
+    n_stages = len(inp.busy)
+    if len(inp.links) != n_stages - 1 or len(inp.codecs) != n_stages - 1:
+        raise ValueError(f"{n_stages} stages need {n_stages - 1} links and codec pairs")
+    costs = [fit_cost(points) for points in inp.busy]
+    if any(c is None for c in costs):
+        return TuneResult(list(inp.codecs), inp.micro_batches, inp.in_flight, None)
+    model = _Model(inp, [c for c in costs if c is not None])
+    codecs = model.codecs(inp.micro_batches)
+    current = model.predict(inp.micro_batches, inp.in_flight, codecs)
+    if not inp.auto_micro_batches:
+        return TuneResult(list(codecs), inp.micro_batches, inp.in_flight, current)
+    per_count = [model.best_window(m, inp.in_flight_cap) for m in model.counts()]
+    best = min(s.predicted_step_s for s in per_count)
+    chosen = next(s for s in per_count if s.predicted_step_s <= best * (1 + NEAR_BEST))
+    if chosen.predicted_step_s >= current * (1 - KEEP_UNLESS):
+        return TuneResult(list(codecs), inp.micro_batches, inp.in_flight, current)
+    return TuneResult(
+        list(chosen.codecs), chosen.micro_batches, chosen.in_flight, chosen.predicted_step_s
+    )
+
+
+def _windows(micro_batches: int, cap: int | None) -> list[int]:
+    """Forward windows worth trying: 1 (1F1B), powers of two, and the micro-batch count."""
+    top = micro_batches if cap is None else min(cap, micro_batches)
+    out = {1, top}
+    k = 2
+    while k < top:
+        out.add(k)
+        k *= 2
+    return sorted(out)
+
+
+__all__ = [
+    "AUTO_CODECS",
+    "Schedule",
+    "StageCost",
+    "TuneInput",
+    "TuneResult",
+    "choose_codec",
+    "fit_cost",
+    "tune",
+    "wire_bytes_per_sample",
+]

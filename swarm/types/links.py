@@ -1,0 +1,56 @@
+"""What a pipeline boundary measured of its link, and the schedule the stages chose from it.
+
+A stage reports them in its ``links`` events (:mod:`silentswarm.types.stage`); the agent
+passes them on in every step's progress record (:class:`silentswarm.protocol.Progress`); the
+leader keeps the latest in the job's record and its live metrics, where ``swarm watch`` shows
+them. They come from a fellow, so every number is bounded: a value outside its bounds fails
+decoding and the record is refused.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+StageIndex = Annotated[int, msgspec.Meta(ge=0, le=4096)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
+Millis = Annotated[float, msgspec.Meta(ge=0.0, le=3_600_000.0)]
+MbitPerS = Annotated[float, msgspec.Meta(ge=0.0, le=10_000_000.0)]  # 10 Pbit/s
+CodecName = Annotated[str, msgspec.Meta(max_length=32)]
+MicroBatches = Annotated[int, msgspec.Meta(ge=1, le=2**16)]
+
+
+class LinkStats(msgspec.Struct, frozen=True, kw_only=True):
+    """One boundary's link, measured by its two ends before training step ``step``.
+
+    ``rtt_ms``: the median round trip of small messages; ``fwd_mbit_s`` (activations,
+    upstream to downstream) and ``bwd_mbit_s`` (gradients, back): the rate at which the
+    receiving end took in a burst, timed from its first to its last piece, so neither
+    delay nor the sender's start counts. ``fwd_codec`` and ``bwd_codec``: the wire codecs
+    each direction uses from that step on.
+    """
+
+    boundary: StageIndex
+    step: Count
+    rtt_ms: Millis
+    fwd_mbit_s: MbitPerS
+    bwd_mbit_s: MbitPerS
+    fwd_codec: CodecName = "none"
+    bwd_codec: CodecName = "none"
+
+
+class Tuning(msgspec.Struct, frozen=True, kw_only=True):
+    """The schedule every stage of an attempt runs from step ``step`` on: ``micro_batches``
+    and the forward window ``in_flight`` (:func:`silentswarm.plan.stage_in_flight`).
+    ``auto``: chosen from measurements (``micro_batches: "auto"``), not given by the spec;
+    ``predicted_step_s``: the step time the choice was predicted to take, where measured."""
+
+    step: Count
+    micro_batches: MicroBatches
+    in_flight: MicroBatches
+    auto: bool = False
+    predicted_step_s: Annotated[float, msgspec.Meta(ge=0.0, le=1e9)] | None = None
+
+
+__all__ = ["LinkStats", "Tuning"]

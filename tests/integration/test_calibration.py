@@ -1,0 +1,246 @@
+"""Links measured, not assumed: the probe over real ZeroMQ, the NATS relay and emulated slow
+paths, a hostile peer's probe refused, and real stages choosing codecs and a schedule."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import pytest
+
+from silentswarm.agent.errors import FrameError
+from silentswarm.agent.pipe import probe
+from silentswarm.agent.pipe.relay import RelayLink
+from silentswarm.agent.pipe.zmq import ZmqLink
+from silentswarm.agent.runtime.launch import run_plans, steps
+from silentswarm.plan import ModelConfig, Peer, TrainConfig, Transport, chain_plans
+from silentswarm.procs import free_port
+from tests.helpers import REPO, bench_module, child_env, shaped_paths_unavailable
+
+pytestmark = pytest.mark.integration
+no_paths = pytest.mark.skipif(
+    (why := shaped_paths_unavailable()) is not None, reason=f"no shaped paths here: {why}"
+)
+
+
+def both_ends(upstream, downstream, *, timeout_s: float = 20.0):
+    """Run the two halves of a probe at once; both ends' results."""
+    got: dict[str, Any] = {}
+
+    def down() -> None:
+        try:
+            got["down"] = probe.measure_as_downstream(
+                downstream, boundary=3, step=7, timeout_s=timeout_s
+            )
+        except Exception as exc:  # handed to the test below
+            got["down"] = exc
+
+    thread = threading.Thread(target=down)
+    thread.start()
+    try:
+        got["up"] = probe.measure_as_upstream(upstream, boundary=3, step=7, timeout_s=timeout_s)
+    finally:
+        thread.join(timeout_s)
+    return got["up"], got["down"]
+
+
+@pytest.fixture
+def zmq_pair():
+    address = f"tcp://127.0.0.1:{free_port()}"
+    binder = ZmqLink(name="b", bind=address)
+    connector = ZmqLink(name="c", connect=address)
+    try:
+        yield connector, binder
+    finally:
+        binder.close()
+        connector.close()
+
+
+def test_both_ends_of_a_zmq_boundary_measure_the_same_fast_link(zmq_pair):
+    up, down = both_ends(*zmq_pair)
+    assert up == down
+    assert (up.boundary, up.step) == (3, 7)
+    assert 0 < up.rtt_ms < 50
+    assert up.fwd_mbit_s > 500 and up.bwd_mbit_s > 500  # loopback: gigabits
+
+
+def test_the_relay_is_measured_the_same_way(nats_server):
+    a = RelayLink(name="a", nats=nats_server.url, send_subject="p.fwd", recv_subject="p.bwd")
+    b = RelayLink(name="b", nats=nats_server.url, send_subject="p.bwd", recv_subject="p.fwd")
+    try:
+        up, down = both_ends(a, b)
+    finally:
+        a.close()
+        b.close()
+    assert up == down and up.rtt_ms > 0 and up.fwd_mbit_s > 50
+
+
+@pytest.mark.parametrize(
+    ("hostile", "complaint"),
+    [
+        # a frame where a probe message belongs
+        (lambda link: link.send([b"header", b"payload"]), "expected a link probe message"),
+        # a probe message of the wrong kind
+        (lambda link: probe.send_msg(link, probe.Rate(0, 1.0), 5), "expected Ping"),
+        # pings out of order
+        (lambda link: probe.send_msg(link, probe.Ping(3), 5), "out of order"),
+        # a burst bigger than any probe sends: refused while decoding
+        (
+            lambda link: link.send(
+                [
+                    probe.CALIB,
+                    msgspec.msgpack.encode(
+                        {"kind": "burst", "round": 0, "nbytes": 2**40, "chunks": 1}
+                    ),
+                ]
+            ),
+            "bad link probe message",
+        ),
+    ],
+)
+def test_a_hostile_peer_probe_is_refused_with_a_reason(zmq_pair, hostile: Callable, complaint):
+    connector, binder = zmq_pair
+    hostile(connector)
+    with pytest.raises(FrameError, match=complaint):
+        probe.measure_as_downstream(binder, boundary=0, step=0, timeout_s=5)
+
+
+def test_burst_pieces_must_match_what_was_announced(zmq_pair):
+    connector, binder = zmq_pair
+    for seq in range(probe.PINGS):
+        probe.send_msg(connector, probe.Ping(seq), 5)
+    probe.send_msg(connector, probe.Burst(0, 3 * probe.CHUNK, 1), 5)
+    with pytest.raises(FrameError, match="pieces"):
+        probe.measure_as_downstream(binder, boundary=0, step=0, timeout_s=5)
+
+
+FAR_HALF = textwrap.dedent(
+    """
+    import sys, msgspec
+    from silentswarm.agent.pipe.probe import measure_as_downstream
+    from silentswarm.agent.pipe.zmq import ZmqLink
+    link = ZmqLink(name="far", bind=sys.argv[1])
+    stats = measure_as_downstream(link, boundary=0, step=0, timeout_s=60)
+    print(msgspec.json.encode(stats).decode(), flush=True)
+    link.close()
+    """
+)
+
+
+@no_paths
+@pytest.mark.timeout(120)
+def test_an_emulated_path_is_measured_per_direction():
+    linkemu = bench_module("linkemu")
+    # forward 10 Mbit/s, backward 40 Mbit/s, 20 ms each way
+    prof = linkemu.Profile("asym", linkemu.Direction(10e6, 0.020), linkemu.Direction(40e6, 0.020))
+    port = free_port()
+    with linkemu.FarSide(prof) as far:
+        far_half = subprocess.Popen(
+            [*far.prefix, sys.executable, "-c", FAR_HALF, f"tcp://{far.far_ip}:{port}"],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=child_env(),
+            cwd=REPO,
+        )
+        try:
+            host, entry = far.relay(far=False, target=(far.far_ip, port))
+            link = ZmqLink(name="near", connect=f"tcp://{host}:{entry}")
+            try:
+                up = probe.measure_as_upstream(link, boundary=0, step=0, timeout_s=60)
+            finally:
+                link.close()
+            out, _ = far_half.communicate(timeout=60)
+        finally:
+            far_half.kill()
+            far_half.wait()
+    down = msgspec.json.decode(out.strip().splitlines()[-1])
+    assert down == msgspec.to_builtins(up), "both ends hold the same figures"
+    assert 40 <= up.rtt_ms < 60, up
+    assert 7.5 <= up.fwd_mbit_s <= 10.5, up
+    assert 30 <= up.bwd_mbit_s <= 42, up
+
+
+SMALL = ModelConfig(n_layers=2, d_model=64, n_heads=4, seq_len=32)
+
+
+def auto_run(tmp_path, far=None) -> list[list[dict]]:
+    """A 2-stage run with compression and micro_batches "auto", over ``far`` if given."""
+    train = TrainConfig(
+        steps=8,
+        batch_size=8,
+        micro_batches="auto",
+        max_data_bytes=300_000,
+        val_batches=2,
+        link_probe_every=3,
+    )
+    port = free_port()
+    plans = chain_plans(
+        job_id="auto",
+        model=SMALL,
+        train=train,
+        addresses=[None, f"tcp://127.0.0.1:{port}"],
+        compression="auto",
+        transport=Transport.P2P,
+        intra_op_threads=1,
+    )
+    prefixes = {}
+    if far is not None:
+        host, entry = far.relay(far=False, target=(far.far_ip, port))
+        plans[1] = msgspec.structs.replace(plans[1], data_address=f"tcp://{far.far_ip}:{port}")
+        plans[0] = msgspec.structs.replace(
+            plans[0], next=Peer(fellow_id=plans[1].fellow_id, data_address=f"tcp://{host}:{entry}")
+        )
+        prefixes[1] = far.prefix
+    return run_plans(plans, tmp_path, timeout=300, command_prefixes=prefixes)
+
+
+def calibrations(events: list[dict]) -> list[dict]:
+    return [e for e in events if e["event"] == "links" and "step" in (e.get("tuning") or {})][1:]
+
+
+@no_paths
+@pytest.mark.timeout(300)
+def test_stages_choose_codecs_and_a_schedule_from_what_they_measured(tmp_path):
+    """Loopback keeps full precision; a 2 Mbit/s path gets the fewest bytes. Both stages
+    agree on every decision, and the frames really use the chosen codec."""
+    linkemu = bench_module("linkemu")
+    fast = auto_run(tmp_path / "fast")
+    with linkemu.FarSide(linkemu.symmetric("slow", 2e6, 0.010)) as far:
+        slow = auto_run(tmp_path / "slow", far)
+    for first, last in (fast, slow):
+        ups, downs = calibrations(first), calibrations(last)
+        assert [e["tuning"] for e in ups] == [e["tuning"] for e in downs]
+        # At the start, after the warm-up, then every 3 steps, or 2 after a new count.
+        tunings = [e["tuning"] for e in ups]
+        assert [t["step"] for t in tunings[:2]] == [0, 2]
+        for earlier, decided, after in zip(tunings, tunings[1:], tunings[2:], strict=False):
+            changed = decided["micro_batches"] != earlier["micro_batches"]
+            assert after["step"] - decided["step"] == (2 if changed else 3), tunings
+        assert all(e["tuning"]["auto"] for e in ups)
+        assert all(8 % e["tuning"]["micro_batches"] == 0 for e in ups)
+        assert len(steps(last)) == 8 and steps(last)[-1]["loss"] < steps(last)[0]["loss"]
+    fast_link = [e["down_link"] for e in calibrations(fast[0])]
+    slow_link = [e["down_link"] for e in calibrations(slow[0])]
+    assert all(link["fwd_mbit_s"] > 500 for link in fast_link)
+    assert all(1.5 <= link["fwd_mbit_s"] <= 2.1 for link in slow_link), slow_link
+    assert all(20 <= link["rtt_ms"] < 40 for link in slow_link), slow_link
+    # Decided after the warm-up: full precision on loopback, the fewest bytes at 2 Mbit/s.
+    assert {(x["fwd_codec"], x["bwd_codec"]) for x in fast_link[1:]} == {("none", "none")}
+    assert {(x["fwd_codec"], x["bwd_codec"]) for x in slow_link[1:]} == {
+        ("fixed_int4", "fixed_int4")
+    }
+    # What crossed the slow boundary in a step after the decision (a step that began with a
+    # calibration also counts the probe's bursts): about an eighth of float32's bytes.
+    probed = {e["tuning"]["step"] for run in (fast, slow) for e in calibrations(run[0])}
+    i = next(i for i in range(3, 8) if i not in probed)
+
+    def sent(run: list[list[dict]]) -> int:
+        ss = steps(run[0])
+        return ss[i]["down_bytes_sent"] - ss[i - 1]["down_bytes_sent"]
+
+    assert sent(slow) < 0.2 * sent(fast)

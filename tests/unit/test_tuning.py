@@ -1,0 +1,161 @@
+"""The tuner: codecs and schedules chosen from measured links and stage costs (pure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from silentswarm.agent.runtime.tuning import (
+    AUTO_CODECS,
+    StageCost,
+    TuneInput,
+    choose_codec,
+    fit_cost,
+    tune,
+    wire_bytes_per_sample,
+)
+from silentswarm.compression import parse_wire_codec
+from silentswarm.types.links import LinkStats
+
+NONE, FP16, INT8, INT4 = AUTO_CODECS
+SEQ, DIMS = 128, 256  # the speed model's boundary: 128 KiB of float32 per sample
+
+
+def link(mbit: float, rtt_ms: float = 0.2, back_mbit: float | None = None) -> LinkStats:
+    return LinkStats(
+        boundary=0,
+        step=2,
+        rtt_ms=rtt_ms,
+        fwd_mbit_s=mbit,
+        bwd_mbit_s=mbit if back_mbit is None else back_mbit,
+    )
+
+
+def test_auto_codecs_are_ordered_from_least_to_most_lossy():
+    assert [c.name for c in AUTO_CODECS] == ["none", "fp16", "fixed_int8", "fixed_int4"]
+    sizes = [wire_bytes_per_sample(c, SEQ, DIMS) for c in AUTO_CODECS]
+    assert sizes == sorted(sizes, reverse=True)
+    assert sizes[0] == SEQ * DIMS * 4
+    assert sizes[2] == SEQ * DIMS + 2 * SEQ  # one byte a value, a float16 scale a row
+
+
+@pytest.mark.parametrize(
+    ("mbit", "budget_ms", "expected"),
+    [
+        (10_000, 1.0, "none"),  # loopback: anything fits
+        (100, 20.0, "none"),  # 128 KiB in 10.5 ms
+        (100, 8.0, "fp16"),  # 64 KiB in 5.2 ms
+        (20, 20.0, "fixed_int8"),  # 33 KiB in 13 ms; fp16 needs 26
+        (20, 8.0, "fixed_int4"),  # 17 KiB in 6.7 ms
+        (2, 8.0, "fixed_int4"),  # nothing fits: the fewest bytes
+        (0, 8.0, "fixed_int4"),  # an unmeasured link fits nothing
+    ],
+)
+def test_the_least_lossy_codec_that_fits(mbit, budget_ms, expected):
+    got = choose_codec(mbit * 1e6 / 8, budget_ms / 1000, seq_len=SEQ, dims=DIMS)
+    assert got.name == expected
+
+
+@pytest.mark.parametrize(
+    ("points", "expected"),
+    [
+        ([], None),
+        ([(4, 0.8)], StageCost(per_step=0.8, explore=4)),
+        ([(4, 0.8), (4, 0.9)], StageCost(per_step=0.85, explore=4)),
+        ([(4, 0.8), (8, 1.0)], StageCost(per_step=0.6, per_micro=0.05)),
+        ([(4, 0.8), (8, 0.7)], StageCost(per_step=0.75, per_micro=0.0)),  # faster at 8: no cost
+        ([(4, 0.4), (8, 0.8)], StageCost(per_step=0.0, per_micro=0.1)),  # all per micro-batch
+    ],
+)
+def test_a_stage_cost_is_fitted_to_its_measured_steps(points, expected):
+    got = fit_cost(points)
+    if expected is None:
+        assert got is None
+        return
+    assert got.per_step == pytest.approx(expected.per_step)
+    assert got.per_micro == pytest.approx(expected.per_micro)
+    assert got.explore == expected.explore
+
+
+def inp(**kw) -> TuneInput:
+    base = {
+        "batch_size": 16,
+        "seq_len": SEQ,
+        "dims": DIMS,
+        "links": [link(10_000)],
+        "busy": [[(4, 0.8)], [(4, 0.8)]],
+        "codecs": [(NONE, NONE)],
+        "auto_fwd": True,
+        "auto_bwd": True,
+        "micro_batches": 4,
+        "in_flight": 1,
+        "auto_micro_batches": True,
+    }
+    return TuneInput(**{**base, **kw})
+
+
+def test_nothing_measured_keeps_what_is_in_force():
+    got = tune(inp(busy=[[], [(4, 0.8)]], codecs=[(FP16, INT8)]))
+    assert (got.codecs, got.micro_batches, got.in_flight) == ([(FP16, INT8)], 4, 1)
+    assert got.predicted_step_s is None
+
+
+def test_a_fast_link_keeps_full_precision():
+    got = tune(inp())
+    assert got.codecs == [(NONE, NONE)]
+    assert got.predicted_step_s is not None
+
+
+def test_a_slow_link_gets_the_least_lossy_codec_that_keeps_up():
+    # 0.8 s of work per step of 16 samples: 50 ms a sample per stage, 40 of it for the link.
+    # none needs 52 ms a sample at 20 Mbit/s, fp16 26 ms.
+    got = tune(inp(links=[link(20, rtt_ms=100)]))
+    assert got.codecs == [(FP16, FP16)]
+    # Each direction on its own: at 10 Mbit/s back fp16 needs 52 ms, fixed_int8 26 ms.
+    got = tune(inp(links=[link(20, rtt_ms=100, back_mbit=10)]))
+    assert got.codecs == [(FP16, INT8)]
+
+
+def test_a_fixed_direction_keeps_its_codec():
+    got = tune(inp(links=[link(2, rtt_ms=100)], auto_bwd=False, codecs=[(NONE, FP16)]))
+    assert got.codecs == [(INT4, FP16)]
+
+
+def test_latency_gets_more_micro_batches_in_flight_but_no_more_than_explored():
+    got = tune(inp(links=[link(20, rtt_ms=100)]))
+    # One count measured so far: at most twice it, and a window that covers the round trip.
+    assert got.micro_batches == 8
+    assert got.in_flight > 2
+    fixed = tune(inp(links=[link(20, rtt_ms=100)], auto_micro_batches=False))
+    assert got.predicted_step_s < fixed.predicted_step_s
+
+
+def test_a_fitted_cost_per_micro_batch_stops_the_counts_from_growing():
+    # At 16 micro-batches each costs 50 ms of fixed work: more than the bubble it saves.
+    busy = [[(8, 0.8), (16, 1.2)], [(8, 0.8), (16, 1.2)]]
+    got = tune(inp(busy=busy, micro_batches=16, in_flight=16))
+    assert got.micro_batches < 16
+
+
+def test_a_spec_count_is_kept_and_the_schedule_in_force_wins_a_near_tie():
+    got = tune(inp(links=[link(20, rtt_ms=100)], auto_micro_batches=False))
+    assert (got.micro_batches, got.in_flight) == (4, 1)
+    # On loopback the bubble of 4 micro-batches is 5/4 against 9/8 for 8 (10% apart), but
+    # the measured cost per micro-batch of 8 eats that up: 4 stays.
+    busy = [[(4, 0.8), (8, 0.9)], [(4, 0.8), (8, 0.9)]]
+    got = tune(inp(busy=busy))
+    assert (got.micro_batches, got.in_flight) == (4, 1)
+
+
+def test_a_window_cap_is_respected():
+    got = tune(inp(links=[link(20, rtt_ms=100)], in_flight_cap=2))
+    assert got.in_flight <= 2
+
+
+def test_mismatched_input_is_refused():
+    with pytest.raises(ValueError):
+        tune(inp(links=[]))
+
+
+def test_every_codec_name_parses_back():
+    for codec in AUTO_CODECS:
+        assert parse_wire_codec(codec.name) == codec
