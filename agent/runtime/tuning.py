@@ -2,25 +2,26 @@
 
 ``compression: "auto"`` and ``micro_batches: "auto"`` are decided here, by the last stage of
 an attempt, from every boundary's measured link (:class:`~silentswarm.types.links.LinkStats`)
-and every stage's measured compute time per sample (its step time less the time it waited on
-its peers); the decision travels back up the chain (:mod:`silentswarm.agent.runtime.calibrate`).
+and every stage's measured work per step (its step time less the time it waited on its peers,
+at each micro-batch count it ran, fitted by :func:`fit_cost`); the decision travels back up
+the chain (:mod:`silentswarm.agent.runtime.calibrate`). One model predicts a step's time:
+:func:`~silentswarm.agent.runtime.schedule.step_period` with each stage's fitted work per
+micro-batch and, per boundary crossing, the one-way delay plus the codec's transfer.
 
-- **Codecs.** In steady state a pipeline takes one micro-batch per period of its slowest stage;
-  a boundary keeps up when one micro-batch's frame crosses within that period. So each
-  direction of each boundary gets the least lossy codec of :data:`AUTO_CODECS` whose transfer
-  takes at most :data:`FIT` of the slowest stage's compute, else the one with the fewest
-  bytes: the fewest bytes are not the goal, the least loss that keeps up is. The ratio does not
-  depend on the number of micro-batches (both scale with the micro-batch's size).
-- **Micro-batches and the forward window.** :func:`~silentswarm.agent.runtime.schedule.step_period`
-  predicts the step time of each candidate (every divisor of the batch, each forward window up
-  to it) with the measured compute and the link's delay plus the chosen codec's transfer per
-  crossing. More micro-batches always look better to that model, which knows nothing of the
-  fixed cost of an op, so the smallest count within :data:`NEAR_BEST` of the best wins, and then
-  the smallest window within it of that count's best (less activation memory). Only under
-  ``micro_batches: "auto"``, whose memory estimate holds a whole batch's activations; a spec's
-  own count and window are kept. The schedule
-  in force is kept unless the new one is predicted :data:`KEEP_UNLESS` faster: switching costs a
-  compilation of the new micro-batch shape.
+- **Codecs.** The fewest bytes are not the goal, the least loss that keeps up is: the
+  directions the tuner chooses start at the fewest bytes and, in turns, each moves to a less
+  lossy codec of :data:`AUTO_CODECS` while the predicted step stays within :data:`NEAR_BEST`
+  of the step with the fewest bytes everywhere. A transfer well under the compute hides;
+  one near it still costs the step its fill and drain, which the model sees and a bare
+  bandwidth budget does not (measured: fp16 at 20 Mbit/s fit "under the compute" and kept
+  0.8 of loopback's speed, fixed_int8 0.94).
+- **Micro-batches and the forward window** (only under ``micro_batches: "auto"``, whose memory
+  estimate holds a whole batch's activations; a spec's own count and window are kept): every
+  divisor of the batch, each with the smallest window within :data:`NEAR_BEST` of its best;
+  the fewest micro-batches within :data:`NEAR_BEST` of the best win. Until a stage has run two
+  counts its fixed cost per micro-batch is unknown and a count is at most doubled. The
+  schedule in force is kept unless another is predicted :data:`KEEP_UNLESS` faster: a new
+  count costs a compilation of its shape.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ AUTO_CODECS: tuple[WireCodec, ...] = (
     WireCodec(CodecKind.INT, 8),
     WireCodec(CodecKind.INT, 4),
 )
-FIT = 0.8  # a transfer keeps up when it takes at most this share of the slowest stage's period
 NEAR_BEST = 0.03  # a schedule this close to the best predicted one is as good
 KEEP_UNLESS = 0.05  # the schedule in force stays unless another is predicted this much faster
 MAX_AUTO_MICRO_BATCHES = 64
@@ -52,18 +52,6 @@ def wire_bytes_per_sample(codec: WireCodec, seq_len: int, dims: int) -> float:
     """Payload bytes one sample's boundary tensor takes on the wire (no frame header)."""
     scales = SCALE_BYTES * seq_len if codec.kind is CodecKind.INT else 0
     return seq_len * dims * codec.bits / 8 + scales
-
-
-def choose_codec(
-    bytes_per_s: float, budget_s_per_sample: float, *, seq_len: int, dims: int
-) -> WireCodec:
-    """The least lossy of :data:`AUTO_CODECS` whose transfer of one sample takes at most
-    ``budget_s_per_sample`` at ``bytes_per_s``; the smallest when none does."""
-    for codec in AUTO_CODECS:
-        needed = wire_bytes_per_sample(codec, seq_len, dims)
-        if bytes_per_s > 0 and needed / bytes_per_s <= budget_s_per_sample:
-            return codec
-    return AUTO_CODECS[-1]
 
 
 @dataclass(frozen=True)
@@ -146,23 +134,41 @@ class _Model:
         self.inp = inp
         self.costs = costs
 
-    def codecs(self, m: int) -> tuple[tuple[WireCodec, WireCodec], ...]:
-        """Each direction's codec at ``m`` micro-batches: auto ones chosen, others kept."""
+    def fastest(self) -> list[tuple[WireCodec, WireCodec]]:
+        """Every direction the tuner chooses at its fewest bytes, the others as they are."""
+        inp, last = self.inp, AUTO_CODECS[-1]
+        return [
+            (last if inp.auto_fwd else fwd, last if inp.auto_bwd else bwd)
+            for fwd, bwd in inp.codecs
+        ]
+
+    def codecs(self, m: int, window: int) -> tuple[tuple[WireCodec, WireCodec], ...]:
+        """Every direction the tuner chooses starts at the fewest bytes; round after round each
+        in turn moves one codec less lossy while the predicted step stays within
+        :data:`NEAR_BEST` of that fastest one, so no boundary spends the margin alone."""
         inp = self.inp
-        mb = inp.batch_size / m
-        budget = FIT * max(c.micro_s(inp.batch_size, m) for c in self.costs) / mb
-        out = []
-        for link, (fwd, bwd) in zip(inp.links, inp.codecs, strict=True):
-            if inp.auto_fwd:
-                fwd = choose_codec(
-                    link.fwd_mbit_s * MBIT, budget, seq_len=inp.seq_len, dims=inp.dims
-                )
-            if inp.auto_bwd:
-                bwd = choose_codec(
-                    link.bwd_mbit_s * MBIT, budget, seq_len=inp.seq_len, dims=inp.dims
-                )
-            out.append((fwd, bwd))
-        return tuple(out)
+        chosen = [list(pair) for pair in self.fastest()]
+        limit = self.predict(m, window, self.fastest()) * (1 + NEAR_BEST)
+        rank = {codec: i for i, codec in enumerate(AUTO_CODECS)}
+        directions = [
+            (b, d)
+            for b in range(len(chosen))
+            for d, auto in ((0, inp.auto_fwd), (1, inp.auto_bwd))
+            if auto
+        ]
+        moved = True
+        while moved:
+            moved = False
+            for b, d in directions:
+                level = rank[chosen[b][d]]
+                if level == 0:
+                    continue
+                chosen[b][d] = AUTO_CODECS[level - 1]
+                if self.predict(m, window, [(f, k) for f, k in chosen]) <= limit:
+                    moved = True
+                else:
+                    chosen[b][d] = AUTO_CODECS[level]
+        return tuple((f, k) for f, k in chosen)
 
     def predict(self, m: int, window: int, codecs: Sequence[tuple[WireCodec, WireCodec]]) -> float:
         """Predicted seconds per step (:func:`step_period`)."""
@@ -187,11 +193,14 @@ class _Model:
         return step_period(schedules, times, steps=4, link_s=links)
 
     def best_window(self, m: int, cap: int | None) -> Schedule:
-        """The smallest window within :data:`NEAR_BEST` of the best for ``m``."""
-        codecs = self.codecs(m)
-        tried = [Schedule(m, k, self.predict(m, k, codecs), codecs) for k in _windows(m, cap)]
-        best = min(s.predicted_step_s for s in tried)
-        return next(s for s in tried if s.predicted_step_s <= best * (1 + NEAR_BEST))
+        """The smallest window within :data:`NEAR_BEST` of the best for ``m`` (at the fewest
+        bytes), with its codecs."""
+        fastest = self.fastest()
+        tried = [(k, self.predict(m, k, fastest)) for k in _windows(m, cap)]
+        best = min(t for _, t in tried)
+        window = next(k for k, t in tried if t <= best * (1 + NEAR_BEST))
+        codecs = self.codecs(m, window)
+        return Schedule(m, window, self.predict(m, window, codecs), codecs)
 
     def counts(self) -> list[int]:
         """Micro-batch counts to try: divisors of the batch, at most twice a count measured
@@ -212,7 +221,7 @@ def tune(inp: TuneInput) -> TuneResult:
     if any(c is None for c in costs):
         return TuneResult(list(inp.codecs), inp.micro_batches, inp.in_flight, None)
     model = _Model(inp, [c for c in costs if c is not None])
-    codecs = model.codecs(inp.micro_batches)
+    codecs = model.codecs(inp.micro_batches, inp.in_flight)
     current = model.predict(inp.micro_batches, inp.in_flight, codecs)
     if not inp.auto_micro_batches:
         return TuneResult(list(codecs), inp.micro_batches, inp.in_flight, current)
@@ -243,7 +252,6 @@ __all__ = [
     "StageCost",
     "TuneInput",
     "TuneResult",
-    "choose_codec",
     "fit_cost",
     "tune",
     "wire_bytes_per_sample",

@@ -11,8 +11,9 @@ reference is the ``loopback`` arm with codec ``none`` and the same transport, sc
 micro-batches and in-flight window, run in the same invocation (added when not asked for):
 
 - ``tokens_per_s``: the median over short interleaved rounds (the arms' order flips every
-  round) of the last stage's steady-state tokens/s; ``retention`` the median of the per-round
-  ratios to the reference's;
+  round) of the last stage's tokens/s over the second half of its steps (past compilation and
+  an "auto" arm's first calibrations); ``retention`` the median of the per-round ratios to the
+  reference's;
 - ``bytes_per_step``: a training step's bytes across the boundary, both directions, headers and
   scales included (the median per step; validation left out);
 - ``val_loss`` after ``--loss-steps`` steps, same seed and data; ``val_loss_vs_reference`` its
@@ -20,12 +21,16 @@ micro-batches and in-flight window, run in the same invocation (added when not a
   the link (the same frames arrive, later) nor on the in-flight window (the same gradients
   accumulate in the same order), so each (codec, transport, schedule, m) trains once, over
   loopback, and its arms on every profile and window share that run (``loss_profile``);
-  ``--loss-per-arm`` trains every arm over its own link instead, to check that claim.
+  ``--loss-per-arm`` trains every arm over its own link instead, to check that claim. An
+  arm whose compression or micro-batch count is ``auto`` always trains over its own link:
+  there the link decides what the stages choose. ``chosen`` says what an arm's last round
+  measured (round trip, Mbit/s each way) and settled on (codecs, count, window).
 
 The last line is one JSON object: ``{"bench": "wan", "arms": [...], ...}``; a PNG of tokens/s
 per profile and codec is written beside it (``--png``).
 
     python exp/bench/wan.py --profiles wan100 --specs none fixed_int8
+    python exp/bench/wan.py --profiles wan20 --specs auto --micro-batches auto
     python exp/bench/wan.py --quick        # a smoke run
 """
 
@@ -61,8 +66,13 @@ class Arm:
     compression: str
     transport: str
     schedule: str
-    micro_batches: int
+    micro_batches: int | str  # or "auto"
     in_flight: int | None = None  # TrainConfig.in_flight; None: 1F1B's p - s
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether the stages choose from what they measure: then the link decides the math."""
+        return "auto" in (self.compression, self.micro_batches)
 
     @property
     def reference(self) -> Arm:
@@ -73,8 +83,10 @@ class Arm:
     @property
     def math(self) -> tuple[Any, ...]:
         """What decides the arm's losses under a synchronous schedule: neither the link nor
-        the in-flight window (the same gradients accumulate in the same order)."""
-        return (self.compression, self.transport, self.schedule, self.micro_batches)
+        the in-flight window (the same gradients accumulate in the same order), unless the
+        stages choose codecs or counts from the link ("auto")."""
+        link = (self.profile,) if self.adaptive else ()
+        return (self.compression, self.transport, self.schedule, self.micro_batches, *link)
 
     @property
     def tag(self) -> str:
@@ -161,20 +173,56 @@ def run_arm(
         first, last = run_plans(plans, run_dir, timeout=3600, command_prefixes=prefixes)
     summary = dict(done(last))
     summary["bytes_per_step"] = wire_per_step(first)
+    summary["tokens_per_s"] = steady_tokens_per_s(last)
+    summary["chosen"] = chosen(first)
     return summary
+
+
+def steady_tokens_per_s(events: list[dict[str, Any]]) -> float:
+    """The last stage's tokens/s over the second half of its steps: past compilation, and
+    past the first calibrations of an "auto" arm (a new micro-batch count compiles anew)."""
+    ran = [e for e in events if e["event"] == "step"]
+    half = ran[len(ran) // 2 :]
+    seconds = sum(e["step_time_s"] for e in half)
+    return sum(e["step_time_s"] * e["tokens_per_s"] for e in half) / seconds
+
+
+def chosen(first: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """What the last calibration measured and settled on (the boundary's codecs, the
+    schedule), from stage 0's links events; None without one."""
+    links = [e for e in first if e["event"] == "links" and e.get("down_link")]
+    if not links:
+        return None
+    link, tuning = links[-1]["down_link"], links[-1]["tuning"]
+    return {
+        "rtt_ms": link["rtt_ms"],
+        "fwd_mbit_s": link["fwd_mbit_s"],
+        "bwd_mbit_s": link["bwd_mbit_s"],
+        "fwd_codec": link["fwd_codec"],
+        "bwd_codec": link["bwd_codec"],
+        "micro_batches": tuning["micro_batches"],
+        "in_flight": tuning["in_flight"],
+    }
 
 
 def throughput(
     work: Path, arms: list[Arm], model: ModelConfig, train: TrainConfig, rounds: int
-) -> dict[Arm, list[float]]:
-    """tokens/s of every arm in every round; the order flips every round."""
+) -> tuple[dict[Arm, list[float]], dict[Arm, dict[str, Any] | None]]:
+    """tokens/s of every arm in every round (the order flips every round), and what each
+    arm's last round measured and chose."""
     got: dict[Arm, list[float]] = {arm: [] for arm in arms}
+    picked: dict[Arm, dict[str, Any] | None] = {}
     for r in range(rounds):
         for arm in arms if r % 2 == 0 else arms[::-1]:
-            tps = run_arm(work / f"round-{r}", arm, model, train)["tokens_per_s"]
-            got[arm].append(tps)
-            print(f"  round {r + 1} {arm.tag:40s} {tps:8.0f} tok/s", flush=True)
-    return got
+            result = run_arm(work / f"round-{r}", arm, model, train)
+            got[arm].append(result["tokens_per_s"])
+            picked[arm] = result["chosen"]
+            print(
+                f"  round {r + 1} {arm.tag:40s} {result['tokens_per_s']:8.0f} tok/s  "
+                f"{result['chosen']}",
+                flush=True,
+            )
+    return got, picked
 
 
 def losses(
@@ -186,8 +234,9 @@ def losses(
     for arm in arms:
         key = arm if per_arm else arm.math
         if key not in runs:
-            result = run_arm(work / "loss", arm, model, train, shaped=per_arm)
-            result["loss_profile"] = arm.profile if per_arm else "loopback"
+            over_link = per_arm or arm.adaptive
+            result = run_arm(work / "loss", arm, model, train, shaped=over_link)
+            result["loss_profile"] = arm.profile if over_link else "loopback"
             runs[key] = result
             print(
                 f"  loss {arm.tag if per_arm else '/'.join(map(str, arm.math)):40s} "
@@ -289,13 +338,29 @@ def draw(path: Path, rows: list[dict[str, Any]]) -> bool:
     return True
 
 
+def micro_batches(text: str) -> int | str:
+    """A --micro-batches value: a count, or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a count nor auto") from None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profiles", nargs="+", default=["wan100", "wan20"], choices=PROFILES)
     parser.add_argument("--specs", nargs="+", default=None, help=f"codecs (default: {SPECS})")
     parser.add_argument("--schedules", nargs="+", default=["1f1b"], choices=SCHEDULES)
     parser.add_argument("--transports", nargs="+", default=["p2p"], choices=["p2p", "tunnel"])
-    parser.add_argument("--micro-batches", type=int, nargs="+", default=None)
+    parser.add_argument(
+        "--micro-batches",
+        type=micro_batches,
+        nargs="+",
+        default=None,
+        help='micro-batches per step, or "auto" (the stages choose)',
+    )
     parser.add_argument(
         "--in-flight",
         type=int,
@@ -342,7 +407,7 @@ def main() -> None:
     png = args.png or work / "wan_tokens_per_s.png"
     print(f"model {model}\nwork dir {work}\n{len(arms)} arms, {rounds} rounds", flush=True)
     load_start = load_avg()
-    tps = throughput(work, arms, model, train, rounds)
+    tps, tps_chosen = throughput(work, arms, model, train, rounds)
     loss = losses(work, arms, model, loss_train, args.loss_per_arm)
     rows = []
     for arm in arms:
@@ -356,6 +421,7 @@ def main() -> None:
             "val_loss": run["val_loss"],
             "val_loss_vs_reference": run["val_loss"] / ref_run["val_loss"] - 1.0,
             "loss_profile": run["loss_profile"],
+            "chosen": tps_chosen[arm],
             "per_round_tokens_per_s": tps[arm],
         }
         rows.append(row)

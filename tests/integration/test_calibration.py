@@ -244,3 +244,30 @@ def test_stages_choose_codecs_and_a_schedule_from_what_they_measured(tmp_path):
         return ss[i]["down_bytes_sent"] - ss[i - 1]["down_bytes_sent"]
 
     assert sent(slow) < 0.2 * sent(fast)
+
+
+@pytest.mark.timeout(300)
+def test_a_three_stage_chain_measures_every_boundary_and_agrees(tmp_path):
+    train = TrainConfig(
+        steps=6, batch_size=8, micro_batches="auto", max_data_bytes=300_000, val_batches=2
+    )
+    plans = chain_plans(
+        job_id="auto3",
+        model=ModelConfig(n_layers=3, d_model=64, n_heads=4, seq_len=32),
+        train=train,
+        addresses=[None] + [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)],
+        compression="auto",
+        transport=Transport.P2P,
+        intra_op_threads=1,
+    )
+    runs = run_plans(plans, tmp_path, timeout=300)
+    per_stage = [calibrations(events) for events in runs]
+    assert [len(c) for c in per_stage] == [len(per_stage[0])] * 3 and len(per_stage[0]) >= 2
+    for stage in (0, 1):  # each boundary reported by its upstream end, at every calibration
+        assert [e["down_link"]["boundary"] for e in per_stage[stage]] == [stage] * len(
+            per_stage[stage]
+        )
+        assert all(e["down_link"]["rtt_ms"] > 0 for e in per_stage[stage])
+    tunings = [[e["tuning"] for e in c] for c in per_stage]
+    assert tunings[0] == tunings[1] == tunings[2]
+    assert len(steps(runs[2])) == 6

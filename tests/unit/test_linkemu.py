@@ -3,6 +3,8 @@ profiles, and which arms a run plans."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from tests.helpers import bench_module
@@ -86,6 +88,30 @@ def test_loss_runs_are_shared_by_math_not_link():
     assert a.math == b.math and a.tag != b.tag
     assert a.math != wan.Arm("wan100", "fp16", "p2p", "1f1b", 8).math
     assert a.math == wan.Arm("wan20", "fixed_int8", "p2p", "1f1b", 8, in_flight=8).math
+
+
+def test_an_auto_arm_trains_over_its_own_link():
+    a = wan.Arm("wan100", "auto", "p2p", "1f1b", 8)
+    b = wan.Arm("wan20", "auto", "p2p", "1f1b", 8)
+    assert a.adaptive and a.math != b.math
+    c = wan.Arm("wan20", "none", "p2p", "1f1b", "auto")
+    assert c.adaptive and c.reference == wan.Arm("loopback", "none", "p2p", "1f1b", "auto")
+    assert c.math != wan.Arm("wan100", "none", "p2p", "1f1b", "auto").math
+    assert wan.micro_batches("auto") == "auto" and wan.micro_batches("8") == 8
+    with pytest.raises(argparse.ArgumentTypeError):
+        wan.micro_batches("lots")
+
+
+def test_bytes_per_step_leave_out_the_probe_bursts_of_calibrated_steps():
+    from _common import wire_per_step
+
+    def step(n: int, total: int) -> dict:
+        return {"event": "step", "step": n, "down_bytes_sent": total, "down_bytes_received": 0}
+
+    probed = {"event": "links", "down_link": {}, "tuning": {"step": 2}}
+    # 100 bytes a step, and 10 000 of probe before step 2
+    events = [step(0, 100), step(1, 200), probed, step(2, 10_300), step(3, 10_400)]
+    assert wire_per_step(events) == 100
 
 
 def test_tunnel_is_compared_with_its_p2p_twin_round_by_round():
