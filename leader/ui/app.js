@@ -228,7 +228,9 @@ function renderGraph() {
     const transport = boundary.transport || (job.placement.transport === "tunnel" ? "relay" : "p2p");
     children.push(svgEl("line", { class: `link ${transport}`, "data-boundary": i, x1: a.x + 40, y1: a.y, x2: b.x - 40, y2: b.y }));
     const label = svgEl("text", { x: (a.x + b.x) / 2, y: a.y - 8, "text-anchor": "middle" });
-    label.textContent = `${transport === "relay" ? "relayed" : "direct"} ${rate(boundary.bytes_per_s)}`;
+    // As its two ends last measured it: round trip and the codecs in use.
+    const link = boundary.link ? ` · ${boundary.link.rtt_ms.toFixed(1)} ms · ${boundary.link.fwd_codec}` : "";
+    label.textContent = `${transport === "relay" ? "relayed" : "direct"} ${rate(boundary.bytes_per_s)}${link}`;
     children.push(label);
   }
   children.push(graphNode("leader", "leader", leader, () => select("leader", "leader")));
