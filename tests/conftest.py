@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from silentswarm.agent.pipe.zmq import ZmqLink
 from silentswarm.natsauth import NatsAuthority
 from silentswarm.natsd import NatsServer, start_nats_server
 from silentswarm.procs import free_port
@@ -90,6 +91,19 @@ def nats_server(tmp_path: Path) -> Iterator[NatsControl]:
         yield control
     finally:
         control.stop()
+
+
+@pytest.fixture
+def zmq_pair() -> Iterator[tuple[ZmqLink, ZmqLink]]:
+    """A bound and a connected ZmqLink on a free loopback port: (binder, connector)."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    binder = ZmqLink(name="b", bind=address)
+    connector = ZmqLink(name="c", connect=address)
+    try:
+        yield binder, connector
+    finally:
+        binder.close()
+        connector.close()
 
 
 @pytest.fixture

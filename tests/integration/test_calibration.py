@@ -49,20 +49,9 @@ def both_ends(upstream, downstream, *, timeout_s: float = 20.0):
     return got["up"], got["down"]
 
 
-@pytest.fixture
-def zmq_pair():
-    address = f"tcp://127.0.0.1:{free_port()}"
-    binder = ZmqLink(name="b", bind=address)
-    connector = ZmqLink(name="c", connect=address)
-    try:
-        yield connector, binder
-    finally:
-        binder.close()
-        connector.close()
-
-
 def test_both_ends_of_a_zmq_boundary_measure_the_same_fast_link(zmq_pair):
-    up, down = both_ends(*zmq_pair)
+    binder, connector = zmq_pair
+    up, down = both_ends(connector, binder)
     assert up == down
     assert (up.boundary, up.step) == (3, 7)
     assert 0 < up.rtt_ms < 50
@@ -104,14 +93,14 @@ def test_the_relay_is_measured_the_same_way(nats_server):
     ],
 )
 def test_a_hostile_peer_probe_is_refused_with_a_reason(zmq_pair, hostile: Callable, complaint):
-    connector, binder = zmq_pair
+    binder, connector = zmq_pair
     hostile(connector)
     with pytest.raises(FrameError, match=complaint):
         probe.measure_as_downstream(binder, boundary=0, step=0, timeout_s=5)
 
 
 def test_burst_pieces_must_match_what_was_announced(zmq_pair):
-    connector, binder = zmq_pair
+    binder, connector = zmq_pair
     for seq in range(probe.PINGS):
         probe.send_msg(connector, probe.Ping(seq), 5)
     probe.send_msg(connector, probe.Burst(0, 3 * probe.CHUNK, 1), 5)

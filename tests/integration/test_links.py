@@ -47,19 +47,6 @@ def frame(step: int, value: float = 1.0, shape=(4, 8, 16), codec="none", attempt
     )[1]
 
 
-@pytest.fixture
-def zmq_pair():
-    """A bound and a connected ZmqLink on a free loopback port."""
-    address = f"tcp://127.0.0.1:{free_port()}"
-    binder = ZmqLink(name="b", bind=address)
-    connector = ZmqLink(name="c", connect=address)
-    try:
-        yield binder, connector
-    finally:
-        binder.close()
-        connector.close()
-
-
 def test_zmq_large_frames_arrive_intact_though_the_sender_dropped_its_arrays_at_once(zmq_pair):
     """What ZmqLink sends is the caller's own buffer, kept alive by ZeroMQ until written,
     and what it receives is a view, not a copy."""
