@@ -343,3 +343,14 @@ def test_placement_estimates_the_jobs_window():
     deep = place(spec(stages=2, micro_batches=8, batch_size=16, in_flight=8), fellows)
     assert deep.stages[0].memory_estimate_bytes > plain.stages[0].memory_estimate_bytes
     assert deep.stages[1].memory_estimate_bytes == plain.stages[1].memory_estimate_bytes
+
+
+def test_placement_counts_a_whole_batch_for_micro_batches_auto():
+    """Whatever count and window the stages choose, a stage holds at most a batch's
+    activations: that is what an "auto" job is placed with."""
+    fellows = [cand("a"), cand("b")]
+    auto = place(spec(stages=2, micro_batches="auto", batch_size=16), fellows)
+    for m in (1, 2, 4, 8, 16):
+        chosen = place(spec(stages=2, micro_batches=m, batch_size=16, in_flight=m), fellows)
+        for a, c in zip(auto.stages, chosen.stages, strict=True):
+            assert a.memory_estimate_bytes >= c.memory_estimate_bytes
