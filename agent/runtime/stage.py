@@ -63,6 +63,18 @@ class Boundary:
     timeout_s: float
     dropped: int = 0
     wait_s: float = 0.0  # time spent blocked waiting for the peer
+    # What the link probes moved (agent/pipe/probe.py): on the wire, but no training traffic,
+    # so the bytes a boundary reports leave them out.
+    probe_sent: int = 0
+    probe_received: int = 0
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.link.bytes_sent - self.probe_sent
+
+    @property
+    def bytes_received(self) -> int:
+        return self.link.bytes_received - self.probe_received
 
     def send(
         self,
@@ -415,6 +427,7 @@ class StageRunner:
     def calibrate(self, step: int) -> None:
         """Measure the links with the rest of the chain and take up what it decided."""
         plan = self.plan
+        before = [(b, b.link.bytes_sent, b.link.bytes_received) for b in self._boundaries()]
         current = None
         if self.down is not None:
             current = (self.down.send_codec.name, self.down_bwd_codec)
@@ -430,6 +443,9 @@ class StageRunner:
             rules=self._rules(),
             timeout_s=plan.peer_timeout_s,
         )
+        for boundary, sent, received in before:
+            boundary.probe_sent += boundary.link.bytes_sent - sent
+            boundary.probe_received += boundary.link.bytes_received - received
         if self.up is not None:
             self.up.send_codec = parse_wire_codec(back.links[plan.stage - 1].bwd_codec)
         if self.down is not None:
@@ -587,8 +603,8 @@ class StageRunner:
         for key, boundary in (("up", self.up), ("down", self.down)):
             if boundary is not None:
                 out[f"{key}_boundary"] = boundary.index
-                out[f"{key}_bytes_sent"] = boundary.link.bytes_sent
-                out[f"{key}_bytes_received"] = boundary.link.bytes_received
+                out[f"{key}_bytes_sent"] = boundary.bytes_sent
+                out[f"{key}_bytes_received"] = boundary.bytes_received
         out["relay_dropped"] = sum(self.relay_dropped().values())
         return out
 

@@ -45,14 +45,10 @@ def load_avg() -> list[float]:
 
 def wire_per_step(events: list[dict[str, Any]]) -> float:
     """Median bytes one training step moves across stage 0's downstream boundary, both
-    directions, from its step events (validation's forwards left out, and so are the steps
-    that began with a link calibration, whose probe bursts are no training traffic)."""
-    probed = {e["tuning"]["step"] for e in events if e["event"] == "links" and e.get("down_link")}
-    steps = [e for e in events if e["event"] == "step"]
-    totals = [e["down_bytes_sent"] + e["down_bytes_received"] for e in steps]
-    deltas = [
-        b - a
-        for (a, b), e in zip(itertools.pairwise(totals), steps[1:], strict=True)
-        if e["step"] not in probed
+    directions, from its step events (validation's forwards left out; the stages leave the
+    link probes' bytes out of what they report)."""
+    totals = [
+        e["down_bytes_sent"] + e["down_bytes_received"] for e in events if e["event"] == "step"
     ]
+    deltas = [b - a for a, b in itertools.pairwise(totals)]
     return median(deltas) if deltas else float(totals[0])

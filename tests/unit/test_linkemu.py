@@ -102,18 +102,6 @@ def test_an_auto_arm_trains_over_its_own_link():
         wan.micro_batches("lots")
 
 
-def test_bytes_per_step_leave_out_the_probe_bursts_of_calibrated_steps():
-    from _common import wire_per_step
-
-    def step(n: int, total: int) -> dict:
-        return {"event": "step", "step": n, "down_bytes_sent": total, "down_bytes_received": 0}
-
-    probed = {"event": "links", "down_link": {}, "tuning": {"step": 2}}
-    # 100 bytes a step, and 10 000 of probe before step 2
-    events = [step(0, 100), step(1, 200), probed, step(2, 10_300), step(3, 10_400)]
-    assert wire_per_step(events) == 100
-
-
 def test_tunnel_is_compared_with_its_p2p_twin_round_by_round():
     p2p = wan.Arm("wan100", "fixed_int8", "p2p", "1f1b", 8, 8)
     tunnel = wan.Arm("wan100", "fixed_int8", "tunnel", "1f1b", 8, 8)
