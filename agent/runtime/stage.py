@@ -23,7 +23,13 @@ from silentswarm.agent.errors import CheckpointError, FrameError, PeerTimeoutErr
 from silentswarm.agent.pipe.link import CurveKeys, Link, RelayLink, TransportKind, accept_upstream
 from silentswarm.agent.pipe.link import connect_downstream as open_downstream
 from silentswarm.agent.pipe.probe import ChainBack
-from silentswarm.agent.pipe.wire import Direction, WireCodec, decode_frame, encode_frame
+from silentswarm.agent.pipe.wire import (
+    Direction,
+    WireCodec,
+    decode_frame,
+    encode_frame,
+    frame_nbytes,
+)
 from silentswarm.agent.runtime import calibrate, tuning
 from silentswarm.agent.runtime.checkpoint import load_checkpoint, restore_into, save_stage
 from silentswarm.agent.runtime.control import ControlChannel
@@ -427,15 +433,16 @@ class StageRunner:
     def calibrate(self, step: int) -> None:
         """Measure the links with the rest of the chain and take up what it decided."""
         plan = self.plan
-        before = [(b, b.link.bytes_sent, b.link.bytes_received) for b in self._boundaries()]
+        up = None if self.up is None else _Tally(self.up.link)
+        down = None if self.down is None else _Tally(self.down.link)
         current = None
         if self.down is not None:
             current = (self.down.send_codec.name, self.down_bwd_codec)
         back = calibrate.calibrate(
             stage=plan.stage,
             n_stages=plan.n_stages,
-            up=None if self.up is None else self.up.link,
-            down=None if self.down is None else self.down.link,
+            up=up,
+            down=down,
             step=step,
             busy=self.busy_points(),
             current=current,
@@ -443,9 +450,10 @@ class StageRunner:
             rules=self._rules(),
             timeout_s=plan.peer_timeout_s,
         )
-        for boundary, sent, received in before:
-            boundary.probe_sent += boundary.link.bytes_sent - sent
-            boundary.probe_received += boundary.link.bytes_received - received
+        for boundary, tally in ((self.up, up), (self.down, down)):
+            if boundary is not None and tally is not None:
+                boundary.probe_sent += tally.sent
+                boundary.probe_received += tally.received
         if self.up is not None:
             self.up.send_codec = parse_wire_codec(back.links[plan.stage - 1].bwd_codec)
         if self.down is not None:
@@ -616,6 +624,26 @@ class StageRunner:
                 for reason, n in boundary.link.dropped_by_reason.items():
                     out[reason] = out.get(reason, 0) + n
         return out
+
+
+class _Tally:
+    """A link as the probes use it, counting the bytes of their own messages (what the
+    link itself handles on the way, such as a late HELLO, stays the link's traffic)."""
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self.name = link.name
+        self.sent = 0
+        self.received = 0
+
+    def send(self, parts: list[bytes | memoryview], timeout_s: float = 60.0) -> None:
+        self.link.send(parts, timeout_s=timeout_s)
+        self.sent += frame_nbytes(parts)
+
+    def recv(self, timeout_s: float) -> list:
+        parts = self.link.recv(timeout_s)
+        self.received += frame_nbytes(parts)
+        return parts
 
 
 def _curve(keys: PlanCurveKeys | None) -> CurveKeys | None:
