@@ -25,12 +25,13 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from typing import Annotated, TypeVar
+from collections.abc import Sequence
+from typing import Annotated, Protocol, TypeVar
 
 import msgspec
 
 from silentswarm.agent.errors import FrameError
-from silentswarm.agent.pipe.link import Link
+from silentswarm.agent.pipe.base import Parts
 from silentswarm.types.links import LinkStats, Tuning
 
 CALIB = b"\x00swarm-calib"
@@ -103,17 +104,27 @@ class ChainBack(_Msg, tag="tuned"):
     tuning: Tuning
 
 
+class ProbeLink(Protocol):
+    """What a probe needs of a link (:class:`silentswarm.agent.pipe.link.Link` has it)."""
+
+    name: str
+
+    def send(self, parts: Sequence[bytes | memoryview], timeout_s: float = 60.0) -> None: ...
+
+    def recv(self, timeout_s: float) -> Parts: ...
+
+
 ProbeMsg = Ping | Pong | Burst | Rate | Measured | ChainForward | ChainBack
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(ProbeMsg)
 M = TypeVar("M", bound=_Msg)
 
 
-def send_msg(link: Link, msg: ProbeMsg, timeout_s: float) -> None:
+def send_msg(link: ProbeLink, msg: ProbeMsg, timeout_s: float) -> None:
     link.send([CALIB, _encoder.encode(msg)], timeout_s=timeout_s)
 
 
-def recv_msg(link: Link, kind: type[M], timeout_s: float) -> M:
+def recv_msg(link: ProbeLink, kind: type[M], timeout_s: float) -> M:
     """The next message, which must be a probe message of ``kind``; FrameError otherwise."""
     parts = link.recv(timeout_s)
     if len(parts) != 2 or bytes(parts[0]) != CALIB:
@@ -127,7 +138,9 @@ def recv_msg(link: Link, kind: type[M], timeout_s: float) -> M:
     return msg
 
 
-def measure_as_upstream(link: Link, *, boundary: int, step: int, timeout_s: float) -> LinkStats:
+def measure_as_upstream(
+    link: ProbeLink, *, boundary: int, step: int, timeout_s: float
+) -> LinkStats:
     """The connecting end's half: pings, bursts forward, bursts back; both ends' result."""
     rtts = []
     for seq in range(PINGS):
@@ -150,7 +163,9 @@ def measure_as_upstream(link: Link, *, boundary: int, step: int, timeout_s: floa
     return stats
 
 
-def measure_as_downstream(link: Link, *, boundary: int, step: int, timeout_s: float) -> LinkStats:
+def measure_as_downstream(
+    link: ProbeLink, *, boundary: int, step: int, timeout_s: float
+) -> LinkStats:
     """The binding end's half: answer the pings, time the bursts forward, send bursts back."""
     for seq in range(PINGS):
         ping = recv_msg(link, Ping, timeout_s)
@@ -168,7 +183,7 @@ def measure_as_downstream(link: Link, *, boundary: int, step: int, timeout_s: fl
     return stats
 
 
-def send_bursts(link: Link, timeout_s: float) -> float:
+def send_bursts(link: ProbeLink, timeout_s: float) -> float:
     """Send growing bursts until the peer's rate stops rising; the best rate, Mbit/s."""
     size, rates = FIRST_BURST, []
     for round_ in range(MAX_ROUNDS):
@@ -191,7 +206,7 @@ def send_bursts(link: Link, timeout_s: float) -> float:
     return max(rates)
 
 
-def receive_bursts(link: Link, timeout_s: float) -> float:
+def receive_bursts(link: ProbeLink, timeout_s: float) -> float:
     """Time the peer's bursts and answer each one's rate; the best rate, Mbit/s."""
     best = 0.0
     for round_ in range(MAX_ROUNDS + 1):

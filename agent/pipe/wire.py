@@ -51,6 +51,7 @@ __all__ = [
     "decode_frame",
     "dequantize",
     "encode_frame",
+    "encoded_nbytes",
     "frame_nbytes",
     "pack_bits",
     "parse_wire_codec",
@@ -293,6 +294,13 @@ _CODECS: dict[CodecKind, _Codec] = {
     CodecKind.FP16: _Fp16Codec(),
     CodecKind.INT: _IntCodec(),
 }
+
+
+def encoded_nbytes(codec: WireCodec, count: int, rows: int) -> int:
+    """Bytes of payload and scales that ``count`` values in ``rows`` rows take under ``codec``
+    (no header): what :func:`encode_frame` sends."""
+    impl = _CODECS[codec.kind]
+    return impl.payload_nbytes(count, codec.bits) + impl.scales_nbytes(rows)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import msgspec
 
 from silentswarm.agent.errors import FrameError
-from silentswarm.agent.pipe.link import Link
 from silentswarm.agent.pipe.probe import (
     ChainBack,
     ChainForward,
+    ProbeLink,
     measure_as_downstream,
     measure_as_upstream,
     recv_msg,
@@ -71,8 +71,8 @@ def calibrate(
     *,
     stage: int,
     n_stages: int,
-    up: Link | None,
-    down: Link | None,
+    up: ProbeLink | None,
+    down: ProbeLink | None,
     step: int,
     busy: Busy,
     current: tuple[str, str] | None,
@@ -102,7 +102,8 @@ def calibrate(
         back = recv_msg(down, ChainBack, timeout_s * max(1, n_stages - stage))
     else:
         back = decide(links, busies)
-    check(back, rules, step=step, name=(down or up).name if (down or up) else "stage")
+    edge = down or up
+    check(back, rules, step=step, name=edge.name if edge is not None else f"stage {stage}")
     if up is not None:
         send_msg(up, back, timeout_s)
     return back

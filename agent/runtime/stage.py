@@ -11,7 +11,7 @@ import hashlib
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from silentswarm import subjects
 from silentswarm.agent.errors import CheckpointError, FrameError, PeerTimeoutError
+from silentswarm.agent.pipe.base import Parts
 from silentswarm.agent.pipe.link import CurveKeys, Link, RelayLink, TransportKind, accept_upstream
 from silentswarm.agent.pipe.link import connect_downstream as open_downstream
 from silentswarm.agent.pipe.probe import ChainBack
@@ -36,7 +37,7 @@ from silentswarm.agent.runtime.control import ControlChannel
 from silentswarm.agent.runtime.data import job_dataset, job_val_batches
 from silentswarm.agent.runtime.schedule import Op, one_f_one_b
 from silentswarm.agent.runtime.stage_model import StageModel
-from silentswarm.compression import parse_compression, parse_wire_codec
+from silentswarm.compression import parse_wire_codec
 from silentswarm.plan import CurveKeys as PlanCurveKeys
 from silentswarm.plan import StagePlan
 from silentswarm.types.links import LinkStats, Tuning
@@ -157,27 +158,33 @@ class StageRunner:
             log.info("resumed from %s at step %d", plan.resume_from, self.start_step)
         spec, self.grad_codec = plan.codecs()  # the codec table's; validated in the plan
         self.act_codec = spec.codec
-        # What "auto" may change, and what is in force: the schedule every stage shares, and
-        # the codecs of this stage's downstream boundary (the backward one as agreed last).
+        # What "auto" may change, and what is in force: the schedule every stage shares
+        # (``tuning``) and this stage's downstream boundary as last measured and agreed.
         self.auto_fwd = spec.auto
         self.auto_bwd = spec.auto and plan.grad_compression is None
-        self.m = plan.train.initial_micro_batches
-        self.in_flight = plan.train.initial_in_flight
+        self.wire_dims = spec.dims(plan.model.d_model)
+        m, window = plan.train.initial_micro_batches, plan.train.initial_in_flight
         if plan.n_stages == 1 and plan.train.auto_micro_batches:
-            self.m = self.in_flight = 1  # nothing to pipeline: one call per step
+            m = window = 1  # nothing to pipeline: one call per step
         self.tuning = Tuning(
-            step=0,
-            micro_batches=self.m,
-            in_flight=self.in_flight,
-            auto=plan.train.auto_micro_batches,
+            step=0, micro_batches=m, in_flight=window, auto=plan.train.auto_micro_batches
         )
-        self.down_bwd_codec = self.grad_codec.name
         self.down_link: LinkStats | None = None
         # Seconds of work per step (its time less its waits on peers), by micro-batch count:
         # what the tuner fits each stage's cost to.
         self._busy: dict[int, list[float]] = {}
         self._skip_sample = True  # the next step compiles (the first, or a new micro-batch size)
         self._next_calibration: int | None = self.start_step if plan.n_stages > 1 else None
+
+    @property
+    def m(self) -> int:
+        """Micro-batches per step, as agreed by the chain's latest calibration."""
+        return self.tuning.micro_batches
+
+    @property
+    def in_flight(self) -> int:
+        """The forward window in force (:func:`silentswarm.plan.stage_in_flight`)."""
+        return self.tuning.in_flight
 
     # --- links ----------------------------------------------------------------------------
 
@@ -437,7 +444,8 @@ class StageRunner:
         down = None if self.down is None else _Tally(self.down.link)
         current = None
         if self.down is not None:
-            current = (self.down.send_codec.name, self.down_bwd_codec)
+            bwd = self.grad_codec.name if self.down_link is None else self.down_link.bwd_codec
+            current = (self.down.send_codec.name, bwd)
         back = calibrate.calibrate(
             stage=plan.stage,
             n_stages=plan.n_stages,
@@ -459,7 +467,6 @@ class StageRunner:
         if self.down is not None:
             self.down_link = back.links[plan.stage]
             self.down.send_codec = parse_wire_codec(self.down_link.fwd_codec)
-            self.down_bwd_codec = self.down_link.bwd_codec
         changed = back.tuning.micro_batches != self.m
         if changed:
             self._skip_sample = True
@@ -469,11 +476,7 @@ class StageRunner:
             probe_every=plan.train.link_probe_every,
             changed=changed,
         )
-        self.m, self.in_flight, self.tuning = (
-            back.tuning.micro_batches,
-            back.tuning.in_flight,
-            back.tuning,
-        )
+        self.tuning = back.tuning
         log.info(
             "calibrated before step %d: %s; %d micro-batches, window %d",
             step,
@@ -490,14 +493,13 @@ class StageRunner:
     def _decide(self, links: list[LinkStats], busy: list[calibrate.Busy]) -> ChainBack:
         """The last stage's decision for the whole chain (:func:`tuning.tune`)."""
         plan, train = self.plan, self.plan.train
-        spec = parse_compression(plan.compression, d_model=plan.model.d_model)
         codecs = [(parse_wire_codec(s.fwd_codec), parse_wire_codec(s.bwd_codec)) for s in links]
         step = links[0].step
         result = tuning.tune(
             tuning.TuneInput(
                 batch_size=train.batch_size,
                 seq_len=plan.model.seq_len,
-                dims=spec.dims(plan.model.d_model),
+                dims=self.wire_dims,
                 links=links,
                 busy=busy,
                 codecs=codecs,
@@ -636,11 +638,11 @@ class _Tally:
         self.sent = 0
         self.received = 0
 
-    def send(self, parts: list[bytes | memoryview], timeout_s: float = 60.0) -> None:
+    def send(self, parts: Sequence[bytes | memoryview], timeout_s: float = 60.0) -> None:
         self.link.send(parts, timeout_s=timeout_s)
         self.sent += frame_nbytes(parts)
 
-    def recv(self, timeout_s: float) -> list:
+    def recv(self, timeout_s: float) -> Parts:
         parts = self.link.recv(timeout_s)
         self.received += frame_nbytes(parts)
         return parts

@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from silentswarm.agent.pipe.wire import encoded_nbytes
 from silentswarm.agent.runtime.schedule import OpTimes, one_f_one_b, step_period
 from silentswarm.compression import CodecKind, WireCodec
 from silentswarm.types.links import LinkStats
@@ -44,14 +45,13 @@ NEAR_BEST = 0.03  # a schedule this close to the best predicted one is as good
 KEEP_UNLESS = 0.05  # the schedule in force stays unless another is predicted this much faster
 MAX_AUTO_MICRO_BATCHES = 64
 BACKWARD_SHARE = 2 / 3  # of a stage's compute per sample, for the model of its ops
-SCALE_BYTES = 2  # fixed_intN: one float16 scale per row (position)
 MBIT = 1e6 / 8  # bytes per second in one Mbit/s
 
 
-def wire_bytes_per_sample(codec: WireCodec, seq_len: int, dims: int) -> float:
-    """Payload bytes one sample's boundary tensor takes on the wire (no frame header)."""
-    scales = SCALE_BYTES * seq_len if codec.kind is CodecKind.INT else 0
-    return seq_len * dims * codec.bits / 8 + scales
+def wire_bytes_per_sample(codec: WireCodec, seq_len: int, dims: int) -> int:
+    """Bytes one sample's boundary tensor takes on the wire (no frame header): a row per
+    position, as the frames encode it."""
+    return encoded_nbytes(codec, seq_len * dims, seq_len)
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class StageCost:
     per_micro: float = 0.0
     explore: int | None = None
 
-    def micro_s(self, batch_size: int, m: int) -> float:
+    def micro_s(self, m: int) -> float:
         """Seconds of work per micro-batch at ``m`` micro-batches."""
         return self.per_step / m + self.per_micro
 
@@ -95,7 +95,7 @@ class Schedule:
     micro_batches: int
     in_flight: int
     predicted_step_s: float
-    codecs: tuple[tuple[WireCodec, WireCodec], ...] = ()
+    codecs: tuple[tuple[WireCodec, WireCodec], ...]
 
 
 @dataclass(frozen=True)
@@ -177,7 +177,7 @@ class _Model:
         schedules = [one_f_one_b(s, n, m, window) for s in range(n)]
         times = []
         for cost in self.costs:
-            t = cost.micro_s(inp.batch_size, m)
+            t = cost.micro_s(m)
             times.append(OpTimes(t * (1 - BACKWARD_SHARE), t * BACKWARD_SHARE))
         links = []
         for link, (fwd, bwd) in zip(inp.links, codecs, strict=True):
