@@ -1,7 +1,9 @@
 """How much memory a stage needs: a pure estimate, so a plan never assigns more than fits.
 
 fp32 everywhere. Per parameter a stage holds the weight, its gradient accumulator, Adam's
-two moments and the gradient of the micro-batch in flight. Per layer and micro-batch it keeps
+two moments and the gradient of the micro-batch in flight; under the ``overlap`` schedule
+also the gradient set aside for its delayed update and the weights' previous version, which
+the backwards of the step in flight still read. Per layer and micro-batch it keeps
 what the backward pass needs; under 1F1B stage ``s`` of ``p`` holds at most ``min(m, p - s)``
 micro-batches at once, or the job's larger ``in_flight`` window (``plan.stage_in_flight``).
 The last stage adds the head: its weights and the logits (with their softmax and gradient)
@@ -17,6 +19,7 @@ from silentswarm.plan import ModelConfig, stage_in_flight
 
 FLOAT = 4
 BYTES_PER_PARAM = 5 * FLOAT
+OVERLAP_BYTES_PER_PARAM = 7 * FLOAT
 # Measured: `import tensorflow` is ~670 MB of RSS on the CPU; a CUDA context is ~0.5 GiB.
 CPU_RUNTIME_BYTES = 768 << 20
 GPU_RUNTIME_BYTES = 512 << 20
@@ -58,8 +61,11 @@ def stage_memory(
     n_stages: int,
     layers: int,
     in_flight: int | None = None,
+    overlap: bool = False,
 ) -> StageMemory:
-    """``in_flight``: the job's window (``TrainConfig.in_flight``; None: 1F1B's)."""
+    """``in_flight``: the job's window (``TrainConfig.in_flight``; None: 1F1B's);
+    ``overlap``: the job's schedule is ``overlap`` (``TrainConfig.overlap``)."""
+    per_param = OVERLAP_BYTES_PER_PARAM if overlap else BYTES_PER_PARAM
     mb = max(1, batch_size // max(1, micro_batches))
     held = stage_in_flight(stage, n_stages, micro_batches, in_flight)
     tokens = mb * m.seq_len
@@ -67,15 +73,15 @@ def stage_memory(
     # residuals; plus scores and probabilities per head.
     activations = FLOAT * held * (tokens * m.d_model * (8 + 2 * m.mlp_ratio))
     activations += FLOAT * held * 2 * mb * m.n_heads * m.seq_len * m.seq_len
-    per_layer = block_params(m) * BYTES_PER_PARAM + activations
+    per_layer = block_params(m) * per_param + activations
     boundary = 2 * FLOAT * held * tokens * m.d_model  # a frame out and a frame in
     if stage == 0:
-        first = (m.vocab_size + m.seq_len) * m.d_model * BYTES_PER_PARAM
+        first = (m.vocab_size + m.seq_len) * m.d_model * per_param
         first += FLOAT * held * tokens * m.d_model
     else:
         first = boundary
     if stage == n_stages - 1:
-        last = (m.d_model * m.vocab_size + 2 * m.d_model) * BYTES_PER_PARAM
+        last = (m.d_model * m.vocab_size + 2 * m.d_model) * per_param
         last += 3 * FLOAT * held * tokens * m.vocab_size  # logits, softmax, their gradient
     else:
         last = boundary

@@ -140,6 +140,7 @@ def place(
             n_stages=len(chosen),
             layers=end - start,
             in_flight=in_flight,
+            overlap=spec.overlap,
         )
         placed = _place_stage(i, c, gpus[c.fellow_id], memory, start, end, per_host)
         if isinstance(placed, Unplaceable):

@@ -67,6 +67,12 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # the end of the warm-up always): what `compression`/`micro_batches` "auto" follow.
     # 0: only at those two points.
     link_probe_every: StepCount = 100
+    # "1f1b": synchronous, each step's update before the next step's forwards. "overlap":
+    # consecutive steps overlap and each update is applied one step late (PipeDream-2BW's
+    # delay), so no step waits for the pipeline to drain or for the gradients' round trip;
+    # each stage keeps a second gradient set and, while the steps overlap, a second copy
+    # of its weights.
+    schedule: Literal["1f1b", "overlap"] = "1f1b"
     learning_rate: Annotated[float, msgspec.Meta(gt=0, le=100.0)] = 3e-3
     warmup_steps: StepCount = 10
     # The cosine decay ends at this fraction of learning_rate.
@@ -127,6 +133,11 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     @property
     def auto_micro_batches(self) -> bool:
         return self.micro_batches == "auto"
+
+    @property
+    def overlap(self) -> bool:
+        """Whether consecutive steps overlap (``schedule: "overlap"``)."""
+        return self.schedule == "overlap"
 
     @property
     def initial_micro_batches(self) -> int:

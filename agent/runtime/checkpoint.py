@@ -9,7 +9,9 @@ The ``.npz`` holds the arrays, the ``.json`` the meta data (plan identity, data 
 array names and shapes). Both are written to a temporary name, fsynced and renamed, the JSON
 last: a stage's checkpoint is complete exactly when its JSON exists.
 
-Array names are ``model/<i>:<variable path>`` and ``optimizer/<i>:<variable path>``. The index
+Array names are ``model/<i>:<variable path>`` and ``optimizer/<i>:<variable path>`` (and, under
+the ``overlap`` schedule, ``pending/<i>:<variable path>``: the gradient set aside for the
+delayed update, whose step and micro-batch count the meta data's ``pending`` names). The index
 ``i`` (the variable's position in the stage) is what restoring matches on; the path is for
 people, since Keras numbers some auto-named variables per process.
 
@@ -41,6 +43,14 @@ if TYPE_CHECKING:
 FORMAT_VERSION = 1
 
 
+class PendingUpdate(msgspec.Struct, frozen=True, kw_only=True):
+    """A gradient set aside for a delayed update (the overlap schedule): the step it is of and
+    how many micro-batch gradients it sums."""
+
+    step: int
+    micro_batches: int
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     meta: dict[str, Any]
@@ -65,6 +75,10 @@ def named_variables(model: StageModel) -> list[tuple[str, Any]]:
     """``(array name, variable)`` for the model's and the optimizer's variables, in order."""
     named = [(f"model/{i}:{v.path}", v) for i, v in enumerate(_model_variables(model))]
     named += [(f"optimizer/{i}:{v.path}", v) for i, v in enumerate(model.optimizer.variables)]
+    named += [  # each named after the variable whose gradient it holds
+        (f"pending/{i}:{v.path}", p)
+        for i, (v, p) in enumerate(zip(model.variables, model.pending, strict=False))
+    ]
     return named
 
 
@@ -87,6 +101,7 @@ def build_meta(
     *,
     steps_done: int,
     data_state: DataState,
+    pending: PendingUpdate | None = None,
 ) -> dict[str, Any]:
     return {
         "format": FORMAT_VERSION,
@@ -100,6 +115,7 @@ def build_meta(
         "total_steps": plan.train.steps,
         "final": steps_done >= plan.train.steps,
         "data": {"epoch": data_state.epoch, "index": data_state.index},
+        "pending": None if pending is None else msgspec.to_builtins(pending),
         "model": msgspec.to_builtins(plan.model),
         "train": msgspec.to_builtins(plan.train),
         "compression": plan.compression,
@@ -149,6 +165,7 @@ def save_checkpoint(
     *,
     steps_done: int,
     data_state: DataState,
+    pending: PendingUpdate | None = None,
 ) -> Path:
     """Write this stage's checkpoint under ``root``; the step directory.
 
@@ -159,7 +176,7 @@ def save_checkpoint(
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CheckpointWriteError(directory, exc) from exc
-    meta = build_meta(plan, arrays, steps_done=steps_done, data_state=data_state)
+    meta = build_meta(plan, arrays, steps_done=steps_done, data_state=data_state, pending=pending)
     npz = directory / meta["npz"]
     body = json.dumps(meta, indent=1).encode() + b"\n"
     try:
@@ -176,12 +193,36 @@ def save_checkpoint(
 
 
 def save_stage(
-    root: str | os.PathLike[str], model: StageModel, dataset: TextDataset, *, steps_done: int
+    root: str | os.PathLike[str],
+    model: StageModel,
+    dataset: TextDataset,
+    *,
+    steps_done: int,
+    data_state: DataState | None = None,
+    pending: PendingUpdate | None = None,
 ) -> Path:
-    """Checkpoint a live stage: its model's and optimizer's variables and the data position."""
+    """Checkpoint a live stage: its model's and optimizer's variables and the data position
+    (``data_state``: where the data stood after ``steps_done`` steps, when the stage has read
+    ahead, as the overlap schedule does; otherwise where it stands)."""
     return save_checkpoint(
-        root, model.plan, stage_arrays(model), steps_done=steps_done, data_state=dataset.state()
+        root,
+        model.plan,
+        stage_arrays(model),
+        steps_done=steps_done,
+        data_state=dataset.state() if data_state is None else data_state,
+        pending=pending,
     )
+
+
+def pending_update(checkpoint: Checkpoint) -> PendingUpdate | None:
+    """The delayed update a checkpoint holds, if any."""
+    raw = checkpoint.meta.get("pending")
+    if raw is None:
+        return None
+    try:
+        return msgspec.convert(raw, PendingUpdate)
+    except msgspec.ValidationError as exc:
+        raise CheckpointError(f"{checkpoint.path}: bad pending update ({exc})") from None
 
 
 # --- reading and restoring --------------------------------------------------------------------
@@ -248,9 +289,11 @@ def restore_into(model: StageModel, dataset: TextDataset | None, checkpoint: Che
 
 __all__ = [
     "Checkpoint",
+    "PendingUpdate",
     "build_meta",
     "load_checkpoint",
     "named_variables",
+    "pending_update",
     "restore_into",
     "save_checkpoint",
     "save_stage",

@@ -22,6 +22,14 @@ class Step(NamedTuple):
     micro: int
 
 
+class Slot(NamedTuple):
+    """An op of a schedule that runs several steps: ``step`` counts from the first."""
+
+    op: Op
+    step: int
+    micro: int
+
+
 def one_f_one_b(
     stage: int, n_stages: int, micro_batches: int, in_flight: int | None = None
 ) -> list[Step]:
@@ -127,7 +135,7 @@ def step_period(
     steps: int = 6,
     link_s: float | Sequence[tuple[float, float]] = 0.0,
 ) -> float:
-    """Seconds per step of a pipeline whose stages take ``times``, in the steady state.
+    """Seconds per step of a synchronous pipeline whose stages take ``times``, steady state.
 
     Every stage runs its schedule in order, each op as soon as the stage is free and the op's
     input exists: a forward of micro i on stage s needs stage s-1's forward of i, a backward
@@ -144,40 +152,131 @@ def step_period(
     n = len(schedules)
     if n != len(times) or n == 0 or steps < 2:
         raise ValueError("one OpTimes per schedule, and at least two steps")
-    crossing = _crossings(link_s, n)
+    flat = [[Slot(op, k, i) for k in range(steps) for op, i in schedule] for schedule in schedules]
+    return _period(flat, times, steps, _crossings(link_s, n), overlap=False)
+
+
+def overlapped(
+    stage: int, n_stages: int, micro_batches: int, steps: int, in_flight: int | None = None
+) -> list[Slot]:
+    """The ``overlap`` schedule of ``steps`` consecutive steps: 1F1B without a break at the
+    step boundaries, so a stage runs the next step's forwards while the gradients of this
+    one are still on their way. The window is the step's (:func:`one_f_one_b`'s). A step's
+    update is applied a step late, before the forwards of the step after next (see
+    :class:`DelayedUpdates`), which is what lets the forwards go on."""
+    if steps < 1:
+        raise ValueError(f"bad schedule request: {steps} steps")
+    window = stage_in_flight(stage, n_stages, micro_batches, in_flight)
+    total = micro_batches * steps
+    flat = [Step(Op.FORWARD, t) for t in range(min(window - 1, total))]
+    for t in range(total):
+        if t + window - 1 < total:
+            flat.append(Step(Op.FORWARD, t + window - 1))
+        flat.append(Step(Op.BACKWARD, t))
+    return [Slot(op, t // micro_batches, t % micro_batches) for op, t in flat]
+
+
+def overlapped_period(
+    n_stages: int,
+    micro_batches: int,
+    in_flight: int | None,
+    times: list[OpTimes],
+    steps: int = 8,
+    link_s: float | Sequence[tuple[float, float]] = 0.0,
+) -> float:
+    """:func:`step_period` of the :func:`overlapped` schedule: each stage applies an update
+    before the first forward of every step from the third on, and a step ends when every
+    stage has run the last backward of its last micro-batch."""
+    if n_stages != len(times) or n_stages == 0 or steps < 3:
+        raise ValueError("one OpTimes per stage, and at least three steps")
+    flat = [overlapped(s, n_stages, micro_batches, steps, in_flight) for s in range(n_stages)]
+    return _period(flat, times, steps, _crossings(link_s, n_stages), overlap=True)
+
+
+def _period(
+    flat: list[list[Slot]],
+    times: list[OpTimes],
+    steps: int,
+    crossing: list[tuple[float, float]],
+    *,
+    overlap: bool,
+) -> float:
+    """Run every stage's ops of ``steps`` steps (:class:`Slot` lists) as early as their inputs
+    and the stage allow; the mean interval between the ends of consecutive steps."""
+    n = len(flat)
+    last_micro = max(slot.micro for slot in flat[0])
     finish: dict[tuple[int, int, Op, int], float] = {}
     clock = [0.0] * n
-    step_end: list[float] = []
-    for k in range(steps):
-        position = [0] * n
-        while any(position[s] < len(schedules[s]) for s in range(n)):
-            progressed = False
-            for s in range(n):
-                if position[s] >= len(schedules[s]):
-                    continue
-                op, i = schedules[s][position[s]]
-                if op is Op.FORWARD:
-                    needs = [] if s == 0 else [(k, s - 1, Op.FORWARD, i)]
-                    cost = times[s].forward
-                else:
-                    needs = [(k, s, Op.FORWARD, i)]
-                    if s < n - 1:
-                        needs.append((k, s + 1, Op.BACKWARD, i))
-                    cost = times[s].backward
-                if any(need not in finish for need in needs):
-                    continue
-                start = max(
-                    [clock[s], *(finish[need] + _crossing(crossing, need, s) for need in needs)]
-                )
-                clock[s] = finish[(k, s, op, i)] = start + cost
-                position[s] += 1
-                progressed = True
-            if not progressed:
-                raise RuntimeError(f"deadlock at positions {position} of step {k}")
+    position = [0] * n
+    step_end = [0.0] * steps
+    while any(position[s] < len(flat[s]) for s in range(n)):
+        progressed = False
         for s in range(n):
-            clock[s] += times[s].apply
-        step_end.append(max(clock))
+            if position[s] >= len(flat[s]):
+                continue
+            op, k, i = flat[s][position[s]]
+            if op is Op.FORWARD:
+                needs = [] if s == 0 else [(k, s - 1, Op.FORWARD, i)]
+                cost = times[s].forward
+            else:
+                needs = [(k, s, Op.FORWARD, i)]
+                if s < n - 1:
+                    needs.append((k, s + 1, Op.BACKWARD, i))
+                cost = times[s].backward
+            if any(need not in finish for need in needs):
+                continue
+            if overlap and op is Op.FORWARD and i == 0 and k >= 2:
+                clock[s] += times[s].apply  # the update of step k - 2
+            arrivals = (finish[need] + _crossing(crossing, need, s) for need in needs)
+            start = max([clock[s], *arrivals])
+            clock[s] = finish[(k, s, op, i)] = start + cost
+            if op is Op.BACKWARD and i == last_micro:
+                if not overlap:
+                    clock[s] += times[s].apply
+                step_end[k] = max(step_end[k], clock[s])
+            position[s] += 1
+            progressed = True
+        if not progressed:
+            raise RuntimeError(f"deadlock at positions {position}")
     return (step_end[-1] - step_end[0]) / (steps - 1)
+
+
+class DelayedUpdates:
+    """When the ``overlap`` schedule applies each step's update, and what a stage keeps.
+
+    Step ``k``'s micro-batches all run with the weights that hold every update up to step
+    ``k - 2``'s (PipeDream-2BW's one-step delay: ``W[k+1] = W[k] - update(grad at W[k-1])``).
+    A stage accumulates step ``k``'s gradient; when its last backward is done the gradient is
+    set aside (:meth:`step_done`); it is applied before the first forward of step ``k + 2``
+    (:meth:`before_forward`), or at the end of step ``k + 1`` on a stage that reaches that
+    first (the last stage, whose window is one micro-batch). Every stage so applies the same
+    updates before the same forwards, whichever order its ops run in, and a stage holds at
+    most one gradient set aside. :meth:`flush` applies what is set aside (the end of a run).
+
+    ``pending`` (the step of the gradient set aside, or None) is what a checkpoint records, so
+    that a resumed run applies it where this one would have. Pure bookkeeping, no TensorFlow.
+    """
+
+    def __init__(self, pending: int | None = None) -> None:
+        self.pending = pending
+
+    def before_forward(self, step: int) -> int | None:
+        """The step whose update to apply before step ``step``'s first forward, if any."""
+        if self.pending is not None and self.pending <= step - 2:
+            due, self.pending = self.pending, None
+            return due
+        return None
+
+    def step_done(self, step: int) -> int | None:
+        """Step ``step``'s last backward is done and its gradient is set aside: the step whose
+        update to apply before that (if any)."""
+        due, self.pending = self.pending, step
+        return due
+
+    def flush(self) -> int | None:
+        """The step whose update is still to apply (None: nothing set aside)."""
+        due, self.pending = self.pending, None
+        return due
 
 
 def _crossings(

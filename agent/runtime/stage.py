@@ -3,6 +3,12 @@
 Micro-batches follow the 1F1B schedule; activations go downstream and gradients upstream
 through the boundary links, encoded by the wire codec of the plan's compression spec.
 Between steps the stage answers checkpoint requests from its control channel, if it has one.
+
+Under the ``overlap`` schedule the steps between two points where the whole chain must be
+quiet (a calibration, a validation, the end) run as one stretch of 1F1B
+(:func:`~silentswarm.agent.runtime.schedule.overlapped`), each update applied a step late
+(:class:`~silentswarm.agent.runtime.schedule.DelayedUpdates`); a step is over on a stage
+when its last backward is, and what follows a step (its event, checkpoints) happens there.
 """
 
 from __future__ import annotations
@@ -32,10 +38,16 @@ from silentswarm.agent.pipe.wire import (
     frame_nbytes,
 )
 from silentswarm.agent.runtime import calibrate, tuning
-from silentswarm.agent.runtime.checkpoint import load_checkpoint, restore_into, save_stage
+from silentswarm.agent.runtime.checkpoint import (
+    PendingUpdate,
+    load_checkpoint,
+    pending_update,
+    restore_into,
+    save_stage,
+)
 from silentswarm.agent.runtime.control import ControlChannel
-from silentswarm.agent.runtime.data import job_dataset, job_val_batches
-from silentswarm.agent.runtime.schedule import Op, one_f_one_b
+from silentswarm.agent.runtime.data import DataState, job_dataset, job_val_batches
+from silentswarm.agent.runtime.schedule import DelayedUpdates, Op, one_f_one_b, overlapped
 from silentswarm.agent.runtime.stage_model import StageModel
 from silentswarm.compression import parse_wire_codec
 from silentswarm.plan import CurveKeys as PlanCurveKeys
@@ -151,10 +163,19 @@ class StageRunner:
         # A resumed attempt starts where the checkpoint left off: weights, optimizer state
         # (its step count too), data position.
         self.start_step = 0
+        # The overlap schedule's delayed update: which step's gradient is set aside, and how
+        # many micro-batches it sums; where the data stood before each step read its batch.
+        self.delayed = DelayedUpdates()
+        self._pending_m = 1
+        self._data_before: dict[int, DataState] = {}
+        self._step_clock = 0.0  # when the step before ended (the overlap schedule)
         if plan.resume_from is not None:
             checkpoint = load_checkpoint(plan.resume_from)
             restore_into(self.model, self.data, checkpoint)
             self.start_step = int(checkpoint.meta["steps_done"])
+            held = pending_update(checkpoint)
+            if held is not None:
+                self.delayed.pending, self._pending_m = held.step, held.micro_batches
             log.info("resumed from %s at step %d", plan.resume_from, self.start_step)
         spec, self.grad_codec = plan.codecs()  # the codec table's; validated in the plan
         self.act_codec = spec.codec
@@ -283,12 +304,20 @@ class StageRunner:
         mb = self.plan.train.batch_size // self.m
         return tf.constant(array[i * mb : (i + 1) * mb])
 
+    def _read_batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """Step ``step``'s batch (every stage reads it, so all keep the same data position);
+        where the data stood before, for a checkpoint taken after the previous step."""
+        self._data_before[step] = self.data.state()
+        for old in [k for k in self._data_before if k < step - 2]:
+            del self._data_before[old]
+        return self.data.next_batch(self.plan.train.batch_size)
+
     def train_step(self, step: int) -> StepResult:
         plan, model = self.plan, self.model
         m = self.m
         part = self._micro
         started = time.perf_counter()
-        inputs, targets = self.data.next_batch(plan.train.batch_size)
+        inputs, targets = self._read_batch(step)
         lr = model.set_lr(step)
         if plan.n_stages == 1 and m == 1:  # a plain training step: one compiled call
             model.local_step(part(inputs, 0), part(targets, 0))
@@ -330,6 +359,97 @@ class StageRunner:
                 if dx is not None:
                     self.up.send(dx.numpy(), step=step, micro=i, direction=Direction.BWD)
 
+    # --- the overlap schedule -------------------------------------------------------------
+
+    def _run_overlapped(self, first: int, end: int, after: Callable[[StepResult], None]) -> None:
+        """Steps ``[first, end)`` as one stretch of the overlap schedule; ``after`` runs once a
+        step is over on this stage (its last backward done, its gradient set aside)."""
+        self._step_clock = time.perf_counter()
+        if self.plan.is_last:
+            self._overlapped_last(first, end, after)
+        else:
+            self._overlapped_tape(first, end, after)
+
+    def _overlapped_last(self, first: int, end: int, after: Callable[[StepResult], None]) -> None:
+        """The last stage (or the whole model): a forward and its backward together, as in
+        the synchronous step; only the updates come a step late."""
+        plan, model, m, part = self.plan, self.model, self.m, self._micro
+        for k in range(first, end):
+            inputs, targets = self._first_forward(k)
+            for i in range(m):
+                if plan.n_stages == 1:
+                    model.local_micro(part(inputs, i), part(targets, i))
+                    continue
+                x = tf.constant(self.up.recv(step=k, micro=i, direction=Direction.FWD))
+                dx = model.last_micro(x, part(targets, i))
+                self.up.send(dx.numpy(), step=k, micro=i, direction=Direction.BWD)
+            self._step_over(k, after)
+
+    def _overlapped_tape(self, first: int, end: int, after: Callable[[StepResult], None]) -> None:
+        """A stage before the last: :func:`overlapped`'s ops, each backward the tape kept from
+        its forward (which holds the weights that forward read, whatever was applied since)."""
+        plan, model, m = self.plan, self.model, self.m
+        input_grad = not plan.is_first
+        inputs = None
+        inflight: dict[tuple[int, int], tuple[tf.GradientTape, tf.Tensor, tf.Tensor]] = {}
+        for op, j, i in overlapped(plan.stage, plan.n_stages, m, end - first, self.in_flight):
+            k = first + j
+            if op is Op.FORWARD:
+                if i == 0:
+                    inputs, _ = self._first_forward(k)
+                if plan.is_first:
+                    x = self._micro(inputs, i)
+                else:
+                    x = tf.constant(self.up.recv(step=k, micro=i, direction=Direction.FWD))
+                tape, out = model.tape_forward(x, input_grad=input_grad)
+                self.down.send(out.numpy(), step=k, micro=i, direction=Direction.FWD)
+                inflight[(k, i)] = (tape, x, out)
+                continue
+            tape, x, out = inflight.pop((k, i))
+            received = tf.constant(self.down.recv(step=k, micro=i, direction=Direction.BWD))
+            dx = model.tape_backward(tape, x, out, received, input_grad=input_grad)
+            if dx is not None:
+                self.up.send(dx.numpy(), step=k, micro=i, direction=Direction.BWD)
+            if i == m - 1:
+                self._step_over(k, after)
+
+    def _first_forward(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """Before step ``step``'s first forward: its batch read, an update that is due applied."""
+        batch = self._read_batch(step)
+        self._apply_delayed(self.delayed.before_forward(step))
+        return batch
+
+    def _step_over(self, step: int, after: Callable[[StepResult], None]) -> None:
+        """Step ``step``'s last backward is done here: its gradient set aside (after the update
+        that was still due), its result to ``after``. The run's last step keeps nothing back."""
+        plan, model = self.plan, self.model
+        self._apply_delayed(self.delayed.step_done(step))
+        model.stash()
+        self._pending_m = self.m
+        if step + 1 == plan.train.steps:
+            self._apply_delayed(self.delayed.flush())
+        loss = model.take_loss() / self.m if plan.is_last else None
+        now = time.perf_counter()
+        seconds, self._step_clock = now - self._step_clock, now
+        after(StepResult(step=step, loss=loss, lr=model.lr_of(step), seconds=seconds))
+
+    def _apply_delayed(self, step: int | None) -> None:
+        """Apply the gradient set aside, step ``step``'s, at that step's learning rate."""
+        if step is not None:
+            self.model.set_lr(step)
+            self.model.apply_pending(self._pending_m)
+
+    def _stretch_end(self, step: int) -> int:
+        """Where a stretch of the overlap schedule from ``step`` must stop: the chain is quiet
+        for a calibration and for a validation, and at the end."""
+        train = self.plan.train
+        end = train.steps
+        if self._next_calibration is not None and self._next_calibration > step:
+            end = min(end, self._next_calibration)
+        if train.val_every:
+            end = min(end, (step // train.val_every + 1) * train.val_every)
+        return end
+
     def evaluate(self, step: int) -> float | None:
         """Forward-only validation through the whole pipeline; the last stage gets the loss."""
         plan, model = self.plan, self.model
@@ -357,14 +477,14 @@ class StageRunner:
         self.open_links()
         tokens_per_step = plan.train.batch_size * plan.model.seq_len
         step_times: list[float] = []
-        last: StepResult | None = None
-        for step in range(self.start_step, plan.train.steps):
-            if step == self._next_calibration:
-                self.calibrate(step)
-            last = self.train_step(step)
-            step_times.append(last.seconds)
+        results: list[StepResult] = []
+
+        def after(result: StepResult) -> None:
+            step = result.step
+            results.append(result)
+            step_times.append(result.seconds)
             wait_s, traffic = self.take_wait(), self.bytes_summary()  # before validation
-            self._sample_compute(last.seconds - wait_s)
+            self._sample_compute(result.seconds - wait_s)
             val_loss = None
             every = plan.train.val_every
             if every and (step + 1) % every == 0 and step + 1 < plan.train.steps:
@@ -374,10 +494,10 @@ class StageRunner:
                 StepEvent(
                     stage=plan.stage,
                     step=step,
-                    loss=last.loss,
-                    lr=last.lr,
-                    step_time_s=round(last.seconds, 5),
-                    tokens_per_s=round(tokens_per_step / last.seconds, 1),
+                    loss=result.loss,
+                    lr=result.lr,
+                    step_time_s=round(result.seconds, 5),
+                    tokens_per_s=round(tokens_per_step / result.seconds, 1),
                     wait_s=round(wait_s, 5),
                     val_loss=val_loss,
                     **traffic,
@@ -387,6 +507,20 @@ class StageRunner:
             every = plan.checkpoint_every
             if every and (step + 1) % every == 0 and step + 1 < plan.train.steps:
                 self.checkpoint(CheckpointRequest(id=f"every-{step + 1}"), step + 1)
+
+        step = self.start_step
+        while step < plan.train.steps:
+            if step == self._next_calibration:
+                self.calibrate(step)
+            if plan.train.overlap:
+                end = self._stretch_end(step)
+                self._run_overlapped(step, end, after)
+                step = end
+            else:
+                after(self.train_step(step))
+                step += 1
+        self._apply_delayed(self.delayed.flush())  # resumed after the last step: still held
+        last = results[-1] if results else None
         val_loss = self.evaluate(plan.train.steps)
         self.finish()
         self.close_control()
@@ -509,6 +643,7 @@ class StageRunner:
                 in_flight=self.in_flight,
                 auto_micro_batches=train.auto_micro_batches,
                 in_flight_cap=train.in_flight,
+                overlap=train.overlap,
             )
         )
         predicted = None if result.predicted_step_s is None else round(result.predicted_step_s, 5)
@@ -581,7 +716,16 @@ class StageRunner:
             return self._checkpoints[steps_done]
         if self.plan.checkpoint_dir is None:
             raise CheckpointError("the stage plan has no checkpoint_dir")
-        path = save_stage(self.plan.checkpoint_dir, self.model, self.data, steps_done=steps_done)
+        held = self.delayed.pending
+        pending = None if held is None else PendingUpdate(step=held, micro_batches=self._pending_m)
+        path = save_stage(
+            self.plan.checkpoint_dir,
+            self.model,
+            self.data,
+            steps_done=steps_done,
+            data_state=self._data_before.get(steps_done),
+            pending=pending,
+        )
         self._checkpoints[steps_done] = str(path)
         return str(path)
 

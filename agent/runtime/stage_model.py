@@ -18,6 +18,11 @@ How each kind of stage runs a micro-batch (the choice measured, see docs/perform
 
 The loss is summed on the device and read once per step (:meth:`StageModel.take_loss`), not
 once per micro-batch.
+
+Under the ``overlap`` schedule a step's accumulated gradient is set aside
+(:meth:`StageModel.stash`) into a second set of variables, so the next step accumulates while
+the update waits (:meth:`StageModel.apply_pending`, when
+:class:`~silentswarm.agent.runtime.schedule.DelayedUpdates` says).
 """
 
 from __future__ import annotations
@@ -112,6 +117,12 @@ class StageModel:
             with tf.device(piece.device):
                 for v in piece.layer.trainable_variables:
                     self.accumulators.append(tf.Variable(tf.zeros(v.shape), trainable=False))
+        # The gradient set aside for a delayed update (the overlap schedule only).
+        self.pending: list[tf.Variable] = []
+        if plan.train.overlap:
+            for acc in self.accumulators:
+                with tf.device(acc.device):
+                    self.pending.append(tf.Variable(tf.zeros(acc.shape), trainable=False))
         train = plan.train
         self.optimizer = keras.optimizers.AdamW(
             learning_rate=train.learning_rate, weight_decay=train.weight_decay
@@ -129,6 +140,8 @@ class StageModel:
         self.forward_loss = compiled(self._forward_loss)
         self._accumulate = tf.function(self._accumulate_impl)
         self._apply = tf.function(self._apply_impl, jit_compile=jit)
+        self._apply_pending = tf.function(self._apply_pending_impl, jit_compile=jit)
+        self._stash = tf.function(self._stash_impl)
         # Each is one XLA compilation (seconds): a run traces only those its plan uses.
         self.local_micro = compiled(self._local_micro)
         self.local_step = compiled(self._local_step)
@@ -213,6 +226,24 @@ class StageModel:
             for acc in self.accumulators:
                 acc.assign(tf.zeros_like(acc))
 
+    def _apply_pending_impl(self, scale) -> None:
+        totals = [p * scale for p in self.pending]
+        self.optimizer.apply_gradients(zip(totals, self.variables, strict=True))
+
+    def _stash_impl(self) -> None:
+        for pending, acc in zip(self.pending, self.accumulators, strict=True):
+            pending.assign(acc)
+            acc.assign(tf.zeros_like(acc))
+
+    def stash(self) -> None:
+        """Set the accumulated gradient aside for a delayed update; accumulate from zero."""
+        self._stash()
+
+    def apply_pending(self, micro_batches: int) -> None:
+        """One optimizer step on the mean of the gradient set aside (``micro_batches`` of
+        them summed), at the learning rate :meth:`set_lr` set."""
+        self._apply_pending(tf.constant(1.0 / micro_batches, tf.float32))
+
     def accumulate(self, grads: list[tf.Tensor]) -> None:
         self._accumulate(grads)
 
@@ -242,16 +273,20 @@ class StageModel:
         self.accumulate(grads[:n_vars])
         return grads[n_vars] if input_grad else None
 
-    def set_lr(self, step: int) -> float:
-        """The learning rate of ``step``, set on the optimizer before its apply."""
+    def lr_of(self, step: int) -> float:
+        """The learning rate of ``step``'s update."""
         train = self.plan.train
-        lr = lr_at(
+        return lr_at(
             step,
             base=train.learning_rate,
             warmup=train.warmup_steps,
             total=train.steps,
             min_ratio=train.min_lr_ratio,
         )
+
+    def set_lr(self, step: int) -> float:
+        """The learning rate of ``step``, set on the optimizer before its apply."""
+        lr = self.lr_of(step)
         self.optimizer.learning_rate.assign(lr)
         return lr
 

@@ -6,7 +6,8 @@ and every stage's measured work per step (its step time less the time it waited 
 at each micro-batch count it ran, fitted by :func:`fit_cost`); the decision travels back up
 the chain (:mod:`silentswarm.agent.runtime.calibrate`). One model predicts a step's time:
 :func:`~silentswarm.agent.runtime.schedule.step_period` with each stage's fitted work per
-micro-batch and, per boundary crossing, the one-way delay plus the codec's transfer.
+micro-batch and, per boundary crossing, the one-way delay plus the codec's transfer (under the
+``overlap`` schedule, :func:`~silentswarm.agent.runtime.schedule.overlapped_period`).
 
 - **Codecs.** The fewest bytes are not the goal, the least loss that keeps up is: the
   directions the tuner chooses start at the fewest bytes and, in turns, each moves to a less
@@ -30,7 +31,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from silentswarm.agent.pipe.wire import encoded_nbytes
-from silentswarm.agent.runtime.schedule import OpTimes, one_f_one_b, step_period
+from silentswarm.agent.runtime.schedule import (
+    OpTimes,
+    one_f_one_b,
+    overlapped_period,
+    step_period,
+)
 from silentswarm.compression import CodecKind, WireCodec
 from silentswarm.types.links import LinkStats
 
@@ -117,6 +123,7 @@ class TuneInput:
     in_flight: int
     auto_micro_batches: bool
     in_flight_cap: int | None = None
+    overlap: bool = False  # the job's schedule is "overlap": steps run into each other
 
 
 @dataclass(frozen=True)
@@ -174,7 +181,6 @@ class _Model:
         """Predicted seconds per step (:func:`step_period`)."""
         inp, n = self.inp, len(self.costs)
         mb = inp.batch_size / m
-        schedules = [one_f_one_b(s, n, m, window) for s in range(n)]
         times = []
         for cost in self.costs:
             t = cost.micro_s(m)
@@ -190,6 +196,9 @@ class _Model:
                     delay + b / max(link.bwd_mbit_s * MBIT, 1.0),
                 )
             )
+        if inp.overlap:
+            return overlapped_period(n, m, window, times, steps=6, link_s=links)
+        schedules = [one_f_one_b(s, n, m, window) for s in range(n)]
         return step_period(schedules, times, steps=4, link_s=links)
 
     def best_window(self, m: int, cap: int | None) -> Schedule:

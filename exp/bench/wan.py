@@ -17,13 +17,19 @@ micro-batches and in-flight window, run in the same invocation (added when not a
 - ``bytes_per_step``: a training step's bytes across the boundary, both directions, headers and
   scales included (the median per step; validation left out);
 - ``val_loss`` after ``--loss-steps`` steps, same seed and data; ``val_loss_vs_reference`` its
-  relative difference from the reference's. A synchronous schedule's math depends neither on
-  the link (the same frames arrive, later) nor on the in-flight window (the same gradients
-  accumulate in the same order), so each (codec, transport, schedule, m) trains once, over
-  loopback, and its arms on every profile and window share that run (``loss_profile``);
-  ``--loss-per-arm`` trains every arm over its own link instead, to check that claim. An
-  arm whose compression or micro-batch count is ``auto`` always trains over its own link:
-  there the link decides what the stages choose. ``chosen`` says what an arm's last round
+  relative difference from the reference's;
+- an ``overlap`` arm (``--schedules overlap``) also has ``speedup_vs_sync`` (median per-round
+  ratio of its tokens/s to its synchronous twin's, the same arm with ``1f1b``, added when not
+  asked for) and ``val_loss_vs_sync`` (its validation loss against the twin's): what
+  overlapping the steps buys and what its delayed update costs.
+
+  Neither schedule's math depends on the link (the same frames arrive, later) or on the
+  in-flight window (the same gradients accumulate in the same order; the overlap schedule
+  delays every update by one step whatever the timing), so each (codec, transport, schedule,
+  m) trains once, over loopback, and its arms on every profile and window share that run
+  (``loss_profile``); ``--loss-per-arm`` trains every arm over its own link instead, to check
+  that claim. An arm whose compression or micro-batch count is ``auto`` always trains over its
+  own link: there the link decides what the stages choose. ``chosen`` says what an arm's last round
   measured (round trip, Mbit/s each way) and settled on (codecs, count, window).
 
 The last line is one JSON object: ``{"bench": "wan", "arms": [...], ...}``; a PNG of tokens/s
@@ -31,6 +37,7 @@ per profile and codec is written beside it (``--png``).
 
     python exp/bench/wan.py --profiles wan100 --specs none fixed_int8
     python exp/bench/wan.py --profiles wan20 --specs auto --micro-batches auto
+    python exp/bench/wan.py --profiles wan100 --specs fixed_int8 --schedules overlap
     python exp/bench/wan.py --quick        # a smoke run
 """
 
@@ -57,7 +64,9 @@ from silentswarm.plan import ModelConfig, NatsAccess, Peer, TrainConfig, Transpo
 from silentswarm.procs import free_port
 
 SPECS = ["none", "fp16", "fixed_int8", "fixed_int4", "learned_dim32_int8"]
-SCHEDULES = ["1f1b"]  # the synchronous 1F1B schedule: what the runtime runs
+# "1f1b": synchronous (the default); "overlap": consecutive steps overlap, each update a
+# step late (TrainConfig.schedule).
+SCHEDULES = ["1f1b", "overlap"]
 
 
 @dataclass(frozen=True)
@@ -81,18 +90,26 @@ class Arm:
         )
 
     @property
+    def synchronous(self) -> Arm:
+        """The same arm with the synchronous schedule: what an overlap arm is compared with."""
+        return dataclasses.replace(self, schedule="1f1b")
+
+    @property
     def math(self) -> tuple[Any, ...]:
-        """What decides the arm's losses under a synchronous schedule: neither the link nor
-        the in-flight window (the same gradients accumulate in the same order), unless the
-        stages choose codecs or counts from the link ("auto")."""
+        """What decides the arm's losses: neither the link nor the in-flight window (the same
+        gradients accumulate in the same order, and the overlap schedule delays each update by
+        one step whatever the timing), unless the stages choose codecs or counts from the
+        link ("auto")."""
         link = (self.profile,) if self.adaptive else ()
         return (self.compression, self.transport, self.schedule, self.micro_batches, *link)
 
     @property
     def tag(self) -> str:
         window = f"-w{self.in_flight}" if self.in_flight else ""
+        schedule = "" if self.schedule == "1f1b" else f"-{self.schedule}"
         return (
             f"{self.profile}-{self.compression}-{self.transport}-m{self.micro_batches}{window}"
+            f"{schedule}"
         ).replace("_", "-")
 
 
@@ -104,7 +121,8 @@ def plan_arms(
     ms: list[int],
     in_flights: list[int | None] | None = None,
 ) -> list[Arm]:
-    """Every combination asked for, and each one's reference where it is not among them."""
+    """Every combination asked for, and each one's reference (and an overlap arm's
+    synchronous twin) where it is not among them."""
     arms = [
         Arm(p, c, t, s, m, w)
         for p in profiles
@@ -114,9 +132,13 @@ def plan_arms(
         for m in ms
         for w in in_flights or [None]
     ]
-    for arm in list(arms):
-        if arm.reference not in arms:
-            arms.insert(0, arm.reference)
+    todo = list(arms)
+    while todo:
+        arm = todo.pop()
+        for needed in (arm.reference, arm.synchronous):
+            if needed not in arms:
+                arms.insert(0, needed)
+                todo.append(needed)
     return arms
 
 
@@ -126,7 +148,9 @@ def run_arm(
     """One 2-stage run of ``arm`` (over its profile's path unless ``shaped`` is False): the
     last stage's done event, with the boundary's bytes per step."""
     prof = profile(arm.profile) if shaped else PROFILES["loopback"]
-    train = msgspec.structs.replace(train, micro_batches=arm.micro_batches, in_flight=arm.in_flight)
+    train = msgspec.structs.replace(
+        train, micro_batches=arm.micro_batches, in_flight=arm.in_flight, schedule=arm.schedule
+    )
     run_dir = work / f"{arm.tag}-{train.steps}"
     run_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as cleanup:
@@ -424,6 +448,12 @@ def main() -> None:
             "chosen": tps_chosen[arm],
             "per_round_tokens_per_s": tps[arm],
         }
+        if arm.schedule != "1f1b":
+            sync = arm.synchronous
+            row["speedup_vs_sync"] = statistics.median(
+                a / b for a, b in zip(tps[arm], tps[sync], strict=True)
+            )
+            row["val_loss_vs_sync"] = run["val_loss"] / loss[sync]["val_loss"] - 1.0
         rows.append(row)
         print(
             f"  {arm.tag:40s} {row['tokens_per_s']:8.0f} tok/s  retention {row['retention']:.2f}"

@@ -154,3 +154,23 @@ def test_wan_benchmark_quick(tmp_path):
         "jitter_s": 0.0,
     }
     assert figures["png"] == str(png) and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(480)
+@pytest.mark.skipif(
+    (why := shaped_paths_unavailable()) is not None, reason=f"no shaped paths here: {why}"
+)
+def test_wan_benchmark_compares_the_overlap_schedule_with_its_synchronous_twin(tmp_path):
+    figures = run_quick(
+        "wan", "--profiles", "wan100", "--specs", "none", "--schedules", "overlap", timeout=420
+    )
+    arms = {(a["profile"], a["schedule"]): a for a in figures["arms"]}
+    # each overlap arm's reference (loopback, overlap) and synchronous twin, added
+    assert set(arms) == {(p, s) for p in ("loopback", "wan100") for s in ("1f1b", "overlap")}
+    for prof in ("loopback", "wan100"):
+        over, sync = arms[prof, "overlap"], arms[prof, "1f1b"]
+        assert positive(over["speedup_vs_sync"])
+        assert over["val_loss_vs_sync"] == over["val_loss"] / sync["val_loss"] - 1.0
+        assert over["val_loss"] != sync["val_loss"], "the delayed update is other math"
+        assert "speedup_vs_sync" not in sync
+    assert arms["wan100", "overlap"]["val_loss"] == arms["loopback", "overlap"]["val_loss"]

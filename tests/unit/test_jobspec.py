@@ -104,3 +104,11 @@ def test_auto_compression_and_micro_batches_are_accepted_and_nothing_else_is():
     with pytest.raises(FieldError) as err:
         decode_job_spec(b'{"link_probe_every": -1}')
     assert err.value.field == "link_probe_every"
+
+
+def test_the_schedule_is_1f1b_unless_a_spec_asks_for_overlap():
+    assert decode_job_spec(b"{}").schedule == "1f1b" and not decode_job_spec(b"{}").overlap
+    assert decode_job_spec(b'{"schedule": "overlap"}').overlap
+    with pytest.raises(FieldError) as err:
+        decode_job_spec(b'{"schedule": "async"}')
+    assert err.value.field == "schedule"

@@ -354,3 +354,23 @@ def test_placement_counts_a_whole_batch_for_micro_batches_auto():
         chosen = place(spec(stages=2, micro_batches=m, batch_size=16, in_flight=m), fellows)
         for a, c in zip(auto.stages, chosen.stages, strict=True):
             assert a.memory_estimate_bytes >= c.memory_estimate_bytes
+
+
+def test_the_overlap_schedule_is_placed_with_a_second_gradient_and_weight_copy():
+    """Two more fp32 values per parameter (the gradient set aside, the weights' previous
+    version); activations as before, since the window does not change."""
+    from silentswarm.leader.memory import FLOAT, block_params
+
+    m = ModelConfig(n_layers=4, d_model=128, n_heads=4, seq_len=64, vocab_size=256)
+    kw = dict(batch_size=16, micro_batches=8, n_stages=2, layers=2)
+    for stage in range(2):
+        plain = stage_memory(m, stage=stage, **kw)
+        both = stage_memory(m, stage=stage, overlap=True, **kw)
+        assert both.per_layer[0] - plain.per_layer[0] == 2 * FLOAT * block_params(m)
+        assert both.first_extra > plain.first_extra or stage == 1
+        assert both.last_extra > plain.last_extra or stage == 0
+    fellows = [cand("a"), cand("b")]
+    sync = place(spec(stages=2, micro_batches=8, batch_size=16), fellows)
+    over = place(spec(stages=2, micro_batches=8, batch_size=16, schedule="overlap"), fellows)
+    for a, b in zip(sync.stages, over.stages, strict=True):
+        assert b.memory_estimate_bytes > a.memory_estimate_bytes

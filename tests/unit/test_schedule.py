@@ -3,8 +3,10 @@ import itertools
 import pytest
 
 from silentswarm.agent.runtime.schedule import (
+    DelayedUpdates,
     Op,
     OpTimes,
+    Slot,
     Step,
     bubble_fraction,
     gpipe,
@@ -12,6 +14,8 @@ from silentswarm.agent.runtime.schedule import (
     lr_at,
     max_in_flight,
     one_f_one_b,
+    overlapped,
+    overlapped_period,
     simulate,
     step_period,
 )
@@ -161,3 +165,74 @@ def test_each_boundary_and_direction_has_its_own_link_time():
     assert step_period(one, times, link_s=[(0.005, 0.005)]) == step_period(one, times, link_s=0.005)
     with pytest.raises(ValueError, match="boundaries"):
         step_period(one, times, link_s=[(0.001, 0.001), (0.001, 0.001)])
+
+
+@pytest.mark.parametrize(
+    ("p", "m", "window"), [(2, 4, None), (3, 4, 4), (4, 2, None), (2, 1, None)]
+)
+def test_the_overlap_schedule_is_1f1b_without_breaks_and_never_deadlocks(p, m, window):
+    """Each step's micro-batches once each way, in order; the window is the step's; the next
+    step's forwards start before this step's last backward wherever the window allows."""
+    steps = 3
+    schedules = [overlapped(s, p, m, steps, window) for s in range(p)]
+    for s, slots in enumerate(schedules):
+        for op in Op:
+            assert [(k, i) for o, k, i in slots if o is op] == [
+                (k, i) for k in range(steps) for i in range(m)
+            ]
+        live = peak = 0
+        for slot in slots:
+            live += 1 if slot.op is Op.FORWARD else -1
+            peak = max(peak, live)
+        assert peak == stage_in_flight(s, p, m, window)
+        ahead = slots.index(Slot(Op.FORWARD, 1, 0)) < slots.index(Slot(Op.BACKWARD, 0, m - 1))
+        assert ahead == (peak > 1)
+    flat = [[Step(op, k * m + i) for op, k, i in slots] for slots in schedules]
+    simulate(flat)  # raises on a deadlock
+
+
+@pytest.mark.parametrize("link_ms", [0, 5, 25])
+def test_overlapping_steps_hides_the_fill_the_drain_and_the_round_trip(link_ms):
+    """A synchronous step pays the bubble and the round trip; overlapped steps with a window
+    that covers the round trip run at the stages' own pace (4 micro-batches of 10 ms forward
+    + 20 ms backward, and an update: 122 ms)."""
+    times = [OpTimes(0.010, 0.020, 0.002)] * 2
+    link = link_ms / 1e3
+    for window in (None, 4):
+        sync = step_period([one_f_one_b(s, 2, 4, window) for s in range(2)], times, link_s=link)
+        over = overlapped_period(2, 4, window, times, steps=10, link_s=link)
+        assert over < sync
+    assert over == pytest.approx(0.122, rel=0.01)
+    with pytest.raises(ValueError):
+        overlapped_period(2, 4, None, times[:1])
+
+
+@pytest.mark.parametrize(
+    ("events", "applied", "pending"),
+    [
+        # stage 0 (window 2): the next step's first forward comes before this step's end
+        ([("f", 0), ("f", 1), ("d", 0), ("f", 2), ("d", 1), ("f", 3), ("d", 2)], [0, 1], 2),
+        # the last stage: a step ends before the next one's first forward
+        ([("f", 0), ("d", 0), ("f", 1), ("d", 1), ("f", 2), ("d", 2)], [0, 1], 2),
+        # resumed after step 4 holding step 3's gradient: applied before step 5's forward
+        ([("held", 3), ("f", 4), ("f", 5), ("d", 4)], [3], 4),
+        ([("held", 3), ("f", 4), ("d", 4), ("f", 5)], [3], 4),
+        ([("f", 0), ("d", 0), ("flush", None)], [0], None),
+    ],
+)
+def test_delayed_updates_apply_each_step_once_before_the_step_after_next(events, applied, pending):
+    updates = DelayedUpdates()
+    out = []
+    for kind, k in events:
+        if kind == "held":
+            updates.pending = k
+        elif kind == "f":
+            due = updates.before_forward(k)
+            assert due is None or due <= k - 2, "step k runs the weights of updates to k - 2"
+            out.append(due)
+        elif kind == "d":
+            out.append(updates.step_done(k))
+        else:
+            out.append(updates.flush())
+    assert [d for d in out if d is not None] == applied
+    assert updates.pending == pending

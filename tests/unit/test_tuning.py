@@ -179,3 +179,15 @@ def test_no_boundary_of_a_long_chain_is_left_at_the_fewest_bytes_while_others_ar
     )
     ranks = [AUTO_CODECS.index(c) for pair in got.codecs for c in pair]
     assert max(ranks) - min(ranks) <= 1, got.codecs  # turns: one level apart at most
+
+
+def test_the_overlap_schedule_is_predicted_as_such_and_needs_fewer_micro_batches():
+    """Overlapped steps have no fill and drain to amortize: at 100 ms round trips the tuner
+    predicts a faster step than the synchronous schedule's and settles for fewer
+    micro-batches to get it."""
+    busy = [[(4, 0.4), (8, 0.44)], [(4, 0.4), (8, 0.44)]]
+    kw = dict(links=[link(100, rtt_ms=100)], busy=busy)
+    sync = tune(inp(**kw))
+    over = tune(inp(overlap=True, **kw))
+    assert over.predicted_step_s < sync.predicted_step_s
+    assert over.micro_batches <= sync.micro_batches
