@@ -65,6 +65,7 @@ class Rules:
     bwd_codecs: Collection[str]
     max_in_flight: int | None  # None: up to the micro-batch count
     fixed: tuple[int, int] | None  # the spec's micro-batches and window; None: the tuner's
+    overlap: bool = False  # the job's schedule is "overlap"
 
 
 def calibrate(
@@ -127,6 +128,8 @@ def check(back: ChainBack, rules: Rules, *, step: int, name: str) -> None:
         problems.append(f"{m} micro-batches do not divide the batch of {rules.batch_size}")
     elif not 1 <= window <= top:
         problems.append(f"a window of {window} is outside 1..{top}")
+    if back.tuning.overlap != rules.overlap:
+        problems.append(f"the job's steps {'' if rules.overlap else 'do not '}overlap")
     if problems:
         raise FrameError(f"{name}: refused the chain's calibration: {'; '.join(problems)}")
 

@@ -188,7 +188,11 @@ class StageRunner:
         if plan.n_stages == 1 and plan.train.auto_micro_batches:
             m = window = 1  # nothing to pipeline: one call per step
         self.tuning = Tuning(
-            step=0, micro_batches=m, in_flight=window, auto=plan.train.auto_micro_batches
+            step=0,
+            micro_batches=m,
+            in_flight=window,
+            auto=plan.train.auto_micro_batches,
+            overlap=plan.train.overlap,
         )
         self.down_link: LinkStats | None = None
         # Seconds of work per step (its time less its waits on peers), by micro-batch count:
@@ -569,6 +573,7 @@ class StageRunner:
             bwd_codecs=auto_names if self.auto_bwd else [self.grad_codec.name],
             max_in_flight=train.in_flight,
             fixed=None if train.auto_micro_batches else (self.m, self.in_flight),
+            overlap=train.overlap,
         )
 
     def calibrate(self, step: int) -> None:
@@ -657,6 +662,7 @@ class StageRunner:
                 micro_batches=result.micro_batches,
                 in_flight=result.in_flight,
                 auto=train.auto_micro_batches,
+                overlap=train.overlap,
                 predicted_step_s=predicted,
             ),
         )

@@ -157,6 +157,7 @@ def metrics_lines(view: JobMetrics, state: str = "") -> list[str]:
         lines.append(
             f"  schedule {t.micro_batches} micro-batches, {t.in_flight} in flight"
             + (" (auto)" if t.auto else "")
+            + (", steps overlap" if t.overlap else "")
             + f" since step {t.step}"
         )
     return lines

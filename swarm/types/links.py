@@ -44,12 +44,14 @@ class Tuning(msgspec.Struct, frozen=True, kw_only=True):
     """The schedule every stage of an attempt runs from step ``step`` on: ``micro_batches``
     and the forward window ``in_flight`` (:func:`silentswarm.plan.stage_in_flight`).
     ``auto``: chosen from measurements (``micro_batches: "auto"``), not given by the spec;
+    ``overlap``: consecutive steps overlap (the job's ``schedule: "overlap"``);
     ``predicted_step_s``: the step time the choice was predicted to take, where measured."""
 
     step: Count
     micro_batches: MicroBatches
     in_flight: MicroBatches
     auto: bool = False
+    overlap: bool = False
     predicted_step_s: Annotated[float, msgspec.Meta(ge=0.0, le=1e9)] | None = None
 
 

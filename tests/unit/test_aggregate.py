@@ -252,3 +252,14 @@ def test_the_measured_link_and_the_agreed_schedule_reach_the_metrics_and_swarm_w
     assert "link 0 a -> b" in text and "rtt 101.7 ms" in text
     assert "19.4 Mbit/s down / 2.5 Gbit/s up" in text and "fp16/fixed_int8" in text
     assert "schedule 8 micro-batches, 8 in flight (auto) since step 2" in text
+
+
+def test_watch_says_when_steps_overlap():
+    from silentswarm.cli.watch import metrics_lines
+    from silentswarm.types.links import Tuning
+
+    agg = JobMetricsAggregator("j")
+    tuning = Tuning(step=0, micro_batches=4, in_flight=2, overlap=True)
+    agg.apply(msgspec.structs.replace(step("a", 0, 1, 100.0), tuning=tuning))
+    text = "\n".join(metrics_lines(agg.view()))
+    assert "schedule 4 micro-batches, 2 in flight, steps overlap since step 0" in text

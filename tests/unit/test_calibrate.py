@@ -63,6 +63,8 @@ def test_an_allowed_decision_passes():
         (decision(tuning={"in_flight": 9}), RULES, "outside 1..8"),
         (decision(tuning={"in_flight": 6}), dataclasses.replace(RULES, max_in_flight=5), "outside"),
         (decision(), dataclasses.replace(RULES, fixed=(4, 1)), "schedule is"),
+        (decision(tuning={"overlap": True}), RULES, "steps do not overlap"),
+        (decision(), dataclasses.replace(RULES, overlap=True), "steps overlap"),
     ],
 )
 def test_a_neighbour_decision_outside_the_plan_is_refused(back, rules, complaint):
