@@ -67,6 +67,7 @@ log = logging.getLogger(__name__)
 MESSAGE_CHARS = 4096  # a failed checkpoint's message, cut to fit the event's bound
 BUSY_SAMPLES_KEPT = 20  # per micro-batch count: the median of the latest steps' work
 Emit = Callable[[StageEvent], None]
+_Held = tuple[tf.GradientTape, tf.Tensor, tf.Tensor]  # a forward's tape, input and output
 
 
 @dataclass
@@ -344,24 +345,35 @@ class StageRunner:
     def _tape_step(self, step: int, inputs: np.ndarray) -> None:
         """A stage before the last: forwards and backwards in 1F1B order, gradients
         accumulated; the backward of each micro-batch is the tape kept from its forward."""
-        plan, model = self.plan, self.model
-        input_grad = not plan.is_first
-        inflight: dict[int, tuple[tf.GradientTape, tf.Tensor, tf.Tensor]] = {}
+        plan = self.plan
+        inflight: dict[tuple[int, int], _Held] = {}
         for op, i in one_f_one_b(plan.stage, plan.n_stages, self.m, self.in_flight):
             if op is Op.FORWARD:
-                if plan.is_first:
-                    x = self._micro(inputs, i)
-                else:
-                    x = tf.constant(self.up.recv(step=step, micro=i, direction=Direction.FWD))
-                tape, out = model.tape_forward(x, input_grad=input_grad)
-                self.down.send(out.numpy(), step=step, micro=i, direction=Direction.FWD)
-                inflight[i] = (tape, x, out)
+                self._tape_forward(step, i, inputs, inflight)
             else:
-                tape, x, out = inflight.pop(i)
-                received = tf.constant(self.down.recv(step=step, micro=i, direction=Direction.BWD))
-                dx = model.tape_backward(tape, x, out, received, input_grad=input_grad)
-                if dx is not None:
-                    self.up.send(dx.numpy(), step=step, micro=i, direction=Direction.BWD)
+                self._tape_backward(step, i, inflight)
+
+    def _tape_forward(
+        self, step: int, i: int, inputs: np.ndarray | None, inflight: dict[tuple[int, int], _Held]
+    ) -> None:
+        """Micro-batch ``i`` of ``step`` forward under a tape kept in ``inflight``; its output
+        downstream."""
+        if self.plan.is_first:
+            x = self._micro(inputs, i)
+        else:
+            x = tf.constant(self.up.recv(step=step, micro=i, direction=Direction.FWD))
+        tape, out = self.model.tape_forward(x, input_grad=not self.plan.is_first)
+        self.down.send(out.numpy(), step=step, micro=i, direction=Direction.FWD)
+        inflight[(step, i)] = (tape, x, out)
+
+    def _tape_backward(self, step: int, i: int, inflight: dict[tuple[int, int], _Held]) -> None:
+        """Micro-batch ``i`` of ``step`` backward through its tape with the gradient from
+        downstream; its input's gradient upstream."""
+        tape, x, out = inflight.pop((step, i))
+        received = tf.constant(self.down.recv(step=step, micro=i, direction=Direction.BWD))
+        dx = self.model.tape_backward(tape, x, out, received, input_grad=not self.plan.is_first)
+        if dx is not None:
+            self.up.send(dx.numpy(), step=step, micro=i, direction=Direction.BWD)
 
     # --- the overlap schedule -------------------------------------------------------------
 
@@ -392,28 +404,17 @@ class StageRunner:
     def _overlapped_tape(self, first: int, end: int, after: Callable[[StepResult], None]) -> None:
         """A stage before the last: :func:`overlapped`'s ops, each backward the tape kept from
         its forward (which holds the weights that forward read, whatever was applied since)."""
-        plan, model, m = self.plan, self.model, self.m
-        input_grad = not plan.is_first
+        plan, m = self.plan, self.m
         inputs = None
-        inflight: dict[tuple[int, int], tuple[tf.GradientTape, tf.Tensor, tf.Tensor]] = {}
+        inflight: dict[tuple[int, int], _Held] = {}
         for op, j, i in overlapped(plan.stage, plan.n_stages, m, end - first, self.in_flight):
             k = first + j
             if op is Op.FORWARD:
                 if i == 0:
                     inputs, _ = self._first_forward(k)
-                if plan.is_first:
-                    x = self._micro(inputs, i)
-                else:
-                    x = tf.constant(self.up.recv(step=k, micro=i, direction=Direction.FWD))
-                tape, out = model.tape_forward(x, input_grad=input_grad)
-                self.down.send(out.numpy(), step=k, micro=i, direction=Direction.FWD)
-                inflight[(k, i)] = (tape, x, out)
+                self._tape_forward(k, i, inputs, inflight)
                 continue
-            tape, x, out = inflight.pop((k, i))
-            received = tf.constant(self.down.recv(step=k, micro=i, direction=Direction.BWD))
-            dx = model.tape_backward(tape, x, out, received, input_grad=input_grad)
-            if dx is not None:
-                self.up.send(dx.numpy(), step=k, micro=i, direction=Direction.BWD)
+            self._tape_backward(k, i, inflight)
             if i == m - 1:
                 self._step_over(k, after)
 
