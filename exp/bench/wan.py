@@ -292,9 +292,27 @@ def tunnel_vs_p2p(tps: dict[Arm, list[float]]) -> list[dict[str, Any]]:
     return out
 
 
+def loss_cost(row: dict[str, Any], rows: list[dict[str, Any]]) -> float:
+    """An arm's validation loss against the synchronous loopback ``none`` arm (same transport,
+    count and window): its ``val_loss_vs_reference`` for a synchronous arm; for an overlap
+    arm, whose reference overlaps too, what the delayed update costs is counted as well."""
+    if row["schedule"] == "1f1b":
+        return row["val_loss_vs_reference"]
+    same = ("transport", "micro_batches", "in_flight")
+    for ref in rows:
+        if (ref["profile"], ref["compression"], ref["schedule"]) == (
+            "loopback",
+            "none",
+            "1f1b",
+        ) and all(ref[k] == row[k] for k in same):
+            return row["val_loss"] / ref["val_loss"] - 1.0
+    return float("inf")  # no synchronous reference in this run: the target is not shown met
+
+
 def targets(rows: list[dict[str, Any]], relay: list[dict[str, Any]]) -> dict[str, bool]:
     """The issue's targets, for the arms this run has (a target without its arm is left out):
-    met where any arm of that profile and codec (any transport, schedule, m, window) meets it."""
+    met where any arm of that profile and codec (any transport, schedule, m, window) meets it,
+    its loss counted against the synchronous reference (:func:`loss_cost`)."""
     goals = {
         "wan100_fixed_int8_retention_ge_0.90_loss_le_1pct": ("wan100", "fixed_int8", 0.90, 0.01),
         "wan20_learned_dim32_int8_retention_ge_0.80_loss_le_3pct": (
@@ -309,7 +327,7 @@ def targets(rows: list[dict[str, Any]], relay: list[dict[str, Any]]) -> dict[str
         arms = [r for r in rows if (r["profile"], r["compression"]) == (prof, codec)]
         if arms:
             out[name] = any(
-                r["retention"] >= retention and r["val_loss_vs_reference"] <= loss for r in arms
+                r["retention"] >= retention and loss_cost(r, rows) <= loss for r in arms
             )
     wan100 = [r["ratio"] for r in relay if r["profile"] == "wan100"]
     if wan100:
