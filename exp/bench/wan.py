@@ -337,7 +337,8 @@ def targets(rows: list[dict[str, Any]], relay: list[dict[str, Any]]) -> dict[str
 
 def draw(path: Path, rows: list[dict[str, Any]]) -> bool:
     """Grouped bars: tokens/s per profile (groups) and codec (bars; one per in-flight window
-    where the run has several, 1F1B's hatched); False without matplotlib."""
+    and schedule where the run has several: 1F1B's window hatched, overlapped steps dotted);
+    False without matplotlib."""
     try:
         import matplotlib
 
@@ -348,31 +349,36 @@ def draw(path: Path, rows: list[dict[str, Any]]) -> bool:
     profiles = list(dict.fromkeys(r["profile"] for r in rows))
     codecs = list(dict.fromkeys(r["compression"] for r in rows))
     series = sorted(
-        {(r["compression"], r["in_flight"]) for r in rows},
-        key=lambda cw: (codecs.index(cw[0]), cw[1] or 0),
+        {(r["compression"], r["in_flight"], r["schedule"]) for r in rows},
+        key=lambda cws: (codecs.index(cws[0]), cws[1] or 0, cws[2]),
     )
-    windows = len({w for _, w in series}) > 1
+    windows = len({w for _, w, _ in series}) > 1
+    schedules = len({k for _, _, k in series}) > 1
     colours = {c: f"C{i}" for i, c in enumerate(codecs)}
     width = 0.8 / max(1, len(series))
     fig, ax = plt.subplots(figsize=(2.0 + 1.8 * len(profiles), 4.8))
-    for i, (codec, window) in enumerate(series):
+    for i, (codec, window, schedule) in enumerate(series):
         xs, ys = [], []
         for j, prof in enumerate(profiles):
             values = [
                 r["tokens_per_s"]
                 for r in rows
-                if (r["profile"], r["compression"], r["in_flight"]) == (prof, codec, window)
+                if (r["profile"], r["compression"], r["in_flight"], r["schedule"])
+                == (prof, codec, window, schedule)
             ]
             if values:
                 xs.append(j + (i - (len(series) - 1) / 2) * width)
                 ys.append(statistics.median(values))
-        label = (
-            codec if not windows else f"{codec}, " + (f"{window} in flight" if window else "1F1B")
-        )
-        ax.bar(xs, ys, width, label=label, color=colours[codec], hatch="" if window else "//")
+        label = codec
+        if windows:
+            label += ", " + (f"{window} in flight" if window else "1F1B")
+        if schedules:
+            label += f", {schedule}"
+        hatch = ("" if window else "//") + (".." if schedule == "overlap" else "")
+        ax.bar(xs, ys, width, label=label, color=colours[codec], hatch=hatch)
     ax.set_xticks(range(len(profiles)), profiles)
     ax.set_ylabel("tokens/s (2 stages)")
-    ax.set_title("Pipeline throughput per link profile, codec and window")
+    ax.set_title("Throughput per link profile, codec, window, schedule")
     ax.legend(fontsize="x-small", ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.08))
     fig.tight_layout()
     fig.savefig(path, dpi=110)

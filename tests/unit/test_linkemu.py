@@ -117,6 +117,7 @@ def row(profile, codec, retention, loss):
     return {
         "profile": profile,
         "compression": codec,
+        "schedule": "1f1b",
         "retention": retention,
         "val_loss_vs_reference": loss,
     }
@@ -143,3 +144,43 @@ def row(profile, codec, retention, loss):
 )
 def test_targets_judge_only_the_arms_present(rows, relay, expected):
     assert wan.targets(rows, relay) == expected
+
+
+def test_an_overlap_arm_brings_its_reference_and_synchronous_twins():
+    arms = wan.plan_arms(["wan100"], ["fixed_int8"], ["p2p"], ["overlap"], [8])
+    assert set(arms) == {
+        wan.Arm(p, c, "p2p", s, 8)
+        for p, c in (("loopback", "none"), ("wan100", "fixed_int8"))
+        for s in ("1f1b", "overlap")
+    }
+    over = wan.Arm("wan100", "fixed_int8", "p2p", "overlap", 8)
+    assert over.synchronous == wan.Arm("wan100", "fixed_int8", "p2p", "1f1b", 8)
+    assert over.math != over.synchronous.math and over.tag.endswith("-overlap")
+
+
+def test_targets_count_an_overlap_arms_loss_against_the_synchronous_reference():
+    def arm(profile, codec, schedule, val_loss, vs_reference, retention=1.0):
+        return {
+            "profile": profile,
+            "compression": codec,
+            "schedule": schedule,
+            "transport": "p2p",
+            "micro_batches": 8,
+            "in_flight": 8,
+            "val_loss": val_loss,
+            "val_loss_vs_reference": vs_reference,
+            "retention": retention,
+        }
+
+    sync_ref = arm("loopback", "none", "1f1b", 2.30, 0.0)
+    over_ref = arm("loopback", "none", "overlap", 2.70, 0.0)
+    sync = arm("wan100", "fixed_int8", "1f1b", 2.34, 0.0174, retention=0.95)
+    over = arm("wan100", "fixed_int8", "overlap", 2.71, 0.0037, retention=1.1)
+    rows = [sync_ref, over_ref, sync, over]
+    assert wan.loss_cost(over, rows) == pytest.approx(2.71 / 2.30 - 1)
+    assert wan.loss_cost(sync, rows) == 0.0174
+    name = "wan100_fixed_int8_retention_ge_0.90_loss_le_1pct"
+    assert wan.targets(rows, [])[name] is False  # +0.37% against its own reference is no pass
+    good = dict(sync, val_loss_vs_reference=0.005)
+    assert wan.targets([sync_ref, good], [])[name] is True
+    assert wan.loss_cost(over, [over_ref, over]) == float("inf")
