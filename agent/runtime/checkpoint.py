@@ -35,20 +35,13 @@ import numpy as np
 
 from silentswarm.agent.errors import CheckpointError, CheckpointWriteError
 from silentswarm.agent.runtime.data import DataState, TextDataset
+from silentswarm.agent.runtime.schedule import PendingUpdate
 from silentswarm.plan import StagePlan
 
 if TYPE_CHECKING:
     from silentswarm.agent.runtime.stage_model import StageModel
 
 FORMAT_VERSION = 1
-
-
-class PendingUpdate(msgspec.Struct, frozen=True, kw_only=True):
-    """A gradient set aside for a delayed update (the overlap schedule): the step it is of and
-    how many micro-batch gradients it sums."""
-
-    step: int
-    micro_batches: int
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,8 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import msgspec
+
 from silentswarm.plan import stage_in_flight
 
 
@@ -241,6 +243,14 @@ def _period(
     return (step_end[-1] - step_end[0]) / (steps - 1)
 
 
+class PendingUpdate(msgspec.Struct, frozen=True, kw_only=True):
+    """A gradient set aside for a delayed update (the overlap schedule): the step it is of and
+    how many micro-batch gradients it sums (what its mean divides by)."""
+
+    step: int
+    micro_batches: int
+
+
 class DelayedUpdates:
     """When the ``overlap`` schedule applies each step's update, and what a stage keeps.
 
@@ -253,28 +263,28 @@ class DelayedUpdates:
     updates before the same forwards, whichever order its ops run in, and a stage holds at
     most one gradient set aside. :meth:`flush` applies what is set aside (the end of a run).
 
-    ``pending`` (the step of the gradient set aside, or None) is what a checkpoint records, so
-    that a resumed run applies it where this one would have. Pure bookkeeping, no TensorFlow.
+    ``pending`` (the gradient set aside, or None) is what a checkpoint records, so that a
+    resumed run applies it where this one would have. Pure bookkeeping, no TensorFlow.
     """
 
-    def __init__(self, pending: int | None = None) -> None:
+    def __init__(self, pending: PendingUpdate | None = None) -> None:
         self.pending = pending
 
-    def before_forward(self, step: int) -> int | None:
-        """The step whose update to apply before step ``step``'s first forward, if any."""
-        if self.pending is not None and self.pending <= step - 2:
+    def before_forward(self, step: int) -> PendingUpdate | None:
+        """The update to apply before step ``step``'s first forward, if any."""
+        if self.pending is not None and self.pending.step <= step - 2:
             due, self.pending = self.pending, None
             return due
         return None
 
-    def step_done(self, step: int) -> int | None:
-        """Step ``step``'s last backward is done and its gradient is set aside: the step whose
-        update to apply before that (if any)."""
-        due, self.pending = self.pending, step
+    def step_done(self, step: int, micro_batches: int) -> PendingUpdate | None:
+        """Step ``step``'s last backward is done and its gradient (``micro_batches`` summed) is
+        set aside: the update to apply before that (if any)."""
+        due, self.pending = self.pending, PendingUpdate(step=step, micro_batches=micro_batches)
         return due
 
-    def flush(self) -> int | None:
-        """The step whose update is still to apply (None: nothing set aside)."""
+    def flush(self) -> PendingUpdate | None:
+        """The update still to apply (None: nothing set aside)."""
         due, self.pending = self.pending, None
         return due
 

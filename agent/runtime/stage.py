@@ -39,7 +39,6 @@ from silentswarm.agent.pipe.wire import (
 )
 from silentswarm.agent.runtime import calibrate, tuning
 from silentswarm.agent.runtime.checkpoint import (
-    PendingUpdate,
     load_checkpoint,
     pending_update,
     restore_into,
@@ -47,7 +46,13 @@ from silentswarm.agent.runtime.checkpoint import (
 )
 from silentswarm.agent.runtime.control import ControlChannel
 from silentswarm.agent.runtime.data import DataState, job_dataset, job_val_batches
-from silentswarm.agent.runtime.schedule import DelayedUpdates, Op, one_f_one_b, overlapped
+from silentswarm.agent.runtime.schedule import (
+    DelayedUpdates,
+    Op,
+    PendingUpdate,
+    one_f_one_b,
+    overlapped,
+)
 from silentswarm.agent.runtime.stage_model import StageModel
 from silentswarm.compression import parse_wire_codec
 from silentswarm.plan import CurveKeys as PlanCurveKeys
@@ -164,19 +169,16 @@ class StageRunner:
         # A resumed attempt starts where the checkpoint left off: weights, optimizer state
         # (its step count too), data position.
         self.start_step = 0
-        # The overlap schedule's delayed update: which step's gradient is set aside, and how
-        # many micro-batches it sums; where the data stood before each step read its batch.
+        # The overlap schedule's delayed update (the gradient set aside); where the data stood
+        # before each step read its batch.
         self.delayed = DelayedUpdates()
-        self._pending_m = 1
         self._data_before: dict[int, DataState] = {}
         self._step_clock = 0.0  # when the step before ended (the overlap schedule)
         if plan.resume_from is not None:
             checkpoint = load_checkpoint(plan.resume_from)
             restore_into(self.model, self.data, checkpoint)
             self.start_step = int(checkpoint.meta["steps_done"])
-            held = pending_update(checkpoint)
-            if held is not None:
-                self.delayed.pending, self._pending_m = held.step, held.micro_batches
+            self.delayed.pending = pending_update(checkpoint)
             log.info("resumed from %s at step %d", plan.resume_from, self.start_step)
         spec, self.grad_codec = plan.codecs()  # the codec table's; validated in the plan
         self.act_codec = spec.codec
@@ -326,21 +328,26 @@ class StageRunner:
         lr = model.set_lr(step)
         if plan.n_stages == 1 and m == 1:  # a plain training step: one compiled call
             model.local_step(part(inputs, 0), part(targets, 0))
-        elif plan.n_stages == 1:  # the whole model here: one compiled call per micro-batch
-            for i in range(m):
-                model.local_micro(part(inputs, i), part(targets, i))
-            model.apply_mean(m)
-        elif plan.is_last:  # 1F1B on the last stage is F0 B0 F1 B1 ...: one call for each pair
-            for i in range(m):
-                x = tf.constant(self.up.recv(step=step, micro=i, direction=Direction.FWD))
-                dx = model.last_micro(x, part(targets, i))
-                self.up.send(dx.numpy(), step=step, micro=i, direction=Direction.BWD)
+        elif plan.is_last:
+            self._last_micros(step, inputs, targets)
             model.apply_mean(m)
         else:
             self._tape_step(step, inputs)
             model.apply_mean(m)
         loss = model.take_loss() / m if plan.is_last else None
         return StepResult(step=step, loss=loss, lr=lr, seconds=time.perf_counter() - started)
+
+    def _last_micros(self, step: int, inputs: np.ndarray, targets: np.ndarray) -> None:
+        """The last stage's micro-batches of ``step``, gradients accumulated: 1F1B there is
+        F0 B0 F1 B1 ..., one compiled call for each pair; the whole model, one call each."""
+        model, part = self.model, self._micro
+        for i in range(self.m):
+            if self.plan.n_stages == 1:
+                model.local_micro(part(inputs, i), part(targets, i))
+                continue
+            x = tf.constant(self.up.recv(step=step, micro=i, direction=Direction.FWD))
+            dx = model.last_micro(x, part(targets, i))
+            self.up.send(dx.numpy(), step=step, micro=i, direction=Direction.BWD)
 
     def _tape_step(self, step: int, inputs: np.ndarray) -> None:
         """A stage before the last: forwards and backwards in 1F1B order, gradients
@@ -389,16 +396,9 @@ class StageRunner:
     def _overlapped_last(self, first: int, end: int, after: Callable[[StepResult], None]) -> None:
         """The last stage (or the whole model): a forward and its backward together, as in
         the synchronous step; only the updates come a step late."""
-        plan, model, m, part = self.plan, self.model, self.m, self._micro
         for k in range(first, end):
             inputs, targets = self._first_forward(k)
-            for i in range(m):
-                if plan.n_stages == 1:
-                    model.local_micro(part(inputs, i), part(targets, i))
-                    continue
-                x = tf.constant(self.up.recv(step=k, micro=i, direction=Direction.FWD))
-                dx = model.last_micro(x, part(targets, i))
-                self.up.send(dx.numpy(), step=k, micro=i, direction=Direction.BWD)
+            self._last_micros(k, inputs, targets)
             self._step_over(k, after)
 
     def _overlapped_tape(self, first: int, end: int, after: Callable[[StepResult], None]) -> None:
@@ -428,9 +428,8 @@ class StageRunner:
         """Step ``step``'s last backward is done here: its gradient set aside (after the update
         that was still due), its result to ``after``. The run's last step keeps nothing back."""
         plan, model = self.plan, self.model
-        self._apply_delayed(self.delayed.step_done(step))
+        self._apply_delayed(self.delayed.step_done(step, self.m))
         model.stash()
-        self._pending_m = self.m
         if step + 1 == plan.train.steps:
             self._apply_delayed(self.delayed.flush())
         loss = model.take_loss() / self.m if plan.is_last else None
@@ -438,11 +437,11 @@ class StageRunner:
         seconds, self._step_clock = now - self._step_clock, now
         after(StepResult(step=step, loss=loss, lr=model.lr_of(step), seconds=seconds))
 
-    def _apply_delayed(self, step: int | None) -> None:
-        """Apply the gradient set aside, step ``step``'s, at that step's learning rate."""
-        if step is not None:
-            self.model.set_lr(step)
-            self.model.apply_pending(self._pending_m)
+    def _apply_delayed(self, update: PendingUpdate | None) -> None:
+        """Apply the gradient set aside (``update`` says whose), at its step's learning rate."""
+        if update is not None:
+            self.model.set_lr(update.step)
+            self.model.apply_pending(update.micro_batches)
 
     def _stretch_end(self, step: int) -> int:
         """Where a stretch of the overlap schedule from ``step`` must stop: the chain is quiet
@@ -723,15 +722,13 @@ class StageRunner:
             return self._checkpoints[steps_done]
         if self.plan.checkpoint_dir is None:
             raise CheckpointError("the stage plan has no checkpoint_dir")
-        held = self.delayed.pending
-        pending = None if held is None else PendingUpdate(step=held, micro_batches=self._pending_m)
         path = save_stage(
             self.plan.checkpoint_dir,
             self.model,
             self.data,
             steps_done=steps_done,
             data_state=self._data_before.get(steps_done),
-            pending=pending,
+            pending=self.delayed.pending,
         )
         self._checkpoints[steps_done] = str(path)
         return str(path)

@@ -6,6 +6,7 @@ from silentswarm.agent.runtime.schedule import (
     DelayedUpdates,
     Op,
     OpTimes,
+    PendingUpdate,
     Slot,
     Step,
     bubble_fraction,
@@ -225,14 +226,15 @@ def test_delayed_updates_apply_each_step_once_before_the_step_after_next(events,
     out = []
     for kind, k in events:
         if kind == "held":
-            updates.pending = k
+            updates.pending = PendingUpdate(step=k, micro_batches=4)
         elif kind == "f":
             due = updates.before_forward(k)
-            assert due is None or due <= k - 2, "step k runs the weights of updates to k - 2"
+            assert due is None or due.step <= k - 2, "step k runs the weights of updates to k - 2"
             out.append(due)
         elif kind == "d":
-            out.append(updates.step_done(k))
+            out.append(updates.step_done(k, 4))
         else:
             out.append(updates.flush())
-    assert [d for d in out if d is not None] == applied
-    assert updates.pending == pending
+    assert [d.step for d in out if d is not None] == applied
+    assert all(d.micro_batches == 4 for d in out if d is not None)
+    assert (None if updates.pending is None else updates.pending.step) == pending
