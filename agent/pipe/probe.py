@@ -37,12 +37,13 @@ from silentswarm.types.links import LinkStats, Tuning
 CALIB = b"\x00swarm-calib"
 CALIB_DATA = b"\x00swarm-calib-data"
 PINGS = 5
-CHUNK = 64 * 1024
+CHUNK = 16 * 1024  # small pieces: enough arrival times for a robust rate on a slow path
 FIRST_BURST = 256 * 1024
 MAX_BURST = 8 * 1024 * 1024
 BURST_TARGET_S = 0.2
 MAX_ROUNDS = 5
 RAMP = 1.2
+CLUMP_S = 0.0005  # pieces read this close together were read in one go
 MAX_RATE_MBIT_S = 10_000_000.0  # LinkStats' bound: a burst faster than the clock can tell
 _ZEROS = bytes(CHUNK)
 
@@ -206,6 +207,30 @@ def send_bursts(link: ProbeLink, timeout_s: float) -> float:
     return max(rates)
 
 
+def burst_rate(arrivals: Sequence[float], sizes: Sequence[int]) -> float:
+    """The rate a burst's pieces arrived at, Mbit/s, from each piece's arrival time and size.
+
+    The clock starts at the piece a quarter of the way in: what came before it passed a
+    shaper's bucket at the line's speed, or a cold window's slow start. Pieces read within
+    :data:`CLUMP_S` of that one were read in one go (a reader that stalled finds a backlog) and
+    start the clock with it; the rate is the bytes that arrived after over the time they took.
+    A stall further on only delays pieces whose backlog is then read at once, which leaves the
+    span from there to the last piece as it was (one just before the last piece can only make
+    the link look slower); the span from the first piece to the last would have counted a
+    stall at the start as speed. Pieces that arrived together (a fast link read
+    in a batch) give :data:`MAX_RATE_MBIT_S`.
+    """
+    if not arrivals:
+        return MAX_RATE_MBIT_S
+    start = quarter = len(arrivals) // 4
+    while start + 1 < len(arrivals) and arrivals[start + 1] - arrivals[quarter] <= CLUMP_S:
+        start += 1
+    elapsed = arrivals[-1] - arrivals[start]
+    if elapsed <= 0:
+        return MAX_RATE_MBIT_S
+    return min(MAX_RATE_MBIT_S, sum(sizes[start + 1 :]) * 8 / elapsed / 1e6)
+
+
 def receive_bursts(link: ProbeLink, timeout_s: float) -> float:
     """Time the peer's bursts and answer each one's rate; the best rate, Mbit/s."""
     best = 0.0
@@ -219,8 +244,8 @@ def receive_bursts(link: ProbeLink, timeout_s: float) -> float:
             raise FrameError(
                 f"{link.name}: a burst of {burst.nbytes} bytes in {burst.chunks} pieces"
             )
-        first_at = last_at = 0.0
-        after_first = 0
+        arrivals: list[float] = []
+        sizes: list[int] = []
         for index in range(burst.chunks):
             parts = link.recv(timeout_s)
             now = time.perf_counter()
@@ -229,14 +254,9 @@ def receive_bursts(link: ProbeLink, timeout_s: float) -> float:
             size = memoryview(parts[1]).nbytes
             if size > CHUNK:
                 raise FrameError(f"{link.name}: a probe piece of {size} bytes")
-            if index == 0:
-                first_at = now
-            else:
-                after_first += size
-            last_at = now
-        elapsed = last_at - first_at
-        mbit_s = MAX_RATE_MBIT_S if elapsed <= 0 else after_first * 8 / elapsed / 1e6
-        mbit_s = min(MAX_RATE_MBIT_S, mbit_s)
+            arrivals.append(now)
+            sizes.append(size)
+        mbit_s = burst_rate(arrivals, sizes)
         best = max(best, mbit_s)
         send_msg(link, Rate(round_, round(mbit_s, 3)), timeout_s)
     raise FrameError(f"{link.name}: more than {MAX_ROUNDS} probe bursts")
@@ -247,6 +267,7 @@ __all__ = [
     "CALIB_DATA",
     "ChainBack",
     "ChainForward",
+    "burst_rate",
     "measure_as_downstream",
     "measure_as_upstream",
     "recv_msg",

@@ -43,6 +43,7 @@ from pathlib import Path
 
 CHUNK = 256 * 1024
 QUEUE_CAP = 64 * 1024 * 1024  # bytes a relay holds per direction before it stops reading
+GSO_ABOVE_BIT_S = 200e6  # shaped directions slower than this send packets one by one
 
 
 class EmulatorUnavailable(RuntimeError):
@@ -93,15 +94,29 @@ def profile(name: str) -> Profile:
         raise ValueError(f"unknown link profile {name!r}; known: {', '.join(PROFILES)}") from None
 
 
+def packet_by_packet(rate_bit_s: float) -> bool:
+    """Whether a direction of this rate sends packets one by one (no GSO on its device).
+
+    With GSO a sender hands the device 64 KiB segments, and a ``tbf`` lets each through whole
+    when its tokens are there: the far end then receives 64 KiB clumps, one every 26 ms at
+    20 Mbit/s or 262 ms at 2 Mbit/s, which no real path of that rate does (and which a
+    bandwidth probe sees as speed). Above :data:`GSO_ABOVE_BIT_S` a segment takes under 2.6 ms
+    and the packets' cost would count more than the clumps.
+    """
+    return rate_bit_s < GSO_ABOVE_BIT_S
+
+
 def tbf_args(rate_bit_s: float) -> list[str]:
     """``tc qdisc ... tbf`` arguments for ``rate_bit_s``.
 
-    The bucket holds 4 ms at the rate but at least 64 KiB, so one GSO segment always fits (a
-    packet larger than the bucket could never leave); the queue holds 100 ms at the rate but
-    at least 256 KiB, so a burst queues instead of being dropped at once.
+    The bucket holds 4 ms at the rate but at least what the device may hand it at once (a
+    packet larger than the bucket could never leave): 8 KiB when the direction sends packets
+    one by one, one 64 KiB GSO segment otherwise. The queue holds 100 ms at the rate but at
+    least 256 KiB, so a burst queues instead of being dropped at once.
     """
     rate_bytes = rate_bit_s / 8
-    burst = max(64 * 1024, int(rate_bytes * 0.004))
+    floor = 8 * 1024 if packet_by_packet(rate_bit_s) else 64 * 1024
+    burst = max(floor, int(rate_bytes * 0.004))
     limit = max(256 * 1024, int(rate_bytes * 0.1))
     return ["tbf", "rate", f"{int(rate_bit_s)}bit", "burst", str(burst), "limit", str(limit)]
 
@@ -205,8 +220,12 @@ class FarSide:
             _run([*ns, "ip", "link", "set", self._far_dev, "up"])
             _run([*ns, "ip", "link", "set", "lo", "up"])
             if (rate := self.profile.forward.rate_bit_s) is not None:
+                if packet_by_packet(rate):
+                    _run(["ip", "link", "set", "dev", self._near_dev, "gso_max_segs", "1"])
                 _run(["tc", "qdisc", "add", "dev", self._near_dev, "root", *tbf_args(rate)])
             if (rate := self.profile.backward.rate_bit_s) is not None:
+                if packet_by_packet(rate):
+                    _run([*ns, "ip", "link", "set", "dev", self._far_dev, "gso_max_segs", "1"])
                 _run([*ns, "tc", "qdisc", "add", "dev", self._far_dev, "root", *tbf_args(rate)])
         except BaseException:
             self.close()

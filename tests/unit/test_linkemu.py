@@ -14,10 +14,20 @@ wan = bench_module("wan")
 
 
 @pytest.mark.parametrize(
+    ("rate", "one_by_one"),
+    [(2e6, True), (100e6, True), (199e6, True), (200e6, False), (1e9, False)],
+)
+def test_slow_directions_send_packets_one_by_one(rate, one_by_one):
+    assert linkemu.packet_by_packet(rate) is one_by_one
+
+
+@pytest.mark.parametrize(
     ("rate", "burst", "limit"),
     [
-        (20e6, 64 * 1024, 256 * 1024),  # small rates: the floors
-        (100e6, 64 * 1024, 1_250_000),  # 4 ms = 50 KB < 64 KiB; 100 ms = 1.25 MB
+        (2e6, 8 * 1024, 256 * 1024),  # small rates: the floors (packets one by one)
+        (20e6, 10_000, 256 * 1024),  # 4 ms = 10 KB
+        (100e6, 50_000, 1_250_000),  # 4 ms = 50 KB; 100 ms = 1.25 MB
+        (250e6, 125_000, 3_125_000),  # GSO segments: 64 KiB would fit
         (1e9, 500_000, 12_500_000),
     ],
 )
