@@ -174,3 +174,29 @@ def test_wan_benchmark_compares_the_overlap_schedule_with_its_synchronous_twin(t
         assert over["val_loss"] != sync["val_loss"], "the delayed update is other math"
         assert "speedup_vs_sync" not in sync
     assert arms["wan100", "overlap"]["val_loss"] == arms["loopback", "overlap"]["val_loss"]
+
+
+@pytest.mark.timeout(300)
+def test_codec_loss_experiment_quick():
+    """exp/codec_loss.py runs each arm per seed against its seed's unrounded arm."""
+    arms = ["none/none", "nearest/nearest", "block32/stochastic"]
+    script = str(REPO / "exp" / "codec_loss.py")
+    out = subprocess.run(
+        [sys.executable, script, "--quick", "--seeds", "0", "1", "--arms", *arms],
+        cwd=REPO,
+        env=child_env(TF_CPP_MIN_LOG_LEVEL="2"),
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [json.loads(line) for line in out.stdout.strip().splitlines()]
+    rows, summary = lines[:-1], lines[-1]
+    assert len(rows) == 6 and all(positive(r["val_loss"]) for r in rows)
+    assert summary["experiment"] == "codec_loss"
+    by_arm = summary["summary"]
+    assert by_arm["none/none"]["vs_none"] == [0.0, 0.0]
+    for arm in ("nearest/nearest", "block32/stochastic"):
+        assert len(by_arm[arm]["vs_none"]) == 2
+        assert all(v != 0.0 for v in by_arm[arm]["vs_none"]), "rounding changed nothing"
