@@ -73,15 +73,14 @@ def run_arm(model: ModelConfig, train: TrainConfig, fwd: str, bwd: str, bits: in
     losses = []
     for step in range(train.steps):
         x, y = data.next_batch(train.batch_size)
-        total = 0.0
         for xs, ys in zip(np.split(x, m), np.split(y, m), strict=True):
-            tape, out = first.tape_forward(tf.constant(xs), input_grad=False)
+            tokens = tf.constant(xs)
+            tape, out = first.tape_forward(tokens, input_grad=False)
             h = tf.constant(through(out.numpy(), fwd, bits, rng))
             dx = last.last_micro(h, tf.constant(ys))
             g = tf.constant(through(dx.numpy(), bwd, bits, rng))
-            first.tape_backward(tape, tf.constant(xs), out, g, input_grad=False)
-        total = last.take_loss() / m
-        losses.append(total)
+            first.tape_backward(tape, tokens, out, g, input_grad=False)
+        losses.append(last.take_loss() / m)
         first.apply(step, m)
         last.apply(step, m)
     val = []

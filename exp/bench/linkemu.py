@@ -121,6 +121,16 @@ def tbf_args(rate_bit_s: float) -> list[str]:
     return ["tbf", "rate", f"{int(rate_bit_s)}bit", "burst", str(burst), "limit", str(limit)]
 
 
+def shaping_commands(dev: str, rate_bit_s: float) -> list[list[str]]:
+    """The commands that shape the traffic leaving ``dev`` to ``rate_bit_s``: packets one by
+    one when :func:`packet_by_packet` says so, then the ``tbf``."""
+    commands = []
+    if packet_by_packet(rate_bit_s):
+        commands.append(["ip", "link", "set", "dev", dev, "gso_max_segs", "1"])
+    commands.append(["tc", "qdisc", "add", "dev", dev, "root", *tbf_args(rate_bit_s)])
+    return commands
+
+
 def release_at(previous: float, arrival: float, delay_s: float, jitter: float) -> float:
     """When a chunk that arrived at ``arrival`` may leave: after its delay plus ``jitter``
     (a sample in seconds), never before the chunk ahead of it (TCP keeps bytes in order)."""
@@ -219,14 +229,13 @@ class FarSide:
             _run([*ns, "ip", "addr", "add", f"{self.far_ip}/30", "dev", self._far_dev])
             _run([*ns, "ip", "link", "set", self._far_dev, "up"])
             _run([*ns, "ip", "link", "set", "lo", "up"])
-            if (rate := self.profile.forward.rate_bit_s) is not None:
-                if packet_by_packet(rate):
-                    _run(["ip", "link", "set", "dev", self._near_dev, "gso_max_segs", "1"])
-                _run(["tc", "qdisc", "add", "dev", self._near_dev, "root", *tbf_args(rate)])
-            if (rate := self.profile.backward.rate_bit_s) is not None:
-                if packet_by_packet(rate):
-                    _run([*ns, "ip", "link", "set", "dev", self._far_dev, "gso_max_segs", "1"])
-                _run([*ns, "tc", "qdisc", "add", "dev", self._far_dev, "root", *tbf_args(rate)])
+            for prefix, dev, direction in (
+                ([], self._near_dev, self.profile.forward),
+                (ns, self._far_dev, self.profile.backward),
+            ):
+                if direction.rate_bit_s is not None:
+                    for command in shaping_commands(dev, direction.rate_bit_s):
+                        _run([*prefix, *command])
         except BaseException:
             self.close()
             raise

@@ -19,6 +19,10 @@ wan = bench_module("wan")
 )
 def test_slow_directions_send_packets_one_by_one(rate, one_by_one):
     assert linkemu.packet_by_packet(rate) is one_by_one
+    commands = linkemu.shaping_commands("dev0", rate)
+    gso = ["ip", "link", "set", "dev", "dev0", "gso_max_segs", "1"]
+    assert (gso in commands) is one_by_one
+    assert commands[-1] == ["tc", "qdisc", "add", "dev", "dev0", "root", *linkemu.tbf_args(rate)]
 
 
 @pytest.mark.parametrize(

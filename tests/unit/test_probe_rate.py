@@ -12,7 +12,7 @@ PIECE_S = CHUNK * 8 / (RATE * 1e6)
 
 def steady(pieces: int, free: int = 0) -> list[float]:
     """Arrival times at RATE; the first ``free`` pieces pass at once (a shaper's bucket)."""
-    return [max(0, k - free + 1) * PIECE_S if k >= free else 0.0 for k in range(pieces)]
+    return [(k - free + 1) * PIECE_S if k >= free else 0.0 for k in range(pieces)]
 
 
 def late(times: list[float], upto: int, until: float) -> list[float]:
