@@ -2,15 +2,23 @@
 
 An experiment, not a benchmark: the speed model of ``exp/bench/pipeline.py`` split in two
 :class:`StageModel` halves in this process, the activations and the gradients between them put
-through the wire's own ``quantize``/``dequantize`` (``nearest``) or through the same per-row
-absmax with stochastic rounding (``stochastic``: each value rounds up with the probability of
-its distance from the lower code, so the rounded tensor is unbiased), through a scale per 32
-values instead of per row (``block32``), or through float16 (``fp16``: a perturbation far
-smaller than int8's, to tell a codec's cost from any perturbation's). Every arm trains the
-same steps on the same data from the same weights; several seeds tell the codec's cost from
-the chaos of a training trajectory. One JSON line per arm and a summary.
+through one of these roundings (``FWD/BWD`` per arm):
 
-    python exp/codec_loss.py --arms none/none nearest/nearest nearest/stochastic --seeds 0 1
+- ``row``: the wire's own ``quantize``/``dequantize``: ``fixed_intN`` as the stages send it
+  (per-row absmax, the scale rounded up to bfloat16);
+- ``row16``: the same with the scale rounded up to float16 instead (the wire before protocol
+  2, whose scales lost their bits when a late step's gradients got small);
+- ``row32``: the same with an exact float32 scale;
+- ``blockN``: the wire's rounding with a scale per N values of a row instead of per row;
+- ``stochastic``: the wire's per-row scales, each value rounded up with the probability of its
+  distance from the lower code (the rounded tensor is unbiased);
+- ``fp16``: a cast to float16 and back (a perturbation far smaller than int8's, to tell a
+  codec's cost from any perturbation's); ``none``: nothing.
+
+Every arm trains the same steps on the same data from the same weights; several seeds tell the
+codec's cost from the chaos of a training trajectory. One JSON line per arm and a summary.
+
+    python exp/codec_loss.py --arms none/none row/row row16/row16 --seeds 0 1 2
 """
 
 from __future__ import annotations
@@ -30,8 +38,15 @@ from silentswarm.agent.runtime.stage_model import StageModel
 from silentswarm.agent.runtime.tfsetup import configure_tensorflow
 from silentswarm.plan import ModelConfig, TrainConfig, chain_plans
 
-ROUNDINGS = ("none", "fp16", "nearest", "stochastic", "block32")
-BLOCK = 32
+ROUNDINGS = ("none", "fp16", "row", "row16", "row32", "stochastic", "blockN")
+
+
+def rounded(x: np.ndarray, scales: np.ndarray, bits: int) -> np.ndarray:
+    """Per row: ``rint(x / scale)`` clipped to the codes, times the scale."""
+    qmax = _qmax(bits)
+    rows = x.reshape(-1, x.shape[-1])
+    q = np.clip(np.rint(rows / scales[:, None]), -qmax, qmax)
+    return (q * scales[:, None]).reshape(x.shape).astype(np.float32)
 
 
 def stochastic(x: np.ndarray, bits: int, rng: np.random.Generator) -> np.ndarray:
@@ -47,17 +62,40 @@ def stochastic(x: np.ndarray, bits: int, rng: np.random.Generator) -> np.ndarray
     return (q * s).reshape(x.shape).astype(np.float32)
 
 
+def float16_scales(x: np.ndarray, bits: int) -> np.ndarray:
+    """Protocol 1's scales: absmax / qmax clamped to float16's range and rounded up to it."""
+    absmax = np.abs(x.reshape(-1, x.shape[-1])).max(axis=1)
+    tiny, big = float(np.finfo(np.float16).smallest_subnormal), float(np.finfo(np.float16).max)
+    wanted = np.clip(absmax / np.float32(_qmax(bits)), tiny, big).astype(np.float32)
+    scales = wanted.astype(np.float16)
+    low = scales.astype(np.float32) < wanted
+    scales[low] = np.nextafter(scales[low], np.float16(np.inf))
+    return scales.astype(np.float32)
+
+
 def through(x: np.ndarray, rounding: str, bits: int, rng: np.random.Generator) -> np.ndarray:
     if rounding == "none":
         return x
     if rounding == "fp16":
         return x.astype(np.float16).astype(np.float32)
-    if rounding == "block32":  # a scale per 32 values of a row, not one per row
-        blocks = x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    if rounding == "stochastic":
+        return stochastic(x, bits, rng)
+    if rounding == "row16":
+        return rounded(x, float16_scales(x, bits), bits)
+    if rounding == "row32":
+        absmax = np.abs(x.reshape(-1, x.shape[-1])).max(axis=1)
+        return rounded(x, np.maximum(absmax / np.float32(_qmax(bits)), 1e-38), bits)
+    if rounding.startswith("block"):  # a row per block of N values: the wire's scale per block
+        n = int(rounding.removeprefix("block"))
+        blocks = x.reshape(*x.shape[:-1], x.shape[-1] // n, n)
         return dequantize(*quantize(blocks, bits)).reshape(x.shape)
-    if rounding == "nearest":
-        return dequantize(*quantize(x, bits))
-    return stochastic(x, bits, rng)
+    return dequantize(*quantize(x, bits))
+
+
+def known(rounding: str) -> bool:
+    if rounding.startswith("block"):
+        return rounding.removeprefix("block").isdigit() and int(rounding[5:]) > 0
+    return rounding in ROUNDINGS
 
 
 def run_arm(model: ModelConfig, train: TrainConfig, fwd: str, bwd: str, bits: int, m: int) -> dict:
@@ -83,15 +121,21 @@ def run_arm(model: ModelConfig, train: TrainConfig, fwd: str, bwd: str, bits: in
         losses.append(last.take_loss() / m)
         first.apply(step, m)
         last.apply(step, m)
-    val = []
+    val, val_exact = [], []
     for vx, vy in job_val_batches(data, train):
-        h = through(first.forward(tf.constant(vx), training=False).numpy(), fwd, bits, rng)
-        val.append(float(last.forward_loss(tf.constant(h), tf.constant(vy), training=False)))
+        out = first.forward(tf.constant(vx), training=False).numpy()
+        for sent, into in ((through(out, fwd, bits, rng), val), (out, val_exact)):
+            into.append(
+                float(last.forward_loss(tf.constant(sent), tf.constant(vy), training=False))
+            )
     return {
         "fwd": fwd,
         "bwd": bwd,
         "seed": train.seed,
         "val_loss": statistics.fmean(val),
+        # the same weights, the activations sent unrounded: what training cost, without what
+        # rounding at inference costs
+        "val_loss_exact_forward": statistics.fmean(val_exact),
         "train_loss_last20": statistics.fmean(losses[-20:]),
         "seconds": round(time.perf_counter() - started, 1),
     }
@@ -115,25 +159,25 @@ def main() -> None:
         model = ModelConfig(n_layers=4, d_model=256, n_heads=8, seq_len=128)
         base = TrainConfig(steps=args.steps, batch_size=16, warmup_steps=20, val_batches=64)
     base = msgspec.structs.replace(base, learning_rate=args.lr)
+    for arm in args.arms:
+        if not all(map(known, arm.split("/"))) or arm.count("/") != 1:
+            sys.exit(f"codec_loss.py: arm {arm!r}: FWD/BWD, each side one of {ROUNDINGS}")
     rows = []
     for seed in args.seeds:
         for arm in args.arms:
             fwd, bwd = arm.split("/")
-            if fwd not in ROUNDINGS or bwd not in ROUNDINGS:
-                sys.exit(f"codec_loss.py: arm {arm!r}: each side is one of {ROUNDINGS}")
             train = msgspec.structs.replace(base, seed=seed)
             row = run_arm(model, train, fwd, bwd, args.bits, args.micro_batches)
             rows.append(row)
             print(json.dumps(row), flush=True)
     summary = {}
+    refs = {r["seed"]: r["val_loss"] for r in rows if r["fwd"] == r["bwd"] == "none"}
     for arm in args.arms:
-        fwd, bwd = arm.split("/")
-        rel = []
-        for seed in args.seeds:
-            ref = next(r for r in rows if r["seed"] == seed and r["fwd"] == r["bwd"] == "none")
-            got = next(r for r in rows if r["seed"] == seed and (r["fwd"], r["bwd"]) == (fwd, bwd))
-            rel.append(got["val_loss"] / ref["val_loss"] - 1.0)
-        summary[arm] = {"vs_none": rel, "mean": statistics.fmean(rel)}
+        got = {r["seed"]: r["val_loss"] for r in rows if f"{r['fwd']}/{r['bwd']}" == arm}
+        summary[arm] = {"val_loss": list(got.values())}
+        if refs:  # with a none/none arm: each seed against its own
+            rel = [got[seed] / refs[seed] - 1.0 for seed in args.seeds]
+            summary[arm] |= {"vs_none": rel, "mean": statistics.fmean(rel)}
     print(json.dumps({"experiment": "codec_loss", "bits": args.bits, "summary": summary}))
 
 

@@ -22,9 +22,9 @@ from typing import Any
 
 import keras
 import msgspec
-import numpy as np
 import tensorflow as tf
 
+from silentswarm.agent.pipe.wire import SCALE_MAX, SCALE_MIN
 from silentswarm.compression import CodecKind, parse_compression, parse_wire_codec
 from silentswarm.plan import ModelConfig
 
@@ -219,10 +219,6 @@ def token_loss(logits, targets):
 
 # --- the whole pipeline as one model ----------------------------------------------------------
 
-# agent/pipe/wire.py's scale bounds (float16's smallest subnormal and largest finite value).
-_SCALE_MIN = float(np.finfo(np.float16).smallest_subnormal)
-_SCALE_MAX = float(np.finfo(np.float16).max)
-
 
 def _divide(a, b):
     """``a / b`` correctly rounded to float32, as numpy divides.
@@ -243,10 +239,11 @@ class WireRoundTrip(keras.layers.Layer):
 
     ``none`` is the identity, ``fp16`` a cast to float16 and back. ``fixed_intN`` is
     ``agent/pipe/wire.py``'s ``dequantize(*quantize(x, N))`` step by step: per-row (last
-    axis) absmax, the scale ``absmax / qmax`` clamped to float16's positive finite range and
-    rounded *up* to float16 (round to nearest, then one float16 ulp up when that fell
-    short), ``rint`` (half to even, like ``np.rint``), a clip to ``[-qmax, qmax]``, and
-    ``q * scale``. On the same float32 input it gives bit for bit what the wire gives.
+    axis) absmax, the scale ``absmax / qmax`` clamped to ``[SCALE_MIN, SCALE_MAX]`` and
+    rounded *up* to bfloat16 (the float32's upper 16 bits, one more unless the lower 16 are
+    zero: the wire's integer ops), ``rint`` (half to even, like ``np.rint``), a clip to
+    ``[-qmax, qmax]``, and ``q * scale``. On the same float32 input it gives bit for bit what
+    the wire gives.
     """
 
     def __init__(self, codec: str = "none", **kwargs) -> None:
@@ -261,12 +258,13 @@ class WireRoundTrip(keras.layers.Layer):
             return tf.cast(tf.cast(x, tf.float16), x.dtype)
         qmax = float(self._wire.qmax)
         absmax = tf.reduce_max(tf.abs(x), axis=-1, keepdims=True)
-        wanted = tf.clip_by_value(_divide(absmax, qmax), _SCALE_MIN, _SCALE_MAX)
-        half = tf.cast(wanted, tf.float16)
-        up = tf.bitcast(tf.bitcast(half, tf.int16) + 1, tf.float16)  # the next float16 up
-        scale = tf.cast(tf.where(tf.cast(half, tf.float32) < wanted, up, half), tf.float32)
+        wanted = tf.clip_by_value(_divide(absmax, qmax), SCALE_MIN, SCALE_MAX)
+        raw = tf.bitcast(wanted, tf.int32)  # positive: the sign bit is clear
+        upper = tf.bitwise.right_shift(raw, 16)
+        upper += tf.cast(tf.bitwise.bitwise_and(raw, 0xFFFF) != 0, tf.int32)
+        scale = tf.bitcast(tf.bitwise.left_shift(upper, 16), tf.float32)
         q = tf.clip_by_value(tf.math.rint(_divide(x, scale)), -qmax, qmax)
-        return q * scale  # exact: an integer of <= 8 bits times an 11-bit float16 value
+        return q * scale  # exact: an integer of <= 8 bits times an 8-bit bfloat16 value
 
     def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "codec": self.codec}

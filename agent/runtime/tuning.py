@@ -57,7 +57,7 @@ MBIT = 1e6 / 8  # bytes per second in one Mbit/s
 def wire_bytes_per_sample(codec: WireCodec, seq_len: int, dims: int) -> int:
     """Bytes one sample's boundary tensor takes on the wire (no frame header): a row per
     position, as the frames encode it."""
-    return encoded_nbytes(codec, seq_len * dims, seq_len)
+    return encoded_nbytes(codec, (seq_len, dims))
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,12 @@ micro-batches and in-flight window, run in the same invocation (added when not a
 - ``bytes_per_step``: a training step's bytes across the boundary, both directions, headers and
   scales included (the median per step; validation left out);
 - ``val_loss`` after ``--loss-steps`` steps, same seed and data; ``val_loss_vs_reference`` its
-  relative difference from the reference's;
+  relative difference from the reference's. With ``--loss-seeds`` every loss run is repeated
+  with each seed (weights, data order): ``val_loss`` is then the mean over the seeds,
+  ``val_loss_vs_reference`` the mean of the per-seed differences (each seed against the
+  reference of the same seed), both per seed in ``val_loss_per_seed`` and
+  ``val_loss_vs_reference_per_seed``: a 400-step trajectory moves by a percent or more from
+  seed to seed, as much as int8's rounding costs;
 - an ``overlap`` arm (``--schedules overlap``) also has ``speedup_vs_sync`` (median per-round
   ratio of its tokens/s to its synchronous twin's, the same arm with ``1f1b``, added when not
   asked for) and ``val_loss_vs_sync`` (its validation loss against the twin's): what
@@ -250,25 +255,39 @@ def throughput(
 
 
 def losses(
-    work: Path, arms: list[Arm], model: ModelConfig, train: TrainConfig, per_arm: bool
-) -> dict[Arm, dict[str, Any]]:
-    """Each arm's loss run: its own, or the loopback run of its math (see the module doc)."""
+    work: Path,
+    arms: list[Arm],
+    model: ModelConfig,
+    train: TrainConfig,
+    per_arm: bool,
+    seeds: list[int],
+) -> dict[Arm, dict[int, dict[str, Any]]]:
+    """Each arm's loss run per seed: its own, or the loopback run of its math (see the
+    module doc)."""
     runs: dict[Any, dict[str, Any]] = {}
-    out = {}
-    for arm in arms:
-        key = arm if per_arm else arm.math
-        if key not in runs:
-            over_link = per_arm or arm.adaptive
-            result = run_arm(work / "loss", arm, model, train, shaped=over_link)
-            result["loss_profile"] = arm.profile if over_link else "loopback"
-            runs[key] = result
-            print(
-                f"  loss {arm.tag if per_arm else '/'.join(map(str, arm.math)):40s} "
-                f"val loss {result['val_loss']:.4f} over {result['loss_profile']}",
-                flush=True,
-            )
-        out[arm] = runs[key]
+    out: dict[Arm, dict[int, dict[str, Any]]] = {}
+    for seed in seeds:
+        seeded = msgspec.structs.replace(train, seed=seed)
+        for arm in arms:
+            key = (arm if per_arm else arm.math, seed)
+            if key not in runs:
+                over_link = per_arm or arm.adaptive
+                result = run_arm(work / f"loss-{seed}", arm, model, seeded, shaped=over_link)
+                result["loss_profile"] = arm.profile if over_link else "loopback"
+                runs[key] = result
+                print(
+                    f"  loss {arm.tag if per_arm else '/'.join(map(str, arm.math)):40s} "
+                    f"seed {seed} val loss {result['val_loss']:.4f} "
+                    f"over {result['loss_profile']}",
+                    flush=True,
+                )
+            out.setdefault(arm, {})[seed] = runs[key]
     return out
+
+
+def versus(runs: dict[int, dict[str, Any]], refs: dict[int, dict[str, Any]]) -> list[float]:
+    """Per seed, the relative validation-loss difference of a run from its reference's."""
+    return [runs[s]["val_loss"] / refs[s]["val_loss"] - 1.0 for s in runs]
 
 
 def tunnel_vs_p2p(tps: dict[Arm, list[float]]) -> list[dict[str, Any]]:
@@ -305,7 +324,8 @@ def loss_cost(row: dict[str, Any], rows: list[dict[str, Any]]) -> float:
             "none",
             "1f1b",
         ) and all(ref[k] == row[k] for k in same):
-            return row["val_loss"] / ref["val_loss"] - 1.0
+            mine, theirs = row["val_loss_per_seed"], ref["val_loss_per_seed"]
+            return statistics.fmean(mine[s] / theirs[s] - 1.0 for s in mine)
     return float("inf")  # no synchronous reference in this run: the target is not shown met
 
 
@@ -421,6 +441,13 @@ def main() -> None:
     parser.add_argument("--loss-steps", type=int, default=None, help="steps of a loss run (400)")
     parser.add_argument("--loss-per-arm", action="store_true", help="train each arm on its link")
     parser.add_argument("--seed", type=int, default=0, help="the runs' seed (one for all arms)")
+    parser.add_argument(
+        "--loss-seeds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="repeat each loss run with these seeds and average (default: --seed)",
+    )
     parser.add_argument("--png", type=Path, default=None, help="where the plot goes")
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="tiny smoke run")
@@ -456,18 +483,25 @@ def main() -> None:
     print(f"model {model}\nwork dir {work}\n{len(arms)} arms, {rounds} rounds", flush=True)
     load_start = load_avg()
     tps, tps_chosen = throughput(work, arms, model, train, rounds)
-    loss = losses(work, arms, model, loss_train, args.loss_per_arm)
+    seeds = list(dict.fromkeys(args.loss_seeds or [args.seed]))
+    loss = losses(work, arms, model, loss_train, args.loss_per_arm, seeds)
     rows = []
     for arm in arms:
         ref = arm.reference
-        run, ref_run = loss[arm], loss[ref]
+        runs = loss[arm]
+        run = runs[seeds[0]]
+        vs_ref = versus(runs, loss[ref])
         row = {
             **asdict(arm),
             "tokens_per_s": statistics.median(tps[arm]),
             "retention": statistics.median(a / b for a, b in zip(tps[arm], tps[ref], strict=True)),
             "bytes_per_step": run["bytes_per_step"],
-            "val_loss": run["val_loss"],
-            "val_loss_vs_reference": run["val_loss"] / ref_run["val_loss"] - 1.0,
+            "val_loss": statistics.fmean(r["val_loss"] for r in runs.values()),
+            "val_loss_vs_reference": statistics.fmean(vs_ref),
+            "val_loss_per_seed": {str(s): r["val_loss"] for s, r in runs.items()},
+            "val_loss_vs_reference_per_seed": {
+                str(s): v for s, v in zip(runs, vs_ref, strict=True)
+            },
             "loss_profile": run["loss_profile"],
             "chosen": tps_chosen[arm],
             "per_round_tokens_per_s": tps[arm],
@@ -477,7 +511,7 @@ def main() -> None:
             row["speedup_vs_sync"] = statistics.median(
                 a / b for a, b in zip(tps[arm], tps[sync], strict=True)
             )
-            row["val_loss_vs_sync"] = run["val_loss"] / loss[sync]["val_loss"] - 1.0
+            row["val_loss_vs_sync"] = statistics.fmean(versus(runs, loss[sync]))
         rows.append(row)
         print(
             f"  {arm.tag:40s} {row['tokens_per_s']:8.0f} tok/s  retention {row['retention']:.2f}"
@@ -500,6 +534,7 @@ def main() -> None:
             "model": msgspec.to_builtins(model),
             "steps": train.steps,
             "loss_steps": loss_train.steps,
+            "loss_seeds": seeds,
             "arms": rows,
             "profiles": {
                 name: msgspec.to_builtins(asdict(PROFILES[name]))

@@ -179,7 +179,7 @@ def test_wan_benchmark_compares_the_overlap_schedule_with_its_synchronous_twin(t
 @pytest.mark.timeout(300)
 def test_codec_loss_experiment_quick():
     """exp/codec_loss.py runs each arm per seed against its seed's unrounded arm."""
-    arms = ["none/none", "nearest/nearest", "block32/stochastic"]
+    arms = ["none/none", "row/row", "block32/stochastic"]
     script = str(REPO / "exp" / "codec_loss.py")
     out = subprocess.run(
         [sys.executable, script, "--quick", "--seeds", "0", "1", "--arms", *arms],
@@ -197,6 +197,6 @@ def test_codec_loss_experiment_quick():
     assert summary["experiment"] == "codec_loss"
     by_arm = summary["summary"]
     assert by_arm["none/none"]["vs_none"] == [0.0, 0.0]
-    for arm in ("nearest/nearest", "block32/stochastic"):
+    for arm in ("row/row", "block32/stochastic"):
         assert len(by_arm[arm]["vs_none"]) == 2
         assert all(v != 0.0 for v in by_arm[arm]["vs_none"]), "rounding changed nothing"

@@ -173,7 +173,7 @@ def test_an_overlap_arm_brings_its_reference_and_synchronous_twins():
 
 
 def test_targets_count_an_overlap_arms_loss_against_the_synchronous_reference():
-    def arm(profile, codec, schedule, val_loss, vs_reference, retention=1.0):
+    def arm(profile, codec, schedule, val_loss, vs_reference, retention=1.0, per_seed=None):
         return {
             "profile": profile,
             "compression": codec,
@@ -182,6 +182,7 @@ def test_targets_count_an_overlap_arms_loss_against_the_synchronous_reference():
             "micro_batches": 8,
             "in_flight": 8,
             "val_loss": val_loss,
+            "val_loss_per_seed": per_seed or {"0": val_loss},
             "val_loss_vs_reference": vs_reference,
             "retention": retention,
         }
@@ -198,3 +199,13 @@ def test_targets_count_an_overlap_arms_loss_against_the_synchronous_reference():
     good = dict(sync, val_loss_vs_reference=0.005)
     assert wan.targets([sync_ref, good], [])[name] is True
     assert wan.loss_cost(over, [over_ref, over]) == float("inf")
+    # over several seeds: the mean of each seed against the same seed's reference
+    two_ref = arm("loopback", "none", "1f1b", 2.0, 0.0, per_seed={"0": 2.0, "1": 3.0})
+    two = arm("wan100", "none", "overlap", 2.5, 0.0, per_seed={"0": 2.2, "1": 3.0})
+    assert wan.loss_cost(two, [two_ref, two]) == pytest.approx(0.05)
+
+
+def test_loss_differences_pair_each_seed_with_its_own_reference():
+    runs = {0: {"val_loss": 2.2}, 1: {"val_loss": 2.9}}
+    refs = {1: {"val_loss": 3.0}, 0: {"val_loss": 2.0}}
+    assert wan.versus(runs, refs) == pytest.approx([0.1, 2.9 / 3.0 - 1])

@@ -34,7 +34,7 @@ def test_auto_codecs_are_ordered_from_least_to_most_lossy():
     sizes = [wire_bytes_per_sample(c, SEQ, DIMS) for c in AUTO_CODECS]
     assert sizes == sorted(sizes, reverse=True)
     assert sizes[0] == SEQ * DIMS * 4
-    assert sizes[2] == SEQ * DIMS + 2 * SEQ  # one byte a value, a float16 scale a row
+    assert sizes[2] == SEQ * DIMS + 2 * SEQ  # one byte a value, a bfloat16 scale a row
 
 
 @pytest.mark.parametrize(

@@ -8,13 +8,17 @@ import pytest
 from silentswarm.agent.errors import FrameError
 from silentswarm.agent.pipe.wire import (
     PROTOCOL_VERSION,
+    SCALE_MAX,
     CodecKind,
     Direction,
     FrameHeader,
     WireCodec,
+    bfloat16_up,
+    bfloat16_value,
     decode_frame,
     dequantize,
     encode_frame,
+    encoded_nbytes,
     frame_nbytes,
     pack_bits,
     parse_wire_codec,
@@ -104,11 +108,11 @@ def test_fp16_roundtrip_within_fp16_rounding(shape: tuple[int, ...]) -> None:
 
 
 def int_error_bound(x: np.ndarray, bits: int) -> np.ndarray:
-    """scale / 2 per element, scale = row absmax / qmax, plus float16 scale rounding."""
+    """scale / 2 per element, scale = row absmax / qmax rounded up to bfloat16 (2**-7)."""
     qmax = 2 ** (bits - 1) - 1
     rows = x.reshape(-1, x.shape[-1])
     scale = np.abs(rows).max(axis=1, keepdims=True) / qmax
-    bound = scale / 2 * (1 + 2.0**-9) + 2.0**-24
+    bound = scale / 2 * (1 + 2.0**-7) + 2.0**-127
     return np.broadcast_to(bound, rows.shape).reshape(x.shape)
 
 
@@ -126,7 +130,7 @@ def test_int_zero_rows_and_mixed_magnitudes(bits: int) -> None:
     x[0] = 0.0
     x[1] *= 1e4
     x[2] *= 1e-3
-    x[3] *= 1e-9  # below float16's scale resolution: decodes to ~0, within the bound
+    x[3] *= 1e-9  # below float16's scale resolution, well inside bfloat16's
     x[4, 5] = 3e4  # one outlier dominates its row
     y = roundtrip(x, f"fixed_int{bits}")
     assert np.all(np.isfinite(y))
@@ -142,10 +146,39 @@ def test_all_zero_tensor_decodes_to_zeros() -> None:
         np.testing.assert_array_equal(y, x)
 
 
-def test_int_beyond_float16_scale_range_saturates_without_inf() -> None:
-    x = np.array([[1e9, -1e9, 1.0]], dtype=np.float32)
+def test_int_beyond_the_scale_range_saturates_without_inf() -> None:
+    x = np.array([[3.4e38, -3.4e38, 1.0]], dtype=np.float32)
     y = roundtrip(x, "fixed_int2")
-    assert np.all(np.isfinite(y))
+    assert np.all(np.isfinite(y)) and y[0, 0] == SCALE_MAX
+
+
+@pytest.mark.parametrize("bits", INT_BITS)
+def test_small_gradients_keep_every_bit(bits: int) -> None:
+    """Rows as small as a late step's gradients (absmax 1e-9 to 1e-4): the scale keeps 8
+    significant bits (float16 had a few or none down there), so the largest value of a row
+    still takes the top code and every value is within half a step."""
+    rng = np.random.default_rng(bits)
+    x = (rng.standard_normal((64, 256)) * 10.0 ** rng.uniform(-9, -4, (64, 1))).astype(np.float32)
+    q, scales = quantize(x, bits)
+    qmax = 2 ** (bits - 1) - 1
+    assert np.all(np.abs(q).max(axis=1) >= qmax - 1)  # the scale rounded up by <= 2**-7
+    assert np.all(np.abs(dequantize(q, scales) - x) <= int_error_bound(x, bits))
+
+
+def test_scales_are_bfloat16_rounded_up() -> None:
+    wanted = np.array([1.0, 1.0 + 2.0**-10, 3.0e-7, 1e-30, SCALE_MAX], dtype=np.float32)
+    up = bfloat16_value(bfloat16_up(wanted))
+    np.testing.assert_array_equal(up[:2], [1.0, 1.0 + 2.0**-7])
+    assert np.all(up >= wanted) and np.all(up[:-1] <= wanted[:-1] * (1 + 2.0**-7))
+    assert up[-1] == SCALE_MAX and np.isfinite(up).all()
+
+
+@pytest.mark.parametrize("pattern", [0x7F80, 0xFFC0, 0xBF80])  # inf, NaN, -1.0
+def test_a_scale_that_is_not_finite_and_positive_is_a_frame_error(pattern: int) -> None:
+    parts = int4_parts()
+    scales = np.frombuffer(bytes(parts[2]), dtype="<u2").copy()
+    scales[0] = pattern
+    expect_frame_error([parts[0], parts[1], scales.view(np.uint8).tobytes()], "scales must be")
 
 
 def test_quantize_rejects_non_finite() -> None:
@@ -161,7 +194,8 @@ def test_quantize_dequantize(bits: int) -> None:
     qmax = 2 ** (bits - 1) - 1
     assert q.shape == x.shape
     assert scales.shape == (12,)
-    assert scales.dtype == np.float16
+    assert scales.dtype == np.float32
+    np.testing.assert_array_equal(bfloat16_value(bfloat16_up(scales)), scales)
     assert q.min() >= -qmax and q.max() <= qmax
     # the row maximum uses (nearly) the full range
     assert np.all(np.abs(q.reshape(12, 10)).max(axis=1) >= qmax - 1)
@@ -195,6 +229,8 @@ def test_payload_sizes(shape: tuple[int, ...]) -> None:
         assert len(parts) == 3
         assert header.payload_nbytes == memoryview(parts[1]).nbytes == math.ceil(numel * bits / 8)
         assert header.scales_nbytes == memoryview(parts[2]).nbytes == 2 * rows
+        codec = parse_wire_codec(f"fixed_int{bits}")
+        assert encoded_nbytes(codec, shape) == header.payload_nbytes + header.scales_nbytes
         assert frame_nbytes(parts) == sum(memoryview(p).nbytes for p in parts)
 
 
@@ -324,12 +360,14 @@ def test_header_missing_field() -> None:
     expect_frame_error([msgspec.msgpack.encode(fields), *int4_parts()[1:]], "bad frame header")
 
 
-@pytest.mark.parametrize("version", [0, 2, 99])
+@pytest.mark.parametrize("version", [0, 1, 3, 99])
 def test_wrong_version(version: int) -> None:
-    # a newer peer may also change other fields: the version is what gets reported
+    # a newer peer may also change other fields: the version is what gets reported; version 1
+    # (float16 scales) is refused rather than decoded with the wrong scales
     fields = raw_header(v=version, shape="something new")
     expect_frame_error(
-        [msgspec.msgpack.encode(fields), *int4_parts()[1:]], f"version {version}.*version 1"
+        [msgspec.msgpack.encode(fields), *int4_parts()[1:]],
+        f"version {version}.*version {PROTOCOL_VERSION}",
     )
 
 
