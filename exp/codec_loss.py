@@ -12,8 +12,10 @@ through one of these roundings (``FWD/BWD`` per arm):
 - ``blockN``: the wire's rounding with a scale per N values of a row instead of per row;
 - ``stochastic``: the wire's per-row scales, each value rounded up with the probability of its
   distance from the lower code (the rounded tensor is unbiased);
-- ``fp16``: a cast to float16 and back (a perturbation far smaller than int8's, to tell a
-  codec's cost from any perturbation's); ``none``: nothing.
+- ``fp16``: the wire's ``fp16`` frames (the tensor moved by a power of two into float16's
+  normal range, cast, moved back): a perturbation far smaller than int8's, to tell a codec's
+  cost from any perturbation's; ``fp16cast``: a plain cast (the wire before protocol 2, which
+  left a late step's gradients in float16's subnormals); ``none``: nothing.
 
 Every arm trains the same steps on the same data from the same weights; several seeds tell the
 codec's cost from the chaos of a training trajectory. One JSON line per arm and a summary.
@@ -32,13 +34,20 @@ import time
 import msgspec
 import numpy as np
 
-from silentswarm.agent.pipe.wire import _qmax, dequantize, quantize
+from silentswarm.agent.pipe.wire import (
+    _qmax,
+    decode_frame,
+    dequantize,
+    encode_frame,
+    parse_wire_codec,
+    quantize,
+)
 from silentswarm.agent.runtime.data import job_dataset, job_val_batches
 from silentswarm.agent.runtime.stage_model import StageModel
 from silentswarm.agent.runtime.tfsetup import configure_tensorflow
 from silentswarm.plan import ModelConfig, TrainConfig, chain_plans
 
-ROUNDINGS = ("none", "fp16", "row", "row16", "row32", "stochastic", "blockN")
+ROUNDINGS = ("none", "fp16", "fp16cast", "row", "row16", "row32", "stochastic", "blockN")
 
 
 def rounded(x: np.ndarray, scales: np.ndarray, bits: int) -> np.ndarray:
@@ -77,6 +86,10 @@ def through(x: np.ndarray, rounding: str, bits: int, rng: np.random.Generator) -
     if rounding == "none":
         return x
     if rounding == "fp16":
+        codec = parse_wire_codec("fp16")
+        _, parts = encode_frame(x, codec, job="j", attempt=0, step=0, micro=0, direction="fwd")
+        return decode_frame(parts)[1]
+    if rounding == "fp16cast":
         return x.astype(np.float16).astype(np.float32)
     if rounding == "stochastic":
         return stochastic(x, bits, rng)

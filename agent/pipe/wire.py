@@ -10,7 +10,11 @@ A frame is a list of parts, sent as one ZeroMQ multipart message (or relayed in 
 - ``payload``:
   ``none``  -- the float32 tensor's bytes, C order, native (little-endian) byte order; sent from
   the array's own buffer without a copy.
-  ``fp16``  -- the tensor cast to float16, C order.
+  ``fp16``  -- the tensor times ``2**shift`` (the header's ``shift``), cast to float16, C order;
+  the decoder multiplies by ``2**-shift``. The sender picks the shift that puts the tensor's
+  absmax in ``[2**14, 2**15)`` (:func:`fp16_shift`): a power of two changes no rounding in
+  float16's normal range, and it keeps gradients, whose values late in a run are ~1e-6 to
+  1e-5, out of float16's subnormals (below 6.1e-5), where they kept only a few bits.
   ``fixed_intN`` -- per element ``u = q + qmax`` (``qmax = 2**(N-1) - 1``, so ``0 <= u < 2**N``),
   packed densely at N bits per value, LSB first: value ``i`` occupies bits ``i*N .. i*N+N-1`` of
   the little-endian bit stream (bit ``b`` lives in byte ``b // 8`` at bit ``b % 8``). The payload
@@ -48,6 +52,7 @@ from silentswarm.compression import (
 from silentswarm.errors import ConfigError
 
 __all__ = [
+    "MAX_SHIFT",
     "PROTOCOL_VERSION",
     "SCALE_MAX",
     "SCALE_MIN",
@@ -61,6 +66,7 @@ __all__ = [
     "dequantize",
     "encode_frame",
     "encoded_nbytes",
+    "fp16_shift",
     "frame_nbytes",
     "pack_bits",
     "parse_wire_codec",
@@ -76,6 +82,8 @@ PROTOCOL_VERSION = 2
 # turning into inf.
 SCALE_MIN = float(np.finfo(np.float32).tiny)  # 2**-126, bfloat16's smallest normal too
 SCALE_MAX = float(np.uint32(0x7F7F0000).view(np.float32))  # bfloat16's largest, ~3.39e38
+# fp16's shifts stay within float32's normal powers of two, so 2**shift is exact both ways.
+MAX_SHIFT = 100
 
 
 class Direction(enum.StrEnum):
@@ -97,6 +105,7 @@ class FrameHeader(msgspec.Struct, kw_only=True):
     bits: int
     payload_nbytes: int
     scales_nbytes: int  # 0 unless INT
+    shift: int = 0  # fp16: the payload is the tensor times 2**shift
 
 
 class _Version(msgspec.Struct):
@@ -232,6 +241,20 @@ def dequantize(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
     return out.reshape(q.shape)
 
 
+def fp16_shift(x: np.ndarray) -> int:
+    """The power of two that puts ``x``'s absmax in ``[2**14, 2**15)``, within
+    ``[-MAX_SHIFT, MAX_SHIFT]``: ``14 - floor(log2(absmax))``, read from the float32's exponent
+    bits (a subnormal absmax counts as ``2**-127``); 0 for an all-zero or non-finite tensor
+    (which casts as it is: NaN and inf stay what they are)."""
+    if not x.size:
+        return 0
+    absmax = np.float32(np.max(np.abs(x)))
+    if not np.isfinite(absmax) or absmax == 0:
+        return 0
+    exponent = int((absmax.view(np.uint32) >> 23) & 0xFF) - 127
+    return max(-MAX_SHIFT, min(MAX_SHIFT, 14 - exponent))
+
+
 # ---------------------------------------------------------------------------------------------
 # Codec table
 
@@ -244,14 +267,19 @@ class _Codec(Protocol):
 
     def scales_nbytes(self, rows: int) -> int: ...
 
-    def encode(self, x: np.ndarray, bits: int) -> tuple[Buffer, Buffer | None]:
-        """``x`` is C-contiguous float32; returns (payload, scales or None)."""
+    def encode(self, x: np.ndarray, bits: int) -> tuple[Buffer, Buffer | None, int]:
+        """``x`` is C-contiguous float32; returns (payload, scales or None, shift)."""
         ...
 
     def decode(
-        self, payload: memoryview, scales: memoryview | None, shape: tuple[int, ...], bits: int
+        self,
+        payload: memoryview,
+        scales: memoryview | None,
+        shape: tuple[int, ...],
+        bits: int,
+        shift: int,
     ) -> np.ndarray:
-        """Sizes have been checked; returns float32 of ``shape``."""
+        """Sizes and the shift's range have been checked; returns float32 of ``shape``."""
         ...
 
 
@@ -262,13 +290,18 @@ class _NoneCodec:
     def scales_nbytes(self, rows: int) -> int:
         return 0
 
-    def encode(self, x: np.ndarray, bits: int) -> tuple[Buffer, Buffer | None]:
+    def encode(self, x: np.ndarray, bits: int) -> tuple[Buffer, Buffer | None, int]:
         # The array's own memory, as flat bytes: zero-copy; the caller must not modify the
         # array until the send has completed.
-        return memoryview(x.reshape(-1)).cast("B"), None
+        return memoryview(x.reshape(-1)).cast("B"), None, 0
 
     def decode(
-        self, payload: memoryview, scales: memoryview | None, shape: tuple[int, ...], bits: int
+        self,
+        payload: memoryview,
+        scales: memoryview | None,
+        shape: tuple[int, ...],
+        bits: int,
+        shift: int,
     ) -> np.ndarray:
         return np.frombuffer(payload, dtype=np.float32).reshape(shape)
 
@@ -280,13 +313,21 @@ class _Fp16Codec:
     def scales_nbytes(self, rows: int) -> int:
         return 0
 
-    def encode(self, x: np.ndarray, bits: int) -> tuple[Buffer, Buffer | None]:
-        return x.astype(np.float16).reshape(-1).view(np.uint8), None
+    def encode(self, x: np.ndarray, bits: int) -> tuple[Buffer, Buffer | None, int]:
+        shift = fp16_shift(x)
+        shifted = x * np.float32(2.0**shift) if shift else x
+        return shifted.astype(np.float16).reshape(-1).view(np.uint8), None, shift
 
     def decode(
-        self, payload: memoryview, scales: memoryview | None, shape: tuple[int, ...], bits: int
+        self,
+        payload: memoryview,
+        scales: memoryview | None,
+        shape: tuple[int, ...],
+        bits: int,
+        shift: int,
     ) -> np.ndarray:
-        return np.frombuffer(payload, dtype=np.float16).astype(np.float32).reshape(shape)
+        values = np.frombuffer(payload, dtype=np.float16).astype(np.float32).reshape(shape)
+        return values * np.float32(2.0**-shift) if shift else values
 
 
 class _IntCodec:
@@ -296,13 +337,18 @@ class _IntCodec:
     def scales_nbytes(self, rows: int) -> int:
         return 2 * rows
 
-    def encode(self, x: np.ndarray, bits: int) -> tuple[Buffer, Buffer | None]:
+    def encode(self, x: np.ndarray, bits: int) -> tuple[Buffer, Buffer | None, int]:
         q, scales = quantize(x, bits)
         u = (q.reshape(-1).astype(np.int16) + _qmax(bits)).astype(np.uint8)
-        return pack_bits(u, bits), bfloat16_up(scales).astype("<u2").view(np.uint8)
+        return pack_bits(u, bits), bfloat16_up(scales).astype("<u2").view(np.uint8), 0
 
     def decode(
-        self, payload: memoryview, scales: memoryview | None, shape: tuple[int, ...], bits: int
+        self,
+        payload: memoryview,
+        scales: memoryview | None,
+        shape: tuple[int, ...],
+        bits: int,
+        shift: int,
     ) -> np.ndarray:
         assert scales is not None
         count = math.prod(shape)
@@ -355,7 +401,7 @@ def encode_frame(
     if x.ndim < 1:
         raise ValueError("encode_frame needs an array of rank >= 1")
     impl = _CODECS[codec.kind]
-    payload, scales = impl.encode(x, codec.bits)
+    payload, scales, shift = impl.encode(x, codec.bits)
     count = x.size
     rows = math.prod(x.shape[:-1])
     header = FrameHeader(
@@ -371,6 +417,7 @@ def encode_frame(
         bits=codec.bits,
         payload_nbytes=impl.payload_nbytes(count, codec.bits),
         scales_nbytes=impl.scales_nbytes(rows),
+        shift=shift,
     )
     parts: list[memoryview | bytes] = [_header_encoder.encode(header), _as_bytes_view(payload)]
     if scales is not None:
@@ -438,7 +485,7 @@ def decode_frame(parts: Sequence[Any]) -> tuple[FrameHeader, np.ndarray]:
     if scales is not None and scales.nbytes != header.scales_nbytes:
         raise FrameError(f"scales are {scales.nbytes} bytes, header says {header.scales_nbytes}")
     try:
-        array = impl.decode(payload, scales, shape, codec.bits)
+        array = impl.decode(payload, scales, shape, codec.bits, header.shift)
     except (ValueError, TypeError) as exc:  # defensive: sizes were checked above
         raise FrameError(f"cannot decode {codec.name!r} payload: {exc}") from None
     return header, array
@@ -459,6 +506,10 @@ def _header_codec(header: FrameHeader) -> WireCodec:
     shape = header.shape
     if not shape or any(d < 0 for d in shape):
         raise FrameError(f"bad frame shape {list(shape)}: need rank >= 1, no negative sizes")
+    if (header.shift and codec.kind is not CodecKind.FP16) or abs(header.shift) > MAX_SHIFT:
+        raise FrameError(
+            f"frame shift {header.shift}: only fp16 frames shift, by at most {MAX_SHIFT}"
+        )
     return codec
 
 

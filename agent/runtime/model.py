@@ -24,7 +24,7 @@ import keras
 import msgspec
 import tensorflow as tf
 
-from silentswarm.agent.pipe.wire import SCALE_MAX, SCALE_MIN
+from silentswarm.agent.pipe.wire import MAX_SHIFT, SCALE_MAX, SCALE_MIN
 from silentswarm.compression import CodecKind, parse_compression, parse_wire_codec
 from silentswarm.plan import ModelConfig
 
@@ -233,11 +233,31 @@ def _divide(a, b):
     return tf.cast(quotient, tf.float32)
 
 
+def _power_of_two(exponent):
+    """``2.0**exponent`` as float32, built from its exponent bits (exact; |exponent| <= 126)."""
+    return tf.bitcast(tf.bitwise.left_shift(exponent + 127, 23), tf.float32)
+
+
+def _fp16_round_trip(x):
+    """``agent/pipe/wire.py``'s fp16 frame, encoded and decoded: the tensor's absmax moved into
+    ``[2**14, 2**15)`` by a power of two (read from the float32's exponent bits, clipped to
+    ``MAX_SHIFT``; none for an all-zero or non-finite tensor), the cast, the shift undone."""
+    absmax = tf.reduce_max(tf.abs(x))
+    exponent = tf.bitwise.bitwise_and(
+        tf.bitwise.right_shift(tf.bitcast(absmax, tf.int32), 23), 0xFF
+    )
+    shift = tf.clip_by_value(14 - (exponent - 127), -MAX_SHIFT, MAX_SHIFT)
+    shift = tf.where(tf.math.is_finite(absmax) & (absmax > 0), shift, 0)
+    halved = tf.cast(x * _power_of_two(shift), tf.float16)
+    return tf.cast(halved, tf.float32) * _power_of_two(-shift)
+
+
 @_serializable
 class WireRoundTrip(keras.layers.Layer):
     """What a boundary's wire codec does to the activations, in TensorFlow ops.
 
-    ``none`` is the identity, ``fp16`` a cast to float16 and back. ``fixed_intN`` is
+    ``none`` is the identity, ``fp16`` the wire's power-of-two shift (:func:`fp16_shift`),
+    a cast to float16 and back, and the shift undone. ``fixed_intN`` is
     ``agent/pipe/wire.py``'s ``dequantize(*quantize(x, N))`` step by step: per-row (last
     axis) absmax, the scale ``absmax / qmax`` clamped to ``[SCALE_MIN, SCALE_MAX]`` and
     rounded *up* to bfloat16 (the float32's upper 16 bits, one more unless the lower 16 are
@@ -255,7 +275,7 @@ class WireRoundTrip(keras.layers.Layer):
         if self._wire.kind is CodecKind.NONE:
             return x
         if self._wire.kind is CodecKind.FP16:
-            return tf.cast(tf.cast(x, tf.float16), x.dtype)
+            return _fp16_round_trip(x)
         qmax = float(self._wire.qmax)
         absmax = tf.reduce_max(tf.abs(x), axis=-1, keepdims=True)
         wanted = tf.clip_by_value(_divide(absmax, qmax), SCALE_MIN, SCALE_MAX)

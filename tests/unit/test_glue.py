@@ -331,6 +331,22 @@ def test_the_tensorflow_codec_is_the_wire_bit_for_bit(codec):
         np.testing.assert_array_equal(run_it(tf.constant(x)).numpy(), want)
 
 
+@pytest.mark.parametrize("magnitude", [0.0, 1e-6, 1e-30, 1e20])
+def test_the_tensorflow_fp16_shift_is_the_wire_bit_for_bit(magnitude):
+    """Tensors whose absmax puts the shift far from 0 (a late step's gradients), or at its
+    clip, or none at all (zeros)."""
+    import tensorflow as tf
+
+    from silentswarm.agent.runtime.model import WireRoundTrip
+
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((4, 16, 48)) * magnitude).astype(np.float32)
+    want = _wire(x, "fp16")
+    layer = WireRoundTrip("fp16")
+    for run_it in (layer, tf.function(layer), tf.function(layer, jit_compile=True)):
+        np.testing.assert_array_equal(run_it(tf.constant(x)).numpy(), want)
+
+
 # --- glue -------------------------------------------------------------------------------------
 
 

@@ -173,6 +173,36 @@ def test_scales_are_bfloat16_rounded_up() -> None:
     assert up[-1] == SCALE_MAX and np.isfinite(up).all()
 
 
+@pytest.mark.parametrize("magnitude", [1e-7, 1e-5, 1.0, 1e6, 1e30])
+def test_fp16_keeps_every_bit_at_any_magnitude(magnitude: float) -> None:
+    """A late step's gradients (~1e-6) lie in float16's subnormals (below 6.1e-5), where a
+    plain cast kept a few bits; shifted by a power of two they keep float16's 11."""
+    x = sample((16, 64), seed=5) * np.float32(magnitude)
+    header, parts = encode(x, "fp16")
+    absmax = float(np.abs(x).max())
+    assert header.shift == 14 - math.floor(math.log2(absmax))
+    _, y = decode_frame(parts)
+    big = np.abs(x) >= absmax * 2.0**-14  # in float16's normal range once shifted
+    np.testing.assert_allclose(y[big], x[big], rtol=2.0**-11, atol=0)
+
+
+def test_fp16_without_a_shift_for_zeros_and_non_finite_values() -> None:
+    assert encode(np.zeros((2, 4), dtype=np.float32), "fp16")[0].shift == 0
+    x = np.array([[1e-6, np.inf, np.nan]], dtype=np.float32)
+    header, parts = encode(x, "fp16")
+    assert header.shift == 0
+    y = decode_frame(parts)[1]
+    assert y[0, 1] == np.inf and np.isnan(y[0, 2])
+
+
+@pytest.mark.parametrize(("codec", "shift"), [("fixed_int4", 3), ("none", -1), ("fp16", 101)])
+def test_a_shift_where_none_may_be_is_a_frame_error(codec: str, shift: int) -> None:
+    _, parts = encode(sample((2, 8)), codec)
+    fields = msgspec.to_builtins(msgspec.msgpack.decode(bytes(parts[0]), type=FrameHeader))
+    fields["shift"] = shift
+    expect_frame_error([msgspec.msgpack.encode(fields), *parts[1:]], f"frame shift {shift}")
+
+
 @pytest.mark.parametrize("pattern", [0x7F80, 0xFFC0, 0xBF80])  # inf, NaN, -1.0
 def test_a_scale_that_is_not_finite_and_positive_is_a_frame_error(pattern: int) -> None:
     parts = int4_parts()
