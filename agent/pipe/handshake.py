@@ -3,8 +3,9 @@
 Before any frame, the two ends of a boundary shake hands over every transport they may use:
 the connector (upstream) says HELLO until the binder (downstream) answers ACK on the one it
 picks, so both ends always agree. HELLO carries a fingerprint (what must be equal on both
-ends, such as the training data); a binder with another one answers ACK with a refusal
-(``!`` and the reason) and both ends raise HandshakeError.
+ends: the job, the model config, the tokenizer and the training schedule; not the data, which
+only stage 0 reads); a binder with another one answers ACK with a refusal (``!`` and the
+reason) and both ends raise HandshakeError.
 
 On ZeroMQ the control messages are two-part messages ``[HELLO|ACK|DONE, body]``; on the
 relay they are relay messages of their own kind (:mod:`silentswarm.agent.pipe.relaymsg`). The links
@@ -153,5 +154,6 @@ def _refusal(ours: bytes, theirs: bytes) -> bytes | None:
         + theirs[:16].hex().encode()
         + b", downstream "
         + ours[:16].hex().encode()
-        + b"): the two stages do not train on the same data and model"
+        + b"): the two stages do not share the job, model config, tokenizer and training "
+        b"schedule"
     )

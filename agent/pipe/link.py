@@ -88,7 +88,7 @@ def connect_downstream(
     """The upstream end: say HELLO on every allowed transport until the binder ACKs one.
 
     The binder decides (see :func:`accept_upstream`), so both ends always agree. HELLO carries
-    ``fingerprint`` (what must be equal on both ends, such as the training data); a binder
+    ``fingerprint`` (what must be equal on both ends, such as the model config); a binder
     with another fingerprint refuses, and this raises HandshakeError.
     """
     make_zmq = (lambda: ZmqLink(name=name, connect=address, curve=curve)) if address else None

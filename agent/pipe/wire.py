@@ -3,7 +3,8 @@
 A frame is a list of parts, sent as one ZeroMQ multipart message (or relayed in chunks):
 
 ``[header, payload]`` for ``none`` and ``fp16``; ``[header, payload, scales]`` for
-``fixed_intN``.
+``fixed_intN``; a forward frame (activations, train or eval phase) has its micro-batch's
+target token ids as one more, last part: ``[header, payload(, scales), targets]``.
 
 - ``header``: msgpack of :class:`FrameHeader` (a map, so unknown fields from a newer peer are
   ignored; ``v`` is checked before anything else).
@@ -25,6 +26,20 @@ A frame is a list of parts, sent as one ZeroMQ multipart message (or relayed in 
   0, 5e-6 to 7e-5 by step 29), and their scales (absmax / 127) fall below float16's smallest
   normal (6.1e-5) and then its smallest subnormal (6e-8), where rounding the scale up costs
   int8 one to several of its bits; bfloat16 has float32's range with 8 significant bits.
+- ``targets``: the token ids the last stage scores this micro-batch's activations against,
+  ``prod(shape[:-1])`` of them (one per position: the activations' shape without its last
+  axis), as little-endian unsigned integers of the header's ``targets_dtype``, sent as they
+  are whatever the codec. Only stage 0 reads data: the ids travel down the chain with the
+  activations, every middle stage passing them on unchanged. The sender takes the smallest of
+  ``uint8``, ``uint16``, ``uint32`` that holds the vocabulary (:func:`token_dtype`: ``uint8``
+  for today's 256 byte tokens); ``targets_nbytes`` is the part's size. A frame without
+  targets (a backward frame, always) has ``targets_dtype`` ``""`` and no such part. A
+  receiver that knows the vocabulary (every stage does: the model config) refuses an id
+  outside it.
+
+An eval frame also says how many batches its validation pass has (``eval_batches``), so the
+stages after stage 0 know when the pass ends without reading the data; a pass without a
+batch is one frame of zero rows with ``eval_batches`` 0.
 
 The codecs themselves (:class:`CodecKind`, :class:`WireCodec`, :func:`parse_wire_codec`) are
 the codec table's, ``swarm/compression.py`` (pure Python); the rest is numpy and msgspec
@@ -36,7 +51,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import msgspec
 import numpy as np
@@ -56,8 +71,10 @@ __all__ = [
     "PROTOCOL_VERSION",
     "SCALE_MAX",
     "SCALE_MIN",
+    "TARGET_DTYPES",
     "CodecKind",
     "Direction",
+    "Frame",
     "FrameHeader",
     "WireCodec",
     "bfloat16_up",
@@ -71,10 +88,13 @@ __all__ = [
     "pack_bits",
     "parse_wire_codec",
     "quantize",
+    "token_dtype",
+    "token_ids",
     "unpack_bits",
 ]
 
-# 2: fixed_intN's scales are bfloat16 (version 1: float16).
+# 2: fixed_intN's scales are bfloat16 (version 1: float16); forward frames carry their
+# targets, eval frames their pass's batch count.
 PROTOCOL_VERSION = 2
 
 # Scales are bfloat16. Clamp them into [smallest normal, largest finite] so a zero row gets a
@@ -84,6 +104,12 @@ SCALE_MIN = float(np.finfo(np.float32).tiny)  # 2**-126, bfloat16's smallest nor
 SCALE_MAX = float(np.uint32(0x7F7F0000).view(np.float32))  # bfloat16's largest, ~3.39e38
 # fp16's shifts stay within float32's normal powers of two, so 2**shift is exact both ways.
 MAX_SHIFT = 100
+# The dtypes target ids travel as, by name (little-endian on the wire), smallest first.
+TARGET_DTYPES: dict[str, np.dtype] = {
+    "uint8": np.dtype("<u1"),
+    "uint16": np.dtype("<u2"),
+    "uint32": np.dtype("<u4"),
+}
 
 
 class Direction(enum.StrEnum):
@@ -106,6 +132,20 @@ class FrameHeader(msgspec.Struct, kw_only=True):
     payload_nbytes: int
     scales_nbytes: int  # 0 unless INT
     shift: int = 0  # fp16: the payload is the tensor times 2**shift
+    # Forward frames: the targets part's dtype (a TARGET_DTYPES name) and size; "" and 0: none.
+    targets_dtype: str = ""
+    targets_nbytes: int = 0
+    # Forward eval frames: how many batches the validation pass has (stage 0 counts them).
+    eval_batches: int = 0
+
+
+class Frame(NamedTuple):
+    """A decoded frame: its header, the float32 tensor and, on a forward frame, the
+    micro-batch's target token ids (shaped like the tensor without its last axis)."""
+
+    header: FrameHeader
+    array: np.ndarray
+    targets: np.ndarray | None
 
 
 class _Version(msgspec.Struct):
@@ -377,6 +417,47 @@ def encoded_nbytes(codec: WireCodec, shape: tuple[int, ...]) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# Target ids
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned dtype that holds every id of a ``vocab_size`` vocabulary: the
+    targets cost one byte per position for the byte vocabulary, not an int32's four."""
+    for dtype in TARGET_DTYPES.values():
+        if vocab_size <= 1 << (8 * dtype.itemsize):
+            return dtype
+    raise ValueError(f"no target dtype holds a vocabulary of {vocab_size} tokens")
+
+
+def token_ids(targets: np.ndarray, vocab_size: int) -> np.ndarray:
+    """``targets`` (integer token ids) as :func:`token_dtype`'s, for a forward frame.
+
+    ValueError for an id outside ``[0, vocab_size)``: the data and the model disagree, and a
+    wrapped id would train against the wrong token without a word."""
+    ids = np.asarray(targets)
+    if ids.dtype.kind not in "iu":
+        raise ValueError(f"target ids must be integers, got {ids.dtype}")
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(
+            f"target ids span [{int(ids.min())}, {int(ids.max())}], "
+            f"outside the vocabulary of {vocab_size}"
+        )
+    return np.ascontiguousarray(ids, dtype=token_dtype(vocab_size))
+
+
+def _targets_name(targets: np.ndarray, shape: tuple[int, ...]) -> str:
+    """The header's name for ``targets``' dtype; ValueError unless it is one of
+    :data:`TARGET_DTYPES` and the ids are shaped ``shape`` (the tensor's without its last
+    axis)."""
+    name = next((n for n, d in TARGET_DTYPES.items() if targets.dtype == d), None)
+    if name is None:
+        raise ValueError(f"targets must be one of {list(TARGET_DTYPES)}, got {targets.dtype}")
+    if targets.shape != shape:
+        raise ValueError(f"targets of shape {list(targets.shape)}, the frame needs {list(shape)}")
+    return name
+
+
+# ---------------------------------------------------------------------------------------------
 # Frames
 
 
@@ -390,16 +471,32 @@ def encode_frame(
     micro: int,
     direction: Direction,
     phase: str = "train",
+    targets: np.ndarray | None = None,
+    eval_batches: int = 0,
 ) -> tuple[FrameHeader, list[memoryview | bytes]]:
-    """Encode ``array`` (any rank >= 1) as ``[header_bytes, payload(, scales)]``.
+    """Encode ``array`` (any rank >= 1) as ``[header_bytes, payload(, scales)(, targets)]``.
+
+    ``targets`` (forward frames only): the micro-batch's target ids, shaped ``array.shape[:-1]``,
+    of a :data:`TARGET_DTYPES` dtype (:func:`token_ids` makes them); sent from their own buffer.
+    ``eval_batches``: on a forward eval frame, the number of batches of its validation pass.
 
     For ``none`` and a C-contiguous float32 array the payload is a memoryview of the array's own
-    buffer: do not modify the array until the frame has been sent. Other dtypes or layouts are
-    converted to C-contiguous float32 first (a copy).
+    buffer: do not modify the array (or the targets) until the frame has been sent. Other dtypes
+    or layouts are converted to C-contiguous float32 first (a copy). ValueError for targets on
+    a backward frame or of the wrong dtype or shape.
     """
     x = np.ascontiguousarray(array, dtype=np.float32)
     if x.ndim < 1:
         raise ValueError("encode_frame needs an array of rank >= 1")
+    direction = Direction(direction)
+    if eval_batches and (direction is not Direction.FWD or phase != "eval"):
+        raise ValueError("only a forward eval frame says how many batches its pass has")
+    ids, ids_name = None, ""
+    if targets is not None:
+        if direction is not Direction.FWD:
+            raise ValueError("only a forward frame carries targets")
+        ids = np.ascontiguousarray(targets)
+        ids_name = _targets_name(ids, x.shape[:-1])
     impl = _CODECS[codec.kind]
     payload, scales, shift = impl.encode(x, codec.bits)
     count = x.size
@@ -409,7 +506,7 @@ def encode_frame(
         attempt=int(attempt),
         step=int(step),
         micro=int(micro),
-        direction=Direction(direction),
+        direction=direction,
         phase=phase,
         dtype="float32",
         shape=tuple(int(d) for d in x.shape),
@@ -418,10 +515,15 @@ def encode_frame(
         payload_nbytes=impl.payload_nbytes(count, codec.bits),
         scales_nbytes=impl.scales_nbytes(rows),
         shift=shift,
+        targets_dtype=ids_name,
+        targets_nbytes=0 if ids is None else ids.nbytes,
+        eval_batches=int(eval_batches),
     )
     parts: list[memoryview | bytes] = [_header_encoder.encode(header), _as_bytes_view(payload)]
     if scales is not None:
         parts.append(_as_bytes_view(scales))
+    if ids is not None:
+        parts.append(_as_bytes_view(ids.reshape(-1)))
     return header, parts
 
 
@@ -435,7 +537,7 @@ def _as_bytes_view(buf: Any) -> memoryview:
 
 
 def frame_nbytes(parts: Sequence[Any]) -> int:
-    """Total bytes of all parts (header included), i.e. what goes on the wire."""
+    """Total bytes of all parts (header and targets included), i.e. what goes on the wire."""
     return sum(memoryview(getattr(p, "buffer", p)).nbytes for p in parts)
 
 
@@ -454,12 +556,14 @@ def _parse_header(part: Any) -> FrameHeader:
         raise FrameError(f"bad frame header: {exc}") from None
 
 
-def decode_frame(parts: Sequence[Any]) -> tuple[FrameHeader, np.ndarray]:
-    """Decode ``[header, payload(, scales)]`` into the header and a float32 array.
+def decode_frame(parts: Sequence[Any], *, vocab_size: int | None = None) -> Frame:
+    """Decode ``[header, payload(, scales)(, targets)]`` into a :class:`Frame`.
 
     Parts may be bytes, bytearray, memoryview or pyzmq Frames (anything with ``.buffer``). For
-    ``none`` the array is a (possibly read-only) view of the payload buffer, not a copy. Any
-    inconsistency raises FrameError, never another exception type.
+    ``none`` the array is a (possibly read-only) view of the payload buffer, not a copy; the
+    targets are always a read-only view of their part. With ``vocab_size`` a target id outside
+    the vocabulary is refused. Any inconsistency raises FrameError, never another exception
+    type.
     """
     try:
         views = [_as_bytes_view(p) for p in parts]
@@ -472,23 +576,29 @@ def decode_frame(parts: Sequence[Any]) -> tuple[FrameHeader, np.ndarray]:
     impl = _CODECS[codec.kind]
     shape = header.shape
     _check_sizes(header, codec, impl)
-    want_parts = 3 if codec.kind is CodecKind.INT else 2
-    if len(views) != want_parts:
-        what = "header, payload, scales" if want_parts == 3 else "header, payload"
+    ids_dtype = _check_extras(header)
+    names = ["header", "payload"] + ["scales"] * (codec.kind is CodecKind.INT)
+    names += ["targets"] * (ids_dtype is not None)
+    if len(views) != len(names):
         raise FrameError(
-            f"frame has {len(views)} parts, codec {codec.name!r} needs {want_parts} ({what})"
+            f"frame has {len(views)} parts, codec {codec.name!r} needs {len(names)} "
+            f"({', '.join(names)})"
         )
-    payload = views[1]
+    got = dict(zip(names, views, strict=True))
+    payload = got["payload"]
     if payload.nbytes != header.payload_nbytes:
         raise FrameError(f"payload is {payload.nbytes} bytes, header says {header.payload_nbytes}")
-    scales = views[2] if want_parts == 3 else None
+    scales = got.get("scales")
     if scales is not None and scales.nbytes != header.scales_nbytes:
         raise FrameError(f"scales are {scales.nbytes} bytes, header says {header.scales_nbytes}")
+    targets = None
+    if ids_dtype is not None:
+        targets = _decode_targets(got["targets"], header, ids_dtype, vocab_size)
     try:
         array = impl.decode(payload, scales, shape, codec.bits, header.shift)
     except (ValueError, TypeError) as exc:  # defensive: sizes were checked above
         raise FrameError(f"cannot decode {codec.name!r} payload: {exc}") from None
-    return header, array
+    return Frame(header, array, targets)
 
 
 def _header_codec(header: FrameHeader) -> WireCodec:
@@ -528,3 +638,45 @@ def _check_sizes(header: FrameHeader, codec: WireCodec, impl: _Codec) -> None:
             f"header says scales_nbytes={header.scales_nbytes}, but shape {list(shape)} "
             f"with codec {codec.name!r} needs {want_scales}"
         )
+
+
+def _check_extras(header: FrameHeader) -> np.dtype | None:
+    """The targets' dtype (None: the frame has none) and size, and the eval batch count,
+    checked against the header's direction, phase and shape."""
+    forward_eval = header.direction is Direction.FWD and header.phase == "eval"
+    if header.eval_batches < 0 or (header.eval_batches and not forward_eval):
+        raise FrameError(
+            f"frame says eval_batches={header.eval_batches}: only a forward eval frame counts "
+            "its pass's batches, never below 0"
+        )
+    if not header.targets_dtype:
+        if header.targets_nbytes:
+            raise FrameError(f"header says targets_nbytes={header.targets_nbytes} but no dtype")
+        return None
+    dtype = TARGET_DTYPES.get(header.targets_dtype)
+    if dtype is None:
+        raise FrameError(
+            f"frame targets dtype {header.targets_dtype!r} is not one of {list(TARGET_DTYPES)}"
+        )
+    if header.direction is not Direction.FWD:
+        raise FrameError("a backward frame carries no targets")
+    want = math.prod(header.shape[:-1]) * dtype.itemsize
+    if header.targets_nbytes != want:
+        raise FrameError(
+            f"header says targets_nbytes={header.targets_nbytes}, but shape "
+            f"{list(header.shape)} with {header.targets_dtype} targets needs {want}"
+        )
+    return dtype
+
+
+def _decode_targets(
+    part: memoryview, header: FrameHeader, dtype: np.dtype, vocab_size: int | None
+) -> np.ndarray:
+    """The targets part as ids shaped ``header.shape[:-1]``; FrameError on a size that is not
+    the header's or, with ``vocab_size``, an id outside the vocabulary."""
+    if part.nbytes != header.targets_nbytes:
+        raise FrameError(f"targets are {part.nbytes} bytes, header says {header.targets_nbytes}")
+    ids = np.frombuffer(part, dtype=dtype).reshape(header.shape[:-1])
+    if vocab_size is not None and ids.size and int(ids.max()) >= vocab_size:
+        raise FrameError(f"target id {int(ids.max())} is outside the vocabulary of {vocab_size}")
+    return ids

@@ -7,7 +7,9 @@ Layout, shared by all stages of a job (each writes only its own two files)::
 
 The ``.npz`` holds the arrays, the ``.json`` the meta data (plan identity, data position,
 array names and shapes). Both are written to a temporary name, fsynced and renamed, the JSON
-last: a stage's checkpoint is complete exactly when its JSON exists.
+last: a stage's checkpoint is complete exactly when its JSON exists. Only stage 0 reads data,
+so only its checkpoint has a data position; the other stages' ``data`` is null (a position
+there, from a checkpoint written before they stopped reading data, is ignored).
 
 Array names are ``model/<i>:<variable path>`` and ``optimizer/<i>:<variable path>`` (and, under
 the ``overlap`` schedule, ``pending/<i>:<variable path>``: the gradient set aside for the
@@ -93,9 +95,12 @@ def build_meta(
     arrays: dict[str, np.ndarray],
     *,
     steps_done: int,
-    data_state: DataState,
+    data_state: DataState | None,
     pending: PendingUpdate | None = None,
 ) -> dict[str, Any]:
+    """The JSON meta data of a stage's checkpoint; ``data_state`` None for a stage that
+    reads no data (all but stage 0)."""
+    data = None if data_state is None else {"epoch": data_state.epoch, "index": data_state.index}
     return {
         "format": FORMAT_VERSION,
         "job_id": plan.job_id,
@@ -107,7 +112,7 @@ def build_meta(
         "steps_done": steps_done,
         "total_steps": plan.train.steps,
         "final": steps_done >= plan.train.steps,
-        "data": {"epoch": data_state.epoch, "index": data_state.index},
+        "data": data,
         "pending": None if pending is None else msgspec.to_builtins(pending),
         "model": msgspec.to_builtins(plan.model),
         "train": msgspec.to_builtins(plan.train),
@@ -157,10 +162,11 @@ def save_checkpoint(
     arrays: dict[str, np.ndarray],
     *,
     steps_done: int,
-    data_state: DataState,
+    data_state: DataState | None,
     pending: PendingUpdate | None = None,
 ) -> Path:
-    """Write this stage's checkpoint under ``root``; the step directory.
+    """Write this stage's checkpoint under ``root``; the step directory. ``data_state``:
+    None for a stage that reads no data.
 
     CheckpointWriteError naming the path that could not be written; then nothing of this
     checkpoint is left behind (a full disk gets its space back)."""
@@ -188,21 +194,26 @@ def save_checkpoint(
 def save_stage(
     root: str | os.PathLike[str],
     model: StageModel,
-    dataset: TextDataset,
+    dataset: TextDataset | None,
     *,
     steps_done: int,
     data_state: DataState | None = None,
     pending: PendingUpdate | None = None,
 ) -> Path:
-    """Checkpoint a live stage: its model's and optimizer's variables and the data position
-    (``data_state``: where the data stood after ``steps_done`` steps, when the stage has read
-    ahead, as the overlap schedule does; otherwise where it stands)."""
+    """Checkpoint a live stage: its model's and optimizer's variables and, on the stage that
+    reads the data (``dataset``; None on the others), the data position (``data_state``:
+    where the data stood after ``steps_done`` steps, when the stage has read ahead, as the
+    overlap schedule does; otherwise where it stands)."""
+    if dataset is None:
+        data_state = None
+    elif data_state is None:
+        data_state = dataset.state()
     return save_checkpoint(
         root,
         model.plan,
         stage_arrays(model),
         steps_done=steps_done,
-        data_state=dataset.state() if data_state is None else data_state,
+        data_state=data_state,
         pending=pending,
     )
 
@@ -260,7 +271,10 @@ def check_compatible(plan: StagePlan, meta: dict[str, Any]) -> None:
 def restore_into(model: StageModel, dataset: TextDataset | None, checkpoint: Checkpoint) -> None:
     """Put a checkpoint's variables into ``model`` and its data position into ``dataset``.
 
-    ``model`` is a fresh ``StageModel`` built from a plan for the same stage and model.
+    ``model`` is a fresh ``StageModel`` built from a plan for the same stage and model;
+    ``dataset`` None for a stage that reads no data (whatever position the checkpoint has is
+    then not used). A dataset and a checkpoint without a position is a CheckpointError,
+    before anything changed.
     """
     check_compatible(model.plan, checkpoint.meta)
     by_key = {_key(name): array for name, array in checkpoint.arrays.items()}
@@ -273,11 +287,26 @@ def restore_into(model: StageModel, dataset: TextDataset | None, checkpoint: Che
     for variable, array, name in pairs:  # check everything before changing anything
         if array is None or tuple(array.shape) != tuple(variable.shape):
             raise CheckpointError(f"checkpoint has no array of shape {variable.shape} for {name}")
+    state = None if dataset is None else _data_state(checkpoint)
     for variable, array, _ in pairs:
         variable.assign(array)
-    if dataset is not None:
-        data = checkpoint.meta["data"]
-        dataset.restore(DataState(epoch=data["epoch"], index=data["index"]))
+    if dataset is not None and state is not None:
+        dataset.restore(state)
+
+
+def _data_state(checkpoint: Checkpoint) -> DataState:
+    """The data position a checkpoint holds; CheckpointError when it has none (a stage that
+    read no data wrote it) or a malformed one."""
+    data = checkpoint.meta.get("data")
+    if data is None:
+        raise CheckpointError(
+            f"{checkpoint.path}: no data position (written by a stage that reads no data), "
+            "but this stage reads the data"
+        )
+    try:
+        return DataState(epoch=int(data["epoch"]), index=int(data["index"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{checkpoint.path}: bad data position {data!r} ({exc})") from None
 
 
 __all__ = [

@@ -4,10 +4,13 @@ validation split, and a position that can be reported and restored.
 A token is one byte of the UTF-8 file content (vocab 256), so no tokenizer is ever downloaded.
 Everything here is numpy and the standard library: no TensorFlow, so it is cheap to import.
 
-Pipeline stages run in separate processes and each builds its own ``TextDataset``: stage 0 feeds
-the inputs of a batch and the last stage scores its targets. That only works because two instances
-built with the same arguments yield identical batches in the same order, which is why all
-randomness comes from ``np.random.default_rng((seed, epoch))`` and nothing else.
+Only stage 0 of a pipeline builds a ``TextDataset``: it feeds the inputs of a batch, and the
+targets travel down the chain with the activations (in every forward frame,
+:mod:`silentswarm.agent.pipe.wire`) to the last stage, which scores them; the stages after stage
+0 open no data file. Batches are still deterministic, all randomness coming from
+``np.random.default_rng((seed, epoch))`` and nothing else: a one-process reference, a resumed
+run and glue (which reads the validation batches again) see exactly the batches the pipeline
+saw.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_CORPUS",
+    "TOKENIZER",
     "VOCAB_SIZE",
     "DataState",
     "TextDataset",
@@ -43,6 +47,9 @@ DEFAULT_CORPUS = "stdlib"
 """Sentinel pattern: the top-level ``*.py`` files of the Python standard library."""
 
 VOCAB_SIZE = 256
+TOKENIZER = "utf8-bytes"
+"""The tokenizer every stage assumes (one token per byte, :data:`VOCAB_SIZE` of them): the
+stages' handshake compares it, since only stage 0 tokenises anything."""
 _SEPARATOR = b"\n"
 
 
@@ -327,7 +334,7 @@ class TextDataset:
 
 
 def job_dataset(train: TrainConfig, seq_len: int, patterns: list[str] | None = None) -> TextDataset:
-    """The dataset every stage of a job reads (and glue, to score the same validation)."""
+    """The dataset stage 0 of a job reads (and glue, to score the same validation)."""
     return TextDataset(
         patterns if patterns else list(train.data),
         seq_len=seq_len,
@@ -338,5 +345,6 @@ def job_dataset(train: TrainConfig, seq_len: int, patterns: list[str] | None = N
 
 
 def job_val_batches(dataset: TextDataset, train: TrainConfig) -> Iterator[tuple[Any, Any]]:
-    """The validation batches the last stage scores: fixed shape, at most ``val_batches``."""
+    """The validation batches stage 0 reads and sends down the chain (their targets for the
+    last stage to score): fixed shape, at most ``val_batches``."""
     return dataset.val_batches(train.batch_size, max_batches=train.val_batches, drop_remainder=True)

@@ -18,7 +18,7 @@ import logging
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
@@ -32,10 +32,13 @@ from silentswarm.agent.pipe.link import connect_downstream as open_downstream
 from silentswarm.agent.pipe.probe import ChainBack
 from silentswarm.agent.pipe.wire import (
     Direction,
+    Frame,
     WireCodec,
     decode_frame,
     encode_frame,
     frame_nbytes,
+    token_dtype,
+    token_ids,
 )
 from silentswarm.agent.runtime import calibrate, tuning
 from silentswarm.agent.runtime.checkpoint import (
@@ -45,7 +48,13 @@ from silentswarm.agent.runtime.checkpoint import (
     save_stage,
 )
 from silentswarm.agent.runtime.control import ControlChannel
-from silentswarm.agent.runtime.data import DataState, job_dataset, job_val_batches
+from silentswarm.agent.runtime.data import (
+    TOKENIZER,
+    DataState,
+    TextDataset,
+    job_dataset,
+    job_val_batches,
+)
 from silentswarm.agent.runtime.schedule import (
     DelayedUpdates,
     Op,
@@ -73,6 +82,10 @@ MESSAGE_CHARS = 4096  # a failed checkpoint's message, cut to fit the event's bo
 BUSY_SAMPLES_KEPT = 20  # per micro-batch count: the median of the latest steps' work
 Emit = Callable[[StageEvent], None]
 _Held = tuple[tf.GradientTape, tf.Tensor, tf.Tensor]  # a forward's tape, input and output
+Batch = tuple[np.ndarray, np.ndarray]  # a step's (inputs, targets), as stage 0 reads them
+# The training fields only stage 0 needs (it reads the data and tells the stages after it how
+# many validation batches come): those stages need neither the files nor the same values.
+DATA_FIELDS = frozenset({"data", "max_data_bytes", "val_fraction", "val_batches"})
 
 
 @dataclass
@@ -86,6 +99,8 @@ class Boundary:
     attempt: int
     send_codec: WireCodec
     timeout_s: float
+    # The model's vocabulary: a received target id outside it is a FrameError (None: unchecked).
+    vocab_size: int | None = field(default=None, kw_only=True)
     dropped: int = 0
     wait_s: float = 0.0  # time spent blocked waiting for the peer
     # What the link probes moved (agent/pipe/probe.py): on the wire, but no training traffic,
@@ -109,7 +124,10 @@ class Boundary:
         micro: int,
         direction: Direction,
         phase: str = "train",
+        targets: np.ndarray | None = None,
+        eval_batches: int = 0,
     ) -> None:
+        """Send ``array`` (and, forward, the micro-batch's target ids) as one frame."""
         _, parts = encode_frame(
             array,
             self.send_codec,
@@ -119,22 +137,25 @@ class Boundary:
             micro=micro,
             direction=direction,
             phase=phase,
+            targets=targets,
+            eval_batches=eval_batches,
         )
         started = time.perf_counter()
         self.link.send(parts, timeout_s=self.timeout_s)  # blocks only on a full link
         self.wait_s += time.perf_counter() - started
 
-    def recv(
-        self, *, step: int, micro: int, direction: Direction, phase: str = "train"
-    ) -> np.ndarray:
+    def recv(self, *, step: int, micro: int, direction: Direction, phase: str = "train") -> Frame:
+        """The next frame of this job and attempt, which must be the one named; a forward
+        frame must carry its targets (the stage after reads no data)."""
         while True:
             started = time.perf_counter()
             parts = self.link.recv(self.timeout_s)
             self.wait_s += time.perf_counter() - started
             try:
-                header, array = decode_frame(parts)
+                frame = decode_frame(parts, vocab_size=self.vocab_size)
             except FrameError as exc:
                 raise FrameError(f"{self.name}: {exc}") from None
+            header = frame.header
             if header.job != self.job or header.attempt != self.attempt:
                 self.dropped += 1
                 log.warning(
@@ -145,7 +166,9 @@ class Boundary:
             want = (phase, step, micro, direction)
             if got != want:
                 raise FrameError(f"{self.name}: expected frame {want}, got {got}")
-            return array
+            if direction is Direction.FWD and frame.targets is None:
+                raise FrameError(f"{self.name}: forward frame {want} carries no targets")
+            return frame
 
 
 @dataclass
@@ -165,9 +188,13 @@ class StageRunner:
         self.model = StageModel(plan)
         self.up: Boundary | None = None
         self.down: Boundary | None = None
-        self.data = job_dataset(plan.train, plan.model.seq_len)
+        # Only stage 0 reads data (a 1-stage job is stage 0 too): the targets travel down the
+        # chain with the activations, so the stages after it need no files.
+        self.data: TextDataset | None = (
+            job_dataset(plan.train, plan.model.seq_len) if plan.is_first else None
+        )
         # A resumed attempt starts where the checkpoint left off: weights, optimizer state
-        # (its step count too), data position.
+        # (its step count too), data position (stage 0).
         self.start_step = 0
         # The overlap schedule's delayed update (the gradient set aside); where the data stood
         # before each step read its batch.
@@ -217,17 +244,23 @@ class StageRunner:
     # --- links ----------------------------------------------------------------------------
 
     def fingerprint(self) -> bytes:
-        """What both ends of a boundary must share: job, attempt, model, data and its order.
+        """What both ends of a boundary must share: job, attempt, the model config (its
+        vocabulary size and seq_len among it), the tokenizer and the training schedule.
 
-        Every stage reads its own copy of the corpus (stage 0 for inputs, the last for
-        targets); if the copies differ, inputs and targets would silently disagree.
+        Not the corpus: only stage 0 reads it, and the targets travel with the activations,
+        so the stages after it cannot disagree with it about them. What they must agree on
+        is what the ids mean (the tokenizer and the vocabulary), the shapes, and the schedule
+        every stage steps through (steps, batch, micro-batches, learning rate, ...), less the
+        fields only stage 0 uses (:data:`DATA_FIELDS`).
         """
-        plan, data = self.plan, self.data
+        plan = self.plan
+        train = msgspec.to_builtins(plan.train)
+        schedule = {k: v for k, v in train.items() if k not in DATA_FIELDS}
         digest = hashlib.sha256()
         digest.update(f"{plan.job_id}/{plan.attempt}".encode())
         digest.update(msgspec.json.encode(plan.model))
-        digest.update(f"{data.seq_len}/{data.seed}/{data.val_fraction}".encode())
-        digest.update(np.ascontiguousarray(data.tokens).tobytes())
+        digest.update(f"tokenizer {TOKENIZER}".encode())
+        digest.update(msgspec.json.encode(schedule))
         return digest.digest()
 
     def _relay(
@@ -278,7 +311,14 @@ class StageRunner:
                 curve=_curve(plan.curve_up),
             )
             self.up = Boundary(
-                link, b, name, plan.job_id, plan.attempt, self.grad_codec, plan.peer_timeout_s
+                link,
+                b,
+                name,
+                plan.job_id,
+                plan.attempt,
+                self.grad_codec,
+                plan.peer_timeout_s,
+                vocab_size=plan.model.vocab_size,
             )
         if not plan.is_last:
             b = plan.stage
@@ -293,7 +333,14 @@ class StageRunner:
                 curve=_curve(plan.curve_down),
             )
             self.down = Boundary(
-                link, b, name, plan.job_id, plan.attempt, self.act_codec, plan.peer_timeout_s
+                link,
+                b,
+                name,
+                plan.job_id,
+                plan.attempt,
+                self.act_codec,
+                plan.peer_timeout_s,
+                vocab_size=plan.model.vocab_size,
             )
         self.emit_links()
 
@@ -306,78 +353,101 @@ class StageRunner:
 
     # --- training -------------------------------------------------------------------------
 
+    def _rows(self, array: np.ndarray, i: int) -> np.ndarray:
+        """Micro-batch ``i``'s rows of a step's batch rows."""
+        mb = self.plan.train.batch_size // self.m
+        return array[i * mb : (i + 1) * mb]
+
     def _micro(self, array: np.ndarray, i: int) -> tf.Tensor:
         """Micro-batch ``i`` of a step's batch rows."""
-        mb = self.plan.train.batch_size // self.m
-        return tf.constant(array[i * mb : (i + 1) * mb])
+        return tf.constant(self._rows(array, i))
 
-    def _read_batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """Step ``step``'s batch (every stage reads it, so all keep the same data position);
-        where the data stood before, for a checkpoint taken after the previous step."""
+    def _read_batch(self, step: int) -> Batch | None:
+        """Stage 0: step ``step``'s batch, and where the data stood before it (for a
+        checkpoint taken after the previous step). The stages after it read no data: None."""
+        if self.data is None:
+            return None
         self._data_before[step] = self.data.state()
         for old in [k for k in self._data_before if k < step - 2]:
             del self._data_before[old]
         return self.data.next_batch(self.plan.train.batch_size)
 
+    def _ids(self, targets: np.ndarray) -> np.ndarray:
+        """Target ids as a forward frame carries them (the vocabulary's smallest dtype)."""
+        return token_ids(targets, self.plan.model.vocab_size)
+
+    def _recv_forward(
+        self, step: int, i: int, phase: str = "train"
+    ) -> tuple[tf.Tensor, np.ndarray, Frame]:
+        """A forward frame from upstream: its activations, its target ids, the frame."""
+        frame = self.up.recv(step=step, micro=i, direction=Direction.FWD, phase=phase)
+        assert frame.targets is not None  # Boundary.recv refuses a forward frame without
+        return tf.constant(frame.array), frame.targets, frame
+
     def train_step(self, step: int) -> StepResult:
         plan, model = self.plan, self.model
         m = self.m
-        part = self._micro
         started = time.perf_counter()
-        inputs, targets = self._read_batch(step)
+        batch = self._read_batch(step)
         lr = model.set_lr(step)
         if plan.n_stages == 1 and m == 1:  # a plain training step: one compiled call
-            model.local_step(part(inputs, 0), part(targets, 0))
+            inputs, targets = batch
+            model.local_step(self._micro(inputs, 0), self._micro(targets, 0))
         elif plan.is_last:
-            self._last_micros(step, inputs, targets)
+            self._last_micros(step, batch)
             model.apply_mean(m)
         else:
-            self._tape_step(step, inputs)
+            self._tape_step(step, batch)
             model.apply_mean(m)
         loss = model.take_loss() / m if plan.is_last else None
         return StepResult(step=step, loss=loss, lr=lr, seconds=time.perf_counter() - started)
 
-    def _last_micros(self, step: int, inputs: np.ndarray, targets: np.ndarray) -> None:
+    def _last_micros(self, step: int, batch: Batch | None) -> None:
         """The last stage's micro-batches of ``step``, gradients accumulated: 1F1B there is
-        F0 B0 F1 B1 ..., one compiled call for each pair; the whole model, one call each."""
-        model, part = self.model, self._micro
+        F0 B0 F1 B1 ..., one compiled call for each pair, the targets those the forward
+        frame brought; the whole model (``batch``: its own), one call each."""
+        model = self.model
         for i in range(self.m):
-            if self.plan.n_stages == 1:
-                model.local_micro(part(inputs, i), part(targets, i))
+            if batch is not None:  # the whole model: stage 0 is the last stage
+                inputs, targets = batch
+                model.local_micro(self._micro(inputs, i), self._micro(targets, i))
                 continue
-            x = tf.constant(self.up.recv(step=step, micro=i, direction=Direction.FWD))
-            dx = model.last_micro(x, part(targets, i))
+            x, ids, _ = self._recv_forward(step, i)
+            dx = model.last_micro(x, tf.constant(ids.astype(np.int32)))
             self.up.send(dx.numpy(), step=step, micro=i, direction=Direction.BWD)
 
-    def _tape_step(self, step: int, inputs: np.ndarray) -> None:
+    def _tape_step(self, step: int, batch: Batch | None) -> None:
         """A stage before the last: forwards and backwards in 1F1B order, gradients
         accumulated; the backward of each micro-batch is the tape kept from its forward."""
         plan = self.plan
         inflight: dict[tuple[int, int], _Held] = {}
         for op, i in one_f_one_b(plan.stage, plan.n_stages, self.m, self.in_flight):
             if op is Op.FORWARD:
-                self._tape_forward(step, i, inputs, inflight)
+                self._tape_forward(step, i, batch, inflight)
             else:
                 self._tape_backward(step, i, inflight)
 
     def _tape_forward(
-        self, step: int, i: int, inputs: np.ndarray | None, inflight: dict[tuple[int, int], _Held]
+        self, step: int, i: int, batch: Batch | None, inflight: dict[tuple[int, int], _Held]
     ) -> None:
         """Micro-batch ``i`` of ``step`` forward under a tape kept in ``inflight``; its output
-        downstream."""
-        if self.plan.is_first:
-            x = self._micro(inputs, i)
+        downstream with its target ids (stage 0's from ``batch``, a middle stage's as they
+        came)."""
+        if batch is not None:
+            inputs, targets = batch
+            x, ids = self._micro(inputs, i), self._ids(self._rows(targets, i))
         else:
-            x = tf.constant(self.up.recv(step=step, micro=i, direction=Direction.FWD))
+            x, ids, _ = self._recv_forward(step, i)
         tape, out = self.model.tape_forward(x, input_grad=not self.plan.is_first)
-        self.down.send(out.numpy(), step=step, micro=i, direction=Direction.FWD)
+        self.down.send(out.numpy(), step=step, micro=i, direction=Direction.FWD, targets=ids)
         inflight[(step, i)] = (tape, x, out)
 
     def _tape_backward(self, step: int, i: int, inflight: dict[tuple[int, int], _Held]) -> None:
         """Micro-batch ``i`` of ``step`` backward through its tape with the gradient from
         downstream; its input's gradient upstream."""
         tape, x, out = inflight.pop((step, i))
-        received = tf.constant(self.down.recv(step=step, micro=i, direction=Direction.BWD))
+        frame = self.down.recv(step=step, micro=i, direction=Direction.BWD)
+        received = tf.constant(frame.array)
         dx = self.model.tape_backward(tape, x, out, received, input_grad=not self.plan.is_first)
         if dx is not None:
             self.up.send(dx.numpy(), step=step, micro=i, direction=Direction.BWD)
@@ -397,29 +467,29 @@ class StageRunner:
         """The last stage (or the whole model): a forward and its backward together, as in
         the synchronous step; only the updates come a step late."""
         for k in range(first, end):
-            inputs, targets = self._first_forward(k)
-            self._last_micros(k, inputs, targets)
+            self._last_micros(k, self._first_forward(k))
             self._step_over(k, after)
 
     def _overlapped_tape(self, first: int, end: int, after: Callable[[StepResult], None]) -> None:
         """A stage before the last: :func:`overlapped`'s ops, each backward the tape kept from
         its forward (which holds the weights that forward read, whatever was applied since)."""
         plan, m = self.plan, self.m
-        inputs = None
+        batch = None
         inflight: dict[tuple[int, int], _Held] = {}
         for op, j, i in overlapped(plan.stage, plan.n_stages, m, end - first, self.in_flight):
             k = first + j
             if op is Op.FORWARD:
                 if i == 0:
-                    inputs, _ = self._first_forward(k)
-                self._tape_forward(k, i, inputs, inflight)
+                    batch = self._first_forward(k)
+                self._tape_forward(k, i, batch, inflight)
                 continue
             self._tape_backward(k, i, inflight)
             if i == m - 1:
                 self._step_over(k, after)
 
-    def _first_forward(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """Before step ``step``'s first forward: its batch read, an update that is due applied."""
+    def _first_forward(self, step: int) -> Batch | None:
+        """Before step ``step``'s first forward: its batch read (stage 0), an update that is
+        due applied."""
         batch = self._read_batch(step)
         self._apply_delayed(self.delayed.before_forward(step))
         return batch
@@ -455,25 +525,68 @@ class StageRunner:
         return end
 
     def evaluate(self, step: int) -> float | None:
-        """Forward-only validation through the whole pipeline; the last stage gets the loss."""
-        plan, model = self.plan, self.model
-        losses = []
-        batches = job_val_batches(self.data, plan.train)
+        """Forward-only validation through the whole pipeline; the last stage gets the loss.
+
+        Stage 0 reads the batches; its eval frames carry their targets and the pass's batch
+        count, so the stages after it know when the pass ends without reading any data. A
+        pass without a batch is one empty frame that says so."""
+        if not self.plan.is_first:
+            return self._evaluate_received(step)
+        model, losses = self.model, []
+        batches = list(job_val_batches(self.data, self.plan.train))
         for i, (inputs, targets) in enumerate(batches):
-            if plan.is_first:
-                x = tf.constant(inputs)
-            else:
-                x = tf.constant(
-                    self.up.recv(step=step, micro=i, direction=Direction.FWD, phase="eval")
-                )
-            if plan.is_last:
+            x = tf.constant(inputs)
+            if self.plan.is_last:  # the whole model
                 losses.append(float(model.forward_loss(x, tf.constant(targets), training=False)))
             else:
-                out = model.forward(x, training=False)
-                self.down.send(
-                    out.numpy(), step=step, micro=i, direction=Direction.FWD, phase="eval"
-                )
+                out = model.forward(x, training=False).numpy()
+                self._send_eval(step, i, len(batches), out, self._ids(targets))
+        if not batches and not self.plan.is_last:
+            self._send_empty_eval(step)
         return sum(losses) / len(losses) if losses else None
+
+    def _evaluate_received(self, step: int) -> float | None:
+        """:meth:`evaluate` on a stage after the first: as many batches as stage 0 said."""
+        model, losses = self.model, []
+        i, count = 0, None
+        while count is None or i < count:
+            x, ids, frame = self._recv_forward(step, i, phase="eval")
+            if count is None:
+                count = frame.header.eval_batches
+            elif frame.header.eval_batches != count:
+                raise FrameError(
+                    f"{self.up.name}: eval frame {i} says {frame.header.eval_batches} batches, "
+                    f"the first said {count}"
+                )
+            if count == 0:  # no batch: pass the news on
+                if not self.plan.is_last:
+                    self._send_empty_eval(step)
+                break
+            if self.plan.is_last:
+                targets = tf.constant(ids.astype(np.int32))
+                losses.append(float(model.forward_loss(x, targets, training=False)))
+            else:
+                self._send_eval(step, i, count, model.forward(x, training=False).numpy(), ids)
+            i += 1
+        return sum(losses) / len(losses) if losses else None
+
+    def _send_eval(self, step: int, i: int, count: int, out: np.ndarray, ids: np.ndarray) -> None:
+        """Eval batch ``i`` of ``count`` downstream: its activations and target ids."""
+        self.down.send(
+            out,
+            step=step,
+            micro=i,
+            direction=Direction.FWD,
+            phase="eval",
+            targets=ids,
+            eval_batches=count,
+        )
+
+    def _send_empty_eval(self, step: int) -> None:
+        """The frame that tells the stages after this one that the pass has no batch."""
+        seq_len = self.plan.model.seq_len
+        out = np.zeros((0, seq_len, self.wire_dims), dtype=np.float32)
+        self._send_eval(step, 0, 0, out, self._ids(np.zeros((0, seq_len), dtype=np.int32)))
 
     def run(self) -> DoneEvent:
         plan = self.plan
@@ -649,6 +762,7 @@ class StageRunner:
                 auto_micro_batches=train.auto_micro_batches,
                 in_flight_cap=train.in_flight,
                 overlap=train.overlap,
+                target_bytes=token_dtype(plan.model.vocab_size).itemsize,
             )
         )
         predicted = None if result.predicted_step_s is None else round(result.predicted_step_s, 5)
@@ -725,7 +839,7 @@ class StageRunner:
         path = save_stage(
             self.plan.checkpoint_dir,
             self.model,
-            self.data,
+            self.data,  # None past stage 0: no data position to keep
             steps_done=steps_done,
             data_state=self._data_before.get(steps_done),
             pending=self.delayed.pending,

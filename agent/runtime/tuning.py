@@ -124,6 +124,7 @@ class TuneInput:
     auto_micro_batches: bool
     in_flight_cap: int | None = None
     overlap: bool = False  # the job's schedule is "overlap": steps run into each other
+    target_bytes: int = 0  # bytes of one target id: every forward frame carries a position's
 
 
 @dataclass(frozen=True)
@@ -186,9 +187,10 @@ class _Model:
             t = cost.micro_s(m)
             times.append(OpTimes(t * (1 - BACKWARD_SHARE), t * BACKWARD_SHARE))
         links = []
+        targets = inp.seq_len * inp.target_bytes
         for link, (fwd, bwd) in zip(inp.links, codecs, strict=True):
             delay = link.rtt_ms / 2000
-            f = wire_bytes_per_sample(fwd, inp.seq_len, inp.dims) * mb
+            f = (wire_bytes_per_sample(fwd, inp.seq_len, inp.dims) + targets) * mb
             b = wire_bytes_per_sample(bwd, inp.seq_len, inp.dims) * mb
             links.append(
                 (

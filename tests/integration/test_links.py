@@ -34,7 +34,15 @@ MIB = 1024 * 1024
 TOKEN = bytes(range(32))  # a boundary's relay token, as the leader makes one per START
 
 
-def frame(step: int, value: float = 1.0, shape=(4, 8, 16), codec="none", attempt=1, micro=0):
+def frame(
+    step: int,
+    value: float = 1.0,
+    shape=(4, 8, 16),
+    codec="none",
+    attempt=1,
+    micro=0,
+    targets: np.ndarray | None = None,
+):
     array = np.full(shape, value, dtype=np.float32)
     return encode_frame(
         array,
@@ -44,7 +52,13 @@ def frame(step: int, value: float = 1.0, shape=(4, 8, 16), codec="none", attempt
         step=step,
         micro=micro,
         direction=Direction.FWD,
+        targets=targets,
     )[1]
+
+
+def ids(shape=(4, 8), value: int = 3) -> np.ndarray:
+    """A forward frame's target ids (the byte vocabulary's uint8)."""
+    return np.full(shape, value, dtype=np.uint8)
 
 
 def test_zmq_large_frames_arrive_intact_though_the_sender_dropped_its_arrays_at_once(zmq_pair):
@@ -69,7 +83,7 @@ def test_zmq_large_frames_arrive_intact_though_the_sender_dropped_its_arrays_at_
     for step, nbytes in enumerate(sizes):
         parts = binder.recv(10)
         assert all(isinstance(p, memoryview) for p in parts)
-        header, got = decode_frame(parts)
+        header, got, _ = decode_frame(parts)
         assert header.step == step
         assert np.array_equal(got, np.arange(nbytes // 4, dtype=np.float32) + step)
         # For the uncompressed codec the decoded array is a view of the received message.
@@ -86,7 +100,7 @@ def test_zmq_link_carries_frames_both_ways_and_counts_bytes(zmq_pair):
     binder, connector = zmq_pair
     parts = frame(3, 2.5)
     connector.send(parts)
-    header, array = decode_frame(binder.recv(5))
+    header, array, _ = decode_frame(binder.recv(5))
     assert header.step == 3 and np.all(array == 2.5)
     binder.send(frame(4, -1.0))
     assert decode_frame(connector.recv(5))[0].step == 4
@@ -166,7 +180,7 @@ def test_relay_chunks_large_frames_below_max_payload(nats_server):
     try:
         parts = frame(1, 0.5, shape=(8, 128, 768))  # 3 MiB: 12+ chunks, over max_payload
         a.send(parts, timeout_s=20)
-        header, array = decode_frame(b.recv(20))
+        header, array, _ = decode_frame(b.recv(20))
         assert header.step == 1 and array.shape == (8, 128, 768) and np.all(array == 0.5)
         assert a.bytes_sent >= 3 * 1024 * 1024 and b.bytes_received >= 3 * 1024 * 1024
         b.send(frame(2), timeout_s=10)
@@ -278,7 +292,7 @@ class Stream:
 
     def _recv(self) -> None:
         while True:
-            header, array = decode_frame(self.receiver.recv(30))
+            header, array, _ = decode_frame(self.receiver.recv(30))
             if array.shape == (1,):
                 return
             self.got.append((header.step, bool(np.all(array == header.step % 4096))))
@@ -358,7 +372,7 @@ def test_what_is_lost_on_the_way_is_found_and_sent_again(nats_server, loser, kin
     lost = lose(a if loser == "a" else b, kind, which)
     try:
         a.send(frame(1, value=3.0, shape=(2, 64, 512)), timeout_s=10)  # 5 chunks
-        header, array = decode_frame(b.recv(10))
+        header, array, _ = decode_frame(b.recv(10))
         assert header.step == 1 and np.all(array == 3.0)
         assert lost and (a.resent > 0) == (kind == b"D")
         assert a.send_done(10) and b.wait_done(0)
@@ -490,9 +504,9 @@ def test_relay_drops_junk_and_forgeries_and_counts_them(nats_server):
             intruder.publish("t.bwd", junk("t.bwd", step * per_frame, "t.fwd", rng))
             a.send(frame(step, value=step, shape=shape), timeout_s=10)
             b.send(frame(step, value=-step, shape=shape), timeout_s=10)
-            header, array = decode_frame(b.recv(10))
+            header, array, _ = decode_frame(b.recv(10))
             assert (header.step, array.shape) == (step, shape) and np.all(array == step)
-            header, array = decode_frame(a.recv(10))
+            header, array, _ = decode_frame(a.recv(10))
             assert (header.step, array.shape) == (step, shape) and np.all(array == -step)
         per_link = rounds * len(junk("t.fwd", 0, "t.bwd", rng))
         wait_for(lambda: (a.dropped, b.dropped) == (per_link, per_link), timeout=10, what="drops")
@@ -513,7 +527,7 @@ def test_relay_drops_junk_and_forgeries_and_counts_them(nats_server):
         for subject, messages in replayed.items():
             intruder.publish(subject, messages)
         a.send(frame(rounds, value=7.0, shape=shape), timeout_s=10)
-        header, array = decode_frame(b.recv(10))
+        header, array, _ = decode_frame(b.recv(10))
         assert header.step == rounds and np.all(array == 7.0)
         wait_for(
             lambda: (
@@ -615,18 +629,24 @@ def test_boundary_rejects_corrupt_and_drops_stale_frames(zmq_pair):
     from silentswarm.agent.runtime.stage import Boundary
 
     binder, connector = zmq_pair
-    boundary = Boundary(binder, 0, "boundary 0 (x -> y)", "j", 2, parse_wire_codec("none"), 5.0)
-    connector.send(frame(1, attempt=1))  # an older attempt: dropped
-    connector.send(frame(1, attempt=2, value=7.0))
-    array = boundary.recv(step=1, micro=0, direction=Direction.FWD)
-    assert np.all(array == 7.0) and boundary.dropped == 1
+    boundary = Boundary(
+        binder, 0, "boundary 0 (x -> y)", "j", 2, parse_wire_codec("none"), 5.0, vocab_size=256
+    )
+    connector.send(frame(1, attempt=1, targets=ids()))  # an older attempt: dropped
+    connector.send(frame(1, attempt=2, value=7.0, targets=ids()))
+    got = boundary.recv(step=1, micro=0, direction=Direction.FWD)
+    assert np.all(got.array == 7.0) and np.all(got.targets == 3) and boundary.dropped == 1
 
-    parts = frame(2, attempt=2)
+    connector.send(frame(2, attempt=2))  # a forward frame must bring its targets
+    with pytest.raises(FrameError, match=r"boundary 0 \(x -> y\).*carries no targets"):
+        boundary.recv(step=2, micro=0, direction=Direction.FWD)
+
+    parts = frame(2, attempt=2, targets=ids())
     connector.send([parts[0], bytes(parts[1])[:-4]])  # truncated payload
     with pytest.raises(FrameError, match=r"boundary 0 \(x -> y\)"):
         boundary.recv(step=2, micro=0, direction=Direction.FWD)
 
-    connector.send(frame(5, attempt=2, micro=1))  # out of order
+    connector.send(frame(5, attempt=2, micro=1, targets=ids()))  # out of order
     with pytest.raises(FrameError, match="expected frame"):
         boundary.recv(step=3, micro=0, direction=Direction.FWD)
 
@@ -635,9 +655,41 @@ def test_boundary_rejects_corrupt_and_drops_stale_frames(zmq_pair):
         return [msgspec.msgpack.encode({**header, **changes}), *parts[1:]]
 
     for changes in ({"dtype": "float64"}, {"shape": [4, 8, 32]}):  # wrong dtype, wrong shape
-        connector.send(with_header(frame(6, attempt=2), **changes))
+        connector.send(with_header(frame(6, attempt=2, targets=ids()), **changes))
         with pytest.raises(FrameError, match=r"boundary 0 \(x -> y\)"):
             boundary.recv(step=6, micro=0, direction=Direction.FWD)
+
+
+def test_boundaries_carry_targets_downstream_and_count_their_bytes(zmq_pair):
+    """Targets are a frame part like any other: both ends' byte counts include them; an id
+    outside the receiver's vocabulary is refused; gradients go back without any."""
+    from silentswarm.agent.pipe.wire import frame_nbytes, token_ids
+    from silentswarm.agent.runtime.stage import Boundary
+
+    binder, connector = zmq_pair
+    codec = parse_wire_codec("fixed_int8")
+    down = Boundary(connector, 0, "down", "j", 1, codec, 5.0, vocab_size=300)
+    up = Boundary(binder, 0, "up", "j", 1, codec, 5.0, vocab_size=300)
+    x = np.random.default_rng(0).standard_normal((4, 8, 16)).astype(np.float32)
+    targets = token_ids(np.arange(32).reshape(4, 8) * 9, 300)  # up to 279: uint16
+    down.send(x, step=0, micro=0, direction=Direction.FWD, targets=targets)
+    got = up.recv(step=0, micro=0, direction=Direction.FWD)
+    np.testing.assert_array_equal(got.targets, targets)
+    assert got.targets.dtype == np.uint16
+    _, parts = encode_frame(
+        x, codec, job="j", attempt=1, step=0, micro=0, direction=Direction.FWD, targets=targets
+    )
+    assert len(parts) == 4 and memoryview(parts[-1]).nbytes == 4 * 8 * 2
+    assert down.bytes_sent == up.bytes_received == frame_nbytes(parts)
+
+    up.send(x, step=0, micro=0, direction=Direction.BWD)  # gradients: no targets
+    assert down.recv(step=0, micro=0, direction=Direction.BWD).targets is None
+
+    wide = np.full((4, 8), 299, dtype=np.uint16)
+    wide[3, 7] = 300
+    down.send(x, step=0, micro=1, direction=Direction.FWD, targets=wide)
+    with pytest.raises(FrameError, match=r"up: target id 300 is outside the vocabulary of 300"):
+        up.recv(step=0, micro=1, direction=Direction.FWD)
 
 
 @pytest.mark.parametrize("kind", ["p2p", "relay"])

@@ -14,7 +14,7 @@ import pytest
 
 from silentswarm.agent.runtime.launch import done, run_plans, steps
 from silentswarm.plan import ModelConfig, TrainConfig, single_process_plan
-from tests.integration.test_pipeline import chain
+from tests.integration.test_pipeline import chain, without_data
 
 pytestmark = pytest.mark.integration
 
@@ -94,11 +94,13 @@ def test_a_run_resumed_from_an_overlapped_checkpoint_goes_on_exactly(procs, tmp_
         msgspec.structs.replace(p, checkpoint_dir=str(store), checkpoint_every=4)
         for p in chain("res", 2, config, model=MODEL)
     ]
+    plans[1] = without_data(plans[1], tmp_path / "nowhere")  # stage 1 resumes without data
     whole = run_plans(plans, tmp_path)
     step4 = store / "res" / "attempt-1" / "step-4"
     metas = [json.loads((step4 / f"stage-{s}.json").read_text()) for s in range(2)]
     assert [m["pending"] for m in metas] == [{"step": 3, "micro_batches": 4}] * 2
-    assert metas[0]["data"] == metas[1]["data"], "stage 0 records where step 4 began"
+    assert metas[0]["data"] == {"epoch": 0, "index": 4 * 8}, "stage 0: where step 4 began"
+    assert metas[1]["data"] is None, "stage 1 reads no data, so keeps no position"
     resumed = run_plans(
         [
             msgspec.structs.replace(

@@ -6,6 +6,7 @@ import contextlib
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import msgspec
 import psutil
@@ -107,12 +108,70 @@ def test_three_stages_over_zeromq_match_one_process(procs, tmp_path, micro_batch
     assert middle["down_bytes_sent"] == done(results[2])["up_bytes_received"]
 
 
-def test_stages_with_different_data_refuse_to_train_together(procs, tmp_path):
+def test_stages_with_different_vocabularies_refuse_to_train_together(procs, tmp_path):
+    """The handshake compares the model config, the tokenizer and the schedule: a last stage
+    whose ids would mean other tokens refuses before any frame (the data it need not have)."""
     plans = chain("mismatch", 2, train(3), peer_timeout_s=20)
-    other_data = msgspec.structs.replace(plans[1].train, max_data_bytes=300_000)
-    plans[1] = msgspec.structs.replace(plans[1], train=other_data)
-    with pytest.raises(StageFailedError, match="fingerprints differ"):
+    plans[1] = msgspec.structs.replace(
+        plans[1], model=msgspec.structs.replace(plans[1].model, vocab_size=512)
+    )
+    with pytest.raises(StageFailedError, match=r"fingerprints differ.*model config, tokenizer"):
         run_plans(plans, tmp_path)
+
+
+def without_data(plan: StagePlan, nowhere: Path, **changes) -> StagePlan:
+    """``plan`` with data that does not exist on its machine (and other stage-0-only fields
+    changed): a stage after the first must train without ever opening a data file."""
+    config = msgspec.structs.replace(
+        plan.train, data=[str(nowhere / "*.txt")], max_data_bytes=1, **changes
+    )
+    return msgspec.structs.replace(plan, train=config)
+
+
+def test_only_stage_0_reads_data_the_targets_travel_with_the_activations(procs, tmp_path):
+    """Stages 1 and 2 are told of data that does not exist there, and of other validation
+    settings: they train on the targets stage 0 sends with its activations, and validate as
+    many batches as it says, losing exactly what one process loses."""
+    config = msgspec.structs.replace(train(8), val_every=3)
+    (reference,) = run_plans(
+        [single_process_plan(job_id="ref0", model=SMALL, train=config)], tmp_path
+    )
+    plans = chain("only0", 3, config)
+    nowhere = tmp_path / "nowhere"
+    plans[1:] = [without_data(p, nowhere, val_batches=7, val_fraction=0.5) for p in plans[1:]]
+    results = run_plans(plans, tmp_path)
+    want = [s["loss"] for s in steps(reference)]
+    got = [s["loss"] for s in steps(results[-1])]
+    assert len(want) == len(got) == 8
+    for step, (a, b) in enumerate(zip(want, got, strict=True)):
+        assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: single {a} vs pipeline {b}"
+    val_want = [s.get("val_loss") for s in steps(reference)]
+    val_got = [s.get("val_loss") for s in steps(results[-1])]
+    assert [v is not None for v in val_got] == [i in (2, 5) for i in range(8)]
+    for a, b in zip(val_want, val_got, strict=True):
+        assert a is None or b == pytest.approx(a, rel=1e-4)
+    assert done(results[-1])["val_loss"] == pytest.approx(done(reference)["val_loss"], rel=1e-4)
+    assert not nowhere.exists()
+    # The targets are frame parts, counted like the rest: what stage 0 sent is what stage 1
+    # counted, at least the activations and the targets (one byte a position) of 8 steps of
+    # 8 rows and 3 validations of 2 batches of 8 (test_links checks the exact count).
+    first, middle, last = (done(r) for r in results)
+    assert middle["up_bytes_received"] == first["down_bytes_sent"]
+    assert middle["down_bytes_sent"] == last["up_bytes_received"]
+    rows = 8 * 8 + 3 * 2 * 8
+    assert first["down_bytes_sent"] > rows * 32 * (64 * 4 + 1)
+
+
+def test_a_validation_without_batches_tells_the_stages_after_stage_0(procs, tmp_path):
+    """Too little validation text for one batch: stage 0 says so in one empty eval frame,
+    which the middle stage passes on; the run completes without a validation loss."""
+    config = msgspec.structs.replace(train(2), val_every=1, val_fraction=0.0005)
+    plans = chain("noval", 3, config)
+    plans[1:] = [without_data(p, tmp_path / "nowhere") for p in plans[1:]]
+    results = run_plans(plans, tmp_path)
+    assert [s.get("val_loss") for s in steps(results[-1])] == [None, None]
+    assert done(results[-1])["val_loss"] is None
+    assert len(steps(results[-1])) == 2 and steps(results[-1])[-1]["loss"] is not None
 
 
 def test_three_stages_train_over_the_nats_relay(procs, nats_server, tmp_path):

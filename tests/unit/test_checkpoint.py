@@ -240,6 +240,39 @@ def test_restoring_into_another_stage_is_refused(tmp_path):
         restore_into(_runner(other).model, None, load_checkpoint(directory / "stage-0.json"))
 
 
+def _last_of_two(tmp_path: Path, **changes) -> StagePlan:
+    """Stage 1 of 2 (it reads no data), told of data that does not exist on its machine."""
+    from silentswarm.plan import chain_plans
+
+    first = _plan(tmp_path)
+    train = msgspec.structs.replace(first.train, data=[str(tmp_path / "nowhere" / "*.txt")])
+    plan = chain_plans(
+        job_id="ckpt", model=TINY, train=train, addresses=[None, "tcp://127.0.0.1:1"]
+    )[1]
+    return msgspec.structs.replace(plan, checkpoint_dir=str(tmp_path), **changes)
+
+
+@pytest.mark.integration  # builds a TensorFlow stage
+def test_a_stage_after_the_first_checkpoints_and_resumes_without_a_data_position(tmp_path):
+    from silentswarm.agent.errors import CheckpointError
+    from silentswarm.agent.runtime.checkpoint import load_checkpoint, restore_into, save_stage
+
+    runner = _runner(_last_of_two(tmp_path))
+    assert runner.data is None, "only stage 0 reads data"
+    directory = save_stage(tmp_path, runner.model, runner.data, steps_done=3)
+    path = directory / "stage-1.json"
+    assert load_checkpoint(path).meta["data"] is None
+
+    resumed = _runner(_last_of_two(tmp_path, resume_from=str(path)))
+    assert resumed.start_step == 3 and resumed.data is None
+    for (name, a), b in zip(_values(runner).items(), _values(resumed).values(), strict=True):
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+    dataset = _runner(_plan(tmp_path)).data  # a stage that reads data needs a position
+    with pytest.raises(CheckpointError, match="no data position"):
+        restore_into(resumed.model, dataset, load_checkpoint(path))
+
+
 @pytest.mark.integration  # trains a TensorFlow stage
 def test_the_stage_loop_answers_requests_at_step_boundaries(tmp_path):
     channel, _ = _channel()

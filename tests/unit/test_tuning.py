@@ -191,3 +191,15 @@ def test_the_overlap_schedule_is_predicted_as_such_and_needs_fewer_micro_batches
     over = tune(inp(overlap=True, **kw))
     assert over.predicted_step_s < sync.predicted_step_s
     assert over.micro_batches <= sync.micro_batches
+
+
+def test_the_targets_each_forward_frame_carries_count_in_the_prediction():
+    """Every forward frame also carries its micro-batch's target ids: on a slow link the
+    prediction pays for their bytes, forward only."""
+    slow = [link(2.0)]
+    fixed = {"auto_fwd": False, "auto_bwd": False, "auto_micro_batches": False}
+    without = tune(inp(links=slow, codecs=[(INT8, INT8)], **fixed))
+    with_ids = tune(inp(links=slow, codecs=[(INT8, INT8)], target_bytes=4, **fixed))
+    extra_s = 16 * SEQ * 4 / (2.0 * 1e6 / 8)  # a step's ids at 2 Mbit/s
+    assert with_ids.predicted_step_s > without.predicted_step_s
+    assert with_ids.predicted_step_s - without.predicted_step_s <= extra_s * 1.01

@@ -9,8 +9,10 @@ from silentswarm.agent.errors import FrameError
 from silentswarm.agent.pipe.wire import (
     PROTOCOL_VERSION,
     SCALE_MAX,
+    TARGET_DTYPES,
     CodecKind,
     Direction,
+    Frame,
     FrameHeader,
     WireCodec,
     bfloat16_up,
@@ -23,6 +25,8 @@ from silentswarm.agent.pipe.wire import (
     pack_bits,
     parse_wire_codec,
     quantize,
+    token_dtype,
+    token_ids,
     unpack_bits,
 )
 from silentswarm.errors import ConfigError
@@ -39,7 +43,8 @@ def encode(x: np.ndarray, spec: str):
 def roundtrip(x: np.ndarray, spec: str) -> np.ndarray:
     header, parts = encode(x, spec)
     # what the receiver sees: separate immutable byte strings
-    got_header, y = decode_frame([bytes(p) for p in parts])
+    got_header, y, targets = decode_frame([bytes(p) for p in parts])
+    assert targets is None
     assert got_header == header
     assert y.dtype == np.float32
     assert y.shape == x.shape
@@ -181,7 +186,7 @@ def test_fp16_keeps_every_bit_at_any_magnitude(magnitude: float) -> None:
     header, parts = encode(x, "fp16")
     absmax = float(np.abs(x).max())
     assert header.shift == 14 - math.floor(math.log2(absmax))
-    _, y = decode_frame(parts)
+    y = decode_frame(parts).array
     big = np.abs(x) >= absmax * 2.0**-14  # in float16's normal range once shifted
     np.testing.assert_allclose(y[big], x[big], rtol=2.0**-11, atol=0)
 
@@ -280,7 +285,7 @@ def test_none_encode_is_zero_copy() -> None:
 def test_none_decode_is_zero_copy() -> None:
     _, parts = encode(sample((5, 8)), "none")
     received = [bytes(p) for p in parts]
-    _, y = decode_frame(received)
+    y = decode_frame(received).array
     assert np.shares_memory(y, np.frombuffer(received[1], dtype=np.uint8))
 
 
@@ -294,8 +299,8 @@ class FakeZmqFrame:
 def test_decode_accepts_frame_like_parts_and_memoryviews() -> None:
     x = sample((3, 9))
     _, parts = encode(x, "fixed_int6")
-    _, y = decode_frame([FakeZmqFrame(bytes(p)) for p in parts])
-    _, z = decode_frame([memoryview(bytes(p)) for p in parts])
+    y = decode_frame([FakeZmqFrame(bytes(p)) for p in parts]).array
+    z = decode_frame([memoryview(bytes(p)) for p in parts]).array
     np.testing.assert_array_equal(y, z)
     assert frame_nbytes([FakeZmqFrame(bytes(p)) for p in parts]) == frame_nbytes(parts)
 
@@ -473,7 +478,7 @@ def test_header_fields_and_roundtrip() -> None:
 def test_header_ignores_unknown_fields() -> None:
     x = sample((2, 8))
     fields = raw_header(trace_id="abc", future={"nested": [1, 2]})
-    _, y = decode_frame([msgspec.msgpack.encode(fields), *int4_parts()[1:]])
+    y = decode_frame([msgspec.msgpack.encode(fields), *int4_parts()[1:]]).array
     assert y.shape == x.shape
 
 
@@ -481,5 +486,202 @@ def test_bwd_direction_roundtrips() -> None:
     _, parts = encode_frame(
         sample((2, 3)), parse_wire_codec("fp16"), **{**META, "direction": Direction.BWD}
     )
-    got, _ = decode_frame(parts)
+    got = decode_frame(parts).header
     assert got.direction is Direction.BWD
+
+
+# -- targets and eval counts ------------------------------------------------------------------
+
+CODECS = ["none", "fp16", "fixed_int4", "fixed_int8"]
+
+
+def ids_for(shape: tuple[int, ...], vocab: int, seed: int = 0) -> np.ndarray:
+    """Target ids for activations of ``shape``: the vocabulary's dtype, its extremes included."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, size=shape[:-1])
+    ids.reshape(-1)[:2] = [0, vocab - 1]
+    return token_ids(ids, vocab)
+
+
+def forward(spec: str = "fixed_int4", vocab: int = 256, shape=(2, 3, 8), **kw):
+    """A forward frame with targets: (header, parts as bytes, activations, ids)."""
+    x, ids = sample(shape), ids_for(shape, vocab)
+    header, parts = encode_frame(x, parse_wire_codec(spec), **META, targets=ids, **kw)
+    return header, [bytes(p) for p in parts], x, ids
+
+
+@pytest.mark.parametrize(
+    ("vocab", "name"),
+    [
+        (1, "uint8"),
+        (256, "uint8"),
+        (257, "uint16"),
+        (65536, "uint16"),
+        (65537, "uint32"),
+        (2**22, "uint32"),
+    ],
+)
+def test_token_dtype_is_the_smallest_that_holds_the_vocabulary(vocab: int, name: str) -> None:
+    assert token_dtype(vocab) == TARGET_DTYPES[name]
+    assert token_ids(np.array([vocab - 1], dtype=np.int32), vocab)[0] == vocab - 1
+
+
+@pytest.mark.parametrize("ids", [[0, 256], [-1, 3]])
+def test_token_ids_refuse_ids_outside_the_vocabulary(ids: list[int]) -> None:
+    with pytest.raises(ValueError, match="outside the vocabulary of 256"):
+        token_ids(np.array(ids, dtype=np.int32), 256)
+
+
+def test_token_ids_refuse_non_integers() -> None:
+    with pytest.raises(ValueError, match="integers"):
+        token_ids(np.zeros(3, dtype=np.float32), 256)
+
+
+@pytest.mark.parametrize("vocab", [256, 50_257, 100_000])
+@pytest.mark.parametrize("spec", CODECS)
+def test_forward_frames_carry_their_targets_exactly(spec: str, vocab: int) -> None:
+    """uint8 targets for the byte vocabulary, uint16 and uint32 for larger ones: the last
+    part, bit for bit, shaped like the activations without their last axis."""
+    header, parts, x, ids = forward(spec, vocab, shape=(4, 5, 16))
+    assert header.targets_dtype == {256: "uint8", 50_257: "uint16", 100_000: "uint32"}[vocab]
+    assert header.targets_nbytes == 4 * 5 * ids.itemsize == len(parts[-1])
+    assert len(parts) == (4 if spec.startswith("fixed") else 3)
+    frame = decode_frame(parts, vocab_size=vocab)
+    assert isinstance(frame, Frame) and frame.header == header
+    assert frame.targets.dtype == ids.dtype and frame.targets.shape == (4, 5)
+    np.testing.assert_array_equal(frame.targets, ids)
+    np.testing.assert_array_equal(frame.targets.astype(np.int32), ids.astype(np.int32))
+    without = decode_frame(encode(x, spec)[1])
+    np.testing.assert_array_equal(frame.array, without.array)  # the tensor is untouched
+
+
+def test_the_targets_are_counted_in_the_frame_bytes() -> None:
+    x, ids = sample((8, 16, 32)), ids_for((8, 16, 32), 256)
+    _, plain = encode(x, "fixed_int8")
+    _, parts = encode_frame(x, parse_wire_codec("fixed_int8"), **META, targets=ids)
+    header_growth = len(parts[0]) - len(plain[0])  # the two target fields
+    assert frame_nbytes(parts) == frame_nbytes(plain) + header_growth + 8 * 16
+    assert 0 < header_growth < 40
+
+
+def test_a_frame_without_targets_says_so_in_its_header() -> None:
+    header, parts = encode(sample((2, 8)), "fixed_int4")
+    assert (header.targets_dtype, header.targets_nbytes, header.eval_batches) == ("", 0, 0)
+    assert decode_frame(parts).targets is None
+
+
+def test_eval_frames_count_the_batches_of_their_pass() -> None:
+    header, parts, _, _ = forward("fp16", phase="eval", eval_batches=4)
+    assert decode_frame(parts).header.eval_batches == header.eval_batches == 4
+
+
+@pytest.mark.parametrize("spec", CODECS)
+def test_an_empty_eval_frame_round_trips(spec: str) -> None:
+    """A validation pass without a batch is one frame of zero rows that says 0 batches."""
+    x = np.zeros((0, 16, 8), dtype=np.float32)
+    ids = token_ids(np.zeros((0, 16), dtype=np.int32), 256)
+    meta = {**META, "micro": 0}
+    _, parts = encode_frame(
+        x, parse_wire_codec(spec), **meta, phase="eval", targets=ids, eval_batches=0
+    )
+    frame = decode_frame([bytes(p) for p in parts], vocab_size=256)
+    assert frame.array.shape == (0, 16, 8) and frame.targets.shape == (0, 16)
+    assert frame.header.eval_batches == 0 and frame.header.phase == "eval"
+
+
+@pytest.mark.parametrize(
+    ("changes", "match"),
+    [
+        ({"direction": Direction.BWD}, "only a forward frame carries targets"),
+        ({"targets": np.zeros((2, 3), dtype=np.int32)}, "targets must be one of"),
+        ({"targets": np.zeros((2, 4), dtype=np.uint8)}, r"shape \[2, 4\], the frame needs"),
+        ({"eval_batches": 2}, "only a forward eval frame"),
+    ],
+)
+def test_encode_refuses_targets_or_counts_that_do_not_fit(changes: dict, match: str) -> None:
+    kw = {**META, "targets": np.zeros((2, 3), dtype=np.uint8), **changes}
+    with pytest.raises(ValueError, match=match):
+        encode_frame(sample((2, 3, 8)), parse_wire_codec("none"), **kw)
+
+
+def with_fields(parts: list[bytes], **changes: object) -> list[bytes]:
+    fields = msgspec.to_builtins(msgspec.msgpack.decode(parts[0], type=FrameHeader))
+    fields.update(changes)
+    return [msgspec.msgpack.encode(fields), *parts[1:]]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (lambda p: p[:-1], r"frame has 3 parts, codec 'fixed_int4' needs 4 \(.*targets\)"),
+        (lambda p: [*p, b"x"], "frame has 5 parts"),
+        (lambda p: [*p[:-1], p[-1][:-1]], "targets are 5 bytes, header says 6"),
+        (lambda p: [*p[:-1], p[-1] + b"\0"], "targets are 7 bytes, header says 6"),
+        (lambda p: with_fields(p, targets_nbytes=12), "targets_nbytes=12.*needs 6"),
+        (lambda p: with_fields(p, targets_dtype="uint16"), "targets_nbytes=6.*needs 12"),
+        (lambda p: with_fields(p, targets_dtype="", targets_nbytes=6), "but no dtype"),
+        (lambda p: with_fields(p, targets_dtype="int32"), "'int32' is not one of"),
+        (lambda p: with_fields(p, targets_dtype="float32"), "'float32' is not one of"),
+        (lambda p: with_fields(p, targets_dtype=8), "bad frame header"),
+        (lambda p: with_fields(p, targets_nbytes="6"), "bad frame header"),
+        (lambda p: with_fields(p, direction="bwd"), "backward frame carries no targets"),
+        (lambda p: with_fields(p, eval_batches=3), "eval_batches=3"),
+        (lambda p: with_fields(p, phase="eval", eval_batches=-1), "eval_batches=-1"),
+        (
+            lambda p: with_fields(
+                p, shape=[2, 4, 8], payload_nbytes=32, scales_nbytes=16, targets_nbytes=8
+            ),
+            "payload is 24 bytes",
+        ),
+    ],
+)
+def test_every_targets_inconsistency_is_a_frame_error(mutate, match: str) -> None:
+    _, parts, _, _ = forward("fixed_int4", shape=(2, 3, 8))
+    expect_frame_error(mutate(parts), match)
+
+
+def test_a_backward_frame_with_a_targets_part_is_a_frame_error() -> None:
+    _, parts = encode_frame(
+        sample((2, 3, 8)), parse_wire_codec("none"), **{**META, "direction": Direction.BWD}
+    )
+    parts = [bytes(p) for p in parts]
+    forged = with_fields(parts, targets_dtype="uint8", targets_nbytes=6)
+    expect_frame_error([*forged, bytes(6)], "backward frame carries no targets")
+    expect_frame_error([*parts, bytes(6)], "frame has 3 parts, codec 'none' needs 2")
+
+
+@pytest.mark.parametrize(("vocab", "bad"), [(100, 100), (255, 255), (300, 65535)])
+def test_a_target_id_outside_the_vocabulary_is_a_frame_error(vocab: int, bad: int) -> None:
+    """The receiver knows the vocabulary (its model config) and refuses an id beyond it."""
+    x = sample((2, 3, 8))
+    ids = np.full((2, 3), 1, dtype=token_dtype(bad + 1))
+    ids[1, 2] = bad
+    _, parts = encode_frame(x, parse_wire_codec("none"), **META, targets=ids)
+    parts = [bytes(p) for p in parts]
+    with pytest.raises(FrameError, match=f"target id {bad} is outside the vocabulary of {vocab}"):
+        decode_frame(parts, vocab_size=vocab)
+    assert decode_frame(parts).targets[1, 2] == bad  # without a vocabulary: not checked
+
+
+@pytest.mark.parametrize("vocab", [256, 50_257])
+def test_random_corruption_with_targets_only_raises_frame_error(vocab: int) -> None:
+    rng = np.random.default_rng(vocab)
+    _, good, _, _ = forward("fixed_int4", vocab, shape=(3, 4, 8))
+    for _ in range(300):
+        parts = list(good)
+        i = int(rng.integers(0, len(parts)))
+        data = bytearray(parts[i])
+        roll = rng.random()
+        if data and roll < 0.5:
+            data[int(rng.integers(0, len(data)))] = int(rng.integers(0, 256))
+        elif roll < 0.9:
+            data = data[: int(rng.integers(0, len(data) + 1))]
+        else:
+            data += bytes(int(rng.integers(1, 4)))
+        parts[i] = bytes(data)
+        if rng.random() < 0.1:
+            parts = parts[: int(rng.integers(0, len(parts)))]
+        with contextlib.suppress(FrameError):
+            frame = decode_frame(parts, vocab_size=vocab)
+            if frame.targets is not None:
+                assert frame.targets.size == 0 or int(frame.targets.max()) < vocab

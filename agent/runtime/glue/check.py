@@ -119,8 +119,7 @@ class Chain:
             direction=Direction.FWD,
             phase="eval",
         )
-        _, decoded = decode_frame([bytes(part) for part in parts])
-        return decoded
+        return decode_frame([bytes(part) for part in parts]).array
 
     def run(self, tokens: np.ndarray, targets: np.ndarray | None = None):
         """Each stage's input and output (numpy) and the last stage's loss, if targets."""

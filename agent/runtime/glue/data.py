@@ -31,8 +31,9 @@ class ValidationData:
 
 
 def validation_data(plan: StagePlan, data: Sequence[str] | None) -> ValidationData:
-    """The last stage's validation batches: the same ``job_dataset`` and ``job_val_batches``
-    as :class:`StageRunner`, so the pipeline's ``val_loss`` and ``chain_val_loss`` agree to
+    """The pipeline's validation batches (stage 0 reads them; the last stage scores the
+    targets they bring): the same ``job_dataset`` and ``job_val_batches`` as
+    :class:`StageRunner`, so the pipeline's ``val_loss`` and ``chain_val_loss`` agree to
     the last bit (tested against real stage processes).
     """
     import numpy as np
