@@ -52,9 +52,18 @@ RUNTIME_ENV = {
 }
 
 
+# The stage's own settings among SWARM_*: where stage 0 keeps its token caches.
+RUNTIME_PASSTHROUGH = frozenset({"SWARM_DATA_CACHE"})
+
+
 def runtime_env() -> dict[str, str]:
-    """The agent's environment minus SWARM_* (the plan says all a stage needs) plus TF's."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
+    """The agent's environment minus SWARM_* (the plan says all a stage needs, but for
+    :data:`RUNTIME_PASSTHROUGH`) plus TF's."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("SWARM_") or k in RUNTIME_PASSTHROUGH
+    }
     env.update(RUNTIME_ENV)
     return env
 

@@ -47,6 +47,26 @@ MAX_STEPS = 10**9
 Steps = Annotated[int, msgspec.Meta(ge=1, le=MAX_STEPS)]
 StepCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_STEPS)]
 PathText = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
+FieldName = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+
+
+class JsonlSource(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A ``data`` entry naming JSONL files: every line a JSON object whose ``field`` (a string)
+    is one document. Beside plain path/glob strings (text files, each one document)."""
+
+    jsonl: PathText  # a file, directory or glob, as a text entry
+    field: FieldName = "text"
+
+    def problems(self, where: str) -> list[str]:
+        out = []
+        if not self.jsonl.strip():
+            out.append(f"{where}.jsonl must name a path or glob")
+        if not self.field.strip():
+            out.append(f"{where}.field must name a JSON field")
+        return out
+
+
+DataSource = PathText | JsonlSource
 
 
 class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -79,7 +99,8 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     min_lr_ratio: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.1
     weight_decay: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 0.01
     seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
-    data: Annotated[list[PathText], msgspec.Meta(min_length=1, max_length=1024)] = msgspec.field(
+    # Text paths/globs ("stdlib": Python's own sources) and JSONL sources (JsonlSource).
+    data: Annotated[list[DataSource], msgspec.Meta(min_length=1, max_length=1024)] = msgspec.field(
         default_factory=lambda: ["stdlib"]
     )
     max_data_bytes: Annotated[int, msgspec.Meta(ge=1, le=2**50)] | None = None
@@ -111,8 +132,19 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             out.append(f"{prefix}val_every must be >= 0")
         if self.max_data_bytes is not None and self.max_data_bytes < 1:
             out.append(f"{prefix}max_data_bytes must be >= 1")
+        out.extend(self._data_problems(prefix))
+        return out
+
+    def _data_problems(self, prefix: str) -> list[str]:
         if not self.data:
-            out.append(f"{prefix}data must name at least one path or glob")
+            return [f"{prefix}data must name at least one path or glob"]
+        out = []
+        for i, entry in enumerate(self.data):
+            where = f"{prefix}data[{i}]"
+            if isinstance(entry, JsonlSource):
+                out.extend(entry.problems(where))
+            elif not isinstance(entry, str) or not entry.strip():
+                out.append(f'{where} must be a path or glob, or {{"jsonl": ..., "field": ...}}')
         return out
 
     def _schedule_problems(self, prefix: str) -> list[str]:

@@ -32,6 +32,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.integration)
 
 
+@pytest.fixture(autouse=True)
+def _token_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every test's token caches (agent/runtime/data.py) go to a temporary directory of its
+    own, never ~/.cache; ``child_env`` passes it on to the processes a test starts. Not under
+    ``tmp_path``, where a test's own corpus globs would find the cache files."""
+    directory = tmp_path_factory.mktemp("token-cache")
+    monkeypatch.setenv("SWARM_DATA_CACHE", str(directory))
+    return directory
+
+
 @pytest.fixture
 def procs(tmp_path: Path) -> Iterator[Processes]:
     log_dir = tmp_path / "proc-logs"

@@ -83,7 +83,10 @@ def busy_port() -> Iterator[int]:
 
 
 def child_env(**overrides: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
+    # SWARM_DATA_CACHE stays: the test's own token cache directory (tests/conftest.py).
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("SWARM_") or k == "SWARM_DATA_CACHE"
+    }
     env["PYTHONUNBUFFERED"] = "1"
     # Most tests run NATS without authentication; the auth tests (and start-cluster's)
     # pass SWARM_DEV="0" and real credentials.

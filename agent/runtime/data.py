@@ -1,8 +1,16 @@
-"""Byte-level text data: files to one token array, deterministic training windows, a held-out
-validation split, and a position that can be reported and restored.
+"""Byte-level text data: sources to one token file, memory-mapped, deterministic training
+windows, a held-out validation split, and a position that can be reported and restored.
 
-A token is one byte of the UTF-8 file content (vocab 256), so no tokenizer is ever downloaded.
-Everything here is numpy and the standard library: no TensorFlow, so it is cheap to import.
+A token is one byte of the UTF-8 text (vocab 256), so no tokenizer is ever downloaded.
+Everything here is numpy, msgspec and the standard library: no TensorFlow, so it is cheap to
+import.
+
+The sources (text files, directories and globs, and JSONL files whose named field holds one
+document a line) are streamed once, in chunks, into a token cache file (:func:`build_token_cache`)
+and then memory-mapped: the corpus is never held whole in RAM, windows and batches are read from
+the map. The cache is content-addressed (:func:`cache_key`: every source file's path, size and
+mtime, the tokenizer, the separator and ``max_bytes``), so a changed source builds a new one, and
+published atomically, so concurrent builders and readers never see half a file.
 
 Only stage 0 of a pipeline builds a ``TextDataset``: it feeds the inputs of a batch, and the
 targets travel down the chain with the activations (in every forward frame,
@@ -15,15 +23,22 @@ saw.
 
 from __future__ import annotations
 
+import codecs
+import contextlib
+import fcntl
 import glob
+import hashlib
+import json
 import logging
 import os
 import sysconfig
+import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
+import msgspec
 import numpy as np
 
 from silentswarm.agent.errors import DataError
@@ -32,13 +47,19 @@ if TYPE_CHECKING:
     from silentswarm.plan import TrainConfig
 
 __all__ = [
+    "CACHE_ENV",
     "DEFAULT_CORPUS",
     "TOKENIZER",
+    "TOKEN_DTYPE",
     "VOCAB_SIZE",
     "DataState",
     "TextDataset",
+    "build_token_cache",
+    "cache_key",
+    "default_cache_dir",
     "default_corpus_paths",
     "resolve_paths",
+    "token_dtype",
 ]
 
 log = logging.getLogger(__name__)
@@ -51,6 +72,39 @@ TOKENIZER = "utf8-bytes"
 """The tokenizer every stage assumes (one token per byte, :data:`VOCAB_SIZE` of them): the
 stages' handshake compares it, since only stage 0 tokenises anything."""
 _SEPARATOR = b"\n"
+"""Between two documents: two files, two JSONL lines, a file and a JSONL line."""
+
+CACHE_ENV = "SWARM_DATA_CACHE"
+"""Where token caches go, when set (else ``$XDG_CACHE_HOME/silentswarm/tokens``, else
+``~/.cache/silentswarm/tokens``)."""
+_CACHE_FORMAT = 1  # bump when the file layout or what a key covers changes
+_CHUNK = 1 << 20  # bytes read (and UTF-8 checked) at a time
+_SCAN = 1 << 18  # tokens per step of a pass over the whole map (bincount makes them intp)
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest unsigned integer that holds ``vocab_size`` token ids: uint8 for the byte
+    tokenizer, uint16 / uint32 for larger vocabularies (the cache file's element type)."""
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    for dtype in (np.uint8, np.uint16, np.uint32):
+        if vocab_size <= np.iinfo(dtype).max + 1:
+            return np.dtype(dtype)
+    raise ValueError(f"vocab_size {vocab_size} does not fit in uint32 token ids")
+
+
+TOKEN_DTYPE = token_dtype(VOCAB_SIZE)
+
+
+class JsonlEntry(Protocol):
+    """A ``train.data`` entry naming JSONL files (:class:`silentswarm.plan.JsonlSource`, duck
+    typed here so that this module does not import the plan's dependencies)."""
+
+    jsonl: str
+    field: str
+
+
+Pattern = str | JsonlEntry
 
 
 @dataclass(frozen=True)
@@ -61,6 +115,17 @@ class DataState:
     index: int
 
 
+@dataclass(frozen=True)
+class _Source:
+    """One file to read: whole (``field`` None) or, JSONL, that field of every line."""
+
+    path: str  # absolute
+    field: str | None = None
+
+    def sort_key(self) -> tuple[str, int, str]:
+        return (self.path, self.field is not None, self.field or "")
+
+
 def default_corpus_paths() -> list[str]:
     """The standard library's top-level ``.py`` files, sorted.
 
@@ -69,6 +134,17 @@ def default_corpus_paths() -> list[str]:
     """
     stdlib = sysconfig.get_paths()["stdlib"]
     return sorted(glob.glob(os.path.join(glob.escape(stdlib), "*.py")))
+
+
+def default_cache_dir() -> Path:
+    """``$SWARM_DATA_CACHE``, else ``$XDG_CACHE_HOME/silentswarm/tokens``, else
+    ``~/.cache/silentswarm/tokens``."""
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "silentswarm" / "tokens"
 
 
 def _files_below(directory: str) -> list[str]:
@@ -97,73 +173,360 @@ def _expand(pattern: str) -> list[str]:
     return out
 
 
-def _candidates(patterns: Sequence[str]) -> list[Path]:
+def _entry(pattern: Any) -> tuple[str, str | None]:
+    """``(path or glob, field)``: field None for a text pattern, the JSON field for JSONL."""
+    if isinstance(pattern, str):
+        return pattern, None
+    jsonl, field = getattr(pattern, "jsonl", None), getattr(pattern, "field", None)
+    if isinstance(jsonl, str) and isinstance(field, str):
+        if not field:
+            raise DataError(f"{pattern!r}: the JSONL field name is empty")
+        return jsonl, field
+    raise TypeError(f"a data entry is a path/glob string or a JSONL source, not {pattern!r}")
+
+
+def _candidates(patterns: Sequence[Pattern]) -> list[_Source]:
     """All files the patterns name, sorted and de-duplicated, not yet checked for UTF-8."""
     if isinstance(patterns, str):
         raise TypeError("patterns must be a sequence of strings, not a single string")
     if not patterns:
         raise DataError("no file patterns given")
-    seen: set[str] = set()
+    seen: set[_Source] = set()
     for pattern in patterns:
-        files = _expand(pattern)
+        path, field = _entry(pattern)
+        if field is not None and path == DEFAULT_CORPUS:
+            raise DataError(f"{pattern!r}: {DEFAULT_CORPUS!r} is Python source, not JSONL")
+        files = _expand(path)
         if not files:
-            raise DataError(f"no files match {pattern!r}")
-        seen.update(os.path.abspath(f) for f in files)
-    return [Path(p) for p in sorted(seen)]
+            raise DataError(f"no files match {path!r}")
+        seen.update(_Source(os.path.abspath(f), field) for f in files)
+    return sorted(seen, key=_Source.sort_key)
 
 
-def _read_text_bytes(path: Path) -> bytes | None:
-    """The file's bytes, or None (with a warning) when it is not valid UTF-8."""
+def _utf8_problem(path: str) -> str | None:
+    """Why the file is not valid UTF-8 (None if it is), checked chunk by chunk."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                try:
+                    decoder.decode(chunk)
+                except UnicodeDecodeError as exc:
+                    return f"byte {offset + exc.start}: {exc.reason}"
+                offset += len(chunk)
+            try:
+                decoder.decode(b"", final=True)
+            except UnicodeDecodeError as exc:
+                return f"byte {offset + exc.start}: {exc.reason} at the end"
     except OSError as exc:
         raise DataError(f"cannot read {path}: {exc}") from exc
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        log.warning("skipping %s: not valid UTF-8 (%s)", path, exc)
-        return None
-    return data
+    return None
 
 
-def resolve_paths(patterns: Sequence[str]) -> list[Path]:
+def resolve_paths(patterns: Sequence[Pattern]) -> list[Path]:
     """Expand file paths, directories (recursively) and globs (``**`` allowed) to text files.
 
     ``"stdlib"`` expands to :func:`default_corpus_paths`. The result is sorted and de-duplicated
     (by absolute path). A pattern that matches nothing raises :class:`DataError`; files that are
-    not valid UTF-8 are skipped with a logged warning, unless none is left.
+    not valid UTF-8 are skipped with a logged warning, unless none is left. JSONL sources are
+    listed as they are (their lines are checked when the tokens are built).
     """
-    paths = [p for p in _candidates(patterns) if _read_text_bytes(p) is not None]
+    paths: list[Path] = []
+    for source in _candidates(patterns):
+        problem = None if source.field is not None else _utf8_problem(source.path)
+        if problem is None:
+            paths.append(Path(source.path))
+        else:
+            log.warning("skipping %s: not valid UTF-8 (%s)", source.path, problem)
     if not paths:
         raise DataError(f"no valid UTF-8 text files among {list(patterns)!r}")
-    return paths
+    return list(dict.fromkeys(paths))
 
 
-def _load_tokens(patterns: Sequence[str], max_bytes: int | None) -> tuple[np.ndarray, list[Path]]:
-    """Concatenate the valid files with a separator; stop reading once ``max_bytes`` is reached."""
-    chunks: list[bytes] = []
-    used: list[Path] = []
-    total = 0
-    for path in _candidates(patterns):
-        if max_bytes is not None and total >= max_bytes:
+# --- building the token file --------------------------------------------------------------------
+
+
+class _TokenWriter:
+    """Appends tokens to the cache file up to ``limit``; a document can be taken back whole."""
+
+    def __init__(self, out: IO[bytes], limit: int | None) -> None:
+        self.out = out
+        self.limit = limit
+        self.n_tokens = 0
+        self.n_docs = 0
+
+    @property
+    def full(self) -> bool:
+        return self.limit is not None and self.n_tokens >= self.limit
+
+    def write(self, data: bytes) -> None:
+        # The utf8-bytes tokenizer: a token is a byte. Another tokenizer would encode the text
+        # to ids here and write them as TOKEN_DTYPE.
+        if self.limit is not None:
+            data = data[: max(0, self.limit - self.n_tokens)]
+        if data:
+            self.out.write(data)
+            self.n_tokens += len(data)
+
+    def begin_document(self) -> int:
+        """Write the separator (but before the first document); the position to roll back to."""
+        mark = self.n_tokens
+        if self.n_docs:
+            self.write(_SEPARATOR)
+        return mark
+
+    def rollback(self, mark: int) -> None:
+        self.out.seek(mark * TOKEN_DTYPE.itemsize)
+        self.out.truncate()
+        self.n_tokens = mark
+
+
+def _append_text(path: str, writer: _TokenWriter) -> bool:
+    """The file as one document, UTF-8 checked chunk by chunk as it streams; False (and nothing
+    written, with a warning) when it is not valid UTF-8. Past ``max_bytes`` the rest of the file
+    is still checked (but not written), so the same files are skipped as when files were read
+    whole."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    mark = writer.begin_document()
+    offset = 0
+    problem = None
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                try:
+                    decoder.decode(chunk)
+                except UnicodeDecodeError as exc:
+                    problem = f"byte {offset + exc.start}: {exc.reason}"
+                    break
+                writer.write(chunk)
+                offset += len(chunk)
+            else:
+                try:
+                    decoder.decode(b"", final=True)
+                except UnicodeDecodeError as exc:
+                    problem = f"byte {offset + exc.start}: {exc.reason} at the end"
+    except OSError as exc:
+        raise DataError(f"cannot read {path}: {exc}") from exc
+    if problem is not None:
+        log.warning("skipping %s: not valid UTF-8 (%s)", path, problem)
+        writer.rollback(mark)
+        return False
+    writer.n_docs += 1
+    return True
+
+
+_json = msgspec.json.Decoder()
+
+
+def _append_jsonl(path: str, field: str, writer: _TokenWriter) -> bool:
+    """Each line's ``field`` as one document; a bad line is a :class:`DataError` naming the
+    file and the line (blank lines are skipped). Reading stops at ``max_bytes``. True when the
+    file gave at least one document."""
+    used = False
+    try:
+        with open(path, "rb") as f:
+            for lineno, line in enumerate(f, 1):
+                if writer.full:
+                    break
+                if not line.strip():
+                    continue
+                where = f"{path}, line {lineno}"
+                try:
+                    record = _json.decode(line)
+                except msgspec.DecodeError as exc:
+                    raise DataError(f"{where}: not valid JSON ({exc})") from None
+                if not isinstance(record, dict):
+                    raise DataError(f"{where}: not a JSON object")
+                if field not in record:
+                    raise DataError(f"{where}: no field {field!r}")
+                text = record[field]
+                if not isinstance(text, str):
+                    kind = type(text).__name__ if text is not None else "null"
+                    raise DataError(f"{where}: field {field!r} is {kind}, not a string")
+                try:
+                    data = text.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise DataError(
+                        f"{where}: field {field!r} is not valid Unicode ({exc})"
+                    ) from None
+                writer.begin_document()
+                writer.write(data)
+                writer.n_docs += 1
+                used = True
+    except OSError as exc:
+        raise DataError(f"cannot read {path}: {exc}") from exc
+    return used
+
+
+def _write_tokens(
+    sources: Sequence[_Source], out: IO[bytes], max_bytes: int | None
+) -> tuple[int, list[str]]:
+    """Stream the sources into ``out``: the token count and the files used."""
+    writer = _TokenWriter(out, max_bytes)
+    used: list[str] = []
+    for source in sources:
+        if writer.full:
             break
-        data = _read_text_bytes(path)
-        if data is None:
-            continue
-        total += len(data) + (len(_SEPARATOR) if chunks else 0)
-        chunks.append(data)
-        used.append(path)
-    if not chunks:
+        if source.field is None:
+            ok = _append_text(source.path, writer)
+        else:
+            ok = _append_jsonl(source.path, source.field, writer)
+        if ok:
+            used.append(source.path)
+    return writer.n_tokens, used
+
+
+def cache_key(sources: Sequence[_Source], max_bytes: int | None) -> str:
+    """What the tokens depend on, hashed: every source's path (and JSONL field), size and
+    mtime_ns, the tokenizer, its dtype, the separator and ``max_bytes``.
+
+    Size and mtime rather than a hash of the content: hashing would read every source at every
+    start, the very cost the cache saves (minutes for a large corpus), and an edit changes the
+    mtime. A rewrite that keeps both size and mtime (``touch -r``, some copy tools) goes unseen:
+    delete the cache then.
+    """
+    files = []
+    for source in sources:
+        try:
+            st = os.stat(source.path)
+        except OSError as exc:
+            raise DataError(f"cannot read {source.path}: {exc}") from exc
+        files.append([source.path, source.field, st.st_size, st.st_mtime_ns])
+    described = {
+        "format": _CACHE_FORMAT,
+        "tokenizer": TOKENIZER,
+        "dtype": TOKEN_DTYPE.str,
+        "separator": _SEPARATOR.hex(),
+        "max_bytes": max_bytes,
+        "sources": files,
+    }
+    return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class _Cached:
+    tokens: np.ndarray  # read-only, memory-mapped
+    paths: list[str]
+    file: Path | None  # None: an unnamed temporary file (the cache directory was not writable)
+
+
+def _map(file: Any, n_tokens: int) -> np.ndarray:
+    if n_tokens == 0:  # mmap cannot map nothing
+        tokens = np.zeros(0, dtype=TOKEN_DTYPE)
+    else:
+        # .view: a plain read-only ndarray whose base keeps the map alive (no np.memmap subclass
+        # leaking into batches)
+        tokens = np.memmap(file, dtype=TOKEN_DTYPE, mode="r", shape=(n_tokens,)).view(np.ndarray)
+    tokens.flags.writeable = False
+    return tokens
+
+
+def _open_cached(directory: Path, key: str) -> _Cached | None:
+    """The published cache for ``key``, mapped; None when there is none (or it is damaged)."""
+    meta_file, token_file = directory / f"{key}.json", directory / f"{key}.tokens"
+    try:
+        meta = json.loads(meta_file.read_bytes())
+        n_tokens, paths = int(meta["n_tokens"]), [str(p) for p in meta["paths"]]
+        if meta["dtype"] != TOKEN_DTYPE.str or meta["key"] != key:
+            return None
+        if os.stat(token_file).st_size != n_tokens * TOKEN_DTYPE.itemsize:
+            return None
+        return _Cached(_map(token_file, n_tokens), paths, token_file)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _publish(directory: Path, name: str, write: Any) -> None:
+    """Write ``directory/name`` atomically: a unique temporary file, flushed, renamed."""
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / name)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _build_cached(
+    directory: Path, key: str, sources: Sequence[_Source], max_bytes: int | None
+) -> _Cached:
+    """Build the cache for ``key`` under an exclusive lock (a second builder waits, then maps
+    what the first published): tokens first, then the metadata that makes them visible."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / f"{key}.lock", "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        found = _open_cached(directory, key)
+        if found is not None:
+            return found
+        result: dict[str, Any] = {}
+
+        def tokens(f: IO[bytes]) -> None:
+            result["n"], result["paths"] = _write_tokens(sources, f, max_bytes)
+
+        _publish(directory, f"{key}.tokens", tokens)
+        meta = {
+            "key": key,
+            "format": _CACHE_FORMAT,
+            "tokenizer": TOKENIZER,
+            "dtype": TOKEN_DTYPE.str,
+            "n_tokens": result["n"],
+            "max_bytes": max_bytes,
+            "paths": result["paths"],
+        }
+        _publish(directory, f"{key}.json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
+        log.info(
+            "built token cache %s: %d tokens from %d files",
+            key[:12],
+            result["n"],
+            len(result["paths"]),
+        )
+    found = _open_cached(directory, key)
+    if found is None:
+        raise DataError(f"the token cache {directory / key}.tokens vanished as it was built")
+    return found
+
+
+def _build_unnamed(sources: Sequence[_Source], max_bytes: int | None) -> _Cached:
+    """The tokens in an unnamed temporary file (gone when the map is), when no cache can be
+    written: still memory-mapped, just built again next time."""
+    with tempfile.TemporaryFile() as f:
+        n_tokens, paths = _write_tokens(sources, f, max_bytes)
+        f.flush()
+        return _Cached(_map(f, n_tokens), paths, None)
+
+
+def build_token_cache(
+    patterns: Sequence[Pattern],
+    max_bytes: int | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> _Cached:
+    """The memory-mapped tokens of ``patterns``, from the cache under ``cache_dir`` (default:
+    :func:`default_cache_dir`) when it holds them, else built there first."""
+    sources = _candidates(patterns)
+    key = cache_key(sources, max_bytes)
+    directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    found = _open_cached(directory, key)
+    if found is None:
+        try:
+            found = _build_cached(directory, key, sources, max_bytes)
+        except OSError as exc:  # a read-only home, say: build without a cache
+            log.warning(
+                "cannot write the token cache in %s (%s): building it uncached", directory, exc
+            )
+            found = _build_unnamed(sources, max_bytes)
+    if not found.paths:
         raise DataError(f"no valid UTF-8 text files among {list(patterns)!r}")
-    joined = _SEPARATOR.join(chunks)
-    if max_bytes is not None:
-        joined = joined[:max_bytes]
-    # frombuffer over immutable bytes gives a read-only array: nothing can corrupt the corpus.
-    return np.frombuffer(joined, dtype=np.uint8), used
+    return found
 
 
 class TextDataset:
-    """Byte tokens from text files, cut into windows of ``seq_len + 1`` (inputs and targets).
+    """Byte tokens from text and JSONL sources, cut into windows of ``seq_len + 1`` (inputs and
+    targets), read from the memory-mapped token cache (:func:`build_token_cache`).
 
     The last ``val_fraction`` of the tokens is the validation split, the rest is training, so the
     two never overlap. Training windows start at ``0, seq_len, 2 * seq_len, ...`` (non-overlapping
@@ -172,12 +535,13 @@ class TextDataset:
 
     def __init__(
         self,
-        patterns: Sequence[str],
+        patterns: Sequence[Pattern],
         *,
         seq_len: int,
         seed: int,
         val_fraction: float = 0.05,
         max_bytes: int | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
@@ -190,7 +554,11 @@ class TextDataset:
         self.seq_len = seq_len
         self.seed = seed
         self.val_fraction = val_fraction
-        self._tokens, self.paths = _load_tokens(patterns, max_bytes)
+        cached = build_token_cache(patterns, max_bytes, cache_dir)
+        self._tokens = cached.tokens
+        self.paths = [Path(p) for p in cached.paths]
+        self.cache_file = cached.file
+        """The token file mapped (None when no cache could be written)."""
 
         n = len(self._tokens)
         n_val = int(n * val_fraction)
@@ -206,12 +574,11 @@ class TextDataset:
                 f"training and {len(self._val)} validation tokens (val_fraction={val_fraction}); "
                 f"each split needs at least {seq_len + 1} for one window"
             )
-        self._offsets = np.arange(self._num_train, dtype=np.int64) * seq_len
         self._window = np.arange(seq_len + 1, dtype=np.int64)
         self._epoch = 0
         self._index = 0
         self._perm_epoch = -1
-        self._perm = self._offsets
+        self._perm = np.zeros(0, dtype=np.int64)
 
     def _num_windows(self, n_tokens: int) -> int:
         # A window needs seq_len + 1 tokens; consecutive windows share one token (the last target
@@ -233,14 +600,26 @@ class TextDataset:
 
     @property
     def tokens(self) -> np.ndarray:
-        """The whole corpus as a read-only uint8 array."""
+        """The whole corpus as a read-only :data:`TOKEN_DTYPE` array, memory-mapped (pages are
+        read from the cache file as they are touched)."""
         return self._tokens
+
+    def tokens_sha256(self) -> str:
+        """The sha256 of the tokens' bytes, read through the map a chunk at a time."""
+        digest = hashlib.sha256()
+        for begin in range(0, self.n_tokens, _SCAN):
+            digest.update(self._tokens[begin : begin + _SCAN].tobytes())
+        return digest.hexdigest()
 
     def train_window_offsets(self, epoch: int) -> np.ndarray:
         """Start offsets (into :attr:`tokens`) of the training windows, in ``epoch``'s order."""
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
-        return np.random.default_rng((self.seed, epoch)).permutation(self._offsets)
+        # The shuffle moves positions, whatever they hold: the permutation of the window
+        # indices, scaled, is the permutation of the offsets (without a second array of them).
+        order = np.random.default_rng((self.seed, epoch)).permutation(self._num_train)
+        order *= self.seq_len
+        return order
 
     def val_window_offsets(self) -> np.ndarray:
         """Start offsets (into :attr:`tokens`) of the validation windows, in order."""
@@ -322,7 +701,9 @@ class TextDataset:
         This is the loss of a model that learned only how often each byte occurs, the baseline
         a trained model must beat.
         """
-        counts = np.bincount(self._train, minlength=VOCAB_SIZE)
+        counts = np.zeros(VOCAB_SIZE, dtype=np.int64)
+        for begin in range(0, len(self._train), _SCAN):  # a chunk at a time through the map
+            counts += np.bincount(self._train[begin : begin + _SCAN], minlength=VOCAB_SIZE)
         p = counts[counts > 0] / len(self._train)
         return float(-(p * np.log(p)).sum()) + 0.0  # + 0.0 turns -0.0 into 0.0
 
@@ -333,7 +714,13 @@ class TextDataset:
         )
 
 
-def job_dataset(train: TrainConfig, seq_len: int, patterns: list[str] | None = None) -> TextDataset:
+def job_dataset(
+    train: TrainConfig,
+    seq_len: int,
+    patterns: Sequence[Pattern] | None = None,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> TextDataset:
     """The dataset stage 0 of a job reads (and glue, to score the same validation)."""
     return TextDataset(
         patterns if patterns else list(train.data),
@@ -341,6 +728,7 @@ def job_dataset(train: TrainConfig, seq_len: int, patterns: list[str] | None = N
         seed=train.seed,
         val_fraction=train.val_fraction,
         max_bytes=train.max_data_bytes,
+        cache_dir=cache_dir,
     )
 
 

@@ -28,7 +28,7 @@ import msgspec
 
 from silentswarm.errors import ManifestError
 from silentswarm.jobspec import JobSpec, Placement
-from silentswarm.plan import ModelConfig
+from silentswarm.plan import JsonlSource, ModelConfig
 
 RUN_MANIFEST = "run_manifest.json"
 RUN_MANIFEST_FORMAT = 1
@@ -116,7 +116,7 @@ class GlueCheck(msgspec.Struct, kw_only=True, frozen=True):
 class DataInfo(msgspec.Struct, kw_only=True, frozen=True):
     """The validation data glue read on its machine."""
 
-    patterns: list[str]
+    patterns: list[str | JsonlSource]  # the job's train.data, or --data
     override: bool  # --data was given
     n_tokens: int
     sha256: str  # of the tokens

@@ -10,7 +10,6 @@ what the job validated on.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -36,8 +35,6 @@ def validation_data(plan: StagePlan, data: Sequence[str] | None) -> ValidationDa
     :class:`StageRunner`, so the pipeline's ``val_loss`` and ``chain_val_loss`` agree to
     the last bit (tested against real stage processes).
     """
-    import numpy as np
-
     from silentswarm.agent.errors import DataError
     from silentswarm.agent.runtime.data import job_dataset, job_val_batches
 
@@ -57,7 +54,7 @@ def validation_data(plan: StagePlan, data: Sequence[str] | None) -> ValidationDa
         patterns=patterns,
         override=bool(data),
         n_tokens=dataset.n_tokens,
-        sha256=hashlib.sha256(np.ascontiguousarray(dataset.tokens).tobytes()).hexdigest(),
+        sha256=dataset.tokens_sha256(),  # through the map, a chunk at a time
         batch_size=train.batch_size,
         val_batches=len(batches) if scored else 0,
     )
