@@ -203,8 +203,13 @@ def _candidates(patterns: Sequence[Pattern]) -> list[_Source]:
     return sorted(seen, key=_Source.sort_key)
 
 
-def _utf8_problem(path: str) -> str | None:
-    """Why the file is not valid UTF-8 (None if it is), checked chunk by chunk."""
+class _NotUtf8(Exception):
+    """A file that is not valid UTF-8: ``args[0]`` says where and why."""
+
+
+def _utf8_chunks(path: str) -> Iterator[bytes]:
+    """The file in chunks, each checked as UTF-8 (a character may straddle two) before it is
+    yielded; :class:`_NotUtf8` at the first invalid byte or a character cut off at the end."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset = 0
     try:
@@ -213,14 +218,24 @@ def _utf8_problem(path: str) -> str | None:
                 try:
                     decoder.decode(chunk)
                 except UnicodeDecodeError as exc:
-                    return f"byte {offset + exc.start}: {exc.reason}"
+                    raise _NotUtf8(f"byte {offset + exc.start}: {exc.reason}") from None
+                yield chunk
                 offset += len(chunk)
             try:
                 decoder.decode(b"", final=True)
             except UnicodeDecodeError as exc:
-                return f"byte {offset + exc.start}: {exc.reason} at the end"
+                raise _NotUtf8(f"byte {offset + exc.start}: {exc.reason} at the end") from None
     except OSError as exc:
         raise DataError(f"cannot read {path}: {exc}") from exc
+
+
+def _utf8_problem(path: str) -> str | None:
+    """Why the file is not valid UTF-8 (None if it is), checked chunk by chunk."""
+    try:
+        for _ in _utf8_chunks(path):
+            pass
+    except _NotUtf8 as exc:
+        return str(exc)
     return None
 
 
@@ -287,27 +302,13 @@ def _append_text(path: str, writer: _TokenWriter) -> bool:
     written, with a warning) when it is not valid UTF-8. Past ``max_bytes`` the rest of the file
     is still checked (but not written), so the same files are skipped as when files were read
     whole."""
-    decoder = codecs.getincrementaldecoder("utf-8")()
     mark = writer.begin_document()
-    offset = 0
     problem = None
     try:
-        with open(path, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                try:
-                    decoder.decode(chunk)
-                except UnicodeDecodeError as exc:
-                    problem = f"byte {offset + exc.start}: {exc.reason}"
-                    break
-                writer.write(chunk)
-                offset += len(chunk)
-            else:
-                try:
-                    decoder.decode(b"", final=True)
-                except UnicodeDecodeError as exc:
-                    problem = f"byte {offset + exc.start}: {exc.reason} at the end"
-    except OSError as exc:
-        raise DataError(f"cannot read {path}: {exc}") from exc
+        for chunk in _utf8_chunks(path):
+            writer.write(chunk)
+    except _NotUtf8 as exc:
+        problem = str(exc)
     if problem is not None:
         log.warning("skipping %s: not valid UTF-8 (%s)", path, problem)
         writer.rollback(mark)
