@@ -203,40 +203,42 @@ def _candidates(patterns: Sequence[Pattern]) -> list[_Source]:
     return sorted(seen, key=_Source.sort_key)
 
 
-class _NotUtf8(Exception):
-    """A file that is not valid UTF-8: ``args[0]`` says where and why."""
+class _Utf8Chunks:
+    """A file in chunks, each checked as UTF-8 (a character may straddle two) before it is
+    yielded; iteration stops at the first invalid byte or a character cut off at the end, and
+    :attr:`problem` then says where and why (None: the whole file is valid)."""
 
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.problem: str | None = None
 
-def _utf8_chunks(path: str) -> Iterator[bytes]:
-    """The file in chunks, each checked as UTF-8 (a character may straddle two) before it is
-    yielded; :class:`_NotUtf8` at the first invalid byte or a character cut off at the end."""
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    offset = 0
-    try:
-        with open(path, "rb") as f:
-            while chunk := f.read(_CHUNK):
+    def __iter__(self) -> Iterator[bytes]:
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        offset = 0
+        try:
+            with open(self.path, "rb") as f:
+                while chunk := f.read(_CHUNK):
+                    try:
+                        decoder.decode(chunk)
+                    except UnicodeDecodeError as exc:
+                        self.problem = f"byte {offset + exc.start}: {exc.reason}"
+                        return
+                    yield chunk
+                    offset += len(chunk)
                 try:
-                    decoder.decode(chunk)
+                    decoder.decode(b"", final=True)
                 except UnicodeDecodeError as exc:
-                    raise _NotUtf8(f"byte {offset + exc.start}: {exc.reason}") from None
-                yield chunk
-                offset += len(chunk)
-            try:
-                decoder.decode(b"", final=True)
-            except UnicodeDecodeError as exc:
-                raise _NotUtf8(f"byte {offset + exc.start}: {exc.reason} at the end") from None
-    except OSError as exc:
-        raise DataError(f"cannot read {path}: {exc}") from exc
+                    self.problem = f"byte {offset + exc.start}: {exc.reason} at the end"
+        except OSError as exc:
+            raise DataError(f"cannot read {self.path}: {exc}") from exc
 
 
 def _utf8_problem(path: str) -> str | None:
     """Why the file is not valid UTF-8 (None if it is), checked chunk by chunk."""
-    try:
-        for _ in _utf8_chunks(path):
-            pass
-    except _NotUtf8 as exc:
-        return str(exc)
-    return None
+    chunks = _Utf8Chunks(path)
+    for _ in chunks:
+        pass
+    return chunks.problem
 
 
 def resolve_paths(patterns: Sequence[Pattern]) -> list[Path]:
@@ -303,12 +305,10 @@ def _append_text(path: str, writer: _TokenWriter) -> bool:
     is still checked (but not written), so the same files are skipped as when files were read
     whole."""
     mark = writer.begin_document()
-    problem = None
-    try:
-        for chunk in _utf8_chunks(path):
-            writer.write(chunk)
-    except _NotUtf8 as exc:
-        problem = str(exc)
+    chunks = _Utf8Chunks(path)
+    for chunk in chunks:
+        writer.write(chunk)
+    problem = chunks.problem
     if problem is not None:
         log.warning("skipping %s: not valid UTF-8 (%s)", path, problem)
         writer.rollback(mark)
