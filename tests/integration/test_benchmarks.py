@@ -199,4 +199,12 @@ def test_codec_loss_experiment_quick():
     assert by_arm["none/none"]["vs_none"] == [0.0, 0.0]
     for arm in ("row/row", "block32/stochastic"):
         assert len(by_arm[arm]["vs_none"]) == 2
-        assert all(v != 0.0 for v in by_arm[arm]["vs_none"]), "rounding changed nothing"
+    # A quick run's validation loss can round to the same float32 mean with
+    # and without rounding (it did, seed 1 row/row); the training losses say
+    # whether the rounding reached the training.
+    unrounded = {r["seed"]: r for r in rows if r["fwd"] == "none"}
+    for row in rows:
+        if row["fwd"] != "none":
+            base = unrounded[row["seed"]]
+            assert row["train_loss_last20"] != base["train_loss_last20"], row
+            assert abs(row["val_loss"] / base["val_loss"] - 1) < 0.01, row
