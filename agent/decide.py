@@ -28,7 +28,7 @@ from silentswarm.errors import ErrorCode
 from silentswarm.natsconn import NatsAccess
 from silentswarm.plan import StagePlan
 from silentswarm.protocol import FellowStatus, SignalHead, SignalKind, StartSignal
-from silentswarm.types.signals import ResumeArgs
+from silentswarm.types.signals import DatasetArgs, ResumeArgs
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,13 @@ class Start:
     nats_creds: str | None = None
     resume: ResumeArgs | None = None
     resume_dir: Path | None = None
+    # Uploaded datasets to download into the data cache first (stage 0 only).
+    datasets: DatasetArgs | None = None
+
+    @property
+    def fetches(self) -> bool:
+        """Whether something must be downloaded before the runtime starts."""
+        return self.resume is not None or self.datasets is not None
 
     @property
     def message(self) -> str:
@@ -98,6 +105,7 @@ def decide(state: AgentState, signal: StartSignal) -> Decision:
         nats_creds=signal.args.nats_creds or None,
         resume=resume,
         resume_dir=resume_dir,
+        datasets=signal.args.datasets if plan.is_first else None,
     )
 
 

@@ -26,6 +26,7 @@ from nats.errors import Error as NatsError
 
 from silentswarm import __version__
 from silentswarm import subjects as topics
+from silentswarm.agent.datafetch import fetch_datasets
 from silentswarm.agent.decide import AgentState, Refusal, Start, decide, malformed
 from silentswarm.agent.errors import FetchError, UpdateError
 from silentswarm.agent.hardware import HardwareProbe, limits_from
@@ -60,7 +61,6 @@ from silentswarm.protocol import (
 from silentswarm.sdnotify import notify, watchdog_forever
 from silentswarm.settings import Settings
 from silentswarm.types.links import LinkStats, Tuning
-from silentswarm.types.signals import ResumeArgs
 from silentswarm.types.stage import (
     CheckpointEvent,
     CheckpointRequest,
@@ -451,7 +451,7 @@ class FellowAgent:
                 )
             plan = msgspec.structs.replace(plan, nats=attempt_nats)
         run = StageRun(plan, start.workdir, self._on_stage_event, self._on_stage_output)
-        if start.resume is None:
+        if not start.fetches:
             try:
                 await run.start()
             except OSError as exc:
@@ -464,10 +464,8 @@ class FellowAgent:
         self._checkpoint_final = False
         self._end_submitted, self._end_error = False, None
         self._set_status(FellowEvent.START)
-        if start.resume is not None:
-            assert start.resume_dir is not None
-            fetch = self._fetch_and_start(run, start.resume, start.resume_dir)
-            self._background(fetch, "stage-fetch")
+        if start.fetches:
+            self._background(self._fetch_and_start(run, start), "stage-fetch")
         self._background(self._supervise(run), "stage-supervisor")
         return None
 
@@ -485,13 +483,24 @@ class FellowAgent:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _fetch_and_start(self, run: StageRun, resume: ResumeArgs, directory: Path) -> None:
-        try:
-            await asyncio.to_thread(fetch_shard, resume, directory)
-        except (FetchError, OSError) as exc:
-            log.error("job %s: cannot resume: %s", run.job_id, exc)
-            run.fail_unstarted(f"cannot fetch the shard to resume from: {exc}")
-            return
+    async def _fetch_and_start(self, run: StageRun, start: Start) -> None:
+        """Download the stage's datasets, then the shard it resumes from, then start it."""
+        if start.datasets is not None:
+            try:
+                paths = await asyncio.to_thread(fetch_datasets, start.datasets)
+            except (FetchError, OSError) as exc:
+                log.error("job %s: cannot fetch its data: %s", run.job_id, exc)
+                run.fail_unstarted(f"cannot fetch the uploaded data: {exc}")
+                return
+            log.info("job %s: %d uploaded dataset(s) in the data cache", run.job_id, len(paths))
+        if start.resume is not None:
+            assert start.resume_dir is not None
+            try:
+                await asyncio.to_thread(fetch_shard, start.resume, start.resume_dir)
+            except (FetchError, OSError) as exc:
+                log.error("job %s: cannot resume: %s", run.job_id, exc)
+                run.fail_unstarted(f"cannot fetch the shard to resume from: {exc}")
+                return
         if run.finished.done():  # stopped meanwhile
             return
         try:

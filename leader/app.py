@@ -21,6 +21,7 @@ from silentswarm.leader.api.error_handlers import EXCEPTION_HANDLERS
 from silentswarm.leader.auth import ReadTickets, make_guard
 from silentswarm.leader.bootstrap import JoinSessions, find_or_build_wheel
 from silentswarm.leader.bus import LeaderBus
+from silentswarm.leader.datasets import DatasetStore
 from silentswarm.leader.exports import ExportService
 from silentswarm.leader.jobs import JobManager
 from silentswarm.leader.metrics import LeaderMetrics, SwarmCollector
@@ -29,6 +30,7 @@ from silentswarm.leader.orchestrator import Orchestrator
 from silentswarm.leader.placement import PlacementDefaults
 from silentswarm.leader.purges import PurgeBook
 from silentswarm.leader.registry import FellowRegistry
+from silentswarm.leader.services.datasets import DatasetsService
 from silentswarm.leader.services.fleet import FleetService
 from silentswarm.leader.services.info import InfoService, nats_auth_mode
 from silentswarm.leader.services.jobs import JobsService
@@ -84,6 +86,7 @@ def create_app(
         public_url=settings.public_url or settings.default_leader_url,
         on_push=job_loop_wake.set,
     )
+    dataset_store = DatasetStore(settings.datasets_dir, max_bytes=settings.max_dataset_bytes)
     orchestrator = Orchestrator(
         bus=bus,
         registry=registry,
@@ -96,6 +99,7 @@ def create_app(
         ),
         on_progress=observe.on_progress,
         exports=exports,
+        datasets=dataset_store,
         authority=authority,
         wake=job_loop_wake,
     )
@@ -113,12 +117,14 @@ def create_app(
         storage=storage,
         loaded=orchestrator.loaded,
     )
+    datasets = DatasetsService(store=dataset_store, jobs=jobs, loop=orchestrator, exports=exports)
     jobs_service = JobsService(
         jobs=jobs,
         loop=orchestrator,
         observe=observe,
         exports=exports,
         export_root=settings.model_export_root,
+        pin_datasets=datasets.pin,
     )
     fleet = FleetService(
         registry=registry,
@@ -144,6 +150,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
+        await asyncio.to_thread(dataset_store.open)
         await bus.start()
         tasks = [
             asyncio.create_task(_sweep_forever(registry, settings), name="registry-sweep"),
@@ -170,6 +177,7 @@ def create_app(
         dependencies={
             "info": _provide(info),
             "jobs": _provide(jobs_service),
+            "datasets": _provide(datasets),
             "fleet": _provide(fleet),
             "onboarding": _provide(onboarding),
         },

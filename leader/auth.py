@@ -34,12 +34,12 @@ TICKET_ROUTE = "/api/v1/auth/read-ticket"
 TICKET_TTL_S = 60.0
 # Never guarded: liveness, the UI's own files (it asks for the token itself), the API docs,
 # what a joining host fetches (its join token, session secret or the fleet's enrollment
-# token is checked instead), and shard files (a resumed stage's token is checked instead).
+# token is checked instead), and shard and dataset files (a stage's token is checked instead).
 OPEN_PREFIXES = ("/health", "/ops", "/schema")
 OPEN_PATHS = re.compile(
     r"^(/api/v1/bootstrap/(manifest|source|fellow\.sh|enroll"
     r"|join-sessions/[^/]+/(claim|logs|logs/stream))"
-    r"|/api/v1/jobs/[^/]+/shards/\d+/[^/]+)/?$"
+    r"|/api/v1/jobs/[^/]+/shards/\d+/[^/]+|/api/v1/jobs/[^/]+/datasets/[0-9a-f]{64})/?$"
 )
 
 

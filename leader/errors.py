@@ -100,6 +100,16 @@ class ShardAccessError(SwarmError):
     http_status = 403
 
 
+# --- datasets ---------------------------------------------------------------------------------
+
+
+class DatasetTooLargeError(SwarmError):
+    """An upload is larger than SWARM_MAX_DATASET_BYTES, or than the disk has room for."""
+
+    code = ErrorCode.PAYLOAD_TOO_LARGE
+    http_status = 413
+
+
 class ExportPathError(OSError):
     """A write into an export directory would leave the export root or follow a symlink.
 

@@ -239,7 +239,7 @@ class ExportService:
         message = f"shards:{job_id}:{attempt}:{stage}".encode()
         return hmac.new(self.secret, message, hashlib.sha256).hexdigest()
 
-    def _token_stage(self, job: JobRecord, token: str) -> int | None:
+    def token_stage(self, job: JobRecord, token: str) -> int | None:
         """The stage of the job's current attempt that ``token`` was made for, if any."""
         if not token or job.placement is None:
             return None
@@ -272,7 +272,7 @@ class ExportService:
         """The file a resumed stage downloads; ShardAccessError unless ``token`` is the one
         START gave the stage that file belongs to, in the job's current attempt."""
         job = self.jobs.get(job_id)
-        stage = self._token_stage(job, token)
+        stage = self.token_stage(job, token)
         if stage is None:
             raise ShardAccessError(
                 f"this token does not open the shards of job {job_id}'s current attempt "

@@ -33,6 +33,8 @@ from silentswarm.jobspec import stage_plans
 from silentswarm.leader import decide
 from silentswarm.leader.admission import RateLimiter, Verdict
 from silentswarm.leader.bus import LeaderBus
+from silentswarm.leader.datasets import DatasetStore
+from silentswarm.leader.datasets import start_args as dataset_start_args
 from silentswarm.leader.errors import NotReadyError
 from silentswarm.leader.exports import ExportService
 from silentswarm.leader.jobs import JobManager, plan_schedule
@@ -73,6 +75,7 @@ class Orchestrator:
         defaults: PlacementDefaults = DEFAULTS,
         on_progress: Callable[[Progress], None] | None = None,
         exports: ExportService | None = None,
+        datasets: DatasetStore | None = None,
         authority: NatsAuthority | None = None,
         wake: asyncio.Event | None = None,
     ) -> None:
@@ -83,6 +86,8 @@ class Orchestrator:
         self.authority = authority
         self.progress_limit = RateLimiter(PROGRESS_PER_S, PROGRESS_BURST)
         self.exports = exports
+        # Where the uploaded datasets a stage 0 downloads are (needs ``exports``' tokens).
+        self.datasets = datasets
         self.registry = registry
         self.jobs = jobs
         self.purges = purges
@@ -310,11 +315,19 @@ class Orchestrator:
                 stage=plan.stage,
                 n_stages=plan.n_stages,
             )
-        resume = None
+        resume = data = None
         if self.exports is not None:
             self.exports.directory(job)
             resume = self.exports.resume_args(job, plan.stage)
-        return StartArgs(plan=plan, nats_creds=creds, resume=resume)
+            if self.datasets is not None:
+                data = dataset_start_args(
+                    self.datasets,
+                    plan,
+                    job_id=job.job_id,
+                    token=self.exports.token(job.job_id, job.attempt, plan.stage),
+                    public_url=self.exports.public_url,
+                )
+        return StartArgs(plan=plan, nats_creds=creds, resume=resume, datasets=data)
 
     def _stop_orphans(self) -> None:
         """STOP stages of attempts the leader does not run (any more): see

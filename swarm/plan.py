@@ -12,6 +12,7 @@ from typing import Annotated, Literal, Self
 
 import msgspec
 
+from silentswarm import datasets
 from silentswarm.compression import CompressionSpec, WireCodec, parse_compression, parse_wire_codec
 from silentswarm.errors import ConfigError
 from silentswarm.natsconn import NatsAccess
@@ -99,7 +100,8 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     min_lr_ratio: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.1
     weight_decay: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 0.01
     seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] = 0
-    # Text paths/globs ("stdlib": Python's own sources) and JSONL sources (JsonlSource).
+    # Text paths/globs ("stdlib": Python's own sources) and JSONL sources (JsonlSource);
+    # either may name a dataset uploaded to the leader ("dataset:NAME", silentswarm.datasets).
     data: Annotated[list[DataSource], msgspec.Meta(min_length=1, max_length=1024)] = msgspec.field(
         default_factory=lambda: ["stdlib"]
     )
@@ -143,8 +145,26 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             where = f"{prefix}data[{i}]"
             if isinstance(entry, JsonlSource):
                 out.extend(entry.problems(where))
+                text = entry.jsonl
             elif not isinstance(entry, str) or not entry.strip():
                 out.append(f'{where} must be a path or glob, or {{"jsonl": ..., "field": ...}}')
+                continue
+            else:
+                text = entry
+            if datasets.is_dataset(text):
+                try:
+                    datasets.parse(text)
+                except ValueError as exc:
+                    out.append(f"{where}: {exc}")
+        return out
+
+    def dataset_entries(self) -> list[tuple[int, str]]:
+        """``(index, text)`` of each ``data`` entry that names an uploaded dataset."""
+        out = []
+        for i, entry in enumerate(self.data):
+            text = entry.jsonl if isinstance(entry, JsonlSource) else entry
+            if datasets.is_dataset(text):
+                out.append((i, text))
         return out
 
     def _schedule_problems(self, prefix: str) -> list[str]:

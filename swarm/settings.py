@@ -11,7 +11,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -86,6 +86,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # artifact_paths.model_export_dir must resolve inside it; relative paths are taken
     # under it.
     export_root: Path | None = None
+    # Where uploaded datasets are kept (unset: <state>/datasets), content-addressed, and the
+    # largest one an upload may be.
+    dataset_root: Path | None = None
+    max_dataset_bytes: Annotated[int, msgspec.Meta(ge=1)] = 16 * 2**30
     # The leader's placement defaults for jobs that leave these fields unset.
     placement_min_gpu_free_gb: float = 4.0
     pipeline_last_stage_placement: str = "largest_vram"
@@ -178,6 +182,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     def model_export_root(self) -> Path:
         """The export root, absolute (symlinks in it resolved: it is the operator's)."""
         return (self.export_root or self.state_dir / "model_exports").resolve()
+
+    @property
+    def datasets_dir(self) -> Path:
+        """Where the leader keeps uploaded datasets, absolute."""
+        return (self.dataset_root or self.state_dir / "datasets").resolve()
 
     @property
     def authority_dir(self) -> Path:

@@ -41,6 +41,7 @@ from typing import IO, TYPE_CHECKING, Any, Protocol
 import msgspec
 import numpy as np
 
+from silentswarm import datasets
 from silentswarm.agent.errors import DataError
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ __all__ = [
     "TextDataset",
     "build_token_cache",
     "cache_key",
+    "dataset_path",
     "default_cache_dir",
     "default_corpus_paths",
     "resolve_paths",
@@ -147,6 +149,33 @@ def default_cache_dir() -> Path:
     return base / "silentswarm" / "tokens"
 
 
+def dataset_path(sha256: str, cache_dir: Path | None = None) -> Path:
+    """Where an uploaded dataset with this digest lives once its agent downloaded it:
+    ``<data cache>/datasets/<sha256>`` (:mod:`silentswarm.agent.datafetch`)."""
+    return (cache_dir or default_cache_dir()) / "datasets" / sha256
+
+
+def _dataset_file(text: str) -> str:
+    """The local file of a ``dataset:NAME@SHA256`` entry; DataError when it is not pinned or
+    not downloaded."""
+    try:
+        ref = datasets.parse(text)
+    except ValueError as exc:
+        raise DataError(f"data entry {text[:140]!r}: {exc}") from None
+    if ref.sha256 is None:
+        raise DataError(
+            f"{text!r} names a dataset uploaded to a leader: submit the job to that leader "
+            "(it pins the entry to the dataset's content and stage 0's agent downloads it)"
+        )
+    path = dataset_path(ref.sha256)
+    if not path.is_file():
+        raise DataError(
+            f"dataset {ref.name!r} ({ref.sha256[:12]}...) is not in this fellow's data cache "
+            f"({path.parent}): its agent downloads it before the stage starts"
+        )
+    return str(path)
+
+
 def _files_below(directory: str) -> list[str]:
     found = []
     for root, _dirs, files in os.walk(directory):
@@ -157,6 +186,8 @@ def _files_below(directory: str) -> list[str]:
 def _expand(pattern: str) -> list[str]:
     if pattern == DEFAULT_CORPUS:
         return default_corpus_paths()
+    if datasets.is_dataset(pattern):
+        return [_dataset_file(pattern)]
     path = os.path.expanduser(pattern)
     if os.path.isfile(path):
         return [path]

@@ -2,6 +2,7 @@
 
 from silentswarm.leader.api.auth import AuthController
 from silentswarm.leader.api.bootstrap import BootstrapController
+from silentswarm.leader.api.datasets import DatasetsController
 from silentswarm.leader.api.fellows import FellowsController, PurgesController
 from silentswarm.leader.api.health import HealthController
 from silentswarm.leader.api.info import ClusterController, InfoController
@@ -19,6 +20,7 @@ CONTROLLERS = [
     PurgesController,
     NodesController,
     JobsController,
+    DatasetsController,
     LogsController,
     BootstrapController,
     AuthController,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -56,13 +56,17 @@ class JobsService:
         observe: Observability,
         exports: ExportService,
         export_root: Path,
+        pin_datasets: Callable[[JobSpec], JobSpec],
     ) -> None:
-        """``export_root``: SWARM_EXPORT_ROOT, which every job's export directory stays under."""
+        """``export_root``: SWARM_EXPORT_ROOT, which every job's export directory stays under.
+        ``pin_datasets``: the spec with its ``dataset:`` entries pinned (FieldError naming an
+        unknown one)."""
         self.jobs = jobs
         self.loop = loop
         self.observe = observe
         self.exports = exports
         self.export_root = export_root
+        self.pin_datasets = pin_datasets
 
     # --- the records -------------------------------------------------------------------------
 
@@ -74,7 +78,7 @@ class JobsService:
         if configured is not None:
             resolve_export_dir(self.export_root, configured)
         self.loop.require_loaded()
-        job = self.jobs.submit(spec)
+        job = self.jobs.submit(self.pin_datasets(spec))
         await self.loop.flush()
         self.loop.wake()
         return job

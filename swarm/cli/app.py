@@ -12,6 +12,7 @@ from cyclopts import Parameter
 from silentswarm import __version__
 from silentswarm.cli.commands import (
     cluster,
+    data,
     experiments,
     fellows,
     jobs,
@@ -28,7 +29,7 @@ app = cyclopts.App(
     help="SilentSwarm: pipeline-parallel training across heterogeneous machines.",
     version=__version__,
 )
-for module in (cluster, fellows, jobs, experiments, onboarding, nats_auth, models):
+for module in (cluster, fellows, jobs, data, experiments, onboarding, nats_auth, models):
     module.register(app)
 
 

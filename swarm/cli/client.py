@@ -7,13 +7,17 @@ code ``LEADER_RESPONSE_INVALID`` that names the route and the field, not a trace
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 import httpx
 import msgspec
 
 from silentswarm.errors import ErrorCode, LeaderResponseError, LeaderUnreachableError
 from silentswarm.types.api import Health, LeaderInfo
+from silentswarm.types.datasets import DatasetRecord
 from silentswarm.types.fleet import (
     FellowRecord,
     LogEntry,
@@ -29,6 +33,7 @@ from silentswarm.types.jobs import CheckpointRecord, JobRecord, SignalRecord
 from silentswarm.types.metrics import ClusterView, HistoryPoint, JobMetrics
 from silentswarm.types.onboarding import CreateSession, JoinSession, JoinSessionCreated
 
+UPLOAD_CHUNK_BYTES = 1 << 20
 # Calls that wait for fellows to answer signals (8 s per signal, retries included).
 SIGNAL_TIMEOUT_S = 30.0
 
@@ -135,6 +140,32 @@ class LeaderClient:
 
     def join_sessions(self) -> list[JoinSession]:
         return self._call("GET", "/api/v1/bootstrap/join-sessions", list[JoinSession])
+
+    def upload_dataset(self, name: str, path: Path, *, timeout_s: float) -> DatasetRecord:
+        """Stream the file at ``path`` to the leader as dataset ``name``."""
+        size = path.stat().st_size
+
+        def chunks() -> Iterator[bytes]:
+            with open(path, "rb") as source:
+                while chunk := source.read(UPLOAD_CHUNK_BYTES):
+                    yield chunk
+
+        return self._call(
+            "PUT",
+            f"/api/v1/datasets/{quote(name, safe='')}",
+            DatasetRecord,
+            ok_statuses=(201,),
+            content=chunks(),
+            headers={"content-length": str(size), "content-type": "application/octet-stream"},
+            params={"source": path.name},
+            timeout=httpx.Timeout(timeout_s, connect=10.0),
+        )
+
+    def datasets(self) -> list[DatasetRecord]:
+        return self._call("GET", "/api/v1/datasets", list[DatasetRecord])
+
+    def delete_dataset(self, name: str) -> DatasetRecord:
+        return self._call("DELETE", f"/api/v1/datasets/{quote(name, safe='')}", DatasetRecord)
 
     def pending_purges(self) -> list[PendingPurge]:
         return self._call("GET", "/api/v1/purges", list[PendingPurge])

@@ -23,6 +23,16 @@ def gib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:.1f}G"
 
 
+def size(n: int) -> str:
+    """A byte count the way people read it: 812 B, 4.2 MiB, 1.3 GiB."""
+    value, unit = float(n), "B"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+
+
 def ago(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.1f}s ago"
 

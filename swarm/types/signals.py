@@ -22,6 +22,7 @@ from silentswarm.plan import StagePlan
 
 MAX_CREDS_CHARS = 16384  # a .creds file: a user JWT and its nkey seed, with room to spare
 MAX_SHARD_FILES = 64  # a stage's shard is two files (stage-<i>.npz, stage-<i>.json)
+MAX_DATASETS = 1024  # as many as a plan's data entries may be
 REASON_CHARS = 4096  # a STOP's or PURGE's reason: the sender cuts a longer one
 
 Id = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
@@ -55,13 +56,33 @@ class ResumeArgs(_Args, kw_only=True):
     token: Annotated[str, msgspec.Meta(max_length=256)]
 
 
+class DatasetFile(_Args, kw_only=True):
+    """One uploaded dataset a stage reads (its plan's ``data`` names it pinned) and where the
+    leader serves it."""
+
+    name: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
+    sha256: Sha256
+    size_bytes: Annotated[int, msgspec.Meta(ge=0, le=2**50)]
+    url: Url
+
+
+class DatasetArgs(_Args, kw_only=True):
+    """The uploaded datasets a stage downloads before it starts, and the token that opens
+    them (sent in a header, never in the URL)."""
+
+    files: Annotated[list[DatasetFile], msgspec.Meta(max_length=MAX_DATASETS)]
+    token: Annotated[str, msgspec.Meta(max_length=256)]
+
+
 class StartArgs(_Args, kw_only=True):
     """START: the stage plan; the attempt's own NATS user (a ``.creds`` file's text) when the
-    swarm has NATS users; and, for a resumed attempt, where its shard is."""
+    swarm has NATS users; for a resumed attempt, where its shard is; for a stage that reads
+    uploaded datasets, where they are."""
 
     plan: StagePlan
     nats_creds: Annotated[str, msgspec.Meta(max_length=MAX_CREDS_CHARS)] | None = None
     resume: ResumeArgs | None = None
+    datasets: DatasetArgs | None = None
 
 
 # --- the others -----------------------------------------------------------------------------

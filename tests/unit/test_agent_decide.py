@@ -9,9 +9,9 @@ import pytest
 
 from silentswarm.agent.decide import AgentState, Refusal, Start, decide, malformed
 from silentswarm.natsconn import NatsAccess
-from silentswarm.plan import ModelConfig, StagePlan, TrainConfig, single_process_plan
+from silentswarm.plan import ModelConfig, Peer, StagePlan, TrainConfig, single_process_plan
 from silentswarm.protocol import FellowStatus, SignalHead, StartSignal
-from silentswarm.types.signals import ResumeArgs, ShardFile, StartArgs
+from silentswarm.types.signals import DatasetArgs, DatasetFile, ResumeArgs, ShardFile, StartArgs
 
 HOME = Path("/var/lib/swarm/fellows/f1")
 PLAIN = NatsAccess(url="nats://127.0.0.1:4222")
@@ -149,3 +149,22 @@ def head_of(kind: str) -> SignalHead:
 def test_a_signal_that_does_not_decode_is_refused_with_what_was_wrong(head, error, code):
     refusal = malformed(head, error)
     assert refusal == Refusal(code, error)
+
+
+DATA = DatasetArgs(
+    files=[DatasetFile(name="notes", sha256="ef" * 32, size_bytes=10, url="http://leader/d/ef")],
+    token="cd" * 32,
+)
+
+
+def test_stage_0_fetches_its_uploaded_datasets_and_a_later_stage_never_does():
+    signal = start(creds=None)
+    first = msgspec.structs.replace(
+        signal, args=msgspec.structs.replace(signal.args, datasets=DATA)
+    )
+    decision = decide(state(), first)
+    assert isinstance(decision, Start) and decision.datasets == DATA and decision.fetches
+    later = plan(stage=1, n_stages=2, data_address="tcp://h:7000", prev=Peer(fellow_id="f0"))
+    second = msgspec.structs.replace(first, args=msgspec.structs.replace(first.args, plan=later))
+    decided = decide(state(), second)
+    assert isinstance(decided, Start) and decided.datasets is None and not decided.fetches
