@@ -96,7 +96,11 @@ class JobSpec(TrainConfig, frozen=True, kw_only=True, forbid_unknown_fields=True
 
     def problems(self) -> list[str]:
         """Why this job cannot run, in words that name the field; empty when it can."""
-        out = [*self.model.problems(), *self.train_problems(prefix="")]
+        out = [
+            *self.model.problems(),
+            *self.train_problems(prefix=""),
+            *self.tokenizer.problems(self.model.vocab_size),
+        ]
         if not 1 <= len(self.name) <= 128:
             out.append("name must be 1-128 characters")
         layers = self.model.n_layers

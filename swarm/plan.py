@@ -19,13 +19,34 @@ from silentswarm.natsconn import NatsAccess
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The transformer. ``family`` "gpt2": learned positions, LayerNorm, GELU MLP, biases.
+    "llama": rotary positions (RoPE), RMSNorm, a SwiGLU MLP, grouped-query attention
+    (``n_kv_heads``), no biases, an untied head (keras-hub's Llama, logit for logit)."""
+
+    family: Literal["gpt2", "llama"] = "gpt2"
     vocab_size: Annotated[int, msgspec.Meta(ge=1, le=2**22)] = 256
     seq_len: Annotated[int, msgspec.Meta(ge=1, le=2**20)] = 64
     n_layers: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 4
     d_model: Annotated[int, msgspec.Meta(ge=1, le=2**16)] = 128
     n_heads: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 4
+    # llama: the key/value heads (grouped-query attention; None: n_heads).
+    n_kv_heads: Annotated[int, msgspec.Meta(ge=1, le=4096)] | None = None
     mlp_ratio: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
+    # The MLP's width (None: mlp_ratio * d_model).
+    intermediate_dim: Annotated[int, msgspec.Meta(ge=1, le=2**20)] | None = None
+    # llama: RoPE's longest wavelength, and RMSNorm's epsilon.
+    rope_theta: Annotated[float, msgspec.Meta(gt=1.0, le=1e9)] = 10000.0
+    norm_eps: Annotated[float, msgspec.Meta(gt=0.0, le=1e-1)] = 1e-6
     dropout: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.0
+
+    @property
+    def hidden_dim(self) -> int:
+        """The MLP's width."""
+        return self.intermediate_dim or self.mlp_ratio * self.d_model
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
 
     def problems(self) -> list[str]:
         out = []
@@ -36,6 +57,15 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
             out.append(f"model.n_heads ({self.n_heads}) must divide model.d_model ({self.d_model})")
         if not 0.0 <= self.dropout < 1.0:
             out.append("model.dropout must be in [0, 1)")
+        if self.family == "llama":
+            if self.n_heads >= 1 and self.n_heads % self.kv_heads:
+                out.append(
+                    f"model.n_kv_heads ({self.kv_heads}) must divide model.n_heads ({self.n_heads})"
+                )
+            if self.n_heads >= 1 and (self.d_model // self.n_heads) % 2:
+                out.append("model.d_model / model.n_heads must be even for rotary positions")
+        elif self.n_kv_heads is not None:
+            out.append('model.n_kv_heads is for the "llama" family')
         return out
 
 
@@ -68,6 +98,40 @@ class JsonlSource(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
 
 DataSource = PathText | JsonlSource
+
+BYTE_VOCAB = 256
+# A BPE's vocabulary holds the 256 bytes and its two special tokens at least.
+MIN_BPE_VOCAB = BYTE_VOCAB + 2
+
+
+class TokenizerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How text becomes ids: ``byte`` (UTF-8 bytes, 256 ids) or ``bpe`` (a byte-level BPE
+    trained by stage 0 on the job's own data before training starts)."""
+
+    kind: Literal["byte", "bpe"] = "byte"
+    # bpe: the vocabulary (None: model.vocab_size; given, it must equal it). byte: 256.
+    vocab_size: Annotated[int, msgspec.Meta(ge=1, le=2**22)] | None = None
+    # bpe: the BPE learns from at most this many bytes of the data (the start of it).
+    train_bytes: Annotated[int, msgspec.Meta(ge=1, le=2**40)] = 64 * 2**20
+
+    def problems(self, model_vocab: int, prefix: str = "") -> list[str]:
+        """Why this tokenizer cannot feed a model of ``model_vocab`` ids."""
+        where = f"{prefix}tokenizer"
+        if self.kind == "byte":
+            if self.vocab_size not in (None, BYTE_VOCAB):
+                return [f"{where}.vocab_size of a byte tokenizer is {BYTE_VOCAB}"]
+            if model_vocab < BYTE_VOCAB:
+                return [f"model.vocab_size ({model_vocab}) must be >= 256 for byte tokens"]
+            return []
+        vocab = self.vocab_size if self.vocab_size is not None else model_vocab
+        if vocab != model_vocab:
+            return [
+                f"{where}.vocab_size ({vocab}) must equal model.vocab_size ({model_vocab}) "
+                "(or leave it out)"
+            ]
+        if vocab < MIN_BPE_VOCAB:
+            return [f"a bpe tokenizer needs model.vocab_size >= {MIN_BPE_VOCAB}, not {vocab}"]
+        return []
 
 
 class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -106,6 +170,10 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         default_factory=lambda: ["stdlib"]
     )
     max_data_bytes: Annotated[int, msgspec.Meta(ge=1, le=2**50)] | None = None
+    tokenizer: TokenizerConfig = msgspec.field(default_factory=TokenizerConfig)
+    # Start from these weights instead of random ones: "preset:DIR", a keras-hub Llama preset
+    # directory that every fellow can read (each stage loads its own layers).
+    init_from: PathText | None = None
     val_fraction: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.05
     val_batches: Annotated[int, msgspec.Meta(ge=1, le=10**6)] = 4
     # 0: validate only after the last step
@@ -135,6 +203,8 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         if self.max_data_bytes is not None and self.max_data_bytes < 1:
             out.append(f"{prefix}max_data_bytes must be >= 1")
         out.extend(self._data_problems(prefix))
+        if self.init_from is not None and not self.init_from.startswith("preset:"):
+            out.append(f'{prefix}init_from must be "preset:DIR" (a keras-hub Llama preset)')
         return out
 
     def _data_problems(self, prefix: str) -> list[str]:
@@ -305,7 +375,11 @@ class StagePlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
     def problems(self) -> list[str]:
         """Why this plan cannot run: every reason, each naming its field."""
-        out = [*self.model.problems(), *self.train.problems()]
+        out = [
+            *self.model.problems(),
+            *self.train.problems(),
+            *self.train.tokenizer.problems(self.model.vocab_size, prefix="train."),
+        ]
         out.extend(self._layout_problems())
         out.extend(self._peer_problems())
         try:

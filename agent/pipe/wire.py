@@ -422,7 +422,10 @@ def encoded_nbytes(codec: WireCodec, shape: tuple[int, ...]) -> int:
 
 def token_dtype(vocab_size: int) -> np.dtype:
     """The smallest unsigned dtype that holds every id of a ``vocab_size`` vocabulary: the
-    targets cost one byte per position for the byte vocabulary, not an int32's four."""
+    targets cost one byte per position for the byte vocabulary, not an int32's four (and a
+    token cache's elements)."""
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
     for dtype in TARGET_DTYPES.values():
         if vocab_size <= 1 << (8 * dtype.itemsize):
             return dtype

@@ -35,10 +35,11 @@ from typing import IO, TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
-from silentswarm.agent.errors import CheckpointError, CheckpointWriteError
+from silentswarm.agent.errors import CheckpointError, CheckpointWriteError, DataError
 from silentswarm.agent.runtime.data import DataState, TextDataset
 from silentswarm.agent.runtime.schedule import PendingUpdate
-from silentswarm.plan import StagePlan
+from silentswarm.agent.runtime.tokenizer import Tokenizer, load_tokenizer
+from silentswarm.plan import ModelConfig, StagePlan
 
 if TYPE_CHECKING:
     from silentswarm.agent.runtime.stage_model import StageModel
@@ -97,9 +98,11 @@ def build_meta(
     steps_done: int,
     data_state: DataState | None,
     pending: PendingUpdate | None = None,
+    tokenizer_json: str | None = None,
 ) -> dict[str, Any]:
     """The JSON meta data of a stage's checkpoint; ``data_state`` None for a stage that
-    reads no data (all but stage 0)."""
+    reads no data (all but stage 0); ``tokenizer_json``: the trained BPE stage 0 encodes with
+    (None for bytes, and on the other stages), so a resumed stage 0 and glue use the same."""
     data = None if data_state is None else {"epoch": data_state.epoch, "index": data_state.index}
     return {
         "format": FORMAT_VERSION,
@@ -113,6 +116,7 @@ def build_meta(
         "total_steps": plan.train.steps,
         "final": steps_done >= plan.train.steps,
         "data": data,
+        "tokenizer": tokenizer_json,
         "pending": None if pending is None else msgspec.to_builtins(pending),
         "model": msgspec.to_builtins(plan.model),
         "train": msgspec.to_builtins(plan.train),
@@ -164,6 +168,7 @@ def save_checkpoint(
     steps_done: int,
     data_state: DataState | None,
     pending: PendingUpdate | None = None,
+    tokenizer_json: str | None = None,
 ) -> Path:
     """Write this stage's checkpoint under ``root``; the step directory. ``data_state``:
     None for a stage that reads no data.
@@ -175,7 +180,14 @@ def save_checkpoint(
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise CheckpointWriteError(directory, exc) from exc
-    meta = build_meta(plan, arrays, steps_done=steps_done, data_state=data_state, pending=pending)
+    meta = build_meta(
+        plan,
+        arrays,
+        steps_done=steps_done,
+        data_state=data_state,
+        pending=pending,
+        tokenizer_json=tokenizer_json,
+    )
     npz = directory / meta["npz"]
     body = json.dumps(meta, indent=1).encode() + b"\n"
     try:
@@ -215,7 +227,19 @@ def save_stage(
         steps_done=steps_done,
         data_state=data_state,
         pending=pending,
+        tokenizer_json=None if dataset is None else dataset.tokenizer.to_json(),
     )
+
+
+def checkpoint_tokenizer(plan: StagePlan, meta: dict[str, Any]) -> Tokenizer:
+    """The tokenizer stage 0's checkpoint was written with (its plan names the kind)."""
+    text = meta.get("tokenizer")
+    if text is not None and not isinstance(text, str):
+        raise CheckpointError("the checkpoint's tokenizer is not a tokenizer's JSON text")
+    try:
+        return load_tokenizer(plan.train.tokenizer.kind, plan.model.vocab_size, text)
+    except DataError as exc:
+        raise CheckpointError(f"the checkpoint's tokenizer: {exc.message}") from None
 
 
 def pending_update(checkpoint: Checkpoint) -> PendingUpdate | None:
@@ -260,10 +284,14 @@ def check_compatible(plan: StagePlan, meta: dict[str, Any]) -> None:
         "n_stages": plan.n_stages,
         "layer_start": plan.layer_start,
         "layer_end": plan.layer_end,
-        "model": msgspec.to_builtins(plan.model),
         "compression": plan.compression,
     }
     wrong = [key for key, value in want.items() if meta.get(key) != value]
+    try:  # as a ModelConfig: a field added since, at its default, is no difference
+        if msgspec.convert(meta.get("model"), ModelConfig) != plan.model:
+            wrong.append("model")
+    except msgspec.ValidationError:
+        wrong.append("model")
     if wrong:
         raise CheckpointError(f"checkpoint does not fit this stage: {', '.join(wrong)} differ")
 

@@ -43,6 +43,8 @@ import numpy as np
 
 from silentswarm import datasets
 from silentswarm.agent.errors import DataError
+from silentswarm.agent.pipe.wire import token_dtype
+from silentswarm.agent.runtime.tokenizer import BpeTokenizer, ByteTokenizer, Tokenizer, train_bpe
 
 if TYPE_CHECKING:
     from silentswarm.plan import TrainConfig
@@ -73,8 +75,9 @@ VOCAB_SIZE = 256
 TOKENIZER = "utf8-bytes"
 """The tokenizer every stage assumes (one token per byte, :data:`VOCAB_SIZE` of them): the
 stages' handshake compares it, since only stage 0 tokenises anything."""
-_SEPARATOR = b"\n"
-"""Between two documents: two files, two JSONL lines, a file and a JSONL line."""
+_ENCODE_BATCH = 1 << 20  # text bytes a BPE encodes at a time (in parallel pieces)
+_ENCODE_PIECE = 1 << 16  # about this much text per piece
+_CARRY_MAX = 1 << 22  # a line longer than this is cut where the read stopped
 
 CACHE_ENV = "SWARM_DATA_CACHE"
 """Where token caches go, when set (else ``$XDG_CACHE_HOME/silentswarm/tokens``, else
@@ -82,17 +85,6 @@ CACHE_ENV = "SWARM_DATA_CACHE"
 _CACHE_FORMAT = 1  # bump when the file layout or what a key covers changes
 _CHUNK = 1 << 20  # bytes read (and UTF-8 checked) at a time
 _SCAN = 1 << 18  # tokens per step of a pass over the whole map (bincount makes them intp)
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """The narrowest unsigned integer that holds ``vocab_size`` token ids: uint8 for the byte
-    tokenizer, uint16 / uint32 for larger vocabularies (the cache file's element type)."""
-    if vocab_size < 1:
-        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
-    for dtype in (np.uint8, np.uint16, np.uint32):
-        if vocab_size <= np.iinfo(dtype).max + 1:
-            return np.dtype(dtype)
-    raise ValueError(f"vocab_size {vocab_size} does not fit in uint32 token ids")
 
 
 TOKEN_DTYPE = token_dtype(VOCAB_SIZE)
@@ -168,12 +160,29 @@ def _dataset_file(text: str) -> str:
             "(it pins the entry to the dataset's content and stage 0's agent downloads it)"
         )
     path = dataset_path(ref.sha256)
-    if not path.is_file():
-        raise DataError(
-            f"dataset {ref.name!r} ({ref.sha256[:12]}...) is not in this fellow's data cache "
-            f"({path.parent}): its agent downloads it before the stage starts"
-        )
-    return str(path)
+    if path.is_file():
+        return str(path)
+    stored = _leader_dataset(ref.sha256)  # glue on the leader's machine, say
+    if stored is not None:
+        return str(stored)
+    raise DataError(
+        f"dataset {ref.name!r} ({ref.sha256[:12]}...) is not in this fellow's data cache "
+        f"({path.parent}): its agent downloads it before the stage starts"
+    )
+
+
+def _leader_dataset(sha256: str) -> Path | None:
+    """The content a leader on this machine keeps (SWARM_DATASET_ROOT, else
+    ``<SWARM_STATE_DIR>/datasets``), if it is there."""
+    from silentswarm.errors import ConfigError
+    from silentswarm.settings import Settings
+
+    try:
+        root = Settings.from_env().datasets_dir
+    except ConfigError:
+        return None
+    path = root / "blobs" / sha256
+    return path if path.is_file() else None
 
 
 def _files_below(directory: str) -> list[str]:
@@ -296,38 +305,96 @@ def resolve_paths(patterns: Sequence[Pattern]) -> list[Path]:
 
 
 class _TokenWriter:
-    """Appends tokens to the cache file up to ``limit``; a document can be taken back whole."""
+    """Encodes documents with ``tokenizer`` and appends their ids to the cache file, up to
+    ``limit`` bytes of text (separators count one byte each); a document can be taken back
+    whole.
 
-    def __init__(self, out: IO[bytes], limit: int | None) -> None:
+    Text arrives in chunks of any size; a BPE sees it cut only at line ends (a piece never
+    ends inside a line unless the line is longer than :data:`_CARRY_MAX`), so the ids do not
+    depend on where a read happened to stop, and pieces go to the tokenizer in batches
+    (:data:`_ENCODE_BATCH` bytes) that it encodes in parallel."""
+
+    def __init__(self, out: IO[bytes], limit: int | None, tokenizer: Tokenizer) -> None:
         self.out = out
         self.limit = limit
+        self.tokenizer = tokenizer
         self.n_tokens = 0
+        self.n_bytes = 0
         self.n_docs = 0
+        self._carry = b""
+        self._pieces: list[bytes] = []
+        self._pending = 0
 
     @property
     def full(self) -> bool:
-        return self.limit is not None and self.n_tokens >= self.limit
+        return self.limit is not None and self.n_bytes >= self.limit
 
     def write(self, data: bytes) -> None:
-        # The utf8-bytes tokenizer: a token is a byte. Another tokenizer would encode the text
-        # to ids here and write them as TOKEN_DTYPE.
         if self.limit is not None:
-            data = data[: max(0, self.limit - self.n_tokens)]
-        if data:
-            self.out.write(data)
-            self.n_tokens += len(data)
+            data = data[: max(0, self.limit - self.n_bytes)]
+        if not data:
+            return
+        self.n_bytes += len(data)
+        if isinstance(self.tokenizer, ByteTokenizer):  # a token is a byte: no cutting
+            self._emit(self.tokenizer.encode(data))
+            return
+        data = self._carry + data
+        cut = data.rfind(b"\n") + 1
+        if cut == 0 and len(data) > _CARRY_MAX:
+            cut = len(data)
+        self._carry = data[cut:]
+        if cut:
+            self._queue(data[:cut])
 
-    def begin_document(self) -> int:
+    def end_document(self) -> None:
+        """Encode what the document left (a last line without its newline)."""
+        if self._carry:
+            self._queue(self._carry)
+            self._carry = b""
+        self._flush()
+        self.n_docs += 1
+
+    def begin_document(self) -> tuple[int, int]:
         """Write the separator (but before the first document); the position to roll back to."""
-        mark = self.n_tokens
-        if self.n_docs:
-            self.write(_SEPARATOR)
+        mark = (self.n_tokens, self.n_bytes)
+        if self.n_docs and not self.full:
+            self.n_bytes += 1
+            self._emit(self.tokenizer.separator)
         return mark
 
-    def rollback(self, mark: int) -> None:
-        self.out.seek(mark * TOKEN_DTYPE.itemsize)
+    def rollback(self, mark: tuple[int, int]) -> None:
+        self._carry, self._pieces, self._pending = b"", [], 0
+        self.n_tokens, self.n_bytes = mark
+        self.out.seek(self.n_tokens * self.tokenizer.dtype.itemsize)
         self.out.truncate()
-        self.n_tokens = mark
+
+    def _queue(self, text: bytes) -> None:
+        self._pieces.append(text)
+        self._pending += len(text)
+        if self._pending >= _ENCODE_BATCH:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._pieces:
+            assert isinstance(self.tokenizer, BpeTokenizer)
+            self._emit(self.tokenizer.encode_many(_cut_lines(self._pieces)))
+            self._pieces, self._pending = [], 0
+
+    def _emit(self, ids: np.ndarray) -> None:
+        self.out.write(np.ascontiguousarray(ids, dtype=self.tokenizer.dtype).tobytes())
+        self.n_tokens += len(ids)
+
+
+def _cut_lines(pieces: list[bytes]) -> list[bytes]:
+    """The pieces joined and cut again at line ends into parts of about :data:`_ENCODE_PIECE`
+    bytes: the units a BPE encodes in parallel (where they are cut depends only on the text)."""
+    text = b"".join(pieces)
+    out, begin = [], 0
+    while begin < len(text):
+        end = text.find(b"\n", begin + _ENCODE_PIECE) + 1 or len(text)
+        out.append(text[begin:end])
+        begin = end
+    return out
 
 
 def _append_text(path: str, writer: _TokenWriter) -> bool:
@@ -344,7 +411,7 @@ def _append_text(path: str, writer: _TokenWriter) -> bool:
         log.warning("skipping %s: not valid UTF-8 (%s)", path, problem)
         writer.rollback(mark)
         return False
-    writer.n_docs += 1
+    writer.end_document()
     return True
 
 
@@ -384,7 +451,7 @@ def _append_jsonl(path: str, field: str, writer: _TokenWriter) -> bool:
                     ) from None
                 writer.begin_document()
                 writer.write(data)
-                writer.n_docs += 1
+                writer.end_document()
                 used = True
     except OSError as exc:
         raise DataError(f"cannot read {path}: {exc}") from exc
@@ -392,10 +459,10 @@ def _append_jsonl(path: str, field: str, writer: _TokenWriter) -> bool:
 
 
 def _write_tokens(
-    sources: Sequence[_Source], out: IO[bytes], max_bytes: int | None
+    sources: Sequence[_Source], out: IO[bytes], max_bytes: int | None, tokenizer: Tokenizer
 ) -> tuple[int, list[str]]:
     """Stream the sources into ``out``: the token count and the files used."""
-    writer = _TokenWriter(out, max_bytes)
+    writer = _TokenWriter(out, max_bytes, tokenizer)
     used: list[str] = []
     for source in sources:
         if writer.full:
@@ -409,7 +476,9 @@ def _write_tokens(
     return writer.n_tokens, used
 
 
-def cache_key(sources: Sequence[_Source], max_bytes: int | None) -> str:
+def cache_key(
+    sources: Sequence[_Source], max_bytes: int | None, tokenizer: Tokenizer | None = None
+) -> str:
     """What the tokens depend on, hashed: every source's path (and JSONL field), size and
     mtime_ns, the tokenizer, its dtype, the separator and ``max_bytes``.
 
@@ -418,6 +487,7 @@ def cache_key(sources: Sequence[_Source], max_bytes: int | None) -> str:
     mtime. A rewrite that keeps both size and mtime (``touch -r``, some copy tools) goes unseen:
     delete the cache then.
     """
+    tokenizer = tokenizer or ByteTokenizer()
     files = []
     for source in sources:
         try:
@@ -427,9 +497,9 @@ def cache_key(sources: Sequence[_Source], max_bytes: int | None) -> str:
         files.append([source.path, source.field, st.st_size, st.st_mtime_ns])
     described = {
         "format": _CACHE_FORMAT,
-        "tokenizer": TOKENIZER,
-        "dtype": TOKEN_DTYPE.str,
-        "separator": _SEPARATOR.hex(),
+        "tokenizer": tokenizer.name,
+        "dtype": tokenizer.dtype.str,
+        "separator": tokenizer.separator.tobytes().hex(),
         "max_bytes": max_bytes,
         "sources": files,
     }
@@ -443,28 +513,28 @@ class _Cached:
     file: Path | None  # None: an unnamed temporary file (the cache directory was not writable)
 
 
-def _map(file: Any, n_tokens: int) -> np.ndarray:
+def _map(file: Any, n_tokens: int, dtype: np.dtype) -> np.ndarray:
     if n_tokens == 0:  # mmap cannot map nothing
-        tokens = np.zeros(0, dtype=TOKEN_DTYPE)
+        tokens = np.zeros(0, dtype=dtype)
     else:
         # .view: a plain read-only ndarray whose base keeps the map alive (no np.memmap subclass
         # leaking into batches)
-        tokens = np.memmap(file, dtype=TOKEN_DTYPE, mode="r", shape=(n_tokens,)).view(np.ndarray)
+        tokens = np.memmap(file, dtype=dtype, mode="r", shape=(n_tokens,)).view(np.ndarray)
     tokens.flags.writeable = False
     return tokens
 
 
-def _open_cached(directory: Path, key: str) -> _Cached | None:
+def _open_cached(directory: Path, key: str, dtype: np.dtype) -> _Cached | None:
     """The published cache for ``key``, mapped; None when there is none (or it is damaged)."""
     meta_file, token_file = directory / f"{key}.json", directory / f"{key}.tokens"
     try:
         meta = json.loads(meta_file.read_bytes())
         n_tokens, paths = int(meta["n_tokens"]), [str(p) for p in meta["paths"]]
-        if meta["dtype"] != TOKEN_DTYPE.str or meta["key"] != key:
+        if meta["dtype"] != dtype.str or meta["key"] != key:
             return None
-        if os.stat(token_file).st_size != n_tokens * TOKEN_DTYPE.itemsize:
+        if os.stat(token_file).st_size != n_tokens * dtype.itemsize:
             return None
-        return _Cached(_map(token_file, n_tokens), paths, token_file)
+        return _Cached(_map(token_file, n_tokens, dtype), paths, token_file)
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -485,27 +555,31 @@ def _publish(directory: Path, name: str, write: Any) -> None:
 
 
 def _build_cached(
-    directory: Path, key: str, sources: Sequence[_Source], max_bytes: int | None
+    directory: Path,
+    key: str,
+    sources: Sequence[_Source],
+    max_bytes: int | None,
+    tokenizer: Tokenizer,
 ) -> _Cached:
     """Build the cache for ``key`` under an exclusive lock (a second builder waits, then maps
     what the first published): tokens first, then the metadata that makes them visible."""
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / f"{key}.lock", "a+b") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        found = _open_cached(directory, key)
+        found = _open_cached(directory, key, tokenizer.dtype)
         if found is not None:
             return found
         result: dict[str, Any] = {}
 
         def tokens(f: IO[bytes]) -> None:
-            result["n"], result["paths"] = _write_tokens(sources, f, max_bytes)
+            result["n"], result["paths"] = _write_tokens(sources, f, max_bytes, tokenizer)
 
         _publish(directory, f"{key}.tokens", tokens)
         meta = {
             "key": key,
             "format": _CACHE_FORMAT,
-            "tokenizer": TOKENIZER,
-            "dtype": TOKEN_DTYPE.str,
+            "tokenizer": tokenizer.name,
+            "dtype": tokenizer.dtype.str,
             "n_tokens": result["n"],
             "max_bytes": max_bytes,
             "paths": result["paths"],
@@ -517,40 +591,45 @@ def _build_cached(
             result["n"],
             len(result["paths"]),
         )
-    found = _open_cached(directory, key)
+    found = _open_cached(directory, key, tokenizer.dtype)
     if found is None:
         raise DataError(f"the token cache {directory / key}.tokens vanished as it was built")
     return found
 
 
-def _build_unnamed(sources: Sequence[_Source], max_bytes: int | None) -> _Cached:
+def _build_unnamed(
+    sources: Sequence[_Source], max_bytes: int | None, tokenizer: Tokenizer
+) -> _Cached:
     """The tokens in an unnamed temporary file (gone when the map is), when no cache can be
     written: still memory-mapped, just built again next time."""
     with tempfile.TemporaryFile() as f:
-        n_tokens, paths = _write_tokens(sources, f, max_bytes)
+        n_tokens, paths = _write_tokens(sources, f, max_bytes, tokenizer)
         f.flush()
-        return _Cached(_map(f, n_tokens), paths, None)
+        return _Cached(_map(f, n_tokens, tokenizer.dtype), paths, None)
 
 
 def build_token_cache(
     patterns: Sequence[Pattern],
     max_bytes: int | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> _Cached:
-    """The memory-mapped tokens of ``patterns``, from the cache under ``cache_dir`` (default:
-    :func:`default_cache_dir`) when it holds them, else built there first."""
+    """The memory-mapped tokens of ``patterns`` (``tokenizer``'s ids; default: bytes), from the
+    cache under ``cache_dir`` (default: :func:`default_cache_dir`) when it holds them, else
+    built there first."""
+    tokenizer = tokenizer or ByteTokenizer()
     sources = _candidates(patterns)
-    key = cache_key(sources, max_bytes)
+    key = cache_key(sources, max_bytes, tokenizer)
     directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    found = _open_cached(directory, key)
+    found = _open_cached(directory, key, tokenizer.dtype)
     if found is None:
         try:
-            found = _build_cached(directory, key, sources, max_bytes)
+            found = _build_cached(directory, key, sources, max_bytes, tokenizer)
         except OSError as exc:  # a read-only home, say: build without a cache
             log.warning(
                 "cannot write the token cache in %s (%s): building it uncached", directory, exc
             )
-            found = _build_unnamed(sources, max_bytes)
+            found = _build_unnamed(sources, max_bytes, tokenizer)
     if not found.paths:
         raise DataError(f"no valid UTF-8 text files among {list(patterns)!r}")
     return found
@@ -574,6 +653,7 @@ class TextDataset:
         val_fraction: float = 0.05,
         max_bytes: int | None = None,
         cache_dir: str | os.PathLike[str] | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
@@ -586,7 +666,8 @@ class TextDataset:
         self.seq_len = seq_len
         self.seed = seed
         self.val_fraction = val_fraction
-        cached = build_token_cache(patterns, max_bytes, cache_dir)
+        self.tokenizer = tokenizer or ByteTokenizer()
+        cached = build_token_cache(patterns, max_bytes, cache_dir, self.tokenizer)
         self._tokens = cached.tokens
         self.paths = [Path(p) for p in cached.paths]
         self.cache_file = cached.file
@@ -632,7 +713,7 @@ class TextDataset:
 
     @property
     def tokens(self) -> np.ndarray:
-        """The whole corpus as a read-only :data:`TOKEN_DTYPE` array, memory-mapped (pages are
+        """The whole corpus as a read-only array of the tokenizer's dtype, memory-mapped (pages are
         read from the cache file as they are touched)."""
         return self._tokens
 
@@ -728,14 +809,15 @@ class TextDataset:
             yield self._windows(offsets[begin : min(begin + batch_size, stop)])
 
     def unigram_entropy_nats(self) -> float:
-        """Entropy (nats) of the training split's byte frequencies.
+        """Entropy (nats) of the training split's token frequencies.
 
-        This is the loss of a model that learned only how often each byte occurs, the baseline
+        This is the loss of a model that learned only how often each token occurs, the baseline
         a trained model must beat.
         """
-        counts = np.zeros(VOCAB_SIZE, dtype=np.int64)
+        vocab = self.tokenizer.vocab_size
+        counts = np.zeros(vocab, dtype=np.int64)
         for begin in range(0, len(self._train), _SCAN):  # a chunk at a time through the map
-            counts += np.bincount(self._train[begin : begin + _SCAN], minlength=VOCAB_SIZE)
+            counts += np.bincount(self._train[begin : begin + _SCAN], minlength=vocab)
         p = counts[counts > 0] / len(self._train)
         return float(-(p * np.log(p)).sum()) + 0.0  # + 0.0 turns -0.0 into 0.0
 
@@ -752,8 +834,10 @@ def job_dataset(
     patterns: Sequence[Pattern] | None = None,
     *,
     cache_dir: str | os.PathLike[str] | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> TextDataset:
-    """The dataset stage 0 of a job reads (and glue, to score the same validation)."""
+    """The dataset stage 0 of a job reads (and glue, to score the same validation), in
+    ``tokenizer``'s ids (default: bytes; a BPE job passes :func:`job_tokenizer`'s)."""
     return TextDataset(
         patterns if patterns else list(train.data),
         seq_len=seq_len,
@@ -761,7 +845,63 @@ def job_dataset(
         val_fraction=train.val_fraction,
         max_bytes=train.max_data_bytes,
         cache_dir=cache_dir,
+        tokenizer=tokenizer,
     )
+
+
+def job_tokenizer(
+    train: TrainConfig,
+    vocab_size: int,
+    patterns: Sequence[Pattern] | None = None,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> Tokenizer:
+    """The tokenizer a job's spec asks for: bytes, or a BPE of ``vocab_size`` tokens trained on
+    the first ``train.tokenizer.train_bytes`` of the job's data (once: the trained JSON is kept
+    in the data cache under a key of the sources, the limits and the library's version, so a
+    restart or another job on the same data reuses it)."""
+    config = train.tokenizer
+    if config.kind == "byte":
+        return ByteTokenizer()
+    sources = _candidates(patterns if patterns else list(train.data))
+    limit = min(config.train_bytes, train.max_data_bytes or config.train_bytes)
+    import tokenizers
+
+    described = {
+        "text": cache_key(sources, limit),
+        "kind": "bpe",
+        "vocab_size": vocab_size,
+        "library": tokenizers.__version__,
+    }
+    key = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
+    directory = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / "tokenizers"
+    path = directory / f"{key}.json"
+    with contextlib.suppress(OSError):
+        return BpeTokenizer(path.read_text(), vocab_size)
+    with tempfile.TemporaryFile() as text:
+        n_bytes, _ = _write_tokens(sources, text, limit, ByteTokenizer())
+        text.flush()
+        log.info("training a BPE of %d tokens on %d bytes of text", vocab_size, n_bytes)
+        trained = train_bpe(_line_chunks(text), vocab_size)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        _publish(directory, path.name, lambda f: f.write(trained.to_json().encode()))
+    except OSError as exc:
+        log.warning("cannot keep the trained tokenizer in %s (%s)", directory, exc)
+    return trained
+
+
+def _line_chunks(f: IO[bytes]) -> Iterator[bytes]:
+    """A file's bytes from the start, in pieces of about 1 MiB cut at line ends."""
+    f.seek(0)
+    carry = b""
+    while chunk := f.read(_CHUNK):
+        data = carry + chunk
+        cut = data.rfind(b"\n") + 1 or len(data)
+        carry = data[cut:]
+        yield data[:cut]
+    if carry:
+        yield carry
 
 
 def job_val_batches(dataset: TextDataset, train: TrainConfig) -> Iterator[tuple[Any, Any]]:

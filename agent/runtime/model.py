@@ -1,4 +1,5 @@
-"""A GPT-style decoder-only transformer, built in pieces so any split initialises alike.
+"""Decoder-only transformers (the ``gpt2`` and ``llama`` families), built in pieces so any
+split initialises alike.
 
 Every parameter's initializer seed derives from (job seed, layer index, parameter index), so
 a stage holding layers [a, b) creates exactly the weights a single process holding every
@@ -118,7 +119,7 @@ class Block(_ConfiguredLayer):
         self.cfg = cfg
         self.job_seed = job_seed
         self.layer_index = layer
-        d, hidden = cfg.d_model, cfg.d_model * cfg.mlp_ratio
+        d, hidden = cfg.d_model, cfg.hidden_dim
         out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
         self.ln1 = LayerNorm(d, name="ln1")
         self.ln2 = LayerNorm(d, name="ln2")
@@ -179,6 +180,158 @@ class Head(_ConfiguredLayer):
 
     def call(self, x):
         return tf.einsum("btd,dv->btv", self.ln(x), self.w)
+
+
+# --- the llama family -------------------------------------------------------------------------
+
+
+@_serializable
+class TokenEmbedding(_ConfiguredLayer):
+    """Token embedding only (llama: positions are rotary, applied to queries and keys)."""
+
+    def __init__(self, cfg: ModelConfig, job_seed: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.cfg = cfg
+        self.job_seed = job_seed
+        self.tok = self.add_weight(
+            shape=(cfg.vocab_size, cfg.d_model),
+            initializer=_normal(job_seed, EMBED_LAYER, 0),
+            name="tok",
+        )
+
+    def call(self, tokens):
+        return tf.gather(self.tok, tokens)
+
+
+@_serializable
+class RMSNorm(keras.layers.Layer):
+    """``x / rms(x) * scale``, in float32 (keras-hub's LlamaLayerNorm)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.dim, self.eps = dim, eps
+        self.scale = self.add_weight(shape=(dim,), initializer="ones", name="scale")
+
+    def call(self, x):
+        x32 = tf.cast(x, tf.float32)
+        var = tf.reduce_mean(tf.square(x32), axis=-1, keepdims=True)
+        return tf.cast(x32 * tf.math.rsqrt(var + self.eps) * self.scale, x.dtype)
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "dim": self.dim, "eps": self.eps}
+
+
+def rotary(x, theta: float):
+    """Rotary position embedding of ``x`` (batch, seq, heads, head_dim), positions 0..seq-1:
+    the two halves of each head rotated by ``pos / theta**(2i / head_dim)`` (keras-hub's
+    RotaryEmbedding, and HF Llama's ``rotate_half``)."""
+    head_dim = x.shape[-1]
+    seq = tf.shape(x)[1]
+    inverse = 1.0 / (theta ** (tf.range(0, head_dim, 2, dtype=tf.float32) / head_dim))
+    freqs = tf.einsum("i,j->ij", tf.cast(tf.range(seq), tf.float32), inverse)
+    angles = tf.concat([freqs, freqs], axis=-1)[tf.newaxis, :, tf.newaxis, :]
+    cos, sin = tf.cast(tf.cos(angles), x.dtype), tf.cast(tf.sin(angles), x.dtype)
+    first, second = tf.split(x, 2, axis=-1)
+    return x * cos + tf.concat([-second, first], axis=-1) * sin
+
+
+@_serializable
+class LlamaBlock(_ConfiguredLayer):
+    """Pre-RMSNorm block: causal grouped-query self-attention with rotary positions, and a
+    SwiGLU MLP (``down(silu(gate(x)) * up(x))``), each with a residual; no biases."""
+
+    def __init__(self, cfg: ModelConfig, job_seed: int, layer: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.cfg = cfg
+        self.job_seed = job_seed
+        self.layer_index = layer
+        d, hidden = cfg.d_model, cfg.hidden_dim
+        head_dim = d // cfg.n_heads
+        out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
+        self.attn_norm = RMSNorm(d, cfg.norm_eps, name="attn_norm")
+        self.mlp_norm = RMSNorm(d, cfg.norm_eps, name="mlp_norm")
+
+        def weight(shape, param, name, std=0.02):
+            return self.add_weight(
+                shape=shape, initializer=_normal(job_seed, layer, param, std), name=name
+            )
+
+        self.w_q = weight((d, cfg.n_heads * head_dim), 0, "w_q")
+        self.w_k = weight((d, cfg.kv_heads * head_dim), 4, "w_k")
+        self.w_v = weight((d, cfg.kv_heads * head_dim), 5, "w_v")
+        self.w_o = weight((cfg.n_heads * head_dim, d), 1, "w_o", out_std)
+        self.w_gate = weight((d, hidden), 2, "w_gate")
+        self.w_up = weight((d, hidden), 6, "w_up")
+        self.w_down = weight((hidden, d), 3, "w_down", out_std)
+        self.dropout = keras.layers.Dropout(cfg.dropout, seed=layer_seed(job_seed, layer, 9))
+
+    def call(self, x, training=False):
+        cfg = self.cfg
+        batch, seq = tf.shape(x)[0], tf.shape(x)[1]
+        heads, kv = cfg.n_heads, cfg.kv_heads
+        head_dim = cfg.d_model // heads
+        h = self.attn_norm(x)
+
+        def project(w, n):
+            return tf.reshape(tf.einsum("btd,de->bte", h, w), [batch, seq, n, head_dim])
+
+        q = rotary(project(self.w_q, heads), cfg.rope_theta)
+        k = rotary(project(self.w_k, kv), cfg.rope_theta)
+        v = project(self.w_v, kv)
+        if kv != heads:  # each key/value head serves heads // kv query heads, in order
+            k, v = tf.repeat(k, heads // kv, axis=2), tf.repeat(v, heads // kv, axis=2)
+        q, k, v = (tf.transpose(t, [0, 2, 1, 3]) for t in (q, k, v))
+        scores = tf.matmul(q, k, transpose_b=True) * (1.0 / math.sqrt(head_dim))
+        causal = tf.linalg.band_part(tf.ones([seq, seq], dtype=scores.dtype), -1, 0)
+        scores = scores + (1.0 - causal) * -1e9
+        att = tf.matmul(tf.nn.softmax(scores, axis=-1), v)
+        att = tf.reshape(tf.transpose(att, [0, 2, 1, 3]), [batch, seq, heads * head_dim])
+        x = x + self.dropout(tf.einsum("bte,ed->btd", att, self.w_o), training=training)
+        h = self.mlp_norm(x)
+        gated = tf.nn.silu(tf.einsum("btd,dh->bth", h, self.w_gate))
+        up = tf.einsum("btd,dh->bth", h, self.w_up)
+        return x + self.dropout(
+            tf.einsum("bth,hd->btd", gated * up, self.w_down), training=training
+        )
+
+    def get_config(self) -> dict[str, Any]:
+        return {**super().get_config(), "layer": self.layer_index}
+
+
+@_serializable
+class LlamaHead(_ConfiguredLayer):
+    """Final RMSNorm and the LM head (its own weights: not tied to the embedding)."""
+
+    def __init__(self, cfg: ModelConfig, job_seed: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.cfg = cfg
+        self.job_seed = job_seed
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, name="norm_f")
+        self.w = self.add_weight(
+            shape=(cfg.d_model, cfg.vocab_size),
+            initializer=_normal(job_seed, HEAD_LAYER, 0),
+            name="w_head",
+        )
+
+    def call(self, x):
+        return tf.einsum("btd,dv->btv", self.norm(x), self.w)
+
+
+# The layers of each family: what a stage (or the glued model) builds for its part.
+HEADS = (Head, LlamaHead)
+BLOCKS = (Block, LlamaBlock)
+
+
+def embedding(cfg: ModelConfig, job_seed: int, name: str = "embed") -> keras.layers.Layer:
+    return (TokenEmbedding if cfg.family == "llama" else Embedding)(cfg, job_seed, name=name)
+
+
+def block(cfg: ModelConfig, job_seed: int, layer: int, name: str) -> keras.layers.Layer:
+    return (LlamaBlock if cfg.family == "llama" else Block)(cfg, job_seed, layer, name=name)
+
+
+def head(cfg: ModelConfig, job_seed: int, name: str = "head") -> keras.layers.Layer:
+    return (LlamaHead if cfg.family == "llama" else Head)(cfg, job_seed, name=name)
 
 
 @_serializable
@@ -324,8 +477,8 @@ class GluedTransformer(keras.Model):
         self.wire_codec, self.bottleneck_dim = spec.wire, spec.bottleneck_dim
         d, k = cfg.d_model, spec.bottleneck_dim
         boundaries = range(len(ranges) - 1)
-        self.embed = Embedding(cfg, job_seed, name="embed")
-        self.blocks = [Block(cfg, job_seed, i, name=f"block_{i}") for i in range(cfg.n_layers)]
+        self.embed = embedding(cfg, job_seed)
+        self.blocks = [block(cfg, job_seed, i, name=f"block_{i}") for i in range(cfg.n_layers)]
         # The same seeds as the stages' "down" and "up" (the weights come from checkpoints).
         self.downs = (
             [Projection(d, k, job_seed, b, 0, name=f"down_{b}") for b in boundaries] if k else []
@@ -334,7 +487,7 @@ class GluedTransformer(keras.Model):
             [Projection(k, d, job_seed, b, 1, name=f"up_{b}") for b in boundaries] if k else []
         )
         self.wire = WireRoundTrip(spec.wire, name="wire")
-        self.head = Head(cfg, job_seed, name="head")
+        self.head = head(cfg, job_seed)
 
     def build(self, input_shape=None) -> None:
         """Nothing to build: every variable exists from ``__init__`` on (so loading needs none)."""

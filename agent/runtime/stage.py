@@ -42,6 +42,7 @@ from silentswarm.agent.pipe.wire import (
 )
 from silentswarm.agent.runtime import calibrate, tuning
 from silentswarm.agent.runtime.checkpoint import (
+    checkpoint_tokenizer,
     load_checkpoint,
     pending_update,
     restore_into,
@@ -53,8 +54,10 @@ from silentswarm.agent.runtime.data import (
     DataState,
     TextDataset,
     job_dataset,
+    job_tokenizer,
     job_val_batches,
 )
+from silentswarm.agent.runtime.presets import init_from_preset, preset_dir
 from silentswarm.agent.runtime.schedule import (
     DelayedUpdates,
     Op,
@@ -190,19 +193,29 @@ class StageRunner:
         self.down: Boundary | None = None
         # Only stage 0 reads data (a 1-stage job is stage 0 too): the targets travel down the
         # chain with the activations, so the stages after it need no files.
-        self.data: TextDataset | None = (
-            job_dataset(plan.train, plan.model.seq_len) if plan.is_first else None
-        )
         # A resumed attempt starts where the checkpoint left off: weights, optimizer state
-        # (its step count too), data position (stage 0).
+        # (its step count too), data position and tokenizer (stage 0).
+        checkpoint = None if plan.resume_from is None else load_checkpoint(plan.resume_from)
+        self.data: TextDataset | None = None
+        if plan.is_first:
+            tokenizer = (
+                job_tokenizer(plan.train, plan.model.vocab_size)
+                if checkpoint is None
+                else checkpoint_tokenizer(plan, checkpoint.meta)
+            )
+            self.data = job_dataset(plan.train, plan.model.seq_len, tokenizer=tokenizer)
         self.start_step = 0
         # The overlap schedule's delayed update (the gradient set aside); where the data stood
         # before each step read its batch.
         self.delayed = DelayedUpdates()
         self._data_before: dict[int, DataState] = {}
         self._step_clock = 0.0  # when the step before ended (the overlap schedule)
-        if plan.resume_from is not None:
-            checkpoint = load_checkpoint(plan.resume_from)
+        if checkpoint is None and plan.train.init_from is not None:
+            directory = preset_dir(plan.train.init_from)
+            layers = [piece.layer for piece in self.model.pieces]
+            count = init_from_preset(directory, plan.model, layers)
+            log.info("%d variables from the preset %s", count, directory)
+        if checkpoint is not None:
             restore_into(self.model, self.data, checkpoint)
             self.start_step = int(checkpoint.meta["steps_done"])
             self.delayed.pending = pending_update(checkpoint)

@@ -35,13 +35,21 @@ import keras
 import tensorflow as tf
 
 from silentswarm.agent.runtime.devices import tf_gpu_index
-from silentswarm.agent.runtime.model import Block, Embedding, Head, Projection, token_loss
+from silentswarm.agent.runtime.model import (
+    BLOCKS,
+    HEADS,
+    Projection,
+    block,
+    embedding,
+    head,
+    token_loss,
+)
 from silentswarm.agent.runtime.schedule import lr_at
 from silentswarm.compression import parse_compression
 from silentswarm.plan import StagePlan
 
 log = logging.getLogger(__name__)
-NO_DECAY = ["gamma", "beta", "^b$", "^b_", "tok", "pos"]
+NO_DECAY = ["gamma", "beta", "^b$", "^b_", "tok", "pos", "scale"]
 
 
 @dataclass
@@ -100,13 +108,13 @@ class StageModel:
                 self.pieces.append(Piece(device, make()))
 
         if plan.is_first:
-            add(first_dev, lambda: Embedding(cfg, seed, name="embed"))
+            add(first_dev, lambda: embedding(cfg, seed))
         elif k:
             add(first_dev, lambda: Projection(k, cfg.d_model, seed, plan.stage - 1, 1, name="up"))
         for layer in range(plan.layer_start, plan.layer_end):
-            add(devices[layer], lambda layer=layer: Block(cfg, seed, layer, name=f"block_{layer}"))
+            add(devices[layer], lambda layer=layer: block(cfg, seed, layer, f"block_{layer}"))
         if plan.is_last:
-            add(last_dev, lambda: Head(cfg, seed, name="head"))
+            add(last_dev, lambda: head(cfg, seed))
         elif k:
             add(last_dev, lambda: Projection(cfg.d_model, k, seed, plan.stage, 0, name="down"))
         self.variables: list[tf.Variable] = [
@@ -162,12 +170,12 @@ class StageModel:
 
     def _run(self, x, training: bool):
         for piece in self.pieces:
-            if isinstance(piece.layer, Head):
+            if isinstance(piece.layer, HEADS):
                 break
             with tf.device(piece.device):
                 x = (
                     piece.layer(x, training=training)
-                    if isinstance(piece.layer, Block)
+                    if isinstance(piece.layer, BLOCKS)
                     else (piece.layer(x))
                 )
         return x

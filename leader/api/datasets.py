@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from litestar import Controller, Request, delete, get, put
 from litestar.di import NamedDependency
-from litestar.params import FromPath
+from litestar.params import FromPath, FromQuery
 from litestar.response import File
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
 
@@ -28,7 +28,7 @@ class DatasetsController(Controller):
         name: FromPath[str],
         request: Request,
         datasets: NamedDependency[DatasetsService],
-        source: str = "",
+        source: FromQuery[str] = "",
     ) -> DatasetRecord:
         return await datasets.upload(
             name,

@@ -148,6 +148,10 @@ class InferenceManifest(msgspec.Struct, kw_only=True, frozen=True):
     tolerance: float
     check: GlueCheck
     val_loss: float | None
+    # The tokenizer the model was trained with: "byte", or "bpe" with its JSON in
+    # tokenizer_file (one of ``files``).
+    tokenizer: str = "byte"
+    tokenizer_file: str | None = None
     chain_val_loss: float | None
     pipeline_val_loss: float | None
     pipeline_loss: float | None

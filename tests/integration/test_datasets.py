@@ -6,13 +6,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import sysconfig
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import leader_process, start_agent
-from tests.helpers import swarm_cli, wait_for
+from tests.helpers import child_env, run_swarm, swarm_cli, wait_for
 from tests.integration.test_jobs import tiny, wait_ready
 
 pytestmark = pytest.mark.timeout(240)
@@ -42,7 +43,7 @@ def files_under(directory: Path) -> list[Path]:
     return [p for p in directory.rglob("*") if p.is_file()] if directory.exists() else []
 
 
-def test_an_uploaded_file_trains_a_two_stage_job_and_only_stage_0_downloads_it(
+def test_an_uploaded_file_trains_a_two_stage_llama_with_a_bpe_only_stage_0_reads_it(
     procs, nats_server, leader, tmp_path
 ):
     source = corpus(tmp_path / "notes.txt")
@@ -60,16 +61,49 @@ def test_an_uploaded_file_trains_a_two_stage_job_and_only_stage_0_downloads_it(
     for name, cache in caches.items():
         start_agent(procs, nats_server.url, name, SWARM_DATA_CACHE=str(cache))
     wait_ready(leader, "f1", "f2")
-    job = leader.submit(**tiny(name="uploaded", steps=20, stages=2, data=["dataset:notes"]))
+    spec = tiny(
+        name="uploaded",
+        steps=20,
+        stages=2,
+        data=["dataset:notes"],
+        tokenizer={"kind": "bpe"},
+        shard_push_to_leader=True,
+        shard_push_interval_steps=10,
+    )
+    spec["model"] = {**spec["model"], "family": "llama", "vocab_size": 512, "n_kv_heads": 1}
+    job = leader.submit(**spec)
     assert job["spec"]["data"] == [f"dataset:notes@{digest}"], "pinned at submit"
     done = leader.wait_job(job["job_id"], "COMPLETED", timeout=180)
     assert done["final_val_loss"] is not None
+    # A BPE of 512 tokens beats bytes: fewer, richer tokens; the loss is per token.
+    assert done["final_val_loss"] < math.log(512)
 
     by_stage = {s["stage"]: s["fellow_id"] for s in done["placement"]["stages"]}
     first, last = caches[by_stage[0]], caches[by_stage[1]]
     downloaded = first / "datasets" / digest
     assert hashlib.sha256(downloaded.read_bytes()).hexdigest() == digest
     assert files_under(last) == [], "the last stage downloaded or tokenised nothing"
+    bpe = [json.loads(p.read_text()) for p in (first / "tokenizers").glob("*.json")]
+    assert len(bpe) == 1 and bpe[0]["model"]["type"] == "BPE"
+
+    # The export holds the tokenizer (stage 0's checkpoint); glue, on the leader's machine,
+    # reads the validation data from the leader's store and puts the tokenizer beside the
+    # model; generate speaks it.
+    export = Path(done["export_dir"])
+    step = export / "shards" / "step-20"
+    assert json.loads(json.loads((step / "stage-0.json").read_text())["tokenizer"]) == bpe[0]
+    assert json.loads((step / "stage-1.json").read_text())["tokenizer"] is None
+    env = child_env(SWARM_STATE_DIR=str(tmp_path / "leader-state"))
+    glued = run_swarm("glue", str(export), env=env, timeout=240)
+    assert glued.returncode == 0, glued.stdout + glued.stderr
+    inference = json.loads((export / "full_model" / "inference_manifest.json").read_text())
+    assert (inference["tokenizer"], inference["tokenizer_file"]) == ("bpe", "tokenizer.json")
+    assert inference["val_loss"] == pytest.approx(done["final_val_loss"], rel=0.01)
+    model_dir = str(export / "full_model")
+    args = ["generate", "--model-dir", model_dir, "--prompt", "def ", "--temperature", "0"]
+    text = run_swarm(*args, "--max-new-tokens", "12", env=env, timeout=120)
+    # 12 tokens of at least one character each (a young model's may all be blanks)
+    assert text.returncode == 0 and len(text.stdout.rstrip("\n")) >= 12, text.stderr
 
     # The download route: stage 0's token of the current attempt opens the job's dataset only.
     job_id, attempt = done["job_id"], done["attempt"]

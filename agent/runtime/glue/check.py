@@ -82,7 +82,7 @@ class Chain:
     def __init__(self, models: list[StageModel]) -> None:
         import tensorflow as tf
 
-        from silentswarm.agent.runtime.model import Head
+        from silentswarm.agent.runtime.model import HEADS
         from silentswarm.compression import parse_compression
 
         self.models = models
@@ -93,7 +93,7 @@ class Chain:
         def logits(x):
             for piece in last.pieces:
                 layer = piece.layer
-                if isinstance(layer, Head):
+                if isinstance(layer, HEADS):
                     return layer(x)
                 x = layer(x, training=False) if layer.name.startswith("block_") else layer(x)
             raise AssertionError("the last stage has no head")

@@ -21,6 +21,8 @@ from silentswarm.types.manifests import DataInfo
 if TYPE_CHECKING:
     import numpy as np
 
+    from silentswarm.agent.runtime.tokenizer import Tokenizer
+
 
 @dataclass
 class ValidationData:
@@ -29,7 +31,9 @@ class ValidationData:
     info: DataInfo
 
 
-def validation_data(plan: StagePlan, data: Sequence[str] | None) -> ValidationData:
+def validation_data(
+    plan: StagePlan, data: Sequence[str] | None, tokenizer: Tokenizer | None = None
+) -> ValidationData:
     """The pipeline's validation batches (stage 0 reads them; the last stage scores the
     targets they bring): the same ``job_dataset`` and ``job_val_batches`` as
     :class:`StageRunner`, so the pipeline's ``val_loss`` and ``chain_val_loss`` agree to
@@ -41,7 +45,7 @@ def validation_data(plan: StagePlan, data: Sequence[str] | None) -> ValidationDa
     train = plan.train
     patterns = list(data) if data else list(train.data)
     try:
-        dataset = job_dataset(train, plan.model.seq_len, patterns)
+        dataset = job_dataset(train, plan.model.seq_len, patterns, tokenizer=tokenizer)
     except (DataError, OSError) as exc:
         raise GlueError(
             f"cannot read the job's validation data {patterns}: {exc} (--data points at a copy)"

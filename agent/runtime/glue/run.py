@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
@@ -11,10 +12,11 @@ from pathlib import Path
 
 import msgspec
 
+from silentswarm.agent.errors import GlueError
 from silentswarm.agent.runtime.glue import assemble
 from silentswarm.agent.runtime.glue.check import Chain, CheckResult, check_and_evaluate
 from silentswarm.agent.runtime.glue.data import validation_data
-from silentswarm.agent.runtime.glue.manifest import CheckedExport, read_run_manifest
+from silentswarm.agent.runtime.glue.manifest import CheckedExport, read_run_manifest, sha256_file
 from silentswarm.agent.runtime.glue.save import (
     DEFAULT_OUT,
     SavedModel,
@@ -23,6 +25,9 @@ from silentswarm.agent.runtime.glue.save import (
     save_model,
     temp_dir,
 )
+from silentswarm.agent.runtime.tokenizer import Tokenizer
+from silentswarm.errors import SwarmError
+from silentswarm.plan import StagePlan
 from silentswarm.types.manifests import (
     INFERENCE_MANIFEST,
     DataInfo,
@@ -30,6 +35,8 @@ from silentswarm.types.manifests import (
     InferenceManifest,
     encode_inference_manifest,
 )
+
+TOKENIZER_FILE = "tokenizer.json"  # a BPE's, beside the model
 
 
 @dataclass(frozen=True)
@@ -64,7 +71,8 @@ def glue(
     if export is None:
         export = read_run_manifest(export_dir)
     plans = assemble.plans_for(export)
-    val = validation_data(plans[-1], data)
+    tokenizer = export_tokenizer(export, plans[0])
+    val = validation_data(plans[-1], data, tokenizer)
 
     models = assemble.build_stage_models(export, plans)
     glued = assemble.glued_from_stages(models)
@@ -74,8 +82,21 @@ def glue(
     tmp = temp_dir(out)
     try:
         saved = save_model(glued, tmp, check.first_batch, check.reference_logits)
+        files = saved.files(tmp)
+        text = tokenizer.to_json()
+        if text is not None:
+            (tmp / TOKENIZER_FILE).write_text(text)
+            files[TOKENIZER_FILE] = FileEntry(
+                sha256=sha256_file(tmp / TOKENIZER_FILE),
+                bytes=(tmp / TOKENIZER_FILE).stat().st_size,
+            )
         manifest = _inference_manifest(
-            export, export_dir, saved=saved, files=saved.files(tmp), check=check, data=val.info
+            export, export_dir, saved=saved, files=files, check=check, data=val.info
+        )
+        manifest = msgspec.structs.replace(
+            manifest,
+            tokenizer=tokenizer.kind,
+            tokenizer_file=TOKENIZER_FILE if text is not None else None,
         )
         (tmp / INFERENCE_MANIFEST).write_bytes(encode_inference_manifest(manifest))
         replace_dir(tmp, out)
@@ -83,6 +104,18 @@ def glue(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return GlueResult(manifest=manifest, out=out)
+
+
+def export_tokenizer(export: CheckedExport, first: StagePlan) -> Tokenizer:
+    """The tokenizer stage 0 trained with: the one its checkpoint holds."""
+    from silentswarm.agent.runtime.checkpoint import checkpoint_tokenizer
+
+    path = export.stages[0].checkpoint
+    try:
+        meta = json.loads(path.read_bytes())
+        return checkpoint_tokenizer(first, meta)
+    except (OSError, ValueError, SwarmError) as exc:
+        raise GlueError(f"{path}: cannot load the job's tokenizer ({exc})") from None
 
 
 def _inference_manifest(

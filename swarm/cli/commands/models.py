@@ -33,7 +33,7 @@ def generate(
     *,
     model_dir: Annotated[Path, Parameter(help="A glued model (full_model/ or its export dir)")],
     prompt: Annotated[str, Parameter(help="The text to continue")],
-    max_new_tokens: Annotated[int, Parameter(help="How many bytes to generate")] = 100,
+    max_new_tokens: Annotated[int, Parameter(help="How many tokens to generate")] = 100,
     temperature: Annotated[float, Parameter(help="0: greedy")] = 0.8,
     top_k: Annotated[int, Parameter(help="Sample from the k likeliest (0: all)")] = 40,
     seed: Annotated[int, Parameter(help="Sampling seed")] = 0,
