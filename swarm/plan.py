@@ -179,6 +179,9 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # 0: validate only after the last step
     val_every: StepCount = 0
     jit_compile: bool = True  # XLA-compile the stage's forward (and so its backward)
+    # "bfloat16": compute in bfloat16 (for GPUs) with float32 weights, optimizer state,
+    # gradients, loss and boundary activations (Keras's mixed_bfloat16).
+    precision: Literal["float32", "bfloat16"] = "float32"
 
     def problems(self) -> list[str]:
         return self.train_problems()

@@ -103,8 +103,11 @@ class LayerNorm(keras.layers.Layer):
         self.beta = self.add_weight(shape=(dim,), initializer="zeros", name="beta")
 
     def call(self, x):
-        mean, var = tf.nn.moments(x, axes=[-1], keepdims=True)
-        return (x - mean) * tf.math.rsqrt(var + 1e-5) * self.gamma + self.beta
+        # In float32 whatever the compute dtype (mixed precision): the casts are no-ops else.
+        x32 = tf.cast(x, tf.float32)
+        mean, var = tf.nn.moments(x32, axes=[-1], keepdims=True)
+        gamma, beta = tf.cast(self.gamma, tf.float32), tf.cast(self.beta, tf.float32)
+        return tf.cast((x32 - mean) * tf.math.rsqrt(var + 1e-5) * gamma + beta, x.dtype)
 
     def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "dim": self.dim}
@@ -121,8 +124,9 @@ class Block(_ConfiguredLayer):
         self.layer_index = layer
         d, hidden = cfg.d_model, cfg.hidden_dim
         out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
-        self.ln1 = LayerNorm(d, name="ln1")
-        self.ln2 = LayerNorm(d, name="ln2")
+        policy = self.dtype_policy  # sublayers compute in the block's dtype
+        self.ln1 = LayerNorm(d, name="ln1", dtype=policy)
+        self.ln2 = LayerNorm(d, name="ln2", dtype=policy)
         self.w_qkv = self.add_weight(
             shape=(d, 3 * d), initializer=_normal(job_seed, layer, 0), name="w_qkv"
         )
@@ -139,7 +143,9 @@ class Block(_ConfiguredLayer):
             shape=(hidden, d), initializer=_normal(job_seed, layer, 3, out_std), name="w_proj"
         )
         self.b_proj = self.add_weight(shape=(d,), initializer="zeros", name="b_proj")
-        self.dropout = keras.layers.Dropout(cfg.dropout, seed=layer_seed(job_seed, layer, 9))
+        self.dropout = keras.layers.Dropout(
+            cfg.dropout, seed=layer_seed(job_seed, layer, 9), dtype=policy
+        )
 
     def call(self, x, training=False):
         cfg = self.cfg
@@ -171,7 +177,7 @@ class Head(_ConfiguredLayer):
         super().__init__(**kwargs)
         self.cfg = cfg
         self.job_seed = job_seed
-        self.ln = LayerNorm(cfg.d_model, name="ln_f")
+        self.ln = LayerNorm(cfg.d_model, name="ln_f", dtype=self.dtype_policy)
         self.w = self.add_weight(
             shape=(cfg.d_model, cfg.vocab_size),
             initializer=_normal(job_seed, HEAD_LAYER, 0),
@@ -215,7 +221,8 @@ class RMSNorm(keras.layers.Layer):
     def call(self, x):
         x32 = tf.cast(x, tf.float32)
         var = tf.reduce_mean(tf.square(x32), axis=-1, keepdims=True)
-        return tf.cast(x32 * tf.math.rsqrt(var + self.eps) * self.scale, x.dtype)
+        scale = tf.cast(self.scale, tf.float32)
+        return tf.cast(x32 * tf.math.rsqrt(var + self.eps) * scale, x.dtype)
 
     def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "dim": self.dim, "eps": self.eps}
@@ -248,8 +255,9 @@ class LlamaBlock(_ConfiguredLayer):
         d, hidden = cfg.d_model, cfg.hidden_dim
         head_dim = d // cfg.n_heads
         out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
-        self.attn_norm = RMSNorm(d, cfg.norm_eps, name="attn_norm")
-        self.mlp_norm = RMSNorm(d, cfg.norm_eps, name="mlp_norm")
+        policy = self.dtype_policy  # sublayers compute in the block's dtype
+        self.attn_norm = RMSNorm(d, cfg.norm_eps, name="attn_norm", dtype=policy)
+        self.mlp_norm = RMSNorm(d, cfg.norm_eps, name="mlp_norm", dtype=policy)
 
         def weight(shape, param, name, std=0.02):
             return self.add_weight(
@@ -263,7 +271,9 @@ class LlamaBlock(_ConfiguredLayer):
         self.w_gate = weight((d, hidden), 2, "w_gate")
         self.w_up = weight((d, hidden), 6, "w_up")
         self.w_down = weight((hidden, d), 3, "w_down", out_std)
-        self.dropout = keras.layers.Dropout(cfg.dropout, seed=layer_seed(job_seed, layer, 9))
+        self.dropout = keras.layers.Dropout(
+            cfg.dropout, seed=layer_seed(job_seed, layer, 9), dtype=policy
+        )
 
     def call(self, x, training=False):
         cfg = self.cfg
@@ -306,7 +316,7 @@ class LlamaHead(_ConfiguredLayer):
         super().__init__(**kwargs)
         self.cfg = cfg
         self.job_seed = job_seed
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, name="norm_f")
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, name="norm_f", dtype=self.dtype_policy)
         self.w = self.add_weight(
             shape=(cfg.d_model, cfg.vocab_size),
             initializer=_normal(job_seed, HEAD_LAYER, 0),
@@ -322,16 +332,28 @@ HEADS = (Head, LlamaHead)
 BLOCKS = (Block, LlamaBlock)
 
 
-def embedding(cfg: ModelConfig, job_seed: int, name: str = "embed") -> keras.layers.Layer:
-    return (TokenEmbedding if cfg.family == "llama" else Embedding)(cfg, job_seed, name=name)
+# A job's "precision" as the Keras dtype policy of its layers (float32 weights either way).
+POLICIES = {"float32": "float32", "bfloat16": "mixed_bfloat16"}
 
 
-def block(cfg: ModelConfig, job_seed: int, layer: int, name: str) -> keras.layers.Layer:
-    return (LlamaBlock if cfg.family == "llama" else Block)(cfg, job_seed, layer, name=name)
+def embedding(
+    cfg: ModelConfig, job_seed: int, name: str = "embed", dtype: str | None = None
+) -> keras.layers.Layer:
+    kind = TokenEmbedding if cfg.family == "llama" else Embedding
+    return kind(cfg, job_seed, name=name, dtype=dtype)
 
 
-def head(cfg: ModelConfig, job_seed: int, name: str = "head") -> keras.layers.Layer:
-    return (LlamaHead if cfg.family == "llama" else Head)(cfg, job_seed, name=name)
+def block(
+    cfg: ModelConfig, job_seed: int, layer: int, name: str, dtype: str | None = None
+) -> keras.layers.Layer:
+    kind = LlamaBlock if cfg.family == "llama" else Block
+    return kind(cfg, job_seed, layer, name=name, dtype=dtype)
+
+
+def head(
+    cfg: ModelConfig, job_seed: int, name: str = "head", dtype: str | None = None
+) -> keras.layers.Layer:
+    return (LlamaHead if cfg.family == "llama" else Head)(cfg, job_seed, name=name, dtype=dtype)
 
 
 @_serializable
@@ -365,7 +387,8 @@ class Projection(keras.layers.Layer):
 
 
 def token_loss(logits, targets):
-    """Mean next-token cross-entropy in nats."""
+    """Mean next-token cross-entropy in nats (in float32, whatever the logits' dtype)."""
+    logits = tf.cast(logits, tf.float32)
     losses = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=targets, logits=logits)
     return tf.reduce_mean(losses)
 

@@ -38,6 +38,7 @@ from silentswarm.agent.runtime.devices import tf_gpu_index
 from silentswarm.agent.runtime.model import (
     BLOCKS,
     HEADS,
+    POLICIES,
     Projection,
     block,
     embedding,
@@ -107,16 +108,26 @@ class StageModel:
             with tf.device(device):
                 self.pieces.append(Piece(device, make()))
 
+        dtype = POLICIES[plan.train.precision]
         if plan.is_first:
-            add(first_dev, lambda: embedding(cfg, seed))
+            add(first_dev, lambda: embedding(cfg, seed, dtype=dtype))
         elif k:
-            add(first_dev, lambda: Projection(k, cfg.d_model, seed, plan.stage - 1, 1, name="up"))
+            add(
+                first_dev,
+                lambda: Projection(k, cfg.d_model, seed, plan.stage - 1, 1, name="up", dtype=dtype),
+            )
         for layer in range(plan.layer_start, plan.layer_end):
-            add(devices[layer], lambda layer=layer: block(cfg, seed, layer, f"block_{layer}"))
+            add(
+                devices[layer],
+                lambda layer=layer: block(cfg, seed, layer, f"block_{layer}", dtype=dtype),
+            )
         if plan.is_last:
-            add(last_dev, lambda: head(cfg, seed))
+            add(last_dev, lambda: head(cfg, seed, dtype=dtype))
         elif k:
-            add(last_dev, lambda: Projection(cfg.d_model, k, seed, plan.stage, 0, name="down"))
+            add(
+                last_dev,
+                lambda: Projection(cfg.d_model, k, seed, plan.stage, 0, name="down", dtype=dtype),
+            )
         self.variables: list[tf.Variable] = [
             v for piece in self.pieces for v in piece.layer.trainable_variables
         ]
@@ -181,8 +192,9 @@ class StageModel:
         return x
 
     def _forward(self, x, training: bool = True):
-        """The stage's output activations (stages before the last)."""
-        return self._run(x, training)
+        """The stage's output activations (stages before the last), float32 whatever the
+        compute dtype: what the wire's codecs take."""
+        return tf.cast(self._run(x, training), tf.float32)
 
     def _forward_loss(self, x, targets, training: bool = True):
         """The last stage: mean next-token cross-entropy of this micro-batch."""

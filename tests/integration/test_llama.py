@@ -29,6 +29,20 @@ def test_two_llama_stages_reproduce_one_process_step_by_step(procs, tmp_path):
         assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: single {a} vs pipeline {b}"
 
 
+def test_a_bfloat16_pipeline_trains_as_the_float32_one_within_bfloat16s_precision(procs, tmp_path):
+    """precision "bfloat16": the stages compute in bfloat16 (float32 weights, boundaries and
+    loss), so the losses are not float32's but stay within a percent of them."""
+    config = train(6)
+    fp32 = run_plans(chain("llama-fp32", 2, config, model=LLAMA), tmp_path)
+    half = msgspec.structs.replace(config, precision="bfloat16")
+    bf16 = run_plans(chain("llama-bf16", 2, half, model=LLAMA), tmp_path)
+    want = [s["loss"] for s in steps(fp32[-1])]
+    got = [s["loss"] for s in steps(bf16[-1])]
+    assert len(got) == 6 and got[-1] < got[0] and got != want
+    for step, (a, b) in enumerate(zip(want, got, strict=True)):
+        assert abs(a - b) <= 0.01 * abs(a), f"step {step}: float32 {a} vs bfloat16 {b}"
+
+
 def test_a_job_from_a_keras_hub_preset_starts_at_keras_hubs_loss(procs, tmp_path):
     keras_hub = pytest.importorskip("keras_hub", reason="pip install --no-deps keras-hub")
     model = msgspec.structs.replace(LLAMA, vocab_size=256, intermediate_dim=96, norm_eps=1e-5)

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
 
 
 def plans_for(export: CheckedExport) -> list[StagePlan]:
-    """The plans the job's stages ran, without GPU slots (any machine builds them)."""
+    """The plans the job's stages ran, without GPU slots (any machine builds them), in
+    float32 (a bfloat16 job's weights are float32 too: glue checks and saves in float32)."""
     plans = stage_plans(
         job_id=export.job_id,
         attempt=export.attempt,
@@ -34,7 +35,12 @@ def plans_for(export: CheckedExport) -> list[StagePlan]:
         placement=export.placement,
         subject_prefix="swarm",
     )
-    return [msgspec.structs.replace(plan, gpu_slots=[]) for plan in plans]
+    return [
+        msgspec.structs.replace(
+            plan, gpu_slots=[], train=msgspec.structs.replace(plan.train, precision="float32")
+        )
+        for plan in plans
+    ]
 
 
 def build_stage_models(export: CheckedExport, plans: list[StagePlan]) -> list[StageModel]:
