@@ -176,6 +176,15 @@ def test_wan_benchmark_compares_the_overlap_schedule_with_its_synchronous_twin(t
     assert arms["wan100", "overlap"]["val_loss"] == arms["loopback", "overlap"]["val_loss"]
 
 
+@pytest.mark.timeout(120)
+def test_tokenizer_benchmark_quick():
+    figures = run_quick("tokenizer", timeout=100)
+    assert figures["bench"] == "tokenizer" and set(figures["arms"]) == {"byte", "bpe_512"}
+    byte, bpe = figures["arms"]["byte"], figures["arms"]["bpe_512"]
+    assert byte["bytes_per_token"] == 1.0 and bpe["bytes_per_token"] > 1.5
+    assert positive(bpe["train_s"]) and positive(bpe["encode_mb_per_s"])
+
+
 @pytest.mark.timeout(300)
 def test_codec_loss_experiment_quick():
     """exp/codec_loss.py runs each arm per seed against its seed's unrounded arm."""
