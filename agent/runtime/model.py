@@ -71,8 +71,8 @@ class _ConfiguredLayer(keras.layers.Layer):
 
 
 @_serializable
-class Embedding(_ConfiguredLayer):
-    """Token + learned position embedding."""
+class TokenEmbedding(_ConfiguredLayer):
+    """The token embedding (llama: positions are rotary, applied to queries and keys)."""
 
     def __init__(self, cfg: ModelConfig, job_seed: int, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -83,6 +83,17 @@ class Embedding(_ConfiguredLayer):
             initializer=_normal(job_seed, EMBED_LAYER, 0),
             name="tok",
         )
+
+    def call(self, tokens):
+        return tf.gather(self.tok, tokens)
+
+
+@_serializable
+class Embedding(TokenEmbedding):
+    """Token + learned position embedding (gpt2)."""
+
+    def __init__(self, cfg: ModelConfig, job_seed: int, **kwargs) -> None:
+        super().__init__(cfg, job_seed, **kwargs)
         self.pos = self.add_weight(
             shape=(cfg.seq_len, cfg.d_model),
             initializer=_normal(job_seed, EMBED_LAYER, 1, 0.01),
@@ -91,7 +102,7 @@ class Embedding(_ConfiguredLayer):
 
     def call(self, tokens):
         seq = tf.shape(tokens)[1]
-        return tf.gather(self.tok, tokens) + self.pos[tf.newaxis, :seq, :]
+        return super().call(tokens) + self.pos[tf.newaxis, :seq, :]
 
 
 @_serializable
@@ -189,24 +200,6 @@ class Head(_ConfiguredLayer):
 
 
 # --- the llama family -------------------------------------------------------------------------
-
-
-@_serializable
-class TokenEmbedding(_ConfiguredLayer):
-    """Token embedding only (llama: positions are rotary, applied to queries and keys)."""
-
-    def __init__(self, cfg: ModelConfig, job_seed: int, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.cfg = cfg
-        self.job_seed = job_seed
-        self.tok = self.add_weight(
-            shape=(cfg.vocab_size, cfg.d_model),
-            initializer=_normal(job_seed, EMBED_LAYER, 0),
-            name="tok",
-        )
-
-    def call(self, tokens):
-        return tf.gather(self.tok, tokens)
 
 
 @_serializable

@@ -127,7 +127,7 @@ def layer_arrays(directory: Path, cfg: ModelConfig, layers: list[Any]) -> Iterat
 
         embedding = "layers/reversible_embedding/vars"
         for layer in layers:
-            if isinstance(layer, TokenEmbedding):
+            if type(layer) is TokenEmbedding:  # not gpt2's Embedding, a subclass
                 arrays = {"tok": read(f"{embedding}/0")}
             elif isinstance(layer, LlamaBlock):
                 arrays = _block_arrays(read, layer.layer_index, cfg)
