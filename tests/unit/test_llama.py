@@ -89,3 +89,23 @@ def test_a_llama_config_is_checked():
     assert "must be even for rotary" in problems(d_model=12, n_heads=4)
     with pytest.raises(Exception, match='n_kv_heads is for the "llama" family'):
         decode_job_spec(msgspec.json.encode({"model": {"n_kv_heads": 2}}))
+
+
+def test_a_preset_that_does_not_fit_the_job_is_refused_naming_each_field(tmp_path):
+    pytest.importorskip("keras_hub", reason="keras-hub: pip install --no-deps keras-hub")
+    import msgspec
+
+    from silentswarm.agent.runtime.presets import check_model
+    from silentswarm.errors import ConfigError
+
+    keras_hub_llama(CFG).save_to_preset(str(tmp_path))
+    check_model(tmp_path, CFG)  # the very architecture: fine
+    misfit = msgspec.structs.replace(CFG, d_model=64, n_kv_heads=None)
+    with pytest.raises(ConfigError) as caught:
+        check_model(tmp_path, misfit)
+    assert "model.d_model is 64, the preset's hidden_dim 32" in caught.value.message
+    assert "model.n_kv_heads is 4, the preset's num_key_value_heads 2" in caught.value.message
+    with pytest.raises(ConfigError, match=r'model\.family is "gpt2"'):
+        check_model(tmp_path, msgspec.structs.replace(CFG, family="gpt2", n_kv_heads=None))
+    with pytest.raises(ConfigError, match="not a keras-hub preset"):
+        check_model(tmp_path / "nowhere", CFG)
