@@ -89,6 +89,11 @@ Batch = tuple[np.ndarray, np.ndarray]  # a step's (inputs, targets), as stage 0 
 # The training fields only stage 0 needs (it reads the data and tells the stages after it how
 # many validation batches come): those stages need neither the files nor the same values.
 DATA_FIELDS = frozenset({"data", "max_data_bytes", "val_fraction", "val_batches"})
+# How long a stage waits at least for its upstream's first HELLO: stage 0 prepares its data
+# first (downloads, BPE training, encoding a large corpus: minutes on a first start). An
+# upstream that died meanwhile is the leader's to notice (its fellow's failure or silence ends
+# the attempt, and this stage with it); ``peer_timeout_s`` bounds every wait after the HELLO.
+FIRST_HELLO_S = 900.0
 
 
 @dataclass
@@ -318,7 +323,7 @@ class StageRunner:
                 transport=transport,
                 bind=plan.data_address,
                 relay=self._relay(b, name, "bwd", "fwd", plan.relay_up_token),
-                timeout_s=plan.peer_timeout_s,
+                timeout_s=max(plan.peer_timeout_s, FIRST_HELLO_S),
                 p2p_grace_s=plan.p2p_probe_timeout_s,
                 fingerprint=fingerprint,
                 curve=_curve(plan.curve_up),
