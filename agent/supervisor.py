@@ -52,8 +52,8 @@ RUNTIME_ENV = {
 }
 
 
-# The stage's own settings among SWARM_*: where stage 0 keeps its token caches.
-RUNTIME_PASSTHROUGH = frozenset({"SWARM_DATA_CACHE"})
+# The stage's own settings among SWARM_*: where stage 0 keeps its data cache, and its size.
+RUNTIME_PASSTHROUGH = frozenset({"SWARM_DATA_CACHE", "SWARM_DATA_CACHE_MAX_BYTES"})
 
 
 def runtime_env() -> dict[str, str]:

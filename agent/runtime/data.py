@@ -44,6 +44,7 @@ import numpy as np
 from silentswarm import datasets
 from silentswarm.agent.errors import DataError
 from silentswarm.agent.pipe.wire import token_dtype
+from silentswarm.agent.runtime import datacache
 from silentswarm.agent.runtime.tokenizer import BpeTokenizer, ByteTokenizer, Tokenizer, train_bpe
 
 if TYPE_CHECKING:
@@ -161,6 +162,7 @@ def _dataset_file(text: str) -> str:
         )
     path = dataset_path(ref.sha256)
     if path.is_file():
+        datacache.touch([path])
         return str(path)
     stored = _leader_dataset(ref.sha256)  # glue on the leader's machine, say
     if stored is not None:
@@ -534,6 +536,7 @@ def _open_cached(directory: Path, key: str, dtype: np.dtype) -> _Cached | None:
             return None
         if os.stat(token_file).st_size != n_tokens * dtype.itemsize:
             return None
+        datacache.touch([meta_file, token_file])
         return _Cached(_map(token_file, n_tokens, dtype), paths, token_file)
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -837,8 +840,9 @@ def job_dataset(
     tokenizer: Tokenizer | None = None,
 ) -> TextDataset:
     """The dataset stage 0 of a job reads (and glue, to score the same validation), in
-    ``tokenizer``'s ids (default: bytes; a BPE job passes :func:`job_tokenizer`'s)."""
-    return TextDataset(
+    ``tokenizer``'s ids (default: bytes; a BPE job passes :func:`job_tokenizer`'s). Then the
+    data cache is pruned to ``SWARM_DATA_CACHE_MAX_BYTES`` (what this dataset uses stays)."""
+    dataset = TextDataset(
         patterns if patterns else list(train.data),
         seq_len=seq_len,
         seed=train.seed,
@@ -847,6 +851,13 @@ def job_dataset(
         cache_dir=cache_dir,
         tokenizer=tokenizer,
     )
+    keep = [*dataset.paths, *getattr(tokenizer, "files", ())]
+    if dataset.cache_file is not None:
+        keep += [dataset.cache_file, dataset.cache_file.with_suffix(".json")]
+    directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    with contextlib.suppress(OSError):
+        datacache.prune(directory, keep)
+    return dataset
 
 
 def job_tokenizer(
@@ -877,7 +888,10 @@ def job_tokenizer(
     directory = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / "tokenizers"
     path = directory / f"{key}.json"
     with contextlib.suppress(OSError):
-        return BpeTokenizer(path.read_text(), vocab_size)
+        kept = BpeTokenizer(path.read_text(), vocab_size)
+        datacache.touch([path])
+        kept.files = (path,)
+        return kept
     with tempfile.TemporaryFile() as text:
         n_bytes, _ = _write_tokens(sources, text, limit, ByteTokenizer())
         text.flush()
@@ -886,6 +900,7 @@ def job_tokenizer(
     try:
         directory.mkdir(parents=True, exist_ok=True)
         _publish(directory, path.name, lambda f: f.write(trained.to_json().encode()))
+        trained.files = (path,)
     except OSError as exc:
         log.warning("cannot keep the trained tokenizer in %s (%s)", directory, exc)
     return trained

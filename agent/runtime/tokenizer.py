@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -79,6 +80,8 @@ class BpeTokenizer:
         self.dtype = token_dtype(vocab_size)
         self.separator = np.array([self.eot_id], dtype=self.dtype)
         self.name = "bpe-" + hashlib.sha256(text.encode()).hexdigest()[:32]
+        # Where the data cache keeps it, if it does (pruning leaves it while in use).
+        self.files: tuple[Path, ...] = ()
 
     def encode(self, text: bytes) -> np.ndarray:
         """The ids of UTF-8 ``text`` (invalid bytes become U+FFFD)."""
