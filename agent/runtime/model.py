@@ -124,6 +124,19 @@ class LayerNorm(keras.layers.Layer):
         return {**super().get_config(), "dim": self.dim}
 
 
+def causal_attention(q, k, v):
+    """Scaled dot-product attention of each position on itself and those before it: ``q``,
+    ``k``, ``v`` (batch, seq, heads, head_dim), the heads' outputs side by side
+    (batch, seq, heads * head_dim)."""
+    batch, seq, heads, head_dim = tf.shape(q)[0], tf.shape(q)[1], q.shape[2], q.shape[3]
+    q, k, v = (tf.transpose(t, [0, 2, 1, 3]) for t in (q, k, v))
+    scores = tf.matmul(q, k, transpose_b=True) * (1.0 / math.sqrt(head_dim))
+    causal = tf.linalg.band_part(tf.ones([seq, seq], dtype=scores.dtype), -1, 0)
+    scores = scores + (1.0 - causal) * -1e9
+    att = tf.matmul(tf.nn.softmax(scores, axis=-1), v)
+    return tf.reshape(tf.transpose(att, [0, 2, 1, 3]), [batch, seq, heads * head_dim])
+
+
 @_serializable
 class Block(_ConfiguredLayer):
     """Pre-LayerNorm block: causal self-attention and an MLP, each with a residual."""
@@ -164,12 +177,7 @@ class Block(_ConfiguredLayer):
         heads, head_dim = cfg.n_heads, cfg.d_model // cfg.n_heads
         qkv = tf.einsum("btd,de->bte", self.ln1(x), self.w_qkv) + self.b_qkv
         qkv = tf.reshape(qkv, [batch, seq, 3, heads, head_dim])
-        q, k, v = (tf.transpose(qkv[:, :, i], [0, 2, 1, 3]) for i in range(3))
-        scores = tf.matmul(q, k, transpose_b=True) * (1.0 / math.sqrt(head_dim))
-        causal = tf.linalg.band_part(tf.ones([seq, seq], dtype=scores.dtype), -1, 0)
-        scores = scores + (1.0 - causal) * -1e9
-        att = tf.matmul(tf.nn.softmax(scores, axis=-1), v)
-        att = tf.reshape(tf.transpose(att, [0, 2, 1, 3]), [batch, seq, cfg.d_model])
+        att = causal_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
         x = x + self.dropout(tf.einsum("btd,de->bte", att, self.w_o) + self.b_o, training=training)
         h = tf.nn.gelu(tf.einsum("btd,dh->bth", self.ln2(x), self.w_fc) + self.b_fc)
         return x + self.dropout(
@@ -283,12 +291,7 @@ class LlamaBlock(_ConfiguredLayer):
         v = project(self.w_v, kv)
         if kv != heads:  # each key/value head serves heads // kv query heads, in order
             k, v = tf.repeat(k, heads // kv, axis=2), tf.repeat(v, heads // kv, axis=2)
-        q, k, v = (tf.transpose(t, [0, 2, 1, 3]) for t in (q, k, v))
-        scores = tf.matmul(q, k, transpose_b=True) * (1.0 / math.sqrt(head_dim))
-        causal = tf.linalg.band_part(tf.ones([seq, seq], dtype=scores.dtype), -1, 0)
-        scores = scores + (1.0 - causal) * -1e9
-        att = tf.matmul(tf.nn.softmax(scores, axis=-1), v)
-        att = tf.reshape(tf.transpose(att, [0, 2, 1, 3]), [batch, seq, heads * head_dim])
+        att = causal_attention(q, k, v)
         x = x + self.dropout(tf.einsum("bte,ed->btd", att, self.w_o), training=training)
         h = self.mlp_norm(x)
         gated = tf.nn.silu(tf.einsum("btd,dh->bth", h, self.w_gate))
