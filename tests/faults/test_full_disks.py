@@ -182,8 +182,16 @@ def test_a_full_export_disk_leaves_no_partial_upload_and_a_restart_sweeps_stale_
         export = Path(client.job(job_id)["export_dir"])
         step_dir = export / "shards" / f"step-{kept_step}"
         kept = {p.name: p.read_bytes() for p in step_dir.iterdir()}
+        # Ended, and its final manifest tried (on the full disk, in vain: the leader adds that to
+        # the export error just after the job ends).
         job = wait_for(
-            lambda: ended_with_disk_full(client, job_id, root), timeout=200, what="the job to end"
+            lambda: (
+                (ended := ended_with_disk_full(client, job_id, root))
+                and "run_manifest.json" in (ended["export_error"] or "")
+                and ended
+            ),
+            timeout=200,
+            what="the job to end and its final manifest to fail",
         )
 
         assert job["state"] == "COMPLETED", job["reason"]
