@@ -235,8 +235,8 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         """``(index, text)`` of each ``data`` entry that names an uploaded dataset."""
         out = []
         for i, entry in enumerate(self.data):
-            text = entry.jsonl if isinstance(entry, JsonlSource) else entry
-            if datasets.is_dataset(text):
+            text = datasets.entry_text(entry)
+            if text is not None and datasets.is_dataset(text):
                 out.append((i, text))
         return out
 

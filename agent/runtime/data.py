@@ -45,7 +45,13 @@ from silentswarm import datasets
 from silentswarm.agent.errors import DataError
 from silentswarm.agent.pipe.wire import token_dtype
 from silentswarm.agent.runtime import datacache
-from silentswarm.agent.runtime.tokenizer import BpeTokenizer, ByteTokenizer, Tokenizer, train_bpe
+from silentswarm.agent.runtime.tokenizer import (
+    BYTE_VOCAB,
+    BpeTokenizer,
+    ByteTokenizer,
+    Tokenizer,
+    train_bpe,
+)
 
 if TYPE_CHECKING:
     from silentswarm.plan import TrainConfig
@@ -72,8 +78,8 @@ log = logging.getLogger(__name__)
 DEFAULT_CORPUS = "stdlib"
 """Sentinel pattern: the top-level ``*.py`` files of the Python standard library."""
 
-VOCAB_SIZE = 256
-TOKENIZER = "utf8-bytes"
+VOCAB_SIZE = BYTE_VOCAB
+TOKENIZER = ByteTokenizer.name
 """The tokenizer every stage assumes (one token per byte, :data:`VOCAB_SIZE` of them): the
 stages' handshake compares it, since only stage 0 tokenises anything."""
 _ENCODE_BATCH = 1 << 20  # text bytes a BPE encodes at a time (in parallel pieces)
@@ -142,10 +148,15 @@ def default_cache_dir() -> Path:
     return base / "silentswarm" / "tokens"
 
 
+def _cache_dir(cache_dir: str | os.PathLike[str] | None) -> Path:
+    """``cache_dir`` if given, else :func:`default_cache_dir`."""
+    return Path(cache_dir) if cache_dir is not None else default_cache_dir()
+
+
 def dataset_path(sha256: str, cache_dir: Path | None = None) -> Path:
     """Where an uploaded dataset with this digest lives once its agent downloaded it:
     ``<data cache>/datasets/<sha256>`` (:mod:`silentswarm.agent.datafetch`)."""
-    return (cache_dir or default_cache_dir()) / "datasets" / sha256
+    return _cache_dir(cache_dir) / "datasets" / sha256
 
 
 def _dataset_file(text: str) -> str:
@@ -623,7 +634,7 @@ def build_token_cache(
     tokenizer = tokenizer or ByteTokenizer()
     sources = _candidates(patterns)
     key = cache_key(sources, max_bytes, tokenizer)
-    directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    directory = _cache_dir(cache_dir)
     found = _open_cached(directory, key, tokenizer.dtype)
     if found is None:
         try:
@@ -854,7 +865,7 @@ def job_dataset(
     keep = [*dataset.paths, *getattr(tokenizer, "files", ())]
     if dataset.cache_file is not None:
         keep += [dataset.cache_file, dataset.cache_file.with_suffix(".json")]
-    directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    directory = _cache_dir(cache_dir)
     with contextlib.suppress(OSError):
         datacache.prune(directory, keep)
     return dataset
@@ -885,7 +896,7 @@ def job_tokenizer(
         "library": tokenizers.__version__,
     }
     key = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
-    directory = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / "tokenizers"
+    directory = _cache_dir(cache_dir) / "tokenizers"
     path = directory / f"{key}.json"
     with contextlib.suppress(OSError):
         kept = BpeTokenizer(path.read_text(), vocab_size)

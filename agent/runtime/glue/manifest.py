@@ -23,6 +23,7 @@ from silentswarm.jobspec import JobSpec, Placement
 from silentswarm.types.manifests import (
     RUN_MANIFEST,
     ExportedShard,
+    FileEntry,
     RunManifest,
     decode_run_manifest,
 )
@@ -69,6 +70,11 @@ class CheckedExport:
     @property
     def step(self) -> int:
         return self.manifest.step
+
+
+def file_entry(path: Path) -> FileEntry:
+    """A file's sha256 and size, as a manifest lists them."""
+    return FileEntry(sha256=sha256_file(path), bytes=path.stat().st_size)
 
 
 def sha256_file(path: Path) -> str:

@@ -16,7 +16,7 @@ from silentswarm.agent.errors import GlueError
 from silentswarm.agent.runtime.glue import assemble
 from silentswarm.agent.runtime.glue.check import Chain, CheckResult, check_and_evaluate
 from silentswarm.agent.runtime.glue.data import validation_data
-from silentswarm.agent.runtime.glue.manifest import CheckedExport, read_run_manifest, sha256_file
+from silentswarm.agent.runtime.glue.manifest import CheckedExport, file_entry, read_run_manifest
 from silentswarm.agent.runtime.glue.save import (
     DEFAULT_OUT,
     SavedModel,
@@ -86,15 +86,14 @@ def glue(
         text = tokenizer.to_json()
         if text is not None:
             (tmp / TOKENIZER_FILE).write_text(text)
-            files[TOKENIZER_FILE] = FileEntry(
-                sha256=sha256_file(tmp / TOKENIZER_FILE),
-                bytes=(tmp / TOKENIZER_FILE).stat().st_size,
-            )
+            files[TOKENIZER_FILE] = file_entry(tmp / TOKENIZER_FILE)
         manifest = _inference_manifest(
-            export, export_dir, saved=saved, files=files, check=check, data=val.info
-        )
-        manifest = msgspec.structs.replace(
-            manifest,
+            export,
+            export_dir,
+            saved=saved,
+            files=files,
+            check=check,
+            data=val.info,
             tokenizer=tokenizer.kind,
             tokenizer_file=TOKENIZER_FILE if text is not None else None,
         )
@@ -126,6 +125,8 @@ def _inference_manifest(
     files: dict[str, FileEntry],
     check: CheckResult,
     data: DataInfo,
+    tokenizer: str,
+    tokenizer_file: str | None,
 ) -> InferenceManifest:
     import keras
     import tensorflow as tf
@@ -161,6 +162,8 @@ def _inference_manifest(
         pipeline_val_loss=run.val_loss,
         pipeline_loss=run.loss,
         data=data,
+        tokenizer=tokenizer,
+        tokenizer_file=tokenizer_file,
         keras_version=keras.__version__,
         tensorflow_version=tf.__version__,
         package_version=silentswarm.__version__,

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from silentswarm.agent.errors import GlueError, GlueMismatchError
-from silentswarm.agent.runtime.glue.manifest import sha256_file
+from silentswarm.agent.runtime.glue.manifest import file_entry
 from silentswarm.types.manifests import INFERENCE_MANIFEST, FileEntry
 
 if TYPE_CHECKING:
@@ -46,10 +46,7 @@ class SavedModel:
         """The saved files in ``directory``, with their sha256s and sizes."""
         names = [self.model_file, *([self.config_file] if self.config_file else [])]
         paths = {name: directory / name for name in names}
-        return {
-            name: FileEntry(sha256=sha256_file(path), bytes=path.stat().st_size)
-            for name, path in paths.items()
-        }
+        return {name: file_entry(path) for name, path in paths.items()}
 
 
 def _reload_diff(loaded, tokens: np.ndarray, want: np.ndarray) -> float:
