@@ -10,6 +10,10 @@ through one of these roundings (``FWD/BWD`` per arm):
   2, whose scales lost their bits when a late step's gradients got small);
 - ``row32``: the same with an exact float32 scale;
 - ``blockN``: the wire's rounding with a scale per N values of a row instead of per row;
+- ``e4m3`` and ``e5m2``: 8-bit floats (ml_dtypes) with a per-row float32 scale that puts the
+  row's absmax at the format's largest value: int8's bytes with an error relative to each
+  value instead of absolute (measured 2026-12-03: less faithful than int8 on these tensors,
+  so not a wire codec);
 - ``stochastic``: the wire's per-row scales, each value rounded up with the probability of its
   distance from the lower code (the rounded tensor is unbiased);
 - ``fp16``: the wire's ``fp16`` frames (the tensor moved by a power of two into float16's
@@ -19,8 +23,12 @@ through one of these roundings (``FWD/BWD`` per arm):
 
 Every arm trains the same steps on the same data from the same weights; several seeds tell the
 codec's cost from the chaos of a training trajectory. One JSON line per arm and a summary.
+``--fidelity BATCHES`` measures without a trajectory: after ``--steps`` unrounded steps, each
+arm's gradients of the same batches against the unrounded ones (relative error and cosine per
+half, and how much of stage 0's gradient keeps its sign); deterministic.
 
     python exp/codec_loss.py --arms none/none row/row row16/row16 --seeds 0 1 2
+    python exp/codec_loss.py --fidelity 8 --steps 200 --arms fp16/fp16 row/row e4m3/e4m3
 """
 
 from __future__ import annotations
@@ -47,7 +55,18 @@ from silentswarm.agent.runtime.stage_model import StageModel
 from silentswarm.agent.runtime.tfsetup import configure_tensorflow
 from silentswarm.plan import ModelConfig, TrainConfig, chain_plans
 
-ROUNDINGS = ("none", "fp16", "fp16cast", "row", "row16", "row32", "stochastic", "blockN")
+ROUNDINGS = (
+    "none",
+    "fp16",
+    "fp16cast",
+    "row",
+    "row16",
+    "row32",
+    "stochastic",
+    "blockN",
+    "e4m3",
+    "e5m2",
+)
 
 
 def rounded(x: np.ndarray, scales: np.ndarray, bits: int) -> np.ndarray:
@@ -71,6 +90,21 @@ def stochastic(x: np.ndarray, bits: int, rng: np.random.Generator) -> np.ndarray
     return (q * s).reshape(x.shape).astype(np.float32)
 
 
+def fp8_rows(x: np.ndarray, kind: str) -> np.ndarray:
+    """Per row: scaled so its absmax is the 8-bit float's largest value, cast, scaled back (the
+    scale exact): a relative rounding error of at most 2**-4 (e4m3) or 2**-3 (e5m2) per value
+    down to the format's subnormals, where int8's error is absolute (absmax / 254)."""
+    import ml_dtypes
+
+    dtype = ml_dtypes.float8_e4m3fn if kind == "e4m3" else ml_dtypes.float8_e5m2
+    top = np.float32(ml_dtypes.finfo(dtype).max)
+    rows = x.reshape(-1, x.shape[-1])
+    absmax = np.abs(rows).max(axis=1, keepdims=True)
+    scales = np.where(absmax > 0, absmax / top, np.float32(1.0)).astype(np.float32)
+    q = (rows / scales).astype(dtype).astype(np.float32)
+    return (q * scales).reshape(x.shape).astype(np.float32)
+
+
 def float16_scales(x: np.ndarray, bits: int) -> np.ndarray:
     """Protocol 1's scales: absmax / qmax clamped to float16's range and rounded up to it."""
     absmax = np.abs(x.reshape(-1, x.shape[-1])).max(axis=1)
@@ -86,7 +120,7 @@ def through(x: np.ndarray, rounding: str, bits: int, rng: np.random.Generator) -
     if rounding == "none":
         return x
     if rounding == "fp16":
-        codec = parse_wire_codec("fp16")
+        codec = parse_wire_codec(rounding)
         _, parts = encode_frame(x, codec, job="j", attempt=0, step=0, micro=0, direction="fwd")
         return decode_frame(parts)[1]
     if rounding == "fp16cast":
@@ -98,6 +132,8 @@ def through(x: np.ndarray, rounding: str, bits: int, rng: np.random.Generator) -
     if rounding == "row32":
         absmax = np.abs(x.reshape(-1, x.shape[-1])).max(axis=1)
         return rounded(x, np.maximum(absmax / np.float32(_qmax(bits)), 1e-38), bits)
+    if rounding in ("e4m3", "e5m2"):
+        return fp8_rows(x, rounding)
     if rounding.startswith("block"):  # a row per block of N values: the wire's scale per block
         n = int(rounding.removeprefix("block"))
         blocks = x.reshape(*x.shape[:-1], x.shape[-1] // n, n)
@@ -111,27 +147,39 @@ def known(rounding: str) -> bool:
     return rounding in ROUNDINGS
 
 
-def run_arm(model: ModelConfig, train: TrainConfig, fwd: str, bwd: str, bits: int, m: int) -> dict:
-    import tensorflow as tf
-
+def halves(model: ModelConfig, train: TrainConfig) -> tuple[StageModel, StageModel]:
     plans = chain_plans(
         job_id="codec-loss", model=model, train=train, addresses=[None, "tcp://127.0.0.1:1"]
     )
-    first, last = StageModel(plans[0]), StageModel(plans[1])
+    return StageModel(plans[0]), StageModel(plans[1])
+
+
+def one_batch(first, last, x, y, fwd: str, bwd: str, bits: int, m: int, rng) -> float:
+    """Forward and backward of one batch through the roundings, gradients accumulated in both
+    halves (not applied); the batch's mean loss."""
+    import tensorflow as tf
+
+    for xs, ys in zip(np.split(x, m), np.split(y, m), strict=True):
+        tokens = tf.constant(xs)
+        tape, out = first.tape_forward(tokens, input_grad=False)
+        h = tf.constant(through(out.numpy(), fwd, bits, rng))
+        dx = last.last_micro(h, tf.constant(ys))
+        g = tf.constant(through(dx.numpy(), bwd, bits, rng))
+        first.tape_backward(tape, tokens, out, g, input_grad=False)
+    return last.take_loss() / m
+
+
+def run_arm(model: ModelConfig, train: TrainConfig, fwd: str, bwd: str, bits: int, m: int) -> dict:
+    import tensorflow as tf
+
+    first, last = halves(model, train)
     data = job_dataset(train, model.seq_len)
     rng = np.random.default_rng(train.seed + 1000)
     started = time.perf_counter()
     losses = []
     for step in range(train.steps):
         x, y = data.next_batch(train.batch_size)
-        for xs, ys in zip(np.split(x, m), np.split(y, m), strict=True):
-            tokens = tf.constant(xs)
-            tape, out = first.tape_forward(tokens, input_grad=False)
-            h = tf.constant(through(out.numpy(), fwd, bits, rng))
-            dx = last.last_micro(h, tf.constant(ys))
-            g = tf.constant(through(dx.numpy(), bwd, bits, rng))
-            first.tape_backward(tape, tokens, out, g, input_grad=False)
-        losses.append(last.take_loss() / m)
+        losses.append(one_batch(first, last, x, y, fwd, bwd, bits, m, rng))
         first.apply(step, m)
         last.apply(step, m)
     val, val_exact = [], []
@@ -154,6 +202,61 @@ def run_arm(model: ModelConfig, train: TrainConfig, fwd: str, bwd: str, bits: in
     }
 
 
+def fidelity(
+    model: ModelConfig, train: TrainConfig, arms: list[str], bits: int, m: int, batches: int
+) -> dict:
+    """What each arm does to one step's gradients, without a trajectory to diverge: the halves
+    trained ``train.steps`` steps unrounded, then, on the same ``batches`` batches, each arm's
+    accumulated gradients against the unrounded ones (per half: relative L2 error and cosine;
+    ``adam_sign_agreement``: the fraction of stage 0's gradient, weighted by magnitude, whose
+    sign survives, what Adam's early, sign-like updates follow). Deterministic."""
+    first, last = halves(model, train)
+    data = job_dataset(train, model.seq_len)
+    rng = np.random.default_rng(train.seed + 1000)
+    for step in range(train.steps):
+        x, y = data.next_batch(train.batch_size)
+        one_batch(first, last, x, y, "none", "none", bits, m, rng)
+        first.apply(step, m)
+        last.apply(step, m)
+    held = [data.next_batch(train.batch_size) for _ in range(batches)]
+
+    def grads(fwd: str, bwd: str) -> list[list[np.ndarray]]:
+        out = []
+        for x, y in held:
+            one_batch(first, last, x, y, fwd, bwd, bits, m, rng)
+            out.append([np.concatenate([a.numpy().ravel() for a in h.accumulators]) for h in pair])
+            for h in pair:
+                for acc in h.accumulators:
+                    acc.assign(np.zeros(acc.shape, np.float32))
+        return out
+
+    pair = (first, last)
+    exact = grads("none", "none")
+    result = {}
+    for arm in arms:
+        fwd, bwd = arm.split("/")
+        got = grads(fwd, bwd)
+        row: dict[str, float] = {}
+        for s in (0, 1):
+            ref = [e[s] for e in exact]
+            mine = [g[s] for g in got]
+            row[f"stage{s}_rel_err"] = statistics.fmean(
+                float(np.linalg.norm(g - r) / np.linalg.norm(r))
+                for g, r in zip(mine, ref, strict=True)
+            )
+            row[f"stage{s}_cosine"] = statistics.fmean(
+                float(g @ r / (np.linalg.norm(g) * np.linalg.norm(r)))
+                for g, r in zip(mine, ref, strict=True)
+            )
+        row["adam_sign_agreement"] = statistics.fmean(
+            float(np.abs(r)[np.sign(g) == np.sign(r)].sum() / np.abs(r).sum())
+            for g, r in zip((g[0] for g in got), (e[0] for e in exact), strict=True)
+        )
+        result[arm] = row
+        print(json.dumps({"arm": arm, **row}), flush=True)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arms", nargs="+", default=["none/none", "nearest/nearest"])
@@ -163,6 +266,14 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--fidelity",
+        type=int,
+        default=0,
+        metavar="BATCHES",
+        help="instead of loss runs: each arm's gradients on BATCHES batches after --steps "
+        "unrounded steps, against the unrounded gradients (deterministic)",
+    )
     args = parser.parse_args()
     configure_tensorflow(intra_op_threads=2)
     if args.quick:
@@ -175,6 +286,11 @@ def main() -> None:
     for arm in args.arms:
         if not all(map(known, arm.split("/"))) or arm.count("/") != 1:
             sys.exit(f"codec_loss.py: arm {arm!r}: FWD/BWD, each side one of {ROUNDINGS}")
+    if args.fidelity:
+        train = msgspec.structs.replace(base, seed=args.seeds[0])
+        by_arm = fidelity(model, train, args.arms, args.bits, args.micro_batches, args.fidelity)
+        print(json.dumps({"experiment": "codec_fidelity", "steps": train.steps, "arms": by_arm}))
+        return
     rows = []
     for seed in args.seeds:
         for arm in args.arms:
