@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import subprocess
 import sys
 
 import pytest
@@ -112,7 +113,11 @@ def test_ctrl_c_on_a_sweep_cancels_the_job_it_started(procs, nats_server, leader
     wait_for(lambda: stage_processes(job["job_id"]), timeout=30, what="its stages")
 
     sweep.send_signal(signal.SIGINT)
-    assert sweep.wait(timeout=30) == 130, procs.log(sweep)
+    try:
+        code = sweep.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the sweep did not exit 30 s after Ctrl-C:\n{procs.log(sweep)}")
+    assert code == 130, procs.log(sweep)
     assert leader.job(job["job_id"])["state"] == "CANCELLED"
     log = procs.log(sweep)
     assert "--partition weighted overrides the grid's partition axis" in log
