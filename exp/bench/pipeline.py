@@ -144,6 +144,7 @@ def speed(work: Path, model: ModelConfig, train: TrainConfig, repeats: int) -> d
             "fraction_of_ideal": ratio("p3", "single") / ideal3,
         },
         "micro_batches": m,
+        "in_flight": train.in_flight,  # None: 1F1B's (n_stages - stage)
         "rounds": repeats,
         "per_round": rounds,
     }
@@ -200,7 +201,7 @@ def ceiling(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    schedules = [one_f_one_b(s, p, train.micro_batches) for s in range(p)]
+    schedules = [one_f_one_b(s, p, train.micro_batches, train.in_flight) for s in range(p)]
     period = step_period(schedules, times)
     ops = [{k: round(1e3 * v, 3) for k, v in t._asdict().items()} for t in times]
     return train.batch_size * model.seq_len / period, ops
@@ -251,7 +252,7 @@ def compute_child(plan_path: Path) -> None:
         else:
             inflight = {}
             input_grad = not plan.is_first
-            for op, i in one_f_one_b(plan.stage, plan.n_stages, m):
+            for op, i in one_f_one_b(plan.stage, plan.n_stages, m, plan.train.in_flight):
                 started = time.perf_counter()
                 if op is Op.FORWARD:
                     x = tf.constant(tokens if plan.is_first else boundary)
@@ -373,6 +374,12 @@ def main() -> None:
     parser.add_argument(
         "--sweep-m", type=int, nargs="+", default=None, help="the sweep's micro-batch counts"
     )
+    parser.add_argument(
+        "--in-flight",
+        type=int,
+        default=None,
+        help="the speed arms' forward window per stage (TrainConfig.in_flight; default 1F1B's)",
+    )
     parser.add_argument("--compute-child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.compute_child:
@@ -391,7 +398,9 @@ def main() -> None:
     else:
         # Speed: the 4-block model of FACTS.md, micro-batches enough to keep the bubble small.
         model = ModelConfig(n_layers=4, d_model=256, n_heads=8, seq_len=128)
-        speed_train = TrainConfig(steps=40, batch_size=16, micro_batches=8)
+        speed_train = TrainConfig(
+            steps=40, batch_size=16, micro_batches=8, in_flight=args.in_flight
+        )
         # Compression: one block per stage at d_model 256; 1500 steps take `none` about a
         # third below the unigram entropy of the full stdlib corpus (measured: 2.11 vs 3.15).
         comp_model = ModelConfig(
