@@ -389,7 +389,13 @@ def main() -> None:
     if args.quick:
         model = ModelConfig(n_layers=3, d_model=64, n_heads=4, seq_len=32)  # 3 stages fit
         comp_model = ModelConfig(n_layers=2, d_model=64, n_heads=4, seq_len=32)
-        speed_train = TrainConfig(steps=6, batch_size=8, micro_batches=4, max_data_bytes=500_000)
+        speed_train = TrainConfig(
+            steps=6,
+            batch_size=8,
+            micro_batches=4,
+            max_data_bytes=500_000,
+            in_flight=args.in_flight,
+        )
         comp_steps = args.steps or 6
         sweep_model = ModelConfig(n_layers=3, d_model=64, n_heads=4, seq_len=32)
         sweep_train = TrainConfig(steps=6, batch_size=8, micro_batches=2, max_data_bytes=500_000)
