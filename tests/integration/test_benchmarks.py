@@ -187,23 +187,28 @@ def test_tokenizer_benchmark_quick():
     assert positive(bpe["train_s"]) and positive(bpe["encode_mb_per_s"])
 
 
-@pytest.mark.timeout(200)
-def test_codec_fidelity_experiment_quick():
-    """--fidelity: each arm's gradients against the unrounded ones, no trajectory: the
-    unrounded arm is exact, fp16 far closer than int8, int4 further still."""
-    arms = ["none/none", "fp16/fp16", "row/row", "row/e5m2"]
-    script = str(REPO / "exp" / "codec_loss.py")
+def run_codec_loss(*args: str, timeout: float) -> list[dict[str, Any]]:
+    """``exp/codec_loss.py --quick [args]``: its stdout's JSON lines."""
     out = subprocess.run(
-        [sys.executable, script, "--quick", "--fidelity", "2", "--arms", *arms],
+        [sys.executable, str(REPO / "exp" / "codec_loss.py"), "--quick", *args],
         cwd=REPO,
         env=child_env(TF_CPP_MIN_LOG_LEVEL="2"),
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=timeout,
         check=False,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return [json.loads(line) for line in out.stdout.strip().splitlines()]
+
+
+@pytest.mark.timeout(200)
+def test_codec_fidelity_experiment_quick():
+    """--fidelity: each arm's gradients against the unrounded ones, no trajectory: the
+    unrounded arm is exact, fp16 far closer than int8, and a rounding of the gradients alone
+    leaves stage 1's untouched."""
+    arms = ["none/none", "fp16/fp16", "row/row", "row/e5m2"]
+    result = run_codec_loss("--fidelity", "2", "--arms", *arms, timeout=180)[-1]
     assert result["experiment"] == "codec_fidelity"
     got = result["arms"]
     assert got["none/none"]["stage0_rel_err"] == 0.0 and got["none/none"]["stage0_cosine"] > 0.999
@@ -216,18 +221,7 @@ def test_codec_fidelity_experiment_quick():
 def test_codec_loss_experiment_quick():
     """exp/codec_loss.py runs each arm per seed against its seed's unrounded arm."""
     arms = ["none/none", "row/e4m3", "block32/stochastic"]
-    script = str(REPO / "exp" / "codec_loss.py")
-    out = subprocess.run(
-        [sys.executable, script, "--quick", "--seeds", "0", "1", "--arms", *arms],
-        cwd=REPO,
-        env=child_env(TF_CPP_MIN_LOG_LEVEL="2"),
-        capture_output=True,
-        text=True,
-        timeout=280,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = [json.loads(line) for line in out.stdout.strip().splitlines()]
+    lines = run_codec_loss("--seeds", "0", "1", "--arms", *arms, timeout=280)
     rows, summary = lines[:-1], lines[-1]
     assert len(rows) == 6 and all(positive(r["val_loss"]) for r in rows)
     assert summary["experiment"] == "codec_loss"
