@@ -147,11 +147,15 @@ def known(rounding: str) -> bool:
     return rounding in ROUNDINGS
 
 
-def halves(model: ModelConfig, train: TrainConfig) -> tuple[StageModel, StageModel]:
+def halves(model: ModelConfig, train: TrainConfig):
+    """The two halves, fresh, the job's dataset and the roundings' generator: ``(first, last,
+    data, rng)``."""
     plans = chain_plans(
         job_id="codec-loss", model=model, train=train, addresses=[None, "tcp://127.0.0.1:1"]
     )
-    return StageModel(plans[0]), StageModel(plans[1])
+    first, last = StageModel(plans[0]), StageModel(plans[1])
+    data = job_dataset(train, model.seq_len)
+    return first, last, data, np.random.default_rng(train.seed + 1000)
 
 
 def one_batch(first, last, x, y, fwd: str, bwd: str, bits: int, m: int, rng) -> float:
@@ -169,19 +173,23 @@ def one_batch(first, last, x, y, fwd: str, bwd: str, bits: int, m: int, rng) -> 
     return last.take_loss() / m
 
 
-def run_arm(model: ModelConfig, train: TrainConfig, fwd: str, bwd: str, bits: int, m: int) -> dict:
-    import tensorflow as tf
-
-    first, last = halves(model, train)
-    data = job_dataset(train, model.seq_len)
-    rng = np.random.default_rng(train.seed + 1000)
-    started = time.perf_counter()
+def train_steps(first, last, data, train: TrainConfig, fwd: str, bwd: str, bits: int, m: int, rng):
+    """``train.steps`` steps of both halves through the roundings; each step's mean loss."""
     losses = []
     for step in range(train.steps):
         x, y = data.next_batch(train.batch_size)
         losses.append(one_batch(first, last, x, y, fwd, bwd, bits, m, rng))
         first.apply(step, m)
         last.apply(step, m)
+    return losses
+
+
+def run_arm(model: ModelConfig, train: TrainConfig, fwd: str, bwd: str, bits: int, m: int) -> dict:
+    import tensorflow as tf
+
+    first, last, data, rng = halves(model, train)
+    started = time.perf_counter()
+    losses = train_steps(first, last, data, train, fwd, bwd, bits, m, rng)
     val, val_exact = [], []
     for vx, vy in job_val_batches(data, train):
         out = first.forward(tf.constant(vx), training=False).numpy()
@@ -210,17 +218,14 @@ def fidelity(
     accumulated gradients against the unrounded ones (per half: relative L2 error and cosine;
     ``adam_sign_agreement``: the fraction of stage 0's gradient, weighted by magnitude, whose
     sign survives, what Adam's early, sign-like updates follow). Deterministic."""
-    first, last = halves(model, train)
-    data = job_dataset(train, model.seq_len)
-    rng = np.random.default_rng(train.seed + 1000)
-    for step in range(train.steps):
-        x, y = data.next_batch(train.batch_size)
-        one_batch(first, last, x, y, "none", "none", bits, m, rng)
-        first.apply(step, m)
-        last.apply(step, m)
+    first, last, data, rng = halves(model, train)
+    train_steps(first, last, data, train, "none", "none", bits, m, rng)
     held = [data.next_batch(train.batch_size) for _ in range(batches)]
+    pair = (first, last)
 
     def grads(fwd: str, bwd: str) -> list[list[np.ndarray]]:
+        """Per held batch, each half's accumulated gradient (flat), the accumulators cleared
+        after each: nothing is applied."""
         out = []
         for x, y in held:
             one_batch(first, last, x, y, fwd, bwd, bits, m, rng)
@@ -230,7 +235,6 @@ def fidelity(
                     acc.assign(np.zeros(acc.shape, np.float32))
         return out
 
-    pair = (first, last)
     exact = grads("none", "none")
     result = {}
     for arm in arms:
