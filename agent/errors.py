@@ -103,6 +103,30 @@ class GlueMismatchError(SwarmError):
     exit_code = 1
 
 
+class ServeError(ConfigError):
+    """``swarm serve`` cannot start: a bad argument, model directory or missing token."""
+
+    code = ErrorCode.SERVE_INVALID
+
+
+class CompletionError(SwarmError):
+    """A completion request the server cannot take (400): ``param`` names its field."""
+
+    code = ErrorCode.COMPLETION_INVALID
+    http_status = 400
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ServeBusyError(SwarmError):
+    """Too many requests wait for a slot (429)."""
+
+    code = ErrorCode.SERVER_BUSY
+    http_status = 429
+
+
 # --- the agent --------------------------------------------------------------------------------
 
 

@@ -84,7 +84,8 @@ class TokenEmbedding(_ConfiguredLayer):
             name="tok",
         )
 
-    def call(self, tokens):
+    def call(self, tokens, positions=None):
+        """``positions`` (batch, seq): where the tokens are (rotary positions need none here)."""
         return tf.gather(self.tok, tokens)
 
 
@@ -100,7 +101,10 @@ class Embedding(TokenEmbedding):
             name="pos",
         )
 
-    def call(self, tokens):
+    def call(self, tokens, positions=None):
+        """Positions 0..seq-1, or ``positions`` (batch, seq)."""
+        if positions is not None:
+            return super().call(tokens) + tf.gather(self.pos, positions)
         seq = tf.shape(tokens)[1]
         return super().call(tokens) + self.pos[tf.newaxis, :seq, :]
 
@@ -137,6 +141,21 @@ def causal_attention(q, k, v):
     return tf.reshape(tf.transpose(att, [0, 2, 1, 3]), [batch, seq, heads * head_dim])
 
 
+def shared_heads(k, v, heads: int):
+    """Grouped-query attention's keys and values for ``heads`` query heads: each of the
+    kv heads serves ``heads // kv`` query heads, in order (as they are when kv == heads)."""
+    kv = k.shape[2]
+    if kv == heads:
+        return k, v
+    return tf.repeat(k, heads // kv, axis=2), tf.repeat(v, heads // kv, axis=2)
+
+
+def attend_causally(q, k, v):
+    """:func:`causal_attention` of a whole window (keys and values shared across heads)."""
+    k, v = shared_heads(k, v, q.shape[2])
+    return causal_attention(q, k, v)
+
+
 @_serializable
 class Block(_ConfiguredLayer):
     """Pre-LayerNorm block: causal self-attention and an MLP, each with a residual."""
@@ -171,13 +190,20 @@ class Block(_ConfiguredLayer):
             cfg.dropout, seed=layer_seed(job_seed, layer, 9), dtype=policy
         )
 
-    def call(self, x, training=False):
+    def qkv(self, x, positions=None):
+        """Queries, keys and values of ``x``, each (batch, seq, heads, head_dim); learned
+        positions came with the embedding, so ``positions`` is not needed here."""
         cfg = self.cfg
         batch, seq = tf.shape(x)[0], tf.shape(x)[1]
         heads, head_dim = cfg.n_heads, cfg.d_model // cfg.n_heads
         qkv = tf.einsum("btd,de->bte", self.ln1(x), self.w_qkv) + self.b_qkv
         qkv = tf.reshape(qkv, [batch, seq, 3, heads, head_dim])
-        att = causal_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
+        return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+
+    def call(self, x, training=False, positions=None, attention=None):
+        """``attention(q, k, v)``: how the new positions attend (default: causally among
+        themselves; a KV cache's attends to the cached positions too)."""
+        att = (attention or attend_causally)(*self.qkv(x, positions))
         x = x + self.dropout(tf.einsum("btd,de->bte", att, self.w_o) + self.b_o, training=training)
         h = tf.nn.gelu(tf.einsum("btd,dh->bth", self.ln2(x), self.w_fc) + self.b_fc)
         return x + self.dropout(
@@ -229,15 +255,19 @@ class RMSNorm(keras.layers.Layer):
         return {**super().get_config(), "dim": self.dim, "eps": self.eps}
 
 
-def rotary(x, theta: float):
-    """Rotary position embedding of ``x`` (batch, seq, heads, head_dim), positions 0..seq-1:
-    the two halves of each head rotated by ``pos / theta**(2i / head_dim)`` (keras-hub's
-    RotaryEmbedding, and HF Llama's ``rotate_half``)."""
+def rotary(x, theta: float, positions=None):
+    """Rotary position embedding of ``x`` (batch, seq, heads, head_dim), positions 0..seq-1
+    or ``positions`` (batch, seq): the two halves of each head rotated by
+    ``pos / theta**(2i / head_dim)`` (keras-hub's RotaryEmbedding, and HF Llama's
+    ``rotate_half``)."""
     head_dim = x.shape[-1]
-    seq = tf.shape(x)[1]
     inverse = 1.0 / (theta ** (tf.range(0, head_dim, 2, dtype=tf.float32) / head_dim))
-    freqs = tf.einsum("i,j->ij", tf.cast(tf.range(seq), tf.float32), inverse)
-    angles = tf.concat([freqs, freqs], axis=-1)[tf.newaxis, :, tf.newaxis, :]
+    if positions is None:
+        freqs = tf.einsum("i,j->ij", tf.cast(tf.range(tf.shape(x)[1]), tf.float32), inverse)
+        freqs = freqs[tf.newaxis]
+    else:
+        freqs = tf.einsum("bi,j->bij", tf.cast(positions, tf.float32), inverse)
+    angles = tf.concat([freqs, freqs], axis=-1)[:, :, tf.newaxis, :]
     cos, sin = tf.cast(tf.cos(angles), x.dtype), tf.cast(tf.sin(angles), x.dtype)
     first, second = tf.split(x, 2, axis=-1)
     return x * cos + tf.concat([-second, first], axis=-1) * sin
@@ -276,22 +306,24 @@ class LlamaBlock(_ConfiguredLayer):
             cfg.dropout, seed=layer_seed(job_seed, layer, 9), dtype=policy
         )
 
-    def call(self, x, training=False):
+    def qkv(self, x, positions=None):
+        """Queries (batch, seq, heads, head_dim), keys and values (batch, seq, kv_heads,
+        head_dim) of ``x``, rotated for positions 0..seq-1 or ``positions`` (batch, seq)."""
         cfg = self.cfg
         batch, seq = tf.shape(x)[0], tf.shape(x)[1]
-        heads, kv = cfg.n_heads, cfg.kv_heads
-        head_dim = cfg.d_model // heads
+        head_dim = cfg.d_model // cfg.n_heads
         h = self.attn_norm(x)
 
         def project(w, n):
             return tf.reshape(tf.einsum("btd,de->bte", h, w), [batch, seq, n, head_dim])
 
-        q = rotary(project(self.w_q, heads), cfg.rope_theta)
-        k = rotary(project(self.w_k, kv), cfg.rope_theta)
-        v = project(self.w_v, kv)
-        if kv != heads:  # each key/value head serves heads // kv query heads, in order
-            k, v = tf.repeat(k, heads // kv, axis=2), tf.repeat(v, heads // kv, axis=2)
-        att = causal_attention(q, k, v)
+        q = rotary(project(self.w_q, cfg.n_heads), cfg.rope_theta, positions)
+        k = rotary(project(self.w_k, cfg.kv_heads), cfg.rope_theta, positions)
+        return q, k, project(self.w_v, cfg.kv_heads)
+
+    def call(self, x, training=False, positions=None, attention=None):
+        """``attention(q, k, v)``: as :meth:`Block.call`'s."""
+        att = (attention or attend_causally)(*self.qkv(x, positions))
         x = x + self.dropout(tf.einsum("bte,ed->btd", att, self.w_o), training=training)
         h = self.mlp_norm(x)
         gated = tf.nn.silu(tf.einsum("btd,dh->bth", h, self.w_gate))
@@ -512,30 +544,41 @@ class GluedTransformer(keras.Model):
         """Nothing to build: every variable exists from ``__init__`` on (so loading needs none)."""
         self.built = True
 
-    def stage_forward(self, stage: int, x, training=False):
+    def stage_forward(self, stage: int, x, training=False, positions=None, attention=None):
         """Stage ``stage``'s part, as its ``StageModel`` computes it.
 
         The embedding (stage 0) or the ``up`` projection (a learned bottleneck), the stage's
         blocks, then the ``down`` projection (a learned bottleneck) or the head (last stage).
         What comes in and goes out is what crossed the wire (before the codec).
+        ``positions`` and ``attention``: as :meth:`forward`'s.
         """
         start, end = self.stage_layers[stage]
         if stage == 0:
-            x = self.embed(x)
+            x = self.embed(x, positions=positions)
         elif self.ups:
             x = self.ups[stage - 1](x)
         for layer in range(start, end):
-            x = self.blocks[layer](x, training=training)
+            hook = attention(layer) if attention is not None else None
+            x = self.blocks[layer](x, training=training, positions=positions, attention=hook)
         if stage == len(self.stage_layers) - 1:
             return self.head(x)
         return self.downs[stage](x) if self.downs else x
 
     def call(self, tokens, training=False):
+        return self.forward(tokens, training=training)
+
+    def forward(self, tokens, training=False, positions=None, attention=None):
+        """Logits of ``tokens`` (batch, seq) at positions 0..seq-1, or at ``positions``
+        (batch, seq) with ``attention`` (a layer index -> that block's attention, see
+        :meth:`Block.call`): how a KV cache (``agent/serve/kvcache.py``) runs new tokens only.
+        The wire codecs act on each position's row alone (``fixed_intN``'s scale is per row),
+        except ``fp16``, whose one shift per tensor may round a few values differently when
+        fewer positions cross."""
         x = tokens
         for stage in range(len(self.stage_layers)):
             if stage > 0:
                 x = self.wire(x)
-            x = self.stage_forward(stage, x, training=training)
+            x = self.stage_forward(stage, x, training, positions, attention)
         return x
 
     def get_config(self) -> dict[str, Any]:

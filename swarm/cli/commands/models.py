@@ -1,6 +1,6 @@
-"""A trained job's model: ``glue`` (its shards into one Keras model) and ``generate`` (text
-from it). Both are TensorFlow tools run in a process of their own: the CLI never imports
-TensorFlow."""
+"""A trained job's model: ``glue`` (its shards into one Keras model), ``generate`` (text
+from it) and ``serve`` (completions over HTTP). Each is a TensorFlow tool run in a process of
+its own: the CLI never imports TensorFlow."""
 
 from __future__ import annotations
 
@@ -14,6 +14,10 @@ import cyclopts
 from cyclopts import Parameter
 
 from silentswarm.cli.context import Ctx
+from silentswarm.errors import ConfigError
+
+# agent/serve/main.py's TOKEN_ENV (the token never goes on a command line, where ps shows it).
+SERVE_TOKEN_ENV = "SWARM_SERVE_TOKEN"
 
 
 def glue(
@@ -58,11 +62,48 @@ def generate(
     )
 
 
-def run_runtime(module: str, argv: list[str]) -> None:
+def serve(
+    *,
+    model_dir: Annotated[Path, Parameter(help="A glued model (full_model/ or its export dir)")],
+    host: Annotated[str, Parameter(help="The address to listen on")] = "127.0.0.1",
+    port: Annotated[int, Parameter(help="The port (0: a free one, printed)")] = 8000,
+    token: Annotated[
+        str | None,
+        Parameter(help="The API token clients send (default: the operator's token)"),
+    ] = None,
+    slots: Annotated[int, Parameter(help="Requests generated together, batched")] = 8,
+    kv_cache: Annotated[bool, Parameter(help="Cache keys and values (off: recompute)")] = True,
+    name: Annotated[str | None, Parameter(help="The model's name (default: the job's)")] = None,
+    ctx: Ctx,
+) -> None:
+    """Serve a glued model: OpenAI-style completions at /v1/completions (SSE when streamed)."""
+    secret = token or os.environ.get(SERVE_TOKEN_ENV) or ctx.token
+    if not secret:
+        raise ConfigError(
+            "serve needs an API token: --token, SWARM_SERVE_TOKEN, or the operator's "
+            "(SWARM_API_TOKEN, or a local leader's <state>/api-token)"
+        )
+    argv = ["--model-dir", str(model_dir), "--host", host, "--port", str(port)]
+    argv += ["--slots", str(slots), *([] if kv_cache else ["--no-kv-cache"])]
+    run_runtime(
+        "silentswarm.agent.serve",
+        [*argv, *(["--name", name] if name else [])],
+        env={SERVE_TOKEN_ENV: secret},
+    )
+
+
+def run_runtime(module: str, argv: list[str], env: dict[str, str] | None = None) -> None:
     """A TensorFlow tool in its own process: its output and its exit status are the
     command's."""
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2")}
-    code = subprocess.call([sys.executable, "-m", module, *argv], env=env)
+    env = {
+        **os.environ,
+        "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
+        **(env or {}),
+    }
+    try:
+        code = subprocess.call([sys.executable, "-m", module, *argv], env=env)
+    except KeyboardInterrupt:
+        code = 130
     if code:
         raise SystemExit(code)
 
@@ -70,3 +111,4 @@ def run_runtime(module: str, argv: list[str]) -> None:
 def register(app: cyclopts.App) -> None:
     app.command(glue)
     app.command(generate)
+    app.command(serve)

@@ -1,0 +1,5 @@
+import sys
+
+from silentswarm.agent.serve.main import main
+
+sys.exit(main())

@@ -1,0 +1,312 @@
+"""The completion server's Litestar app: thin handlers over :class:`Completions`.
+
+- ``POST /v1/completions``: a completion, or with ``"stream": true`` server-sent events
+  (``data: <chunk>`` lines, then ``data: [DONE]``), in the OpenAI API's shape;
+- ``GET /v1/models``: the one model served;
+- ``GET /health``: 200 once the model is loaded (no token);
+- ``GET /metrics``: Prometheus.
+
+Every route but ``/health`` needs ``Authorization: Bearer <token>``. Errors are the OpenAI
+API's ``{"error": {"message", "type", "param", "code"}}`` with the status of the
+:class:`~silentswarm.errors.SwarmError` (400 naming the field, 401, 404, 429); a streamed
+request that fails after its first byte ends with such an error event, then ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import msgspec
+from litestar import Litestar, Request, Response, get, post
+from litestar.datastructures import State
+from litestar.exceptions import HTTPException
+from litestar.response import Stream
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from silentswarm.agent.errors import CompletionError
+from silentswarm.agent.runtime.tokenizer import Tokenizer
+from silentswarm.agent.serve.api import (
+    Choice,
+    Completion,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    Usage,
+    decode_request,
+    error_body,
+)
+from silentswarm.agent.serve.engine import Engine, Finished, Job, Sampling, Token
+from silentswarm.agent.serve.metrics import ServeMetrics
+from silentswarm.agent.serve.text import TextAssembler
+from silentswarm.errors import ErrorCode, NotFoundError, SwarmError
+from silentswarm.leader.errors import UnauthorizedError
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 4 << 20
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class Served:
+    """What the handlers serve: the model's name and window, its tokenizer, the engine."""
+
+    name: str
+    seq_len: int
+    vocab_size: int
+    tokenizer: Tokenizer
+    engine: Engine
+    metrics: ServeMetrics
+    token: str
+    created: int
+
+
+@dataclass
+class Piece:
+    """A choice's next text (maybe ""), and its finish reason once it is done."""
+
+    index: int
+    text: str
+    finish_reason: str | None = None
+
+
+class Completions:
+    """One request's prompts run as engine jobs, their tokens turned into text pieces."""
+
+    def __init__(self, served: Served, request: CompletionRequest, began: float) -> None:
+        self.served, self.request, self.began = served, request, began
+        self.id = f"cmpl-{secrets.token_hex(12)}"
+        self.prompt_ids = [self._ids(text) for text in request.prompts]
+        self.completion_tokens = 0
+        self._queue: asyncio.Queue[tuple[int, Token | Finished]] = asyncio.Queue()
+        self._jobs: list[Job] = []
+        self._first: float | None = None
+
+    def _ids(self, text: str) -> list[int]:
+        tokenizer, served = self.served.tokenizer, self.served
+        ids = tokenizer.encode(text.encode("utf-8", errors="replace")) if text else None
+        ids = [int(i) for i in (tokenizer.separator if ids is None or not ids.size else ids)]
+        if max(ids) >= served.vocab_size:
+            raise CompletionError(
+                f"the prompt has tokens beyond the model's vocabulary of {served.vocab_size}",
+                param="prompt",
+            )
+        room = served.seq_len - len(ids)
+        if self.request.max_tokens > room:
+            raise CompletionError(
+                f"this model's context is {served.seq_len} tokens: the prompt has {len(ids)}, "
+                f"so max_tokens can be at most {max(room, 0)} (got {self.request.max_tokens})",
+                param="max_tokens" if room > 0 else "prompt",
+            )
+        return ids
+
+    @property
+    def usage(self) -> Usage:
+        prompt = sum(len(ids) for ids in self.prompt_ids)
+        return Usage(
+            prompt_tokens=prompt,
+            completion_tokens=self.completion_tokens,
+            total_tokens=prompt + self.completion_tokens,
+        )
+
+    def submit(self) -> None:
+        """Queue every prompt (ServeBusyError, nothing queued, when the queue is full)."""
+        loop = asyncio.get_running_loop()
+        request = self.request
+        for index, ids in enumerate(self.prompt_ids):
+            sampling = Sampling(
+                temperature=request.temperature,
+                top_k=min(request.top_k, self.served.vocab_size),
+                top_p=request.top_p,
+                seed=None if request.seed is None else request.seed + index,
+            )
+
+            def emit(event: Token | Finished, index: int = index) -> None:
+                loop.call_soon_threadsafe(self._queue.put_nowait, (index, event))
+
+            job = Job(ids=ids, max_tokens=request.max_tokens, sampling=sampling, emit=emit)
+            try:
+                self.served.engine.submit(job)
+            except SwarmError:
+                self.cancel()
+                raise
+            self._jobs.append(job)
+        self.served.metrics.prompt_tokens.inc(self.usage.prompt_tokens)
+
+    def cancel(self) -> None:
+        for job in self._jobs:
+            self.served.engine.cancel(job)
+
+    async def pieces(self) -> AsyncIterator[Piece]:
+        """Every choice's text as it comes; a choice's last piece carries its finish
+        reason. Cancels what still runs when the caller stops listening."""
+        texts = [TextAssembler(self.served.tokenizer, self.request.stops) for _ in self._jobs]
+        running = set(range(len(self._jobs)))
+        try:
+            while running:
+                index, event = await self._queue.get()
+                if index not in running:
+                    continue
+                text = texts[index]
+                if isinstance(event, Token):
+                    self._token()
+                    piece = text.add(event.id)
+                    if text.stopped:
+                        self.served.engine.cancel(self._jobs[index])
+                        running.discard(index)
+                        yield Piece(index, piece, "stop")
+                    elif piece:
+                        yield Piece(index, piece)
+                elif event.reason == "length":
+                    running.discard(index)
+                    yield Piece(index, text.finish(), "length")
+                else:
+                    raise SwarmError(f"the generation failed: {event.message or event.reason}")
+        finally:
+            self.cancel()
+
+    def _token(self) -> None:
+        self.completion_tokens += 1
+        self.served.metrics.completion_tokens.inc()
+        if self._first is None:
+            self._first = time.perf_counter()
+            self.served.metrics.first_token.observe(self._first - self.began)
+
+    def chunk(self, choices: list[Choice], usage: Usage | None = None) -> Completion:
+        return Completion(
+            id=self.id,
+            object="text_completion",
+            created=int(time.time()),
+            model=self.served.name,
+            choices=choices,
+            usage=usage,
+        )
+
+
+def _served(request: Request) -> Served:
+    return request.app.state["served"]
+
+
+def _authorize(request: Request) -> None:
+    """UnauthorizedError (401) unless the request carries the server's token."""
+    header = request.headers.get("authorization", "")
+    scheme, _, given = header.partition(" ")
+    if not header or scheme.lower() != "bearer" or not given.strip():
+        raise UnauthorizedError("send the API token: 'Authorization: Bearer <token>'")
+    if not hmac.compare_digest(given.strip().encode(), _served(request).token.encode()):
+        raise UnauthorizedError("the API token is wrong")
+
+
+@post("/v1/completions", status_code=200)
+async def completions(request: Request) -> Response | Stream:
+    began = time.perf_counter()
+    served = _served(request)
+    _authorize(request)
+    body = decode_request(await request.body())
+    if body.model is not None and body.model != served.name:
+        raise NotFoundError(f"this server serves the model {served.name!r}, not {body.model!r}")
+    run = Completions(served, body, began)
+    run.submit()
+    if body.stream:
+        return Stream(_events(run), media_type="text/event-stream", headers=SSE_HEADERS)
+    texts = [""] * len(body.prompts)
+    reasons: list[str | None] = [None] * len(body.prompts)
+    try:
+        async for piece in run.pieces():
+            texts[piece.index] += piece.text
+            reasons[piece.index] = piece.finish_reason or reasons[piece.index]
+    except asyncio.CancelledError:  # the client left
+        served.metrics.requests.labels("client_closed").inc()
+        raise
+    choices = [
+        Choice(text=text, index=i, finish_reason=reasons[i])  # type: ignore[arg-type]
+        for i, text in enumerate(texts)
+    ]
+    served.metrics.requests.labels("ok").inc()
+    served.metrics.duration.observe(time.perf_counter() - began)
+    return Response(
+        msgspec.json.encode(run.chunk(choices, run.usage)), media_type="application/json"
+    )
+
+
+async def _events(run: Completions) -> AsyncIterator[bytes]:
+    served, outcome = run.served, "client_closed"
+    try:
+        async for piece in run.pieces():
+            choice = Choice(text=piece.text, index=piece.index, finish_reason=piece.finish_reason)  # type: ignore[arg-type]
+            yield _sse(run.chunk([choice]))
+        if run.request.include_usage:
+            yield _sse(run.chunk([], run.usage))
+        outcome = "ok"
+    except SwarmError as exc:
+        outcome = str(exc.http_status)
+        yield _sse(error_body(exc.http_status, exc.message, str(exc.code)))
+    finally:
+        served.metrics.requests.labels(outcome).inc()
+        served.metrics.duration.observe(time.perf_counter() - run.began)
+    yield b"data: [DONE]\n\n"
+
+
+def _sse(body: msgspec.Struct) -> bytes:
+    return b"data: " + msgspec.json.encode(body) + b"\n\n"
+
+
+@get("/v1/models")
+async def models(request: Request) -> ModelList:
+    _authorize(request)
+    served = _served(request)
+    return ModelList(data=[ModelCard(id=served.name, created=served.created)])
+
+
+@get("/health")
+async def health(request: Request) -> dict[str, object]:
+    served = _served(request)
+    running, waiting = served.engine.counts
+    return {"status": "ok", "model": served.name, "running": running, "waiting": waiting}
+
+
+@get("/metrics")
+async def metrics(request: Request) -> Response:
+    _authorize(request)
+    body = generate_latest(_served(request).metrics.registry)
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+def _swarm_error(request: Request, exc: SwarmError) -> Response:
+    if isinstance(exc, CompletionError | UnauthorizedError) or exc.http_status < 500:
+        _served(request).metrics.requests.labels(str(exc.http_status)).inc()
+    else:
+        log.error("%s: %s", exc.code, exc.message)
+    param = getattr(exc, "param", None)
+    body = error_body(exc.http_status, exc.message, str(exc.code), param)
+    headers = {"WWW-Authenticate": "Bearer"} if exc.http_status == 401 else None
+    return Response(
+        msgspec.json.encode(body),
+        status_code=exc.http_status,
+        headers=headers,
+        media_type="application/json",
+    )
+
+
+def _http_error(_: Request, exc: HTTPException) -> Response:
+    code = ErrorCode.NOT_FOUND if exc.status_code == 404 else ErrorCode.SWARM_ERROR
+    body = error_body(exc.status_code, str(exc.detail), str(code))
+    return Response(
+        msgspec.json.encode(body), status_code=exc.status_code, media_type="application/json"
+    )
+
+
+def create_app(served: Served) -> Litestar:
+    return Litestar(
+        route_handlers=[completions, models, health, metrics],
+        state=State({"served": served}),
+        exception_handlers={SwarmError: _swarm_error, HTTPException: _http_error},
+        request_max_body_size=MAX_BODY_BYTES,
+        openapi_config=None,
+    )

@@ -1,0 +1,151 @@
+"""The completion server's process: ``python -m silentswarm.agent.serve``.
+
+``--model-dir DIR [--host 127.0.0.1] [--port 8000] [--slots 8] [--no-kv-cache]
+[--max-waiting 64] [--name NAME]``; the API token comes from ``SWARM_SERVE_TOKEN`` (``swarm
+serve`` sets it from ``--token`` or the operator's token: never on a command line, where
+``ps`` shows it). ``DIR`` is a glued model (``swarm glue``'s output, or the export directory
+holding it), checked against its manifest before it is loaded. The model is traced before
+the port opens (one prompt and one step), so the first request does not pay for it; then one
+line on stdout says where it serves. ``--port 0`` takes a free port (the line names it).
+Exit 2 for a bad argument, model directory or missing token (``serve: error: ...``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from silentswarm.agent.errors import GenerateError, ServeError
+from silentswarm.agent.runtime.tool import ToolParser, exit_with
+
+PROG = "serve"
+TOKEN_ENV = "SWARM_SERVE_TOKEN"
+MAX_SLOTS = 256
+
+log = logging.getLogger(__name__)
+
+
+def parse(argv: Sequence[str] | None):
+    parser = ToolParser(prog=PROG, description="Serve a glued SilentSwarm model over HTTP.")
+    parser.add_argument("--model-dir", required=True, type=Path, help="the glued model")
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="0: a free port")
+    parser.add_argument("--slots", type=int, default=8, help="sequences batched at once")
+    parser.add_argument("--max-waiting", type=int, default=64, help="queued requests (429 above)")
+    parser.add_argument("--no-kv-cache", action="store_true", help="recompute each window")
+    parser.add_argument("--name", help="the model's name in the API (default: the job's)")
+    args = parser.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        raise ServeError(f"--port must be in 0..65535, got {args.port}")
+    if not 1 <= args.slots <= MAX_SLOTS:
+        raise ServeError(f"--slots must be in 1..{MAX_SLOTS}, got {args.slots}")
+    if args.max_waiting < 0:
+        raise ServeError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    return args
+
+
+def listen(host: str, port: int) -> socket.socket:
+    try:
+        sock = socket.create_server((host, port), family=_family(host), reuse_port=False)
+    except OSError as exc:
+        raise ServeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def serve(args, token: str) -> None:
+    from silentswarm.agent.runtime.generate import load_model
+
+    try:  # the files are checked before TensorFlow is imported
+        loaded = load_model(args.model_dir)
+    except GenerateError as exc:
+        raise ServeError(exc.message) from None
+    import uvicorn
+
+    from silentswarm.agent.serve.app import Served, create_app
+    from silentswarm.agent.serve.engine import Engine
+    from silentswarm.agent.serve.kvcache import CachedStepper, WindowStepper
+    from silentswarm.agent.serve.metrics import ServeMetrics
+    manifest = loaded.manifest
+    name = args.name or manifest.name or manifest.job_id
+    kind = WindowStepper if args.no_kv_cache else CachedStepper
+    stepper = kind(loaded.model, args.slots)
+    stepper.start(0, [0])  # trace both calls before the port opens
+    stepper.step([0], [0], [1 if manifest.seq_len > 1 else 0])
+    engine: Engine
+    metrics = ServeMetrics(
+        model=name,
+        slots=args.slots,
+        kv_cache=not args.no_kv_cache,
+        counts=lambda: engine.counts,
+    )
+    engine = Engine(stepper, max_waiting=args.max_waiting, on_step=metrics.step)
+    served = Served(
+        name=name,
+        seq_len=manifest.seq_len,
+        vocab_size=manifest.vocab_size,
+        tokenizer=loaded.tokenizer,
+        engine=engine,
+        metrics=metrics,
+        token=token,
+        created=int(manifest.created_at),
+    )
+    sock = listen(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    engine.start()
+    config = uvicorn.Config(
+        create_app(served),
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
+    cache = "off" if args.no_kv_cache else "on"
+    print(
+        f"serving {name!r} on http://{_url_host(host)}:{port}/v1 "
+        f"({args.slots} slots, KV cache {cache}, context {manifest.seq_len} tokens)",
+        flush=True,
+    )
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        engine.stop()
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    began = time.monotonic()
+    try:
+        args = parse(argv)
+        token = os.environ.get(TOKEN_ENV, "").strip()
+        if not token:
+            raise ServeError(
+                f"no API token: set {TOKEN_ENV} (swarm serve sets it from --token or the "
+                "operator's token)"
+            )
+        serve(args, token)
+    except ServeError as exc:
+        exit_with(PROG, exc.message, 2)
+    except KeyboardInterrupt:
+        return 130
+    log.info("stopped after %.0f s", time.monotonic() - began)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
