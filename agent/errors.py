@@ -120,6 +120,13 @@ class CompletionError(SwarmError):
         self.param = param
 
 
+class ServeAuthError(SwarmError):
+    """A request to the completion server without its API token, or with another (401)."""
+
+    code = ErrorCode.UNAUTHORIZED
+    http_status = 401
+
+
 class ServeBusyError(SwarmError):
     """Too many requests wait for a slot (429)."""
 

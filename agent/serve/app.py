@@ -29,7 +29,7 @@ from litestar.exceptions import HTTPException
 from litestar.response import Stream
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from silentswarm.agent.errors import CompletionError
+from silentswarm.agent.errors import CompletionError, ServeAuthError
 from silentswarm.agent.runtime.tokenizer import Tokenizer
 from silentswarm.agent.serve.api import (
     Choice,
@@ -45,7 +45,6 @@ from silentswarm.agent.serve.engine import Engine, Finished, Job, Sampling, Toke
 from silentswarm.agent.serve.metrics import ServeMetrics
 from silentswarm.agent.serve.text import TextAssembler
 from silentswarm.errors import ErrorCode, NotFoundError, SwarmError
-from silentswarm.leader.errors import UnauthorizedError
 
 log = logging.getLogger(__name__)
 
@@ -194,13 +193,13 @@ def _served(request: Request) -> Served:
 
 
 def _authorize(request: Request) -> None:
-    """UnauthorizedError (401) unless the request carries the server's token."""
+    """ServeAuthError (401) unless the request carries the server's token."""
     header = request.headers.get("authorization", "")
     scheme, _, given = header.partition(" ")
     if not header or scheme.lower() != "bearer" or not given.strip():
-        raise UnauthorizedError("send the API token: 'Authorization: Bearer <token>'")
+        raise ServeAuthError("send the API token: 'Authorization: Bearer <token>'")
     if not hmac.compare_digest(given.strip().encode(), _served(request).token.encode()):
-        raise UnauthorizedError("the API token is wrong")
+        raise ServeAuthError("the API token is wrong")
 
 
 @post("/v1/completions", status_code=200)
@@ -279,7 +278,7 @@ async def metrics(request: Request) -> Response:
 
 
 def _swarm_error(request: Request, exc: SwarmError) -> Response:
-    if isinstance(exc, CompletionError | UnauthorizedError) or exc.http_status < 500:
+    if isinstance(exc, CompletionError | ServeAuthError) or exc.http_status < 500:
         _served(request).metrics.requests.labels(str(exc.http_status)).inc()
     else:
         log.error("%s: %s", exc.code, exc.message)
