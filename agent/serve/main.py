@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -75,6 +76,7 @@ def serve(args, token: str) -> None:
     from silentswarm.agent.serve.engine import Engine
     from silentswarm.agent.serve.kvcache import CachedStepper, WindowStepper
     from silentswarm.agent.serve.metrics import ServeMetrics
+
     manifest = loaded.manifest
     name = args.name or manifest.name or manifest.job_id
     kind = WindowStepper if args.no_kv_cache else CachedStepper
@@ -114,10 +116,17 @@ def serve(args, token: str) -> None:
         f"({args.slots} slots, KV cache {cache}, context {manifest.seq_len} tokens)",
         flush=True,
     )
+    # uvicorn re-raises the SIGTERM it caught once it has shut down; with this handler that
+    # is a clean exit (0) that still stops the engine below.
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         engine.stop()
+
+
+def _exit_cleanly(signum: int, _frame: object) -> None:
+    raise SystemExit(0)
 
 
 def _url_host(host: str) -> str:

