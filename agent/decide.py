@@ -28,7 +28,7 @@ from silentswarm.errors import ErrorCode
 from silentswarm.natsconn import NatsAccess
 from silentswarm.plan import StagePlan
 from silentswarm.protocol import FellowStatus, SignalHead, SignalKind, StartSignal
-from silentswarm.types.signals import DatasetArgs, ResumeArgs
+from silentswarm.types.signals import DatasetArgs, InitArgs, ResumeArgs
 
 
 @dataclass(frozen=True)
@@ -65,11 +65,14 @@ class Start:
     resume_dir: Path | None = None
     # Uploaded datasets to download into the data cache first (stage 0 only).
     datasets: DatasetArgs | None = None
+    # The export the job starts from (init_from "job:"/"export:"): its files go to init_dir.
+    init: InitArgs | None = None
+    init_dir: Path | None = None
 
     @property
     def fetches(self) -> bool:
         """Whether something must be downloaded before the runtime starts."""
-        return self.resume is not None or self.datasets is not None
+        return self.resume is not None or self.datasets is not None or self.init is not None
 
     @property
     def message(self) -> str:
@@ -94,11 +97,16 @@ def decide(state: AgentState, signal: StartSignal) -> Decision:
         return refusal
     run = f"{plan.job_id}-a{plan.attempt}"
     resume, resume_dir = signal.args.resume, None
+    init, init_dir = signal.args.init, None
     if resume is not None:
         resume_dir = state.fellow_dir / "resume" / run
         plan = msgspec.structs.replace(
             plan, resume_from=str(resume_dir / f"stage-{plan.stage}.json")
         )
+        init = None  # a resumed attempt restores its own checkpoint
+    elif init is not None:
+        init_dir = state.fellow_dir / "init" / run
+        plan = msgspec.structs.replace(plan, init_dir=str(init_dir))
     return Start(
         plan=plan,
         workdir=state.fellow_dir / "jobs" / run,
@@ -106,6 +114,8 @@ def decide(state: AgentState, signal: StartSignal) -> Decision:
         resume=resume,
         resume_dir=resume_dir,
         datasets=signal.args.datasets if plan.is_first else None,
+        init=init,
+        init_dir=init_dir,
     )
 
 

@@ -32,7 +32,7 @@ from silentswarm.agent.errors import FetchError, UpdateError
 from silentswarm.agent.hardware import HardwareProbe, limits_from
 from silentswarm.agent.logship import FellowLogShipper
 from silentswarm.agent.reinstall import PackageRef, reinstall
-from silentswarm.agent.shardpush import Shard, ShardPusher, fetch_shard
+from silentswarm.agent.shardpush import Shard, ShardPusher, fetch_init, fetch_shard
 from silentswarm.agent.supervisor import StageRun
 from silentswarm.errors import ErrorCode, IllegalTransitionError, ProtocolError
 from silentswarm.lifecycle import FellowEvent, next_status
@@ -484,7 +484,8 @@ class FellowAgent:
         task.add_done_callback(self._tasks.discard)
 
     async def _fetch_and_start(self, run: StageRun, start: Start) -> None:
-        """Download the stage's datasets, then the shard it resumes from, then start it."""
+        """Download the stage's datasets, then the shard it resumes from or the export it
+        starts from, then start it."""
         if start.datasets is not None:
             try:
                 paths = await asyncio.to_thread(fetch_datasets, start.datasets)
@@ -500,6 +501,14 @@ class FellowAgent:
             except (FetchError, OSError) as exc:
                 log.error("job %s: cannot resume: %s", run.job_id, exc)
                 run.fail_unstarted(f"cannot fetch the shard to resume from: {exc}")
+                return
+        if start.init is not None:
+            assert start.init_dir is not None
+            try:
+                await asyncio.to_thread(fetch_init, start.init, start.init_dir)
+            except (FetchError, OSError) as exc:
+                log.error("job %s: cannot fetch the export it starts from: %s", run.job_id, exc)
+                run.fail_unstarted(f"cannot fetch the export to start from: {exc}")
                 return
         if run.finished.done():  # stopped meanwhile
             return

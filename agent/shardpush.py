@@ -23,6 +23,7 @@ import hashlib
 import logging
 import shutil
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +34,8 @@ from silentswarm import subjects as topics
 from silentswarm.agent.errors import FetchError, PushError
 from silentswarm.errors import ProtocolError
 from silentswarm.protocol import ShardChunk
-from silentswarm.types.signals import ResumeArgs
+from silentswarm.types.manifests import RUN_MANIFEST
+from silentswarm.types.signals import InitArgs, InitFile, ResumeArgs, ShardFile
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 512 * 1024
@@ -198,16 +200,34 @@ SHARD_TOKEN_HEADER = "X-Swarm-Shard-Token"
 def fetch_shard(resume: ResumeArgs, directory: Path) -> Path:
     """Download a resumed stage's shard files (START's ``resume``) into ``directory``, each
     checked against its sha256; the checkpoint's JSON path. Runs in a thread."""
+    names = fetch_files(resume.files, resume.token, directory)
+    json_names = [name for name in names if name.endswith(".json")]
+    if not json_names:
+        raise FetchError("START named no checkpoint JSON to resume from")
+    return directory / json_names[-1]
+
+
+def fetch_init(init: InitArgs, directory: Path) -> Path:
+    """Download the export files a job starts from (START's ``init``) into ``directory``,
+    each checked against its sha256; the directory. Runs in a thread."""
+    if RUN_MANIFEST not in fetch_files(init.files, init.token, directory):
+        raise FetchError(f"START named no {RUN_MANIFEST} of the export to start from")
+    return directory
+
+
+def fetch_files(files: Sequence[ShardFile | InitFile], token: str, directory: Path) -> list[str]:
+    """Download ``files`` with the stage's download ``token`` into ``directory``, each checked
+    against its sha256 (FetchError otherwise); their names."""
     import httpx
 
     directory.mkdir(parents=True, exist_ok=True)
     # In a header, never in the URL: URLs get logged (by httpx at INFO, proxies, the leader).
-    headers = {SHARD_TOKEN_HEADER: resume.token}
-    json_path: Path | None = None
-    for entry in resume.files:
+    headers = {SHARD_TOKEN_HEADER: token}
+    names = []
+    for entry in files:
         name = entry.name
-        if "/" in name or not name.startswith("stage-"):
-            raise FetchError(f"the leader named an odd shard file {name!r}")
+        if "/" in name or not (name.startswith("stage-") or name == RUN_MANIFEST):
+            raise FetchError(f"the leader named an odd file {name!r}")
         try:
             response = httpx.get(entry.url, headers=headers, timeout=300)
         except httpx.HTTPError as exc:
@@ -220,8 +240,5 @@ def fetch_shard(resume: ResumeArgs, directory: Path) -> Path:
         if digest != entry.sha256:
             raise FetchError(f"{name}: sha256 {digest} is not the leader's {entry.sha256}")
         (directory / name).write_bytes(response.content)
-        if name.endswith(".json"):
-            json_path = directory / name
-    if json_path is None:
-        raise FetchError("START named no checkpoint JSON to resume from")
-    return json_path
+        names.append(name)
+    return names

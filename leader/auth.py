@@ -39,7 +39,8 @@ OPEN_PREFIXES = ("/health", "/ops", "/schema")
 OPEN_PATHS = re.compile(
     r"^(/api/v1/bootstrap/(manifest|source|fellow\.sh|enroll"
     r"|join-sessions/[^/]+/(claim|logs|logs/stream))"
-    r"|/api/v1/jobs/[^/]+/shards/\d+/[^/]+|/api/v1/jobs/[^/]+/datasets/[0-9a-f]{64})/?$"
+    r"|/api/v1/jobs/[^/]+/shards/\d+/[^/]+|/api/v1/jobs/[^/]+/init/[^/]+"
+    r"|/api/v1/jobs/[^/]+/datasets/[0-9a-f]{64})/?$"
 )
 
 

@@ -37,6 +37,7 @@ from silentswarm.protocol import (
 )
 from silentswarm.types.jobs import (
     CheckpointRecord,
+    InitSource,
     JobRecord,
     JobTransition,
     ResumeRecord,
@@ -250,7 +251,8 @@ class JobManager:
             record.refresh_view()
             self._jobs[record.job_id] = record
 
-    def submit(self, spec: JobSpec) -> JobRecord:
+    def submit(self, spec: JobSpec, init_source: InitSource | None = None) -> JobRecord:
+        """A new PENDING job; ``init_source``: the export ``init_from`` resolved to."""
         now = self._wall()
         job_id = new_job_id(spec.name)
         while job_id in self._jobs:
@@ -263,6 +265,7 @@ class JobManager:
             created_at=now,
             updated_at=now,
             reason="waiting to be placed",
+            init_source=init_source,
             history=[
                 JobTransition(
                     at=now, from_state=None, to_state=JobState.PENDING, reason="submitted"
@@ -320,6 +323,16 @@ class JobManager:
             job.progress = []
             job.reason = f"attempt {job.attempt} did not start: {reason}; retrying in {delay:.0f}s"
             self._touch(job)
+
+    def cannot_start(self, job_id: str, reason: str) -> None:
+        """What the job starts from is gone (its ``init_from`` export): FAILED, not retried."""
+        self.starting.pop(job_id, None)
+        job = self.get(job_id)
+        if job.state is JobState.PENDING:
+            job.placement = None
+            job.progress = []
+            job.reason = reason
+            self._finish(job, JobEvent.FAILED, reason)
 
     def cancel(self, job_id: str, reason: str = "cancelled by the operator") -> JobRecord:
         job = self.get(job_id)

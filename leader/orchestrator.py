@@ -29,8 +29,9 @@ from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 
 from silentswarm import subjects as topics
+from silentswarm.errors import NotFoundError
 from silentswarm.jobspec import stage_plans
-from silentswarm.leader import decide
+from silentswarm.leader import decide, initsource
 from silentswarm.leader.admission import RateLimiter, Verdict
 from silentswarm.leader.bus import LeaderBus
 from silentswarm.leader.datasets import DatasetStore
@@ -275,16 +276,17 @@ class Orchestrator:
                 placement=placement,
                 subject_prefix=self.prefix,
             )
+            try:
+                args = [self._start_args(job, plan) for plan in plans]
+            except NotFoundError as exc:  # the export init_from names is gone or changed
+                log.error("job %s cannot start: %s", job_id, exc.message)
+                self.jobs.cannot_start(job_id, exc.message)
+                return
             log.info("starting job %s attempt %d on %s", job_id, attempt, placement.fellow_ids)
             records = await asyncio.gather(
                 *(
-                    hub.send(
-                        plan.fellow_id,
-                        self._start_args(job, plan),
-                        job_id=job_id,
-                        attempt=attempt,
-                    )
-                    for plan in plans
+                    hub.send(plan.fellow_id, start, job_id=job_id, attempt=attempt)
+                    for plan, start in zip(plans, args, strict=True)
                 )
             )
         except BaseException as exc:
@@ -315,10 +317,16 @@ class Orchestrator:
                 stage=plan.stage,
                 n_stages=plan.n_stages,
             )
-        resume = data = None
+        resume = data = init = None
         if self.exports is not None:
             self.exports.directory(job)
             resume = self.exports.resume_args(job, plan.stage)
+            init = initsource.init_args(
+                job,
+                plan,
+                token=self.exports.token(job.job_id, job.attempt, plan.stage),
+                public_url=self.exports.public_url,
+            )
             if self.datasets is not None:
                 data = dataset_start_args(
                     self.datasets,
@@ -327,7 +335,7 @@ class Orchestrator:
                     token=self.exports.token(job.job_id, job.attempt, plan.stage),
                     public_url=self.exports.public_url,
                 )
-        return StartArgs(plan=plan, nats_creds=creds, resume=resume, datasets=data)
+        return StartArgs(plan=plan, nats_creds=creds, resume=resume, datasets=data, init=init)
 
     def _stop_orphans(self) -> None:
         """STOP stages of attempts the leader does not run (any more): see

@@ -134,6 +134,10 @@ class TokenizerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         return []
 
 
+# The forms of ``init_from``: a keras-hub preset, a finished job, an export directory.
+INIT_FROM_KINDS = ("preset", "job", "export")
+
+
 class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How a job trains: a plan's ``train``, and the top-level training fields of a job spec
     (:class:`silentswarm.jobspec.JobSpec` embeds these fields; the README documents the
@@ -172,7 +176,9 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     max_data_bytes: Annotated[int, msgspec.Meta(ge=1, le=2**50)] | None = None
     tokenizer: TokenizerConfig = msgspec.field(default_factory=TokenizerConfig)
     # Start from these weights instead of random ones: "preset:DIR", a keras-hub Llama preset
-    # directory that every fellow can read (each stage loads its own layers).
+    # directory that every fellow can read (each stage loads its own layers); "job:ID", the
+    # final weights and tokenizer of a finished job of this leader; "export:DIR", those of an
+    # export directory under the leader's export root (INIT_FROM_KINDS).
     init_from: PathText | None = None
     val_fraction: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.05
     val_batches: Annotated[int, msgspec.Meta(ge=1, le=10**6)] = 4
@@ -206,9 +212,20 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         if self.max_data_bytes is not None and self.max_data_bytes < 1:
             out.append(f"{prefix}max_data_bytes must be >= 1")
         out.extend(self._data_problems(prefix))
-        if self.init_from is not None and not self.init_from.startswith("preset:"):
-            out.append(f'{prefix}init_from must be "preset:DIR" (a keras-hub Llama preset)')
+        if self.init_from is not None:
+            kind, _, rest = self.init_from.partition(":")
+            if kind not in INIT_FROM_KINDS or not rest.strip():
+                out.append(
+                    f'{prefix}init_from must be "preset:DIR" (a keras-hub Llama preset), '
+                    '"job:ID" (a finished job) or "export:DIR" (an export directory)'
+                )
         return out
+
+    @property
+    def init_from_export(self) -> bool:
+        """Whether the job starts from a job's or an export's weights (the leader serves
+        them), not from random ones or a preset every fellow reads itself."""
+        return self.init_from is not None and self.init_from.startswith(("job:", "export:"))
 
     def _data_problems(self, prefix: str) -> list[str]:
         if not self.data:
@@ -359,6 +376,10 @@ class StagePlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     # Start from this checkpoint (its JSON file): weights, optimizer state, data position
     # and step. The job's automatic resume sets it.
     resume_from: str | None = None
+    # Where the fellow put the export this job starts from (train.init_from "job:"/"export:"):
+    # its run_manifest.json and the shards of the stages that hold this stage's layers. The
+    # agent sets it; a resumed attempt (resume_from) does not use it.
+    init_dir: str | None = None
 
     @property
     def is_first(self) -> bool:

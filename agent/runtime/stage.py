@@ -19,6 +19,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -66,6 +67,7 @@ from silentswarm.agent.runtime.schedule import (
     overlapped,
 )
 from silentswarm.agent.runtime.stage_model import StageModel
+from silentswarm.agent.runtime.warmstart import ExportStart
 from silentswarm.compression import parse_wire_codec
 from silentswarm.plan import CurveKeys as PlanCurveKeys
 from silentswarm.plan import StagePlan
@@ -201,13 +203,19 @@ class StageRunner:
         # A resumed attempt starts where the checkpoint left off: weights, optimizer state
         # (its step count too), data position and tokenizer (stage 0).
         checkpoint = None if plan.resume_from is None else load_checkpoint(plan.resume_from)
+        # A job that starts from an export (init_from "job:"/"export:"): its weights, and on
+        # stage 0 its tokenizer; a resumed attempt has its own checkpoint instead.
+        start = None
+        if checkpoint is None and plan.init_dir is not None:
+            start = ExportStart(Path(plan.init_dir))
         self.data: TextDataset | None = None
         if plan.is_first:
-            tokenizer = (
-                job_tokenizer(plan.train, plan.model.vocab_size)
-                if checkpoint is None
-                else checkpoint_tokenizer(plan, checkpoint.meta)
-            )
+            if checkpoint is not None:
+                tokenizer = checkpoint_tokenizer(plan, checkpoint.meta)
+            elif start is not None:
+                tokenizer = start.tokenizer()
+            else:
+                tokenizer = job_tokenizer(plan.train, plan.model.vocab_size)
             self.data = job_dataset(plan.train, plan.model.seq_len, tokenizer=tokenizer)
         self.start_step = 0
         # The overlap schedule's delayed update (the gradient set aside); where the data stood
@@ -215,7 +223,15 @@ class StageRunner:
         self.delayed = DelayedUpdates()
         self._data_before: dict[int, DataState] = {}
         self._step_clock = 0.0  # when the step before ended (the overlap schedule)
-        if checkpoint is None and plan.train.init_from is not None:
+        if start is not None:
+            count = start.load_into(self.model)
+            log.info(
+                "%d variables from job %s's export (step %d)",
+                count,
+                start.manifest.job_id,
+                start.manifest.step,
+            )
+        elif checkpoint is None and plan.train.init_from is not None:
             directory = preset_dir(plan.train.init_from)
             layers = [piece.layer for piece in self.model.pieces]
             count = init_from_preset(directory, plan.model, layers)

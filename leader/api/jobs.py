@@ -75,6 +75,26 @@ class JobsController(Controller):
         return ServerSentEvent(jobs.metrics_stream(job_id, last_event_id(request)))
 
     @get(
+        "/{job_id:str}/init/{name:str}",
+        summary=(
+            "A file of the export the job starts from (init_from), for a stage of its current "
+            "attempt (the X-Swarm-Shard-Token header from its START: the manifest and the "
+            "shards holding that stage's layers only; never ?token=)"
+        ),
+        media_type="application/octet-stream",
+    )
+    async def init_file(
+        self,
+        job_id: FromPath[str],
+        name: FromPath[str],
+        request: Request,
+        jobs: NamedDependency[JobsService],
+    ) -> File:
+        header = request.headers.get(ExportService.TOKEN_HEADER)
+        path = jobs.init_file(job_id, name, header, request.query_params)
+        return File(path, filename=name, media_type="application/octet-stream")
+
+    @get(
         "/{job_id:str}/shards/{step:int}/{name:str}",
         summary=(
             "A shard file for a resumed attempt's stage (the X-Swarm-Shard-Token header from "

@@ -12,7 +12,9 @@ from typing import Protocol
 from litestar.response import ServerSentEventMessage
 
 from silentswarm.jobspec import JobSpec
+from silentswarm.leader import initsource
 from silentswarm.leader.artifacts import resolve_export_dir
+from silentswarm.leader.errors import ShardAccessError
 from silentswarm.leader.exports import ExportService
 from silentswarm.leader.jobs import JobManager
 from silentswarm.leader.observe import Observability
@@ -72,13 +74,15 @@ class JobsService:
 
     async def submit(self, spec: JobSpec) -> JobRecord:
         """Accept a job whose export directory (if it names one) is inside the export root:
-        FieldError (400, ``artifact_paths.model_export_dir``) otherwise. It is saved before
-        the caller hears of it."""
+        FieldError (400, ``artifact_paths.model_export_dir``) otherwise; and whose
+        ``init_from`` export (if any) fits it (:mod:`silentswarm.leader.initsource`). It is
+        saved before the caller hears of it."""
         configured = spec.artifact_paths.model_export_dir
         if configured is not None:
             resolve_export_dir(self.export_root, configured)
         self.loop.require_loaded()
-        job = self.jobs.submit(self.pin_datasets(spec))
+        init_source = await asyncio.to_thread(initsource.resolve, spec, self.jobs, self.export_root)
+        job = self.jobs.submit(self.pin_datasets(spec), init_source)
         await self.loop.flush()
         self.loop.wake()
         return job
@@ -152,6 +156,23 @@ class JobsService:
         return self.observe.metrics_events(job_id, last_event_id)
 
     # --- shards ------------------------------------------------------------------------------
+
+    def init_file(
+        self, job_id: str, name: str, header: str | None, query: Mapping[str, str]
+    ) -> Path:
+        """A file of the export a job starts from: its token (the ``header``) must be a stage's
+        of the job's current attempt, and the file the manifest or one holding that stage's
+        layers (:func:`silentswarm.leader.initsource.init_file`)."""
+        self.loop.require_loaded()
+        token = self.exports.download_token(header, query)
+        job = self.jobs.get(job_id)
+        stage = self.exports.token_stage(job, token)
+        if stage is None:
+            raise ShardAccessError(
+                f"this token does not open the files of job {job_id}'s current attempt "
+                f"(send the one from START in the {ExportService.TOKEN_HEADER} header)"
+            )
+        return initsource.init_file(job, stage, name)
 
     def shard_file(
         self, job_id: str, step: int, name: str, header: str | None, query: Mapping[str, str]

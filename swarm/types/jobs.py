@@ -66,6 +66,17 @@ class ShardReceipt(msgspec.Struct, kw_only=True):
     at: float
 
 
+class InitSource(msgspec.Struct, kw_only=True, frozen=True):
+    """What a job's ``init_from: "job:ID"`` or ``"export:DIR"`` resolved to when it was
+    submitted: the export directory, the step its manifest holds, the manifest's sha256
+    (every later download is checked against what was resolved), the source job's id."""
+
+    directory: str
+    step: int
+    manifest_sha256: str
+    job_id: str
+
+
 class JobRecord(msgspec.Struct, kw_only=True):
     job_id: str
     name: str
@@ -97,6 +108,8 @@ class JobRecord(msgspec.Struct, kw_only=True):
     # ranges every attempt keeps (learned bottlenecks stay where they were trained).
     resumes: list[ResumeRecord] = msgspec.field(default_factory=list)
     resume_step: int | None = None
+    # init_from "job:"/"export:": the export the job starts from (None: random or a preset).
+    init_source: InitSource | None = None
     layer_ranges: list[tuple[int, int]] | None = None
     # The job's numbers as one pipeline (swarm/types/views.py), derived from ``progress``
     # and the final losses whenever they change: what the Ops UI shows.

@@ -23,6 +23,7 @@ from silentswarm.plan import StagePlan
 MAX_CREDS_CHARS = 16384  # a .creds file: a user JWT and its nkey seed, with room to spare
 MAX_SHARD_FILES = 64  # a stage's shard is two files (stage-<i>.npz, stage-<i>.json)
 MAX_DATASETS = 1024  # as many as a plan's data entries may be
+MAX_INIT_FILES = 2 * 1024 + 1  # every stage's two files of a source split finer, the manifest
 REASON_CHARS = 4096  # a STOP's or PURGE's reason: the sender cuts a longer one
 
 Id = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
@@ -74,15 +75,38 @@ class DatasetArgs(_Args, kw_only=True):
     token: Annotated[str, msgspec.Meta(max_length=256)]
 
 
+class InitFile(_Args, kw_only=True):
+    """One file of the export a job starts from (``init_from: "job:"/"export:"``): its run
+    manifest, or a stage shard's file, and where the leader serves it."""
+
+    name: Annotated[
+        str, msgspec.Meta(pattern=r"^(stage-[0-9]{1,4}\.(npz|json)|run_manifest\.json)$")
+    ]
+    sha256: Sha256
+    url: Url
+
+
+class InitArgs(_Args, kw_only=True):
+    """A stage of a job that starts from an export: the export's step, its run manifest and
+    the shards that hold this stage's layers, and the token that opens them (the stage's
+    download token: in a header, never in the URL)."""
+
+    step: Annotated[int, msgspec.Meta(ge=1, le=2**53)]
+    files: Annotated[list[InitFile], msgspec.Meta(max_length=MAX_INIT_FILES)]
+    token: Annotated[str, msgspec.Meta(max_length=256)]
+
+
 class StartArgs(_Args, kw_only=True):
     """START: the stage plan; the attempt's own NATS user (a ``.creds`` file's text) when the
     swarm has NATS users; for a resumed attempt, where its shard is; for a stage that reads
-    uploaded datasets, where they are."""
+    uploaded datasets, where they are; for a job that starts from an export, where the
+    export's files that hold the stage's layers are."""
 
     plan: StagePlan
     nats_creds: Annotated[str, msgspec.Meta(max_length=MAX_CREDS_CHARS)] | None = None
     resume: ResumeArgs | None = None
     datasets: DatasetArgs | None = None
+    init: InitArgs | None = None
 
 
 # --- the others -----------------------------------------------------------------------------
@@ -130,6 +154,8 @@ __all__ = [
     "MAX_CREDS_CHARS",
     "REASON_CHARS",
     "CheckpointArgs",
+    "InitArgs",
+    "InitFile",
     "PackageRef",
     "PurgeArgs",
     "ResumeArgs",

@@ -11,7 +11,15 @@ from silentswarm.agent.decide import AgentState, Refusal, Start, decide, malform
 from silentswarm.natsconn import NatsAccess
 from silentswarm.plan import ModelConfig, Peer, StagePlan, TrainConfig, single_process_plan
 from silentswarm.protocol import FellowStatus, SignalHead, StartSignal
-from silentswarm.types.signals import DatasetArgs, DatasetFile, ResumeArgs, ShardFile, StartArgs
+from silentswarm.types.signals import (
+    DatasetArgs,
+    DatasetFile,
+    InitArgs,
+    InitFile,
+    ResumeArgs,
+    ShardFile,
+    StartArgs,
+)
 
 HOME = Path("/var/lib/swarm/fellows/f1")
 PLAIN = NatsAccess(url="nats://127.0.0.1:4222")
@@ -168,3 +176,27 @@ def test_stage_0_fetches_its_uploaded_datasets_and_a_later_stage_never_does():
     second = msgspec.structs.replace(first, args=msgspec.structs.replace(first.args, plan=later))
     decided = decide(state(), second)
     assert isinstance(decided, Start) and decided.datasets is None and not decided.fetches
+
+
+INIT = InitArgs(
+    step=80,
+    files=[InitFile(name="run_manifest.json", sha256="a" * 64, url="http://l/x")],
+    token="t",
+)
+
+
+def test_a_job_from_an_export_fetches_it_first_and_a_resumed_attempt_does_not():
+    signal = start()
+    with_init = msgspec.structs.replace(
+        signal, args=msgspec.structs.replace(signal.args, init=INIT)
+    )
+    decision = decide(state(), with_init)
+    assert isinstance(decision, Start) and decision.init == INIT and decision.fetches
+    assert decision.init_dir == HOME / "init" / "j1-a2"
+    assert decision.plan.init_dir == str(decision.init_dir)
+    resumed = msgspec.structs.replace(
+        with_init, args=msgspec.structs.replace(with_init.args, resume=RESUME)
+    )
+    decided = decide(state(), resumed)
+    assert isinstance(decided, Start) and decided.init is None and decided.plan.init_dir is None
+    assert decided.plan.resume_from is not None
