@@ -486,30 +486,23 @@ class FellowAgent:
     async def _fetch_and_start(self, run: StageRun, start: Start) -> None:
         """Download the stage's datasets, then the shard it resumes from or the export it
         starts from, then start it."""
+        fetches = []
         if start.datasets is not None:
-            try:
-                paths = await asyncio.to_thread(fetch_datasets, start.datasets)
-            except (FetchError, OSError) as exc:
-                log.error("job %s: cannot fetch its data: %s", run.job_id, exc)
-                run.fail_unstarted(f"cannot fetch the uploaded data: {exc}")
-                return
-            log.info("job %s: %d uploaded dataset(s) in the data cache", run.job_id, len(paths))
+            fetches.append(("the uploaded data", fetch_datasets, (start.datasets,)))
         if start.resume is not None:
-            assert start.resume_dir is not None
-            try:
-                await asyncio.to_thread(fetch_shard, start.resume, start.resume_dir)
-            except (FetchError, OSError) as exc:
-                log.error("job %s: cannot resume: %s", run.job_id, exc)
-                run.fail_unstarted(f"cannot fetch the shard to resume from: {exc}")
-                return
+            fetches.append(
+                ("the shard to resume from", fetch_shard, (start.resume, start.resume_dir))
+            )
         if start.init is not None:
-            assert start.init_dir is not None
+            fetches.append(("the export to start from", fetch_init, (start.init, start.init_dir)))
+        for what, fetch, args in fetches:
             try:
-                await asyncio.to_thread(fetch_init, start.init, start.init_dir)
+                await asyncio.to_thread(fetch, *args)
             except (FetchError, OSError) as exc:
-                log.error("job %s: cannot fetch the export it starts from: %s", run.job_id, exc)
-                run.fail_unstarted(f"cannot fetch the export to start from: {exc}")
+                log.error("job %s: cannot fetch %s: %s", run.job_id, what, exc)
+                run.fail_unstarted(f"cannot fetch {what}: {exc}")
                 return
+            log.info("job %s: fetched %s", run.job_id, what)
         if run.finished.done():  # stopped meanwhile
             return
         try:

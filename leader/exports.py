@@ -250,6 +250,20 @@ class ExportService:
                 found = placed.stage
         return found
 
+    def download_stage(
+        self, job: JobRecord, header: str | None, query: Any, what: str = "files"
+    ) -> int:
+        """The stage of the job's current attempt whose download token the request carries
+        (in the ``header``; one in the ``query`` is refused): ShardAccessError naming
+        ``what`` it does not open otherwise."""
+        stage = self.token_stage(job, self.download_token(header, query))
+        if stage is None:
+            raise ShardAccessError(
+                f"this token does not open the {what} of job {job.job_id}'s current attempt "
+                f"(send the one from START in the {self.TOKEN_HEADER} header)"
+            )
+        return stage
+
     def resume_args(self, job: JobRecord, stage: int) -> ResumeArgs | None:
         """What START tells a resumed attempt's stage: the step and where its shard is."""
         step = job.resume_step

@@ -116,14 +116,8 @@ class DatasetsService:
         """The content a stage downloads: its token (the ``header``; a ``query`` token is
         refused) must be one of the job's current attempt, and the job must be pinned to
         ``sha256``."""
-        token = self.exports.download_token(header, query)
         job = self.jobs.get(job_id)
-        stage = self.exports.token_stage(job, token)
-        if stage is None:
-            raise ShardAccessError(
-                f"this token does not open the datasets of job {job_id}'s current attempt "
-                f"(send the one from START in the {self.TOKEN_HEADER} header)"
-            )
+        stage = self.exports.download_stage(job, header, query, "datasets")
         if stage != 0:
             raise ShardAccessError(f"only stage 0 reads data; this token is stage {stage}'s")
         if sha256 not in {ref.sha256 for ref in datasets.pinned_refs(job.spec.data)}:

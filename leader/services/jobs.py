@@ -14,7 +14,6 @@ from litestar.response import ServerSentEventMessage
 from silentswarm.jobspec import JobSpec
 from silentswarm.leader import initsource
 from silentswarm.leader.artifacts import resolve_export_dir
-from silentswarm.leader.errors import ShardAccessError
 from silentswarm.leader.exports import ExportService
 from silentswarm.leader.jobs import JobManager
 from silentswarm.leader.observe import Observability
@@ -164,14 +163,8 @@ class JobsService:
         of the job's current attempt, and the file the manifest or one holding that stage's
         layers (:func:`silentswarm.leader.initsource.init_file`)."""
         self.loop.require_loaded()
-        token = self.exports.download_token(header, query)
         job = self.jobs.get(job_id)
-        stage = self.exports.token_stage(job, token)
-        if stage is None:
-            raise ShardAccessError(
-                f"this token does not open the files of job {job_id}'s current attempt "
-                f"(send the one from START in the {ExportService.TOKEN_HEADER} header)"
-            )
+        stage = self.exports.download_stage(job, header, query, "export files")
         return initsource.init_file(job, stage, name)
 
     def shard_file(

@@ -97,3 +97,43 @@ def test_a_shard_opens_with_its_stages_header_token_only(
     )
     with pytest.raises(FetchError, match="HTTP 403"):
         fetch_shard(stolen, tmp_path / "stolen")
+
+
+def test_the_export_a_job_starts_from_opens_to_its_stages_layers_only(procs, nats_server, leader):
+    agents(procs, nats_server, "i1", "i2")
+    wait_ready(leader, "i1", "i2")
+    source = leader.submit(**tiny(name="source", steps=5, stages=2))["job_id"]
+    done = leader.wait_job(source, "COMPLETED", timeout=150)
+    job_id = leader.submit(**tiny(name="warm", steps=100_000, stages=2, init_from=f"job:{source}"))[
+        "job_id"
+    ]
+    job = leader.wait_job(job_id, "RUNNING", timeout=60)
+    tokens = {s: signer(leader).token(job_id, job["attempt"], s) for s in (0, 1)}
+    base = f"{leader.url}/api/v1/jobs/{job_id}/init"
+    export = Path(done["export_dir"])
+    anonymous = httpx.Client(timeout=10)
+    try:
+        mine = {SHARD_TOKEN_HEADER: tokens[0]}
+        got = anonymous.get(f"{base}/run_manifest.json", headers=mine)
+        assert got.status_code == 200 and got.content == (export / "run_manifest.json").read_bytes()
+        got = anonymous.get(f"{base}/stage-0.npz", headers=mine)
+        step = done["pushed_step"] or 5
+        assert got.content == (export / "shards" / f"step-{step}" / "stage-0.npz").read_bytes()
+        source_token = signer(leader).token(source, done["attempt"], 0)
+        refusals = [
+            ("stage-1.npz", mine, {}),  # the source stage that holds the other stage's layer
+            ("stage-0.npz", {}, {}),
+            ("stage-0.npz", {SHARD_TOKEN_HEADER: source_token}, {}),  # another job's token
+            ("stage-0.npz", mine, {"token": tokens[0]}),  # a token in the URL
+            ("..%2F..%2Frun_manifest.json", mine, {}),
+            ("api-token", mine, {}),
+        ]
+        for name, headers, params in refusals:
+            refused = anonymous.get(f"{base}/{name}", headers=headers, params=params)
+            assert refused.status_code in (403, 404), (name, refused.status_code, refused.text)
+            assert leader.token not in refused.text
+        got = anonymous.get(f"{base}/stage-1.npz", headers={SHARD_TOKEN_HEADER: tokens[1]})
+        assert got.status_code == 200
+    finally:
+        anonymous.close()
+        leader.request("DELETE", f"/api/v1/jobs/{job_id}")
