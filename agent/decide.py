@@ -103,8 +103,8 @@ def decide(state: AgentState, signal: StartSignal) -> Decision:
         plan = msgspec.structs.replace(
             plan, resume_from=str(resume_dir / f"stage-{plan.stage}.json")
         )
-        init = None  # a resumed attempt restores its own checkpoint
-    elif init is not None:
+    # The leader sends both only for an adapter, whose checkpoint holds the adapter alone.
+    if init is not None:
         init_dir = state.fellow_dir / "init" / run
         plan = msgspec.structs.replace(plan, init_dir=str(init_dir))
     return Start(

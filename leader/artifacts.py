@@ -38,9 +38,10 @@ from silentswarm import __version__
 from silentswarm.errors import FieldError
 from silentswarm.leader.errors import ExportPathError
 from silentswarm.protocol import ShardAck, ShardChunk
-from silentswarm.types.jobs import ShardReceipt
+from silentswarm.types.jobs import JobRecord, ShardReceipt
 from silentswarm.types.manifests import (
     RUN_MANIFEST,
+    BaseRef,
     ExportedShard,
     RunManifest,
     encode_run_manifest,
@@ -466,10 +467,19 @@ class ExportStore:
             val_loss=view.val_loss,
             stages=stages,
             updated_at=time.time(),
+            base=_base_ref(job),
         )
         with self._dir(directory) as fd:
             _write_atomic(fd, MANIFEST, encode_run_manifest(manifest))
         return directory / MANIFEST
+
+
+def _base_ref(job: JobRecord) -> BaseRef | None:
+    """What an adapter's export names as its base: the export the job started from."""
+    source = job.init_source
+    if job.spec.adapter is None or source is None:
+        return None
+    return BaseRef(job_id=source.job_id, step=source.step, manifest_sha256=source.manifest_sha256)
 
 
 def _write_atomic(dir_fd: int, name: str, data: bytes) -> None:

@@ -11,7 +11,8 @@ sha256), so what the stages download is what was checked.
 START tells each stage of the first attempt (:func:`init_args`) which files to fetch: the
 manifest and the shards of the source stages that hold any of its layers (the split may
 differ from the source's), with the stage's download token; :func:`init_file` serves them
-to that stage only. A resumed attempt restores its own checkpoint instead. The weights go in
+to that stage only. A resumed attempt restores its own checkpoint instead (a job that trains
+an adapter gets the export again: its checkpoint holds the adapter only). The weights go in
 fresh (the optimizer starts over, the step count at 0): a new job on new data.
 """
 
@@ -112,6 +113,11 @@ def check_fits(spec: JobSpec, manifest: RunManifest) -> None:
         for name in ours.__struct_fields__
         if name not in FREE_MODEL_FIELDS and getattr(ours, name) != getattr(theirs, name)
     ]
+    if manifest.spec.adapter is not None:
+        wrong.append(
+            f"it holds an adapter, not a model (start from its base, job "
+            f"{manifest.base.job_id if manifest.base else '?'})"
+        )
     if spec.tokenizer.kind != manifest.spec.tokenizer.kind:
         wrong.append(
             f"tokenizer.kind is {spec.tokenizer.kind!r}, the export's "
@@ -138,7 +144,7 @@ def init_args(job: JobRecord, plan: StagePlan, *, token: str, public_url: str) -
     """What START tells ``plan``'s stage of a job that starts from an export (None for any
     other job, and for a resumed attempt: it restores its own checkpoint)."""
     source = job.init_source
-    if source is None or job.resume_step:
+    if source is None or (job.resume_step and job.spec.adapter is None):
         return None
     manifest = _pinned_manifest(source)
     base = f"{public_url.rstrip('/')}/api/v1/jobs/{job.job_id}/init"

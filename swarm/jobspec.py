@@ -100,6 +100,7 @@ class JobSpec(TrainConfig, frozen=True, kw_only=True, forbid_unknown_fields=True
             *self.model.problems(),
             *self.train_problems(prefix=""),
             *self.tokenizer.problems(self.model.vocab_size),
+            *(self.adapter.problems(self.model.family) if self.adapter is not None else []),
         ]
         if not 1 <= len(self.name) <= 128:
             out.append("name must be 1-128 characters")

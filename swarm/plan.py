@@ -134,6 +134,44 @@ class TokenizerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         return []
 
 
+# The projections of each family that a LoRA adapter may target (the blocks' weight names).
+LORA_TARGETS = {
+    "gpt2": ("w_qkv", "w_o", "w_fc", "w_proj"),
+    "llama": ("w_q", "w_k", "w_v", "w_o", "w_gate", "w_up", "w_down"),
+}
+
+
+class AdapterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A LoRA adapter (``adapter`` of a job spec): each targeted projection ``W`` of every
+    block gets ``A`` (d_in x rank) and ``B`` (rank x d_out, zero at the start) and computes
+    ``x W + (x A B) * alpha / rank``; everything else is frozen. ``targets`` None: every
+    projection of the family (:data:`LORA_TARGETS`)."""
+
+    kind: Literal["lora"] = "lora"
+    rank: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 8
+    alpha: Annotated[float, msgspec.Meta(gt=0, le=1e6)] = 16.0
+    targets: Annotated[list[str], msgspec.Meta(min_length=1, max_length=16)] | None = None
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def target_names(self, family: str) -> tuple[str, ...]:
+        return tuple(self.targets) if self.targets is not None else LORA_TARGETS[family]
+
+    def problems(self, family: str, prefix: str = "adapter.") -> list[str]:
+        known = LORA_TARGETS.get(family, ())
+        wrong = [t for t in self.targets or () if t not in known]
+        if wrong:
+            return [
+                f"{prefix}targets: {', '.join(map(repr, wrong))} not projections of a "
+                f"{family} block (they are {', '.join(known)})"
+            ]
+        if self.targets is not None and len(set(self.targets)) != len(self.targets):
+            return [f"{prefix}targets names a projection twice"]
+        return []
+
+
 # The forms of ``init_from``: a keras-hub preset, a finished job, an export directory.
 INIT_FROM_KINDS = ("preset", "job", "export")
 
@@ -188,6 +226,9 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # "bfloat16": compute in bfloat16 (for GPUs) with float32 weights, optimizer state,
     # gradients, loss and boundary activations (Keras's mixed_bfloat16).
     precision: Literal["float32", "bfloat16"] = "float32"
+    # Train a LoRA adapter on the weights init_from names ("job:" or "export:"), everything
+    # else frozen; the job's shards and export then hold only the adapter.
+    adapter: AdapterConfig | None = None
 
     def problems(self) -> list[str]:
         return self.train_problems()
@@ -212,6 +253,11 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         if self.max_data_bytes is not None and self.max_data_bytes < 1:
             out.append(f"{prefix}max_data_bytes must be >= 1")
         out.extend(self._data_problems(prefix))
+        if self.adapter is not None and not self.init_from_export:
+            out.append(
+                f'{prefix}adapter needs {prefix}init_from "job:ID" or "export:DIR": the '
+                "weights it adapts"
+            )
         if self.init_from is not None:
             kind, _, rest = self.init_from.partition(":")
             if kind not in INIT_FROM_KINDS or not rest.strip():

@@ -62,9 +62,18 @@ def step_dir(root: str | os.PathLike[str], job_id: str, attempt: int, steps_done
 # --- the variables of a stage -----------------------------------------------------------------
 
 
+def is_adapter_variable(variable: Any) -> bool:
+    """Whether ``variable`` is a LoRA adapter's (``lora_<w>_a``/``_b``, see ``model.py``)."""
+    return str(variable.path).rsplit("/", 1)[-1].startswith("lora_")
+
+
 def _model_variables(model: StageModel) -> list[Any]:
-    """Every variable of every piece, non-trainable ones (dropout seed state) included."""
-    return [v for piece in model.pieces for v in piece.layer.variables]
+    """Every variable of every piece, non-trainable ones (dropout seed state) included; of a
+    stage that trains an adapter, the adapter's only (the rest is the export it adapts)."""
+    variables = [v for piece in model.pieces for v in piece.layer.variables]
+    if model.plan.train.adapter is not None:
+        return [v for v in variables if is_adapter_variable(v)]
+    return variables
 
 
 def named_variables(model: StageModel) -> list[tuple[str, Any]]:

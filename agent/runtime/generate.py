@@ -1,7 +1,7 @@
 """Sample text from a glued model.
 
-``python -m silentswarm.agent.runtime.generate --model-dir DIR --prompt TEXT [--max-new-tokens 100]
-[--temperature 0.8] [--top-k 40] [--seed 0]``
+``python -m silentswarm.agent.runtime.generate --model-dir DIR [--adapter DIR] --prompt TEXT
+[--max-new-tokens 100] [--temperature 0.8] [--top-k 40] [--seed 0]``
 
 ``DIR`` is what ``python -m silentswarm.agent.runtime.glue`` wrote (``inference_manifest.json`` and
 ``model.keras``, or the ``model.weights.h5`` + ``config.json`` fallback), or the export
@@ -36,6 +36,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from silentswarm.agent.errors import DataError, GenerateError
+from silentswarm.agent.runtime.adapters import check_base, merge_into, read_adapter
 from silentswarm.agent.runtime.glue.manifest import sha256_file
 from silentswarm.agent.runtime.glue.save import DEFAULT_OUT as DEFAULT_SUBDIR
 from silentswarm.agent.runtime.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
@@ -78,8 +79,12 @@ def find_model_dir(path: str | os.PathLike[str]) -> Path:
     )
 
 
-def load_model(path: str | os.PathLike[str]) -> LoadedModel:
-    """The glued model of a model (or export) directory, its files checked first."""
+def load_model(
+    path: str | os.PathLike[str], adapter: str | os.PathLike[str] | None = None
+) -> LoadedModel:
+    """The glued model of a model (or export) directory, its files checked first; with
+    ``adapter`` (a LoRA adapter's export), that adapter merged in once its base is checked to
+    be this model (:mod:`silentswarm.agent.runtime.adapters`)."""
     directory = find_model_dir(path)
     source = directory / INFERENCE_MANIFEST
     try:
@@ -100,10 +105,18 @@ def load_model(path: str | os.PathLike[str]) -> LoadedModel:
     from silentswarm.agent.runtime.glue import load_fallback
 
     tokenizer = _tokenizer(directory, manifest)
+    lora = None
+    if adapter is not None:  # checked before the model is loaded
+        lora = read_adapter(adapter)
+        check_base(
+            lora, manifest.run_manifest_sha256, f"job {manifest.job_id}'s model in {directory}"
+        )
     if manifest.config_file:
         model = load_fallback(directory)
     else:
         model = keras.saving.load_model(directory / manifest.model_file, compile=False)
+    if lora is not None:
+        merge_into(model, lora)
     return LoadedModel(model=model, manifest=manifest, directory=directory, tokenizer=tokenizer)
 
 
@@ -209,6 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--model-dir", required=True, type=Path, help="the glued model (or its export directory)"
     )
+    parser.add_argument("--adapter", type=Path, help="a LoRA adapter's export, for this model")
     parser.add_argument("--prompt", required=True, help="the text to continue")
     parser.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate")
     parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
@@ -218,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     try:
         check_args(args.max_new_tokens, args.temperature, args.top_k, args.seed, MAX_VOCAB)
-        loaded = load_model(args.model_dir)
+        loaded = load_model(args.model_dir, args.adapter)
         text = generate(
             loaded,
             args.prompt.encode("utf-8", errors="surrogateescape"),

@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from silentswarm.agent.pipe.wire import MAX_SHIFT, SCALE_MAX, SCALE_MIN
 from silentswarm.compression import CodecKind, parse_compression, parse_wire_codec
-from silentswarm.plan import ModelConfig
+from silentswarm.plan import LORA_TARGETS, AdapterConfig, ModelConfig
 
 EMBED_LAYER = -1  # seed index of the embedding
 HEAD_LAYER = 10_000  # seed index of the final norm + LM head
@@ -49,9 +49,12 @@ def _serializable(cls):
 
 
 def _with_cfg(config: dict[str, Any]) -> dict[str, Any]:
-    """A layer config with its ``cfg`` (plain JSON) turned back into a ``ModelConfig``."""
+    """A layer config with its ``cfg`` (plain JSON) turned back into a ``ModelConfig`` (and
+    an ``adapter`` into an ``AdapterConfig``)."""
     config = dict(config)
     config["cfg"] = msgspec.convert(config["cfg"], ModelConfig)
+    if config.get("adapter") is not None:
+        config["adapter"] = msgspec.convert(config["adapter"], AdapterConfig)
     return config
 
 
@@ -156,11 +159,57 @@ def attend_causally(q, k, v):
     return causal_attention(q, k, v)
 
 
+class _AdaptableBlock(_ConfiguredLayer):
+    """A block whose projections may carry a LoRA adapter (``adapter``): ``lora_<w>_a`` and
+    ``lora_<w>_b`` per targeted weight ``w``, created after the block's own weights (a block
+    without one keeps its variables, their order and their values; with one, the others keep
+    their order around them, and an adapter's checkpoint holds only these)."""
+
+    def _add_lora(self, adapter: AdapterConfig | None, shapes: dict[str, tuple[int, int]]):
+        self.adapter = adapter
+        self.lora: dict[str, tuple[Any, Any]] = {}
+        if adapter is None:
+            return
+        for i, target in enumerate(adapter.target_names(self.cfg.family)):
+            d_in, d_out = shapes[target]
+            a = self.add_weight(
+                shape=(d_in, adapter.rank),
+                initializer=_normal(self.job_seed, self.layer_index, 50 + i, 1 / math.sqrt(d_in)),
+                name=f"lora_{target}_a",
+            )
+            b = self.add_weight(
+                shape=(adapter.rank, d_out), initializer="zeros", name=f"lora_{target}_b"
+            )
+            self.lora[target] = (a, b)
+
+    def _dense(self, equation: str, x, weight, target: str):
+        """``x`` through the projection ``target`` (``weight``), its adapter added."""
+        y = tf.einsum(equation, x, weight)
+        if target in self.lora:
+            a, b = self.lora[target]
+            scale = tf.cast(self.adapter.scale, y.dtype)  # type: ignore[union-attr]
+            y = y + tf.einsum(equation, tf.einsum(equation, x, a), b) * scale
+        return y
+
+    def get_config(self) -> dict[str, Any]:
+        config = {**super().get_config(), "layer": self.layer_index}
+        if self.adapter is not None:
+            config["adapter"] = msgspec.to_builtins(self.adapter)
+        return config
+
+
 @_serializable
-class Block(_ConfiguredLayer):
+class Block(_AdaptableBlock):
     """Pre-LayerNorm block: causal self-attention and an MLP, each with a residual."""
 
-    def __init__(self, cfg: ModelConfig, job_seed: int, layer: int, **kwargs) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        job_seed: int,
+        layer: int,
+        adapter: AdapterConfig | None = None,
+        **kwargs,
+    ) -> None:
         super().__init__(**kwargs)
         self.cfg = cfg
         self.job_seed = job_seed
@@ -189,6 +238,8 @@ class Block(_ConfiguredLayer):
         self.dropout = keras.layers.Dropout(
             cfg.dropout, seed=layer_seed(job_seed, layer, 9), dtype=policy
         )
+        shapes = {"w_qkv": (d, 3 * d), "w_o": (d, d), "w_fc": (d, hidden), "w_proj": (hidden, d)}
+        self._add_lora(adapter, shapes)
 
     def qkv(self, x, positions=None):
         """Queries, keys and values of ``x``, each (batch, seq, heads, head_dim); learned
@@ -196,7 +247,7 @@ class Block(_ConfiguredLayer):
         cfg = self.cfg
         batch, seq = tf.shape(x)[0], tf.shape(x)[1]
         heads, head_dim = cfg.n_heads, cfg.d_model // cfg.n_heads
-        qkv = tf.einsum("btd,de->bte", self.ln1(x), self.w_qkv) + self.b_qkv
+        qkv = self._dense("btd,de->bte", self.ln1(x), self.w_qkv, "w_qkv") + self.b_qkv
         qkv = tf.reshape(qkv, [batch, seq, 3, heads, head_dim])
         return qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
 
@@ -204,14 +255,12 @@ class Block(_ConfiguredLayer):
         """``attention(q, k, v)``: how the new positions attend (default: causally among
         themselves; a KV cache's attends to the cached positions too)."""
         att = (attention or attend_causally)(*self.qkv(x, positions))
-        x = x + self.dropout(tf.einsum("btd,de->bte", att, self.w_o) + self.b_o, training=training)
-        h = tf.nn.gelu(tf.einsum("btd,dh->bth", self.ln2(x), self.w_fc) + self.b_fc)
+        out = self._dense("btd,de->bte", att, self.w_o, "w_o") + self.b_o
+        x = x + self.dropout(out, training=training)
+        h = tf.nn.gelu(self._dense("btd,dh->bth", self.ln2(x), self.w_fc, "w_fc") + self.b_fc)
         return x + self.dropout(
-            tf.einsum("bth,hd->btd", h, self.w_proj) + self.b_proj, training=training
+            self._dense("bth,hd->btd", h, self.w_proj, "w_proj") + self.b_proj, training=training
         )
-
-    def get_config(self) -> dict[str, Any]:
-        return {**super().get_config(), "layer": self.layer_index}
 
 
 @_serializable
@@ -274,11 +323,18 @@ def rotary(x, theta: float, positions=None):
 
 
 @_serializable
-class LlamaBlock(_ConfiguredLayer):
+class LlamaBlock(_AdaptableBlock):
     """Pre-RMSNorm block: causal grouped-query self-attention with rotary positions, and a
     SwiGLU MLP (``down(silu(gate(x)) * up(x))``), each with a residual; no biases."""
 
-    def __init__(self, cfg: ModelConfig, job_seed: int, layer: int, **kwargs) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        job_seed: int,
+        layer: int,
+        adapter: AdapterConfig | None = None,
+        **kwargs,
+    ) -> None:
         super().__init__(**kwargs)
         self.cfg = cfg
         self.job_seed = job_seed
@@ -305,6 +361,8 @@ class LlamaBlock(_ConfiguredLayer):
         self.dropout = keras.layers.Dropout(
             cfg.dropout, seed=layer_seed(job_seed, layer, 9), dtype=policy
         )
+        shapes = {name: tuple(getattr(self, name).shape) for name in LORA_TARGETS["llama"]}
+        self._add_lora(adapter, shapes)
 
     def qkv(self, x, positions=None):
         """Queries (batch, seq, heads, head_dim), keys and values (batch, seq, kv_heads,
@@ -314,26 +372,24 @@ class LlamaBlock(_ConfiguredLayer):
         head_dim = cfg.d_model // cfg.n_heads
         h = self.attn_norm(x)
 
-        def project(w, n):
-            return tf.reshape(tf.einsum("btd,de->bte", h, w), [batch, seq, n, head_dim])
+        def project(w, n, target):
+            projected = self._dense("btd,de->bte", h, w, target)
+            return tf.reshape(projected, [batch, seq, n, head_dim])
 
-        q = rotary(project(self.w_q, cfg.n_heads), cfg.rope_theta, positions)
-        k = rotary(project(self.w_k, cfg.kv_heads), cfg.rope_theta, positions)
-        return q, k, project(self.w_v, cfg.kv_heads)
+        q = rotary(project(self.w_q, cfg.n_heads, "w_q"), cfg.rope_theta, positions)
+        k = rotary(project(self.w_k, cfg.kv_heads, "w_k"), cfg.rope_theta, positions)
+        return q, k, project(self.w_v, cfg.kv_heads, "w_v")
 
     def call(self, x, training=False, positions=None, attention=None):
         """``attention(q, k, v)``: as :meth:`Block.call`'s."""
         att = (attention or attend_causally)(*self.qkv(x, positions))
-        x = x + self.dropout(tf.einsum("bte,ed->btd", att, self.w_o), training=training)
+        x = x + self.dropout(self._dense("bte,ed->btd", att, self.w_o, "w_o"), training=training)
         h = self.mlp_norm(x)
-        gated = tf.nn.silu(tf.einsum("btd,dh->bth", h, self.w_gate))
-        up = tf.einsum("btd,dh->bth", h, self.w_up)
+        gated = tf.nn.silu(self._dense("btd,dh->bth", h, self.w_gate, "w_gate"))
+        up = self._dense("btd,dh->bth", h, self.w_up, "w_up")
         return x + self.dropout(
-            tf.einsum("bth,hd->btd", gated * up, self.w_down), training=training
+            self._dense("bth,hd->btd", gated * up, self.w_down, "w_down"), training=training
         )
-
-    def get_config(self) -> dict[str, Any]:
-        return {**super().get_config(), "layer": self.layer_index}
 
 
 @_serializable
@@ -372,10 +428,15 @@ def embedding(
 
 
 def block(
-    cfg: ModelConfig, job_seed: int, layer: int, name: str, dtype: str | None = None
+    cfg: ModelConfig,
+    job_seed: int,
+    layer: int,
+    name: str,
+    dtype: str | None = None,
+    adapter: AdapterConfig | None = None,
 ) -> keras.layers.Layer:
     kind = LlamaBlock if cfg.family == "llama" else Block
-    return kind(cfg, job_seed, layer, name=name, dtype=dtype)
+    return kind(cfg, job_seed, layer, adapter, name=name, dtype=dtype)
 
 
 def head(

@@ -206,7 +206,9 @@ class StageRunner:
         # A job that starts from an export (init_from "job:"/"export:"): its weights, and on
         # stage 0 its tokenizer; a resumed attempt has its own checkpoint instead.
         start = None
-        if checkpoint is None and plan.init_dir is not None:
+        adapter = plan.train.adapter is not None
+        if plan.init_dir is not None and (checkpoint is None or adapter):
+            # An adapter's checkpoint holds the adapter only: the export is under it.
             start = ExportStart(Path(plan.init_dir))
         self.data: TextDataset | None = None
         if plan.is_first:
@@ -223,7 +225,7 @@ class StageRunner:
         self.delayed = DelayedUpdates()
         self._data_before: dict[int, DataState] = {}
         self._step_clock = 0.0  # when the step before ended (the overlap schedule)
-        if start is not None:
+        if start is not None:  # before a checkpoint: an adapter's restores on top of it
             count = start.load_into(self.model)
             log.info(
                 "%d variables from job %s's export (step %d)",

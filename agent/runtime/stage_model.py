@@ -30,10 +30,12 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import keras
 import tensorflow as tf
 
+from silentswarm.agent.runtime.checkpoint import is_adapter_variable
 from silentswarm.agent.runtime.devices import tf_gpu_index
 from silentswarm.agent.runtime.model import (
     BLOCKS,
@@ -93,6 +95,23 @@ def layer_devices(plan: StagePlan) -> dict[int, str | None]:
     return out
 
 
+def _zeros_like(variables: list[tf.Variable]) -> list[tf.Variable]:
+    """A zero variable beside each of ``variables``, on its device."""
+    out = []
+    for v in variables:
+        with tf.device(v.device):
+            out.append(tf.Variable(tf.zeros(v.shape), trainable=False))
+    return out
+
+
+def freeze_all_but_adapters(layers: list[Any]) -> None:
+    """Make every trainable variable of ``layers`` but the LoRA adapters' non-trainable."""
+    for layer in layers:
+        for v in layer.trainable_variables:
+            if not is_adapter_variable(v):
+                v.trainable = False
+
+
 class StageModel:
     def __init__(self, plan: StagePlan) -> None:
         self.plan = plan
@@ -119,7 +138,9 @@ class StageModel:
         for layer in range(plan.layer_start, plan.layer_end):
             add(
                 devices[layer],
-                lambda layer=layer: block(cfg, seed, layer, f"block_{layer}", dtype=dtype),
+                lambda layer=layer: block(
+                    cfg, seed, layer, f"block_{layer}", dtype=dtype, adapter=plan.train.adapter
+                ),
             )
         if plan.is_last:
             add(last_dev, lambda: head(cfg, seed, dtype=dtype))
@@ -128,6 +149,8 @@ class StageModel:
                 last_dev,
                 lambda: Projection(cfg.d_model, k, seed, plan.stage, 0, name="down", dtype=dtype),
             )
+        if plan.train.adapter is not None:  # only the adapter learns: the rest is frozen
+            freeze_all_but_adapters([piece.layer for piece in self.pieces])
         self.variables: list[tf.Variable] = [
             v for piece in self.pieces for v in piece.layer.trainable_variables
         ]
@@ -137,11 +160,9 @@ class StageModel:
                 for v in piece.layer.trainable_variables:
                     self.accumulators.append(tf.Variable(tf.zeros(v.shape), trainable=False))
         # The gradient set aside for a delayed update (the overlap schedule only).
-        self.pending: list[tf.Variable] = []
-        if plan.train.overlap:
-            for acc in self.accumulators:
-                with tf.device(acc.device):
-                    self.pending.append(tf.Variable(tf.zeros(acc.shape), trainable=False))
+        self.pending: list[tf.Variable] = (
+            _zeros_like(self.accumulators) if plan.train.overlap else []
+        )
         train = plan.train
         self.optimizer = keras.optimizers.AdamW(
             learning_rate=train.learning_rate, weight_decay=train.weight_decay

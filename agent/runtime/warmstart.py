@@ -21,7 +21,12 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from silentswarm.agent.errors import CheckpointError
-from silentswarm.agent.runtime.checkpoint import checkpoint_tokenizer, load_checkpoint, restore_into
+from silentswarm.agent.runtime.checkpoint import (
+    checkpoint_tokenizer,
+    is_adapter_variable,
+    load_checkpoint,
+    restore_into,
+)
 from silentswarm.agent.runtime.tokenizer import Tokenizer
 from silentswarm.errors import ManifestError
 from silentswarm.jobspec import stage_plans
@@ -74,8 +79,14 @@ class ExportStart:
         shard = next((s for s in self.manifest.stages if s.stage == stage), None)
         if shard is None:
             return None
-        path = self.directory / Path(shard.checkpoint).name
-        return path if path.is_file() else None
+        # As a fellow fetched it (flat), or an export directory as the leader keeps it.
+        for path in (
+            self.directory / Path(shard.checkpoint).name,
+            self.directory / shard.checkpoint,
+        ):
+            if path.is_file():
+                return path
+        return None
 
     def tokenizer(self) -> Tokenizer:
         """The tokenizer the export's stage 0 encoded with."""
@@ -107,7 +118,7 @@ class ExportStart:
             for piece in source.pieces:
                 key = layer_key(plan, piece.layer.name)
                 if key in wanted:
-                    found[key] = [w.numpy() for w in piece.layer.weights]
+                    found[key] = {str(w.path): w.numpy() for w in piece.layer.weights}
             del source
         missing = [k for k in wanted if k not in found and not k.startswith(("up@", "down@"))]
         if missing:
@@ -116,14 +127,16 @@ class ExportStart:
             )
         pairs = []
         for key, arrays in found.items():
-            weights = wanted[key].weights
-            shapes = [tuple(w.shape) for w in weights]
-            if shapes != [a.shape for a in arrays]:
+            # By name within the layer: an adapter's variables (which the export lacks, and
+            # which keep their fresh start) come after the others.
+            weights = [w for w in wanted[key].weights if not is_adapter_variable(w)]
+            matched = [(w, arrays.get(str(w.path))) for w in weights]
+            if any(a is None or tuple(a.shape) != tuple(w.shape) for w, a in matched):
                 if key.startswith(("up@", "down@")):
                     log.info("the export's %s has other shapes: it starts fresh", key)
                     continue
-                raise CheckpointError(f"the export's {key} has shapes {[a.shape for a in arrays]}")
-            pairs.extend(zip(weights, arrays, strict=True))
+                raise CheckpointError(f"the export's {key} does not have this stage's weights")
+            pairs.extend(matched)
         for variable, array in pairs:
             variable.assign(array)
         return len(pairs)

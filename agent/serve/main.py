@@ -1,13 +1,15 @@
 """The completion server's process: ``python -m silentswarm.agent.serve``.
 
-``--model-dir DIR [--host 127.0.0.1] [--port 8000] [--slots 8] [--no-kv-cache]
+``--model-dir DIR [--adapter DIR] [--host 127.0.0.1] [--port 8000] [--slots 8] [--no-kv-cache]
 [--max-waiting 64] [--name NAME]``; the API token comes from ``SWARM_SERVE_TOKEN`` (``swarm
 serve`` sets it from ``--token`` or the operator's token: never on a command line, where
 ``ps`` shows it). ``DIR`` is a glued model (``swarm glue``'s output, or the export directory
-holding it), checked against its manifest before it is loaded. The model is traced before
-the port opens (one prompt and one step), so the first request does not pay for it; then one
-line on stdout says where it serves. ``--port 0`` takes a free port (the line names it).
-Exit 2 for a bad argument, model directory or missing token (``serve: error: ...``).
+holding it), checked against its manifest before it is loaded; ``--adapter`` merges a LoRA
+adapter's export into it, refused unless the adapter was trained on this very model. The
+model is traced before the port opens (one prompt and one step), so the first request does
+not pay for it; then one line on stdout says where it serves. ``--port 0`` takes a free port
+(the line names it). Exit 2 for a bad argument, model directory or missing token
+(``serve: error: ...``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ log = logging.getLogger(__name__)
 def parse(argv: Sequence[str] | None):
     parser = ToolParser(prog=PROG, description="Serve a glued SilentSwarm model over HTTP.")
     parser.add_argument("--model-dir", required=True, type=Path, help="the glued model")
+    parser.add_argument("--adapter", type=Path, help="a LoRA adapter's export, for this model")
     parser.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="0: a free port")
     parser.add_argument("--slots", type=int, default=8, help="sequences batched at once")
@@ -67,7 +70,7 @@ def serve(args, token: str) -> None:
     from silentswarm.agent.runtime.generate import load_model
 
     try:  # the files are checked before TensorFlow is imported
-        loaded = load_model(args.model_dir)
+        loaded = load_model(args.model_dir, args.adapter)
     except GenerateError as exc:
         raise ServeError(exc.message) from None
     import uvicorn

@@ -64,6 +64,16 @@ class ExportedShard(StageShard, kw_only=True, frozen=True):
         return StageShard(**{name: getattr(self, name) for name in StageShard.__struct_fields__})
 
 
+class BaseRef(msgspec.Struct, kw_only=True, frozen=True):
+    """The export a job's adapter adapts (``adapter`` with ``init_from``): its job, step and
+    the sha256 of its ``run_manifest.json`` (what glue, generate and serve check a base by;
+    a glued base records it as ``run_manifest_sha256``)."""
+
+    job_id: str
+    step: int
+    manifest_sha256: str
+
+
 class RunManifest(msgspec.Struct, kw_only=True, frozen=True):
     format: int = RUN_MANIFEST_FORMAT
     job_id: str
@@ -80,10 +90,18 @@ class RunManifest(msgspec.Struct, kw_only=True, frozen=True):
     val_loss: float | None = None
     stages: list[ExportedShard]
     updated_at: float | None = None
+    # Set for an adapter's export: its shards hold the adapter only, for this base.
+    base: BaseRef | None = None
 
 
 def encode_run_manifest(manifest: RunManifest) -> bytes:
-    return _encode(manifest)
+    """The manifest's JSON; ``base`` only for an adapter's (other exports keep the keys they
+    always had)."""
+    if manifest.base is not None:
+        return _encode(manifest)
+    raw = msgspec.to_builtins(manifest)
+    del raw["base"]
+    return msgspec.json.format(msgspec.json.encode(raw), indent=1) + b"\n"
 
 
 def decode_run_manifest(body: bytes, source: str = RUN_MANIFEST) -> RunManifest:

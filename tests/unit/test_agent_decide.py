@@ -185,7 +185,7 @@ INIT = InitArgs(
 )
 
 
-def test_a_job_from_an_export_fetches_it_first_and_a_resumed_attempt_does_not():
+def test_a_job_from_an_export_fetches_it_first_and_so_does_a_resumed_adapter():
     signal = start()
     with_init = msgspec.structs.replace(
         signal, args=msgspec.structs.replace(signal.args, init=INIT)
@@ -197,6 +197,7 @@ def test_a_job_from_an_export_fetches_it_first_and_a_resumed_attempt_does_not():
     resumed = msgspec.structs.replace(
         with_init, args=msgspec.structs.replace(with_init.args, resume=RESUME)
     )
+    # The leader sends both to an adapter's resumed attempt: the export, the adapter on it.
     decided = decide(state(), resumed)
-    assert isinstance(decided, Start) and decided.init is None and decided.plan.init_dir is None
-    assert decided.plan.resume_from is not None
+    assert isinstance(decided, Start) and decided.init == INIT and decided.resume == RESUME
+    assert decided.plan.init_dir is not None and decided.plan.resume_from is not None

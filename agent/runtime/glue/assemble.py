@@ -43,15 +43,23 @@ def plans_for(export: CheckedExport) -> list[StagePlan]:
     ]
 
 
-def build_stage_models(export: CheckedExport, plans: list[StagePlan]) -> list[StageModel]:
+def build_stage_models(
+    export: CheckedExport, plans: list[StagePlan], base: CheckedExport | None = None
+) -> list[StageModel]:
+    """Each stage as it ran, its checkpoint restored; an adapter's stages on ``base`` (the
+    export it adapts, checked by :func:`check_base`) first."""
     from silentswarm.agent.errors import CheckpointError
     from silentswarm.agent.runtime.checkpoint import load_checkpoint, restore_into
     from silentswarm.agent.runtime.stage_model import StageModel
+    from silentswarm.agent.runtime.warmstart import ExportStart
 
+    start = None if base is None else ExportStart(base.path.parent)
     models = []
     for plan, files in zip(plans, export.stages, strict=True):
         model = StageModel(plan)
         try:
+            if start is not None:
+                start.load_into(model)
             restore_into(model, None, load_checkpoint(files.checkpoint))
         except CheckpointError as exc:
             raise GlueError(f"{files.shard.checkpoint}: {exc}") from None
@@ -59,8 +67,33 @@ def build_stage_models(export: CheckedExport, plans: list[StagePlan]) -> list[St
     return models
 
 
+def check_base(export: CheckedExport, base: CheckedExport | None) -> CheckedExport | None:
+    """The base an adapter's export needs (None for any other export); GlueError when it is
+    missing or is not the export the adapter was trained on."""
+    wanted = export.manifest.base
+    if wanted is None:
+        if base is not None:
+            raise GlueError(f"--base: job {export.job_id}'s export is not an adapter's")
+        return None
+    if base is None:
+        raise GlueError(
+            f"job {export.job_id}'s export holds a LoRA adapter of job {wanted.job_id}'s "
+            "export: give that export with --base"
+        )
+    if base.sha256 != wanted.manifest_sha256:
+        raise GlueError(
+            f"--base: the adapter was trained on job {wanted.job_id}'s export at step "
+            f"{wanted.step} (run manifest sha256 {wanted.manifest_sha256[:12]}...), not on "
+            f"job {base.job_id}'s (sha256 {base.sha256[:12]}...)"
+        )
+    return base
+
+
 def glued_from_stages(models: list[StageModel]) -> GluedTransformer:
     """A GluedTransformer holding exactly the stage models' variables (values copied)."""
+    import tensorflow as tf
+
+    from silentswarm.agent.runtime.checkpoint import is_adapter_variable
     from silentswarm.agent.runtime.model import GluedTransformer
 
     plans = [m.plan for m in models]
@@ -84,7 +117,9 @@ def glued_from_stages(models: list[StageModel]) -> GluedTransformer:
                 target = glued.blocks[int(name.removeprefix("block_"))]
             else:
                 target = {"embed": glued.embed, "head": glued.head}[name]
-            source_vars, target_vars = piece.layer.variables, target.variables
+            # An adapter's variables are merged into the weights they adapt, below.
+            source_vars = [v for v in piece.layer.variables if not is_adapter_variable(v)]
+            target_vars = target.variables
             if len(source_vars) != len(target_vars):
                 raise GlueMismatchError(f"stage {stage}'s {name} has another set of variables")
             for src, dst in zip(source_vars, target_vars, strict=True):
@@ -94,4 +129,7 @@ def glued_from_stages(models: list[StageModel]) -> GluedTransformer:
                         f"{dst.path} {tuple(dst.shape)}"
                     )
                 dst.assign(src.value)
+            for weight, (a, b) in getattr(piece.layer, "lora", {}).items():
+                merged = getattr(target, weight)
+                merged.assign(merged + tf.matmul(a, b) * piece.layer.adapter.scale)
     return glued

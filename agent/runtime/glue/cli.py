@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from silentswarm.agent.runtime.glue import assemble
 from silentswarm.agent.runtime.glue.manifest import read_run_manifest
 from silentswarm.agent.runtime.glue.run import GlueResult, glue
 from silentswarm.agent.runtime.glue.save import DEFAULT_OUT, check_out
@@ -74,12 +75,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="PATTERN",
         help="read the validation data here instead of the job's train.data",
     )
+    parser.add_argument(
+        "--base", type=Path, help="for a LoRA adapter's export: the export it adapts"
+    )
     parser.add_argument("--json", action="store_true", help="print the inference manifest as JSON")
     args = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     try:
         # Fail fast, before TensorFlow starts.
         export = read_run_manifest(args.export_dir)
+        base = assemble.check_base(
+            export, None if args.base is None else read_run_manifest(args.base)
+        )
         check_out(args.export_dir, args.out or args.export_dir / DEFAULT_OUT)
         from silentswarm.agent.runtime.tfsetup import configure_tensorflow
 
@@ -89,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Exact float32 matmuls on GPUs (TF32 would blur the comparison with the pipeline).
         with contextlib.suppress(Exception):
             tf.config.experimental.enable_tensor_float_32_execution(False)
-        result = glue(args.export_dir, args.out, data=args.data, export=export)
+        result = glue(args.export_dir, args.out, data=args.data, export=export, base=base)
     except SwarmError as exc:
         fail(exc.message, exc.exit_code)
     except KeyboardInterrupt:

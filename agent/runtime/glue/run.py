@@ -58,23 +58,29 @@ def glue(
     *,
     data: Sequence[str] | None = None,
     export: CheckedExport | None = None,
+    base: str | os.PathLike[str] | CheckedExport | None = None,
 ) -> GlueResult:
     """Glue the export in ``export_dir`` into ``out``; the inference manifest written there.
 
     ``export``: ``export_dir`` already checked by :func:`read_run_manifest` (else it is
-    checked here). GlueError (exit 2) for bad input, GlueMismatchError (exit 1) when the
-    glued model does not reproduce the pipeline; nothing is written in either case.
+    checked here). ``base``: for an adapter's export, the export it adapts (the glued model
+    is the base with the adapter merged in). GlueError (exit 2) for bad input,
+    GlueMismatchError (exit 1) when the glued model does not reproduce the pipeline; nothing
+    is written in either case.
     """
     export_dir = Path(export_dir)
     out = Path(out) if out is not None else export_dir / DEFAULT_OUT
     check_out(export_dir, out)
     if export is None:
         export = read_run_manifest(export_dir)
+    if base is not None and not isinstance(base, CheckedExport):
+        base = read_run_manifest(base)
+    base = assemble.check_base(export, base)
     plans = assemble.plans_for(export)
     tokenizer = export_tokenizer(export, plans[0])
     val = validation_data(plans[-1], data, tokenizer)
 
-    models = assemble.build_stage_models(export, plans)
+    models = assemble.build_stage_models(export, plans, base)
     glued = assemble.glued_from_stages(models)
     check = check_and_evaluate(glued, Chain(models), val.batches, score=val.scored)
     del models

@@ -26,16 +26,24 @@ def glue(
     out: Annotated[
         Path | None, Parameter(help="Where to write (default: EXPORT_DIR/full_model)")
     ] = None,
+    base: Annotated[
+        Path | None,
+        Parameter(help="For a LoRA adapter's export: the export it adapts (merged in)"),
+    ] = None,
     ctx: Ctx,
 ) -> None:
     """Assemble a job's pushed shards into one Keras model, checked against the pipeline."""
     argv = ["--export-dir", str(export_dir), *(["--out", str(out)] if out else [])]
+    argv += ["--base", str(base)] if base else []
     run_runtime("silentswarm.agent.runtime.glue", [*argv, *(["--json"] if ctx.json else [])])
 
 
 def generate(
     *,
     model_dir: Annotated[Path, Parameter(help="A glued model (full_model/ or its export dir)")],
+    adapter: Annotated[
+        Path | None, Parameter(help="A LoRA adapter's export, trained on this model")
+    ] = None,
     prompt: Annotated[str, Parameter(help="The text to continue")],
     max_new_tokens: Annotated[int, Parameter(help="How many tokens to generate")] = 100,
     temperature: Annotated[float, Parameter(help="0: greedy")] = 0.8,
@@ -48,6 +56,7 @@ def generate(
         [
             "--model-dir",
             str(model_dir),
+            *(["--adapter", str(adapter)] if adapter else []),
             "--prompt",
             prompt,
             "--max-new-tokens",
@@ -65,6 +74,9 @@ def generate(
 def serve(
     *,
     model_dir: Annotated[Path, Parameter(help="A glued model (full_model/ or its export dir)")],
+    adapter: Annotated[
+        Path | None, Parameter(help="A LoRA adapter's export, trained on this model")
+    ] = None,
     host: Annotated[str, Parameter(help="The address to listen on")] = "127.0.0.1",
     port: Annotated[int, Parameter(help="The port (0: a free one, printed)")] = 8000,
     token: Annotated[
@@ -84,6 +96,7 @@ def serve(
             "(SWARM_API_TOKEN, or a local leader's <state>/api-token)"
         )
     argv = ["--model-dir", str(model_dir), "--host", host, "--port", str(port)]
+    argv += ["--adapter", str(adapter)] if adapter else []
     argv += ["--slots", str(slots), *([] if kv_cache else ["--no-kv-cache"])]
     run_runtime(
         "silentswarm.agent.serve",
