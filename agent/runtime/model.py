@@ -165,6 +165,12 @@ class _AdaptableBlock(_ConfiguredLayer):
     without one keeps its variables, their order and their values; with one, the others keep
     their order around them, and an adapter's checkpoint holds only these)."""
 
+    def __init__(self, cfg: ModelConfig, job_seed: int, layer: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.cfg = cfg
+        self.job_seed = job_seed
+        self.layer_index = layer
+
     def _add_lora(self, adapter: AdapterConfig | None, shapes: dict[str, tuple[int, int]]):
         self.adapter = adapter
         self.lora: dict[str, tuple[Any, Any]] = {}
@@ -210,10 +216,7 @@ class Block(_AdaptableBlock):
         adapter: AdapterConfig | None = None,
         **kwargs,
     ) -> None:
-        super().__init__(**kwargs)
-        self.cfg = cfg
-        self.job_seed = job_seed
-        self.layer_index = layer
+        super().__init__(cfg, job_seed, layer, **kwargs)
         d, hidden = cfg.d_model, cfg.hidden_dim
         out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
         policy = self.dtype_policy  # sublayers compute in the block's dtype
@@ -335,10 +338,7 @@ class LlamaBlock(_AdaptableBlock):
         adapter: AdapterConfig | None = None,
         **kwargs,
     ) -> None:
-        super().__init__(**kwargs)
-        self.cfg = cfg
-        self.job_seed = job_seed
-        self.layer_index = layer
+        super().__init__(cfg, job_seed, layer, **kwargs)
         d, hidden = cfg.d_model, cfg.hidden_dim
         head_dim = d // cfg.n_heads
         out_std = 0.02 / math.sqrt(2 * cfg.n_layers)
