@@ -22,6 +22,7 @@ import hashlib
 import os
 from pathlib import Path
 
+from silentswarm.compression import parse_compression
 from silentswarm.errors import FieldError, ManifestError, NotFoundError
 from silentswarm.jobspec import JobSpec
 from silentswarm.leader.errors import ShardAccessError
@@ -118,6 +119,8 @@ def check_fits(spec: JobSpec, manifest: RunManifest) -> None:
             f"it holds an adapter, not a model (start from its base, job "
             f"{manifest.base.job_id if manifest.base else '?'})"
         )
+    if spec.adapter is not None:
+        wrong.extend(_adapter_problems(spec, manifest))
     if spec.tokenizer.kind != manifest.spec.tokenizer.kind:
         wrong.append(
             f"tokenizer.kind is {spec.tokenizer.kind!r}, the export's "
@@ -128,6 +131,23 @@ def check_fits(spec: JobSpec, manifest: RunManifest) -> None:
             f"{FIELD}: job {manifest.job_id}'s export does not fit this job: " + "; ".join(wrong),
             field=FIELD,
         )
+
+
+def _adapter_problems(spec: JobSpec, manifest: RunManifest) -> list[str]:
+    """Why an adapter cannot be trained on this export: a glued base applies its own
+    boundaries' codec, and a learned bottleneck's projections would be frozen where the
+    split differs, so the adapter trains through the base's compression, which must be a
+    wire codec."""
+    theirs = manifest.spec.compression
+    out = []
+    if spec.compression != theirs:
+        out.append(
+            f"compression is {spec.compression!r}, the export's {theirs!r} (an adapter trains "
+            "through its base's)"
+        )
+    elif parse_compression(theirs, d_model=spec.model.d_model).bottleneck_dim is not None:
+        out.append(f"an adapter cannot train through a learned bottleneck ({theirs!r})")
+    return out
 
 
 def source_stages(manifest: RunManifest, plan: StagePlan) -> list[int]:

@@ -50,6 +50,12 @@ class ByteTokenizer:
     def decode(self, ids: Iterable[int]) -> bytes:
         return bytes(int(i) & 0xFF for i in ids)
 
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one id stands for (a stream decodes token by token with these)."""
+        return bytes([int(token) & 0xFF])
+
+    max_token_bytes = 1
+
     def to_json(self) -> str | None:
         return None
 
@@ -97,11 +103,53 @@ class BpeTokenizer:
     def decode(self, ids: Iterable[int]) -> bytes:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False).encode("utf-8")
 
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes one id stands for: its byte-level symbols mapped back to bytes (a
+        special token: its text), so that a stream can decode token by token even where a
+        character spans tokens; :meth:`decode` of many ids is these bytes joined."""
+        table = self._bytes_table()
+        return table[token] if 0 <= token < len(table) else b""
+
+    @property
+    def max_token_bytes(self) -> int:
+        return max((len(b) for b in self._bytes_table()), default=1)
+
+    def _bytes_table(self) -> list[bytes]:
+        table = getattr(self, "_table", None)
+        if table is None:
+            to_byte = {ch: b for b, ch in byte_level_alphabet().items()}
+            table = []
+            for i in range(self._tok.get_vocab_size()):
+                token = self._tok.id_to_token(i)
+                if token is None:
+                    table.append(b"")
+                elif token in SPECIAL_TOKENS:
+                    table.append(token.encode())
+                else:
+                    table.append(bytes(to_byte[ch] for ch in token if ch in to_byte))
+            self._table = table
+        return table
+
     def to_json(self) -> str:
         return self._json
 
 
 Tokenizer = ByteTokenizer | BpeTokenizer
+
+
+def byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's byte-to-symbol map, which byte-level BPEs (``tokenizers``' ByteLevel) write
+    tokens in: printable bytes stand for themselves, the others for symbols from U+0100 on."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    kept += range(ord("®"), ord("ÿ") + 1)
+    out, extra = {}, 0
+    for b in range(256):
+        if b in kept:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
 
 
 def train_bpe(texts: Iterable[bytes], vocab_size: int) -> BpeTokenizer:

@@ -15,6 +15,7 @@ request that fails after its first byte ends with such an error event, then ``[D
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import secrets
@@ -78,32 +79,38 @@ class Piece:
 class Completions:
     """One request's prompts run as engine jobs, their tokens turned into text pieces."""
 
-    def __init__(self, served: Served, request: CompletionRequest, began: float) -> None:
+    def __init__(
+        self,
+        served: Served,
+        request: CompletionRequest,
+        began: float,
+        prompt_ids: list[list[int]],
+    ) -> None:
         self.served, self.request, self.began = served, request, began
         self.id = f"cmpl-{secrets.token_hex(12)}"
-        self.prompt_ids = [self._ids(text) for text in request.prompts]
+        self.prompt_ids = prompt_ids
         self.completion_tokens = 0
         self._queue: asyncio.Queue[tuple[int, Token | Finished]] = asyncio.Queue()
         self._jobs: list[Job] = []
         self._first: float | None = None
 
-    def _ids(self, text: str) -> list[int]:
-        tokenizer, served = self.served.tokenizer, self.served
-        ids = tokenizer.encode(text.encode("utf-8", errors="replace")) if text else None
-        ids = [int(i) for i in (tokenizer.separator if ids is None or not ids.size else ids)]
-        if max(ids) >= served.vocab_size:
-            raise CompletionError(
-                f"the prompt has tokens beyond the model's vocabulary of {served.vocab_size}",
-                param="prompt",
-            )
-        room = served.seq_len - len(ids)
-        if self.request.max_tokens > room:
-            raise CompletionError(
-                f"this model's context is {served.seq_len} tokens: the prompt has {len(ids)}, "
-                f"so max_tokens can be at most {max(room, 0)} (got {self.request.max_tokens})",
-                param="max_tokens" if room > 0 else "prompt",
-            )
-        return ids
+    @classmethod
+    async def of(cls, served: Served, request: CompletionRequest, began: float) -> Completions:
+        """The request's prompts checked and encoded (off the event loop: a long prompt takes
+        a while); CompletionError naming the field when one cannot run."""
+        longest = served.seq_len * served.tokenizer.max_token_bytes
+        for text in request.prompts:
+            size = len(text.encode("utf-8", errors="replace"))
+            if size > longest:  # more tokens than the context for certain: not encoded
+                raise CompletionError(
+                    f"the prompt is {size} bytes, more than this model's context of "
+                    f"{served.seq_len} tokens can hold",
+                    param="prompt",
+                )
+        ids = await asyncio.to_thread(
+            lambda: [_prompt_ids(served, request, text) for text in request.prompts]
+        )
+        return cls(served, request, began, ids)
 
     @property
     def usage(self) -> Usage:
@@ -127,7 +134,8 @@ class Completions:
             )
 
             def emit(event: Token | Finished, index: int = index) -> None:
-                loop.call_soon_threadsafe(self._queue.put_nowait, (index, event))
+                with contextlib.suppress(RuntimeError):  # the loop is closed: shutting down
+                    loop.call_soon_threadsafe(self._queue.put_nowait, (index, event))
 
             job = Job(ids=ids, max_tokens=request.max_tokens, sampling=sampling, emit=emit)
             try:
@@ -188,6 +196,26 @@ class Completions:
         )
 
 
+def _prompt_ids(served: Served, request: CompletionRequest, text: str) -> list[int]:
+    """``text``'s token ids (empty: the start of a document), checked against the model."""
+    tokenizer = served.tokenizer
+    ids = tokenizer.encode(text.encode("utf-8", errors="replace")) if text else None
+    ids = [int(i) for i in (tokenizer.separator if ids is None or not ids.size else ids)]
+    if max(ids) >= served.vocab_size:
+        raise CompletionError(
+            f"the prompt has tokens beyond the model's vocabulary of {served.vocab_size}",
+            param="prompt",
+        )
+    room = served.seq_len - len(ids)
+    if request.max_tokens > room:
+        raise CompletionError(
+            f"this model's context is {served.seq_len} tokens: the prompt has {len(ids)}, "
+            f"so max_tokens can be at most {max(room, 0)} (got {request.max_tokens})",
+            param="max_tokens" if room > 0 else "prompt",
+        )
+    return ids
+
+
 def _served(request: Request) -> Served:
     return request.app.state["served"]
 
@@ -210,7 +238,7 @@ async def completions(request: Request) -> Response | Stream:
     body = decode_request(await request.body())
     if body.model is not None and body.model != served.name:
         raise NotFoundError(f"this server serves the model {served.name!r}, not {body.model!r}")
-    run = Completions(served, body, began)
+    run = await Completions.of(served, body, began)
     run.submit()
     if body.stream:
         return Stream(_events(run), media_type="text/event-stream", headers=SSE_HEADERS)

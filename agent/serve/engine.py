@@ -28,6 +28,8 @@ from silentswarm.agent.serve.kvcache import Stepper
 log = logging.getLogger(__name__)
 
 FinishReason = Literal["length", "cancelled", "error"]
+# A temperature below this samples greedily (logits divided by it would overflow).
+GREEDY_BELOW = 1e-4
 
 
 @dataclass(frozen=True)
@@ -126,9 +128,13 @@ class Engine:
             self._wake.notify()
 
     def cancel(self, job: Job) -> None:
-        """End ``job`` at the next turn (a waiting one is dropped before it starts)."""
+        """End ``job``: a waiting one leaves the queue at once, a running one at the next
+        turn."""
         job.cancelled.set()
         with self._wake:
+            if job in self._waiting:
+                self._waiting.remove(job)
+                job.emit(Finished("cancelled"))
             self._wake.notify()
 
     def _loop(self) -> None:
@@ -179,8 +185,15 @@ class Engine:
         self._drop_finished()
 
     def _take(self, job: Job, logits: np.ndarray) -> None:
-        """Sample ``job``'s next token from ``logits`` and hand it over."""
-        token = sample(logits, job.sampling, job.rng)
+        """Sample ``job``'s next token from ``logits`` and hand it over (a failure ends this
+        job only)."""
+        try:
+            token = sample(logits, job.sampling, job.rng)
+        except (ValueError, FloatingPointError) as exc:
+            job.emit(Finished("error", f"sampling failed: {exc}"))
+            job.max_tokens = job.made  # ended: not "cancelled" when its slot is freed
+            job.cancelled.set()
+            return
         job.last, job.made = token, job.made + 1
         job.emit(Token(token))
         if job.made >= job.max_tokens:
@@ -207,7 +220,9 @@ class Engine:
 def sample(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> int:
     """One token: greedy at temperature 0; else top-k, then top-p (nucleus), sampling."""
     logits = np.asarray(logits, dtype=np.float64)
-    if sampling.temperature == 0 or sampling.top_p >= 1.0:
+    if sampling.temperature < GREEDY_BELOW:  # dividing by less would overflow
+        return int(np.argmax(logits))
+    if sampling.top_p >= 1.0:
         return pick(logits, temperature=sampling.temperature, top_k=sampling.top_k, rng=rng)
     scaled = logits / sampling.temperature
     if 0 < sampling.top_k < scaled.size:

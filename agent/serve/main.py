@@ -48,8 +48,8 @@ def parse(argv: Sequence[str] | None):
         raise ServeError(f"--port must be in 0..65535, got {args.port}")
     if not 1 <= args.slots <= MAX_SLOTS:
         raise ServeError(f"--slots must be in 1..{MAX_SLOTS}, got {args.slots}")
-    if args.max_waiting < 0:
-        raise ServeError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    if args.max_waiting < 1:
+        raise ServeError(f"--max-waiting must be >= 1, got {args.max_waiting}")
     return args
 
 

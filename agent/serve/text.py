@@ -1,10 +1,10 @@
 """A completion's tokens as text, piece by piece, with stop sequences.
 
-Tokens decode to bytes; a UTF-8 character may span tokens, so the bytes go through an
-incremental decoder (``errors="replace"``, as ``generate`` decodes) and a piece never ends
-inside a character. A stop sequence ends the completion and is not part of it (the OpenAI
-API's rule); text that could be the start of a stop sequence is held back until the next
-tokens tell, so what was streamed never has to be taken back.
+Each token is its bytes (``Tokenizer.token_bytes``); a UTF-8 character may span tokens, so
+the bytes go through an incremental decoder (``errors="replace"``, as ``generate`` decodes)
+and a piece never ends inside a character. A stop sequence ends the completion and is not
+part of it (the OpenAI API's rule); text that could be the start of a stop sequence is held
+back until the next tokens tell, so what was streamed never has to be taken back.
 """
 
 from __future__ import annotations
@@ -20,17 +20,17 @@ class TextAssembler:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
         self.ids: list[int] = []
-        self._bytes = 0  # of the decoded tokens, already fed to the decoder
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._held = ""  # decoded, not yet given out
         self.stopped = False
 
     def add(self, token: int) -> str:
-        """The text ``token`` completes (maybe ""); sets ``stopped`` at a stop sequence."""
+        """The text ``token`` completes (maybe ""); sets ``stopped`` at a stop sequence,
+        after which nothing more is given out."""
+        if self.stopped:
+            return ""
         self.ids.append(token)
-        raw = self.tokenizer.decode(self.ids)
-        self._held += self._decoder.decode(raw[self._bytes :])
-        self._bytes = len(raw)
+        self._held += self._decoder.decode(self.tokenizer.token_bytes(token))
         cut = min((i for i in (self._held.find(s) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             self.stopped = True

@@ -96,3 +96,24 @@ def test_each_stage_fetches_the_source_shards_that_hold_its_layers(source, targe
         job_id="new-1", attempt=1, spec=target_spec, placement=placement, subject_prefix="swarm"
     )
     assert [source_stages(manifest(source), p) for p in plans] == want
+
+
+@pytest.mark.parametrize(
+    ("source", "mine", "needle"),
+    [
+        ("none", "fixed_int8", "compression is 'fixed_int8', the export's 'none'"),
+        ("learned_dim8_int8", "learned_dim8_int8", "cannot train through a learned bottleneck"),
+    ],
+)
+def test_an_adapter_trains_through_its_bases_wire_codec_only(source, mine, needle):
+    from silentswarm.plan import AdapterConfig
+
+    check_fits(
+        spec(adapter=AdapterConfig(), compression="fixed_int8"),
+        manifest([(0, 6)], compression="fixed_int8"),
+    )
+    with pytest.raises(FieldError) as raised:
+        check_fits(
+            spec(adapter=AdapterConfig(), compression=mine), manifest([(0, 6)], compression=source)
+        )
+    assert needle in raised.value.message

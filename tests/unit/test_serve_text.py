@@ -90,3 +90,72 @@ def test_a_request_takes_what_the_openai_clients_send():
         b' "presence_penalty": 0, "frequency_penalty": 0}'
     )
     assert request.prompts == ["a", "b"] and request.stops == ["\n"] and request.include_usage
+
+
+def test_a_bpe_stream_gives_whole_characters_and_finds_stops_across_tokens():
+    from silentswarm.agent.runtime.tokenizer import train_bpe
+
+    tokenizer = train_bpe([("hello world héllo 世界 é " * 50).encode()], 300)
+    text = "héllo 世界 é <|endoftext|> x"
+    ids = [int(i) for i in tokenizer.encode(text.encode())]
+    assembler = TextAssembler(tokenizer, [])
+    assert "".join(assembler.add(i) for i in ids) + assembler.finish() == text
+    stopping = TextAssembler(tokenizer, ["界"])
+    assert "".join(stopping.add(i) for i in ids) == "héllo 世" and stopping.stopped
+    assert tokenizer.max_token_bytes >= max(len(tokenizer.token_bytes(i)) for i in ids)
+
+
+def test_a_tiny_temperature_is_greedy_not_a_nan():
+    logits = np.array([0.0, 3.0, 1.0])
+    assert sample(logits, Sampling(temperature=1e-310), np.random.default_rng(0)) == 1
+    assert sample(logits, Sampling(temperature=1e-310, top_p=0.5), np.random.default_rng(0)) == 1
+
+
+class SlowStepper:
+    """One slot; uniform logits; each step takes a millisecond (a model's time)."""
+
+    slots, seq_len = 1, 10_000
+
+    def start(self, slot, ids):
+        return np.zeros(4)
+
+    def step(self, slots, tokens, positions):
+        import time
+
+        time.sleep(0.001)
+        return np.zeros((len(slots), 4))
+
+
+def test_a_waiting_request_that_is_cancelled_leaves_the_queue_at_once():
+    import threading
+
+    from silentswarm.agent.serve.engine import Engine, Finished, Job
+
+    events: dict[str, list] = {"a": [], "b": []}
+    ended, started = threading.Event(), threading.Event()
+
+    def emit(name):
+        def put(event):
+            events[name].append(event)
+            if name == "b" and isinstance(event, Finished):
+                ended.set()
+            started.set()
+
+        return put
+
+    engine = Engine(SlowStepper(), max_waiting=1)
+    engine.start()
+    try:
+        running = Job(ids=[1], max_tokens=100_000, sampling=Sampling(), emit=emit("a"))
+        waiting = Job(ids=[1], max_tokens=5, sampling=Sampling(), emit=emit("b"))
+        engine.submit(running)
+        assert started.wait(5)  # it holds the one slot
+        engine.submit(waiting)
+        assert engine.counts[1] == 1
+        engine.cancel(waiting)
+        assert ended.wait(5) and events["b"] == [Finished("cancelled")]
+        assert engine.counts == (1, 0)  # its place is free: another may queue
+        engine.submit(Job(ids=[1], max_tokens=1, sampling=Sampling(), emit=emit("a")))
+    finally:
+        engine.cancel(running)
+        engine.stop()
