@@ -160,9 +160,23 @@ class Sampler:
         return self._next_logits(window, np.int32(len(tail) - 1)).numpy().astype(np.float64)
 
 
-def pick(logits: np.ndarray, *, temperature: float, top_k: int, rng: np.random.Generator) -> int:
-    """One token from ``logits``: greedy at temperature 0, else top-k sampling."""
-    if temperature == 0:
+# A temperature below this samples greedily (logits divided by it would overflow).
+GREEDY_BELOW = 1e-4
+
+
+def pick(
+    logits: np.ndarray,
+    *,
+    temperature: float,
+    top_k: int,
+    rng: np.random.Generator,
+    top_p: float = 1.0,
+) -> int:
+    """One token from ``logits``: greedy at temperature 0 (or below :data:`GREEDY_BELOW`),
+    else sampling from the ``top_k`` likeliest (0: all), then from the smallest set of the
+    likeliest whose mass reaches ``top_p`` (nucleus; 1: all)."""
+    logits = np.asarray(logits, dtype=np.float64)
+    if temperature < GREEDY_BELOW:
         return int(np.argmax(logits))
     scaled = logits / temperature
     if 0 < top_k < scaled.size:
@@ -170,6 +184,12 @@ def pick(logits: np.ndarray, *, temperature: float, top_k: int, rng: np.random.G
         scaled = np.where(scaled >= cut, scaled, -np.inf)
     probs = np.exp(scaled - scaled.max())
     probs /= probs.sum()
+    if top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        keep = order[: int(np.searchsorted(np.cumsum(probs[order]), top_p)) + 1]
+        kept = np.zeros_like(probs)
+        kept[keep] = probs[keep]
+        probs = kept / kept.sum()
     return int(rng.choice(probs.size, p=probs))
 
 

@@ -306,7 +306,7 @@ async def metrics(request: Request) -> Response:
 
 
 def _swarm_error(request: Request, exc: SwarmError) -> Response:
-    if isinstance(exc, CompletionError | ServeAuthError) or exc.http_status < 500:
+    if exc.http_status < 500:
         _served(request).metrics.requests.labels(str(exc.http_status)).inc()
     else:
         log.error("%s: %s", exc.code, exc.message)

@@ -28,8 +28,6 @@ from silentswarm.agent.serve.kvcache import Stepper
 log = logging.getLogger(__name__)
 
 FinishReason = Literal["length", "cancelled", "error"]
-# A temperature below this samples greedily (logits divided by it would overflow).
-GREEDY_BELOW = 1e-4
 
 
 @dataclass(frozen=True)
@@ -66,11 +64,19 @@ class Job:
     slot: int = -1
     made: int = 0  # tokens sampled so far
     last: int = 0  # the last token sampled: the next step's input
-    cancelled: threading.Event = field(default_factory=threading.Event)
+    cancelled: threading.Event = field(default_factory=threading.Event)  # to end, its slot freed
+    ended: bool = False  # its Finished was emitted
     rng: np.random.Generator = field(init=False)
 
     def __post_init__(self) -> None:
         self.rng = np.random.default_rng(self.sampling.seed)
+
+    def finish(self, reason: FinishReason, message: str = "") -> None:
+        """Emit the job's one Finished event (later calls do nothing) and mark it to end."""
+        self.cancelled.set()
+        if not self.ended:
+            self.ended = True
+            self.emit(Finished(reason, message))
 
     @property
     def position(self) -> int:
@@ -116,7 +122,7 @@ class Engine:
     def submit(self, job: Job) -> None:
         """Queue ``job``; ServeBusyError when ``max_waiting`` jobs wait already."""
         if job.max_tokens < 1:
-            job.emit(Finished("length"))
+            job.finish("length")
             return
         with self._wake:
             if len(self._waiting) >= self.max_waiting:
@@ -134,7 +140,7 @@ class Engine:
         with self._wake:
             if job in self._waiting:
                 self._waiting.remove(job)
-                job.emit(Finished("cancelled"))
+                job.finish("cancelled")
             self._wake.notify()
 
     def _loop(self) -> None:
@@ -158,7 +164,7 @@ class Engine:
         while free and self._waiting:
             job = self._waiting.popleft()
             if job.cancelled.is_set():
-                job.emit(Finished("cancelled"))
+                job.finish("cancelled")
                 continue
             job.slot = free.pop(0)
             self._running[job.slot] = job
@@ -190,23 +196,19 @@ class Engine:
         try:
             token = sample(logits, job.sampling, job.rng)
         except (ValueError, FloatingPointError) as exc:
-            job.emit(Finished("error", f"sampling failed: {exc}"))
-            job.max_tokens = job.made  # ended: not "cancelled" when its slot is freed
-            job.cancelled.set()
+            job.finish("error", f"sampling failed: {exc}")
             return
         job.last, job.made = token, job.made + 1
         job.emit(Token(token))
         if job.made >= job.max_tokens:
-            job.emit(Finished("length"))
-            job.cancelled.set()  # done: the slot is freed below
+            job.finish("length")  # the slot is freed below
 
     def _drop_finished(self) -> None:
         with self._wake:
             for slot, job in list(self._running.items()):
                 if job.cancelled.is_set():
                     del self._running[slot]
-                    if job.made < job.max_tokens:
-                        job.emit(Finished("cancelled"))
+                    job.finish("cancelled")
 
     def _end_all(self, message: str) -> None:
         with self._wake:
@@ -214,25 +216,15 @@ class Engine:
             self._running.clear()
             self._waiting.clear()
         for job in jobs:
-            job.emit(Finished("error", message))
+            job.finish("error", message)
 
 
 def sample(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> int:
-    """One token: greedy at temperature 0; else top-k, then top-p (nucleus), sampling."""
-    logits = np.asarray(logits, dtype=np.float64)
-    if sampling.temperature < GREEDY_BELOW:  # dividing by less would overflow
-        return int(np.argmax(logits))
-    if sampling.top_p >= 1.0:
-        return pick(logits, temperature=sampling.temperature, top_k=sampling.top_k, rng=rng)
-    scaled = logits / sampling.temperature
-    if 0 < sampling.top_k < scaled.size:
-        cut = np.partition(scaled, -sampling.top_k)[-sampling.top_k]
-        scaled = np.where(scaled >= cut, scaled, -np.inf)
-    probs = np.exp(scaled - scaled.max())
-    probs /= probs.sum()
-    order = np.argsort(-probs, kind="stable")
-    # The smallest set of the likeliest tokens whose mass reaches top_p.
-    keep = order[: int(np.searchsorted(np.cumsum(probs[order]), sampling.top_p)) + 1]
-    kept = np.zeros_like(probs)
-    kept[keep] = probs[keep]
-    return int(rng.choice(kept.size, p=kept / kept.sum()))
+    """One token of ``logits`` as ``sampling`` says (``generate``'s :func:`pick`)."""
+    return pick(
+        logits,
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        rng=rng,
+    )

@@ -89,22 +89,21 @@ class CachedStepper:
 
         return attend
 
-    def _run(self, tokens, positions, slots):
-        logits = self.model.forward(
+    def _forward(self, tokens, positions, slots):
+        """The logits of ``tokens`` (batch, new) at ``positions`` of ``slots``, their keys
+        and values written into the cache."""
+        return self.model.forward(
             tokens,
             positions=positions,
             attention=lambda layer: self._attention(layer, positions, slots),
         )
-        return logits[:, -1]
+
+    def _run(self, tokens, positions, slots):
+        return self._forward(tokens, positions, slots)[:, -1]
 
     def _prefill(self, window, slot, length):
         positions = tf.range(self.seq_len)[tf.newaxis]
-        logits = self.model.forward(
-            window,
-            positions=positions,
-            attention=lambda layer: self._attention(layer, positions, slot[tf.newaxis]),
-        )
-        return logits[0, length - 1]
+        return self._forward(window, positions, slot[tf.newaxis])[0, length - 1]
 
     def start(self, slot: int, ids: Sequence[int]) -> np.ndarray:
         window = _window(ids, self.seq_len)
