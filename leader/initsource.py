@@ -27,7 +27,7 @@ from silentswarm.errors import FieldError, ManifestError, NotFoundError
 from silentswarm.jobspec import JobSpec
 from silentswarm.leader.errors import ShardAccessError
 from silentswarm.leader.jobs import JobManager
-from silentswarm.plan import StagePlan
+from silentswarm.plan import LayerRange, StagePlan, layers_overlap
 from silentswarm.protocol import JobState
 from silentswarm.types.jobs import InitSource, JobRecord
 from silentswarm.types.manifests import RUN_MANIFEST, RunManifest, decode_run_manifest
@@ -150,14 +150,10 @@ def _adapter_problems(spec: JobSpec, manifest: RunManifest) -> list[str]:
     return out
 
 
-def source_stages(manifest: RunManifest, plan: StagePlan) -> list[int]:
-    """The export's stages that hold any of ``plan``'s layers (the first and last always hold
-    the embedding and the head, which are stage 0's and the last stage's). Pure."""
-    return [
-        shard.stage
-        for shard in manifest.stages
-        if shard.layer_start < plan.layer_end and plan.layer_start < shard.layer_end
-    ]
+def source_stages(manifest: RunManifest, stage: LayerRange) -> list[int]:
+    """The export's stages that hold any of ``stage``'s layers (the first and last always
+    hold the embedding and the head, which are stage 0's and the last stage's). Pure."""
+    return [shard.stage for shard in manifest.stages if layers_overlap(shard, stage)]
 
 
 def init_args(job: JobRecord, plan: StagePlan, *, token: str, public_url: str) -> InitArgs | None:
@@ -193,13 +189,12 @@ def init_file(job: JobRecord, stage: int, name: str) -> Path:
     directory = Path(source.directory)
     if name == RUN_MANIFEST:
         return directory / RUN_MANIFEST
-    plan_range = next(
-        ((p.layer_start, p.layer_end) for p in job.placement.stages if p.stage == stage), None
-    )
-    if plan_range is None:
+    placed = next((p for p in job.placement.stages if p.stage == stage), None)
+    if placed is None:
         raise ShardAccessError(f"job {job.job_id} has no stage {stage}")
+    wanted = set(source_stages(manifest, placed))
     for shard in manifest.stages:
-        if shard.layer_start < plan_range[1] and plan_range[0] < shard.layer_end:
+        if shard.stage in wanted:
             for relative in (shard.checkpoint, shard.weights):
                 if Path(relative).name == name:
                     return directory / relative

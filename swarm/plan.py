@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import os
-from typing import Annotated, Literal, Self
+from typing import Annotated, Literal, Protocol, Self
 
 import msgspec
 
@@ -557,6 +557,17 @@ def split_layers(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
         ranges.append((start, end))
         start = end
     return ranges
+
+
+class LayerRange(Protocol):
+    layer_start: int
+    layer_end: int
+
+
+def layers_overlap(a: LayerRange, b: LayerRange) -> bool:
+    """Whether two half-open layer ranges (stages, placed stages, exported shards) share a
+    layer."""
+    return a.layer_start < b.layer_end and b.layer_start < a.layer_end
 
 
 def stage_in_flight(

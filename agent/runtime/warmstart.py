@@ -18,8 +18,6 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import msgspec
-
 from silentswarm.agent.errors import CheckpointError
 from silentswarm.agent.runtime.checkpoint import (
     checkpoint_tokenizer,
@@ -29,8 +27,7 @@ from silentswarm.agent.runtime.checkpoint import (
 )
 from silentswarm.agent.runtime.tokenizer import Tokenizer
 from silentswarm.errors import ManifestError
-from silentswarm.jobspec import stage_plans
-from silentswarm.plan import StagePlan
+from silentswarm.plan import StagePlan, layers_overlap
 from silentswarm.types.manifests import RUN_MANIFEST, RunManifest, decode_run_manifest
 
 if TYPE_CHECKING:
@@ -61,19 +58,7 @@ class ExportStart:
             raise CheckpointError(f"{path}: unreadable ({exc})") from None
         except ManifestError as exc:
             raise CheckpointError(exc.message) from None
-        plans = stage_plans(
-            job_id=self.manifest.job_id,
-            attempt=self.manifest.attempt,
-            spec=self.manifest.spec,
-            placement=self.manifest.placement,
-            subject_prefix="swarm",
-        )
-        self.plans = [
-            msgspec.structs.replace(
-                p, gpu_slots=[], train=msgspec.structs.replace(p.train, precision="float32")
-            )
-            for p in plans
-        ]
+        self.plans = self.manifest.portable_plans()
 
     def _checkpoint_path(self, stage: int) -> Path | None:
         shard = next((s for s in self.manifest.stages if s.stage == stage), None)
@@ -109,9 +94,7 @@ class ExportStart:
         found: dict[str, list] = {}
         for plan in self.plans:
             path = self._checkpoint_path(plan.stage)
-            overlaps = plan.layer_start < model.plan.layer_end
-            overlaps = overlaps and model.plan.layer_start < plan.layer_end
-            if path is None or not overlaps:
+            if path is None or not layers_overlap(plan, model.plan):
                 continue
             source = StageModel(plan)
             restore_into(source, None, load_checkpoint(path))

@@ -27,8 +27,8 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 
 from silentswarm.errors import ManifestError
-from silentswarm.jobspec import JobSpec, Placement
-from silentswarm.plan import JsonlSource, ModelConfig
+from silentswarm.jobspec import JobSpec, Placement, stage_plans
+from silentswarm.plan import JsonlSource, ModelConfig, StagePlan
 
 RUN_MANIFEST = "run_manifest.json"
 RUN_MANIFEST_FORMAT = 1
@@ -92,6 +92,24 @@ class RunManifest(msgspec.Struct, kw_only=True, frozen=True):
     updated_at: float | None = None
     # Set for an adapter's export: its shards hold the adapter only, for this base.
     base: BaseRef | None = None
+
+    def portable_plans(self) -> list[StagePlan]:
+        """The plans the job's stages ran, without GPU slots (any machine builds them), in
+        float32 (a bfloat16 job's weights are float32 too): what glue and a job starting
+        from this export rebuild the stages from."""
+        plans = stage_plans(
+            job_id=self.job_id,
+            attempt=self.attempt,
+            spec=self.spec,
+            placement=self.placement,
+            subject_prefix="swarm",
+        )
+        return [
+            msgspec.structs.replace(
+                p, gpu_slots=[], train=msgspec.structs.replace(p.train, precision="float32")
+            )
+            for p in plans
+        ]
 
 
 def encode_run_manifest(manifest: RunManifest) -> bytes:

@@ -13,11 +13,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import msgspec
-
 from silentswarm.agent.errors import GlueError, GlueMismatchError
 from silentswarm.agent.runtime.glue.manifest import CheckedExport
-from silentswarm.jobspec import stage_plans
 from silentswarm.plan import StagePlan
 
 if TYPE_CHECKING:
@@ -26,21 +23,8 @@ if TYPE_CHECKING:
 
 
 def plans_for(export: CheckedExport) -> list[StagePlan]:
-    """The plans the job's stages ran, without GPU slots (any machine builds them), in
-    float32 (a bfloat16 job's weights are float32 too: glue checks and saves in float32)."""
-    plans = stage_plans(
-        job_id=export.job_id,
-        attempt=export.attempt,
-        spec=export.spec,
-        placement=export.placement,
-        subject_prefix="swarm",
-    )
-    return [
-        msgspec.structs.replace(
-            plan, gpu_slots=[], train=msgspec.structs.replace(plan.train, precision="float32")
-        )
-        for plan in plans
-    ]
+    """The plans the job's stages ran, runnable here (:meth:`RunManifest.portable_plans`)."""
+    return export.manifest.portable_plans()
 
 
 def build_stage_models(
