@@ -100,6 +100,8 @@ class Orchestrator:
         self.loaded = asyncio.Event()
         self._wake = wake if wake is not None else asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
+        # Final manifests being written, by job: a job starting from one waits for it.
+        self._final_exports: dict[str, asyncio.Task[Any]] = {}
         # Fellow id -> the purge delivery in flight (one at a time; others wait for it).
         self._purging: dict[str, asyncio.Future[bool]] = {}
         # Fellows an operator action (release, update) is signalling: not placed meanwhile.
@@ -150,10 +152,11 @@ class Orchestrator:
         self._deliver_purges()
         await self.flush()
 
-    def _spawn(self, coro: Any, name: str) -> None:
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._task_done)
+        return task
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
@@ -424,10 +427,24 @@ class Orchestrator:
         """A job ended: its final manifest; stop the stages still running (after a failure or
         a cancel)."""
         if self.exports is not None:
-            self._spawn(self.exports.job_ended(job), f"export-{job.job_id}")
+            task = self._spawn(self.exports.job_ended(job), f"export-{job.job_id}")
+            self._final_exports[job.job_id] = task
+            task.add_done_callback(self._final_export_written)
         still = decide.stages_to_stop(job)
         if still:
             self._stop_all(job.job_id, job.attempt, still, job.reason)
+
+    def _final_export_written(self, task: asyncio.Task[Any]) -> None:
+        job_id = task.get_name().removeprefix("export-")
+        if self._final_exports.get(job_id) is task:
+            del self._final_exports[job_id]
+
+    async def final_export(self, job_id: str) -> None:
+        """Return once an ended job's final manifest is written: the job is terminal before
+        it is, and a job starting from its export must pin the final one."""
+        task = self._final_exports.get(job_id)
+        if task is not None:
+            await asyncio.wait({task})
 
     # --- purges ----------------------------------------------------------------------------
 

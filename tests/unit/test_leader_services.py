@@ -76,6 +76,9 @@ class FakeLoop:
     def job_ended(self, job: JobRecord) -> None:
         self.calls.append(f"ended {job.job_id}")
 
+    async def final_export(self, job_id: str) -> None:
+        self.calls.append(f"final export {job_id}")
+
 
 def _register(registry: FellowRegistry, fellow_id: str) -> None:
     identity = FellowIdentity(
@@ -186,6 +189,15 @@ def test_submit_refuses_an_export_dir_outside_the_root(tmp_path: Path) -> None:
     with pytest.raises(FieldError, match="model_export_dir"):
         asyncio.run(service.submit(spec))
     assert loop.calls == []
+
+
+def test_a_job_from_another_jobs_export_waits_for_its_final_manifest_first(tmp_path: Path) -> None:
+    # The source turns COMPLETED before its final manifest is written: a job submitted at once
+    # would pin the manifest about to be replaced, and fail to start.
+    service, loop = _jobs_service(tmp_path)
+    with pytest.raises(FieldError, match="init_from: there is no job 'gone'"):
+        asyncio.run(service.submit(JobSpec(name="warm", steps=10, init_from="job:gone")))
+    assert loop.calls == ["require_loaded", "final export gone"]
 
 
 def test_cancel_ends_the_job_through_the_loop(tmp_path: Path) -> None:
