@@ -439,12 +439,13 @@ class Orchestrator:
         if self._final_exports.get(job_id) is task:
             del self._final_exports[job_id]
 
-    async def final_export(self, job_id: str) -> None:
-        """Return once an ended job's final manifest is written: the job is terminal before
-        it is, and a job starting from its export must pin the final one."""
-        task = self._final_exports.get(job_id)
-        if task is not None:
-            await asyncio.wait({task})
+    async def final_exports(self) -> None:
+        """Return once the final manifests of the jobs that ended are written: a job turns
+        terminal before its manifest is, and a job starting from its export must pin the final
+        one."""
+        pending = set(self._final_exports.values())
+        if pending:
+            await asyncio.wait(pending)
 
     # --- purges ----------------------------------------------------------------------------
 

@@ -47,8 +47,8 @@ class JobLoop(Protocol):
         """Write its final manifest; stop the stages still running."""
         ...
 
-    async def final_export(self, job_id: str) -> None:
-        """Return once the ended job's final manifest is written."""
+    async def final_exports(self) -> None:
+        """Return once the final manifests of the jobs that ended are written."""
         ...
 
 
@@ -84,8 +84,8 @@ class JobsService:
         if configured is not None:
             resolve_export_dir(self.export_root, configured)
         self.loop.require_loaded()
-        if spec.init_from is not None and spec.init_from.startswith("job:"):
-            await self.loop.final_export(spec.init_from.removeprefix("job:").strip())
+        if spec.init_from_export:
+            await self.loop.final_exports()
         init_source = await asyncio.to_thread(initsource.resolve, spec, self.jobs, self.export_root)
         job = self.jobs.submit(self.pin_datasets(spec), init_source)
         await self.loop.flush()

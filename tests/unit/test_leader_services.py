@@ -76,8 +76,8 @@ class FakeLoop:
     def job_ended(self, job: JobRecord) -> None:
         self.calls.append(f"ended {job.job_id}")
 
-    async def final_export(self, job_id: str) -> None:
-        self.calls.append(f"final export {job_id}")
+    async def final_exports(self) -> None:
+        self.calls.append("final exports")
 
 
 def _register(registry: FellowRegistry, fellow_id: str) -> None:
@@ -197,7 +197,7 @@ def test_a_job_from_another_jobs_export_waits_for_its_final_manifest_first(tmp_p
     service, loop = _jobs_service(tmp_path)
     with pytest.raises(FieldError, match="init_from: there is no job 'gone'"):
         asyncio.run(service.submit(JobSpec(name="warm", steps=10, init_from="job:gone")))
-    assert loop.calls == ["require_loaded", "final export gone"]
+    assert loop.calls == ["require_loaded", "final exports"]
 
 
 def test_cancel_ends_the_job_through_the_loop(tmp_path: Path) -> None:
