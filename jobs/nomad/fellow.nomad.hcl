@@ -1,21 +1,41 @@
 # SilentSwarm fellows: a system job, so every eligible client node runs one agent.
-# CPU fellows by default; `-var gpu=true` asks for an NVIDIA GPU per node (the nvidia device
+# CPU fellows by default; `-var gpus=N` asks for N NVIDIA GPUs per node (the nvidia device
 # plugin), and the agent maps the devices Nomad assigns (NVIDIA_VISIBLE_DEVICES) to
 # CUDA_VISIBLE_DEVICES, which TensorFlow honours outside containers.
 # Each fellow gets its own NATS user from the leader at start (fleet enrollment): the variable
 # nomad/jobs/swarm-fellow holds the enrollment token, and optional caps, e.g.
 #   nomad var put nomad/jobs/swarm-fellow enroll_token=<the leader's> max_vram_gb=24
-# The user is kept in the allocation (SWARM_STATE_DIR/nats.creds).
-# Checkpoints live in the allocation (SWARM_STATE_DIR); a replaced allocation starts afresh.
+# Its user and checkpoints live in the allocation (SWARM_STATE_DIR/nats.creds); the sticky
+# ephemeral disk carries them over to the node's next allocation (a new job version).
+#
+# Driver: `exec` (chroot, as the user "silentswarm"); the package comes in read-only through the
+# host volume "silentswarm". The nvidia device plugin gives a task only NVIDIA_VISIBLE_DEVICES,
+# no device nodes, so with gpus > 0 the task runs under raw_exec (still as "silentswarm", which
+# the package puts in the video and render groups); -var driver=... overrides either choice.
 
 variable "datacenters" {
   type    = list(string)
   default = ["dc1"]
 }
 
-variable "gpu" {
-  type    = bool
-  default = false
+variable "gpus" {
+  type    = number
+  default = 0
+}
+
+# "" picks exec without GPUs, raw_exec with them.
+variable "driver" {
+  type    = string
+  default = ""
+}
+
+variable "user" {
+  type    = string
+  default = "silentswarm"
+}
+
+locals {
+  driver = var.driver != "" ? var.driver : (var.gpus > 0 ? "raw_exec" : "exec")
 }
 
 variable "node_class" {
@@ -42,7 +62,8 @@ job "swarm-fellow" {
     }
 
     # A system job counts every exit against these attempts, and a fellow exits on purpose
-    # (SWARM_FELLOW_EXIT_AFTER_TRAINING=1, updates): keep it coming back.
+    # (SWARM_FELLOW_EXIT_AFTER_TRAINING=1, updates): keep it coming back. (System jobs take
+    # no reschedule block: they run on every eligible node.)
     restart {
       attempts = 1000
       interval = "1h"
@@ -50,8 +71,47 @@ job "swarm-fellow" {
       mode     = "delay"
     }
 
+    # A new version replaces one node's fellow at a time, 30 s apart. Fellows register no
+    # service: healthy means running for 10 s. Older Nomad versions enforce only max_parallel
+    # and stagger for system jobs.
+    update {
+      max_parallel      = 1
+      stagger           = "30s"
+      health_check      = "task_states"
+      min_healthy_time  = "10s"
+      healthy_deadline  = "5m"
+      progress_deadline = "10m"
+      auto_revert       = false
+    }
+
+    # The allocation's data (the fellow's NATS user, checkpoints) moves to the node's next
+    # allocation: a new job version keeps the fellow's name and user.
+    ephemeral_disk {
+      sticky = true
+    }
+
+    # client { host_volume "silentswarm" { path = "/opt/silentswarm" read_only = true } }
+    volume "package" {
+      type      = "host"
+      source    = "silentswarm"
+      read_only = true
+    }
+
     task "agent" {
-      driver = "raw_exec"
+      driver = local.driver
+      user   = var.user
+
+      dynamic "volume_mount" {
+        for_each = local.driver == "raw_exec" ? [] : ["package"]
+        content {
+          volume      = "package"
+          destination = "/opt/silentswarm"
+          read_only   = true
+        }
+      }
+
+      # SIGTERM: the agent stops its stage runtime (SIGKILL after 5 s) and deregisters.
+      kill_timeout = "30s"
 
       config {
         command = "/opt/silentswarm/bin/swarm-agent"
@@ -62,12 +122,14 @@ job "swarm-fellow" {
         SWARM_DATA_ADDRESS = "tcp://${NOMAD_IP_data}:${NOMAD_PORT_data}"
         SWARM_STATE_DIR    = "${NOMAD_ALLOC_DIR}/data"
         SWARM_LOG_LEVEL    = "INFO"
+        HOME               = "${NOMAD_ALLOC_DIR}/data"
       }
 
       template {
         destination = "secrets/fellow.env"
         env         = true
         change_mode = "restart"
+        perms       = "0600"
         data        = <<-EOT
         {{- range nomadService "swarm-nats" }}
         SWARM_NATS_URL=nats://{{ .Address }}:{{ .Port }}
@@ -95,22 +157,15 @@ job "swarm-fellow" {
         EOT
       }
 
-      dynamic "resources" {
-        for_each = var.gpu ? [] : [1]
-        content {
-          cpu    = 2000
-          memory = 4096
-        }
-      }
+      resources {
+        cpu    = 2000
+        memory = var.gpus > 0 ? 8192 : 4096
 
-      dynamic "resources" {
-        for_each = var.gpu ? [1] : []
-        content {
-          cpu    = 2000
-          memory = 8192
-
-          device "nvidia/gpu" {
-            count = 1
+        dynamic "device" {
+          for_each = var.gpus > 0 ? ["nvidia/gpu"] : []
+          labels   = ["nvidia/gpu"]
+          content {
+            count = var.gpus
           }
         }
       }

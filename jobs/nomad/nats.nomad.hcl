@@ -1,6 +1,12 @@
 # NATS with JetStream for SilentSwarm: the control plane, the relay and the durable state.
 # One server by default; `nomad job run -var nats_servers=3 nats.nomad.hcl` runs a 3-node
 # cluster (one per client, routes found through Nomad's service discovery).
+#
+# Durable across replaced allocations and new job versions: the JetStream store (the host
+# volume "swarm-nats") and who may connect (the variable nomad/jobs/swarm-nats).
+# Driver: `exec` (chroot, as the user "silentswarm"); the package comes in read-only through the
+# host volume "silentswarm". Clients without `exec`: -var driver=raw_exec (no volume mounts:
+# the task uses the same paths on the host).
 
 variable "datacenters" {
   type    = list(string)
@@ -10,6 +16,16 @@ variable "datacenters" {
 variable "nats_servers" {
   type    = number
   default = 1
+}
+
+variable "driver" {
+  type    = string
+  default = "exec"
+}
+
+variable "user" {
+  type    = string
+  default = "silentswarm"
 }
 
 job "swarm-nats" {
@@ -36,34 +52,15 @@ job "swarm-nats" {
       }
     }
 
-    # JetStream's store must outlive allocations: a host volume named "swarm-nats" on each
-    # client, at /var/lib/swarm-nats (client { host_volume "swarm-nats" { path =
-    # "/var/lib/swarm-nats" } }). raw_exec does not mount volumes: the volume reserves the
-    # path (and pins the job to clients that have it) and the task uses it in place.
-    volume "store" {
-      type      = "host"
-      source    = "swarm-nats"
-      read_only = false
-    }
-
-    service {
-      name     = "swarm-nats"
-      port     = "client"
-      provider = "nomad"
-
-      check {
-        type     = "http"
-        port     = "monitor"
-        path     = "/healthz?js-enabled-only=true"
-        interval = "10s"
-        timeout  = "2s"
-      }
-    }
-
-    service {
-      name     = "swarm-nats-cluster"
-      port     = "cluster"
-      provider = "nomad"
+    # One server at a time (a cluster keeps its quorum); a version whose health check fails
+    # to turn healthy within the deadline is rolled back to the last good one.
+    update {
+      max_parallel      = 1
+      health_check      = "checks"
+      min_healthy_time  = "10s"
+      healthy_deadline  = "5m"
+      progress_deadline = "10m"
+      auto_revert       = true
     }
 
     restart {
@@ -73,13 +70,83 @@ job "swarm-nats" {
       mode     = "delay"
     }
 
-    task "nats" {
-      driver = "raw_exec"
+    reschedule {
+      delay          = "30s"
+      delay_function = "exponential"
+      max_delay      = "10m"
+      unlimited      = true
+    }
 
-      volume_mount {
-        volume      = "store"
-        destination = "/var/lib/swarm-nats"
+    # JetStream's store must outlive allocations: client { host_volume "swarm-nats" {
+    # path = "/var/lib/swarm-nats" } } on each NATS client, owned by the task's user. It also
+    # pins the job to the clients that have it.
+    volume "store" {
+      type      = "host"
+      source    = "swarm-nats"
+      read_only = false
+    }
+
+    # client { host_volume "silentswarm" { path = "/opt/silentswarm" read_only = true } }
+    volume "package" {
+      type      = "host"
+      source    = "silentswarm"
+      read_only = true
+    }
+
+    task "nats" {
+      driver = var.driver
+      user   = var.user
+
+      # Volumes are mounted where the host has them, so the paths are the same under exec
+      # (mounted into the chroot) and raw_exec (which mounts nothing and uses the host's).
+      dynamic "volume_mount" {
+        for_each = var.driver == "raw_exec" ? [] : ["package"]
+        content {
+          volume      = "package"
+          destination = "/opt/silentswarm"
+          read_only   = true
+        }
       }
+
+      dynamic "volume_mount" {
+        for_each = var.driver == "raw_exec" ? [] : ["store"]
+        content {
+          volume      = "store"
+          destination = "/var/lib/swarm-nats"
+          read_only   = false
+        }
+      }
+
+      service {
+        name     = "swarm-nats"
+        port     = "client"
+        provider = "nomad"
+
+        check {
+          type     = "http"
+          port     = "monitor"
+          path     = "/healthz?js-enabled-only=true"
+          interval = "10s"
+          timeout  = "2s"
+
+          # Three failures in a row restart the task; the grace covers JetStream's recovery
+          # of its store at start.
+          check_restart {
+            limit = 3
+            grace = "60s"
+          }
+        }
+      }
+
+      service {
+        name     = "swarm-nats-cluster"
+        port     = "cluster"
+        provider = "nomad"
+      }
+
+      # SIGTERM: nats-server flushes JetStream and exits; Nomad's client caps kill_timeout at
+      # its max_kill_timeout (30 s by default).
+      kill_timeout = "30s"
 
       config {
         command = "/opt/silentswarm/bin/nats-server"

@@ -5,7 +5,13 @@
 #   nomad var put nomad/jobs/swarm-serve token=$(openssl rand -hex 24)
 # and reaches the server in its environment (SWARM_SERVE_TOKEN), never on its command line.
 # The task waits until that variable exists: the server never starts without a token.
-# `-var gpu=true` asks for an NVIDIA GPU (the nvidia device plugin), as the fellow job does.
+# `-var gpus=N` asks for N NVIDIA GPUs (the nvidia device plugin), as the fellow job does.
+#
+# Driver: `exec` (chroot, as the user "silentswarm"); the package and the model come in
+# read-only through the host volumes "silentswarm" and "swarm-models" (mounted at
+# /srv/swarm-models: put model_dir under it). The nvidia device plugin gives a task no device
+# nodes, so with gpus > 0 the task runs under raw_exec (still as "silentswarm"), reading the
+# host's paths; -var driver=... overrides either choice.
 
 variable "datacenters" {
   type    = list(string)
@@ -14,7 +20,7 @@ variable "datacenters" {
 
 variable "model_dir" {
   type    = string
-  default = "/var/lib/silentswarm/serve/model"
+  default = "/srv/swarm-models/model"
 }
 
 variable "serve_port" {
@@ -27,9 +33,24 @@ variable "slots" {
   default = 8
 }
 
-variable "gpu" {
-  type    = bool
-  default = false
+variable "gpus" {
+  type    = number
+  default = 0
+}
+
+# "" picks exec without GPUs, raw_exec with them.
+variable "driver" {
+  type    = string
+  default = ""
+}
+
+variable "user" {
+  type    = string
+  default = "silentswarm"
+}
+
+locals {
+  driver = var.driver != "" ? var.driver : (var.gpus > 0 ? "raw_exec" : "exec")
 }
 
 variable "node_class" {
@@ -58,20 +79,13 @@ job "swarm-serve" {
       }
     }
 
-    service {
-      name     = "swarm-serve"
-      port     = "http"
-      provider = "nomad"
-      tags     = ["openai", "completions"]
-
-      # 200 once the model is loaded and traced (the port opens only then); no token needed.
-      # /metrics (Prometheus) wants the bearer token: scrape it with its own job.
-      check {
-        type     = "http"
-        path     = "/health"
-        interval = "10s"
-        timeout  = "2s"
-      }
+    update {
+      max_parallel      = 1
+      health_check      = "checks"
+      min_healthy_time  = "10s"
+      healthy_deadline  = "10m"
+      progress_deadline = "15m"
+      auto_revert       = true
     }
 
     restart {
@@ -81,8 +95,71 @@ job "swarm-serve" {
       mode     = "delay"
     }
 
+    reschedule {
+      delay          = "30s"
+      delay_function = "exponential"
+      max_delay      = "10m"
+      unlimited      = true
+    }
+
+    # client { host_volume "silentswarm" { path = "/opt/silentswarm" read_only = true } }
+    volume "package" {
+      type      = "host"
+      source    = "silentswarm"
+      read_only = true
+    }
+
+    # client { host_volume "swarm-models" { path = "/srv/swarm-models" read_only = true } }
+    volume "models" {
+      type      = "host"
+      source    = "swarm-models"
+      read_only = true
+    }
+
     task "serve" {
-      driver = "raw_exec"
+      driver = local.driver
+      user   = var.user
+
+      # Mounted where the host has them: the same paths under exec and raw_exec.
+      dynamic "volume_mount" {
+        for_each = local.driver == "raw_exec" ? [] : ["package"]
+        content {
+          volume      = "package"
+          destination = "/opt/silentswarm"
+          read_only   = true
+        }
+      }
+
+      dynamic "volume_mount" {
+        for_each = local.driver == "raw_exec" ? [] : ["models"]
+        content {
+          volume      = "models"
+          destination = "/srv/swarm-models"
+          read_only   = true
+        }
+      }
+
+      service {
+        name     = "swarm-serve"
+        port     = "http"
+        provider = "nomad"
+        tags     = ["openai", "completions"]
+
+        # 200 once the model is loaded and traced (the port opens only then); no token needed.
+        # /metrics (Prometheus) wants the bearer token: scrape it with its own job.
+        check {
+          type     = "http"
+          path     = "/health"
+          interval = "10s"
+          timeout  = "2s"
+
+          # Three failures in a row restart the task; the grace covers loading the model.
+          check_restart {
+            limit = 3
+            grace = "5m"
+          }
+        }
+      }
 
       config {
         command = "/opt/silentswarm/bin/python"
@@ -100,6 +177,7 @@ job "swarm-serve" {
 
       env {
         TF_CPP_MIN_LOG_LEVEL = "2"
+        HOME                 = "${NOMAD_TASK_DIR}"
       }
 
       template {
@@ -114,22 +192,15 @@ job "swarm-serve" {
         EOT
       }
 
-      dynamic "resources" {
-        for_each = var.gpu ? [] : [1]
-        content {
-          cpu    = 2000
-          memory = 4096
-        }
-      }
+      resources {
+        cpu    = 2000
+        memory = var.gpus > 0 ? 8192 : 4096
 
-      dynamic "resources" {
-        for_each = var.gpu ? [1] : []
-        content {
-          cpu    = 2000
-          memory = 8192
-
-          device "nvidia/gpu" {
-            count = 1
+        dynamic "device" {
+          for_each = var.gpus > 0 ? ["nvidia/gpu"] : []
+          labels   = ["nvidia/gpu"]
+          content {
+            count = var.gpus
           }
         }
       }
