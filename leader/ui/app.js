@@ -11,6 +11,7 @@ const state = {
   workers: [],
   jobs: [],
   cluster: null,
+  loaded: false, // whether the first overview answer came: before it, views show "loading"
   selection: parseHash(),
   detail: null, // { kind, id, stop() } of the open detail view
 };
@@ -40,7 +41,11 @@ async function streamUrl(url, lastId) {
 
 async function getJSON(path) {
   const response = await fetch(API + path, { headers: { accept: "application/json", ...authHeaders() } });
-  if (!response.ok) throw new Error(`${path}: HTTP ${response.status}`);
+  if (!response.ok) {
+    const error = new Error(`${path}: HTTP ${response.status}`);
+    error.status = response.status;
+    throw error;
+  }
   return response.json();
 }
 
@@ -113,7 +118,7 @@ async function refresh() {
       getJSON("/jobs").catch(() => state.jobs),
       getJSON("/cluster"),
     ]);
-    Object.assign(state, { workers, jobs, cluster });
+    Object.assign(state, { workers, jobs, cluster, loaded: true });
     const status = document.getElementById("leader-status");
     status.textContent = `leader ${health.version} · NATS ${health.nats}`;
     status.className = `pill ${health.nats === "connected" ? "ok" : "bad"}`;
@@ -138,14 +143,15 @@ function gpuTotals(worker) {
 
 function netBars(worker, max) {
   const hw = worker.hardware;
-  const width = (value) => `${Math.max(2, Math.round((60 * (value || 0)) / max))}px`;
+  const width = (value) => `${Math.max(2, Math.round((48 * (value || 0)) / max))}px`;
+  // One line per direction (the legend under the table says what they are).
+  const line = (kind, arrow, value) =>
+    el("span", { class: "net" }, el("span", { class: `bar ${kind}`, style: `width:${width(value)}` }), ` ${arrow}${rate(value)}`);
   return el(
     "span",
-    { title: `sent ${rate(hw.net_sent_bytes_per_s)}, received ${rate(hw.net_recv_bytes_per_s)}` },
-    el("span", { class: "bar", style: `width:${width(hw.net_sent_bytes_per_s)}` }),
-    " ",
-    el("span", { class: "bar recv", style: `width:${width(hw.net_recv_bytes_per_s)}` }),
-    ` ${rate(hw.net_sent_bytes_per_s)}`,
+    { title: `host sent ${rate(hw.net_sent_bytes_per_s)}, received ${rate(hw.net_recv_bytes_per_s)}` },
+    line("sent", "↑", hw.net_sent_bytes_per_s),
+    line("recv", "↓", hw.net_recv_bytes_per_s),
   );
 }
 
@@ -183,9 +189,10 @@ function renderJobs() {
     ...[...state.jobs].reverse().slice(0, 20).map((job) => {
       // The leader computes the pipeline's step and loss (swarm/types/views.py): never here.
       const view = job.view || {};
+      const selected = state.selection && state.selection.kind === "job" && state.selection.id === job.job_id;
       return el(
         "tr",
-        { "data-job": job.job_id, onclick: () => select("job", job.job_id) },
+        { "data-job": job.job_id, class: selected ? "selected" : "", onclick: () => select("job", job.job_id) },
         el("td", {}, job.job_id),
         el("td", { class: `state-${job.state}` }, job.state),
         el("td", {}, `${view.step ?? 0}/${view.total_steps ?? job.spec.steps}`),
@@ -227,7 +234,7 @@ function renderGraph() {
     const boundary = boundaries.find((x) => x.boundary === i) || {};
     const transport = boundary.transport || (job.placement.transport === "tunnel" ? "relay" : "p2p");
     children.push(svgEl("line", { class: `link ${transport}`, "data-boundary": i, x1: a.x + 40, y1: a.y, x2: b.x - 40, y2: b.y }));
-    const label = svgEl("text", { x: (a.x + b.x) / 2, y: a.y - 8, "text-anchor": "middle" });
+    const label = svgEl("text", { x: (a.x + b.x) / 2, y: a.y + 32, "text-anchor": "middle" });
     // As its two ends last measured it: round trip and the codecs in use.
     const link = boundary.link ? ` · ${boundary.link.rtt_ms.toFixed(1)} ms · ${boundary.link.fwd_codec}` : "";
     label.textContent = `${transport === "relay" ? "relayed" : "direct"} ${rate(boundary.bytes_per_s)}${link}`;
@@ -260,6 +267,7 @@ function openDetail() {
   const pane = document.getElementById("detail");
   const selection = state.selection;
   renderFellows();
+  renderJobs();
   if (!selection) {
     pane.replaceChildren(el("p", { class: "muted" }, "Select the leader, a fellow or a job."));
     return;
@@ -350,12 +358,33 @@ function fellowView(id) {
     })
     .catch((error) => logs.append(el("div", { class: "line ERROR" }, `logs unavailable: ${error.message}`)));
 
+  // What the registry said of this fellow: "loading" until its first answer, then "found"
+  // (with its record), "unknown" (a 404: released, or never joined) or "failed".
+  let answer = { kind: "loading" };
+  let asking = false;
+  const lookUp = () => {
+    if (asking) return;
+    asking = true;
+    getJSON(`/workers/${encodeURIComponent(id)}`)
+      .then((record) => (answer = { kind: "found", record }))
+      .catch((error) => (answer = error.status === 404 ? { kind: "unknown" } : { kind: "failed", message: error.message }))
+      .finally(() => {
+        asking = false;
+        if (!closed) refresh();
+      });
+  };
+  const notice = (kind, message) => summary.replaceChildren(el("p", { class: "muted", "data-state": kind }, message));
+
   const refresh = () => {
-    const w = state.workers.find((x) => x.fellow_id === id);
-    if (!w) {
-      summary.replaceChildren(el("p", { class: "muted" }, "Not in the registry (released?)."));
-      return;
-    }
+    const listed = state.workers.find((x) => x.fellow_id === id);
+    if (listed) answer = { kind: "found", record: listed };
+    else if (state.loaded && answer.kind !== "unknown") lookUp(); // not listed: ask about it alone
+    if (answer.kind === "loading") return notice("loading", "Loading…");
+    if (answer.kind === "unknown") return notice("unknown", "Not in the registry (released?).");
+    if (answer.kind === "failed") return notice("failed", `Registry unavailable: ${answer.message}`);
+    renderFellow(answer.record);
+  };
+  const renderFellow = (w) => {
     const hw = w.hardware;
     const job = state.jobs.find((j) => j.job_id === w.job_id && j.placement);
     const placed = job ? job.placement.stages.find((s) => s.fellow_id === id) : null;
@@ -367,7 +396,7 @@ function fellowView(id) {
         ["step / loss", `${w.step ?? "-"} / ${num(w.loss)}`],
         ["CPU", `${hw.cpu_cores} cores, ${num(hw.cpu_load_pct, 0)}% busy`],
         ["RAM free", `${gib(hw.ram_available_bytes)} of ${gib(hw.ram_total_bytes)}`],
-        ["network", `sent ${rate(hw.net_sent_bytes_per_s)}, received ${rate(hw.net_recv_bytes_per_s)}`],
+        ["host network", `sent ${rate(hw.net_sent_bytes_per_s)}, received ${rate(hw.net_recv_bytes_per_s)}`],
         ["VRAM used / free", gpuTotals(w)],
         ["layers", placed ? `[${placed.layer_start}, ${placed.layer_end}) of ${job.job_id}` : "-"],
       ]),
@@ -403,6 +432,7 @@ function fellowView(id) {
     summary.replaceChildren(...children);
   };
   refresh();
+  if (answer.kind === "loading") lookUp();
   return {
     root,
     refresh,
@@ -466,50 +496,167 @@ function leaderView() {
   return { root, refresh, stop: () => {} };
 }
 
+// --- the loss chart: inline SVG drawn here (no library: the UI works offline) ----------------
+
+const CHART = { width: 540, height: 270, left: 52, right: 14, top: 32, bottom: 40 };
+const MAX_DRAWN = 1500; // training points drawn at most (a long run is thinned evenly)
+
+function niceTicks(lo, hi, count, integers = false) {
+  // Round tick values (1, 2 or 5 times a power of ten apart) covering [lo, hi], with the
+  // decimals their labels need.
+  if (!(hi > lo)) {
+    const pad = Math.abs(lo) * 0.05 || 0.5;
+    [lo, hi] = [lo - pad, hi + pad];
+  }
+  const raw = (hi - lo) / count;
+  const power = 10 ** Math.floor(Math.log10(raw));
+  let step = [1, 2, 5, 10].find((m) => m * power >= raw * (1 - 1e-9)) * power;
+  if (integers) step = Math.max(1, Math.round(step));
+  const decimals = integers ? 0 : Math.max(0, Math.ceil(-Math.log10(step) - 1e-9));
+  const first = Math.floor(lo / step + 1e-9);
+  const last = Math.ceil(hi / step - 1e-9);
+  const values = [];
+  for (let i = first; i <= last; i++) values.push(Number((i * step).toFixed(decimals)));
+  return { lo: first * step, hi: last * step, values, decimals };
+}
+
+const compact = new Intl.NumberFormat("en", { notation: "compact", maximumFractionDigits: 1 });
+const stepLabel = (step) => (step >= 10000 ? compact.format(step) : String(step));
+
+function chartText(attrs, content) {
+  const node = svgEl("text", attrs);
+  node.textContent = content;
+  return node;
+}
+
+function lossSummary(train, val) {
+  if (!train.length && !val.length) return "Loss chart: no steps yet";
+  const parts = [];
+  if (train.length) {
+    const [step, loss] = train[train.length - 1];
+    parts.push(`training loss ${num(loss)} at step ${step}`);
+  }
+  parts.push(val.length ? `validation loss ${num(val[val.length - 1][1])} at step ${val[val.length - 1][0]}` : "no validation yet");
+  return `Loss chart: ${parts.join(", ")}`;
+}
+
+function drawLossChart(chart, train, val) {
+  // ``train``: [step, loss] of every finished step; ``val``: [step, validation loss].
+  const summary = lossSummary(train, val);
+  chart.setAttribute("aria-label", summary);
+  const title = svgEl("title");
+  title.textContent = summary;
+  const path = svgEl("path", { class: "train-loss", "data-points": train.length });
+  if (!train.length && !val.length) {
+    const { width, height } = CHART;
+    chart.replaceChildren(title, path, chartText({ class: "empty", x: width / 2, y: height / 2, "text-anchor": "middle" }, "waiting for the first step…"));
+    return;
+  }
+  // Loops, not Math.min(...array): a long run has more points than arguments fit.
+  let [x0, x1, y0, y1] = [Infinity, -Infinity, Infinity, -Infinity];
+  for (const series of [train, val]) {
+    for (const [step, loss] of series) {
+      x0 = Math.min(x0, step);
+      x1 = Math.max(x1, step);
+      y0 = Math.min(y0, loss);
+      y1 = Math.max(y1, loss);
+    }
+  }
+  const xs = niceTicks(x0, x1, 6, true);
+  const ys = niceTicks(y0, y1, 5);
+  const { width, height, left, right, top, bottom } = CHART;
+  const [plotW, plotH] = [width - left - right, height - top - bottom];
+  const x = (step) => left + (plotW * (step - xs.lo)) / (xs.hi - xs.lo);
+  const y = (loss) => top + plotH - (plotH * (loss - ys.lo)) / (ys.hi - ys.lo);
+
+  const axes = svgEl("g", { class: "axes" });
+  for (const value of ys.values) {
+    const at = y(value).toFixed(1);
+    axes.append(
+      svgEl("line", { class: "grid", x1: left, x2: width - right, y1: at, y2: at }),
+      chartText({ class: "tick-label y-tick", x: left - 6, y: at, dy: "0.32em", "text-anchor": "end" }, value.toFixed(ys.decimals)),
+    );
+  }
+  for (const value of xs.values) {
+    const at = x(value).toFixed(1);
+    axes.append(
+      svgEl("line", { class: "tick", x1: at, x2: at, y1: top + plotH, y2: top + plotH + 4 }),
+      chartText({ class: "tick-label x-tick", x: at, y: top + plotH + 16, "text-anchor": "middle" }, stepLabel(value)),
+    );
+  }
+  axes.append(
+    svgEl("line", { class: "axis x-axis", x1: left, x2: width - right, y1: top + plotH, y2: top + plotH }),
+    svgEl("line", { class: "axis y-axis", x1: left, x2: left, y1: top, y2: top + plotH }),
+    chartText({ class: "axis-title", x: left + plotW / 2, y: height - 6, "text-anchor": "middle" }, "step"),
+    chartText({ class: "axis-title", x: 14, y: top + plotH / 2, "text-anchor": "middle", transform: `rotate(-90 14 ${top + plotH / 2})` }, "loss"),
+  );
+
+  const every = Math.max(1, Math.ceil(train.length / MAX_DRAWN));
+  const shown = train.filter((_, i) => i % every === 0 || i === train.length - 1);
+  path.setAttribute("d", shown.map(([s, l], i) => `${i ? "L" : "M"}${x(s).toFixed(1)},${y(l).toFixed(1)}`).join(""));
+
+  const points = svgEl("g", { class: "val-points", "data-points": val.length });
+  for (const [step, loss] of val) {
+    const dot = svgEl("circle", { class: "val-point", cx: x(step).toFixed(1), cy: y(loss).toFixed(1), r: 4 });
+    const tip = svgEl("title");
+    tip.textContent = `step ${step}: validation loss ${num(loss)}`;
+    dot.append(tip);
+    points.append(dot);
+  }
+
+  const legend = svgEl("g", { class: "legend", transform: `translate(${left + 8} 14)` });
+  legend.append(
+    svgEl("line", { class: "train-loss", x1: 0, x2: 20, y1: 0, y2: 0 }),
+    chartText({ x: 26, y: 0, dy: "0.32em" }, "training loss"),
+    svgEl("circle", { class: "val-point", cx: 130, cy: 0, r: 4 }),
+    chartText({ x: 140, y: 0, dy: "0.32em" }, "validation loss"),
+  );
+  chart.replaceChildren(title, axes, path, points, legend);
+}
+
 function jobView(id) {
   const root = el("div", { "data-view": "job" }, el("h2", {}, `Job ${id}`));
   const summary = el("div");
-  const chart = svgEl("svg", { id: "chart", viewBox: "0 0 600 240", preserveAspectRatio: "none" });
+  const chart = svgEl("svg", { id: "chart", role: "img", viewBox: `0 0 ${CHART.width} ${CHART.height}` });
   const placement = el("div");
   root.append(summary, el("h2", {}, "Loss"), chart, el("h2", {}, "Placement"), placement);
-  let points = []; // [step, loss]
+  const train = []; // [step, loss] of every finished step, in step order
+  const val = []; // [step, validation loss]
+  let live = null; // the stream's latest metrics: ahead of the job record the overview polls
   let stopStream = () => {};
+  let drawing = false;
 
   const draw = () => {
-    const line = svgEl("polyline", { "data-points": points.length });
-    if (points.length) {
-      // Loops, not Math.min(...array): a long run has more points than arguments fit.
-      let [x0, x1, y0, y1] = [Infinity, -Infinity, Infinity, -Infinity];
-      for (const [step, loss] of points) {
-        x0 = Math.min(x0, step);
-        x1 = Math.max(x1, step);
-        y0 = Math.min(y0, loss);
-        y1 = Math.max(y1, loss);
-      }
-      if (x1 === x0) x1 = x0 + 1;
-      if (y1 === y0) y1 = y0 + 1e-6;
-      const every = Math.max(1, Math.floor(points.length / 1500)); // at most ~1500 drawn
-      const shown = points.filter((_, i) => i % every === 0 || i === points.length - 1);
-      const xy = shown.map(([s, l]) => `${(20 + (560 * (s - x0)) / (x1 - x0)).toFixed(1)},${(220 - (200 * (l - y0)) / (y1 - y0)).toFixed(1)}`);
-      line.setAttribute("points", xy.join(" "));
-      const top = svgEl("text", { x: 22, y: 14 });
-      top.textContent = `loss ${y1.toFixed(3)}`;
-      const bottom = svgEl("text", { x: 22, y: 236 });
-      bottom.textContent = `${y0.toFixed(3)} · steps ${x0}–${x1}`;
-      chart.replaceChildren(line, top, bottom);
-    } else {
-      chart.replaceChildren(line);
-    }
+    // Many points come at once (the history): draw once after them.
+    if (drawing) return;
+    drawing = true;
+    queueMicrotask(() => {
+      drawing = false;
+      drawLossChart(chart, train, val);
+    });
   };
   const add = (step, loss) => {
     if (loss === null || loss === undefined) return;
-    if (points.length && step <= points[points.length - 1][0]) return;
-    points.push([step, loss]);
+    if (train.length && step <= train[train.length - 1][0]) return;
+    train.push([step, loss]);
+    draw();
+  };
+  const addVal = (step, loss) => {
+    // The live stream repeats the latest validation loss with every step, and the final
+    // one (from the job record) may come before the history: a point per new value, kept
+    // in step order.
+    if (loss === null || loss === undefined) return;
+    if (val.some(([s, l]) => s === step || l === loss)) return;
+    const at = val.findIndex(([s]) => s > step);
+    val.splice(at < 0 ? val.length : at, 0, [step, loss]);
     draw();
   };
   const loadHistory = () =>
     getJSON(`/jobs/${encodeURIComponent(id)}/metrics/history`).then((history) => {
-      for (const p of history) add(p.step, p.loss);
+      for (const p of history) {
+        add(p.step, p.loss);
+        addVal(p.step, p.val_loss);
+      }
     });
   let closed = false;
   loadHistory()
@@ -519,7 +666,16 @@ function jobView(id) {
       stopStream = stream(
         `${API}/jobs/${encodeURIComponent(id)}/metrics/stream`,
         {
-          metrics: (view) => add(view.step, view.loss),
+          metrics: (metrics) => {
+            // The losses are the last stage's: plotted at its step, as the history has them
+            // (the pipeline's step, the slowest stage's, may lag it by one).
+            const head = (metrics.fellows || []).reduce((a, b) => (a && a.stage > b.stage ? a : b), null);
+            const step = head ? head.step : metrics.step;
+            add(step, metrics.loss);
+            addVal(step, metrics.val_loss);
+            live = metrics;
+            refresh();
+          },
           end: () => {
             stopStream();
             loadHistory();
@@ -528,21 +684,29 @@ function jobView(id) {
         loadHistory,
       );
     });
-  draw();
+  drawLossChart(chart, train, val);
 
   const refresh = () => {
     const job = state.jobs.find((j) => j.job_id === id);
     if (!job) {
-      summary.replaceChildren(el("p", { class: "muted" }, "Unknown job."));
+      summary.replaceChildren(el("p", { class: "muted", "data-state": state.loaded ? "unknown" : "loading" }, state.loaded ? "Unknown job." : "Loading…"));
       return;
     }
-    const view = job.view || {};
+    // While it runs, the live stream's numbers when they are newer (the same rule computes
+    // both: swarm/types/views.py).
+    const fresh = job.state === "RUNNING" && live && live.attempt === job.attempt && live.step >= (job.view?.step ?? 0);
+    const view = fresh ? live : job.view || {};
+    // The validation after the last step is in the job's record, not in its step history.
+    if (job.final_val_loss !== null && job.final_val_loss !== undefined) {
+      addVal(view.total_steps ?? job.spec.steps, job.final_val_loss);
+    }
     summary.replaceChildren(
       dl([
         ["state", job.state, "job-state"],
         ["attempt", job.attempt],
         ["step", `${view.step ?? 0} of ${view.total_steps ?? job.spec.steps}`, "job-step"],
-        ["loss", num(view.loss ?? (points.length ? points[points.length - 1][1] : null)), "job-loss"],
+        ["loss", num(view.loss ?? (train.length ? train[train.length - 1][1] : null)), "job-loss"],
+        ["validation loss", num(view.val_loss), "job-val-loss"],
         ["reason", job.reason || "-"],
       ]),
     );

@@ -85,11 +85,66 @@ def text(driver, element_id: str) -> str:
     )
 
 
-def chart_points(driver) -> int:
+def chart_points(driver, css: str = "#chart path.train-loss") -> int:
     return driver.execute_script(
-        "const l = document.querySelector('#chart polyline');"
-        "return l ? Number(l.getAttribute('data-points')) : 0"
+        "const l = document.querySelector(arguments[0]);"
+        "return l ? Number(l.getAttribute('data-points')) : 0",
+        css,
     )
+
+
+def validation_points(driver) -> int:
+    return chart_points(driver, "#chart g.val-points")
+
+
+# Installed before the page's own scripts: every text the detail pane ever shows (a flash
+# that a poll could miss included), kept in window.detailTexts.
+RECORD_DETAIL_TEXTS = """
+window.detailTexts = [];
+window.detailObserver = new MutationObserver((records) => {
+  for (const record of records) {
+    for (const node of record.addedNodes) window.detailTexts.push(node.textContent || "");
+  }
+  const pane = document.getElementById("detail");
+  if (pane) window.detailTexts.push(pane.textContent);
+});
+window.detailObserver.observe(document, { childList: true, subtree: true, characterData: true });
+"""
+
+
+CHART_SNAPSHOT = """
+const chart = document.getElementById("chart");
+const texts = (css) => [...chart.querySelectorAll(css)].map((e) => e.textContent);
+const path = chart.querySelector("path.train-loss");
+return {
+  x_ticks: texts(".x-tick"), y_ticks: texts(".y-tick"), titles: texts(".axis-title"),
+  axes: chart.querySelectorAll("line.x-axis").length + chart.querySelectorAll("line.y-axis").length,
+  path: path ? path.getAttribute("d") || "" : "",
+  val_points: chart.querySelectorAll("circle.val-point").length,
+  legend: texts(".legend text"),
+  label: chart.getAttribute("aria-label"), title: texts(":scope > title"),
+};
+"""
+
+
+def check_loss_chart(driver) -> None:
+    """The chart has axes with round tick labels, a training path, validation points and a
+    legend naming both, and says its latest values to assistive technology."""
+    chart = driver.execute_script(CHART_SNAPSHOT)  # one drawing: it is redrawn with each step
+    x_ticks, y_ticks = chart["x_ticks"], chart["y_ticks"]
+    assert len(x_ticks) >= 2 and len(y_ticks) >= 2, chart
+    assert all(t.isdigit() for t in x_ticks), x_ticks  # steps: whole numbers
+    assert len({len(t.partition(".")[2]) for t in y_ticks}) == 1, y_ticks  # one precision
+    assert all(len(t.partition(".")[2]) <= 4 for t in y_ticks), y_ticks
+    values = [float(t) for t in y_ticks]
+    assert values == sorted(values) and len(set(values)) == len(values), y_ticks
+    assert chart["axes"] == 2 and chart["titles"] == ["step", "loss"], chart
+    assert chart["path"].startswith("M") and chart["path"].count("L") >= 1, chart
+    assert chart["val_points"] >= 2, chart  # the legend's is one, the curve's the others
+    assert chart["legend"] == ["training loss", "validation loss"], chart
+    label = chart["label"]
+    assert "training loss" in label and "validation loss" in label and "step" in label, label
+    assert chart["title"] == [label], chart
 
 
 def test_ops_ui_shows_fellows_logs_loss_and_the_cluster(
@@ -100,9 +155,40 @@ def test_ops_ui_shows_fellows_logs_loss_and_the_cluster(
     for name in ("ui-1", "ui-2"):
         start_agent(procs, nats_server.url, name)
     wait_ready(leader, "ui-1", "ui-2")
-    job_id = leader.submit(**tiny(name="ui", steps=100_000, stages=2))["job_id"]
+    job = tiny(name="ui", steps=100_000, stages=2, val_every=4, val_batches=1)
+    job_id = leader.submit(**job)["job_id"]
     leader.wait_job(job_id, "RUNNING", timeout=20)
     wait_steps(leader, job_id, 3)
+
+    # Straight to a registered fellow's page: a loading state until the registry answers,
+    # never "Not in the registry" (which the page once showed before its first answer).
+    recorder = browser.execute_cdp_cmd(
+        "Page.addScriptToEvaluateOnNewDocument", {"source": RECORD_DETAIL_TEXTS}
+    )
+    browser.get(f"{leader.url}/ops/join-v2#fellow=ui-2")
+    wait_for(lambda: text(browser, "fellow-status"), timeout=15, what="the fellow's status")
+    seen = browser.execute_script("window.detailObserver.disconnect(); return window.detailTexts")
+    browser.execute_cdp_cmd("Page.removeScriptToEvaluateOnNewDocument", recorder)
+    assert not any("Not in the registry" in t for t in seen), seen
+    assert any("Loading" in t for t in seen), seen  # the observer saw the pane being drawn
+
+    # The network column says what its bars and numbers are.
+    legend = browser.find_element(By.ID, "net-legend")
+    assert legend.is_displayed()
+    assert count(browser, "#net-legend .swatch.sent") == 1
+    assert count(browser, "#net-legend .swatch.recv") == 1
+    for words in ("sent", "received", "bytes per second"):
+        assert words in legend.text, legend.text
+
+    # A fellow the registry does not know: that message, once the registry said so.
+    browser.get(f"{leader.url}/ops/join-v2#fellow=nobody")
+    wait_for(
+        lambda: "Not in the registry" in text(browser, "detail"),
+        timeout=15,
+        what="the unknown fellow's notice",
+    )
+    # Its 404 is the one refused request so far (reading the log drains it).
+    assert [e for e in console_errors(browser) if "/workers/nobody" not in e] == []
 
     browser.get(f"{leader.url}/ops/join-v2")
     wait_for(
@@ -139,10 +225,22 @@ def test_ops_ui_shows_fellows_logs_loss_and_the_cluster(
     wait_for(lambda: chart_points(browser) >= 2, timeout=15, what="the loss curve")
     first = chart_points(browser)
     wait_for(lambda: chart_points(browser) > first + 3, timeout=30, what="live points")
+    # Validation every 4 steps: points on the curve, live and from the history.
+    wait_for(lambda: validation_points(browser) >= 2, timeout=60, what="validation points")
+    check_loss_chart(browser)
     browser.save_screenshot(str(shots / "job.png"))
-    grown = chart_points(browser)
+    if os.environ.get("OPS_UI_SCREENSHOT"):  # exp/screenshot_ops_ui.py: the README's picture
+        wait_for(lambda: validation_points(browser) >= 12, timeout=120, what="a longer curve")
+        browser.save_screenshot(os.environ["OPS_UI_SCREENSHOT"])
+    grown, validated = chart_points(browser), validation_points(browser)
     browser.refresh()
     wait_for(lambda: chart_points(browser) >= grown, timeout=15, what="the curve after reload")
+    wait_for(
+        lambda: validation_points(browser) >= validated,
+        timeout=15,
+        what="the validation points after reload",
+    )
+    check_loss_chart(browser)
     wait_for(lambda: text(browser, "job-state") == "RUNNING", timeout=10, what="the job state")
 
     # Step and loss are the leader's view of the job (the slowest stage's, the last stage's).
