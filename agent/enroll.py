@@ -8,7 +8,6 @@ For fleets where every machine gets the same configuration (a Nomad system job, 
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 import httpx
@@ -16,14 +15,17 @@ import msgspec
 
 from silentswarm.errors import ConfigError
 from silentswarm.natsauth import write_private
+from silentswarm.retrying import Backoff, WarnOnNewReason
 from silentswarm.settings import Settings
 from silentswarm.types.onboarding import Enroll, Enrollment
 
 log = logging.getLogger(__name__)
-RETRY_MAX_S = 10.0
 # Answers worth waiting out: the leader is starting, or this fellow's previous instance has
 # not gone offline yet (FELLOW_ID_IN_USE).
 RETRY_STATUSES = {409, 429, 500, 502, 503, 504}
+# Asked again until it answers, after 0.5 s doubling up to 10 s, with up to 1 s of jitter (a
+# fleet's fellows all start together).
+RETRIES = Backoff(wait_initial=0.5, wait_max=10.0, wait_jitter=1.0)
 
 
 def creds_path(settings: Settings) -> Path:
@@ -45,24 +47,34 @@ def enroll(settings: Settings, fellow_id: str) -> Path | None:
         "content-type": "application/json",
     }
     body = msgspec.json.encode(Enroll(fellow_name=fellow_id))
-    delay, reported = 0.5, ""
-    while True:
-        try:
-            response = httpx.post(url, content=body, headers=headers, timeout=10)
-        except httpx.HTTPError as exc:
-            reason = f"cannot reach the leader at {url} ({type(exc).__name__})"
-        else:
-            if response.status_code == 200:
-                return _save(path, _enrollment(response, url).nats_creds, fellow_id)
-            message = _message(response)
-            if response.status_code not in RETRY_STATUSES:
-                raise ConfigError(f"the leader refused to enroll {fellow_id!r}: {message}")
-            reason = f"enrollment not possible yet ({response.status_code}: {message})"
-        if reason != reported:
-            log.warning("%s; retrying", reason)
-            reported = reason
-        time.sleep(delay)
-        delay = min(RETRY_MAX_S, delay * 2)
+    worth_retrying = WarnOnNewReason(
+        log, "%s; retrying", should_retry, lambda exc: why_not_yet(exc, url)
+    )
+    try:
+        for attempt in RETRIES.context(on=worth_retrying):
+            with attempt:
+                response = httpx.post(url, content=body, headers=headers, timeout=10)
+                response.raise_for_status()
+    except httpx.HTTPStatusError as exc:
+        message = _message(exc.response)
+        raise ConfigError(f"the leader refused to enroll {fellow_id!r}: {message}") from None
+    return _save(path, _enrollment(response, url).nats_creds, fellow_id)
+
+
+def should_retry(exc: Exception) -> bool:
+    """A leader that cannot be reached, or answers one of RETRY_STATUSES, is asked again;
+    any other answer (a 4xx: wrong token, enrollment off) is final."""
+    if isinstance(exc, httpx.HTTPStatusError):
+        return exc.response.status_code in RETRY_STATUSES
+    return isinstance(exc, httpx.HTTPError)
+
+
+def why_not_yet(exc: Exception, url: str) -> str:
+    """A retried failure in words (warned once per new one)."""
+    if isinstance(exc, httpx.HTTPStatusError):
+        code = exc.response.status_code
+        return f"enrollment not possible yet ({code}: {_message(exc.response)})"
+    return f"cannot reach the leader at {url} ({type(exc).__name__})"
 
 
 def _enrollment(response: httpx.Response, url: str) -> Enrollment:

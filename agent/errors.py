@@ -143,6 +143,13 @@ class UpdateError(SwarmError):
     code = ErrorCode.UPDATE_FAILED
 
 
+class NotRegisteredError(SwarmError):
+    """The leader did not accept this fellow's registration, or did not answer: the message
+    says why. The agent asks again until it is accepted (agent/runner.py)."""
+
+    code = ErrorCode.LEADER_UNREACHABLE
+
+
 class PushError(SwarmError):
     """A shard could not be pushed; the message names the file and the cause."""
 

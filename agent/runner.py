@@ -28,7 +28,7 @@ from silentswarm import __version__
 from silentswarm import subjects as topics
 from silentswarm.agent.datafetch import fetch_datasets
 from silentswarm.agent.decide import AgentState, Refusal, Start, decide, malformed
-from silentswarm.agent.errors import FetchError, UpdateError
+from silentswarm.agent.errors import FetchError, NotRegisteredError, UpdateError
 from silentswarm.agent.hardware import HardwareProbe, limits_from
 from silentswarm.agent.logship import FellowLogShipper
 from silentswarm.agent.reinstall import PackageRef, reinstall
@@ -58,6 +58,7 @@ from silentswarm.protocol import (
     StopSignal,
     UpdateSignal,
 )
+from silentswarm.retrying import Backoff, WarnOnNewReason
 from silentswarm.sdnotify import notify, watchdog_forever
 from silentswarm.settings import Settings
 from silentswarm.types.links import LinkStats, Tuning
@@ -76,8 +77,8 @@ REQUEST_TIMEOUT_S = 2.0
 ATTEMPT_CONNECT_S = 5.0
 # How long a finished stage's last shard pushes may hold up its report of the end.
 PUSH_DRAIN_S = 300.0
-RETRY_MIN_S = 0.25
-RETRY_MAX_S = 1.0
+# Registration is asked again until accepted, after 0.25 s doubling up to 1 s (no jitter).
+REGISTER_RETRIES = Backoff(wait_initial=0.25, wait_max=1.0)
 SEEN_SIGNALS = 256
 MESSAGE_CHARS = 1000  # a progress message's bound (swarm.protocol): longer ones are cut
 
@@ -224,24 +225,23 @@ class FellowAgent:
             await self._register_until_accepted(stop)
 
     async def _register_until_accepted(self, stop: asyncio.Event) -> None:
+        """Register, asking again (REGISTER_RETRIES) until the leader accepts; the agent's
+        stop cancels the wait."""
         self._registered.clear()
-        delay, last_reason = RETRY_MIN_S, ""
-        while not stop.is_set():
-            reason = await self._try_register()
-            if reason is None:
-                if self.status is FellowStatus.REGISTERING:
-                    self.status = next_status(self.status, FellowEvent.REGISTERED)
-                self._registered.set()
-                await self._send_heartbeat()
-                if self._update_when_idle and self.status is FellowStatus.READY and not self.run_:
-                    self._update_now()
+        warn = WarnOnNewReason(log, "registration not accepted: %s (retrying)", NotRegisteredError)
+        async for attempt in REGISTER_RETRIES.context(on=warn):
+            if stop.is_set():
                 return
-            if reason != last_reason:
-                log.warning("registration not accepted: %s (retrying)", reason)
-                last_reason = reason
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), delay)
-            delay = min(delay * 2, RETRY_MAX_S)
+            with attempt:
+                reason = await self._try_register()
+                if reason is not None:
+                    raise NotRegisteredError(reason)
+        if self.status is FellowStatus.REGISTERING:
+            self.status = next_status(self.status, FellowEvent.REGISTERED)
+        self._registered.set()
+        await self._send_heartbeat()
+        if self._update_when_idle and self.status is FellowStatus.READY and not self.run_:
+            self._update_now()
 
     async def _try_register(self) -> str | None:
         """None when the leader accepted us, else why not."""

@@ -33,14 +33,19 @@ from nats.errors import Error as NatsError
 from silentswarm import subjects as topics
 from silentswarm.agent.errors import FetchError, PushError
 from silentswarm.errors import ProtocolError
-from silentswarm.protocol import ShardChunk
+from silentswarm.protocol import ShardAck, ShardChunk
+from silentswarm.retrying import Backoff
 from silentswarm.types.manifests import RUN_MANIFEST
 from silentswarm.types.signals import InitArgs, InitFile, ResumeArgs, ShardFile
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 512 * 1024
 REQUEST_TIMEOUT_S = 10.0
-ATTEMPTS = 6
+# A piece the leader does not answer (or answers unreadably) is offered again, at most
+# PIECE_ATTEMPTS times, after 1 s doubling up to 5 s (no jitter); a refusal is final.
+PIECE_ATTEMPTS = 6
+PIECE_RETRY_ON = (NatsError, TimeoutError, ProtocolError)
+PIECE_RETRIES = Backoff(wait_initial=1.0, wait_max=5.0, attempts=PIECE_ATTEMPTS)
 FAILURES_KEPT = 32  # the failed kept pushes remembered (by job, attempt and step)
 
 
@@ -161,7 +166,7 @@ class ShardPusher:
         chunk = max(1024, min(CHUNK_BYTES, nc.max_payload - 1024))
         total = max(1, -(-len(data) // chunk))
         subject = topics.SHARD.subject(self.prefix, job=shard.job_id, fellow=self.fellow_id)
-        seq, failures = 0, 0
+        seq = 0
         while True:
             piece = ShardChunk(
                 job_id=shard.job_id,
@@ -177,20 +182,24 @@ class ShardPusher:
                 data=data[seq * chunk : (seq + 1) * chunk],
             )
             try:
-                reply = await nc.request(subject, topics.encode(piece), timeout=REQUEST_TIMEOUT_S)
-                ack = topics.SHARD.decode_reply(reply.data)
-            except (NatsError, TimeoutError, ProtocolError) as exc:
-                failures += 1
-                if failures >= ATTEMPTS:
-                    raise PushError(f"the leader did not take piece {seq}: {exc}") from None
-                await asyncio.sleep(min(5.0, 0.5 * 2**failures))
-                continue
+                ack = await offer(nc, subject, piece)
+            except PIECE_RETRY_ON as exc:
+                raise PushError(f"the leader did not take piece {seq}: {exc}") from None
             if ack.done:
                 return
             if not ack.ok and ack.next_seq == seq:
                 raise PushError(f"the leader refused it: {ack.message}")
-            failures = 0
             seq = ack.next_seq
+
+
+async def offer(nc: Client, subject: str, piece: ShardChunk) -> ShardAck:
+    """The leader's answer to one piece, asked again (PIECE_RETRIES) while it gives none or
+    an unreadable one; the last error once the tries are spent."""
+    async for attempt in PIECE_RETRIES.context(on=PIECE_RETRY_ON):
+        with attempt:
+            reply = await nc.request(subject, topics.encode(piece), timeout=REQUEST_TIMEOUT_S)
+            ack = topics.SHARD.decode_reply(reply.data)
+    return ack
 
 
 # The header the leader takes a shard download's token from (leader/exports.py's TOKEN_HEADER).

@@ -30,6 +30,7 @@ from silentswarm.leader.orchestrator import Orchestrator
 from silentswarm.leader.placement import PlacementDefaults
 from silentswarm.leader.purges import PurgeBook
 from silentswarm.leader.registry import FellowRegistry
+from silentswarm.leader.retention import RetentionPolicy
 from silentswarm.leader.services.datasets import DatasetsService
 from silentswarm.leader.services.fleet import FleetService
 from silentswarm.leader.services.info import InfoService, nats_auth_mode
@@ -39,11 +40,14 @@ from silentswarm.leader.services.package import BootstrapPackage
 from silentswarm.leader.storage import StorageMonitor
 from silentswarm.natsauth import NatsAuthority
 from silentswarm.natsconn import NatsAccess
+from silentswarm.retrying import Backoff
 from silentswarm.sdnotify import watchdog_forever
 from silentswarm.settings import Settings
 
 log = logging.getLogger(__name__)
-OBSERVE_RETRY_MAX_S = 5.0  # the streams are retried at least this often
+# The history streams are retried forever on any error (JetStream not ready, a store that
+# refuses them), after 1 s doubling up to 5 s (no jitter: one leader); shutdown cancels.
+OBSERVE_RETRIES = Backoff(wait_initial=1.0, wait_max=5.0)
 
 
 def create_app(
@@ -61,7 +65,7 @@ def create_app(
     token = token or settings.api_token or secrets.token_urlsafe(32)
     # Every part gets what it depends on when it is built, in this order; none is wired
     # up afterwards.
-    jobs, purges = JobManager(), PurgeBook()
+    jobs, purges = JobManager(retention=RetentionPolicy.from_settings(settings)), PurgeBook()
     registry = FellowRegistry(
         heartbeat_interval_s=settings.heartbeat_interval_s,
         offline_after_s=settings.offline_after_s,
@@ -228,15 +232,13 @@ async def _observe(bus: LeaderBus, observe: Observability, storage: StorageMonit
     """Open the history streams (retried with backoff while JetStream is not ready or the
     store refuses them: the storage monitor reports why), then keep the log buffer filled."""
     await bus.connected.wait()
-    retry_s = 1.0
-    while True:
-        try:
-            await observe.start()
-            return
-        except Exception as exc:
-            storage.streams_failed(exc, retry_s)
-            await asyncio.sleep(retry_s)
-            retry_s = min(OBSERVE_RETRY_MAX_S, retry_s * 2)
+    async for attempt in OBSERVE_RETRIES.context(on=Exception):
+        with attempt:
+            try:
+                await observe.start()
+            except Exception as exc:
+                storage.streams_failed(exc, attempt.next_wait)
+                raise
 
 
 async def _watch_storage(

@@ -25,6 +25,7 @@ from silentswarm.jobspec import JobSpec, Placement, new_job_id
 from silentswarm.leader.admission import Admission, admit_progress
 from silentswarm.leader.placement import DEFAULTS, Candidate, PlacementDefaults, Unplaceable, place
 from silentswarm.leader.progress import apply_outcome, apply_step
+from silentswarm.leader.retention import RetentionPolicy, retired_job_ids
 from silentswarm.lifecycle import JobEvent, next_job_state
 from silentswarm.protocol import (
     EXPORT_ERROR_CHARS,
@@ -192,8 +193,13 @@ def reconcile(
 
 
 class JobManager:
-    def __init__(self, *, wall: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, *, wall: Callable[[], float] = time.time, retention: RetentionPolicy | None = None
+    ) -> None:
+        """``retention``: how long finished jobs stay in the metrics, the list and at all
+        (:mod:`silentswarm.leader.retention`; the job loop applies it)."""
         self._wall = wall
+        self.retention = retention or RetentionPolicy()
         self._jobs: dict[str, JobRecord] = {}
         # Jobs whose START round is in flight: placed, but not yet RUNNING.
         self.starting: dict[str, Placement] = {}
@@ -214,6 +220,16 @@ class JobManager:
 
     def list(self) -> list[JobRecord]:
         return sorted(self._jobs.values(), key=lambda j: (j.created_at, j.job_id))
+
+    def listed(self, *, archived: bool = False) -> list[JobRecord]:
+        """What ``GET /api/v1/jobs`` lists: the jobs not archived, or (``archived``) all."""
+        return [j for j in self.list() if archived or not j.archived]
+
+    def retired(self) -> set[str]:
+        """Jobs whose series the metrics no longer export (now, by the retention policy)."""
+        return retired_job_ids(
+            self._jobs.values(), now=self._wall(), retention_s=self.retention.metrics_retention_s
+        )
 
     def pending(self) -> list[JobRecord]:
         """PENDING jobs that may be placed now (not starting, not backing off)."""
@@ -277,6 +293,22 @@ class JobManager:
         self.dirty.add(job_id)
         log.info("job %s submitted (%s)", job_id, spec.name)
         return job
+
+    def archive(self, job_id: str) -> bool:
+        """Hide a finished job from the list and the metrics (saved like any change); False,
+        and nothing done, for an unknown or live job (the decision never names one)."""
+        job = self._jobs.get(job_id)
+        if job is None or not job.terminal:
+            return False
+        job.archived = True
+        self.dirty.add(job_id)  # not _touch: its updated_at stays the job's own last change
+        return True
+
+    def forget(self, job_id: str) -> None:
+        """Drop a deleted job's record (the store's copy is the caller's to delete)."""
+        self._jobs.pop(job_id, None)
+        self.dirty.discard(job_id)
+        self._retry.pop(job_id, None)
 
     def set_waiting(self, reasons: dict[str, str]) -> None:
         for job_id, reason in reasons.items():

@@ -2,8 +2,12 @@
 
 Nothing here keeps a copy of the swarm's state. :class:`SwarmCollector` walks the registry
 and the job manager on every scrape, so the series of a released (forgotten) fellow or GPU
-simply stop being exported, and nothing has to be cleaned up when the state changes. The
-only stateful metric is the request latency histogram, fed by :class:`RequestTimer`.
+simply stop being exported, and nothing has to be cleaned up when the state changes. A
+finished job's series stop once it is retired (SWARM_JOB_METRICS_RETENTION_S, or archived:
+:mod:`silentswarm.leader.retention`), so sweeps do not grow the scrape for good. The only
+stateful metrics are the HTTP ones, fed by :class:`RequestTimer`, and the process's own
+(``process_*``, ``python_*``: prometheus-client's collectors, which the default registry
+would have had).
 
 Each app gets its own :class:`~prometheus_client.CollectorRegistry` (never the process-wide
 default): tests build several apps in one process, and the leader's scrape should show its
@@ -15,12 +19,21 @@ from __future__ import annotations
 import platform
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from litestar.enums import ScopeType
 from litestar.middleware import ASGIMiddleware
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -50,6 +63,12 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 MEDIA_TYPE = CONTENT_TYPE.removesuffix("; charset=utf-8")
 REQUEST_DURATION = "swarm_leader_http_request_duration_seconds"
 REQUEST_LABELS = ("method", "route", "status_code")
+STREAM_DURATION = "swarm_leader_http_stream_duration_seconds"
+STREAMS_OPEN = "swarm_leader_http_streams_open"
+STREAM_LABELS = ("route",)
+# How long SSE clients stay: from a second to a day (a dashboard left open).
+STREAM_BUCKETS = (1.0, 10.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0, 12 * 3600.0, 86400.0)
+STREAM_MEDIA_TYPE = b"text/event-stream"
 
 T = TypeVar("T")
 Value = float | int | None
@@ -313,12 +332,20 @@ def _stage_labels(stage: JobStage) -> list[str]:
     return [stage[0].job_id, str(stage[1].stage), stage[1].fellow_id]
 
 
-def job_families(jobs: list[JobRecord]) -> Iterator[Metric]:
-    """Jobs by state, then one sample per job (and per stage of a running job)."""
-    by_state = GaugeMetricFamily("swarm_jobs", "Jobs the leader knows, by state", labels=["state"])
+def job_families(
+    jobs: list[JobRecord], retired: AbstractSet[str] = frozenset()
+) -> Iterator[Metric]:
+    """Jobs by state (archived ones not counted), then one sample per job that is not
+    ``retired`` (and per stage of a running job)."""
+    by_state = GaugeMetricFamily(
+        "swarm_jobs",
+        "Jobs the leader lists (archived ones not counted), by state",
+        labels=["state"],
+    )
     for state in JobState:
-        by_state.add_metric([state.value], sum(j.state is state for j in jobs))
+        by_state.add_metric([state.value], sum(j.state is state and not j.archived for j in jobs))
     yield by_state
+    jobs = [j for j in jobs if j.job_id not in retired]
     yield _state_set(
         "swarm_job_state",
         "1 for the job's current state, 0 for the others",
@@ -441,38 +468,59 @@ class SwarmCollector:
         dropped = {"bus": self.bus.dropped, "registry": self.registry.dropped}
         yield from leader_families(self.info.info(), dropped)
         yield from fellow_families(self.registry.list(), self.registry.counts())
-        yield from job_families(self.jobs.list())
+        yield from job_families(self.jobs.list(), self.jobs.retired())
 
 
 # --- request latency -----------------------------------------------------------------------
 
 
 class RequestTimer(ASGIMiddleware):
-    """Observes each HTTP request's latency, from its arrival to the start of its response.
+    """Observes each HTTP request's latency, from its arrival to the start of its response;
+    a streaming (SSE) response is timed apart, from its arrival until the stream ends.
 
     Litestar runs app-level middleware after routing, inside each route's stack, so the
     scope holds ``path_template`` (e.g. ``/api/v1/jobs/{job_id:str}``): the route label
     stays bounded by the app's routes, whatever the clients ask for. Requests that match
-    no route (404, 405) never reach route middleware and are not observed. Timing stops at
-    ``http.response.start``, so a streaming (SSE) response counts its time to the first
-    byte and is passed through untouched.
+    no route (404, 405) never reach route middleware and are not observed.
+
+    Streams (``text/event-stream``) stay out of the latency histogram: a watcher holds one
+    open for minutes or hours, which would pile up in its top bucket and hide the latency
+    of every other request, and their time to the first byte says little. They have their
+    own histogram (``streams``, buckets up to a day) observed when the stream ends, however
+    it ends (the job's end, the client going away, the leader stopping), and a gauge of the
+    streams open now (``open_streams``). Messages are passed through untouched.
     """
 
     scopes = (ScopeType.HTTP,)
 
-    def __init__(self, histogram: Histogram, clock: Callable[[], float] = time.perf_counter):
+    def __init__(
+        self,
+        histogram: Histogram,
+        clock: Callable[[], float] = time.perf_counter,
+        *,
+        streams: Histogram | None = None,
+        open_streams: Gauge | None = None,
+    ):
         self.histogram = histogram
         self.clock = clock
+        self.streams = streams
+        self.open_streams = open_streams
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
         started = self.clock()
-        observed = False
+        observed = streaming = False
+        route = scope.get("path_template") or "unmatched"
 
         async def timed_send(message: Message) -> None:
-            nonlocal observed
+            nonlocal observed, streaming
             if message["type"] == "http.response.start" and not observed:
                 observed = True
-                self._observe(scope, message["status"], started)
+                if _is_stream(message):
+                    streaming = True
+                    if self.open_streams is not None:
+                        self.open_streams.labels(route).inc()
+                else:
+                    self._observe(scope, message["status"], started)
             await send(message)
 
         try:
@@ -483,11 +531,25 @@ class RequestTimer(ASGIMiddleware):
             if not observed:
                 self._observe(scope, 500, started)
             raise
+        finally:
+            if streaming:
+                if self.open_streams is not None:
+                    self.open_streams.labels(route).dec()
+                if self.streams is not None:
+                    self.streams.labels(route).observe(self.clock() - started)
 
     def _observe(self, scope: Scope, status: int, started: float) -> None:
         route = scope.get("path_template") or "unmatched"
         labels = (scope.get("method", ""), route, str(status))
         self.histogram.labels(*labels).observe(self.clock() - started)
+
+
+def _is_stream(start: Message) -> bool:
+    """Whether a response start announces a server-sent event stream."""
+    for name, value in start.get("headers", ()):
+        if name.lower() == b"content-type":
+            return value.split(b";")[0].strip().lower() == STREAM_MEDIA_TYPE
+    return False
 
 
 # --- one app's metrics ---------------------------------------------------------------------
@@ -501,13 +563,31 @@ class LeaderMetrics:
         self.registry.register(collector)
         self.request_duration = Histogram(
             REQUEST_DURATION,
-            "Time from an HTTP request's arrival to the start of the leader's response",
+            "Time from an HTTP request's arrival to the start of the leader's response "
+            "(streams are timed apart)",
             labelnames=REQUEST_LABELS,
             registry=self.registry,
         )
+        self.stream_duration = Histogram(
+            STREAM_DURATION,
+            "Time from an SSE request's arrival until its stream ended",
+            labelnames=STREAM_LABELS,
+            buckets=STREAM_BUCKETS,
+            registry=self.registry,
+        )
+        self.streams_open = Gauge(
+            STREAMS_OPEN, "SSE streams open now", labelnames=STREAM_LABELS, registry=self.registry
+        )
+        # What the process-wide default registry would have had: CPU, memory, open files,
+        # start time (process_*, Linux), the Python build and its garbage collector (python_*).
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
 
     def middleware(self) -> RequestTimer:
-        return RequestTimer(self.request_duration)
+        return RequestTimer(
+            self.request_duration, streams=self.stream_duration, open_streams=self.streams_open
+        )
 
     def render(self) -> bytes:
         """The text exposition (format 0.0.4) of everything in this app's registry."""

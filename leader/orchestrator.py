@@ -31,7 +31,7 @@ from nats.js.kv import KeyValue
 from silentswarm import subjects as topics
 from silentswarm.errors import NotFoundError
 from silentswarm.jobspec import stage_plans
-from silentswarm.leader import decide, initsource
+from silentswarm.leader import decide, initsource, retention
 from silentswarm.leader.admission import RateLimiter, Verdict
 from silentswarm.leader.bus import LeaderBus
 from silentswarm.leader.datasets import DatasetStore
@@ -48,6 +48,7 @@ from silentswarm.leader.store import StateStore
 from silentswarm.natsauth import NatsAuthority
 from silentswarm.plan import StagePlan
 from silentswarm.protocol import FellowStatus, JobState, Progress
+from silentswarm.retrying import Backoff
 from silentswarm.types.jobs import JobRecord
 from silentswarm.types.signals import (
     REASON_CHARS,
@@ -62,6 +63,8 @@ TICK_S = 0.25
 # Progress a fellow may send: a record per step of a fast stage, with room to spare.
 PROGRESS_PER_S = 200.0
 PROGRESS_BURST = 1000.0
+RETAIN_EVERY_S = 1.0  # how often the retention policy is applied (archive, delete)
+STORE_RETRIES = Backoff(wait_initial=1.0, wait_max=1.0)  # the state store: every 1 s
 
 
 class Orchestrator:
@@ -110,6 +113,7 @@ class Orchestrator:
         # When each stage last got a STOP (monotonic): the orphan sweep waits a while after.
         self._stops_sent: dict[decide.StageKey, float] = {}
         self._store_logs = Throttle()  # a store that stays unavailable: a line a minute
+        self._retain_due = 0.0  # monotonic time of the next retention pass
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -150,6 +154,7 @@ class Orchestrator:
         self._stop_orphans()
         await self._schedule()
         self._deliver_purges()
+        await self.retain()
         await self.flush()
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
@@ -169,16 +174,15 @@ class Orchestrator:
     async def _open_store(self) -> None:
         nc = self.bus.nc
         assert nc is not None
-        while True:
-            try:
-                self.store = await StateStore.open(nc, prefix=self.prefix)
-                state = await self.store.load()
-                break
-            except Exception as exc:  # JetStream not ready yet, or off: say so and retry
-                held = self._store_logs.allow("open")
-                if held is not None:
-                    log.error("cannot open the JetStream state store (%s); retrying", exc)
-                await asyncio.sleep(1.0)
+        async for attempt in STORE_RETRIES.context(on=Exception):
+            with attempt:
+                try:
+                    self.store = await StateStore.open(nc, prefix=self.prefix)
+                    state = await self.store.load()
+                except Exception as exc:  # JetStream not ready yet, or off: say so and retry
+                    if self._store_logs.allow("open") is not None:
+                        log.error("cannot open the JetStream state store (%s); retrying", exc)
+                    raise
         self.registry.restore(state.fellows)
         self.jobs.restore(state.jobs)
         self.purges.restore(state.purges)
@@ -210,6 +214,55 @@ class Orchestrator:
             self.purges.dirty.discard(fid)
             if not await _save(store, store.purges, fid, self.purges.get(fid)):
                 self.purges.dirty.add(fid)
+
+    # --- retention ---------------------------------------------------------------------------
+
+    async def retain(self) -> None:
+        """Archive and delete finished jobs as the retention policy says
+        (:mod:`silentswarm.leader.retention`), at most every RETAIN_EVERY_S. Archiving is saved
+        by the flush that follows; a deletion that fails is tried again next time."""
+        if self.store is None or time.monotonic() < self._retain_due:
+            return
+        self._retain_due = time.monotonic() + RETAIN_EVERY_S
+        policy, now = self.jobs.retention, time.time()
+        archived = [
+            job_id
+            for job_id in retention.jobs_to_archive(self.jobs.list(), now=now, policy=policy)
+            if self.jobs.archive(job_id)
+        ]
+        if archived:
+            log.info(
+                "archived %d finished job(s) (hidden from the jobs list and the metrics; "
+                "GET /api/v1/jobs?all=true lists them; keep %d, archive after %gs): %s",
+                len(archived),
+                policy.keep_finished,
+                policy.archive_after_s,
+                ", ".join(archived),
+            )
+        for job_id in retention.jobs_to_delete(self.jobs.list(), now=now, policy=policy):
+            await self._delete_job(self.store, self.jobs.get(job_id), now)
+
+    async def _delete_job(self, store: StateStore, job: JobRecord, now: float) -> None:
+        try:
+            await store.delete_job(job.job_id)
+        except Exception as exc:
+            held = self._store_logs.allow("delete")  # one key: a line a minute in all
+            if held is not None:
+                more = f" ({held} more failed tries since the last line)" if held else ""
+                log.warning(
+                    "job %s not deleted yet (tried again later)%s: %s", job.job_id, more, exc
+                )
+            return
+        self.jobs.forget(job.job_id)
+        log.info(
+            "deleted job %s (%s, ended %.0fs ago, delete after %gs): its record and progress "
+            "history; its export stays on disk%s",
+            job.job_id,
+            job.state.value,
+            now - retention.ended_at(job),
+            self.jobs.retention.delete_after_s,
+            f" ({job.export_dir})" if job.export_dir else "",
+        )
 
     # --- reconciling and scheduling --------------------------------------------------------
 

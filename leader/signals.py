@@ -3,7 +3,7 @@
 Every signal gets an id that stays the same across retries, so a fellow that got the first
 try but whose answer was lost recognises the retry and answers it as a duplicate instead
 of acting twice. A try that gets no answer (no responders, timeout) is retried with
-backoff until the deadline; the outcome, acknowledged or not, is returned as a record.
+backoff until the deadline (stamina); the outcome, acknowledged or not, is returned as a record.
 """
 
 from __future__ import annotations
@@ -20,14 +20,18 @@ from nats.errors import Error as NatsError
 from silentswarm import subjects as topics
 from silentswarm.errors import ErrorCode, ProtocolError
 from silentswarm.protocol import make_signal
+from silentswarm.retrying import Backoff
 from silentswarm.types.jobs import SignalRecord
 from silentswarm.types.signals import SignalArgs
 
 log = logging.getLogger(__name__)
 
 TRY_TIMEOUT_S = 2.0
-BACKOFF_MIN_S = 0.1
-BACKOFF_MAX_S = 1.0
+# A try that gets no answer (no responders, a timeout) or an unreadable one is tried again,
+# after 0.1 s doubling up to 1 s (no jitter: one leader, a handful of fellows), until the
+# deadline; any other error is a bug and is raised.
+RETRY_ON = (NatsError, TimeoutError, ProtocolError)
+RETRIES = Backoff(wait_initial=0.1, wait_max=1.0)  # the deadline ends them (asyncio.timeout)
 
 
 def new_signal_id() -> str:
@@ -54,44 +58,46 @@ class SignalHub:
         subject = topics.SIGNAL.subject(self.prefix, fellow=fellow_id)
         payload = topics.encode(sig)
         sent_at = time.time()
-        deadline = time.monotonic() + deadline_s
-        delay, tries, last_error = BACKOFF_MIN_S, 0, ""
-        while True:
-            tries += 1
-            remaining = deadline - time.monotonic()
-            try:
-                msg = await self.nc.request(
-                    subject, payload, timeout=max(0.05, min(TRY_TIMEOUT_S, remaining))
-                )
-                ack = topics.SIGNAL.decode_reply(msg.data)
-            except (NatsError, TimeoutError) as exc:
-                last_error = f"no answer ({type(exc).__name__})"
-            except ProtocolError as exc:
-                last_error = f"unreadable answer: {exc}"
-            else:
-                record = SignalRecord(
-                    **msgspec.structs.asdict(ack), kind=kind.value, sent_at=sent_at, attempts=tries
-                )
-                log.info(
-                    "%s %s -> %s: %s%s",
-                    kind.value,
-                    sig.signal_id,
-                    fellow_id,
-                    "ok" if ack.ok else f"refused ({ack.code}: {ack.message})",
-                    f" after {tries} tries" if tries > 1 else "",
-                )
-                return record
-            if time.monotonic() + delay >= deadline:
-                log.warning("%s -> %s: %s after %d tries", kind.value, fellow_id, last_error, tries)
-                return SignalRecord(
-                    signal_id=sig.signal_id,
-                    kind=kind.value,
-                    fellow_id=fellow_id,
-                    sent_at=sent_at,
-                    attempts=tries,
-                    ok=False,
-                    code=ErrorCode.NO_ANSWER,
-                    message=f"{last_error} after {tries} tries",
-                )
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, BACKOFF_MAX_S)
+        tries, last_error = 0, "no answer (TimeoutError)"
+        try:
+            # The deadline bounds the whole: a try or a backoff still running then is cut.
+            async with asyncio.timeout(deadline_s):
+                async for try_ in RETRIES.context(on=RETRY_ON):
+                    with try_:
+                        tries = try_.num
+                        try:
+                            msg = await self.nc.request(subject, payload, timeout=TRY_TIMEOUT_S)
+                            ack = topics.SIGNAL.decode_reply(msg.data)
+                        except RETRY_ON as exc:
+                            last_error = why_unanswered(exc)
+                            raise
+        except RETRY_ON:
+            log.warning("%s -> %s: %s after %d tries", kind.value, fellow_id, last_error, tries)
+            return SignalRecord(
+                signal_id=sig.signal_id,
+                kind=kind.value,
+                fellow_id=fellow_id,
+                sent_at=sent_at,
+                attempts=tries,
+                ok=False,
+                code=ErrorCode.NO_ANSWER,
+                message=f"{last_error} after {tries} tries",
+            )
+        log.info(
+            "%s %s -> %s: %s%s",
+            kind.value,
+            sig.signal_id,
+            fellow_id,
+            "ok" if ack.ok else f"refused ({ack.code}: {ack.message})",
+            f" after {tries} tries" if tries > 1 else "",
+        )
+        return SignalRecord(
+            **msgspec.structs.asdict(ack), kind=kind.value, sent_at=sent_at, attempts=tries
+        )
+
+
+def why_unanswered(exc: BaseException) -> str:
+    """A failed try in words: no answer (no responders, a timeout) or an unreadable one."""
+    if isinstance(exc, ProtocolError):
+        return f"unreadable answer: {exc}"
+    return f"no answer ({type(exc).__name__})"

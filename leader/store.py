@@ -12,10 +12,14 @@ which once made a restarted leader load no jobs at all.
 The buckets reserve nothing (no ``max_bytes``): the history streams reserve at most 70% of
 the store (leader.streams), and what is left is theirs. A write that fails for want of
 storage is remembered (``write_error``, until a write succeeds) for the leader's health.
+
+A deleted job (:mod:`silentswarm.leader.retention`) is purged, not marked deleted: its
+record's revisions and its progress history leave the store, so deleted jobs take no room.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -24,10 +28,12 @@ import msgspec
 from nats.aio.client import Client
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import KeyDeletedError, KeyNotFoundError
+from nats.js.errors import NotFoundError as StreamNotFoundError
 from nats.js.kv import KeyValue
 
+from silentswarm import subjects as topics
 from silentswarm.leader.errors import StoreReadError
-from silentswarm.leader.streams import describe, is_storage_error
+from silentswarm.leader.streams import describe, is_storage_error, progress_stream
 from silentswarm.types.fleet import FellowRecord, PendingPurge
 from silentswarm.types.jobs import JobRecord
 
@@ -90,6 +96,16 @@ class StateStore:
 
     async def delete(self, bucket: KeyValue, key: str) -> None:
         await self._write(lambda: bucket.delete(key))
+
+    async def delete_job(self, job_id: str) -> None:
+        """Remove a job for good: its progress history, then every revision of its record
+        (no delete marker stays behind). Its export on disk is not the store's: it stays."""
+        js = self.nc.jetstream()
+        history = topics.PROGRESS.wildcard(self.prefix, job=job_id)
+        with contextlib.suppress(StreamNotFoundError):  # no history stream yet: none to purge
+            await js.purge_stream(progress_stream(self.prefix).name, subject=history)
+        bucket = bucket_name(self.prefix, "jobs")
+        await self._write(lambda: js.purge_stream(f"KV_{bucket}", subject=f"$KV.{bucket}.{job_id}"))
 
     async def _write(self, write: Callable[[], Awaitable[Any]]) -> None:
         try:

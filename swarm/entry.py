@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import NoReturn, TypeVar
 
 from silentswarm.errors import SwarmError
+from silentswarm.retrying import log_retries_at_debug
 
 T = TypeVar("T")
 LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
@@ -21,6 +22,8 @@ def configure_logging(level: str) -> None:
     # nats-py logs every failed reconnect attempt at ERROR; our own callbacks say it once.
     logging.getLogger("nats.aio.client").setLevel(logging.CRITICAL)
     quiet_http_clients()
+    # stamina logs every scheduled retry at WARNING; each of our loops warns once per reason.
+    log_retries_at_debug()
 
 
 def quiet_http_clients() -> None:

@@ -21,6 +21,8 @@ from silentswarm.natsconn import NatsAccess
 from silentswarm.subjects import TOKEN_RE
 
 ENV_PREFIX = "SWARM_"
+_DAY_S = 86400.0
+_YEAR_S = 365 * _DAY_S
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
@@ -90,6 +92,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # largest one an upload may be.
     dataset_root: Path | None = None
     max_dataset_bytes: Annotated[int, msgspec.Meta(ge=1)] = 16 * 2**30
+    # How long a finished job's labelled series stay in the leader's /api/v1/metrics; how
+    # many finished jobs GET /api/v1/jobs lists before older ones are archived (hidden; still
+    # served by id and with ?all=true), and after how long a finished job is archived anyway
+    # and an archived one deleted (record and progress history; never its export on disk).
+    # 0: never, for the last two (leader.retention).
+    job_metrics_retention_s: Annotated[float, msgspec.Meta(ge=0, le=30 * _DAY_S)] = 3600.0
+    jobs_keep_finished: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = 200
+    jobs_archive_after_s: Annotated[float, msgspec.Meta(ge=0, le=10 * _YEAR_S)] = 7 * _DAY_S
+    jobs_delete_after_s: Annotated[float, msgspec.Meta(ge=0, le=10 * _YEAR_S)] = 90 * _DAY_S
     # The leader's placement defaults for jobs that leave these fields unset.
     placement_min_gpu_free_gb: float = 4.0
     pipeline_last_stage_placement: str = "largest_vram"
@@ -132,6 +143,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(
                 f"{env_name('nats_tls_cert')} and {env_name('nats_tls_key')} go together"
             )
+        _check_retention(self.jobs_archive_after_s, self.jobs_delete_after_s)
         if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR"}:
             raise ConfigError(f"{env_name('log_level')}={self.log_level!r}: not a log level")
 
@@ -243,6 +255,15 @@ def env_name(field: str) -> str:
 def _check_port(field: str, port: int) -> None:
     if not 0 <= port <= 65535:
         raise ConfigError(f"{env_name(field)}={port}: a port is 0-65535 (0 picks a free one)")
+
+
+def _check_retention(archive_after_s: float, delete_after_s: float) -> None:
+    """A job is archived before it is deleted: deleting sooner than archiving is a mistake."""
+    if 0 < delete_after_s < archive_after_s:
+        raise ConfigError(
+            f"{env_name('jobs_delete_after_s')} ({delete_after_s:g}) must be at least "
+            f"{env_name('jobs_archive_after_s')} ({archive_after_s:g}), or 0 (never delete)"
+        )
 
 
 def _convert(raw: dict[str, Any]) -> Settings:

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+from typing import Annotated
+
 from litestar import Controller, Request, delete, get, post
 from litestar.di import NamedDependency
-from litestar.params import FromPath
+from litestar.params import FromPath, QueryParameter
 from litestar.response import File, ServerSentEvent
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED, HTTP_202_ACCEPTED
 
@@ -28,11 +30,25 @@ class JobsController(Controller):
         spec = decode_job_spec(await request.body())
         return await jobs.submit(spec)
 
-    @get("/", summary="Every job, oldest first")
-    async def list_jobs(self, jobs: NamedDependency[JobsService]) -> list[JobRecord]:
-        return jobs.list()
+    @get(
+        "/",
+        summary=(
+            "Every job, oldest first; archived ones (finished long ago, or beyond the newest "
+            "SWARM_JOBS_KEEP_FINISHED finished jobs) only with ?all=true"
+        ),
+    )
+    async def list_jobs(
+        self,
+        jobs: NamedDependency[JobsService],
+        # Named as the query parameter is, so that a bad value's 400 names ``all``.
+        all: Annotated[bool, QueryParameter(description="also list archived jobs")] = False,
+    ) -> list[JobRecord]:
+        return jobs.list(archived=all)
 
-    @get("/{job_id:str}", summary="One job: state, placement, per-fellow progress, reason")
+    @get(
+        "/{job_id:str}",
+        summary="One job (archived ones too): state, placement, per-fellow progress, reason",
+    )
     async def get_job(self, job_id: FromPath[str], jobs: NamedDependency[JobsService]) -> JobRecord:
         return jobs.get(job_id)
 

@@ -92,9 +92,10 @@ class JobsService:
         self.loop.wake()
         return job
 
-    def list(self) -> list[JobRecord]:
+    def list(self, *, archived: bool = False) -> list[JobRecord]:
+        """The jobs not archived, oldest first; ``archived``: all of them."""
         self.loop.require_loaded()
-        return self.jobs.list()
+        return self.jobs.listed(archived=archived)
 
     def get(self, job_id: str) -> JobRecord:
         self.loop.require_loaded()

@@ -114,6 +114,10 @@ class JobRecord(msgspec.Struct, kw_only=True):
     # The job's numbers as one pipeline (swarm/types/views.py), derived from ``progress``
     # and the final losses whenever they change: what the Ops UI shows.
     view: JobView = msgspec.field(default_factory=JobView)
+    # Hidden from ``GET /api/v1/jobs`` and the metrics (still served by id and with
+    # ``?all=true``): a finished job beyond SWARM_JOBS_KEEP_FINISHED or
+    # SWARM_JOBS_ARCHIVE_AFTER_S (leader.retention). A default, so older records decode.
+    archived: bool = False
 
     @property
     def terminal(self) -> bool:
