@@ -520,6 +520,11 @@ def main() -> None:
             flush=True,
         )
     drew = draw(png, rows)
+    if not drew:
+        print(
+            f"  no {png.name}: matplotlib is not installed (pip install 'silentswarm[plots]')",
+            flush=True,
+        )
     relay = tunnel_vs_p2p(tps)
     for row in relay:
         print(

@@ -75,37 +75,39 @@ class LeaderClient:
         return self._call("GET", "/api/v1/workers", list[FellowRecord])
 
     def fellow(self, fellow_id: str) -> FellowRecord:
-        return self._call("GET", f"/api/v1/workers/{fellow_id}", FellowRecord)
+        return self._call("GET", f"/api/v1/workers/{_id(fellow_id)}", FellowRecord)
 
     def nodes(self) -> list[NodeView]:
         return self._call("GET", "/api/v1/nodes", list[NodeView])
 
-    def jobs(self) -> list[JobRecord]:
-        return self._call("GET", "/api/v1/jobs", list[JobRecord])
+    def jobs(self, *, all: bool = False) -> list[JobRecord]:
+        """Every job; ``all``: archived ones too (a leader without archival ignores it)."""
+        params = {"all": "true"} if all else None
+        return self._call("GET", "/api/v1/jobs", list[JobRecord], params=params)
 
     def job(self, job_id: str) -> JobRecord:
-        return self._call("GET", f"/api/v1/jobs/{job_id}", JobRecord)
+        return self._call("GET", f"/api/v1/jobs/{_id(job_id)}", JobRecord)
 
     def logs(self, fellow_id: str, *, limit: int) -> list[LogEntry]:
-        path = f"/api/v1/workers/{fellow_id}/logs"
+        path = f"/api/v1/workers/{_id(fellow_id)}/logs"
         return self._call("GET", path, list[LogEntry], params={"limit": limit})
 
     def metrics(self, job_id: str) -> JobMetrics:
-        return self._call("GET", f"/api/v1/jobs/{job_id}/metrics", JobMetrics)
+        return self._call("GET", f"/api/v1/jobs/{_id(job_id)}/metrics", JobMetrics)
 
     def history(self, job_id: str) -> list[HistoryPoint]:
-        return self._call("GET", f"/api/v1/jobs/{job_id}/metrics/history", list[HistoryPoint])
+        return self._call("GET", f"/api/v1/jobs/{_id(job_id)}/metrics/history", list[HistoryPoint])
 
     def submit(self, spec_json: bytes) -> JobRecord:
         return self._call("POST", "/api/v1/jobs", JobRecord, content=spec_json, ok_statuses=(201,))
 
     def cancel(self, job_id: str) -> JobRecord:
-        return self._call("DELETE", f"/api/v1/jobs/{job_id}", JobRecord)
+        return self._call("DELETE", f"/api/v1/jobs/{_id(job_id)}", JobRecord)
 
     def checkpoint(self, job_id: str) -> CheckpointRecord:
         return self._call(
             "POST",
-            f"/api/v1/jobs/{job_id}/checkpoint",
+            f"/api/v1/jobs/{_id(job_id)}/checkpoint",
             CheckpointRecord,
             ok_statuses=(202,),
             timeout=SIGNAL_TIMEOUT_S,
@@ -123,7 +125,7 @@ class LeaderClient:
     def release(self, fellow_id: str, *, purge_install: bool) -> ReleaseResult:
         return self._call(
             "POST",
-            f"/api/v1/workers/{fellow_id}/release",
+            f"/api/v1/workers/{_id(fellow_id)}/release",
             ReleaseResult,
             body=ReleaseRequest(purge_install=purge_install),
             timeout=SIGNAL_TIMEOUT_S,
@@ -209,6 +211,12 @@ class LeaderClient:
                 code=ErrorCode.HTTP_ERROR,
             ) from None
         raise LeaderResponseError(error.message, code=error.code)
+
+
+def _id(value: str) -> str:
+    """A fellow or job id as one path segment ("a/b" stays one id, which the leader refuses
+    by name instead of answering 404 for a route it does not have)."""
+    return quote(value, safe="")
 
 
 def decode_answer(body: bytes | str, answer: type[T], what: str) -> T:

@@ -1,22 +1,108 @@
-"""Human output: aligned tables and readable sizes. ``--json`` bypasses all of this."""
+"""Human output: rich tables and readable sizes. ``--json`` bypasses all of this.
+
+On a terminal, tables are rich's (bold headers, a rule under them, states in colour). On a
+pipe the same table is plain text: columns separated by two spaces, no box, no colour, no
+wrapping and no trailing blanks, so that ``grep``, ``awk`` and tests read one row per line.
+"""
 
 from __future__ import annotations
 
 import json
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import IO, Any
 
 import msgspec
+from rich import box
+from rich.console import Console, Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+# Wide enough that no row of a table on a pipe is ever wrapped.
+PIPE_WIDTH = 100_000
+
+# Words in table cells that get a colour on a terminal (fellow and job states, results).
+STYLES = {
+    "ready": "green",
+    "online": "green",
+    "ok": "green",
+    "delivered": "green",
+    "registered": "green",
+    "COMPLETED": "green",
+    "RUNNING": "cyan",
+    "busy": "cyan",
+    "installing": "cyan",
+    "PENDING": "yellow",
+    "pending": "yellow",
+    "created": "yellow",
+    "offline": "red",
+    "failed": "red",
+    "FAILED": "red",
+    "CANCELLED": "magenta",
+}
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    cells = [[str(h) for h in headers]] + [["-" if v is None else str(v) for v in r] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    lines = [
-        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in cells
-    ]
-    return "\n".join(lines)
+def console(file: IO[str], *, tty: bool) -> Console:
+    """A console writing to ``file``: rich's own on a terminal, plain and unwrapped else."""
+    if tty:
+        return Console(file=file, highlight=False, emoji=False)
+    return Console(
+        file=file,
+        width=PIPE_WIDTH,
+        color_system=None,
+        force_terminal=False,
+        highlight=False,
+        emoji=False,
+        soft_wrap=True,
+    )
+
+
+def show(out: Console, item: RenderableType) -> None:
+    """Print a string as it is (no markup) or a renderable; on a pipe, without the blanks
+    rich pads lines with."""
+    if isinstance(item, str):
+        out.print(item, markup=False, highlight=False, soft_wrap=True)
+        return
+    if out.is_terminal:
+        out.print(item)
+        return
+    plain(item)
+    with out.capture() as captured:
+        out.print(item)
+    text = "\n".join(line.rstrip() for line in captured.get().splitlines())
+    out.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
+    """Rows under headers; ``None`` cells show as ``-``. The box and colours are dropped on
+    a pipe (:func:`show`)."""
+    grid = Table(
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        header_style="bold",
+        padding=(0, 2, 0, 0),
+    )
+    for header in headers:
+        grid.add_column(header, no_wrap=True, overflow="ignore")
+    for row in rows:
+        grid.add_row(*(cell(v) for v in row))
+    return grid
+
+
+def cell(value: Any) -> Text:
+    text = "-" if value is None else str(value)
+    return Text(text, style=STYLES.get(text, ""))
+
+
+def plain(item: RenderableType) -> None:
+    """Drop the box of every table in ``item`` (what a pipe gets)."""
+    if isinstance(item, Table):
+        item.box = None
+        item.header_style = ""
+    elif isinstance(item, Group):
+        for part in item.renderables:
+            plain(part)
 
 
 def gib(n: int | None) -> str:

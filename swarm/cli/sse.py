@@ -1,47 +1,26 @@
-"""A small Server-Sent Events reader over httpx, resuming with ``Last-Event-ID``."""
+"""Server-Sent Events from the leader (httpx-sse), resuming with ``Last-Event-ID``."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import httpx
+from httpx_sse import EventSource, ServerSentEvent, SSEError
 
 from silentswarm.errors import ErrorCode, LeaderResponseError, LeaderUnreachableError
 
 RETRY_S = 1.0
 
-
-@dataclass
-class Event:
-    event: str
-    data: str
-    id: str | None
+Event = ServerSentEvent
 
 
-def parse(lines: Iterator[str]) -> Iterator[Event]:
-    """Events from SSE lines (comments skipped, multi-line data joined)."""
-    event, data, event_id = "message", [], None
-    for line in lines:
-        if line == "":
-            # An empty data buffer dispatches nothing (the SSE spec), e.g. a keep-alive.
-            if "".join(data):
-                yield Event(event, "\n".join(data), event_id)
-            event, data = "message", []
-            continue
-        if line.startswith(":"):
-            continue
-        name, _, value = line.partition(":")
-        value = value[1:] if value.startswith(" ") else value
-        if name == "data":
-            data.append(value)
-        elif name == "event":
-            event = value
-        elif name == "id":
-            event_id = value
-    if "".join(data):
-        yield Event(event, "\n".join(data), event_id)
+def events(response: httpx.Response) -> Iterator[ServerSentEvent]:
+    """The events of one streamed response. An event with no data dispatches nothing (the
+    SSE spec; httpx-sse yields one for a keep-alive once an id was seen)."""
+    for event in EventSource(response).iter_sse():
+        if event.data:
+            yield event
 
 
 def follow(
@@ -51,7 +30,7 @@ def follow(
     give_up_after_s: float = 60.0,
     last_event_id: str | None = None,
     token: str | None = None,
-) -> Iterator[Event]:
+) -> Iterator[ServerSentEvent]:
     """Events from ``path``, reconnecting (from the last id seen) when the stream drops.
 
     Stops when the server ends the stream after an ``end`` event; raises
@@ -71,12 +50,17 @@ def follow(
                     if response.status_code != 200:
                         _raise_for(response, path)
                     down_since = None
-                    for event in parse(response.iter_lines()):
-                        if event.id is not None:
+                    for event in events(response):
+                        if event.id:
                             last_event_id = event.id
                         yield event
                         if event.event == "end":
                             return
+            except SSEError as exc:
+                raise LeaderResponseError(
+                    f"{base_url}{path} is not an event stream ({exc})",
+                    code=ErrorCode.LEADER_RESPONSE_INVALID,
+                ) from None
             except (httpx.TransportError, LeaderResponseError) as exc:
                 if isinstance(exc, LeaderResponseError) and exc.code != ErrorCode.LEADER_NOT_READY:
                     raise

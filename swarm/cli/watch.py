@@ -1,12 +1,34 @@
-"""``swarm submit --watch``: follow a job to its end, one progress line at a time."""
+"""The follow view of a job, one for ``swarm watch`` and ``swarm submit --watch``.
+
+Where the numbers come from: the job's record while it is PENDING (its reason says what it
+waits for), then its SSE stream of merged metrics (each event also carries the job's state)
+until the stream's ``end`` event.
+
+How they are shown: on a terminal, a rich ``Live`` block redrawn in place (the state, a
+progress bar, the summary, a table of the fellows, the links and the schedule). Elsewhere (a
+pipe, a log file, a test) the same view as plain lines: each line of the view is printed when
+its text changed since it was last printed, at most every ``LINE_EVERY_S`` (at once on a
+state change and at the end), so no line is ever printed twice in a row. The pure part
+(:func:`view_lines`, :func:`changed_lines`) decides what to print; :class:`LineView` and
+:class:`LiveView` print it.
+"""
 
 from __future__ import annotations
 
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import IO, Protocol
+from urllib.parse import quote
 
 import msgspec
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.progress_bar import ProgressBar
+from rich.text import Text
 
+from silentswarm.cli import render
 from silentswarm.cli.client import LeaderClient, decode_answer
 from silentswarm.errors import (
     ErrorCode,
@@ -32,31 +54,28 @@ class WatchedEnd(JobEnd, kw_only=True):
     export_error: str | None = None
 
 
+class StreamedMetrics(JobMetrics, kw_only=True):
+    """A ``metrics`` event of the stream: the merged view and the job's state then."""
+
+    state: str | None = None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What the follow view shows at one moment."""
+
+    job_id: str
+    state: str
+    note: str = ""  # PENDING: why it waits; RUNNING without metrics yet: who starts
+    metrics: JobMetrics | None = None
+
+
 def check_export(job: JobRecord) -> None:
     """ExportMissingError when a COMPLETED job's record says its final model is missing."""
     if job.state == "COMPLETED" and job.export_error:
         raise ExportMissingError(
             f"job {job.job_id} COMPLETED without its export: {job.export_error}"
         )
-
-
-def progress_line(job: JobRecord, elapsed: float) -> str:
-    state = job.state
-    if state == "PENDING":
-        return f"[{elapsed:5.0f}s] PENDING    {job.reason}".rstrip()
-    stages = job.stages()
-    if not stages:
-        return f"[{elapsed:5.0f}s] {state}"
-    view = job.current_view()
-    if not view.step and all(p.loss is None and not p.step_time_s for p in stages):
-        return f"[{elapsed:5.0f}s] {state:<10} stages starting on {', '.join(view.fellows)}"
-    parts = [f"[{elapsed:5.0f}s] {state:<10} step {view.step:>5}/{view.total_steps}"]
-    if view.loss is not None:
-        parts.append(f"loss {view.loss:.4f}")
-    if view.tokens_per_s:
-        parts.append(f"{view.tokens_per_s:.0f} tok/s")
-    parts.append("(" + ", ".join(f"{p.fellow_id}: {p.step}" for p in stages) + ")")
-    return "  ".join(parts)
 
 
 def final_line(job: JobRecord | JobEnd) -> str:
@@ -74,45 +93,16 @@ def final_line(job: JobRecord | JobEnd) -> str:
     return f"job {job.job_id} {job.state}{took}: {job.reason or 'no reason given'}"
 
 
-def watch_job(
-    client: LeaderClient,
-    job_id: str,
-    *,
-    out: Callable[[str], None],
-    timeout: float | None = None,
-) -> JobRecord:
-    """Poll the job until it ends; raise JobEndedBadlyError unless it COMPLETED, and
-    ExportMissingError if it did without its final model in the export."""
-    started = time.monotonic()
-    last_state, last_printed, unreachable_since = "", 0.0, None
-    while True:
-        try:
-            job = client.job(job_id)
-            unreachable_since = None
-        except (LeaderUnreachableError, LeaderResponseError) as exc:
-            if isinstance(exc, LeaderResponseError) and exc.code != ErrorCode.LEADER_NOT_READY:
-                raise
-            unreachable_since = unreachable_since or time.monotonic()
-            if time.monotonic() - unreachable_since > UNREACHABLE_GRACE_S:
-                raise
-            time.sleep(POLL_S)
-            continue
-        now = time.monotonic()
-        if job.state in TERMINAL:
-            out(final_line(job))
-            if job.state != "COMPLETED":
-                raise JobEndedBadlyError(final_line(job))
-            check_export(job)
-            return job
-        if job.state != last_state or now - last_printed >= LINE_EVERY_S:
-            out(progress_line(job, now - started))
-            last_state, last_printed = job.state, now
-        if timeout is not None and now - started > timeout:
-            raise JobEndedBadlyError(f"job {job_id} still {job.state} after {timeout:.0f}s")
-        time.sleep(POLL_S)
+# --- what to show: pure --------------------------------------------------------------------
 
 
-# --- swarm watch: the SSE stream of merged metrics --------------------------------------------
+def record_snapshot(job: JobRecord) -> Snapshot:
+    """The view of a job's record (before its metrics stream has anything)."""
+    note = job.reason if job.state == "PENDING" else ""
+    if job.state == "RUNNING" and not job.current_view().step:
+        fellows = [s.fellow_id for s in (job.placement.stages if job.placement else [])]
+        note = "stages starting" + (f" on {', '.join(fellows)}" if fellows else "")
+    return Snapshot(job.job_id, str(job.state), note)
 
 
 def bar(done: int, total: int | None, width: int = 30) -> str:
@@ -121,6 +111,68 @@ def bar(done: int, total: int | None, width: int = 30) -> str:
     filled = min(width, int(width * done / total))
     return (
         "[" + "#" * filled + "." * (width - filled) + f"] {done}/{total} {100 * done / total:3.0f}%"
+    )
+
+
+def view_lines(snap: Snapshot) -> dict[str, str]:
+    """The view as keyed lines, in order: ``job`` (state and progress), ``summary``,
+    ``fellow:ID``, ``link:N``, ``schedule``. A key's line is what :func:`changed_lines`
+    compares."""
+    if snap.metrics is None:
+        return {"job": " ".join(p for p in (snap.job_id, snap.state, snap.note) if p)}
+    view = snap.metrics
+    lines = {
+        "job": f"{snap.job_id} {snap.state} " + bar(view.step, view.total_steps),
+        "summary": summary_line(view),
+    }
+    for f in view.fellows:
+        lines[f"fellow:{f.fellow_id}"] = (
+            f"  stage {f.stage} {f.fellow_id:<16} step {f.step:>6}  "
+            f"sent {_rate(f.sent_bytes_per_s)}  recv {_rate(f.received_bytes_per_s)}"
+            + (f"  {f.result}" if f.result else "")
+        )
+    for b in view.boundaries:
+        if b.link is not None:
+            lines[f"link:{b.boundary}"] = link_line(b)
+    if view.tuning is not None:
+        t = view.tuning
+        lines["schedule"] = (
+            f"  schedule {t.micro_batches} micro-batches, {t.in_flight} in flight"
+            + (" (auto)" if t.auto else "")
+            + (", steps overlap" if t.overlap else "")
+            + f" since step {t.step}"
+        )
+    return lines
+
+
+def changed_lines(printed: dict[str, str], lines: dict[str, str]) -> list[str]:
+    """The lines of ``lines`` whose text differs from what was last printed for their key
+    (``printed``), in the view's order: what a pipe gets for a change."""
+    return [text for key, text in lines.items() if printed.get(key) != text]
+
+
+def metrics_lines(view: JobMetrics, state: str = "") -> list[str]:
+    """The merged view as lines (the job's ``state`` once the stream's end said it)."""
+    return list(view_lines(Snapshot(view.job_id, state, metrics=view)).values())
+
+
+def summary_line(view: JobMetrics) -> str:
+    return (
+        f"  loss {_num(view.loss, '.4f')}  val {_num(view.val_loss, '.4f')}  "
+        f"{_num(view.tokens_per_s, ',.0f')} tok/s  "
+        f"{_num(view.step_time_s, '.3f')} s/step  "
+        f"{_num(view.steps_per_min, '.0f')} steps/min  ETA {_duration(view.eta_s)}"
+    )
+
+
+def link_line(b: BoundaryMetrics) -> str:
+    """One boundary as its ends last measured it: round trip, rate each way, codecs."""
+    link = b.link
+    assert link is not None
+    return (
+        f"  link {b.boundary} {b.upstream} -> {b.downstream} {b.transport or '-'}  "
+        f"rtt {link.rtt_ms:.1f} ms  {_mbit(link.fwd_mbit_s)} down / {_mbit(link.bwd_mbit_s)} up  "
+        f"{link.fwd_codec}/{link.bwd_codec}  {_rate(b.bytes_per_s)}  (step {link.step})"
     )
 
 
@@ -133,45 +185,6 @@ def _duration(seconds: float | None) -> str:
 
 def _num(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
-
-
-def metrics_lines(view: JobMetrics, state: str = "") -> list[str]:
-    """The merged view as a progress bar, a summary line and one row per fellow; ``state``:
-    the job's, once the stream's end event said it."""
-    lines = [
-        f"{view.job_id} {state} " + bar(view.step, view.total_steps),
-        f"loss {_num(view.loss, '.4f')}  val {_num(view.val_loss, '.4f')}  "
-        f"{_num(view.tokens_per_s, ',.0f')} tok/s  "
-        f"{_num(view.step_time_s, '.3f')} s/step  "
-        f"{_num(view.steps_per_min, '.0f')} steps/min  ETA {_duration(view.eta_s)}",
-    ]
-    for f in view.fellows:
-        lines.append(
-            f"  stage {f.stage} {f.fellow_id:<16} step {f.step:>6}  "
-            f"sent {_rate(f.sent_bytes_per_s)}  recv {_rate(f.received_bytes_per_s)}"
-            + (f"  {f.result}" if f.result else "")
-        )
-    lines.extend(link_line(b) for b in view.boundaries if b.link is not None)
-    if view.tuning is not None:
-        t = view.tuning
-        lines.append(
-            f"  schedule {t.micro_batches} micro-batches, {t.in_flight} in flight"
-            + (" (auto)" if t.auto else "")
-            + (", steps overlap" if t.overlap else "")
-            + f" since step {t.step}"
-        )
-    return lines
-
-
-def link_line(b: BoundaryMetrics) -> str:
-    """One boundary as its ends last measured it: round trip, rate each way, codecs."""
-    link = b.link
-    assert link is not None
-    return (
-        f"  link {b.boundary} {b.upstream} -> {b.downstream} {b.transport or '-'}  "
-        f"rtt {link.rtt_ms:.1f} ms  {_mbit(link.fwd_mbit_s)} down / {_mbit(link.bwd_mbit_s)} up  "
-        f"{link.fwd_codec}/{link.bwd_codec}  {_rate(b.bytes_per_s)}  (step {link.step})"
-    )
 
 
 def _mbit(mbit_s: float) -> str:
@@ -190,60 +203,169 @@ def _rate(bps: float | None) -> str:
     return f"{bps:.1f} GiB/s"
 
 
-class Screen:
-    """Redraws a block of lines in place on a terminal; on a pipe, prints every few seconds."""
+# --- how to show it: a pipe's lines, a terminal's live block ---------------------------------
 
-    def __init__(self, out: Callable[[str], None], tty: bool) -> None:
-        self.out = out
-        self.tty = tty
-        self.drawn = 0
-        self.last = 0.0
 
-    def show(self, lines: list[str], *, force: bool = False) -> None:
+class View(Protocol):
+    def show(self, snap: Snapshot, *, force: bool = False) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class LineView:
+    """Plain lines: each line of the view when its text changed (see the module's doc)."""
+
+    out: IO[str]
+    every_s: float = LINE_EVERY_S
+    printed: dict[str, str] = field(default_factory=dict)
+    state: str = ""
+    last: float = float("-inf")
+
+    def show(self, snap: Snapshot, *, force: bool = False) -> None:
         now = time.monotonic()
-        if self.tty:
-            if self.drawn:
-                self.out(f"\x1b[{self.drawn}A\x1b[J" + "\n".join(lines))
-            else:
-                self.out("\n".join(lines))
-            self.drawn = len(lines)
-        elif force or now - self.last >= LINE_EVERY_S:
-            self.out("\n".join(lines))
-            self.last = now
+        if not (force or snap.state != self.state or now - self.last >= self.every_s):
+            return
+        lines = view_lines(snap)
+        for text in changed_lines(self.printed, lines):
+            print(text, file=self.out, flush=True)
+        self.printed.update(lines)
+        self.state, self.last = snap.state, now
+
+    def close(self) -> None:
+        pass
 
 
-def watch_stream(
-    base_url: str,
+class LiveView:
+    """A block redrawn in place on a terminal (rich ``Live``)."""
+
+    def __init__(self, console: Console) -> None:
+        self.live = Live(console=console, refresh_per_second=4, transient=False)
+        self.live.start()
+
+    def show(self, snap: Snapshot, *, force: bool = False) -> None:
+        self.live.update(live_renderable(snap), refresh=True)
+
+    def close(self) -> None:
+        self.live.stop()
+
+
+def live_renderable(snap: Snapshot) -> RenderableType:
+    head = Text.assemble(
+        (snap.job_id, "bold"), " ", (snap.state, render.STYLES.get(snap.state, "")), " "
+    )
+    if snap.metrics is None:
+        return head.append(snap.note)
+    view = snap.metrics
+    total = view.total_steps or None
+    head.append(f"{view.step}/{view.total_steps or '?'}")
+    parts: list[RenderableType] = [head, ProgressBar(total=total, completed=view.step, width=60)]
+    parts.append(Text(summary_line(view).strip()))
+    rows = [
+        [
+            f.stage,
+            f.fellow_id,
+            f.step,
+            _num(f.loss, ".4f"),
+            _rate(f.sent_bytes_per_s),
+            _rate(f.received_bytes_per_s),
+            f.result,
+        ]
+        for f in view.fellows
+    ]
+    if rows:
+        headers = ["STAGE", "FELLOW", "STEP", "LOSS", "SENT", "RECEIVED", "RESULT"]
+        parts.append(render.table(headers, rows))
+    extra = [line for key, line in view_lines(snap).items() if key.startswith(("link:", "sch"))]
+    parts.extend(Text(line) for line in extra)
+    return Group(*parts)
+
+
+def make_view(out: IO[str], *, tty: bool) -> View:
+    return LiveView(render.console(out, tty=True)) if tty else LineView(out)
+
+
+# --- following a job -------------------------------------------------------------------------
+
+
+def follow_job(
+    client: LeaderClient,
     job_id: str,
     *,
-    out: Callable[[str], None],
-    tty: bool,
+    view: View,
+    say: Callable[[str], None],
     token: str | None = None,
-    fetch_job: Callable[[str], JobRecord] | None = None,
-) -> WatchedEnd:
-    """Follow ``/metrics/stream`` to the end event; JobEndedBadlyError unless COMPLETED,
-    ExportMissingError when it completed without its final model (the job record's
-    ``export_error``, from ``fetch_job``)."""
+) -> tuple[WatchedEnd, JobRecord]:
+    """Show the job until it ends; return its end and its final record. JobEndedBadlyError
+    unless it COMPLETED; ExportMissingError when it did without its final model."""
+    try:
+        first = _pending(client, job_id, view)
+        end: JobEnd | None = None
+        for snap, end in _streamed(client.base_url, job_id, token, first.spec.steps):
+            if snap is not None:
+                view.show(snap, force=end is not None)
+    finally:
+        view.close()
+    if end is None:
+        raise JobEndedBadlyError(f"the stream of {job_id} ended without its end event")
+    record = client.job(job_id)
+    say(final_line(end))
+    if end.state != "COMPLETED":
+        raise JobEndedBadlyError(final_line(end))
+    check_export(record)
+    return WatchedEnd(**msgspec.structs.asdict(end), export_error=record.export_error), record
+
+
+def _pending(client: LeaderClient, job_id: str, view: View) -> JobRecord:
+    """Show the job's record while it is PENDING; return the last one read. Read once
+    whatever its state: an unknown job is the leader's 404 here, before any stream."""
+    unreachable_since: float | None = None
+    while True:
+        try:
+            job = client.job(job_id)
+            unreachable_since = None
+        except (LeaderUnreachableError, LeaderResponseError) as exc:
+            if isinstance(exc, LeaderResponseError) and exc.code != ErrorCode.LEADER_NOT_READY:
+                raise
+            unreachable_since = unreachable_since or time.monotonic()
+            if time.monotonic() - unreachable_since > UNREACHABLE_GRACE_S:
+                raise
+            time.sleep(POLL_S)
+            continue
+        if job.state in TERMINAL:
+            return job
+        view.show(record_snapshot(job))
+        if job.state != "PENDING":
+            return job
+        time.sleep(POLL_S)
+
+
+def _streamed(
+    base_url: str, job_id: str, token: str | None, total_steps: int
+) -> Iterator[tuple[Snapshot | None, JobEnd | None]]:
+    """Snapshots from the metrics stream; the last with the stream's end event (and no
+    snapshot when the job ended before any metrics: the final line says it all). Metrics
+    that do not know the total (a stream replayed after the end) get the spec's."""
     from silentswarm.cli import sse
 
-    screen = Screen(out, tty)
-    view: JobMetrics | None = None
-    stream = f"/api/v1/jobs/{job_id}/metrics/stream"
-    for event in sse.follow(base_url, stream, token=token):
+    path = f"/api/v1/jobs/{quote(job_id, safe='')}/metrics/stream"
+    metrics: JobMetrics | None = None
+    state = "RUNNING"
+    for event in sse.follow(base_url, path, token=token):
         if event.event == "metrics":
-            view = decode_answer(event.data, JobMetrics, stream)
-            screen.show(metrics_lines(view))
+            streamed = decode_answer(event.data, StreamedMetrics, path)
+            if streamed.total_steps is None:
+                streamed.total_steps = total_steps
+            metrics, state = streamed, streamed.state or state
+            yield Snapshot(job_id, state, metrics=metrics), None
         elif event.event == "end":
-            end = decode_answer(event.data, JobEnd, stream)
-            if view is not None:
-                screen.show(metrics_lines(view, end.state), force=True)
-            out(final_line(end))
-            if end.state != "COMPLETED":
-                raise JobEndedBadlyError(final_line(end))
-            watched = WatchedEnd(**msgspec.structs.asdict(end))
-            if fetch_job is not None:
-                record = fetch_job(job_id)
-                check_export(record)
-                watched.export_error = record.export_error
-            return watched
-    raise JobEndedBadlyError(f"the stream of {job_id} ended without its end event")
+            end = decode_answer(event.data, JobEnd, path)
+            final = None if metrics is None else Snapshot(job_id, str(end.state), metrics=metrics)
+            yield final, end
+            return
+
+
+def stdout_or_stderr(json: bool) -> IO[str]:
+    """Where the follow view goes: stdout, or stderr with --json (stdout keeps one
+    document)."""
+    return sys.stderr if json else sys.stdout

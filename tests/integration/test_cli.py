@@ -15,7 +15,7 @@ import pytest
 
 from silentswarm.cli.cluster import ClusterManifest, _live
 from silentswarm.procs import free_port, is_gone
-from tests.helpers import busy_port, child_env, kill_tree
+from tests.helpers import REPO, busy_port, child_env, kill_tree, swarm_cli
 from tests.helpers import run_swarm as swarm
 
 pytestmark = pytest.mark.integration
@@ -205,3 +205,85 @@ def test_job_commands_report_errors_clearly(leader, tmp_path):
     assert swarm(*url, "pending-purges", timeout=30, env=env).stdout.strip() == "no pending purges"
     gone = swarm(*url, "release", "--fellow-id", "ghost", timeout=30, env=env)
     assert gone.returncode == 1 and "no fellow 'ghost'" in gone.stderr
+
+
+def test_unknown_fellows_and_jobs_are_one_line_and_exit_1(leader):
+    for argv, what in [
+        (("logs", "nope"), "no fellow 'nope'"),
+        (("logs", "nope", "--json"), "no fellow 'nope'"),
+        (("logs", "nope", "--follow"), "no fellow 'nope'"),
+        (("release", "nope"), "no fellow 'nope'"),
+        (("update", "nope"), "no fellow 'nope'"),
+        (("job", "nope"), "no job 'nope'"),
+        (("job", "nope", "--no-json"), "no job 'nope'"),
+        (("watch", "nope"), "no job 'nope'"),
+        (("cancel", "nope"), "no job 'nope'"),
+        (("checkpoint", "nope"), "no job 'nope'"),
+    ]:
+        result = swarm_cli(leader, *argv, timeout=30)
+        assert result.returncode == 1, (argv, result)
+        assert result.stdout == "", (argv, result.stdout)
+        assert result.stderr.startswith(f"swarm: error: {what}"), (argv, result.stderr)
+        assert result.stderr.count("\n") == 1, (argv, result.stderr)
+
+
+def test_job_views_and_jobs_all(leader, tmp_path):
+    waiting = tmp_path / "waits.json"
+    waiting.write_text(json.dumps({"name": "waits", "stages": 2, "model": {"n_layers": 2}}))
+    job_id = swarm_cli(leader, "submit", str(waiting), timeout=30).stdout.strip()
+    as_json = swarm_cli(leader, "job", job_id, timeout=30)
+    assert json.loads(as_json.stdout)["job_id"] == job_id  # JSON is this command's default
+    readable = swarm_cli(leader, "job", job_id, "--no-json", timeout=30)
+    assert readable.returncode == 0, readable.stderr
+    with pytest.raises(ValueError):
+        json.loads(readable.stdout)
+    assert f"job       {job_id} (waits)" in readable.stdout
+    assert "state     PENDING: waiting for 2 ready fellows; 0 available" in readable.stdout
+    # --all asks for archived jobs too (?all=true); a leader without archival ignores it.
+    listed = json.loads(swarm_cli(leader, "jobs", "--all", "--json", timeout=30).stdout)
+    assert [(j["job_id"], j["archived"]) for j in listed] == [(job_id, False)]
+    # The options are the same before and after the command name.
+    before = swarm_cli(leader, "--json", "jobs", timeout=30)
+    assert json.loads(before.stdout) == json.loads(swarm_cli(leader, "jobs", "--json").stdout)
+
+
+def _follower(leader, *argv: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "silentswarm.cli.app", "--leader-url", leader.url, *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(SWARM_API_TOKEN=leader.token or ""),
+        cwd=REPO,
+    )
+
+
+def test_watch_and_submit_watch_show_the_same_lines_without_repeats(leader, tmp_path):
+    """One follow view for both: on a pipe, each line once, when it changed."""
+    waiting = tmp_path / "waits.json"
+    waiting.write_text(json.dumps({"name": "waits", "stages": 2, "model": {"n_layers": 2}}))
+    submitter = _follower(leader, "submit", "--watch", str(waiting))
+    watcher = None
+    try:
+        submitted = submitter.stdout.readline()
+        assert submitted.startswith("submitted "), submitted
+        job_id = submitted.split()[1]
+        first = submitter.stdout.readline()
+        watcher = _follower(leader, "watch", job_id)
+        assert watcher.stdout.readline() == first
+        assert first == f"{job_id} PENDING waiting for 2 ready fellows; 0 available\n"
+        assert leader.request("DELETE", f"/api/v1/jobs/{job_id}").status_code == 200
+        submit_out, submit_err = submitter.communicate(timeout=60)
+        watch_out, watch_err = watcher.communicate(timeout=60)
+    finally:
+        for proc in (submitter, watcher):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert submitter.returncode == watcher.returncode == 1
+    assert submit_out == watch_out, (submit_out, watch_out)
+    lines = [first.rstrip("\n"), *watch_out.splitlines()]
+    assert len(lines) == len(set(lines)), lines
+    assert lines[-1].startswith(f"job {job_id} CANCELLED: ")
+    for err in (submit_err, watch_err):
+        assert err.startswith(f"swarm: error: job {job_id} CANCELLED") and err.count("\n") == 1

@@ -32,7 +32,7 @@ def read_events(
         assert response.status_code == 200, response.read()
         assert response.headers["content-type"].startswith("text/event-stream")
         try:
-            for event in sse.parse(response.iter_lines()):
+            for event in sse.events(response):
                 events.append(event)
                 if len(events) >= limit or event.event == "end":
                     break

@@ -51,7 +51,14 @@ def test_a_tiny_sweep_runs_every_point_writes_csv_and_png_and_resumes(
         assert float(r["bytes_per_step_per_boundary"]) > 0
     none, int8 = (float(r["compression_ratio_vs_fp32"]) for r in rows)
     assert int8 > 2 * none, "int8 puts far fewer bytes on the wire than fp32"
-    assert (sweep_dir / "val_loss_vs_bytes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # matplotlib's PNG (800x520), with both points drawn in their groups' colours.
+    from matplotlib import image
+    from matplotlib.colors import to_rgb
+
+    png = image.imread(sweep_dir / "val_loss_vs_bytes.png")
+    assert png.shape[:2] == (520, 800)
+    for colour in ("C0", "C1"):  # none, fixed_int8
+        assert (abs(png[:, :, :3] - to_rgb(colour)).max(axis=2) < 0.02).sum() > 50, colour
     jobs = leader.get("/api/v1/jobs")
     assert len(jobs) == 2
 

@@ -1,8 +1,9 @@
 """The sweep's plot: a real PNG drawn by matplotlib, and without matplotlib (the ``plots``
-extra) a clear error that names the extra, never a traceback."""
+extra) a sweep that runs on and says once how to get it, never a traceback."""
 
 from __future__ import annotations
 
+import io
 import json
 import struct
 import subprocess
@@ -58,12 +59,24 @@ def test_the_scatter_plot_is_a_png_drawn_by_matplotlib():
     software = b"".join(chunks.get(b"tEXt", []))
     assert b"Matplotlib" in software, "the PNG was not written by matplotlib"
     assert "matplotlib" in sys.modules
+    # The points are drawn, one colour per group (matplotlib's first two: C0 and C1).
+    assert _pixels_of(png, "C0") > 50 and _pixels_of(png, "C1") > 50
+
+
+def _pixels_of(png: bytes, colour: str) -> int:
+    """How many pixels of the decoded PNG are ``colour`` (a matplotlib colour name)."""
+    from matplotlib import image
+    from matplotlib.colors import to_rgb
+
+    rgb = image.imread(io.BytesIO(png), format="png")[:, :, :3]
+    return int((abs(rgb - to_rgb(colour)).max(axis=2) < 0.02).sum())
 
 
 def test_no_usable_point_is_still_a_valid_plot():
     png = plot.scatter_png([(0.0, 1.0, "none")])
     assert png_chunks(png)[b"IHDR"]
     assert png[:8] == PNG_SIGNATURE
+    assert _pixels_of(png, "C0") == 0  # no point drawn
 
 
 def _swarm_without_matplotlib(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -75,21 +88,23 @@ def _swarm_without_matplotlib(*argv: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_without_matplotlib_a_sweep_is_a_clear_error_naming_the_extra(tmp_path):
+def test_without_matplotlib_a_sweep_runs_on_and_says_once_how_to_get_its_plot(tmp_path):
     config = tmp_path / "s.json"
     config.write_text(json.dumps({"name": "s", "base": {"steps": 5}, "grid": {}}))
     unreachable = "http://127.0.0.1:1"
-    done = _swarm_without_matplotlib("--leader-url", unreachable, "sweep", "--config", str(config))
-    assert done.returncode == 1, done.stderr
-    assert "Traceback" not in done.stderr
-    assert done.stderr.startswith("swarm: error: plotting needs matplotlib")
-    assert "pip install 'silentswarm[plots]'" in done.stderr and "--no-plot" in done.stderr
-    # Everything else works without it: --no-plot goes on (to the unreachable leader, exit 3).
-    done = _swarm_without_matplotlib(
-        "--leader-url", unreachable, "sweep", "--config", str(config), "--no-plot"
-    )
+    argv = ("--leader-url", unreachable, "sweep", "--config", str(config), "--out", str(tmp_path))
+    done = _swarm_without_matplotlib(*argv)
+    # It goes on (to the unreachable leader: exit 3), having said once how to get the plot.
     assert done.returncode == 3, done.stderr
-    assert "cannot reach the leader" in done.stderr and "matplotlib" not in done.stderr
+    assert "Traceback" not in done.stderr
+    assert "cannot reach the leader" in done.stderr
+    said = (done.stdout + done.stderr).count("pip install 'silentswarm[plots]'")
+    assert said == 1, done.stdout + done.stderr
+    assert f"no {plot.PLOT_FILE}: plotting needs matplotlib" in done.stdout
+    # --no-plot asks for no plot: nothing to say about matplotlib.
+    done = _swarm_without_matplotlib(*argv, "--no-plot")
+    assert done.returncode == 3, done.stderr
+    assert "matplotlib" not in done.stdout + done.stderr
 
 
 def test_without_matplotlib_drawing_raises_the_error_naming_the_extra():

@@ -13,12 +13,13 @@ from cyclopts import Parameter
 
 from silentswarm.cli import cluster
 from silentswarm.cli.context import Ctx
+from silentswarm.cli.options import JSON, LEADER, JsonOptions, LeaderOptions
 from silentswarm.errors import ConfigError
 
 STATE_DIR = Parameter(help="[SWARM_STATE_DIR, default ./.swarm]")
 
 
-def info(*, ctx: Ctx) -> None:
+def info(*, options: LeaderOptions = LEADER, ctx: Ctx) -> None:
     """Leader version, NATS URL and fellow counts."""
     with ctx.client() as client:
         data = client.info()
@@ -57,6 +58,7 @@ def start_cluster(
             help="NATS without authentication (default: a NATS user per process) [SWARM_DEV]"
         ),
     ] = None,
+    options: JsonOptions = JSON,
     ctx: Ctx,
 ) -> None:
     """Start NATS, the leader and N fellows in the background; return when all are ready.
@@ -81,7 +83,12 @@ def start_cluster(
     )
 
 
-def stop_cluster(*, state_dir: Annotated[Path | None, STATE_DIR] = None, ctx: Ctx) -> None:
+def stop_cluster(
+    *,
+    state_dir: Annotated[Path | None, STATE_DIR] = None,
+    options: JsonOptions = JSON,
+    ctx: Ctx,
+) -> None:
     """Stop exactly what start-cluster started; safe to run twice.
 
     A process it cannot stop (or cannot tell is the cluster's) keeps its record in

@@ -13,6 +13,7 @@ from cyclopts import Parameter
 from silentswarm import datasets
 from silentswarm.cli import render
 from silentswarm.cli.context import Ctx
+from silentswarm.cli.options import LEADER, LeaderOptions
 from silentswarm.errors import ConfigError
 
 # What an upload may take at least, and per byte on top (a slow link is 1 MB/s).
@@ -27,6 +28,7 @@ def upload(
         str | None,
         Parameter(help="The dataset's name (default: the file's name up to its first dot)"),
     ] = None,
+    options: LeaderOptions = LEADER,
     ctx: Ctx,
 ) -> None:
     """Upload a file to the leader as a dataset (content-addressed: sha256); a job names it as
@@ -54,7 +56,7 @@ def upload(
     )
 
 
-def list_datasets(*, ctx: Ctx) -> None:
+def list_datasets(*, options: LeaderOptions = LEADER, ctx: Ctx) -> None:
     """Every dataset on the leader."""
     with ctx.client() as client:
         records = client.datasets()
@@ -69,6 +71,7 @@ def list_datasets(*, ctx: Ctx) -> None:
 def delete(
     name: Annotated[str, Parameter(help="The dataset's name")],
     *,
+    options: LeaderOptions = LEADER,
     ctx: Ctx,
 ) -> None:
     """Forget a dataset's name; its content stays while a job that has not ended reads it."""

@@ -13,7 +13,8 @@ from silentswarm.cli.commands.jobs import read_config
 from silentswarm.cli.context import CliContext, Ctx
 from silentswarm.cli.experiments import plot, runner
 from silentswarm.cli.experiments import sweep as sweeps
-from silentswarm.errors import ConfigError, ExtraMissingError, SweepRefusedError
+from silentswarm.cli.options import LEADER, LeaderOptions
+from silentswarm.errors import ConfigError, SweepRefusedError
 from silentswarm.subjects import TOKEN_RE
 
 
@@ -47,6 +48,7 @@ def sweep(
             help=f"Draw {plot.PLOT_FILE} after every point (matplotlib: {plot.INSTALL_HINT})",
         ),
     ] = True,
+    options: LeaderOptions = LEADER,
     ctx: Ctx,
 ) -> None:
     """Run a grid of jobs one after another; results.csv and a val-loss-vs-bytes PNG.
@@ -56,8 +58,9 @@ def sweep(
     Ctrl-C cancels the running point's job and stops the sweep (rerun to resume)."""
     plan = load_sweep(config, partition=partition, sweep_id=sweep_id)
     out_dir = out / plan.sweep_id
-    if plot_png and not dry_run:
-        _require_plotting()
+    if plot_png and not dry_run and (missing := plot.missing_matplotlib()) is not None:
+        ctx.progress(missing)  # once; the sweep runs on without its plot
+        plot_png = False
     full_grid = sweeps.grid_size(plan.config)
     for note in sweeps.override_notes(plan, full_grid, {"partition": "--partition"}):
         ctx.progress(note)
@@ -96,16 +99,6 @@ def load_sweep(config: Path, *, partition: str | None, sweep_id: str | None) -> 
         overrides={"partition": partition} if partition else None,
         sweep_id_override=sweep_id,
     )
-
-
-def _require_plotting() -> None:
-    """Before anything is submitted: a sweep that would fail at its first plot fails now."""
-    try:
-        plot.require_matplotlib()
-    except ExtraMissingError as exc:
-        raise ExtraMissingError(
-            f"{exc.message} (or pass --no-plot to run the sweep without its plot)"
-        ) from None
 
 
 def _report(

@@ -6,18 +6,28 @@ from __future__ import annotations
 import json
 import time
 from typing import Annotated
+from urllib.parse import quote
 
 import cyclopts
 import msgspec
 from cyclopts import Parameter
+from rich.console import Group
+from rich.text import Text
 
 from silentswarm.cli import render, sse
-from silentswarm.cli.client import decode_answer
+from silentswarm.cli.client import LeaderClient, decode_answer
 from silentswarm.cli.context import CliContext, Ctx
+from silentswarm.cli.options import LEADER, LeaderOptions
+from silentswarm.errors import ErrorCode, LeaderResponseError
 from silentswarm.types.fleet import LogEntry
 
+# A fellow's id, the same kind of parameter in every command: positional (FELLOW_ID), or
+# --fellow-id ID as release and update took it before.
+FELLOW_ID = Parameter(help="The fellow's id (as swarm fellows lists it)")
+SOME_FELLOW = Parameter(help="Only this fellow (default: all)")
 
-def fellows(*, ctx: Ctx) -> None:
+
+def fellows(*, options: LeaderOptions = LEADER, ctx: Ctx) -> None:
     """Every fellow the leader knows: status, host, hardware, last heartbeat."""
     with ctx.client() as client:
         records = client.fellows()
@@ -37,7 +47,7 @@ def fellows(*, ctx: Ctx) -> None:
     ctx.emit(records, render.table(headers, rows) if rows else "no fellows registered")
 
 
-def nodes(*, ctx: Ctx) -> None:
+def nodes(*, options: LeaderOptions = LEADER, ctx: Ctx) -> None:
     """Hosts with their CPU cores, RAM and GPUs (total/free VRAM)."""
     with ctx.client() as client:
         hosts = client.nodes()
@@ -59,21 +69,24 @@ def nodes(*, ctx: Ctx) -> None:
             ]
         )
     headers = ["HOST", "STATE", "CORES", "RAM FREE/TOTAL", "GPUS (FREE/TOTAL)", "FELLOWS"]
-    warnings = [f"{n.hostname}: {n.gpu_warning}" for n in hosts if n.gpu_warning]
-    text = render.table(headers, rows) if rows else "no nodes"
-    ctx.emit(hosts, "\n".join([text, *warnings]))
+    warnings = [Text(f"{n.hostname}: {n.gpu_warning}") for n in hosts if n.gpu_warning]
+    ctx.emit(hosts, Group(render.table(headers, rows), *warnings) if rows else "no nodes")
 
 
 def logs(
-    fellow_id: str,
+    fellow_id: Annotated[str, FELLOW_ID],
     *,
     follow: Annotated[bool, Parameter(help="Keep printing new records (SSE)")] = False,
     limit: Annotated[int, Parameter(help="How many of the latest records")] = 100,
+    options: LeaderOptions = LEADER,
     ctx: Ctx,
 ) -> None:
-    """A fellow's logs (its agent and its stage runtime), shipped to the leader."""
+    """A fellow's logs (its agent and its stage runtime), shipped to the leader. An unknown
+    fellow (no logs, not registered) is an error, exit 1."""
     with ctx.client() as client:
         records = client.logs(fellow_id, limit=limit)
+        if not records:
+            require_fellow(client, fellow_id)
     for r in records:
         _print_log(ctx, r)
     if not follow:
@@ -81,7 +94,7 @@ def logs(
     last = str(records[-1].seq) if records else None
     for event in sse.follow(
         ctx.leader_url,
-        f"/api/v1/workers/{fellow_id}/logs/stream",
+        f"/api/v1/workers/{quote(fellow_id, safe='')}/logs/stream",
         last_event_id=last,
         token=ctx.token,
     ):
@@ -90,17 +103,32 @@ def logs(
                 _print_log(ctx, r)
 
 
+def require_fellow(client: LeaderClient, fellow_id: str) -> None:
+    """NotFound (exit 1, "no fellow 'x'") unless the leader knows the fellow: the log
+    endpoints answer an empty list for any id, known or not."""
+    try:
+        client.fellow(fellow_id)
+    except LeaderResponseError as exc:
+        if exc.code == ErrorCode.NOT_FOUND:
+            raise LeaderResponseError(
+                f"no fellow {fellow_id!r} (no logs, and the leader has no such fellow)",
+                code=ErrorCode.NOT_FOUND,
+            ) from None
+        raise
+
+
 def _print_log(ctx: CliContext, r: LogEntry) -> None:
     if ctx.json:
-        print(json.dumps(msgspec.to_builtins(r), sort_keys=True))
+        print(json.dumps(msgspec.to_builtins(r), sort_keys=True), flush=True)
         return
     stamp = time.strftime("%H:%M:%S", time.localtime(r.ts))
-    print(f"{stamp} {r.fellow_id} {r.level:<7} {r.logger}: {r.message}")
+    print(f"{stamp} {r.fellow_id} {r.level:<7} {r.logger}: {r.message}", flush=True)
 
 
 def update(
+    fellow_id: Annotated[str | None, SOME_FELLOW] = None,
     *,
-    fellow_id: Annotated[str | None, Parameter(help="Only this fellow (default: all)")] = None,
+    options: LeaderOptions = LEADER,
     ctx: Ctx,
 ) -> None:
     """Update idle fellows: joined ones reinstall the leader's package; all restart in place."""
@@ -111,11 +139,12 @@ def update(
 
 
 def release(
+    fellow_id: Annotated[str, FELLOW_ID],
     *,
-    fellow_id: Annotated[str, Parameter(help="The fellow to remove from the registry")],
     purge_install: Annotated[
         bool, Parameter(help="Also make it delete its local state (<state>/fellows/<id>)")
     ] = False,
+    options: LeaderOptions = LEADER,
     ctx: Ctx,
 ) -> None:
     """Remove a fellow from the registry (its agent exits); --purge-install also wipes it."""
@@ -129,7 +158,7 @@ def release(
     ctx.emit(result, f"released {fellow_id}{purge}")
 
 
-def pending_purges(*, ctx: Ctx) -> None:
+def pending_purges(*, options: LeaderOptions = LEADER, ctx: Ctx) -> None:
     """Purges waiting for their (offline) fellow to come back."""
     with ctx.client() as client:
         records = client.pending_purges()
@@ -142,8 +171,9 @@ def pending_purges(*, ctx: Ctx) -> None:
 
 
 def retry_purge(
+    fellow_id: Annotated[str | None, SOME_FELLOW] = None,
     *,
-    fellow_id: Annotated[str | None, Parameter(help="Only this fellow (default: all)")] = None,
+    options: LeaderOptions = LEADER,
     ctx: Ctx,
 ) -> None:
     """Try to deliver pending purges now."""

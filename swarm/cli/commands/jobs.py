@@ -4,31 +4,43 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import cyclopts
 from cyclopts import Parameter
+from rich.console import Group, RenderableType
+from rich.text import Text
 
 from silentswarm.cli import render
-from silentswarm.cli.context import Ctx
-from silentswarm.cli.watch import watch_job, watch_stream
+from silentswarm.cli.client import LeaderClient
+from silentswarm.cli.context import CliContext, Ctx
+from silentswarm.cli.options import JSON_BY_DEFAULT, LEADER, JsonByDefaultOptions, LeaderOptions
+from silentswarm.cli.watch import WatchedEnd, follow_job, make_view, stdout_or_stderr
 from silentswarm.errors import ConfigError
 from silentswarm.jobspec import decode_job_spec
+from silentswarm.types.jobs import JobRecord
+
+# A job's id, the same kind of parameter in every command: positional (JOB_ID), or --job-id.
+JOB_ID = Parameter(help="The job's id (as swarm submit printed it; swarm jobs lists them)")
 
 
-def jobs(*, ctx: Ctx) -> None:
+def jobs(
+    *,
+    all: Annotated[bool, Parameter(help="Also archived jobs")] = False,
+    options: LeaderOptions = LEADER,
+    ctx: Ctx,
+) -> None:
     """Every job: state, steps, loss, fellows."""
     with ctx.client() as client:
-        records = client.jobs()
+        records = client.jobs(all=all)
     rows = []
     for j in records:
         view = j.current_view()
         rows.append(
             [
                 j.job_id,
-                j.state,
+                j.state + (" (archived)" if j.archived else ""),
                 f"{view.step if view.step is not None else '-'}/{j.spec.steps}",
                 "-" if view.loss is None else f"{view.loss:.4f}",
                 ",".join(view.fellows) or "-",
@@ -40,26 +52,83 @@ def jobs(*, ctx: Ctx) -> None:
     ctx.emit(records, render.table(headers, rows) if rows else "no jobs")
 
 
-def job(job_id: str, *, ctx: Ctx) -> None:
-    """One job in full (JSON): spec, placement, progress, signals, history."""
+def job(
+    job_id: Annotated[str, JOB_ID],
+    *,
+    options: JsonByDefaultOptions = JSON_BY_DEFAULT,
+    ctx: Ctx,
+) -> None:
+    """One job in full, as JSON: spec, placement, progress, signals, history. --no-json: a
+    readable summary instead."""
     with ctx.client() as client:
         record = client.job(job_id)
-    print(render.dumps(record))
+    if ctx.json_flag is False:
+        render.show(ctx.console(), job_summary(record))
+    else:
+        print(render.dumps(record), flush=True)
+
+
+def job_summary(job: JobRecord) -> RenderableType:
+    """The record the way a person reads it: state, progress, placement, the latest signals
+    and transitions (``swarm job ID`` without --no-json has all of it, as JSON)."""
+    view = job.current_view()
+    step = "-" if view.step is None else view.step
+    lines = [
+        f"job       {job.job_id} ({job.name})",
+        f"state     {job.state}" + (f": {job.reason}" if job.reason else ""),
+        f"attempt   {job.attempt}" + (" (archived)" if job.archived else ""),
+        f"step      {step}/{view.total_steps or job.spec.steps}",
+        "loss      "
+        + ("-" if view.loss is None else f"{view.loss:.4f}")
+        + ("" if view.val_loss is None else f" (validation {view.val_loss:.4f})"),
+        f"created   {render.since(job.created_at)} ago",
+    ]
+    if job.export_dir:
+        lines.append(f"export    {job.export_dir}")
+    if job.export_error:
+        lines.append(f"export error  {job.export_error}")
+    parts: list[RenderableType] = [Text("\n".join(lines))]
+    stages = job.placement.stages if job.placement else []
+    progress = {p.stage: p for p in job.progress}
+    if stages:
+        rows = [
+            [
+                s.stage,
+                s.fellow_id,
+                progress[s.stage].step if s.stage in progress else "-",
+                _loss(progress[s.stage].loss) if s.stage in progress else "-",
+                progress[s.stage].result if s.stage in progress else None,
+            ]
+            for s in stages
+        ]
+        parts.append(render.table(["STAGE", "FELLOW", "STEP", "LOSS", "RESULT"], rows))
+    if job.history:
+        rows = [[h.to_state, render.since(h.at) + " ago", h.reason or "-"] for h in job.history]
+        parts.append(render.table(["STATE", "WHEN", "WHY"], rows))
+    return Group(*parts)
+
+
+def _loss(loss: float | None) -> str:
+    return "-" if loss is None else f"{loss:.4f}"
 
 
 def submit(
     config: Annotated[Path, Parameter(help="Job spec (JSON), e.g. exp/configs/quickstart.json")],
     *,
-    watch: Annotated[bool, Parameter(help="Follow the job until it ends")] = False,
+    watch: Annotated[
+        bool, Parameter(help="Follow the job until it ends (the view of swarm watch)")
+    ] = False,
     partition: Annotated[
         Literal["equal", "weighted"] | None,
         Parameter(help="Override the spec's partition: equal layers, or weighted by memory"),
     ] = None,
+    options: LeaderOptions = LEADER,
     ctx: Ctx,
 ) -> None:
-    """Submit a job; prints its id. With --watch, follows it to its end: exit 0 when it
-    COMPLETED with its final model exported, 1 when it failed or was cancelled, 4 when it
-    completed but its final model is not in the export (the job's export_error is printed)."""
+    """Submit a job; prints its id. With --watch, follows it to its end as swarm watch does:
+    exit 0 when it COMPLETED with its final model exported, 1 when it failed or was cancelled,
+    4 when it completed but its final model is not in the export (the job's export_error is
+    printed)."""
     body = read_config(config)
     if partition is not None:
         body = override_fields(body, config, partition=partition)
@@ -76,37 +145,46 @@ def submit(
             f"submitted {record.job_id} ({record.name}); following it (Ctrl-C stops "
             f"following, not the job)"
         )
-        final = watch_job(client, record.job_id, out=ctx.progress)
+        _, final = _follow(ctx, client, record.job_id)
     if ctx.json:
-        print(render.dumps(final))
+        print(render.dumps(final), flush=True)
 
 
-def watch(job_id: str, *, ctx: Ctx) -> None:
-    """Live merged metrics of a job (SSE): progress bar, loss, tokens/s, step time, ETA and a
-    row per fellow, until it ends. Exit 0 if it COMPLETED with its final model exported, 1 if
-    it failed or was cancelled, 4 if it completed but its final model is not in the export
+def watch(job_id: Annotated[str, JOB_ID], *, options: LeaderOptions = LEADER, ctx: Ctx) -> None:
+    """Follow a job until it ends: its state (PENDING: why it waits), a progress bar, loss,
+    tokens/s, step time, ETA, a row per fellow, the links and the schedule (the job's SSE
+    stream of merged metrics). Exit 0 when it COMPLETED with its final model exported, 1 when
+    it failed or was cancelled, 4 when it completed but its final model is not in the export
     (the job's export_error is printed)."""
     with ctx.client() as client:
-        end = watch_stream(
-            ctx.leader_url,
-            job_id,
-            out=ctx.progress,
-            tty=sys.stdout.isatty() and not ctx.json,
-            token=ctx.token,
-            fetch_job=client.job,
-        )
+        end, _ = _follow(ctx, client, job_id)
     if ctx.json:
-        print(render.dumps(end))
+        print(render.dumps(end), flush=True)
 
 
-def cancel(job_id: str, *, ctx: Ctx) -> None:
+def _follow(ctx: CliContext, client: LeaderClient, job_id: str) -> tuple[WatchedEnd, JobRecord]:
+    """The one follow view (:mod:`silentswarm.cli.watch`): live on a terminal, plain lines
+    elsewhere, on stderr with --json."""
+    out = stdout_or_stderr(ctx.json)
+    return follow_job(
+        client,
+        job_id,
+        view=make_view(out, tty=ctx.tty and not ctx.json),
+        say=ctx.progress,
+        token=ctx.token,
+    )
+
+
+def cancel(job_id: Annotated[str, JOB_ID], *, options: LeaderOptions = LEADER, ctx: Ctx) -> None:
     """Cancel a pending or running job (its fellows stop and return to ready)."""
     with ctx.client() as client:
         record = client.cancel(job_id)
     ctx.emit(record, f"job {record.job_id} {record.state}")
 
 
-def checkpoint(job_id: str, *, ctx: Ctx) -> None:
+def checkpoint(
+    job_id: Annotated[str, JOB_ID], *, options: LeaderOptions = LEADER, ctx: Ctx
+) -> None:
     """Ask every fellow of a running job to write a checkpoint at the same step."""
     with ctx.client() as client:
         record = client.checkpoint(job_id)

@@ -14,6 +14,7 @@ import cyclopts
 from cyclopts import Parameter
 
 from silentswarm.cli.context import Ctx
+from silentswarm.cli.options import JSON, JsonOptions
 from silentswarm.errors import ConfigError
 
 # agent/serve/main.py's TOKEN_ENV (the token never goes on a command line, where ps shows it).
@@ -30,6 +31,7 @@ def glue(
         Path | None,
         Parameter(help="For a LoRA adapter's export: the export it adapts (merged in)"),
     ] = None,
+    options: JsonOptions = JSON,
     ctx: Ctx,
 ) -> None:
     """Assemble a job's pushed shards into one Keras model, checked against the pipeline."""

@@ -11,6 +11,7 @@ import cyclopts
 from cyclopts import Parameter
 
 from silentswarm.cli.context import Ctx
+from silentswarm.cli.options import JSON, JsonOptions
 from silentswarm.errors import ConfigError
 from silentswarm.natsauth import NatsAuthority, fellow_permissions
 from silentswarm.subjects import TOKEN_RE
@@ -20,7 +21,12 @@ AUTH_DIR = Parameter(
 )
 
 
-def init(*, dir: Annotated[Path | None, AUTH_DIR] = None, ctx: Ctx) -> None:
+def init(
+    *,
+    dir: Annotated[Path | None, AUTH_DIR] = None,
+    options: JsonOptions = JSON,
+    ctx: Ctx,
+) -> None:
     """Create the keys (or keep existing ones), server.conf for nats-server and leader.creds."""
     authority = NatsAuthority.load_or_create(dir or ctx.settings.authority_dir)
     paths = {
@@ -47,6 +53,7 @@ def fellow(
     out: Annotated[
         Path | None, Parameter(help="Write the .creds here ('-': stdout; default: the authority)")
     ] = None,
+    options: JsonOptions = JSON,
     ctx: Ctx,
 ) -> None:
     """Mint a fellow's own NATS user (it may publish only its own subjects)."""

@@ -9,6 +9,7 @@ from cyclopts import Parameter
 
 from silentswarm.cli import render
 from silentswarm.cli.context import Ctx
+from silentswarm.cli.options import LEADER, LeaderOptions
 
 
 def create(
@@ -17,6 +18,7 @@ def create(
         str | None, Parameter(help="The new fellow's id (default: its host name)")
     ] = None,
     ttl: Annotated[float, Parameter(help="Seconds the one-time token stays valid")] = 3600.0,
+    options: LeaderOptions = LEADER,
     ctx: Ctx,
 ) -> None:
     """Create a join session and print the one command the remote host runs."""
@@ -29,7 +31,7 @@ def create(
     )
 
 
-def list_sessions(*, ctx: Ctx) -> None:
+def list_sessions(*, options: LeaderOptions = LEADER, ctx: Ctx) -> None:
     """Join sessions and their status (created, installing, registered, failed)."""
     with ctx.client() as client:
         sessions = client.join_sessions()

@@ -3,7 +3,8 @@ compression spec, drawn with matplotlib (the ``plots`` extra).
 
 matplotlib is imported inside :func:`scatter_png` only, so ``swarm`` starts without it and
 the leader and the agent never load it. Without it, :func:`require_matplotlib` raises
-:class:`ExtraMissingError`, which names the extra to install.
+:class:`ExtraMissingError`, which names the extra to install, and a sweep says so once
+(:func:`missing_matplotlib`) and runs without its plot.
 """
 
 from __future__ import annotations
@@ -45,6 +46,20 @@ def require_matplotlib() -> None:
         raise ExtraMissingError(
             f"plotting needs matplotlib, which is not installed: {INSTALL_HINT}"
         ) from None
+
+
+def missing_matplotlib() -> str | None:
+    """None when the plot can be drawn, else what to say instead (once, by a sweep that then
+    runs without it: rerun the same sweep once matplotlib is there to draw it from
+    results.csv)."""
+    try:
+        require_matplotlib()
+    except ExtraMissingError as exc:
+        return (
+            f"no {PLOT_FILE}: {exc.message}; the sweep runs without it (install it and run the"
+            " same command again to draw it from results.csv)"
+        )
+    return None
 
 
 def scatter_png(
