@@ -1,4 +1,9 @@
-"""``swarm-agent``: one fellow. Registers, heartbeats, and exits cleanly on SIGTERM."""
+"""``swarm-agent``: one fellow. Registers, heartbeats, and exits cleanly on SIGTERM.
+
+The runner (and through it numpy, which the ``fellow`` extra brings with TensorFlow) is
+imported once TensorFlow is known to be installed: where it is not, ``--help`` works and a
+start is one line naming what to install.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from typing import Annotated
 import cyclopts
 
 from silentswarm.agent.enroll import enroll
-from silentswarm.agent.runner import FellowAgent, default_fellow_id
+from silentswarm.agent.runtime.tfsetup import require_tensorflow
 from silentswarm.entry import configure_logging, run_or_exit
 from silentswarm.errors import ConfigError
 from silentswarm.natsauth import read_creds_user_name
@@ -43,6 +48,7 @@ def serve(
     ] = None,
     log_level: Annotated[str | None, cyclopts.Parameter(help="[SWARM_LOG_LEVEL]")] = None,
 ) -> None:
+    require_tensorflow("a fellow")  # its stages train with it: say so before joining
     settings = Settings.from_env().replace(
         nats_url=nats_url,
         fellow_name=name,
@@ -55,6 +61,8 @@ def serve(
     _gpus_from_nomad()
     configure_logging(settings.log_level)  # httpx/httpcore at WARNING: no request URLs logged
     if settings.enroll_token:
+        from silentswarm.agent.runner import default_fellow_id
+
         name = settings.fellow_name or default_fellow_id()
         settings = settings.replace(fellow_name=name, nats_creds=enroll(settings, name))
     fellow_id = fellow_id_for(settings)
@@ -66,6 +74,8 @@ def fellow_id_for(settings: Settings) -> str:
     """The fellow's id: its NATS user's name when it has credentials (NATS lets that user
     publish only that fellow's subjects), else the name given, else the host name."""
     if settings.nats_creds is None:
+        from silentswarm.agent.runner import default_fellow_id
+
         return settings.fellow_name or default_fellow_id()
     user = read_creds_user_name(settings.nats_creds)
     if settings.fellow_name and settings.fellow_name != user:
@@ -82,6 +92,8 @@ async def _run(settings: Settings, nats: NatsAccess, fellow_id: str) -> bool:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    from silentswarm.agent.runner import FellowAgent
+
     agent = FellowAgent(settings, nats=nats, fellow_id=fellow_id)
     logging.getLogger().addHandler(agent.shipper)
     log.info("fellow %s (instance %s) joining %s", fellow_id, agent.identity.instance_id, nats.url)

@@ -178,7 +178,7 @@ INIT_FROM_KINDS = ("preset", "job", "export")
 
 class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How a job trains: a plan's ``train``, and the top-level training fields of a job spec
-    (:class:`silentswarm.jobspec.JobSpec` embeds these fields; the README documents the
+    (:class:`silentswarm.jobspec.JobSpec` embeds these fields; docs/reference/jobs.md documents the
     defaults)."""
 
     steps: Steps = 200

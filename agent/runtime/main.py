@@ -22,6 +22,7 @@ import cyclopts
 
 from silentswarm.agent.errors import DataError, FrameError, LinkError
 from silentswarm.agent.runtime.control import ControlChannel
+from silentswarm.agent.runtime.tfsetup import configure_tensorflow, require_tensorflow
 from silentswarm.entry import configure_logging, fail
 from silentswarm.errors import ConfigError, ErrorCode, SwarmError
 from silentswarm.plan import decode_plan
@@ -49,6 +50,7 @@ def run(
         cyclopts.Parameter(help="Take commands on stdin; exit 70 when stdin closes"),
     ] = False,
 ) -> None:
+    require_tensorflow("a stage")
     configure_logging(log_level)  # httpx/httpcore at WARNING: no request URLs logged
     try:
         data = plan.read_bytes()
@@ -59,8 +61,6 @@ def run(
     if control_stdin:
         control = ControlChannel()
         control.start_reader(0)  # fd 0, not sys.stdin: see start_reader
-    from silentswarm.agent.runtime.tfsetup import configure_tensorflow
-
     configure_tensorflow(
         intra_op_threads=stage_plan.intra_op_threads or os.cpu_count() or 1,
         logical_cpus=max(1, len(stage_plan.gpu_slots)),

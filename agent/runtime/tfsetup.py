@@ -2,7 +2,28 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+
+from silentswarm.errors import ExtraMissingError
+
+# What a host without TensorFlow installs (the base package and the `silentswarm` .deb have
+# none: a leader host does not need it).
+TENSORFLOW_FIX = (
+    "pip install 'silentswarm[fellow]' (or 'silentswarm[gpu]' for GPUs; from the Debian "
+    "packages: apt install silentswarm-fellow)"
+)
+
+
+def require_tensorflow(what: str) -> None:
+    """Raise :class:`ExtraMissingError` naming the extra unless TensorFlow can be imported.
+
+    Looks for it without importing it (the agent never loads TensorFlow itself).
+    """
+    if importlib.util.find_spec("tensorflow") is None:
+        raise ExtraMissingError(
+            f"{what} needs TensorFlow, which is not installed: {TENSORFLOW_FIX}"
+        )
 
 
 def configure_tensorflow(*, intra_op_threads: int, logical_cpus: int = 1) -> None:

@@ -24,7 +24,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from silentswarm.agent.errors import GenerateError, ServeError
+from silentswarm.agent.runtime.tfsetup import require_tensorflow
 from silentswarm.agent.runtime.tool import ToolParser, exit_with
+from silentswarm.errors import ExtraMissingError
 
 PROG = "serve"
 TOKEN_ENV = "SWARM_SERVE_TOKEN"
@@ -150,8 +152,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"no API token: set {TOKEN_ENV} (swarm serve sets it from --token or the "
                 "operator's token)"
             )
+        require_tensorflow("the completion server")
         serve(args, token)
-    except ServeError as exc:
+    except (ServeError, ExtraMissingError) as exc:
         exit_with(PROG, exc.message, 2)
     except KeyboardInterrupt:
         return 130

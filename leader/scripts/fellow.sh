@@ -205,9 +205,10 @@ if [ -n "$SITE_PACKAGES" ]; then
   echo "$SITE_PACKAGES" >"$SITE/silentswarm-extra-site.pth"
   say "added $SITE_PACKAGES to the venv's path"
 fi
-REQUIREMENT="$PREFIX/dist/$PACKAGE"
+# [fellow]: TensorFlow, which the base package leaves out (a leader host does not need it).
+REQUIREMENT="$PREFIX/dist/${PACKAGE}[fellow]"
 case "$NATS_URL" in
-  ws://*|wss://*) REQUIREMENT="${REQUIREMENT}[websocket]" ;;  # NATS over WebSocket needs aiohttp
+  ws://*|wss://*) REQUIREMENT="$PREFIX/dist/${PACKAGE}[fellow,websocket]" ;;  # NATS over WebSocket needs aiohttp
 esac
 say "installing $PACKAGE"
 ship

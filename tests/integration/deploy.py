@@ -235,19 +235,41 @@ def check_serving(procs: Processes, proc: subprocess.Popen, url: str, stop_withi
 # --- the systemd units and their env files -------------------------------------------------------
 
 UNITS = ["nats", "leader", "fellow", "serve"]
-# What every unit has (docs/deploy/systemd.md, Hardening); PrivateDevices where no GPU is used.
+# What every unit has (docs/deploy/systemd.md, Hardening).
 HARDENING = {
+    "UMask": "0077",
     "NoNewPrivileges": "yes",
+    "CapabilityBoundingSet": "",
+    "AmbientCapabilities": "",
     "ProtectSystem": "strict",
     "ProtectHome": "yes",
     "PrivateTmp": "yes",
+    "PrivateMounts": "yes",
     "ProtectKernelTunables": "yes",
     "ProtectKernelModules": "yes",
+    "ProtectKernelLogs": "yes",
     "ProtectControlGroups": "yes",
+    "ProtectHostname": "yes",
+    "ProtectProc": "invisible",
     "RestrictSUIDSGID": "yes",
+    "RestrictRealtime": "yes",
+    "RestrictNamespaces": "yes",
     "LockPersonality": "yes",
+    "RemoveIPC": "yes",
+    "SystemCallArchitectures": "native",
+    "SystemCallErrorNumber": "EPERM",
+}
+# What only the units without GPUs get: each would take from a GPU process what it needs
+# (/dev/nvidia*, XLA's JIT, the host's user and group view).
+NO_GPU_HARDENING = {
+    "PrivateDevices": "yes",
+    "PrivateUsers": "yes",
+    "ProtectClock": "yes",
+    "MemoryDenyWriteExecute": "yes",
 }
 GPU_UNITS = {"fellow", "serve"}
+# `systemd-analyze security --offline=true` on each unit: its overall exposure at most this.
+EXPOSURE_LIMITS = {"nats": 3.0, "leader": 3.0, "fellow": 4.5, "serve": 4.5}
 BUILD = (REPO / "packaging" / "build.sh").read_text()
 
 
@@ -298,13 +320,20 @@ def systemd_argv(line: str, env: dict[str, str]) -> list[str]:
 
 
 def shipped() -> dict[str, dict[str, str]]:
-    """What build.sh puts in the .deb from the repository: dst -> its src, type, mode."""
+    """What build.sh puts in the .debs from the repository: dst -> its src, type, mode and
+    package (the nfpm config's ``name:`` above it)."""
     out = {}
     for m in re.finditer(
         r"- src: (\S+)\n\s+dst: (\S+)\n(?:\s+type: (\S+)\n)?(?:\s+file_info:\n\s+mode: (\S+)\n)?",
         BUILD,
     ):
-        out[m.group(2)] = {"src": m.group(1), "type": m.group(3) or "", "mode": m.group(4) or ""}
+        package = re.findall(r"^name: (\S+)$", BUILD[: m.start()], re.M)
+        out[m.group(2)] = {
+            "src": m.group(1),
+            "type": m.group(3) or "",
+            "mode": m.group(4) or "",
+            "package": package[-1] if package else "",
+        }
     return out
 
 
