@@ -201,9 +201,10 @@ def render_template(data: str, services: dict[str, list[dict]], variables: dict[
 SERVE_TOKEN = "deploy-serve-token"
 
 
-def check_serving(procs: Processes, proc: subprocess.Popen, url: str, stop_within: float) -> str:
-    """The server comes up (/health), answers with the token only, stops on SIGTERM within
-    ``stop_within`` seconds, and exits cleanly; the model's name in the API is returned."""
+def wait_healthy(
+    procs: Processes, proc: subprocess.Popen, url: str, *, timeout: float, what: str
+) -> None:
+    """Until ``url``/health answers 200; fails at once (with its log) if ``proc`` exits."""
 
     def up() -> bool:
         assert proc.poll() is None, procs.log(proc)
@@ -212,7 +213,14 @@ def check_serving(procs: Processes, proc: subprocess.Popen, url: str, stop_withi
         except httpx.TransportError:
             return False
 
-    wait_for(up, timeout=120, what="the server's /health")
+    wait_for(up, timeout=timeout, what=what)
+
+
+def check_serving(procs: Processes, proc: subprocess.Popen, url: str, stop_within: float) -> str:
+    """The server comes up (/health), answers with the token only, stops on SIGTERM within
+    ``stop_within`` seconds, and exits cleanly; the model's name in the API is returned."""
+
+    wait_healthy(procs, proc, url, timeout=120, what="the server's /health")
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
     body = {"prompt": "def ", "max_tokens": 8}
     assert httpx.post(f"{url}/v1/completions", json=body).status_code == 401

@@ -19,7 +19,7 @@ from silentswarm.natsauth import NatsAuthority, creds_user_name
 from silentswarm.procs import free_port
 from silentswarm.settings import Settings, env_name
 from tests.conftest import leader_process, secure_env
-from tests.helpers import child_env, wait_for
+from tests.helpers import child_env
 from tests.integration.deploy import (
     JOBS,
     READ,
@@ -36,6 +36,7 @@ from tests.integration.deploy import (
     tasks,
     template_blocks,
     templates,
+    wait_healthy,
 )
 
 
@@ -665,14 +666,7 @@ def test_the_rendered_leader_keeps_its_operator_token_across_a_replaced_allocati
         )
         url = f"http://127.0.0.1:{http_port}"
 
-        def up() -> bool:
-            assert proc.poll() is None, procs.log(proc)
-            try:
-                return httpx.get(f"{url}/health", timeout=2).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_for(up, timeout=60, what="the leader's /health")
+        wait_healthy(procs, proc, url, timeout=60, what="the leader's /health")
         return proc, url
 
     proc, url = allocation(0)
