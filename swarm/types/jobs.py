@@ -118,6 +118,9 @@ class JobRecord(msgspec.Struct, kw_only=True):
     # ``?all=true``): a finished job beyond SWARM_JOBS_KEEP_FINISHED or
     # SWARM_JOBS_ARCHIVE_AFTER_S (leader.retention). A default, so older records decode.
     archived: bool = False
+    # The account that submitted the job (swarm.types.accounts); records written before
+    # accounts existed belong to the operator.
+    owner: str = "operator"
 
     @property
     def terminal(self) -> bool:
