@@ -254,10 +254,15 @@ class JobManager:
         return busy
 
     def counts(self) -> dict[str, int]:
+        """Jobs by state, as ``GET /api/v1/jobs`` lists them: archived ones not counted."""
         counts = {s.value: 0 for s in JobState}
         for job in self._jobs.values():
-            counts[job.state.value] += 1
+            if not job.archived:
+                counts[job.state.value] += 1
         return counts
+
+    def archived_count(self) -> int:
+        return sum(1 for job in self._jobs.values() if job.archived)
 
     # --- changes ---------------------------------------------------------------------------
 

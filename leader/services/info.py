@@ -77,6 +77,7 @@ class InfoService:
             state_loaded=self.loaded.is_set(),
             fellows=self.registry.counts(),
             jobs=self.jobs.counts(),
+            jobs_archived=self.jobs.archived_count(),
             nodes=self.registry.host_count(),
             storage=self.storage.view(),
         )

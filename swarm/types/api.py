@@ -59,9 +59,10 @@ class LeaderInfo(msgspec.Struct, kw_only=True):
     offline_after_s: float
     state_loaded: bool
     fellows: dict[str, int]  # by status
-    jobs: dict[str, int]  # by state
+    jobs: dict[str, int]  # by state, archived jobs left out (as GET /api/v1/jobs lists them)
     nodes: int
     storage: StorageView
+    jobs_archived: int = 0
 
 
 class ReadTicket(msgspec.Struct, kw_only=True):

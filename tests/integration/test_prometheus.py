@@ -221,6 +221,8 @@ def test_finished_jobs_leave_the_scrape_then_the_list_and_stay_archived_across_r
         _, samples = scrape(leader)
         assert finished not in job_ids_in(samples)
         assert samples[("swarm_jobs", (("state", "CANCELLED"),))] == 0
+        info = leader.request("GET", "/api/v1/info").json()
+        assert info["jobs"]["CANCELLED"] == 0 and info["jobs_archived"] == 1, info
 
     archived_but_served()
     bad = leader.request("GET", "/api/v1/jobs?all=maybe")
