@@ -18,6 +18,7 @@ from typing import Annotated
 import cyclopts
 
 from silentswarm.agent.enroll import enroll
+from silentswarm.agent.leadertrust import trust_leader_ca
 from silentswarm.agent.runtime.tfsetup import require_tensorflow
 from silentswarm.entry import configure_logging, run_or_exit
 from silentswarm.errors import ConfigError
@@ -46,6 +47,14 @@ def serve(
         Path | None,
         cyclopts.Parameter(help="This fellow's NATS credentials file [SWARM_NATS_CREDS]"),
     ] = None,
+    pool: Annotated[
+        str | None,
+        cyclopts.Parameter(help="The pool it is in (default: default) [SWARM_FELLOW_POOL]"),
+    ] = None,
+    labels: Annotated[
+        str | None,
+        cyclopts.Parameter(help="Its labels, e.g. gpu=a100,zone=eu [SWARM_FELLOW_LABELS]"),
+    ] = None,
     log_level: Annotated[str | None, cyclopts.Parameter(help="[SWARM_LOG_LEVEL]")] = None,
 ) -> None:
     require_tensorflow("a fellow")  # its stages train with it: say so before joining
@@ -54,12 +63,15 @@ def serve(
         fellow_name=name,
         data_address=data_address,
         nats_creds=nats_creds,
+        fellow_pool=pool,
+        fellow_labels=labels,
         log_level=log_level,
     )
     if settings.nats_url is None:
         raise ConfigError("no NATS server: pass --nats-url or set SWARM_NATS_URL")
     _gpus_from_nomad()
     configure_logging(settings.log_level)  # httpx/httpcore at WARNING: no request URLs logged
+    trust_leader_ca(settings)  # before any HTTPS or wss:// connection
     if settings.enroll_token:
         from silentswarm.agent.runner import default_fellow_id
 

@@ -111,6 +111,8 @@ class FellowAgent:
             version=__version__,
             pid=os.getpid(),
             data_address=settings.data_address,
+            pool=settings.pool,
+            labels=settings.labels,
         )
         self.status = FellowStatus.REGISTERING
         self.heartbeat_interval_s = settings.heartbeat_interval_s

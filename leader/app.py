@@ -15,7 +15,9 @@ from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 
 from silentswarm import __version__
+from silentswarm.errors import NotFoundError
 from silentswarm.jobspec import LastStagePlacement
+from silentswarm.leader.accounts import AccountBook, load_forever
 from silentswarm.leader.api import CONTROLLERS
 from silentswarm.leader.api.error_handlers import EXCEPTION_HANDLERS
 from silentswarm.leader.auth import ReadTickets, make_guard
@@ -31,6 +33,8 @@ from silentswarm.leader.placement import PlacementDefaults
 from silentswarm.leader.purges import PurgeBook
 from silentswarm.leader.registry import FellowRegistry
 from silentswarm.leader.retention import RetentionPolicy
+from silentswarm.leader.revocations import UserRevoker
+from silentswarm.leader.services.accounts import AccountsService
 from silentswarm.leader.services.datasets import DatasetsService
 from silentswarm.leader.services.fleet import FleetService
 from silentswarm.leader.services.info import InfoService, nats_auth_mode
@@ -65,7 +69,10 @@ def create_app(
     token = token or settings.api_token or secrets.token_urlsafe(32)
     # Every part gets what it depends on when it is built, in this order; none is wired
     # up afterwards.
-    jobs, purges = JobManager(retention=RetentionPolicy.from_settings(settings)), PurgeBook()
+    # Revokes a released fellow's NATS users (at once, or once its purge is delivered).
+    revoker = UserRevoker(authority, nats) if authority is not None else None
+    jobs = JobManager(retention=RetentionPolicy.from_settings(settings))
+    purges = PurgeBook(on_delivered=revoker.revoke_fellow_soon if revoker else None)
     registry = FellowRegistry(
         heartbeat_interval_s=settings.heartbeat_interval_s,
         offline_after_s=settings.offline_after_s,
@@ -91,6 +98,7 @@ def create_app(
         on_push=job_loop_wake.set,
     )
     dataset_store = DatasetStore(settings.datasets_dir, max_bytes=settings.max_dataset_bytes)
+    account_book = AccountBook()
     orchestrator = Orchestrator(
         bus=bus,
         registry=registry,
@@ -106,6 +114,7 @@ def create_app(
         datasets=dataset_store,
         authority=authority,
         wake=job_loop_wake,
+        account_of=account_book.find,
     )
     # The domain services the controllers call; each gets the loop as the narrow
     # collaborator its Protocol names (leader.services), never more.
@@ -129,6 +138,7 @@ def create_app(
         exports=exports,
         export_root=settings.model_export_root,
         pin_datasets=datasets.pin,
+        default_transport=settings.pipeline_transport,
     )
     fleet = FleetService(
         registry=registry,
@@ -138,6 +148,7 @@ def create_app(
         observe=observe,
         storage=storage,
         package=package,
+        revoker=revoker,
     )
     onboarding = OnboardingService(
         settings=settings,
@@ -151,6 +162,13 @@ def create_app(
     )
     metrics = LeaderMetrics(SwarmCollector(info=info, bus=bus, registry=registry, jobs=jobs))
     tickets = ReadTickets(token)
+    accounts = AccountsService(account_book)
+
+    def owner_of(job_id: str) -> str | None:
+        try:
+            return jobs.get(job_id).owner
+        except NotFoundError:  # the route answers 404 itself
+            return None
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
@@ -165,7 +183,10 @@ def create_app(
             ),
             asyncio.create_task(watchdog_forever(), name="systemd-watchdog"),
             asyncio.create_task(_package(package, settings), name="bootstrap-package"),
+            asyncio.create_task(_accounts(accounts, bus, settings), name="accounts"),
         ]
+        if revoker is not None:
+            tasks.append(asyncio.create_task(revoker.run(), name="nats-revocations"))
         try:
             yield
         finally:
@@ -184,9 +205,18 @@ def create_app(
             "datasets": _provide(datasets),
             "fleet": _provide(fleet),
             "onboarding": _provide(onboarding),
+            "accounts": _provide(accounts),
         },
         exception_handlers=EXCEPTION_HANDLERS,
-        guards=[make_guard(token, public_reads=settings.reads_public, tickets=tickets)],
+        guards=[
+            make_guard(
+                token,
+                public_reads=settings.reads_public,
+                tickets=tickets,
+                accounts=account_book,
+                owner_of=owner_of,
+            )
+        ],
         lifespan=[lifespan],
         middleware=[metrics.middleware()],
         logging_config=None,  # the process configured logging (swarm.entry)
@@ -226,6 +256,13 @@ async def _package(package: BootstrapPackage, settings: Settings) -> None:
         return
     if found is not None:
         package.found(found)
+
+
+async def _accounts(accounts: AccountsService, bus: LeaderBus, settings: Settings) -> None:
+    """Load the accounts (retried while JetStream is not ready); then the service saves."""
+    accounts.opened(
+        await load_forever(accounts.book, lambda: bus.nc, bus.connected, settings.subject_prefix)
+    )
 
 
 async def _observe(bus: LeaderBus, observe: Observability, storage: StorageMonitor) -> None:

@@ -8,6 +8,8 @@ it leads out of it), else ``<root>/<job_id>/model_export``::
     shards/step-<n>/stage-<i>.npz         a stage's checkpoint after n steps (arrays)
     shards/step-<n>/stage-<i>.json        ... and its metadata (written last: it completes it)
     shards/step-<n>/stage-<i>.*.sha256    the verified sha256 of each file
+    stage-<i>/weights.npz                 the newest complete step's stage-<i>.npz, hard
+                                          linked (the same file: no extra disk)
     .incoming/                            files being received (a failed write removes its
                                           file; the leader empties it at start-up and
                                           when the job or attempt ends)
@@ -50,6 +52,7 @@ from silentswarm.types.views import job_view
 
 SHARD_FILE = re.compile(r"^stage-(\d{1,4})\.(npz|json)$")
 MANIFEST = RUN_MANIFEST
+WEIGHTS = "weights.npz"  # stage-<i>/weights.npz: the name earlier exports used
 KEEP_COMPLETE_STEPS = 2
 
 
@@ -471,7 +474,26 @@ class ExportStore:
         )
         with self._dir(directory) as fd:
             _write_atomic(fd, MANIFEST, encode_run_manifest(manifest))
+        self.link_weights(directory, step, n)
         return directory / MANIFEST
+
+    def link_weights(self, directory: Path, step: int, n_stages: int) -> None:
+        """``stage-<i>/weights.npz`` for every stage: its shard's arrays at ``step``, hard
+        linked (where the file system has no hard links, copied), each replaced whole.
+
+        The name operators of earlier exports know (docs/operations/names.md); a link costs
+        no disk, and the pruned step's space comes back once every link moved on."""
+        with self._dir(directory, "shards", f"step-{step}", create=False) as src:
+            for stage in range(n_stages):
+                with self._dir(directory, f"stage-{stage}") as dst:
+                    tmp = f".{WEIGHTS}.{secrets.token_hex(4)}.tmp"
+                    try:
+                        _link_or_copy(src, f"stage-{stage}.npz", dst, tmp)
+                        os.replace(tmp, WEIGHTS, src_dir_fd=dst, dst_dir_fd=dst)
+                    except BaseException:
+                        with contextlib.suppress(OSError):
+                            os.unlink(tmp, dir_fd=dst)
+                        raise
 
 
 def _base_ref(job: JobRecord) -> BaseRef | None:
@@ -492,6 +514,23 @@ def _write_atomic(dir_fd: int, name: str, data: bytes) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=dir_fd)
         raise
+
+
+def _link_or_copy(src_fd: int, name: str, dst_fd: int, new: str) -> None:
+    """``new`` in ``dst_fd``: a hard link to the plain file ``name`` in ``src_fd``, else (a
+    file system without hard links) a copy. Symlinks are never followed."""
+    try:
+        os.link(name, new, src_dir_fd=src_fd, dst_dir_fd=dst_fd, follow_symlinks=False)
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.EXDEV):
+            raise
+    read_flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    with (
+        os.fdopen(os.open(name, read_flags, dir_fd=src_fd), "rb") as source,
+        os.fdopen(os.open(new, _NEW_FILE, 0o644, dir_fd=dst_fd), "wb") as target,
+    ):
+        shutil.copyfileobj(source, target, 1 << 20)
 
 
 def _write_temp(dir_fd: int, name: str, data: bytes) -> str:

@@ -1,4 +1,4 @@
-"""The operator token: what every mutating REST route (and, off loopback, every read) requires.
+"""Tokens: the operator token and accounts' tokens, and what every request may do with them.
 
 ``SWARM_API_TOKEN`` sets it; without one the leader generates one on first start, stores it
 in ``<state>/api-token`` (mode 0600, where the CLI finds it too) and shows it once when
@@ -7,10 +7,18 @@ send ``Authorization: Bearer <token>`` (never in the URL); a missing token is 40
 403, both with a JSON body that says what to do. The comparison takes constant time and the
 token is never logged. A GET may instead carry ``?ticket=`` (a read ticket: see
 :class:`ReadTickets`).
+
+Accounts (:mod:`silentswarm.leader.accounts`) have tokens of their own; the guard resolves
+the token to a :class:`~silentswarm.leader.permissions.Principal` (the operator, an admin,
+or an account), decides with :mod:`silentswarm.leader.permissions` whether it may do what the
+request does (403 ``ACCOUNT_FORBIDDEN`` naming the job's owner and the role needed), and puts
+it on the request (:func:`principal_of`) for the routes that record or filter by it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -20,18 +28,33 @@ import secrets
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 from litestar.connection import ASGIConnection
 from litestar.handlers.base import BaseRouteHandler
 
 from silentswarm.errors import ErrorCode
-from silentswarm.leader.errors import ForbiddenError, UnauthorizedError
+from silentswarm.leader.accounts import AccountBook
+from silentswarm.leader.errors import AccountForbiddenError, ForbiddenError, UnauthorizedError
+from silentswarm.leader.permissions import (
+    ANONYMOUS,
+    OPERATOR,
+    READ_METHODS,
+    Action,
+    Principal,
+    Request,
+    classify,
+    may,
+)
 from silentswarm.settings import Settings
+from silentswarm.types.accounts import OPERATOR_ACCOUNT
 
 log = logging.getLogger(__name__)
-READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+# Where the guard leaves the request's principal (an ASGI scope key: Litestar keeps the scope).
+PRINCIPAL_KEY = "silentswarm.principal"
 TICKET_ROUTE = "/api/v1/auth/read-ticket"
 TICKET_TTL_S = 60.0
+ACCOUNTS_LOAD_WAIT_S = 10.0  # an account's token on a leader that just started waits so long
 # Never guarded: liveness, the UI's own files (it asks for the token itself), the API docs,
 # what a joining host fetches (its join token, session secret or the fleet's enrollment
 # token is checked instead), and shard and dataset files (a stage's token is checked instead).
@@ -42,6 +65,8 @@ OPEN_PATHS = re.compile(
     r"|/api/v1/jobs/[^/]+/shards/\d+/[^/]+|/api/v1/jobs/[^/]+/init/[^/]+"
     r"|/api/v1/jobs/[^/]+/datasets/[0-9a-f]{64})/?$"
 )
+# Who owns a job (None: no such job); the guard asks for the per-job routes.
+OwnerOf = Callable[[str], str | None]
 
 
 def operator_token(settings: Settings) -> str:
@@ -70,29 +95,33 @@ def operator_token(settings: Settings) -> str:
 class ReadTickets:
     """Short-lived read tickets for what cannot send a header (a browser's EventSource).
 
-    A ticket is ``<expiry>.<hmac>``: the HMAC-SHA256 of its expiry (whole seconds since the
-    epoch) under a key derived from the operator token, so the leader keeps no state, a
-    restart with the same token keeps them valid, and a new token voids them all. A ticket
-    opens GET routes only, until it expires (TICKET_TTL_S)."""
+    A ticket is ``<expiry>.<account>.<hmac>``: the HMAC-SHA256 of its expiry (whole seconds
+    since the epoch) and the account it was issued to, under a key derived from the operator
+    token, so the leader keeps no state, a restart with the same token keeps them valid, and
+    a new token voids them all. A ticket opens the GET routes its account may read, until it
+    expires (TICKET_TTL_S) or the account is revoked."""
 
     def __init__(
         self, token: str, *, ttl_s: float = TICKET_TTL_S, wall: Callable[[], float] = time.time
     ) -> None:
-        self._key = hmac.new(token.encode(), b"silentswarm read ticket v1", hashlib.sha256).digest()
+        self._key = hmac.new(token.encode(), b"silentswarm read ticket v2", hashlib.sha256).digest()
         self.ttl_s = ttl_s
         self._wall = wall
 
-    def issue(self) -> tuple[str, int]:
+    def issue(self, account: str = OPERATOR_ACCOUNT) -> tuple[str, int]:
         expires = int(self._wall() + self.ttl_s)
-        return f"{expires}.{self._sign(expires)}", expires
+        return f"{expires}.{account}.{self._sign(expires, account)}", expires
 
-    def check(self, ticket: str) -> None:
-        """Nothing when the ticket is good; UnauthorizedError (expired) or ForbiddenError."""
-        stamp, _, mac = ticket.partition(".")
+    def check(self, ticket: str) -> str:
+        """The account the ticket was issued to; UnauthorizedError (expired) or
+        ForbiddenError (not one this leader issued)."""
+        stamp, _, rest = ticket.partition(".")
+        account, _, mac = rest.rpartition(".")
         if (
             not stamp.isdigit()
             or len(stamp) > 12
-            or not hmac.compare_digest(mac.encode(), self._sign(int(stamp)).encode())
+            or not account
+            or not hmac.compare_digest(mac.encode(), self._sign(int(stamp), account).encode())
         ):
             raise ForbiddenError("this read ticket is not one this leader issued")
         if int(stamp) < self._wall():
@@ -101,21 +130,72 @@ class ReadTickets:
                 "(with 'Authorization: Bearer <token>')",
                 code=ErrorCode.TICKET_EXPIRED,
             )
+        return account
 
-    def _sign(self, expires: int) -> str:
-        return hmac.new(self._key, str(expires).encode(), hashlib.sha256).hexdigest()
+    def _sign(self, expires: int, account: str) -> str:
+        message = f"{expires}.{account}".encode()
+        return hmac.new(self._key, message, hashlib.sha256).hexdigest()
 
 
-def make_guard(token: str, *, public_reads: bool, tickets: ReadTickets | None = None):
-    """A Litestar guard enforcing the token on the routes that need it.
+def principal_of(connection: ASGIConnection[Any, Any, Any, Any]) -> Principal:
+    """Who the guard found the request comes from (anonymous on a route it leaves open)."""
+    return connection.scope.get(PRINCIPAL_KEY, ANONYMOUS)  # type: ignore[return-value]
+
+
+def make_guard(
+    token: str,
+    *,
+    public_reads: bool,
+    tickets: ReadTickets | None = None,
+    accounts: AccountBook | None = None,
+    owner_of: OwnerOf = lambda _: None,
+) -> Guard:
+    """A Litestar guard enforcing tokens and accounts' permissions on the routes that need it.
+    Without ``accounts``, only the operator token is known."""
+    if accounts is None:
+        accounts = AccountBook()
+        accounts.restore([])
+    return Guard(
+        token,
+        public_reads=public_reads,
+        tickets=tickets or ReadTickets(token),
+        accounts=accounts,
+        owner_of=owner_of,
+    )
+
+
+class Guard:
+    """Who a request comes from, and whether it may do what it does.
 
     The token is taken only from the ``Authorization: Bearer`` header: in a URL it would
     land in proxy logs, browser history and Referer headers, so ``?access_token=`` is
     refused everywhere. A GET may carry a read ticket instead (``?ticket=``)."""
-    expected = token.encode()
-    tickets = tickets or ReadTickets(token)
 
-    def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    def __init__(
+        self,
+        token: str,
+        *,
+        public_reads: bool,
+        tickets: ReadTickets,
+        accounts: AccountBook,
+        owner_of: OwnerOf,
+    ) -> None:
+        self._expected = token.encode()
+        self.public_reads = public_reads
+        self.tickets = tickets
+        self.accounts = accounts
+        self.owner_of = owner_of
+
+    async def __call__(self, connection: ASGIConnection, _: BaseRouteHandler) -> None:
+        given = _bearer(connection)
+        if given and not self.accounts.loaded.is_set() and not self._is_operator(given):
+            # A leader that just started: an account's token waits for the accounts to load.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.accounts.loaded.wait(), ACCOUNTS_LOAD_WAIT_S)
+        self.check(connection)
+
+    def check(self, connection: ASGIConnection) -> None:
+        """Raise unless the request may go on; leave its principal on it."""
         query = connection.query_params
         if "access_token" in query:
             raise UnauthorizedError(
@@ -124,27 +204,75 @@ def make_guard(token: str, *, public_reads: bool, tickets: ReadTickets | None = 
                 f"ticket (POST {TICKET_ROUTE}) and pass ?ticket=<ticket>"
             )
         path = connection.scope["path"]
-        if path.startswith(OPEN_PREFIXES) or OPEN_PATHS.match(path):
-            return
-        is_read = connection.scope.get("method", "GET") in READ_METHODS
+        method = connection.scope.get("method", "GET")
         header = connection.headers.get("authorization", "")
+        given = _bearer(connection)
+        request = classify(method, path)
+        if path.startswith(OPEN_PREFIXES) or OPEN_PATHS.match(path):
+            # A stage's own token opens these; an account's token on another's job does not.
+            if given and request.action is Action.JOB_FILES:
+                self._check(self._resolve(given), request)
+            return
+        is_read = method in READ_METHODS
         ticket = query.get("ticket")
         if ticket is not None and not header:
             if not is_read:
                 raise UnauthorizedError(
                     "a read ticket opens GET routes only: send 'Authorization: Bearer <token>'"
                 )
-            tickets.check(ticket)
-            return
-        if public_reads and is_read:
-            return
-        scheme, _, given = header.partition(" ")
-        if not header or scheme.lower() != "bearer" or not given.strip():
+            self._check(self._ticket_principal(ticket), request, connection)
+        elif self.public_reads and is_read and not header:
+            self._check(ANONYMOUS, request, connection)
+        elif not given:
             raise UnauthorizedError(
-                "this route needs the operator token: send 'Authorization: Bearer <token>' "
-                "(SWARM_API_TOKEN, or the leader's <state>/api-token)"
+                "this route needs a token: send 'Authorization: Bearer <token>' "
+                "(SWARM_API_TOKEN, the leader's <state>/api-token, or an account's token)"
             )
-        if not hmac.compare_digest(given.strip().encode(), expected):
-            raise ForbiddenError("the operator token is wrong")
+        else:
+            self._check(self._resolve(given), request, connection)
 
-    return guard
+    def _is_operator(self, given: str) -> bool:
+        return hmac.compare_digest(given.encode(), self._expected)
+
+    def _resolve(self, given: str) -> Principal:
+        if self._is_operator(given):
+            return OPERATOR
+        principal = self.accounts.resolve(given)
+        if principal is None:
+            raise ForbiddenError("the token is wrong (neither the operator's nor an account's)")
+        return principal
+
+    def _ticket_principal(self, ticket: str) -> Principal:
+        name = self.tickets.check(ticket)
+        principal = OPERATOR if name == OPERATOR_ACCOUNT else self.accounts.principal(name)
+        if principal is None:
+            raise UnauthorizedError(
+                f"account {name!r} of this read ticket is revoked or gone",
+                code=ErrorCode.TOKEN_REVOKED,
+            )
+        return principal
+
+    def _check(
+        self, principal: Principal, request: Request, connection: ASGIConnection | None = None
+    ) -> None:
+        owner = self.owner_of(request.job_id) if request.job_id else None
+        refusal = may(principal, request, owner)
+        if refusal is not None:
+            if principal is ANONYMOUS:
+                raise UnauthorizedError(
+                    "this route needs a token: send 'Authorization: Bearer <token>'"
+                )
+            raise AccountForbiddenError(
+                refusal.message,
+                account=principal.name,
+                needed_role=refusal.needed_role,
+                owner=refusal.owner,
+            )
+        if connection is not None:
+            connection.scope[PRINCIPAL_KEY] = principal  # type: ignore[literal-required]
+
+
+def _bearer(connection: ASGIConnection) -> str:
+    """The token of an ``Authorization: Bearer`` header ("" for none or another scheme)."""
+    scheme, _, given = connection.headers.get("authorization", "").partition(" ")
+    return given.strip() if scheme.lower() == "bearer" else ""

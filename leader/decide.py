@@ -56,6 +56,8 @@ def candidate(record: FellowRecord) -> Candidate:
         cpu_cores=hw.cpu_cores,
         ram_available_bytes=offered_ram(hw),
         gpus=tuple(usable_gpus(hw)),
+        pool=record.pool,
+        labels=record.labels,
     )
 
 

@@ -24,6 +24,55 @@ class ForbiddenError(SwarmError):
     http_status = 403
 
 
+class RevokedTokenError(UnauthorizedError):
+    code = ErrorCode.TOKEN_REVOKED
+
+
+class AccountForbiddenError(ForbiddenError):
+    """An account's role, or the job's owner, does not allow this request (403). The body
+    names the account, the job's owner and the role the request needs."""
+
+    code = ErrorCode.ACCOUNT_FORBIDDEN
+
+    def __init__(
+        self, message: str, *, account: str, needed_role: str, owner: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.account, self.needed_role, self.owner = account, needed_role, owner
+
+    def to_dict(self) -> dict[str, str]:
+        extra = {"account": self.account, "needed_role": self.needed_role}
+        return {**super().to_dict(), **extra, **({"owner": self.owner} if self.owner else {})}
+
+
+class PoolForbiddenError(ForbiddenError):
+    """A job names a pool its account may not use (403, naming the field ``pool``)."""
+
+    code = ErrorCode.POOL_FORBIDDEN
+    field = "pool"
+
+    def to_dict(self) -> dict[str, str]:
+        return {**super().to_dict(), "field": self.field}
+
+
+class ExportDirForbiddenError(ForbiddenError):
+    """A job's export directory is outside its account's part of the export root (403,
+    naming the field ``artifact_paths.model_export_dir``)."""
+
+    code = ErrorCode.ACCOUNT_FORBIDDEN
+    field = "artifact_paths.model_export_dir"
+
+    def to_dict(self) -> dict[str, str]:
+        return {**super().to_dict(), "field": self.field}
+
+
+class AccountExistsError(ConflictError):
+    code = ErrorCode.ACCOUNT_EXISTS
+
+    def to_dict(self) -> dict[str, str]:
+        return {**super().to_dict(), "field": "name"}
+
+
 class JoinRefusedError(SwarmError):
     code = ErrorCode.JOIN_TOKEN_INVALID
     http_status = 401
@@ -54,6 +103,13 @@ class FellowNameError(ConflictError):
 
     def to_dict(self) -> dict[str, str]:
         return {**super().to_dict(), "field": self.field}
+
+
+class RevocationPushError(SwarmError):
+    """nats-server did not take the account JWT that revokes users (unreachable, refused)."""
+
+    code = ErrorCode.NATS_AUTH_UNAVAILABLE
+    http_status = 503
 
 
 # --- readiness and storage --------------------------------------------------------------------

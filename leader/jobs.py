@@ -17,13 +17,21 @@ import logging
 import math
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from silentswarm.errors import ConflictError, ErrorCode, IllegalTransitionError, NotFoundError
 from silentswarm.jobspec import JobSpec, Placement, new_job_id
 from silentswarm.leader.admission import Admission, admit_progress
 from silentswarm.leader.placement import DEFAULTS, Candidate, PlacementDefaults, Unplaceable, place
+from silentswarm.leader.pools import (
+    AccountLookup,
+    Held,
+    account_limit,
+    by_pool,
+    fleet_note,
+    no_accounts,
+)
 from silentswarm.leader.progress import apply_outcome, apply_step
 from silentswarm.leader.retention import RetentionPolicy, retired_job_ids
 from silentswarm.lifecycle import JobEvent, next_job_state
@@ -36,6 +44,7 @@ from silentswarm.protocol import (
     StageOutcome,
     StageResult,
 )
+from silentswarm.types.fleet import FellowRecord
 from silentswarm.types.jobs import (
     CheckpointRecord,
     InitSource,
@@ -86,20 +95,42 @@ def plan_schedule(
     pending: list[JobRecord],
     idle: list[Candidate],
     defaults: PlacementDefaults = DEFAULTS,
+    *,
+    fleet: Iterable[FellowRecord] = (),
+    held: Mapping[tuple[str, str], Held] | None = None,
+    account_of: AccountLookup = no_accounts,
 ) -> tuple[list[Assignment], dict[str, str]]:
-    """Place pending jobs, oldest first, on idle fellows.
+    """Place pending jobs, oldest first, on idle fellows of their pool with their labels.
 
     A job that does not fit keeps waiting (with the reason) and does not block younger
-    jobs that fit on what is left.
+    jobs that fit on what is left. ``fleet`` (every known fellow) explains a pool too few
+    fellows fit; ``held`` is what each owner's placed jobs hold per pool and ``account_of``
+    its account, whose pool limits a job must stay within (:mod:`silentswarm.leader.pools`).
     """
+    pools = by_pool(fleet)
+    held = dict(held or {})
     free = list(idle)
     assignments, waiting = [], {}
     for job in sorted(pending, key=lambda j: (j.created_at, j.job_id)):
-        result = place(job.spec, free, defaults, ranges=job.layer_ranges)
+        key = (job.owner, job.spec.run_pool)
+        needed = len(job.layer_ranges) if job.layer_ranges else None
+        allowance = account_limit(
+            account_of(job.owner), job.spec, held.get(key, Held()), needed=needed
+        )
+        if allowance.reason:
+            waiting[job.job_id] = f"waiting: {allowance.reason}"
+            continue
+        result = place(
+            job.spec, free, defaults, ranges=job.layer_ranges, max_stages=allowance.max_stages
+        )
         if isinstance(result, Unplaceable):
-            waiting[job.job_id] = result.reason
+            note = ""
+            if result.too_few and pools:
+                note = fleet_note(job.spec, pools, free={c.fellow_id for c in free})
+            waiting[job.job_id] = result.reason + note
             continue
         assignments.append(Assignment(job.job_id, result))
+        held[key] = held.get(key, Held()).plus(len(result.stages))
         taken = set(result.fellow_ids)
         free = [c for c in free if c.fellow_id not in taken]
     return assignments, waiting

@@ -174,7 +174,8 @@ def warn_exposure(settings: Settings, nats_url: str) -> None:
     else:
         log.info(
             "every read (GET) needs the operator token or a read ticket%s",
-            " (the leader listens off loopback; SWARM_API_PUBLIC_READS=1 opens them)"
+            " (the leader listens off loopback or has a SWARM_PUBLIC_URL; "
+            "SWARM_API_PUBLIC_READS=1 opens them)"
             if settings.api_public_reads is None
             else "",
         )

@@ -40,6 +40,7 @@ from silentswarm.leader.errors import NotReadyError
 from silentswarm.leader.exports import ExportService
 from silentswarm.leader.jobs import JobManager, plan_schedule
 from silentswarm.leader.placement import DEFAULTS, PlacementDefaults
+from silentswarm.leader.pools import AccountLookup, holdings, no_accounts
 from silentswarm.leader.purges import PurgeBook
 from silentswarm.leader.registry import FellowRegistry
 from silentswarm.leader.signals import SignalHub
@@ -82,9 +83,12 @@ class Orchestrator:
         datasets: DatasetStore | None = None,
         authority: NatsAuthority | None = None,
         wake: asyncio.Event | None = None,
+        account_of: AccountLookup = no_accounts,
     ) -> None:
         """``wake``: set (by anyone: the export service when a shard arrives) to run the
-        next tick at once instead of after ``TICK_S``."""
+        next tick at once instead of after ``TICK_S``. ``account_of``: a job owner's account,
+        whose pool limits placement keeps to (default: nobody is limited)."""
+        self.account_of = account_of
         self.bus = bus
         # Mints each placed stage of each attempt its own NATS user (None: no NATS users).
         self.authority = authority
@@ -297,15 +301,23 @@ class Orchestrator:
         pending = self.jobs.pending()
         if not pending:
             return
+        fleet = self.registry.list()
         idle = decide.idle_candidates(
-            self.registry.list(),
+            fleet,
             busy=self.jobs.busy_fellows(),
             reserved=self._reserved,
             cooldown=self._cooldown,
             purging={p.fellow_id for p in self.purges.list()},
             now=time.monotonic(),
         )
-        assignments, waiting = plan_schedule(pending, idle, self.defaults)
+        assignments, waiting = plan_schedule(
+            pending,
+            idle,
+            self.defaults,
+            fleet=fleet,
+            held=holdings(self.jobs.list(), starting=self.jobs.starting),
+            account_of=self.account_of,
+        )
         self.jobs.set_waiting(waiting)
         for assignment in assignments:
             self.jobs.begin_start(assignment.job_id, assignment.placement)

@@ -3,6 +3,8 @@
 A pure function of the job spec and the fellows' latest telemetry (already reduced to what
 each fellow offers: :mod:`silentswarm.telemetry`). The rules:
 
+- Only fellows of the job's pool that carry all its labels count
+  (:func:`silentswarm.leader.pools.fits`).
 - A GPU is eligible when it has at least ``placement_min_gpu_free_gb`` free;
   ``max_gpus_per_worker`` caps how many of a fellow's GPUs count.
 - Fellows with eligible GPUs rank first, by their aggregate eligible free VRAM; CPU-only
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 import msgspec
 
 from silentswarm.jobspec import JobSpec, LastStagePlacement, Partition, PlacedStage, Placement
+from silentswarm.leader import pools
 from silentswarm.leader.memory import (
     CPU_RUNTIME_BYTES,
     GPU_RUNTIME_BYTES,
@@ -32,6 +35,7 @@ from silentswarm.leader.memory import (
     stage_memory,
 )
 from silentswarm.plan import GpuSlot, Transport, split_layers
+from silentswarm.pools import DEFAULT_POOL
 from silentswarm.protocol import GpuInfo
 
 GIB = 1024**3
@@ -57,10 +61,14 @@ class Candidate(msgspec.Struct, kw_only=True, frozen=True):
     cpu_cores: int
     ram_available_bytes: int  # already cut to the operator's cap
     gpus: tuple[GpuInfo, ...] = ()  # usable by TensorFlow, free VRAM cut to the cap
+    pool: str = DEFAULT_POOL
+    labels: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class Unplaceable(msgspec.Struct, kw_only=True, frozen=True):
     reason: str
+    # Too few ready fellows fit (rather than too little memory, a missing address...).
+    too_few: bool = False
 
 
 def eligible_gpus(
@@ -82,10 +90,14 @@ def place(
     defaults: PlacementDefaults = DEFAULTS,
     *,
     ranges: list[tuple[int, int]] | None = None,
+    max_stages: int | None = None,
 ) -> Placement | Unplaceable:
     """A placement for ``spec`` on some of ``candidates``, or why there is none now.
 
-    ``ranges`` fixes the stages' layer ranges (a resumed job keeps its boundaries)."""
+    ``ranges`` fixes the stages' layer ranges (a resumed job keeps its boundaries);
+    ``max_stages`` caps how many fellows a job that takes every ready one may take (its
+    account's limit)."""
+    candidates = [c for c in candidates if pools.fits(c.pool, c.labels, spec)]
     gpus = {c.fellow_id: eligible_gpus(c, spec, defaults) for c in candidates}
     with_gpu = sorted(
         (c for c in candidates if gpus[c.fellow_id]),
@@ -97,18 +109,14 @@ def place(
     )
     ranked = with_gpu + cpu_only
     layers = spec.model.n_layers
-    wanted = spec.stages if spec.stages is not None else min(len(ranked), layers)
-    need = max(wanted, spec.min_stages)
-    if ranges is not None:
-        wanted = need = len(ranges)
+    wanted, need = _stage_count(spec, len(ranked), ranges, max_stages)
     if len(ranked) < need:
-        what = "ready fellows" if spec.allow_cpu else "ready fellows with an eligible GPU"
-        return Unplaceable(reason=f"waiting for {need} {what}; {len(ranked)} available")
+        return _too_few(spec, need, len(ranked))
     chosen = ranked[:wanted]
     last_rule = spec.pipeline_last_stage_placement or defaults.last_stage
     if last_rule == LastStagePlacement.LARGEST_VRAM and len(chosen) > 1:
         chosen = [*chosen[1:], chosen[0]]  # the best ranked runs the last stage
-    transport = Transport(spec.transport)
+    transport = spec.transport or Transport.AUTO  # the leader fills it in at submit
     missing = [c.fellow_id for c in chosen[1:] if not c.data_address]
     if missing and transport == Transport.P2P:
         return Unplaceable(
@@ -148,6 +156,27 @@ def place(
             return Unplaceable(reason=f"{placed.reason} on {where} ({c.fellow_id})")
         stages.append(placed)
     return Placement(stages=stages, transport=transport)
+
+
+def _stage_count(
+    spec: JobSpec, ranked: int, ranges: list[tuple[int, int]] | None, max_stages: int | None
+) -> tuple[int, int]:
+    """How many stages the job takes of ``ranked`` fitting fellows, and needs at least."""
+    if ranges is not None:
+        return len(ranges), len(ranges)
+    wanted = spec.stages if spec.stages is not None else min(ranked, spec.model.n_layers)
+    if spec.stages is None and max_stages is not None:
+        wanted = min(wanted, max_stages)
+    return wanted, max(wanted, spec.min_stages)
+
+
+def _too_few(spec: JobSpec, need: int, available: int) -> Unplaceable:
+    what = "ready fellows"
+    if not spec.allow_cpu:
+        what += " with an eligible GPU"
+    if spec.pool is not None or spec.labels:
+        what += f" {pools.where(spec)}"
+    return Unplaceable(reason=f"waiting for {need} {what}; {available} available", too_few=True)
 
 
 def _place_stage(

@@ -13,8 +13,16 @@ from silentswarm.types.fleet import PendingPurge
 
 
 class PurgeBook:
-    def __init__(self, *, wall: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        *,
+        wall: Callable[[], float] = time.time,
+        on_delivered: Callable[[str], None] | None = None,
+    ) -> None:
+        """``on_delivered``: told the fellow id once its purge is delivered (the leader
+        then revokes the fellow's NATS users, which the purge still needed)."""
         self._wall = wall
+        self._on_delivered = on_delivered
         self._pending: dict[str, PendingPurge] = {}
         # Fellow ids whose record changed (or was removed) since the store last wrote them.
         self.dirty: set[str] = set()
@@ -52,3 +60,5 @@ class PurgeBook:
     def delivered(self, fellow_id: str) -> None:
         if self._pending.pop(fellow_id, None) is not None:
             self.dirty.add(fellow_id)
+            if self._on_delivered is not None:
+                self._on_delivered(fellow_id)

@@ -318,6 +318,8 @@ class FellowRegistry:
             version=ident.version,
             pid=ident.pid,
             data_address=ident.data_address,
+            pool=ident.pool,
+            labels=dict(ident.labels),
             status=status,
             hardware=hardware,
             registered_at=now,
@@ -335,6 +337,7 @@ class FellowRegistry:
             ident.pid,
             ident.data_address,
         )
+        record.pool, record.labels = ident.pool, dict(ident.labels)
         record.hardware = hardware
         entry.last_seen = self._clock()
 

@@ -76,6 +76,10 @@ class ErrorCode(StrEnum):
     JOIN_SESSION_GONE = "JOIN_SESSION_GONE"
     PACKAGE_UNAVAILABLE = "PACKAGE_UNAVAILABLE"
     SHARD_TOKEN_INVALID = "SHARD_TOKEN_INVALID"
+    ACCOUNT_FORBIDDEN = "ACCOUNT_FORBIDDEN"  # the account's role or ownership does not allow it
+    ACCOUNT_EXISTS = "ACCOUNT_EXISTS"
+    TOKEN_REVOKED = "TOKEN_REVOKED"
+    POOL_FORBIDDEN = "POOL_FORBIDDEN"  # the account may not submit to that pool
 
     # --- the leader's register replies and signal records -------------------------------------
     SUBJECT_MISMATCH = "SUBJECT_MISMATCH"

@@ -32,6 +32,7 @@ from silentswarm.plan import (
     TrainConfig,
     Transport,
 )
+from silentswarm.pools import DEFAULT_POOL, Labels, PoolName
 
 T = TypeVar("T")
 
@@ -72,7 +73,9 @@ class JobSpec(TrainConfig, frozen=True, kw_only=True, forbid_unknown_fields=True
     min_fellows: Annotated[int, msgspec.Meta(ge=1, le=MAX_STAGES)] = 1
     partition: Partition = Partition.EQUAL
     compression: Annotated[str, msgspec.Meta(max_length=64)] = "none"
-    transport: Transport = Transport.AUTO
+    # None: the leader's SWARM_PIPELINE_TRANSPORT (default auto); the leader writes the one it
+    # chose into the spec it records (:func:`with_default_transport`).
+    transport: Transport | None = None
     allow_cpu: bool = True
     # None: the leader's SWARM_PLACEMENT_MIN_GPU_FREE_GB (default 4.0).
     placement_min_gpu_free_gb: Annotated[float, msgspec.Meta(ge=0, le=100_000.0)] | None = None
@@ -89,6 +92,15 @@ class JobSpec(TrainConfig, frozen=True, kw_only=True, forbid_unknown_fields=True
     resume_wait_s: Seconds = 600.0
     artifact_paths: ArtifactPaths = msgspec.field(default_factory=ArtifactPaths)
     peer_timeout_s: Annotated[float, msgspec.Meta(gt=0, le=86400.0)] = 60.0
+    # Where it may run (silentswarm.pools): only on fellows of this pool (None: the default
+    # pool) that carry every one of these labels with the same value.
+    pool: PoolName | None = None
+    labels: Labels = msgspec.field(default_factory=dict)
+
+    @property
+    def run_pool(self) -> str:
+        """The pool the job runs in."""
+        return self.pool or DEFAULT_POOL
 
     @property
     def min_stages(self) -> int:
@@ -132,7 +144,15 @@ class JobSpec(TrainConfig, frozen=True, kw_only=True, forbid_unknown_fields=True
         return out
 
 
-_AT = re.compile(r"^(?P<reason>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+def with_default_transport(spec: JobSpec, default: Transport | str) -> JobSpec:
+    """``spec`` with ``default`` as its transport when it names none (a spec that names
+    one, even ``auto``, keeps it)."""
+    if spec.transport is not None:
+        return spec
+    return msgspec.structs.replace(spec, transport=Transport(default))
+
+
+_AT = re.compile(r"^(?P<reason>.*?)(?: - at (?P<key>`key` in )?`\$(?P<path>[^`]*)`)?$", re.S)
 _UNKNOWN = re.compile(r"unknown field `(?P<name>[^`]+)`")
 
 
@@ -159,6 +179,8 @@ def _field_error(text: str) -> FieldError:
     """msgspec's ``Object contains unknown field `x` - at `$.model``` as field ``model.x``."""
     match = _AT.match(text)
     reason = match.group("reason") if match else text
+    if match and match.group("key"):  # a mapping's key (labels): "labels: a key: ..."
+        reason = f"a key: {reason}"
     path = (match.group("path") if match else "") or ""
     field = path.lstrip(".")
     unknown = _UNKNOWN.search(reason)

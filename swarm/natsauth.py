@@ -1,23 +1,36 @@
 """NATS authentication: an operator, an account, and one user per process, as NATS JWTs.
 
-The server trusts the operator (its JWT and the account JWTs go into ``server.conf``, memory
-resolver). Users are JWTs signed by the account key, so the leader can mint a user for a new
-fellow at any time **without touching the server**: the server checks the signature chain
-when the fellow connects. Each fellow's user may publish only its own subjects (see
+The server trusts the operator (its JWT and the account JWTs go into ``server.conf``). Users
+are JWTs signed by the account key, so the leader can mint a user for a new fellow at any time
+**without touching the server**: the server checks the signature chain when the fellow
+connects. Each fellow's user may publish only its own subjects (see
 :func:`fellow_permissions`); the leader's user has full rights.
+
+Revoking a user does touch the server: the account JWT lists revoked user keys
+(``revocations``: key -> time; users of that key issued at or before it are refused, and
+connected ones disconnected). The server keeps account JWTs in a ``full`` resolver (a
+directory, ``jwt/`` here) that takes a newer account JWT at run time from the system account
+(``$SYS.REQ.CLAIMS.UPDATE``; :mod:`silentswarm.leader.revocations` sends it with
+``system.creds``), and ``server.conf`` preloads the account JWT with the revocations known
+here, so a restarted server refuses them too.
 
 Everything lives in one directory (the *authority*), private to its owner (0700/0600):
 ``operator.nk``, ``account.nk``, ``system.nk`` (seeds), ``server.conf`` (what nats-server
-needs), ``leader.creds``, and ``fellows/<name>.creds`` for the users minted here.
+needs), ``leader.creds``, ``system.creds`` (a user of the system account, to push account
+JWTs), ``fellows/<name>.creds`` for the users minted here, ``users.json`` (which user keys
+each fellow was given, its own and its attempts') and ``revocations.json`` (the revoked keys).
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -161,6 +174,32 @@ def decode_jwt_claims(token: str) -> dict[str, Any]:
         raise ConfigError(f"not a NATS user JWT ({exc})") from None
 
 
+def account_claims(*, jetstream: bool, revocations: Mapping[str, int]) -> dict[str, Any]:
+    """The ``nats`` claims of an account: unlimited, JetStream on or off, and the revoked
+    user keys (key -> unix time: that key's users issued at or before it are refused)."""
+    limits = {**_ACCOUNT_LIMITS, **(_JETSTREAM_LIMITS if jetstream else {})}
+    claims: dict[str, Any] = {"type": "account", "limits": limits}
+    if revocations:
+        claims["revocations"] = dict(sorted(revocations.items()))
+    return claims
+
+
+def merge_revocations(*sources: Mapping[str, int]) -> dict[str, int]:
+    """Every key revoked in any source, at the latest time any gives it (a later time
+    refuses more of that key's users)."""
+    merged: dict[str, int] = {}
+    for source in sources:
+        for key, at in source.items():
+            merged[key] = max(at, merged.get(key, at))
+    return merged
+
+
+def jwt_revocations(token: str) -> dict[str, int]:
+    """The revocations an account JWT carries (none: {})."""
+    found = decode_jwt_claims(token).get("nats", {}).get("revocations") or {}
+    return {str(k): int(v) for k, v in found.items()}
+
+
 def user_jwt(account_seed: str, user_public: str, name: str, perms: Permissions) -> str:
     nats: dict[str, Any] = {"type": "user", **_UNLIMITED, "pub": {}, "sub": {}}
     if perms.publish:
@@ -188,14 +227,22 @@ def creds_text(jwt: str, seed: str) -> str:
     )
 
 
-def creds_user_name(creds: str) -> str:
-    """The user name in a ``.creds`` file's JWT (for a fellow: its id)."""
+def _creds_jwt(creds: str) -> str:
     lines = creds.splitlines()
     try:
-        jwt = lines[lines.index("-----BEGIN NATS USER JWT-----") + 1].strip()
+        return lines[lines.index("-----BEGIN NATS USER JWT-----") + 1].strip()
     except (ValueError, IndexError):
         raise ConfigError("not a NATS credentials file (no user JWT)") from None
-    name = decode_jwt_claims(jwt).get("name")
+
+
+def creds_user_key(creds: str) -> str:
+    """The user's public key (the JWT's subject) in a ``.creds`` file."""
+    return str(decode_jwt_claims(_creds_jwt(creds))["sub"])
+
+
+def creds_user_name(creds: str) -> str:
+    """The user name in a ``.creds`` file's JWT (for a fellow: its id)."""
+    name = decode_jwt_claims(_creds_jwt(creds)).get("name")
     if not isinstance(name, str) or not name:
         raise ConfigError("the NATS credentials carry no user name")
     return name
@@ -219,6 +266,13 @@ class _Seeds(msgspec.Struct):
     operator: str
     account: str
     system: str
+
+
+class _Users(msgspec.Struct):
+    """``users.json``: the user keys minted for each fellow (its own, its attempts'), so
+    that releasing a fellow can revoke them all."""
+
+    fellows: dict[str, list[str]] = msgspec.field(default_factory=dict)
 
 
 def write_private(path: Path, text: str) -> None:
@@ -268,11 +322,118 @@ class NatsAuthority:
         authority.write_server_config()
         if not authority.leader_creds_path.exists():
             authority.write_creds(authority.leader_creds_path, "swarm-leader", Permissions())
+        authority.ensure_system_creds()
         return authority
 
     @property
     def account_public(self) -> str:
         return public_key(self._seeds.account)
+
+    @property
+    def resolver_dir(self) -> Path:
+        """Where nats-server keeps the account JWTs it was sent (its ``full`` resolver)."""
+        return self.dir / "jwt"
+
+    @property
+    def system_creds_path(self) -> Path:
+        return self.dir / "system.creds"
+
+    @property
+    def _users_path(self) -> Path:
+        return self.dir / "users.json"
+
+    @property
+    def _revocations_path(self) -> Path:
+        return self.dir / "revocations.json"
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """One writer of users.json / revocations.json at a time (the leader, and
+        ``swarm nats-auth fellow`` in another process)."""
+        fd = os.open(self.dir / ".users.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def _read_users(self) -> _Users:
+        try:
+            return msgspec.json.decode(self._users_path.read_bytes(), type=_Users)
+        except FileNotFoundError:
+            return _Users()
+        except msgspec.DecodeError as exc:
+            raise NatsAuthError(f"{self._users_path} is damaged ({exc})") from None
+
+    def _record_user(self, fellow_id: str, creds: str) -> None:
+        key = creds_user_key(creds)
+        with self._locked():
+            users = self._read_users()
+            users.fellows.setdefault(fellow_id, []).append(key)
+            write_private(self._users_path, msgspec.json.encode(users).decode())
+
+    def fellow_user_keys(self, fellow_id: str) -> list[str]:
+        """The public keys of every user minted here for ``fellow_id`` and not revoked."""
+        return list(self._read_users().fellows.get(fellow_id, []))
+
+    def revocations(self) -> dict[str, int]:
+        """The revoked user keys: key -> unix time (users of it issued until then)."""
+        try:
+            data = self._revocations_path.read_bytes()
+        except FileNotFoundError:
+            return {}
+        try:
+            return msgspec.json.decode(data, type=dict[str, int])
+        except msgspec.DecodeError as exc:
+            raise NatsAuthError(f"{self._revocations_path} is damaged ({exc})") from None
+
+    def revoke(self, keys: Mapping[str, int]) -> dict[str, int]:
+        """Add revocations (key -> time), forget those keys as fellows' users, and rewrite
+        server.conf when there is one (its preload then carries them). Returns them all."""
+        with self._locked():
+            revoked = merge_revocations(self.revocations(), keys)
+            write_private(self._revocations_path, msgspec.json.encode(revoked).decode())
+            users = self._read_users()
+            for fellow_id, held in list(users.fellows.items()):
+                left = [k for k in held if k not in revoked]
+                if left:
+                    users.fellows[fellow_id] = left
+                else:
+                    del users.fellows[fellow_id]
+            write_private(self._users_path, msgspec.json.encode(users).decode())
+        if self.server_config_path.exists():
+            self.write_server_config()
+        return revoked
+
+    def revoke_fellow(self, fellow_id: str, *, at: int | None = None) -> list[str]:
+        """Revoke every user minted here for ``fellow_id`` (as of ``at``, default now) and
+        remove its dead ``fellows/<id>.creds``; the keys revoked (the server learns of them
+        from the account JWT, :meth:`account_jwt`)."""
+        keys = self.fellow_user_keys(fellow_id)
+        if keys:
+            when = int(time.time()) if at is None else at
+            self.revoke(dict.fromkeys(keys, when))
+            self.fellow_creds_path(fellow_id).unlink(missing_ok=True)
+        return keys
+
+    def account_jwt(self, extra_revocations: Mapping[str, int] | None = None) -> str:
+        """The swarm account's JWT, signed by the operator, with every revocation known here
+        (and ``extra_revocations``)."""
+        revoked = merge_revocations(self.revocations(), extra_revocations or {})
+        return encode_jwt(
+            self._seeds.operator,
+            self.account_public,
+            ACCOUNT_NAME,
+            account_claims(jetstream=True, revocations=revoked),
+        )
+
+    def ensure_system_creds(self) -> Path:
+        """``system.creds``: a user of the system account (what may push account JWTs)."""
+        if not self.system_creds_path.exists():
+            seed = new_seed("user")
+            jwt = user_jwt(self._seeds.system, public_key(seed), "swarm-system", Permissions())
+            write_private(self.system_creds_path, creds_text(jwt, seed))
+        return self.system_creds_path
 
     @property
     def server_config_path(self) -> Path:
@@ -300,20 +461,21 @@ class NatsAuthority:
             self._seeds.operator,
             system_public,
             SYSTEM_ACCOUNT_NAME,
-            {"type": "account", "limits": _ACCOUNT_LIMITS},
+            account_claims(jetstream=False, revocations={}),
         )
-        account = encode_jwt(
-            self._seeds.operator,
-            account_public,
-            ACCOUNT_NAME,
-            {"type": "account", "limits": {**_ACCOUNT_LIMITS, **_JETSTREAM_LIMITS}},
-        )
+        account = self.account_jwt()
         return (
             "# SilentSwarm NATS authority: written by swarm; users are JWTs signed by the\n"
             f"# account {ACCOUNT_NAME} ({account_public}).\n"
             f'operator: "{operator}"\n'
             f"system_account: {system_public}\n"
-            "resolver: MEMORY\n"
+            "# A resolver that takes newer account JWTs (revocations) from the system account\n"
+            "# at run time and keeps them in dir; the preload carries those known when written.\n"
+            "resolver: {\n"
+            "  type: full\n"
+            f"  dir: {json.dumps(str(self.resolver_dir.resolve()))}\n"
+            "  allow_delete: false\n"
+            "}\n"
             "resolver_preload: {\n"
             f'  {system_public}: "{system}"\n'
             f'  {account_public}: "{account}"\n'
@@ -330,12 +492,16 @@ class NatsAuthority:
         return creds_text(jwt, seed)
 
     def fellow_creds(self, prefix: str, fellow_id: str) -> str:
-        return self.user_creds(fellow_id, fellow_permissions(prefix, fellow_id))
+        """A fresh user of the fellow's own (recorded in users.json, to revoke it later)."""
+        creds = self.user_creds(fellow_id, fellow_permissions(prefix, fellow_id))
+        self._record_user(fellow_id, creds)
+        return creds
 
     def attempt_creds(
         self, prefix: str, *, fellow_id: str, job_id: str, attempt: int, stage: int, n_stages: int
     ) -> str:
-        """A fresh user for one placed stage of one attempt (never stored here)."""
+        """A fresh user for one placed stage of one attempt (never stored here; its key is
+        recorded as the fellow's, so that releasing the fellow revokes it too)."""
         perms = attempt_permissions(
             prefix,
             fellow_id=fellow_id,
@@ -344,14 +510,18 @@ class NatsAuthority:
             stage=stage,
             n_stages=n_stages,
         )
-        return self.user_creds(attempt_user_name(fellow_id, job_id, attempt), perms)
+        creds = self.user_creds(attempt_user_name(fellow_id, job_id, attempt), perms)
+        self._record_user(fellow_id, creds)
+        return creds
 
     def write_creds(self, path: Path, name: str, perms: Permissions) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_private(path, self.user_creds(name, perms))
         return path
 
-    def write_fellow_creds(self, prefix: str, fellow_id: str) -> Path:
-        return self.write_creds(
-            self.fellow_creds_path(fellow_id), fellow_id, fellow_permissions(prefix, fellow_id)
-        )
+    def write_fellow_creds(self, prefix: str, fellow_id: str, path: Path | None = None) -> Path:
+        """A fresh user of the fellow's own, written to ``path`` (default: in the authority)."""
+        path = path or self.fellow_creds_path(fellow_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_private(path, self.fellow_creds(prefix, fellow_id))
+        return path

@@ -17,6 +17,7 @@ from typing import Annotated
 
 import msgspec
 
+from silentswarm.pools import DEFAULT_POOL, Labels, PoolName
 from silentswarm.types.links import LinkStats, Tuning
 from silentswarm.types.signals import (
     CheckpointArgs,
@@ -121,6 +122,9 @@ class FellowIdentity(msgspec.Struct, kw_only=True, gc=False):
     version: Annotated[str, msgspec.Meta(max_length=128)]
     pid: Annotated[int, msgspec.Meta(ge=0, le=2**32)]
     data_address: Name | None = None
+    # Where jobs may place it (silentswarm.pools): an older agent says nothing, "default".
+    pool: PoolName = DEFAULT_POOL
+    labels: Labels = msgspec.field(default_factory=dict)
 
 
 class RegisterRequest(Message, tag="register", tag_field="kind"):

@@ -18,11 +18,15 @@ import msgspec
 from silentswarm.errors import ConfigError
 from silentswarm.hosts import is_loopback
 from silentswarm.natsconn import NatsAccess
+from silentswarm.plan import Transport
+from silentswarm.pools import DEFAULT_POOL, PoolName, parse_labels
 from silentswarm.subjects import TOKEN_RE
 
 ENV_PREFIX = "SWARM_"
 _DAY_S = 86400.0
 _YEAR_S = 365 * _DAY_S
+# SWARM_PIPELINE_TRANSPORT's values, as a job spec's ``transport`` names them.
+PIPELINE_TRANSPORTS = tuple(t.value for t in Transport)
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True):
@@ -72,10 +76,18 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     fellow_max_vram_gb: float | None = None
     fellow_max_memory_gb: float | None = None
     fellow_max_network_mbps: float | None = None
+    # The pool the fellow is in (unset: "default") and its labels ("gpu=a100,zone=eu"): a
+    # job runs only on fellows of its pool that carry all its labels (silentswarm.pools).
+    fellow_pool: PoolName | None = None
+    fellow_labels: str = ""
     # What remote hosts use to reach the leader's HTTP and NATS (behind NAT or a proxy); unset:
-    # the URL a request came in on, and the leader's own NATS URL.
+    # the URL a request came in on, and the leader's own NATS URL (an https:// public URL
+    # alone: wss://<its host>/nats, the path packaging/proxy/Caddyfile publishes NATS on).
     public_url: str | None = None
     public_nats_url: str | None = None
+    # On a fellow: the CA that signed the leader's HTTPS certificate (a private CA), trusted
+    # besides the public ones for every call to the leader and for wss:// NATS.
+    leader_ca: Path | None = None
     # The wheel the leader serves to joining and updating fellows (unset: the wheel of the
     # running version, found or built once).
     bootstrap_wheel: Path | None = None
@@ -104,6 +116,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # The leader's placement defaults for jobs that leave these fields unset.
     placement_min_gpu_free_gb: float = 4.0
     pipeline_last_stage_placement: str = "largest_vram"
+    # The transport of jobs whose spec names none: auto, tunnel (the NATS relay) or p2p.
+    pipeline_transport: str = "auto"
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -132,6 +146,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"{env_name(name)}={value}: must be > 0 (unset: no cap)")
+        parse_labels(self.fellow_labels, source=env_name("fellow_labels"))
         if self.placement_min_gpu_free_gb < 0:
             raise ConfigError(f"{env_name('placement_min_gpu_free_gb')} must be >= 0")
         if self.pipeline_last_stage_placement not in ("largest_vram", "preserve"):
@@ -139,6 +154,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
                 f"{env_name('pipeline_last_stage_placement')}="
                 f"{self.pipeline_last_stage_placement!r}: use largest_vram or preserve"
             )
+        _check_choice("pipeline_transport", self.pipeline_transport, PIPELINE_TRANSPORTS)
         if (self.nats_tls_cert is None) != (self.nats_tls_key is None):
             raise ConfigError(
                 f"{env_name('nats_tls_cert')} and {env_name('nats_tls_key')} go together"
@@ -172,6 +188,16 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
         return f"http://{host}:{self.leader_port}"
 
     @property
+    def pool(self) -> str:
+        """The pool this fellow is in."""
+        return self.fellow_pool or DEFAULT_POOL
+
+    @property
+    def labels(self) -> dict[str, str]:
+        """This fellow's labels, parsed (validated when the settings were made)."""
+        return parse_labels(self.fellow_labels, source=env_name("fellow_labels"))
+
+    @property
     def run_dir(self) -> Path:
         return self.state_dir / "run"
 
@@ -185,10 +211,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def reads_public(self) -> bool:
-        """Whether GET routes answer without the operator token."""
+        """Whether GET routes answer without the operator token: by default only on loopback
+        and without a public URL (a leader on loopback behind an HTTPS proxy is public)."""
         if self.api_public_reads is not None:
             return self.api_public_reads
-        return is_loopback(self.leader_host)
+        return is_loopback(self.leader_host) and not self.public_url
 
     @property
     def model_export_root(self) -> Path:
@@ -255,6 +282,11 @@ def env_name(field: str) -> str:
 def _check_port(field: str, port: int) -> None:
     if not 0 <= port <= 65535:
         raise ConfigError(f"{env_name(field)}={port}: a port is 0-65535 (0 picks a free one)")
+
+
+def _check_choice(field: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{env_name(field)}={value!r}: use " + ", ".join(choices))
 
 
 def _check_retention(archive_after_s: float, delete_after_s: float) -> None:

@@ -7,10 +7,12 @@
 one line per scenario (what runs where, or exactly what is missing); exit 0 if every scenario
 can run, 1 if some cannot. A real run refuses to start while a job is PENDING or RUNNING
 (exit 1: a benchmark must not share its fellows), then runs each scenario's job once per
-repeat, one at a time, and keeps for each under ``OUT/<suite_run_id>/<scenario>/<repeat>/``:
-``job.json`` (the job record), ``metrics_history.json``, ``results.json`` and, when the job's
-``export_dir`` exists on this machine, a copy of it in ``model_export/``. Scenarios whose
-infrastructure is missing are skipped with their finding in ``skipped.json``.
+repeat, one at a time, and keeps for each under
+``OUT/<suite_run_id>/<scenario_id>/repeat-<n>/`` (OUT: ``exp/runs/benchmarks``): ``job.json``
+(the job record), ``metrics_history.json``, ``results.json`` and, when the job's
+``export_dir`` exists on this machine, a copy of it in ``model_export/`` (its hard links, the
+stages' ``weights.npz``, stay links). Scenarios whose infrastructure is missing are skipped
+with their finding in ``OUT/<suite_run_id>/<scenario_id>/skipped.json``.
 
 The operator token is ``SWARM_API_TOKEN`` (else the local cluster's, as for the ``swarm``
 CLI). Exit 2 on a bad suite file (the path, the field and the reason), 3 when the leader is
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import sys
@@ -59,8 +62,36 @@ def write_json(path: Path, value: Any) -> None:
     path.write_text(json.dumps(msgspec.to_builtins(value), indent=2, sort_keys=True) + "\n")
 
 
+def repeat_path(run_dir: Path, scenario: str, repeat: int) -> Path:
+    """Where one repeat of a scenario keeps its artifacts (repeats count from 1)."""
+    return run_dir / scenario / f"repeat-{repeat}"
+
+
+def copy_keeping_links() -> Any:
+    """A ``copy_function`` for :func:`shutil.copytree` that copies a file with several links
+    once and links its other names to that copy (an export's ``stage-<i>/weights.npz`` is its
+    newest shard's ``.npz``: copied twice, it would take twice the disk)."""
+    copied: dict[tuple[int, int], str] = {}
+
+    def copy(src: str, dst: str) -> str:
+        info = os.stat(src)
+        key = (info.st_dev, info.st_ino)
+        if info.st_nlink > 1 and key in copied:
+            os.link(copied[key], dst)
+            return dst
+        shutil.copy2(src, dst)
+        copied[key] = dst
+        return dst
+
+    return copy
+
+
 def run_repeat(
-    client: LeaderClient, scenario: suites.ResolvedScenario, repeat_dir: Path, args: Any
+    client: LeaderClient,
+    scenario: suites.ResolvedScenario,
+    repeat: int,
+    repeat_dir: Path,
+    args: Any,
 ) -> dict[str, Any]:
     """One job of a scenario, start to end, and its artifacts."""
     try:
@@ -70,7 +101,7 @@ def run_repeat(
         write_json(repeat_dir / "results.json", results)
         return results
     job_id = record.job_id
-    print(f"  {scenario.name} #{repeat_dir.name}: {job_id} submitted", flush=True)
+    print(f"  {scenario.name} #{repeat}: {job_id} submitted", flush=True)
     try:
         job = wait_for_end(client, job_id, poll_s=args.poll, timeout_s=args.job_timeout)
     except KeyboardInterrupt:
@@ -86,7 +117,7 @@ def run_repeat(
     write_json(repeat_dir / "metrics_history.json", client.history(job_id))
     results = suites.run_results(job)
     results["scenario"] = scenario.name
-    results["repeat"] = int(repeat_dir.name)
+    results["repeat"] = repeat
     if scenario.network is not None:
         results["network"] = {
             "target_bandwidth_mbps": scenario.network.target_bandwidth_mbps,
@@ -100,11 +131,12 @@ def run_repeat(
             repeat_dir / "model_export",
             dirs_exist_ok=True,
             ignore=shutil.ignore_patterns(".incoming"),  # the leader's partial uploads
+            copy_function=copy_keeping_links(),
         )
         results["model_export"] = str(repeat_dir / "model_export")
     write_json(repeat_dir / "results.json", results)
     print(
-        f"  {scenario.name} #{repeat_dir.name}: {job.state} loss {results['final_loss']} "
+        f"  {scenario.name} #{repeat}: {job.state} loss {results['final_loss']} "
         f"val {results['final_val_loss']} tok/s {results['tokens_per_s']}",
         flush=True,
     )
@@ -159,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                 all_ok = False
                 continue
             for repeat in range(1, s.repeats + 1):
-                results = run_repeat(client, s, run_dir / s.name / str(repeat), args)
+                where = repeat_path(run_dir, s.name, repeat)
+                results = run_repeat(client, s, repeat, where, args)
                 collected.setdefault(s.name, []).append(results)
                 all_ok = all_ok and results.get("state") == "COMPLETED"
                 write_json(run_dir / "summary.json", suites.summarize(collected))

@@ -166,12 +166,15 @@ job "swarm-nats" {
       # Who may connect: the swarm's NATS authority (`swarm nats-auth init` writes it), from
       #   nomad var put nomad/jobs/swarm-nats server_conf=@nats-auth/server.conf
       # The task waits until that variable exists: NATS never runs open by accident. (For a
-      # throwaway dev cluster put server_conf="" and run the leader with SWARM_DEV=1.)
+      # throwaway dev cluster put server_conf="" and run the leader with SWARM_DEV=1.) The
+      # account JWTs the leader pushes (revoked users) are kept on the store volume: this
+      # resolver replaces the one server.conf names (a directory of the machine it was made on).
       template {
         destination = "local/auth.conf"
         change_mode = "restart"
         data        = <<-EOT
-        {{- with nomadVar "nomad/jobs/swarm-nats" }}{{ .server_conf }}{{ end }}
+        {{- with nomadVar "nomad/jobs/swarm-nats" }}{{ .server_conf }}
+        {{ if .server_conf }}resolver: { type: full, dir: "/var/lib/swarm-nats/jwt", allow_delete: false }{{ end }}{{ end }}
         EOT
       }
 

@@ -1,6 +1,7 @@
 """Thin HTTP controllers; each calls the one domain service it needs (leader.services)."""
 
-from silentswarm.leader.api.auth import AuthController
+from silentswarm.leader.api.accounts import AccountsController
+from silentswarm.leader.api.auth import AuthController, WhoAmIController
 from silentswarm.leader.api.bootstrap import BootstrapController
 from silentswarm.leader.api.datasets import DatasetsController
 from silentswarm.leader.api.fellows import FellowsController, PurgesController
@@ -24,6 +25,8 @@ CONTROLLERS = [
     LogsController,
     BootstrapController,
     AuthController,
+    WhoAmIController,
+    AccountsController,
     MetricsController,
     OpsController,
     STATIC,

@@ -6,8 +6,30 @@ from litestar.params import FromPath, FromQuery
 from litestar.response import File
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED
 
+from silentswarm.errors import NotFoundError
+from silentswarm.leader.auth import principal_of
+from silentswarm.leader.errors import AccountForbiddenError
+from silentswarm.leader.permissions import Principal
 from silentswarm.leader.services.datasets import DatasetsService
+from silentswarm.types.accounts import Role
 from silentswarm.types.datasets import DatasetRecord
+
+
+def refuse_replacing(principal: Principal, name: str, datasets: DatasetsService) -> None:
+    """A submitter uploads new names only: pointing a name at new content would change what
+    other accounts' jobs that name it read from then on."""
+    if principal.role is Role.ADMIN:
+        return
+    try:
+        datasets.get(name)
+    except NotFoundError:
+        return
+    raise AccountForbiddenError(
+        f"dataset {name!r} exists; account {principal.name!r} ({principal.role}) may upload "
+        "new names only (replacing a dataset needs the admin role)",
+        account=principal.name,
+        needed_role=Role.ADMIN,
+    )
 
 
 class DatasetsController(Controller):
@@ -19,7 +41,8 @@ class DatasetsController(Controller):
         status_code=HTTP_201_CREATED,
         summary=(
             "Upload a dataset (the raw bytes of one text or JSONL file, streamed) under a name; "
-            "?source= records the file it came from. A job names it as data 'dataset:NAME'"
+            "?source= records the file it came from. A job names it as data 'dataset:NAME'. "
+            "A submitter may upload new names; replacing one is an admin's"
         ),
         request_max_body_size=None,  # the store enforces SWARM_MAX_DATASET_BYTES as it streams
     )
@@ -30,6 +53,7 @@ class DatasetsController(Controller):
         datasets: NamedDependency[DatasetsService],
         source: FromQuery[str] = "",
     ) -> DatasetRecord:
+        refuse_replacing(principal_of(request), name, datasets)
         return await datasets.upload(
             name,
             request.stream(),

@@ -10,9 +10,10 @@ from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED, HTTP_202_ACCEPT
 
 from silentswarm.jobspec import decode_job_spec
 from silentswarm.leader.api.sse import last_event_id
+from silentswarm.leader.auth import principal_of
 from silentswarm.leader.exports import ExportService
 from silentswarm.leader.services.jobs import JobsService
-from silentswarm.types.jobs import CheckpointRecord, JobRecord
+from silentswarm.types.jobs import CheckpointRecord, ServedJob
 from silentswarm.types.metrics import HistoryPoint, JobMetrics
 
 
@@ -25,16 +26,17 @@ class JobsController(Controller):
         status_code=HTTP_201_CREATED,
         summary="Submit a job (the job spec as JSON); 400 names a wrong or unknown field",
     )
-    async def submit(self, request: Request, jobs: NamedDependency[JobsService]) -> JobRecord:
+    async def submit(self, request: Request, jobs: NamedDependency[JobsService]) -> ServedJob:
         # Decoded here, strictly, so that the error names the field the way the CLI shows it.
         spec = decode_job_spec(await request.body())
-        return await jobs.submit(spec)
+        return await jobs.submit(spec, principal_of(request))
 
     @get(
         "/",
         summary=(
             "Every job, oldest first; archived ones (finished long ago, or beyond the newest "
-            "SWARM_JOBS_KEEP_FINISHED finished jobs) only with ?all=true"
+            "SWARM_JOBS_KEEP_FINISHED finished jobs) only with ?all=true; ?owner=NAME: one "
+            "account's jobs"
         ),
     )
     async def list_jobs(
@@ -42,18 +44,22 @@ class JobsController(Controller):
         jobs: NamedDependency[JobsService],
         # Named as the query parameter is, so that a bad value's 400 names ``all``.
         all: Annotated[bool, QueryParameter(description="also list archived jobs")] = False,
-    ) -> list[JobRecord]:
-        return jobs.list(archived=all)
+        owner: Annotated[
+            str | None, QueryParameter(description="only the jobs of this account")
+        ] = None,
+    ) -> list[ServedJob]:
+        listed = jobs.list(archived=all)
+        return listed if owner is None else [job for job in listed if job.owner == owner]
 
     @get(
         "/{job_id:str}",
         summary="One job (archived ones too): state, placement, per-fellow progress, reason",
     )
-    async def get_job(self, job_id: FromPath[str], jobs: NamedDependency[JobsService]) -> JobRecord:
+    async def get_job(self, job_id: FromPath[str], jobs: NamedDependency[JobsService]) -> ServedJob:
         return jobs.get(job_id)
 
     @delete("/{job_id:str}", status_code=HTTP_200_OK, summary="Cancel a PENDING or RUNNING job")
-    async def cancel(self, job_id: FromPath[str], jobs: NamedDependency[JobsService]) -> JobRecord:
+    async def cancel(self, job_id: FromPath[str], jobs: NamedDependency[JobsService]) -> ServedJob:
         return await jobs.cancel(job_id)
 
     @post(

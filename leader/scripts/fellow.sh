@@ -14,7 +14,8 @@
 # Options: --prefix DIR (default ~/.silentswarm), --name NAME (the fellow id), --python PATH,
 # --pip-args "ARGS" (e.g. "--index-url https://mirror/simple" for an offline site),
 # --site-packages DIR (add DIR to the venv's path: a pre-installed dependency set),
-# --no-systemd, --no-start.
+# --ca FILE (or SWARM_LEADER_CA=FILE: the CA of a leader whose HTTPS certificate a private CA
+# signed; kept as $PREFIX/leader-ca.pem and trusted by the agent too), --no-systemd, --no-start.
 #
 # Secrets: everything it writes is private (umask 077: files 0600, directories 0700, the
 # prefix too); the claim's answer (join.json: NATS JWT and seed, the session secret) is removed
@@ -33,6 +34,7 @@ START=1
 LEADER=""
 SESSION=""
 TOKEN=""
+CA="${SWARM_LEADER_CA:-}"
 
 usage() {
   echo "usage: fellow.sh --join LEADER_URL SESSION_ID TOKEN [--prefix DIR] [--name NAME]" >&2
@@ -52,6 +54,7 @@ while [ $# -gt 0 ]; do
     --python) PYTHON="$2"; shift 2 ;;
     --pip-args) PIP_ARGS="$2"; shift 2 ;;
     --site-packages) SITE_PACKAGES="$2"; shift 2 ;;
+    --ca) CA="$2"; shift 2 ;;
     --no-systemd) USE_SYSTEMD=0; shift ;;
     --no-start) START=0; shift ;;
     *) usage ;;
@@ -104,7 +107,7 @@ command -v "$PYTHON" >/dev/null 2>&1 || { echo "FAILED: $PYTHON not found; insta
   || { echo "FAILED: $PYTHON is older than 3.11" >&2; exit 1; }
 
 cat >"$HELPER" <<'PY'
-import hashlib, json, os, sys, urllib.request
+import hashlib, json, os, ssl, sys, urllib.request
 
 def private(path, data):
     # 0600 also when the file was there before with another mode.
@@ -113,11 +116,15 @@ def private(path, data):
     with os.fdopen(fd, "wb") as f:
         f.write(data)
 
+# A private CA for the leader's HTTPS (fellow.sh --ca): trusted alone, only the leader is asked.
+CA = os.environ.get("SWARM_LEADER_CA") or None
+TLS = ssl.create_default_context(cafile=CA) if CA else None
+
 def call(method, url, body=None, headers=None):
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json", **(headers or {})})
     try:
-        with urllib.request.urlopen(req, timeout=60) as r:
+        with urllib.request.urlopen(req, timeout=60, context=TLS) as r:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
@@ -145,7 +152,7 @@ elif cmd == "private":  # a secret field into its own 0600 file (exit 1: the ans
     private(sys.argv[4], value.encode())
 elif cmd == "fetch":
     url, sha256, out = sys.argv[2:5]
-    with urllib.request.urlopen(url, timeout=300) as r:
+    with urllib.request.urlopen(url, timeout=300, context=TLS) as r:
         data = r.read()
     digest = hashlib.sha256(data).hexdigest()
     if digest != sha256:
@@ -164,6 +171,15 @@ elif cmd == "post":
             sys.exit(1)
     print(int(sent) + len(lines))
 PY
+
+CA_LINE=""
+if [ -n "$CA" ]; then
+  [ -r "$CA" ] || fail "the CA file $CA (--ca, SWARM_LEADER_CA) cannot be read"
+  if [ "$CA" != "$PREFIX/leader-ca.pem" ]; then cp "$CA" "$PREFIX/leader-ca.pem"; fi
+  export SWARM_LEADER_CA="$PREFIX/leader-ca.pem"  # the helper's, and the agent's (fellow.env)
+  CA_LINE="SWARM_LEADER_CA=$PREFIX/leader-ca.pem"
+  say "trusting the CA in $CA for the leader's HTTPS"
+fi
 
 # The name this host proposes (the operator's, set on the session, wins): its NATS user is
 # bound to the name the leader settles.
@@ -228,6 +244,7 @@ SWARM_FELLOW_PREFIX=$PREFIX
 SWARM_FELLOW_PIP_ARGS="$PIP_ARGS"
 SWARM_LEADER_URL=$PUBLIC_LEADER
 $CREDS_LINE
+$CA_LINE
 ENV
 say "wrote $PREFIX/fellow.env"
 ship

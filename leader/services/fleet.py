@@ -58,6 +58,15 @@ class FleetLoop(Protocol):
         ...
 
 
+class UserRevocation(Protocol):
+    """What the fleet service asks of the leader's NATS user revoker
+    (:class:`silentswarm.leader.revocations.UserRevoker`)."""
+
+    async def revoke_fellow(self, fellow_id: str, *, timeout: float = 5.0) -> bool:
+        """Revoke the fellow's NATS users; True once nats-server has them disconnected."""
+        ...
+
+
 class FleetService:
     def __init__(
         self,
@@ -69,8 +78,11 @@ class FleetService:
         observe: Observability,
         storage: StorageMonitor,
         package: BootstrapPackage,
+        revoker: UserRevocation | None = None,
     ) -> None:
-        """``package``: what UPDATE tells fellows installed by fellow.sh to reinstall."""
+        """``package``: what UPDATE tells fellows installed by fellow.sh to reinstall.
+        ``revoker``: revokes a released fellow's NATS users (None: no NATS users)."""
+        self.revoker = revoker
         self.registry = registry
         self.jobs = jobs
         self.purges = purges
@@ -136,7 +148,9 @@ class FleetService:
 
     async def release(self, fellow_id: str, *, purge_install: bool) -> ReleaseResult:
         """Forget a fellow that runs no job; its agent exits (STOP with ``release``) or, with
-        ``purge_install``, wipes its install (PURGE, pending until the fellow takes it)."""
+        ``purge_install``, wipes its install (PURGE, pending until the fellow takes it).
+        Its NATS users are revoked at once, or once its purge is delivered (the fellow
+        hears PURGE as its own user)."""
         record = self.fellow(fellow_id)
         hub = self.loop.signal_hub()
         job_id = self.jobs.busy_fellows().get(fellow_id)
@@ -159,6 +173,8 @@ class FleetService:
                 result.agent_stopped = ack.ok
             if self.registry.get(fellow_id) is not None:
                 self.registry.release(fellow_id)
+        if self.revoker is not None and not self.purges.is_pending(fellow_id):
+            result.nats_user_revoked = await self.revoker.revoke_fellow(fellow_id)
         await self.loop.flush()
         return result
 

@@ -11,14 +11,28 @@ from typing import Protocol
 
 from litestar.response import ServerSentEventMessage
 
-from silentswarm.jobspec import JobSpec
+from silentswarm.errors import NotFoundError
+from silentswarm.jobspec import JobSpec, with_default_transport
 from silentswarm.leader import initsource
 from silentswarm.leader.artifacts import resolve_export_dir
+from silentswarm.leader.errors import (
+    AccountForbiddenError,
+    ExportDirForbiddenError,
+    PoolForbiddenError,
+)
 from silentswarm.leader.exports import ExportService
 from silentswarm.leader.jobs import JobManager
 from silentswarm.leader.observe import Observability
+from silentswarm.leader.permissions import (
+    OPERATOR,
+    Principal,
+    export_dir_refusal,
+    init_from_refusal,
+    pool_refusal,
+)
 from silentswarm.leader.signals import SignalHub
-from silentswarm.types.jobs import CheckpointRecord, CheckpointStage, JobRecord
+from silentswarm.plan import Transport
+from silentswarm.types.jobs import CheckpointRecord, CheckpointStage, JobRecord, ServedJob
 from silentswarm.types.metrics import HistoryPoint, JobMetrics
 from silentswarm.types.signals import CheckpointArgs
 
@@ -62,48 +76,77 @@ class JobsService:
         exports: ExportService,
         export_root: Path,
         pin_datasets: Callable[[JobSpec], JobSpec],
+        default_transport: Transport | str = Transport.AUTO,
     ) -> None:
         """``export_root``: SWARM_EXPORT_ROOT, which every job's export directory stays under.
         ``pin_datasets``: the spec with its ``dataset:`` entries pinned (FieldError naming an
-        unknown one)."""
+        unknown one). ``default_transport``: SWARM_PIPELINE_TRANSPORT, the transport of jobs
+        whose spec names none (written into the spec the record keeps)."""
         self.jobs = jobs
         self.loop = loop
         self.observe = observe
         self.exports = exports
         self.export_root = export_root
         self.pin_datasets = pin_datasets
+        self.default_transport = Transport(default_transport)
 
     # --- the records -------------------------------------------------------------------------
 
-    async def submit(self, spec: JobSpec) -> JobRecord:
+    async def submit(self, spec: JobSpec, principal: Principal = OPERATOR) -> ServedJob:
         """Accept a job whose export directory (if it names one) is inside the export root:
         FieldError (400, ``artifact_paths.model_export_dir``) otherwise; and whose
         ``init_from`` export (if any) fits it (:mod:`silentswarm.leader.initsource`). It is
-        saved before the caller hears of it."""
+        saved before the caller hears of it, as ``principal``'s job: PoolForbiddenError (403,
+        ``pool``) for a pool its account may not use, AccountForbiddenError (403) for an
+        ``init_from`` export of another account's job."""
+        refused = pool_refusal(principal, spec.run_pool)
+        if refused:
+            raise PoolForbiddenError(refused)
         configured = spec.artifact_paths.model_export_dir
         if configured is not None:
-            resolve_export_dir(self.export_root, configured)
+            path = resolve_export_dir(self.export_root, configured)
+            refused = export_dir_refusal(principal, path.relative_to(self.export_root))
+            if refused:
+                raise ExportDirForbiddenError(refused)
         self.loop.require_loaded()
         if spec.init_from_export:
             await self.loop.final_exports()
         init_source = await asyncio.to_thread(initsource.resolve, spec, self.jobs, self.export_root)
+        if init_source is not None:
+            self._check_init_owner(principal, init_source.job_id)
+        spec = with_default_transport(spec, self.default_transport)
         job = self.jobs.submit(self.pin_datasets(spec), init_source)
+        job.owner = principal.name  # before any await: the loop never sees it ownerless
         await self.loop.flush()
         self.loop.wake()
-        return job
+        return ServedJob.of(job)
 
-    def list(self, *, archived: bool = False) -> list[JobRecord]:
+    def list(self, *, archived: bool = False) -> list[ServedJob]:
         """The jobs not archived, oldest first; ``archived``: all of them."""
         self.loop.require_loaded()
-        return self.jobs.listed(archived=archived)
+        return [ServedJob.of(job) for job in self.jobs.listed(archived=archived)]
 
-    def get(self, job_id: str) -> JobRecord:
+    def get(self, job_id: str) -> ServedJob:
         self.loop.require_loaded()
-        return self.jobs.get(job_id)
+        return ServedJob.of(self.jobs.get(job_id))
+
+    def _check_init_owner(self, principal: Principal, source_job_id: str) -> None:
+        try:
+            owner = self.jobs.get(source_job_id).owner
+        except NotFoundError:  # an export of no job this leader knows: anyone's to use
+            return
+        refused = init_from_refusal(principal, source_job_id, owner)
+        if refused is not None:
+            raise AccountForbiddenError(
+                refused.message,
+                account=principal.name,
+                needed_role=refused.needed_role,
+                owner=refused.owner,
+            )
 
     # --- operator actions --------------------------------------------------------------------
 
-    async def cancel(self, job_id: str) -> JobRecord:
+    async def cancel(self, job_id: str) -> ServedJob:
         self.loop.require_loaded()
         starting = job_id in self.jobs.starting
         job = self.jobs.cancel(job_id)
@@ -112,7 +155,7 @@ class JobsService:
         # A job cancelled mid-START is stopped by the loop once the round is over.
         await self.loop.flush()
         self.loop.wake()
-        return job
+        return ServedJob.of(job)
 
     async def checkpoint(self, job_id: str) -> CheckpointRecord:
         """CHECKPOINT to every stage of a running job, all at the same step (ahead of the

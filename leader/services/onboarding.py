@@ -17,7 +17,7 @@ from silentswarm.leader.bootstrap import JoinSessions, Package
 from silentswarm.leader.errors import EnrollRefusedError
 from silentswarm.leader.naming import NameState, settle_fellow_name
 from silentswarm.leader.registry import FellowRegistry
-from silentswarm.leader.services.package import BootstrapPackage
+from silentswarm.leader.services.package import BootstrapPackage, fellow_nats_url
 from silentswarm.natsauth import NatsAuthority
 from silentswarm.protocol import FellowStatus
 from silentswarm.settings import Settings
@@ -62,7 +62,7 @@ class OnboardingService:
 
     @property
     def fellow_nats_url(self) -> str:
-        return self.settings.public_nats_url or self.nats_url
+        return fellow_nats_url(self.settings, self.nats_url)
 
     # --- the package ---------------------------------------------------------------------------
 
@@ -111,7 +111,9 @@ class OnboardingService:
             f"--join {base} {session.session_id}"
         )
         fields = msgspec.structs.asdict(session)
-        return JoinSessionCreated(**fields, token=token, command=command)
+        return JoinSessionCreated(
+            **fields, token=token, command=command, leader_url=base, nats_url=self.fellow_nats_url
+        )
 
     def sessions(self) -> list[JoinSession]:
         self._mark_registered()

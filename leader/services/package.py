@@ -1,10 +1,11 @@
-"""The package joining hosts install, and the leader's public address for its URL."""
+"""The package joining hosts install, and the leader's public addresses (HTTP and NATS)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from silentswarm.leader.bootstrap import Package, find_or_build_wheel, newest_wheel, package_of
 from silentswarm.leader.errors import PackageUnavailableError
@@ -13,6 +14,22 @@ from silentswarm.settings import Settings
 log = logging.getLogger(__name__)
 
 SOURCE_ROUTE = "/api/v1/bootstrap/source"
+# Where packaging/proxy/Caddyfile publishes nats-server's WebSocket listener on the origin.
+PUBLIC_NATS_PATH = "/nats"
+
+
+def fellow_nats_url(settings: Settings, nats_url: str) -> str:
+    """The NATS URL joining and enrolling fellows get (pure): SWARM_PUBLIC_NATS_URL; else,
+    with an ``https://`` SWARM_PUBLIC_URL, NATS over WebSocket on that same origin
+    (``wss://<host>/nats``: a host that may only make outbound HTTPS reaches it); else the
+    leader's own ``nats_url``."""
+    if settings.public_nats_url:
+        return settings.public_nats_url
+    if settings.public_url:
+        public = urlsplit(settings.public_url)
+        if public.scheme == "https" and public.netloc:
+            return f"wss://{public.netloc}{public.path.rstrip('/')}{PUBLIC_NATS_PATH}"
+    return nats_url
 
 
 class BootstrapPackage:

@@ -80,6 +80,19 @@ function rate(bytesPerSecond) {
   return "-";
 }
 
+// Labels as settings write them: gpu=a100,zone=eu (sorted); "" for none.
+const labelText = (labels) =>
+  Object.keys(labels || {})
+    .sort()
+    .map((k) => `${k}=${labels[k]}`)
+    .join(",");
+
+// Where a job may run: its pool (unset: default) and the labels a fellow must carry.
+function jobPool(spec) {
+  const labels = labelText(spec.labels);
+  return `${spec.pool || "default"}${labels ? ` matching ${labels}` : ""}`;
+}
+
 function dl(pairs) {
   const list = el("dl");
   for (const [term, value, id] of pairs) {
@@ -168,6 +181,12 @@ function renderFellows() {
         { "data-fellow": w.fellow_id, onclick: () => select("fellow", w.fellow_id) },
         el("td", {}, w.fellow_id),
         el("td", {}, w.hostname),
+        el(
+          "td",
+          { class: "pool", title: labelText(w.labels) || "no labels" },
+          w.pool || "default",
+          labelText(w.labels) ? el("span", { class: "muted labels" }, ` ${labelText(w.labels)}`) : null,
+        ),
         el("td", { class: `status-${w.status}` }, w.status),
         el("td", {}, w.job_id || "-"),
         el("td", {}, w.step ?? "-"),
@@ -392,6 +411,8 @@ function fellowView(id) {
       dl([
         ["status", w.status, "fellow-status"],
         ["host", w.hostname],
+        ["pool", w.pool || "default", "fellow-pool"],
+        ["labels", labelText(w.labels) || "-", "fellow-labels"],
         ["job", w.job_id || "-"],
         ["step / loss", `${w.step ?? "-"} / ${num(w.loss)}`],
         ["CPU", `${hw.cpu_cores} cores, ${num(hw.cpu_load_pct, 0)}% busy`],
@@ -704,10 +725,12 @@ function jobView(id) {
       dl([
         ["state", job.state, "job-state"],
         ["attempt", job.attempt],
+        ["owner", job.owner || "operator", "job-owner"],
+        ["pool", jobPool(job.spec), "job-pool"],
         ["step", `${view.step ?? 0} of ${view.total_steps ?? job.spec.steps}`, "job-step"],
         ["loss", num(view.loss ?? (train.length ? train[train.length - 1][1] : null)), "job-loss"],
         ["validation loss", num(view.val_loss), "job-val-loss"],
-        ["reason", job.reason || "-"],
+        ["reason", job.reason || "-", "job-reason"],
       ]),
     );
     placement.replaceChildren(placementTable(job.placement));
@@ -725,12 +748,34 @@ function jobView(id) {
 
 // --- joining ---------------------------------------------------------------------------------
 
+// Which account the token in this tab stands for (any account's token works here; only an
+// admin's creates join sessions), shown on the token's label.
+async function showSignedIn() {
+  const label = document.querySelector('label[for="token"]');
+  if (!label) return;
+  if (!sessionStorage.getItem("swarm-token")) {
+    label.textContent = "API token (kept in this tab only)";
+    return;
+  }
+  try {
+    const me = await getJSON("/auth/whoami");
+    const who = me.operator ? "the operator token" : `account ${me.name}`;
+    label.textContent = `API token: ${who} (${me.role}), kept in this tab only`;
+  } catch (error) {
+    label.textContent = `API token (not accepted: ${error.message}), kept in this tab only`;
+  }
+}
+
 function setUpJoin() {
   const token = document.getElementById("token");
   const result = document.getElementById("join-result");
   const list = document.getElementById("join-sessions");
   token.value = sessionStorage.getItem("swarm-token") || "";
-  token.addEventListener("change", () => sessionStorage.setItem("swarm-token", token.value));
+  token.addEventListener("change", () => {
+    sessionStorage.setItem("swarm-token", token.value);
+    showSignedIn();
+  });
+  showSignedIn();
   document.getElementById("create-join").addEventListener("click", async () => {
     sessionStorage.setItem("swarm-token", token.value);
     const response = await fetch(`${API}/bootstrap/join-sessions`, {

@@ -17,6 +17,7 @@ from cyclopts import CycloptsError, Parameter, UnknownCommandError
 
 from silentswarm import __version__
 from silentswarm.cli.commands import (
+    accounts,
     cluster,
     data,
     experiments,
@@ -45,7 +46,17 @@ app = cyclopts.App(
     print_error=False,
     exit_on_error=False,
 )
-for module in (cluster, fellows, jobs, data, experiments, onboarding, nats_auth, models):
+for module in (
+    cluster,
+    fellows,
+    jobs,
+    data,
+    experiments,
+    onboarding,
+    nats_auth,
+    models,
+    accounts,
+):
     module.register(app)
 
 

@@ -16,6 +16,7 @@ import httpx
 import msgspec
 
 from silentswarm.errors import ErrorCode, LeaderResponseError, LeaderUnreachableError
+from silentswarm.types.account_api import AccountCreated, AccountView, CreateAccount, WhoAmI
 from silentswarm.types.api import Health, LeaderInfo
 from silentswarm.types.datasets import DatasetRecord
 from silentswarm.types.fleet import (
@@ -29,7 +30,7 @@ from silentswarm.types.fleet import (
     RetryPurgeRequest,
     UpdateRequest,
 )
-from silentswarm.types.jobs import CheckpointRecord, JobRecord, SignalRecord
+from silentswarm.types.jobs import CheckpointRecord, JobRecord, ServedJob, SignalRecord
 from silentswarm.types.metrics import ClusterView, HistoryPoint, JobMetrics
 from silentswarm.types.onboarding import CreateSession, JoinSession, JoinSessionCreated
 
@@ -80,13 +81,16 @@ class LeaderClient:
     def nodes(self) -> list[NodeView]:
         return self._call("GET", "/api/v1/nodes", list[NodeView])
 
-    def jobs(self, *, all: bool = False) -> list[JobRecord]:
-        """Every job; ``all``: archived ones too (a leader without archival ignores it)."""
-        params = {"all": "true"} if all else None
+    def jobs(self, *, all: bool = False, owner: str | None = None) -> list[JobRecord]:
+        """Every job; ``all``: archived ones too (a leader without archival ignores it);
+        ``owner``: one account's only."""
+        params = {"all": "true"} if all else {}
+        if owner is not None:
+            params["owner"] = owner
         return self._call("GET", "/api/v1/jobs", list[JobRecord], params=params)
 
-    def job(self, job_id: str) -> JobRecord:
-        return self._call("GET", f"/api/v1/jobs/{_id(job_id)}", JobRecord)
+    def job(self, job_id: str) -> ServedJob:
+        return self._call("GET", f"/api/v1/jobs/{_id(job_id)}", ServedJob)
 
     def logs(self, fellow_id: str, *, limit: int) -> list[LogEntry]:
         path = f"/api/v1/workers/{_id(fellow_id)}/logs"
@@ -180,6 +184,20 @@ class LeaderClient:
             body=RetryPurgeRequest(fellow_id=fellow_id),
             timeout=SIGNAL_TIMEOUT_S,
         )
+
+    def whoami(self) -> WhoAmI:
+        return self._call("GET", "/api/v1/auth/whoami", WhoAmI)
+
+    def create_account(self, request: CreateAccount) -> AccountCreated:
+        return self._call(
+            "POST", "/api/v1/accounts", AccountCreated, ok_statuses=(201,), body=request
+        )
+
+    def accounts(self) -> list[AccountView]:
+        return self._call("GET", "/api/v1/accounts", list[AccountView])
+
+    def revoke_account(self, name: str) -> AccountView:
+        return self._call("POST", f"/api/v1/accounts/{_id(name)}/revoke", AccountView)
 
     def _call(
         self,

@@ -10,6 +10,7 @@ from typing import Literal
 
 import msgspec
 
+from silentswarm.pools import DEFAULT_POOL
 from silentswarm.protocol import FellowLimits, FellowStatus, GpuInfo, HardwareSnapshot, StageOutcome
 
 
@@ -46,6 +47,10 @@ class FellowRecord(msgspec.Struct, kw_only=True, gc=False):
     last_heartbeat_age_s: float | None = None
     offline_reason: str | None = None
     history: list[Transition] = msgspec.field(default_factory=list)
+    # The pool the fellow says it is in and its labels (silentswarm.pools); records from
+    # before pools existed are in the default pool.
+    pool: str = DEFAULT_POOL
+    labels: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class NodeView(msgspec.Struct, kw_only=True):
@@ -105,12 +110,15 @@ class RetryPurgeRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True
 
 class ReleaseResult(msgspec.Struct, kw_only=True, omit_defaults=True):
     """What a release did. ``agent_stopped`` only when the fellow was online and got a STOP
-    (no purge asked): whether it acknowledged it."""
+    (no purge asked): whether it acknowledged it. ``nats_user_revoked`` only when the
+    fellow's NATS users were revoked now (not while a purge is pending): whether nats-server
+    confirmed it (false: it is retried in the background)."""
 
     fellow_id: str
     released: bool
     purge: Literal["pending", "delivered"] | None
     agent_stopped: bool | None = None
+    nats_user_revoked: bool | None = None
 
 
 class PurgeDelivery(msgspec.Struct, kw_only=True):

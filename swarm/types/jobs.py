@@ -11,6 +11,7 @@ import msgspec
 
 from silentswarm.jobspec import JobSpec, Placement
 from silentswarm.lifecycle import TERMINAL_JOB_STATES
+from silentswarm.plan import Transport
 from silentswarm.protocol import JobState, SignalAck
 from silentswarm.types.views import JobView, StageProgress, job_view
 
@@ -147,6 +148,50 @@ class JobRecord(msgspec.Struct, kw_only=True):
 
     def refresh_view(self) -> None:
         self.view = self.current_view()
+
+
+class JobConfig(msgspec.Struct, kw_only=True):
+    """What a job runs with, in one place: the settings its spec (and the leader's defaults)
+    gave it and its latest shard pushes. Derived from the record whenever a job is served
+    (``config`` of :class:`ServedJob`), never stored: the record's own fields stay the truth."""
+
+    # The transport in use: the placement's (auto may have fallen back to the relay), else
+    # the spec's (the leader's SWARM_PIPELINE_TRANSPORT when the job named none).
+    transport: Transport | None
+    compression: str
+    shard_push_interval_steps: int
+    shard_push_to_leader: bool
+    # The export directory on the leader (once chosen), else the spec's.
+    model_export_dir: str | None
+    pushed_step: int | None
+    # The record's ``latest_shard_pushes``: the newest receipts, oldest first.
+    latest_shard_pushes: list[ShardReceipt]
+
+    @classmethod
+    def of(cls, job: JobRecord) -> JobConfig:
+        spec = job.spec
+        return cls(
+            transport=job.placement.transport if job.placement is not None else spec.transport,
+            compression=spec.compression,
+            shard_push_interval_steps=spec.shard_push_interval_steps,
+            shard_push_to_leader=spec.shard_push_to_leader,
+            model_export_dir=job.export_dir or spec.artifact_paths.model_export_dir,
+            pushed_step=job.pushed_step,
+            latest_shard_pushes=job.latest_shard_pushes,
+        )
+
+
+class ServedJob(JobRecord, kw_only=True):
+    """A job as the REST API serves it: the record and its ``config``
+    (``config.latest_shard_pushes`` among it). The leader stores :class:`JobRecord`."""
+
+    # None only from a leader that served no config.
+    config: JobConfig | None = None
+
+    @classmethod
+    def of(cls, job: JobRecord) -> ServedJob:
+        fields = {name: getattr(job, name) for name in job.__struct_fields__}
+        return cls(**fields, config=JobConfig.of(job))
 
 
 class JobEnd(msgspec.Struct, kw_only=True):

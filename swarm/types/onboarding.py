@@ -26,6 +26,10 @@ class JoinSessionCreated(JoinSession, kw_only=True):
 
     token: str
     command: str
+    # What the new host will reach: the leader (SWARM_PUBLIC_URL, else the request's URL) and
+    # NATS (see leader.services.package.fellow_nats_url).
+    leader_url: str = ""
+    nats_url: str = ""
 
 
 class SessionLogLine(msgspec.Struct):

@@ -12,10 +12,11 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.conftest import start_agent
-from tests.helpers import Leader, run_swarm, wait_for
+from tests.helpers import Leader, run_swarm, swarm_cli, wait_for
 from tests.integration.nats_client import with_nats
 from tests.integration.test_jobs import tiny, wait_ready
 
@@ -46,6 +47,20 @@ def check_manifest(directory: Path, n_stages: int) -> dict:
             data = (directory / stage[key]).read_bytes()
             assert hashlib.sha256(data).hexdigest() == stage[f"{key}_sha256"], stage[key]
     return manifest
+
+
+def check_weights_npz(directory: Path, manifest: dict) -> None:
+    """stage-<i>/weights.npz (the name earlier exports used): the manifest's shard of each
+    stage, the same file (a hard link), loading with numpy with the stage's model arrays."""
+    for stage in manifest["stages"]:
+        weights = directory / f"stage-{stage['stage']}" / "weights.npz"
+        shard = directory / stage["weights"]
+        assert weights.samefile(shard), weights
+        with np.load(weights, allow_pickle=False) as arrays, np.load(shard) as expected:
+            assert arrays.files == expected.files
+            assert any(name.startswith("model/") for name in arrays.files)
+            for name in expected.files:
+                np.testing.assert_array_equal(arrays[name], expected[name])
 
 
 def test_shards_are_pushed_every_n_steps_survive_a_leader_restart_and_make_the_export(
@@ -96,6 +111,14 @@ def test_shards_are_pushed_every_n_steps_survive_a_leader_restart_and_make_the_e
     # Older steps are pruned: the newest two complete ones stay.
     kept = sorted(int(p.name[5:]) for p in (export / "shards").iterdir())
     assert kept[-1] == 150 and len(kept) <= 3
+    check_weights_npz(export, manifest)
+    # The receipts are also config.latest_shard_pushes, in the API and `swarm job --json`.
+    assert job["config"]["latest_shard_pushes"] == job["latest_shard_pushes"]
+    shown = swarm_cli(leader, "job", job_id, "--json")
+    assert shown.returncode == 0, shown.stderr
+    config = json.loads(shown.stdout)["config"]
+    assert config["latest_shard_pushes"] == job["latest_shard_pushes"]
+    assert config["pushed_step"] == 150 and config["model_export_dir"] == job["export_dir"]
 
     # Glue: one model whose validation loss is the pipeline's; it generates text.
     glued = run_swarm("glue", str(export), timeout=240)

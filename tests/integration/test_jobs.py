@@ -334,3 +334,26 @@ def test_declared_memory_caps_weight_the_layers_and_fellows_without_addresses_us
     for stage in placement["stages"]:
         assert 0 < stage["memory_estimate_bytes"] <= stage["memory_offered_bytes"]
     assert job["final_loss"] is not None
+
+
+def test_swarm_pipeline_transport_is_the_transport_of_jobs_that_name_none(
+    procs, nats_server, tmp_path
+):
+    from tests.conftest import leader_process
+
+    fixture = leader_process(procs, nats_server, tmp_path, SWARM_PIPELINE_TRANSPORT="tunnel")
+    leader = next(fixture)
+    try:
+        agents(procs, nats_server, "t1", "t2")  # both with data addresses: auto would be p2p
+        wait_ready(leader, "t1", "t2")
+        job_id = leader.submit(**tiny(name="unnamed", steps=100_000, stages=2))["job_id"]
+        assert leader.job(job_id)["spec"]["transport"] == "tunnel", "the record keeps it"
+        job = leader.wait_job(job_id, "RUNNING", timeout=60)
+        assert job["placement"]["transport"] == job["config"]["transport"] == "tunnel"
+        # A job that names a transport, even auto, keeps it.
+        named = leader.submit(**tiny(name="named", steps=10, stages=2, transport="auto"))
+        assert named["spec"]["transport"] == named["config"]["transport"] == "auto"
+        for doomed in (job_id, named["job_id"]):
+            leader.request("DELETE", f"/api/v1/jobs/{doomed}")
+    finally:
+        fixture.close()

@@ -127,7 +127,10 @@ def test_the_leader_and_nats_tasks_get_the_nats_authority_from_variables(nats_au
     leader_env = (secrets / "secrets/leader.env").read_text()
     assert "SWARM_ENROLL_TOKEN=fleet-secret" in leader_env
     assert "SWARM_API_TOKEN" not in leader_env  # no operator_token: the leader makes its own
-    assert (secrets / "local/auth.conf").read_text().strip() == nats_var["server_conf"].strip()
+    # The authority's config, its resolver moved onto the store volume (the later key wins).
+    rendered = (secrets / "local/auth.conf").read_text()
+    assert rendered.startswith(nats_var["server_conf"])
+    assert 'dir: "/var/lib/swarm-nats/jwt"' in rendered.removeprefix(nats_var["server_conf"])
     [auth_conf] = [
         b for b in template_blocks(load("nats")) if b["destination"] == "local/auth.conf"
     ]

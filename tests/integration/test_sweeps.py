@@ -101,7 +101,7 @@ def test_suite_dry_run_says_what_cpu_fellows_lack_a_busy_cluster_refuses_and_a_r
         "single_gpu_baseline: needs 1 fellow with 1 GPU with >= 20 GiB free; "
         "have 2 fellows (2 ready) on 1 host, 0 GPUs"
     )
-    assert any(line.startswith("constrained_network: needs 2 fellows on 2 hosts") for line in lines)
+    assert any(line.startswith("constrained-network: needs 2 fellows on 2 hosts") for line in lines)
     assert len(lines) == 4
 
     job_id = leader.submit(**{**TINY, "name": "hog", "steps": 100_000, "stages": 2})["job_id"]
@@ -136,7 +136,7 @@ def test_suite_dry_run_says_what_cpu_fellows_lack_a_busy_cluster_refuses_and_a_r
         leader, "--out", str(out), "--suite-run-id", "r1", "--poll", "0.5", suite=suite
     )
     assert real.returncode == 0, real.stdout + real.stderr
-    repeat = out / "r1" / "two_stage_cpu" / "1"
+    repeat = out / "r1" / "two_stage_cpu" / "repeat-1"
     job = json.loads((repeat / "job.json").read_text())
     assert job["state"] == "COMPLETED" and job["spec"]["shard_push_interval_steps"] == 3
     history = json.loads((repeat / "metrics_history.json").read_text())
@@ -146,6 +146,12 @@ def test_suite_dry_run_says_what_cpu_fellows_lack_a_busy_cluster_refuses_and_a_r
     assert results["tokens_per_s"] > 0 and results["bytes_per_step_per_boundary"] > 0
     assert (repeat / "model_export" / "run_manifest.json").exists()
     assert not (repeat / "model_export" / ".incoming").exists()
+    # The copy keeps the export's hard links: each weights.npz is its shard, not a 2nd copy.
+    copied = json.loads((repeat / "model_export" / "run_manifest.json").read_text())
+    for stage in copied["stages"]:
+        weights = repeat / "model_export" / f"stage-{stage['stage']}" / "weights.npz"
+        assert weights.samefile(repeat / "model_export" / stage["weights"])
+    assert results["repeat"] == 1
     summary = json.loads((out / "r1" / "summary.json").read_text())
     assert summary["two_stage_cpu"]["completed"] == 1
     assert summary["two_stage_cpu"]["final_val_loss"]["mean"] == results["final_val_loss"]

@@ -152,8 +152,8 @@ def test_ops_ui_shows_fellows_logs_loss_and_the_cluster(
 ):
     shots = tmp_path / "screenshots"
     shots.mkdir()
-    for name in ("ui-1", "ui-2"):
-        start_agent(procs, nats_server.url, name)
+    start_agent(procs, nats_server.url, "ui-1", SWARM_FELLOW_LABELS="zone=eu")
+    start_agent(procs, nats_server.url, "ui-2")
     wait_ready(leader, "ui-1", "ui-2")
     job = tiny(name="ui", steps=100_000, stages=2, val_every=4, val_batches=1)
     job_id = leader.submit(**job)["job_id"]
@@ -218,6 +218,9 @@ def test_ops_ui_shows_fellows_logs_loss_and_the_cluster(
         what="a log line that arrived after the click",
     )
     assert "#fellow=ui-1" in browser.current_url
+    # Its pool (none set: the default pool) and labels, in the view and in the table.
+    assert (text(browser, "fellow-pool"), text(browser, "fellow-labels")) == ("default", "zone=eu")
+    assert count(browser, '#fellows tr[data-fellow="ui-1"] td.pool .labels') == 1
     browser.save_screenshot(str(shots / "fellow.png"))
 
     # The job: its loss curve grows while it trains; a reload redraws the stored curve.
@@ -249,6 +252,7 @@ def test_ops_ui_shows_fellows_logs_loss_and_the_cluster(
         return step.isdigit() and int(step) >= 3 and total == "100000"
 
     wait_for(shown_step, timeout=10, what="the job's step")
+    assert text(browser, "job-pool") == "default"
     assert float(text(browser, "job-loss")) > 0
 
     # The leader: aggregate CPU and RAM, and the placement plan.

@@ -3,8 +3,10 @@ manifest (real files in a temp dir; the NATS side is in tests/integration/test_e
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
 
 from silentswarm.jobspec import JobSpec
 from silentswarm.leader.artifacts import ExportStore
@@ -115,6 +117,39 @@ def test_the_manifest_names_every_stage_of_the_newest_complete_step(tmp_path):
         assert hashlib.sha256(data).hexdigest() == stage["weights_sha256"]
         assert stage["layer_end"] > stage["layer_start"]
     assert manifest["spec"]["steps"] == 30 and manifest["placement"]["stages"]
+
+
+def test_each_stage_has_a_weights_npz_linked_to_the_newest_complete_step(tmp_path):
+    """stage-<i>/weights.npz (the name earlier exports used) is the newest complete step's
+    stage-<i>.npz itself: a hard link, moved on with each manifest, surviving the prune."""
+    job = placed_job()
+    store = ExportStore()
+    for step in (10, 20, 30):
+        for stage in (0, 1):
+            send_shard(store, tmp_path, stage=stage, step=step)
+        store.write_manifest(tmp_path, job)
+        store.prune(tmp_path, 2)
+        for stage in (0, 1):
+            weights = tmp_path / f"stage-{stage}" / "weights.npz"
+            shard = tmp_path / "shards" / f"step-{step}" / f"stage-{stage}.npz"
+            assert weights.samefile(shard), (step, stage)
+    assert not (tmp_path / "shards" / "step-10").exists()
+    assert sorted(p.name for p in (tmp_path / "stage-0").iterdir()) == ["weights.npz"]
+    assert (tmp_path / "stage-1" / "weights.npz").stat().st_nlink == 2
+
+
+def test_weights_npz_is_a_copy_where_the_file_system_has_no_hard_links(tmp_path, monkeypatch):
+    def no_links(*args, **kwargs):
+        raise OSError(errno.EPERM, "hard links not supported")
+
+    monkeypatch.setattr(os, "link", no_links)
+    store = ExportStore()
+    for stage in (0, 1):
+        send_shard(store, tmp_path, stage=stage, step=30)
+    store.write_manifest(tmp_path, placed_job())
+    weights = tmp_path / "stage-1" / "weights.npz"
+    shard = tmp_path / "shards" / "step-30" / "stage-1.npz"
+    assert weights.read_bytes() == shard.read_bytes() and not weights.samefile(shard)
 
 
 def placed_job():

@@ -538,6 +538,33 @@ def test_the_exp_script_is_the_glue_command(tmp_path):
     assert done.stderr == f"glue: error: {tmp_path / 'none'}: not a directory\n"
 
 
+def test_the_exp_script_glues_an_export_dir_or_the_folder_holding_its_model_export(
+    export, glued, tmp_path
+):
+    """``--export-dir DIR`` with DIR the export (run_manifest.json), or a folder whose
+    model_export/ is one (<root>/<job_id>, a benchmark repeat's folder)."""
+    directory, _, _ = export
+    _, _, expected = glued
+    script = REPO / "exp" / "scripts" / "glue_model_export.py"
+    holder = tmp_path / "repeat-1"
+    shutil.copytree(directory, holder / "model_export", ignore=shutil.ignore_patterns("full_*"))
+    for given, out in ((directory, tmp_path / "direct"), (holder, None)):
+        args = ["--export-dir", str(given), "--json"] + (["--out", str(out)] if out else [])
+        done = subprocess.run(
+            [sys.executable, str(script), *args],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            timeout=180,
+            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+        )
+        assert done.returncode == 0, done.stderr
+        result = json.loads(done.stdout)
+        assert result["val_loss"] == pytest.approx(expected["val_loss"], rel=1e-5)
+        written = out or holder / "model_export" / "full_model"
+        assert (written / "inference_manifest.json").is_file(), given
+
+
 # --- generate ---------------------------------------------------------------------------------
 
 

@@ -112,3 +112,19 @@ def test_the_schedule_is_1f1b_unless_a_spec_asks_for_overlap():
     with pytest.raises(FieldError) as err:
         decode_job_spec(b'{"schedule": "async"}')
     assert err.value.field == "schedule"
+
+
+@pytest.mark.parametrize(
+    ("body", "default", "expected"),
+    [
+        (b"{}", "p2p", "p2p"),  # unset: the leader's SWARM_PIPELINE_TRANSPORT
+        (b"{}", "auto", "auto"),
+        (b'{"transport": "auto"}', "tunnel", "auto"),  # named, even auto: kept
+        (b'{"transport": "tunnel"}', "p2p", "tunnel"),
+    ],
+)
+def test_a_spec_without_a_transport_takes_the_leaders_default(body, default, expected):
+    from silentswarm.jobspec import with_default_transport
+
+    spec = decode_job_spec(body)
+    assert with_default_transport(spec, default).transport == expected

@@ -183,6 +183,21 @@ def test_submit_saves_before_it_answers_and_wakes_the_loop(tmp_path: Path) -> No
     assert loop.calls == ["require_loaded", "flush", "wake"]
 
 
+def test_submit_records_the_leaders_default_transport_and_serves_the_config(
+    tmp_path: Path,
+) -> None:
+    service, _ = _jobs_service(tmp_path)
+    service.default_transport = Transport.P2P  # SWARM_PIPELINE_TRANSPORT=p2p
+    unset = asyncio.run(service.submit(JobSpec(name="demo", steps=10)))
+    named = asyncio.run(service.submit(JobSpec(name="demo", steps=10, transport=Transport.AUTO)))
+    assert service.get(unset.job_id).spec.transport is Transport.P2P
+    assert service.get(named.job_id).spec.transport is Transport.AUTO
+    served = service.get(unset.job_id)
+    assert served.config is not None and served.config.transport is Transport.P2P
+    assert served.config.latest_shard_pushes is service.jobs.get(unset.job_id).latest_shard_pushes
+    assert [j.config is not None for j in service.list()] == [True, True]
+
+
 def test_submit_refuses_an_export_dir_outside_the_root(tmp_path: Path) -> None:
     service, loop = _jobs_service(tmp_path)
     spec = JobSpec(name="demo", steps=10, artifact_paths=ArtifactPaths(model_export_dir="/etc"))

@@ -87,13 +87,14 @@ def test_the_authority_is_created_once_privately_and_reloaded(tmp_path):
         "account.nk",
         "system.nk",
         "leader.creds",
+        "system.creds",
         "server.conf",
     ):
         assert stat.S_IMODE((directory / name).stat().st_mode) == 0o600, name
     again = NatsAuthority.load_or_create(directory)
     assert again.account_public == first.account_public  # users minted before stay valid
     conf = first.server_config_path.read_text()
-    assert "operator:" in conf and "resolver: MEMORY" in conf and first.account_public in conf
+    assert "operator:" in conf and "type: full" in conf and first.account_public in conf
 
 
 def test_fellow_creds_carry_the_fellow_name_and_a_seed(tmp_path):

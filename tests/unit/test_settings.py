@@ -59,3 +59,16 @@ def test_replace_overrides_and_ignores_none():
 def test_as_env_round_trips():
     s = Settings.from_env({"SWARM_NATS_URL": "nats://a:1", "SWARM_LEADER_PORT": "9"})
     assert Settings.from_env(s.as_env()) == s
+
+
+@pytest.mark.parametrize("value", ["auto", "tunnel", "p2p"])
+def test_swarm_pipeline_transport_is_the_leaders_default_transport(value):
+    assert Settings.from_env({}).pipeline_transport == "auto"
+    assert Settings.from_env({"SWARM_PIPELINE_TRANSPORT": value}).pipeline_transport == value
+
+
+def test_an_unknown_pipeline_transport_says_which_ones_there_are():
+    with pytest.raises(ConfigError) as err:
+        Settings.from_env({"SWARM_PIPELINE_TRANSPORT": "relay"})
+    assert err.value.message == "SWARM_PIPELINE_TRANSPORT='relay': use auto, p2p, tunnel"
+    assert err.value.exit_code == 2

@@ -320,12 +320,16 @@ def test_the_bundled_suite_decodes_with_its_profiles():
     suite = bundled_suite()
     names = [s.name for s in suite.scenarios]
     assert names[:2] == ["single_gpu_baseline", "two_gpu_one_node"]
-    assert "constrained_network" in names and len(names) == 4
+    assert "constrained-network" in names and len(names) == 4
     by = {s.name: s for s in suite.scenarios}
     assert by["two_gpu_one_node"].spec.max_gpus_per_worker == 2
-    assert by["constrained_network"].network.enforcement == "external"
-    assert by["constrained_network"].network.target_bandwidth_mbps
-    assert any(s.infra.hosts == 2 and s.name != "constrained_network" for s in suite.scenarios)
+    assert by["constrained-network"].network.enforcement == "external"
+    assert by["constrained-network"].network.target_bandwidth_mbps
+    assert any(s.infra.hosts == 2 and s.name != "constrained-network" for s in suite.scenarios)
+    # The scenario ids operators know; the two-node ones cap no fellow's GPUs.
+    assert {"single_gpu_baseline", "two_gpu_one_node", "constrained-network"} <= set(names)
+    two_node = [s for s in suite.scenarios if s.infra.hosts == 2]
+    assert len(two_node) == 2 and all(s.spec.max_gpus_per_worker is None for s in two_node)
     for s in suite.scenarios:  # the default stress profile
         assert s.job_profile == "stress"
         assert s.spec.shard_push_to_leader and s.spec.shard_push_interval_steps == 20
@@ -402,7 +406,7 @@ def test_dry_run_checks_free_vram_hosts_and_status():
     workers[1] = worker("b", "host-b", (24,))
     by = {f.scenario: f for f in suites.dry_run(bundled_suite(), workers)}
     assert by["two_node_pipeline"].ok and sorted(by["two_node_pipeline"].fellows) == ["a", "b"]
-    assert "enforcement: external" in by["constrained_network"].message
+    assert "enforcement: external" in by["constrained-network"].message
 
 
 def test_busy_jobs_and_run_results():

@@ -19,6 +19,7 @@ from silentswarm.cli.client import LeaderClient, decode_answer
 from silentswarm.cli.context import CliContext, Ctx
 from silentswarm.cli.options import LEADER, LeaderOptions
 from silentswarm.errors import ErrorCode, LeaderResponseError
+from silentswarm.pools import format_labels
 from silentswarm.types.fleet import LogEntry
 
 # A fellow's id, the same kind of parameter in every command: positional (FELLOW_ID), or
@@ -28,7 +29,7 @@ SOME_FELLOW = Parameter(help="Only this fellow (default: all)")
 
 
 def fellows(*, options: LeaderOptions = LEADER, ctx: Ctx) -> None:
-    """Every fellow the leader knows: status, host, hardware, last heartbeat."""
+    """Every fellow the leader knows: status, host, pool and labels, hardware, last heartbeat."""
     with ctx.client() as client:
         records = client.fellows()
     rows = [
@@ -36,6 +37,8 @@ def fellows(*, options: LeaderOptions = LEADER, ctx: Ctx) -> None:
             f.fellow_id,
             f.status,
             f.hostname,
+            f.pool,
+            format_labels(f.labels) or "-",
             len(f.hardware.gpus) or "cpu",
             render.gib(f.hardware.ram_available_bytes),
             f.job_id,
@@ -43,7 +46,17 @@ def fellows(*, options: LeaderOptions = LEADER, ctx: Ctx) -> None:
         ]
         for f in records
     ]
-    headers = ["FELLOW", "STATUS", "HOST", "GPUS", "RAM FREE", "JOB", "LAST HEARTBEAT"]
+    headers = [
+        "FELLOW",
+        "STATUS",
+        "HOST",
+        "POOL",
+        "LABELS",
+        "GPUS",
+        "RAM FREE",
+        "JOB",
+        "LAST HEARTBEAT",
+    ]
     ctx.emit(records, render.table(headers, rows) if rows else "no fellows registered")
 
 

@@ -28,18 +28,20 @@ JOB_ID = Parameter(help="The job's id (as swarm submit printed it; swarm jobs li
 def jobs(
     *,
     all: Annotated[bool, Parameter(help="Also archived jobs")] = False,
+    owner: Annotated[str | None, Parameter(help="Only this account's jobs")] = None,
     options: LeaderOptions = LEADER,
     ctx: Ctx,
 ) -> None:
-    """Every job: state, steps, loss, fellows."""
+    """Every job: owner, state, steps, loss, fellows."""
     with ctx.client() as client:
-        records = client.jobs(all=all)
+        records = client.jobs(all=all, owner=owner)
     rows = []
     for j in records:
         view = j.current_view()
         rows.append(
             [
                 j.job_id,
+                j.owner,
                 j.state + (" (archived)" if j.archived else ""),
                 f"{view.step if view.step is not None else '-'}/{j.spec.steps}",
                 "-" if view.loss is None else f"{view.loss:.4f}",
@@ -48,7 +50,7 @@ def jobs(
                 j.reason[:60],
             ]
         )
-    headers = ["JOB", "STATE", "STEP", "LOSS", "FELLOWS", "AGE", "REASON"]
+    headers = ["JOB", "OWNER", "STATE", "STEP", "LOSS", "FELLOWS", "AGE", "REASON"]
     ctx.emit(records, render.table(headers, rows) if rows else "no jobs")
 
 

@@ -13,7 +13,7 @@ from cyclopts import Parameter
 from silentswarm.cli.context import Ctx
 from silentswarm.cli.options import JSON, JsonOptions
 from silentswarm.errors import ConfigError
-from silentswarm.natsauth import NatsAuthority, fellow_permissions
+from silentswarm.natsauth import NatsAuthority
 from silentswarm.subjects import TOKEN_RE
 
 AUTH_DIR = Parameter(
@@ -64,10 +64,7 @@ def fellow(
     if out is not None and str(out) == "-":
         sys.stdout.write(authority.fellow_creds(prefix, name))
         return
-    if out is None:
-        path = authority.write_fellow_creds(prefix, name)
-    else:
-        path = authority.write_creds(out, name, fellow_permissions(prefix, name))
+    path = authority.write_fellow_creds(prefix, name, out)
     ctx.emit(
         {"fellow": name, "creds": str(path)},
         f"{path}: NATS user for fellow {name!r}; give it to that fellow as SWARM_NATS_CREDS",

@@ -10,6 +10,8 @@ from cyclopts import Parameter
 from silentswarm.cli import render
 from silentswarm.cli.context import Ctx
 from silentswarm.cli.options import LEADER, LeaderOptions
+from silentswarm.hosts import is_loopback, url_hosts
+from silentswarm.types.onboarding import JoinSessionCreated
 
 
 def create(
@@ -21,14 +23,35 @@ def create(
     options: LeaderOptions = LEADER,
     ctx: Ctx,
 ) -> None:
-    """Create a join session and print the one command the remote host runs."""
+    """Create a join session and print the one command the remote host runs: with the
+    leader's public address (SWARM_PUBLIC_URL, e.g. the HTTPS proxy of
+    docs/deploy/public-access.md) when it has one."""
     with ctx.client() as client:
         session = client.create_join_session(name, ttl)
-    ctx.emit(
-        session,
-        f"join session {session.session_id} (valid {ttl:.0f}s, single use); "
-        f"on the new host run:\n  {session.command}",
-    )
+    ctx.emit(session, created_text(session, ttl))
+
+
+def created_text(session: JoinSessionCreated, ttl: float) -> str:
+    """What ``join-session create`` prints (pure): the command, where the new host will reach
+    the leader and NATS, and a hint when that is only this machine."""
+    lines = [f"join session {session.session_id} (valid {ttl:.0f}s, single use)"]
+    if session.leader_url and session.nats_url:
+        lines.append(
+            f"the new host will reach the leader at {session.leader_url} "
+            f"and NATS at {session.nats_url}"
+        )
+    local = [
+        url
+        for url in (session.leader_url, session.nats_url)
+        if url and any(is_loopback(host) for _, host in url_hosts(url))
+    ]
+    if local:
+        lines.append(
+            f"note: {', '.join(local)} is loopback, which only this machine reaches; set "
+            "SWARM_PUBLIC_URL on the leader (docs/deploy/public-access.md)"
+        )
+    lines.append(f"on the new host run:\n  {session.command}")
+    return "\n".join(lines)
 
 
 def list_sessions(*, options: LeaderOptions = LEADER, ctx: Ctx) -> None:
