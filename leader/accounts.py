@@ -20,13 +20,12 @@ from collections.abc import Callable
 import msgspec
 from nats.aio.client import Client
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import KeyDeletedError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from silentswarm.errors import FieldError, NotFoundError
 from silentswarm.leader.errors import AccountExistsError, NotReadyError, RevokedTokenError
 from silentswarm.leader.permissions import Principal
-from silentswarm.leader.store import bucket_name, stream_subjects
+from silentswarm.leader.store import bucket_name, read_records
 from silentswarm.retrying import Backoff
 from silentswarm.types.account_api import CreateAccount, UpdateAccount
 from silentswarm.types.accounts import OPERATOR_ACCOUNT, Account
@@ -207,21 +206,7 @@ class AccountStore:
         await self.bucket.put(account.name, msgspec.json.encode(account))
 
     async def load(self) -> list[Account]:
-        bucket = bucket_name(self.prefix, BUCKET)
-        prefix = f"$KV.{bucket}."
-        out = []
-        for subject in sorted(await stream_subjects(self.nc, f"KV_{bucket}", f"{prefix}>")):
-            try:
-                entry = await self.bucket.get(subject[len(prefix) :])
-            except (KeyNotFoundError, KeyDeletedError):
-                continue
-            if not entry.value:
-                continue
-            try:
-                out.append(msgspec.json.decode(entry.value, type=Account))
-            except msgspec.DecodeError as exc:
-                log.error("skipped an unreadable account record %r: %s", subject, exc)
-        return out
+        return await read_records(self.nc, self.prefix, BUCKET, self.bucket, Account)
 
 
 async def load_forever(

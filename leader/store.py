@@ -85,10 +85,7 @@ class StateStore:
 
     async def keys(self, name: str) -> list[str]:
         """Every key bucket ``name`` holds a message for (deleted ones too: ``get`` skips them)."""
-        bucket = bucket_name(self.prefix, name)
-        subject_prefix = f"$KV.{bucket}."
-        subjects = await stream_subjects(self.nc, f"KV_{bucket}", f"{subject_prefix}>")
-        return sorted(subject[len(subject_prefix) :] for subject in subjects)
+        return await bucket_keys(self.nc, self.prefix, name)
 
     async def put(self, bucket: KeyValue, key: str, value: Any) -> None:
         data = msgspec.json.encode(value)
@@ -117,21 +114,36 @@ class StateStore:
         self.write_error = None
 
     async def _load(self, name: str, kind: type[T]) -> list[T]:
-        bucket: KeyValue = getattr(self, name)
-        out = []
-        for key in await self.keys(name):
-            try:
-                entry = await bucket.get(key)
-            except (KeyNotFoundError, KeyDeletedError):
-                continue
-            if not entry.value:
-                continue
-            try:
-                out.append(msgspec.json.decode(entry.value, type=kind))
-            except msgspec.DecodeError as exc:
-                # A record written by an incompatible version: keep the leader up, say so.
-                log.error("skipped unreadable %s record %r: %s", kind.__name__, key, exc)
-        return out
+        return await read_records(self.nc, self.prefix, name, getattr(self, name), kind)
+
+
+async def bucket_keys(nc: Client, prefix: str, name: str) -> list[str]:
+    """Every key the KV bucket ``name`` holds a message for, from its stream's subjects (not
+    ``KeyValue.keys()``, whose watcher can miss keys of a full bucket: nats-io/nats.py#842)."""
+    bucket = bucket_name(prefix, name)
+    subject_prefix = f"$KV.{bucket}."
+    subjects = await stream_subjects(nc, f"KV_{bucket}", f"{subject_prefix}>")
+    return sorted(subject[len(subject_prefix) :] for subject in subjects)
+
+
+async def read_records(
+    nc: Client, prefix: str, name: str, bucket: KeyValue, kind: type[T]
+) -> list[T]:
+    """Every live record of the KV bucket ``name``, decoded as ``kind``; one that does not
+    decode (written by an incompatible version) is logged and skipped: the leader stays up."""
+    out = []
+    for key in await bucket_keys(nc, prefix, name):
+        try:
+            entry = await bucket.get(key)
+        except (KeyNotFoundError, KeyDeletedError):
+            continue
+        if not entry.value:
+            continue
+        try:
+            out.append(msgspec.json.decode(entry.value, type=kind))
+        except msgspec.DecodeError as exc:
+            log.error("skipped unreadable %s record %r: %s", kind.__name__, key, exc)
+    return out
 
 
 class _ApiError(msgspec.Struct):

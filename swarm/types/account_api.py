@@ -10,7 +10,7 @@ from typing import Annotated
 
 import msgspec
 
-from silentswarm.types.accounts import Account, AccountName, PoolLimit, PoolName, Role
+from silentswarm.types.accounts import AccountName, AccountView, PoolLimit, PoolName, Role
 
 PoolList = Annotated[list[PoolName], msgspec.Meta(max_length=256)]
 
@@ -31,28 +31,6 @@ class UpdateAccount(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pools: PoolList | None = None
     any_pool: bool = False
     pool_limits: dict[PoolName, PoolLimit] | None = None
-
-
-class AccountView(msgspec.Struct, kw_only=True):
-    """An account as the API serves it: never its token, never the token's hash."""
-
-    name: str
-    role: Role
-    created_at: float
-    revoked_at: float | None = None
-    pools: list[str] | None = None
-    pool_limits: dict[str, PoolLimit] = msgspec.field(default_factory=dict)
-
-    @classmethod
-    def of(cls, account: Account) -> AccountView:
-        return cls(
-            name=account.name,
-            role=account.role,
-            created_at=account.created_at,
-            revoked_at=account.revoked_at,
-            pools=account.pools,
-            pool_limits=account.pool_limits,
-        )
 
 
 class AccountCreated(msgspec.Struct, kw_only=True):

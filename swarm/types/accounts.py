@@ -36,12 +36,11 @@ class PoolLimit(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields
     max_fellows: Annotated[int, msgspec.Meta(ge=0, le=100_000)] | None = None
 
 
-class Account(msgspec.Struct, kw_only=True):
-    """What the leader stores of an account (never the token itself)."""
+class AccountView(msgspec.Struct, kw_only=True):
+    """An account as the API serves it: never its token, never the token's hash."""
 
     name: str
     role: Role
-    token_sha256: str
     created_at: float
     revoked_at: float | None = None
     # None: any pool (and jobs that name none); otherwise only these.
@@ -51,3 +50,15 @@ class Account(msgspec.Struct, kw_only=True):
     @property
     def revoked(self) -> bool:
         return self.revoked_at is not None
+
+    @classmethod
+    def of(cls, account: AccountView) -> AccountView:
+        """The view of ``account`` (an :class:`Account`: its token's hash left out)."""
+        return AccountView(**{f: getattr(account, f) for f in AccountView.__struct_fields__})
+
+
+class Account(AccountView, kw_only=True):
+    """What the leader stores of an account: its view and its token's SHA-256 (never the
+    token itself)."""
+
+    token_sha256: str
