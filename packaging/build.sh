@@ -86,6 +86,10 @@ for tree in "$VENV" "$FELLOW$PREFIX/fellow"; do
 done
 # Shared objects are not programs (some wheels ship theirs 0755).
 find "$VENV" "$FELLOW" -type f -name '*.so*' -perm /111 -exec chmod a-x {} + 2>/dev/null || true
+# Nor are the plain files some wheels ship 0755 (protobuf's modules): programs alone keep x.
+for tree in "$VENV" "$FELLOW$PREFIX/fellow"; do
+  [ ! -d "$tree" ] || "$PYTHON" packaging/venvsplit.py modes "$tree"
+done
 # The leader serves this wheel to hosts that join (GET /api/v1/bootstrap/source).
 mkdir -p "$VENV/share/silentswarm"
 cp "$WHEEL" "$VENV/share/silentswarm/"
@@ -114,6 +118,7 @@ done
 cp -r docs/deploy "$BASE/usr/share/doc/silentswarm/deploy"
 mkdir -p "$BASE/usr/share/silentswarm"
 cp -r packaging/grafana "$BASE/usr/share/silentswarm/grafana"
+cp -r packaging/proxy "$BASE/usr/share/silentswarm/proxy"  # docs/deploy/public-access.md
 
 # The lowest libc6 every ELF object of a tree runs on: the highest GLIBC_2.x it needs
 # (readelf reads the version sections only; without binutils, grep reads the whole files).

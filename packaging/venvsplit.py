@@ -11,6 +11,11 @@ changed is an error: the base package would no longer be what was tested alone.
     python venvsplit.py snapshot SITE OUT.json
     python venvsplit.py move SITE SNAPSHOT.json FELLOW_DIR
     python venvsplit.py freeze SITE [SITE...]     (name==version lines: pip constraints)
+    python venvsplit.py modes DIR [DIR...]        (execute bits: programs' alone)
+
+Some wheels ship plain files with execute bits (protobuf's modules, a ``top_level.txt``):
+``modes`` takes them off every regular file under DIR that is neither an ELF object nor a
+``#!`` script (Debian policy 10.9; lintian's executable-not-elf-or-script).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -82,6 +88,30 @@ def prune_empty_dirs(root: Path) -> None:
             os.rmdir(folder)
 
 
+PROGRAM_MAGIC = (b"\x7fELF", b"#!")
+ANY_EXECUTE = stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH
+
+
+def is_program(path: Path) -> bool:
+    """An ELF object or a ``#!`` script: what may carry execute bits."""
+    with path.open("rb") as head:
+        return head.read(4).startswith(PROGRAM_MAGIC)
+
+
+def clear_stray_execute_bits(root: Path) -> list[Path]:
+    """Take the execute bits off the regular files below ``root`` that are no programs;
+    returns those files."""
+    cleared = []
+    for folder, _subdirs, files in os.walk(root):
+        for name in files:
+            path = Path(folder, name)
+            mode = path.lstat().st_mode
+            if stat.S_ISREG(mode) and mode & ANY_EXECUTE and not is_program(path):
+                path.chmod(stat.S_IMODE(mode) & ~ANY_EXECUTE)
+                cleared.append(path)
+    return cleared
+
+
 def main(argv: list[str]) -> None:
     match argv:
         case ["snapshot", site, out]:
@@ -99,6 +129,9 @@ def main(argv: list[str]) -> None:
         case ["freeze", *sites] if sites:
             found = versions(*(Path(s) for s in sites))
             print("\n".join(f"{name}=={version}" for name, version in sorted(found.items())))
+        case ["modes", *roots] if roots:
+            cleared = [path for root in roots for path in clear_stray_execute_bits(Path(root))]
+            print(f"venvsplit: execute bits taken off {len(cleared)} files that are no programs")
         case _:
             raise SystemExit(__doc__)
 
