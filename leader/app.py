@@ -212,6 +212,7 @@ def create_app(
             make_guard(
                 token,
                 public_reads=settings.reads_public,
+                public_reads_via_proxy=settings.api_public_reads is not None,
                 tickets=tickets,
                 accounts=account_book,
                 owner_of=owner_of,

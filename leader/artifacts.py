@@ -471,6 +471,7 @@ class ExportStore:
             stages=stages,
             updated_at=time.time(),
             base=_base_ref(job),
+            owner=job.owner,
         )
         with self._dir(directory) as fd:
             _write_atomic(fd, MANIFEST, encode_run_manifest(manifest))

@@ -55,6 +55,8 @@ PRINCIPAL_KEY = "silentswarm.principal"
 TICKET_ROUTE = "/api/v1/auth/read-ticket"
 TICKET_TTL_S = 60.0
 ACCOUNTS_LOAD_WAIT_S = 10.0  # an account's token on a leader that just started waits so long
+# Headers a reverse proxy adds: a request carrying one came from beyond this machine.
+PROXY_HEADERS = ("x-forwarded-for", "forwarded", "x-real-ip")
 # Never guarded: liveness, the UI's own files (it asks for the token itself), the API docs,
 # what a joining host fetches (its join token, session secret or the fleet's enrollment
 # token is checked instead), and shard and dataset files (a stage's token is checked instead).
@@ -149,9 +151,12 @@ def make_guard(
     tickets: ReadTickets | None = None,
     accounts: AccountBook | None = None,
     owner_of: OwnerOf = lambda _: None,
+    public_reads_via_proxy: bool = True,
 ) -> Guard:
     """A Litestar guard enforcing tokens and accounts' permissions on the routes that need it.
-    Without ``accounts``, only the operator token is known."""
+    Without ``accounts``, only the operator token is known. ``public_reads_via_proxy``
+    False: public reads are only for requests no reverse proxy forwarded (the default of a
+    leader on loopback: open to this machine, not to whoever reaches a proxy in front)."""
     if accounts is None:
         accounts = AccountBook()
         accounts.restore([])
@@ -161,6 +166,7 @@ def make_guard(
         tickets=tickets or ReadTickets(token),
         accounts=accounts,
         owner_of=owner_of,
+        public_reads_via_proxy=public_reads_via_proxy,
     )
 
 
@@ -179,9 +185,11 @@ class Guard:
         tickets: ReadTickets,
         accounts: AccountBook,
         owner_of: OwnerOf,
+        public_reads_via_proxy: bool = True,
     ) -> None:
         self._expected = token.encode()
         self.public_reads = public_reads
+        self.public_reads_via_proxy = public_reads_via_proxy
         self.tickets = tickets
         self.accounts = accounts
         self.owner_of = owner_of
@@ -221,7 +229,7 @@ class Guard:
                     "a read ticket opens GET routes only: send 'Authorization: Bearer <token>'"
                 )
             self._check(self._ticket_principal(ticket), request, connection)
-        elif self.public_reads and is_read and not header:
+        elif self.public_reads and is_read and not header and self._may_read_openly(connection):
             self._check(ANONYMOUS, request, connection)
         elif not given:
             raise UnauthorizedError(
@@ -230,6 +238,14 @@ class Guard:
             )
         else:
             self._check(self._resolve(given), request, connection)
+
+    def _may_read_openly(self, connection: ASGIConnection) -> bool:
+        """Whether public reads reach this request: always when they were asked for
+        (SWARM_API_PUBLIC_READS=1); by default only when no reverse proxy forwarded it, so
+        that a proxy in front of a leader on loopback never publishes its reads."""
+        if self.public_reads_via_proxy:
+            return True
+        return not any(name in connection.headers for name in PROXY_HEADERS)
 
     def _is_operator(self, given: str) -> bool:
         return hmac.compare_digest(given.encode(), self._expected)

@@ -50,7 +50,11 @@ def resolve(spec: JobSpec, jobs: JobManager, export_root: Path) -> InitSource | 
     manifest, digest = read_manifest(directory)
     check_fits(spec, manifest)
     return InitSource(
-        directory=str(directory), step=manifest.step, manifest_sha256=digest, job_id=manifest.job_id
+        directory=str(directory),
+        step=manifest.step,
+        manifest_sha256=digest,
+        job_id=manifest.job_id,
+        owner=manifest.owner,
     )
 
 

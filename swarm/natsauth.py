@@ -401,8 +401,10 @@ class NatsAuthority:
                 else:
                     del users.fellows[fellow_id]
             write_private(self._users_path, msgspec.json.encode(users).decode())
-        if self.server_config_path.exists():
-            self.write_server_config()
+            # Under the lock too: concurrent revokes (the leader revokes in threads) would
+            # share server.conf's temporary file, and a slower one preload fewer revocations.
+            if self.server_config_path.exists():
+                self.write_server_config()
         return revoked
 
     def revoke_fellow(self, fellow_id: str, *, at: int | None = None) -> list[str]:

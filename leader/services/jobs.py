@@ -32,7 +32,13 @@ from silentswarm.leader.permissions import (
 )
 from silentswarm.leader.signals import SignalHub
 from silentswarm.plan import Transport
-from silentswarm.types.jobs import CheckpointRecord, CheckpointStage, JobRecord, ServedJob
+from silentswarm.types.jobs import (
+    CheckpointRecord,
+    CheckpointStage,
+    InitSource,
+    JobRecord,
+    ServedJob,
+)
 from silentswarm.types.metrics import HistoryPoint, JobMetrics
 from silentswarm.types.signals import CheckpointArgs
 
@@ -113,7 +119,7 @@ class JobsService:
             await self.loop.final_exports()
         init_source = await asyncio.to_thread(initsource.resolve, spec, self.jobs, self.export_root)
         if init_source is not None:
-            self._check_init_owner(principal, init_source.job_id)
+            self._check_init_owner(principal, init_source)
         spec = with_default_transport(spec, self.default_transport)
         job = self.jobs.submit(self.pin_datasets(spec), init_source)
         job.owner = principal.name  # before any await: the loop never sees it ownerless
@@ -130,12 +136,16 @@ class JobsService:
         self.loop.require_loaded()
         return ServedJob.of(self.jobs.get(job_id))
 
-    def _check_init_owner(self, principal: Principal, source_job_id: str) -> None:
+    def _check_init_owner(self, principal: Principal, source: InitSource) -> None:
+        """The source job's owner, else (its record deleted) the owner its manifest names,
+        may start from it; an export that names none (from before accounts): anyone."""
         try:
-            owner = self.jobs.get(source_job_id).owner
-        except NotFoundError:  # an export of no job this leader knows: anyone's to use
+            owner: str | None = self.jobs.get(source.job_id).owner
+        except NotFoundError:
+            owner = source.owner
+        if owner is None:
             return
-        refused = init_from_refusal(principal, source_job_id, owner)
+        refused = init_from_refusal(principal, source.job_id, owner)
         if refused is not None:
             raise AccountForbiddenError(
                 refused.message,

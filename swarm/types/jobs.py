@@ -76,6 +76,9 @@ class InitSource(msgspec.Struct, kw_only=True, frozen=True):
     step: int
     manifest_sha256: str
     job_id: str
+    # The account the manifest says wrote it (None: not said): the owner once the source
+    # job's record is deleted.
+    owner: str | None = None
 
 
 class JobRecord(msgspec.Struct, kw_only=True):

@@ -92,6 +92,9 @@ class RunManifest(msgspec.Struct, kw_only=True, frozen=True):
     updated_at: float | None = None
     # Set for an adapter's export: its shards hold the adapter only, for this base.
     base: BaseRef | None = None
+    # The account whose job wrote it (swarm.types.accounts); None: an export from before
+    # accounts. Who may start from it once the job's record is deleted.
+    owner: str | None = None
 
     def portable_plans(self) -> list[StagePlan]:
         """The plans the job's stages ran, without GPU slots (any machine builds them), in
@@ -113,12 +116,14 @@ class RunManifest(msgspec.Struct, kw_only=True, frozen=True):
 
 
 def encode_run_manifest(manifest: RunManifest) -> bytes:
-    """The manifest's JSON; ``base`` only for an adapter's (other exports keep the keys they
-    always had)."""
-    if manifest.base is not None:
+    """The manifest's JSON; ``base`` only for an adapter's and ``owner`` only when known
+    (other exports keep the keys they always had)."""
+    if manifest.base is not None and manifest.owner is not None:
         return _encode(manifest)
     raw = msgspec.to_builtins(manifest)
-    del raw["base"]
+    for key in ("base", "owner"):
+        if raw[key] is None:
+            del raw[key]
     return msgspec.json.format(msgspec.json.encode(raw), indent=1) + b"\n"
 
 

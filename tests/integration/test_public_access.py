@@ -19,6 +19,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from silentswarm.natsauth import NatsAuthority
@@ -287,3 +288,28 @@ def test_a_host_behind_the_proxy_joins_trains_over_the_relay_and_ships_its_logs(
     finally:
         if pid_file.exists():
             kill_tree(int(pid_file.read_text()))
+
+
+def test_the_proxy_publishes_no_metrics_and_no_open_reads(procs: Processes, nats_server, tmp_path):
+    """A leader on loopback whose operator set only the public NATS address (no
+    SWARM_PUBLIC_URL): reads stay open to this machine, never to the proxy's clients, and
+    the proxy keeps the metrics inside."""
+    proxy_port = free_port()
+    public_nats = f"wss://{PROXY_NAME}:{proxy_port}/nats"
+    leader = next(leader_process(procs, nats_server, tmp_path, SWARM_PUBLIC_NATS_URL=public_nats))
+    leader_port = int(leader.url.rsplit(":", 1)[1])
+    proxy = start_proxy(procs, tmp_path, proxy_port, leader_port, free_port())
+
+    def status(path: str) -> str:
+        argv = ["curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "--cacert", str(proxy.ca)]
+        argv += ["--resolve", f"{PROXY_NAME}:{proxy_port}:127.0.0.1", f"{proxy.url}{path}"]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=30).stdout
+
+    wait_for(lambda: status("/health") == "200", timeout=30, what="the leader through the proxy")
+    with httpx.Client(base_url=leader.url, timeout=5.0) as local:
+        assert local.get("/api/v1/jobs").status_code == 200  # open on this machine
+        assert local.get("/api/v1/metrics").status_code == 200
+    for path in ("/api/v1/metrics", "/api/v1/metrics/", "/API/v1/Metrics", "/metrics"):
+        assert status(path) == "404", path
+    for path in ("/api/v1/jobs", "/api/v1/workers", f"/api/v1/workers/{NAT_FELLOW}/logs"):
+        assert status(path) == "401", path

@@ -9,6 +9,7 @@ import json
 import os
 
 from silentswarm.jobspec import JobSpec
+from silentswarm.leader import initsource
 from silentswarm.leader.artifacts import ExportStore
 from silentswarm.leader.jobs import JobManager, plan_schedule
 from silentswarm.leader.placement import Candidate
@@ -169,3 +170,19 @@ def placed_job():
     [assignment], _ = plan_schedule(manager.pending(), fellows)
     manager.begin_start(job.job_id, assignment.placement)
     return job
+
+
+def test_the_manifest_names_its_jobs_owner_and_init_from_learns_it(tmp_path):
+    """Who may start from an export once its job's record is deleted: the manifest says."""
+    job = placed_job()
+    job.owner = "alice"
+    root = tmp_path / "exports"
+    directory = root / job.job_id / "model_export"
+    store = ExportStore()
+    for stage in (0, 1):
+        send_shard(store, directory, stage=stage, step=30)
+    manifest = json.loads(store.write_manifest(directory, job).read_text())
+    assert manifest["owner"] == "alice"
+    spec = JobSpec(model=ModelConfig(n_layers=4), init_from=f"export:{job.job_id}/model_export")
+    source = initsource.resolve(spec, JobManager(), root)  # a leader that forgot the job
+    assert source is not None and (source.job_id, source.owner) == (job.job_id, "alice")

@@ -57,3 +57,34 @@ def test_init_from_another_accounts_job_is_refused(tmp_path, monkeypatch) -> Non
     assert (
         asyncio.run(service.submit(spec, Principal(name="bob", role=Role.SUBMITTER))).owner == "bob"
     )
+
+
+@pytest.mark.parametrize(
+    ("manifest_owner", "refused"),
+    [("bob", True), ("alice", False), (None, False)],  # None: an export from before accounts
+)
+def test_init_from_a_deleted_jobs_export_keeps_its_owner(
+    tmp_path, monkeypatch, manifest_owner, refused
+) -> None:
+    """Once the source job's record is deleted (retention), its export stays on disk; the
+    owner its manifest names still decides who may start from it."""
+    service, _ = _jobs_service(tmp_path)
+
+    def resolved(spec, jobs, root):
+        return InitSource(
+            directory=str(tmp_path),
+            step=1,
+            manifest_sha256="0",
+            job_id="bobs-deleted-0a1b2c",
+            owner=manifest_owner,
+        )
+
+    monkeypatch.setattr(initsource, "resolve", resolved)
+    spec = JobSpec(name="warm", init_from="export:bobs-deleted-0a1b2c/model_export")
+    if refused:
+        with pytest.raises(AccountForbiddenError) as err:
+            asyncio.run(service.submit(spec, ALICE))
+        assert err.value.to_dict()["owner"] == "bob"
+    else:
+        assert asyncio.run(service.submit(spec, ALICE)).owner == "alice"
+    assert asyncio.run(service.submit(spec, OPERATOR)).owner == "operator"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import stat
+import threading
 
 import pytest
 
@@ -184,3 +185,31 @@ def test_release_revokes_the_fellows_users_unless_a_purge_still_needs_them(
     result = asyncio.run(fleet.release("b", purge_install=purge_install))
     assert revoker.revoked == revoked_now and heard == told
     assert result.nats_user_revoked is answer
+
+
+def test_concurrent_revocations_all_reach_server_conf(tmp_path):
+    """The leader revokes in threads (several fellows released at once, a push merging the
+    server's revocations): none fails, and server.conf preloads every one of them."""
+    authority = NatsAuthority.load_or_create(tmp_path / "auth")
+    authority.revoke({f"UK{i:054d}": 1 for i in range(2000)})  # a large JWT: slow writes
+    start = threading.Barrier(8)
+    failures: list[BaseException] = []
+
+    def revoke(n: int) -> None:
+        start.wait()
+        try:
+            for j in range(10):
+                authority.revoke({f"UX{n:02d}{j:052d}": 2})
+        except BaseException as exc:  # the test reports it
+            failures.append(exc)
+
+    threads = [threading.Thread(target=revoke, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
+    assert len(authority.revocations()) == 2000 + 80
+    conf = authority.server_config_path.read_text()
+    preloaded = conf.split(f'{authority.account_public}: "')[1].split('"')[0]
+    assert jwt_revocations(preloaded) == authority.revocations()

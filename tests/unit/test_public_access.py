@@ -8,10 +8,12 @@ from pathlib import Path
 
 import certifi
 import pytest
+from litestar.testing import TestClient
 
 from silentswarm.agent.leadertrust import BUNDLE_NAME, trust_leader_ca
 from silentswarm.cli.commands.onboarding import created_text
 from silentswarm.errors import ConfigError
+from silentswarm.leader.app import create_app
 from silentswarm.leader.services.package import fellow_nats_url
 from silentswarm.settings import Settings
 from silentswarm.types.onboarding import JoinSessionCreated
@@ -47,6 +49,29 @@ def test_the_nats_url_a_joining_fellow_gets(public_url, public_nats_url, expecte
 )
 def test_reads_behind_a_public_url_need_the_token(env, public):
     assert Settings.from_env(env).reads_public is public
+
+
+FORWARDED = {"x-forwarded-for": "203.0.113.7"}
+
+
+@pytest.mark.parametrize(
+    ("env", "headers", "status"),
+    [
+        ({}, {}, 200),  # on loopback: open to this machine
+        ({}, FORWARDED, 401),  # ... not to a reverse proxy's clients
+        ({}, {"forwarded": "for=203.0.113.7"}, 401),
+        ({}, {"x-real-ip": "203.0.113.7"}, 401),
+        # Behind a proxy without SWARM_PUBLIC_URL (only the NATS address set): still closed.
+        ({"SWARM_PUBLIC_NATS_URL": "wss://swarm.example.org/nats"}, FORWARDED, 401),
+        ({"SWARM_API_PUBLIC_READS": "1"}, FORWARDED, 200),  # asked for: open to all
+        ({"SWARM_API_PUBLIC_READS": "0"}, {}, 401),
+    ],
+)
+def test_reads_open_on_loopback_are_never_opened_through_a_proxy(tmp_path, env, headers, status):
+    settings = Settings.from_env({**env, "SWARM_STATE_DIR": str(tmp_path)})
+    client = TestClient(create_app(settings, nats="nats://127.0.0.1:1"))  # no lifespan
+    answer = client.get("/api/v1/metrics", headers=headers)
+    assert answer.status_code == status, answer.text
 
 
 def session(leader_url: str, nats_url: str) -> JoinSessionCreated:
