@@ -268,11 +268,19 @@ class _Seeds(msgspec.Struct):
     system: str
 
 
+# Attempt users kept per fellow for revocation: a started attempt's user is revoked with its
+# fellow while it may still matter; one of an attempt long over publishes only on subjects
+# nobody reads (the leader drops a stale attempt's messages). Keeping the newest few bounds
+# users.json and the account JWT's revocations (nats-server's 1 MB message limit).
+KEPT_ATTEMPT_KEYS = 4
+
+
 class _Users(msgspec.Struct):
-    """``users.json``: the user keys minted for each fellow (its own, its attempts'), so
-    that releasing a fellow can revoke them all."""
+    """``users.json``: the user keys minted for each fellow: its own (``fellows``, every
+    one) and its newest attempts' (``attempts``), so that releasing a fellow revokes them."""
 
     fellows: dict[str, list[str]] = msgspec.field(default_factory=dict)
+    attempts: dict[str, list[str]] = msgspec.field(default_factory=dict)
 
 
 def write_private(path: Path, text: str) -> None:
@@ -365,16 +373,22 @@ class NatsAuthority:
         except msgspec.DecodeError as exc:
             raise NatsAuthError(f"{self._users_path} is damaged ({exc})") from None
 
-    def _record_user(self, fellow_id: str, creds: str) -> None:
+    def _record_user(self, fellow_id: str, creds: str, *, attempt: bool = False) -> None:
         key = creds_user_key(creds)
         with self._locked():
             users = self._read_users()
-            users.fellows.setdefault(fellow_id, []).append(key)
+            if attempt:
+                kept = [*users.attempts.get(fellow_id, []), key][-KEPT_ATTEMPT_KEYS:]
+                users.attempts[fellow_id] = kept
+            else:
+                users.fellows.setdefault(fellow_id, []).append(key)
             write_private(self._users_path, msgspec.json.encode(users).decode())
 
     def fellow_user_keys(self, fellow_id: str) -> list[str]:
-        """The public keys of every user minted here for ``fellow_id`` and not revoked."""
-        return list(self._read_users().fellows.get(fellow_id, []))
+        """The public keys of the users minted here for ``fellow_id`` that a release revokes:
+        its own, and its newest attempts' (:data:`KEPT_ATTEMPT_KEYS`)."""
+        users = self._read_users()
+        return [*users.fellows.get(fellow_id, []), *users.attempts.get(fellow_id, [])]
 
     def revocations(self) -> dict[str, int]:
         """The revoked user keys: key -> unix time (users of it issued until then)."""
@@ -394,12 +408,13 @@ class NatsAuthority:
             revoked = merge_revocations(self.revocations(), keys)
             write_private(self._revocations_path, msgspec.json.encode(revoked).decode())
             users = self._read_users()
-            for fellow_id, held in list(users.fellows.items()):
-                left = [k for k in held if k not in revoked]
-                if left:
-                    users.fellows[fellow_id] = left
-                else:
-                    del users.fellows[fellow_id]
+            for table in (users.fellows, users.attempts):
+                for fellow_id, held in list(table.items()):
+                    left = [k for k in held if k not in revoked]
+                    if left:
+                        table[fellow_id] = left
+                    else:
+                        del table[fellow_id]
             write_private(self._users_path, msgspec.json.encode(users).decode())
             # Under the lock too: concurrent revokes (the leader revokes in threads) would
             # share server.conf's temporary file, and a slower one preload fewer revocations.
@@ -513,7 +528,7 @@ class NatsAuthority:
             n_stages=n_stages,
         )
         creds = self.user_creds(attempt_user_name(fellow_id, job_id, attempt), perms)
-        self._record_user(fellow_id, creds)
+        self._record_user(fellow_id, creds, attempt=True)
         return creds
 
     def write_creds(self, path: Path, name: str, perms: Permissions) -> Path:

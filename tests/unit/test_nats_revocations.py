@@ -19,6 +19,7 @@ from silentswarm.leader.services.fleet import FleetService
 from silentswarm.leader.services.package import BootstrapPackage
 from silentswarm.leader.storage import StorageMonitor
 from silentswarm.natsauth import (
+    KEPT_ATTEMPT_KEYS,
     NatsAuthority,
     account_claims,
     creds_user_key,
@@ -113,6 +114,26 @@ def test_revoking_a_fellow_revokes_every_user_minted_for_it(tmp_path):
     assert jwt_revocations(preloaded) == authority.revocations()
     # Revocations the server knows and this directory lost are taken back.
     assert jwt_revocations(authority.account_jwt({UA: 99}))[UA] == 99
+
+
+def test_a_fellow_keeps_its_newest_attempt_users_only(tmp_path):
+    """Revocations stay bounded: a fellow that ran many attempts is revoked with its own
+    users and its newest KEPT_ATTEMPT_KEYS attempts' (older ones' subjects are dead)."""
+    authority = NatsAuthority.load_or_create(tmp_path / "auth")
+    own = creds_user_key(authority.fellow_creds("swarm", "f1"))
+    attempts = [
+        creds_user_key(
+            authority.attempt_creds(
+                "swarm", fellow_id="f1", job_id="j1", attempt=n, stage=0, n_stages=1
+            )
+        )
+        for n in range(1, 11)
+    ]
+    assert authority.fellow_user_keys("f1") == [own, *attempts[-KEPT_ATTEMPT_KEYS:]]
+    assert sorted(authority.revoke_fellow("f1", at=7)) == sorted(
+        [own, *attempts[-KEPT_ATTEMPT_KEYS:]]
+    )
+    assert authority.fellow_user_keys("f1") == []
 
 
 def test_server_config_keeps_account_jwts_in_a_full_resolver(tmp_path):
