@@ -33,6 +33,7 @@ T = TypeVar("T")
 
 GIB = 1024**3
 TF_PROBE_TIMEOUT_S = 120.0
+SPEED_PROBE_TIMEOUT_S = 180.0
 
 
 def limits_from(settings: Settings) -> FellowLimits:
@@ -70,14 +71,60 @@ def probe_tensorflow_gpus(timeout: float = TF_PROBE_TIMEOUT_S) -> tuple[int | No
         return None, f"unreadable probe output ({exc})"
 
 
+def probe_compute_speed(
+    timeout: float = SPEED_PROBE_TIMEOUT_S,
+    *,
+    threads: int | None = None,
+    prefix: list[str] | None = None,
+) -> tuple[float | None, str | None]:
+    """(standard blocks trained per second, None) or (None, why the probe failed).
+
+    Blocks for seconds (it imports TensorFlow in a subprocess): run it in a thread.
+    ``prefix`` goes in front of the command (a benchmark puts the probe in a cgroup)."""
+    argv = [sys.executable, "-m", "silentswarm.agent.runtime.speedprobe"]
+    if threads:
+        argv += ["--threads", str(threads)]
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    try:
+        done = subprocess.run(
+            [*(prefix or []), *argv],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        return None, last[:300]
+    try:
+        speed = float(json.loads(done.stdout.strip().splitlines()[-1])["compute_speed"])
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        return None, f"unreadable probe output ({exc})"
+    if not 0 < speed <= 1e6:
+        return None, f"probe measured {speed}: out of bounds"
+    return speed, None
+
+
 class HardwareProbe:
     """Takes snapshots; initialises NVML once and shuts it down on close."""
 
-    def __init__(self, hostname: str | None = None, limits: FellowLimits | None = None) -> None:
+    def __init__(
+        self,
+        hostname: str | None = None,
+        limits: FellowLimits | None = None,
+        compute_speed: float | None = None,
+    ) -> None:
+        """``compute_speed``: the operator's figure (SWARM_FELLOW_COMPUTE_SPEED); None: the
+        agent measures it (:meth:`probe_speed`)."""
         self.hostname = hostname or socket.gethostname()
         self.limits = limits or FellowLimits()
         self.tf_gpu_count: int | None = None
         self.tf_probe_error: str | None = None
+        self.compute_speed = compute_speed
+        self.speed_declared = compute_speed is not None
         self._net = (time.monotonic(), psutil.net_io_counters())
         self.nvml_error: str | None = None
         try:
@@ -103,6 +150,7 @@ class HardwareProbe:
             nvml_error=self.nvml_error,
             tf_gpu_count=self.tf_gpu_count,
             tf_probe_error=self.tf_probe_error,
+            compute_speed=self.compute_speed,
             limits=msgspec.structs.replace(self.limits),
         )
 
@@ -117,6 +165,17 @@ class HardwareProbe:
             log.warning("TensorFlow GPU probe failed: %s", self.tf_probe_error)
         else:
             log.info("TensorFlow sees %d GPU(s)", self.tf_gpu_count)
+
+    def probe_speed(self) -> None:
+        """Measure the compute speed (seconds: it imports TensorFlow), unless declared."""
+        if self.speed_declared:
+            return
+        speed, error = probe_compute_speed()
+        if error:
+            log.warning("compute speed probe failed: %s", error)
+        else:
+            self.compute_speed = speed
+            log.info("compute speed: %.3g standard blocks/s", speed)
 
     def _net_rates(self) -> tuple[float, float]:
         """Bytes/s sent and received since the previous snapshot (all interfaces)."""

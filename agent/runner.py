@@ -103,7 +103,9 @@ class FellowAgent:
         self.nats = nats
         self.nats_url = nats.url
         self.prefix = settings.subject_prefix
-        self.probe = probe or HardwareProbe(limits=limits_from(settings))
+        self.probe = probe or HardwareProbe(
+            limits=limits_from(settings), compute_speed=settings.fellow_compute_speed
+        )
         self.identity = FellowIdentity(
             fellow_id=fellow_id,
             instance_id=uuid.uuid4().hex[:16],
@@ -188,8 +190,7 @@ class FellowAgent:
             asyncio.create_task(self._heartbeats(stop), name="heartbeats"),
             asyncio.create_task(watchdog_forever(), name="systemd-watchdog"),
         ]
-        if self.probe.sees_gpus:
-            tasks.append(asyncio.create_task(self._probe_tensorflow(), name="tf-gpu-probe"))
+        tasks.append(asyncio.create_task(self._probe_devices(), name="device-probes"))
         shipping = asyncio.create_task(
             self.shipper.run(self.nc, self.prefix, stop), name="log-shipper"
         )
@@ -286,11 +287,18 @@ class FellowAgent:
         except (NatsError, TimeoutError, ProtocolError) as exc:
             log.warning("could not deregister (%s); the leader will time us out", exc)
 
-    async def _probe_tensorflow(self) -> None:
-        """NVML sees GPUs: learn which TensorFlow can use, then say so at once."""
-        await asyncio.to_thread(self.probe.probe_tensorflow)
-        if self._registered.is_set():
-            await self._send_heartbeat()
+    async def _probe_devices(self) -> None:
+        """Where NVML sees GPUs, learn which TensorFlow can use; then measure the compute
+        speed on the device a stage would train on (unless the operator declared it). Each
+        answer goes to the leader at once."""
+        if self.probe.sees_gpus:
+            await asyncio.to_thread(self.probe.probe_tensorflow)
+            if self._registered.is_set():
+                await self._send_heartbeat()
+        if not self.probe.speed_declared:
+            await asyncio.to_thread(self.probe.probe_speed)
+            if self._registered.is_set():
+                await self._send_heartbeat()
 
     # --- heartbeats ------------------------------------------------------------------------
 
@@ -622,6 +630,7 @@ class FellowAgent:
             val_loss=event.val_loss,
             lr=event.lr,
             step_time_s=event.step_time_s,
+            wait_s=event.wait_s,
             tokens_per_s=event.tokens_per_s,
             bytes_sent=self.bytes_sent,
             bytes_received=self.bytes_received,

@@ -58,6 +58,7 @@ def candidate(record: FellowRecord) -> Candidate:
         gpus=tuple(usable_gpus(hw)),
         pool=record.pool,
         labels=record.labels,
+        compute_speed=record.measured_speed or hw.compute_speed,
     )
 
 

@@ -99,13 +99,15 @@ def plan_schedule(
     fleet: Iterable[FellowRecord] = (),
     held: Mapping[tuple[str, str], Held] | None = None,
     account_of: AccountLookup = no_accounts,
+    links: Mapping[tuple[str, str], float] | None = None,
 ) -> tuple[list[Assignment], dict[str, str]]:
     """Place pending jobs, oldest first, on idle fellows of their pool with their labels.
 
     A job that does not fit keeps waiting (with the reason) and does not block younger
     jobs that fit on what is left. ``fleet`` (every known fellow) explains a pool too few
     fellows fit; ``held`` is what each owner's placed jobs hold per pool and ``account_of``
-    its account, whose pool limits a job must stay within (:mod:`silentswarm.leader.pools`).
+    its account, whose pool limits a job must stay within (:mod:`silentswarm.leader.pools`);
+    ``links`` (fellow pair -> measured Mbit/s) orders ``balanced`` jobs' stages.
     """
     pools = by_pool(fleet)
     held = dict(held or {})
@@ -121,7 +123,12 @@ def plan_schedule(
             waiting[job.job_id] = f"waiting: {allowance.reason}"
             continue
         result = place(
-            job.spec, free, defaults, ranges=job.layer_ranges, max_stages=allowance.max_stages
+            job.spec,
+            free,
+            defaults,
+            ranges=job.layer_ranges,
+            max_stages=allowance.max_stages,
+            links=links,
         )
         if isinstance(result, Unplaceable):
             note = ""

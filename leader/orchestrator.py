@@ -31,7 +31,7 @@ from nats.js.kv import KeyValue
 from silentswarm import subjects as topics
 from silentswarm.errors import NotFoundError
 from silentswarm.jobspec import stage_plans
-from silentswarm.leader import decide, initsource, retention
+from silentswarm.leader import balance, decide, initsource, retention
 from silentswarm.leader.admission import RateLimiter, Verdict
 from silentswarm.leader.bus import LeaderBus
 from silentswarm.leader.datasets import DatasetStore
@@ -93,6 +93,9 @@ class Orchestrator:
         # Mints each placed stage of each attempt its own NATS user (None: no NATS users).
         self.authority = authority
         self.progress_limit = RateLimiter(PROGRESS_PER_S, PROGRESS_BURST)
+        # (upstream fellow, downstream fellow) -> the latest measured Mbit/s between them
+        # (the slower direction), from the stages' calibrations: orders balanced jobs.
+        self.links: dict[tuple[str, str], float] = {}
         self.exports = exports
         # Where the uploaded datasets a stage 0 downloads are (needs ``exports``' tokens).
         self.datasets = datasets
@@ -317,6 +320,7 @@ class Orchestrator:
             fleet=fleet,
             held=holdings(self.jobs.list(), starting=self.jobs.starting),
             account_of=self.account_of,
+            links=self.links,
         )
         self.jobs.set_waiting(waiting)
         for assignment in assignments:
@@ -459,11 +463,42 @@ class Orchestrator:
         if self.on_progress is not None:
             self.on_progress(progress)
         job = self.jobs.record_progress(progress)
+        if job is not None:
+            self._learn(job, progress)
         if job is not None and job.terminal:
             self.job_ended(job)
             self.wake()
         elif job is not None and job.state is JobState.PENDING:  # resumed
             self.wake()
+
+    def _learn(self, job: JobRecord, progress: Progress) -> None:
+        """What a step record tells of its fellow, for the next ``balanced`` placement: its
+        speed (the step's work, its time less its waits; kept smoothed in the registry; the
+        first steps compile and are left out) and its downstream link's measured rate
+        (kept per fellow pair, in memory)."""
+        if job.placement is None:
+            return
+        stages = job.placement.stages
+        placed = next((s for s in stages if s.stage == progress.stage), None)
+        if placed is None or placed.fellow_id != progress.fellow_id:
+            return
+        if progress.down_link is not None:
+            measured = balance.boundary_link(stages, progress.down_link)
+            if measured is not None:
+                pair, rate = measured
+                self.links[pair] = rate
+        busy = balance.stage_busy_s(progress)
+        if busy is None:
+            return
+        speed = balance.measured_speed(
+            job.spec.model,
+            batch_size=job.spec.batch_size,
+            layers=placed.layer_end - placed.layer_start,
+            last=placed.stage == len(stages) - 1,
+            busy_s=busy,
+        )
+        if speed is not None:
+            self.registry.record_speed(progress.fellow_id, speed)
 
     # --- what the domain services ask of the loop (leader.services) -------------------------
 

@@ -12,7 +12,10 @@ each fellow offers: :mod:`silentswarm.telemetry`). The rules:
 - The job takes the best ranked fellows; with ``largest_vram`` the best one runs the last
   stage (head, logits and loss are the largest), with ``preserve`` the ranked order stays.
 - Layers are split equally, or (``weighted``) in proportion to each fellow's aggregate
-  eligible free memory, every stage getting at least one layer.
+  eligible free memory, or (``balanced``) to even out the stages' times by each fellow's
+  measured compute speed within its memory (:mod:`silentswarm.leader.balance`), every stage
+  getting at least one layer. A ``balanced`` job's stages are ordered along the fellows'
+  fastest measured links where the leader has measured any.
 - Inside a fellow, ``gpu_slots`` split its layers over its eligible GPUs by free VRAM, the
   GPU with the most free memory last, so it also hosts the head on the last stage.
 - Every stage and every slot must fit its memory estimate (:mod:`silentswarm.leader.memory`); a job
@@ -22,12 +25,14 @@ each fellow offers: :mod:`silentswarm.telemetry`). The rules:
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import msgspec
 
 from silentswarm.jobspec import JobSpec, LastStagePlacement, Partition, PlacedStage, Placement
 from silentswarm.leader import pools
+from silentswarm.leader.balance import balanced_sizes, chain_order, head_blocks, ranges_of
 from silentswarm.leader.memory import (
     CPU_RUNTIME_BYTES,
     GPU_RUNTIME_BYTES,
@@ -63,6 +68,9 @@ class Candidate(msgspec.Struct, kw_only=True, frozen=True):
     gpus: tuple[GpuInfo, ...] = ()  # usable by TensorFlow, free VRAM cut to the cap
     pool: str = DEFAULT_POOL
     labels: dict[str, str] = msgspec.field(default_factory=dict)
+    # Standard blocks per second (protocol.ComputeSpeed): measured from its stages' step
+    # times where it ran any, else its start-up probe; None: unknown.
+    compute_speed: float | None = None
 
 
 class Unplaceable(msgspec.Struct, kw_only=True, frozen=True):
@@ -91,12 +99,14 @@ def place(
     *,
     ranges: list[tuple[int, int]] | None = None,
     max_stages: int | None = None,
+    links: Mapping[tuple[str, str], float] | None = None,
 ) -> Placement | Unplaceable:
     """A placement for ``spec`` on some of ``candidates``, or why there is none now.
 
     ``ranges`` fixes the stages' layer ranges (a resumed job keeps its boundaries);
     ``max_stages`` caps how many fellows a job that takes every ready one may take (its
-    account's limit)."""
+    account's limit); ``links`` (fellow pair -> measured Mbit/s) orders a ``balanced`` job's
+    stages (:func:`silentswarm.leader.balance.chain_order`)."""
     candidates = [c for c in candidates if pools.fits(c.pool, c.labels, spec)]
     gpus = {c.fellow_id: eligible_gpus(c, spec, defaults) for c in candidates}
     with_gpu = sorted(
@@ -108,7 +118,6 @@ def place(
         key=lambda c: (-c.ram_available_bytes, c.fellow_id),
     )
     ranked = with_gpu + cpu_only
-    layers = spec.model.n_layers
     wanted, need = _stage_count(spec, len(ranked), ranges, max_stages)
     if len(ranked) < need:
         return _too_few(spec, need, len(ranked))
@@ -116,6 +125,8 @@ def place(
     last_rule = spec.pipeline_last_stage_placement or defaults.last_stage
     if last_rule == LastStagePlacement.LARGEST_VRAM and len(chosen) > 1:
         chosen = [*chosen[1:], chosen[0]]  # the best ranked runs the last stage
+    if spec.partition == Partition.BALANCED and ranges is None and links:
+        chosen = _along_links(chosen, links, keep_last=last_rule == LastStagePlacement.LARGEST_VRAM)
     transport = spec.transport or Transport.AUTO  # the leader fills it in at submit
     missing = [c.fellow_id for c in chosen[1:] if not c.data_address]
     if missing and transport == Transport.P2P:
@@ -125,17 +136,9 @@ def place(
         )
     if missing and transport == Transport.AUTO:
         transport = Transport.TUNNEL
-
-    def capacity(c: Candidate) -> int:
-        own = gpus[c.fellow_id]
-        return sum(g.memory_free_bytes for g in own) if own else c.ram_available_bytes
-
-    if ranges is not None:
-        ranges = [tuple(r) for r in ranges]
-    elif spec.partition == Partition.WEIGHTED and len(chosen) > 1:
-        ranges = weighted_ranges(layers, [capacity(c) for c in chosen])
-    else:
-        ranges = split_layers(layers, len(chosen))
+    ranges = _ranges(spec, chosen, gpus, ranges)
+    if isinstance(ranges, Unplaceable):
+        return ranges
     per_host = Counter(c.hostname for c in chosen)
     micro_batches, in_flight = spec.memory_schedule()
     stages = []
@@ -168,6 +171,87 @@ def _stage_count(
     if spec.stages is None and max_stages is not None:
         wanted = min(wanted, max_stages)
     return wanted, max(wanted, spec.min_stages)
+
+
+def _along_links(
+    chosen: list[Candidate], links: Mapping[tuple[str, str], float], *, keep_last: bool
+) -> list[Candidate]:
+    by_id = {c.fellow_id: c for c in chosen}
+    last = chosen[-1].fellow_id if keep_last else None
+    return [by_id[f] for f in chain_order(list(by_id), links, last=last)]
+
+
+def _ranges(
+    spec: JobSpec,
+    chosen: list[Candidate],
+    gpus: dict[str, list[GpuInfo]],
+    fixed: list[tuple[int, int]] | None,
+) -> list[tuple[int, int]] | Unplaceable:
+    """The stages' layer ranges: ``fixed`` ones (a resumed job's), or by the job's partition."""
+    if fixed is not None:
+        return [tuple(r) for r in fixed]
+    layers = spec.model.n_layers
+
+    def capacity(c: Candidate) -> int:
+        own = gpus[c.fellow_id]
+        return sum(g.memory_free_bytes for g in own) if own else c.ram_available_bytes
+
+    if spec.partition == Partition.WEIGHTED and len(chosen) > 1:
+        return weighted_ranges(layers, [capacity(c) for c in chosen])
+    if spec.partition == Partition.BALANCED and len(chosen) > 1:
+        return _balanced_ranges(spec, chosen, gpus)
+    return split_layers(layers, len(chosen))
+
+
+def _balanced_ranges(
+    spec: JobSpec, chosen: list[Candidate], gpus: dict[str, list[GpuInfo]]
+) -> list[tuple[int, int]] | Unplaceable:
+    """Layers by measured speed within each fellow's memory; equal when no speed is known
+    (a fellow without one counts at the others' mean)."""
+    known = [c.compute_speed for c in chosen if c.compute_speed]
+    if not known:
+        return split_layers(spec.model.n_layers, len(chosen))
+    fill = sum(known) / len(known)
+    speeds = [c.compute_speed or fill for c in chosen]
+    caps = [_layer_cap(spec, i, len(chosen), c, gpus[c.fellow_id]) for i, c in enumerate(chosen)]
+    # 1F1B's fill and drain count with a fixed micro-batch count; under "auto" (unknown
+    # yet) or the overlap schedule only the slowest stage does.
+    fixed = isinstance(spec.micro_batches, int) and not spec.overlap
+    sizes = balanced_sizes(
+        spec.model.n_layers,
+        speeds,
+        caps=caps,
+        last_extra=head_blocks(spec.model),
+        micro_batches=spec.micro_batches if fixed else None,
+    )
+    if sizes is None:
+        return Unplaceable(
+            reason=f"no split of {spec.model.n_layers} layers fits the fellows' memory "
+            f"(at most {', '.join(map(str, caps))} layers per stage)"
+        )
+    return ranges_of(sizes)
+
+
+def _layer_cap(spec: JobSpec, i: int, n: int, c: Candidate, gpus: list[GpuInfo]) -> int:
+    """The most layers stage ``i`` of ``n`` fits in the fellow's memory (all its eligible
+    GPUs together, or its RAM), by the same estimate the stage is checked against."""
+    micro_batches, in_flight = spec.memory_schedule()
+    one = stage_memory(
+        spec.model,
+        batch_size=spec.batch_size,
+        micro_batches=micro_batches,
+        stage=i,
+        n_stages=n,
+        layers=1,
+        in_flight=in_flight,
+        overlap=spec.overlap,
+    )
+    if gpus:
+        room = sum(g.memory_free_bytes for g in gpus) - GPU_RUNTIME_BYTES * len(gpus)
+    else:
+        room = c.ram_available_bytes - CPU_RUNTIME_BYTES
+    room -= one.first_extra + one.last_extra
+    return max(0, room // max(1, one.per_layer[0]))
 
 
 def _too_few(spec: JobSpec, need: int, available: int) -> Unplaceable:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import msgspec
 
 from silentswarm.errors import ErrorCode
+from silentswarm.leader.balance import smoothed
 from silentswarm.leader.hostview import HostFellow, merge_host
 from silentswarm.lifecycle import FellowEvent, can_go_offline, next_status
 from silentswarm.protocol import (
@@ -254,6 +255,13 @@ class FellowRegistry:
         return made
 
     # --- reads -----------------------------------------------------------------------------
+
+    def record_speed(self, fellow_id: str, speed: float) -> None:
+        """A speed the fellow's stage showed: smoothed into its record. Not marked dirty (it
+        changes every step); the store keeps it whenever it next writes the record."""
+        entry = self._entries.get(fellow_id)
+        if entry is not None:
+            entry.record.measured_speed = smoothed(entry.record.measured_speed, speed)
 
     def get(self, fellow_id: str) -> FellowRecord | None:
         entry = self._entries.get(fellow_id)

@@ -40,6 +40,9 @@ T = TypeVar("T")
 class Partition(enum.StrEnum):
     EQUAL = "equal"  # the same number of layers per stage (earlier stages take the remainder)
     WEIGHTED = "weighted"  # layers in proportion to each fellow's capacity
+    # layers that even out the stages' times by each fellow's measured compute speed, within
+    # its memory (silentswarm.leader.balance)
+    BALANCED = "balanced"
 
 
 class LastStagePlacement(enum.StrEnum):

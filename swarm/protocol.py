@@ -38,6 +38,12 @@ Text = Annotated[str, msgspec.Meta(max_length=4096)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
 Bytes = Annotated[int, msgspec.Meta(ge=0, le=2**60)]  # an exabyte: more than any machine
 Rate = Annotated[float, msgspec.Meta(ge=0.0, le=1e15)]
+# Standard transformer blocks (gpt2, d_model 256, seq 128, batch 8, fp32) trained per second,
+# forward and backward (silentswarm.agent.runtime.speedprobe). Steers placement only: a fellow
+# that overstates it slows its own jobs, it gains nothing else.
+ComputeSpeed = Annotated[float, msgspec.Meta(gt=0.0, le=1e6)]
+# The standard block of ComputeSpeed (gpt2 family, mlp_ratio 4), and its batch.
+SPEED_UNIT_D_MODEL, SPEED_UNIT_SEQ_LEN, SPEED_UNIT_HEADS, SPEED_UNIT_BATCH = 256, 128, 4, 8
 MAX_GPUS = 64
 # How long a fellow's account of a missing final export may be (StageOutcome.export_error).
 EXPORT_ERROR_CHARS = 1024
@@ -89,6 +95,9 @@ class HardwareSnapshot(msgspec.Struct, kw_only=True, gc=False):
     # probed (NVML saw no GPU, so there was nothing to check) or the probe is still running.
     tf_gpu_count: Annotated[int, msgspec.Meta(ge=0, le=MAX_GPUS)] | None = None
     tf_probe_error: Text | None = None
+    # Measured at agent start (or set by the operator, SWARM_FELLOW_COMPUTE_SPEED); None until
+    # the probe answers, or when it failed.
+    compute_speed: ComputeSpeed | None = None
     limits: FellowLimits = msgspec.field(default_factory=FellowLimits)
     taken_at: float = msgspec.field(default_factory=time.time)
 
@@ -315,6 +324,9 @@ class Progress(Message, kw_only=True):
     val_loss: float | None = None
     lr: float | None = None
     step_time_s: float | None = None
+    # Of step_time_s, the seconds the stage waited on its peers: the rest is its own work,
+    # from which the leader learns the fellow's compute speed (balanced partitions).
+    wait_s: Annotated[float, msgspec.Meta(ge=0.0, le=1e9)] | None = None
     tokens_per_s: float | None = None
     bytes_sent: Bytes = 0  # over both boundaries of the stage, since it started
     bytes_received: Bytes = 0

@@ -76,6 +76,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     fellow_max_vram_gb: float | None = None
     fellow_max_memory_gb: float | None = None
     fellow_max_network_mbps: float | None = None
+    # The fellow's compute speed as the operator states it (standard blocks per second,
+    # protocol.ComputeSpeed); unset: measured by a short probe at agent start.
+    fellow_compute_speed: float | None = None
     # The pool the fellow is in (unset: "default") and its labels ("gpu=a100,zone=eu"): a
     # job runs only on fellows of its pool that carry all its labels (silentswarm.pools).
     fellow_pool: PoolName | None = None
@@ -146,6 +149,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"{env_name(name)}={value}: must be > 0 (unset: no cap)")
+        _check_compute_speed(self.fellow_compute_speed)
         parse_labels(self.fellow_labels, source=env_name("fellow_labels"))
         if self.placement_min_gpu_free_gb < 0:
             raise ConfigError(f"{env_name('placement_min_gpu_free_gb')} must be >= 0")
@@ -277,6 +281,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 
 def env_name(field: str) -> str:
     return ENV_PREFIX + field.upper()
+
+
+def _check_compute_speed(speed: float | None) -> None:
+    if speed is not None and not 0 < speed <= 1e6:
+        raise ConfigError(
+            f"{env_name('fellow_compute_speed')}={speed}: must be > 0 and <= 1e6 (unset: measured)"
+        )
 
 
 def _check_port(field: str, port: int) -> None:

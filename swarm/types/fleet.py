@@ -51,6 +51,9 @@ class FellowRecord(msgspec.Struct, kw_only=True, gc=False):
     # before pools existed are in the default pool.
     pool: str = DEFAULT_POOL
     labels: dict[str, str] = msgspec.field(default_factory=dict)
+    # Standard blocks per second its stages' step times showed, smoothed
+    # (silentswarm.leader.balance.measured_speed); placement prefers it to the start-up probe's.
+    measured_speed: float | None = None
 
 
 class NodeView(msgspec.Struct, kw_only=True):

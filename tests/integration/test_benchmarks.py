@@ -249,3 +249,18 @@ def test_serve_benchmark_quick():
     assert set(figures["kv_cache_speedup"]) == {"1", "8"}
     assert set(figures["batching_speedup"]) == {"kv_cache", "no_kv_cache"}
     assert all(positive(v) for v in figures["kv_cache_speedup"].values())
+
+
+@pytest.mark.timeout(240)
+def test_replicas_benchmark_quick_places_by_speed():
+    figures = run_quick("replicas", "--only", "placement", timeout=200)
+    assert figures["bench"] == "replicas" and figures["quick"] is True
+    assert figures["runs"] == []  # stage replicas are not built
+    placement = figures["placement"]
+    for key in ("equal_tokens_per_s", "balanced_tokens_per_s", "best_tokens_per_s"):
+        assert positive(placement[key]), key
+    assert placement["best_tokens_per_s"] >= placement["balanced_tokens_per_s"]
+    assert sum(placement["balanced_split"]) == 8
+    assert all(positive(v) for v in placement["probed_speeds"].values())
+    assert all(positive(v) for v in placement["measured_speeds"].values())
+    assert sorted(placement["stage_order"]) == ["fast", "slow"]

@@ -121,8 +121,11 @@ def submit(
         bool, Parameter(help="Follow the job until it ends (the view of swarm watch)")
     ] = False,
     partition: Annotated[
-        Literal["equal", "weighted"] | None,
-        Parameter(help="Override the spec's partition: equal layers, or weighted by memory"),
+        Literal["equal", "weighted", "balanced"] | None,
+        Parameter(
+            help="Override the spec's partition: equal layers, weighted by memory, or "
+            "balanced by measured speed"
+        ),
     ] = None,
     options: LeaderOptions = LEADER,
     ctx: Ctx,

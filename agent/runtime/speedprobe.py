@@ -1,0 +1,79 @@
+"""``python -m silentswarm.agent.runtime.speedprobe``: the fellow's compute speed, as JSON.
+
+Trains one standard transformer block (gpt2, d_model 256, seq 128, batch 8, fp32: the
+unit of :data:`silentswarm.protocol.ComputeSpeed`), forward and backward through a compiled
+step, on the device a stage would train on (TensorFlow's default: the first GPU it sees,
+else the CPU), for about ``--seconds`` after two warm-up passes, and prints
+``{"compute_speed": passes per second}``. The agent runs it once at start in a subprocess
+(it never imports TensorFlow itself), bounded by a timeout; the leader's ``balanced``
+partition splits layers by it until the fellow's own stages have measured better.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from silentswarm.plan import ModelConfig
+from silentswarm.protocol import (
+    SPEED_UNIT_BATCH,
+    SPEED_UNIT_D_MODEL,
+    SPEED_UNIT_HEADS,
+    SPEED_UNIT_SEQ_LEN,
+)
+
+STANDARD = ModelConfig(
+    d_model=SPEED_UNIT_D_MODEL, seq_len=SPEED_UNIT_SEQ_LEN, n_heads=SPEED_UNIT_HEADS, n_layers=1
+)
+BATCH = SPEED_UNIT_BATCH
+WARMUP_PASSES = 2
+MAX_PASSES = 200
+
+
+def measure(seconds: float, threads: int | None) -> float:
+    """Passes per second of the standard block's training step."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import tensorflow as tf
+
+    if threads:
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+    from silentswarm.agent.runtime.model import block
+
+    layer = block(STANDARD, job_seed=0, layer=0, name="probe")
+    x = tf.random.stateless_normal((BATCH, STANDARD.seq_len, STANDARD.d_model), seed=(1, 2))
+    layer(x)  # build
+
+    @tf.function(jit_compile=True)
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(layer(x, training=True)))
+        grads = tape.gradient(loss, layer.trainable_variables)
+        return loss + tf.add_n([tf.reduce_sum(g) for g in grads])
+
+    for _ in range(WARMUP_PASSES):
+        step(x).numpy()
+    passes, start = 0, time.perf_counter()
+    while passes < MAX_PASSES:
+        step(x).numpy()
+        passes += 1
+        if time.perf_counter() - start >= seconds:
+            break
+    return passes / (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=2.0, help="timed passes for about this")
+    parser.add_argument("--threads", type=int, default=None, help="intra-op threads")
+    args = parser.parse_args()
+    speed = measure(max(0.1, args.seconds), args.threads)
+    print(json.dumps({"compute_speed": round(speed, 4)}))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

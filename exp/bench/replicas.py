@@ -1,0 +1,291 @@
+"""Replicas benchmark; for now its placement part: a balanced split on unequal fellows.
+
+Placement: an 8-block model on two stage processes, one at 100% of a core and one held to
+50% by a cgroup v1 CPU quota (``cpu.cfs_quota_us`` 50000 over a 100000 period; the group is
+made for the run and removed after), every process with 1 intra-op thread, 4 micro-batches.
+
+1. Each fellow's speed is probed (``silentswarm.agent.hardware.probe_compute_speed``, the
+   agent's own probe, the slow one inside the quota); the leader's ``place()`` with
+   ``"partition": "balanced"`` gives the stage order and the probe's split.
+2. A first job runs the equal split; its stages' step records (step time less waits) give
+   each fellow's measured speed through the leader's own ``balance.measured_speed``, as the
+   leader learns it; ``place()`` with those speeds gives the **balanced** split (what the
+   leader places once it has run a job on the fellows).
+3. Every contiguous split of the 8 blocks over that stage order (1-7 ... 7-1) trains as a real
+   2-stage pipeline (loopback ZeroMQ), in short rounds whose order alternates; each split's
+   figure is the median over rounds of its slowest stage's steady tokens/s. ``equal`` is the
+   4-4 split, ``balanced`` the split of step 2, ``best`` the best of all (so balanced and
+   equal are measured in the same rounds as the others, side by side); the probe's split is
+   reported beside them.
+
+``runs`` (the replica arms: stage replicas against a single chain) comes with stage
+replicas, which are not built: it stays an empty list.
+
+The last line is one JSON object with every figure.
+
+    python exp/bench/replicas.py --only placement            # the full run (~15 minutes)
+    python exp/bench/replicas.py --only placement --quick    # a smoke run (< 60 s): a small
+        # model, one round, only the equal split (the first job) and the balanced one
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import psutil
+from _common import emit, load_avg, verdict  # puts the repo on sys.path
+
+from silentswarm.agent.hardware import probe_compute_speed
+from silentswarm.agent.runtime.launch import done, run_plans
+from silentswarm.jobspec import JobSpec, Partition
+from silentswarm.leader import balance
+from silentswarm.leader.placement import Candidate, Unplaceable, place
+from silentswarm.plan import ModelConfig, TrainConfig, Transport, chain_plans
+from silentswarm.procs import free_port
+
+CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
+PERIOD_US = 100_000
+SLOW_SHARE = 0.5
+FAST, SLOW = "fast", "slow"
+
+
+@contextlib.contextmanager
+def cpu_quota(share: float) -> Iterator[list[str] | None]:
+    """A cgroup v1 CPU group holding its processes to ``share`` of one core: yields the
+    command prefix that puts a process in it (None where cgroups cannot be made: not root,
+    no v1 cpu controller); the group is removed after."""
+    group = CGROUP_CPU / f"swarm-bench-{uuid.uuid4().hex[:8]}"
+    try:
+        group.mkdir()
+        (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+        (group / "cpu.cfs_quota_us").write_text(str(int(PERIOD_US * share)))
+    except OSError as exc:
+        print(f"  no CPU quota ({exc}): both fellows run at full speed", flush=True)
+        with contextlib.suppress(OSError):
+            group.rmdir()
+        yield None
+        return
+    procs = group / "cgroup.procs"
+    try:
+        yield ["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh"]
+    finally:
+        for _ in range(50):  # a process that just exited may still be listed briefly
+            with contextlib.suppress(OSError):
+                group.rmdir()
+                break
+            time.sleep(0.1)
+
+
+def probe_speeds(prefix: list[str] | None) -> dict[str, float]:
+    """Both fellows' probed speeds, one after the other (each fellow probes its own machine;
+    here they share one)."""
+    speeds = {}
+    for name, where in ((FAST, None), (SLOW, prefix)):
+        speed, error = probe_compute_speed(threads=1, prefix=where)
+        if speed is None:
+            raise SystemExit(f"the compute speed probe failed on {name}: {error}")
+        speeds[name] = speed
+    return speeds
+
+
+def stage_speeds(
+    events: list[list[dict[str, Any]]],
+    order: list[str],
+    sizes: list[int],
+    model: ModelConfig,
+    batch_size: int,
+) -> dict[str, float]:
+    """Each fellow's speed as the leader learns it from a run's step records: the median
+    step's work (step time less waits; the first steps compile and are left out), through
+    the leader's own :func:`balance.measured_speed`."""
+    speeds = {}
+    for stage, (name, stage_events) in enumerate(zip(order, events, strict=True)):
+        steps = [e for e in stage_events if e["event"] == "step"][balance.SKIP_STEPS :]
+        busy = statistics.median(e["step_time_s"] - e["wait_s"] for e in steps)
+        speed = balance.measured_speed(
+            model,
+            batch_size=batch_size,
+            layers=sizes[stage],
+            last=stage == len(order) - 1,
+            busy_s=busy,
+        )
+        if speed is None:
+            raise SystemExit(f"stage {stage} ({name}) reported no work")
+        speeds[name] = round(speed, 4)
+    return speeds
+
+
+def balanced_split(model: ModelConfig, train: TrainConfig, speeds: dict[str, float]):
+    """Through the leader's own placement: the stage order and the layer count of each."""
+    ram = psutil.virtual_memory().available
+    candidates = [
+        Candidate(
+            fellow_id=name,
+            hostname=name,
+            data_address=f"tcp://127.0.0.1:{free_port()}",
+            cpu_cores=1,
+            ram_available_bytes=ram,
+            compute_speed=speed,
+        )
+        for name, speed in speeds.items()
+    ]
+    spec = JobSpec(
+        model=model,
+        partition=Partition.BALANCED,
+        allow_cpu=True,
+        stages=2,
+        **msgspec.structs.asdict(train),
+    )
+    placement = place(spec, candidates)
+    if isinstance(placement, Unplaceable):
+        raise SystemExit(f"no balanced placement: {placement.reason}")
+    order = [s.fellow_id for s in placement.stages]
+    return order, placement.stages[0].layer_end
+
+
+def run_split(
+    work: Path,
+    job: str,
+    model: ModelConfig,
+    train: TrainConfig,
+    first: int,
+    slow_stage: int,
+    prefix: list[str] | None,
+) -> list[list[dict[str, Any]]]:
+    """A real 2-stage pipeline with ``first`` blocks on stage 0, stage ``slow_stage`` under
+    the quota: each stage's events."""
+    plans = chain_plans(
+        job_id=job,
+        model=model,
+        train=train,
+        addresses=[None, f"tcp://127.0.0.1:{free_port()}"],
+        transport=Transport.P2P,
+        intra_op_threads=1,
+    )
+    ranges = [(0, first), (first, model.n_layers)]
+    plans = [
+        msgspec.structs.replace(p, layer_start=a, layer_end=b)
+        for p, (a, b) in zip(plans, ranges, strict=True)
+    ]
+    return run_plans(plans, work, command_prefixes={slow_stage: prefix} if prefix else None)
+
+
+def tokens_per_s(events: list[list[dict[str, Any]]]) -> float:
+    """The pipeline's pace: its slowest stage's steady state."""
+    return min(done(s)["tokens_per_s"] for s in events)
+
+
+def placement(work: Path, quick: bool, rounds: int, steps: int) -> dict[str, Any]:
+    model = (
+        ModelConfig(n_layers=8, d_model=128, seq_len=64, n_heads=4)
+        if quick
+        else ModelConfig(n_layers=8, d_model=256, seq_len=128, n_heads=4)
+    )
+    train = TrainConfig(steps=steps, batch_size=8, micro_batches=4, val_every=0, link_probe_every=0)
+    n, equal = model.n_layers, model.n_layers // 2
+    with cpu_quota(SLOW_SHARE) as prefix:
+        probed = probe_speeds(prefix)
+        order, from_probe = balanced_split(model, train, probed)
+        slow = order.index(SLOW)
+        print(
+            f"  probed speeds {probed} (standard blocks/s); stage order {order}; "
+            f"balanced split by the probe {from_probe}-{n - from_probe}",
+            flush=True,
+        )
+        # The first job: equal layers; its step records give the speeds the leader keeps.
+        first = run_split(work, "place-first", model, train, equal, slow, prefix)
+        measured = stage_speeds(first, order, [equal, n - equal], model, train.batch_size)
+        order_again, balanced = balanced_split(model, train, measured)
+        assert order_again == order, (order, order_again)
+        print(
+            f"  measured speeds {measured} (the equal run's step times); balanced split "
+            f"{balanced}-{n - balanced}",
+            flush=True,
+        )
+        splits = sorted({equal, balanced}) if quick else list(range(1, n))
+        per_round: list[dict[int, float]] = []
+        for r in range(rounds):
+            got = {}
+            for k in splits if r % 2 == 0 else splits[::-1]:
+                if quick and k == equal:
+                    got[k] = tokens_per_s(first)  # a smoke run: the first job is the arm
+                else:
+                    got[k] = tokens_per_s(
+                        run_split(work, f"place-{r}-{k}", model, train, k, slow, prefix)
+                    )
+                print(f"  round {r + 1}: split {k}-{n - k} {got[k]:8.0f} tok/s", flush=True)
+            per_round.append(got)
+    med = {k: statistics.median(r[k] for r in per_round) for k in splits}
+    best = max(med, key=med.get)
+    figures = {
+        "equal_tokens_per_s": med[equal],
+        "balanced_tokens_per_s": med[balanced],
+        "best_tokens_per_s": med[best],
+        "balanced_over_equal": med[balanced] / med[equal],
+        "balanced_over_best": med[balanced] / med[best],
+        "balanced_split": [balanced, n - balanced],
+        "best_split": [best, n - best],
+        "probe_split": [from_probe, n - from_probe],
+        "probe_split_tokens_per_s": med.get(from_probe),
+        "stage_order": order,
+        "probed_speeds": probed,
+        "measured_speeds": measured,
+        "quota_applied": prefix is not None,
+        "slow_share": SLOW_SHARE,
+        "micro_batches": train.micro_batches,
+        "splits_tokens_per_s": {f"{k}-{n - k}": v for k, v in med.items()},
+        "rounds": rounds,
+        "steps": steps,
+        "model": msgspec.structs.asdict(model),
+        "per_round": [{str(k): v for k, v in r.items()} for r in per_round],
+    }
+    over_equal, over_best = figures["balanced_over_equal"], figures["balanced_over_best"]
+    verdict("balanced/equal", over_equal, ">= 1.3", over_equal >= 1.3)
+    verdict("balanced/best", over_best, ">= 0.9", over_best >= 0.9)
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smoke run (< 60 s)")
+    parser.add_argument("--only", choices=["placement"], default="placement")
+    parser.add_argument("--rounds", type=int, default=None, help="default 3, quick 1")
+    parser.add_argument("--steps", type=int, default=None, help="steps per run (24, quick 8)")
+    parser.add_argument("--work", type=Path, default=None)
+    args = parser.parse_args()
+    # A SIGTERM runs the finally blocks: the stages stop and the cgroup is removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    rounds = args.rounds or (1 if args.quick else 3)
+    steps = args.steps or (8 if args.quick else 24)
+    started = time.time()
+    with contextlib.ExitStack() as stack:
+        work = args.work or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        work.mkdir(parents=True, exist_ok=True)
+        figures = placement(work, args.quick, rounds, steps)
+    emit(
+        {
+            "bench": "replicas",
+            "quick": args.quick,
+            "runs": [],
+            "placement": figures,
+            "cpus": os.cpu_count(),
+            "load_avg": load_avg(),
+            "seconds": round(time.time() - started, 1),
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()

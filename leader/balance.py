@@ -1,0 +1,267 @@
+"""The ``balanced`` partition: contiguous layer ranges that even out the stages' step times.
+
+Pure. A stage's time is ``(layers + extra) / speed``: ``speed`` is the fellow's measured
+compute speed (standard blocks per second, :data:`silentswarm.protocol.ComputeSpeed`),
+``extra`` the work a stage does beside its blocks, in blocks (the head's matmul on the last
+stage, :func:`head_blocks`). Memory bounds the layers a stage may hold (``caps``, from
+:mod:`silentswarm.leader.memory`). A pipeline runs at the pace of its slowest stage, plus
+the fill and drain of each step (``(m - 1) * max + sum`` over ``m`` micro-batches under
+1F1B), which :func:`balanced_sizes` minimizes.
+
+Every block costs the same, so the least bottleneck is found by handing out layers one at a
+time, each to the stage whose time after taking it is smallest (for costs that grow with the
+count this greedy is optimal: an exchange argument); for a given bottleneck the least sum
+fills the fastest stages first; trying every bottleneck above the least one finds the best
+step. ``tests/unit/test_balance.py`` checks both against every split on small cases.
+
+:func:`chain_order` orders the chosen fellows along the pipeline when their links were
+measured: the order whose slowest boundary is fastest.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+
+from silentswarm.jobspec import PlacedStage
+from silentswarm.leader.memory import block_params
+from silentswarm.plan import ModelConfig
+from silentswarm.protocol import (
+    SPEED_UNIT_BATCH,
+    SPEED_UNIT_D_MODEL,
+    SPEED_UNIT_HEADS,
+    SPEED_UNIT_SEQ_LEN,
+    Progress,
+    ProgressEvent,
+)
+from silentswarm.types.links import LinkStats
+
+# chain_order tries every order up to this many fellows, then keeps the given order.
+MAX_ORDERED = 7
+SPEED_UNIT = ModelConfig(
+    d_model=SPEED_UNIT_D_MODEL, seq_len=SPEED_UNIT_SEQ_LEN, n_heads=SPEED_UNIT_HEADS, n_layers=1
+)
+# Step records of the first steps (tracing, compiling) say nothing of the speed.
+SKIP_STEPS = 3
+# The 1F1B search tries every bottleneck up to this many layers x stages (then: the least
+# bottleneck alone).
+MAX_SEARCH = 16384
+EPSILON = 1e-9
+# A stage's measured speed moves the fellow's kept one this far (exponential smoothing).
+SMOOTHING = 0.3
+
+
+def head_blocks(m: ModelConfig) -> float:
+    """The head's work in blocks: its matmul against a block's, by parameters (both are
+    dense layers over the same tokens, so FLOPs go with parameters)."""
+    return m.d_model * m.vocab_size / block_params(m)
+
+
+def block_work(m: ModelConfig, batch_size: int) -> float:
+    """FLOPs of one block's forward and backward over a batch: six per parameter and token
+    for the dense layers, and the attention scores' ``12 * seq * d`` per token."""
+    tokens = batch_size * m.seq_len
+    return tokens * (6 * block_params(m) + 12 * m.seq_len * m.d_model)
+
+
+def measured_speed(
+    m: ModelConfig, *, batch_size: int, layers: int, last: bool, busy_s: float
+) -> float | None:
+    """A stage's work in standard blocks per second (the unit of the probe's
+    ``compute_speed``): its blocks, and the head on the last stage, over the seconds it
+    worked in a step (its step time less its waits). None when there is nothing to go by."""
+    if busy_s <= 0 or layers < 1:
+        return None
+    blocks = layers + (head_blocks(m) if last else 0.0)
+    unit = block_work(SPEED_UNIT, SPEED_UNIT_BATCH)
+    speed = blocks * block_work(m, batch_size) / unit / busy_s
+    return min(speed, 1e6)
+
+
+def stage_busy_s(progress: Progress) -> float | None:
+    """The seconds a step record's stage worked: its step time less its waits; None for a
+    record without both, or one of the first :data:`SKIP_STEPS` steps (they compile)."""
+    if progress.event is not ProgressEvent.STEP or progress.step <= SKIP_STEPS:
+        return None
+    if progress.step_time_s is None or progress.wait_s is None:
+        return None
+    busy = progress.step_time_s - progress.wait_s
+    return busy if busy > 0 else None
+
+
+def boundary_link(
+    stages: Sequence[PlacedStage], link: LinkStats
+) -> tuple[tuple[str, str], float] | None:
+    """The fellow pair a measured boundary joins (``link.boundary`` is its upstream stage)
+    and its rate: the slower direction's Mbit/s. None for a boundary the placement lacks."""
+    b = link.boundary
+    if not 0 <= b < len(stages) - 1:
+        return None
+    return (stages[b].fellow_id, stages[b + 1].fellow_id), min(link.fwd_mbit_s, link.bwd_mbit_s)
+
+
+def smoothed(kept: float | None, sample: float) -> float:
+    return sample if kept is None else kept + SMOOTHING * (sample - kept)
+
+
+def stage_time(layers: int, speed: float, extra: float = 0.0) -> float:
+    return (layers + extra) / speed
+
+
+def balanced_sizes(
+    n_layers: int,
+    speeds: Sequence[float],
+    *,
+    caps: Sequence[int | None] | None = None,
+    first_extra: float = 0.0,
+    last_extra: float = 0.0,
+    micro_batches: int | None = None,
+) -> list[int] | None:
+    """Layers per stage, in order, at least one each, for the shortest pipeline step.
+
+    Without ``micro_batches``: the split whose slowest stage is fastest. With ``m`` of them,
+    a 1F1B step takes about ``(m - 1) * max(T) + sum(T)`` (the first micro-batch crosses
+    every stage, the rest follow at the slowest stage's pace; ``T``: each stage's time for
+    the whole batch, over ``m``): the split minimizing that, which moves layers off a slow
+    stage further than the bottleneck alone would when ``m`` is small.
+
+    ``speeds`` must be positive; ``caps[i]`` (None: no limit) is the most layers stage ``i``
+    may hold. None when the caps leave no split (a cap below one, or too few in all).
+    """
+    n = len(speeds)
+    if not 1 <= n <= n_layers:
+        raise ValueError(f"cannot split {n_layers} layers into {n} stages")
+    if any(s <= 0 for s in speeds):
+        raise ValueError(f"speeds must be positive: {list(speeds)}")
+    limits = [n_layers if c is None else min(c, n_layers) for c in (caps or [None] * n)]
+    if len(limits) != n or min(limits) < 1 or sum(limits) < n_layers:
+        return None
+    extras = [0.0] * n
+    extras[0] += first_extra
+    extras[-1] += last_extra
+    sizes = _least_bottleneck(n_layers, speeds, limits, extras)
+    if micro_batches is None or n_layers * n > MAX_SEARCH:
+        return sizes
+    best = (step_cost(sizes, speeds, extras, micro_batches), sizes)
+    floor = max(stage_time(k, v, e) for k, v, e in zip(sizes, speeds, extras, strict=True))
+    bounds = {
+        stage_time(k, speeds[i], extras[i])
+        for i in range(n)
+        for k in range(1, limits[i] + 1)
+        if stage_time(k, speeds[i], extras[i]) >= floor - EPSILON
+    }
+    for bound in sorted(bounds):
+        least = _least_sum(n_layers, speeds, limits, extras, bound)
+        if least is not None:
+            best = min(best, (step_cost(least, speeds, extras, micro_batches), least))
+    return best[1]
+
+
+def step_cost(
+    sizes: Sequence[int], speeds: Sequence[float], extras: Sequence[float], micro_batches: int
+) -> float:
+    """A 1F1B step's time, in the stages' time unit: ``(m - 1) * max(T) / m + sum(T) / m``."""
+    times = [stage_time(k, v, e) for k, v, e in zip(sizes, speeds, extras, strict=True)]
+    return ((micro_batches - 1) * max(times) + sum(times)) / micro_batches
+
+
+def _least_bottleneck(
+    n_layers: int, speeds: Sequence[float], limits: Sequence[int], extras: Sequence[float]
+) -> list[int]:
+    """Layers handed out one at a time, each to the stage whose time after it is least."""
+    n = len(speeds)
+    sizes = [1] * n
+    # (time after one more layer, stage): ties go to the earlier stage.
+    heap = [(stage_time(2, speeds[i], extras[i]), i) for i in range(n) if limits[i] > 1]
+    heapq.heapify(heap)
+    for _ in range(n_layers - n):
+        _, i = heapq.heappop(heap)
+        sizes[i] += 1
+        if sizes[i] < limits[i]:
+            heapq.heappush(heap, (stage_time(sizes[i] + 1, speeds[i], extras[i]), i))
+    return sizes
+
+
+def _least_sum(
+    n_layers: int,
+    speeds: Sequence[float],
+    limits: Sequence[int],
+    extras: Sequence[float],
+    bound: float,
+) -> list[int] | None:
+    """The split with no stage slower than ``bound`` and the least total time: the fastest
+    stages filled first (a layer costs ``1 / speed`` wherever it goes); None if none fits."""
+    n = len(speeds)
+    room = [min(limits[i], math.floor(bound * speeds[i] - extras[i] + EPSILON)) for i in range(n)]
+    if min(room) < 1 or sum(room) < n_layers:
+        return None
+    sizes, left = [1] * n, n_layers - n
+    for i in sorted(range(n), key=lambda i: (-speeds[i], i)):
+        take = min(left, room[i] - 1)
+        sizes[i] += take
+        left -= take
+    return sizes
+
+
+def ranges_of(sizes: Sequence[int]) -> list[tuple[int, int]]:
+    """Contiguous half-open ranges with these sizes, from layer 0."""
+    bounds = [0, *itertools.accumulate(sizes)]
+    return list(itertools.pairwise(bounds))
+
+
+def bottleneck(
+    sizes: Sequence[int], speeds: Sequence[float], first_extra: float = 0.0, last_extra: float = 0.0
+) -> float:
+    """The slowest stage's time for these sizes: what :func:`balanced_sizes` minimizes."""
+    n = len(sizes)
+    return max(
+        stage_time(
+            size,
+            speed,
+            (first_extra if i == 0 else 0.0) + (last_extra if i == n - 1 else 0.0),
+        )
+        for i, (size, speed) in enumerate(zip(sizes, speeds, strict=True))
+    )
+
+
+def chain_order(
+    fellows: Sequence[str],
+    links: Mapping[tuple[str, str], float],
+    *,
+    last: str | None = None,
+) -> list[str]:
+    """``fellows`` in the pipeline order whose slowest measured boundary is fastest.
+
+    ``links[(a, b)]``: a measured rate (Mbit/s) between ``a`` and ``b``, either direction; a
+    pair never measured counts as unknown and is avoided only in favour of a known faster
+    one. ``last``, when given, stays the last stage (it hosts the head). With no pair of the
+    fellows measured, or more than :data:`MAX_ORDERED` of them, the given order stays.
+    """
+    order = list(fellows)
+    if not 3 <= len(order) <= MAX_ORDERED:  # two fellows share their one link either way
+        return order
+
+    def rate(a: str, b: str) -> float | None:
+        return links.get((a, b), links.get((b, a)))
+
+    if not any(rate(a, b) is not None for a, b in itertools.combinations(order, 2)):
+        return order
+    known = [v for a, b in itertools.combinations(order, 2) if (v := rate(a, b)) is not None]
+    unknown = min(known) / 2  # below every measured link, but not zero: prefer measured ones
+
+    def score(chain: Sequence[str]) -> tuple[float, float]:
+        rates = [
+            r if (r := rate(a, b)) is not None else unknown for a, b in itertools.pairwise(chain)
+        ]
+        return (min(rates), sum(rates))
+
+    head = [f for f in order if f != last]
+    tail = [last] if last is not None and last in order else []
+    best = order
+    for perm in itertools.permutations(head):
+        chain = [*perm, *tail]
+        if score(chain) > score(best):
+            best = chain
+    return best

@@ -1,0 +1,61 @@
+"""Throughput-aware placement end to end: real agents with different speeds, a real leader."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import start_agent
+from tests.helpers import Leader, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+MODEL = {"vocab_size": 256, "seq_len": 32, "n_layers": 6, "d_model": 32, "n_heads": 2}
+
+
+def layers_of(job: dict) -> dict[str, int]:
+    return {s["fellow_id"]: s["layer_end"] - s["layer_start"] for s in job["placement"]["stages"]}
+
+
+def test_a_balanced_job_gives_the_faster_fellow_more_layers_and_trains(
+    procs, nats_server, leader: Leader
+):
+    # Same machine, same memory: only the declared speeds (SWARM_FELLOW_COMPUTE_SPEED) differ.
+    start_agent(procs, nats_server.url, "slow", SWARM_FELLOW_COMPUTE_SPEED="1")
+    start_agent(procs, nats_server.url, "fast", SWARM_FELLOW_COMPUTE_SPEED="3")
+    for name in ("slow", "fast"):
+        leader.wait_status(name, "ready", timeout=20)
+    workers = leader.workers()
+    assert workers["fast"]["hardware"]["compute_speed"] == 3.0
+    assert workers["slow"]["hardware"]["compute_speed"] == 1.0
+    job_id = leader.submit(
+        name="balanced",
+        model=MODEL,
+        partition="balanced",
+        max_data_bytes=300_000,
+        batch_size=8,
+        micro_batches=2,
+        steps=12,
+    )["job_id"]
+    job = leader.wait_job(job_id, "COMPLETED", timeout=180)
+    # 3x the speed: 5 of the 6 layers (5/3 against the slow one's 1 layer and the head).
+    assert layers_of(job) == {"fast": 5, "slow": 1}
+    assert job["final_loss"] is not None
+    # The stages' step times told the leader each fellow's speed (their work, waits left
+    # out), which the next balanced placement prefers to the declared one.
+    measured = {name: w["measured_speed"] for name, w in leader.workers().items()}
+    assert all(speed is not None and speed > 0 for speed in measured.values()), measured
+    equal = leader.submit(
+        name="equal", model=MODEL, max_data_bytes=300_000, batch_size=8, micro_batches=2, steps=2
+    )["job_id"]
+    assert sorted(layers_of(leader.wait_job(equal, "COMPLETED", timeout=120)).values()) == [3, 3]
+
+
+def test_an_agent_probes_its_compute_speed_when_none_is_declared(procs, nats_server, leader):
+    start_agent(procs, nats_server.url, "probed", SWARM_FELLOW_COMPUTE_SPEED="")
+    leader.wait_status("probed", "ready", timeout=20)
+    speed = wait_for(
+        lambda: leader.workers()["probed"]["hardware"].get("compute_speed"),
+        timeout=150,
+        what="the agent's compute speed probe to report",
+    )
+    assert 0 < speed <= 1e6

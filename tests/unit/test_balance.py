@@ -1,0 +1,403 @@
+"""The balanced partition and the link-aware stage order: pure, table-tested."""
+
+import itertools
+import random
+
+import msgspec
+import pytest
+
+from silentswarm.jobspec import JobSpec, Partition, PlacedStage
+from silentswarm.leader.balance import (
+    balanced_sizes,
+    bottleneck,
+    boundary_link,
+    chain_order,
+    head_blocks,
+    measured_speed,
+    ranges_of,
+    smoothed,
+    stage_busy_s,
+    step_cost,
+)
+from silentswarm.leader.decide import candidate
+from silentswarm.leader.jobs import JobRecord, plan_schedule
+from silentswarm.leader.placement import Candidate, Unplaceable, place
+from silentswarm.leader.registry import FellowRegistry
+from silentswarm.plan import ModelConfig
+from silentswarm.protocol import (
+    FellowIdentity,
+    FellowStatus,
+    HardwareSnapshot,
+    JobState,
+    Progress,
+    ProgressEvent,
+    RegisterRequest,
+)
+from silentswarm.types.links import LinkStats
+
+GIB = 1 << 30
+
+SIZES = {
+    "equal speeds: equal": (8, [1.0, 1.0], {}, [4, 4]),
+    "one twice as fast: two thirds": (9, [2.0, 1.0], {}, [6, 3]),
+    "100% and 50% of a core, 8 blocks: 6-2 ties 5-3": (8, [1.0, 0.5], {}, [6, 2]),
+    "the head weighs on the last stage": (8, [1.0, 1.0], {"last_extra": 2.0}, [5, 3]),
+    "the embedding on the first": (8, [1.0, 1.0], {"first_extra": 2.0}, [3, 5]),
+    "a cap holds the fast one back": (8, [4.0, 1.0], {"caps": [5, None]}, [5, 3]),
+    "every stage keeps one layer": (3, [100.0, 1.0, 1.0], {}, [1, 1, 1]),
+    "three stages": (12, [3.0, 2.0, 1.0], {}, [6, 4, 2]),
+    "ties to the earlier stage": (5, [1.0, 1.0], {}, [3, 2]),
+    "caps below the layers: no split": (8, [1.0, 1.0], {"caps": [3, 4]}, None),
+    "a cap of zero: no split": (8, [1.0, 1.0], {"caps": [0, None]}, None),
+}
+
+
+@pytest.mark.parametrize("case", SIZES, ids=list(SIZES))
+def test_balanced_sizes(case):
+    n, speeds, kw, want = SIZES[case]
+    assert balanced_sizes(n, speeds, **kw) == want
+
+
+def all_splits(n, stages):
+    """Every composition of n into ``stages`` positive parts."""
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        bounds = [0, *cuts, n]
+        yield [b - a for a, b in itertools.pairwise(bounds)]
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_balanced_sizes_is_the_best_of_all_splits(seed):
+    rng = random.Random(seed)
+    stages = rng.randint(1, 4)
+    n = rng.randint(stages, 10)
+    speeds = [rng.choice([0.25, 0.5, 1.0, 1.5, 3.0, rng.uniform(0.1, 5)]) for _ in range(stages)]
+    caps = [rng.choice([None, None, rng.randint(1, n)]) for _ in range(stages)]
+    first, last = rng.choice([0.0, 0.7]), rng.choice([0.0, 1.3])
+    fitting = [
+        s
+        for s in all_splits(n, stages)
+        if all(c is None or size <= c for size, c in zip(s, caps, strict=True))
+    ]
+    got = balanced_sizes(n, speeds, caps=caps, first_extra=first, last_extra=last)
+    if not fitting:
+        assert got is None
+        return
+    assert got in fitting
+    best = min(bottleneck(s, speeds, first, last) for s in fitting)
+    assert bottleneck(got, speeds, first, last) == pytest.approx(best)
+
+
+@pytest.mark.parametrize("seed", range(80))
+def test_with_micro_batches_it_is_the_shortest_1f1b_step_of_all_splits(seed):
+    rng = random.Random(1000 + seed)
+    stages = rng.randint(1, 4)
+    n = rng.randint(stages, 10)
+    speeds = [rng.choice([0.25, 0.5, 1.0, 3.0, rng.uniform(0.1, 5)]) for _ in range(stages)]
+    caps = [rng.choice([None, None, rng.randint(1, n)]) for _ in range(stages)]
+    first, last = rng.choice([0.0, 0.7]), rng.choice([0.0, 1.3])
+    m = rng.choice([1, 2, 4, 8, 32])
+    extras = [0.0] * stages
+    extras[0] += first
+    extras[-1] += last
+    fitting = [
+        s
+        for s in all_splits(n, stages)
+        if all(c is None or size <= c for size, c in zip(s, caps, strict=True))
+    ]
+    got = balanced_sizes(n, speeds, caps=caps, first_extra=first, last_extra=last, micro_batches=m)
+    if not fitting:
+        assert got is None
+        return
+    assert got in fitting
+    best = min(step_cost(s, speeds, extras, m) for s in fitting)
+    assert step_cost(got, speeds, extras, m) == pytest.approx(best)
+
+
+ONE_F_ONE_B = {
+    # Slow first at half speed, 8 blocks: the bottleneck alone says 3-5 (6 against 5),
+    # with 4 micro-batches the step is (3 * 6 + 11) / 4 = 7.25 there, 7.0 at 2-6.
+    "a small m moves layers off the slow stage": (8, [0.5, 1.0], 4, [2, 6]),
+    "a large m: the bottleneck decides": (9, [0.5, 1.0], 64, [3, 6]),
+    "a bottleneck tie goes to the least sum": (8, [0.5, 1.0], 64, [2, 6]),
+    "one micro-batch: all but one on the fastest": (8, [0.5, 1.0], 1, [1, 7]),
+}
+
+
+@pytest.mark.parametrize("case", ONE_F_ONE_B, ids=list(ONE_F_ONE_B))
+def test_micro_batches_weigh_the_fill_and_drain(case):
+    n, speeds, m, want = ONE_F_ONE_B[case]
+    assert balanced_sizes(n, speeds, micro_batches=m) == want
+
+
+@pytest.mark.parametrize(
+    ("n", "speeds"), [(1, [1.0, 1.0]), (4, []), (4, [1.0, 0.0]), (4, [1.0, -2.0])]
+)
+def test_balanced_sizes_refuses_what_it_cannot_split(n, speeds):
+    with pytest.raises(ValueError):
+        balanced_sizes(n, speeds)
+
+
+def test_ranges_of():
+    assert ranges_of([5, 3]) == [(0, 5), (5, 8)]
+    assert ranges_of([1, 1, 2]) == [(0, 1), (1, 2), (2, 4)]
+
+
+def test_head_blocks_grows_with_the_vocabulary():
+    small, big = ModelConfig(vocab_size=256), ModelConfig(vocab_size=50257)
+    assert head_blocks(small) < 0.2 < 1.0 < head_blocks(big)
+
+
+ORDERS = {
+    "no measurements: as given": (["a", "b", "c"], {}, None, ["a", "b", "c"]),
+    "two fellows: as given": (["a", "b"], {("a", "b"): 5.0}, None, ["a", "b"]),
+    "the slow link off the chain": (
+        ["a", "b", "c"],
+        {("a", "b"): 1.0, ("b", "c"): 100.0, ("a", "c"): 100.0},
+        None,
+        ["b", "c", "a"],
+    ),
+    "either direction counts": (
+        ["a", "b", "c"],
+        {("b", "a"): 1.0, ("c", "b"): 100.0, ("c", "a"): 100.0},
+        None,
+        ["b", "c", "a"],
+    ),
+    "the last stays last": (
+        ["a", "b", "c"],
+        {("a", "c"): 1.0, ("a", "b"): 100.0, ("b", "c"): 100.0},
+        "c",
+        ["a", "b", "c"],
+    ),
+    "a measured fast pair beats an unknown one": (
+        ["a", "b", "c", "d"],
+        {("a", "b"): 1.0, ("c", "d"): 1.0, ("b", "c"): 50.0, ("a", "d"): 50.0},
+        None,
+        ["b", "c", "d", "a"],
+    ),
+}
+
+
+def slowest(chain, links):
+    return min(links.get((a, b), links.get((b, a), 0.0)) for a, b in itertools.pairwise(chain))
+
+
+@pytest.mark.parametrize("case", ORDERS, ids=list(ORDERS))
+def test_chain_order(case):
+    fellows, links, last, want = ORDERS[case]
+    got = chain_order(fellows, links, last=last)
+    assert sorted(got) == sorted(fellows)
+    if len(fellows) < 3 or not links:
+        assert got == want
+    else:  # as good as the expected chain (its reverse is as good)
+        assert slowest(got, links) == slowest(want, links)
+    if last is not None:
+        assert got[-1] == last
+
+
+# --- through place() ---------------------------------------------------------------------
+
+
+def cand(fid, speed, ram_gib=16.0, host=None):
+    return Candidate(
+        fellow_id=fid,
+        hostname=host or fid,
+        data_address=f"tcp://{fid}:1",
+        cpu_cores=1,
+        ram_available_bytes=int(ram_gib * GIB),
+        compute_speed=speed,
+    )
+
+
+def job(**kw) -> JobSpec:
+    kw.setdefault("partition", Partition.BALANCED)
+    return JobSpec(
+        model=ModelConfig(n_layers=kw.pop("layers", 8)),
+        allow_cpu=True,
+        pipeline_last_stage_placement="preserve",
+        **kw,
+    )
+
+
+def sizes_of(placement):
+    return [(s.fellow_id, s.layer_end - s.layer_start) for s in placement.stages]
+
+
+PLACES = {
+    "by speed": ([cand("fast", 2.0), cand("slow", 1.0)], {}, [("fast", 6), ("slow", 2)]),
+    "no speed known: equal": ([cand("a", None), cand("b", None)], {}, [("a", 4), ("b", 4)]),
+    "an unknown speed counts at the mean": (
+        [cand("a", 3.0), cand("b", None), cand("c", 1.0)],
+        {"layers": 12, "micro_batches": "auto"},
+        [("a", 6), ("b", 4), ("c", 2)],
+    ),
+    "4 micro-batches: the fill and drain count": (
+        [cand("a", 3.0), cand("b", 2.0), cand("c", 1.0)],
+        {"layers": 12, "micro_batches": 4},
+        [("a", 7), ("b", 4), ("c", 1)],
+    ),
+    "weighted stays by memory": (
+        [cand("a", 1.0, ram_gib=24), cand("b", 3.0, ram_gib=8)],
+        {"partition": Partition.WEIGHTED},
+        [("a", 6), ("b", 2)],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", PLACES, ids=list(PLACES))
+def test_place_balanced(case):
+    candidates, kw, want = PLACES[case]
+    placement = place(job(**kw), candidates)
+    assert not isinstance(placement, Unplaceable), placement
+    assert sizes_of(placement) == want
+
+
+def test_place_balanced_stays_within_memory():
+    # A d_model 1024 block needs ~0.25 GiB: 1.5 GiB of RAM after TensorFlow's fits few.
+    model = ModelConfig(n_layers=8, d_model=1024, n_heads=8)
+    spec = JobSpec(
+        model=model,
+        partition=Partition.BALANCED,
+        allow_cpu=True,
+        stages=2,
+        pipeline_last_stage_placement="preserve",
+    )
+    tight = [cand("fast", 10.0, ram_gib=2.25), cand("slow", 1.0, ram_gib=64)]
+    placement = place(spec, tight)
+    assert not isinstance(placement, Unplaceable), placement
+    got = dict(sizes_of(placement))
+    assert got == {"fast": 6, "slow": 2}  # speed alone would give it 7 of 8
+    assert all(s.memory_estimate_bytes <= s.memory_offered_bytes for s in placement.stages)
+    both_tight = [cand("a", 10.0, ram_gib=1.5), cand("b", 1.0, ram_gib=1.5)]
+    refused = place(spec, both_tight)
+    assert isinstance(refused, Unplaceable)
+    assert "fits the fellows' memory" in refused.reason
+
+
+def test_place_balanced_orders_along_measured_links():
+    fellows = [cand("a", 1.0), cand("b", 1.0), cand("c", 1.0)]
+    links = {("a", "b"): 1.0, ("b", "c"): 100.0, ("a", "c"): 100.0}
+    placement = place(job(layers=6), fellows, links=links)
+    order = [s.fellow_id for s in placement.stages]
+    assert order in (["b", "c", "a"], ["a", "c", "b"])  # the slow pair a-b not adjacent
+    equal = place(job(layers=6, partition=Partition.EQUAL), fellows, links=links)
+    assert [s.fellow_id for s in equal.stages] == ["a", "b", "c"]  # only balanced reorders
+
+
+# --- speeds: the probe's unit, what a step shows, what the leader keeps ---------------------
+
+
+def test_a_standard_block_at_one_second_a_step_is_speed_one():
+    unit = ModelConfig(d_model=256, seq_len=128, n_heads=4, n_layers=8)
+    one = measured_speed(unit, batch_size=8, layers=1, last=False, busy_s=1.0)
+    assert one == pytest.approx(1.0)
+    assert measured_speed(unit, batch_size=8, layers=4, last=False, busy_s=2.0) == (
+        pytest.approx(2.0)
+    )
+    with_head = measured_speed(unit, batch_size=8, layers=1, last=True, busy_s=1.0)
+    assert with_head == pytest.approx(1 + head_blocks(unit))
+    half = ModelConfig(d_model=256, seq_len=128, n_heads=4, n_layers=8)
+    assert measured_speed(half, batch_size=4, layers=1, last=False, busy_s=0.5) == (
+        pytest.approx(1.0)
+    )
+    assert measured_speed(unit, batch_size=8, layers=1, last=False, busy_s=0.0) is None
+
+
+def step(**kw) -> Progress:
+    fields = {"job_id": "j", "fellow_id": "f", "attempt": 1, "stage": 0, "step": 10}
+    return Progress(**{**fields, **kw})
+
+
+BUSY = {
+    "time less waits": (step(step_time_s=0.5, wait_s=0.2), 0.3),
+    "no waits reported (an older agent)": (step(step_time_s=0.5), None),
+    "no step time": (step(wait_s=0.1), None),
+    "a first step compiles": (step(step=2, step_time_s=3.0, wait_s=0.1), None),
+    "all waiting": (step(step_time_s=0.5, wait_s=0.5), None),
+    "not a step record": (
+        step(event=ProgressEvent.CHECKPOINT, step_time_s=0.5, wait_s=0.1),
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BUSY, ids=list(BUSY))
+def test_stage_busy_s(case):
+    progress, want = BUSY[case]
+    got = stage_busy_s(progress)
+    assert got == (None if want is None else pytest.approx(want))
+
+
+def test_progress_refuses_a_negative_wait():
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(
+            msgspec.json.encode(step(step_time_s=0.5, wait_s=0.1)).replace(b"0.1", b"-1"),
+            type=Progress,
+        )
+
+
+def test_the_registry_keeps_a_smoothed_speed_and_placement_prefers_it():
+    reg = FellowRegistry(heartbeat_interval_s=1.0, offline_after_s=3.0, leader_version="t")
+    reg.bus_connected()
+    hw = HardwareSnapshot(
+        hostname="h",
+        cpu_cores=2,
+        ram_total_bytes=8 << 30,
+        ram_available_bytes=4 << 30,
+        compute_speed=5.0,
+    )
+    ident = FellowIdentity(fellow_id="f", instance_id="i", hostname="h", version="t", pid=1)
+    reg.register(RegisterRequest(fellow=ident, hardware=hw, status=FellowStatus.READY))
+    assert candidate(reg.get("f")).compute_speed == 5.0  # the probe's, until measured
+    reg.record_speed("f", 10.0)
+    assert reg.get("f").measured_speed == 10.0
+    reg.record_speed("f", 20.0)
+    assert reg.get("f").measured_speed == pytest.approx(smoothed(10.0, 20.0))
+    assert 10.0 < reg.get("f").measured_speed < 20.0
+    assert candidate(reg.get("f")).compute_speed == reg.get("f").measured_speed
+    reg.record_speed("nobody", 3.0)  # a fellow the registry forgot: nothing to keep
+
+
+@pytest.mark.parametrize("speed", [0.0, -1.0, 1e7])
+def test_a_snapshot_with_an_absurd_speed_is_refused(speed):
+    body = {
+        "hostname": "h",
+        "cpu_cores": 1,
+        "ram_total_bytes": 1,
+        "ram_available_bytes": 1,
+        "compute_speed": speed,
+    }
+    with pytest.raises(msgspec.ValidationError, match="compute_speed"):
+        msgspec.convert(body, HardwareSnapshot)
+
+
+def placed(*fellows):
+    return [
+        PlacedStage(stage=i, fellow_id=f, hostname=f, layer_start=i, layer_end=i + 1)
+        for i, f in enumerate(fellows)
+    ]
+
+
+def test_a_boundary_link_names_its_fellow_pair_and_the_slower_direction():
+    stages = placed("a", "b", "c")
+    link = LinkStats(boundary=1, step=0, rtt_ms=1.0, fwd_mbit_s=800.0, bwd_mbit_s=300.0)
+    assert boundary_link(stages, link) == (("b", "c"), 300.0)
+    past_the_end = LinkStats(boundary=2, step=0, rtt_ms=1.0, fwd_mbit_s=1.0, bwd_mbit_s=1.0)
+    assert boundary_link(stages, past_the_end) is None
+
+
+def test_the_schedule_orders_a_balanced_job_along_the_measured_links():
+    now = 1.0
+    record = JobRecord(
+        job_id="j",
+        name="j",
+        spec=job(layers=6),
+        state=JobState.PENDING,
+        created_at=now,
+        updated_at=now,
+    )
+    fellows = [cand("a", 1.0), cand("b", 1.0), cand("c", 1.0)]
+    links = {("a", "b"): 1.0, ("b", "c"): 100.0, ("a", "c"): 100.0}
+    (assignment,), waiting = plan_schedule([record], fellows, links=links)
+    assert not waiting
+    order = [s.fellow_id for s in assignment.placement.stages]
+    assert order in (["b", "c", "a"], ["a", "c", "b"])
