@@ -48,17 +48,13 @@ def limits_from(settings: Settings) -> FellowLimits:
     )
 
 
-def probe_tensorflow_gpus(timeout: float = TF_PROBE_TIMEOUT_S) -> tuple[int | None, str | None]:
-    """(GPUs TensorFlow can use, None) or (None, why the probe failed). Blocks: run in a thread."""
+def _run_probe(argv: list[str], key: str, timeout: float) -> tuple[object, str | None]:
+    """Run a probe module in a subprocess and read ``key`` from the JSON of its last stdout
+    line: (the value, None) or (None, why it failed)."""
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "silentswarm.agent.runtime.gpus"],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=env,
-            stdin=subprocess.DEVNULL,
+            argv, capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL
         )
     except (OSError, subprocess.TimeoutExpired) as exc:
         return None, f"{type(exc).__name__}: {exc}"
@@ -66,8 +62,20 @@ def probe_tensorflow_gpus(timeout: float = TF_PROBE_TIMEOUT_S) -> tuple[int | No
         last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
         return None, last[:300]
     try:
-        return int(json.loads(done.stdout.strip().splitlines()[-1])["gpus"]), None
-    except (ValueError, KeyError, IndexError) as exc:
+        return json.loads(done.stdout.strip().splitlines()[-1])[key], None
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        return None, f"unreadable probe output ({exc})"
+
+
+def probe_tensorflow_gpus(timeout: float = TF_PROBE_TIMEOUT_S) -> tuple[int | None, str | None]:
+    """(GPUs TensorFlow can use, None) or (None, why the probe failed). Blocks: run in a thread."""
+    argv = [sys.executable, "-m", "silentswarm.agent.runtime.gpus"]
+    value, why = _run_probe(argv, "gpus", timeout)
+    if why:
+        return None, why
+    try:
+        return int(value), None  # type: ignore[arg-type]
+    except (ValueError, TypeError) as exc:
         return None, f"unreadable probe output ({exc})"
 
 
@@ -81,27 +89,15 @@ def probe_compute_speed(
 
     Blocks for seconds (it imports TensorFlow in a subprocess): run it in a thread.
     ``prefix`` goes in front of the command (a benchmark puts the probe in a cgroup)."""
-    argv = [sys.executable, "-m", "silentswarm.agent.runtime.speedprobe"]
+    argv = [*(prefix or []), sys.executable, "-m", "silentswarm.agent.runtime.speedprobe"]
     if threads:
         argv += ["--threads", str(threads)]
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    value, why = _run_probe(argv, "compute_speed", timeout)
+    if why:
+        return None, why
     try:
-        done = subprocess.run(
-            [*(prefix or []), *argv],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=env,
-            stdin=subprocess.DEVNULL,
-        )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return None, f"{type(exc).__name__}: {exc}"
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
-        return None, last[:300]
-    try:
-        speed = float(json.loads(done.stdout.strip().splitlines()[-1])["compute_speed"])
-    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        speed = float(value)  # type: ignore[arg-type]
+    except (ValueError, TypeError) as exc:
         return None, f"unreadable probe output ({exc})"
     if not 0 < speed <= 1e6:
         return None, f"probe measured {speed}: out of bounds"
