@@ -118,7 +118,14 @@ class DatasetStore:
                 await asyncio.to_thread(out.writelines, pending)
                 await asyncio.to_thread(os.fsync, out.fileno())
             digest = hasher.hexdigest()
-            await asyncio.to_thread(os.replace, temp, self.blobs / digest)
+            record = DatasetRecord(
+                name=name, sha256=digest, size_bytes=size, uploaded_at=time.time(), source=source
+            )
+            # The content lands and its name points at it with no await in between: a
+            # collect() run by another request (an upload or a delete finishing meanwhile)
+            # can never see the content without its name and remove it.
+            os.replace(temp, self.blobs / digest)
+            self._write_name(record)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 raise DatasetTooLargeError(
@@ -127,10 +134,6 @@ class DatasetStore:
             raise
         finally:
             temp.unlink(missing_ok=True)
-        record = DatasetRecord(
-            name=name, sha256=digest, size_bytes=size, uploaded_at=time.time(), source=source
-        )
-        self._write_name(record)
         return record
 
     def delete(self, name: str, in_use: Collection[str]) -> DatasetRecord:
