@@ -43,6 +43,12 @@ def serve(
         str | None,
         cyclopts.Parameter(help="Address peers use for tensors [SWARM_DATA_ADDRESS]"),
     ] = None,
+    sync_address: Annotated[
+        str | None,
+        cyclopts.Parameter(
+            help="Address its replicas use to keep a stage in sync [SWARM_SYNC_ADDRESS]"
+        ),
+    ] = None,
     nats_creds: Annotated[
         Path | None,
         cyclopts.Parameter(help="This fellow's NATS credentials file [SWARM_NATS_CREDS]"),
@@ -62,6 +68,7 @@ def serve(
         nats_url=nats_url,
         fellow_name=name,
         data_address=data_address,
+        sync_address=sync_address,
         nats_creds=nats_creds,
         fellow_pool=pool,
         fellow_labels=labels,

@@ -33,7 +33,7 @@ from silentswarm.agent.hardware import HardwareProbe, limits_from
 from silentswarm.agent.logship import FellowLogShipper
 from silentswarm.agent.reinstall import PackageRef, reinstall
 from silentswarm.agent.shardpush import Shard, ShardPusher, fetch_init, fetch_shard
-from silentswarm.agent.supervisor import StageRun
+from silentswarm.agent.supervisor import StageRun, sync_fields
 from silentswarm.errors import ErrorCode, IllegalTransitionError, ProtocolError
 from silentswarm.lifecycle import FellowEvent, next_status
 from silentswarm.natsauth import write_private
@@ -113,6 +113,7 @@ class FellowAgent:
             version=__version__,
             pid=os.getpid(),
             data_address=settings.data_address,
+            sync_address=settings.sync_address,
             pool=settings.pool,
             labels=settings.labels,
         )
@@ -640,6 +641,7 @@ class FellowAgent:
             down_link=self._down_link,
             tuning=self._tuning,
             relay_dropped=event.relay_dropped,
+            **sync_fields(run.plan, event),
         )
 
     def _on_checkpoint_written(self, run: StageRun, event: CheckpointEvent) -> None:
@@ -659,6 +661,7 @@ class FellowAgent:
                     job_id=run.job_id,
                     attempt=run.attempt,
                     stage=run.plan.stage,
+                    replica=run.plan.replica,
                     step=event.step,
                     directory=Path(event.path),
                     periodic=periodic,
@@ -703,7 +706,11 @@ class FellowAgent:
         if outcome.result is StageResult.FAILED:
             self._set_status(FellowEvent.FAILURE)
         ended = self._publish_progress(
-            run, ProgressEvent.ENDED, step=outcome.step or 0, outcome=outcome
+            run,
+            ProgressEvent.ENDED,
+            step=outcome.step or 0,
+            outcome=outcome,
+            **sync_fields(run.plan, run.done),
         )
         if ended is not None:
             await ended
@@ -719,7 +726,12 @@ class FellowAgent:
             self._update_now()
 
     async def _with_export_error(self, run: StageRun, outcome: StageOutcome) -> StageOutcome:
-        """A completed run's outcome, with why its final shard is not on the leader if not."""
+        """A completed run's outcome, with why its final shard is not on the leader if not.
+
+        Only replica 0 pushes shards (the export is its pipeline's): another replica's
+        outcome says nothing of an export."""
+        if run.plan.replica != 0:
+            return outcome
         drained = self.pusher is not None and await self.pusher.drain(PUSH_DRAIN_S)
         push_error = None
         if self.pusher is not None:
@@ -751,6 +763,7 @@ class FellowAgent:
         nc = self.run_nc if self.run_nc is not None else self.nc
         if nc is None or nc.is_closed:
             return None
+        fields.setdefault("replica", run.plan.replica)
         msg = Progress(
             job_id=run.job_id,
             fellow_id=self.fellow_id,

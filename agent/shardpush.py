@@ -10,6 +10,10 @@ Pushes run in the agent's event loop, one at a time, while the stage runtime tra
 never stall training. Only the newest periodic push waits its turn; an older one that has not
 started yet is dropped (it would be stale by the time it arrived).
 
+Only replica 0 of a job with replicas pushes (the export is its pipeline's, and the leader
+refuses any other replica's shards): :meth:`ShardPusher.submit` takes no other replica's
+checkpoint, and removes one that was written only to be pushed.
+
 A push that fails is given up (the next periodic one may succeed); for a kept one (the final
 checkpoint, an operator's) the pusher remembers why, naming the file, so that the stage's
 outcome can tell the leader why its export is missing (:meth:`ShardPusher.failure`).
@@ -56,6 +60,7 @@ class Shard:
     stage: int
     step: int
     directory: Path  # the checkpoint's step directory
+    replica: int = 0  # the pipeline the stage is of (a job with replicas): only 0 pushes
     periodic: bool = False  # written only to be pushed: removed here once a newer one is
     # The connection to push on: the attempt's own NATS user; None: the pusher's own.
     client: Client | None = None
@@ -86,8 +91,20 @@ class ShardPusher:
         """Why the latest push of a kept checkpoint failed; None: it succeeded (or never ran)."""
         return self._failures.get((job_id, attempt, step))
 
-    def submit(self, shard: Shard) -> None:
-        """Queue a push; a periodic one replaces older periodic ones still waiting."""
+    def submit(self, shard: Shard) -> bool:
+        """Queue a push; a periodic one replaces older periodic ones still waiting. False,
+        and nothing queued, for a replica other than 0 (its periodic checkpoint removed)."""
+        if shard.replica != 0:
+            log.info(
+                "job %s stage %d step %d: replica %d pushes no shards (replica 0 does)",
+                shard.job_id,
+                shard.stage,
+                shard.step,
+                shard.replica,
+            )
+            if shard.periodic:
+                shutil.rmtree(shard.directory, ignore_errors=True)
+            return False
         if not shard.periodic:
             self._kept.add(shard.directory)
         else:
@@ -97,6 +114,7 @@ class ShardPusher:
         self._wake.set()
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run(), name="shard-push")
+        return True
 
     async def drain(self, timeout: float) -> bool:
         """Wait until every queued push is done (or given up); False on timeout."""

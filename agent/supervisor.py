@@ -7,6 +7,9 @@ and EOF on its stdin pipe. Its JSON-line events (stdout, :mod:`silentswarm.types
 decoded and handed to a callback; a line that starts like JSON but is no event is logged and
 counted (``malformed_events``), never fatal. Its stderr (TensorFlow's start-up noise,
 tracebacks) goes to a file in the job's folder.
+
+:func:`sync_fields` is the one translation of what a step or done event says of a stage's
+replicas into progress fields (the runner adds them to what it reports).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import msgspec
 
@@ -54,6 +57,25 @@ RUNTIME_ENV = {
 
 # The stage's own settings among SWARM_*: where stage 0 keeps its data cache, and its size.
 RUNTIME_PASSTHROUGH = frozenset({"SWARM_DATA_CACHE", "SWARM_DATA_CACHE_MAX_BYTES"})
+
+
+def sync_fields(plan: StagePlan, event: StepEvent | DoneEvent | None) -> dict[str, Any]:
+    """What a stage's event says of its replicas' sync, as :class:`~swarm.protocol.Progress`
+    fields: the replica it trains (the plan's, whatever the event), its bytes over the
+    replicas' ring and its clipped and missed counts since the run began, and for a step the
+    seconds it spent syncing (left out for a stage without replicas, which never syncs)."""
+    fields: dict[str, Any] = {"replica": plan.replica}
+    if event is None:
+        return fields
+    fields.update(
+        sync_bytes_sent=event.sync_bytes_sent,
+        sync_bytes_received=event.sync_bytes_received,
+        sync_clipped=event.sync_clipped,
+        sync_missed=event.sync_missed,
+    )
+    if isinstance(event, StepEvent) and plan.replicated:
+        fields["sync_s"] = event.sync_s
+    return fields
 
 
 def runtime_env() -> dict[str, str]:

@@ -57,6 +57,12 @@ def admit_progress(
             Verdict.REFUSE,
             f"fellow {progress.fellow_id} runs stage {placed.stage}, not stage {progress.stage}",
         )
+    if progress.replica != placed.replica:
+        return Admission(
+            Verdict.REFUSE,
+            f"fellow {progress.fellow_id} runs replica {placed.replica}, "
+            f"not replica {progress.replica}",
+        )
     return ADMITTED
 
 

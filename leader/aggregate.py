@@ -7,6 +7,9 @@ stage, the only one that sees the targets). :func:`job_metrics` adds to them onl
 record cannot hold, the rates of a :class:`RateMeter`: throughput per boundary (the rate of
 the bytes crossing it, activations down and gradients up, measured at its upstream end),
 each fellow's bytes/s, steps/min and the ETA (over the last stage's recent steps).
+A job with replicas has one set of boundaries per replica (each pipeline's own), and its
+steps/min is replica 0's last stage's (allreduce keeps the replicas in step; diloco lets
+them drift at most a sync interval).
 
 - The **live** metrics of a job are its record's progress (kept by the JobManager) with the
   rates of a meter fed by the same progress messages (:mod:`silentswarm.leader.observe`).
@@ -25,9 +28,19 @@ from dataclasses import dataclass
 from silentswarm.leader.progress import apply_outcome, apply_step
 from silentswarm.protocol import Progress, ProgressEvent
 from silentswarm.types.metrics import BoundaryMetrics, FellowMetrics, HistoryPoint, JobMetrics
-from silentswarm.types.views import JobView, StageProgress, is_last_stage, job_view
+from silentswarm.types.views import (
+    JobView,
+    StageProgress,
+    by_replica,
+    is_last_stage,
+    job_view,
+    mean_of,
+)
 
 RATE_WINDOW = 50  # recent steps the rate and ETA are measured over
+# The recent steps whose last stages' losses are kept per replica, so that with replicas a
+# history point's loss is the mean of the replicas' that reported the step so far.
+HEAD_STEPS_KEPT = 64
 
 
 @dataclass
@@ -81,7 +94,7 @@ class RateMeter:
                 now.down_per_s = max(0, down - before.down_bytes) / elapsed
         now.transport = p.down_transport or now.transport
         self._fellows[p.fellow_id] = now
-        if last_stage and p.loss is not None:
+        if last_stage and p.loss is not None and p.replica == 0:
             self._recent.append((p.at, p.step))
 
     def steps_per_min(self) -> float | None:
@@ -105,6 +118,10 @@ class RateMeter:
             received_bytes_per_s=0.0 if rates is None else rates.received_per_s,
             result=stage.result,
             at=None if rates is None else rates.at,
+            replica=stage.replica,
+            sync_s=stage.sync_s,
+            sync_bytes_sent=stage.sync_bytes_sent,
+            sync_bytes_received=stage.sync_bytes_received,
         )
 
     def boundary(self, upstream: StageProgress, downstream: StageProgress) -> BoundaryMetrics:
@@ -117,6 +134,7 @@ class RateMeter:
             bytes_total=0 if rates is None else rates.down_bytes,
             transport=None if rates is None else rates.transport,
             link=upstream.link,
+            replica=upstream.replica,
         )
 
 
@@ -125,7 +143,8 @@ def job_metrics(
 ) -> JobMetrics:
     """A job's metrics: its view and stages (one attempt's), with ``rates`` (of the same
     attempt; a fresh meter when there are none)."""
-    ordered = sorted(stages, key=lambda s: s.stage)
+    pipelines = by_replica(stages)
+    ordered = [s for pipeline in pipelines.values() for s in pipeline]
     fellows = [rates.fellow(s) for s in ordered]
     steps_per_min = rates.steps_per_min()
     step = view.step or 0
@@ -146,7 +165,11 @@ def job_metrics(
         eta_s=None if eta is None else round(eta, 1),
         bytes_sent=view.bytes_sent,
         bytes_received=view.bytes_received,
-        boundaries=[rates.boundary(up, down) for up, down in itertools.pairwise(ordered)],
+        boundaries=[
+            rates.boundary(up, down)
+            for pipeline in pipelines.values()
+            for up, down in itertools.pairwise(pipeline)
+        ],
         fellows=fellows,
         updated_at=max((f.at for f in fellows if f.at), default=None),
         tuning=max(
@@ -167,6 +190,8 @@ class JobMetricsAggregator:
         self.attempt = 0
         self._stages: dict[str, StageProgress] = {}
         self._rates = RateMeter(job_id)
+        # step -> replica -> (loss, val_loss) of its last stage at that step (replicas only).
+        self._heads: dict[int, dict[int, tuple[float, float | None]]] = {}
 
     def apply(self, p: Progress) -> HistoryPoint | None:
         """Take one record; a history point when it is a finished step of the last stage."""
@@ -174,11 +199,12 @@ class JobMetricsAggregator:
             return None
         if p.attempt > self.attempt:  # a new attempt starts the replay afresh
             self._stages.clear()
+            self._heads.clear()
             self.attempt = p.attempt
         stage = self._stages.get(p.fellow_id)
         if stage is None:
             stage = self._stages[p.fellow_id] = StageProgress(
-                stage=p.stage or 0, fellow_id=p.fellow_id
+                stage=p.stage or 0, fellow_id=p.fellow_id, replica=p.replica
             )
         last = is_last_stage(p.stage, self._stages.values())
         self._rates.apply(p, last_stage=last)
@@ -192,17 +218,28 @@ class JobMetricsAggregator:
         apply_step(stage, p, now=p.at)
         if not last or p.loss is None:
             return None
+        loss, val_loss = self._head_losses(p, p.loss)
         return HistoryPoint(
             step=p.step,
             at=p.at,
-            loss=p.loss,
-            val_loss=p.val_loss,
+            loss=loss,
+            val_loss=val_loss,
             lr=p.lr,
             step_time_s=p.step_time_s,
             tokens_per_s=p.tokens_per_s,
             bytes_sent=sum(s.bytes_sent for s in self._stages.values()),
             bytes_received=sum(s.bytes_received for s in self._stages.values()),
         )
+
+    def _head_losses(self, p: Progress, loss: float) -> tuple[float, float | None]:
+        """The step's losses: the record's, or with replicas the mean of the replicas'
+        last stages' that reported this step so far (swarm/types/views.py's rule)."""
+        step = self._heads.setdefault(p.step, {})
+        step[p.replica] = (loss, p.val_loss)
+        while len(self._heads) > HEAD_STEPS_KEPT:
+            del self._heads[min(self._heads)]
+        losses = [v[0] for v in step.values()]
+        return sum(losses) / len(losses), mean_of(v[1] for v in step.values())
 
     def view(self) -> JobMetrics:
         stages = list(self._stages.values())

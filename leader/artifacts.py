@@ -15,7 +15,8 @@ it leads out of it), else ``<root>/<job_id>/model_export``::
                                           when the job or attempt ends)
 
 A step is *complete* when every stage's JSON is there; resume and glue use the newest complete
-step. Older complete steps are pruned (the newest two are kept).
+step. Older complete steps are pruned (the newest two are kept). A job with replicas exports
+replica 0's stages (:func:`exported_placement`): the other replicas push nothing.
 
 Writes never follow symlinks: see :class:`ExportStore`.
 """
@@ -36,8 +37,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from silentswarm import __version__
 from silentswarm.errors import FieldError
+from silentswarm.jobspec import Placement
 from silentswarm.leader.errors import ExportPathError
 from silentswarm.protocol import ShardAck, ShardChunk
 from silentswarm.types.jobs import JobRecord, ShardReceipt
@@ -54,6 +58,15 @@ SHARD_FILE = re.compile(r"^stage-(\d{1,4})\.(npz|json)$")
 MANIFEST = RUN_MANIFEST
 WEIGHTS = "weights.npz"  # stage-<i>/weights.npz: the name earlier exports used
 KEEP_COMPLETE_STEPS = 2
+
+
+def exported_placement(placement: Placement) -> Placement:
+    """The placement an export describes: replica 0's stages (the only ones that push
+    shards), so a job with replicas exports one pipeline, as a job without them does."""
+    if all(s.replica == 0 for s in placement.stages):
+        return placement
+    stages = sorted((s for s in placement.stages if s.replica == 0), key=lambda s: s.stage)
+    return msgspec.structs.replace(placement, stages=stages)
 
 
 @dataclass
@@ -422,9 +435,9 @@ class ExportStore:
 
     def write_manifest(self, directory: Path, job: Any) -> Path | None:
         """``run_manifest.json`` for the newest complete step (None when there is none)."""
-        placement = job.placement
-        if placement is None:
+        if job.placement is None:
             return None
+        placement = exported_placement(job.placement)
         n = len(placement.stages)
         complete = self.complete_steps(directory, n)
         if not complete:

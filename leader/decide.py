@@ -53,6 +53,7 @@ def candidate(record: FellowRecord) -> Candidate:
         fellow_id=record.fellow_id,
         hostname=record.hostname,
         data_address=record.data_address,
+        sync_address=record.sync_address,
         cpu_cores=hw.cpu_cores,
         ram_available_bytes=offered_ram(hw),
         gpus=tuple(usable_gpus(hw)),

@@ -8,6 +8,12 @@ over HTTP with a token only START gives them, in the ``X-Swarm-Shard-Token`` hea
 in the URL): an HMAC of the job, attempt and stage under the operator token, so nothing is
 stored, a leader restart changes nothing, a stage's token opens only that stage's files, and
 a new attempt's tokens void the old ones.
+
+A job with replicas exports replica 0's pipeline: only replica 0's fellows push (the
+others' plans write no checkpoints for the leader), and a push from another replica's
+fellow is refused, counted (``refused_replica_shards``, and as a dropped bus message of
+kind ``shard_replica``) and logged, so it can never overwrite replica 0's ``stage-<i>``
+files; the manifest names replica 0's stages only.
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ from nats.aio.msg import Msg
 
 from silentswarm import subjects as topics
 from silentswarm.errors import NotFoundError
-from silentswarm.leader.artifacts import ExportStore, export_dir
+from silentswarm.jobspec import Placement
+from silentswarm.leader.artifacts import ExportStore, export_dir, exported_placement
 from silentswarm.leader.bus import LeaderBus
 from silentswarm.leader.errors import ShardAccessError
 from silentswarm.leader.jobs import JobManager
@@ -34,6 +41,13 @@ from silentswarm.types.jobs import JobRecord, ShardReceipt
 from silentswarm.types.signals import ResumeArgs, ShardFile
 
 log = logging.getLogger(__name__)
+# The bus's dropped-message kind of a shard push from a replica other than 0.
+REPLICA_DROP = "shard_replica"
+
+
+def pipeline_length(placement: Placement) -> int:
+    """The stages of one pipeline (what an export holds): replica 0's."""
+    return len(exported_placement(placement).stages)
 
 
 class ExportService:
@@ -58,6 +72,8 @@ class ExportService:
         self.public_url = public_url.rstrip("/")
         self.store = ExportStore(root=export_root)
         self.on_push = on_push
+        # Pieces of shard pushes refused because their fellow is not of replica 0.
+        self.refused_replica_shards = 0
 
     async def start(self, nc: Client) -> None:
         """Take pushes. The jobs are loaded by now: first, every job's ``.incoming/`` is
@@ -107,16 +123,18 @@ class ExportService:
                 msg, f"reply subject {msg.reply[:120]!r} is not the sender's inbox", kind="reply"
             )
             return
-        refusal = self._refusal(chunk)
+        refusal, kind = self._refusal(chunk)
         if refusal is not None:
-            self.bus.drop(msg, refusal)
+            if kind == REPLICA_DROP:
+                self.refused_replica_shards += 1
+            self.bus.drop(msg, refusal, kind=kind)
             await self._reply(msg, chunk, ShardAck(ok=False, next_seq=chunk.seq, message=refusal))
             return
         job = self.jobs.get(chunk.job_id)
         assert job.placement is not None
         directory = self.directory(job)
         try:
-            ack, receipt = self.store.receive(directory, chunk, len(job.placement.stages))
+            ack, receipt = self.store.receive(directory, chunk, pipeline_length(job.placement))
         except OSError as exc:
             error = (
                 f"cannot store {chunk.name} (stage {chunk.stage}, step {chunk.step}) in "
@@ -136,7 +154,7 @@ class ExportService:
 
     async def _stored(self, job: JobRecord, directory: Path, receipt: ShardReceipt) -> None:
         assert job.placement is not None
-        n = len(job.placement.stages)
+        n = pipeline_length(job.placement)
         complete = self.store.complete_steps(directory, n)
         newest = complete[-1] if complete else None
         became = newest is not None and newest == receipt.step
@@ -159,21 +177,33 @@ class ExportService:
                     job.export_error = None
                     self.jobs.dirty.add(job.job_id)
 
-    def _refusal(self, chunk: Any) -> str | None:
+    def _refusal(self, chunk: Any) -> tuple[str | None, str | None]:
+        """Why a piece is not taken (None: it is), and the kind it is dropped as (None:
+        the subject's)."""
         try:
             job = self.jobs.get(chunk.job_id)
         except NotFoundError:
-            return f"no job {chunk.job_id!r}"
+            return f"no job {chunk.job_id!r}", None
         placement = job.placement
         if job.terminal:
             # Its export is final (and described on the record): nothing changes it now.
-            return f"job {job.job_id} is {job.state.value}: its export takes no more pushes"
+            return f"job {job.job_id} is {job.state.value}: its export takes no more pushes", None
         if placement is None or chunk.attempt != job.attempt:
-            return f"attempt {chunk.attempt} is not the job's current attempt"
+            return f"attempt {chunk.attempt} is not the job's current attempt", None
         placed = placement.stage_of(chunk.fellow_id)
         if placed is None or placed.stage != chunk.stage:
-            return f"fellow {chunk.fellow_id} does not run stage {chunk.stage} of this attempt"
-        return None
+            return (
+                f"fellow {chunk.fellow_id} does not run stage {chunk.stage} of this attempt",
+                None,
+            )
+        if placed.replica != 0:
+            # Replica 0's shards are the export: another replica's would overwrite them.
+            return (
+                f"fellow {chunk.fellow_id} runs replica {placed.replica} of stage "
+                f"{chunk.stage}: only replica 0 pushes shards",
+                REPLICA_DROP,
+            )
+        return None, None
 
     async def _reply(self, msg: Msg, chunk: Any, ack: ShardAck) -> None:
         # decode_job_message checked that the piece's fellow is its subject's.
@@ -186,7 +216,7 @@ class ExportService:
     def _refresh(self, directory: Path, job: JobRecord) -> None:
         assert job.placement is not None
         self.store.write_manifest(directory, job)
-        self.store.prune(directory, len(job.placement.stages))
+        self.store.prune(directory, pipeline_length(job.placement))
 
     async def job_ended(self, job: JobRecord) -> None:
         """The final manifest (with the final loss) once a job is over; its partial uploads

@@ -23,7 +23,14 @@ from dataclasses import dataclass
 from silentswarm.errors import ConflictError, ErrorCode, IllegalTransitionError, NotFoundError
 from silentswarm.jobspec import JobSpec, Placement, new_job_id
 from silentswarm.leader.admission import Admission, admit_progress
-from silentswarm.leader.placement import DEFAULTS, Candidate, PlacementDefaults, Unplaceable, place
+from silentswarm.leader.placement import (
+    DEFAULTS,
+    Candidate,
+    PlacementDefaults,
+    Unplaceable,
+    fellows_needed,
+    place,
+)
 from silentswarm.leader.pools import (
     AccountLookup,
     Held,
@@ -54,7 +61,7 @@ from silentswarm.types.jobs import (
     ShardReceipt,
     SignalRecord,
 )
-from silentswarm.types.views import StageProgress, last_stage
+from silentswarm.types.views import StageProgress, mean_of, replica_lasts
 
 log = logging.getLogger(__name__)
 HISTORY_LEN = 50
@@ -115,7 +122,8 @@ def plan_schedule(
     assignments, waiting = [], {}
     for job in sorted(pending, key=lambda j: (j.created_at, j.job_id)):
         key = (job.owner, job.spec.run_pool)
-        needed = len(job.layer_ranges) if job.layer_ranges else None
+        # A resumed job keeps its number of stages; replicas multiply the fellows.
+        needed = fellows_needed(job.spec, job.layer_ranges or None)
         allowance = account_limit(
             account_of(job.owner), job.spec, held.get(key, Held()), needed=needed
         )
@@ -172,7 +180,8 @@ def final_export_error(job: JobRecord) -> str | None:
     Every stage plan checkpoints at the end and its fellow pushes that checkpoint, so a job
     that completed has its final model in the export unless something failed: the leader's
     own storing (``job.export_error`` while running), a stage's fellow (what it reported in
-    its outcome), or, when nobody said why, that is said too."""
+    its outcome), or, when nobody said why, that is said too. With replicas the export is
+    replica 0's: the other replicas push nothing, and are not asked for."""
     final = job.spec.steps
     if job.pushed_step == final:
         return job.export_error  # the shards are there; perhaps the manifest is not
@@ -181,6 +190,8 @@ def final_export_error(job: JobRecord) -> str | None:
     }
     reasons = [] if job.export_error is None else [f"the leader: {job.export_error}"]
     for stage in sorted(job.progress, key=lambda p: p.stage):
+        if stage.replica != 0:
+            continue  # only replica 0 pushes shards
         if stage.stage in arrived:
             continue  # whatever its fellow says: the leader has that shard
         where = f"stage {stage.stage} on fellow {stage.fellow_id}"
@@ -366,7 +377,9 @@ class JobManager:
         job.attempt += 1
         job.placement = placement
         job.progress = [
-            StageProgress(stage=s.stage, fellow_id=s.fellow_id, total_steps=job.spec.steps)
+            StageProgress(
+                stage=s.stage, fellow_id=s.fellow_id, replica=s.replica, total_steps=job.spec.steps
+            )
             for s in placement.stages
         ]
         job.reason = f"starting attempt {job.attempt} on {', '.join(placement.fellow_ids)}"
@@ -432,8 +445,8 @@ class JobManager:
         if job is None or msg.attempt != job.attempt or job.state is not JobState.RUNNING:
             return None
         stage = job.stage_progress(msg.fellow_id)
-        if stage is None:
-            return None
+        if stage is None or stage.replica != msg.replica:
+            return None  # each fellow reports for the replica it was placed in, only
         now = self._wall()
         if msg.event is ProgressEvent.STEP:
             apply_step(stage, msg, now=now)
@@ -458,9 +471,11 @@ class JobManager:
         self._touch(job)
         if outcome.result is StageResult.COMPLETED:
             if all(p.result is StageResult.COMPLETED for p in job.progress):
-                last = last_stage(job.progress)
-                assert last is not None  # every stage completed: there are stages
-                job.final_loss, job.final_val_loss = last.loss, last.val_loss
+                # The last stage's losses; with replicas the mean of the replicas' last
+                # stages' (swarm/types/views.py).
+                lasts = replica_lasts(job.progress)
+                job.final_loss = mean_of(s.loss for s in lasts)
+                job.final_val_loss = mean_of(s.val_loss for s in lasts)
                 # Decided with the state itself: whoever sees COMPLETED sees the export's fate.
                 job.export_error = final_export_error(job)
                 if job.export_error is not None:
@@ -521,7 +536,10 @@ class JobManager:
             ResumeRecord(at=now, failed_attempt=job.attempt, reason=reason, from_step=step)
         )
         job.resume_step = step
-        job.layer_ranges = [(s.layer_start, s.layer_end) for s in job.placement.stages]
+        # One pipeline's ranges: replica 0's (placement orders stages by replica, stage).
+        job.layer_ranges = [
+            (s.layer_start, s.layer_end) for s in job.placement.stages if s.replica == 0
+        ]
         self.resumed[job.job_id] = (
             job.attempt,
             [p.fellow_id for p in job.progress if p.result is None],

@@ -9,6 +9,13 @@ stateful metrics are the HTTP ones, fed by :class:`RequestTimer`, and the proces
 (``process_*``, ``python_*``: prometheus-client's collectors, which the default registry
 would have had).
 
+A job with replicas (k copies of its pipeline) keeps the job's and the stages' series as
+they are (a stage's series are told apart by their ``fellow``; the job's tokens/s is the sum
+of the replicas' rates) and adds series with a ``replica`` label: per replica
+(``swarm_job_replica_*``: its tokens/s, step, loss, sync seconds and bytes, clipped and
+missed counts) and per stage (``swarm_job_stage_sync_*``). A job without replicas exports
+none of them.
+
 Each app gets its own :class:`~prometheus_client.CollectorRegistry` (never the process-wide
 default): tests build several apps in one process, and the leader's scrape should show its
 own numbers only.
@@ -46,7 +53,12 @@ from silentswarm.protocol import PROTOCOL_VERSION, FellowStatus, GpuInfo, JobSta
 from silentswarm.types.api import LeaderInfo
 from silentswarm.types.fleet import FellowRecord
 from silentswarm.types.jobs import JobRecord
-from silentswarm.types.views import StageProgress
+from silentswarm.types.views import (
+    StageProgress,
+    by_replica,
+    last_stage,
+    pipeline_step,
+)
 
 if TYPE_CHECKING:
     from litestar.types import ASGIApp, Message, Receive, Scope, Send
@@ -259,6 +271,35 @@ def _pick(values: Iterable[float | None], pick: Callable[[list[float]], float]) 
     return pick(known) if known else None
 
 
+def _job_tokens_per_s(job: JobRecord) -> Value:
+    """The job's tokens/s: each pipeline's is its slowest stage's, and with replicas the
+    job's is the sum of its replicas' (None until a stage reported one)."""
+    rates = [
+        rate
+        for stages in by_replica(job.progress).values()
+        if (rate := _pick((p.tokens_per_s for p in stages), min)) is not None
+    ]
+    return sum(rates) if rates else None
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One replica (pipeline) of a running job with replicas: its stages, in stage order."""
+
+    job: JobRecord
+    replica: int
+    stages: list[StageProgress]
+
+
+def _sync_s(stages: Iterable[StageProgress]) -> Value:
+    return _pick((p.sync_s for p in stages), max)
+
+
+def _replica_loss(r: Replica) -> Value:
+    last = last_stage(r.stages)
+    return None if last is None else last.loss
+
+
 JOB_SERIES: tuple[Series[JobRecord], ...] = (
     Series("swarm_job_attempt", "Start attempts of the job so far", lambda j: j.attempt),
     Series(
@@ -286,8 +327,9 @@ RUNNING_JOB_SERIES: tuple[Series[JobRecord], ...] = (
     ),
     Series(
         "swarm_job_tokens_per_second",
-        "Training tokens per second of the job (its slowest stage)",
-        lambda j: _pick((p.tokens_per_s for p in j.progress), min),
+        "Training tokens per second of the job (its slowest stage; with replicas, the sum "
+        "of the replicas' rates)",
+        _job_tokens_per_s,
     ),
     Series(
         "swarm_job_learning_rate",
@@ -324,12 +366,110 @@ STAGE_SERIES: tuple[Series[JobStage], ...] = (
 )
 
 
+REPLICA_LABELS = ("job_id", "replica")
+REPLICA_SERIES: tuple[Series[Replica], ...] = (
+    Series(
+        "swarm_job_replica_tokens_per_second",
+        "Training tokens per second of one replica of the job (its slowest stage)",
+        lambda r: _pick((p.tokens_per_s for p in r.stages), min),
+    ),
+    Series(
+        "swarm_job_replica_step",
+        "Steps every stage of the replica has completed",
+        lambda r: pipeline_step(r.stages),
+    ),
+    Series("swarm_job_replica_loss", "Training loss of the replica's last stage", _replica_loss),
+    Series(
+        "swarm_job_replica_sync_seconds",
+        "Seconds the replica's latest step spent syncing with the other replicas (its "
+        "slowest stage)",
+        lambda r: _sync_s(r.stages),
+    ),
+    Series(
+        "swarm_job_replica_sync_sent_bytes",
+        "Bytes the replica's stages sent to the other replicas in this attempt",
+        lambda r: sum(p.sync_bytes_sent for p in r.stages),
+        counter=True,
+    ),
+    Series(
+        "swarm_job_replica_sync_received_bytes",
+        "Bytes the replica's stages received from the other replicas in this attempt",
+        lambda r: sum(p.sync_bytes_received for p in r.stages),
+        counter=True,
+    ),
+    Series(
+        "swarm_job_replica_sync_clipped",
+        "Contributions the replica's stages clipped in their sync rounds (norm far above "
+        "the others')",
+        lambda r: sum(p.sync_clipped for p in r.stages),
+        counter=True,
+    ),
+    Series(
+        "swarm_job_replica_sync_missed",
+        "Replicas the replica's stages left out of their sync rounds (past the sync timeout)",
+        lambda r: sum(p.sync_missed for p in r.stages),
+        counter=True,
+    ),
+)
+
+SYNC_STAGE_LABELS = ("job_id", "stage", "replica", "fellow")
+SYNC_STAGE_SERIES: tuple[Series[JobStage], ...] = (
+    Series(
+        "swarm_job_stage_sync_seconds",
+        "Seconds the stage's latest step spent syncing with its other replicas",
+        lambda s: s[1].sync_s,
+    ),
+    Series(
+        "swarm_job_stage_sync_sent_bytes",
+        "Bytes the stage sent to its other replicas in this attempt",
+        lambda s: s[1].sync_bytes_sent,
+        counter=True,
+    ),
+    Series(
+        "swarm_job_stage_sync_received_bytes",
+        "Bytes the stage received from its other replicas in this attempt",
+        lambda s: s[1].sync_bytes_received,
+        counter=True,
+    ),
+    Series(
+        "swarm_job_stage_sync_clipped",
+        "Contributions the stage clipped in its sync rounds",
+        lambda s: s[1].sync_clipped,
+        counter=True,
+    ),
+    Series(
+        "swarm_job_stage_sync_missed",
+        "Replicas the stage left out of its sync rounds",
+        lambda s: s[1].sync_missed,
+        counter=True,
+    ),
+)
+
+
 def _job_labels(job: JobRecord) -> list[str]:
     return [job.job_id]
 
 
 def _stage_labels(stage: JobStage) -> list[str]:
     return [stage[0].job_id, str(stage[1].stage), stage[1].fellow_id]
+
+
+def _replica_labels(r: Replica) -> list[str]:
+    return [r.job.job_id, str(r.replica)]
+
+
+def _sync_stage_labels(stage: JobStage) -> list[str]:
+    return [stage[0].job_id, str(stage[1].stage), str(stage[1].replica), stage[1].fellow_id]
+
+
+def replicas_of(jobs: Iterable[JobRecord]) -> list[Replica]:
+    """The replicas of the jobs that have more than one (none of a job without replicas)."""
+    out = []
+    for job in jobs:
+        groups = by_replica(job.progress)
+        if len(groups) > 1:
+            out.extend(Replica(job, r, stages) for r, stages in groups.items())
+    return out
 
 
 def job_families(
@@ -368,6 +508,13 @@ def job_families(
     stages = [(j, p) for j in running for p in j.progress]
     for series in STAGE_SERIES:
         yield series.family(stages, STAGE_LABELS, _stage_labels)
+    replicas = replicas_of(running)
+    for series in REPLICA_SERIES:
+        yield series.family(replicas, REPLICA_LABELS, _replica_labels)
+    replicated = {r.job.job_id for r in replicas}
+    synced = [(j, p) for j, p in stages if j.job_id in replicated]
+    for series in SYNC_STAGE_SERIES:
+        yield series.family(synced, SYNC_STAGE_LABELS, _sync_stage_labels)
 
 
 # --- the leader itself ---------------------------------------------------------------------

@@ -388,6 +388,8 @@ class Orchestrator:
                 attempt=job.attempt,
                 stage=plan.stage,
                 n_stages=plan.n_stages,
+                replica=plan.replica,
+                n_replicas=plan.n_replicas,
             )
         resume = data = init = None
         if self.exports is not None:
@@ -478,10 +480,10 @@ class Orchestrator:
         (kept per fellow pair, in memory)."""
         if job.placement is None:
             return
-        stages = job.placement.stages
-        placed = next((s for s in stages if s.stage == progress.stage), None)
-        if placed is None or placed.fellow_id != progress.fellow_id:
+        placed = job.placement.stage_of(progress.fellow_id)
+        if placed is None or placed.stage != progress.stage:
             return
+        stages = job.placement.pipeline(placed.replica)  # its own replica's boundaries
         if progress.down_link is not None:
             measured = balance.boundary_link(stages, progress.down_link)
             if measured is not None:

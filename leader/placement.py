@@ -20,6 +20,15 @@ each fellow offers: :mod:`silentswarm.telemetry`). The rules:
   GPU with the most free memory last, so it also hosts the head on the last stage.
 - Every stage and every slot must fit its memory estimate (:mod:`silentswarm.leader.memory`); a job
   that does not fit is unplaceable with the numbers.
+- A job with ``replicas`` runs k copies of its p-stage pipeline on k * p distinct fellows
+  (:func:`shape`): the best k * p ranked, dealt out like cards (replica r takes every k-th
+  from the r-th) so the replicas are alike, each replica ordered by the rules above on its
+  own. One layer split serves every replica (each stage of a replica holds the same layers
+  as that stage of the others, and must fit them): computed as above over each stage
+  position's weakest fellow (least memory; least speed, which sets the pace of every
+  step the replicas sync). Under transport ``p2p`` every member needs a sync address
+  (``SWARM_SYNC_ADDRESS``); under ``auto`` a ring link to a member without one uses the
+  relay.
 """
 
 from __future__ import annotations
@@ -71,6 +80,8 @@ class Candidate(msgspec.Struct, kw_only=True, frozen=True):
     # Standard blocks per second (protocol.ComputeSpeed): measured from its stages' step
     # times where it ran any, else its start-up probe; None: unknown.
     compute_speed: float | None = None
+    # Where its stage binds for its replicas' ring (SWARM_SYNC_ADDRESS); None: not given.
+    sync_address: str | None = None
 
 
 class Unplaceable(msgspec.Struct, kw_only=True, frozen=True):
@@ -104,11 +115,60 @@ def place(
     """A placement for ``spec`` on some of ``candidates``, or why there is none now.
 
     ``ranges`` fixes the stages' layer ranges (a resumed job keeps its boundaries);
-    ``max_stages`` caps how many fellows a job that takes every ready one may take (its
-    account's limit); ``links`` (fellow pair -> measured Mbit/s) orders a ``balanced`` job's
-    stages (:func:`silentswarm.leader.balance.chain_order`)."""
+    ``max_stages`` caps how many fellows the job may take in all (its account's limit);
+    ``links`` (fellow pair -> measured Mbit/s) orders a ``balanced`` job's stages
+    (:func:`silentswarm.leader.balance.chain_order`). The placed stages are ordered by
+    (replica, stage)."""
     candidates = [c for c in candidates if pools.fits(c.pool, c.labels, spec)]
     gpus = {c.fellow_id: eligible_gpus(c, spec, defaults) for c in candidates}
+    ranked = _ranked(spec, candidates, gpus)
+    k, wanted, need = shape(spec, len(ranked), ranges=ranges, max_stages=max_stages)
+    if len(ranked) < need:
+        return _too_few(spec, need, len(ranked), replicas=k)
+    if max_stages is not None and k > 1 and k * wanted > max_stages:
+        return Unplaceable(
+            reason=f"{k} replicas of {wanted} stages need {k * wanted} fellows; the owner's "
+            f"account may take {max_stages} more in pool {spec.run_pool}"
+        )
+    groups = _pipelines(spec, ranked[: k * wanted], k, defaults, links if ranges is None else None)
+    transport = _transport(spec, groups)
+    if isinstance(transport, Unplaceable):
+        return transport
+    ranges = _ranges(spec, groups, gpus, ranges)
+    if isinstance(ranges, Unplaceable):
+        return ranges
+    per_host = Counter(c.hostname for chosen in groups for c in chosen)
+    micro_batches, in_flight = spec.memory_schedule()
+    stages = []
+    for r, chosen in enumerate(groups):
+        for i, (c, (start, end)) in enumerate(zip(chosen, ranges, strict=True)):
+            memory = stage_memory(
+                spec.model,
+                batch_size=spec.batch_size,
+                micro_batches=micro_batches,
+                stage=i,
+                n_stages=len(chosen),
+                layers=end - start,
+                in_flight=in_flight,
+                overlap=spec.overlap,
+            )
+            placed = _place_stage(i, c, gpus[c.fellow_id], memory, start, end, per_host)
+            if isinstance(placed, Unplaceable):
+                where = "the last stage" if i == len(chosen) - 1 else f"stage {i}"
+                if k > 1:
+                    where += f" of replica {r}"
+                return Unplaceable(reason=f"{placed.reason} on {where} ({c.fellow_id})")
+            if k > 1:
+                placed.replica, placed.sync_address = r, c.sync_address
+            stages.append(placed)
+    return Placement(stages=stages, transport=transport)
+
+
+def _ranked(
+    spec: JobSpec, candidates: list[Candidate], gpus: dict[str, list[GpuInfo]]
+) -> list[Candidate]:
+    """Fellows with eligible GPUs by their free VRAM, then (``allow_cpu``) CPU-only ones by
+    their RAM."""
     with_gpu = sorted(
         (c for c in candidates if gpus[c.fellow_id]),
         key=lambda c: (-sum(g.memory_free_bytes for g in gpus[c.fellow_id]), c.fellow_id),
@@ -117,18 +177,37 @@ def place(
         (c for c in candidates if not gpus[c.fellow_id] and spec.allow_cpu),
         key=lambda c: (-c.ram_available_bytes, c.fellow_id),
     )
-    ranked = with_gpu + cpu_only
-    wanted, need = _stage_count(spec, len(ranked), ranges, max_stages)
-    if len(ranked) < need:
-        return _too_few(spec, need, len(ranked))
-    chosen = ranked[:wanted]
+    return with_gpu + cpu_only
+
+
+def _pipelines(
+    spec: JobSpec,
+    taken: list[Candidate],
+    k: int,
+    defaults: PlacementDefaults,
+    links: Mapping[tuple[str, str], float] | None,
+) -> list[list[Candidate]]:
+    """``taken`` (ranked) as ``k`` pipelines, each in stage order. Dealt out like cards:
+    replica r takes the r-th best, the (k + r)-th, ..., so the replicas are alike."""
     last_rule = spec.pipeline_last_stage_placement or defaults.last_stage
-    if last_rule == LastStagePlacement.LARGEST_VRAM and len(chosen) > 1:
-        chosen = [*chosen[1:], chosen[0]]  # the best ranked runs the last stage
-    if spec.partition == Partition.BALANCED and ranges is None and links:
-        chosen = _along_links(chosen, links, keep_last=last_rule == LastStagePlacement.LARGEST_VRAM)
+    keep_last = last_rule == LastStagePlacement.LARGEST_VRAM
+    groups = []
+    for r in range(k):
+        chosen = taken[r::k]
+        if keep_last and len(chosen) > 1:
+            chosen = [*chosen[1:], chosen[0]]  # the best ranked runs the last stage
+        if spec.partition == Partition.BALANCED and links:
+            chosen = _along_links(chosen, links, keep_last=keep_last)
+        groups.append(chosen)
+    return groups
+
+
+def _transport(spec: JobSpec, groups: list[list[Candidate]]) -> Transport | Unplaceable:
+    """The job's transport on these fellows: ``auto`` turns ``tunnel`` when a stage after
+    the first has no data address; ``p2p`` needs every data address (and, with replicas,
+    every sync address: under ``auto`` a ring link to a member without one uses the relay)."""
     transport = spec.transport or Transport.AUTO  # the leader fills it in at submit
-    missing = [c.fellow_id for c in chosen[1:] if not c.data_address]
+    missing = [c.fellow_id for chosen in groups for c in chosen[1:] if not c.data_address]
     if missing and transport == Transport.P2P:
         return Unplaceable(
             reason="transport p2p needs a data address (SWARM_DATA_ADDRESS) on "
@@ -136,41 +215,71 @@ def place(
         )
     if missing and transport == Transport.AUTO:
         transport = Transport.TUNNEL
-    ranges = _ranges(spec, chosen, gpus, ranges)
-    if isinstance(ranges, Unplaceable):
-        return ranges
-    per_host = Counter(c.hostname for c in chosen)
-    micro_batches, in_flight = spec.memory_schedule()
-    stages = []
-    for i, (c, (start, end)) in enumerate(zip(chosen, ranges, strict=True)):
-        memory = stage_memory(
-            spec.model,
-            batch_size=spec.batch_size,
-            micro_batches=micro_batches,
-            stage=i,
-            n_stages=len(chosen),
-            layers=end - start,
-            in_flight=in_flight,
-            overlap=spec.overlap,
-        )
-        placed = _place_stage(i, c, gpus[c.fellow_id], memory, start, end, per_host)
-        if isinstance(placed, Unplaceable):
-            where = "the last stage" if i == len(chosen) - 1 else f"stage {i}"
-            return Unplaceable(reason=f"{placed.reason} on {where} ({c.fellow_id})")
-        stages.append(placed)
-    return Placement(stages=stages, transport=transport)
+    if len(groups) > 1 and transport == Transport.P2P:
+        unsynced = [c.fellow_id for chosen in groups for c in chosen if not c.sync_address]
+        if unsynced:
+            return Unplaceable(
+                reason="transport p2p with replicas needs a sync address (SWARM_SYNC_ADDRESS) "
+                "on " + ", ".join(unsynced)
+            )
+    return transport
 
 
 def _stage_count(
     spec: JobSpec, ranked: int, ranges: list[tuple[int, int]] | None, max_stages: int | None
 ) -> tuple[int, int]:
-    """How many stages the job takes of ``ranked`` fitting fellows, and needs at least."""
+    """How many stages a job without replicas takes of ``ranked`` fitting fellows, and
+    needs at least."""
     if ranges is not None:
         return len(ranges), len(ranges)
     wanted = spec.stages if spec.stages is not None else min(ranked, spec.model.n_layers)
     if spec.stages is None and max_stages is not None:
         wanted = min(wanted, max_stages)
     return wanted, max(wanted, spec.min_stages)
+
+
+def shape(
+    spec: JobSpec,
+    ranked: int,
+    *,
+    ranges: list[tuple[int, int]] | None = None,
+    max_stages: int | None = None,
+) -> tuple[int, int, int]:
+    """``(replicas, stages, fellows needed)`` of a job placed on ``ranked`` fitting fellows.
+
+    Without replicas: the spec's stages, or every fellow (at most one per layer, at most
+    ``max_stages``), and at least ``min_stages``. ``replicas`` k: k pipelines of the spec's
+    stages, or of as many as the fellows allow for k pipelines. "auto": pipelines of the
+    spec's ``stages`` (else ``min_fellows``), as many as the fellows (and ``max_stages``,
+    the account's limit on the fellows a job takes) allow, at least one. A resumed job
+    (``ranges``) keeps its number of stages."""
+    if spec.replicas == 1:
+        wanted, need = _stage_count(spec, ranked, ranges, max_stages)
+        return 1, wanted, need
+    if spec.replicas == "auto":
+        p = len(ranges) if ranges is not None else spec.min_stages
+        k = ranked // p
+        if max_stages is not None:
+            k = min(k, max_stages // p)
+        k = max(1, k)
+        return k, p, k * p
+    k = spec.replicas
+    if ranges is not None:
+        p = len(ranges)
+    elif spec.stages is not None:
+        p = spec.stages
+    else:
+        p = min(ranked // k, spec.model.n_layers)
+        if max_stages is not None:
+            p = min(p, max_stages // k)
+        p = max(p, spec.min_stages)
+    return k, p, k * p
+
+
+def fellows_needed(spec: JobSpec, ranges: list[tuple[int, int]] | None = None) -> int:
+    """The fewest fellows the job runs on (what an account's limit must leave room for)."""
+    p = len(ranges) if ranges is not None else spec.min_stages
+    return p * (spec.replicas if isinstance(spec.replicas, int) else 1)
 
 
 def _along_links(
@@ -183,37 +292,44 @@ def _along_links(
 
 def _ranges(
     spec: JobSpec,
-    chosen: list[Candidate],
+    groups: list[list[Candidate]],
     gpus: dict[str, list[GpuInfo]],
     fixed: list[tuple[int, int]] | None,
 ) -> list[tuple[int, int]] | Unplaceable:
-    """The stages' layer ranges: ``fixed`` ones (a resumed job's), or by the job's partition."""
+    """The stages' layer ranges, one split for every replica (``groups``: each replica's
+    fellows in stage order): ``fixed`` ones (a resumed job's), or by the job's partition
+    over each stage position's weakest fellow."""
     if fixed is not None:
         return [tuple(r) for r in fixed]
-    layers = spec.model.n_layers
+    layers, n = spec.model.n_layers, len(groups[0])
 
     def capacity(c: Candidate) -> int:
         own = gpus[c.fellow_id]
         return sum(g.memory_free_bytes for g in own) if own else c.ram_available_bytes
 
-    if spec.partition == Partition.WEIGHTED and len(chosen) > 1:
-        return weighted_ranges(layers, [capacity(c) for c in chosen])
-    if spec.partition == Partition.BALANCED and len(chosen) > 1:
-        return _balanced_ranges(spec, chosen, gpus)
-    return split_layers(layers, len(chosen))
+    if spec.partition == Partition.WEIGHTED and n > 1:
+        return weighted_ranges(layers, [min(capacity(g[i]) for g in groups) for i in range(n)])
+    if spec.partition == Partition.BALANCED and n > 1:
+        return _balanced_ranges(spec, groups, gpus)
+    return split_layers(layers, n)
 
 
 def _balanced_ranges(
-    spec: JobSpec, chosen: list[Candidate], gpus: dict[str, list[GpuInfo]]
+    spec: JobSpec, groups: list[list[Candidate]], gpus: dict[str, list[GpuInfo]]
 ) -> list[tuple[int, int]] | Unplaceable:
     """Layers by measured speed within each fellow's memory; equal when no speed is known
-    (a fellow without one counts at the others' mean)."""
-    known = [c.compute_speed for c in chosen if c.compute_speed]
+    (a fellow without one counts at the others' mean). With replicas, a stage position
+    counts at its slowest fellow's speed and its smallest memory."""
+    members = [c for chosen in groups for c in chosen]
+    known = [c.compute_speed for c in members if c.compute_speed]
+    n = len(groups[0])
     if not known:
-        return split_layers(spec.model.n_layers, len(chosen))
+        return split_layers(spec.model.n_layers, n)
     fill = sum(known) / len(known)
-    speeds = [c.compute_speed or fill for c in chosen]
-    caps = [_layer_cap(spec, i, len(chosen), c, gpus[c.fellow_id]) for i, c in enumerate(chosen)]
+    speeds = [min(g[i].compute_speed or fill for g in groups) for i in range(n)]
+    caps = [
+        min(_layer_cap(spec, i, n, g[i], gpus[g[i].fellow_id]) for g in groups) for i in range(n)
+    ]
     # 1F1B's fill and drain count with a fixed micro-batch count; under "auto" (unknown
     # yet) or the overlap schedule only the slowest stage does.
     fixed = isinstance(spec.micro_batches, int) and not spec.overlap
@@ -254,12 +370,14 @@ def _layer_cap(spec: JobSpec, i: int, n: int, c: Candidate, gpus: list[GpuInfo])
     return max(0, room // max(1, one.per_layer[0]))
 
 
-def _too_few(spec: JobSpec, need: int, available: int) -> Unplaceable:
+def _too_few(spec: JobSpec, need: int, available: int, *, replicas: int = 1) -> Unplaceable:
     what = "ready fellows"
     if not spec.allow_cpu:
         what += " with an eligible GPU"
     if spec.pool is not None or spec.labels:
         what += f" {pools.where(spec)}"
+    if replicas > 1:
+        what += f" ({replicas} replicas of {need // replicas} stages)"
     return Unplaceable(reason=f"waiting for {need} {what}; {available} available", too_few=True)
 
 

@@ -13,19 +13,33 @@ from silentswarm.protocol import Progress, StageOutcome
 from silentswarm.types.views import StageProgress
 
 # The numbers a step record carries that a stage keeps until a record says otherwise.
-_STEP_NUMBERS = ("loss", "val_loss", "lr", "step_time_s", "tokens_per_s")
+_STEP_NUMBERS = ("loss", "val_loss", "lr", "step_time_s", "tokens_per_s", "sync_s")
+# Counters the fellow keeps since its run began: the latest record's are the stage's.
+_STEP_COUNTERS = (
+    "bytes_sent",
+    "bytes_received",
+    "sync_bytes_sent",
+    "sync_bytes_received",
+    "sync_clipped",
+    "sync_missed",
+)
 
 
 def apply_step(stage: StageProgress, msg: Progress, *, now: float) -> None:
     """A ``step`` record: the stage's step only grows, numbers a record leaves out stay,
-    byte counters are the fellow's latest. ``now``: when the record was taken."""
+    byte and sync counters are the fellow's latest. ``now``: when the record was taken.
+
+    The stage's ``replica`` is the record's (a stage the leader placed has it from its
+    placement already, and the fellow's record says the same)."""
     stage.step = max(stage.step, msg.step)
     stage.total_steps = msg.total_steps or stage.total_steps
+    stage.replica = msg.replica
     for name in _STEP_NUMBERS:
         value = getattr(msg, name)
         if value is not None:
             setattr(stage, name, value)
-    stage.bytes_sent, stage.bytes_received = msg.bytes_sent, msg.bytes_received
+    for name in _STEP_COUNTERS:
+        setattr(stage, name, getattr(msg, name))
     stage.link = msg.down_link or stage.link
     stage.tuning = msg.tuning or stage.tuning
     stage.updated_at = now

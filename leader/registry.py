@@ -326,6 +326,7 @@ class FellowRegistry:
             version=ident.version,
             pid=ident.pid,
             data_address=ident.data_address,
+            sync_address=ident.sync_address,
             pool=ident.pool,
             labels=dict(ident.labels),
             status=status,
@@ -345,6 +346,7 @@ class FellowRegistry:
             ident.pid,
             ident.data_address,
         )
+        record.sync_address = ident.sync_address
         record.pool, record.labels = ident.pool, dict(ident.labels)
         record.hardware = hardware
         entry.last_seen = self._clock()

@@ -15,7 +15,8 @@ from __future__ import annotations
 import enum
 import re
 import secrets
-from typing import Annotated, TypeVar
+from dataclasses import dataclass
+from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
@@ -74,6 +75,10 @@ class JobSpec(TrainConfig, frozen=True, kw_only=True, forbid_unknown_fields=True
     # ``min_fellows`` and at most one per layer.
     stages: Annotated[int, msgspec.Meta(ge=1, le=MAX_STAGES)] | None = None
     min_fellows: Annotated[int, msgspec.Meta(ge=1, le=MAX_STAGES)] = 1
+    # Copies of the pipeline, each on its own fellows and reading its own slice of every
+    # step's data (``batch_size`` is per replica); the replicas of a stage keep in sync as
+    # ``sync`` says. "auto": as many full pipelines as the ready fellows allow.
+    replicas: Annotated[int, msgspec.Meta(ge=1, le=MAX_STAGES)] | Literal["auto"] = 1
     partition: Partition = Partition.EQUAL
     compression: Annotated[str, msgspec.Meta(max_length=64)] = "none"
     # None: the leader's SWARM_PIPELINE_TRANSPORT (default auto); the leader writes the one it
@@ -144,6 +149,29 @@ class JobSpec(TrainConfig, frozen=True, kw_only=True, forbid_unknown_fields=True
             parse_compression(self.compression, d_model=self.model.d_model)
         except ConfigError as exc:
             out.append(f"compression: {exc.message}")
+        out.extend(self._replica_problems())
+        return out
+
+    @property
+    def replicated(self) -> bool:
+        """Whether the job may run more than one pipeline (``replicas`` > 1 or "auto")."""
+        return self.replicas != 1
+
+    def _replica_problems(self) -> list[str]:
+        if not self.replicated:
+            return []
+        out = []
+        k = self.replicas
+        if self.overlap:
+            out.append(
+                f'schedule "overlap" cannot run with replicas ({k!r}): replicas sync at step '
+                'boundaries, which overlapping steps lack; use schedule "1f1b" or replicas 1'
+            )
+        if isinstance(k, int) and k * self.min_stages > MAX_STAGES:
+            out.append(
+                f"replicas ({k}) x stages ({self.min_stages}) needs {k * self.min_stages} "
+                f"fellows; at most {MAX_STAGES}"
+            )
         return out
 
 
@@ -207,6 +235,8 @@ def new_job_id(name: str) -> str:
 class PlacedStage(msgspec.Struct, kw_only=True):
     stage: int
     fellow_id: str
+    replica: int = 0  # the pipeline it is a stage of (a job with replicas)
+    sync_address: str | None = None  # where it binds for its replicas' ring
     hostname: str
     layer_start: int
     layer_end: int
@@ -220,12 +250,28 @@ class PlacedStage(msgspec.Struct, kw_only=True):
 
 
 class Placement(msgspec.Struct, kw_only=True):
+    # Every placed stage of every replica, ordered by (replica, stage): a job without
+    # replicas has one per stage, in stage order.
     stages: list[PlacedStage]
     transport: Transport
 
     @property
     def fellow_ids(self) -> list[str]:
         return [s.fellow_id for s in self.stages]
+
+    @property
+    def n_replicas(self) -> int:
+        return 1 + max((s.replica for s in self.stages), default=0)
+
+    @property
+    def n_stages(self) -> int:
+        """The stages of one pipeline."""
+        return len(self.pipeline(0))
+
+    def pipeline(self, replica: int = 0) -> list[PlacedStage]:
+        """The stages of pipeline ``replica``, in stage order (replica 0's: the ones whose
+        checkpoints and shards are the job's)."""
+        return sorted((s for s in self.stages if s.replica == replica), key=lambda s: s.stage)
 
     def stage_of(self, fellow_id: str) -> PlacedStage | None:
         return next((s for s in self.stages if s.fellow_id == fellow_id), None)
@@ -248,25 +294,75 @@ def boundary_keys(n_stages: int) -> list[tuple[CurveKeys, CurveKeys]]:
     return out
 
 
+@dataclass(frozen=True)
+class _Link:
+    """The secrets of one link (a pipeline boundary or a ring link): CURVE keys for the
+    connecting and the binding end (None under transport tunnel), and the relay token both
+    ends tag with (None under p2p)."""
+
+    connecting: CurveKeys | None
+    binding: CurveKeys | None
+    token: str | None
+
+
+def _links(count: int, *, curve: bool, relay: bool) -> list[_Link]:
+    keys = boundary_keys(count + 1) if curve else [(None, None)] * count
+    return [
+        _Link(
+            connecting=connecting,
+            binding=binding,
+            token=secrets.token_hex(32) if relay else None,
+        )
+        for connecting, binding in keys
+    ]
+
+
 def stage_plans(
     *, job_id: str, attempt: int, spec: JobSpec, placement: Placement, subject_prefix: str
 ) -> list[StagePlan]:
-    """One StagePlan per placed stage. Each fellow fills in its own NATS URL and folders.
+    """One StagePlan per placed stage (in the placement's order). Each fellow fills in its
+    own NATS URL and folders.
 
-    Every p2p boundary gets fresh CURVE keys, so only the placed neighbours can connect, and
-    every boundary that may use the relay (auto, tunnel) a fresh relay token, so only they
-    can send relay messages the other accepts.
+    Every p2p link gets fresh CURVE keys, so only the placed neighbours can connect, and
+    every link that may use the relay (auto, tunnel) a fresh relay token, so only they can
+    send relay messages the other accepts: each boundary of each replica's pipeline, and
+    with replicas each link of a stage's ring (replica r connects to r + 1 mod k, which
+    binds its sync address for it). Only replica 0 checkpoints for the leader.
     """
-    n = len(placement.stages)
+    k = placement.n_replicas
+    pipelines = [placement.pipeline(r) for r in range(k)]
+    n = len(pipelines[0])
     train = spec.train_config()
-    keys = boundary_keys(n) if placement.transport != Transport.TUNNEL else []
+    curve = placement.transport != Transport.TUNNEL
     relay = placement.transport != Transport.P2P
-    tokens = [secrets.token_hex(32) for _ in range(n - 1)] if relay else []
+    boundaries = [_links(n - 1, curve=curve, relay=relay) for _ in range(k)]
+    # ring[r][i]: stage i's link from replica r to replica r + 1.
+    ring = [_links(n, curve=curve, relay=relay) for _ in range(k)] if k > 1 else []
     plans = []
     for placed in placement.stages:
-        i = placed.stage
-        prev = placement.stages[i - 1] if i > 0 else None
-        nxt = placement.stages[i + 1] if i + 1 < n else None
+        i, r = placed.stage, placed.replica
+        own = pipelines[r]
+        prev = own[i - 1] if i > 0 else None
+        nxt = own[i + 1] if i + 1 < n else None
+        up = boundaries[r][i - 1] if i > 0 else None
+        down = boundaries[r][i] if i + 1 < n else None
+        ring_fields = {}
+        if k > 1:
+            before, after = pipelines[(r - 1) % k][i], pipelines[(r + 1) % k][i]
+            sync_up, sync_down = ring[(r - 1) % k][i], ring[r][i]
+            ring_fields = dict(
+                sync_address=placed.sync_address,
+                sync_prev=Peer(fellow_id=before.fellow_id),
+                sync_next=Peer(fellow_id=after.fellow_id, data_address=after.sync_address),
+                curve_sync_up=sync_up.binding,
+                curve_sync_down=sync_down.connecting,
+                relay_sync_up_token=sync_up.token,
+                relay_sync_down_token=sync_down.token,
+            )
+        # Replica 0's stages checkpoint at the end (the export) and, with shard pushes,
+        # every shard_push_interval_steps; its fellows push each to the leader. The other
+        # replicas hold the same weights: they write none.
+        lead = r == 0
         plans.append(
             StagePlan(
                 job_id=job_id,
@@ -285,16 +381,19 @@ def stage_plans(
                 next=Peer(fellow_id=nxt.fellow_id, data_address=nxt.data_address) if nxt else None,
                 subject_prefix=subject_prefix,
                 gpu_slots=list(placed.gpu_slots),
-                curve_up=keys[i - 1][1] if keys and i > 0 else None,
-                curve_down=keys[i][0] if keys and i + 1 < n else None,
-                relay_up_token=tokens[i - 1] if tokens and i > 0 else None,
-                relay_down_token=tokens[i] if tokens and i + 1 < n else None,
+                curve_up=up.binding if up else None,
+                curve_down=down.connecting if down else None,
+                relay_up_token=up.token if up else None,
+                relay_down_token=down.token if down else None,
                 peer_timeout_s=spec.peer_timeout_s,
                 intra_op_threads=placed.intra_op_threads,
-                # Every stage checkpoints at the end (the export) and, with shard pushes,
-                # every shard_push_interval_steps; its fellow pushes each to the leader.
-                checkpoint_every=spec.shard_push_interval_steps if spec.shard_push_to_leader else 0,
-                checkpoint_at_end=True,
+                checkpoint_every=(
+                    spec.shard_push_interval_steps if lead and spec.shard_push_to_leader else 0
+                ),
+                checkpoint_at_end=lead,
+                replica=r,
+                n_replicas=k,
+                **ring_fields,
             )
         )
     return plans

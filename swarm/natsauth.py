@@ -86,16 +86,26 @@ def fellow_permissions(prefix: str, fellow_id: str) -> Permissions:
 
 
 def attempt_permissions(
-    prefix: str, *, fellow_id: str, job_id: str, attempt: int, stage: int, n_stages: int
+    prefix: str,
+    *,
+    fellow_id: str,
+    job_id: str,
+    attempt: int,
+    stage: int,
+    n_stages: int,
+    replica: int = 0,
+    n_replicas: int = 1,
 ) -> Permissions:
     """The user of one placed stage of one attempt: its progress and shard subjects for that
     job, its inbox (the leader's shard acks), and exactly the relay subjects of its own
-    boundaries, in the direction it sends and the one it hears. Nobody else can read or
+    boundaries (those of its pipeline ``replica``) and, with replicas, of its two links in
+    its stage's ring (to replica ``replica + 1`` and from ``replica - 1``, mod
+    ``n_replicas``), in the direction it sends and the one it hears. Nobody else can read or
     write them (the leader aside), and a new attempt has new subjects."""
 
-    def relay(boundary: int, direction: str) -> str:
+    def relay(link: str, direction: str) -> str:
         return topics.RELAY.subject(
-            prefix, job=job_id, attempt=attempt, boundary=boundary, direction=direction
+            prefix, job=job_id, attempt=attempt, boundary=link, direction=direction
         )
 
     publish = [
@@ -104,11 +114,20 @@ def attempt_permissions(
     ]
     subscribe = [f"{topics.inbox_prefix(fellow_id)}.>"]
     if stage > 0:  # the upstream boundary: gradients go up, activations come down
-        publish.append(relay(stage - 1, "bwd"))
-        subscribe.append(relay(stage - 1, "fwd"))
+        up = topics.relay_link(stage - 1, replica)
+        publish.append(relay(up, "bwd"))
+        subscribe.append(relay(up, "fwd"))
     if stage + 1 < n_stages:  # the downstream boundary
-        publish.append(relay(stage, "fwd"))
-        subscribe.append(relay(stage, "bwd"))
+        down = topics.relay_link(stage, replica)
+        publish.append(relay(down, "fwd"))
+        subscribe.append(relay(down, "bwd"))
+    if n_replicas > 1:
+        # The ring: it connects to its successor (sends "fwd" on its own link) and binds
+        # for its predecessor (answers "bwd" on the predecessor's link).
+        own = topics.sync_link(stage, replica)
+        prev = topics.sync_link(stage, (replica - 1) % n_replicas)
+        publish += [relay(own, "fwd"), relay(prev, "bwd")]
+        subscribe += [relay(own, "bwd"), relay(prev, "fwd")]
     return Permissions(publish=tuple(publish), subscribe=tuple(subscribe))
 
 
@@ -515,7 +534,16 @@ class NatsAuthority:
         return creds
 
     def attempt_creds(
-        self, prefix: str, *, fellow_id: str, job_id: str, attempt: int, stage: int, n_stages: int
+        self,
+        prefix: str,
+        *,
+        fellow_id: str,
+        job_id: str,
+        attempt: int,
+        stage: int,
+        n_stages: int,
+        replica: int = 0,
+        n_replicas: int = 1,
     ) -> str:
         """A fresh user for one placed stage of one attempt (never stored here; its key is
         recorded as the fellow's, so that releasing the fellow revokes it too)."""
@@ -526,6 +554,8 @@ class NatsAuthority:
             attempt=attempt,
             stage=stage,
             n_stages=n_stages,
+            replica=replica,
+            n_replicas=n_replicas,
         )
         creds = self.user_creds(attempt_user_name(fellow_id, job_id, attempt), perms)
         self._record_user(fellow_id, creds, attempt=True)

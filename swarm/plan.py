@@ -229,6 +229,23 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # Train a LoRA adapter on the weights init_from names ("job:" or "export:"), everything
     # else frozen; the job's shards and export then hold only the adapter.
     adapter: AdapterConfig | None = None
+    # How the replicas of a stage (a job's ``replicas`` > 1) keep their weights in sync, over
+    # the data plane among themselves (agent/runtime/replicas.py). "allreduce": the
+    # gradients are averaged every step (one pipeline with ``replicas`` times the batch);
+    # "diloco": ``sync_every`` local steps, then the replicas' pseudo-gradients (weights at
+    # the last sync minus weights now) are averaged and applied by an outer SGD with
+    # Nesterov momentum (``outer_learning_rate``, ``outer_momentum``).
+    sync: Literal["allreduce", "diloco"] = "allreduce"
+    sync_every: Annotated[int, msgspec.Meta(ge=1, le=10**6)] = 20
+    outer_learning_rate: Annotated[float, msgspec.Meta(gt=0.0, le=10.0)] = 0.7
+    outer_momentum: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.9
+    # The wire codec of what replicas exchange (a wire codec of the codec table).
+    sync_compression: Literal["none", "fp16", "fixed_int8"] = "none"
+    # A replica that has not sent its contribution within this long is left out of the round.
+    sync_timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)] = 30.0
+    # A contribution whose norm is above this many times the median of the others' is scaled
+    # down to that bound (and counted), so one bad replica cannot wreck the average.
+    sync_clip_ratio: Annotated[float, msgspec.Meta(gt=1.0, le=1e6)] = 4.0
 
     def problems(self) -> list[str]:
         return self.train_problems()
@@ -426,6 +443,26 @@ class StagePlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     # its run_manifest.json and the shards of the stages that hold this stage's layers. The
     # agent sets it; a resumed attempt (resume_from) does not use it.
     init_dir: str | None = None
+    # Replicas (a job's ``replicas``): this plan is stage ``stage`` of pipeline ``replica`` of
+    # ``n_replicas``. A stage's replicas form a ring (replica r sends to r + 1 mod k): this
+    # member binds ``sync_address`` for its predecessor ``sync_prev`` and connects to its
+    # successor ``sync_next`` (whose ``data_address`` is the successor's sync address), with
+    # the ring links' CURVE keys and relay tokens as for a boundary (up: from the predecessor,
+    # down: to the successor).
+    replica: Annotated[int, msgspec.Meta(ge=0, le=4095)] = 0
+    n_replicas: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
+    sync_address: str | None = None
+    sync_prev: Peer | None = None
+    sync_next: Peer | None = None
+    curve_sync_up: CurveKeys | None = None
+    curve_sync_down: CurveKeys | None = None
+    relay_sync_up_token: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32,128}$")] | None = None
+    relay_sync_down_token: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32,128}$")] | None = None
+
+    @property
+    def replicated(self) -> bool:
+        """Whether this stage has replicas to keep in sync with."""
+        return self.n_replicas > 1
 
     @property
     def is_first(self) -> bool:
@@ -464,6 +501,27 @@ class StagePlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         if self.intra_op_threads is not None and self.intra_op_threads < 1:
             out.append("intra_op_threads must be >= 1")
         out.extend(self._slot_problems())
+        out.extend(self._replica_problems())
+        return out
+
+    def _replica_problems(self) -> list[str]:
+        if not 0 <= self.replica < self.n_replicas:
+            return [f"replica {self.replica} is outside 0..{self.n_replicas - 1}"]
+        if not self.replicated:
+            return []
+        out = []
+        if self.sync_prev is None or self.sync_next is None:
+            out.append("a replicated stage needs 'sync_prev' and 'sync_next' (its ring peers)")
+        if self.train.overlap:
+            out.append('schedule "overlap" cannot run with replicas (use "1f1b")')
+        p2p = self.transport != Transport.TUNNEL
+        if p2p and self.transport == Transport.P2P:
+            if not self.sync_address:
+                out.append("transport p2p needs 'sync_address' to bind for the replicas' ring")
+            if self.sync_next is not None and not self.sync_next.data_address:
+                out.append("transport p2p needs 'sync_next' with its sync address")
+        if not p2p and not self.nats:
+            out.append("transport 'tunnel' needs 'nats' (the NATS URL) for the replicas' ring")
         return out
 
     def _layout_problems(self) -> list[str]:
@@ -653,3 +711,106 @@ def chain_plans(
             ).checked()
         )
     return plans
+
+
+def replicated_chain_plans(
+    *,
+    job_id: str,
+    model: ModelConfig,
+    train: TrainConfig,
+    addresses: list[list[str | None]],
+    sync_addresses: list[list[str | None]],
+    fellow_ids: list[list[str]] | None = None,
+    compression: str = "none",
+    grad_compression: str | None = None,
+    transport: Transport = Transport.AUTO,
+    nats_url: str | None = None,
+    attempt: int = 1,
+    intra_op_threads: int | None = None,
+    peer_timeout_s: float = 60.0,
+    secure: bool = False,
+) -> list[list[StagePlan]]:
+    """Plans for ``len(addresses)`` replicas of a chain of ``len(addresses[0])`` stages,
+    without a leader (tests, benchmarks): ``plans[r][s]`` is stage ``s`` of replica ``r``.
+
+    ``addresses[r]`` are replica r's boundary addresses, as :func:`chain_plans` takes them;
+    ``sync_addresses[r][s]`` is where stage s of replica r binds for its ring predecessor.
+    Every stage's replicas form a ring (r sends to r + 1 mod k). With ``secure`` every ring
+    link gets fresh CURVE keys and relay tokens, as a leader's plans have.
+    """
+    k = len(addresses)
+    n = len(addresses[0]) if addresses else 0
+    if k < 1 or any(len(a) != n for a in addresses) or len(sync_addresses) != k:
+        raise ConfigError("need one address list of equal length per replica")
+    if any(len(s) != n for s in sync_addresses):
+        raise ConfigError("need one sync address per stage of every replica")
+    if intra_op_threads is None:
+        intra_op_threads = max(1, (os.cpu_count() or 1) // (k * n))
+    ids = fellow_ids or [[f"r{r}-stage-{s}" for s in range(n)] for r in range(k)]
+    chains = [
+        chain_plans(
+            job_id=job_id,
+            model=model,
+            train=train,
+            addresses=addresses[r],
+            fellow_ids=ids[r],
+            compression=compression,
+            grad_compression=grad_compression,
+            transport=transport,
+            nats_url=nats_url,
+            attempt=attempt,
+            intra_op_threads=intra_op_threads,
+            peer_timeout_s=peer_timeout_s,
+        )
+        for r in range(k)
+    ]
+    # keys[r][s]: the ring link from replica r to r + 1 (for its sender, for its receiver)
+    keys: list[list[tuple[CurveKeys | None, CurveKeys | None]]] = [
+        [_ring_keys(secure) for _ in range(n)] for _ in range(k)
+    ]
+    tokens = [[_ring_token(secure) for _ in range(n)] for _ in range(k)]
+    out: list[list[StagePlan]] = []
+    for r in range(k):
+        prev, nxt = (r - 1) % k, (r + 1) % k
+        row = []
+        for s, plan in enumerate(chains[r]):
+            if k == 1:
+                row.append(plan)
+                continue
+            row.append(
+                msgspec.structs.replace(
+                    plan,
+                    replica=r,
+                    n_replicas=k,
+                    sync_address=sync_addresses[r][s],
+                    sync_prev=Peer(fellow_id=ids[prev][s]),
+                    sync_next=Peer(fellow_id=ids[nxt][s], data_address=sync_addresses[nxt][s]),
+                    curve_sync_up=keys[prev][s][1],
+                    curve_sync_down=keys[r][s][0],
+                    relay_sync_up_token=tokens[prev][s],
+                    relay_sync_down_token=tokens[r][s],
+                ).checked()
+            )
+        out.append(row)
+    return out
+
+
+def _ring_keys(secure: bool) -> tuple[CurveKeys | None, CurveKeys | None]:
+    """Fresh CURVE keys of one ring link: (its sender's, its receiver's); None, None unless
+    ``secure``."""
+    if not secure:
+        return None, None
+    import zmq  # only where keys are made
+
+    server_public, server_secret = (x.decode() for x in zmq.curve_keypair())
+    client_public, client_secret = (x.decode() for x in zmq.curve_keypair())
+    return (
+        CurveKeys(public=client_public, secret=client_secret, peer_public=server_public),
+        CurveKeys(public=server_public, secret=server_secret, peer_public=client_public),
+    )
+
+
+def _ring_token(secure: bool) -> str | None:
+    import secrets
+
+    return secrets.token_hex(16) if secure else None

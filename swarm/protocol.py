@@ -131,6 +131,9 @@ class FellowIdentity(msgspec.Struct, kw_only=True, gc=False):
     version: Annotated[str, msgspec.Meta(max_length=128)]
     pid: Annotated[int, msgspec.Meta(ge=0, le=2**32)]
     data_address: Name | None = None
+    # Where its stages bind for their replicas' ring (SWARM_SYNC_ADDRESS): a job with
+    # replicas; an older agent says nothing (its ring links go over the relay).
+    sync_address: Name | None = None
     # Where jobs may place it (silentswarm.pools): an older agent says nothing, "default".
     pool: PoolName = DEFAULT_POOL
     labels: Labels = msgspec.field(default_factory=dict)
@@ -339,6 +342,15 @@ class Progress(Message, kw_only=True):
     tuning: Tuning | None = None
     # Relay messages the stage dropped because they failed its checks (agent/pipe/relay.py).
     relay_dropped: Count = 0
+    # Replicas: which pipeline the stage is of, the seconds its latest step synced with the
+    # stage's other replicas, its bytes over their ring since it started, and the
+    # contributions clipped and replicas left out of its rounds so far.
+    replica: Annotated[int, msgspec.Meta(ge=0, le=4095)] = 0
+    sync_s: Annotated[float, msgspec.Meta(ge=0.0, le=1e9)] | None = None
+    sync_bytes_sent: Bytes = 0
+    sync_bytes_received: Bytes = 0
+    sync_clipped: Count = 0
+    sync_missed: Count = 0
     ok: bool = True
     message: Annotated[str, msgspec.Meta(max_length=1024)] = ""
     checkpoint_path: Annotated[str, msgspec.Meta(max_length=1024)] | None = None

@@ -66,6 +66,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # Where the stage binds when that is not the advertised data_address (behind NAT or a
     # port forward: bind tcp://0.0.0.0:5701, advertise the public address).
     data_bind: str | None = None
+    # Where a fellow's stage binds, and its replicas connect, for a job with replicas (the
+    # ring that keeps a stage's replicas in sync): a second port beside data_address.
+    # Unset: under transport auto its ring links use the NATS relay; p2p jobs with replicas
+    # are not placed on it.
+    sync_address: str | None = None
     # Where fellow.sh installed this fellow (venv, state, config): PURGE removes all of it.
     fellow_prefix: Path | None = None
     # The pip arguments fellow.sh installed with (an offline mirror): UPDATE reinstalls so.

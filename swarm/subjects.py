@@ -103,6 +103,20 @@ SHARD: Topic[p.ShardChunk] = Topic("shard.{job}.{fellow}", p.ShardChunk, p.Shard
 # Relay frames are opaque bytes to everyone but agent/pipe, which owns their layout.
 RELAY: Topic[bytes] = Topic("relay.{job}.{attempt}.{boundary}.{direction}", bytes)
 
+
+def relay_link(boundary: int, replica: int = 0) -> str:
+    """The ``boundary`` token of a pipeline boundary's relay subjects: the boundary index for
+    replica 0 (the subjects of a job without replicas), ``r<replica>-<boundary>`` for the
+    others."""
+    return str(boundary) if replica == 0 else f"r{replica}-{boundary}"
+
+
+def sync_link(stage: int, sender: int) -> str:
+    """The ``boundary`` token of the relay subjects of a replicas' ring link: stage
+    ``stage``'s link from replica ``sender`` to the next one."""
+    return f"s{stage}-{sender}"
+
+
 ALL_TOPICS: tuple[Topic[Any], ...] = (REGISTER, HEARTBEAT, SIGNAL, LOG, PROGRESS, SHARD, RELAY)
 
 

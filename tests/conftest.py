@@ -185,9 +185,11 @@ def leader_process(
 
 
 def start_agent(procs: Processes, nats_url: str, name: str, **env: str):
-    """A real fellow agent; its state under the test's temp dir, its own data port."""
+    """A real fellow agent; its state under the test's temp dir, its own data and sync
+    ports."""
     env.setdefault("SWARM_STATE_DIR", str(agent_state_dir(procs)))
     env.setdefault("SWARM_DATA_ADDRESS", f"tcp://127.0.0.1:{free_port()}")
+    env.setdefault("SWARM_SYNC_ADDRESS", f"tcp://127.0.0.1:{free_port()}")
     # Declared, not probed: the probe trains a block for seconds (pass "" to probe).
     env.setdefault("SWARM_FELLOW_COMPUTE_SPEED", "1")
     return procs.python(

@@ -13,7 +13,9 @@ there, from a checkpoint written before they stopped reading data, is ignored).
 
 Array names are ``model/<i>:<variable path>`` and ``optimizer/<i>:<variable path>`` (and, under
 the ``overlap`` schedule, ``pending/<i>:<variable path>``: the gradient set aside for the
-delayed update, whose step and micro-batch count the meta data's ``pending`` names). The index
+delayed update, whose step and micro-batch count the meta data's ``pending`` names; and, for
+a replica under ``sync: "diloco"``, ``anchor/<i>:<path>`` and ``outer_momentum/<i>:<path>``:
+the weights at the last outer step and the outer optimizer's momentum). The index
 ``i`` (the variable's position in the stage) is what restoring matches on; the path is for
 people, since Keras numbers some auto-named variables per process.
 
@@ -83,6 +85,11 @@ def named_variables(model: StageModel) -> list[tuple[str, Any]]:
     named += [  # each named after the variable whose gradient it holds
         (f"pending/{i}:{v.path}", p)
         for i, (v, p) in enumerate(zip(model.variables, model.pending, strict=False))
+    ]
+    named += [  # DiLoCo's outer state (replicas, sync "diloco"); none otherwise
+        (f"{kind}/{i}:{v.path}", state)
+        for kind, states in (("anchor", model.anchor), ("outer_momentum", model.outer_momentum))
+        for i, (v, state) in enumerate(zip(model.variables, states, strict=False))
     ]
     return named
 
@@ -316,6 +323,15 @@ def restore_into(model: StageModel, dataset: TextDataset | None, checkpoint: Che
     check_compatible(model.plan, checkpoint.meta)
     by_key = {_key(name): array for name, array in checkpoint.arrays.items()}
     targets = named_variables(model)
+    # DiLoCo's outer state: a model without it (glue, a warm start, a plan without replicas)
+    # takes the weights and leaves it; a DiLoCo model from a checkpoint without it anchors
+    # at the restored weights.
+    outer_wanted = any(_is_outer(name) for name, _ in targets)
+    outer_saved = any(_is_outer(key) for key in by_key)
+    if not outer_wanted:
+        by_key = {key: array for key, array in by_key.items() if not _is_outer(key)}
+    if not outer_saved:
+        targets = [(name, v) for name, v in targets if not _is_outer(name)]
     if len(by_key) != len(targets):
         raise CheckpointError(
             f"checkpoint has {len(by_key)} arrays, this stage has {len(targets)} variables"
@@ -327,8 +343,15 @@ def restore_into(model: StageModel, dataset: TextDataset | None, checkpoint: Che
     state = None if dataset is None else _data_state(checkpoint)
     for variable, array, _ in pairs:
         variable.assign(array)
+    if outer_wanted and not outer_saved:
+        model.reset_anchor()
     if dataset is not None and state is not None:
         dataset.restore(state)
+
+
+def _is_outer(name: str) -> bool:
+    """Whether an array name (or key) is DiLoCo's outer state."""
+    return name.startswith(("anchor/", "outer_momentum/"))
 
 
 def _data_state(checkpoint: Checkpoint) -> DataState:

@@ -27,7 +27,7 @@ def write_plans(plans: list[StagePlan], directory: Path) -> list[Path]:
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
     for plan in plans:
-        path = directory / f"plan-{plan.job_id}-{plan.stage}.json"
+        path = directory / f"plan-{_name(plan)}.json"
         path.write_bytes(msgspec.json.encode(plan))
         paths.append(path)
     return paths
@@ -56,9 +56,11 @@ def run_plans(
     on_event: Callable[[dict[str, Any]], None] | None = None,
     command_prefixes: Mapping[int, Sequence[str]] | None = None,
 ) -> list[list[dict[str, Any]]]:
-    """Start one process per stage, wait for all; each stage's events, in stage order.
+    """Start one process per stage, wait for all; each stage's events, in stage order
+    (replicas: replica by replica, each in stage order).
 
-    Stage stdout goes to ``<directory>/stage-<job>-<i>.out`` and stderr to ``.err``.
+    Stage stdout goes to ``<directory>/stage-<job>-<i>.out`` (a replica r > 0's to
+    ``stage-<job>-r<r>-<i>.out``) and stderr to ``.err``.
     ``on_event`` sees every event of every stage as it is written (live progress).
     ``command_prefixes[i]`` goes in front of stage i's command line (for example
     ``ip netns exec NS``: the link emulator's far side).
@@ -68,7 +70,7 @@ def run_plans(
     running: list[tuple[StagePlan, subprocess.Popen[bytes], Path]] = []
     try:
         for plan, path in reversed(list(zip(plans, paths, strict=True))):
-            out = directory / f"stage-{plan.job_id}-{plan.stage}.out"
+            out = directory / f"stage-{_name(plan)}.out"
             with open(out, "wb") as stdout, open(out.with_suffix(".err"), "wb") as stderr:
                 proc = subprocess.Popen(
                     [*(command_prefixes or {}).get(plan.stage, ()), *stage_command(path)],
@@ -98,8 +100,15 @@ def run_plans(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    results = {plan.stage: _events(out) for plan, _, out in running}
-    return [results[stage] for stage in sorted(results)]
+    results = {(plan.replica, plan.stage): _events(out) for plan, _, out in running}
+    return [results[key] for key in sorted(results)]
+
+
+def _name(plan: StagePlan) -> str:
+    """``<job>-<stage>``, and ``<job>-r<replica>-<stage>`` for a replica after the first."""
+    if plan.replica == 0:
+        return f"{plan.job_id}-{plan.stage}"
+    return f"{plan.job_id}-r{plan.replica}-{plan.stage}"
 
 
 def _follow(

@@ -9,6 +9,11 @@ quiet (a calibration, a validation, the end) run as one stretch of 1F1B
 (:func:`~silentswarm.agent.runtime.schedule.overlapped`), each update applied a step late
 (:class:`~silentswarm.agent.runtime.schedule.DelayedUpdates`); a step is over on a stage
 when its last backward is, and what follows a step (its event, checkpoints) happens there.
+
+A replicated stage (a job's ``replicas``) also keeps its weights in sync with the same stage
+of the other replicas over a ring (:mod:`~silentswarm.agent.runtime.replicas`): the gradients
+averaged every step before the update (``allreduce``), or DiLoCo's outer step every
+``sync_every`` steps (``diloco``); its stage 0 keeps its own rows of the global batch.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from silentswarm.agent.runtime.data import (
     job_val_batches,
 )
 from silentswarm.agent.runtime.presets import init_from_preset, preset_dir
+from silentswarm.agent.runtime.replicas import ReplicaSync, nesterov_step, relay_opener
 from silentswarm.agent.runtime.schedule import (
     DelayedUpdates,
     Op,
@@ -238,6 +244,9 @@ class StageRunner:
             layers = [piece.layer for piece in self.model.pieces]
             count = init_from_preset(directory, plan.model, layers)
             log.info("%d variables from the preset %s", count, directory)
+        self.model.reset_anchor()  # DiLoCo: the start; a checkpoint restores its own
+        # The ring of this stage's replicas (agent/runtime/replicas.py), opened with the links.
+        self.replicas: ReplicaSync | None = None
         if checkpoint is not None:
             restore_into(self.model, self.data, checkpoint)
             self.start_step = int(checkpoint.meta["steps_done"])
@@ -302,32 +311,11 @@ class StageRunner:
     def _relay(
         self, boundary: int, name: str, send: str, recv: str, token: str | None
     ) -> Callable[[], RelayLink] | None:
-        """How to open the relay end of a boundary; None without NATS in the plan."""
+        """How to open the relay end of a boundary; None without NATS in the plan. Each
+        replica's boundaries have subjects of their own (:func:`subjects.relay_link`)."""
         plan = self.plan
-        if plan.nats is None:
-            return None
-
-        def subject(direction: str) -> str:
-            return subjects.RELAY.subject(
-                plan.subject_prefix,
-                job=plan.job_id,
-                attempt=plan.attempt,
-                boundary=boundary,
-                direction=direction,
-            )
-
-        def make() -> RelayLink:
-            assert plan.nats is not None
-            # A leader's plan tags every relay message with the boundary's token.
-            return RelayLink(
-                name=name,
-                nats=plan.nats.connect_options(),
-                send_subject=subject(send),
-                recv_subject=subject(recv),
-                token=None if token is None else bytes.fromhex(token),
-            )
-
-        return make
+        link = subjects.relay_link(boundary, plan.replica)
+        return relay_opener(plan, link, name, send, recv, token)
 
     def open_links(self) -> None:
         plan = self.plan
@@ -378,6 +366,9 @@ class StageRunner:
                 plan.peer_timeout_s,
                 vocab_size=plan.model.vocab_size,
             )
+        if plan.replicated:  # after the pipeline's links: those never wait on another replica
+            self.replicas = ReplicaSync(plan, fingerprint)
+            self.replicas.open()
         self.emit_links()
 
     def _boundaries(self) -> list[Boundary]:
@@ -386,6 +377,8 @@ class StageRunner:
     def close(self) -> None:
         for boundary in self._boundaries():
             boundary.link.close()
+        if self.replicas is not None:
+            self.replicas.close()
 
     # --- training -------------------------------------------------------------------------
 
@@ -406,7 +399,13 @@ class StageRunner:
         self._data_before[step] = self.data.state()
         for old in [k for k in self._data_before if k < step - 2]:
             del self._data_before[old]
-        return self.data.next_batch(self.plan.train.batch_size)
+        # Replicas: every one reads the global batch and keeps its own rows, so their data
+        # positions agree (one checkpoint resumes them all).
+        rows, r = self.plan.train.batch_size, self.plan.replica
+        inputs, targets = self.data.next_batch(rows * self.plan.n_replicas)
+        if self.plan.replicated:
+            inputs, targets = inputs[r * rows : (r + 1) * rows], targets[r * rows : (r + 1) * rows]
+        return inputs, targets
 
     def _ids(self, targets: np.ndarray) -> np.ndarray:
         """Target ids as a forward frame carries them (the vocabulary's smallest dtype)."""
@@ -426,17 +425,56 @@ class StageRunner:
         started = time.perf_counter()
         batch = self._read_batch(step)
         lr = model.set_lr(step)
-        if plan.n_stages == 1 and m == 1:  # a plain training step: one compiled call
+        allreduce = self.replicas is not None and plan.train.sync == "allreduce"
+        if plan.n_stages == 1 and m == 1 and not allreduce:  # one compiled call
             inputs, targets = batch
             model.local_step(self._micro(inputs, 0), self._micro(targets, 0))
-        elif plan.is_last:
-            self._last_micros(step, batch)
-            model.apply_mean(m)
         else:
-            self._tape_step(step, batch)
-            model.apply_mean(m)
+            if plan.is_last:
+                self._last_micros(step, batch)
+            else:
+                self._tape_step(step, batch)
+            model.apply_mean(self._average_gradients(step, m) if allreduce else m)
         loss = model.take_loss() / m if plan.is_last else None
+        if self.replicas is not None and plan.train.sync == "diloco":
+            every = plan.train.sync_every
+            if (step + 1) % every == 0 or step + 1 == plan.train.steps:
+                self._outer_step(step)
         return StepResult(step=step, loss=loss, lr=lr, seconds=time.perf_counter() - started)
+
+    def _average_gradients(self, step: int, m: int) -> int:
+        """Allreduce: the accumulated gradients become the replicas' average of their
+        mean gradients (each replica's sum over its ``m`` micro-batches, over ``m``, so the
+        replicas' micro-batch counts need not agree); the count to apply the mean over (1).
+
+        With equal rows per replica the mean of the replicas' means is the mean over all
+        their rows: one pipeline with ``n_replicas`` times the batch, step by step."""
+        assert self.replicas is not None
+        model = self.model
+        means = [g / np.float32(m) for g in model.accumulated()]
+        model.set_accumulated(self.replicas.all_reduce(step, means))
+        return 1
+
+    def _outer_step(self, step: int) -> None:
+        """DiLoCo's sync after ``step``: the replicas average their pseudo-gradients (anchor
+        minus weights), an outer SGD with Nesterov momentum moves the anchor, and the weights
+        become the new anchor (the same on every replica that was in the round)."""
+        assert self.replicas is not None
+        model, train = self.model, self.plan.train
+        anchors = [a.numpy() for a in model.anchor]
+        deltas = [a - w for a, w in zip(anchors, model.weights(), strict=True)]
+        averaged = self.replicas.all_reduce(step, deltas)
+        for i, delta in enumerate(averaged):
+            anchor, momentum = nesterov_step(
+                anchors[i],
+                model.outer_momentum[i].numpy(),
+                delta,
+                lr=train.outer_learning_rate,
+                mu=train.outer_momentum,
+            )
+            model.anchor[i].assign(anchor)
+            model.outer_momentum[i].assign(momentum)
+            model.variables[i].assign(anchor)
 
     def _last_micros(self, step: int, batch: Batch | None) -> None:
         """The last stage's micro-batches of ``step``, gradients accumulated: 1F1B there is
@@ -637,7 +675,8 @@ class StageRunner:
             results.append(result)
             step_times.append(result.seconds)
             wait_s, traffic = self.take_wait(), self.bytes_summary()  # before validation
-            self._sample_compute(result.seconds - wait_s)
+            sync_s = 0.0 if self.replicas is None else self.replicas.take_seconds()
+            self._sample_compute(result.seconds - wait_s - sync_s)  # the sync is no work
             val_loss = None
             every = plan.train.val_every
             if every and (step + 1) % every == 0 and step + 1 < plan.train.steps:
@@ -653,6 +692,7 @@ class StageRunner:
                     tokens_per_s=round(tokens_per_step / result.seconds, 1),
                     wait_s=round(wait_s, 5),
                     val_loss=val_loss,
+                    sync_s=round(sync_s, 5),
                     **traffic,
                 )
             )
@@ -676,6 +716,8 @@ class StageRunner:
         last = results[-1] if results else None
         val_loss = self.evaluate(plan.train.steps)
         self.finish()
+        if self.replicas is not None:
+            self.replicas.finish()
         self.close_control()
         if plan.checkpoint_at_end:
             self.checkpoint(CheckpointRequest(id="end"), plan.train.steps)
@@ -690,7 +732,8 @@ class StageRunner:
             step_time_s=round(mean_step, 5),
             tokens_per_s=round(tokens_per_step / mean_step, 1) if mean_step else 0.0,
             params=self.model.n_params,
-            dropped_frames=sum(b.dropped for b in self._boundaries()),
+            dropped_frames=sum(b.dropped for b in self._boundaries())
+            + (0 if self.replicas is None else self.replicas.dropped),
             relay_dropped_by_reason=self.relay_dropped(),
             **self.bytes_summary(),
         )
@@ -914,6 +957,11 @@ class StageRunner:
                 out[f"{key}_bytes_sent"] = boundary.bytes_sent
                 out[f"{key}_bytes_received"] = boundary.bytes_received
         out["relay_dropped"] = sum(self.relay_dropped().values())
+        if self.replicas is not None:
+            out["sync_bytes_sent"] = self.replicas.bytes_sent
+            out["sync_bytes_received"] = self.replicas.bytes_received
+            out["sync_clipped"] = self.replicas.clipped
+            out["sync_missed"] = self.replicas.missed
         return out
 
     def relay_dropped(self) -> dict[str, int]:
@@ -923,6 +971,9 @@ class StageRunner:
             if isinstance(boundary.link, RelayLink):
                 for reason, n in boundary.link.dropped_by_reason.items():
                     out[reason] = out.get(reason, 0) + n
+        if self.replicas is not None:
+            for reason, n in self.replicas.relay_dropped().items():
+                out[reason] = out.get(reason, 0) + n
         return out
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from silentswarm.agent.runtime.checkpoint import is_adapter_variable
@@ -163,6 +164,11 @@ class StageModel:
         self.pending: list[tf.Variable] = (
             _zeros_like(self.accumulators) if plan.train.overlap else []
         )
+        # DiLoCo (replicas, sync "diloco"): the weights at the last outer step (the anchor)
+        # and the outer optimizer's momentum, one beside each variable; checkpointed.
+        diloco = plan.replicated and plan.train.sync == "diloco"
+        self.anchor: list[tf.Variable] = _zeros_like(self.accumulators) if diloco else []
+        self.outer_momentum: list[tf.Variable] = _zeros_like(self.accumulators) if diloco else []
         train = plan.train
         self.optimizer = keras.optimizers.AdamW(
             learning_rate=train.learning_rate, weight_decay=train.weight_decay
@@ -313,6 +319,24 @@ class StageModel:
         n_vars = len(self.variables)
         self.accumulate(grads[:n_vars])
         return grads[n_vars] if input_grad else None
+
+    def reset_anchor(self) -> None:
+        """DiLoCo: the weights as they are now become the anchor (a run's start)."""
+        for anchor, v in zip(self.anchor, self.variables, strict=False):  # none: not DiLoCo
+            anchor.assign(v)
+
+    def accumulated(self) -> list[np.ndarray]:
+        """The accumulated gradients (summed over the step's micro-batches), as numpy."""
+        return [acc.numpy() for acc in self.accumulators]
+
+    def set_accumulated(self, arrays: list[np.ndarray]) -> None:
+        """Replace the accumulated gradients (with the replicas' average)."""
+        for acc, a in zip(self.accumulators, arrays, strict=True):
+            acc.assign(a)
+
+    def weights(self) -> list[np.ndarray]:
+        """The trainable variables' values, as numpy."""
+        return [v.numpy() for v in self.variables]
 
     def lr_of(self, step: int) -> float:
         """The learning rate of ``step``'s update."""

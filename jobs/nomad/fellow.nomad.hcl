@@ -59,6 +59,8 @@ job "swarm-fellow" {
     network {
       # The port this fellow's stage binds for tensors from its upstream peer.
       port "data" {}
+      # The port it binds for its replicas' ring (jobs with replicas).
+      port "sync" {}
     }
 
     # A system job counts every exit against these attempts, and a fellow exits on purpose
@@ -120,6 +122,7 @@ job "swarm-fellow" {
 
       env {
         SWARM_DATA_ADDRESS = "tcp://${NOMAD_IP_data}:${NOMAD_PORT_data}"
+        SWARM_SYNC_ADDRESS = "tcp://${NOMAD_IP_sync}:${NOMAD_PORT_sync}"
         SWARM_STATE_DIR    = "${NOMAD_ALLOC_DIR}/data"
         SWARM_LOG_LEVEL    = "INFO"
         HOME               = "${NOMAD_ALLOC_DIR}/data"

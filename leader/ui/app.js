@@ -80,6 +80,15 @@ function rate(bytesPerSecond) {
   return "-";
 }
 
+function size(bytes) {
+  let value = bytes || 0;
+  for (const unit of ["B", "KiB", "MiB", "GiB"]) {
+    if (value < 1024 || unit === "GiB") return `${value.toFixed(unit === "B" ? 0 : 1)} ${unit}`;
+    value /= 1024;
+  }
+  return "-";
+}
+
 // Labels as settings write them: gpu=a100,zone=eu (sorted); "" for none.
 const labelText = (labels) =>
   Object.keys(labels || {})
@@ -230,40 +239,104 @@ function activeJob() {
   return state.jobs.find((j) => j.state === "RUNNING" && j.placement) || null;
 }
 
+// Where the graph puts each fellow and which links it draws (pure: the UI test calls it).
+// A job of one pipeline: its stages in order on one row, the other fellows after them. A job
+// with replicas: one row per replica (its stages left to right, in columns by stage), the
+// sync links between a stage's replicas (a ring: replica r sends to r + 1, the last to the
+// first) drawn between the rows, and the other fellows on a row below.
+function graphLayout(job, fellowIds, width) {
+  const stages = job ? [...job.placement.stages].sort((a, b) => (a.replica || 0) - (b.replica || 0) || a.stage - b.stage) : [];
+  const replicas = Math.max(0, ...stages.map((s) => (s.replica || 0) + 1));
+  const inJob = new Set(stages.map((s) => s.fellow_id));
+  const others = fellowIds.filter((id) => !inJob.has(id));
+  const nodes = {};
+  const links = [];
+  const at = (r, i) => stages.find((s) => (s.replica || 0) === r && s.stage === i);
+  let height = 220;
+  if (replicas <= 1) {
+    const ids = [...stages.map((s) => s.fellow_id), ...others];
+    const gap = width / (ids.length + 1);
+    ids.forEach((id, i) => {
+      const placed = stages.find((s) => s.fellow_id === id);
+      nodes[id] = { x: gap * (i + 1), y: 160, stage: placed ? placed.stage : null, replica: placed ? 0 : null };
+    });
+  } else {
+    const columns = Math.max(...stages.map((s) => s.stage)) + 1;
+    const gap = width / (columns + 1);
+    const rowY = (r) => 110 + 70 * r;
+    for (const s of stages) nodes[s.fellow_id] = { x: gap * (s.stage + 1), y: rowY(s.replica || 0), stage: s.stage, replica: s.replica || 0 };
+    const otherGap = width / (others.length + 1);
+    others.forEach((id, i) => {
+      nodes[id] = { x: otherGap * (i + 1), y: rowY(replicas), stage: null, replica: null };
+    });
+    height = rowY(replicas) + (others.length ? 40 : -30);
+    for (let i = 0; i < columns; i++) {
+      for (let r = 0; r < replicas; r++) {
+        const next = (r + 1) % replicas;
+        if (replicas === 2 && r === 1) continue; // two replicas: both ring links join one pair
+        const from = at(r, i);
+        const to = at(next, i);
+        if (from && to) links.push({ kind: "sync", stage: i, replica: r, from: from.fellow_id, to: to.fellow_id, wrap: next < r });
+      }
+    }
+  }
+  for (let r = 0; r < Math.max(1, replicas); r++) {
+    for (let i = 0; at(r, i) && at(r, i + 1); i++) {
+      links.push({ kind: "pipeline", boundary: i, replica: r, from: at(r, i).fellow_id, to: at(r, i + 1).fellow_id });
+    }
+  }
+  return { nodes, links, replicas, height };
+}
+
 function renderGraph() {
   const svg = document.getElementById("graph");
   const width = svg.clientWidth || 600;
   const fellows = state.workers;
   const job = activeJob();
-  const order = job ? job.placement.stages.map((s) => s.fellow_id) : [];
-  const others = fellows.map((f) => f.fellow_id).filter((id) => !order.includes(id));
-  const ids = [...order, ...others];
-  const gap = width / (ids.length + 1);
-  const pos = Object.fromEntries(ids.map((id, i) => [id, { x: gap * (i + 1), y: 160 }]));
+  const layout = graphLayout(job, fellows.map((f) => f.fellow_id), width);
+  const pos = layout.nodes;
+  svg.style.height = `${layout.height}px`;
   const leader = { x: width / 2, y: 36 };
   const children = [];
-  for (const id of ids) {
+  for (const id of Object.keys(pos)) {
     children.push(svgEl("line", { class: "control", x1: leader.x, y1: leader.y + 14, x2: pos[id].x, y2: pos[id].y - 14 }));
   }
   const running = (state.cluster && state.cluster.running_jobs) || [];
   const boundaries = job ? (running.find((r) => r.job_id === job.job_id) || {}).boundaries || [] : [];
-  for (let i = 0; i + 1 < order.length; i++) {
-    const a = pos[order[i]];
-    const b = pos[order[i + 1]];
-    const boundary = boundaries.find((x) => x.boundary === i) || {};
+  const progress = Object.fromEntries(((job && job.progress) || []).map((p) => [p.fellow_id, p]));
+  for (const link of layout.links) {
+    const a = pos[link.from];
+    const b = pos[link.to];
+    if (link.kind === "sync") {
+      // The replicas of a stage keep their weights in sync over this link (never the leader).
+      const attrs = { class: "sync", "data-sync": `${link.stage}-${link.replica}` };
+      if (link.wrap) {
+        const bend = a.x - 80;
+        children.push(svgEl("path", { ...attrs, d: `M ${a.x - 60} ${a.y} C ${bend} ${a.y}, ${bend} ${b.y}, ${b.x - 60} ${b.y}`, fill: "none" }));
+      } else {
+        children.push(svgEl("line", { ...attrs, x1: a.x, y1: a.y + 14, x2: b.x, y2: b.y - 14 }));
+      }
+      const p = progress[link.from] || {};
+      const label = svgEl("text", { x: a.x + 6, y: (a.y + b.y) / 2 + 4, class: "sync-label" });
+      label.textContent = `sync ${p.sync_s === null || p.sync_s === undefined ? "-" : `${p.sync_s.toFixed(2)} s`} · ${size(p.sync_bytes_sent || 0)}`;
+      if (!link.wrap) children.push(label);
+      continue;
+    }
+    const boundary = boundaries.find((x) => x.boundary === link.boundary && (x.replica || 0) === link.replica) || {};
     const transport = boundary.transport || (job.placement.transport === "tunnel" ? "relay" : "p2p");
-    children.push(svgEl("line", { class: `link ${transport}`, "data-boundary": i, x1: a.x + 40, y1: a.y, x2: b.x - 40, y2: b.y }));
-    const label = svgEl("text", { x: (a.x + b.x) / 2, y: a.y + 32, "text-anchor": "middle" });
+    children.push(svgEl("line", { class: `link ${transport}`, "data-boundary": link.boundary, "data-replica": link.replica, x1: a.x + 40, y1: a.y, x2: b.x - 40, y2: b.y }));
+    const label = svgEl("text", { x: (a.x + b.x) / 2, y: a.y + (layout.replicas > 1 ? -6 : 32), "text-anchor": "middle" });
     // As its two ends last measured it: round trip and the codecs in use.
-    const link = boundary.link ? ` · ${boundary.link.rtt_ms.toFixed(1)} ms · ${boundary.link.fwd_codec}` : "";
-    label.textContent = `${transport === "relay" ? "relayed" : "direct"} ${rate(boundary.bytes_per_s)}${link}`;
+    const measured = boundary.link ? ` · ${boundary.link.rtt_ms.toFixed(1)} ms · ${boundary.link.fwd_codec}` : "";
+    label.textContent = `${transport === "relay" ? "relayed" : "direct"} ${rate(boundary.bytes_per_s)}${measured}`;
     children.push(label);
   }
   children.push(graphNode("leader", "leader", leader, () => select("leader", "leader")));
   for (const f of fellows) {
-    const stage = order.indexOf(f.fellow_id);
-    const caption = stage >= 0 ? `${f.fellow_id} (stage ${stage})` : f.fellow_id;
-    children.push(graphNode(`fellow ${f.status}`, caption, pos[f.fellow_id], () => select("fellow", f.fellow_id)));
+    const at = pos[f.fellow_id];
+    let caption = f.fellow_id;
+    if (at.stage !== null) caption += layout.replicas > 1 ? ` (r${at.replica} stage ${at.stage})` : ` (stage ${at.stage})`;
+    children.push(graphNode(`fellow ${f.status}`, caption, at, () => select("fellow", f.fellow_id)));
   }
   svg.replaceChildren(...children);
 }
@@ -466,10 +539,13 @@ function fellowView(id) {
 
 function placementTable(placement) {
   if (!placement) return el("p", { class: "muted" }, "No placement.");
+  // A job with replicas: a row per stage per replica, its replica first.
+  const replicated = placement.stages.some((s) => s.replica);
+  const headers = ["stage", "fellow", "layers", "GPU slots", "memory est. / offered"];
   return el(
     "table",
     { class: "placement" },
-    el("thead", {}, el("tr", {}, ...["stage", "fellow", "layers", "GPU slots", "memory est. / offered"].map((h) => el("th", {}, h)))),
+    el("thead", {}, el("tr", {}, ...(replicated ? ["replica", ...headers] : headers).map((h) => el("th", {}, h)))),
     el(
       "tbody",
       {},
@@ -477,6 +553,7 @@ function placementTable(placement) {
         el(
           "tr",
           {},
+          replicated ? el("td", {}, s.replica) : null,
           el("td", {}, s.stage),
           el("td", {}, s.fellow_id),
           el("td", {}, `[${s.layer_start}, ${s.layer_end})`),

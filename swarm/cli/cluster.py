@@ -370,13 +370,16 @@ def _start_all(
     with LeaderClient(manifest.leader_url, timeout=2.0, token=settings.client_token()) as client:
         names = [f"fellow-{i}" for i in range(1, fellows + 1)]
         for name in names:
-            # Each fellow binds its own loopback port for tensors from its upstream stage.
+            # Each fellow binds its own loopback port for tensors from its upstream stage,
+            # and another for its stage's replicas (jobs with replicas).
             address = f"tcp://127.0.0.1:{free_port()}"
+            sync = f"tcp://127.0.0.1:{free_port()}"
             launch(
                 name,
                 "fellow",
                 [sys.executable, "-m", "silentswarm.agent.main", "--name", name],
                 SWARM_DATA_ADDRESS=address,
+                SWARM_SYNC_ADDRESS=sync,
                 **fellow_creds(name),
             )
         if names:

@@ -8,7 +8,9 @@ How they are shown: on a terminal, a rich ``Live`` block redrawn in place (the s
 progress bar, the summary, a table of the fellows, the links and the schedule). Elsewhere (a
 pipe, a log file, a test) the same view as plain lines: each line of the view is printed when
 its text changed since it was last printed, at most every ``LINE_EVERY_S`` (at once on a
-state change and at the end), so no line is ever printed twice in a row. The pure part
+state change and at the end), so no line is ever printed twice in a row. A job with
+replicas shows one line per stage per replica (``replica R stage S``) with the seconds its
+latest step synced with the stage's other replicas and its bytes over their ring. The pure part
 (:func:`view_lines`, :func:`changed_lines`) decides what to print; :class:`LineView` and
 :class:`LiveView` print it.
 """
@@ -38,7 +40,7 @@ from silentswarm.errors import (
     LeaderUnreachableError,
 )
 from silentswarm.types.jobs import JobEnd, JobRecord
-from silentswarm.types.metrics import BoundaryMetrics, JobMetrics
+from silentswarm.types.metrics import BoundaryMetrics, FellowMetrics, JobMetrics
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED"}
 POLL_S = 0.5
@@ -125,15 +127,13 @@ def view_lines(snap: Snapshot) -> dict[str, str]:
         "job": f"{snap.job_id} {snap.state} " + bar(view.step, view.total_steps),
         "summary": summary_line(view),
     }
+    replicated = has_replicas(view)
     for f in view.fellows:
-        lines[f"fellow:{f.fellow_id}"] = (
-            f"  stage {f.stage} {f.fellow_id:<16} step {f.step:>6}  "
-            f"sent {_rate(f.sent_bytes_per_s)}  recv {_rate(f.received_bytes_per_s)}"
-            + (f"  {f.result}" if f.result else "")
-        )
+        lines[f"fellow:{f.fellow_id}"] = fellow_line(f, replicated)
     for b in view.boundaries:
         if b.link is not None:
-            lines[f"link:{b.boundary}"] = link_line(b)
+            key = f"link:{b.replica}-{b.boundary}" if replicated else f"link:{b.boundary}"
+            lines[key] = link_line(b, replicated)
     if view.tuning is not None:
         t = view.tuning
         lines["schedule"] = (
@@ -156,6 +156,27 @@ def metrics_lines(view: JobMetrics, state: str = "") -> list[str]:
     return list(view_lines(Snapshot(view.job_id, state, metrics=view)).values())
 
 
+def has_replicas(view: JobMetrics) -> bool:
+    """Whether the job runs more than one copy of its pipeline."""
+    return any(f.replica for f in view.fellows) or any(b.replica for b in view.boundaries)
+
+
+def fellow_line(f: FellowMetrics, replicated: bool = False) -> str:
+    """One stage's line; with replicas its replica, and its sync with the stage's other
+    replicas: the latest step's seconds and the bytes each way over their ring."""
+    where = f"replica {f.replica} stage {f.stage}" if replicated else f"stage {f.stage}"
+    line = (
+        f"  {where} {f.fellow_id:<16} step {f.step:>6}  "
+        f"sent {_rate(f.sent_bytes_per_s)}  recv {_rate(f.received_bytes_per_s)}"
+    )
+    if replicated:
+        line += (
+            f"  sync {_num(f.sync_s, '.3f')} s {render.size(f.sync_bytes_sent)} sent"
+            f" / {render.size(f.sync_bytes_received)} recv"
+        )
+    return line + (f"  {f.result}" if f.result else "")
+
+
 def summary_line(view: JobMetrics) -> str:
     return (
         f"  loss {_num(view.loss, '.4f')}  val {_num(view.val_loss, '.4f')}  "
@@ -165,12 +186,13 @@ def summary_line(view: JobMetrics) -> str:
     )
 
 
-def link_line(b: BoundaryMetrics) -> str:
+def link_line(b: BoundaryMetrics, replicated: bool = False) -> str:
     """One boundary as its ends last measured it: round trip, rate each way, codecs."""
     link = b.link
     assert link is not None
+    which = f"replica {b.replica} link {b.boundary}" if replicated else f"link {b.boundary}"
     return (
-        f"  link {b.boundary} {b.upstream} -> {b.downstream} {b.transport or '-'}  "
+        f"  {which} {b.upstream} -> {b.downstream} {b.transport or '-'}  "
         f"rtt {link.rtt_ms:.1f} ms  {_mbit(link.fwd_mbit_s)} down / {_mbit(link.bwd_mbit_s)} up  "
         f"{link.fwd_codec}/{link.bwd_codec}  {_rate(b.bytes_per_s)}  (step {link.step})"
     )
@@ -261,21 +283,34 @@ def live_renderable(snap: Snapshot) -> RenderableType:
     head.append(f"{view.step}/{view.total_steps or '?'}")
     parts: list[RenderableType] = [head, ProgressBar(total=total, completed=view.step, width=60)]
     parts.append(Text(summary_line(view).strip()))
+    replicated = has_replicas(view)
     rows = [
         [
+            *([f.replica] if replicated else []),
             f.stage,
             f.fellow_id,
             f.step,
             _num(f.loss, ".4f"),
             _rate(f.sent_bytes_per_s),
             _rate(f.received_bytes_per_s),
+            *(
+                [
+                    _num(f.sync_s, ".3f"),
+                    render.size(f.sync_bytes_sent),
+                    render.size(f.sync_bytes_received),
+                ]
+                if replicated
+                else []
+            ),
             f.result,
         ]
         for f in view.fellows
     ]
     if rows:
-        headers = ["STAGE", "FELLOW", "STEP", "LOSS", "SENT", "RECEIVED", "RESULT"]
-        parts.append(render.table(headers, rows))
+        headers = ["STAGE", "FELLOW", "STEP", "LOSS", "SENT", "RECEIVED"]
+        if replicated:
+            headers = ["REPLICA", *headers, "SYNC S", "SYNC SENT", "SYNC RECEIVED"]
+        parts.append(render.table([*headers, "RESULT"], rows))
     extra = [line for key, line in view_lines(snap).items() if key.startswith(("link:", "sch"))]
     parts.extend(Text(line) for line in extra)
     return Group(*parts)

@@ -54,6 +54,9 @@ class FellowRecord(msgspec.Struct, kw_only=True, gc=False):
     # Standard blocks per second its stages' step times showed, smoothed
     # (silentswarm.leader.balance.measured_speed); placement prefers it to the start-up probe's.
     measured_speed: float | None = None
+    # Where its stages bind for their replicas' ring (SWARM_SYNC_ADDRESS); None: not given
+    # (or a record from before replicas).
+    sync_address: str | None = None
 
 
 class NodeView(msgspec.Struct, kw_only=True):

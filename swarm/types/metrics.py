@@ -24,16 +24,23 @@ class FellowMetrics(msgspec.Struct, kw_only=True):
     received_bytes_per_s: float = 0.0
     result: StageResult | None = None
     at: float | None = None
+    # Replicas: the pipeline the stage is of, its latest step's seconds of sync with its
+    # other replicas, and its bytes over their ring in this attempt (0 without replicas).
+    replica: int = 0
+    sync_s: float | None = None
+    sync_bytes_sent: int = 0
+    sync_bytes_received: int = 0
 
 
 class BoundaryMetrics(msgspec.Struct, kw_only=True):
-    boundary: int  # between stage `boundary` and `boundary + 1`
+    boundary: int  # between stage `boundary` and `boundary + 1` (of replica `replica`)
     upstream: str
     downstream: str
     bytes_per_s: float
     bytes_total: int
     transport: str | None = None  # "p2p" (ZeroMQ) or "relay" (NATS), as the stage reports
     link: LinkStats | None = None  # as its two ends last measured it, with the codecs in use
+    replica: int = 0  # the pipeline it is a boundary of (a job with replicas)
 
 
 class JobMetrics(msgspec.Struct, kw_only=True):

@@ -73,6 +73,12 @@ class _Traffic(_Event, kw_only=True):
     down_bytes_sent: Count | None = None
     down_bytes_received: Count | None = None
     relay_dropped: Count
+    # Replicas (agent/runtime/replicas.py): bytes over the replicas' ring since the run
+    # began, and the rounds' counts of contributions clipped and of replicas left out.
+    sync_bytes_sent: Count = 0
+    sync_bytes_received: Count = 0
+    sync_clipped: Count = 0
+    sync_missed: Count = 0
 
     @property
     def bytes_sent(self) -> int:
@@ -93,6 +99,8 @@ class StepEvent(_Traffic, tag="step", kw_only=True):
     tokens_per_s: float
     wait_s: float  # blocked on peers during the step (the pipeline bubble, seen from here)
     val_loss: float | None = None  # on the steps that were validated, on the last stage
+    # Seconds of the step spent syncing with the stage's replicas (0 without a sync).
+    sync_s: float = 0.0
 
 
 class CheckpointEvent(_Event, tag="checkpoint", kw_only=True):

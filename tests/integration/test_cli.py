@@ -72,6 +72,10 @@ def test_start_list_stop_leaves_no_process(state_dir):
     fellows = json.loads(listed.stdout)
     assert sorted(f["fellow_id"] for f in fellows) == ["fellow-1", "fellow-2"]
     assert all(f["status"] == "ready" for f in fellows)
+    # Each fellow has its own data port and its own sync port (for replicas).
+    addresses = [a for f in fellows for a in (f["data_address"], f["sync_address"])]
+    assert all(a.startswith("tcp://127.0.0.1:") for a in addresses)
+    assert len(set(addresses)) == 4
 
     table = swarm("--leader-url", manifest.leader_url, "fellows")
     assert table.returncode == 0 and "fellow-1" in table.stdout and "ready" in table.stdout

@@ -171,6 +171,8 @@ def test_the_rendered_fellow_task_joins_a_real_swarm(procs, secure_nats, nats_au
         "node.unique.name": "nomad-client-1",
         "NOMAD_IP_data": "127.0.0.1",
         "NOMAD_PORT_data": str(free_port()),
+        "NOMAD_IP_sync": "127.0.0.1",
+        "NOMAD_PORT_sync": str(free_port()),
         "NOMAD_ALLOC_DIR": str(tmp_path / "alloc"),
     }
 
@@ -188,6 +190,7 @@ def test_the_rendered_fellow_task_joins_a_real_swarm(procs, secure_nats, nats_au
     # It enrolls (its own NATS user, kept in the allocation), then joins as that user.
     record = leader.wait_status("nomad-client-1", "ready", timeout=30)
     assert record["data_address"] == f"tcp://127.0.0.1:{nomad['NOMAD_PORT_data']}"
+    assert record["sync_address"] == f"tcp://127.0.0.1:{nomad['NOMAD_PORT_sync']}"
     assert record["hardware"]["limits"]["max_memory_bytes"] == 3 * 2**30
     creds = tmp_path / "alloc" / "data" / "nats.creds"
     assert creds_user_name(creds.read_text()) == "nomad-client-1"

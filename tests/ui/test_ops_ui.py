@@ -328,3 +328,47 @@ def test_with_private_reads_the_ui_streams_over_read_tickets_never_the_token(
     # No request was refused (the /health page above has no favicon: not the UI's).
     assert [e for e in console_errors(browser) if "favicon.ico" not in e] == []
     started.close()
+
+
+# A job of two replicas of a two-stage pipeline, drawn from a record the page is handed (the
+# runtime's replicas are tested apart; here only the drawing of the graph).
+DRAW_REPLICAS = """
+const stage = (replica, stage, id) => ({ replica, stage, fellow_id: id, layer_start: stage,
+  layer_end: stage + 1, gpu_slots: [] });
+const ids = ["a0", "a1", "b0", "b1", "idle"];
+state.workers = ids.map((id) => ({ fellow_id: id, status: "training" }));
+state.cluster = { running_jobs: [] };
+state.jobs = [{ job_id: "rj", state: "RUNNING", placement: { transport: "p2p", stages: [
+  stage(0, 0, "a0"), stage(0, 1, "a1"), stage(1, 0, "b0"), stage(1, 1, "b1")] },
+  progress: [{ fellow_id: "a0", sync_s: 0.25, sync_bytes_sent: 3 * 1024 * 1024 }] }];
+state.selection = { kind: "job", id: "rj" };
+renderGraph();
+const graph = document.getElementById("graph");
+const ys = (css) => [...new Set([...graph.querySelectorAll(css)].map((e) =>
+  e.querySelector("rect").getAttribute("y")))];
+return {
+  links: [...graph.querySelectorAll("line.link")].map((e) => e.getAttribute("data-replica")),
+  syncs: [...graph.querySelectorAll("line.sync")].map((e) => e.getAttribute("data-sync")),
+  labels: [...graph.querySelectorAll("text.sync-label")].map((e) => e.textContent),
+  nodes: [...graph.querySelectorAll("g.node")].map((e) => e.getAttribute("data-node")),
+  rows: ys('g.node[data-node*="stage"]').length,
+  ring: graphLayout(state.jobs[0], ids, 600).links.filter((l) => l.kind === "sync").length,
+  three: graphLayout({ placement: { stages: [0, 1, 2].map((r) => stage(r, 0, `r${r}`)) } },
+    [], 600).links.filter((l) => l.kind === "sync").map((l) => [l.from, l.to, l.wrap]),
+};
+"""
+
+
+def test_the_graph_draws_a_row_per_replica_and_their_sync_links(leader, browser):
+    browser.get(f"{leader.url}/ops/join-v2")
+    wait_for(lambda: count(browser, '#graph g[data-node="leader"]'), timeout=15, what="the graph")
+    drawn = browser.execute_script(DRAW_REPLICAS)
+    assert drawn["links"] == ["0", "1"], drawn  # each replica's own pipeline link
+    assert drawn["syncs"] == ["0-0", "1-0"], drawn  # stage 0's replicas, stage 1's
+    assert drawn["labels"][0] == "sync 0.25 s · 3.0 MiB", drawn
+    assert "a0 (r0 stage 0)" in drawn["nodes"] and "b1 (r1 stage 1)" in drawn["nodes"], drawn
+    assert "idle" in drawn["nodes"], drawn
+    assert drawn["rows"] == 2, drawn
+    assert drawn["ring"] == 2, drawn  # two replicas: one line per stage, not two
+    assert drawn["three"] == [["r0", "r1", False], ["r1", "r2", False], ["r2", "r0", True]]
+    assert console_errors(browser) == []

@@ -18,8 +18,10 @@ PLACEMENT = Placement(
 )
 
 
-def progress(fellow="b", stage=1, attempt=2, job="j1"):
-    return Progress(job_id=job, fellow_id=fellow, attempt=attempt, stage=stage, step=1)
+def progress(fellow="b", stage=1, attempt=2, job="j1", replica=0):
+    return Progress(
+        job_id=job, fellow_id=fellow, attempt=attempt, stage=stage, step=1, replica=replica
+    )
 
 
 @pytest.mark.parametrize(
@@ -31,6 +33,7 @@ def progress(fellow="b", stage=1, attempt=2, job="j1"):
         (2, PLACEMENT, progress(fellow="mallory", stage=1), Verdict.REFUSE, "not placed"),
         (2, PLACEMENT, progress(fellow="a", stage=1), Verdict.REFUSE, "runs stage 0"),
         (2, PLACEMENT, progress(fellow="b", stage=None), Verdict.REFUSE, "runs stage 1"),
+        (2, PLACEMENT, progress(replica=1), Verdict.REFUSE, "runs replica 0, not replica 1"),
         (2, PLACEMENT, progress(attempt=3), Verdict.REFUSE, "not the job's current attempt"),
         (2, PLACEMENT, progress(attempt=999), Verdict.REFUSE, "not the job's current attempt"),
         (2, None, progress(), Verdict.REFUSE, "not the job's current attempt"),

@@ -58,6 +58,85 @@ def test_an_attempt_user_reaches_exactly_its_stage_of_that_attempt(
     assert not any("*" in s or ">" in s for s in perms.publish)
 
 
+@pytest.mark.parametrize(
+    ("stage", "n_stages", "replica", "n_replicas", "relay_pub", "relay_sub"),
+    [
+        # Replica 0 of a replicated job keeps the plain boundary subjects.
+        (
+            0,
+            2,
+            0,
+            2,
+            {"r.0.fwd", "r.s0-0.fwd", "r.s0-1.bwd"},
+            {"r.0.bwd", "r.s0-0.bwd", "r.s0-1.fwd"},
+        ),
+        # Replica 1's boundaries are its own; its ring links are the mirror of replica 0's.
+        (
+            1,
+            2,
+            1,
+            2,
+            {"r.r1-0.bwd", "r.s1-1.fwd", "r.s1-0.bwd"},
+            {"r.r1-0.fwd", "r.s1-1.bwd", "r.s1-0.fwd"},
+        ),
+        # A ring of three: replica 0 sends to 1 and hears from 2.
+        (0, 1, 0, 3, {"r.s0-0.fwd", "r.s0-2.bwd"}, {"r.s0-0.bwd", "r.s0-2.fwd"}),
+        (
+            1,
+            3,
+            2,
+            3,
+            {"r.r2-0.bwd", "r.r2-1.fwd", "r.s1-2.fwd", "r.s1-1.bwd"},
+            {"r.r2-0.fwd", "r.r2-1.bwd", "r.s1-2.bwd", "r.s1-1.fwd"},
+        ),
+        # No replicas: no ring subjects at all.
+        (0, 1, 0, 1, set(), set()),
+    ],
+)
+def test_an_attempt_user_of_a_replica_reaches_its_pipeline_and_its_ring_links(
+    stage, n_stages, replica, n_replicas, relay_pub, relay_sub
+):
+    perms = attempt_permissions(
+        "swarm",
+        fellow_id="gpu-7",
+        job_id="j1",
+        attempt=2,
+        stage=stage,
+        n_stages=n_stages,
+        replica=replica,
+        n_replicas=n_replicas,
+    )
+
+    def full(short: set[str]) -> set[str]:
+        return {s.replace("r.", "swarm.relay.j1.2.", 1) for s in short}
+
+    own = {"swarm.progress.j1.gpu-7", "swarm.shard.j1.gpu-7"}
+    assert set(perms.publish) == own | full(relay_pub)
+    assert set(perms.subscribe) == {"_INBOX.gpu-7.>"} | full(relay_sub)
+
+
+def test_the_two_ends_of_every_ring_link_send_what_the_other_hears():
+    k = 3
+    perms = [
+        attempt_permissions(
+            "swarm",
+            fellow_id=f"f{r}",
+            job_id="j1",
+            attempt=1,
+            stage=0,
+            n_stages=1,
+            replica=r,
+            n_replicas=k,
+        )
+        for r in range(k)
+    ]
+    for r in range(k):
+        nxt = (r + 1) % k
+        link = f"swarm.relay.j1.1.s0-{r}"
+        assert f"{link}.fwd" in perms[r].publish and f"{link}.fwd" in perms[nxt].subscribe
+        assert f"{link}.bwd" in perms[nxt].publish and f"{link}.bwd" in perms[r].subscribe
+
+
 def test_a_jwt_is_signed_by_its_issuer_and_names_its_subject():
     account = new_seed("account")
     user = new_seed("user")

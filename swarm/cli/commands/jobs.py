@@ -91,23 +91,40 @@ def job_summary(job: JobRecord) -> RenderableType:
         lines.append(f"export error  {job.export_error}")
     parts: list[RenderableType] = [Text("\n".join(lines))]
     stages = job.placement.stages if job.placement else []
-    progress = {p.stage: p for p in job.progress}
     if stages:
-        rows = [
-            [
-                s.stage,
-                s.fellow_id,
-                progress[s.stage].step if s.stage in progress else "-",
-                _loss(progress[s.stage].loss) if s.stage in progress else "-",
-                progress[s.stage].result if s.stage in progress else None,
-            ]
-            for s in stages
-        ]
-        parts.append(render.table(["STAGE", "FELLOW", "STEP", "LOSS", "RESULT"], rows))
+        parts.append(stage_table(job))
     if job.history:
         rows = [[h.to_state, render.since(h.at) + " ago", h.reason or "-"] for h in job.history]
         parts.append(render.table(["STATE", "WHEN", "WHY"], rows))
     return Group(*parts)
+
+
+def stage_table(job: JobRecord) -> RenderableType:
+    """A row per placed stage: its fellow's step, loss and result; with replicas a row per
+    stage per replica, with the seconds its latest step synced with the stage's other
+    replicas and its bytes over their ring."""
+    assert job.placement is not None
+    progress = {p.fellow_id: p for p in job.progress}
+    replicated = any(s.replica for s in job.placement.stages)
+    rows = []
+    for s in sorted(job.placement.stages, key=lambda s: (s.replica, s.stage)):
+        p = progress.get(s.fellow_id)
+        row: list[Any] = [s.stage, s.fellow_id]
+        row += ["-", "-", None] if p is None else [p.step, _loss(p.loss), p.result]
+        if replicated:
+            sync = ["-", "-", "-"]
+            if p is not None:
+                sync = [
+                    "-" if p.sync_s is None else f"{p.sync_s:.3f}",
+                    render.size(p.sync_bytes_sent),
+                    render.size(p.sync_bytes_received),
+                ]
+            row = [s.replica, *row[:4], *sync, row[4]]
+        rows.append(row)
+    headers = ["STAGE", "FELLOW", "STEP", "LOSS", "RESULT"]
+    if replicated:
+        headers = ["REPLICA", *headers[:4], "SYNC S", "SYNC SENT", "SYNC RECEIVED", "RESULT"]
+    return render.table(headers, rows)
 
 
 def _loss(loss: float | None) -> str:

@@ -21,8 +21,10 @@ FP32_BYTES = 4
 
 
 def n_boundaries(job: JobRecord) -> int:
-    placed = len(job.placement.stages) if job.placement is not None else 0
-    return max((placed or len(job.progress)) - 1, 0)
+    """The job's boundaries: each replica's pipeline has ``stages - 1``."""
+    if job.placement is not None and job.placement.stages:
+        return job.placement.n_replicas * (job.placement.n_stages - 1)
+    return max(len(job.progress) - 1, 0)
 
 
 def steps_done(job: JobRecord) -> int:

@@ -1,0 +1,488 @@
+"""Replicas: the ring that keeps a stage's replicas in sync (a job's ``replicas`` > 1).
+
+The replicas of one stage form a ring over the data plane: replica ``r`` connects to
+``(r + 1) % k`` and accepts from ``(r - 1) % k``, over ZeroMQ or the NATS relay like a
+pipeline boundary (the same link factory, handshake and fingerprint). A *round* is an
+all-gather of every member's contribution around the ring: each member sends its own to its
+successor and forwards what comes from its predecessor unless the successor sent it (k - 1
+hops), so every member ends the round holding the same set. Each member then applies the same
+pure rules (:func:`clip_contributions`, :func:`average`) to that set, in origin order, so the
+averages agree bit for bit.
+
+A contribution is one wire frame (:func:`~silentswarm.agent.pipe.wire.encode_frame`, phase
+``"sync"``, ``step`` the round, ``micro`` the origin replica) of a flat float32 vector laid out
+by :func:`pack` as rows of :data:`ROW` values, each variable padded to whole rows (so the
+int8 codec's per-row scales never span two variables). Every member uses the *decoded* value
+of every contribution, its own included, so a lossy codec changes no member's view.
+
+What a member does with a received frame:
+
+- another job or attempt: dropped and counted (as on a boundary);
+- an older round: dropped (a late member's contribution the others already left out);
+- a later round: kept for that round, and the current one ends: the predecessor has moved
+  on, so nothing more of this round can come through it;
+- a phase other than ``sync``, an origin out of range or already seen, or another shape:
+  :class:`~silentswarm.agent.errors.FrameError` (fatal, as on a boundary: the links carry
+  only the placed peers' frames, so a malformed one is a bug or an attack).
+
+A member whose contribution has not arrived within ``sync_timeout_s`` is left out of the
+round and counted (``sync_missed``); the round averages over those present. In a ring of
+three or more a stalled member also stops what it would have forwarded, so the members
+may then hold different sets for that round: the cost of a ring's low traffic, which a
+later round does not repair (elastic membership, re-syncing a straggler's weights from a
+peer, is not built yet).
+
+The math is pure numpy (:func:`pack`, :func:`unpack`, :func:`clip_contributions`,
+:func:`average`, :func:`nesterov_step`); no TensorFlow here.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from silentswarm import subjects
+from silentswarm.agent.errors import FrameError, LinkError, PeerTimeoutError
+from silentswarm.agent.pipe.base import Parts
+from silentswarm.agent.pipe.link import (
+    CurveKeys,
+    Link,
+    RelayLink,
+    TransportKind,
+    accept_upstream,
+    connect_downstream,
+)
+from silentswarm.agent.pipe.wire import Direction, decode_frame, encode_frame
+from silentswarm.compression import parse_wire_codec
+from silentswarm.plan import CurveKeys as PlanCurveKeys
+from silentswarm.plan import StagePlan
+
+log = logging.getLogger(__name__)
+
+ROW = 64  # values per row of a contribution (one int8 scale per row: 3% more bytes)
+PHASE = "sync"
+# How long a member waits at least for its ring peers' first HELLO: as for a boundary, a
+# peer's stage 0 may still be preparing its data (see stage.FIRST_HELLO_S).
+FIRST_HELLO_S = 900.0
+
+RelayOpener = Callable[[], RelayLink]
+
+
+# --- pure math --------------------------------------------------------------------------------
+
+
+def layout_rows(shapes: Sequence[tuple[int, ...]]) -> int:
+    """Rows of :data:`ROW` values that :func:`pack` lays ``shapes`` out in."""
+    return sum(-(-math.prod(shape) // ROW) for shape in shapes)
+
+
+def pack(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """``arrays`` as one float32 matrix of :data:`ROW` columns, each array flattened and
+    padded with zeros to whole rows."""
+    shapes = [tuple(a.shape) for a in arrays]
+    out = np.zeros((layout_rows(shapes), ROW), dtype=np.float32)
+    flat = out.reshape(-1)
+    row = 0
+    for a in arrays:
+        n = a.size
+        flat[row * ROW : row * ROW + n] = np.asarray(a, dtype=np.float32).reshape(-1)
+        row += -(-n // ROW)
+    return out
+
+
+def unpack(matrix: np.ndarray, shapes: Sequence[tuple[int, ...]]) -> list[np.ndarray]:
+    """The inverse of :func:`pack`: arrays of ``shapes`` (copies)."""
+    flat = np.asarray(matrix, dtype=np.float32).reshape(-1)
+    out, row = [], 0
+    for shape in shapes:
+        n = math.prod(shape)
+        out.append(flat[row * ROW : row * ROW + n].reshape(shape).copy())
+        row += -(-n // ROW)
+    return out
+
+
+@dataclass(frozen=True)
+class Clipped:
+    """What :func:`clip_contributions` kept (by origin) and how many it changed."""
+
+    kept: dict[int, np.ndarray]
+    clipped: int
+
+
+def clip_contributions(vectors: Mapping[int, np.ndarray], ratio: float) -> Clipped:
+    """Scale down every contribution whose L2 norm is above ``ratio`` times the median of
+    the *other* contributions' norms to that bound; leave out one that is not finite.
+
+    Each bound comes from the norms as received (not as clipped), so the result does not
+    depend on the order; a lone contribution has no others to compare with and is kept as it
+    is. Both a scaled and a left-out contribution count as clipped.
+    """
+    norms = {o: float(np.linalg.norm(v.astype(np.float64))) for o, v in vectors.items()}
+    finite = {o: n for o, n in norms.items() if math.isfinite(n)}
+    kept: dict[int, np.ndarray] = {}
+    clipped = len(norms) - len(finite)
+    for origin in sorted(finite):
+        vector, norm = vectors[origin], finite[origin]
+        others = [n for o, n in finite.items() if o != origin]
+        if others and norm > 0:
+            bound = ratio * statistics.median(others)
+            if norm > bound:
+                vector = vector * np.float32(bound / norm)
+                clipped += 1
+        kept[origin] = vector
+    return Clipped(kept=kept, clipped=clipped)
+
+
+def average(vectors: Mapping[int, np.ndarray]) -> np.ndarray:
+    """The mean of ``vectors``, summed in origin order (every member gets the same bits)."""
+    if not vectors:
+        raise ValueError("nothing to average")
+    total = np.zeros_like(next(iter(vectors.values())), dtype=np.float32)
+    for origin in sorted(vectors):
+        total += vectors[origin]
+    return total / np.float32(len(vectors))
+
+
+def nesterov_step(
+    anchor: np.ndarray, momentum: np.ndarray, delta: np.ndarray, *, lr: float, mu: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """DiLoCo's outer step: SGD with Nesterov momentum on the pseudo-gradient ``delta``
+    (anchor minus weights, averaged), as ``torch.optim.SGD(nesterov=True)`` does it:
+    ``b = mu * b + delta``; ``anchor -= lr * (delta + mu * b)``. Returns (anchor, b)."""
+    momentum = np.float32(mu) * momentum + delta
+    return anchor - np.float32(lr) * (delta + np.float32(mu) * momentum), momentum
+
+
+# --- the ring ---------------------------------------------------------------------------------
+
+
+@dataclass
+class RoundResult:
+    """A round's outcome on one member: the average and who was in it."""
+
+    average: np.ndarray
+    present: list[int]
+    clipped: int
+    missed: int
+    seconds: float
+
+
+def relay_opener(
+    plan: StagePlan, boundary: str, name: str, send: str, recv: str, token: str | None
+) -> RelayOpener | None:
+    """How to open the relay end of a link whose RELAY ``boundary`` token is ``boundary``,
+    publishing on direction ``send`` and hearing ``recv``; None without NATS in the plan."""
+    if plan.nats is None:
+        return None
+    nats = plan.nats
+
+    def subject(direction: str) -> str:
+        return subjects.RELAY.subject(
+            plan.subject_prefix,
+            job=plan.job_id,
+            attempt=plan.attempt,
+            boundary=boundary,
+            direction=direction,
+        )
+
+    def make() -> RelayLink:
+        # A leader's plan tags every relay message with the link's token.
+        return RelayLink(
+            name=name,
+            nats=nats.connect_options(),
+            send_subject=subject(send),
+            recv_subject=subject(recv),
+            token=None if token is None else bytes.fromhex(token),
+        )
+
+    return make
+
+
+def _curve(keys: PlanCurveKeys | None) -> CurveKeys | None:
+    if keys is None:
+        return None
+    return CurveKeys(public=keys.public, secret=keys.secret, peer_public=keys.peer_public)
+
+
+class ReplicaSync:
+    """One member of a stage's replicas' ring: :meth:`open`, then :meth:`all_reduce` once per
+    round (the same rounds in the same order on every member), :meth:`finish`, :meth:`close`."""
+
+    def __init__(self, plan: StagePlan, fingerprint: bytes) -> None:
+        if not plan.replicated or plan.sync_prev is None or plan.sync_next is None:
+            raise ValueError("ReplicaSync needs a replicated plan with its ring peers")
+        self.plan = plan
+        self.fingerprint = fingerprint
+        self.k = plan.n_replicas
+        self.replica = plan.replica
+        self.codec = parse_wire_codec(plan.train.sync_compression)
+        self.up: Link | None = None  # from the predecessor
+        self.down: Link | None = None  # to the successor
+        self.clipped = 0
+        self.missed = 0
+        self.dropped = 0  # frames of another job or attempt
+        self.stale = 0  # frames of a round already over
+        self.seconds = 0.0  # in rounds since the last take_seconds()
+        self._early: dict[int, list[Parts]] = {}  # frames of rounds still to come
+
+    # --- links ------------------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Open both ring links: accepting from the predecessor (in a thread) while
+        connecting to the successor, else a ring of two would wait on itself."""
+        plan = self.plan
+        assert plan.sync_prev is not None and plan.sync_next is not None
+        transport = TransportKind(plan.transport.value)
+        timeout_s = max(plan.peer_timeout_s, FIRST_HELLO_S)
+        prev = (self.replica - 1) % self.k
+        up_name = f"sync {plan.stage} ({plan.sync_prev.fellow_id} -> {plan.fellow_id})"
+        down_name = f"sync {plan.stage} ({plan.fellow_id} -> {plan.sync_next.fellow_id})"
+        accepted: dict[str, Link | BaseException] = {}
+
+        def accept() -> None:
+            try:
+                accepted["link"] = accept_upstream(
+                    name=up_name,
+                    transport=transport,
+                    bind=plan.sync_address,
+                    relay=relay_opener(
+                        plan,
+                        subjects.sync_link(plan.stage, prev),
+                        up_name,
+                        "bwd",
+                        "fwd",
+                        plan.relay_sync_up_token,
+                    ),
+                    timeout_s=timeout_s,
+                    p2p_grace_s=plan.p2p_probe_timeout_s,
+                    fingerprint=self.fingerprint,
+                    curve=_curve(plan.curve_sync_up),
+                )
+            except BaseException as exc:  # handed to the opening thread
+                accepted["link"] = exc
+
+        thread = threading.Thread(target=accept, name=f"accept {up_name}", daemon=True)
+        thread.start()
+        # A failed connect raises at once; the accepting thread (a daemon) is left to its
+        # own timeout, as the stage ends anyway.
+        self.down = connect_downstream(
+            name=down_name,
+            transport=transport,
+            address=plan.sync_next.data_address,
+            relay=relay_opener(
+                plan,
+                subjects.sync_link(plan.stage, self.replica),
+                down_name,
+                "fwd",
+                "bwd",
+                plan.relay_sync_down_token,
+            ),
+            timeout_s=timeout_s,
+            fingerprint=self.fingerprint,
+            curve=_curve(plan.curve_sync_down),
+        )
+        thread.join()
+        got = accepted["link"]
+        if isinstance(got, BaseException):
+            raise got
+        self.up = got
+
+    def links(self) -> list[Link]:
+        return [link for link in (self.up, self.down) if link is not None]
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(link.bytes_sent for link in self.links())
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(link.bytes_received for link in self.links())
+
+    def relay_dropped(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for link in self.links():
+            if isinstance(link, RelayLink):
+                for reason, n in link.dropped_by_reason.items():
+                    out[reason] = out.get(reason, 0) + n
+        return out
+
+    def take_seconds(self) -> float:
+        """Seconds spent in rounds since the last call."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+    def finish(self) -> bool:
+        """End in order: tell the predecessor everything it sent has arrived, then wait for
+        the successor to say so (the last round's frames delivered before anyone closes).
+        A successor that does not confirm (a replica that stalled or died) is logged, not
+        fatal: the run is over, and this member's results are its own."""
+        timeout_s = self.plan.peer_timeout_s + self.plan.train.sync_timeout_s
+        if self.up is not None:
+            try:
+                self.up.send_done()
+            except LinkError as exc:
+                log.warning("%s: could not say DONE: %s", self.up.name, exc)
+        if self.down is not None and not self.down.wait_done(timeout_s):
+            log.warning("%s: the successor did not confirm the end of the run", self.down.name)
+            return False
+        return True
+
+    def close(self) -> None:
+        for link in self.links():
+            link.close()
+
+    # --- rounds -----------------------------------------------------------------------------
+
+    def all_reduce(self, round_id: int, arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """The replicas' average of ``arrays`` (clipped, over those present), shaped like them."""
+        shapes = [tuple(a.shape) for a in arrays]
+        result = self.round(round_id, pack(arrays))
+        return unpack(result.average, shapes)
+
+    def round(self, round_id: int, matrix: np.ndarray) -> RoundResult:
+        """One round: gather every member's ``matrix`` (rows x :data:`ROW`), clip, average."""
+        started = time.perf_counter()
+        got = self._gather(round_id, np.ascontiguousarray(matrix, dtype=np.float32))
+        clip = clip_contributions(got, self.plan.train.sync_clip_ratio)
+        missed = self.k - len(got)
+        self.clipped += clip.clipped
+        self.missed += missed
+        if clip.clipped or missed:
+            log.warning(
+                "sync round %d of stage %d: %d clipped, %d left out",
+                round_id,
+                self.plan.stage,
+                clip.clipped,
+                missed,
+            )
+        # Every contribution non-finite, our own too: nothing to apply.
+        mean = average(clip.kept) if clip.kept else np.zeros_like(matrix, dtype=np.float32)
+        seconds = time.perf_counter() - started
+        self.seconds += seconds
+        return RoundResult(
+            average=mean,
+            present=sorted(got),
+            clipped=clip.clipped,
+            missed=missed,
+            seconds=seconds,
+        )
+
+    def _encode(self, round_id: int, matrix: np.ndarray) -> Parts:
+        _, parts = encode_frame(
+            matrix,
+            self.codec,
+            job=self.plan.job_id,
+            attempt=self.plan.attempt,
+            step=round_id,
+            micro=self.replica,
+            direction=Direction.FWD,
+            phase=PHASE,
+        )
+        return parts
+
+    def _send(self, parts: Parts) -> None:
+        assert self.down is not None
+        try:
+            self.down.send(parts, timeout_s=self.plan.train.sync_timeout_s)
+        except PeerTimeoutError as exc:  # the successor stalls: it will miss this round
+            log.warning("%s", exc)
+
+    def _gather(self, round_id: int, matrix: np.ndarray) -> dict[int, np.ndarray]:
+        """Every member's contribution to ``round_id`` that arrives in time, by origin."""
+        for old in [r for r in self._early if r < round_id]:
+            self.stale += len(self._early.pop(old))
+        own = self._encode(round_id, matrix)
+        # What the others will decode, so a lossy codec changes no member's view.
+        got = {self.replica: np.array(decode_frame(own).array, dtype=np.float32)}
+        self._send(own)
+        successor = (self.replica + 1) % self.k
+        pending = self._early.pop(round_id, [])
+        deadline = time.monotonic() + self.plan.train.sync_timeout_s
+        while len(got) < self.k:
+            parts = pending.pop(0) if pending else self._recv(deadline)
+            if parts is None:
+                break
+            origin = self._check(parts, round_id, got, matrix.shape)
+            if origin is None:
+                continue
+            if origin < 0:  # a later round's: the predecessor has moved on
+                break
+            if origin != successor:
+                self._send(parts)
+        return got
+
+    def _recv(self, deadline: float) -> Parts | None:
+        """The predecessor's next frame; None once ``deadline`` has passed."""
+        assert self.up is not None
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        try:
+            return self.up.recv(remaining)
+        except PeerTimeoutError:
+            return None
+
+    def _check(
+        self,
+        parts: Parts,
+        round_id: int,
+        got: dict[int, np.ndarray],
+        shape: tuple[int, ...],
+    ) -> int | None:
+        """Take a received frame into ``got``: its origin; None for a frame dropped (another
+        job or attempt, an older round); -1 for a later round's (kept for it). FrameError for
+        a malformed one."""
+        assert self.up is not None
+        name = self.up.name
+        try:
+            frame = decode_frame(parts)
+        except FrameError as exc:
+            raise FrameError(f"{name}: {exc}") from None
+        header = frame.header
+        if header.job != self.plan.job_id or header.attempt != self.plan.attempt:
+            self.dropped += 1
+            log.warning("%s: dropped a frame of %s attempt %d", name, header.job, header.attempt)
+            return None
+        if header.phase != PHASE:
+            raise FrameError(f"{name}: a {header.phase!r} frame on a sync link")
+        if header.step < round_id:
+            self.stale += 1
+            return None
+        if header.step > round_id:
+            self._early.setdefault(header.step, []).append(parts)
+            return -1
+        origin = header.micro
+        if not 0 <= origin < self.k or origin in got:
+            raise FrameError(
+                f"{name}: round {round_id} contribution of replica {origin} "
+                f"(replicas 0..{self.k - 1}; seen {sorted(got)})"
+            )
+        if frame.array.shape != shape:
+            raise FrameError(
+                f"{name}: a contribution of shape {list(frame.array.shape)}, "
+                f"this stage's is {list(shape)}"
+            )
+        got[origin] = np.array(frame.array, dtype=np.float32)
+        return origin
+
+
+__all__ = [
+    "ROW",
+    "Clipped",
+    "ReplicaSync",
+    "RoundResult",
+    "average",
+    "clip_contributions",
+    "layout_rows",
+    "nesterov_step",
+    "pack",
+    "relay_opener",
+    "unpack",
+]
