@@ -18,11 +18,27 @@ made for the run and removed after), every process with 1 intra-op thread, 4 mic
    equal are measured in the same rounds as the others, side by side); the probe's split is
    reported beside them.
 
-``runs`` (the replica arms: stage replicas against a single chain) comes with stage
-replicas, which are not built: it stays an empty list.
+Runs (``--only runs``): stage replicas against one fellow, every process with 1 intra-op
+thread (the comparison is of fellows, not of threads), real stage processes on loopback
+ZeroMQ, in one invocation:
+
+1. **Speed**, the speed model of ``pipeline.py`` (4 blocks, d_model 256, seq 128, batch 16
+   per replica, one micro-batch): one fellow, and 2 replicas x 1 stage (``allreduce``), in
+   short rounds whose order alternates; a run's tokens/s is the sum over its replicas of each
+   pipeline's slowest stage's steady tokens/s, ``speedup_vs_one`` its ratio to the one
+   fellow's (median of rounds).
+2. **Convergence**, a smaller model (4 blocks, d_model 128, seq 64, batch 8 per replica),
+   ``--loss-steps`` steps (default 600) with the same seed and data: 2 replicas x 1 stage
+   ``allreduce`` and ``diloco`` (H = ``--diloco-every``, default 20), each with its final
+   validation loss (replica 0's last stage) and ``bytes_per_token``: the bytes the replicas
+   sent each other over their rings per token trained (all replicas' tokens).
+3. **2 replicas x 2 stages** on 4 processes (contended on 2 cores: correctness and bytes, not
+   speed), ``allreduce`` on the speed model.
 
 The last line is one JSON object with every figure.
 
+    python exp/bench/replicas.py                             # runs, then placement
+    python exp/bench/replicas.py --only runs                 # the replica arms (~10 minutes)
     python exp/bench/replicas.py --only placement            # the full run (~15 minutes)
     python exp/bench/replicas.py --only placement --quick    # a smoke run (< 60 s): a small
         # model, one round, only the equal split (the first job) and the balanced one
@@ -52,7 +68,14 @@ from silentswarm.agent.runtime.launch import done, run_plans
 from silentswarm.jobspec import JobSpec, Partition
 from silentswarm.leader import balance
 from silentswarm.leader.placement import Candidate, Unplaceable, place
-from silentswarm.plan import ModelConfig, TrainConfig, Transport, chain_plans
+from silentswarm.plan import (
+    ModelConfig,
+    TrainConfig,
+    Transport,
+    chain_plans,
+    replicated_chain_plans,
+    single_process_plan,
+)
 from silentswarm.procs import free_port
 
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
@@ -257,28 +280,208 @@ def placement(work: Path, quick: bool, rounds: int, steps: int) -> dict[str, Any
     return figures
 
 
+SPEED_MODEL = ModelConfig(n_layers=4, d_model=256, seq_len=128, n_heads=4)
+LOSS_MODEL = ModelConfig(n_layers=4, d_model=128, seq_len=64, n_heads=4)
+QUICK_MODEL = ModelConfig(n_layers=2, d_model=64, seq_len=32, n_heads=4)
+
+
+def replica_run(
+    work: Path,
+    job: str,
+    model: ModelConfig,
+    train: TrainConfig,
+    replicas: int,
+    stages: int,
+) -> list[list[dict[str, Any]]]:
+    """``replicas`` copies of a ``stages``-stage pipeline as real stage processes (one is one
+    fellow: the fused single-process plan); every stage's events, by (replica, stage)."""
+    if replicas == 1 and stages == 1:
+        return run_plans([single_process_plan(job_id=job, model=model, train=train)], work)
+
+    def port() -> str:
+        return f"tcp://127.0.0.1:{free_port()}"
+
+    plans = replicated_chain_plans(
+        job_id=job,
+        model=model,
+        train=train,
+        addresses=[[None, *(port() for _ in range(stages - 1))] for _ in range(replicas)],
+        sync_addresses=[[port() for _ in range(stages)] for _ in range(replicas)],
+        transport=Transport.P2P,
+        intra_op_threads=1,
+    )
+    return run_plans([p for pipeline in plans for p in pipeline], work)
+
+
+def run_figures(
+    events: list[list[dict[str, Any]]], replicas: int, stages: int, train: TrainConfig, seq: int
+) -> dict[str, Any]:
+    """A run's tokens/s (the sum over replicas of each pipeline's slowest stage), its final
+    validation loss (replica 0's last stage) and the replicas' sync bytes per token."""
+    dones = [done(e) for e in events]
+    pipelines = [dones[r * stages : (r + 1) * stages] for r in range(replicas)]
+    tokens = sum(min(d["tokens_per_s"] for d in pipe) for pipe in pipelines)
+    sync_bytes = sum(d.get("sync_bytes_sent", 0) for d in dones)
+    trained = train.steps * train.batch_size * seq * replicas
+    return {
+        "tokens_per_s": round(tokens, 1),
+        "val_loss": pipelines[0][-1]["val_loss"],
+        "bytes_per_token": round(sync_bytes / trained, 3),
+        "sync_clipped": sum(d.get("sync_clipped", 0) for d in dones),
+        "sync_missed": sum(d.get("sync_missed", 0) for d in dones),
+    }
+
+
+def runs(
+    work: Path, quick: bool, rounds: int, steps: int, loss_steps: int, every: int
+) -> list[dict[str, Any]]:
+    speed_model = QUICK_MODEL if quick else SPEED_MODEL
+    loss_model = QUICK_MODEL if quick else LOSS_MODEL
+    common = {"val_every": 0, "link_probe_every": 0, "warmup_steps": 10, "val_batches": 4}
+    speed_train = TrainConfig(steps=steps, batch_size=16, micro_batches=1, **common)
+    seq = speed_model.seq_len
+    out: list[dict[str, Any]] = []
+
+    # 1. speed: one fellow against 2 replicas x 1 stage, interleaved rounds
+    arms = [(1, "none"), (2, "allreduce")]
+    per_round: list[dict[int, dict[str, Any]]] = []
+    for r in range(rounds):
+        got = {}
+        for k, sync in arms if r % 2 == 0 else arms[::-1]:
+            train = msgspec.structs.replace(speed_train, sync="allreduce")
+            events = replica_run(work, f"speed-{r}-{k}", speed_model, train, k, 1)
+            got[k] = run_figures(events, k, 1, train, seq)
+            print(f"  round {r + 1}: {k} x 1 {sync:9s} {got[k]['tokens_per_s']:8.0f} tok/s")
+        per_round.append(got)
+    one = statistics.median(r[1]["tokens_per_s"] for r in per_round)
+    for k, sync in arms:
+        tps = statistics.median(r[k]["tokens_per_s"] for r in per_round)
+        last = per_round[-1][k]
+        out.append(
+            {
+                "arm": "speed",
+                "replicas": k,
+                "stages": 1,
+                "sync": sync,
+                "tokens_per_s": tps,
+                "speedup_vs_one": round(tps / one, 3),
+                "val_loss": last["val_loss"],
+                "bytes_per_token": last["bytes_per_token"],
+                "steps": steps,
+                "per_round_tokens_per_s": [r[k]["tokens_per_s"] for r in per_round],
+            }
+        )
+
+    # 2. convergence: allreduce against diloco at equal tokens, and one fellow's speed
+    loss_train = TrainConfig(steps=loss_steps, batch_size=8, micro_batches=1, **common)
+    one_loss = run_figures(
+        replica_run(
+            work,
+            "loss-one",
+            loss_model,
+            msgspec.structs.replace(loss_train, steps=min(loss_steps, steps)),
+            1,
+            1,
+        ),
+        1,
+        1,
+        loss_train,
+        loss_model.seq_len,
+    )
+    for sync in ("allreduce", "diloco"):
+        train = msgspec.structs.replace(loss_train, sync=sync, sync_every=every)
+        events = replica_run(work, f"loss-{sync}", loss_model, train, 2, 1)
+        got = run_figures(events, 2, 1, train, loss_model.seq_len)
+        print(
+            f"  convergence 2 x 1 {sync:9s} val loss {got['val_loss']:.4f}, "
+            f"{got['bytes_per_token']:.1f} sync bytes/token, {got['tokens_per_s']:.0f} tok/s"
+        )
+        out.append(
+            {
+                "arm": "convergence",
+                "replicas": 2,
+                "stages": 1,
+                "sync": sync,
+                "sync_every": every if sync == "diloco" else 1,
+                "tokens_per_s": got["tokens_per_s"],
+                "speedup_vs_one": round(got["tokens_per_s"] / one_loss["tokens_per_s"], 3),
+                "val_loss": got["val_loss"],
+                "bytes_per_token": got["bytes_per_token"],
+                "steps": loss_steps,
+            }
+        )
+
+    # 3. 2 replicas x 2 stages on 4 processes (contended: correctness and bytes)
+    train = msgspec.structs.replace(speed_train, micro_batches=4)
+    got = run_figures(replica_run(work, "two-by-two", speed_model, train, 2, 2), 2, 2, train, seq)
+    print(
+        f"  2 x 2 allreduce {got['tokens_per_s']:.0f} tok/s, "
+        f"{got['bytes_per_token']:.1f} sync bytes/token"
+    )
+    out.append(
+        {
+            "arm": "contended",
+            "replicas": 2,
+            "stages": 2,
+            "sync": "allreduce",
+            "tokens_per_s": got["tokens_per_s"],
+            "speedup_vs_one": round(got["tokens_per_s"] / one, 3),
+            "val_loss": got["val_loss"],
+            "bytes_per_token": got["bytes_per_token"],
+            "steps": steps,
+        }
+    )
+    speed = next(r for r in out if r["arm"] == "speed" and r["replicas"] == 2)
+    verdict(
+        "2x1 allreduce / one fellow",
+        speed["speedup_vs_one"],
+        ">= 1.8",
+        speed["speedup_vs_one"] >= 1.8,
+    )
+    ar, dl = (
+        next(r for r in out if r["arm"] == "convergence" and r["sync"] == s)
+        for s in ("allreduce", "diloco")
+    )
+    if ar["val_loss"] and dl["val_loss"]:
+        gap = dl["val_loss"] / ar["val_loss"] - 1
+        verdict("diloco val loss vs allreduce", gap, "<= 0.02", gap <= 0.02)
+    if dl["bytes_per_token"]:
+        fewer = ar["bytes_per_token"] / dl["bytes_per_token"]
+        verdict("allreduce / diloco sync bytes per token", fewer, f"~{every}", fewer >= every / 2)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke run (< 60 s)")
-    parser.add_argument("--only", choices=["placement"], default="placement")
+    parser.add_argument("--only", choices=["runs", "placement"], default=None)
     parser.add_argument("--rounds", type=int, default=None, help="default 3, quick 1")
     parser.add_argument("--steps", type=int, default=None, help="steps per run (24, quick 8)")
+    parser.add_argument("--loss-steps", type=int, default=None, help="default 600, quick 20")
+    parser.add_argument("--diloco-every", type=int, default=20, help="DiLoCo's H")
     parser.add_argument("--work", type=Path, default=None)
     args = parser.parse_args()
     # A SIGTERM runs the finally blocks: the stages stop and the cgroup is removed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rounds = args.rounds or (1 if args.quick else 3)
     steps = args.steps or (8 if args.quick else 24)
+    loss_steps = args.loss_steps or (20 if args.quick else 600)
     started = time.time()
+    run_list: list[dict[str, Any]] = []
+    figures: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
         work = args.work or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         work.mkdir(parents=True, exist_ok=True)
-        figures = placement(work, args.quick, rounds, steps)
+        if args.only in (None, "runs"):
+            every = min(args.diloco_every, loss_steps)
+            run_list = runs(work, args.quick, rounds, steps, loss_steps, every)
+        if args.only in (None, "placement"):
+            figures = placement(work, args.quick, rounds, steps)
     emit(
         {
             "bench": "replicas",
             "quick": args.quick,
-            "runs": [],
+            "runs": run_list,
             "placement": figures,
             "cpus": os.cpu_count(),
             "load_avg": load_avg(),
