@@ -183,6 +183,7 @@ INVALID_ARGS = {
     SignalKind.STOP.value: ErrorCode.STOP_INVALID,
     SignalKind.UPDATE.value: ErrorCode.UPDATE_INVALID,
     SignalKind.PURGE.value: ErrorCode.PURGE_INVALID,
+    SignalKind.RING.value: ErrorCode.RING_INVALID,
 }
 
 

@@ -77,6 +77,14 @@ class CheckpointWriteError(CheckpointError):
         self.errno = exc.errno
 
 
+class RingChangeError(SwarmError):
+    """A replica's ring change cannot be taken (elastic membership): it came after its step,
+    its donor's state is far from this member's own, or a joining stage's never came. The
+    message names the steps, the donor or the wait; the leader treats the replica as lost."""
+
+    code = ErrorCode.STAGE_FAILED
+
+
 class StageFailedError(SwarmError):
     """A stage started by :mod:`silentswarm.agent.runtime.launch` exited non-zero or did not
     finish."""

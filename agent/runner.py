@@ -49,6 +49,7 @@ from silentswarm.protocol import (
     ProgressEvent,
     PurgeSignal,
     RegisterRequest,
+    RingSignal,
     Signal,
     SignalAck,
     SignalHead,
@@ -65,7 +66,9 @@ from silentswarm.types.links import LinkStats, Tuning
 from silentswarm.types.stage import (
     CheckpointEvent,
     CheckpointRequest,
+    JoiningEvent,
     LinksEvent,
+    RingCommand,
     StageEvent,
     StepEvent,
 )
@@ -399,6 +402,8 @@ class FellowAgent:
                 return await self._on_update(sig)
             case PurgeSignal():
                 return await self._on_purge(sig)
+            case RingSignal():
+                return await self._on_ring(sig)
 
     def _ack(
         self, sig: Signal, ok: bool, code: ErrorCode | None = None, message: str = ""
@@ -548,6 +553,28 @@ class FellowAgent:
             self._set_status(FellowEvent.CHECKPOINT)
         return self._ack(sig, True, message=f"checkpoint at step {at_step}")
 
+    async def _on_ring(self, sig: RingSignal) -> SignalAck:
+        """Elastic membership: hand the stage its ring's new membership. A change that does
+        not fit the stage (another replica's, a ring without it) is refused here."""
+        run = self.run_
+        if run is None or not self._matches(sig) or sig.job_id is None:
+            return self._ack(
+                sig, False, ErrorCode.NOT_TRAINING, "this fellow is not running that job"
+            )
+        change = sig.args.change
+        problems = change.problems(run.plan.replica) if run.plan.replicated else ["no replicas"]
+        if problems:
+            return self._ack(sig, False, ErrorCode.RING_INVALID, "; ".join(problems))
+        if not await run.command(RingCommand(change=change)):
+            return self._ack(sig, False, ErrorCode.RUNTIME_GONE, "the stage runtime has exited")
+        if change.checkpoint_at_end is not None:
+            run.leads = change.checkpoint_at_end
+        return self._ack(
+            sig,
+            True,
+            message=f"ring {change.epoch} of replicas {change.members} from step {change.at_step}",
+        )
+
     async def _on_update(self, sig: UpdateSignal) -> SignalAck:
         package: PackageRef | None = sig.args.package
         if self.settings.fellow_prefix is None:
@@ -617,6 +644,10 @@ class FellowAgent:
             self._on_step(run, event)
         elif isinstance(event, CheckpointEvent):
             self._on_checkpoint_written(run, event)
+        elif isinstance(event, JoiningEvent):
+            self._publish_progress(
+                run, ProgressEvent.JOINING, step=0, **sync_fields(run.plan, None)
+            )
 
     def _on_step(self, run: StageRun, event: StepEvent) -> None:
         self.step, self.loss = event.step + 1, event.loss
@@ -662,6 +693,7 @@ class FellowAgent:
                     attempt=run.attempt,
                     stage=run.plan.stage,
                     replica=run.plan.replica,
+                    lead=run.leads,
                     step=event.step,
                     directory=Path(event.path),
                     periodic=periodic,
@@ -728,9 +760,10 @@ class FellowAgent:
     async def _with_export_error(self, run: StageRun, outcome: StageOutcome) -> StageOutcome:
         """A completed run's outcome, with why its final shard is not on the leader if not.
 
-        Only replica 0 pushes shards (the export is its pipeline's): another replica's
-        outcome says nothing of an export."""
-        if run.plan.replica != 0:
+        Only the lead replica pushes shards (the export is its pipeline's: replica 0's, or
+        the one a ring change made lead): another replica's outcome says nothing of an
+        export."""
+        if not run.leads:
             return outcome
         drained = self.pusher is not None and await self.pusher.drain(PUSH_DRAIN_S)
         push_error = None

@@ -10,9 +10,10 @@ Pushes run in the agent's event loop, one at a time, while the stage runtime tra
 never stall training. Only the newest periodic push waits its turn; an older one that has not
 started yet is dropped (it would be stale by the time it arrived).
 
-Only replica 0 of a job with replicas pushes (the export is its pipeline's, and the leader
-refuses any other replica's shards): :meth:`ShardPusher.submit` takes no other replica's
-checkpoint, and removes one that was written only to be pushed.
+Only the lead replica of a job with replicas pushes (replica 0, or the one a ring change made
+lead when replica 0 was lost: the export is its pipeline's, and the leader refuses any other
+replica's shards): :meth:`ShardPusher.submit` takes no other replica's checkpoint, and
+removes one that was written only to be pushed.
 
 A push that fails is given up (the next periodic one may succeed); for a kept one (the final
 checkpoint, an operator's) the pusher remembers why, naming the file, so that the stage's
@@ -60,7 +61,10 @@ class Shard:
     stage: int
     step: int
     directory: Path  # the checkpoint's step directory
-    replica: int = 0  # the pipeline the stage is of (a job with replicas): only 0 pushes
+    replica: int = 0  # the pipeline the stage is of (a job with replicas)
+    # Whether its checkpoints are the job's: replica 0's, or (elastic membership) the
+    # replica a ring change made the lead; only a lead pushes.
+    lead: bool = True
     periodic: bool = False  # written only to be pushed: removed here once a newer one is
     # The connection to push on: the attempt's own NATS user; None: the pusher's own.
     client: Client | None = None
@@ -93,10 +97,11 @@ class ShardPusher:
 
     def submit(self, shard: Shard) -> bool:
         """Queue a push; a periodic one replaces older periodic ones still waiting. False,
-        and nothing queued, for a replica other than 0 (its periodic checkpoint removed)."""
-        if shard.replica != 0:
+        and nothing queued, for a replica that does not lead (its periodic checkpoint
+        removed)."""
+        if not shard.lead:
             log.info(
-                "job %s stage %d step %d: replica %d pushes no shards (replica 0 does)",
+                "job %s stage %d step %d: replica %d pushes no shards (the lead replica does)",
                 shard.job_id,
                 shard.stage,
                 shard.step,

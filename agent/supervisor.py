@@ -75,6 +75,10 @@ def sync_fields(plan: StagePlan, event: StepEvent | DoneEvent | None) -> dict[st
     )
     if isinstance(event, StepEvent) and plan.replicated:
         fields["sync_s"] = event.sync_s
+        if event.sync_epoch:  # elastic membership: the ring epoch, the state after a change
+            fields["sync_epoch"] = event.sync_epoch
+        if event.state_digest is not None:
+            fields["state_digest"] = event.state_digest
     return fields
 
 
@@ -113,6 +117,9 @@ class StageRun:
         self.error: str | None = None
         self.error_code: str | None = None  # the error event's code
         self.malformed_events = 0  # lines that looked like events but were not
+        # Whether its checkpoints are the job's (it pushes shards, its outcome says what
+        # became of its final one): replica 0's, until a ring change moves the duty.
+        self.leads = plan.replica == 0
         self.finished: asyncio.Future[StageOutcome] = asyncio.get_running_loop().create_future()
         self._reader: asyncio.Task[None] | None = None
         self._stderr_reader: asyncio.Task[None] | None = None

@@ -94,7 +94,8 @@ class RateMeter:
                 now.down_per_s = max(0, down - before.down_bytes) / elapsed
         now.transport = p.down_transport or now.transport
         self._fellows[p.fellow_id] = now
-        if last_stage and p.loss is not None and p.replica == 0:
+        # The job's pace: each new step of any replica's last stage (replica 0 may be lost).
+        if last_stage and p.loss is not None and (not self._recent or p.step > self._recent[-1][1]):
             self._recent.append((p.at, p.step))
 
     def steps_per_min(self) -> float | None:

@@ -61,12 +61,13 @@ KEEP_COMPLETE_STEPS = 2
 
 
 def exported_placement(placement: Placement) -> Placement:
-    """The placement an export describes: replica 0's stages (the only ones that push
-    shards), so a job with replicas exports one pipeline, as a job without them does."""
-    if all(s.replica == 0 for s in placement.stages):
+    """The placement an export describes: the lead replica's stages (the only ones that push
+    shards: replica 0's, or the one that took over when it was lost), so a job with replicas
+    exports one pipeline, as a job without them does."""
+    lead = placement.lead
+    if all(s.replica == lead for s in placement.stages):
         return placement
-    stages = sorted((s for s in placement.stages if s.replica == 0), key=lambda s: s.stage)
-    return msgspec.structs.replace(placement, stages=stages)
+    return msgspec.structs.replace(placement, stages=placement.pipeline(lead), replica_slots=0)
 
 
 @dataclass

@@ -9,11 +9,12 @@ in the URL): an HMAC of the job, attempt and stage under the operator token, so 
 stored, a leader restart changes nothing, a stage's token opens only that stage's files, and
 a new attempt's tokens void the old ones.
 
-A job with replicas exports replica 0's pipeline: only replica 0's fellows push (the
-others' plans write no checkpoints for the leader), and a push from another replica's
-fellow is refused, counted (``refused_replica_shards``, and as a dropped bus message of
-kind ``shard_replica``) and logged, so it can never overwrite replica 0's ``stage-<i>``
-files; the manifest names replica 0's stages only.
+A job with replicas exports its lead replica's pipeline (replica 0's, or when replica 0 was
+lost the one that took over its checkpoints, ``Placement.lead``): only the lead's fellows
+push (the others' plans write no checkpoints for the leader), and a push from another
+replica's fellow is refused, counted (``refused_replica_shards``, and as a dropped bus
+message of kind ``shard_replica``) and logged, so it can never overwrite the lead's
+``stage-<i>`` files; the manifest names the lead's stages only.
 """
 
 from __future__ import annotations
@@ -41,12 +42,12 @@ from silentswarm.types.jobs import JobRecord, ShardReceipt
 from silentswarm.types.signals import ResumeArgs, ShardFile
 
 log = logging.getLogger(__name__)
-# The bus's dropped-message kind of a shard push from a replica other than 0.
+# The bus's dropped-message kind of a shard push from a replica other than the lead.
 REPLICA_DROP = "shard_replica"
 
 
 def pipeline_length(placement: Placement) -> int:
-    """The stages of one pipeline (what an export holds): replica 0's."""
+    """The stages of one pipeline (what an export holds): the lead replica's."""
     return len(exported_placement(placement).stages)
 
 
@@ -196,11 +197,11 @@ class ExportService:
                 f"fellow {chunk.fellow_id} does not run stage {chunk.stage} of this attempt",
                 None,
             )
-        if placed.replica != 0:
-            # Replica 0's shards are the export: another replica's would overwrite them.
+        if placed.replica != placement.lead:
+            # The lead replica's shards are the export: another's would overwrite them.
             return (
                 f"fellow {chunk.fellow_id} runs replica {placed.replica} of stage "
-                f"{chunk.stage}: only replica 0 pushes shards",
+                f"{chunk.stage}: only replica {placement.lead} pushes shards",
                 REPLICA_DROP,
             )
         return None, None

@@ -21,7 +21,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from silentswarm.errors import ConflictError, ErrorCode, IllegalTransitionError, NotFoundError
-from silentswarm.jobspec import JobSpec, Placement, new_job_id
+from silentswarm.jobspec import JobSpec, PlacedStage, Placement, new_job_id
+from silentswarm.leader import elastic
 from silentswarm.leader.admission import Admission, admit_progress
 from silentswarm.leader.placement import (
     DEFAULTS,
@@ -57,6 +58,7 @@ from silentswarm.types.jobs import (
     InitSource,
     JobRecord,
     JobTransition,
+    MembershipChange,
     ResumeRecord,
     ShardReceipt,
     SignalRecord,
@@ -68,6 +70,8 @@ HISTORY_LEN = 50
 SIGNAL_LOG_LEN = 100
 CHECKPOINT_LOG_LEN = 20
 PUSH_LOG_LEN = 50
+MEMBERSHIP_LOG_LEN = 50
+DROPPED_LEN = 64  # progress entries of lost replicas' stages a record keeps
 # After START, a fellow's heartbeats may still describe the moment before it: only judge
 # "not running the job" on heartbeats received this long after the job started.
 START_GRACE_S = 3.0
@@ -181,7 +185,8 @@ def final_export_error(job: JobRecord) -> str | None:
     that completed has its final model in the export unless something failed: the leader's
     own storing (``job.export_error`` while running), a stage's fellow (what it reported in
     its outcome), or, when nobody said why, that is said too. With replicas the export is
-    replica 0's: the other replicas push nothing, and are not asked for."""
+    lead replica's (0, or the one that took over from it): the others push nothing, and are
+    not asked for."""
     final = job.spec.steps
     if job.pushed_step == final:
         return job.export_error  # the shards are there; perhaps the manifest is not
@@ -189,9 +194,10 @@ def final_export_error(job: JobRecord) -> str | None:
         r.stage for r in job.latest_shard_pushes if r.step == final and r.attempt == job.attempt
     }
     reasons = [] if job.export_error is None else [f"the leader: {job.export_error}"]
+    lead = job.placement.lead if job.placement is not None else 0
     for stage in sorted(job.progress, key=lambda p: p.stage):
-        if stage.replica != 0:
-            continue  # only replica 0 pushes shards
+        if stage.replica != lead:
+            continue  # only the lead replica pushes shards
         if stage.stage in arrived:
             continue  # whatever its fellow says: the leader has that shard
         where = f"stage {stage.stage} on fellow {stage.fellow_id}"
@@ -233,6 +239,8 @@ def reconcile(
         elif (fellow.job_id, fellow.attempt) != (job.job_id, job.attempt):
             heard = fellow.last_heartbeat_at
             started = job.started_at or job.updated_at
+            if progress is not None and progress.joining is not None:  # placed mid-run
+                started = max(started, progress.updated_at or started)
             if heard is not None and heard > started + START_GRACE_S:
                 doing = f"job {fellow.job_id}" if fellow.job_id else "no job"
                 out.append(
@@ -257,6 +265,12 @@ class JobManager:
         # Jobs just resumed -> (the attempt that failed, its fellows still running): the
         # orchestrator stops those stages.
         self.resumed: dict[str, tuple[int, list[str]]] = {}
+        # Elastic membership, for the orchestrator: the stages of lost replicas still to STOP
+        # (job -> fellows), and the jobs whose rings must change (a replica lost, or a
+        # replacement ready to join).
+        self.drops: dict[str, list[str]] = {}
+        self.ring_due: set[str] = set()
+        self.after_loss: set[str] = set()  # of ring_due: a member was lost since the last
         self.dirty: set[str] = set()
 
     # --- reads -----------------------------------------------------------------------------
@@ -316,10 +330,13 @@ class JobManager:
     # --- changes ---------------------------------------------------------------------------
 
     def restore(self, records: Iterable[JobRecord]) -> None:
-        """Jobs loaded from the store at start-up."""
+        """Jobs loaded from the store at start-up (a running job whose replacement was ready
+        to join when the leader stopped gets its ring change now)."""
         for record in records:
             record.refresh_view()
             self._jobs[record.job_id] = record
+            if record.state is JobState.RUNNING and self.ready_to_join(record):
+                self.ring_due.add(record.job_id)
 
     def submit(self, spec: JobSpec, init_source: InitSource | None = None) -> JobRecord:
         """A new PENDING job; ``init_source``: the export ``init_from`` resolved to."""
@@ -376,6 +393,7 @@ class JobManager:
         job = self.get(job_id)
         job.attempt += 1
         job.placement = placement
+        job.ring_epoch, job.ring_donor, job.dropped = 0, None, []  # a new attempt's rings
         job.progress = [
             StageProgress(
                 stage=s.stage, fellow_id=s.fellow_id, replica=s.replica, total_steps=job.spec.steps
@@ -450,7 +468,17 @@ class JobManager:
         now = self._wall()
         if msg.event is ProgressEvent.STEP:
             apply_step(stage, msg, now=now)
+            if stage.joining is not None:  # it trains: the job's figures count it
+                stage.joining = None
+                self._touch(job)
+            if msg.state_digest is not None:
+                self._check_digests(job)
             job.refresh_view()
+        elif msg.event is ProgressEvent.JOINING:
+            if stage.joining == "starting":
+                stage.joining = "ready"
+                self.ring_due.add(job.job_id)
+                self._touch(job)
         elif msg.event is ProgressEvent.CHECKPOINT:
             self._checkpoint_written(job, msg)
         elif msg.event is ProgressEvent.ENDED and msg.outcome is not None:
@@ -485,11 +513,159 @@ class JobManager:
                 self._finish(job, JobEvent.COMPLETED, "every stage completed")
         else:
             what = outcome.message or outcome.result.value
-            self.fail(
+            self.lose_stage(
                 job.job_id,
+                fellow_id,
                 f"fellow {fellow_id} (stage {stage.stage}) {outcome.result.value}: {what}",
             )
         return job
+
+    # --- elastic membership ---------------------------------------------------------------
+
+    def lose_stage(self, job_id: str, fellow_id: str, reason: str) -> JobRecord | None:
+        """A running job lost the stage on ``fellow_id``: with replicas, drop that stage's
+        replica and go on with the others (:func:`elastic.replica_to_drop`); else, or when no
+        replica would be left, :meth:`fail` (resume or FAILED)."""
+        job = self._jobs.get(job_id)
+        if job is None or job.state is not JobState.RUNNING or job.placement is None:
+            return None
+        if job.placement.stage_of(fellow_id) is None:
+            return job  # its replica was dropped already (a second stage of it lost)
+        replica = elastic.replica_to_drop(job, fellow_id)
+        if replica is None:
+            return self.fail(job_id, reason)
+        self._drop_replica(job, replica, reason)
+        return job
+
+    def _drop_replica(self, job: JobRecord, replica: int, reason: str) -> None:
+        placement = job.placement
+        assert placement is not None
+        joining = replica in elastic.joining_replicas(job)
+        placement.replica_slots = placement.n_replicas
+        placement.stages = [s for s in placement.stages if s.replica != replica]
+        gone = [p for p in job.progress if p.replica == replica]
+        job.progress = [p for p in job.progress if p.replica != replica]
+        job.dropped = [*job.dropped, *gone][-DROPPED_LEN:]
+        if placement.lead == replica:
+            placement.lead = min(
+                r for r in placement.live_replicas if r not in elastic.joining_replicas(job)
+            )
+        running = [p.fellow_id for p in gone if p.result is None]
+        if running:
+            self.drops.setdefault(job.job_id, []).extend(running)
+        # A replacement that had not joined yet changes no ring.
+        if not joining:
+            self.ring_due.add(job.job_id)
+            self.after_loss.add(job.job_id)
+        kind = "refused" if joining else "lost"
+        self._log_membership(job, kind, replica, [p.fellow_id for p in gone], reason)
+        log.warning(
+            "job %s: replica %d %s (%s); replicas %s go on",
+            job.job_id,
+            replica,
+            "could not join" if joining else "lost",
+            reason,
+            placement.live_replicas,
+        )
+
+    def place_replacement(self, job_id: str, stages: list[PlacedStage]) -> JobRecord | None:
+        """A replacement pipeline placed in a free slot of a running job: its stages join
+        the placement and the progress as ``starting``."""
+        job = self._jobs.get(job_id)
+        if job is None or job.state is not JobState.RUNNING or job.placement is None:
+            return None
+        placement = job.placement
+        placement.replica_slots = placement.n_replicas
+        placement.stages = sorted([*placement.stages, *stages], key=lambda s: (s.replica, s.stage))
+        replica = stages[0].replica
+        job.progress.extend(
+            StageProgress(
+                stage=s.stage,
+                fellow_id=s.fellow_id,
+                replica=replica,
+                total_steps=job.spec.steps,
+                joining="starting",
+                updated_at=self._wall(),
+            )
+            for s in stages
+        )
+        self._log_membership(job, "placed", replica, [s.fellow_id for s in stages])
+        log.info(
+            "job %s: replacement for replica %d placed on %s",
+            job_id,
+            replica,
+            [s.fellow_id for s in stages],
+        )
+        return job
+
+    def ring_changed(
+        self, job_id: str, epoch: int, at_step: int, donor: int, *, joined: list[int]
+    ) -> None:
+        """The orchestrator is sending ring ``epoch`` (from step ``at_step``, state from
+        ``donor``) to every member: the stages of the ``joined`` replicas switch with it."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            return
+        job.ring_epoch, job.ring_donor = epoch, donor
+        self.after_loss.discard(job_id)
+        for p in job.progress:
+            if p.replica in joined:
+                p.joining = "switching"
+        for change in job.membership:  # the losses this ring goes on without
+            if change.attempt == job.attempt and change.kind == "lost" and change.epoch is None:
+                change.epoch, change.at_step = epoch, at_step
+        for replica in joined:
+            fellows = [p.fellow_id for p in job.progress if p.replica == replica]
+            self._log_membership(job, "joined", replica, fellows, epoch=epoch, at_step=at_step)
+        self._touch(job)
+
+    def ready_to_join(self, job: JobRecord) -> list[int]:
+        """The joining replicas all of whose stages are ready for their ring."""
+        waiting: dict[int, bool] = {}
+        for p in job.progress:
+            if p.joining is not None:
+                waiting[p.replica] = waiting.get(p.replica, True) and p.joining == "ready"
+        return sorted(r for r, ready in waiting.items() if ready)
+
+    def _log_membership(
+        self,
+        job: JobRecord,
+        kind: str,
+        replica: int,
+        fellows: list[str],
+        reason: str = "",
+        *,
+        epoch: int | None = None,
+        at_step: int | None = None,
+    ) -> None:
+        job.membership.append(
+            MembershipChange(
+                at=self._wall(),
+                attempt=job.attempt,
+                kind=kind,
+                replica=replica,
+                fellows=fellows,
+                reason=clean_report(reason, EXPORT_ERROR_CHARS),
+                epoch=epoch,
+                at_step=at_step,
+            )
+        )
+        del job.membership[:-MEMBERSHIP_LOG_LEN]
+        self._touch(job)
+
+    def _check_digests(self, job: JobRecord) -> None:
+        """Members whose state after the current ring change is not the donor's: lost."""
+        if job.ring_epoch == 0 or job.ring_donor is None:
+            return
+        for fid in elastic.digest_mismatches(
+            job.progress, epoch=job.ring_epoch, donor=job.ring_donor
+        ):
+            self.lose_stage(
+                job.job_id,
+                fid,
+                f"fellow {fid}: its state after ring {job.ring_epoch} is not the donor's "
+                f"(replica {job.ring_donor}) by sha256",
+            )
 
     def fail(self, job_id: str, reason: str) -> JobRecord | None:
         """A running job lost a stage: resume it when it can (back to PENDING, keeping its
@@ -536,9 +712,9 @@ class JobManager:
             ResumeRecord(at=now, failed_attempt=job.attempt, reason=reason, from_step=step)
         )
         job.resume_step = step
-        # One pipeline's ranges: replica 0's (placement orders stages by replica, stage).
+        # One pipeline's ranges: the lead replica's.
         job.layer_ranges = [
-            (s.layer_start, s.layer_end) for s in job.placement.stages if s.replica == 0
+            (s.layer_start, s.layer_end) for s in job.placement.pipeline(job.placement.lead)
         ]
         self.resumed[job.job_id] = (
             job.attempt,

@@ -300,6 +300,12 @@ def _replica_loss(r: Replica) -> Value:
     return None if last is None else last.loss
 
 
+def _if_replicated(job: JobRecord, value: int) -> int | None:
+    """``value`` for a job with replicas; None (no sample) for one without."""
+    replicated = job.placement is not None and job.placement.n_replicas > 1
+    return value if replicated else None
+
+
 JOB_SERIES: tuple[Series[JobRecord], ...] = (
     Series("swarm_job_attempt", "Start attempts of the job so far", lambda j: j.attempt),
     Series(
@@ -315,6 +321,22 @@ JOB_SERIES: tuple[Series[JobRecord], ...] = (
         "swarm_job_val_loss",
         "Validation loss of the job's last stage",
         lambda j: j.current_view().val_loss,
+    ),
+    Series(
+        "swarm_job_replicas_lost",
+        "Replicas of the job lost in its current attempt (the others went on without them)",
+        lambda j: _if_replicated(
+            j, sum(m.kind == "lost" and m.attempt == j.attempt for m in j.membership)
+        ),
+        counter=True,
+    ),
+    Series(
+        "swarm_job_replicas_joined",
+        "Replacement replicas that joined the job's rings in its current attempt",
+        lambda j: _if_replicated(
+            j, sum(m.kind == "joined" and m.attempt == j.attempt for m in j.membership)
+        ),
+        counter=True,
     ),
 )
 
@@ -335,6 +357,11 @@ RUNNING_JOB_SERIES: tuple[Series[JobRecord], ...] = (
         "swarm_job_learning_rate",
         "Learning rate of the job's last stage",
         lambda j: j.current_view().lr,
+    ),
+    Series(
+        "swarm_job_replicas",
+        "Replicas of the job that train now (a replica lost or still joining is not counted)",
+        lambda j: _if_replicated(j, len({p.replica for p in j.progress if p.joining is None})),
     ),
 )
 

@@ -30,8 +30,8 @@ from nats.js.kv import KeyValue
 
 from silentswarm import subjects as topics
 from silentswarm.errors import NotFoundError
-from silentswarm.jobspec import stage_plans
-from silentswarm.leader import balance, decide, initsource, retention
+from silentswarm.jobspec import PlacedStage, stage_plans
+from silentswarm.leader import balance, decide, elastic, initsource, retention
 from silentswarm.leader.admission import RateLimiter, Verdict
 from silentswarm.leader.bus import LeaderBus
 from silentswarm.leader.datasets import DatasetStore
@@ -47,13 +47,14 @@ from silentswarm.leader.signals import SignalHub
 from silentswarm.leader.storage import Throttle
 from silentswarm.leader.store import StateStore
 from silentswarm.natsauth import NatsAuthority
-from silentswarm.plan import StagePlan
+from silentswarm.plan import RingChange, StagePlan
 from silentswarm.protocol import FellowStatus, JobState, Progress
 from silentswarm.retrying import Backoff
 from silentswarm.types.jobs import JobRecord
 from silentswarm.types.signals import (
     REASON_CHARS,
     PurgeArgs,
+    RingArgs,
     StartArgs,
     StopArgs,
 )
@@ -66,6 +67,10 @@ PROGRESS_PER_S = 200.0
 PROGRESS_BURST = 1000.0
 RETAIN_EVERY_S = 1.0  # how often the retention policy is applied (archive, delete)
 STORE_RETRIES = Backoff(wait_initial=1.0, wait_max=1.0)  # the state store: every 1 s
+# A replacement replica is placed only when the run has at least this many seconds of steps
+# left: its stages must start (TensorFlow, the model) before the ring change takes effect
+# (one that is not ready before the end is stopped).
+JOIN_LEAD_S = 10.0
 
 
 class Orchestrator:
@@ -160,6 +165,9 @@ class Orchestrator:
             self.job_ended(job)
         self._stop_orphans()
         await self._schedule()
+        self._stop_dropped()
+        self._replace()
+        self._change_rings()
         self._deliver_purges()
         await self.retain()
         await self.flush()
@@ -284,7 +292,7 @@ class Orchestrator:
                 if isinstance(finding, decide.StageEnded):
                     self.jobs.record_outcome(finding.fellow_id, finding.outcome)
                 else:
-                    self.jobs.fail(job.job_id, finding.reason)
+                    self.jobs.lose_stage(job.job_id, finding.fellow_id, finding.reason)
                 if job.terminal:
                     self.job_ended(job)
                     break
@@ -377,6 +385,8 @@ class Orchestrator:
             self._stop_all(job_id, attempt, placement.fellow_ids, "cancelled")
 
     def _start_args(self, job: JobRecord, plan: StagePlan) -> StartArgs:
+        """START's arguments; a joining stage (elastic membership) takes its weights from a
+        donor replica, so it gets no resume and no init export."""
         creds = None
         if self.authority is not None:
             # The stage's own NATS user for this attempt: its progress, shard and relay
@@ -394,13 +404,14 @@ class Orchestrator:
         resume = data = init = None
         if self.exports is not None:
             self.exports.directory(job)
-            resume = self.exports.resume_args(job, plan.stage)
-            init = initsource.init_args(
-                job,
-                plan,
-                token=self.exports.token(job.job_id, job.attempt, plan.stage),
-                public_url=self.exports.public_url,
-            )
+            if not plan.joining:
+                resume = self.exports.resume_args(job, plan.stage)
+                init = initsource.init_args(
+                    job,
+                    plan,
+                    token=self.exports.token(job.job_id, job.attempt, plan.stage),
+                    public_url=self.exports.public_url,
+                )
             if self.datasets is not None:
                 data = dataset_start_args(
                     self.datasets,
@@ -410,6 +421,116 @@ class Orchestrator:
                     public_url=self.exports.public_url,
                 )
         return StartArgs(plan=plan, nats_creds=creds, resume=resume, datasets=data, init=init)
+
+    # --- elastic membership (leader/elastic.py decides) -------------------------------------
+
+    def _stop_dropped(self) -> None:
+        """STOP the stages still running of replicas that were dropped."""
+        while self.jobs.drops:
+            job_id, fellows = self.jobs.drops.popitem()
+            job = self.jobs.get(job_id)
+            self._stop_all(job_id, job.attempt, fellows, "its replica was lost; the others go on")
+
+    def _replace(self) -> None:
+        """Place a replacement pipeline in a lost replica's slot of a running job, when ready
+        fellows can hold it and the run is long enough for it to join; START it joining."""
+        jobs = [
+            j
+            for j in self.jobs.running()
+            if elastic.free_slot(j) is not None
+            and not elastic.joining_replicas(j)
+            and elastic.switch_step(j, lead_s=JOIN_LEAD_S) is not None
+        ]
+        if not jobs:
+            return
+        idle = decide.idle_candidates(
+            self.registry.list(),
+            busy=self.jobs.busy_fellows(),
+            reserved=self._reserved,
+            cooldown=self._cooldown,
+            purging={p.fellow_id for p in self.purges.list()},
+            now=time.monotonic(),
+        )
+        for job in jobs:
+            stages = elastic.replacement(job, idle, self.defaults)
+            if not isinstance(stages, list):
+                continue  # not enough ready fellows yet (or none fit): the next tick tries
+            if self.jobs.place_replacement(job.job_id, stages) is None:
+                continue
+            taken = {s.fellow_id for s in stages}
+            idle = [c for c in idle if c.fellow_id not in taken]
+            self._spawn(self._start_joiners(job.job_id, stages), f"join-{job.job_id}")
+
+    async def _start_joiners(self, job_id: str, stages: list[PlacedStage]) -> None:
+        job = self.jobs.get(job_id)
+        attempt, hub = job.attempt, self.signal_hub()
+        plans = elastic.joiner_plans(job, stages, subject_prefix=self.prefix)
+        fellows = [p.fellow_id for p in plans]
+        log.info("job %s: starting replica %d on %s to join", job_id, plans[0].replica, fellows)
+        records = await asyncio.gather(
+            *(
+                hub.send(p.fellow_id, self._start_args(job, p), job_id=job_id, attempt=attempt)
+                for p in plans
+            )
+        )
+        for record in records:
+            self.jobs.add_signal(job_id, record)
+        verdict = decide.judge_start(records, now=time.monotonic())
+        if not verdict.ok:
+            self._cooldown.update(verdict.cooldown)
+            refused = next(r.fellow_id for r in records if not r.ok)
+            self.jobs.lose_stage(
+                job_id, refused, f"the replacement did not start: {verdict.reason}"
+            )
+
+    def _change_rings(self) -> None:
+        """Send the rings' new membership to every member of the jobs whose rings must change
+        (a replica lost; a replacement ready to join), from a step a little ahead."""
+        while self.jobs.ring_due:
+            job = self.jobs.get(self.jobs.ring_due.pop())
+            if job.state is not JobState.RUNNING or job.placement is None:
+                continue
+            joining, ready = elastic.joining_replicas(job), self.jobs.ready_to_join(job)
+            members = [r for r in job.placement.live_replicas if r not in joining or r in ready]
+            at_step = elastic.switch_step(job, after_loss=job.job_id in self.jobs.after_loss)
+            if at_step is None:
+                for replica in ready:  # too late to join: the run ends first
+                    fid = job.placement.pipeline(replica)[0].fellow_id
+                    self.jobs.lose_stage(job.job_id, fid, "the run ends before it could join")
+                log.info("job %s: the run ends before a ring change could take effect", job.job_id)
+                continue
+            epoch = job.ring_epoch + 1
+            changes = elastic.ring_changes(
+                job, members=members, epoch=epoch, at_step=at_step, joining=ready
+            )
+            donor = next(iter(changes.values())).donor
+            self.jobs.ring_changed(job.job_id, epoch, at_step, donor, joined=ready)
+            log.info(
+                "job %s: ring %d of replicas %s from step %d (state from replica %d%s)",
+                job.job_id,
+                epoch,
+                members,
+                at_step,
+                donor,
+                f"; replicas {ready} join" if ready else "",
+            )
+            for fid, change in changes.items():
+                self._spawn(self._send_ring(job.job_id, job.attempt, fid, change), f"ring-{fid}")
+
+    async def _send_ring(
+        self, job_id: str, attempt: int, fellow_id: str, change: RingChange
+    ) -> None:
+        record = await self.signal_hub().send(
+            fellow_id, RingArgs(change=change), job_id=job_id, attempt=attempt
+        )
+        self.jobs.add_signal(job_id, record)
+        if not record.ok:
+            self.jobs.lose_stage(
+                job_id,
+                fellow_id,
+                f"fellow {fellow_id} did not take ring {change.epoch}: {record.code}: "
+                f"{record.message}",
+            )
 
     def _stop_orphans(self) -> None:
         """STOP stages of attempts the leader does not run (any more): see

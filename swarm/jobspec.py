@@ -254,6 +254,12 @@ class Placement(msgspec.Struct, kw_only=True):
     # replicas has one per stage, in stage order.
     stages: list[PlacedStage]
     transport: Transport
+    # Elastic membership: the replica slots the job was placed with, once a replica was lost
+    # (its stages leave ``stages``; a replacement takes its slot). 0: every slot is placed.
+    replica_slots: int = 0
+    # The replica whose checkpoints and shards are the job's: 0, or when replica 0 is lost
+    # the lowest that went on (a replacement joining later does not take it back).
+    lead: int = 0
 
     @property
     def fellow_ids(self) -> list[str]:
@@ -261,12 +267,23 @@ class Placement(msgspec.Struct, kw_only=True):
 
     @property
     def n_replicas(self) -> int:
-        return 1 + max((s.replica for s in self.stages), default=0)
+        """The replica slots (the ``n_replicas`` of every plan), placed or not."""
+        return self.replica_slots or 1 + max((s.replica for s in self.stages), default=0)
+
+    @property
+    def live_replicas(self) -> list[int]:
+        """The replicas that have stages placed, in order."""
+        return sorted({s.replica for s in self.stages})
+
+    @property
+    def lead_replica(self) -> int:
+        """The replica whose checkpoints and shards are the job's (``lead``)."""
+        return self.lead
 
     @property
     def n_stages(self) -> int:
         """The stages of one pipeline."""
-        return len(self.pipeline(0))
+        return len(self.pipeline(self.lead_replica))
 
     def pipeline(self, replica: int = 0) -> list[PlacedStage]:
         """The stages of pipeline ``replica``, in stage order (replica 0's: the ones whose
@@ -295,7 +312,7 @@ def boundary_keys(n_stages: int) -> list[tuple[CurveKeys, CurveKeys]]:
 
 
 @dataclass(frozen=True)
-class _Link:
+class LinkSecrets:
     """The secrets of one link (a pipeline boundary or a ring link): CURVE keys for the
     connecting and the binding end (None under transport tunnel), and the relay token both
     ends tag with (None under p2p)."""
@@ -305,10 +322,11 @@ class _Link:
     token: str | None
 
 
-def _links(count: int, *, curve: bool, relay: bool) -> list[_Link]:
+def link_secrets(count: int, *, curve: bool, relay: bool) -> list[LinkSecrets]:
+    """Fresh secrets for ``count`` links."""
     keys = boundary_keys(count + 1) if curve else [(None, None)] * count
     return [
-        _Link(
+        LinkSecrets(
             connecting=connecting,
             binding=binding,
             token=secrets.token_hex(32) if relay else None,
@@ -335,9 +353,9 @@ def stage_plans(
     train = spec.train_config()
     curve = placement.transport != Transport.TUNNEL
     relay = placement.transport != Transport.P2P
-    boundaries = [_links(n - 1, curve=curve, relay=relay) for _ in range(k)]
+    boundaries = [link_secrets(n - 1, curve=curve, relay=relay) for _ in range(k)]
     # ring[r][i]: stage i's link from replica r to replica r + 1.
-    ring = [_links(n, curve=curve, relay=relay) for _ in range(k)] if k > 1 else []
+    ring = [link_secrets(n, curve=curve, relay=relay) for _ in range(k)] if k > 1 else []
     plans = []
     for placed in placement.stages:
         i, r = placed.stage, placed.replica

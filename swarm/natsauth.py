@@ -98,9 +98,10 @@ def attempt_permissions(
 ) -> Permissions:
     """The user of one placed stage of one attempt: its progress and shard subjects for that
     job, its inbox (the leader's shard acks), and exactly the relay subjects of its own
-    boundaries (those of its pipeline ``replica``) and, with replicas, of its two links in
-    its stage's ring (to replica ``replica + 1`` and from ``replica - 1``, mod
-    ``n_replicas``), in the direction it sends and the one it hears. Nobody else can read or
+    boundaries (those of its pipeline ``replica``) and, with replicas, of its stage's ring:
+    its own link to its successor, and the link from each other replica, any of which
+    may be its predecessor (elastic membership), in the direction it sends and the one it
+    hears. Nobody else can read or
     write them (the leader aside), and a new attempt has new subjects."""
 
     def relay(link: str, direction: str) -> str:
@@ -123,11 +124,15 @@ def attempt_permissions(
         subscribe.append(relay(down, "bwd"))
     if n_replicas > 1:
         # The ring: it connects to its successor (sends "fwd" on its own link) and binds
-        # for its predecessor (answers "bwd" on the predecessor's link).
+        # for its predecessor (answers "bwd" on the predecessor's link). Elastic membership
+        # may make any other replica of the stage its predecessor (a ring without a lost
+        # one), so it may bind for each: the links of its stage's ring in this attempt, and
+        # no other. Each ring's links have fresh relay tokens, so a member left out of a
+        # ring cannot talk to it.
         own = topics.sync_link(stage, replica)
-        prev = topics.sync_link(stage, (replica - 1) % n_replicas)
-        publish += [relay(own, "fwd"), relay(prev, "bwd")]
-        subscribe += [relay(own, "bwd"), relay(prev, "fwd")]
+        others = [topics.sync_link(stage, q) for q in range(n_replicas) if q != replica]
+        publish += [relay(own, "fwd"), *(relay(link, "bwd") for link in others)]
+        subscribe += [relay(own, "bwd"), *(relay(link, "fwd") for link in others)]
     return Permissions(publish=tuple(publish), subscribe=tuple(subscribe))
 
 

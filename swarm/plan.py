@@ -400,6 +400,61 @@ class CurveKeys(msgspec.Struct, frozen=True, kw_only=True):
     peer_public: str
 
 
+RelayToken = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32,128}$")]
+ReplicaIndex = Annotated[int, msgspec.Meta(ge=0, le=4095)]
+
+
+class RingChange(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A new membership of one stage's replicas' ring (elastic membership), for one member.
+
+    The leader sends it (a ``ring`` command through the fellow's agent) to every member of the
+    new ring when a replica is lost or a replacement joins. Every member switches before it
+    trains step ``at_step`` (0-based: after ``at_step`` completed steps), so all switch at the
+    same step: it closes its old ring links, opens the new ones (``sync_prev``/``sync_next``,
+    their CURVE keys and relay tokens, fresh for each epoch, so a member left out cannot talk
+    to the new ring), and takes the state (weights, optimizer, DiLoCo's outer state) of
+    ``donor``, which goes around the new ring once. A member that had state of its own checks
+    the donor's against it; one in ``joining`` has none. ``members`` are replica indices,
+    sorted: the ring's order (each sends to the next, the last to the first). A ring of one
+    member has no links: its rounds average its own contribution.
+    """
+
+    epoch: Annotated[int, msgspec.Meta(ge=1, le=2**31)]
+    at_step: Annotated[int, msgspec.Meta(ge=0, le=2**53)]
+    members: Annotated[list[ReplicaIndex], msgspec.Meta(min_length=1, max_length=4096)]
+    donor: ReplicaIndex
+    joining: Annotated[list[ReplicaIndex], msgspec.Meta(max_length=4096)] = msgspec.field(
+        default_factory=list
+    )
+    sync_prev: Peer | None = None
+    sync_next: Peer | None = None
+    curve_sync_up: CurveKeys | None = None
+    curve_sync_down: CurveKeys | None = None
+    relay_sync_up_token: RelayToken | None = None
+    relay_sync_down_token: RelayToken | None = None
+    # When replica 0 is lost, the lowest member replica takes over its duty of checkpointing
+    # for the leader (the shard pushes and the export): from ``at_step`` on this member uses
+    # these instead of its plan's ``checkpoint_every`` and ``checkpoint_at_end`` (None: the
+    # plan's stay).
+    checkpoint_every: Annotated[int, msgspec.Meta(ge=0, le=2**31)] | None = None
+    checkpoint_at_end: bool | None = None
+
+    def problems(self, replica: int) -> list[str]:
+        """What makes this change impossible for member ``replica`` (empty: none)."""
+        out = []
+        if self.members != sorted(set(self.members)):
+            out.append("'members' must be sorted and distinct")
+        if replica not in self.members:
+            out.append(f"replica {replica} is not in 'members' {self.members}")
+        if self.donor not in self.members or self.donor in self.joining:
+            out.append(f"'donor' {self.donor} must be a member that is not joining")
+        if not set(self.joining) <= set(self.members):
+            out.append("'joining' must be members")
+        if len(self.members) > 1 and (self.sync_prev is None or self.sync_next is None):
+            out.append("a ring of more than one member needs 'sync_prev' and 'sync_next'")
+        return out
+
+
 class StagePlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     job_id: str
     attempt: int = 1
@@ -456,8 +511,13 @@ class StagePlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     sync_next: Peer | None = None
     curve_sync_up: CurveKeys | None = None
     curve_sync_down: CurveKeys | None = None
-    relay_sync_up_token: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32,128}$")] | None = None
-    relay_sync_down_token: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32,128}$")] | None = None
+    relay_sync_up_token: RelayToken | None = None
+    relay_sync_down_token: RelayToken | None = None
+    # Elastic membership: this stage is part of a replica that joins a running job in place
+    # of a lost one. It builds its model and opens its pipeline boundaries (not the ring),
+    # says so (a ``joining`` event), waits for its ``ring`` command (a RingChange that lists it
+    # in ``joining``), takes the donor's state there and trains from the change's ``at_step``.
+    joining: bool = False
 
     @property
     def replicated(self) -> bool:
@@ -510,7 +570,7 @@ class StagePlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         if not self.replicated:
             return []
         out = []
-        if self.sync_prev is None or self.sync_next is None:
+        if not self.joining and (self.sync_prev is None or self.sync_next is None):
             out.append("a replicated stage needs 'sync_prev' and 'sync_next' (its ring peers)")
         if self.train.overlap:
             out.append('schedule "overlap" cannot run with replicas (use "1f1b")')

@@ -22,6 +22,7 @@ from silentswarm.types.links import LinkStats, Tuning
 from silentswarm.types.signals import (
     CheckpointArgs,
     PurgeArgs,
+    RingArgs,
     SignalArgs,
     StartArgs,
     StopArgs,
@@ -224,6 +225,7 @@ class SignalKind(enum.StrEnum):
     STOP = "STOP"
     UPDATE = "UPDATE"
     PURGE = "PURGE"
+    RING = "RING"
 
 
 class _Signal(Message, kw_only=True, tag_field="kind"):
@@ -260,13 +262,18 @@ class PurgeSignal(_Signal, tag="PURGE", kw_only=True):
     args: PurgeArgs = msgspec.field(default_factory=PurgeArgs)
 
 
-Signal = StartSignal | CheckpointSignal | StopSignal | UpdateSignal | PurgeSignal
+class RingSignal(_Signal, tag="RING", kw_only=True):
+    args: RingArgs
+
+
+Signal = StartSignal | CheckpointSignal | StopSignal | UpdateSignal | PurgeSignal | RingSignal
 _SIGNAL_OF: dict[type[SignalArgs], type[Signal]] = {
     StartArgs: StartSignal,
     CheckpointArgs: CheckpointSignal,
     StopArgs: StopSignal,
     UpdateArgs: UpdateSignal,
     PurgeArgs: PurgeSignal,
+    RingArgs: RingSignal,
 }
 
 
@@ -313,6 +320,7 @@ class ProgressEvent(enum.StrEnum):
     STEP = "step"  # a training step completed (``step`` counts completed steps)
     CHECKPOINT = "checkpoint"  # a checkpoint was written (or, with ok=False, could not be)
     ENDED = "ended"  # the stage run ended; ``outcome`` says how
+    JOINING = "joining"  # a joining stage is ready for its ring (elastic membership)
 
 
 class Progress(Message, kw_only=True):
@@ -351,6 +359,10 @@ class Progress(Message, kw_only=True):
     sync_bytes_received: Bytes = 0
     sync_clipped: Count = 0
     sync_missed: Count = 0
+    # Elastic membership: the ring epoch the stage is in, and on the step after a ring
+    # formed the sha256 of the state it took from the donor.
+    sync_epoch: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
+    state_digest: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")] | None = None
     ok: bool = True
     message: Annotated[str, msgspec.Meta(max_length=1024)] = ""
     checkpoint_path: Annotated[str, msgspec.Meta(max_length=1024)] | None = None

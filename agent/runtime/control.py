@@ -5,6 +5,13 @@ thread reads it line by line; each line is one JSON object, a command of
 :mod:`silentswarm.types.stage` (tagged by ``cmd``):
 
     {"cmd": "checkpoint", "id": "<request id>", "at_step": N}   (at_step null or absent: now)
+    {"cmd": "ring", "change": {<a RingChange>}}      (elastic membership: the replicas' ring)
+
+Checkpoint requests are taken when due (:meth:`ControlChannel.due_checkpoints`); ring changes
+by :meth:`ControlChannel.take_ring_changes` before each step, or, on a joining stage, by
+:meth:`ControlChannel.wait_joining` (which blocks). A ring change this stage cannot take
+(``RingChange.problems`` for its replica) or whose epoch is not above the latest one taken
+(a duplicate, or one overtaken) is logged and dropped.
 
 A malformed line or an unknown command is logged as a warning and otherwise ignored: a bad
 command must never stop training. End of file on stdin means the agent is gone (it holds the
@@ -20,12 +27,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import NoReturn
 
 import msgspec
 
-from silentswarm.types.stage import COMMANDS, CheckpointRequest, Command
+from silentswarm.plan import RingChange
+from silentswarm.types.stage import COMMANDS, CheckpointRequest, Command, RingCommand
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +79,10 @@ class ControlChannel:
     def __init__(self, on_eof: Callable[[], None] = exit_supervisor_gone) -> None:
         self._on_eof = on_eof
         self._lock = threading.Lock()
+        self._arrived = threading.Condition(self._lock)  # a ring change was queued
         self._pending: list[CheckpointRequest] = []
+        self._rings: list[RingChange] = []  # in the order they came
+        self._ring_epoch = 0  # the latest epoch taken: one not above it is a duplicate
         self._closed = False
 
     # --- the reader side ------------------------------------------------------------------
@@ -84,9 +96,26 @@ class ControlChannel:
             return
         with self._lock:
             if self._closed:
-                log.warning("the run has ended; ignoring checkpoint %r", command.id)
+                what = (
+                    f"ring epoch {command.change.epoch}"
+                    if isinstance(command, RingCommand)
+                    else f"checkpoint {command.id!r}"
+                )
+                log.warning("the run has ended; ignoring %s", what)
                 return
-            self._pending.append(command)
+            if isinstance(command, RingCommand):
+                change = command.change
+                log.info(
+                    "ring command: epoch %d, members %s, donor %d, at step %d",
+                    change.epoch,
+                    change.members,
+                    change.donor,
+                    change.at_step,
+                )
+                self._rings.append(change)
+                self._arrived.notify_all()
+            else:
+                self._pending.append(command)
 
     def feed_chunks(self, chunks: Iterable[bytes]) -> None:
         """Split a byte stream into lines and feed them; the end of ``chunks`` is EOF."""
@@ -135,15 +164,58 @@ class ControlChannel:
             self._pending = waiting
         return due
 
+    def take_ring_changes(self, replica: int, epoch: int) -> list[RingChange]:
+        """Take the ring changes queued since the last call, in the order they came, less
+        those member ``replica`` cannot take and those whose epoch is not above ``epoch`` (the
+        ring in force) nor above every one taken before (duplicates): each logged, dropped."""
+        with self._lock:
+            rings, self._rings = self._rings, []
+            return [c for c in rings if self._acceptable(c, replica, epoch)]
+
+    def wait_joining(self, replica: int, epoch: int, timeout_s: float) -> RingChange | None:
+        """A joining stage's wait: the first acceptable ring change that lists ``replica`` in
+        ``joining`` (those queued before it that do not are logged and dropped; those after
+        it stay queued); None once ``timeout_s`` has passed without one."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                while self._rings:
+                    change = self._rings.pop(0)
+                    if not self._acceptable(change, replica, epoch, joining=True):
+                        continue
+                    return change
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._arrived.wait(remaining)
+
+    def _acceptable(
+        self, change: RingChange, replica: int, epoch: int, *, joining: bool = False
+    ) -> bool:
+        """Whether member ``replica`` (in ring ``epoch``) takes ``change``; the reason logged
+        when not. Taking it makes its epoch the latest. Called with the lock held."""
+        why = "; ".join(change.problems(replica))
+        if not why and change.epoch <= max(epoch, self._ring_epoch):
+            why = f"not above epoch {max(epoch, self._ring_epoch)} (a duplicate or overtaken)"
+        if not why and joining and replica not in change.joining:
+            why = f"this stage joins, and replica {replica} is not in 'joining' {change.joining}"
+        if why:
+            log.warning("ignoring ring command epoch %d: %s", change.epoch, why)
+            return False
+        self._ring_epoch = change.epoch
+        return True
+
     def close(self) -> list[CheckpointRequest]:
         """End the channel; return the requests still pending so they can be answered.
 
         Atomic with respect to the reader: every accepted request is either returned here or
-        was taken before, none is lost in between.
+        was taken before, none is lost in between. Ring changes still queued are dropped: the
+        run is over.
         """
         with self._lock:
             self._closed = True
             pending, self._pending = self._pending, []
+            self._rings = []
         return pending
 
 
@@ -164,6 +236,8 @@ __all__ = [
     "CheckpointRequest",
     "Command",
     "ControlChannel",
+    "RingChange",
+    "RingCommand",
     "exit_supervisor_gone",
     "parse_command",
 ]

@@ -1,13 +1,14 @@
 """``swarm-stage --plan plan.json``: run one pipeline stage from an explicit plan.
 
-Writes JSON lines to stdout (``placement``, ``links``, ``step``, ``checkpoint``, ``done``, or
-``error``: the events of :mod:`silentswarm.types.stage`) and exits non-zero with a one-line message
-on stderr when it fails. No leader is needed: two or three of these processes train a model
-together.
+Writes JSON lines to stdout (``placement``, ``links``, ``joining``, ``step``, ``checkpoint``,
+``done``, or ``error``: the events of :mod:`silentswarm.types.stage`) and exits non-zero with a
+one-line message on stderr when it fails. No leader is needed: two or three of these processes
+train a model together.
 
 With ``--control-stdin`` the stage takes JSON-line commands on stdin (see
 :mod:`silentswarm.agent.runtime.control`) and exits 70 at once when stdin reaches EOF: the
-supervising agent is gone. Without it stdin is never read, so it may be anything, even at EOF.
+supervising agent is gone. Without it stdin is never read, so it may be anything, even at EOF;
+a joining stage (``StagePlan.joining``) needs it: its ring command comes there.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Annotated, NoReturn
 
 import cyclopts
 
-from silentswarm.agent.errors import DataError, FrameError, LinkError
+from silentswarm.agent.errors import DataError, FrameError, LinkError, RingChangeError
 from silentswarm.agent.runtime.control import ControlChannel
 from silentswarm.agent.runtime.tfsetup import configure_tensorflow, require_tensorflow
 from silentswarm.entry import configure_logging, fail
@@ -71,7 +72,7 @@ def run(
     try:
         runner = StageRunner(stage_plan, emit, control)
         runner.run()
-    except (LinkError, FrameError, DataError) as exc:
+    except (LinkError, FrameError, DataError, RingChangeError) as exc:
         stage_failed(stage_plan.stage, str(exc), control, exc.code)
     except Exception as exc:  # a bug or a TensorFlow failure: say so, keep the trace in the log
         log.exception("stage %d failed", stage_plan.stage)

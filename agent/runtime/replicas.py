@@ -1,7 +1,8 @@
 """Replicas: the ring that keeps a stage's replicas in sync (a job's ``replicas`` > 1).
 
 The replicas of one stage form a ring over the data plane: replica ``r`` connects to
-``(r + 1) % k`` and accepts from ``(r - 1) % k``, over ZeroMQ or the NATS relay like a
+``(r + 1) % k`` and accepts from ``(r - 1) % k`` (the plan's ring; see elastic membership
+below for the others), over ZeroMQ or the NATS relay like a
 pipeline boundary (the same link factory, handshake and fingerprint). A *round* is an
 all-gather of every member's contribution around the ring: each member sends its own to its
 successor and forwards what comes from its predecessor unless the successor sent it (k - 1
@@ -21,7 +22,7 @@ What a member does with a received frame:
 - an older round: dropped (a late member's contribution the others already left out);
 - a later round: kept for that round, and the current one ends: the predecessor has moved
   on, so nothing more of this round can come through it;
-- a phase other than ``sync``, an origin out of range or already seen, or another shape:
+- a phase other than ``sync``, an origin that is no member or already seen, or another shape:
   :class:`~silentswarm.agent.errors.FrameError` (fatal, as on a boundary: the links carry
   only the placed peers' frames, so a malformed one is a bug or an attack).
 
@@ -29,15 +30,31 @@ A member whose contribution has not arrived within ``sync_timeout_s`` is left ou
 round and counted (``sync_missed``); the round averages over those present. In a ring of
 three or more a stalled member also stops what it would have forwarded, so the members
 may then hold different sets for that round: the cost of a ring's low traffic, which a
-later round does not repair (elastic membership, re-syncing a straggler's weights from a
-peer, is not built yet).
+later round does not repair; the next ring change does (see below).
+
+**Elastic membership.** The ring has a membership: epoch 0 is the plan's (every replica
+``0..n_replicas - 1``); a :class:`~silentswarm.plan.RingChange` (the leader's ``ring``
+command) makes another, ``members`` in ring order (each sends to the next member, the last to
+the first). Rounds expect the current members only. :meth:`ReplicaSync.switch` closes the old
+links (no DONE: the old ring is gone) and opens the new ones from the change's peers, CURVE
+keys and relay tokens, as :meth:`ReplicaSync.open` does from the plan; a ring of one member has
+no links, and its rounds return its own contribution. :meth:`ReplicaSync.hand_over` then moves
+the donor's state once around the new ring, lossless (codec ``none``), as one frame of phase
+``state`` (``step`` the epoch, ``micro`` the donor): each member forwards it unless its
+successor is the donor. A state is any list of arrays, each laid out by :func:`pack_state`
+(its bytes as float32 words, so integers such as the optimizer's step count travel
+exactly); :func:`state_digest` is what every member reports, and :func:`relative_distance`
+what a member checks the donor's weights with (above :data:`MAX_DONOR_DISTANCE`: refused).
 
 The math is pure numpy (:func:`pack`, :func:`unpack`, :func:`clip_contributions`,
-:func:`average`, :func:`nesterov_step`); no TensorFlow here.
+:func:`average`, :func:`nesterov_step`, :func:`next_member`, :func:`prev_member`,
+:func:`pack_state`, :func:`unpack_state`, :func:`state_digest`, :func:`relative_distance`);
+no TensorFlow here.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import statistics
@@ -62,7 +79,7 @@ from silentswarm.agent.pipe.link import (
 from silentswarm.agent.pipe.wire import Direction, decode_frame, encode_frame
 from silentswarm.compression import parse_wire_codec
 from silentswarm.plan import CurveKeys as PlanCurveKeys
-from silentswarm.plan import StagePlan
+from silentswarm.plan import Peer, RingChange, StagePlan
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +88,20 @@ PHASE = "sync"
 # How long a member waits at least for its ring peers' first HELLO: as for a boundary, a
 # peer's stage 0 may still be preparing its data (see stage.FIRST_HELLO_S).
 FIRST_HELLO_S = 900.0
+
+# A member that had state of its own refuses a donor whose weights are farther than this from
+# its own (relative L2 distance): the replicas are in sync right after an allreduce step (and
+# right after DiLoCo's outer step), so a far-off state is a broken or hostile donor.
+MAX_DONOR_DISTANCE = 0.05
+# How long a joining stage waits for the ring command that lists it as joining, and then for
+# the running members to reach its step (its new ring's links and the donor's state); the
+# running members wait peer_timeout_s for theirs.
+JOIN_TIMEOUT_S = 600.0
+# How long re-binding the sync address may keep failing with "address in use" after the old
+# ring's socket was closed (ZeroMQ closes a listener in its I/O thread, a moment later).
+BIND_RETRY_S = 10.0
+STATE_PHASE = "state"
+NO_CODEC = parse_wire_codec("none")  # the state travels lossless, whatever sync_compression
 
 RelayOpener = Callable[[], RelayLink]
 
@@ -160,6 +191,83 @@ def nesterov_step(
     return anchor - np.float32(lr) * (delta + np.float32(mu) * momentum), momentum
 
 
+def next_member(members: Sequence[int], replica: int) -> int:
+    """The member ``replica`` sends to in the ring ``members`` (sorted): the next one, the
+    last member's the first (itself in a ring of one)."""
+    i = list(members).index(replica)
+    return members[(i + 1) % len(members)]
+
+
+def prev_member(members: Sequence[int], replica: int) -> int:
+    """The member ``replica`` hears from in the ring ``members``: the one before it."""
+    i = list(members).index(replica)
+    return members[(i - 1) % len(members)]
+
+
+def _words(array: np.ndarray) -> np.ndarray:
+    """``array``'s bytes as float32 words (the last padded with zero bytes): a float32 array
+    as it is, any other dtype bit for bit."""
+    a = np.ascontiguousarray(array)
+    if a.dtype == np.float32:
+        return a.reshape(-1)
+    raw = a.tobytes()
+    raw += b"\0" * (-len(raw) % 4)
+    return np.frombuffer(raw, dtype=np.float32)
+
+
+def _n_words(shape: Sequence[int], dtype: np.dtype) -> int:
+    return -(-math.prod(shape) * np.dtype(dtype).itemsize // 4)
+
+
+StateSpec = tuple[tuple[int, ...], np.dtype]  # one array of a state: its shape and dtype
+
+
+def state_rows(specs: Sequence[StateSpec]) -> int:
+    """Rows of :data:`ROW` values :func:`pack_state` lays a state of ``specs`` out in."""
+    return layout_rows([(_n_words(shape, dtype),) for shape, dtype in specs])
+
+
+def pack_state(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """A state (any dtypes) as :func:`pack` lays out float32 arrays: each array's bytes as
+    float32 words, padded to whole rows. Lossless: :func:`unpack_state` gives the same bits."""
+    return pack([_words(a) for a in arrays])
+
+
+def unpack_state(matrix: np.ndarray, specs: Sequence[StateSpec]) -> list[np.ndarray]:
+    """The inverse of :func:`pack_state`: arrays of ``specs`` (shape, dtype), bit for bit."""
+    words = unpack(matrix, [(_n_words(shape, dtype),) for shape, dtype in specs])
+    out = []
+    for w, (shape, dtype) in zip(words, specs, strict=True):
+        dtype = np.dtype(dtype)
+        if dtype == np.float32:
+            out.append(w.reshape(shape))
+            continue
+        n = math.prod(shape)
+        out.append(np.frombuffer(w.tobytes(), dtype=dtype, count=n).reshape(shape).copy())
+    return out
+
+
+def state_digest(matrix: np.ndarray) -> str:
+    """The sha256 (hex) of a packed state's bytes: what every member of a new ring reports."""
+    return hashlib.sha256(np.ascontiguousarray(matrix, dtype=np.float32).tobytes()).hexdigest()
+
+
+def relative_distance(theirs: Sequence[np.ndarray], ours: Sequence[np.ndarray]) -> float:
+    """``|theirs - ours| / |ours|`` over all the arrays together (L2, float64); the absolute
+    distance when ``ours`` is all zeros; inf for another layout or a non-finite value."""
+    if len(theirs) != len(ours) or any(
+        np.shape(a) != np.shape(b) for a, b in zip(theirs, ours, strict=True)
+    ):
+        return math.inf
+    diff = own = 0.0
+    for a, b in zip(theirs, ours, strict=True):
+        a64, b64 = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+        diff += float(np.sum(np.square(a64 - b64)))
+        own += float(np.sum(np.square(b64)))
+    distance = math.sqrt(diff) / (math.sqrt(own) if own > 0 else 1.0)
+    return distance if math.isfinite(distance) else math.inf
+
+
 # --- the ring ---------------------------------------------------------------------------------
 
 
@@ -213,15 +321,25 @@ def _curve(keys: PlanCurveKeys | None) -> CurveKeys | None:
 
 class ReplicaSync:
     """One member of a stage's replicas' ring: :meth:`open`, then :meth:`all_reduce` once per
-    round (the same rounds in the same order on every member), :meth:`finish`, :meth:`close`."""
+    round (the same rounds in the same order on every member), :meth:`finish`, :meth:`close`.
+
+    Elastic membership: :meth:`switch` to a :class:`~silentswarm.plan.RingChange` (every
+    member before the same step), then :meth:`hand_over` the donor's state. A joining
+    stage's member (``plan.joining``) is in no ring until its first switch."""
 
     def __init__(self, plan: StagePlan, fingerprint: bytes) -> None:
-        if not plan.replicated or plan.sync_prev is None or plan.sync_next is None:
+        if not plan.replicated:
+            raise ValueError("ReplicaSync needs a replicated plan")
+        if not plan.joining and (plan.sync_prev is None or plan.sync_next is None):
             raise ValueError("ReplicaSync needs a replicated plan with its ring peers")
         self.plan = plan
         self.fingerprint = fingerprint
-        self.k = plan.n_replicas
+        self.k = plan.n_replicas  # the replica slots (each keeps its own rows of the batch)
         self.replica = plan.replica
+        # The ring in force, sorted: the plan's (epoch 0: every replica), none yet for a
+        # joining stage; a RingChange makes another.
+        self.members: list[int] = [] if plan.joining else list(range(self.k))
+        self.epoch = 0
         self.codec = parse_wire_codec(plan.train.sync_compression)
         self.up: Link | None = None  # from the predecessor
         self.down: Link | None = None  # to the successor
@@ -231,42 +349,85 @@ class ReplicaSync:
         self.stale = 0  # frames of a round already over
         self.seconds = 0.0  # in rounds since the last take_seconds()
         self._early: dict[int, list[Parts]] = {}  # frames of rounds still to come
+        # What the links of earlier rings moved and dropped (the counters stay cumulative).
+        self._sent_before = 0
+        self._received_before = 0
+        self._relay_dropped_before: dict[str, int] = {}
 
     # --- links ------------------------------------------------------------------------------
 
     def open(self) -> None:
-        """Open both ring links: accepting from the predecessor (in a thread) while
-        connecting to the successor, else a ring of two would wait on itself."""
+        """Open both ring links of the plan's ring: accepting from the predecessor (in a
+        thread) while connecting to the successor, else a ring of two would wait on itself."""
         plan = self.plan
         assert plan.sync_prev is not None and plan.sync_next is not None
+        self._open(
+            prev=(self.replica - 1) % self.k,
+            sync_prev=plan.sync_prev,
+            sync_next=plan.sync_next,
+            curve_up=plan.curve_sync_up,
+            curve_down=plan.curve_sync_down,
+            token_up=plan.relay_sync_up_token,
+            token_down=plan.relay_sync_down_token,
+            timeout_s=max(plan.peer_timeout_s, FIRST_HELLO_S),
+            label="",
+        )
+
+    def _open(
+        self,
+        *,
+        prev: int,
+        sync_prev: Peer,
+        sync_next: Peer,
+        curve_up: PlanCurveKeys | None,
+        curve_down: PlanCurveKeys | None,
+        token_up: str | None,
+        token_down: str | None,
+        timeout_s: float,
+        label: str,
+    ) -> None:
+        """Open the links to ``sync_next`` and from ``sync_prev`` (replica ``prev``). The
+        relay subject of the link from member ``a`` to its successor is ``sync_link(stage,
+        a)``, whatever the ring."""
+        plan = self.plan
         transport = TransportKind(plan.transport.value)
-        timeout_s = max(plan.peer_timeout_s, FIRST_HELLO_S)
-        prev = (self.replica - 1) % self.k
-        up_name = f"sync {plan.stage} ({plan.sync_prev.fellow_id} -> {plan.fellow_id})"
-        down_name = f"sync {plan.stage} ({plan.fellow_id} -> {plan.sync_next.fellow_id})"
+        up_name = f"sync {plan.stage}{label} ({sync_prev.fellow_id} -> {plan.fellow_id})"
+        down_name = f"sync {plan.stage}{label} ({plan.fellow_id} -> {sync_next.fellow_id})"
         accepted: dict[str, Link | BaseException] = {}
+        deadline = time.monotonic() + timeout_s
+        bind_deadline = time.monotonic() + min(BIND_RETRY_S, timeout_s)
 
         def accept() -> None:
-            try:
-                accepted["link"] = accept_upstream(
-                    name=up_name,
-                    transport=transport,
-                    bind=plan.sync_address,
-                    relay=relay_opener(
-                        plan,
-                        subjects.sync_link(plan.stage, prev),
-                        up_name,
-                        "bwd",
-                        "fwd",
-                        plan.relay_sync_up_token,
-                    ),
-                    timeout_s=timeout_s,
-                    p2p_grace_s=plan.p2p_probe_timeout_s,
-                    fingerprint=self.fingerprint,
-                    curve=_curve(plan.curve_sync_up),
-                )
-            except BaseException as exc:  # handed to the opening thread
-                accepted["link"] = exc
+            while True:
+                try:
+                    accepted["link"] = accept_upstream(
+                        name=up_name,
+                        transport=transport,
+                        bind=plan.sync_address,
+                        relay=relay_opener(
+                            plan,
+                            subjects.sync_link(plan.stage, prev),
+                            up_name,
+                            "bwd",
+                            "fwd",
+                            token_up,
+                        ),
+                        timeout_s=max(0.001, deadline - time.monotonic()),
+                        p2p_grace_s=plan.p2p_probe_timeout_s,
+                        fingerprint=self.fingerprint,
+                        curve=_curve(curve_up),
+                    )
+                    return
+                except LinkError as exc:
+                    # The old ring's socket on the same address may not be gone yet.
+                    if _bind_failed(exc) and time.monotonic() < bind_deadline:
+                        time.sleep(0.05)
+                        continue
+                    accepted["link"] = exc
+                    return
+                except BaseException as exc:  # handed to the opening thread
+                    accepted["link"] = exc
+                    return
 
         thread = threading.Thread(target=accept, name=f"accept {up_name}", daemon=True)
         thread.start()
@@ -275,18 +436,18 @@ class ReplicaSync:
         self.down = connect_downstream(
             name=down_name,
             transport=transport,
-            address=plan.sync_next.data_address,
+            address=sync_next.data_address,
             relay=relay_opener(
                 plan,
                 subjects.sync_link(plan.stage, self.replica),
                 down_name,
                 "fwd",
                 "bwd",
-                plan.relay_sync_down_token,
+                token_down,
             ),
             timeout_s=timeout_s,
             fingerprint=self.fingerprint,
-            curve=_curve(plan.curve_sync_down),
+            curve=_curve(curve_down),
         )
         thread.join()
         got = accepted["link"]
@@ -294,19 +455,120 @@ class ReplicaSync:
             raise got
         self.up = got
 
+    def switch(self, change: RingChange, timeout_s: float) -> None:
+        """Leave the ring in force for ``change``'s: close the old links (no DONE: the old
+        ring is over), drop what was kept for later rounds, and open the new ring's links
+        (none for a ring of one) within ``timeout_s``. Every member of the new ring calls it
+        before the same step; :meth:`hand_over` comes next."""
+        problems = change.problems(self.replica)
+        if problems:
+            raise ValueError(f"ring change epoch {change.epoch}: {'; '.join(problems)}")
+        self._retire_links()
+        self._early.clear()
+        self.members = list(change.members)
+        self.epoch = change.epoch
+        if len(self.members) == 1:
+            return
+        assert change.sync_prev is not None and change.sync_next is not None
+        self._open(
+            prev=prev_member(self.members, self.replica),
+            sync_prev=change.sync_prev,
+            sync_next=change.sync_next,
+            curve_up=change.curve_sync_up,
+            curve_down=change.curve_sync_down,
+            token_up=change.relay_sync_up_token,
+            token_down=change.relay_sync_down_token,
+            timeout_s=timeout_s,
+            label=f" epoch {change.epoch}",
+        )
+
+    def hand_over(
+        self, change: RingChange, own: np.ndarray | None, shape: tuple[int, ...], timeout_s: float
+    ) -> np.ndarray:
+        """The donor's state (a :func:`pack_state` matrix of ``shape``) once around the new
+        ring: the donor sends ``own``; every other member receives it from its predecessor,
+        forwards it unless its successor is the donor, and returns it. Lossless (codec
+        ``none``). A frame that is not the donor's state of this epoch is a FrameError; none
+        within ``timeout_s`` a PeerTimeoutError."""
+        alone = len(self.members) == 1
+        if self.replica == change.donor:
+            if own is None:
+                raise ValueError("the donor hands over its own state")
+            matrix = np.ascontiguousarray(own, dtype=np.float32)
+            if not alone:
+                assert self.down is not None
+                _, parts = encode_frame(
+                    matrix,
+                    NO_CODEC,
+                    job=self.plan.job_id,
+                    attempt=self.plan.attempt,
+                    step=change.epoch,
+                    micro=change.donor,
+                    direction=Direction.FWD,
+                    phase=STATE_PHASE,
+                )
+                self.down.send(parts, timeout_s=timeout_s)
+            return matrix
+        assert self.up is not None and self.down is not None
+        name = self.up.name
+        deadline = time.monotonic() + timeout_s
+        while True:
+            parts = self.up.recv(max(0.001, deadline - time.monotonic()))
+            try:
+                frame = decode_frame(parts)
+            except FrameError as exc:
+                raise FrameError(f"{name}: {exc}") from None
+            header = frame.header
+            if header.job != self.plan.job_id or header.attempt != self.plan.attempt:
+                self.dropped += 1
+                log.warning(
+                    "%s: dropped a frame of %s attempt %d", name, header.job, header.attempt
+                )
+                continue
+            got = (header.phase, header.step, header.micro)
+            want = (STATE_PHASE, change.epoch, change.donor)
+            if got != want:
+                raise FrameError(f"{name}: expected the donor's state {want}, got {got}")
+            if frame.array.shape != tuple(shape):
+                raise FrameError(
+                    f"{name}: the donor's state has shape {list(frame.array.shape)}, "
+                    f"this stage's is {list(shape)}"
+                )
+            break
+        matrix = np.array(frame.array, dtype=np.float32)
+        if next_member(self.members, self.replica) != change.donor:
+            self.down.send(parts, timeout_s=timeout_s)
+        return matrix
+
+    def _retire_links(self) -> None:
+        """Close the links in force, keeping what they moved and dropped in the counters."""
+        for link in self.links():
+            self._sent_before += link.bytes_sent
+            self._received_before += link.bytes_received
+            if isinstance(link, RelayLink):
+                for reason, n in link.dropped_by_reason.items():
+                    self._relay_dropped_before[reason] = (
+                        self._relay_dropped_before.get(reason, 0) + n
+                    )
+            try:
+                link.close()
+            except Exception as exc:  # the old ring is gone either way
+                log.warning("%s: closing: %s", link.name, exc)
+        self.up = self.down = None
+
     def links(self) -> list[Link]:
         return [link for link in (self.up, self.down) if link is not None]
 
     @property
     def bytes_sent(self) -> int:
-        return sum(link.bytes_sent for link in self.links())
+        return self._sent_before + sum(link.bytes_sent for link in self.links())
 
     @property
     def bytes_received(self) -> int:
-        return sum(link.bytes_received for link in self.links())
+        return self._received_before + sum(link.bytes_received for link in self.links())
 
     def relay_dropped(self) -> dict[str, int]:
-        out: dict[str, int] = {}
+        out: dict[str, int] = dict(self._relay_dropped_before)
         for link in self.links():
             if isinstance(link, RelayLink):
                 for reason, n in link.dropped_by_reason.items():
@@ -322,7 +584,8 @@ class ReplicaSync:
         """End in order: tell the predecessor everything it sent has arrived, then wait for
         the successor to say so (the last round's frames delivered before anyone closes).
         A successor that does not confirm (a replica that stalled or died) is logged, not
-        fatal: the run is over, and this member's results are its own."""
+        fatal: the run is over, and this member's results are its own. A ring of one has
+        no one to tell."""
         timeout_s = self.plan.peer_timeout_s + self.plan.train.sync_timeout_s
         if self.up is not None:
             try:
@@ -335,7 +598,9 @@ class ReplicaSync:
         return True
 
     def close(self) -> None:
-        for link in self.links():
+        """Close the links in force (once: a relay link cannot be closed twice)."""
+        links, self.up, self.down = self.links(), None, None
+        for link in links:
             link.close()
 
     # --- rounds -----------------------------------------------------------------------------
@@ -348,10 +613,12 @@ class ReplicaSync:
 
     def round(self, round_id: int, matrix: np.ndarray) -> RoundResult:
         """One round: gather every member's ``matrix`` (rows x :data:`ROW`), clip, average."""
+        if self.replica not in self.members:
+            raise ValueError(f"replica {self.replica} is in no ring yet")
         started = time.perf_counter()
         got = self._gather(round_id, np.ascontiguousarray(matrix, dtype=np.float32))
         clip = clip_contributions(got, self.plan.train.sync_clip_ratio)
-        missed = self.k - len(got)
+        missed = len(self.members) - len(got)
         self.clipped += clip.clipped
         self.missed += missed
         if clip.clipped or missed:
@@ -401,11 +668,14 @@ class ReplicaSync:
         own = self._encode(round_id, matrix)
         # What the others will decode, so a lossy codec changes no member's view.
         got = {self.replica: np.array(decode_frame(own).array, dtype=np.float32)}
+        n = len(self.members)
+        if n == 1:  # a ring of one: nothing to send, nobody to wait for
+            return got
         self._send(own)
-        successor = (self.replica + 1) % self.k
+        successor = next_member(self.members, self.replica)
         pending = self._early.pop(round_id, [])
         deadline = time.monotonic() + self.plan.train.sync_timeout_s
-        while len(got) < self.k:
+        while len(got) < n:
             parts = pending.pop(0) if pending else self._recv(deadline)
             if parts is None:
                 break
@@ -459,10 +729,10 @@ class ReplicaSync:
             self._early.setdefault(header.step, []).append(parts)
             return -1
         origin = header.micro
-        if not 0 <= origin < self.k or origin in got:
+        if origin not in self.members or origin in got:
             raise FrameError(
                 f"{name}: round {round_id} contribution of replica {origin} "
-                f"(replicas 0..{self.k - 1}; seen {sorted(got)})"
+                f"(members {self.members}; seen {sorted(got)})"
             )
         if frame.array.shape != shape:
             raise FrameError(
@@ -473,7 +743,16 @@ class ReplicaSync:
         return origin
 
 
+def _bind_failed(exc: LinkError) -> bool:
+    """Whether ``exc`` is a ZeroMQ bind that failed (agent/pipe/zmq.py's message), which a
+    moment later may succeed: the address of a socket just closed."""
+    return type(exc) is LinkError and "cannot bind" in str(exc)
+
+
 __all__ = [
+    "BIND_RETRY_S",
+    "JOIN_TIMEOUT_S",
+    "MAX_DONOR_DISTANCE",
     "ROW",
     "Clipped",
     "ReplicaSync",
@@ -482,7 +761,14 @@ __all__ = [
     "clip_contributions",
     "layout_rows",
     "nesterov_step",
+    "next_member",
     "pack",
+    "pack_state",
+    "prev_member",
+    "relative_distance",
     "relay_opener",
+    "state_digest",
+    "state_rows",
     "unpack",
+    "unpack_state",
 ]

@@ -14,6 +14,15 @@ A replicated stage (a job's ``replicas``) also keeps its weights in sync with th
 of the other replicas over a ring (:mod:`~silentswarm.agent.runtime.replicas`): the gradients
 averaged every step before the update (``allreduce``), or DiLoCo's outer step every
 ``sync_every`` steps (``diloco``); its stage 0 keeps its own rows of the global batch.
+
+Elastic membership: before each step a replicated stage takes the ring commands its control
+channel has queued (:meth:`StageRunner.take_ring_changes`). A change is applied right before
+its ``at_step`` (:meth:`StageRunner.switch_ring`): the new ring's links, then the donor's
+state (weights, optimizer, DiLoCo's outer state, stage 0's data position) once around it,
+checked against this member's own weights unless it joins, adopted, and its digest reported
+on the next step event. A change whose step has passed is a :class:`RingChangeError`. A
+joining stage (``plan.joining``) opens its pipeline boundaries only, says ``joining``, waits
+for its change and trains from its ``at_step``.
 """
 
 from __future__ import annotations
@@ -31,7 +40,12 @@ import numpy as np
 import tensorflow as tf
 
 from silentswarm import subjects
-from silentswarm.agent.errors import CheckpointError, FrameError, PeerTimeoutError
+from silentswarm.agent.errors import (
+    CheckpointError,
+    FrameError,
+    PeerTimeoutError,
+    RingChangeError,
+)
 from silentswarm.agent.pipe.base import Parts
 from silentswarm.agent.pipe.link import CurveKeys, Link, RelayLink, TransportKind, accept_upstream
 from silentswarm.agent.pipe.link import connect_downstream as open_downstream
@@ -50,6 +64,7 @@ from silentswarm.agent.runtime import calibrate, tuning
 from silentswarm.agent.runtime.checkpoint import (
     checkpoint_tokenizer,
     load_checkpoint,
+    named_variables,
     pending_update,
     restore_into,
     save_stage,
@@ -64,7 +79,20 @@ from silentswarm.agent.runtime.data import (
     job_val_batches,
 )
 from silentswarm.agent.runtime.presets import init_from_preset, preset_dir
-from silentswarm.agent.runtime.replicas import ReplicaSync, nesterov_step, relay_opener
+from silentswarm.agent.runtime.replicas import (
+    JOIN_TIMEOUT_S,
+    MAX_DONOR_DISTANCE,
+    ROW,
+    ReplicaSync,
+    StateSpec,
+    nesterov_step,
+    pack_state,
+    relative_distance,
+    relay_opener,
+    state_digest,
+    state_rows,
+    unpack_state,
+)
 from silentswarm.agent.runtime.schedule import (
     DelayedUpdates,
     Op,
@@ -76,12 +104,13 @@ from silentswarm.agent.runtime.stage_model import StageModel
 from silentswarm.agent.runtime.warmstart import ExportStart
 from silentswarm.compression import parse_wire_codec
 from silentswarm.plan import CurveKeys as PlanCurveKeys
-from silentswarm.plan import StagePlan
+from silentswarm.plan import RingChange, StagePlan
 from silentswarm.types.links import LinkStats, Tuning
 from silentswarm.types.stage import (
     CheckpointEvent,
     CheckpointRequest,
     DoneEvent,
+    JoiningEvent,
     LinksEvent,
     PlacementEvent,
     StageEvent,
@@ -275,6 +304,15 @@ class StageRunner:
         self._busy: dict[int, list[float]] = {}
         self._skip_sample = True  # the next step compiles (the first, or a new micro-batch size)
         self._next_calibration: int | None = self.start_step if plan.n_stages > 1 else None
+        # Elastic membership: the ring epoch in force (0: the plan's), the changes taken that
+        # wait for their step, and what the next step event reports of the latest switch
+        # (the members and the state's digest). A change may hand this stage the duty to
+        # checkpoint for the leader: the plan's settings until then.
+        self.sync_epoch = 0
+        self._ring_changes: list[RingChange] = []
+        self._switched: tuple[list[int], str] | None = None
+        self.checkpoint_every = plan.checkpoint_every
+        self.checkpoint_at_end = plan.checkpoint_at_end
 
     @property
     def m(self) -> int:
@@ -368,7 +406,8 @@ class StageRunner:
             )
         if plan.replicated:  # after the pipeline's links: those never wait on another replica
             self.replicas = ReplicaSync(plan, fingerprint)
-            self.replicas.open()
+            if not plan.joining:  # a joining stage's ring comes with its ring command
+                self.replicas.open()
         self.emit_links()
 
     def _boundaries(self) -> list[Boundary]:
@@ -693,16 +732,18 @@ class StageRunner:
                     wait_s=round(wait_s, 5),
                     val_loss=val_loss,
                     sync_s=round(sync_s, 5),
+                    **self._ring_fields(),
                     **traffic,
                 )
             )
             self.serve_checkpoints(step + 1)
-            every = plan.checkpoint_every
+            every = self.checkpoint_every
             if every and (step + 1) % every == 0 and step + 1 < plan.train.steps:
                 self.checkpoint(CheckpointRequest(id=f"every-{step + 1}"), step + 1)
 
-        step = self.start_step
+        step = self.join() if plan.joining else self.start_step
         while step < plan.train.steps:
+            self.take_ring_changes(step)
             if step == self._next_calibration:
                 self.calibrate(step)
             if plan.train.overlap:
@@ -719,7 +760,7 @@ class StageRunner:
         if self.replicas is not None:
             self.replicas.finish()
         self.close_control()
-        if plan.checkpoint_at_end:
+        if self.checkpoint_at_end:
             self.checkpoint(CheckpointRequest(id="end"), plan.train.steps)
         # The first steps pay for tracing: report the steady state.
         steady = step_times[len(step_times) // 5 :] or step_times
@@ -739,6 +780,196 @@ class StageRunner:
         )
         self.emit(summary)
         return summary
+
+    # --- elastic membership ---------------------------------------------------------------
+
+    def join(self) -> int:
+        """A joining stage, its boundaries open: say so, wait for the ring command that lists
+        this replica as joining, switch to that ring (taking the donor's state) and return its
+        step, the first this stage trains. RingChangeError when none comes in
+        :data:`JOIN_TIMEOUT_S`."""
+        plan = self.plan
+        where = f"stage {plan.stage} of replica {plan.replica}"
+        if self.control is None or self.replicas is None:
+            raise RingChangeError(
+                f"{where} joins a running job: it needs its control channel (--control-stdin) "
+                "and a replicated plan"
+            )
+        self.emit(JoiningEvent(stage=plan.stage))
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while True:
+            remaining = deadline - time.monotonic()
+            change = self.control.wait_joining(plan.replica, self.sync_epoch, max(0.0, remaining))
+            if change is None:
+                raise RingChangeError(
+                    f"{where} joins, but no ring command listed it as joining within "
+                    f"{JOIN_TIMEOUT_S:.0f}s"
+                )
+            if change.at_step < plan.train.steps:
+                break
+            log.warning(
+                "ignoring ring epoch %d: at step %d, the run has %d steps",
+                change.epoch,
+                change.at_step,
+                plan.train.steps,
+            )
+        self.start_step = change.at_step
+        if self._next_calibration is not None:
+            self._next_calibration = change.at_step
+        log.info("%s joins ring epoch %d at step %d", where, change.epoch, change.at_step)
+        self.switch_ring(change)
+        return change.at_step
+
+    def take_ring_changes(self, step: int) -> None:
+        """Before training ``step``: take the ring changes the control channel has queued and
+        switch to the one due now. Only the newest epoch waits: an older one not applied yet
+        is overtaken (the leader gave its ring up). A change due at a step
+        already trained is a RingChangeError; one at or after the run's end is ignored."""
+        if self.control is None:
+            return
+        plan = self.plan
+        for change in self.control.take_ring_changes(plan.replica, self.sync_epoch):
+            if self.replicas is None:
+                log.warning("ignoring ring epoch %d: this stage has no replicas", change.epoch)
+            elif change.at_step >= plan.train.steps:
+                log.warning(
+                    "ignoring ring epoch %d: at step %d, the run has %d steps",
+                    change.epoch,
+                    change.at_step,
+                    plan.train.steps,
+                )
+            elif change.at_step < step:
+                raise RingChangeError(
+                    f"stage {plan.stage} of replica {plan.replica}: ring epoch {change.epoch} "
+                    f"was due before step {change.at_step}, but the command came when this "
+                    f"stage had trained steps {change.at_step} to {step - 1} already "
+                    f"(next: step {step})"
+                )
+            else:
+                self._ring_changes.append(change)
+        # The leader's newest ring is the truth: an older one still waiting for its step
+        # would form a ring the leader has given up (one with a member lost since).
+        newest = max((c.epoch for c in self._ring_changes), default=0)
+        for old in [c for c in self._ring_changes if c.epoch < newest]:
+            log.warning("ring epoch %d is overtaken by epoch %d", old.epoch, newest)
+        self._ring_changes = [c for c in self._ring_changes if c.epoch == newest]
+        due = [c for c in self._ring_changes if c.at_step == step]
+        if not due:
+            return
+        self._ring_changes = []
+        self.switch_ring(due[0])
+
+    def _state_variables(self) -> list[tf.Variable]:
+        """What a donor hands over: the trainable weights first (what a member checks), then
+        every other variable a checkpoint holds (the optimizer's, its step count among them,
+        and DiLoCo's anchor and outer momentum), the overlap schedule's pending gradient
+        aside (replicas never run it)."""
+        model = self.model
+        out = list(model.variables)
+        seen = {id(v) for v in out} | {id(v) for v in model.pending}
+        for _, variable in named_variables(model):
+            if id(variable) not in seen:
+                seen.add(id(variable))
+                out.append(variable)
+        return out
+
+    def _state_specs(self, variables: Sequence[tf.Variable]) -> list[StateSpec]:
+        specs: list[StateSpec] = [
+            (tuple(int(d) for d in v.shape), np.dtype(_np_dtype(v))) for v in variables
+        ]
+        if self.data is not None:  # stage 0: where the data stands (epoch, index)
+            specs.append(((2,), np.dtype(np.int64)))
+        return specs
+
+    def switch_ring(self, change: RingChange) -> None:
+        """Switch to ``change``'s ring before its ``at_step``: open its links, hand the donor's
+        state around (this stage's own, if it is the donor), check it against this member's
+        weights unless it joins (farther than :data:`MAX_DONOR_DISTANCE`: RingChangeError),
+        adopt it, and keep its digest for the next step event."""
+        plan = self.plan
+        assert self.replicas is not None
+        joining = plan.replica in change.joining
+        timeout_s = max(plan.peer_timeout_s, JOIN_TIMEOUT_S) if joining else plan.peer_timeout_s
+        variables = self._state_variables()
+        specs = self._state_specs(variables)
+        own = None
+        if plan.replica == change.donor:
+            arrays = [np.asarray(v.numpy()) for v in variables]
+            if self.data is not None:
+                state = self.data.state()
+                arrays.append(np.array([state.epoch, state.index], dtype=np.int64))
+            own = pack_state(arrays)
+        started = time.perf_counter()
+        self.replicas.switch(change, timeout_s)
+        matrix = self.replicas.hand_over(change, own, (state_rows(specs), ROW), timeout_s)
+        if own is None:
+            self._adopt(change, matrix, variables, specs, joining=joining)
+        digest = state_digest(matrix)
+        self.sync_epoch = change.epoch
+        self._switched = (list(change.members), digest)
+        if change.checkpoint_every is not None:
+            self.checkpoint_every = change.checkpoint_every
+        if change.checkpoint_at_end is not None:
+            self.checkpoint_at_end = change.checkpoint_at_end
+        log.info(
+            "stage %d of replica %d: ring epoch %d, members %s, state of replica %d "
+            "(sha256 %s) in %.2fs",
+            plan.stage,
+            plan.replica,
+            change.epoch,
+            change.members,
+            change.donor,
+            digest,
+            time.perf_counter() - started,
+        )
+
+    def _adopt(
+        self,
+        change: RingChange,
+        matrix: np.ndarray,
+        variables: Sequence[tf.Variable],
+        specs: Sequence[StateSpec],
+        *,
+        joining: bool,
+    ) -> None:
+        """Take the donor's state; a member with state of its own checks the donor's weights
+        against it first."""
+        plan = self.plan
+        arrays = unpack_state(matrix, specs)
+        n_weights = len(self.model.variables)
+        if not joining:
+            distance = relative_distance(arrays[:n_weights], self.model.weights())
+            if distance > MAX_DONOR_DISTANCE:
+                raise RingChangeError(
+                    f"stage {plan.stage} of replica {plan.replica}: refused the state of donor "
+                    f"replica {change.donor} (ring epoch {change.epoch}): its weights are "
+                    f"{distance:.4g} away from this replica's (relative L2 distance; at most "
+                    f"{MAX_DONOR_DISTANCE} between replicas in sync)"
+                )
+        for variable, array in zip(variables, arrays, strict=False):
+            variable.assign(array)
+        if self.data is not None:
+            epoch, index = (int(x) for x in arrays[-1])
+            try:
+                self.data.restore(DataState(epoch=epoch, index=index))
+            except ValueError as exc:
+                raise RingChangeError(
+                    f"stage {plan.stage} of replica {plan.replica}: donor replica "
+                    f"{change.donor}'s data position: {exc}"
+                ) from None
+
+    def _ring_fields(self) -> dict[str, object]:
+        """A step event's ring fields: the epoch in force (with replicas), and on the first
+        step after a switch its members and the state's digest."""
+        if self.replicas is None:
+            return {}
+        out: dict[str, object] = {"sync_epoch": self.sync_epoch}
+        if self._switched is not None:
+            members, digest = self._switched
+            self._switched = None
+            out["sync_members"] = members
+            out["state_digest"] = digest
+        return out
 
     # --- calibration ----------------------------------------------------------------------
 
@@ -1001,6 +1232,12 @@ def _curve(keys: PlanCurveKeys | None) -> CurveKeys | None:
     if keys is None:
         return None
     return CurveKeys(public=keys.public, secret=keys.secret, peer_public=keys.peer_public)
+
+
+def _np_dtype(variable: tf.Variable) -> np.dtype:
+    """A variable's numpy dtype (Keras and TensorFlow variables alike)."""
+    dtype = variable.dtype
+    return np.dtype(getattr(dtype, "as_numpy_dtype", dtype))
 
 
 __all__ = [

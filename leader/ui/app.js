@@ -540,7 +540,7 @@ function fellowView(id) {
 function placementTable(placement) {
   if (!placement) return el("p", { class: "muted" }, "No placement.");
   // A job with replicas: a row per stage per replica, its replica first.
-  const replicated = placement.stages.some((s) => s.replica);
+  const replicated = (placement.replica_slots || 0) > 1 || placement.stages.some((s) => s.replica);
   const headers = ["stage", "fellow", "layers", "GPU slots", "memory est. / offered"];
   return el(
     "table",

@@ -67,6 +67,23 @@ class ShardReceipt(msgspec.Struct, kw_only=True):
     at: float
 
 
+class MembershipChange(msgspec.Struct, kw_only=True):
+    """Elastic membership: a replica of a running attempt was lost (``lost``: its stages were
+    stopped, the others went on without it), a replacement was placed for its slot
+    (``placed``), or joined the ring (``joined``); ``epoch`` and ``at_step``: the ring the
+    members switched to and the step they did (None when no switch was sent: the run was
+    about to end, or the replacement is still starting)."""
+
+    at: float
+    attempt: int
+    kind: str  # lost, placed, joined, refused
+    replica: int
+    fellows: list[str]
+    reason: str = ""
+    epoch: int | None = None
+    at_step: int | None = None
+
+
 class InitSource(msgspec.Struct, kw_only=True, frozen=True):
     """What a job's ``init_from: "job:ID"`` or ``"export:DIR"`` resolved to when it was
     submitted: the export directory, the step its manifest holds, the manifest's sha256
@@ -125,6 +142,13 @@ class JobRecord(msgspec.Struct, kw_only=True):
     # The account that submitted the job (swarm.types.accounts); records written before
     # accounts existed belong to the operator.
     owner: str = "operator"
+    # Elastic membership: the replicas' ring epoch in force (0: the placement's), the
+    # progress of the stages of replicas lost in this attempt (they left ``progress``), and
+    # the changes, newest last (the last MEMBERSHIP_LOG_LEN).
+    ring_epoch: int = 0
+    ring_donor: int | None = None  # the replica whose state the current ring took
+    dropped: list[StageProgress] = msgspec.field(default_factory=list)
+    membership: list[MembershipChange] = msgspec.field(default_factory=list)
 
     @property
     def terminal(self) -> bool:
@@ -143,7 +167,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
         Clients compute it too, rather than trust ``view``: a leader from before the view
         served none."""
         return job_view(
-            self.progress,
+            [p for p in self.progress if not p.joining],
             total_steps=self.spec.steps,
             final_loss=self.final_loss,
             final_val_loss=self.final_val_loss,

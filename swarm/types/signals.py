@@ -18,7 +18,7 @@ from typing import Annotated
 
 import msgspec
 
-from silentswarm.plan import StagePlan
+from silentswarm.plan import RingChange, StagePlan
 
 MAX_CREDS_CHARS = 16384  # a .creds file: a user JWT and its nkey seed, with room to spare
 MAX_SHARD_FILES = 64  # a stage's shard is two files (stage-<i>.npz, stage-<i>.json)
@@ -127,6 +127,13 @@ class CheckpointArgs(_Args, kw_only=True):
     at_step: Step | None = None
 
 
+class RingArgs(_Args, kw_only=True):
+    """RING: the ring of the stage's replicas changes (elastic membership): the stage
+    switches to ``change`` before it trains step ``change.at_step``."""
+
+    change: RingChange
+
+
 class PackageRef(_Args, kw_only=True):
     """What UPDATE names: the leader's package, where to get it, and its sha256."""
 
@@ -148,7 +155,7 @@ class PurgeArgs(_Args, kw_only=True):
     reason: Text = ""
 
 
-SignalArgs = StartArgs | StopArgs | CheckpointArgs | UpdateArgs | PurgeArgs
+SignalArgs = StartArgs | StopArgs | CheckpointArgs | UpdateArgs | PurgeArgs | RingArgs
 
 __all__ = [
     "MAX_CREDS_CHARS",
@@ -159,6 +166,7 @@ __all__ = [
     "PackageRef",
     "PurgeArgs",
     "ResumeArgs",
+    "RingArgs",
     "ShardFile",
     "SignalArgs",
     "StartArgs",

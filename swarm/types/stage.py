@@ -2,10 +2,11 @@
 
 - **Events**, runtime → agent on stdout, tagged by ``event``: ``placement``, ``links``,
   ``step`` (every training step), ``checkpoint`` (one was written, or could not be), ``done``
-  (the run's summary) and ``error`` (why it failed). :mod:`silentswarm.agent.runtime.stage` and
-  :mod:`silentswarm.agent.runtime.main` write them with :func:`encode_event`; the agent
-  (:mod:`silentswarm.agent.supervisor`) reads them with :func:`decode_event`.
-- **Commands**, agent → runtime on stdin, tagged by ``cmd``: ``checkpoint``.
+  (the run's summary), ``error`` (why it failed) and ``joining`` (a joining stage is ready).
+  :mod:`silentswarm.agent.runtime.stage` and :mod:`silentswarm.agent.runtime.main` write
+  them with :func:`encode_event`; the agent (:mod:`silentswarm.agent.supervisor`) reads them
+  with :func:`decode_event`.
+- **Commands**, agent → runtime on stdin, tagged by ``cmd``: ``checkpoint``, ``ring``.
   :mod:`silentswarm.agent.runtime.control` reads them.
 
 Lines leave out what they do not say (``omit_defaults``): ``val_loss`` on a step only when
@@ -25,6 +26,7 @@ from typing import Annotated
 
 import msgspec
 
+from silentswarm.plan import RingChange
 from silentswarm.types.links import LinkStats, Tuning
 
 StageIndex = Annotated[int, msgspec.Meta(ge=0, le=4096)]
@@ -101,6 +103,12 @@ class StepEvent(_Traffic, tag="step", kw_only=True):
     val_loss: float | None = None  # on the steps that were validated, on the last stage
     # Seconds of the step spent syncing with the stage's replicas (0 without a sync).
     sync_s: float = 0.0
+    # Elastic membership: the ring's epoch in force (0: the one the plan started with), and on
+    # the step a new ring formed before, its members and the sha256 (hex) of the state every
+    # member took from the donor (the leader records it and checks that they agree).
+    sync_epoch: Count = 0
+    sync_members: Annotated[list[StageIndex], msgspec.Meta(max_length=4096)] | None = None
+    state_digest: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")] | None = None
 
 
 class CheckpointEvent(_Event, tag="checkpoint", kw_only=True):
@@ -138,7 +146,20 @@ class ErrorEvent(_Event, tag="error", kw_only=True):
     code: CodeText = ""
 
 
-StageEvent = PlacementEvent | LinksEvent | StepEvent | CheckpointEvent | DoneEvent | ErrorEvent
+class JoiningEvent(_Event, tag="joining", kw_only=True):
+    """A joining stage (``StagePlan.joining``) has built its model and opened its pipeline
+    boundaries: it waits for its ``ring`` command."""
+
+
+StageEvent = (
+    PlacementEvent
+    | LinksEvent
+    | StepEvent
+    | CheckpointEvent
+    | DoneEvent
+    | ErrorEvent
+    | JoiningEvent
+)
 
 _EVENT_DECODER = msgspec.json.Decoder(StageEvent)
 
@@ -172,8 +193,14 @@ class CheckpointRequest(msgspec.Struct, frozen=True, tag_field="cmd", tag="check
         return self.at_step is None or self.at_step <= steps_done or steps_done >= total_steps
 
 
-Command = CheckpointRequest  # a tagged union once there is more than one command
-COMMANDS: dict[str, type[Command]] = {"checkpoint": CheckpointRequest}
+class RingCommand(msgspec.Struct, frozen=True, tag_field="cmd", tag="ring"):
+    """Elastic membership: the stage's replicas' ring changes (see ``RingChange``)."""
+
+    change: RingChange
+
+
+Command = CheckpointRequest | RingCommand
+COMMANDS: dict[str, type[Command]] = {"checkpoint": CheckpointRequest, "ring": RingCommand}
 
 
 def encode_command(command: Command) -> bytes:
@@ -188,8 +215,10 @@ __all__ = [
     "Command",
     "DoneEvent",
     "ErrorEvent",
+    "JoiningEvent",
     "LinksEvent",
     "PlacementEvent",
+    "RingCommand",
     "StageEvent",
     "StepEvent",
     "decode_event",

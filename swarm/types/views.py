@@ -256,3 +256,11 @@ class StageProgress(msgspec.Struct, kw_only=True):
     sync_bytes_received: int = 0
     sync_clipped: int = 0
     sync_missed: int = 0
+    # Elastic membership: where a stage of a replica joining the running job stands
+    # ("starting", "ready": waiting for its ring, "switching": its ring change is sent; None
+    # once it trains, and for every other stage: a joining stage counts in no figure of the
+    # job), the ring epoch it is in, and the sha256 of the state it took from the donor
+    # when that ring formed.
+    joining: str | None = None
+    sync_epoch: int = 0
+    state_digest: str | None = None

@@ -1,4 +1,5 @@
-"""The stage's control channel (parsing, queueing, EOF) and its checkpoints (write, read, restore).
+"""The stage's control channel (parsing, queueing, EOF, ring commands) and its checkpoints (write,
+read, restore).
 
 The checkpoint tests train a tiny single-stage model in this process on the CPU.
 """
@@ -18,8 +19,22 @@ import numpy as np
 import pytest
 
 from silentswarm.agent.runtime.control import CheckpointRequest, ControlChannel, parse_command
-from silentswarm.plan import ModelConfig, StagePlan, TrainConfig, single_process_plan
-from silentswarm.types.stage import CheckpointEvent, DoneEvent, PlacementEvent, StageEvent
+from silentswarm.plan import (
+    ModelConfig,
+    Peer,
+    RingChange,
+    StagePlan,
+    TrainConfig,
+    single_process_plan,
+)
+from silentswarm.types.stage import (
+    CheckpointEvent,
+    DoneEvent,
+    PlacementEvent,
+    RingCommand,
+    StageEvent,
+    encode_command,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ModelConfig(vocab_size=256, seq_len=16, n_layers=2, d_model=32, n_heads=2)
@@ -152,6 +167,90 @@ def test_the_reader_thread_reads_a_pipe_and_reports_its_end():
         os.close(read_end)
         if write_end >= 0:
             os.close(write_end)
+
+
+def _ring(epoch: int, members: list[int], **kw) -> RingChange:
+    many = len(members) > 1
+    peer = Peer(fellow_id="f", data_address="tcp://127.0.0.1:1") if many else None
+    fields = {"at_step": 5, "donor": members[0], "sync_prev": peer, "sync_next": peer, **kw}
+    return RingChange(epoch=epoch, members=members, **fields)
+
+
+def _ring_line(change: RingChange) -> bytes:
+    return encode_command(RingCommand(change=change))
+
+
+def test_ring_commands_are_queued_beside_checkpoints_and_taken_once():
+    channel, _ = _channel()
+    first, second = _ring(1, [0, 2]), _ring(2, [0, 1, 2], joining=[1], at_step=9)
+    for line in (_ring_line(first), _line("c", 3), _ring_line(second)):
+        channel.feed_line(line)
+    assert parse_command(_ring_line(first)) == RingCommand(change=first)
+    assert channel.take_ring_changes(0, 0) == [first, second]
+    assert channel.take_ring_changes(0, 2) == []
+    assert channel.due_checkpoints(3, 10) == [CheckpointRequest("c", 3)], "checkpoints unchanged"
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        (_ring(1, [1, 2]), "replica 0 is not in 'members'"),
+        (_ring(1, [0, 2], donor=2, joining=[2]), "'donor' 2 must be a member"),
+        (_ring(1, [2, 0]), "sorted"),
+        (RingChange(epoch=1, at_step=3, members=[0, 1], donor=0), "needs 'sync_prev'"),
+        (_ring(3, [0, 1]), "not above epoch 3"),  # the ring in force is epoch 3
+    ],
+)
+def test_a_ring_command_this_member_cannot_take_is_a_warning_only(change, why, caplog):
+    channel, eofs = _channel()
+    with caplog.at_level(logging.WARNING, logger="silentswarm.agent.runtime.control"):
+        channel.feed_line(_ring_line(change))
+        assert channel.take_ring_changes(0, 3 if change.epoch == 3 else 0) == []
+    assert why in caplog.text and "ignoring ring command" in caplog.text
+    assert eofs == []
+
+
+def test_a_duplicate_ring_command_is_dropped_even_before_its_ring_is_in_force(caplog):
+    channel, _ = _channel()
+    change = _ring(4, [0, 1])
+    channel.feed_line(_ring_line(change))
+    channel.feed_line(_ring_line(change))  # the agent's retry
+    with caplog.at_level(logging.WARNING, logger="silentswarm.agent.runtime.control"):
+        assert channel.take_ring_changes(0, 0) == [change]
+        channel.feed_line(_ring_line(_ring(3, [0, 1])))  # overtaken
+        assert channel.take_ring_changes(0, 0) == []
+    assert caplog.text.count("a duplicate or overtaken") == 2
+
+
+def test_a_joining_stage_waits_for_the_change_that_lists_it_as_joining():
+    channel, _ = _channel()
+    assert channel.wait_joining(1, 0, 0.05) is None, "nothing came: the timeout"
+    not_joining = _ring(1, [0, 1])
+    joining = _ring(2, [0, 1], joining=[1], at_step=7)
+    later = _ring(3, [0, 1], at_step=9)
+    channel.feed_line(_ring_line(not_joining))
+
+    def send() -> None:
+        channel.feed_line(_ring_line(joining))
+        channel.feed_line(_ring_line(later))
+
+    timer = threading.Timer(0.2, send)
+    timer.start()
+    try:
+        assert channel.wait_joining(1, 0, 10.0) == joining
+    finally:
+        timer.cancel()
+    assert channel.take_ring_changes(1, 2) == [later], "what came after it stays queued"
+
+
+def test_ring_commands_after_the_end_are_dropped(caplog):
+    channel, _ = _channel()
+    channel.feed_line(_ring_line(_ring(1, [0, 1])))
+    assert channel.close() == []
+    with caplog.at_level(logging.WARNING, logger="silentswarm.agent.runtime.control"):
+        channel.feed_line(_ring_line(_ring(2, [0, 1])))
+    assert "ignoring ring epoch 2" in caplog.text
+    assert channel.take_ring_changes(0, 0) == []
 
 
 def test_control_and_checkpoint_meta_need_no_tensorflow():

@@ -79,15 +79,23 @@ def test_an_attempt_user_reaches_exactly_its_stage_of_that_attempt(
             {"r.r1-0.bwd", "r.s1-1.fwd", "r.s1-0.bwd"},
             {"r.r1-0.fwd", "r.s1-1.bwd", "r.s1-0.fwd"},
         ),
-        # A ring of three: replica 0 sends to 1 and hears from 2.
-        (0, 1, 0, 3, {"r.s0-0.fwd", "r.s0-2.bwd"}, {"r.s0-0.bwd", "r.s0-2.fwd"}),
+        # A ring of three: replica 0 sends to 1 and hears from 2, or (elastic membership:
+        # a ring without 2) from 1; never another stage's ring.
+        (
+            0,
+            1,
+            0,
+            3,
+            {"r.s0-0.fwd", "r.s0-1.bwd", "r.s0-2.bwd"},
+            {"r.s0-0.bwd", "r.s0-1.fwd", "r.s0-2.fwd"},
+        ),
         (
             1,
             3,
             2,
             3,
-            {"r.r2-0.bwd", "r.r2-1.fwd", "r.s1-2.fwd", "r.s1-1.bwd"},
-            {"r.r2-0.fwd", "r.r2-1.bwd", "r.s1-2.bwd", "r.s1-1.fwd"},
+            {"r.r2-0.bwd", "r.r2-1.fwd", "r.s1-2.fwd", "r.s1-0.bwd", "r.s1-1.bwd"},
+            {"r.r2-0.fwd", "r.r2-1.bwd", "r.s1-2.bwd", "r.s1-0.fwd", "r.s1-1.fwd"},
         ),
         # No replicas: no ring subjects at all.
         (0, 1, 0, 1, set(), set()),

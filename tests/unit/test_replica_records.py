@@ -440,7 +440,14 @@ def test_only_replica_0_submits_shard_pushes(tmp_path):
     periodic.mkdir()
     pusher = ShardPusher(None, "swarm", "f10")  # type: ignore[arg-type]
     shard = Shard(
-        job_id="j", attempt=1, stage=0, replica=1, step=4, directory=periodic, periodic=True
+        job_id="j",
+        attempt=1,
+        stage=0,
+        replica=1,
+        lead=False,
+        step=4,
+        directory=periodic,
+        periodic=True,
     )
     assert pusher.submit(shard) is False
     assert not periodic.exists()  # written only to be pushed: not kept

@@ -1,4 +1,5 @@
-"""The replicas' sync (agent/runtime/replicas.py): its pure math, and rings of real links."""
+"""The replicas' sync (agent/runtime/replicas.py): its pure math, and rings of real links,
+elastic membership included (ring changes, the donor's state handed around)."""
 
 from __future__ import annotations
 
@@ -18,10 +19,26 @@ from silentswarm.agent.runtime.replicas import (
     clip_contributions,
     layout_rows,
     nesterov_step,
+    next_member,
     pack,
+    pack_state,
+    prev_member,
+    relative_distance,
+    state_digest,
+    state_rows,
     unpack,
+    unpack_state,
 )
-from silentswarm.plan import ModelConfig, StagePlan, TrainConfig, Transport, replicated_chain_plans
+from silentswarm.jobspec import link_secrets
+from silentswarm.plan import (
+    ModelConfig,
+    Peer,
+    RingChange,
+    StagePlan,
+    TrainConfig,
+    Transport,
+    replicated_chain_plans,
+)
 from silentswarm.procs import free_port
 from silentswarm.subjects import relay_link, sync_link
 
@@ -347,3 +364,255 @@ def test_replicas_of_another_schedule_refuse_to_join_the_ring():
     assert all(isinstance(e, HandshakeError) for e in errors), errors
     for m in members:
         m.close()
+
+
+# --- elastic membership: the pure parts -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("members", "replica", "nxt", "prev"),
+    [
+        ([0, 1, 2], 0, 1, 2),
+        ([0, 1, 2], 2, 0, 1),
+        ([0, 2], 0, 2, 2),
+        ([0, 2], 2, 0, 0),
+        ([1, 3, 4], 3, 4, 1),
+        ([5], 5, 5, 5),  # a ring of one: itself both ways (and no links)
+    ],
+)
+def test_the_next_and_previous_member_of_a_ring(members, replica, nxt, prev):
+    assert next_member(members, replica) == nxt
+    assert prev_member(members, replica) == prev
+
+
+def test_a_state_of_any_dtypes_packs_losslessly_in_the_rows_of_pack():
+    rng = np.random.default_rng(3)
+    arrays = [
+        rng.normal(size=(3, 70)).astype(np.float32),
+        np.array(2**53 + 1, dtype=np.int64),  # an optimizer's step count: exact, not float32
+        np.array([np.nan, -0.0, np.inf], dtype=np.float32),
+        np.array([7, 2**31 + 5], dtype=np.uint32),
+        np.arange(5, dtype=np.float16),
+    ]
+    specs = [(a.shape, a.dtype) for a in arrays]
+    matrix = pack_state(arrays)
+    assert matrix.dtype == np.float32 and matrix.shape == (state_rows(specs), ROW)
+    # float32 arrays sit where pack() puts them
+    np.testing.assert_array_equal(matrix[:4].reshape(-1)[:210], arrays[0].reshape(-1))
+    back = unpack_state(matrix, specs)
+    for a, b in zip(arrays, back, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert a.tobytes() == b.tobytes(), "bit for bit"
+    assert state_digest(matrix) == state_digest(pack_state(back))
+    assert state_digest(matrix) != state_digest(pack_state([arrays[0] * 2, *arrays[1:]]))
+
+
+def test_the_relative_distance_of_a_donors_weights():
+    ours = [vec(3.0, 4.0), vec(0.0)]  # norm 5
+    assert relative_distance(ours, ours) == 0.0
+    assert relative_distance([vec(3.0, 4.5), vec(0.0)], ours) == pytest.approx(0.1)
+    assert relative_distance([vec(0.5, 0.0)], [vec(0.0, 0.0)]) == pytest.approx(0.5)  # absolute
+    assert relative_distance([vec(1.0)], ours) == float("inf"), "another layout"
+    assert relative_distance([vec(np.nan, 4.0), vec(0.0)], ours) == float("inf")
+
+
+# --- elastic membership: rings of real links ----------------------------------------------------
+
+
+def ring_changes(
+    plans: list[StagePlan],
+    members: list[int],
+    *,
+    epoch: int,
+    at_step: int,
+    donor: int | None = None,
+    joining: list[int] | None = None,
+    **fields: Any,
+) -> dict[int, RingChange]:
+    """What a leader sends each member of a new ring: fresh CURVE keys and relay tokens for
+    every link (member ``a`` to its successor), the successor's sync address. ``plans[r]`` is
+    replica r's plan for the stage (None for a slot nobody holds)."""
+    secrets = link_secrets(len(members), curve=True, relay=True)
+    out = {}
+    for i, r in enumerate(members):
+        j, h = (i + 1) % len(members), (i - 1) % len(members)
+        nxt, prev = plans[members[j]], plans[members[h]]
+        many = len(members) > 1
+        out[r] = RingChange(
+            epoch=epoch,
+            at_step=at_step,
+            members=members,
+            donor=members[0] if donor is None else donor,
+            joining=joining or [],
+            sync_prev=Peer(fellow_id=prev.fellow_id) if many else None,
+            sync_next=Peer(fellow_id=nxt.fellow_id, data_address=nxt.sync_address)
+            if many
+            else None,
+            curve_sync_up=secrets[h].binding if many else None,
+            curve_sync_down=secrets[i].connecting if many else None,
+            relay_sync_up_token=secrets[h].token if many else None,
+            relay_sync_down_token=secrets[i].token if many else None,
+            **fields,
+        )
+    return out
+
+
+def test_a_ring_of_three_switches_to_two_and_hands_the_donors_state_around():
+    """Replica 1 is lost: 0 and 2 close their links, open a ring of their own (re-binding
+    their sync addresses at once), 2 takes 0's state bit for bit, and their rounds wait for
+    nobody else; the byte counters go on from the first ring's."""
+    plans = ring_plans(3)
+    members = opened(plans)
+    try:
+        rounds(members, 0, contributions(3))
+        before = [m.bytes_sent for m in members]
+        survivors = [members[0], members[2]]
+        changes = ring_changes(plans, [0, 2], epoch=1, at_step=1)
+        members[1].close()
+        in_threads([lambda m=m: m.switch(changes[m.replica], 20.0) for m in survivors])
+        assert [m.members for m in survivors] == [[0, 2], [0, 2]]
+        assert [m.epoch for m in survivors] == [1, 1]
+        state = np.arange(3 * ROW, dtype=np.float32).reshape(3, ROW)
+        got = in_threads(
+            [
+                lambda m=m, own=own: m.hand_over(changes[m.replica], own, (3, ROW), 20.0)
+                for m, own in zip(survivors, [state, None], strict=True)
+            ]
+        )
+        np.testing.assert_array_equal(got[0], state)
+        np.testing.assert_array_equal(got[1], state)
+        assert state_digest(got[0]) == state_digest(got[1])
+        mine = contributions(2, seed=5)
+        results = rounds(survivors, 1, mine)
+        for r in results:
+            assert r.present == [0, 2] and r.missed == 0
+            np.testing.assert_array_equal(r.average, average({0: mine[0], 2: mine[1]}))
+            assert r.seconds < 5.0
+        assert survivors[0].bytes_sent > before[0] and survivors[1].bytes_sent > before[2]
+        assert all(in_threads([m.finish for m in survivors]))
+    finally:
+        for m in members:
+            m.close()
+
+
+def test_a_ring_of_one_has_no_links_and_its_rounds_return_its_own_contribution():
+    plans = ring_plans(2)
+    members = opened(plans)
+    try:
+        changes = ring_changes(plans, [1], epoch=3, at_step=2)
+        members[0].close()
+        survivor = members[1]
+        survivor.switch(changes[1], 5.0)
+        assert survivor.links() == [] and survivor.members == [1]
+        own = contributions(1)[0]
+        np.testing.assert_array_equal(survivor.hand_over(changes[1], own, own.shape, 5.0), own)
+        result = survivor.round(2, own)
+        assert result.present == [1] and result.missed == 0
+        np.testing.assert_array_equal(result.average, own)
+        assert survivor.finish()
+    finally:
+        for m in members:
+            m.close()
+
+
+def test_a_joining_member_is_in_no_ring_until_it_switches_and_gets_the_donors_state():
+    """A 2-slot stage: replica 0 alone (epoch 1), then a joining replica 1 (a new fellow at a
+    new address) and replica 0 form a ring of two; the joiner receives the donor's state."""
+    plans = ring_plans(2)
+    members = opened(plans)
+    members[1].close()
+    alone = ring_changes(plans, [0], epoch=1, at_step=1)
+    members[0].switch(alone[0], 5.0)
+    joiner_plan = msgspec.structs.replace(
+        plans[1],
+        joining=True,
+        fellow_id="r1-joiner",
+        sync_address=f"tcp://127.0.0.1:{free_port()}",
+        sync_prev=None,
+        sync_next=None,
+        curve_sync_up=None,
+        curve_sync_down=None,
+        relay_sync_up_token=None,
+        relay_sync_down_token=None,
+    ).checked()
+    joiner = ReplicaSync(joiner_plan, FINGERPRINT)
+    try:
+        assert joiner.members == [] and joiner.links() == []
+        with pytest.raises(ValueError, match="in no ring"):
+            joiner.round(0, contributions(1)[0])
+        changes = ring_changes([plans[0], joiner_plan], [0, 1], epoch=2, at_step=4, joining=[1])
+        ring = [members[0], joiner]
+        in_threads([lambda m=m: m.switch(changes[m.replica], 20.0) for m in ring])
+        state = contributions(1, rows=5, seed=9)[0]
+        got = in_threads(
+            [
+                lambda: members[0].hand_over(changes[0], state, state.shape, 20.0),
+                lambda: joiner.hand_over(changes[1], None, state.shape, 20.0),
+            ]
+        )
+        assert got[1].tobytes() == state.tobytes()
+        mine = contributions(2, seed=11)
+        results = in_threads(
+            [lambda: members[0].round(4, mine[0]), lambda: joiner.round(4, mine[1])]
+        )
+        for r in results:
+            assert r.present == [0, 1]
+            np.testing.assert_array_equal(r.average, average(dict(enumerate(mine))))
+        assert all(in_threads([m.finish for m in ring]))
+    finally:
+        for m in (*members, joiner):
+            m.close()
+
+
+def test_a_state_of_another_shape_is_a_frame_error():
+    plans = ring_plans(2)
+    members = opened(plans)
+    try:
+        changes = ring_changes(plans, [0, 1], epoch=1, at_step=1)
+        in_threads([lambda m=m: m.switch(changes[m.replica], 20.0) for m in members])
+        own = contributions(1)[0]
+        results: list[Any] = [None, None]
+
+        def receive() -> None:
+            try:
+                results[1] = members[1].hand_over(changes[1], None, (own.shape[0] + 1, ROW), 20.0)
+            except FrameError as exc:
+                results[1] = exc
+
+        thread = threading.Thread(target=receive, daemon=True)
+        thread.start()
+        members[0].hand_over(changes[0], own, own.shape, 20.0)
+        thread.join(30)
+        assert isinstance(results[1], FrameError) and "state" in str(results[1])
+    finally:
+        for m in members:
+            m.close()
+
+
+def test_a_ring_over_the_relay_switches_to_new_subjects_tokens(nats_server):
+    """transport tunnel: the new ring's links are the relay subjects of their senders
+    (``sync_link(stage, a)``) tagged with the change's fresh tokens; replica 2 now hears
+    replica 0 on 0's subject, and the donor's state crosses it intact."""
+    plans = ring_plans(3, transport=Transport.TUNNEL, nats_url=nats_server.url)
+    members = opened(plans)
+    try:
+        survivors = [members[0], members[2]]
+        members[1].close()
+        changes = ring_changes(plans, [0, 2], epoch=1, at_step=3, donor=2)
+        in_threads([lambda m=m: m.switch(changes[m.replica], 20.0) for m in survivors])
+        assert [m.up.transport for m in survivors] == ["relay", "relay"]
+        state = contributions(1, rows=4, seed=2)[0]
+        got = in_threads(
+            [
+                lambda: members[0].hand_over(changes[0], None, state.shape, 20.0),
+                lambda: members[2].hand_over(changes[2], state, state.shape, 20.0),
+            ]
+        )
+        assert got[0].tobytes() == state.tobytes()
+        mine = contributions(2, seed=4)
+        for r in rounds(survivors, 3, mine):
+            assert r.present == [0, 2]
+        assert all(in_threads([m.finish for m in survivors]))
+    finally:
+        for m in members:
+            m.close()

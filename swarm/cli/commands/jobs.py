@@ -19,7 +19,7 @@ from silentswarm.cli.options import JSON_BY_DEFAULT, LEADER, JsonByDefaultOption
 from silentswarm.cli.watch import WatchedEnd, follow_job, make_view, stdout_or_stderr
 from silentswarm.errors import ConfigError
 from silentswarm.jobspec import decode_job_spec
-from silentswarm.types.jobs import JobRecord
+from silentswarm.types.jobs import JobRecord, MembershipChange
 
 # A job's id, the same kind of parameter in every command: positional (JOB_ID), or --job-id.
 JOB_ID = Parameter(help="The job's id (as swarm submit printed it; swarm jobs lists them)")
@@ -93,10 +93,29 @@ def job_summary(job: JobRecord) -> RenderableType:
     stages = job.placement.stages if job.placement else []
     if stages:
         parts.append(stage_table(job))
+    changes = [m for m in job.membership if m.attempt == job.attempt]
+    if changes:
+        parts.append(membership_table(changes))
     if job.history:
         rows = [[h.to_state, render.since(h.at) + " ago", h.reason or "-"] for h in job.history]
         parts.append(render.table(["STATE", "WHEN", "WHY"], rows))
     return Group(*parts)
+
+
+def membership_table(changes: list[MembershipChange]) -> RenderableType:
+    """Elastic membership: a row per replica lost, placed in a lost one's slot, or joined."""
+    rows = [
+        [
+            m.kind,
+            m.replica,
+            ", ".join(m.fellows),
+            "-" if m.epoch is None else f"{m.epoch} from step {m.at_step}",
+            render.since(m.at) + " ago",
+            m.reason or "-",
+        ]
+        for m in changes
+    ]
+    return render.table(["REPLICA CHANGE", "REPLICA", "FELLOWS", "RING", "WHEN", "WHY"], rows)
 
 
 def stage_table(job: JobRecord) -> RenderableType:
@@ -105,12 +124,13 @@ def stage_table(job: JobRecord) -> RenderableType:
     replicas and its bytes over their ring."""
     assert job.placement is not None
     progress = {p.fellow_id: p for p in job.progress}
-    replicated = any(s.replica for s in job.placement.stages)
+    replicated = job.placement.n_replicas > 1
     rows = []
     for s in sorted(job.placement.stages, key=lambda s: (s.replica, s.stage)):
         p = progress.get(s.fellow_id)
         row: list[Any] = [s.stage, s.fellow_id]
-        row += ["-", "-", None] if p is None else [p.step, _loss(p.loss), p.result]
+        result = p and (p.result or (f"joining ({p.joining})" if p.joining else None))
+        row += ["-", "-", None] if p is None else [p.step, _loss(p.loss), result]
         if replicated:
             sync = ["-", "-", "-"]
             if p is not None:

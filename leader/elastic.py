@@ -1,0 +1,247 @@
+"""Elastic membership of a job's replicas: the leader's decisions, pure.
+
+A job with replicas no longer stops when it loses one: the replica that lost a stage is
+dropped (its other stages are stopped) and every stage's ring goes on with the replicas
+left; when enough fellows are ready, a replacement pipeline is placed in the lost slot,
+starts as *joining* (its stages build their models and open their own boundaries, then
+wait), and joins the rings at a sync boundary, taking the current weights from a donor.
+Each change of a ring is one :class:`~silentswarm.plan.RingChange` per member, all naming
+the same ``epoch`` and ``at_step``: every member switches before it trains that step.
+
+- :func:`replica_to_drop`: for a lost stage, the replica to drop, or None when the job
+  cannot go on without it (no replicas, or no full replica would be left).
+- :func:`switch_step`: the step a ring change takes effect, a little ahead of the furthest
+  stage (so every member hears it before it gets there), after an outer sync under
+  DiLoCo; None when the run ends first.
+- :func:`ring_changes`: the members' changes, with fresh CURVE keys and relay tokens for
+  every link of every new ring (a member left out knows none of them).
+- :func:`replacement`: a pipeline for a lost slot on the ready fellows, with the job's
+  layer split, or why there is none.
+- :func:`joiner_plans`: the plans of a replacement's stages (``joining``).
+- :func:`digest_mismatches`: the members whose state after a ring change differs from the
+  donor's (each reports the sha256 of what it took).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import msgspec
+
+from silentswarm.jobspec import LinkSecrets, PlacedStage, Placement, link_secrets, stage_plans
+from silentswarm.leader.placement import DEFAULTS, Candidate, PlacementDefaults, Unplaceable, place
+from silentswarm.plan import Peer, RingChange, StagePlan, Transport
+from silentswarm.types.jobs import JobRecord
+from silentswarm.types.views import StageProgress
+
+# A ring change takes effect this many seconds of steps ahead of the furthest stage, and at
+# least MIN_AHEAD steps ahead: the RING signals must reach every member before it gets there.
+LEAD_S = 3.0
+MIN_AHEAD = 2
+
+
+def joining_replicas(job: JobRecord) -> set[int]:
+    """The replicas whose stages are still joining (placed, not yet in the rings)."""
+    return {p.replica for p in job.progress if p.joining}
+
+
+def replica_to_drop(job: JobRecord, fellow_id: str) -> int | None:
+    """The replica to drop because the stage on ``fellow_id`` was lost, or None when the job
+    cannot go on without it: it has no replicas, the fellow is not placed, or no other
+    replica that trains (not joining) would be left."""
+    placement = job.placement
+    if placement is None or placement.n_replicas < 2:
+        return None
+    placed = placement.stage_of(fellow_id)
+    if placed is None:
+        return None
+    joining = joining_replicas(job)
+    others = [r for r in placement.live_replicas if r != placed.replica and r not in joining]
+    return placed.replica if others else None
+
+
+def switch_step(job: JobRecord, *, lead_s: float = LEAD_S, after_loss: bool = False) -> int | None:
+    """The step (0-based: the first trained with the new rings) a ring change takes effect:
+    ``lead_s`` seconds of the slowest step time ahead of the furthest training stage, at
+    least MIN_AHEAD steps; under DiLoCo the next multiple of ``sync_every`` from there (right
+    after an outer sync, when the replicas hold the same weights). None when that is not
+    before the run's last step.
+
+    ``after_loss``: a member was lost, so until the switch every round waits
+    ``sync_timeout_s`` for it: the steps reported before the loss are no measure of the
+    steps to come, which take at least that long."""
+    training = [p for p in job.progress if not p.joining]
+    furthest = max((p.step for p in training), default=0)
+    train = job.spec.train_config()
+    floor = train.sync_timeout_s if after_loss else 0.0
+    times = [max(p.step_time_s, floor) for p in training if p.step_time_s] or [floor]
+    slowest = max(times)
+    ahead = max(MIN_AHEAD, math.ceil(lead_s / slowest)) if slowest > 0 else MIN_AHEAD
+    at = furthest + ahead
+    if train.sync == "diloco":
+        every = train.sync_every
+        at = -(-at // every) * every
+    return at if at < job.spec.steps else None
+
+
+def ring_changes(
+    job: JobRecord,
+    *,
+    members: list[int],
+    epoch: int,
+    at_step: int,
+    joining: Iterable[int] = (),
+) -> dict[str, RingChange]:
+    """Each member stage's change (by fellow id) to rings over the placed replicas
+    ``members``: every stage's ring over the same members, in replica order, the donor the
+    lowest that is not ``joining``, fresh secrets for every link. The lead replica's members
+    get its checkpoint duty (a lead that took over from a lost replica 0 starts pushing)."""
+    placement = job.placement
+    assert placement is not None
+    members = sorted(members)
+    new = sorted(set(joining))
+    donor = min(r for r in members if r not in new)
+    transport = placement.transport
+    curve, relay = transport != Transport.TUNNEL, transport != Transport.P2P
+    spec = job.spec
+    every = spec.shard_push_interval_steps if spec.shard_push_to_leader else 0
+    out: dict[str, RingChange] = {}
+    for i in range(placement.n_stages):
+        ring = [_member(placement, r, i) for r in members]
+        n = len(ring)
+        secrets = link_secrets(n, curve=curve, relay=relay) if n > 1 else []
+        for j, placed in enumerate(ring):
+            lead = placed.replica == placement.lead
+            out[placed.fellow_id] = RingChange(
+                epoch=epoch,
+                at_step=at_step,
+                members=members,
+                donor=donor,
+                joining=new,
+                checkpoint_every=every if lead else 0,
+                checkpoint_at_end=lead,
+                **_links(ring, secrets, j),
+            )
+    return out
+
+
+def _member(placement: Placement, replica: int, stage: int) -> PlacedStage:
+    return next(s for s in placement.stages if s.replica == replica and s.stage == stage)
+
+
+def _links(ring: list[PlacedStage], secrets: list[LinkSecrets], j: int) -> dict[str, object]:
+    """Member ``j``'s ring fields: link j - 1 comes in (it binds), link j goes out."""
+    if len(ring) < 2:
+        return {}
+    before, after = ring[j - 1], ring[(j + 1) % len(ring)]
+    up, down = secrets[j - 1], secrets[j]
+    return dict(
+        sync_prev=Peer(fellow_id=before.fellow_id),
+        sync_next=Peer(fellow_id=after.fellow_id, data_address=after.sync_address),
+        curve_sync_up=up.binding,
+        curve_sync_down=down.connecting,
+        relay_sync_up_token=up.token,
+        relay_sync_down_token=down.token,
+    )
+
+
+def free_slot(job: JobRecord) -> int | None:
+    """The lowest replica slot no pipeline holds, or None when every slot is placed."""
+    placement = job.placement
+    if placement is None:
+        return None
+    free = set(range(placement.n_replicas)) - set(placement.live_replicas)
+    return min(free) if free else None
+
+
+def replacement(
+    job: JobRecord,
+    candidates: list[Candidate],
+    defaults: PlacementDefaults = DEFAULTS,
+) -> list[PlacedStage] | Unplaceable | None:
+    """A pipeline for the job's lowest free replica slot on some of ``candidates`` (the ready
+    fellows), with the layer split of the job's other replicas; None when no slot is free.
+
+    Fellows that ran a stage of a replica this attempt lost are not taken again: a late
+    report of their old run could not be told from the new one's, and a fellow that just
+    failed is the last one to trust with a slot. Under transport ``p2p`` every member needs
+    a data and a sync address. The job's transport stays the replacement's."""
+    slot, placement = free_slot(job), job.placement
+    if slot is None or placement is None:
+        return None
+    lost = {p.fellow_id for p in job.dropped}
+    usable = [c for c in candidates if c.fellow_id not in lost]
+    if placement.transport == Transport.P2P:
+        usable = [c for c in usable if c.sync_address and c.data_address]
+    lead = placement.pipeline(placement.lead)
+    ranges = [(s.layer_start, s.layer_end) for s in lead]
+    spec = msgspec.structs.replace(job.spec, replicas=1)
+    one = place(spec, usable, defaults, ranges=ranges)
+    if isinstance(one, Unplaceable):
+        return one
+    by_id = {c.fellow_id: c for c in usable}
+    return [
+        msgspec.structs.replace(s, replica=slot, sync_address=by_id[s.fellow_id].sync_address)
+        for s in one.stages
+    ]
+
+
+def joiner_plans(
+    job: JobRecord, stages: list[PlacedStage], *, subject_prefix: str
+) -> list[StagePlan]:
+    """The plans of a replacement pipeline (:func:`replacement`'s stages): its own
+    boundaries with fresh secrets, ``joining`` (its ring comes later, by RING), and no
+    checkpoint duty (its lead is the job's lead)."""
+    placement = job.placement
+    assert placement is not None and stages
+    alone = Placement(
+        stages=[msgspec.structs.replace(s, replica=0) for s in stages],
+        transport=placement.transport,
+    )
+    plans = stage_plans(
+        job_id=job.job_id,
+        attempt=job.attempt,
+        spec=job.spec,
+        placement=alone,
+        subject_prefix=subject_prefix,
+    )
+    return [
+        msgspec.structs.replace(
+            plan,
+            replica=placed.replica,
+            n_replicas=placement.n_replicas,
+            sync_address=placed.sync_address,
+            joining=True,
+            checkpoint_every=0,
+            checkpoint_at_end=False,
+        )
+        for plan, placed in zip(plans, stages, strict=True)
+    ]
+
+
+def digest_mismatches(progress: Iterable[StageProgress], *, epoch: int, donor: int) -> list[str]:
+    """The fellows whose state after ring ``epoch`` differs from the donor's at their stage
+    (each member reports the sha256 of the state it took; the donor's own is the one sent).
+    A stage whose donor has not reported yet has none."""
+    stages = [p for p in progress if p.sync_epoch == epoch and p.state_digest is not None]
+    reference = {p.stage: p.state_digest for p in stages if p.replica == donor}
+    return [
+        p.fellow_id
+        for p in stages
+        if p.stage in reference and p.replica != donor and p.state_digest != reference[p.stage]
+    ]
+
+
+__all__ = [
+    "LEAD_S",
+    "MIN_AHEAD",
+    "digest_mismatches",
+    "free_slot",
+    "joiner_plans",
+    "joining_replicas",
+    "replacement",
+    "replica_to_drop",
+    "ring_changes",
+    "switch_step",
+]

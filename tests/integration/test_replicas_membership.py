@@ -1,0 +1,97 @@
+"""Elastic membership of replicas (issue 23 item 2), end to end: a real leader and real
+fellows train two replicas of a one-stage pipeline; the fellow of replica 0 is SIGKILLed
+mid-job. The job goes on with replica 1 alone in the same attempt (its ring changes to one
+member, and it takes over the export), a fellow started mid-job (ready before the loss, so
+the test does not race the survivor, which trains alone in ~10 ms a step) is placed in the
+lost slot,
+joins the ring at a sync boundary with the donor's state (the digests agree), and the job
+completes in attempt 1 with both replicas' last stages and an export."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import start_agent
+from tests.helpers import wait_for
+from tests.integration.test_jobs import tiny, wait_ready, wait_steps
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def kinds(job: dict) -> list[str]:
+    return [m["kind"] for m in job["membership"]]
+
+
+def test_a_lost_replica_does_not_stop_the_job_and_a_new_fellow_joins_its_slot(
+    procs, nats_server, leader
+):
+    agents = {name: start_agent(procs, nats_server.url, name) for name in ("e1", "e2")}
+    wait_ready(leader, "e1", "e2")
+    spec = tiny(
+        name="elastic",
+        steps=2000,
+        stages=1,
+        replicas=2,
+        transport="p2p",
+        sync_timeout_s=3.0,
+        val_every=0,
+        shard_push_to_leader=True,
+        shard_push_interval_steps=500,
+    )
+    job_id = leader.submit(**spec)["job_id"]
+    leader.wait_job(job_id, "RUNNING", timeout=30)
+    wait_steps(leader, job_id, 20)
+    placed = {s["replica"]: s["fellow_id"] for s in leader.job(job_id)["placement"]["stages"]}
+    victim, survivor = placed[0], placed[1]
+    start_agent(procs, nats_server.url, "e3")  # mid-job: every slot is placed, it waits
+    wait_ready(leader, "e3")
+    assert "e3" not in [s["fellow_id"] for s in leader.job(job_id)["placement"]["stages"]]
+    agents[victim].send_signal(signal.SIGKILL)
+
+    # Lost: the other replica goes on alone, in the same attempt, and leads the export.
+    wait_for(lambda: "lost" in kinds(leader.job(job_id)), timeout=60, what="the loss noticed")
+    job = leader.job(job_id)
+    assert job["state"] == "RUNNING" and job["attempt"] == 1 and not job["resumes"]
+    lost = job["membership"][0]
+    assert (lost["replica"], lost["fellows"], lost["epoch"]) == (0, [victim], 1)
+    assert job["placement"]["lead"] == 1 and job["ring_epoch"] == 1
+
+    def survivor_stage() -> dict:
+        return next(p for p in leader.job(job_id)["progress"] if p["fellow_id"] == survivor)
+
+    # Alone in ring 1 from its at_step on, its steps no longer wait sync_timeout_s (3 s).
+    wait_for(lambda: survivor_stage()["sync_epoch"] >= 1, timeout=60, what="the survivor in ring 1")
+    assert survivor_stage()["step_time_s"] < 1.0, survivor_stage()
+
+    # The waiting fellow is placed in the free slot and joins at a sync boundary.
+    wait_for(
+        lambda: "joined" in kinds(leader.job(job_id)), timeout=120, what="the replacement joined"
+    )
+    job = leader.job(job_id)
+    joined = job["membership"][-1]
+    assert (joined["replica"], joined["fellows"], joined["epoch"]) == (0, ["e3"], 2)
+    assert kinds(job) == ["lost", "placed", "joined"]
+    at_step = joined["at_step"]
+
+    def both_in_ring_2() -> bool:
+        stages = leader.job(job_id)["progress"]
+        return len(stages) == 2 and all(p["state_digest"] and p["sync_epoch"] == 2 for p in stages)
+
+    wait_for(both_in_ring_2, timeout=60, what="both replicas in ring 2 with their digests")
+    stages = {p["fellow_id"]: p for p in leader.job(job_id)["progress"]}
+    assert stages["e3"]["state_digest"] == stages[survivor]["state_digest"]
+    assert stages["e3"]["joining"] is None and stages["e3"]["step"] > at_step
+
+    done = leader.wait_job(job_id, "COMPLETED", timeout=200)
+    assert done["attempt"] == 1 and not done["resumes"]
+    assert {p["fellow_id"] for p in done["progress"]} == {survivor, "e3"}
+    assert all(p["result"] == "completed" and p["step"] == 2000 for p in done["progress"])
+    assert [p["fellow_id"] for p in done["dropped"]] == [victim]
+    # The export is the lead's (replica 1, which took over from the lost replica 0).
+    assert done["export_error"] is None, done["export_error"]
+    manifest = json.loads((Path(done["export_dir"]) / "run_manifest.json").read_text())
+    assert [s["fellow_id"] for s in manifest["stages"]] == [survivor]

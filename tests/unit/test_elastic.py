@@ -1,0 +1,325 @@
+"""Elastic membership of replicas (issue 23 item 2), the leader's pure side: which replica a
+lost stage drops, when a ring change takes effect, the members' ring changes (fresh secrets,
+the donor, the lead's checkpoint duty), a replacement for a lost slot, the joiner's plans,
+and the job record through a loss, a replacement, its join and a digest that disagrees."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from silentswarm.jobspec import JobSpec, Placement
+from silentswarm.leader import elastic
+from silentswarm.leader.jobs import JobManager
+from silentswarm.leader.placement import Candidate, Unplaceable, place
+from silentswarm.natsauth import attempt_permissions
+from silentswarm.plan import ModelConfig, Transport
+from silentswarm.protocol import JobState, Progress, ProgressEvent, StageOutcome, StageResult
+from silentswarm.types.jobs import JobRecord
+from tests.fakes import Clock
+
+GIB = 1 << 30
+DIGEST_A, DIGEST_B = "a" * 64, "b" * 64
+
+
+def cand(fid: str, *, sync: bool = True) -> Candidate:
+    return Candidate(
+        fellow_id=fid,
+        hostname=fid,
+        data_address=f"tcp://{fid}:1",
+        sync_address=f"tcp://{fid}:2" if sync else None,
+        cpu_cores=8,
+        ram_available_bytes=16 * GIB,
+    )
+
+
+def spec(**kw) -> JobSpec:
+    base = dict(model=ModelConfig(n_layers=4), steps=100, allow_cpu=True, transport="p2p")
+    base.update(kw)
+    return JobSpec(**base)
+
+
+def running(k: int = 2, p: int = 2, **kw) -> tuple[JobManager, JobRecord, Clock]:
+    """A RUNNING job of ``k`` replicas of ``p`` stages on fellows f0.. (f<k*p>.. stay idle)."""
+    clock = Clock()
+    jobs = JobManager(wall=clock)
+    s = spec(replicas=k, stages=p, **kw)
+    job = jobs.submit(s)
+    placement = place(s, [cand(f"f{i}") for i in range(k * p)])
+    assert isinstance(placement, Placement), placement
+    jobs.begin_start(job.job_id, placement)
+    jobs.start_succeeded(job.job_id)
+    assert job.state is JobState.RUNNING
+    return jobs, job, clock
+
+
+def fellow(job: JobRecord, replica: int, stage: int) -> str:
+    assert job.placement is not None
+    return job.placement.pipeline(replica)[stage].fellow_id
+
+
+def step(job: JobRecord, fid: str, n: int, **kw) -> Progress:
+    placed = job.placement.stage_of(fid) if job.placement else None
+    assert placed is not None
+    return Progress(
+        job_id=job.job_id,
+        fellow_id=fid,
+        attempt=job.attempt,
+        stage=placed.stage,
+        replica=placed.replica,
+        step=n,
+        **kw,
+    )
+
+
+# --- which replica goes -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("k", "lost", "expected"),
+    [
+        (2, (1, 0), 1),  # the replica of the lost stage
+        (2, (0, 1), 0),  # replica 0 too: the others go on
+        (3, (2, 1), 2),
+        (1, (0, 0), None),  # no replicas: the job fails (or resumes) as ever
+    ],
+)
+def test_the_replica_of_a_lost_stage_is_dropped_when_another_goes_on(k, lost, expected):
+    _, job, _ = running(k=k)
+    assert elastic.replica_to_drop(job, fellow(job, *lost)) == expected
+    assert elastic.replica_to_drop(job, "stranger") is None
+
+
+def test_the_last_training_replica_is_never_dropped():
+    jobs, job, _ = running(k=2)
+    jobs.lose_stage(job.job_id, fellow(job, 1, 0), "went offline")
+    assert job.state is JobState.RUNNING and job.placement.live_replicas == [0]
+    assert elastic.replica_to_drop(job, fellow(job, 0, 1)) is None
+
+
+# --- when -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("steps", "times", "sync", "expected"),
+    [
+        ([10, 12], [None, None], {}, 14),  # the furthest stage + MIN_AHEAD
+        ([10, 12], [0.5, 0.25], {}, 18),  # 3 s of the slowest step (0.5 s)
+        ([10, 12], [10.0, 1.0], {}, 14),  # slow steps: still MIN_AHEAD
+        ([10, 12], [None, None], {"sync": "diloco", "sync_every": 20}, 20),  # after a sync
+        ([95, 98], [None, None], {}, None),  # the run ends first
+        ([95, 98], [None, None], {"sync": "diloco", "sync_every": 20}, None),
+    ],
+)
+def test_a_ring_change_takes_effect_a_little_ahead_of_the_furthest_stage(
+    steps, times, sync, expected
+):
+    _, job, _ = running(k=2, p=1, **sync)
+    for p, n, t in zip(job.progress, steps, times, strict=False):
+        p.step, p.step_time_s = n, t
+    assert elastic.switch_step(job) == expected
+
+
+def test_after_a_loss_each_step_until_the_switch_counts_as_a_sync_timeout():
+    _, job, _ = running(k=2, p=1, sync_timeout_s=3.0)
+    for p in job.progress:
+        p.step, p.step_time_s = 20, 0.05  # measured before the loss
+    assert elastic.switch_step(job) == 20 + 60  # 3 s of 0.05 s steps
+    assert elastic.switch_step(job, after_loss=True) == 20 + 2  # each will wait 3 s
+
+
+# --- the changes ----------------------------------------------------------------------------
+
+
+def test_ring_changes_give_every_member_its_new_neighbours_and_fresh_secrets():
+    jobs, job, _ = running(k=3, p=2)
+    before = {fid: None for fid in job.placement.fellow_ids}
+    jobs.lose_stage(job.job_id, fellow(job, 1, 1), "went offline")
+    assert job.placement.live_replicas == [0, 2]
+    changes = elastic.ring_changes(job, members=[0, 2], epoch=1, at_step=14)
+    assert set(changes) == {fellow(job, r, i) for r in (0, 2) for i in (0, 1)}
+    for i in (0, 1):
+        a, b = changes[fellow(job, 0, i)], changes[fellow(job, 2, i)]
+        assert a.members == b.members == [0, 2] and a.donor == 0 and a.epoch == 1
+        assert a.at_step == 14 and not a.problems(0) and not b.problems(2)
+        # 0 -> 2 -> 0: each connects to the other, at its sync address, with the key pair
+        # the other binds with, and the relay tokens match end to end.
+        assert a.sync_next.fellow_id == fellow(job, 2, i)
+        assert b.sync_next.fellow_id == fellow(job, 0, i)
+        assert (a.sync_prev.fellow_id, b.sync_prev.fellow_id) == (
+            fellow(job, 2, i),
+            fellow(job, 0, i),
+        )
+        assert a.sync_next.data_address == job.placement.pipeline(2)[i].sync_address
+        assert a.curve_sync_down.peer_public == b.curve_sync_up.public
+        assert b.curve_sync_down.peer_public == a.curve_sync_up.public
+        assert a.relay_sync_down_token == b.relay_sync_up_token
+        assert a.relay_sync_up_token == b.relay_sync_down_token
+    # Stages' rings are apart: another stage's ring has other keys.
+    keys = {c.curve_sync_down.secret for c in changes.values()}
+    assert len(keys) == 4
+    # Replica 0 leads (its checkpoints are the job's); replica 2 checkpoints nothing.
+    assert changes[fellow(job, 0, 0)].checkpoint_at_end is True
+    assert changes[fellow(job, 2, 0)].checkpoint_at_end is False
+    assert not set(before) - set(job.placement.fellow_ids) & set(changes)  # none for the lost
+
+
+def test_a_ring_of_one_has_no_links():
+    jobs, job, _ = running(k=2, p=1)
+    jobs.lose_stage(job.job_id, fellow(job, 1, 0), "went offline")
+    (change,) = elastic.ring_changes(job, members=[0], epoch=1, at_step=5).values()
+    assert change.members == [0] and change.sync_prev is None and change.sync_next is None
+    assert not change.problems(0)
+
+
+def test_losing_replica_0_hands_its_checkpoints_to_the_lowest_that_goes_on():
+    jobs, job, _ = running(k=3, p=1, shard_push_interval_steps=10, shard_push_to_leader=True)
+    jobs.lose_stage(job.job_id, fellow(job, 0, 0), "went offline")
+    assert job.placement.lead == 1 and job.placement.n_replicas == 3
+    changes = elastic.ring_changes(job, members=[1, 2], epoch=1, at_step=5)
+    lead = changes[fellow(job, 1, 0)]
+    assert (lead.checkpoint_at_end, lead.checkpoint_every, lead.donor) == (True, 10, 1)
+    assert changes[fellow(job, 2, 0)].checkpoint_every == 0
+
+
+# --- the record -----------------------------------------------------------------------------
+
+
+def test_a_lost_replica_leaves_the_record_and_the_job_completes_without_it():
+    jobs, job, _ = running(k=2, p=2)
+    lost, other = fellow(job, 1, 1), fellow(job, 1, 0)
+    jobs.lose_stage(job.job_id, lost, f"fellow {lost} went offline")
+    assert job.state is JobState.RUNNING and job.attempt == 1 and not job.resumes
+    assert [p.replica for p in job.dropped] == [1, 1]
+    assert {p.replica for p in job.progress} == {0}
+    assert jobs.drops == {job.job_id: [other, lost]}  # both still running: STOP them
+    assert jobs.ring_due == {job.job_id}
+    (change,) = job.membership
+    assert (change.kind, change.replica) == ("lost", 1) and "went offline" in change.reason
+    # A second stage of the same replica lost: already dropped, nothing more.
+    jobs.lose_stage(job.job_id, other, "stopped")
+    assert job.state is JobState.RUNNING and len(job.membership) == 1
+    for fid in job.placement.fellow_ids:
+        outcome = StageOutcome(job_id=job.job_id, attempt=1, result=StageResult.COMPLETED, step=100)
+        jobs.record_outcome(fid, outcome)
+    assert job.state is JobState.COMPLETED
+
+
+def test_a_failed_stage_of_a_replica_is_a_lost_replica_not_a_resume():
+    jobs, job, _ = running(k=2, p=1, max_resumes=3, resume_from_scratch=True)
+    fid = fellow(job, 1, 0)
+    outcome = StageOutcome(
+        job_id=job.job_id, attempt=1, result=StageResult.FAILED, message="sync failed"
+    )
+    jobs.record_outcome(fid, outcome)
+    assert job.state is JobState.RUNNING and job.placement.live_replicas == [0]
+    assert not job.resumes and fid not in jobs.drops.get(job.job_id, [])
+    # The last replica failing: the job resumes (a new attempt) as without replicas.
+    jobs.record_outcome(fellow(job, 0, 0), outcome)
+    assert job.state is JobState.PENDING and job.resumes
+
+
+def test_a_replacement_is_placed_joins_and_counts_once_it_trains():
+    jobs, job, _ = running(k=2, p=2)
+    lost = fellow(job, 1, 0)
+    jobs.lose_stage(job.job_id, lost, "went offline")
+    jobs.ring_due.clear()
+    idle = [cand("f1"), cand("f3"), cand("n1"), cand("n2"), cand("n3", sync=False)]
+    stages = elastic.replacement(job, idle)
+    assert isinstance(stages, list)
+    # Neither fellow of the lost replica, nor one without a sync address under p2p.
+    assert {s.fellow_id for s in stages} == {"n1", "n2"}
+    assert {s.replica for s in stages} == {1}
+    ranges = [(s.layer_start, s.layer_end) for s in job.placement.pipeline(0)]
+    assert [(s.layer_start, s.layer_end) for s in stages] == ranges
+    assert isinstance(elastic.replacement(job, idle[:3]), Unplaceable)
+
+    jobs.place_replacement(job.job_id, stages)
+    assert elastic.free_slot(job) is None and elastic.joining_replicas(job) == {1}
+    view_fellows = job.view.fellows
+    assert set(view_fellows) == {fellow(job, 0, 0), fellow(job, 0, 1)}  # not counted yet
+    plans = elastic.joiner_plans(job, stages, subject_prefix="swarm")
+    assert all(p.joining and p.replica == 1 and p.n_replicas == 2 for p in plans)
+    assert all(not p.checkpoint_at_end and p.checkpoint_every == 0 for p in plans)
+    assert plans[0].next.fellow_id == plans[1].fellow_id  # its own pipeline
+    assert not any(p.problems() for p in plans)
+
+    # Ready one stage at a time: the ring changes once both are.
+    first, second = (s.fellow_id for s in stages)
+    jobs.record_progress(step(job, first, 0, event=ProgressEvent.JOINING))
+    assert jobs.ready_to_join(job) == []
+    jobs.record_progress(step(job, second, 0, event=ProgressEvent.JOINING))
+    assert jobs.ready_to_join(job) == [1] and job.job_id in jobs.ring_due
+    changes = elastic.ring_changes(job, members=[0, 1], epoch=2, at_step=30, joining=[1])
+    assert changes[first].joining == [1] and changes[first].donor == 0
+    jobs.ring_changed(job.job_id, 2, 30, 0, joined=[1])
+    assert [m.kind for m in job.membership][-1] == "joined"
+    assert job.ring_epoch == 2 and job.ring_donor == 0
+    jobs.record_progress(step(job, first, 31, sync_epoch=2, state_digest=DIGEST_A))
+    assert job.stage_progress(first).joining is None
+    assert first in job.view.fellows
+
+
+def test_a_member_whose_state_is_not_the_donors_is_dropped():
+    jobs, job, _ = running(k=3, p=1)
+    jobs.lose_stage(job.job_id, fellow(job, 2, 0), "went offline")
+    jobs.ring_changed(job.job_id, 1, 10, 0, joined=[])
+    a, b = fellow(job, 0, 0), fellow(job, 1, 0)
+    jobs.record_progress(step(job, b, 11, sync_epoch=1, state_digest=DIGEST_B))
+    assert job.placement.live_replicas == [0, 1]  # the donor has not said yet
+    jobs.record_progress(step(job, a, 11, sync_epoch=1, state_digest=DIGEST_A))
+    assert job.placement.live_replicas == [0]
+    assert "not the donor's" in job.membership[-1].reason
+
+
+@pytest.mark.parametrize(
+    ("progress", "expected"),
+    [
+        ([(0, 0, DIGEST_A), (1, 0, DIGEST_A), (2, 0, DIGEST_B)], ["r2s0"]),
+        ([(0, 0, DIGEST_A), (1, 0, DIGEST_A)], []),
+        ([(1, 0, DIGEST_B), (2, 0, DIGEST_A)], []),  # no donor digest yet
+        ([(0, 0, DIGEST_A), (0, 1, DIGEST_B), (1, 1, DIGEST_B), (1, 0, DIGEST_B)], ["r1s0"]),
+    ],
+)
+def test_digest_mismatches_are_per_stage_against_the_donor(progress, expected):
+    from silentswarm.types.views import StageProgress
+
+    stages = [
+        StageProgress(stage=s, replica=r, fellow_id=f"r{r}s{s}", sync_epoch=3, state_digest=digest)
+        for r, s, digest in progress
+    ]
+    stale = StageProgress(stage=0, replica=1, fellow_id="old", sync_epoch=2, state_digest="c" * 64)
+    assert elastic.digest_mismatches([*stages, stale], epoch=3, donor=0) == expected
+
+
+def test_a_ring_member_may_bind_for_any_replica_of_its_stage_and_no_other_stage():
+    perms = attempt_permissions(
+        "swarm", fellow_id="f", job_id="j", attempt=1, stage=1, n_stages=2, replica=0,
+        n_replicas=3,
+    )  # fmt: skip
+    ring = {s for s in perms.subscribe if ".s" in s}
+    assert ring == {
+        "swarm.relay.j.1.s1-0.bwd",
+        "swarm.relay.j.1.s1-1.fwd",
+        "swarm.relay.j.1.s1-2.fwd",
+    }
+
+
+def test_a_placement_round_trips_its_slots_and_lead():
+    jobs, job, _ = running(k=2, p=1)
+    jobs.lose_stage(job.job_id, fellow(job, 0, 0), "went offline")
+    again = msgspec.json.decode(msgspec.json.encode(job.placement), type=Placement)
+    assert (again.n_replicas, again.lead, again.live_replicas) == (2, 1, [1])
+    assert again.n_stages == 1 and again.transport is Transport.P2P
+
+
+def test_a_restarted_leader_sends_the_ring_change_a_ready_replacement_waits_for():
+    jobs, job, _ = running(k=2, p=1)
+    jobs.lose_stage(job.job_id, fellow(job, 1, 0), "went offline")
+    stages = elastic.replacement(job, [cand("n1")])
+    assert isinstance(stages, list)
+    jobs.place_replacement(job.job_id, stages)
+    jobs.record_progress(step(job, "n1", 0, event=ProgressEvent.JOINING))
+    again = JobManager(wall=Clock())
+    again.restore([msgspec.json.decode(msgspec.json.encode(job), type=JobRecord)])
+    assert again.ring_due == {job.job_id}
