@@ -79,10 +79,18 @@ class CheckpointWriteError(CheckpointError):
 
 class RingChangeError(SwarmError):
     """A replica's ring change cannot be taken (elastic membership): it came after its step,
-    its donor's state is far from this member's own, or a joining stage's never came. The
-    message names the steps, the donor or the wait; the leader treats the replica as lost."""
+    or a joining stage's never came. The message names the steps or the wait; the leader
+    treats the replica as lost."""
 
     code = ErrorCode.STAGE_FAILED
+
+
+class DonorRefusedError(RingChangeError):
+    """A ring member refused the donor's state: its weights are far from the member's own, or
+    something in it is not finite. The leader treats both the member's and the donor's
+    replicas as lost (it cannot tell which of the two lies)."""
+
+    code = ErrorCode.DONOR_REFUSED
 
 
 class StageFailedError(SwarmError):

@@ -18,14 +18,17 @@ the same ``epoch`` and ``at_step``: every member switches before it trains that 
 - :func:`replacement`: a pipeline for a lost slot on the ready fellows, with the job's
   layer split, or why there is none.
 - :func:`joiner_plans`: the plans of a replacement's stages (``joining``).
-- :func:`digest_mismatches`: the members whose state after a ring change differs from the
-  donor's (each reports the sha256 of what it took).
+- :func:`digest_verdict`: after a ring change, the members whose state digest (each reports
+  the sha256 of what it took) the majority of their stage outvoted, and the stages with no
+  majority.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import msgspec
 
@@ -220,23 +223,48 @@ def joiner_plans(
     ]
 
 
-def digest_mismatches(progress: Iterable[StageProgress], *, epoch: int, donor: int) -> list[str]:
-    """The fellows whose state after ring ``epoch`` differs from the donor's at their stage
-    (each member reports the sha256 of the state it took; the donor's own is the one sent).
-    A stage whose donor has not reported yet has none."""
-    stages = [p for p in progress if p.sync_epoch == epoch and p.state_digest is not None]
-    reference = {p.stage: p.state_digest for p in stages if p.replica == donor}
-    return [
-        p.fellow_id
-        for p in stages
-        if p.stage in reference and p.replica != donor and p.state_digest != reference[p.stage]
-    ]
+@dataclass(frozen=True)
+class DigestVerdict:
+    """What the members' state digests after a ring change say: the fellows whose digest the
+    majority of their stage's members outvoted, and the stages with no majority."""
+
+    outvoted: list[str]
+    undecided: list[int]
+
+
+def digest_verdict(progress: Iterable[StageProgress], *, epoch: int) -> DigestVerdict:
+    """Each member reports the sha256 of the state it took at ring change ``epoch``; once
+    every member of a stage's ring has (those that train, and replacements joining with
+    it), the digest of a strict majority wins and the others are outvoted. A stage where no
+    digest has a majority is undecided: the donor (who sent it) and the members (who say
+    what they got) disagree, and nobody can tell who lies."""
+    by_stage: dict[int, list[StageProgress]] = {}
+    for p in progress:
+        if p.joining in (None, "switching"):
+            by_stage.setdefault(p.stage, []).append(p)
+    outvoted: list[str] = []
+    undecided: list[int] = []
+    for stage, members in sorted(by_stage.items()):
+        if len(members) < 2 or any(
+            p.sync_epoch != epoch or p.state_digest is None for p in members
+        ):
+            continue
+        counts = Counter(p.state_digest for p in members)
+        digest, votes = counts.most_common(1)[0]
+        if votes == len(members):
+            continue
+        if votes * 2 > len(members):
+            outvoted += [p.fellow_id for p in members if p.state_digest != digest]
+        else:
+            undecided.append(stage)
+    return DigestVerdict(outvoted=outvoted, undecided=undecided)
 
 
 __all__ = [
     "LEAD_S",
     "MIN_AHEAD",
-    "digest_mismatches",
+    "DigestVerdict",
+    "digest_verdict",
     "free_slot",
     "joiner_plans",
     "joining_replicas",

@@ -330,12 +330,22 @@ class JobManager:
     # --- changes ---------------------------------------------------------------------------
 
     def restore(self, records: Iterable[JobRecord]) -> None:
-        """Jobs loaded from the store at start-up (a running job whose replacement was ready
-        to join when the leader stopped gets its ring change now)."""
+        """Jobs loaded from the store at start-up (a running job that lost a replica, or whose
+        replacement was ready to join, when the leader stopped gets its ring change now)."""
         for record in records:
             record.refresh_view()
             self._jobs[record.job_id] = record
-            if record.state is JobState.RUNNING and self.ready_to_join(record):
+            if record.state is not JobState.RUNNING:
+                continue
+            unsent = [
+                m
+                for m in record.membership
+                if m.attempt == record.attempt and m.kind == "lost" and m.epoch is None
+            ]
+            if unsent:  # a loss whose ring change never went out
+                self.ring_due.add(record.job_id)
+                self.after_loss.add(record.job_id)
+            if self.ready_to_join(record):
                 self.ring_due.add(record.job_id)
 
     def submit(self, spec: JobSpec, init_source: InitSource | None = None) -> JobRecord:
@@ -498,36 +508,60 @@ class JobManager:
             stage.export_error = clean_report(outcome.export_error, EXPORT_ERROR_CHARS)
         self._touch(job)
         if outcome.result is StageResult.COMPLETED:
-            if all(p.result is StageResult.COMPLETED for p in job.progress):
-                # The last stage's losses; with replicas the mean of the replicas' last
-                # stages' (swarm/types/views.py).
-                lasts = replica_lasts(job.progress)
-                job.final_loss = mean_of(s.loss for s in lasts)
-                job.final_val_loss = mean_of(s.val_loss for s in lasts)
-                # Decided with the state itself: whoever sees COMPLETED sees the export's fate.
-                job.export_error = final_export_error(job)
-                if job.export_error is not None:
-                    log.error(
-                        "job %s completed without its final model: %s", job.job_id, job.export_error
-                    )
-                self._finish(job, JobEvent.COMPLETED, "every stage completed")
-        else:
-            what = outcome.message or outcome.result.value
-            self.lose_stage(
-                job.job_id,
-                fellow_id,
-                f"fellow {fellow_id} (stage {stage.stage}) {outcome.result.value}: {what}",
-            )
+            self._complete_if_done(job)
+            return job
+        what = outcome.message or outcome.result.value
+        reason = f"fellow {fellow_id} (stage {stage.stage}) {outcome.result.value}: {what}"
+        donor = (
+            self._donor_of(job, stage.stage) if outcome.code == ErrorCode.DONOR_REFUSED else None
+        )
+        self.lose_stage(job.job_id, fellow_id, reason)
+        if donor is not None and job.state is JobState.RUNNING:
+            # One of the two lies about the state handed over: neither is kept.
+            self.lose_stage(job.job_id, donor, f"{reason} (its state was refused)")
         return job
+
+    def _complete_if_done(self, job: JobRecord) -> None:
+        """COMPLETED once every stage that trains has; a replacement still joining then has
+        nothing left to join, and is dropped (its stages stopped)."""
+        trained = [p for p in job.progress if p.joining is None]
+        if not trained or any(p.result is not StageResult.COMPLETED for p in trained):
+            return
+        joining = sorted({p.replica for p in job.progress if p.joining is not None})
+        if joining:  # each drop comes back here: the last one completes the job
+            self._drop_replica(job, joining[0], "the run ended before it could join")
+            return
+        # The last stage's losses; with replicas the mean of the replicas' last stages'
+        # (swarm/types/views.py).
+        lasts = replica_lasts(job.progress)
+        job.final_loss = mean_of(s.loss for s in lasts)
+        job.final_val_loss = mean_of(s.val_loss for s in lasts)
+        # Decided with the state itself: whoever sees COMPLETED sees the export's fate.
+        job.export_error = final_export_error(job)
+        if job.export_error is not None:
+            log.error("job %s completed without its final model: %s", job.job_id, job.export_error)
+        self._finish(job, JobEvent.COMPLETED, "every stage completed")
+
+    def _donor_of(self, job: JobRecord, stage: int) -> str | None:
+        """The fellow of the current ring's donor at ``stage`` (None: no ring change yet)."""
+        if job.ring_donor is None or job.placement is None:
+            return None
+        placed = job.placement.pipeline(job.ring_donor)
+        return placed[stage].fellow_id if stage < len(placed) else None
 
     # --- elastic membership ---------------------------------------------------------------
 
-    def lose_stage(self, job_id: str, fellow_id: str, reason: str) -> JobRecord | None:
+    def lose_stage(
+        self, job_id: str, fellow_id: str, reason: str, *, attempt: int | None = None
+    ) -> JobRecord | None:
         """A running job lost the stage on ``fellow_id``: with replicas, drop that stage's
         replica and go on with the others (:func:`elastic.replica_to_drop`); else, or when no
-        replica would be left, :meth:`fail` (resume or FAILED)."""
+        replica would be left, :meth:`fail` (resume or FAILED). ``attempt``: the attempt the
+        loss was seen in (an answer that comes after a resume is not the new attempt's)."""
         job = self._jobs.get(job_id)
         if job is None or job.state is not JobState.RUNNING or job.placement is None:
+            return None
+        if attempt is not None and attempt != job.attempt:
             return None
         if job.placement.stage_of(fellow_id) is None:
             return job  # its replica was dropped already (a second stage of it lost)
@@ -540,16 +574,17 @@ class JobManager:
     def _drop_replica(self, job: JobRecord, replica: int, reason: str) -> None:
         placement = job.placement
         assert placement is not None
-        joining = replica in elastic.joining_replicas(job)
+        stages = [p for p in job.progress if p.replica == replica]
+        # A replacement whose ring change went out is in the others' new ring: it needs one.
+        joining = all(p.joining in ("starting", "ready") for p in stages)
         placement.replica_slots = placement.n_replicas
         placement.stages = [s for s in placement.stages if s.replica != replica]
         gone = [p for p in job.progress if p.replica == replica]
         job.progress = [p for p in job.progress if p.replica != replica]
         job.dropped = [*job.dropped, *gone][-DROPPED_LEN:]
         if placement.lead == replica:
-            placement.lead = min(
-                r for r in placement.live_replicas if r not in elastic.joining_replicas(job)
-            )
+            trained = [r for r in placement.live_replicas if r not in elastic.joining_replicas(job)]
+            placement.lead = min(trained, default=placement.lead)
         running = [p.fellow_id for p in gone if p.result is None]
         if running:
             self.drops.setdefault(job.job_id, []).extend(running)
@@ -567,6 +602,7 @@ class JobManager:
             reason,
             placement.live_replicas,
         )
+        self._complete_if_done(job)
 
     def place_replacement(self, job_id: str, stages: list[PlacedStage]) -> JobRecord | None:
         """A replacement pipeline placed in a free slot of a running job: its stages join
@@ -654,18 +690,18 @@ class JobManager:
         self._touch(job)
 
     def _check_digests(self, job: JobRecord) -> None:
-        """Members whose state after the current ring change is not the donor's: lost."""
-        if job.ring_epoch == 0 or job.ring_donor is None:
+        """Members whose state after the current ring change is not what the others took:
+        lost; with no majority either way, nobody can be trusted: the attempt fails (and
+        resumes, where it can)."""
+        if job.ring_epoch == 0:
             return
-        for fid in elastic.digest_mismatches(
-            job.progress, epoch=job.ring_epoch, donor=job.ring_donor
-        ):
-            self.lose_stage(
-                job.job_id,
-                fid,
-                f"fellow {fid}: its state after ring {job.ring_epoch} is not the donor's "
-                f"(replica {job.ring_donor}) by sha256",
-            )
+        verdict = elastic.digest_verdict(job.progress, epoch=job.ring_epoch)
+        why = f"the state taken at ring change {job.ring_epoch} differs between replicas"
+        if verdict.undecided:
+            self.fail(job.job_id, f"{why}, with no majority (stages {verdict.undecided})")
+            return
+        for fid in verdict.outvoted:
+            self.lose_stage(job.job_id, fid, f"fellow {fid}: {why}; its sha256 is outvoted")
 
     def fail(self, job_id: str, reason: str) -> JobRecord | None:
         """A running job lost a stage: resume it when it can (back to PENDING, keeping its

@@ -30,7 +30,7 @@ from nats.js.kv import KeyValue
 
 from silentswarm import subjects as topics
 from silentswarm.errors import NotFoundError
-from silentswarm.jobspec import PlacedStage, stage_plans
+from silentswarm.jobspec import stage_plans
 from silentswarm.leader import balance, decide, elastic, initsource, retention
 from silentswarm.leader.admission import RateLimiter, Verdict
 from silentswarm.leader.bus import LeaderBus
@@ -459,18 +459,26 @@ class Orchestrator:
                 continue
             taken = {s.fellow_id for s in stages}
             idle = [c for c in idle if c.fellow_id not in taken]
-            self._spawn(self._start_joiners(job.job_id, stages), f"join-{job.job_id}")
+            plans = elastic.joiner_plans(job, stages, subject_prefix=self.prefix)
+            try:
+                starts = [(p, self._start_args(job, p)) for p in plans]
+            except NotFoundError as exc:  # the job's dataset is gone
+                self.jobs.lose_stage(job.job_id, plans[0].fellow_id, exc.message)
+                continue
+            self._spawn(self._start_joiners(job.job_id, job.attempt, starts), f"join-{job.job_id}")
 
-    async def _start_joiners(self, job_id: str, stages: list[PlacedStage]) -> None:
-        job = self.jobs.get(job_id)
-        attempt, hub = job.attempt, self.signal_hub()
-        plans = elastic.joiner_plans(job, stages, subject_prefix=self.prefix)
-        fellows = [p.fellow_id for p in plans]
-        log.info("job %s: starting replica %d on %s to join", job_id, plans[0].replica, fellows)
+    async def _start_joiners(
+        self, job_id: str, attempt: int, starts: list[tuple[StagePlan, StartArgs]]
+    ) -> None:
+        """START a replacement's stages (plans and arguments made when it was placed, for
+        that attempt); one that refuses loses the replacement."""
+        fellows = [plan.fellow_id for plan, _ in starts]
+        log.info("job %s: starting replica %d on %s to join", job_id, starts[0][0].replica, fellows)
+        hub = self.signal_hub()
         records = await asyncio.gather(
             *(
-                hub.send(p.fellow_id, self._start_args(job, p), job_id=job_id, attempt=attempt)
-                for p in plans
+                hub.send(plan.fellow_id, args, job_id=job_id, attempt=attempt)
+                for plan, args in starts
             )
         )
         for record in records:
@@ -480,25 +488,66 @@ class Orchestrator:
             self._cooldown.update(verdict.cooldown)
             refused = next(r.fellow_id for r in records if not r.ok)
             self.jobs.lose_stage(
-                job_id, refused, f"the replacement did not start: {verdict.reason}"
+                job_id,
+                refused,
+                f"the replacement did not start: {verdict.reason}",
+                attempt=attempt,
             )
 
     def _change_rings(self) -> None:
         """Send the rings' new membership to every member of the jobs whose rings must change
-        (a replica lost; a replacement ready to join), from a step a little ahead."""
+        (a replica lost; a replacement ready to join), from a step a little ahead.
+
+        A replacement whose ring change went out but which has not trained yet cannot be
+        part of another change (it is between two rings): after a loss it is dropped too and
+        the new rings go on without it; a replacement ready meanwhile waits for it."""
+        later: set[str] = set()
         while self.jobs.ring_due:
             job = self.jobs.get(self.jobs.ring_due.pop())
             if job.state is not JobState.RUNNING or job.placement is None:
                 continue
-            joining, ready = elastic.joining_replicas(job), self.jobs.ready_to_join(job)
-            members = [r for r in job.placement.live_replicas if r not in joining or r in ready]
-            at_step = elastic.switch_step(job, after_loss=job.job_id in self.jobs.after_loss)
-            if at_step is None:
-                for replica in ready:  # too late to join: the run ends first
-                    fid = job.placement.pipeline(replica)[0].fellow_id
-                    self.jobs.lose_stage(job.job_id, fid, "the run ends before it could join")
-                log.info("job %s: the run ends before a ring change could take effect", job.job_id)
+            after_loss = job.job_id in self.jobs.after_loss
+            switching = sorted({p.replica for p in job.progress if p.joining == "switching"})
+            if switching and not after_loss:
+                later.add(job.job_id)
                 continue
+            for replica in switching:
+                fid = job.placement.pipeline(replica)[0].fellow_id
+                self.jobs.lose_stage(job.job_id, fid, "a replica was lost while it joined")
+                self.jobs.ring_due.discard(job.job_id)  # this pass makes the change
+            if job.state is not JobState.RUNNING:
+                continue
+            self._send_rings(job, after_loss=after_loss)
+        self.jobs.ring_due |= later
+
+    def _send_rings(self, job: JobRecord, *, after_loss: bool) -> None:
+        assert job.placement is not None
+        joining, ready = elastic.joining_replicas(job), self.jobs.ready_to_join(job)
+        members = [r for r in job.placement.live_replicas if r not in joining or r in ready]
+        at_step = elastic.switch_step(job, after_loss=after_loss)
+        if at_step is None:
+            for replica in ready:  # too late to join: the run ends first
+                fid = job.placement.pipeline(replica)[0].fellow_id
+                self.jobs.lose_stage(job.job_id, fid, "the run ends before it could join")
+            members = [r for r in members if r not in ready]
+            if not after_loss or job.state is not JobState.RUNNING:
+                return
+            # The rings stay as they are to the end (each round waits sync_timeout_s for
+            # the lost member), but the lead's checkpoint duty must reach its new holder:
+            # a change due at the run's end switches nothing and hands over only that.
+            epoch = job.ring_epoch + 1
+            changes = elastic.ring_changes(
+                job, members=members, epoch=epoch, at_step=job.spec.steps
+            )
+            donor = next(iter(changes.values())).donor
+            self.jobs.ring_changed(job.job_id, epoch, job.spec.steps, donor, joined=[])
+            log.info(
+                "job %s: the run ends before a ring change could take effect; replica %d "
+                "takes over the checkpoints",
+                job.job_id,
+                job.placement.lead,
+            )
+        else:
             epoch = job.ring_epoch + 1
             changes = elastic.ring_changes(
                 job, members=members, epoch=epoch, at_step=at_step, joining=ready
@@ -514,8 +563,8 @@ class Orchestrator:
                 donor,
                 f"; replicas {ready} join" if ready else "",
             )
-            for fid, change in changes.items():
-                self._spawn(self._send_ring(job.job_id, job.attempt, fid, change), f"ring-{fid}")
+        for fid, change in changes.items():
+            self._spawn(self._send_ring(job.job_id, job.attempt, fid, change), f"ring-{fid}")
 
     async def _send_ring(
         self, job_id: str, attempt: int, fellow_id: str, change: RingChange
@@ -524,12 +573,13 @@ class Orchestrator:
             fellow_id, RingArgs(change=change), job_id=job_id, attempt=attempt
         )
         self.jobs.add_signal(job_id, record)
-        if not record.ok:
+        if not record.ok and change.at_step < self.jobs.get(job_id).spec.steps:
             self.jobs.lose_stage(
                 job_id,
                 fellow_id,
                 f"fellow {fellow_id} did not take ring {change.epoch}: {record.code}: "
                 f"{record.message}",
+                attempt=attempt,
             )
 
     def _stop_orphans(self) -> None:

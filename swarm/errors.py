@@ -109,6 +109,7 @@ class ErrorCode(StrEnum):
     SHARD_PUSH_FAILED = "SHARD_PUSH_FAILED"
     SHARD_FETCH_FAILED = "SHARD_FETCH_FAILED"
     STAGE_FAILED = "STAGE_FAILED"  # also a stage's failure that has no code of its own
+    DONOR_REFUSED = "DONOR_REFUSED"  # a ring member refused the donor's state (far, not finite)
     LINK_FAILED = "LINK_FAILED"
     PEER_TIMEOUT = "PEER_TIMEOUT"
     RELAY_GAP = "RELAY_GAP"

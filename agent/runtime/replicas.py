@@ -93,6 +93,9 @@ FIRST_HELLO_S = 900.0
 # its own (relative L2 distance): the replicas are in sync right after an allreduce step (and
 # right after DiLoCo's outer step), so a far-off state is a broken or hostile donor.
 MAX_DONOR_DISTANCE = 0.05
+# The same for the rest of a member's float state (AdamW's moments, DiLoCo's outer state):
+# moments follow the latest gradients, so replicas that missed a round differ more there.
+MAX_STATE_DISTANCE = 1.0
 # How long a joining stage waits for the ring command that lists it as joining, and then for
 # the running members to reach its step (its new ring's links and the donor's state); the
 # running members wait peer_timeout_s for theirs.
@@ -349,6 +352,7 @@ class ReplicaSync:
         self.stale = 0  # frames of a round already over
         self.seconds = 0.0  # in rounds since the last take_seconds()
         self._early: dict[int, list[Parts]] = {}  # frames of rounds still to come
+        self._first_round_grace = False  # see switch()
         # What the links of earlier rings moved and dropped (the counters stay cumulative).
         self._sent_before = 0
         self._received_before = 0
@@ -467,6 +471,9 @@ class ReplicaSync:
         self._early.clear()
         self.members = list(change.members)
         self.epoch = change.epoch
+        # A joining member's first step traces and compiles its step (seconds): the first
+        # round of a ring it joins waits for it as long as a peer is waited for.
+        self._first_round_grace = bool(change.joining)
         if len(self.members) == 1:
             return
         assert change.sync_prev is not None and change.sync_next is not None
@@ -674,7 +681,11 @@ class ReplicaSync:
         self._send(own)
         successor = next_member(self.members, self.replica)
         pending = self._early.pop(round_id, [])
-        deadline = time.monotonic() + self.plan.train.sync_timeout_s
+        wait_s = self.plan.train.sync_timeout_s
+        if self._first_round_grace:
+            self._first_round_grace = False
+            wait_s = max(wait_s, self.plan.peer_timeout_s)
+        deadline = time.monotonic() + wait_s
         while len(got) < n:
             parts = pending.pop(0) if pending else self._recv(deadline)
             if parts is None:
@@ -753,6 +764,7 @@ __all__ = [
     "BIND_RETRY_S",
     "JOIN_TIMEOUT_S",
     "MAX_DONOR_DISTANCE",
+    "MAX_STATE_DISTANCE",
     "ROW",
     "Clipped",
     "ReplicaSync",

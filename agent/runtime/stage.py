@@ -42,6 +42,7 @@ import tensorflow as tf
 from silentswarm import subjects
 from silentswarm.agent.errors import (
     CheckpointError,
+    DonorRefusedError,
     FrameError,
     PeerTimeoutError,
     RingChangeError,
@@ -82,6 +83,7 @@ from silentswarm.agent.runtime.presets import init_from_preset, preset_dir
 from silentswarm.agent.runtime.replicas import (
     JOIN_TIMEOUT_S,
     MAX_DONOR_DISTANCE,
+    MAX_STATE_DISTANCE,
     ROW,
     ReplicaSync,
     StateSpec,
@@ -832,8 +834,12 @@ class StageRunner:
             if self.replicas is None:
                 log.warning("ignoring ring epoch %d: this stage has no replicas", change.epoch)
             elif change.at_step >= plan.train.steps:
+                # Due at the run's end: it switches nothing, but the checkpoint duty it may
+                # hand over (a lost lead's) holds at once.
+                self._take_duty(change)
                 log.warning(
-                    "ignoring ring epoch %d: at step %d, the run has %d steps",
+                    "ring epoch %d at step %d, the run has %d steps: no switch; its checkpoint "
+                    "duty holds",
                     change.epoch,
                     change.at_step,
                     plan.train.steps,
@@ -907,10 +913,7 @@ class StageRunner:
         digest = state_digest(matrix)
         self.sync_epoch = change.epoch
         self._switched = (list(change.members), digest)
-        if change.checkpoint_every is not None:
-            self.checkpoint_every = change.checkpoint_every
-        if change.checkpoint_at_end is not None:
-            self.checkpoint_at_end = change.checkpoint_at_end
+        self._take_duty(change)
         log.info(
             "stage %d of replica %d: ring epoch %d, members %s, state of replica %d "
             "(sha256 %s) in %.2fs",
@@ -923,6 +926,13 @@ class StageRunner:
             time.perf_counter() - started,
         )
 
+    def _take_duty(self, change: RingChange) -> None:
+        """The checkpoint duty a change hands this stage (a lost lead's), where it says."""
+        if change.checkpoint_every is not None:
+            self.checkpoint_every = change.checkpoint_every
+        if change.checkpoint_at_end is not None:
+            self.checkpoint_at_end = change.checkpoint_at_end
+
     def _adopt(
         self,
         change: RingChange,
@@ -932,23 +942,51 @@ class StageRunner:
         *,
         joining: bool,
     ) -> None:
-        """Take the donor's state; a member with state of its own checks the donor's weights
-        against it first."""
+        """Take the donor's state, so replicas that drifted apart (rounds that missed a
+        member) are equal again. Every value must be finite. A member with state of its own
+        checks it against the donor's first: the weights within :data:`MAX_DONOR_DISTANCE`,
+        the rest of the float state (AdamW's moments, DiLoCo's outer state) within
+        :data:`MAX_STATE_DISTANCE` (moments move faster than weights), the integer state (the
+        optimizer's step count) equal, and it keeps its own data position (the same as the
+        donor's in replicas in step). A joining stage has nothing to compare: it takes all."""
         plan = self.plan
+        where = f"stage {plan.stage} of replica {plan.replica}"
+
+        def refuse(why: str) -> DonorRefusedError:
+            return DonorRefusedError(
+                f"{where}: refused the state of donor replica {change.donor} (ring epoch "
+                f"{change.epoch}): {why}"
+            )
+
         arrays = unpack_state(matrix, specs)
+        bad = sum(1 for a in arrays if a.dtype.kind == "f" and not np.isfinite(a).all())
+        if bad:
+            raise refuse(f"{bad} of its arrays hold values that are not finite")
         n_weights = len(self.model.variables)
         if not joining:
             distance = relative_distance(arrays[:n_weights], self.model.weights())
             if distance > MAX_DONOR_DISTANCE:
-                raise RingChangeError(
-                    f"stage {plan.stage} of replica {plan.replica}: refused the state of donor "
-                    f"replica {change.donor} (ring epoch {change.epoch}): its weights are "
-                    f"{distance:.4g} away from this replica's (relative L2 distance; at most "
-                    f"{MAX_DONOR_DISTANCE} between replicas in sync)"
+                raise refuse(
+                    f"its weights are {distance:.4g} away from this replica's (relative L2 "
+                    f"distance; at most {MAX_DONOR_DISTANCE} between replicas in sync)"
                 )
+            own = [np.asarray(v.numpy()) for v in variables[n_weights:]]
+            theirs = arrays[n_weights : len(variables)]
+            floats = [(a, b) for a, b in zip(theirs, own, strict=True) if b.dtype.kind == "f"]
+            distance = relative_distance([a for a, _ in floats], [b for _, b in floats])
+            if floats and distance > MAX_STATE_DISTANCE:
+                raise refuse(
+                    f"its optimizer state is {distance:.4g} away from this replica's (at most "
+                    f"{MAX_STATE_DISTANCE})"
+                )
+            if any(
+                b.dtype.kind != "f" and not np.array_equal(a, b)
+                for a, b in zip(theirs, own, strict=True)
+            ):
+                raise refuse("its optimizer's step count is not this replica's")
         for variable, array in zip(variables, arrays, strict=False):
             variable.assign(array)
-        if self.data is not None:
+        if self.data is not None and joining:
             epoch, index = (int(x) for x in arrays[-1])
             try:
                 self.data.restore(DataState(epoch=epoch, index=index))

@@ -26,7 +26,9 @@ ZeroMQ, in one invocation:
    per replica, one micro-batch): one fellow, and 2 replicas x 1 stage (``allreduce``), in
    short rounds whose order alternates; a run's tokens/s is the sum over its replicas of each
    pipeline's slowest stage's steady tokens/s, ``speedup_vs_one`` its ratio to the one
-   fellow's (median of rounds).
+   fellow's (median of rounds). The **ceiling** runs in the same rounds: two one-fellow runs
+   at once with no sync (what two processes get of this machine); the 2 x 1 run reports it
+   (``ceiling_tokens_per_s``) and its ``fraction_of_ceiling`` (median of per-round ratios).
 2. **Convergence**, a smaller model (4 blocks, d_model 128, seq 64, batch 8 per replica),
    ``--loss-steps`` steps (default 600) with the same seed and data: 2 replicas x 1 stage
    ``allreduce`` and ``diloco`` (H = ``--diloco-every``, default 20), each with its final
@@ -53,6 +55,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -313,6 +316,26 @@ def replica_run(
     return run_plans([p for pipeline in plans for p in pipeline], work)
 
 
+def ceiling(work: Path, job: str, model: ModelConfig, train: TrainConfig) -> float:
+    """Two one-fellow runs at the same time, without any sync: their summed tokens/s, the
+    most two replicas could get of this machine."""
+    got: dict[int, float] = {}
+
+    def one(i: int) -> None:
+        plan = single_process_plan(job_id=f"{job}-{i}", model=model, train=train)
+        (events,) = run_plans([plan], work / f"{job}-{i}")
+        got[i] = done(events)["tokens_per_s"]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if len(got) != 2:
+        raise RuntimeError(f"{job}: a ceiling run failed (see {work})")
+    return round(got[0] + got[1], 1)
+
+
 def run_figures(
     events: list[list[dict[str, Any]]], replicas: int, stages: int, train: TrainConfig, seq: int
 ) -> dict[str, Any]:
@@ -342,18 +365,24 @@ def runs(
     seq = speed_model.seq_len
     out: list[dict[str, Any]] = []
 
-    # 1. speed: one fellow against 2 replicas x 1 stage, interleaved rounds
-    arms = [(1, "none"), (2, "allreduce")]
+    # 1. speed: one fellow against 2 replicas x 1 stage, and the ceiling (two one-fellow
+    # runs at once, no sync: what two processes get of this machine), interleaved rounds
+    arms = [(1, "none"), (2, "allreduce"), (0, "ceiling")]
     per_round: list[dict[int, dict[str, Any]]] = []
     for r in range(rounds):
         got = {}
         for k, sync in arms if r % 2 == 0 else arms[::-1]:
             train = msgspec.structs.replace(speed_train, sync="allreduce")
-            events = replica_run(work, f"speed-{r}-{k}", speed_model, train, k, 1)
-            got[k] = run_figures(events, k, 1, train, seq)
-            print(f"  round {r + 1}: {k} x 1 {sync:9s} {got[k]['tokens_per_s']:8.0f} tok/s")
+            if k == 0:
+                got[k] = {"tokens_per_s": ceiling(work, f"ceiling-{r}", speed_model, train)}
+            else:
+                events = replica_run(work, f"speed-{r}-{k}", speed_model, train, k, 1)
+                got[k] = run_figures(events, k, 1, train, seq)
+            print(f"  round {r + 1}: {k or 2} x 1 {sync:9s} {got[k]['tokens_per_s']:8.0f} tok/s")
         per_round.append(got)
     one = statistics.median(r[1]["tokens_per_s"] for r in per_round)
+    top = statistics.median(r[0]["tokens_per_s"] for r in per_round)
+    arms = arms[:2]
     for k, sync in arms:
         tps = statistics.median(r[k]["tokens_per_s"] for r in per_round)
         last = per_round[-1][k]
@@ -371,6 +400,12 @@ def runs(
                 "per_round_tokens_per_s": [r[k]["tokens_per_s"] for r in per_round],
             }
         )
+        if k == 2:  # the median of the per-round ratios to the ceiling
+            out[-1]["ceiling_tokens_per_s"] = top
+            out[-1]["fraction_of_ceiling"] = round(
+                statistics.median(r[2]["tokens_per_s"] / r[0]["tokens_per_s"] for r in per_round),
+                3,
+            )
 
     # 2. convergence: allreduce against diloco at equal tokens, and one fellow's speed
     loss_train = TrainConfig(steps=loss_steps, batch_size=8, micro_batches=1, **common)
@@ -437,6 +472,10 @@ def runs(
         speed["speedup_vs_one"],
         ">= 1.8",
         speed["speedup_vs_one"] >= 1.8,
+    )
+    print(
+        f"  (two one-fellow runs at once, no sync: {top / one:.3f}x one fellow; 2x1 allreduce "
+        f"reaches {speed['fraction_of_ceiling']:.3f} of that ceiling)"
     )
     ar, dl = (
         next(r for r in out if r["arm"] == "convergence" and r["sync"] == s)

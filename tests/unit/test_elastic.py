@@ -260,36 +260,114 @@ def test_a_replacement_is_placed_joins_and_counts_once_it_trains():
     assert first in job.view.fellows
 
 
-def test_a_member_whose_state_is_not_the_donors_is_dropped():
-    jobs, job, _ = running(k=3, p=1)
+def test_a_member_outvoted_on_the_state_it_took_is_dropped():
+    jobs, job, _ = running(k=4, p=1)
+    jobs.lose_stage(job.job_id, fellow(job, 3, 0), "went offline")
+    jobs.ring_changed(job.job_id, 1, 10, 0, joined=[])
+    a, b, c = (fellow(job, r, 0) for r in range(3))
+    jobs.record_progress(step(job, a, 11, sync_epoch=1, state_digest=DIGEST_B))
+    jobs.record_progress(step(job, b, 11, sync_epoch=1, state_digest=DIGEST_A))
+    assert job.placement.live_replicas == [0, 1, 2]  # not every member has said yet
+    jobs.record_progress(step(job, c, 11, sync_epoch=1, state_digest=DIGEST_A))
+    # The donor (replica 0) is outvoted: what it says it sent is not what the others got.
+    assert job.placement.live_replicas == [1, 2] and job.placement.lead == 1
+    assert "outvoted" in job.membership[-1].reason
+
+
+def test_two_members_that_disagree_on_the_state_fail_the_attempt():
+    jobs, job, _ = running(k=3, p=1, max_resumes=2, resume_from_scratch=True)
     jobs.lose_stage(job.job_id, fellow(job, 2, 0), "went offline")
     jobs.ring_changed(job.job_id, 1, 10, 0, joined=[])
     a, b = fellow(job, 0, 0), fellow(job, 1, 0)
-    jobs.record_progress(step(job, b, 11, sync_epoch=1, state_digest=DIGEST_B))
-    assert job.placement.live_replicas == [0, 1]  # the donor has not said yet
     jobs.record_progress(step(job, a, 11, sync_epoch=1, state_digest=DIGEST_A))
-    assert job.placement.live_replicas == [0]
-    assert "not the donor's" in job.membership[-1].reason
+    jobs.record_progress(step(job, b, 11, sync_epoch=1, state_digest=DIGEST_B))
+    assert job.state is JobState.PENDING and "no majority" in job.resumes[-1].reason
+
+
+def test_a_refused_donor_is_lost_with_the_member_that_refused_it():
+    jobs, job, _ = running(k=3, p=1)
+    jobs.lose_stage(job.job_id, fellow(job, 2, 0), "went offline")
+    jobs.ring_changed(job.job_id, 1, 10, 0, joined=[])
+    refused = StageOutcome(
+        job_id=job.job_id,
+        attempt=1,
+        result=StageResult.FAILED,
+        code="DONOR_REFUSED",
+        message="refused the state of donor replica 0",
+    )
+    jobs.record_outcome(fellow(job, 1, 0), refused)
+    # Neither can be trusted: with no replica left, the attempt fails as without replicas.
+    assert job.state is JobState.FAILED
+    assert [m.replica for m in job.membership if m.kind == "lost"] == [2, 1]
 
 
 @pytest.mark.parametrize(
-    ("progress", "expected"),
+    ("progress", "outvoted", "undecided"),
     [
-        ([(0, 0, DIGEST_A), (1, 0, DIGEST_A), (2, 0, DIGEST_B)], ["r2s0"]),
-        ([(0, 0, DIGEST_A), (1, 0, DIGEST_A)], []),
-        ([(1, 0, DIGEST_B), (2, 0, DIGEST_A)], []),  # no donor digest yet
-        ([(0, 0, DIGEST_A), (0, 1, DIGEST_B), (1, 1, DIGEST_B), (1, 0, DIGEST_B)], ["r1s0"]),
+        ([(0, 0, DIGEST_A), (1, 0, DIGEST_A), (2, 0, DIGEST_B)], ["r2s0"], []),
+        ([(0, 0, DIGEST_A), (1, 0, DIGEST_A)], [], []),
+        ([(0, 0, DIGEST_A), (1, 0, DIGEST_B)], [], [0]),  # two: nobody can tell
+        ([(0, 0, DIGEST_A), (1, 0, DIGEST_B), (2, 0, None)], [], []),  # not all said yet
+        (
+            [(0, 0, DIGEST_A), (0, 1, DIGEST_B), (1, 1, DIGEST_B), (1, 0, DIGEST_A),
+             (2, 0, DIGEST_B), (2, 1, DIGEST_B)],
+            ["r2s0"],
+            [],
+        ),
     ],
-)
-def test_digest_mismatches_are_per_stage_against_the_donor(progress, expected):
+)  # fmt: skip
+def test_the_digests_of_each_stages_members_are_put_to_a_vote(progress, outvoted, undecided):
     from silentswarm.types.views import StageProgress
 
     stages = [
         StageProgress(stage=s, replica=r, fellow_id=f"r{r}s{s}", sync_epoch=3, state_digest=digest)
         for r, s, digest in progress
     ]
-    stale = StageProgress(stage=0, replica=1, fellow_id="old", sync_epoch=2, state_digest="c" * 64)
-    assert elastic.digest_mismatches([*stages, stale], epoch=3, donor=0) == expected
+    starting = StageProgress(stage=0, replica=5, fellow_id="new", joining="starting")
+    verdict = elastic.digest_verdict([*stages, starting], epoch=3)
+    assert (verdict.outvoted, verdict.undecided) == (outvoted, undecided)
+
+
+def test_a_loss_that_leaves_only_completed_stages_completes_the_job():
+    jobs, job, _ = running(k=2, p=1)
+    done = StageOutcome(job_id=job.job_id, attempt=1, result=StageResult.COMPLETED, step=100)
+    jobs.record_outcome(fellow(job, 0, 0), done)
+    assert job.state is JobState.RUNNING
+    jobs.lose_stage(job.job_id, fellow(job, 1, 0), "went offline at the very end")
+    assert job.state is JobState.COMPLETED
+
+
+def test_a_replacement_still_joining_when_the_others_complete_is_dropped():
+    jobs, job, _ = running(k=2, p=1)
+    jobs.lose_stage(job.job_id, fellow(job, 1, 0), "went offline")
+    stages = elastic.replacement(job, [cand("n1")])
+    assert isinstance(stages, list)
+    jobs.place_replacement(job.job_id, stages)
+    done = StageOutcome(job_id=job.job_id, attempt=1, result=StageResult.COMPLETED, step=100)
+    jobs.record_outcome(fellow(job, 0, 0), done)
+    assert job.state is JobState.COMPLETED
+    assert job.membership[-1].kind == "refused" and "n1" in jobs.drops[job.job_id]
+
+
+def test_a_joiner_lost_after_its_ring_change_went_out_needs_a_new_one():
+    jobs, job, _ = running(k=3, p=1)
+    jobs.lose_stage(job.job_id, fellow(job, 2, 0), "went offline")
+    jobs.ring_due.clear()
+    jobs.after_loss.clear()
+    stages = elastic.replacement(job, [cand("n1")])
+    assert isinstance(stages, list)
+    jobs.place_replacement(job.job_id, stages)
+    jobs.record_progress(step(job, "n1", 0, event=ProgressEvent.JOINING))
+    jobs.ring_changed(job.job_id, 2, 40, 0, joined=[2])
+    jobs.ring_due.clear()
+    jobs.lose_stage(job.job_id, "n1", "crashed while joining")
+    assert jobs.ring_due == {job.job_id} and jobs.after_loss == {job.job_id}
+
+
+def test_a_late_answer_of_an_older_attempt_loses_nothing():
+    jobs, job, _ = running(k=2, p=1)
+    jobs.lose_stage(job.job_id, fellow(job, 1, 0), "refused RING", attempt=0)
+    assert job.placement.live_replicas == [0, 1] and not job.membership
 
 
 def test_a_ring_member_may_bind_for_any_replica_of_its_stage_and_no_other_stage():
@@ -323,3 +401,15 @@ def test_a_restarted_leader_sends_the_ring_change_a_ready_replacement_waits_for(
     again = JobManager(wall=Clock())
     again.restore([msgspec.json.decode(msgspec.json.encode(job), type=JobRecord)])
     assert again.ring_due == {job.job_id}
+
+
+def test_a_restarted_leader_sends_the_ring_change_of_a_loss_it_had_not_sent():
+    jobs, job, _ = running(k=3, p=1)
+    jobs.lose_stage(job.job_id, fellow(job, 2, 0), "went offline")
+    again = JobManager(wall=Clock())
+    again.restore([msgspec.json.decode(msgspec.json.encode(job), type=JobRecord)])
+    assert again.ring_due == {job.job_id} and again.after_loss == {job.job_id}
+    jobs.ring_changed(job.job_id, 1, 10, 0, joined=[])  # sent: the loss has its epoch
+    third = JobManager(wall=Clock())
+    third.restore([msgspec.json.decode(msgspec.json.encode(job), type=JobRecord)])
+    assert third.ring_due == set()
