@@ -255,7 +255,7 @@ def test_serve_benchmark_quick():
 def test_replicas_benchmark_quick_places_by_speed():
     figures = run_quick("replicas", "--only", "placement", timeout=200)
     assert figures["bench"] == "replicas" and figures["quick"] is True
-    assert figures["runs"] == []  # stage replicas are not built
+    assert figures["runs"] == []  # --only placement: the replica runs are left out
     placement = figures["placement"]
     for key in ("equal_tokens_per_s", "balanced_tokens_per_s", "best_tokens_per_s"):
         assert positive(placement[key]), key

@@ -464,3 +464,38 @@ def test_swarm_stage_processes_take_a_ring_command_on_stdin(tmp_path):
         digests.add(steps[2]["state_digest"])
         assert lines[-1]["event"] == "done"
     assert len(digests) == 1
+
+
+def test_a_change_due_at_the_runs_end_switches_nothing_but_hands_over_the_checkpoints(
+    tmp_path,
+):
+    """The run ends before a ring change could take effect: the leader's change is due at
+    the last step, so nobody switches rings, but replica 1 takes over the lost lead's final
+    checkpoint (and replica 0 gives it up)."""
+    steps = 4
+    plans = [
+        msgspec.structs.replace(plan, checkpoint_dir=str(tmp_path / f"r{plan.replica}"))
+        for plan in stage_plans(2, config(steps, sync_timeout_s=SYNC_TIMEOUT_S))
+    ]
+    plans[0] = msgspec.structs.replace(plans[0], checkpoint_at_end=True)
+    changes = ring_changes(plans, [0, 1], epoch=1, at_step=steps)
+    changes = {
+        r: msgspec.structs.replace(change, checkpoint_at_end=r == 1, checkpoint_every=0)
+        for r, change in changes.items()
+    }
+
+    def hand_over(run: Run, event: StageEvent) -> None:
+        if isinstance(event, StepEvent) and event.step == 0:
+            run.command(changes[run.plan.replica])
+
+    runs = [Run(plan, hand_over) for plan in plans]
+    run_all(runs)
+    for run in runs:
+        assert run.error is None, run.error
+        assert {e.sync_epoch for e in run.steps} == {0}  # no switch
+        assert not any(e.state_digest for e in run.steps)
+    ends = {
+        run.plan.replica: [e for e in run.events if getattr(e, "id", None) == "end"] for run in runs
+    }
+    assert ends[0] == [] and len(ends[1]) == 1 and ends[1][0].ok
+    assert list((tmp_path / "r1").rglob("*.npz")) and not list((tmp_path / "r0").rglob("*.npz"))
