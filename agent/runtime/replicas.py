@@ -76,7 +76,7 @@ from silentswarm.agent.pipe.link import (
     accept_upstream,
     connect_downstream,
 )
-from silentswarm.agent.pipe.wire import Direction, decode_frame, encode_frame
+from silentswarm.agent.pipe.wire import Direction, Frame, decode_frame, encode_frame
 from silentswarm.compression import parse_wire_codec
 from silentswarm.plan import CurveKeys as PlanCurveKeys
 from silentswarm.plan import Peer, RingChange, StagePlan
@@ -521,17 +521,10 @@ class ReplicaSync:
         deadline = time.monotonic() + timeout_s
         while True:
             parts = self.up.recv(max(0.001, deadline - time.monotonic()))
-            try:
-                frame = decode_frame(parts)
-            except FrameError as exc:
-                raise FrameError(f"{name}: {exc}") from None
-            header = frame.header
-            if header.job != self.plan.job_id or header.attempt != self.plan.attempt:
-                self.dropped += 1
-                log.warning(
-                    "%s: dropped a frame of %s attempt %d", name, header.job, header.attempt
-                )
+            frame = self._decode_ours(parts)
+            if frame is None:
                 continue
+            header = frame.header
             got = (header.phase, header.step, header.micro)
             want = (STATE_PHASE, change.epoch, change.donor)
             if got != want:
@@ -546,6 +539,22 @@ class ReplicaSync:
         if next_member(self.members, self.replica) != change.donor:
             self.down.send(parts, timeout_s=timeout_s)
         return matrix
+
+    def _decode_ours(self, parts: Parts) -> Frame | None:
+        """A frame from the predecessor, or None (dropped and counted) for one of another
+        job or attempt; FrameError, naming the link, for one that does not decode."""
+        assert self.up is not None
+        name = self.up.name
+        try:
+            frame = decode_frame(parts)
+        except FrameError as exc:
+            raise FrameError(f"{name}: {exc}") from None
+        header = frame.header
+        if header.job != self.plan.job_id or header.attempt != self.plan.attempt:
+            self.dropped += 1
+            log.warning("%s: dropped a frame of %s attempt %d", name, header.job, header.attempt)
+            return None
+        return frame
 
     def _retire_links(self) -> None:
         """Close the links in force, keeping what they moved and dropped in the counters."""
@@ -722,15 +731,10 @@ class ReplicaSync:
         a malformed one."""
         assert self.up is not None
         name = self.up.name
-        try:
-            frame = decode_frame(parts)
-        except FrameError as exc:
-            raise FrameError(f"{name}: {exc}") from None
-        header = frame.header
-        if header.job != self.plan.job_id or header.attempt != self.plan.attempt:
-            self.dropped += 1
-            log.warning("%s: dropped a frame of %s attempt %d", name, header.job, header.attempt)
+        frame = self._decode_ours(parts)
+        if frame is None:
             return None
+        header = frame.header
         if header.phase != PHASE:
             raise FrameError(f"{name}: a {header.phase!r} frame on a sync link")
         if header.step < round_id:
