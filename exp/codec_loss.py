@@ -210,6 +210,15 @@ def run_arm(model: ModelConfig, train: TrainConfig, fwd: str, bwd: str, bits: in
     }
 
 
+def sign_agreement(got: np.ndarray, ref: np.ndarray) -> float:
+    """The fraction of ``ref``'s magnitude whose sign ``got`` keeps, summed in float64 and
+    held to [0, 1]: float32 sums of a subset and of the whole, taken in different orders,
+    can otherwise put an exact agreement a rounding above 1."""
+    weight = np.abs(ref.astype(np.float64))
+    kept = weight[np.sign(got) == np.sign(ref)].sum()
+    return float(min(1.0, kept / weight.sum()))
+
+
 def fidelity(
     model: ModelConfig, train: TrainConfig, arms: list[str], bits: int, m: int, batches: int
 ) -> dict:
@@ -253,7 +262,7 @@ def fidelity(
                 for g, r in zip(mine, ref, strict=True)
             )
         row["adam_sign_agreement"] = statistics.fmean(
-            float(np.abs(r)[np.sign(g) == np.sign(r)].sum() / np.abs(r).sum())
+            sign_agreement(g, r)
             for g, r in zip((g[0] for g in got), (e[0] for e in exact), strict=True)
         )
         result[arm] = row
