@@ -150,6 +150,16 @@ class Clipped:
     clipped: int
 
 
+def _norm(vector: np.ndarray) -> float:
+    """The L2 norm of ``vector`` through BLAS in float32, with no float64 copy: every member
+    computes it from the same bits, and a bound ``ratio`` times a median needs no more than
+    float32's precision. A vector whose squares overflow float32 (values near 1e19) counts as
+    not finite, as its NaN or infinite cousins do."""
+    flat = vector.reshape(-1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return math.sqrt(float(np.dot(flat, flat))) if flat.size else 0.0
+
+
 def clip_contributions(vectors: Mapping[int, np.ndarray], ratio: float) -> Clipped:
     """Scale down every contribution whose L2 norm is above ``ratio`` times the median of
     the *other* contributions' norms to that bound; leave out one that is not finite.
@@ -158,7 +168,7 @@ def clip_contributions(vectors: Mapping[int, np.ndarray], ratio: float) -> Clipp
     depend on the order; a lone contribution has no others to compare with and is kept as it
     is. Both a scaled and a left-out contribution count as clipped.
     """
-    norms = {o: float(np.linalg.norm(v.astype(np.float64))) for o, v in vectors.items()}
+    norms = {o: _norm(v) for o, v in vectors.items()}
     finite = {o: n for o, n in norms.items() if math.isfinite(n)}
     kept: dict[int, np.ndarray] = {}
     clipped = len(norms) - len(finite)
@@ -178,10 +188,12 @@ def average(vectors: Mapping[int, np.ndarray]) -> np.ndarray:
     """The mean of ``vectors``, summed in origin order (every member gets the same bits)."""
     if not vectors:
         raise ValueError("nothing to average")
-    total = np.zeros_like(next(iter(vectors.values())), dtype=np.float32)
-    for origin in sorted(vectors):
+    first, *rest = sorted(vectors)
+    total = np.array(vectors[first], dtype=np.float32)
+    for origin in rest:
         total += vectors[origin]
-    return total / np.float32(len(vectors))
+    total /= np.float32(len(vectors))
+    return total
 
 
 def nesterov_step(
@@ -683,7 +695,7 @@ class ReplicaSync:
             self.stale += len(self._early.pop(old))
         own = self._encode(round_id, matrix)
         # What the others will decode, so a lossy codec changes no member's view.
-        got = {self.replica: np.array(decode_frame(own).array, dtype=np.float32)}
+        got = {self.replica: np.asarray(decode_frame(own).array, dtype=np.float32)}
         n = len(self.members)
         if n == 1:  # a ring of one: nothing to send, nobody to wait for
             return got
@@ -754,7 +766,7 @@ class ReplicaSync:
                 f"{name}: a contribution of shape {list(frame.array.shape)}, "
                 f"this stage's is {list(shape)}"
             )
-        got[origin] = np.array(frame.array, dtype=np.float32)
+        got[origin] = np.asarray(frame.array, dtype=np.float32)
         return origin
 
 

@@ -492,8 +492,8 @@ class StageRunner:
         their rows: one pipeline with ``n_replicas`` times the batch, step by step."""
         assert self.replicas is not None
         model = self.model
-        means = [g / np.float32(m) for g in model.accumulated()]
-        model.set_accumulated(self.replicas.all_reduce(step, means))
+        result = self.replicas.round(step, model.accumulated_packed(1.0 / m))
+        model.set_accumulated_packed(result.average)
         return 1
 
     def _outer_step(self, step: int) -> None:

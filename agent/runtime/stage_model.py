@@ -48,6 +48,7 @@ from silentswarm.agent.runtime.model import (
     head,
     token_loss,
 )
+from silentswarm.agent.runtime.replicas import ROW
 from silentswarm.agent.runtime.schedule import lr_at
 from silentswarm.compression import parse_compression
 from silentswarm.plan import StagePlan
@@ -188,6 +189,8 @@ class StageModel:
         self._apply = tf.function(self._apply_impl, jit_compile=jit)
         self._apply_pending = tf.function(self._apply_pending_impl, jit_compile=jit)
         self._stash = tf.function(self._stash_impl)
+        self._packed = tf.function(self._packed_impl, jit_compile=jit)
+        self._set_packed = tf.function(self._set_packed_impl, jit_compile=jit)
         # Each is one XLA compilation (seconds): a run traces only those its plan uses.
         self.local_micro = compiled(self._local_micro)
         self.local_step = compiled(self._local_step)
@@ -325,14 +328,32 @@ class StageModel:
         for anchor, v in zip(self.anchor, self.variables, strict=False):  # none: not DiLoCo
             anchor.assign(v)
 
-    def accumulated(self) -> list[np.ndarray]:
-        """The accumulated gradients (summed over the step's micro-batches), as numpy."""
-        return [acc.numpy() for acc in self.accumulators]
+    def _packed_impl(self, scale):
+        parts = []
+        for acc in self.accumulators:
+            flat = tf.reshape(acc, [-1]) * scale
+            pad = -flat.shape[0] % ROW
+            parts.append(tf.pad(flat, [[0, pad]]) if pad else flat)
+        return tf.reshape(tf.concat(parts, 0), [-1, ROW])
 
-    def set_accumulated(self, arrays: list[np.ndarray]) -> None:
-        """Replace the accumulated gradients (with the replicas' average)."""
-        for acc, a in zip(self.accumulators, arrays, strict=True):
-            acc.assign(a)
+    def _set_packed_impl(self, matrix):
+        flat = tf.reshape(matrix, [-1])
+        start = 0
+        for acc in self.accumulators:
+            n = acc.shape.num_elements()
+            acc.assign(tf.reshape(flat[start : start + n], acc.shape))
+            start += -(-n // ROW) * ROW
+
+    def accumulated_packed(self, scale: float) -> np.ndarray:
+        """The accumulated gradients times ``scale`` as one float32 matrix laid out as
+        :func:`~silentswarm.agent.runtime.replicas.pack` lays them out: built in one compiled
+        call, not a numpy copy per array (a replica's allreduce sends it every step)."""
+        return self._packed(tf.constant(scale, tf.float32)).numpy()
+
+    def set_accumulated_packed(self, matrix: np.ndarray) -> None:
+        """Replace the accumulated gradients with the arrays of a :meth:`accumulated_packed`
+        matrix (the replicas' average), in one compiled call."""
+        self._set_packed(tf.convert_to_tensor(matrix, tf.float32))
 
     def weights(self) -> list[np.ndarray]:
         """The trainable variables' values, as numpy."""

@@ -227,8 +227,8 @@ def test_a_hostile_replicas_scaled_up_gradient_is_clipped_and_counted():
     plans = replicas(2, 1, train)
     runs = [Run(row[0]) for row in plans]
     model = runs[1].runner.model
-    honest = model.accumulated
-    model.accumulated = lambda: [g * 1000.0 for g in honest()]  # type: ignore[method-assign]
+    honest = model.accumulated_packed
+    model.accumulated_packed = lambda scale: honest(scale) * 1000.0  # type: ignore[method-assign]
     run_all(runs)
     for run in runs:
         assert run.done.sync_clipped == 3  # one per step, on both ends alike
@@ -251,16 +251,16 @@ def test_a_stalled_replica_is_left_out_of_the_round_and_counted():
     plans = replicas(2, 1, train)
     runs = [Run(row[0], watch) for row in plans]
     model = runs[1].runner.model
-    honest = model.accumulated
+    honest = model.accumulated_packed
     calls = []
 
-    def stalled() -> list[np.ndarray]:
+    def stalled(scale: float) -> np.ndarray:
         calls.append(1)
         if len(calls) == 3:  # step 2
             assert over.wait(60), "replica 0 never left replica 1 out"
-        return honest()
+        return honest(scale)
 
-    model.accumulated = stalled  # type: ignore[method-assign]
+    model.accumulated_packed = stalled  # type: ignore[method-assign]
     run_all(runs)
     missed = [[s.sync_missed for s in run.steps] for run in runs]
     assert missed[0] == [0, 0, 1, 1] and missed[1] == [0, 0, 0, 0]
