@@ -115,6 +115,7 @@ def create_app(
         authority=authority,
         wake=job_loop_wake,
         account_of=account_book.find,
+        revoke_attempt=revoker.revoke_attempt_soon if revoker is not None else None,
     )
     # The domain services the controllers call; each gets the loop as the narrow
     # collaborator its Protocol names (leader.services), never more.

@@ -269,6 +269,9 @@ class JobManager:
         # (job -> fellows), and the jobs whose rings must change (a replica lost, or a
         # replacement ready to join).
         self.drops: dict[str, list[str]] = {}
+        # (fellow, job, attempt) whose NATS user of that attempt the orchestrator revokes:
+        # the fellows of a dropped replica that hold no stage of the job any more.
+        self.revokes: list[tuple[str, str, int]] = []
         self.ring_due: set[str] = set()
         self.after_loss: set[str] = set()  # of ring_due: a member was lost since the last
         self.dirty: set[str] = set()
@@ -588,6 +591,9 @@ class JobManager:
         running = [p.fellow_id for p in gone if p.result is None]
         if running:
             self.drops.setdefault(job.job_id, []).extend(running)
+        still = {s.fellow_id for s in placement.stages}
+        for fellow_id in dict.fromkeys(p.fellow_id for p in gone if p.fellow_id not in still):
+            self.revokes.append((fellow_id, job.job_id, job.attempt))
         # A replacement that had not joined yet changes no ring.
         if not joining:
             self.ring_due.add(job.job_id)

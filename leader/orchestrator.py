@@ -89,11 +89,15 @@ class Orchestrator:
         authority: NatsAuthority | None = None,
         wake: asyncio.Event | None = None,
         account_of: AccountLookup = no_accounts,
+        revoke_attempt: Callable[[str, str, int], None] | None = None,
     ) -> None:
         """``wake``: set (by anyone: the export service when a shard arrives) to run the
         next tick at once instead of after ``TICK_S``. ``account_of``: a job owner's account,
-        whose pool limits placement keeps to (default: nobody is limited)."""
+        whose pool limits placement keeps to (default: nobody is limited).
+        ``revoke_attempt(fellow, job, attempt)``: revokes that fellow's NATS user of the
+        attempt (a dropped replica's fellows; None: no NATS users to revoke)."""
         self.account_of = account_of
+        self.revoke_attempt = revoke_attempt
         self.bus = bus
         # Mints each placed stage of each attempt its own NATS user (None: no NATS users).
         self.authority = authority
@@ -425,7 +429,13 @@ class Orchestrator:
     # --- elastic membership (leader/elastic.py decides) -------------------------------------
 
     def _stop_dropped(self) -> None:
-        """STOP the stages still running of replicas that were dropped."""
+        """STOP the stages still running of replicas that were dropped, and revoke their
+        fellows' NATS users of the attempt: a dropped fellow reads no ring of the job again
+        (under ``tunnel`` its ring subjects carry no CURVE)."""
+        revokes, self.jobs.revokes = self.jobs.revokes, []
+        if self.revoke_attempt is not None:
+            for fellow_id, job_id, attempt in revokes:
+                self.revoke_attempt(fellow_id, job_id, attempt)
         while self.jobs.drops:
             job_id, fellows = self.jobs.drops.popitem()
             job = self.jobs.get(job_id)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Coroutine
+from typing import Any
 
 import msgspec
 from nats.aio.client import Client
@@ -148,21 +150,41 @@ class UserRevoker:
         """Revoke every NATS user minted for ``fellow_id``; True once nats-server has
         disconnected them (False: recorded, the push is retried in the background)."""
         keys = await asyncio.to_thread(self.authority.revoke_fellow, fellow_id)
+        return await self._pushed(keys, f"fellow {fellow_id}", timeout)
+
+    async def revoke_attempt(
+        self, fellow_id: str, job_id: str, attempt: int, *, timeout: float = 5.0
+    ) -> bool:
+        """Revoke the NATS users of ``fellow_id``'s stages in one job's attempt (its replica
+        was dropped; the job goes on without it); as :meth:`revoke_fellow`."""
+        keys = await asyncio.to_thread(self.authority.revoke_attempt, fellow_id, job_id, attempt)
+        return await self._pushed(keys, f"fellow {fellow_id} in job {job_id} ({attempt})", timeout)
+
+    def revoke_attempt_soon(self, fellow_id: str, job_id: str, attempt: int) -> None:
+        """:meth:`revoke_attempt` in the background (for callers that cannot wait)."""
+        self._spawn(
+            self.revoke_attempt(fellow_id, job_id, attempt),
+            name=f"revoke-{fellow_id}-{job_id}-{attempt}",
+        )
+
+    async def _pushed(self, keys: list[str], whose: str, timeout: float) -> bool:
+        """Push the account JWT after ``keys`` were revoked: True once the server took it."""
         if not keys:
             return True
-        log.info("revoking %d NATS user(s) of fellow %s", len(keys), fellow_id)
+        log.info("revoking %d NATS user(s) of %s", len(keys), whose)
         try:
             await self.push(timeout=timeout)
         except RevocationPushError as exc:
-            log.error("fellow %s: %s; retrying in the background", fellow_id, exc)
+            log.error("%s: %s; retrying in the background", whose, exc)
             self._dirty.set()
             return False
         return True
 
     def revoke_fellow_soon(self, fellow_id: str) -> None:
         """:meth:`revoke_fellow` in the background (for callers that cannot wait)."""
-        task = asyncio.get_running_loop().create_task(
-            self.revoke_fellow(fellow_id), name=f"revoke-{fellow_id}"
-        )
+        self._spawn(self.revoke_fellow(fellow_id), name=f"revoke-{fellow_id}")
+
+    def _spawn(self, work: Coroutine[Any, Any, bool], *, name: str) -> None:
+        task = asyncio.get_running_loop().create_task(work, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -301,10 +301,13 @@ KEPT_ATTEMPT_KEYS = 4
 
 class _Users(msgspec.Struct):
     """``users.json``: the user keys minted for each fellow: its own (``fellows``, every
-    one) and its newest attempts' (``attempts``), so that releasing a fellow revokes them."""
+    one) and its newest attempts' (``attempts``), so that releasing a fellow revokes them;
+    ``attempt_names``: each kept attempt key's user name (:func:`attempt_user_name`), so that
+    a fellow dropped from one job's attempt loses that user alone."""
 
     fellows: dict[str, list[str]] = msgspec.field(default_factory=dict)
     attempts: dict[str, list[str]] = msgspec.field(default_factory=dict)
+    attempt_names: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 def write_private(path: Path, text: str) -> None:
@@ -397,13 +400,18 @@ class NatsAuthority:
         except msgspec.DecodeError as exc:
             raise NatsAuthError(f"{self._users_path} is damaged ({exc})") from None
 
-    def _record_user(self, fellow_id: str, creds: str, *, attempt: bool = False) -> None:
+    def _record_user(
+        self, fellow_id: str, creds: str, *, attempt: bool = False, name: str = ""
+    ) -> None:
         key = creds_user_key(creds)
         with self._locked():
             users = self._read_users()
             if attempt:
-                kept = [*users.attempts.get(fellow_id, []), key][-KEPT_ATTEMPT_KEYS:]
-                users.attempts[fellow_id] = kept
+                held = [*users.attempts.get(fellow_id, []), key]
+                users.attempts[fellow_id] = held[-KEPT_ATTEMPT_KEYS:]
+                for old in held[:-KEPT_ATTEMPT_KEYS]:
+                    users.attempt_names.pop(old, None)
+                users.attempt_names[key] = name
             else:
                 users.fellows.setdefault(fellow_id, []).append(key)
             write_private(self._users_path, msgspec.json.encode(users).decode())
@@ -439,6 +447,8 @@ class NatsAuthority:
                         table[fellow_id] = left
                     else:
                         del table[fellow_id]
+            for key in [k for k in users.attempt_names if k in revoked]:
+                del users.attempt_names[key]
             write_private(self._users_path, msgspec.json.encode(users).decode())
             # Under the lock too: concurrent revokes (the leader revokes in threads) would
             # share server.conf's temporary file, and a slower one preload fewer revocations.
@@ -455,6 +465,19 @@ class NatsAuthority:
             when = int(time.time()) if at is None else at
             self.revoke(dict.fromkeys(keys, when))
             self.fellow_creds_path(fellow_id).unlink(missing_ok=True)
+        return keys
+
+    def revoke_attempt(
+        self, fellow_id: str, job_id: str, attempt: int, *, at: int | None = None
+    ) -> list[str]:
+        """Revoke the users minted for ``fellow_id``'s stages of one job's attempt (a fellow
+        whose replica was dropped while the job goes on), leaving its own user and its other
+        jobs' alone; the keys revoked."""
+        name = attempt_user_name(fellow_id, job_id, attempt)
+        users = self._read_users()
+        keys = [k for k in users.attempts.get(fellow_id, []) if users.attempt_names.get(k) == name]
+        if keys:
+            self.revoke(dict.fromkeys(keys, int(time.time()) if at is None else at))
         return keys
 
     def account_jwt(self, extra_revocations: Mapping[str, int] | None = None) -> str:
@@ -562,8 +585,9 @@ class NatsAuthority:
             replica=replica,
             n_replicas=n_replicas,
         )
-        creds = self.user_creds(attempt_user_name(fellow_id, job_id, attempt), perms)
-        self._record_user(fellow_id, creds, attempt=True)
+        name = attempt_user_name(fellow_id, job_id, attempt)
+        creds = self.user_creds(name, perms)
+        self._record_user(fellow_id, creds, attempt=True, name=name)
         return creds
 
     def write_creds(self, path: Path, name: str, perms: Permissions) -> Path:

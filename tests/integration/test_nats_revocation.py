@@ -130,6 +130,55 @@ def test_a_revoked_fellow_user_is_cut_off_at_once_and_stays_refused(
     asyncio.run(recovered())
 
 
+def test_a_dropped_replicas_attempt_user_is_cut_off_and_the_fellows_others_stay(
+    secure_nats: NatsControl, nats_authority: NatsAuthority, tmp_path: Path
+):
+    """What the orchestrator does for a fellow whose replica was dropped: its user of that
+    job's attempt goes (it read the stage's ring subjects), its own user and its user of
+    another job stay."""
+
+    def attempt_creds(job_id: str, replica: int) -> Path:
+        path = tmp_path / f"{job_id}-{replica}.creds"
+        path.write_text(
+            nats_authority.attempt_creds(
+                "swarm",
+                fellow_id="f1",
+                job_id=job_id,
+                attempt=1,
+                stage=0,
+                n_stages=1,
+                replica=replica,
+                n_replicas=2,
+            )
+        )
+        return path
+
+    dropped, other_job = attempt_creds("j1", 1), attempt_creds("j2", 0)
+    own = nats_authority.write_fellow_creds("swarm", "f1", tmp_path / "f1.creds")
+
+    async def main() -> None:
+        revoker = UserRevoker(nats_authority, NatsAccess(url=secure_nats.url))
+        running = asyncio.create_task(revoker.run())
+        await asyncio.wait_for(revoker.pushed.wait(), 15)
+        cut = await Watched().connect(secure_nats.url, dropped)
+        kept = [await Watched().connect(secure_nats.url, p) for p in (other_job, own)]
+        try:
+            assert await revoker.revoke_attempt("f1", "j1", 1) is True
+            await asyncio.wait_for(cut.closed.wait(), 5)
+            assert await refused(secure_nats.url, dropped)
+            assert not any(w.closed.is_set() for w in kept)
+            assert not await refused(secure_nats.url, other_job)
+            assert not await refused(secure_nats.url, own)
+        finally:
+            for watched in kept:
+                assert watched.nc is not None
+                await watched.nc.close()
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+
+    asyncio.run(main())
+
+
 def test_releasing_a_fellow_revokes_its_nats_user(
     procs,
     secure_nats: NatsControl,

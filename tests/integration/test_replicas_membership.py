@@ -3,9 +3,9 @@ fellows train two replicas of a one-stage pipeline; the fellow of replica 0 is S
 mid-job. The job goes on with replica 1 alone in the same attempt (its ring changes to one
 member, and it takes over the export), a fellow started mid-job (ready before the loss, so
 the test does not race the survivor, which trains alone in ~10 ms a step) is placed in the
-lost slot,
-joins the ring at a sync boundary with the donor's state (the digests agree), and the job
-completes in attempt 1 with both replicas' last stages and an export."""
+lost slot, joins the ring at a sync boundary with the donor's state (the digests agree), and
+the job completes in attempt 1 with both replicas' last stages and an export. The swarm has
+NATS users: the lost fellow's user of the attempt is revoked, the others' stay."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from silentswarm.natsauth import NatsAuthority, attempt_user_name
 from tests.conftest import start_agent
 from tests.helpers import wait_for
 from tests.integration.test_jobs import tiny, wait_ready, wait_steps
@@ -26,10 +27,22 @@ def kinds(job: dict) -> list[str]:
     return [m["kind"] for m in job["membership"]]
 
 
+def attempt_users(authority: NatsAuthority) -> set[str]:
+    """The names of the attempt users minted and not revoked."""
+    users = json.loads((authority.dir / "users.json").read_text())
+    return set(users["attempt_names"].values())
+
+
 def test_a_lost_replica_does_not_stop_the_job_and_a_new_fellow_joins_its_slot(
-    procs, nats_server, leader
+    procs, secure_nats, nats_authority, secure_leader, tmp_path
 ):
-    agents = {name: start_agent(procs, nats_server.url, name) for name in ("e1", "e2")}
+    leader = secure_leader
+
+    def agent(name: str):
+        creds = nats_authority.write_fellow_creds("swarm", name, tmp_path / f"{name}.creds")
+        return start_agent(procs, secure_nats.url, name, SWARM_NATS_CREDS=str(creds))
+
+    agents = {name: agent(name) for name in ("e1", "e2")}
     wait_ready(leader, "e1", "e2")
     spec = tiny(
         name="elastic",
@@ -47,7 +60,7 @@ def test_a_lost_replica_does_not_stop_the_job_and_a_new_fellow_joins_its_slot(
     wait_steps(leader, job_id, 20)
     placed = {s["replica"]: s["fellow_id"] for s in leader.job(job_id)["placement"]["stages"]}
     victim, survivor = placed[0], placed[1]
-    start_agent(procs, nats_server.url, "e3")  # mid-job: every slot is placed, it waits
+    agent("e3")  # mid-job: every slot is placed, it waits
     wait_ready(leader, "e3")
     assert "e3" not in [s["fellow_id"] for s in leader.job(job_id)["placement"]["stages"]]
     agents[victim].send_signal(signal.SIGKILL)
@@ -59,6 +72,14 @@ def test_a_lost_replica_does_not_stop_the_job_and_a_new_fellow_joins_its_slot(
     lost = job["membership"][0]
     assert (lost["replica"], lost["fellows"], lost["epoch"]) == (0, [victim], 1)
     assert job["placement"]["lead"] == 1 and job["ring_epoch"] == 1
+    # The lost fellow's NATS user of the attempt is revoked; the survivor's stays.
+    names = {f: attempt_user_name(f, job_id, 1) for f in (victim, survivor)}
+    wait_for(
+        lambda: names[victim] not in attempt_users(nats_authority),
+        timeout=10,
+        what="the lost fellow's attempt user revoked",
+    )
+    assert names[survivor] in attempt_users(nats_authority)
 
     def survivor_stage() -> dict:
         return next(p for p in leader.job(job_id)["progress"] if p["fellow_id"] == survivor)

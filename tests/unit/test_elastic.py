@@ -193,6 +193,8 @@ def test_a_lost_replica_leaves_the_record_and_the_job_completes_without_it():
     assert [p.replica for p in job.dropped] == [1, 1]
     assert {p.replica for p in job.progress} == {0}
     assert jobs.drops == {job.job_id: [other, lost]}  # both still running: STOP them
+    # ... and lose their NATS users of the attempt (the ring subjects of their stage)
+    assert jobs.revokes == [(other, job.job_id, 1), (lost, job.job_id, 1)]
     assert jobs.ring_due == {job.job_id}
     (change,) = job.membership
     assert (change.kind, change.replica) == ("lost", 1) and "went offline" in change.reason
@@ -214,6 +216,7 @@ def test_a_failed_stage_of_a_replica_is_a_lost_replica_not_a_resume():
     jobs.record_outcome(fid, outcome)
     assert job.state is JobState.RUNNING and job.placement.live_replicas == [0]
     assert not job.resumes and fid not in jobs.drops.get(job.job_id, [])
+    assert jobs.revokes == [(fid, job.job_id, 1)]  # a failed stage's fellow is revoked too
     # The last replica failing: the job resumes (a new attempt) as without replicas.
     jobs.record_outcome(fellow(job, 0, 0), outcome)
     assert job.state is JobState.PENDING and job.resumes

@@ -5,6 +5,7 @@ record of which user keys each fellow was given, and reading nats-server's answe
 from __future__ import annotations
 
 import asyncio
+import json
 import stat
 import threading
 
@@ -82,6 +83,44 @@ def test_the_servers_answer_to_a_claims_update(reply, problem):
         assert outcome is None
     else:
         assert outcome is not None and problem in outcome
+
+
+def test_a_fellow_dropped_from_one_attempt_loses_that_attempts_users_alone(tmp_path):
+    authority = NatsAuthority.load_or_create(tmp_path / "auth")
+    own = creds_user_key(authority.fellow_creds("swarm", "f1"))
+
+    def attempt_key(fellow_id: str, job_id: str, attempt: int, stage: int = 0) -> str:
+        creds = authority.attempt_creds(
+            "swarm", fellow_id=fellow_id, job_id=job_id, attempt=attempt, stage=stage, n_stages=2
+        )
+        return creds_user_key(creds)
+
+    dropped = [attempt_key("f1", "j1", 1, 0), attempt_key("f1", "j1", 1, 1)]  # two stages
+    older = attempt_key("f1", "j1", 0)
+    other_job = attempt_key("f1", "j2", 1)
+    other_fellow = attempt_key("f2", "j1", 1)
+    assert authority.revoke_attempt("f1", "j1", 1, at=99) == dropped
+    assert authority.revocations() == dict.fromkeys(dropped, 99)
+    assert authority.fellow_user_keys("f1") == [own, older, other_job]
+    assert authority.fellow_user_keys("f2") == [other_fellow]
+    assert authority.revoke_attempt("f1", "j1", 1) == []  # nothing left of it
+    assert authority.revoke_attempt("f3", "j1", 1) == []  # a fellow never placed
+    # Only the newest attempts' keys are kept, and their names with them.
+    for attempt in range(2, 8):
+        attempt_key("f1", "j3", attempt)
+    users = json.loads((authority.dir / "users.json").read_text())
+    assert len(users["attempts"]["f1"]) == 4
+    assert set(users["attempt_names"]) == {k for held in users["attempts"].values() for k in held}
+
+
+def test_a_users_file_of_an_older_version_still_loads(tmp_path):
+    authority = NatsAuthority.load_or_create(tmp_path / "auth")
+    key = creds_user_key(authority.fellow_creds("swarm", "f1"))
+    (authority.dir / "users.json").write_text(
+        json.dumps({"fellows": {"f1": [key]}, "attempts": {}})
+    )
+    assert authority.fellow_user_keys("f1") == [key]
+    assert authority.revoke_attempt("f1", "j1", 1) == []
 
 
 def test_revoking_a_fellow_revokes_every_user_minted_for_it(tmp_path):
