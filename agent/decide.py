@@ -44,6 +44,7 @@ class AgentState:
     running_job: str | None = None  # the job of the stage run it holds, if any
     updating: bool = False  # an UPDATE is installing
     data_bind: str | None = None  # SWARM_DATA_BIND: where its stage binds instead
+    sync_bind: str | None = None  # SWARM_SYNC_BIND: where its stage binds its ring port instead
     last_run: tuple[str, int] | None = None  # (job, attempt) of the last run that ended here
 
 
@@ -164,7 +165,8 @@ def _without_user(state: AgentState, signal: StartSignal) -> Refusal | None:
 
 def localised(state: AgentState, plan: StagePlan) -> StagePlan:
     """The leader's plan with what only this fellow knows: how it reaches NATS, its subject
-    prefix, where it keeps checkpoints, and the address its stage binds (SWARM_DATA_BIND)."""
+    prefix, where it keeps checkpoints, and the addresses its stage binds (SWARM_DATA_BIND,
+    and SWARM_SYNC_BIND for its replicas' ring)."""
     plan = msgspec.structs.replace(
         plan,
         nats=state.nats,
@@ -173,6 +175,8 @@ def localised(state: AgentState, plan: StagePlan) -> StagePlan:
     )
     if plan.data_address and state.data_bind:
         plan = msgspec.structs.replace(plan, data_address=state.data_bind)
+    if plan.sync_address and state.sync_bind:
+        plan = msgspec.structs.replace(plan, sync_address=state.sync_bind)
     return plan
 
 

@@ -433,6 +433,7 @@ class FellowAgent:
             running_job=self.run_.job_id if self.run_ is not None else None,
             updating=self._updating is not None,
             data_bind=self.settings.data_bind,
+            sync_bind=self.settings.sync_bind,
             last_run=None if ended is None else (ended.job_id, ended.attempt),
         )
 

@@ -71,6 +71,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # Unset: under transport auto its ring links use the NATS relay; p2p jobs with replicas
     # are not placed on it.
     sync_address: str | None = None
+    # Where the stage binds its ring port when that is not the advertised sync_address
+    # (behind NAT or a port forward, as data_bind for the data port).
+    sync_bind: str | None = None
     # Where fellow.sh installed this fellow (venv, state, config): PURGE removes all of it.
     fellow_prefix: Path | None = None
     # The pip arguments fellow.sh installed with (an offline mirror): UPDATE reinstalls so.

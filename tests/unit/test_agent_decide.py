@@ -127,6 +127,18 @@ def test_the_plan_is_made_this_fellows_own():
     assert isinstance(unbound, Start) and unbound.plan.data_address is None
 
 
+def test_a_replicas_ring_port_binds_where_sync_bind_says():
+    bind = "tcp://0.0.0.0:7001"
+    plan = start(sync_address="tcp://h:7001").args.plan
+    assert plan.sync_address == "tcp://h:7001"
+    decision = decide(state(sync_bind=bind), start(sync_address="tcp://h:7001"))
+    assert isinstance(decision, Start) and decision.plan.sync_address == bind
+    # The data port keeps its own address; a stage with no ring port binds none.
+    assert decision.plan.data_address is None
+    unbound = decide(state(sync_bind=bind), start())
+    assert isinstance(unbound, Start) and unbound.plan.sync_address is None
+
+
 def test_a_resumed_attempt_fetches_its_shard_first_and_resumes_from_it():
     decision = decide(state(), start(resume=RESUME))
     assert isinstance(decision, Start)
