@@ -400,18 +400,18 @@ class NatsAuthority:
         except msgspec.DecodeError as exc:
             raise NatsAuthError(f"{self._users_path} is damaged ({exc})") from None
 
-    def _record_user(
-        self, fellow_id: str, creds: str, *, attempt: bool = False, name: str = ""
-    ) -> None:
+    def _record_user(self, fellow_id: str, creds: str, *, attempt_name: str | None = None) -> None:
+        """Keep the user's key as the fellow's own, or (``attempt_name``) as one of its newest
+        attempts', with that name."""
         key = creds_user_key(creds)
         with self._locked():
             users = self._read_users()
-            if attempt:
+            if attempt_name is not None:
                 held = [*users.attempts.get(fellow_id, []), key]
                 users.attempts[fellow_id] = held[-KEPT_ATTEMPT_KEYS:]
                 for old in held[:-KEPT_ATTEMPT_KEYS]:
                     users.attempt_names.pop(old, None)
-                users.attempt_names[key] = name
+                users.attempt_names[key] = attempt_name
             else:
                 users.fellows.setdefault(fellow_id, []).append(key)
             write_private(self._users_path, msgspec.json.encode(users).decode())
@@ -587,7 +587,7 @@ class NatsAuthority:
         )
         name = attempt_user_name(fellow_id, job_id, attempt)
         creds = self.user_creds(name, perms)
-        self._record_user(fellow_id, creds, attempt=True, name=name)
+        self._record_user(fellow_id, creds, attempt_name=name)
         return creds
 
     def write_creds(self, path: Path, name: str, perms: Permissions) -> Path:

@@ -128,6 +128,16 @@ def abort_after(step: int) -> Callable[[Run, StageEvent], None]:
     return watch
 
 
+def command_at(step: int, changes: dict[int, RingChange]) -> Callable[[Run, StageEvent], None]:
+    """Each replica is sent its ring change once it has trained ``step``."""
+
+    def deliver(run: Run, event: StageEvent) -> None:
+        if isinstance(event, StepEvent) and event.step == step:
+            run.command(changes[run.plan.replica])
+
+    return deliver
+
+
 def same_weights(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
     return all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
 
@@ -143,10 +153,7 @@ def test_the_survivors_of_a_lost_replica_form_a_ring_of_their_own(k):
     survivors = list(range(k - 1))
     changes = ring_changes(plans, survivors, epoch=1, at_step=at_step)
 
-    def deliver(run: Run, event: StageEvent) -> None:
-        if isinstance(event, StepEvent) and event.step == 1:  # mid-run, ahead of at_step
-            run.command(changes[run.plan.replica])
-
+    deliver = command_at(1, changes)  # mid-run, ahead of at_step
     runs = [Run(plans[r], deliver) for r in survivors] + [Run(plans[k - 1], abort_after(1))]
     run_all(runs)
     lost = runs[-1]
@@ -285,11 +292,7 @@ def test_a_ring_command_for_a_step_already_trained_is_fatal():
     plans = stage_plans(2, train)
     changes = ring_changes(plans, [0, 1], epoch=1, at_step=1)
 
-    def late(run: Run, event: StageEvent) -> None:
-        if isinstance(event, StepEvent) and event.step == 2:
-            run.command(changes[run.plan.replica])
-
-    runs = [Run(plan, late) for plan in plans]
+    runs = [Run(plan, command_at(2, changes)) for plan in plans]
     run_all(runs)
     for run in runs:
         assert isinstance(run.error, RingChangeError), run.error
@@ -484,11 +487,7 @@ def test_a_change_due_at_the_runs_end_switches_nothing_but_hands_over_the_checkp
         for r, change in changes.items()
     }
 
-    def hand_over(run: Run, event: StageEvent) -> None:
-        if isinstance(event, StepEvent) and event.step == 0:
-            run.command(changes[run.plan.replica])
-
-    runs = [Run(plan, hand_over) for plan in plans]
+    runs = [Run(plan, command_at(0, changes)) for plan in plans]
     run_all(runs)
     for run in runs:
         assert run.error is None, run.error
