@@ -9,12 +9,12 @@ travel with every snapshot, beside the measurements.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import platform
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -48,29 +48,47 @@ def limits_from(settings: Settings) -> FellowLimits:
     )
 
 
-def _run_probe(argv: list[str], key: str, timeout: float) -> tuple[object, str | None]:
+async def _run_probe(argv: list[str], key: str, timeout: float) -> tuple[object, str | None]:
     """Run a probe module in a subprocess and read ``key`` from the JSON of its last stdout
-    line: (the value, None) or (None, why it failed)."""
+    line: (the value, None) or (None, why it failed).
+
+    A probe past ``timeout`` is killed; so is one whose caller is cancelled (an agent that
+    stops mid-probe exits at once instead of waiting seconds for TensorFlow to finish)."""
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     try:
-        done = subprocess.run(
-            argv, capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
         )
-    except (OSError, subprocess.TimeoutExpired) as exc:
+    except OSError as exc:
         return None, f"{type(exc).__name__}: {exc}"
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        return None, f"TimeoutExpired: the probe took more than {timeout:g}s"
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await asyncio.shield(proc.wait())
+    stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
+    if proc.returncode != 0:
+        last = (stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
         return None, last[:300]
     try:
-        return json.loads(done.stdout.strip().splitlines()[-1])[key], None
+        return json.loads(stdout.strip().splitlines()[-1])[key], None
     except (ValueError, KeyError, IndexError, TypeError) as exc:
         return None, f"unreadable probe output ({exc})"
 
 
-def probe_tensorflow_gpus(timeout: float = TF_PROBE_TIMEOUT_S) -> tuple[int | None, str | None]:
-    """(GPUs TensorFlow can use, None) or (None, why the probe failed). Blocks: run in a thread."""
+async def probe_tensorflow_gpus(
+    timeout: float = TF_PROBE_TIMEOUT_S,
+) -> tuple[int | None, str | None]:
+    """(GPUs TensorFlow can use, None) or (None, why the probe failed)."""
     argv = [sys.executable, "-m", "silentswarm.agent.runtime.gpus"]
-    value, why = _run_probe(argv, "gpus", timeout)
+    value, why = await _run_probe(argv, "gpus", timeout)
     if why:
         return None, why
     try:
@@ -79,7 +97,7 @@ def probe_tensorflow_gpus(timeout: float = TF_PROBE_TIMEOUT_S) -> tuple[int | No
         return None, f"unreadable probe output ({exc})"
 
 
-def probe_compute_speed(
+async def probe_compute_speed(
     timeout: float = SPEED_PROBE_TIMEOUT_S,
     *,
     threads: int | None = None,
@@ -87,12 +105,12 @@ def probe_compute_speed(
 ) -> tuple[float | None, str | None]:
     """(standard blocks trained per second, None) or (None, why the probe failed).
 
-    Blocks for seconds (it imports TensorFlow in a subprocess): run it in a thread.
+    Takes seconds (it imports TensorFlow in a subprocess, killed if this is cancelled).
     ``prefix`` goes in front of the command (a benchmark puts the probe in a cgroup)."""
     argv = [*(prefix or []), sys.executable, "-m", "silentswarm.agent.runtime.speedprobe"]
     if threads:
         argv += ["--threads", str(threads)]
-    value, why = _run_probe(argv, "compute_speed", timeout)
+    value, why = await _run_probe(argv, "compute_speed", timeout)
     if why:
         return None, why
     try:
@@ -154,19 +172,19 @@ class HardwareProbe:
     def sees_gpus(self) -> bool:
         return bool(self._gpus())
 
-    def probe_tensorflow(self) -> None:
+    async def probe_tensorflow(self) -> None:
         """Ask TensorFlow which GPUs it can use (seconds: it imports TensorFlow)."""
-        self.tf_gpu_count, self.tf_probe_error = probe_tensorflow_gpus()
+        self.tf_gpu_count, self.tf_probe_error = await probe_tensorflow_gpus()
         if self.tf_probe_error:
             log.warning("TensorFlow GPU probe failed: %s", self.tf_probe_error)
         else:
             log.info("TensorFlow sees %d GPU(s)", self.tf_gpu_count)
 
-    def probe_speed(self) -> None:
+    async def probe_speed(self) -> None:
         """Measure the compute speed (seconds: it imports TensorFlow), unless declared."""
         if self.speed_declared:
             return
-        speed, error = probe_compute_speed()
+        speed, error = await probe_compute_speed()
         if error:
             log.warning("compute speed probe failed: %s", error)
         else:

@@ -296,11 +296,11 @@ class FellowAgent:
         speed on the device a stage would train on (unless the operator declared it). Each
         answer goes to the leader at once."""
         if self.probe.sees_gpus:
-            await asyncio.to_thread(self.probe.probe_tensorflow)
+            await self.probe.probe_tensorflow()
             if self._registered.is_set():
                 await self._send_heartbeat()
         if not self.probe.speed_declared:
-            await asyncio.to_thread(self.probe.probe_speed)
+            await self.probe.probe_speed()
             if self._registered.is_set():
                 await self._send_heartbeat()
 

@@ -52,6 +52,7 @@ The last line is one JSON object with every figure.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import os
 import signal
@@ -122,7 +123,7 @@ def probe_speeds(prefix: list[str] | None) -> dict[str, float]:
     here they share one)."""
     speeds = {}
     for name, where in ((FAST, None), (SLOW, prefix)):
-        speed, error = probe_compute_speed(threads=1, prefix=where)
+        speed, error = asyncio.run(probe_compute_speed(threads=1, prefix=where))
         if speed is None:
             raise SystemExit(f"the compute speed probe failed on {name}: {error}")
         speeds[name] = speed

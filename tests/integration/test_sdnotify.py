@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import time
 
+import psutil
 import pytest
 
 from silentswarm.procs import free_port
@@ -54,6 +55,13 @@ def test_ready_and_watchdog_reach_notify_socket(who, procs, nats_server, notify_
     assert any(line.startswith("STATUS=") for line in seen)
     # The watchdog keeps coming (every WATCHDOG_USEC / 2).
     receive_until(sock, {"WATCHDOG=1"}, timeout=5)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    stopped = time.monotonic()
     proc.terminate()
     assert proc.wait(timeout=20) == 0
+    if who == "agent":
+        # Stopped mid compute-speed probe (TensorFlow, seconds): the probe is killed, not
+        # waited for, and nothing of it is left behind.
+        assert time.monotonic() - stopped < 5
+        assert not [c for c in children if c.is_running() and c.status() != "zombie"]
     receive_until(sock, {"STOPPING=1"}, timeout=5)

@@ -1,5 +1,7 @@
 """The real probe on this machine: psutil numbers, and NVML falling back cleanly."""
 
+import asyncio
+
 import psutil
 import pynvml
 import pytest
@@ -92,5 +94,5 @@ def test_cuda_visible_devices_hides_gpus_by_index_or_uuid():
 def test_the_tensorflow_probe_runs_tensorflow_in_a_subprocess():
     from silentswarm.agent.hardware import probe_tensorflow_gpus
 
-    count, error = probe_tensorflow_gpus(timeout=60)
+    count, error = asyncio.run(probe_tensorflow_gpus(timeout=60))
     assert error is None and count is not None and count >= 0

@@ -1,7 +1,10 @@
 """The agent's compute speed: declared by the operator, or probed; failures are reasons."""
 
+import asyncio
 import sys
+import time
 
+import psutil
 import pytest
 
 from silentswarm.agent.hardware import HardwareProbe, probe_compute_speed
@@ -12,7 +15,7 @@ from silentswarm.settings import Settings
 def test_a_declared_speed_travels_in_every_snapshot_and_is_never_probed():
     probe = HardwareProbe(compute_speed=2.5)
     try:
-        probe.probe_speed()  # declared: returns at once, TensorFlow never starts
+        asyncio.run(probe.probe_speed())  # declared: returns at once, TensorFlow never starts
         assert probe.snapshot().compute_speed == 2.5
     finally:
         probe.close()
@@ -37,16 +40,48 @@ PROBES = {
 @pytest.mark.parametrize("case", PROBES, ids=list(PROBES))
 def test_a_failed_probe_is_a_reason_not_a_speed(case):
     prefix, reason = PROBES[case]
-    speed, error = probe_compute_speed(timeout=30, prefix=prefix)
+    speed, error = asyncio.run(probe_compute_speed(timeout=30, prefix=prefix))
     assert speed is None
     assert reason in error
 
 
 def test_a_probe_past_its_time_is_a_reason():
-    speed, error = probe_compute_speed(
-        timeout=0.5, prefix=[sys.executable, "-c", "import time; time.sleep(5)"]
-    )
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    started = time.monotonic()
+    speed, error = asyncio.run(probe_compute_speed(timeout=0.5, prefix=sleeper))
     assert speed is None and "TimeoutExpired" in error
+    assert time.monotonic() - started < 10
+    assert not _live_children()
+
+
+def _live_children() -> list[psutil.Process]:
+    return [
+        child
+        for child in psutil.Process().children(recursive=True)
+        if child.is_running() and child.status() != psutil.STATUS_ZOMBIE
+    ]
+
+
+def test_a_cancelled_probe_is_killed_at_once():
+    """An agent that stops mid-probe must not wait for TensorFlow: cancelling the probe
+    kills its process."""
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+
+    async def main() -> float:
+        task = asyncio.create_task(probe_compute_speed(timeout=120, prefix=sleeper))
+        await asyncio.sleep(0)
+        deadline = time.monotonic() + 10
+        while not _live_children():
+            assert time.monotonic() < deadline, "the probe process never started"
+            await asyncio.sleep(0.05)
+        started = time.monotonic()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return time.monotonic() - started
+
+    assert asyncio.run(main()) < 5
+    assert not _live_children()
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "2e6"])
