@@ -24,12 +24,69 @@ TESTS = Path(__file__).resolve().parent
 INTEGRATION_DIRS = ("integration", "faults", "hostile", "ui")
 
 
+# Under pytest-xdist (the README's ``-n 2``, ``--dist loadgroup`` in pyproject.toml) tests run
+# two at a time. These must not run beside each other: they create network namespaces and
+# veths (exp/bench/linkemu.py), check that none is left and remove stale ones.
+NETNS_MODULES = (
+    "integration/test_linkemu.py",
+    "integration/test_calibration.py",
+    "integration/test_public_access.py",
+)
+NETNS_TESTS = ("integration/test_benchmarks.py::test_wan_",)
+# The slowest first (minutes each, measured): xdist hands work out in collection order, and a
+# long test started last keeps one worker busy alone at the end.
+SLOW_FIRST = (
+    "integration/test_deb.py",
+    "integration/test_benchmarks.py",
+    "integration/test_replicas_elastic.py",
+    "integration/test_replicas_membership.py",
+    "integration/test_replicas_runtime.py",
+    "integration/test_adapters.py",
+    "integration/test_pipeline.py",
+    "integration/test_calibration.py",
+    "integration/test_overlap.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark by location: what lives under an integration folder starts real processes."""
+    """Mark by location: what lives under an integration folder starts real processes.
+    For xdist: group what must run on one worker, and put the slowest first."""
     for item in items:
         path = item.path.resolve()
         if path.is_relative_to(TESTS) and path.relative_to(TESTS).parts[0] in INTEGRATION_DIRS:
             item.add_marker(pytest.mark.integration)
+        group = xdist_group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=slow_rank)  # stable: the rest keeps its order
+
+
+def _test_id(item: pytest.Item) -> str:
+    """``folder/test_x.py::test_name[...]``, relative to the tests folder."""
+    return item.nodeid.removeprefix("tests/")
+
+
+def xdist_group(item: pytest.Item) -> str | None:
+    """The group of tests ``item`` must run with on one worker: the namespace makers
+    together; a module's tests together where they share a module-scoped fixture (a second
+    worker would build it again)."""
+    test_id = _test_id(item)
+    if test_id.startswith(NETNS_MODULES + NETNS_TESTS):
+        return "netns"
+    info = getattr(item, "_fixtureinfo", None)
+    defs = [] if info is None else [d for ds in info.name2fixturedefs.values() for d in ds]
+    ours = [d for d in defs if getattr(d.func, "__module__", "").startswith("tests.")]
+    if any(d.scope in ("module", "package") for d in ours):
+        return test_id.split("::")[0]
+    return None
+
+
+def slow_rank(item: pytest.Item) -> int:
+    test_id = _test_id(item)
+    for rank, module in enumerate(SLOW_FIRST):
+        if test_id.startswith(module):
+            return rank
+    return len(SLOW_FIRST)
 
 
 @pytest.fixture(autouse=True)

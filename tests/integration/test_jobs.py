@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 import signal
 from pathlib import Path
 
@@ -20,7 +21,11 @@ from tests.integration.nats_client import with_nats
 
 pytestmark = pytest.mark.timeout(240)
 
-# A model small enough that a job is mostly TensorFlow start-up (a few seconds).
+# A model small enough that a job is mostly TensorFlow start-up (a few seconds). These jobs
+# test the leader, the agents and the control plane, not the numerics, so their stages skip
+# XLA: compiling is most of a tiny stage's first step (a 2-stage job 11.0 s with XLA, 7.6 s
+# without, here). XLA training is tested by test_pipeline, test_overlap, the replicas' and
+# the benchmarks' runs, which build their own plans.
 TINY = {
     "model": {"vocab_size": 256, "seq_len": 32, "n_layers": 2, "d_model": 32, "n_heads": 2},
     "max_data_bytes": 300_000,
@@ -28,6 +33,7 @@ TINY = {
     "micro_batches": 2,
     "learning_rate": 0.01,
     "warmup_steps": 5,
+    "jit_compile": False,
 }
 
 
@@ -152,8 +158,9 @@ def test_a_job_waiting_for_a_third_fellow_lets_a_smaller_one_run_first(procs, na
 def test_a_duplicated_start_is_acknowledged_once(procs, nats_server, leader):
     agents(procs, nats_server, "d1")
     wait_ready(leader, "d1")
+    job_id = f"dup-{secrets.token_hex(4)}"  # stage_processes matches it in any process
     plan = StagePlan(
-        job_id="dup",
+        job_id=job_id,
         attempt=1,
         stage=0,
         n_stages=1,
@@ -163,7 +170,7 @@ def test_a_duplicated_start_is_acknowledged_once(procs, nats_server, leader):
         train=TrainConfig(steps=100_000, batch_size=8, micro_batches=2, max_data_bytes=300_000),
         fellow_id="d1",
     )
-    start = StartSignal(signal_id="sig-dup-1", job_id="dup", attempt=1, args=StartArgs(plan=plan))
+    start = StartSignal(signal_id="sig-dup-1", job_id=job_id, attempt=1, args=StartArgs(plan=plan))
 
     async def send_twice(nc):
         subject = subjects.SIGNAL.subject("swarm", fellow="d1")
@@ -177,17 +184,17 @@ def test_a_duplicated_start_is_acknowledged_once(procs, nats_server, leader):
     assert first.ok and not first.duplicate
     assert second.ok and second.duplicate and second.signal_id == first.signal_id
     leader.wait_status("d1", "training", timeout=10)
-    assert len(stage_processes("dup")) == 1
+    assert len(stage_processes(job_id)) == 1
 
     async def stop(nc):
-        sig = StopSignal(signal_id="sig-dup-stop", job_id="dup", attempt=1)
+        sig = StopSignal(signal_id="sig-dup-stop", job_id=job_id, attempt=1)
         msg = await nc.request(
             subjects.SIGNAL.subject("swarm", fellow="d1"), subjects.encode(sig), timeout=15
         )
         return subjects.SIGNAL.decode_reply(msg.data)
 
     assert with_nats(nats_server.url, stop).ok
-    assert stage_processes("dup") == []
+    assert stage_processes(job_id) == []
     leader.wait_status("d1", "ready", timeout=10)
 
 
