@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -102,7 +103,9 @@ def test_ctrl_c_on_a_sweep_cancels_the_job_it_started(procs, nats_server, leader
     argv = [sys.executable, "-m", "silentswarm.cli.app", "--leader-url", leader.url, "sweep"]
     argv += ["--config", str(config), "--out", str(out), "--partition", "weighted"]
     sweep = procs.start(
-        "sweep", [*argv, "--poll", "0.2"], env=child_env(SWARM_API_TOKEN=leader.token or "")
+        "sweep",
+        [*argv, "--poll", "0.2"],
+        env=child_env(SWARM_API_TOKEN=leader.token or "", PYTHONFAULTHANDLER="1"),
     )
     [job] = wait_for(
         lambda: [j for j in leader.get("/api/v1/jobs") if j["state"] == "RUNNING"],
@@ -112,11 +115,18 @@ def test_ctrl_c_on_a_sweep_cancels_the_job_it_started(procs, nats_server, leader
     assert job["spec"]["partition"] == "weighted" and job["name"].startswith("interrupted-")
     wait_for(lambda: stage_processes(job["job_id"]), timeout=30, what="its stages")
 
+    masks = signal_masks(sweep.pid)
     sweep.send_signal(signal.SIGINT)
     try:
         code = sweep.wait(timeout=30)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"the sweep did not exit 30 s after Ctrl-C:\n{procs.log(sweep)}")
+        # Where it is stuck: faulthandler prints every thread's stack on SIGABRT.
+        sweep.send_signal(signal.SIGABRT)
+        sweep.wait(timeout=10)
+        pytest.fail(
+            f"the sweep did not exit 30 s after Ctrl-C (at the signal: {masks}):\n"
+            f"{procs.log(sweep)}"
+        )
     assert code == 130, procs.log(sweep)
     assert leader.job(job["job_id"])["state"] == "CANCELLED"
     log = procs.log(sweep)
@@ -126,3 +136,9 @@ def test_ctrl_c_on_a_sweep_cancels_the_job_it_started(procs, nats_server, leader
     wait_for(lambda: not stage_processes(job["job_id"]), timeout=30, what="its stages to stop")
     [sweep_dir] = out.iterdir()
     assert not (sweep_dir / "results.csv").exists(), "the interrupted point has no row"
+
+
+def signal_masks(pid: int) -> str:
+    """The process's blocked and ignored signals (/proc), for a failure message."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return " ".join(line for line in status.splitlines() if line.startswith(("SigBlk", "SigIgn")))
