@@ -33,7 +33,8 @@ from silentswarm.types.stage import (
     StepEvent,
     encode_command,
 )
-from tests.integration.test_replicas_runtime import TINY, config
+from tests.integration.test_replicas_runtime import TINY
+from tests.integration.test_replicas_runtime import config as runtime_config
 from tests.unit.test_replica_sync import ring_changes
 
 pytestmark = pytest.mark.integration
@@ -41,6 +42,12 @@ pytestmark = pytest.mark.integration
 # Rounds that wait for a lost member take this long; others must never reach it, also with
 # the suite's other worker (pytest-xdist) on the same two cores: 3 s was too short there.
 SYNC_TIMEOUT_S = 10.0
+
+
+def config(steps: int, **kw: Any) -> TrainConfig:
+    """test_replicas_runtime's, without XLA: these tests are about membership, and compiling
+    is most of a tiny stage's first step (test_replicas_runtime trains with XLA)."""
+    return runtime_config(steps, **{"jit_compile": False, **kw})
 
 
 class Abort(Exception):
