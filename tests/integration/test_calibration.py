@@ -166,6 +166,7 @@ def auto_run(tmp_path, far=None) -> list[list[dict]]:
         max_data_bytes=300_000,
         val_batches=2,
         link_probe_every=3,
+        jit_compile=False,  # measurement and choices, not numerics: XLA's compile is not needed
     )
     port = free_port()
     plans = chain_plans(
@@ -237,7 +238,12 @@ def test_stages_choose_codecs_and_a_schedule_from_what_they_measured(tmp_path):
 @pytest.mark.timeout(300)
 def test_a_three_stage_chain_measures_every_boundary_and_agrees(tmp_path):
     train = TrainConfig(
-        steps=6, batch_size=8, micro_batches="auto", max_data_bytes=300_000, val_batches=2
+        steps=6,
+        batch_size=8,
+        micro_batches="auto",
+        max_data_bytes=300_000,
+        val_batches=2,
+        jit_compile=False,
     )
     plans = chain_plans(
         job_id="auto3",
