@@ -92,10 +92,14 @@ def slow_rank(item: pytest.Item) -> int:
 @pytest.fixture(autouse=True)
 def _token_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Every test's token caches (agent/runtime/data.py) go to a temporary directory of its
-    own, never ~/.cache; ``child_env`` passes it on to the processes a test starts. Not under
+    own, never ~/.cache, and its default state directory is an empty one; ``child_env``
+    passes both on to the processes a test starts. Not under
     ``tmp_path``, where a test's own corpus globs would find the cache files."""
     directory = tmp_path_factory.mktemp("token-cache")
     monkeypatch.setenv("SWARM_DATA_CACHE", str(directory))
+    # Nor the repository's own state (./.swarm, where a quickstart leaves its leader's token):
+    # a process a test starts without a state dir of its own gets an empty one.
+    monkeypatch.setenv("SWARM_STATE_DIR", str(tmp_path_factory.mktemp("default-state")))
     return directory
 
 

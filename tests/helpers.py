@@ -83,10 +83,9 @@ def busy_port() -> Iterator[int]:
 
 
 def child_env(**overrides: str) -> dict[str, str]:
-    # SWARM_DATA_CACHE stays: the test's own token cache directory (tests/conftest.py).
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith("SWARM_") or k == "SWARM_DATA_CACHE"
-    }
+    # The test's own token cache and default state directory stay (tests/conftest.py).
+    kept = ("SWARM_DATA_CACHE", "SWARM_STATE_DIR")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_") or k in kept}
     env["PYTHONUNBUFFERED"] = "1"
     # Most tests run NATS without authentication; the auth tests (and start-cluster's)
     # pass SWARM_DEV="0" and real credentials.
@@ -126,12 +125,22 @@ class Processes:
         self.logs: dict[int, Path] = {}
 
     def start(
-        self, name: str, argv: list[str], env: dict[str, str], cwd: Path | None = None
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: Path | None = None,
+        preexec_fn: Callable[[], None] | None = None,
     ) -> subprocess.Popen[bytes]:
         log = self.log_dir / f"{name}-{len(self.started)}.log"
         with open(log, "wb") as out:
             proc = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd or REPO
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=cwd or REPO,
+                preexec_fn=preexec_fn,
             )
         self.started.append(proc)
         self.logs[proc.pid] = log
