@@ -48,6 +48,14 @@ SLOW_FIRST = (
 )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Ctrl-C at its default in the suite and so in every process it starts (a child inherits
+    an ignored signal): a suite started in the background (``cmd &`` in a script) runs with
+    SIGINT ignored, and a test that sends a process SIGINT expects a terminal's Ctrl-C."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark by location: what lives under an integration folder starts real processes.
     For xdist: group what must run on one worker, and put the slowest first."""
@@ -90,7 +98,9 @@ def slow_rank(item: pytest.Item) -> int:
 
 
 @pytest.fixture(autouse=True)
-def _token_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+def _own_caches_and_state(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> Path:
     """Every test's token caches (agent/runtime/data.py) go to a temporary directory of its
     own, never ~/.cache, and its default state directory is an empty one; ``child_env``
     passes both on to the processes a test starts. Not under

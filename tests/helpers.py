@@ -125,22 +125,12 @@ class Processes:
         self.logs: dict[int, Path] = {}
 
     def start(
-        self,
-        name: str,
-        argv: list[str],
-        env: dict[str, str],
-        cwd: Path | None = None,
-        preexec_fn: Callable[[], None] | None = None,
+        self, name: str, argv: list[str], env: dict[str, str], cwd: Path | None = None
     ) -> subprocess.Popen[bytes]:
         log = self.log_dir / f"{name}-{len(self.started)}.log"
         with open(log, "wb") as out:
             proc = subprocess.Popen(
-                argv,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=cwd or REPO,
-                preexec_fn=preexec_fn,
+                argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd or REPO
             )
         self.started.append(proc)
         self.logs[proc.pid] = log

@@ -106,7 +106,6 @@ def test_ctrl_c_on_a_sweep_cancels_the_job_it_started(procs, nats_server, leader
         "sweep",
         [*argv, "--poll", "0.2"],
         env=child_env(SWARM_API_TOKEN=leader.token or "", PYTHONFAULTHANDLER="1"),
-        preexec_fn=ctrl_c_enabled,
     )
     [job] = wait_for(
         lambda: [j for j in leader.get("/api/v1/jobs") if j["state"] == "RUNNING"],
@@ -137,12 +136,6 @@ def test_ctrl_c_on_a_sweep_cancels_the_job_it_started(procs, nats_server, leader
     wait_for(lambda: not stage_processes(job["job_id"]), timeout=30, what="its stages to stop")
     [sweep_dir] = out.iterdir()
     assert not (sweep_dir / "results.csv").exists(), "the interrupted point has no row"
-
-
-def ctrl_c_enabled() -> None:
-    """SIGINT at its default, as in a terminal: a suite started in the background (``cmd &``
-    in a script) runs with SIGINT ignored, and its children inherit that."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def signal_masks(pid: int) -> str:

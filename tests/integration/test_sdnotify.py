@@ -8,7 +8,7 @@ import time
 import psutil
 import pytest
 
-from silentswarm.procs import free_port
+from silentswarm.procs import free_port, is_gone
 from tests.helpers import child_env
 
 
@@ -63,5 +63,5 @@ def test_ready_and_watchdog_reach_notify_socket(who, procs, nats_server, notify_
         # Stopped mid compute-speed probe (TensorFlow, seconds): the probe is killed, not
         # waited for, and nothing of it is left behind.
         assert time.monotonic() - stopped < 5
-        assert not [c for c in children if c.is_running() and c.status() != "zombie"]
+        assert all(is_gone(child) for child in children)
     receive_until(sock, {"STOPPING=1"}, timeout=5)

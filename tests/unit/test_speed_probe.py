@@ -9,6 +9,7 @@ import pytest
 
 from silentswarm.agent.hardware import HardwareProbe, probe_compute_speed
 from silentswarm.errors import ConfigError
+from silentswarm.procs import is_gone
 from silentswarm.settings import Settings
 
 
@@ -55,11 +56,7 @@ def test_a_probe_past_its_time_is_a_reason():
 
 
 def _live_children() -> list[psutil.Process]:
-    return [
-        child
-        for child in psutil.Process().children(recursive=True)
-        if child.is_running() and child.status() != psutil.STATUS_ZOMBIE
-    ]
+    return [child for child in psutil.Process().children(recursive=True) if not is_gone(child)]
 
 
 def test_a_cancelled_probe_is_killed_at_once():
