@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(240)
 # A model small enough that a job is mostly TensorFlow start-up (a few seconds). These jobs
 # test the leader, the agents and the control plane, not the numerics, so their stages skip
 # XLA: compiling is most of a tiny stage's first step (a 2-stage job 11.0 s with XLA, 7.6 s
-# without, here). XLA training is tested by test_pipeline, test_overlap, the replicas' and
+# without, here). XLA training is tested by test_pipeline, test_overlap, test_replicas_runtime and
 # the benchmarks' runs, which build their own plans.
 TINY = {
     "model": {"vocab_size": 256, "seq_len": 32, "n_layers": 2, "d_model": 32, "n_heads": 2},
