@@ -28,6 +28,7 @@ from silentswarm.errors import ErrorCode
 from silentswarm.natsconn import NatsAccess
 from silentswarm.plan import StagePlan
 from silentswarm.protocol import FellowStatus, SignalHead, SignalKind, StartSignal
+from silentswarm.rings import fellow_ports
 from silentswarm.types.signals import DatasetArgs, InitArgs, ResumeArgs
 
 
@@ -175,8 +176,10 @@ def localised(state: AgentState, plan: StagePlan) -> StagePlan:
     )
     if plan.data_address and state.data_bind:
         plan = msgspec.structs.replace(plan, data_address=state.data_bind)
-    if plan.sync_address and state.sync_bind:
-        plan = msgspec.structs.replace(plan, sync_address=state.sync_bind)
+    binds = fellow_ports(state.sync_bind)
+    if plan.sync_ports and binds:  # port j of the advertised range binds port j of this one
+        ports = binds[: len(plan.sync_ports)] + plan.sync_ports[len(binds) :]
+        plan = msgspec.structs.replace(plan, sync_ports=ports)
     return plan
 
 

@@ -563,7 +563,12 @@ class FellowAgent:
                 sig, False, ErrorCode.NOT_TRAINING, "this fellow is not running that job"
             )
         change = sig.args.change
-        problems = change.problems(run.plan.replica) if run.plan.replicated else ["no replicas"]
+        plan = run.plan
+        problems = (
+            change.problems(plan.replica, (plan.layer_start, plan.layer_end))
+            if plan.replicated
+            else ["no replicas"]
+        )
         if problems:
             return self._ack(sig, False, ErrorCode.RING_INVALID, "; ".join(problems))
         if not await run.command(RingCommand(change=change)):

@@ -77,8 +77,8 @@ def sync_fields(plan: StagePlan, event: StepEvent | DoneEvent | None) -> dict[st
         fields["sync_s"] = event.sync_s
         if event.sync_epoch:  # elastic membership: the ring epoch, the state after a change
             fields["sync_epoch"] = event.sync_epoch
-        if event.state_digest is not None:
-            fields["state_digest"] = event.state_digest
+        if event.state_digests:
+            fields["state_digests"] = event.state_digests
     return fields
 
 

@@ -13,28 +13,30 @@ the same ``epoch`` and ``at_step``: every member switches before it trains that 
 - :func:`switch_step`: the step a ring change takes effect, a little ahead of the furthest
   stage (so every member hears it before it gets there), after an outer sync under
   DiLoCo; None when the run ends first.
-- :func:`ring_changes`: the members' changes, with fresh CURVE keys and relay tokens for
-  every link of every new ring (a member left out knows none of them).
+- :func:`ring_changes`: the members' changes, one ring per segment of the members' splits
+  (:mod:`silentswarm.rings`), with fresh CURVE keys and relay tokens for every link of
+  every new ring (a member left out knows none of them).
 - :func:`replacement`: a pipeline for a lost slot on the ready fellows, with the job's
   layer split, or why there is none.
 - :func:`joiner_plans`: the plans of a replacement's stages (``joining``).
 - :func:`digest_verdict`: after a ring change, the members whose state digest (each reports
-  the sha256 of what it took) the majority of their stage outvoted, and the stages with no
-  majority.
+  the sha256 of what it took, per ring) the majority of a ring outvoted, and the rings with
+  no majority.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
 
-from silentswarm.jobspec import LinkSecrets, PlacedStage, Placement, link_secrets, stage_plans
+from silentswarm.jobspec import PlacedStage, Placement, seats, stage_plans
 from silentswarm.leader.placement import DEFAULTS, Candidate, PlacementDefaults, Unplaceable, place
-from silentswarm.plan import Peer, RingChange, StagePlan, Transport
+from silentswarm.plan import RingChange, StagePlan, Transport
+from silentswarm.rings import build_rings, fellow_ports, segments, stage_segments
 from silentswarm.types.jobs import JobRecord
 from silentswarm.types.views import StageProgress
 
@@ -97,56 +99,38 @@ def ring_changes(
     joining: Iterable[int] = (),
 ) -> dict[str, RingChange]:
     """Each member stage's change (by fellow id) to rings over the placed replicas
-    ``members``: every stage's ring over the same members, in replica order, the donor the
-    lowest that is not ``joining``, fresh secrets for every link. The lead replica's members
-    get its checkpoint duty (a lead that took over from a lost replica 0 starts pushing)."""
+    ``members``: one ring per segment of their splits (:func:`silentswarm.rings.build_rings`)
+    over the same members, in replica order, the donor the lowest that is not ``joining``,
+    fresh secrets for every link. The lead replica's members get its checkpoint duty (a
+    lead that took over from a lost replica 0 starts pushing)."""
     placement = job.placement
     assert placement is not None
     members = sorted(members)
     new = sorted(set(joining))
     donor = min(r for r in members if r not in new)
     transport = placement.transport
-    curve, relay = transport != Transport.TUNNEL, transport != Transport.P2P
+    rings = build_rings(
+        seats(placement, members),
+        curve=transport != Transport.TUNNEL,
+        relay=transport != Transport.P2P,
+    )
     spec = job.spec
     every = spec.shard_push_interval_steps if spec.shard_push_to_leader else 0
     out: dict[str, RingChange] = {}
-    for i in range(placement.n_stages):
-        ring = [_member(placement, r, i) for r in members]
-        n = len(ring)
-        secrets = link_secrets(n, curve=curve, relay=relay) if n > 1 else []
-        for j, placed in enumerate(ring):
-            lead = placed.replica == placement.lead
+    for r in members:
+        lead = r == placement.lead
+        for placed in placement.pipeline(r):
             out[placed.fellow_id] = RingChange(
                 epoch=epoch,
                 at_step=at_step,
                 members=members,
                 donor=donor,
                 joining=new,
+                rings=rings[(r, placed.stage)],
                 checkpoint_every=every if lead else 0,
                 checkpoint_at_end=lead,
-                **_links(ring, secrets, j),
             )
     return out
-
-
-def _member(placement: Placement, replica: int, stage: int) -> PlacedStage:
-    return next(s for s in placement.stages if s.replica == replica and s.stage == stage)
-
-
-def _links(ring: list[PlacedStage], secrets: list[LinkSecrets], j: int) -> dict[str, object]:
-    """Member ``j``'s ring fields: link j - 1 comes in (it binds), link j goes out."""
-    if len(ring) < 2:
-        return {}
-    before, after = ring[j - 1], ring[(j + 1) % len(ring)]
-    up, down = secrets[j - 1], secrets[j]
-    return dict(
-        sync_prev=Peer(fellow_id=before.fellow_id),
-        sync_next=Peer(fellow_id=after.fellow_id, data_address=after.sync_address),
-        curve_sync_up=up.binding,
-        curve_sync_down=down.connecting,
-        relay_sync_up_token=up.token,
-        relay_sync_down_token=down.token,
-    )
 
 
 def free_slot(job: JobRecord) -> int | None:
@@ -175,10 +159,19 @@ def replacement(
         return None
     lost = {p.fellow_id for p in job.dropped}
     usable = [c for c in candidates if c.fellow_id not in lost]
-    if placement.transport == Transport.P2P:
-        usable = [c for c in usable if c.sync_address and c.data_address]
     lead = placement.pipeline(placement.lead)
     ranges = [(s.layer_start, s.layer_end) for s in lead]
+    if placement.transport == Transport.P2P:
+        # One port per ring it will be in: the segments of the lead's split among the others'.
+        splits = [
+            [(s.layer_start, s.layer_end) for s in placement.pipeline(r)]
+            for r in placement.live_replicas
+        ]
+        segs = segments(splits)
+        ports = max(len(stage_segments(a, b, segs)) for a, b in ranges)
+        usable = [
+            c for c in usable if c.data_address and len(fellow_ports(c.sync_address)) >= ports
+        ]
     spec = msgspec.structs.replace(job.spec, replicas=1)
     one = place(spec, usable, defaults, ranges=ranges)
     if isinstance(one, Unplaceable):
@@ -214,7 +207,7 @@ def joiner_plans(
             plan,
             replica=placed.replica,
             n_replicas=placement.n_replicas,
-            sync_address=placed.sync_address,
+            sync_ports=fellow_ports(placed.sync_address),
             joining=True,
             checkpoint_every=0,
             checkpoint_at_end=False,
@@ -226,37 +219,42 @@ def joiner_plans(
 @dataclass(frozen=True)
 class DigestVerdict:
     """What the members' state digests after a ring change say: the fellows whose digest the
-    majority of their stage's members outvoted, and the stages with no majority."""
+    majority of a ring's members outvoted, and the rings (segments, by first layer) with no
+    majority."""
 
     outvoted: list[str]
     undecided: list[int]
 
 
-def digest_verdict(progress: Iterable[StageProgress], *, epoch: int) -> DigestVerdict:
-    """Each member reports the sha256 of the state it took at ring change ``epoch``; once
-    every member of a stage's ring has (those that train, and replacements joining with
-    it), the digest of a strict majority wins and the others are outvoted. A stage where no
-    digest has a majority is undecided: the donor (who sent it) and the members (who say
-    what they got) disagree, and nobody can tell who lies."""
-    by_stage: dict[int, list[StageProgress]] = {}
+def digest_verdict(
+    progress: Iterable[StageProgress], *, epoch: int, segments_of: Mapping[str, Sequence[int]]
+) -> DigestVerdict:
+    """Each member reports the sha256 of the state it took at ring change ``epoch`` in each
+    of its rings (``segments_of``: the segments each member stage holds; what it reports for
+    another is ignored); once every member of a ring has (those that train, and
+    replacements joining with it), the digest of a strict majority wins and the others are
+    outvoted. A ring where no digest has a majority is undecided: the donor (who sent it)
+    and the members (who say what they got) disagree, and nobody can tell who lies."""
+    by_segment: dict[int, list[tuple[str, str | None]]] = {}
     for p in progress:
-        if p.joining in (None, "switching"):
-            by_stage.setdefault(p.stage, []).append(p)
+        if p.joining not in (None, "switching"):
+            continue
+        reported = p.state_digests if p.sync_epoch == epoch else {}
+        for segment in segments_of.get(p.fellow_id, ()):
+            by_segment.setdefault(segment, []).append((p.fellow_id, reported.get(segment)))
     outvoted: list[str] = []
     undecided: list[int] = []
-    for stage, members in sorted(by_stage.items()):
-        if len(members) < 2 or any(
-            p.sync_epoch != epoch or p.state_digest is None for p in members
-        ):
+    for segment, members in sorted(by_segment.items()):
+        if len(members) < 2 or any(digest is None for _, digest in members):
             continue
-        counts = Counter(p.state_digest for p in members)
+        counts = Counter(digest for _, digest in members)
         digest, votes = counts.most_common(1)[0]
         if votes == len(members):
             continue
         if votes * 2 > len(members):
-            outvoted += [p.fellow_id for p in members if p.state_digest != digest]
+            outvoted += [f for f, d in members if d != digest and f not in outvoted]
         else:
-            undecided.append(stage)
+            undecided.append(segment)
     return DigestVerdict(outvoted=outvoted, undecided=undecided)
 
 

@@ -484,7 +484,7 @@ class JobManager:
             if stage.joining is not None:  # it trains: the job's figures count it
                 stage.joining = None
                 self._touch(job)
-            if msg.state_digest is not None:
+            if msg.state_digests:
                 self._check_digests(job)
             job.refresh_view()
         elif msg.event is ProgressEvent.JOINING:
@@ -701,10 +701,17 @@ class JobManager:
         resumes, where it can)."""
         if job.ring_epoch == 0:
             return
-        verdict = elastic.digest_verdict(job.progress, epoch=job.ring_epoch)
+        placement = job.placement
+        if placement is None:
+            return
+        segments_of = {s.fellow_id: placement.sync_segments(s) for s in placement.stages}
+        verdict = elastic.digest_verdict(
+            job.progress, epoch=job.ring_epoch, segments_of=segments_of
+        )
         why = f"the state taken at ring change {job.ring_epoch} differs between replicas"
         if verdict.undecided:
-            self.fail(job.job_id, f"{why}, with no majority (stages {verdict.undecided})")
+            where = ", ".join(f"layers from {s}" for s in verdict.undecided)
+            self.fail(job.job_id, f"{why}, with no majority (rings of {where})")
             return
         for fid in verdict.outvoted:
             self.lose_stage(job.job_id, fid, f"fellow {fid}: {why}; its sha256 is outvoted")

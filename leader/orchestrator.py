@@ -404,6 +404,7 @@ class Orchestrator:
                 n_stages=plan.n_stages,
                 replica=plan.replica,
                 n_replicas=plan.n_replicas,
+                sync_segments=_sync_segments(job, plan),
             )
         resume = data = init = None
         if self.exports is not None:
@@ -806,3 +807,13 @@ async def _save(store: StateStore, bucket: KeyValue, key: str, value: Any) -> bo
 
 
 _SAVE_LOGS = Throttle()
+
+
+def _sync_segments(job: JobRecord, plan: StagePlan) -> list[int]:
+    """The segments whose rings a replicated stage may be in this attempt (its NATS user's
+    ring subjects)."""
+    placement = job.placement
+    placed = None if placement is None else placement.stage_of(plan.fellow_id)
+    if placement is None or placed is None or not plan.replicated:
+        return []
+    return placement.sync_segments(placed)

@@ -23,12 +23,14 @@ each fellow offers: :mod:`silentswarm.telemetry`). The rules:
 - A job with ``replicas`` runs k copies of its p-stage pipeline on k * p distinct fellows
   (:func:`shape`): the best k * p ranked, dealt out like cards (replica r takes every k-th
   from the r-th) so the replicas are alike, each replica ordered by the rules above on its
-  own. One layer split serves every replica (each stage of a replica holds the same layers
-  as that stage of the others, and must fit them): computed as above over each stage
-  position's weakest fellow (least memory; least speed, which sets the pace of every
-  step the replicas sync). Under transport ``p2p`` every member needs a sync address
-  (``SWARM_SYNC_ADDRESS``); under ``auto`` a ring link to a member without one uses the
-  relay.
+  own. A ``weighted`` or ``balanced`` job splits each replica's layers on its own fellows
+  (the replicas average per layer, one ring per segment: :mod:`silentswarm.rings`); an
+  equal split, a resumed job's fixed ranges, a learned codec, or a ``p2p`` fellow with
+  fewer sync ports than its stage's rings gives every replica one split, computed as
+  above over each stage position's weakest fellow (least memory; least speed, which sets
+  the pace of every step the replicas sync). Under transport ``p2p`` every member needs a
+  sync address (``SWARM_SYNC_ADDRESS``); under ``auto`` a ring link to a member without one
+  uses the relay.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+from silentswarm import rings
+from silentswarm.compression import parse_compression
 from silentswarm.jobspec import JobSpec, LastStagePlacement, Partition, PlacedStage, Placement
 from silentswarm.leader import pools
 from silentswarm.leader.balance import balanced_sizes, chain_order, head_blocks, ranges_of
@@ -134,14 +138,14 @@ def place(
     transport = _transport(spec, groups)
     if isinstance(transport, Unplaceable):
         return transport
-    ranges = _ranges(spec, groups, gpus, ranges)
-    if isinstance(ranges, Unplaceable):
-        return ranges
+    splits = _splits(spec, groups, gpus, ranges, transport)
+    if isinstance(splits, Unplaceable):
+        return splits
     per_host = Counter(c.hostname for chosen in groups for c in chosen)
     micro_batches, in_flight = spec.memory_schedule()
     stages = []
     for r, chosen in enumerate(groups):
-        for i, (c, (start, end)) in enumerate(zip(chosen, ranges, strict=True)):
+        for i, (c, (start, end)) in enumerate(zip(chosen, splits[r], strict=True)):
             memory = stage_memory(
                 spec.model,
                 batch_size=spec.batch_size,
@@ -290,15 +294,53 @@ def _along_links(
     return [by_id[f] for f in chain_order(list(by_id), links, last=last)]
 
 
+def _splits(
+    spec: JobSpec,
+    groups: list[list[Candidate]],
+    gpus: dict[str, list[GpuInfo]],
+    fixed: list[tuple[int, int]] | None,
+    transport: Transport,
+) -> list[list[tuple[int, int]]] | Unplaceable:
+    """Each replica's layer split (``groups``: each replica's fellows in stage order).
+
+    A ``weighted`` or ``balanced`` job with replicas splits each replica on its own fellows
+    (the replicas average per layer, over one ring per segment: :mod:`silentswarm.rings`),
+    unless a learned codec's projections sit at the boundaries (they have no counterpart in
+    another split) or, under transport ``p2p``, a fellow has fewer sync ports than the rings
+    its stage would be in: then every replica takes one split, over each stage position's
+    weakest fellow (:func:`_ranges`). ``fixed`` ranges (a resumed job's) hold for all."""
+    one = _ranges(spec, groups, gpus, fixed)
+    if isinstance(one, Unplaceable):
+        return one
+    uniform_split = [one] * len(groups)
+    per_replica = spec.partition in (Partition.WEIGHTED, Partition.BALANCED)
+    bottleneck = parse_compression(spec.compression, d_model=spec.model.d_model).bottleneck_dim
+    if fixed is not None or len(groups) < 2 or len(groups[0]) < 2 or not per_replica or bottleneck:
+        return uniform_split
+    own = [_ranges(spec, [chosen], gpus, None) for chosen in groups]
+    if any(isinstance(split, Unplaceable) for split in own):
+        return uniform_split
+    splits = [list(split) for split in own if not isinstance(split, Unplaceable)]
+    if transport == Transport.P2P:
+        needed = rings.ports_needed(splits)
+        if any(
+            need > len(rings.fellow_ports(c.sync_address))
+            for chosen, row in zip(groups, needed, strict=True)
+            for c, need in zip(chosen, row, strict=True)
+        ):
+            return uniform_split
+    return splits
+
+
 def _ranges(
     spec: JobSpec,
     groups: list[list[Candidate]],
     gpus: dict[str, list[GpuInfo]],
     fixed: list[tuple[int, int]] | None,
 ) -> list[tuple[int, int]] | Unplaceable:
-    """The stages' layer ranges, one split for every replica (``groups``: each replica's
-    fellows in stage order): ``fixed`` ones (a resumed job's), or by the job's partition
-    over each stage position's weakest fellow."""
+    """The stages' layer ranges, one split for every replica in ``groups``: ``fixed`` ones
+    (a resumed job's), or by the job's partition over each stage position's weakest
+    fellow."""
     if fixed is not None:
         return [tuple(r) for r in fixed]
     layers, n = spec.model.n_layers, len(groups[0])

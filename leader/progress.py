@@ -41,8 +41,8 @@ def apply_step(stage: StageProgress, msg: Progress, *, now: float) -> None:
     for name in _STEP_COUNTERS:
         setattr(stage, name, getattr(msg, name))
     stage.sync_epoch = msg.sync_epoch
-    if msg.state_digest is not None:
-        stage.state_digest = msg.state_digest
+    if msg.state_digests:
+        stage.state_digests = dict(msg.state_digests)
     stage.link = msg.down_link or stage.link
     stage.tuning = msg.tuning or stage.tuning
     stage.updated_at = now

@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import re
 import secrets
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Annotated, Literal, TypeVar
 
 import msgspec
@@ -23,7 +23,6 @@ import msgspec
 from silentswarm.compression import parse_compression
 from silentswarm.errors import ConfigError, FieldError, JobSpecError
 from silentswarm.plan import (
-    CurveKeys,
     GpuSlot,
     ModelConfig,
     PathText,
@@ -34,6 +33,14 @@ from silentswarm.plan import (
     Transport,
 )
 from silentswarm.pools import DEFAULT_POOL, Labels, PoolName
+from silentswarm.rings import (
+    Seat,
+    build_rings,
+    fellow_ports,
+    link_secrets,
+    segments,
+    stage_segments,
+)
 
 T = TypeVar("T")
 
@@ -293,46 +300,34 @@ class Placement(msgspec.Struct, kw_only=True):
     def stage_of(self, fellow_id: str) -> PlacedStage | None:
         return next((s for s in self.stages if s.fellow_id == fellow_id), None)
 
+    def sync_segments(self, stage: PlacedStage) -> list[int]:
+        """The first layers of the segments (:mod:`silentswarm.rings`) ``stage`` holds among
+        the live replicas' splits: the rings it is in, and (elastic membership drops
+        replicas and places replacements with the lead's split, which only merges segments)
+        every ring it may be in later this attempt."""
+        splits = [
+            [(s.layer_start, s.layer_end) for s in self.pipeline(r)] for r in self.live_replicas
+        ]
+        return [a for a, _ in stage_segments(stage.layer_start, stage.layer_end, segments(splits))]
 
-def boundary_keys(n_stages: int) -> list[tuple[CurveKeys, CurveKeys]]:
-    """Fresh CURVE keys per boundary: (for the upstream end, for the downstream end)."""
-    import zmq  # only the leader makes keys
 
-    out = []
-    for _ in range(n_stages - 1):
-        server_public, server_secret = (k.decode() for k in zmq.curve_keypair())
-        client_public, client_secret = (k.decode() for k in zmq.curve_keypair())
-        out.append(
-            (
-                CurveKeys(public=client_public, secret=client_secret, peer_public=server_public),
-                CurveKeys(public=server_public, secret=server_secret, peer_public=client_public),
+def seats(placement: Placement, replicas: Sequence[int] | None = None) -> dict[int, list[Seat]]:
+    """The placed pipelines of ``replicas`` (default: every live one) as the rings see them."""
+    live = placement.live_replicas if replicas is None else replicas
+    return {
+        r: [
+            Seat(
+                replica=r,
+                stage=s.stage,
+                fellow_id=s.fellow_id,
+                layer_start=s.layer_start,
+                layer_end=s.layer_end,
+                ports=tuple(fellow_ports(s.sync_address)),
             )
-        )
-    return out
-
-
-@dataclass(frozen=True)
-class LinkSecrets:
-    """The secrets of one link (a pipeline boundary or a ring link): CURVE keys for the
-    connecting and the binding end (None under transport tunnel), and the relay token both
-    ends tag with (None under p2p)."""
-
-    connecting: CurveKeys | None
-    binding: CurveKeys | None
-    token: str | None
-
-
-def link_secrets(count: int, *, curve: bool, relay: bool) -> list[LinkSecrets]:
-    """Fresh secrets for ``count`` links."""
-    keys = boundary_keys(count + 1) if curve else [(None, None)] * count
-    return [
-        LinkSecrets(
-            connecting=connecting,
-            binding=binding,
-            token=secrets.token_hex(32) if relay else None,
-        )
-        for connecting, binding in keys
-    ]
+            for s in placement.pipeline(r)
+        ]
+        for r in live
+    }
 
 
 def stage_plans(
@@ -344,8 +339,8 @@ def stage_plans(
     Every p2p link gets fresh CURVE keys, so only the placed neighbours can connect, and
     every link that may use the relay (auto, tunnel) a fresh relay token, so only they can
     send relay messages the other accepts: each boundary of each replica's pipeline, and
-    with replicas each link of a stage's ring (replica r connects to r + 1 mod k, which
-    binds its sync address for it). Only replica 0 checkpoints for the leader.
+    with replicas each link of each segment's ring (:func:`silentswarm.rings.build_rings`).
+    Only replica 0 checkpoints for the leader.
     """
     k = placement.n_replicas
     pipelines = [placement.pipeline(r) for r in range(k)]
@@ -354,8 +349,7 @@ def stage_plans(
     curve = placement.transport != Transport.TUNNEL
     relay = placement.transport != Transport.P2P
     boundaries = [link_secrets(n - 1, curve=curve, relay=relay) for _ in range(k)]
-    # ring[r][i]: stage i's link from replica r to replica r + 1.
-    ring = [link_secrets(n, curve=curve, relay=relay) for _ in range(k)] if k > 1 else []
+    rings = build_rings(seats(placement), curve=curve, relay=relay) if k > 1 else {}
     plans = []
     for placed in placement.stages:
         i, r = placed.stage, placed.replica
@@ -366,16 +360,9 @@ def stage_plans(
         down = boundaries[r][i] if i + 1 < n else None
         ring_fields = {}
         if k > 1:
-            before, after = pipelines[(r - 1) % k][i], pipelines[(r + 1) % k][i]
-            sync_up, sync_down = ring[(r - 1) % k][i], ring[r][i]
             ring_fields = dict(
-                sync_address=placed.sync_address,
-                sync_prev=Peer(fellow_id=before.fellow_id),
-                sync_next=Peer(fellow_id=after.fellow_id, data_address=after.sync_address),
-                curve_sync_up=sync_up.binding,
-                curve_sync_down=sync_down.connecting,
-                relay_sync_up_token=sync_up.token,
-                relay_sync_down_token=sync_down.token,
+                sync_ports=fellow_ports(placed.sync_address),
+                sync_rings=rings[(r, i)],
             )
         # Replica 0's stages checkpoint at the end (the export) and, with shard pushes,
         # every shard_push_interval_steps; its fellows push each to the leader. The other

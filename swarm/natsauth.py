@@ -30,7 +30,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -95,14 +95,16 @@ def attempt_permissions(
     n_stages: int,
     replica: int = 0,
     n_replicas: int = 1,
+    sync_segments: Sequence[int] = (),
 ) -> Permissions:
     """The user of one placed stage of one attempt: its progress and shard subjects for that
     job, its inbox (the leader's shard acks), and exactly the relay subjects of its own
-    boundaries (those of its pipeline ``replica``) and, with replicas, of its stage's ring:
-    its own link to its successor, and the link from each other replica, any of which
-    may be its predecessor (elastic membership), in the direction it sends and the one it
-    hears. Nobody else can read or
-    write them (the leader aside), and a new attempt has new subjects."""
+    boundaries (those of its pipeline ``replica``) and, with replicas, of the rings of the
+    segments it may hold (``sync_segments``, their first layers: those of the attempt's
+    segments within its layers): its own link to its successor in each, and the link from
+    each other replica, any of which may be its predecessor (elastic membership), in the
+    direction it sends and the one it hears. Nobody else can read or write them (the
+    leader aside), and a new attempt has new subjects."""
 
     def relay(link: str, direction: str) -> str:
         return topics.RELAY.subject(
@@ -123,16 +125,17 @@ def attempt_permissions(
         publish.append(relay(down, "fwd"))
         subscribe.append(relay(down, "bwd"))
     if n_replicas > 1:
-        # The ring: it connects to its successor (sends "fwd" on its own link) and binds
+        # Each ring: it connects to its successor (sends "fwd" on its own link) and binds
         # for its predecessor (answers "bwd" on the predecessor's link). Elastic membership
-        # may make any other replica of the stage its predecessor (a ring without a lost
-        # one), so it may bind for each: the links of its stage's ring in this attempt, and
-        # no other. Each ring's links have fresh relay tokens, so a member left out of a
-        # ring cannot talk to it.
-        own = topics.sync_link(stage, replica)
-        others = [topics.sync_link(stage, q) for q in range(n_replicas) if q != replica]
-        publish += [relay(own, "fwd"), *(relay(link, "bwd") for link in others)]
-        subscribe += [relay(own, "bwd"), *(relay(link, "fwd") for link in others)]
+        # may make any other replica its predecessor (a ring without a lost one), so it may
+        # bind for each: the links of its segments' rings in this attempt, and no other.
+        # Each ring's links have fresh relay tokens, so a member left out of a ring cannot
+        # talk to it.
+        for segment in sync_segments:
+            own = topics.sync_link(segment, replica)
+            others = [topics.sync_link(segment, q) for q in range(n_replicas) if q != replica]
+            publish += [relay(own, "fwd"), *(relay(link, "bwd") for link in others)]
+            subscribe += [relay(own, "bwd"), *(relay(link, "fwd") for link in others)]
     return Permissions(publish=tuple(publish), subscribe=tuple(subscribe))
 
 
@@ -572,6 +575,7 @@ class NatsAuthority:
         n_stages: int,
         replica: int = 0,
         n_replicas: int = 1,
+        sync_segments: Sequence[int] = (),
     ) -> str:
         """A fresh user for one placed stage of one attempt (never stored here; its key is
         recorded as the fellow's, so that releasing the fellow revokes it too)."""
@@ -584,6 +588,7 @@ class NatsAuthority:
             n_stages=n_stages,
             replica=replica,
             n_replicas=n_replicas,
+            sync_segments=sync_segments,
         )
         name = attempt_user_name(fellow_id, job_id, attempt)
         creds = self.user_creds(name, perms)

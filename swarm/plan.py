@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import os
+from collections.abc import Sequence
 from typing import Annotated, Literal, Protocol, Self
 
 import msgspec
@@ -26,7 +27,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     family: Literal["gpt2", "llama"] = "gpt2"
     vocab_size: Annotated[int, msgspec.Meta(ge=1, le=2**22)] = 256
     seq_len: Annotated[int, msgspec.Meta(ge=1, le=2**20)] = 64
-    n_layers: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 4
+    n_layers: Annotated[int, msgspec.Meta(ge=1, le=MAX_LAYERS)] = 4
     d_model: Annotated[int, msgspec.Meta(ge=1, le=2**16)] = 128
     n_heads: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 4
     # llama: the key/value heads (grouped-query attention; None: n_heads).
@@ -75,6 +76,7 @@ PROVISIONAL_MICRO_BATCHES = 4  # micro_batches "auto" before the stages have mea
 # real job needs, short of what would overflow, allocate absurdly or never end. msgspec checks
 # them while decoding, so out of bounds is an error that names the field.
 MAX_STEPS = 10**9
+MAX_LAYERS = 4096  # a model's n_layers
 Steps = Annotated[int, msgspec.Meta(ge=1, le=MAX_STEPS)]
 StepCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_STEPS)]
 PathText = Annotated[str, msgspec.Meta(min_length=1, max_length=4096)]
@@ -404,19 +406,75 @@ RelayToken = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32,128}$")]
 ReplicaIndex = Annotated[int, msgspec.Meta(ge=0, le=4095)]
 
 
-class RingChange(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """A new membership of one stage's replicas' ring (elastic membership), for one member.
+Digest = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
+# A stage's state digests after a ring change, by ring (its segment's first layer).
+StateDigests = Annotated[
+    dict[Annotated[int, msgspec.Meta(ge=0, le=MAX_LAYERS)], Digest],
+    msgspec.Meta(max_length=MAX_LAYERS),
+]
 
-    The leader sends it (a ``ring`` command through the fellow's agent) to every member of the
-    new ring when a replica is lost or a replacement joins. Every member switches before it
-    trains step ``at_step`` (0-based: after ``at_step`` completed steps), so all switch at the
-    same step: it closes its old ring links, opens the new ones (``sync_prev``/``sync_next``,
-    their CURVE keys and relay tokens, fresh for each epoch, so a member left out cannot talk
-    to the new ring), and takes the state (weights, optimizer, DiLoCo's outer state) of
-    ``donor``, which goes around the new ring once. A member that had state of its own checks
-    the donor's against it; one in ``joining`` has none. ``members`` are replica indices,
-    sorted: the ring's order (each sends to the next, the last to the first). A ring of one
-    member has no links: its rounds average its own contribution.
+
+class SyncRing(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One ring a replicated stage is a member of (:mod:`silentswarm.rings`): the ring of the
+    replicas' stages that hold the segment of layers ``[layer_start, layer_end)``.
+
+    The member binds its stage's sync port ``port`` (an index into the plan's
+    ``sync_ports``; None: the link from ``prev`` uses the relay) for its predecessor ``prev``
+    and connects to its successor ``next`` (whose ``data_address`` is the successor's port
+    for this ring; None: the relay), with the links' CURVE keys and relay tokens as for a
+    boundary (up: from the predecessor, down: to the successor). A ring of one member has no
+    peers."""
+
+    layer_start: Annotated[int, msgspec.Meta(ge=0, le=MAX_LAYERS)]
+    layer_end: Annotated[int, msgspec.Meta(ge=1, le=MAX_LAYERS)]
+    port: Annotated[int, msgspec.Meta(ge=0, le=63)] | None = None
+    prev: Peer | None = None
+    next: Peer | None = None
+    curve_up: CurveKeys | None = None
+    curve_down: CurveKeys | None = None
+    relay_up_token: RelayToken | None = None
+    relay_down_token: RelayToken | None = None
+
+    @property
+    def segment(self) -> int:
+        """The segment's name: its first layer."""
+        return self.layer_start
+
+
+def ring_problems(
+    rings: Sequence[SyncRing], layers: tuple[int, int] | None, *, members: int
+) -> list[str]:
+    """Why ``rings`` cannot be a stage's rings among ``members`` replicas: they must cut
+    contiguous layers in order (exactly the stage's ``layers``, where given), and each ring
+    of more than one member needs its peers."""
+    out = []
+    cuts = [(r.layer_start, r.layer_end) for r in rings]
+    ordered = bool(cuts) and all(a < b for a, b in cuts)
+    ordered = ordered and all(cuts[i][1] == cuts[i + 1][0] for i in range(len(cuts) - 1))
+    if layers is not None and ordered:
+        ordered = (cuts[0][0], cuts[-1][1]) == tuple(layers)
+    if not ordered:
+        whose = "" if layers is None else f" [{layers[0]}, {layers[1]})"
+        out.append(f"'rings' {cuts} must cut the stage's layers{whose} in order")
+    if members > 1 and any(r.prev is None or r.next is None for r in rings):
+        out.append("a ring of more than one member needs 'prev' and 'next'")
+    return out
+
+
+class RingChange(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A new membership of the replicas' rings (elastic membership), for one member stage.
+
+    The leader sends it (a ``ring`` command through the fellow's agent) to every member
+    stage of the new rings when a replica is lost or a replacement joins. Every member
+    switches before it trains step ``at_step`` (0-based: after ``at_step`` completed steps),
+    so all switch at the same step: it closes its old ring links, opens the new ones
+    (``rings``: one per segment the stage holds among the new members' splits, with their
+    peers, CURVE keys and relay tokens, fresh for each epoch, so a member left out cannot
+    talk to the new rings), and takes the state (weights, optimizer, DiLoCo's outer state)
+    of ``donor``, which goes around each new ring once. A member that had state of its own
+    checks the donor's against it; one in ``joining`` has none. ``members`` are replica
+    indices, sorted: the rings' order (each sends to the next, the last to the first). A
+    ring of one member has no links: its rounds average its own contribution.
     """
 
     epoch: Annotated[int, msgspec.Meta(ge=1, le=2**31)]
@@ -426,12 +484,9 @@ class RingChange(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     joining: Annotated[list[ReplicaIndex], msgspec.Meta(max_length=4096)] = msgspec.field(
         default_factory=list
     )
-    sync_prev: Peer | None = None
-    sync_next: Peer | None = None
-    curve_sync_up: CurveKeys | None = None
-    curve_sync_down: CurveKeys | None = None
-    relay_sync_up_token: RelayToken | None = None
-    relay_sync_down_token: RelayToken | None = None
+    rings: Annotated[list[SyncRing], msgspec.Meta(max_length=MAX_LAYERS)] = msgspec.field(
+        default_factory=list
+    )
     # When replica 0 is lost, the lowest member replica takes over its duty of checkpointing
     # for the leader (the shard pushes and the export): from ``at_step`` on this member uses
     # these instead of its plan's ``checkpoint_every`` and ``checkpoint_at_end`` (None: the
@@ -439,8 +494,9 @@ class RingChange(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     checkpoint_every: Annotated[int, msgspec.Meta(ge=0, le=2**31)] | None = None
     checkpoint_at_end: bool | None = None
 
-    def problems(self, replica: int) -> list[str]:
-        """What makes this change impossible for member ``replica`` (empty: none)."""
+    def problems(self, replica: int, layers: tuple[int, int] | None = None) -> list[str]:
+        """What makes this change impossible for member ``replica``, a stage of ``layers``
+        (``[start, end)``; None: not checked) (empty: none)."""
         out = []
         if self.members != sorted(set(self.members)):
             out.append("'members' must be sorted and distinct")
@@ -450,8 +506,7 @@ class RingChange(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             out.append(f"'donor' {self.donor} must be a member that is not joining")
         if not set(self.joining) <= set(self.members):
             out.append("'joining' must be members")
-        if len(self.members) > 1 and (self.sync_prev is None or self.sync_next is None):
-            out.append("a ring of more than one member needs 'sync_prev' and 'sync_next'")
+        out.extend(ring_problems(self.rings, layers, members=len(self.members)))
         return out
 
 
@@ -499,20 +554,17 @@ class StagePlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     # agent sets it; a resumed attempt (resume_from) does not use it.
     init_dir: str | None = None
     # Replicas (a job's ``replicas``): this plan is stage ``stage`` of pipeline ``replica`` of
-    # ``n_replicas``. A stage's replicas form a ring (replica r sends to r + 1 mod k): this
-    # member binds ``sync_address`` for its predecessor ``sync_prev`` and connects to its
-    # successor ``sync_next`` (whose ``data_address`` is the successor's sync address), with
-    # the ring links' CURVE keys and relay tokens as for a boundary (up: from the predecessor,
-    # down: to the successor).
+    # ``n_replicas``. The stage is a member of one ring per segment of layers it holds
+    # (``sync_rings``, in order; :mod:`silentswarm.rings`): each binds one of this
+    # fellow's ring ports ``sync_ports`` for its predecessor and connects to its successor.
     replica: Annotated[int, msgspec.Meta(ge=0, le=4095)] = 0
     n_replicas: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
-    sync_address: str | None = None
-    sync_prev: Peer | None = None
-    sync_next: Peer | None = None
-    curve_sync_up: CurveKeys | None = None
-    curve_sync_down: CurveKeys | None = None
-    relay_sync_up_token: RelayToken | None = None
-    relay_sync_down_token: RelayToken | None = None
+    sync_ports: Annotated[list[str], msgspec.Meta(max_length=64)] = msgspec.field(
+        default_factory=list
+    )
+    sync_rings: Annotated[list[SyncRing], msgspec.Meta(max_length=MAX_LAYERS)] = msgspec.field(
+        default_factory=list
+    )
     # Elastic membership: this stage is part of a replica that joins a running job in place
     # of a lost one. It builds its model and opens its pipeline boundaries (not the ring),
     # says so (a ``joining`` event), waits for its ``ring`` command (a RingChange that lists it
@@ -570,19 +622,30 @@ class StagePlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         if not self.replicated:
             return []
         out = []
-        if not self.joining and (self.sync_prev is None or self.sync_next is None):
-            out.append("a replicated stage needs 'sync_prev' and 'sync_next' (its ring peers)")
+        if not self.joining:
+            out.extend(
+                ring_problems(
+                    self.sync_rings, (self.layer_start, self.layer_end), members=self.n_replicas
+                )
+            )
         if self.train.overlap:
             out.append('schedule "overlap" cannot run with replicas (use "1f1b")')
-        p2p = self.transport != Transport.TUNNEL
-        if p2p and self.transport == Transport.P2P:
-            if not self.sync_address:
-                out.append("transport p2p needs 'sync_address' to bind for the replicas' ring")
-            if self.sync_next is not None and not self.sync_next.data_address:
-                out.append("transport p2p needs 'sync_next' with its sync address")
-        if not p2p and not self.nats:
+        if self.transport == Transport.P2P:
+            for ring in self.sync_rings:
+                where = f"ring of layers [{ring.layer_start}, {ring.layer_end})"
+                if ring.port is None or ring.port >= len(self.sync_ports):
+                    out.append(f"transport p2p needs a sync port to bind for the {where}")
+                if ring.next is not None and not ring.next.data_address:
+                    out.append(f"transport p2p needs the {where}'s 'next' with its sync address")
+        if self.transport == Transport.TUNNEL and not self.nats:
             out.append("transport 'tunnel' needs 'nats' (the NATS URL) for the replicas' ring")
         return out
+
+    def sync_bind(self, ring: SyncRing) -> str | None:
+        """Where this stage binds for ``ring``'s predecessor (None: the relay)."""
+        if ring.port is None or ring.port >= len(self.sync_ports):
+            return None
+        return self.sync_ports[ring.port]
 
     def _layout_problems(self) -> list[str]:
         out = []
@@ -733,8 +796,10 @@ def chain_plans(
     attempt: int = 1,
     intra_op_threads: int | None = None,
     peer_timeout_s: float = 60.0,
+    ranges: Sequence[tuple[int, int]] | None = None,
 ) -> list[StagePlan]:
-    """Plans for a chain of ``len(addresses)`` stages with equal layer ranges.
+    """Plans for a chain of ``len(addresses)`` stages with ``ranges`` of layers (default:
+    equal ranges).
 
     ``addresses[i]`` is where stage i binds for its upstream boundary (unused for stage 0).
     Without ``intra_op_threads`` each stage gets this machine's cores / stages.
@@ -743,7 +808,8 @@ def chain_plans(
         intra_op_threads = max(1, (os.cpu_count() or 1) // len(addresses))
     n = len(addresses)
     ids = fellow_ids or [f"stage-{i}" for i in range(n)]
-    ranges = split_layers(model.n_layers, n)
+    if ranges is None:
+        ranges = split_layers(model.n_layers, n)
     plans = []
     for i, (start, end) in enumerate(ranges):
         plans.append(
@@ -781,6 +847,7 @@ def replicated_chain_plans(
     addresses: list[list[str | None]],
     sync_addresses: list[list[str | None]],
     fellow_ids: list[list[str]] | None = None,
+    splits: list[list[tuple[int, int]]] | None = None,
     compression: str = "none",
     grad_compression: str | None = None,
     transport: Transport = Transport.AUTO,
@@ -794,16 +861,22 @@ def replicated_chain_plans(
     without a leader (tests, benchmarks): ``plans[r][s]`` is stage ``s`` of replica ``r``.
 
     ``addresses[r]`` are replica r's boundary addresses, as :func:`chain_plans` takes them;
-    ``sync_addresses[r][s]`` is where stage s of replica r binds for its ring predecessor.
-    Every stage's replicas form a ring (r sends to r + 1 mod k). With ``secure`` every ring
-    link gets fresh CURVE keys and relay tokens, as a leader's plans have.
+    ``sync_addresses[r][s]`` is stage s of replica r's sync address (one port, or a range
+    ``tcp://h:7000-7003``: one port per ring it is in). ``splits[r]`` is replica r's layer
+    split (default: equal ranges for every replica). Every segment's holders form a ring in
+    replica order (:func:`silentswarm.rings.build_rings`); with ``secure`` every ring link
+    gets fresh CURVE keys and relay tokens, as a leader's plans have.
     """
+    from silentswarm import rings  # it imports this module
+
     k = len(addresses)
     n = len(addresses[0]) if addresses else 0
     if k < 1 or any(len(a) != n for a in addresses) or len(sync_addresses) != k:
         raise ConfigError("need one address list of equal length per replica")
     if any(len(s) != n for s in sync_addresses):
         raise ConfigError("need one sync address per stage of every replica")
+    if splits is not None and (len(splits) != k or any(len(s) != n for s in splits)):
+        raise ConfigError("need one split of the chain's stages per replica")
     if intra_op_threads is None:
         intra_op_threads = max(1, (os.cpu_count() or 1) // (k * n))
     ids = fellow_ids or [[f"r{r}-stage-{s}" for s in range(n)] for r in range(k)]
@@ -814,6 +887,7 @@ def replicated_chain_plans(
             train=train,
             addresses=addresses[r],
             fellow_ids=ids[r],
+            ranges=None if splits is None else splits[r],
             compression=compression,
             grad_compression=grad_compression,
             transport=transport,
@@ -824,53 +898,33 @@ def replicated_chain_plans(
         )
         for r in range(k)
     ]
-    # keys[r][s]: the ring link from replica r to r + 1 (for its sender, for its receiver)
-    keys: list[list[tuple[CurveKeys | None, CurveKeys | None]]] = [
-        [_ring_keys(secure) for _ in range(n)] for _ in range(k)
-    ]
-    tokens = [[_ring_token(secure) for _ in range(n)] for _ in range(k)]
-    out: list[list[StagePlan]] = []
-    for r in range(k):
-        prev, nxt = (r - 1) % k, (r + 1) % k
-        row = []
-        for s, plan in enumerate(chains[r]):
-            if k == 1:
-                row.append(plan)
-                continue
-            row.append(
-                msgspec.structs.replace(
-                    plan,
-                    replica=r,
-                    n_replicas=k,
-                    sync_address=sync_addresses[r][s],
-                    sync_prev=Peer(fellow_id=ids[prev][s]),
-                    sync_next=Peer(fellow_id=ids[nxt][s], data_address=sync_addresses[nxt][s]),
-                    curve_sync_up=keys[prev][s][1],
-                    curve_sync_down=keys[r][s][0],
-                    relay_sync_up_token=tokens[prev][s],
-                    relay_sync_down_token=tokens[r][s],
-                ).checked()
+    if k == 1:
+        return chains
+    seats = {
+        r: [
+            rings.Seat(
+                replica=r,
+                stage=s,
+                fellow_id=plan.fellow_id,
+                layer_start=plan.layer_start,
+                layer_end=plan.layer_end,
+                ports=tuple(rings.sync_ports(sync_addresses[r][s])),
             )
-        out.append(row)
-    return out
-
-
-def _ring_keys(secure: bool) -> tuple[CurveKeys | None, CurveKeys | None]:
-    """Fresh CURVE keys of one ring link: (its sender's, its receiver's); None, None unless
-    ``secure``."""
-    if not secure:
-        return None, None
-    import zmq  # only where keys are made
-
-    server_public, server_secret = (x.decode() for x in zmq.curve_keypair())
-    client_public, client_secret = (x.decode() for x in zmq.curve_keypair())
-    return (
-        CurveKeys(public=client_public, secret=client_secret, peer_public=server_public),
-        CurveKeys(public=server_public, secret=server_secret, peer_public=client_public),
-    )
-
-
-def _ring_token(secure: bool) -> str | None:
-    import secrets
-
-    return secrets.token_hex(16) if secure else None
+            for s, plan in enumerate(chains[r])
+        ]
+        for r in range(k)
+    }
+    built = rings.build_rings(seats, curve=secure, relay=secure)
+    return [
+        [
+            msgspec.structs.replace(
+                plan,
+                replica=r,
+                n_replicas=k,
+                sync_ports=rings.sync_ports(sync_addresses[r][s]),
+                sync_rings=built[(r, s)],
+            ).checked()
+            for s, plan in enumerate(chains[r])
+        ]
+        for r in range(k)
+    ]

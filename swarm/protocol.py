@@ -17,6 +17,7 @@ from typing import Annotated
 
 import msgspec
 
+from silentswarm.plan import StateDigests
 from silentswarm.pools import DEFAULT_POOL, Labels, PoolName
 from silentswarm.types.links import LinkStats, Tuning
 from silentswarm.types.signals import (
@@ -359,10 +360,10 @@ class Progress(Message, kw_only=True):
     sync_bytes_received: Bytes = 0
     sync_clipped: Count = 0
     sync_missed: Count = 0
-    # Elastic membership: the ring epoch the stage is in, and on the step after a ring
-    # formed the sha256 of the state it took from the donor.
+    # Elastic membership: the ring epoch the stage is in, and on the step after its rings
+    # formed the sha256 of the state it took from the donor in each (by segment).
     sync_epoch: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
-    state_digest: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")] | None = None
+    state_digests: StateDigests | None = None
     ok: bool = True
     message: Annotated[str, msgspec.Meta(max_length=1024)] = ""
     checkpoint_path: Annotated[str, msgspec.Meta(max_length=1024)] | None = None

@@ -67,12 +67,15 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # port forward: bind tcp://0.0.0.0:5701, advertise the public address).
     data_bind: str | None = None
     # Where a fellow's stage binds, and its replicas connect, for a job with replicas (the
-    # ring that keeps a stage's replicas in sync): a second port beside data_address.
-    # Unset: under transport auto its ring links use the NATS relay; p2p jobs with replicas
-    # are not placed on it.
+    # rings that keep the replicas' layers in sync): a port beside data_address, or a range
+    # of them (tcp://host:7000-7003), one per ring a stage is in (a stage of a replica that
+    # splits the layers unlike the others is in several: silentswarm.rings). Unset, or past
+    # its ports: under transport auto its ring links use the NATS relay; p2p jobs with
+    # replicas are not placed on it.
     sync_address: str | None = None
-    # Where the stage binds its ring port when that is not the advertised sync_address
-    # (behind NAT or a port forward, as data_bind for the data port).
+    # Where the stage binds its ring ports when that is not the advertised sync_address
+    # (behind NAT or a port forward, as data_bind for the data port): port j binds for
+    # port j of sync_address.
     sync_bind: str | None = None
     # Where fellow.sh installed this fellow (venv, state, config): PURGE removes all of it.
     fellow_prefix: Path | None = None
@@ -158,6 +161,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
             if value is not None and value <= 0:
                 raise ConfigError(f"{env_name(name)}={value}: must be > 0 (unset: no cap)")
         _check_compute_speed(self.fellow_compute_speed)
+        _check_sync_ports(self)
         parse_labels(self.fellow_labels, source=env_name("fellow_labels"))
         if self.placement_min_gpu_free_gb < 0:
             raise ConfigError(f"{env_name('placement_min_gpu_free_gb')} must be >= 0")
@@ -289,6 +293,17 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
 
 def env_name(field: str) -> str:
     return ENV_PREFIX + field.upper()
+
+
+def _check_sync_ports(settings: Settings) -> None:
+    """A sync address names one port or a range of them (one per ring a stage is in)."""
+    from silentswarm.rings import sync_ports  # it imports the plan, which imports this
+
+    for name in ("sync_address", "sync_bind"):
+        try:
+            sync_ports(getattr(settings, name))
+        except ConfigError as exc:
+            raise ConfigError(f"{env_name(name)}: {exc.message}") from None
 
 
 def _check_compute_speed(speed: float | None) -> None:

@@ -111,10 +111,11 @@ def relay_link(boundary: int, replica: int = 0) -> str:
     return str(boundary) if replica == 0 else f"r{replica}-{boundary}"
 
 
-def sync_link(stage: int, sender: int) -> str:
-    """The ``boundary`` token of the relay subjects of a replicas' ring link: stage
-    ``stage``'s link from replica ``sender`` to the next one."""
-    return f"s{stage}-{sender}"
+def sync_link(segment: int, sender: int) -> str:
+    """The ``boundary`` token of the relay subjects of a replicas' ring link: the link of
+    the ring of the segment whose first layer is ``segment`` (:mod:`silentswarm.rings`)
+    from replica ``sender`` to the next one."""
+    return f"g{segment}-{sender}"
 
 
 ALL_TOPICS: tuple[Topic[Any], ...] = (REGISTER, HEARTBEAT, SIGNAL, LOG, PROGRESS, SHARD, RELAY)

@@ -79,7 +79,7 @@ from silentswarm.agent.pipe.link import (
 from silentswarm.agent.pipe.wire import Direction, Frame, decode_frame, encode_frame
 from silentswarm.compression import parse_wire_codec
 from silentswarm.plan import CurveKeys as PlanCurveKeys
-from silentswarm.plan import Peer, RingChange, StagePlan
+from silentswarm.plan import RingChange, StagePlan, SyncRing
 
 log = logging.getLogger(__name__)
 
@@ -335,19 +335,26 @@ def _curve(keys: PlanCurveKeys | None) -> CurveKeys | None:
 
 
 class ReplicaSync:
-    """One member of a stage's replicas' ring: :meth:`open`, then :meth:`all_reduce` once per
-    round (the same rounds in the same order on every member), :meth:`finish`, :meth:`close`.
+    """One member of one ring (the replicas' holders of one segment of layers: ``ring``,
+    by default the plan's only ring): :meth:`open`, then :meth:`all_reduce` once per round
+    (the same rounds in the same order on every member), :meth:`finish`, :meth:`close`.
+    :class:`ReplicaRings` holds a stage's rings.
 
     Elastic membership: :meth:`switch` to a :class:`~silentswarm.plan.RingChange` (every
     member before the same step), then :meth:`hand_over` the donor's state. A joining
     stage's member (``plan.joining``) is in no ring until its first switch."""
 
-    def __init__(self, plan: StagePlan, fingerprint: bytes) -> None:
+    def __init__(self, plan: StagePlan, fingerprint: bytes, ring: SyncRing | None = None) -> None:
         if not plan.replicated:
             raise ValueError("ReplicaSync needs a replicated plan")
-        if not plan.joining and (plan.sync_prev is None or plan.sync_next is None):
+        if ring is None and not plan.joining:
+            if len(plan.sync_rings) != 1:
+                raise ValueError("ReplicaSync needs its ring of the plan's rings")
+            ring = plan.sync_rings[0]
+        if ring is not None and not plan.joining and (ring.prev is None or ring.next is None):
             raise ValueError("ReplicaSync needs a replicated plan with its ring peers")
         self.plan = plan
+        self.ring = ring
         self.fingerprint = fingerprint
         self.k = plan.n_replicas  # the replica slots (each keeps its own rows of the batch)
         self.replica = plan.replica
@@ -370,45 +377,38 @@ class ReplicaSync:
         self._received_before = 0
         self._relay_dropped_before: dict[str, int] = {}
 
+    @property
+    def where(self) -> str:
+        """The ring's name in logs and link names: its stage and its segment of layers."""
+        ring = self.ring
+        layers = "" if ring is None else f" layers {ring.layer_start}-{ring.layer_end}"
+        return f"{self.plan.stage}{layers}"
+
     # --- links ------------------------------------------------------------------------------
 
     def open(self) -> None:
         """Open both ring links of the plan's ring: accepting from the predecessor (in a
         thread) while connecting to the successor, else a ring of two would wait on itself."""
-        plan = self.plan
-        assert plan.sync_prev is not None and plan.sync_next is not None
+        plan, ring = self.plan, self.ring
+        assert ring is not None and ring.prev is not None and ring.next is not None
         self._open(
             prev=(self.replica - 1) % self.k,
-            sync_prev=plan.sync_prev,
-            sync_next=plan.sync_next,
-            curve_up=plan.curve_sync_up,
-            curve_down=plan.curve_sync_down,
-            token_up=plan.relay_sync_up_token,
-            token_down=plan.relay_sync_down_token,
+            ring=ring,
             timeout_s=max(plan.peer_timeout_s, FIRST_HELLO_S),
             label="",
         )
 
-    def _open(
-        self,
-        *,
-        prev: int,
-        sync_prev: Peer,
-        sync_next: Peer,
-        curve_up: PlanCurveKeys | None,
-        curve_down: PlanCurveKeys | None,
-        token_up: str | None,
-        token_down: str | None,
-        timeout_s: float,
-        label: str,
-    ) -> None:
-        """Open the links to ``sync_next`` and from ``sync_prev`` (replica ``prev``). The
-        relay subject of the link from member ``a`` to its successor is ``sync_link(stage,
-        a)``, whatever the ring."""
+    def _open(self, *, prev: int, ring: SyncRing, timeout_s: float, label: str) -> None:
+        """Open the links of ``ring`` to its ``next`` and from its ``prev`` (replica
+        ``prev``). The relay subject of the link from member ``a`` to its successor is
+        ``sync_link(segment, a)``, whatever the ring's members."""
         plan = self.plan
+        assert ring.prev is not None and ring.next is not None
+        sync_prev, sync_next = ring.prev, ring.next
         transport = TransportKind(plan.transport.value)
-        up_name = f"sync {plan.stage}{label} ({sync_prev.fellow_id} -> {plan.fellow_id})"
-        down_name = f"sync {plan.stage}{label} ({plan.fellow_id} -> {sync_next.fellow_id})"
+        where = f"sync {self.where}{label}"
+        up_name = f"{where} ({sync_prev.fellow_id} -> {plan.fellow_id})"
+        down_name = f"{where} ({plan.fellow_id} -> {sync_next.fellow_id})"
         accepted: dict[str, Link | BaseException] = {}
         deadline = time.monotonic() + timeout_s
         bind_deadline = time.monotonic() + min(BIND_RETRY_S, timeout_s)
@@ -419,19 +419,19 @@ class ReplicaSync:
                     accepted["link"] = accept_upstream(
                         name=up_name,
                         transport=transport,
-                        bind=plan.sync_address,
+                        bind=plan.sync_bind(ring),
                         relay=relay_opener(
                             plan,
-                            subjects.sync_link(plan.stage, prev),
+                            subjects.sync_link(ring.segment, prev),
                             up_name,
                             "bwd",
                             "fwd",
-                            token_up,
+                            ring.relay_up_token,
                         ),
                         timeout_s=max(0.001, deadline - time.monotonic()),
                         p2p_grace_s=plan.p2p_probe_timeout_s,
                         fingerprint=self.fingerprint,
-                        curve=_curve(curve_up),
+                        curve=_curve(ring.curve_up),
                     )
                     return
                 except LinkError as exc:
@@ -455,15 +455,15 @@ class ReplicaSync:
             address=sync_next.data_address,
             relay=relay_opener(
                 plan,
-                subjects.sync_link(plan.stage, self.replica),
+                subjects.sync_link(ring.segment, self.replica),
                 down_name,
                 "fwd",
                 "bwd",
-                token_down,
+                ring.relay_down_token,
             ),
             timeout_s=timeout_s,
             fingerprint=self.fingerprint,
-            curve=_curve(curve_down),
+            curve=_curve(ring.curve_down),
         )
         thread.join()
         got = accepted["link"]
@@ -471,16 +471,23 @@ class ReplicaSync:
             raise got
         self.up = got
 
-    def switch(self, change: RingChange, timeout_s: float) -> None:
-        """Leave the ring in force for ``change``'s: close the old links (no DONE: the old
-        ring is over), drop what was kept for later rounds, and open the new ring's links
-        (none for a ring of one) within ``timeout_s``. Every member of the new ring calls it
-        before the same step; :meth:`hand_over` comes next."""
-        problems = change.problems(self.replica)
+    def switch(self, change: RingChange, timeout_s: float, ring: SyncRing | None = None) -> None:
+        """Leave the ring in force for ``change``'s ``ring`` (by default its only one):
+        close the old links (no DONE: the old ring is over), drop what was kept for later
+        rounds, and open the new ring's links (none for a ring of one) within
+        ``timeout_s``. Every member of the new ring calls it before the same step;
+        :meth:`hand_over` comes next."""
+        if ring is None:
+            if len(change.rings) != 1:
+                raise ValueError(f"ring change epoch {change.epoch}: which of its rings?")
+            ring = change.rings[0]
+        plan = self.plan
+        problems = change.problems(self.replica, (plan.layer_start, plan.layer_end))
         if problems:
             raise ValueError(f"ring change epoch {change.epoch}: {'; '.join(problems)}")
         self._retire_links()
         self._early.clear()
+        self.ring = ring
         self.members = list(change.members)
         self.epoch = change.epoch
         # A joining member's first step traces and compiles its step (seconds): the first
@@ -488,15 +495,9 @@ class ReplicaSync:
         self._first_round_grace = bool(change.joining)
         if len(self.members) == 1:
             return
-        assert change.sync_prev is not None and change.sync_next is not None
         self._open(
             prev=prev_member(self.members, self.replica),
-            sync_prev=change.sync_prev,
-            sync_next=change.sync_next,
-            curve_up=change.curve_sync_up,
-            curve_down=change.curve_sync_down,
-            token_up=change.relay_sync_up_token,
-            token_down=change.relay_sync_down_token,
+            ring=ring,
             timeout_s=timeout_s,
             label=f" epoch {change.epoch}",
         )
@@ -651,9 +652,9 @@ class ReplicaSync:
         self.missed += missed
         if clip.clipped or missed:
             log.warning(
-                "sync round %d of stage %d: %d clipped, %d left out",
+                "sync round %d of stage %s: %d clipped, %d left out",
                 round_id,
-                self.plan.stage,
+                self.where,
                 clip.clipped,
                 missed,
             )
@@ -770,6 +771,130 @@ class ReplicaSync:
         return origin
 
 
+class ReplicaRings:
+    """A replicated stage's rings: one :class:`ReplicaSync` per segment of layers it holds
+    (the plan's ``sync_rings``, then each ring change's ``rings``), in segment order.
+
+    Every call runs the rings one after the other in that order, on every member alike, so
+    none waits in a cycle: a ring's round (or opening, or hand-over) needs only its own
+    members to reach it, and each reaches it once its rings of earlier segments are done,
+    which need only theirs. A contribution or a state is one array per ring (the stage cuts
+    its packed matrix by segment: :func:`ring_rows`). The counters are the rings' sums, kept
+    across ring changes."""
+
+    def __init__(self, plan: StagePlan, fingerprint: bytes) -> None:
+        if not plan.replicated:
+            raise ValueError("ReplicaRings needs a replicated plan")
+        self.plan = plan
+        self.fingerprint = fingerprint
+        self.syncs: list[ReplicaSync] = (
+            [] if plan.joining else [ReplicaSync(plan, fingerprint, r) for r in plan.sync_rings]
+        )
+        self._retired: list[ReplicaSync] = []  # rings given up at a change (their counters)
+
+    @property
+    def rings(self) -> list[SyncRing]:
+        """The rings in force (none for a joining stage before its first change)."""
+        return [sync.ring for sync in self.syncs if sync.ring is not None]
+
+    @property
+    def members(self) -> list[int]:
+        return self.syncs[0].members if self.syncs else []
+
+    def open(self) -> None:
+        for sync in self.syncs:
+            sync.open()
+
+    def round(self, round_id: int, parts: Sequence[np.ndarray]) -> list[RoundResult]:
+        """One round in every ring: ``parts[i]`` is this member's contribution to ring i."""
+        if len(parts) != len(self.syncs):
+            raise ValueError(f"{len(parts)} contributions for {len(self.syncs)} rings")
+        return [sync.round(round_id, part) for sync, part in zip(self.syncs, parts, strict=True)]
+
+    def switch(self, change: RingChange, timeout_s: float) -> None:
+        """Leave the rings in force for ``change``'s (one per ring of it: the segments may
+        differ from the old rings' when the members' splits do)."""
+        plan = self.plan
+        problems = change.problems(plan.replica, (plan.layer_start, plan.layer_end))
+        if problems:
+            raise ValueError(f"ring change epoch {change.epoch}: {'; '.join(problems)}")
+        for sync in self.syncs:
+            sync._retire_links()
+        self._retired += self.syncs
+        self.syncs = [ReplicaSync(plan, self.fingerprint, ring) for ring in change.rings]
+        for sync, ring in zip(self.syncs, change.rings, strict=True):
+            sync.switch(change, timeout_s, ring)
+
+    def hand_over(
+        self,
+        change: RingChange,
+        own: Sequence[np.ndarray] | None,
+        shapes: Sequence[tuple[int, ...]],
+        timeout_s: float,
+    ) -> list[np.ndarray]:
+        """The donor's state in every ring (:meth:`ReplicaSync.hand_over`): ``own[i]`` (the
+        donor's) and ``shapes[i]`` are ring i's."""
+        if len(shapes) != len(self.syncs) or (own is not None and len(own) != len(shapes)):
+            raise ValueError(f"states for {len(shapes)} rings, this stage is in {len(self.syncs)}")
+        return [
+            sync.hand_over(change, None if own is None else own[i], shapes[i], timeout_s)
+            for i, sync in enumerate(self.syncs)
+        ]
+
+    def finish(self) -> bool:
+        return all([sync.finish() for sync in self.syncs])
+
+    def close(self) -> None:
+        for sync in self.syncs:
+            sync.close()
+
+    def take_seconds(self) -> float:
+        return sum(sync.take_seconds() for sync in self.syncs)
+
+    def _all(self) -> list[ReplicaSync]:
+        return [*self._retired, *self.syncs]
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(sync.bytes_sent for sync in self._all())
+
+    @property
+    def bytes_received(self) -> int:
+        return sum(sync.bytes_received for sync in self._all())
+
+    @property
+    def clipped(self) -> int:
+        return sum(sync.clipped for sync in self._all())
+
+    @property
+    def missed(self) -> int:
+        return sum(sync.missed for sync in self._all())
+
+    @property
+    def dropped(self) -> int:
+        return sum(sync.dropped for sync in self._all())
+
+    def relay_dropped(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for sync in self._all():
+            for reason, n in sync.relay_dropped().items():
+                out[reason] = out.get(reason, 0) + n
+        return out
+
+
+def ring_rows(
+    shapes: Sequence[tuple[int, ...]], bounds: Sequence[tuple[int, int]]
+) -> list[tuple[int, int]]:
+    """The row range of :func:`pack`'s matrix of ``shapes`` that each ``bounds`` (a range
+    of the arrays' indices, as a ring's variables are) covers: variables are padded to
+    whole rows, so a ring's part of the packed matrix is contiguous."""
+    out = []
+    for first, end in bounds:
+        start = layout_rows(shapes[:first])
+        out.append((start, start + layout_rows(shapes[first:end])))
+    return out
+
+
 def _bind_failed(exc: LinkError) -> bool:
     """Whether ``exc`` is a ZeroMQ bind that failed (agent/pipe/zmq.py's message), which a
     moment later may succeed: the address of a socket just closed."""
@@ -783,6 +908,7 @@ __all__ = [
     "MAX_STATE_DISTANCE",
     "ROW",
     "Clipped",
+    "ReplicaRings",
     "ReplicaSync",
     "RoundResult",
     "average",
@@ -795,6 +921,7 @@ __all__ = [
     "prev_member",
     "relative_distance",
     "relay_opener",
+    "ring_rows",
     "state_digest",
     "state_rows",
     "unpack",

@@ -10,16 +10,18 @@ quiet (a calibration, a validation, the end) run as one stretch of 1F1B
 (:class:`~silentswarm.agent.runtime.schedule.DelayedUpdates`); a step is over on a stage
 when its last backward is, and what follows a step (its event, checkpoints) happens there.
 
-A replicated stage (a job's ``replicas``) also keeps its weights in sync with the same stage
-of the other replicas over a ring (:mod:`~silentswarm.agent.runtime.replicas`): the gradients
-averaged every step before the update (``allreduce``), or DiLoCo's outer step every
-``sync_every`` steps (``diloco``); its stage 0 keeps its own rows of the global batch.
+A replicated stage (a job's ``replicas``) also keeps its weights in sync with the replicas'
+stages that hold the same layers, over one ring per segment of layers it holds
+(:mod:`silentswarm.rings`, :mod:`~silentswarm.agent.runtime.replicas`,
+:mod:`~silentswarm.agent.runtime.ring_state`): the gradients averaged every step before the
+update (``allreduce``), or DiLoCo's outer step every ``sync_every`` steps (``diloco``); its
+stage 0 keeps its own rows of the global batch.
 
 Elastic membership: before each step a replicated stage takes the ring commands its control
 channel has queued (:meth:`StageRunner.take_ring_changes`). A change is applied right before
-its ``at_step`` (:meth:`StageRunner.switch_ring`): the new ring's links, then the donor's
-state (weights, optimizer, DiLoCo's outer state, stage 0's data position) once around it,
-checked against this member's own weights unless it joins, adopted, and its digest reported
+its ``at_step`` (:meth:`StageRunner.switch_ring`): the new rings' links, then the donor's
+state (weights, optimizer, DiLoCo's outer state, stage 0's data position) once around each,
+checked against this member's own weights unless it joins, adopted, and its digests reported
 on the next step event. A change whose step has passed is a :class:`RingChangeError`. A
 joining stage (``plan.joining``) opens its pipeline boundaries only, says ``joining``, waits
 for its change and trains from its ``at_step``.
@@ -65,7 +67,6 @@ from silentswarm.agent.runtime import calibrate, tuning
 from silentswarm.agent.runtime.checkpoint import (
     checkpoint_tokenizer,
     load_checkpoint,
-    named_variables,
     pending_update,
     restore_into,
     save_stage,
@@ -85,16 +86,20 @@ from silentswarm.agent.runtime.replicas import (
     MAX_DONOR_DISTANCE,
     MAX_STATE_DISTANCE,
     ROW,
-    ReplicaSync,
+    ReplicaRings,
     StateSpec,
     nesterov_step,
+    pack,
     pack_state,
     relative_distance,
     relay_opener,
+    ring_rows,
     state_digest,
     state_rows,
+    unpack,
     unpack_state,
 )
+from silentswarm.agent.runtime.ring_state import RingState, ring_states, variable_bounds
 from silentswarm.agent.runtime.schedule import (
     DelayedUpdates,
     Op,
@@ -276,8 +281,8 @@ class StageRunner:
             count = init_from_preset(directory, plan.model, layers)
             log.info("%d variables from the preset %s", count, directory)
         self.model.reset_anchor()  # DiLoCo: the start; a checkpoint restores its own
-        # The ring of this stage's replicas (agent/runtime/replicas.py), opened with the links.
-        self.replicas: ReplicaSync | None = None
+        # The rings of this stage's replicas (agent/runtime/replicas.py), opened with the links.
+        self.replicas: ReplicaRings | None = None
         if checkpoint is not None:
             restore_into(self.model, self.data, checkpoint)
             self.start_step = int(checkpoint.meta["steps_done"])
@@ -312,7 +317,7 @@ class StageRunner:
         # checkpoint for the leader: the plan's settings until then.
         self.sync_epoch = 0
         self._ring_changes: list[RingChange] = []
-        self._switched: tuple[list[int], str] | None = None
+        self._switched: tuple[list[int], dict[int, str]] | None = None
         self.checkpoint_every = plan.checkpoint_every
         self.checkpoint_at_end = plan.checkpoint_at_end
 
@@ -407,7 +412,7 @@ class StageRunner:
                 vocab_size=plan.model.vocab_size,
             )
         if plan.replicated:  # after the pipeline's links: those never wait on another replica
-            self.replicas = ReplicaSync(plan, fingerprint)
+            self.replicas = ReplicaRings(plan, fingerprint)
             if not plan.joining:  # a joining stage's ring comes with its ring command
                 self.replicas.open()
         self.emit_links()
@@ -492,8 +497,13 @@ class StageRunner:
         their rows: one pipeline with ``n_replicas`` times the batch, step by step."""
         assert self.replicas is not None
         model = self.model
-        result = self.replicas.round(step, model.accumulated_packed(1.0 / m))
-        model.set_accumulated_packed(result.average)
+        packed = model.accumulated_packed(1.0 / m)
+        shapes = [tuple(v.shape) for v in model.variables]
+        rows = ring_rows(shapes, variable_bounds(model, self.replicas.rings))
+        results = self.replicas.round(step, [packed[a:b] for a, b in rows])
+        # A new matrix: the contributions may still be on their way out of ZeroMQ, which
+        # sends without copying them.
+        model.set_accumulated_packed(np.concatenate([r.average for r in results]))
         return 1
 
     def _outer_step(self, step: int) -> None:
@@ -504,7 +514,13 @@ class StageRunner:
         model, train = self.model, self.plan.train
         anchors = [a.numpy() for a in model.anchor]
         deltas = [a - w for a, w in zip(anchors, model.weights(), strict=True)]
-        averaged = self.replicas.all_reduce(step, deltas)
+        bounds = variable_bounds(model, self.replicas.rings)
+        results = self.replicas.round(step, [pack(deltas[a:b]) for a, b in bounds])
+        averaged = [
+            delta
+            for (a, b), result in zip(bounds, results, strict=True)
+            for delta in unpack(result.average, [d.shape for d in deltas[a:b]])
+        ]
         for i, delta in enumerate(averaged):
             anchor, momentum = nesterov_step(
                 anchors[i],
@@ -865,64 +881,69 @@ class StageRunner:
         self._ring_changes = []
         self.switch_ring(due[0])
 
-    def _state_variables(self) -> list[tf.Variable]:
-        """What a donor hands over: the trainable weights first (what a member checks), then
-        every other variable a checkpoint holds (the optimizer's, its step count among them,
-        and DiLoCo's anchor and outer momentum), the overlap schedule's pending gradient
-        aside (replicas never run it)."""
-        model = self.model
-        out = list(model.variables)
-        seen = {id(v) for v in out} | {id(v) for v in model.pending}
-        for _, variable in named_variables(model):
-            if id(variable) not in seen:
-                seen.add(id(variable))
-                out.append(variable)
-        return out
-
-    def _state_specs(self, variables: Sequence[tf.Variable]) -> list[StateSpec]:
+    def _state_specs(self, variables: Sequence[tf.Variable], *, data: bool) -> list[StateSpec]:
         specs: list[StateSpec] = [
             (tuple(int(d) for d in v.shape), np.dtype(_np_dtype(v))) for v in variables
         ]
-        if self.data is not None:  # stage 0: where the data stands (epoch, index)
+        if data:  # stage 0's first ring: where the data stands (epoch, index)
             specs.append(((2,), np.dtype(np.int64)))
         return specs
 
     def switch_ring(self, change: RingChange) -> None:
-        """Switch to ``change``'s ring before its ``at_step``: open its links, hand the donor's
-        state around (this stage's own, if it is the donor), check it against this member's
-        weights unless it joins (farther than :data:`MAX_DONOR_DISTANCE`: RingChangeError),
-        adopt it, and keep its digest for the next step event."""
+        """Switch to ``change``'s rings before its ``at_step``: open their links, hand the
+        donor's state around each (this stage's own, if it is the donor; each ring carries
+        its share: :func:`~silentswarm.agent.runtime.ring_state.ring_states`), check it
+        against this member's unless it joins (weights farther than
+        :data:`MAX_DONOR_DISTANCE`: RingChangeError), adopt it, and keep the digests for the
+        next step event."""
         plan = self.plan
         assert self.replicas is not None
         joining = plan.replica in change.joining
         timeout_s = max(plan.peer_timeout_s, JOIN_TIMEOUT_S) if joining else plan.peer_timeout_s
-        variables = self._state_variables()
-        specs = self._state_specs(variables)
+        problems = change.problems(plan.replica, (plan.layer_start, plan.layer_end))
+        if problems:
+            raise RingChangeError(f"ring change epoch {change.epoch}: {'; '.join(problems)}")
+        states = ring_states(self.model, change.rings)
+        # Stage 0's data position goes with its first ring (every replica's stage 0 holds it).
+        with_data = [self.data is not None and i == 0 for i in range(len(states))]
+        specs = [
+            self._state_specs(state.variables, data=data)
+            for state, data in zip(states, with_data, strict=True)
+        ]
         own = None
         if plan.replica == change.donor:
-            arrays = [np.asarray(v.numpy()) for v in variables]
-            if self.data is not None:
-                state = self.data.state()
-                arrays.append(np.array([state.epoch, state.index], dtype=np.int64))
-            own = pack_state(arrays)
+            own = []
+            for state, data in zip(states, with_data, strict=True):
+                arrays = [np.asarray(v.numpy()) for v in state.variables]
+                if data:
+                    assert self.data is not None
+                    position = self.data.state()
+                    arrays.append(np.array([position.epoch, position.index], dtype=np.int64))
+                own.append(pack_state(arrays))
         started = time.perf_counter()
         self.replicas.switch(change, timeout_s)
-        matrix = self.replicas.hand_over(change, own, (state_rows(specs), ROW), timeout_s)
+        shapes = [(state_rows(spec), ROW) for spec in specs]
+        matrices = self.replicas.hand_over(change, own, shapes, timeout_s)
         if own is None:
-            self._adopt(change, matrix, variables, specs, joining=joining)
-        digest = state_digest(matrix)
+            for state, spec, matrix, data in zip(states, specs, matrices, with_data, strict=True):
+                self._adopt(change, matrix, state, spec, joining=joining, data=data)
+        digests = {
+            ring.segment: state_digest(matrix)
+            for ring, matrix in zip(change.rings, matrices, strict=True)
+        }
         self.sync_epoch = change.epoch
-        self._switched = (list(change.members), digest)
+        self._switched = (list(change.members), digests)
         self._take_duty(change)
         log.info(
-            "stage %d of replica %d: ring epoch %d, members %s, state of replica %d "
+            "stage %d of replica %d: ring epoch %d, members %s, %d ring(s), state of replica %d "
             "(sha256 %s) in %.2fs",
             plan.stage,
             plan.replica,
             change.epoch,
             change.members,
+            len(change.rings),
             change.donor,
-            digest,
+            ", ".join(f"layers from {g}: {d[:16]}" for g, d in digests.items()),
             time.perf_counter() - started,
         )
 
@@ -937,10 +958,11 @@ class StageRunner:
         self,
         change: RingChange,
         matrix: np.ndarray,
-        variables: Sequence[tf.Variable],
+        state: RingState,
         specs: Sequence[StateSpec],
         *,
         joining: bool,
+        data: bool,
     ) -> None:
         """Take the donor's state, so replicas that drifted apart (rounds that missed a
         member) are equal again. Every value must be finite. A member with state of its own
@@ -948,8 +970,10 @@ class StageRunner:
         the rest of the float state (AdamW's moments, DiLoCo's outer state) within
         :data:`MAX_STATE_DISTANCE` (moments move faster than weights), the integer state (the
         optimizer's step count) equal, and it keeps its own data position (the same as the
-        donor's in replicas in step). A joining stage has nothing to compare: it takes all."""
+        donor's in replicas in step). A joining stage has nothing to compare: it takes all (and
+        its data position from the ring that carries one: ``data``)."""
         plan = self.plan
+        variables = state.variables
         where = f"stage {plan.stage} of replica {plan.replica}"
 
         def refuse(why: str) -> DonorRefusedError:
@@ -962,9 +986,10 @@ class StageRunner:
         bad = sum(1 for a in arrays if a.dtype.kind == "f" and not np.isfinite(a).all())
         if bad:
             raise refuse(f"{bad} of its arrays hold values that are not finite")
-        n_weights = len(self.model.variables)
+        n_weights = state.n_weights
         if not joining:
-            distance = relative_distance(arrays[:n_weights], self.model.weights())
+            weights = [np.asarray(v.numpy()) for v in variables[:n_weights]]
+            distance = relative_distance(arrays[:n_weights], weights)
             if distance > MAX_DONOR_DISTANCE:
                 raise refuse(
                     f"its weights are {distance:.4g} away from this replica's (relative L2 "
@@ -986,7 +1011,7 @@ class StageRunner:
                 raise refuse("its optimizer's step count is not this replica's")
         for variable, array in zip(variables, arrays, strict=False):
             variable.assign(array)
-        if self.data is not None and joining:
+        if self.data is not None and joining and data:
             epoch, index = (int(x) for x in arrays[-1])
             try:
                 self.data.restore(DataState(epoch=epoch, index=index))
@@ -1003,10 +1028,10 @@ class StageRunner:
             return {}
         out: dict[str, object] = {"sync_epoch": self.sync_epoch}
         if self._switched is not None:
-            members, digest = self._switched
+            members, digests = self._switched
             self._switched = None
             out["sync_members"] = members
-            out["state_digest"] = digest
+            out["state_digests"] = digests
         return out
 
     # --- calibration ----------------------------------------------------------------------

@@ -61,6 +61,10 @@ NO_DECAY = ["gamma", "beta", "^b$", "^b_", "tok", "pos", "scale"]
 class Piece:
     device: str | None
     layer: keras.layers.Layer
+    # The model layer it sits at: a block's own; the embedding or an "up" projection the
+    # stage's first, the head or a "down" projection its last (which ring of the replicas
+    # keeps it in sync: silentswarm.rings).
+    at: int = 0
 
 
 def layer_devices(plan: StagePlan) -> dict[int, str | None]:
@@ -125,17 +129,18 @@ class StageModel:
         self.pieces: list[Piece] = []
         k = spec.bottleneck_dim
 
-        def add(device: str | None, make) -> None:
+        def add(device: str | None, make, at: int) -> None:
             with tf.device(device):
-                self.pieces.append(Piece(device, make()))
+                self.pieces.append(Piece(device, make(), at))
 
         dtype = POLICIES[plan.train.precision]
         if plan.is_first:
-            add(first_dev, lambda: embedding(cfg, seed, dtype=dtype))
+            add(first_dev, lambda: embedding(cfg, seed, dtype=dtype), plan.layer_start)
         elif k:
             add(
                 first_dev,
                 lambda: Projection(k, cfg.d_model, seed, plan.stage - 1, 1, name="up", dtype=dtype),
+                plan.layer_start,
             )
         for layer in range(plan.layer_start, plan.layer_end):
             add(
@@ -143,13 +148,15 @@ class StageModel:
                 lambda layer=layer: block(
                     cfg, seed, layer, f"block_{layer}", dtype=dtype, adapter=plan.train.adapter
                 ),
+                layer,
             )
         if plan.is_last:
-            add(last_dev, lambda: head(cfg, seed, dtype=dtype))
+            add(last_dev, lambda: head(cfg, seed, dtype=dtype), plan.layer_end - 1)
         elif k:
             add(
                 last_dev,
                 lambda: Projection(cfg.d_model, k, seed, plan.stage, 0, name="down", dtype=dtype),
+                plan.layer_end - 1,
             )
         if plan.train.adapter is not None:  # only the adapter learns: the rest is frozen
             freeze_all_but_adapters([piece.layer for piece in self.pieces])

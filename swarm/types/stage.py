@@ -26,7 +26,7 @@ from typing import Annotated
 
 import msgspec
 
-from silentswarm.plan import RingChange
+from silentswarm.plan import RingChange, StateDigests
 from silentswarm.types.links import LinkStats, Tuning
 
 StageIndex = Annotated[int, msgspec.Meta(ge=0, le=4096)]
@@ -103,12 +103,13 @@ class StepEvent(_Traffic, tag="step", kw_only=True):
     val_loss: float | None = None  # on the steps that were validated, on the last stage
     # Seconds of the step spent syncing with the stage's replicas (0 without a sync).
     sync_s: float = 0.0
-    # Elastic membership: the ring's epoch in force (0: the one the plan started with), and on
-    # the step a new ring formed before, its members and the sha256 (hex) of the state every
-    # member took from the donor (the leader records it and checks that they agree).
+    # Elastic membership: the rings' epoch in force (0: the one the plan started with), and
+    # on the step new rings formed before, their members and the sha256 (hex) of the state
+    # every member took from the donor in each ring, by its segment's first layer (the
+    # leader records them and checks that they agree).
     sync_epoch: Count = 0
     sync_members: Annotated[list[StageIndex], msgspec.Meta(max_length=4096)] | None = None
-    state_digest: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")] | None = None
+    state_digests: StateDigests | None = None
 
 
 class CheckpointEvent(_Event, tag="checkpoint", kw_only=True):

@@ -260,7 +260,7 @@ class StageProgress(msgspec.Struct, kw_only=True):
     # ("starting", "ready": waiting for its ring, "switching": its ring change is sent; None
     # once it trains, and for every other stage: a joining stage counts in no figure of the
     # job), the ring epoch it is in, and the sha256 of the state it took from the donor
-    # when that ring formed.
+    # in each of its rings (by segment: the first layer) when those rings formed.
     joining: str | None = None
     sync_epoch: int = 0
-    state_digest: str | None = None
+    state_digests: dict[int, str] = msgspec.field(default_factory=dict)

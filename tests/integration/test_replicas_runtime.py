@@ -168,6 +168,90 @@ def test_two_replicas_of_a_two_stage_pipeline_train_as_one_with_twice_the_batch(
             assert run.done.sync_bytes_sent > 0
 
 
+TINY4 = ModelConfig(n_layers=4, d_model=32, n_heads=2, seq_len=16)
+SPLITS = [[(0, 1), (1, 4)], [(0, 2), (2, 4)]]  # segments [0, 1), [1, 2), [2, 4)
+
+
+def port_range(n: int) -> str:
+    """``n`` consecutive free loopback ports as a sync address range."""
+    import socket
+
+    for _ in range(100):
+        first = free_port()
+        socks = []
+        try:
+            for port in range(first, first + n):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+        return f"tcp://127.0.0.1:{first}-{first + n - 1}"
+    raise AssertionError(f"no {n} consecutive free ports")
+
+
+def split_replicas(train: TrainConfig) -> list[list[StagePlan]]:
+    """Two replicas of two stages that split 4 layers differently: 1-3 and 2-2."""
+    return replicated_chain_plans(
+        job_id="splits",
+        model=TINY4,
+        train=train,
+        addresses=[[None, f"tcp://127.0.0.1:{free_port()}"] for _ in range(2)],
+        sync_addresses=[[port_range(2), port_range(2)] for _ in range(2)],
+        splits=SPLITS,
+        transport=Transport.P2P,
+        intra_op_threads=1,
+        secure=True,
+    )
+
+
+def every_weight(row: list[Run]) -> list[np.ndarray]:
+    """A replica's weights in the model's order (embedding, blocks, head), whatever its split."""
+    return [w for run in row for w in run.weights()]
+
+
+def test_replicas_that_split_the_layers_differently_train_as_one_with_twice_the_batch():
+    train = config(3)
+    plans = split_replicas(train)
+    rings = [[len(plan.sync_rings) for plan in row] for row in plans]
+    assert rings == [[1, 2], [2, 1]], "a stage is in one ring per segment it holds"
+    runs = [[Run(plan) for plan in row] for row in plans]
+    run_all([run for row in runs for run in row])
+    wide = msgspec.structs.replace(train, batch_size=8, micro_batches=4)
+    (ref,) = run_all([Run(single_process_plan(job_id="ref", model=TINY4, train=wide))])
+    want = [s.loss for s in ref.steps]
+    got = [float(np.mean([row[-1].steps[i].loss for row in runs])) for i in range(len(want))]
+    for step, (a, b) in enumerate(zip(want, got, strict=True)):
+        assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: one process {a} vs replicas {b}"
+    for ours in (every_weight(row) for row in runs):
+        assert len(ours) == len(ref.weights())
+        for a, b in zip(ref.weights(), ours, strict=True):
+            np.testing.assert_allclose(b, a, atol=1e-4, rtol=1e-4)
+    # Averaged per layer, so both replicas hold the very same bits of every layer.
+    for a, b in zip(every_weight(runs[0]), every_weight(runs[1]), strict=True):
+        np.testing.assert_array_equal(a, b)
+    for row in runs:
+        for run in row:
+            assert run.done.sync_bytes_sent > 0 and run.done.sync_missed == 0
+
+
+def test_diloco_replicas_that_split_differently_agree_on_every_layer_after_a_sync():
+    train = config(4, sync="diloco", sync_every=2, outer_learning_rate=0.7, outer_momentum=0.9)
+    plans = split_replicas(train)
+    runs = [[Run(plan) for plan in row] for row in plans]
+    run_all([run for row in runs for run in row])
+    ours, theirs = every_weight(runs[0]), every_weight(runs[1])
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs, strict=True):
+        np.testing.assert_array_equal(a, b)  # synced after the last step
+    for row in runs:
+        for run in row:
+            assert [s.sync_s > 0 for s in run.steps] == [False, True, False, True]
+
+
 def test_diloco_replicas_hold_the_same_weights_right_after_each_sync():
     train = config(5, sync="diloco", sync_every=2, outer_learning_rate=0.7, outer_momentum=0.9)
     snapshots: dict[tuple[int, int], list[np.ndarray]] = {}

@@ -127,16 +127,33 @@ def test_the_plan_is_made_this_fellows_own():
     assert isinstance(unbound, Start) and unbound.plan.data_address is None
 
 
-def test_a_replicas_ring_port_binds_where_sync_bind_says():
-    bind = "tcp://0.0.0.0:7001"
-    plan = start(sync_address="tcp://h:7001").args.plan
-    assert plan.sync_address == "tcp://h:7001"
-    decision = decide(state(sync_bind=bind), start(sync_address="tcp://h:7001"))
-    assert isinstance(decision, Start) and decision.plan.sync_address == bind
+@pytest.mark.parametrize(
+    ("advertised", "bind", "binds"),
+    [
+        (["tcp://h:7001"], "tcp://0.0.0.0:7001", ["tcp://0.0.0.0:7001"]),
+        # port j of the advertised range binds port j of the bind range
+        (
+            ["tcp://h:7001", "tcp://h:7002"],
+            "tcp://0.0.0.0:9001-9002",
+            ["tcp://0.0.0.0:9001", "tcp://0.0.0.0:9002"],
+        ),
+        # a shorter bind range binds its own ports; the rest keep the advertised ones
+        (
+            ["tcp://h:7001", "tcp://h:7002"],
+            "tcp://0.0.0.0:9001",
+            ["tcp://0.0.0.0:9001", "tcp://h:7002"],
+        ),
+    ],
+)
+def test_a_replicas_ring_ports_bind_where_sync_bind_says(advertised, bind, binds):
+    plan = start(sync_ports=advertised).args.plan
+    assert plan.sync_ports == advertised
+    decision = decide(state(sync_bind=bind), start(sync_ports=advertised))
+    assert isinstance(decision, Start) and decision.plan.sync_ports == binds
     # The data port keeps its own address; a stage with no ring port binds none.
     assert decision.plan.data_address is None
     unbound = decide(state(sync_bind=bind), start())
-    assert isinstance(unbound, Start) and unbound.plan.sync_address is None
+    assert isinstance(unbound, Start) and unbound.plan.sync_ports == []
 
 
 def test_a_resumed_attempt_fetches_its_shard_first_and_resumes_from_it():

@@ -24,6 +24,7 @@ from silentswarm.plan import (
     Peer,
     RingChange,
     StagePlan,
+    SyncRing,
     TrainConfig,
     single_process_plan,
 )
@@ -172,7 +173,8 @@ def test_the_reader_thread_reads_a_pipe_and_reports_its_end():
 def _ring(epoch: int, members: list[int], **kw) -> RingChange:
     many = len(members) > 1
     peer = Peer(fellow_id="f", data_address="tcp://127.0.0.1:1") if many else None
-    fields = {"at_step": 5, "donor": members[0], "sync_prev": peer, "sync_next": peer, **kw}
+    ring = SyncRing(layer_start=0, layer_end=2, prev=peer, next=peer)
+    fields = {"at_step": 5, "donor": members[0], "rings": [ring], **kw}
     return RingChange(epoch=epoch, members=members, **fields)
 
 
@@ -197,7 +199,17 @@ def test_ring_commands_are_queued_beside_checkpoints_and_taken_once():
         (_ring(1, [1, 2]), "replica 0 is not in 'members'"),
         (_ring(1, [0, 2], donor=2, joining=[2]), "'donor' 2 must be a member"),
         (_ring(1, [2, 0]), "sorted"),
-        (RingChange(epoch=1, at_step=3, members=[0, 1], donor=0), "needs 'sync_prev'"),
+        (RingChange(epoch=1, at_step=3, members=[0, 1], donor=0), "must cut the stage's layers"),
+        (
+            RingChange(
+                epoch=1,
+                at_step=3,
+                members=[0, 1],
+                donor=0,
+                rings=[SyncRing(layer_start=0, layer_end=2)],
+            ),
+            "needs 'prev' and 'next'",
+        ),
         (_ring(3, [0, 1]), "not above epoch 3"),  # the ring in force is epoch 3
     ],
 )

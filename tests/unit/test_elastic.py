@@ -141,22 +141,23 @@ def test_ring_changes_give_every_member_its_new_neighbours_and_fresh_secrets():
     for i in (0, 1):
         a, b = changes[fellow(job, 0, i)], changes[fellow(job, 2, i)]
         assert a.members == b.members == [0, 2] and a.donor == 0 and a.epoch == 1
-        assert a.at_step == 14 and not a.problems(0) and not b.problems(2)
+        assert a.at_step == 14 and not a.problems(0, (2 * i, 2 * i + 2))
+        assert not b.problems(2, (2 * i, 2 * i + 2))
+        # One split for both: one ring per stage, of its layers, bound at port 0.
+        (ra,), (rb,) = a.rings, b.rings
+        assert (ra.layer_start, ra.layer_end, ra.port) == (2 * i, 2 * i + 2, 0)
         # 0 -> 2 -> 0: each connects to the other, at its sync address, with the key pair
         # the other binds with, and the relay tokens match end to end.
-        assert a.sync_next.fellow_id == fellow(job, 2, i)
-        assert b.sync_next.fellow_id == fellow(job, 0, i)
-        assert (a.sync_prev.fellow_id, b.sync_prev.fellow_id) == (
-            fellow(job, 2, i),
-            fellow(job, 0, i),
-        )
-        assert a.sync_next.data_address == job.placement.pipeline(2)[i].sync_address
-        assert a.curve_sync_down.peer_public == b.curve_sync_up.public
-        assert b.curve_sync_down.peer_public == a.curve_sync_up.public
-        assert a.relay_sync_down_token == b.relay_sync_up_token
-        assert a.relay_sync_up_token == b.relay_sync_down_token
+        assert ra.next.fellow_id == fellow(job, 2, i)
+        assert rb.next.fellow_id == fellow(job, 0, i)
+        assert (ra.prev.fellow_id, rb.prev.fellow_id) == (fellow(job, 2, i), fellow(job, 0, i))
+        assert ra.next.data_address == job.placement.pipeline(2)[i].sync_address
+        assert ra.curve_down.peer_public == rb.curve_up.public
+        assert rb.curve_down.peer_public == ra.curve_up.public
+        assert ra.relay_down_token == rb.relay_up_token
+        assert ra.relay_up_token == rb.relay_down_token
     # Stages' rings are apart: another stage's ring has other keys.
-    keys = {c.curve_sync_down.secret for c in changes.values()}
+    keys = {c.rings[0].curve_down.secret for c in changes.values()}
     assert len(keys) == 4
     # Replica 0 leads (its checkpoints are the job's); replica 2 checkpoints nothing.
     assert changes[fellow(job, 0, 0)].checkpoint_at_end is True
@@ -168,8 +169,9 @@ def test_a_ring_of_one_has_no_links():
     jobs, job, _ = running(k=2, p=1)
     jobs.lose_stage(job.job_id, fellow(job, 1, 0), "went offline")
     (change,) = elastic.ring_changes(job, members=[0], epoch=1, at_step=5).values()
-    assert change.members == [0] and change.sync_prev is None and change.sync_next is None
-    assert not change.problems(0)
+    (ring,) = change.rings
+    assert change.members == [0] and ring.prev is None and ring.next is None
+    assert not change.problems(0, (0, 4))
 
 
 def test_losing_replica_0_hands_its_checkpoints_to_the_lowest_that_goes_on():
@@ -258,7 +260,7 @@ def test_a_replacement_is_placed_joins_and_counts_once_it_trains():
     jobs.ring_changed(job.job_id, 2, 30, 0, joined=[1])
     assert [m.kind for m in job.membership][-1] == "joined"
     assert job.ring_epoch == 2 and job.ring_donor == 0
-    jobs.record_progress(step(job, first, 31, sync_epoch=2, state_digest=DIGEST_A))
+    jobs.record_progress(step(job, first, 31, sync_epoch=2, state_digests={0: DIGEST_A}))
     assert job.stage_progress(first).joining is None
     assert first in job.view.fellows
 
@@ -268,10 +270,10 @@ def test_a_member_outvoted_on_the_state_it_took_is_dropped():
     jobs.lose_stage(job.job_id, fellow(job, 3, 0), "went offline")
     jobs.ring_changed(job.job_id, 1, 10, 0, joined=[])
     a, b, c = (fellow(job, r, 0) for r in range(3))
-    jobs.record_progress(step(job, a, 11, sync_epoch=1, state_digest=DIGEST_B))
-    jobs.record_progress(step(job, b, 11, sync_epoch=1, state_digest=DIGEST_A))
+    jobs.record_progress(step(job, a, 11, sync_epoch=1, state_digests={0: DIGEST_B}))
+    jobs.record_progress(step(job, b, 11, sync_epoch=1, state_digests={0: DIGEST_A}))
     assert job.placement.live_replicas == [0, 1, 2]  # not every member has said yet
-    jobs.record_progress(step(job, c, 11, sync_epoch=1, state_digest=DIGEST_A))
+    jobs.record_progress(step(job, c, 11, sync_epoch=1, state_digests={0: DIGEST_A}))
     # The donor (replica 0) is outvoted: what it says it sent is not what the others got.
     assert job.placement.live_replicas == [1, 2] and job.placement.lead == 1
     assert "outvoted" in job.membership[-1].reason
@@ -282,8 +284,8 @@ def test_two_members_that_disagree_on_the_state_fail_the_attempt():
     jobs.lose_stage(job.job_id, fellow(job, 2, 0), "went offline")
     jobs.ring_changed(job.job_id, 1, 10, 0, joined=[])
     a, b = fellow(job, 0, 0), fellow(job, 1, 0)
-    jobs.record_progress(step(job, a, 11, sync_epoch=1, state_digest=DIGEST_A))
-    jobs.record_progress(step(job, b, 11, sync_epoch=1, state_digest=DIGEST_B))
+    jobs.record_progress(step(job, a, 11, sync_epoch=1, state_digests={0: DIGEST_A}))
+    jobs.record_progress(step(job, b, 11, sync_epoch=1, state_digests={0: DIGEST_B}))
     assert job.state is JobState.PENDING and "no majority" in job.resumes[-1].reason
 
 
@@ -319,16 +321,48 @@ def test_a_refused_donor_is_lost_with_the_member_that_refused_it():
         ),
     ],
 )  # fmt: skip
-def test_the_digests_of_each_stages_members_are_put_to_a_vote(progress, outvoted, undecided):
+def test_the_digests_of_each_rings_members_are_put_to_a_vote(progress, outvoted, undecided):
     from silentswarm.types.views import StageProgress
 
+    # One split: stage s holds one segment, named 10 * s here; each also claims a digest for
+    # a segment it does not hold (ignored: only its own rings' count).
     stages = [
-        StageProgress(stage=s, replica=r, fellow_id=f"r{r}s{s}", sync_epoch=3, state_digest=digest)
+        StageProgress(
+            stage=s,
+            replica=r,
+            fellow_id=f"r{r}s{s}",
+            sync_epoch=3,
+            state_digests={} if digest is None else {10 * s: digest, 99: DIGEST_B},
+        )
         for r, s, digest in progress
     ]
     starting = StageProgress(stage=0, replica=5, fellow_id="new", joining="starting")
-    verdict = elastic.digest_verdict([*stages, starting], epoch=3)
-    assert (verdict.outvoted, verdict.undecided) == (outvoted, undecided)
+    segments_of = {p.fellow_id: [10 * p.stage] for p in [*stages, starting]}
+    verdict = elastic.digest_verdict([*stages, starting], epoch=3, segments_of=segments_of)
+    assert (verdict.outvoted, verdict.undecided) == (outvoted, [10 * u for u in undecided])
+
+
+def test_with_different_splits_each_segments_holders_vote_on_its_digest():
+    from silentswarm.types.views import StageProgress
+
+    # Replica 0 splits 4 layers 1-3, replicas 1 and 2 split them 2-2: segments 0, 1, 2.
+    segments_of = {"r0s0": [0], "r0s1": [1, 2], "r1s0": [0, 1], "r1s1": [2], "r2s0": [0, 1],
+                   "r2s1": [2]}  # fmt: skip
+    digests = {
+        "r0s0": {0: DIGEST_A},
+        "r0s1": {1: DIGEST_A, 2: DIGEST_A},
+        "r1s0": {0: DIGEST_A, 1: DIGEST_B},  # outvoted on segment 1 only: it goes
+        "r1s1": {2: DIGEST_A},
+        "r2s0": {0: DIGEST_A, 1: DIGEST_A},
+        "r2s1": {2: DIGEST_A},
+    }
+    progress = [
+        StageProgress(stage=int(f[3]), replica=int(f[1]), fellow_id=f, sync_epoch=2,
+                      state_digests=d)
+        for f, d in digests.items()
+    ]  # fmt: skip
+    verdict = elastic.digest_verdict(progress, epoch=2, segments_of=segments_of)
+    assert (verdict.outvoted, verdict.undecided) == (["r1s0"], [])
 
 
 def test_a_loss_that_leaves_only_completed_stages_completes_the_job():
@@ -373,16 +407,19 @@ def test_a_late_answer_of_an_older_attempt_loses_nothing():
     assert job.placement.live_replicas == [0, 1] and not job.membership
 
 
-def test_a_ring_member_may_bind_for_any_replica_of_its_stage_and_no_other_stage():
+def test_a_ring_member_may_bind_for_any_replica_of_its_segments_and_no_other():
     perms = attempt_permissions(
         "swarm", fellow_id="f", job_id="j", attempt=1, stage=1, n_stages=2, replica=0,
-        n_replicas=3,
+        n_replicas=3, sync_segments=[2, 3],
     )  # fmt: skip
-    ring = {s for s in perms.subscribe if ".s" in s}
+    ring = {s for s in perms.subscribe if ".g" in s}
     assert ring == {
-        "swarm.relay.j.1.s1-0.bwd",
-        "swarm.relay.j.1.s1-1.fwd",
-        "swarm.relay.j.1.s1-2.fwd",
+        "swarm.relay.j.1.g2-0.bwd",
+        "swarm.relay.j.1.g2-1.fwd",
+        "swarm.relay.j.1.g2-2.fwd",
+        "swarm.relay.j.1.g3-0.bwd",
+        "swarm.relay.j.1.g3-1.fwd",
+        "swarm.relay.j.1.g3-2.fwd",
     }
 
 

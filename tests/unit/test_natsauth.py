@@ -67,8 +67,8 @@ def test_an_attempt_user_reaches_exactly_its_stage_of_that_attempt(
             2,
             0,
             2,
-            {"r.0.fwd", "r.s0-0.fwd", "r.s0-1.bwd"},
-            {"r.0.bwd", "r.s0-0.bwd", "r.s0-1.fwd"},
+            {"r.0.fwd", "r.g0-0.fwd", "r.g0-1.bwd"},
+            {"r.0.bwd", "r.g0-0.bwd", "r.g0-1.fwd"},
         ),
         # Replica 1's boundaries are its own; its ring links are the mirror of replica 0's.
         (
@@ -76,8 +76,8 @@ def test_an_attempt_user_reaches_exactly_its_stage_of_that_attempt(
             2,
             1,
             2,
-            {"r.r1-0.bwd", "r.s1-1.fwd", "r.s1-0.bwd"},
-            {"r.r1-0.fwd", "r.s1-1.bwd", "r.s1-0.fwd"},
+            {"r.r1-0.bwd", "r.g1-1.fwd", "r.g1-0.bwd"},
+            {"r.r1-0.fwd", "r.g1-1.bwd", "r.g1-0.fwd"},
         ),
         # A ring of three: replica 0 sends to 1 and hears from 2, or (elastic membership:
         # a ring without 2) from 1; never another stage's ring.
@@ -86,16 +86,16 @@ def test_an_attempt_user_reaches_exactly_its_stage_of_that_attempt(
             1,
             0,
             3,
-            {"r.s0-0.fwd", "r.s0-1.bwd", "r.s0-2.bwd"},
-            {"r.s0-0.bwd", "r.s0-1.fwd", "r.s0-2.fwd"},
+            {"r.g0-0.fwd", "r.g0-1.bwd", "r.g0-2.bwd"},
+            {"r.g0-0.bwd", "r.g0-1.fwd", "r.g0-2.fwd"},
         ),
         (
             1,
             3,
             2,
             3,
-            {"r.r2-0.bwd", "r.r2-1.fwd", "r.s1-2.fwd", "r.s1-0.bwd", "r.s1-1.bwd"},
-            {"r.r2-0.fwd", "r.r2-1.bwd", "r.s1-2.bwd", "r.s1-0.fwd", "r.s1-1.fwd"},
+            {"r.r2-0.bwd", "r.r2-1.fwd", "r.g1-2.fwd", "r.g1-0.bwd", "r.g1-1.bwd"},
+            {"r.r2-0.fwd", "r.r2-1.bwd", "r.g1-2.bwd", "r.g1-0.fwd", "r.g1-1.fwd"},
         ),
         # No replicas: no ring subjects at all.
         (0, 1, 0, 1, set(), set()),
@@ -113,6 +113,7 @@ def test_an_attempt_user_of_a_replica_reaches_its_pipeline_and_its_ring_links(
         n_stages=n_stages,
         replica=replica,
         n_replicas=n_replicas,
+        sync_segments=[stage],  # one split: stage s holds one segment, named s here
     )
 
     def full(short: set[str]) -> set[str]:
@@ -135,12 +136,13 @@ def test_the_two_ends_of_every_ring_link_send_what_the_other_hears():
             n_stages=1,
             replica=r,
             n_replicas=k,
+            sync_segments=[0],
         )
         for r in range(k)
     ]
     for r in range(k):
         nxt = (r + 1) % k
-        link = f"swarm.relay.j1.1.s0-{r}"
+        link = f"swarm.relay.j1.1.g0-{r}"
         assert f"{link}.fwd" in perms[r].publish and f"{link}.fwd" in perms[nxt].subscribe
         assert f"{link}.bwd" in perms[nxt].publish and f"{link}.bwd" in perms[r].subscribe
 

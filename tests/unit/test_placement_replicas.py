@@ -12,7 +12,14 @@ import pytest
 from silentswarm.errors import FieldError, JobSpecError
 from silentswarm.jobspec import JobSpec, Placement, decode_job_spec, stage_plans
 from silentswarm.leader.jobs import JobManager, plan_schedule
-from silentswarm.leader.placement import Candidate, Unplaceable, fellows_needed, place, shape
+from silentswarm.leader.placement import (
+    Candidate,
+    Unplaceable,
+    fellows_needed,
+    place,
+    shape,
+    weighted_ranges,
+)
 from silentswarm.natsconn import NatsAccess
 from silentswarm.plan import ModelConfig, StagePlan, Transport
 from silentswarm.pools import DEFAULT_POOL
@@ -265,25 +272,75 @@ def test_every_replica_must_fit_the_split_in_memory():
     assert isinstance(ok, Placement)
 
 
-def test_weighted_and_balanced_splits_go_by_each_positions_weakest_fellow():
-    # Replica 0: [f2 (small), f0]; replica 1: [f3 (smaller), f1] -> position 0's weakest: f3.
+def splits_of(placement: Placement) -> list[list[tuple[int, int]]]:
+    return [[(s.layer_start, s.layer_end) for s in placement.pipeline(r)] for r in range(2)]
+
+
+def test_weighted_and_balanced_splits_go_by_each_replicas_own_fellows():
+    # Replica 0: [f2 (20 GiB), f0 (60)]; replica 1: [f3 (10), f1 (60)].
     fellows = [cand("f0", 60), cand("f1", 60), cand("f2", 20), cand("f3", 10)]
     weighted = place(spec(replicas=2, stages=2, partition="weighted", layers=14), fellows)
     assert isinstance(weighted, Placement)
-    assert [(s.layer_start, s.layer_end) for s in weighted.pipeline(0)] == [(0, 2), (2, 14)]
+    assert splits_of(weighted) == [
+        weighted_ranges(14, [20 * GIB, 60 * GIB]),
+        weighted_ranges(14, [10 * GIB, 60 * GIB]),
+    ]
+    assert splits_of(weighted)[0] != splits_of(weighted)[1]
     fast = [
         cand("a", ram_gib=16, speed=1.0),
         cand("b", ram_gib=15, speed=1.0),
         cand("c", ram_gib=14, speed=1.0),
         cand("d", ram_gib=13, speed=3.0),
     ]
-    # Replica 0: [c, a], replica 1: [d, b]: stage 0's slowest is c (1.0), so equal.
+    # Replica 0: [c, a] (equal speeds: equal layers); replica 1: [d, b]: d is 3x as fast.
     balanced = place(
         spec(replicas=2, stages=2, partition="balanced", micro_batches=1, layers=8), fast
     )
     assert isinstance(balanced, Placement)
-    sizes = [s.layer_end - s.layer_start for s in balanced.pipeline(1)]
-    assert sizes[0] <= sizes[1]
+    zero, one = splits_of(balanced)
+    assert zero == [(0, 4), (4, 8)]
+    assert one[0][1] > 4, "the fast fellow's stage takes more layers"
+
+
+@pytest.mark.parametrize(
+    ("kw", "ports", "ranges"),
+    [
+        ({"transport": "p2p"}, "7000", None),  # one port: each stage would be in two rings
+        ({"compression": "learned_dim32_int8"}, "7000-7003", None),  # boundary projections
+        ({}, "7000-7003", [(0, 5), (5, 14)]),  # a resumed job's fixed ranges
+    ],
+)
+def test_one_split_for_every_replica_where_rings_per_segment_cannot_be(kw, ports, ranges):
+    fellows = [
+        msgspec.structs.replace(cand(f, v), sync_address=f"tcp://{f}:{ports}")
+        for f, v in (("f0", 60), ("f1", 60), ("f2", 20), ("f3", 10))
+    ]
+    job = spec(replicas=2, stages=2, partition="weighted", layers=14, **kw)
+    placement = place(job, fellows, ranges=ranges)
+    assert isinstance(placement, Placement), placement
+    zero, one = splits_of(placement)
+    assert zero == one
+    # Over each position's weakest fellow, or as the resumed job had them.
+    assert zero == (ranges or weighted_ranges(14, [10 * GIB, 60 * GIB]))
+
+
+def test_p2p_splits_each_replica_when_its_fellows_have_the_ports():
+    fellows = [
+        msgspec.structs.replace(cand(f, v), sync_address=f"tcp://{f}:7000-7001")
+        for f, v in (("f0", 60), ("f1", 60), ("f2", 20), ("f3", 10))
+    ]
+    job = spec(replicas=2, stages=2, partition="weighted", layers=14, transport="p2p")
+    placement = place(job, fellows)
+    assert isinstance(placement, Placement), placement
+    zero, one = splits_of(placement)
+    assert zero != one
+    plans = stage_plans(
+        job_id="j1", attempt=1, spec=job, placement=placement, subject_prefix="swarm"
+    )
+    for plan in plans:
+        assert plan.problems() == [], plan.problems()
+        assert len(plan.sync_ports) == 2
+        assert [r.port for r in plan.sync_rings] == list(range(len(plan.sync_rings)))
 
 
 def test_a_resumed_replicated_job_keeps_its_ranges():
@@ -333,20 +390,23 @@ def test_replica_plans_are_valid_and_their_rings_consistent(k, p, transport):
     curve, relay = transport != "tunnel", transport != "p2p"
     for (r, i), plan in at.items():
         nxt, prev = at[((r + 1) % k, i)], at[((r - 1) % k, i)]
-        assert plan.sync_next.fellow_id == nxt.fellow_id
-        assert plan.sync_next.data_address == nxt.sync_address
-        assert plan.sync_prev.fellow_id == prev.fellow_id
-        assert plan.sync_address == f"tcp://{plan.fellow_id}:2"
+        # One split for all: one ring per stage, of its layers, at its one port.
+        (ring,), (ring_next,) = plan.sync_rings, nxt.sync_rings
+        assert (ring.layer_start, ring.layer_end) == (plan.layer_start, plan.layer_end)
+        assert ring.next.fellow_id == nxt.fellow_id
+        assert ring.next.data_address == f"tcp://{nxt.fellow_id}:2"
+        assert ring.prev.fellow_id == prev.fellow_id
+        assert plan.sync_ports == [f"tcp://{plan.fellow_id}:2"] and ring.port == 0
         # The link r -> r + 1: r connects with the keys nxt trusts, both tag with one token.
         if curve:
-            assert plan.curve_sync_down.peer_public == nxt.curve_sync_up.public
-            assert nxt.curve_sync_up.peer_public == plan.curve_sync_down.public
+            assert ring.curve_down.peer_public == ring_next.curve_up.public
+            assert ring_next.curve_up.peer_public == ring.curve_down.public
         else:
-            assert plan.curve_sync_down is None and plan.curve_sync_up is None
+            assert ring.curve_down is None and ring.curve_up is None
         if relay:
-            assert plan.relay_sync_down_token == nxt.relay_sync_up_token is not None
+            assert ring.relay_down_token == ring_next.relay_up_token is not None
         else:
-            assert plan.relay_sync_down_token is None and plan.relay_sync_up_token is None
+            assert ring.relay_down_token is None and ring.relay_up_token is None
         # Its own pipeline's neighbours.
         if i + 1 < p:
             down = at[(r, i + 1)]
@@ -360,21 +420,25 @@ def test_replica_plans_are_valid_and_their_rings_consistent(k, p, transport):
         )
     # Every link has its own secrets: k * (p - 1) boundaries and k * p ring links.
     if relay:
-        tokens = {t for plan in plans for t in (plan.relay_down_token, plan.relay_sync_down_token)}
+        tokens = {
+            t
+            for plan in plans
+            for t in (plan.relay_down_token, plan.sync_rings[0].relay_down_token)
+        }
         assert len(tokens - {None}) == k * (p - 1) + k * p
     if curve:
-        keys = {plan.curve_sync_down.public for plan in plans}
+        keys = {plan.sync_rings[0].curve_down.public for plan in plans}
         keys |= {plan.curve_down.public for plan in plans if plan.curve_down}
         assert len(keys) == k * (p - 1) + k * p
 
 
 def test_two_replicas_have_two_ring_links_between_the_same_pair():
     at = by_position(plans_of(2, 1))
-    a, b = at[(0, 0)], at[(1, 0)]
-    assert a.sync_next.fellow_id == a.sync_prev.fellow_id == b.fellow_id
-    assert a.relay_sync_down_token == b.relay_sync_up_token
-    assert b.relay_sync_down_token == a.relay_sync_up_token
-    assert a.relay_sync_down_token != a.relay_sync_up_token
+    (a,), (b,) = at[(0, 0)].sync_rings, at[(1, 0)].sync_rings
+    assert a.next.fellow_id == a.prev.fellow_id == at[(1, 0)].fellow_id
+    assert a.relay_down_token == b.relay_up_token
+    assert b.relay_down_token == a.relay_up_token
+    assert a.relay_down_token != a.relay_up_token
 
 
 def test_plans_without_replicas_are_as_before():
@@ -382,9 +446,7 @@ def test_plans_without_replicas_are_as_before():
     for plan in plans:
         assert plan.problems() == []
         assert (plan.replica, plan.n_replicas, plan.replicated) == (0, 1, False)
-        assert plan.sync_address is plan.sync_prev is plan.sync_next is None
-        assert plan.curve_sync_up is plan.curve_sync_down is None
-        assert plan.relay_sync_up_token is plan.relay_sync_down_token is None
+        assert plan.sync_ports == [] and plan.sync_rings == []
         assert (plan.checkpoint_every, plan.checkpoint_at_end) == (5, True)
     for up, down in itertools.pairwise(plans):
         assert up.relay_down_token == down.relay_up_token

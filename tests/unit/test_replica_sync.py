@@ -29,17 +29,18 @@ from silentswarm.agent.runtime.replicas import (
     unpack,
     unpack_state,
 )
-from silentswarm.jobspec import link_secrets
 from silentswarm.plan import (
     ModelConfig,
     Peer,
     RingChange,
     StagePlan,
+    SyncRing,
     TrainConfig,
     Transport,
     replicated_chain_plans,
 )
 from silentswarm.procs import free_port
+from silentswarm.rings import link_secrets
 from silentswarm.subjects import relay_link, sync_link
 
 MODEL = ModelConfig(n_layers=2, d_model=32, n_heads=2, seq_len=16)
@@ -155,15 +156,14 @@ def test_replicated_chain_plans_link_every_stage_s_replicas_in_a_ring():
         assert plans[r][1].prev.fellow_id == plans[r][0].fellow_id, "each replica its own chain"
         for s in range(n):
             plan, nxt = plans[r][s], plans[(r + 1) % k][s]
-            assert (
-                plan.sync_address == sync[r][s]
-                and plan.sync_next.data_address == sync[(r + 1) % k][s]
-            )
-            assert plan.sync_next.fellow_id == nxt.fellow_id
-            assert nxt.sync_prev.fellow_id == plan.fellow_id
-            assert plan.curve_sync_down.peer_public == nxt.curve_sync_up.public
-            assert nxt.curve_sync_up.peer_public == plan.curve_sync_down.public
-            assert plan.relay_sync_down_token == nxt.relay_sync_up_token is not None
+            (ring,), (ring_next,) = plan.sync_rings, nxt.sync_rings
+            assert plan.sync_ports == [sync[r][s]] and ring.port == 0
+            assert ring.next.data_address == sync[(r + 1) % k][s]
+            assert ring.next.fellow_id == nxt.fellow_id
+            assert ring_next.prev.fellow_id == plan.fellow_id
+            assert ring.curve_down.peer_public == ring_next.curve_up.public
+            assert ring_next.curve_up.peer_public == ring.curve_down.public
+            assert ring.relay_down_token == ring_next.relay_up_token is not None
     assert {p.checkpoint_every for row in plans for p in row} == {0}
     assert len({p.fellow_id for row in plans for p in row}) == k * n
 
@@ -438,20 +438,26 @@ def ring_changes(
         j, h = (i + 1) % len(members), (i - 1) % len(members)
         nxt, prev = plans[members[j]], plans[members[h]]
         many = len(members) > 1
+        ring = SyncRing(
+            layer_start=0,
+            layer_end=MODEL.n_layers,
+            port=0 if plans[r].sync_ports else None,
+            prev=Peer(fellow_id=prev.fellow_id) if many else None,
+            next=Peer(fellow_id=nxt.fellow_id, data_address=(nxt.sync_ports or [None])[0])
+            if many
+            else None,
+            curve_up=secrets[h].binding if many else None,
+            curve_down=secrets[i].connecting if many else None,
+            relay_up_token=secrets[h].token if many else None,
+            relay_down_token=secrets[i].token if many else None,
+        )
         out[r] = RingChange(
             epoch=epoch,
             at_step=at_step,
             members=members,
             donor=members[0] if donor is None else donor,
             joining=joining or [],
-            sync_prev=Peer(fellow_id=prev.fellow_id) if many else None,
-            sync_next=Peer(fellow_id=nxt.fellow_id, data_address=nxt.sync_address)
-            if many
-            else None,
-            curve_sync_up=secrets[h].binding if many else None,
-            curve_sync_down=secrets[i].connecting if many else None,
-            relay_sync_up_token=secrets[h].token if many else None,
-            relay_sync_down_token=secrets[i].token if many else None,
+            rings=[ring],
             **fields,
         )
     return out
@@ -527,13 +533,8 @@ def test_a_joining_member_is_in_no_ring_until_it_switches_and_gets_the_donors_st
         plans[1],
         joining=True,
         fellow_id="r1-joiner",
-        sync_address=f"tcp://127.0.0.1:{free_port()}",
-        sync_prev=None,
-        sync_next=None,
-        curve_sync_up=None,
-        curve_sync_down=None,
-        relay_sync_up_token=None,
-        relay_sync_down_token=None,
+        sync_ports=[f"tcp://127.0.0.1:{free_port()}"],
+        sync_rings=[],
     ).checked()
     joiner = ReplicaSync(joiner_plan, FINGERPRINT)
     try:
@@ -591,7 +592,7 @@ def test_a_state_of_another_shape_is_a_frame_error():
 
 def test_a_ring_over_the_relay_switches_to_new_subjects_tokens(nats_server):
     """transport tunnel: the new ring's links are the relay subjects of their senders
-    (``sync_link(stage, a)``) tagged with the change's fresh tokens; replica 2 now hears
+    (``sync_link(segment, a)``) tagged with the change's fresh tokens; replica 2 now hears
     replica 0 on 0's subject, and the donor's state crosses it intact."""
     plans = ring_plans(3, transport=Transport.TUNNEL, nats_url=nats_server.url)
     members = opened(plans)
