@@ -351,8 +351,8 @@ class ReplicaSync:
             if len(plan.sync_rings) != 1:
                 raise ValueError("ReplicaSync needs its ring of the plan's rings")
             ring = plan.sync_rings[0]
-        if ring is not None and not plan.joining and (ring.prev is None or ring.next is None):
-            raise ValueError("ReplicaSync needs a replicated plan with its ring peers")
+            if ring.prev is None or ring.next is None:
+                raise ValueError("ReplicaSync needs a replicated plan with its ring peers")
         self.plan = plan
         self.ring = ring
         self.fingerprint = fingerprint

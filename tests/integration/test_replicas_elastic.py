@@ -173,14 +173,14 @@ def test_the_survivors_of_a_lost_replica_form_a_ring_of_their_own(k):
         assert run.done.steps == steps
         assert [s.sync_epoch for s in run.steps] == [0] * at_step + [1] * (steps - at_step)
         switched = run.step(at_step)
-        assert switched.sync_members == survivors and switched.state_digest is not None
-        assert all(s.state_digest is None for s in run.steps if s.step != at_step)
+        assert switched.sync_members == survivors and switched.state_digests
+        assert all(s.state_digests is None for s in run.steps if s.step != at_step)
         assert run.step(2).sync_missed > 0, "the round before the switch waited for the lost one"
         for s in run.steps[at_step + 1 :]:  # after the switch: nobody to wait for
             assert s.step_time_s < SYNC_TIMEOUT_S / 2, (s.step, s.step_time_s)
             assert s.sync_missed == switched.sync_missed
             assert s.sync_s < SYNC_TIMEOUT_S / 2
-    digests = {run.step(at_step).state_digest for run in runs[:-1]}
+    digests = {str(run.step(at_step).state_digests) for run in runs[:-1]}
     assert len(digests) == 1, "every survivor took the same state"
     for run in runs[1:-1]:
         assert same_weights(run.weights(), runs[0].weights())
@@ -204,13 +204,8 @@ def test_a_replica_joins_a_running_job_and_trains_in_step_from_the_donors_state(
         plans[1],
         joining=True,
         fellow_id="r1-joiner",
-        sync_address=f"tcp://127.0.0.1:{free_port()}",
-        sync_prev=None,
-        sync_next=None,
-        curve_sync_up=None,
-        curve_sync_down=None,
-        relay_sync_up_token=None,
-        relay_sync_down_token=None,
+        sync_ports=[f"tcp://127.0.0.1:{free_port()}"],
+        sync_rings=[],
     ).checked()
     alone = ring_changes(plans, [0], epoch=1, at_step=alone_at)
     joined = ring_changes([plans[0], joiner_plan], [0, 1], epoch=2, at_step=join_at, joining=[1])
@@ -243,7 +238,8 @@ def test_a_replica_joins_a_running_job_and_trains_in_step_from_the_donors_state(
     assert donor.step(alone_at).sync_members == [0] and donor.step(alone_at).sync_epoch == 1
     first_joined = joiner.steps[0]
     assert first_joined.sync_members == donor.step(join_at).sync_members == [0, 1]
-    assert first_joined.state_digest == donor.step(join_at).state_digest is not None
+    assert first_joined.state_digests == donor.step(join_at).state_digests
+    assert first_joined.state_digests
     assert [s.sync_epoch for s in joiner.steps] == [2] * (steps - join_at)
     synced = range(join_at, steps) if sync == "allreduce" else [5, 6]  # DiLoCo: 5, the last
     for step in range(join_at, steps):
@@ -330,13 +326,8 @@ def joining_pipeline(lost: list[StagePlan], port: Callable[[], str]) -> list[Sta
                 next=None
                 if nxt is None
                 else msgspec.structs.replace(nxt, fellow_id="r1-joiner-1", data_address=boundary),
-                sync_address=port(),
-                sync_prev=None,
-                sync_next=None,
-                curve_sync_up=None,
-                curve_sync_down=None,
-                relay_sync_up_token=None,
-                relay_sync_down_token=None,
+                sync_ports=[port()],
+                sync_rings=[],
             ).checked()
         )
     return out
@@ -428,7 +419,8 @@ def test_a_joining_pipeline_of_two_stages_takes_each_stages_state():
     for s in range(2):
         donor, joiner = runs[s], runs[4 + s]
         assert [e.step for e in joiner.steps] == list(range(join_at, steps))
-        assert joiner.step(join_at).state_digest == donor.step(join_at).state_digest is not None
+        assert joiner.step(join_at).state_digests == donor.step(join_at).state_digests
+        assert joiner.step(join_at).state_digests
         for step in range(join_at, steps):
             assert same_weights(joiner.snapshots[step], donor.snapshots[step]), (s, step)
         assert joiner.done.steps == donor.done.steps == steps
@@ -473,7 +465,7 @@ def test_swarm_stage_processes_take_a_ring_command_on_stdin(tmp_path):
         steps = [e for e in lines if e["event"] == "step"]
         assert [s.get("sync_epoch", 0) for s in steps] == [0, 0, 1, 1]
         assert steps[2]["sync_members"] == [0, 1]
-        digests.add(steps[2]["state_digest"])
+        digests.add(json.dumps(steps[2]["state_digests"], sort_keys=True))
         assert lines[-1]["event"] == "done"
     assert len(digests) == 1
 
@@ -501,7 +493,7 @@ def test_a_change_due_at_the_runs_end_switches_nothing_but_hands_over_the_checkp
     for run in runs:
         assert run.error is None, run.error
         assert {e.sync_epoch for e in run.steps} == {0}  # no switch
-        assert not any(e.state_digest for e in run.steps)
+        assert not any(e.state_digests for e in run.steps)
     ends = {
         run.plan.replica: [e for e in run.events if getattr(e, "id", None) == "end"] for run in runs
     }

@@ -102,11 +102,11 @@ def test_a_lost_replica_does_not_stop_the_job_and_a_new_fellow_joins_its_slot(
 
     def both_in_ring_2() -> bool:
         stages = leader.job(job_id)["progress"]
-        return len(stages) == 2 and all(p["state_digest"] and p["sync_epoch"] == 2 for p in stages)
+        return len(stages) == 2 and all(p["state_digests"] and p["sync_epoch"] == 2 for p in stages)
 
     wait_for(both_in_ring_2, timeout=60, what="both replicas in ring 2 with their digests")
     stages = {p["fellow_id"]: p for p in leader.job(job_id)["progress"]}
-    assert stages["e3"]["state_digest"] == stages[survivor]["state_digest"]
+    assert stages["e3"]["state_digests"] == stages[survivor]["state_digests"]
     assert stages["e3"]["joining"] is None and stages["e3"]["step"] > at_step
 
     done = leader.wait_job(job_id, "COMPLETED", timeout=200)

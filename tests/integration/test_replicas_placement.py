@@ -81,10 +81,11 @@ def test_two_replicas_start_on_two_fellows_as_a_ring(
     a, b = by_replica[0], by_replica[1]
     for plan, other in ((a, b), (b, a)):
         assert plan.n_replicas == 2 and plan.fellow_id == placed_id(placed, plan.replica)
-        assert plan.sync_address == sync[plan.fellow_id]
-        assert plan.sync_next.fellow_id == plan.sync_prev.fellow_id == other.fellow_id
-        assert plan.sync_next.data_address == sync[other.fellow_id]
-        assert plan.curve_sync_down.peer_public == other.curve_sync_up.public
+        (ring,), (other_ring,) = plan.sync_rings, other.sync_rings
+        assert plan.sync_ports == [sync[plan.fellow_id]] and ring.port == 0
+        assert ring.next.fellow_id == ring.prev.fellow_id == other.fellow_id
+        assert ring.next.data_address == sync[other.fellow_id]
+        assert ring.curve_down.peer_public == other_ring.curve_up.public
     assert (a.checkpoint_at_end, b.checkpoint_at_end) == (True, False)
 
     # Both fellows took START: the attempt users the leader minted (each stage's ring

@@ -439,8 +439,8 @@ def ring_changes(
         nxt, prev = plans[members[j]], plans[members[h]]
         many = len(members) > 1
         ring = SyncRing(
-            layer_start=0,
-            layer_end=MODEL.n_layers,
+            layer_start=plans[r].layer_start,
+            layer_end=plans[r].layer_end,
             port=0 if plans[r].sync_ports else None,
             prev=Peer(fellow_id=prev.fellow_id) if many else None,
             next=Peer(fellow_id=nxt.fellow_id, data_address=(nxt.sync_ports or [None])[0])
