@@ -33,7 +33,7 @@ from silentswarm.types.stage import (
     StepEvent,
     encode_command,
 )
-from tests.integration.test_replicas_runtime import TINY
+from tests.integration.test_replicas_runtime import TINY, TINY4, port_range
 from tests.integration.test_replicas_runtime import config as runtime_config
 from tests.unit.test_replica_sync import ring_changes
 
@@ -499,3 +499,76 @@ def test_a_change_due_at_the_runs_end_switches_nothing_but_hands_over_the_checkp
     }
     assert ends[0] == [] and len(ends[1]) == 1 and ends[1][0].ok
     assert list((tmp_path / "r1").rglob("*.npz")) and not list((tmp_path / "r0").rglob("*.npz"))
+
+
+def survivor_changes(
+    grid: list[list[StagePlan]], *, members: list[int], epoch: int, at_step: int
+) -> dict[tuple[int, int], RingChange]:
+    """What a leader sends each stage of the replicas ``members`` (``grid[r][s]``): one ring
+    per segment of their splits (silentswarm.rings), fresh secrets, donor the first."""
+    from silentswarm.rings import Seat, build_rings, fellow_ports
+
+    seats = {
+        r: [
+            Seat(
+                replica=r,
+                stage=p.stage,
+                fellow_id=p.fellow_id,
+                layer_start=p.layer_start,
+                layer_end=p.layer_end,
+                ports=tuple(p.sync_ports),
+            )
+            for p in grid[r]
+        ]
+        for r in members
+    }
+    rings = build_rings(seats, curve=True, relay=True)
+    assert all(fellow_ports(port) for row in grid for p in row for port in p.sync_ports)
+    return {
+        key: RingChange(epoch=epoch, at_step=at_step, members=members, donor=members[0], rings=ring)
+        for key, ring in rings.items()
+    }
+
+
+def test_survivors_that_split_the_layers_differently_switch_every_ring_they_are_in():
+    """Three replicas of two stages over four layers, replica 0 split 1-3, the others 2-2
+    (segments [0, 1), [1, 2), [2, 4): replica 0's stage 1 and replica 1's stage 0 are in two
+    rings each). Replica 2 is lost after step 1; the survivors switch every ring at step 3,
+    the donor's state going around each ring with its segment's share (weights, AdamW's
+    moments, the step count; stage 0's data position with its first ring), and from there
+    hold the same bits of every layer."""
+    steps, at_step = 5, 3
+    train = config(steps, sync_timeout_s=SYNC_TIMEOUT_S)
+    grid = replicated_chain_plans(
+        job_id="elastic-splits",
+        model=TINY4,
+        train=train,
+        addresses=[[None, f"tcp://127.0.0.1:{free_port()}"] for _ in range(3)],
+        sync_addresses=[[port_range(2), port_range(2)] for _ in range(3)],
+        splits=[[(0, 1), (1, 4)], [(0, 2), (2, 4)], [(0, 2), (2, 4)]],
+        transport=Transport.P2P,
+        intra_op_threads=1,
+        secure=True,
+    )
+    changes = survivor_changes(grid, members=[0, 1], epoch=1, at_step=at_step)
+    assert [len(changes[(0, s)].rings) for s in (0, 1)] == [1, 2]
+    deliver = {(r, s): command_at(1, {r: changes[(r, s)]}) for r in (0, 1) for s in (0, 1)}
+    runs = [Run(grid[r][s], deliver[(r, s)]) for r in (0, 1) for s in (0, 1)]
+    runs += [Run(plan, abort_after(1)) for plan in grid[2]]
+    run_all(runs, timeout=240)
+    for run in runs[4:]:
+        assert isinstance(run.error, Abort)
+    survivors = {(run.plan.replica, run.plan.stage): run for run in runs[:4]}
+    for run in survivors.values():
+        assert run.error is None, (run.plan.replica, run.plan.stage, run.error)
+        assert [s.step for s in run.steps] == list(range(steps))
+        assert [s.sync_epoch for s in run.steps] == [0] * at_step + [1] * (steps - at_step)
+    digests = {key: run.step(at_step).state_digests for key, run in survivors.items()}
+    assert set(digests[(0, 1)]) == {1, 2} and set(digests[(1, 0)]) == {0, 1}
+    assert digests[(0, 0)][0] == digests[(1, 0)][0]
+    assert digests[(0, 1)][1] == digests[(1, 0)][1]
+    assert digests[(0, 1)][2] == digests[(1, 1)][2]
+    for step in range(at_step, steps):
+        ours = [w for s in (0, 1) for w in survivors[(0, s)].snapshots[step]]
+        theirs = [w for s in (0, 1) for w in survivors[(1, s)].snapshots[step]]
+        assert same_weights(ours, theirs), step
