@@ -242,8 +242,8 @@ function activeJob() {
 // Where the graph puts each fellow and which links it draws (pure: the UI test calls it).
 // A job of one pipeline: its stages in order on one row, the other fellows after them. A job
 // with replicas: one row per replica (its stages left to right, in columns by stage), the
-// sync links between a stage's replicas (a ring: replica r sends to r + 1, the last to the
-// first) drawn between the rows, and the other fellows on a row below.
+// sync links of each segment's ring (replica r's stage holding it sends to r + 1's, the last
+// to the first) drawn between the rows, and the other fellows on a row below.
 function graphLayout(job, fellowIds, width) {
   const stages = job ? [...job.placement.stages].sort((a, b) => (a.replica || 0) - (b.replica || 0) || a.stage - b.stage) : [];
   const replicas = Math.max(0, ...stages.map((s) => (s.replica || 0) + 1));
@@ -270,14 +270,23 @@ function graphLayout(job, fellowIds, width) {
       nodes[id] = { x: otherGap * (i + 1), y: rowY(replicas), stage: null, replica: null };
     });
     height = rowY(replicas) + (others.length ? 40 : -30);
-    for (let i = 0; i < columns; i++) {
-      for (let r = 0; r < replicas; r++) {
-        const next = (r + 1) % replicas;
-        if (replicas === 2 && r === 1) continue; // two replicas: both ring links join one pair
-        const from = at(r, i);
-        const to = at(next, i);
-        if (from && to) links.push({ kind: "sync", stage: i, replica: r, from: from.fellow_id, to: to.fellow_id, wrap: next < r });
-      }
+    // One ring per segment of layers: the replicas' splits cut together (silentswarm.rings),
+    // over the stages that hold it. Replicas that split alike: one ring per stage.
+    const live = [...new Set(stages.map((s) => s.replica || 0))].sort((a, b) => a - b);
+    const cuts = [...new Set(stages.flatMap((s) => [s.layer_start, s.layer_end]))].sort((a, b) => a - b);
+    const holder = (r, layer) => stages.find((s) => (s.replica || 0) === r && s.layer_start <= layer && layer < s.layer_end);
+    const drawn = new Set();
+    for (let g = 0; g + 1 < cuts.length; g++) {
+      live.forEach((r, j) => {
+        const next = live[(j + 1) % live.length];
+        if (live.length === 2 && j === 1) return; // two replicas: both ring links join one pair
+        const from = holder(r, cuts[g]);
+        const to = holder(next, cuts[g]);
+        const key = from && to ? `${from.fellow_id} ${to.fellow_id}` : null;
+        if (!key || drawn.has(key)) return; // two segments held by the same pair: one line
+        drawn.add(key);
+        links.push({ kind: "sync", segment: cuts[g], replica: r, from: from.fellow_id, to: to.fellow_id, wrap: next < r });
+      });
     }
   }
   for (let r = 0; r < Math.max(1, replicas); r++) {
@@ -309,7 +318,7 @@ function renderGraph() {
     const b = pos[link.to];
     if (link.kind === "sync") {
       // The replicas of a stage keep their weights in sync over this link (never the leader).
-      const attrs = { class: "sync", "data-sync": `${link.stage}-${link.replica}` };
+      const attrs = { class: "sync", "data-sync": `${link.segment}-${link.replica}` };
       if (link.wrap) {
         const bend = a.x - 80;
         children.push(svgEl("path", { ...attrs, d: `M ${a.x - 60} ${a.y} C ${bend} ${a.y}, ${bend} ${b.y}, ${b.x - 60} ${b.y}`, fill: "none" }));

@@ -355,6 +355,10 @@ return {
   ring: graphLayout(state.jobs[0], ids, 600).links.filter((l) => l.kind === "sync").length,
   three: graphLayout({ placement: { stages: [0, 1, 2].map((r) => stage(r, 0, `r${r}`)) } },
     [], 600).links.filter((l) => l.kind === "sync").map((l) => [l.from, l.to, l.wrap]),
+  splits: graphLayout({ placement: { stages: [
+    { ...stage(0, 0, "a0"), layer_end: 1 }, { ...stage(0, 1, "a1"), layer_start: 1, layer_end: 4 },
+    { ...stage(1, 0, "b0"), layer_end: 2 }, { ...stage(1, 1, "b1"), layer_start: 2, layer_end: 4 },
+  ] } }, [], 600).links.filter((l) => l.kind === "sync").map((l) => [l.segment, l.from, l.to]),
 };
 """
 
@@ -364,11 +368,14 @@ def test_the_graph_draws_a_row_per_replica_and_their_sync_links(leader, browser)
     wait_for(lambda: count(browser, '#graph g[data-node="leader"]'), timeout=15, what="the graph")
     drawn = browser.execute_script(DRAW_REPLICAS)
     assert drawn["links"] == ["0", "1"], drawn  # each replica's own pipeline link
-    assert drawn["syncs"] == ["0-0", "1-0"], drawn  # stage 0's replicas, stage 1's
+    assert drawn["syncs"] == ["0-0", "1-0"], drawn  # the rings of layer 0 and of layer 1
     assert drawn["labels"][0] == "sync 0.25 s · 3.0 MiB", drawn
     assert "a0 (r0 stage 0)" in drawn["nodes"] and "b1 (r1 stage 1)" in drawn["nodes"], drawn
     assert "idle" in drawn["nodes"], drawn
     assert drawn["rows"] == 2, drawn
     assert drawn["ring"] == 2, drawn  # two replicas: one line per stage, not two
     assert drawn["three"] == [["r0", "r1", False], ["r1", "r2", False], ["r2", "r0", True]]
+    # Replicas split 1-3 and 2-2: one ring per segment ([0, 1), [1, 2), [2, 4)) between the
+    # stages that hold it.
+    assert drawn["splits"] == [[0, "a0", "b0"], [1, "a1", "b0"], [2, "a1", "b1"]], drawn
     assert console_errors(browser) == []
