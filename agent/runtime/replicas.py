@@ -851,32 +851,19 @@ class ReplicaRings:
     def take_seconds(self) -> float:
         return sum(sync.take_seconds() for sync in self.syncs)
 
-    def _all(self) -> list[ReplicaSync]:
-        return [*self._retired, *self.syncs]
+    def _total(self, counter: str) -> int:
+        """A counter summed over every ring this stage has been in."""
+        return sum(getattr(sync, counter) for sync in [*self._retired, *self.syncs])
 
-    @property
-    def bytes_sent(self) -> int:
-        return sum(sync.bytes_sent for sync in self._all())
-
-    @property
-    def bytes_received(self) -> int:
-        return sum(sync.bytes_received for sync in self._all())
-
-    @property
-    def clipped(self) -> int:
-        return sum(sync.clipped for sync in self._all())
-
-    @property
-    def missed(self) -> int:
-        return sum(sync.missed for sync in self._all())
-
-    @property
-    def dropped(self) -> int:
-        return sum(sync.dropped for sync in self._all())
+    bytes_sent = property(lambda self: self._total("bytes_sent"))
+    bytes_received = property(lambda self: self._total("bytes_received"))
+    clipped = property(lambda self: self._total("clipped"))
+    missed = property(lambda self: self._total("missed"))
+    dropped = property(lambda self: self._total("dropped"))
 
     def relay_dropped(self) -> dict[str, int]:
         out: dict[str, int] = {}
-        for sync in self._all():
+        for sync in [*self._retired, *self.syncs]:
             for reason, n in sync.relay_dropped().items():
                 out[reason] = out.get(reason, 0) + n
         return out
