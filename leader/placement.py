@@ -220,7 +220,12 @@ def _transport(spec: JobSpec, groups: list[list[Candidate]]) -> Transport | Unpl
     if missing and transport == Transport.AUTO:
         transport = Transport.TUNNEL
     if len(groups) > 1 and transport == Transport.P2P:
-        unsynced = [c.fellow_id for chosen in groups for c in chosen if not c.sync_address]
+        unsynced = [
+            c.fellow_id
+            for chosen in groups
+            for c in chosen
+            if not rings.fellow_ports(c.sync_address)
+        ]
         if unsynced:
             return Unplaceable(
                 reason="transport p2p with replicas needs a sync address (SWARM_SYNC_ADDRESS) "

@@ -285,3 +285,17 @@ def test_under_p2p_a_replacement_needs_a_port_per_ring_its_stages_will_be_in():
     stages = elastic.replacement(job, [cand("n1", "7000-7001"), cand("n2", "7000-7001")])
     assert isinstance(stages, list)
     assert [(s.layer_start, s.layer_end) for s in stages] == [(0, 1), (1, 4)]
+
+
+def test_p2p_does_not_place_replicas_on_a_fellow_whose_sync_range_is_malformed():
+    import msgspec
+
+    from silentswarm.leader.placement import Unplaceable, place
+
+    fellows = [cand(f"f{i}", "7000") for i in range(3)]
+    fellows.append(msgspec.structs.replace(cand("bad", "7000"), sync_address="tcp://bad:9-1"))
+    spec = JobSpec(
+        model=ModelConfig(n_layers=4), replicas=2, stages=2, allow_cpu=True, transport="p2p"
+    )
+    refused = place(spec, fellows)
+    assert isinstance(refused, Unplaceable) and "bad" in refused.reason
