@@ -178,8 +178,7 @@ def localised(state: AgentState, plan: StagePlan) -> StagePlan:
         plan = msgspec.structs.replace(plan, data_address=state.data_bind)
     binds = fellow_ports(state.sync_bind)
     if plan.sync_ports and binds:  # port j of the advertised range binds port j of this one
-        ports = binds[: len(plan.sync_ports)] + plan.sync_ports[len(binds) :]
-        plan = msgspec.structs.replace(plan, sync_ports=ports)
+        plan = msgspec.structs.replace(plan, sync_ports=binds[: len(plan.sync_ports)])
     return plan
 
 

@@ -446,14 +446,19 @@ class ExportStore:
         step = complete[-1]
         stages = []
         base = f"shards/step-{step}"
-        for placed in placement.stages:
+        # The shards' own layers: those of the lead that pushed them (a lead that took over
+        # since may split the layers otherwise, until it pushes a complete step of its own).
+        ranges = getattr(job, "pushed_ranges", None)
+        if ranges is None or len(ranges) != n or step != getattr(job, "pushed_step", None):
+            ranges = [(s.layer_start, s.layer_end) for s in placement.stages]
+        for placed, (layer_start, layer_end) in zip(placement.stages, ranges, strict=True):
             (npz, npz_sha), (meta, meta_sha) = self.shard_files(directory, step, placed.stage)
             stages.append(
                 ExportedShard(
                     stage=placed.stage,
                     fellow_id=placed.fellow_id,
-                    layer_start=placed.layer_start,
-                    layer_end=placed.layer_end,
+                    layer_start=layer_start,
+                    layer_end=layer_end,
                     checkpoint=f"{base}/{meta}",
                     checkpoint_sha256=meta_sha,
                     weights=f"{base}/{npz}",

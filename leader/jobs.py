@@ -43,6 +43,7 @@ from silentswarm.leader.pools import (
 from silentswarm.leader.progress import apply_outcome, apply_step
 from silentswarm.leader.retention import RetentionPolicy, retired_job_ids
 from silentswarm.lifecycle import JobEvent, next_job_state
+from silentswarm.plan import layers_overlap
 from silentswarm.protocol import (
     EXPORT_ERROR_CHARS,
     FellowStatus,
@@ -515,9 +516,7 @@ class JobManager:
             return job
         what = outcome.message or outcome.result.value
         reason = f"fellow {fellow_id} (stage {stage.stage}) {outcome.result.value}: {what}"
-        donor = (
-            self._donor_of(job, stage.stage) if outcome.code == ErrorCode.DONOR_REFUSED else None
-        )
+        donor = self._donor_of(job, fellow_id) if outcome.code == ErrorCode.DONOR_REFUSED else None
         self.lose_stage(job.job_id, fellow_id, reason)
         if donor is not None and job.state is JobState.RUNNING:
             # One of the two lies about the state handed over: neither is kept.
@@ -545,12 +544,15 @@ class JobManager:
             log.error("job %s completed without its final model: %s", job.job_id, job.export_error)
         self._finish(job, JobEvent.COMPLETED, "every stage completed")
 
-    def _donor_of(self, job: JobRecord, stage: int) -> str | None:
-        """The fellow of the current ring's donor at ``stage`` (None: no ring change yet)."""
-        if job.ring_donor is None or job.placement is None:
+    def _donor_of(self, job: JobRecord, fellow_id: str) -> str | None:
+        """The fellow of the current rings' donor replica that handed the stage on
+        ``fellow_id`` its state: the donor's stage holding its first layer (replicas may split
+        the layers differently; None: no ring change yet)."""
+        refusing = None if job.placement is None else job.placement.stage_of(fellow_id)
+        if job.ring_donor is None or job.placement is None or refusing is None:
             return None
-        placed = job.placement.pipeline(job.ring_donor)
-        return placed[stage].fellow_id if stage < len(placed) else None
+        donors = [s for s in job.placement.pipeline(job.ring_donor) if layers_overlap(s, refusing)]
+        return donors[0].fellow_id if donors else None
 
     # --- elastic membership ---------------------------------------------------------------
 
@@ -761,8 +763,9 @@ class JobManager:
             ResumeRecord(at=now, failed_attempt=job.attempt, reason=reason, from_step=step)
         )
         job.resume_step = step
-        # One pipeline's ranges: the lead replica's.
-        job.layer_ranges = [
+        # One pipeline's ranges: those of the shards it resumes from (the lead replica's when
+        # they were pushed), else the lead's.
+        job.layer_ranges = job.pushed_ranges or [
             (s.layer_start, s.layer_end) for s in job.placement.pipeline(job.placement.lead)
         ]
         self.resumed[job.job_id] = (
@@ -783,6 +786,9 @@ class JobManager:
         del job.latest_shard_pushes[:-PUSH_LOG_LEN]
         if complete_step is not None:
             job.pushed_step = complete_step
+            if job.placement is not None:  # only the lead replica pushes
+                lead = job.placement.pipeline(job.placement.lead)
+                job.pushed_ranges = [(s.layer_start, s.layer_end) for s in lead]
         self._touch(job)
 
     def add_signal(self, job_id: str, record: SignalRecord) -> None:

@@ -299,11 +299,17 @@ def _check_sync_ports(settings: Settings) -> None:
     """A sync address names one port or a range of them (one per ring a stage is in)."""
     from silentswarm.rings import sync_ports  # it imports the plan, which imports this
 
+    counts = {}
     for name in ("sync_address", "sync_bind"):
         try:
-            sync_ports(getattr(settings, name))
+            counts[name] = len(sync_ports(getattr(settings, name)))
         except ConfigError as exc:
             raise ConfigError(f"{env_name(name)}: {exc.message}") from None
+    if counts["sync_address"] and counts["sync_bind"] and len(set(counts.values())) > 1:
+        raise ConfigError(
+            f"{env_name('sync_bind')} names {counts['sync_bind']} port(s), "
+            f"{env_name('sync_address')} {counts['sync_address']}: port j binds for port j"
+        )
 
 
 def _check_compute_speed(speed: float | None) -> None:

@@ -47,6 +47,14 @@ def stage_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def _prefix(
+    prefixes: Mapping[int | tuple[int, int], Sequence[str]], plan: StagePlan
+) -> Sequence[str]:
+    """What goes in front of ``plan``'s command line: its (replica, stage)'s, else its
+    stage's."""
+    return prefixes.get((plan.replica, plan.stage), prefixes.get(plan.stage, ()))
+
+
 def run_plans(
     plans: list[StagePlan],
     directory: Path,
@@ -54,7 +62,7 @@ def run_plans(
     timeout: float = 600.0,
     env: Mapping[str, str] | None = None,
     on_event: Callable[[dict[str, Any]], None] | None = None,
-    command_prefixes: Mapping[int, Sequence[str]] | None = None,
+    command_prefixes: Mapping[int | tuple[int, int], Sequence[str]] | None = None,
 ) -> list[list[dict[str, Any]]]:
     """Start one process per stage, wait for all; each stage's events, in stage order
     (replicas: replica by replica, each in stage order).
@@ -63,7 +71,8 @@ def run_plans(
     ``stage-<job>-r<r>-<i>.out``) and stderr to ``.err``.
     ``on_event`` sees every event of every stage as it is written (live progress).
     ``command_prefixes[i]`` goes in front of stage i's command line (for example
-    ``ip netns exec NS``: the link emulator's far side).
+    ``ip netns exec NS``: the link emulator's far side), ``command_prefixes[(r, i)]`` in front
+    of replica r's stage i's (before ``[i]``).
     """
     tails: dict[Path, int] = {}
     paths = write_plans(plans, directory)
@@ -73,7 +82,7 @@ def run_plans(
             out = directory / f"stage-{_name(plan)}.out"
             with open(out, "wb") as stdout, open(out.with_suffix(".err"), "wb") as stderr:
                 proc = subprocess.Popen(
-                    [*(command_prefixes or {}).get(plan.stage, ()), *stage_command(path)],
+                    [*_prefix(command_prefixes or {}, plan), *stage_command(path)],
                     stdout=stdout,
                     stderr=stderr,
                     env=stage_env(env),

@@ -287,6 +287,154 @@ def placement(work: Path, quick: bool, rounds: int, steps: int) -> dict[str, Any
     return figures
 
 
+def port_range(n: int) -> str:
+    """``n`` consecutive free loopback ports as a sync address range (one port per ring)."""
+    import socket
+
+    for _ in range(100):
+        first = free_port()
+        socks = []
+        try:
+            for port in range(first, first + n):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+        return f"tcp://127.0.0.1:{first}-{first + n - 1}"
+    raise SystemExit(f"no {n} consecutive free ports")
+
+
+# Shares of a core of the four fellows of the splits arm, by fellow: dealt out by place() as
+# replica 0 = (c, a), replica 1 = (d, b) (equal memory: ranked by id; the best ranked runs the
+# last stage), so replica 0 is two equal fellows and replica 1 a slow and a fast one.
+SPLIT_SHARES = {"a": 0.5, "b": 0.75, "c": 0.5, "d": 0.25}
+
+
+def split_placement(model: ModelConfig, train: TrainConfig, ports: int) -> dict[str, Any]:
+    """The leader's balanced placement of 2 replicas x 2 stages on the four fellows, whose
+    speeds are their shares of a core, each with ``ports`` sync ports: with 2, each replica
+    splits the layers on its own fellows; with 1 (p2p), every replica takes one split, over
+    each stage position's weakest fellow (what placement did before rings per segment)."""
+    ram = psutil.virtual_memory().available
+    candidates = [
+        Candidate(
+            fellow_id=name,
+            hostname=name,
+            data_address=f"tcp://{name}:1",
+            sync_address=f"tcp://{name}:7000" + ("-7001" if ports == 2 else ""),
+            cpu_cores=1,
+            ram_available_bytes=ram,
+            compute_speed=share,
+        )
+        for name, share in SPLIT_SHARES.items()
+    ]
+    spec = JobSpec(
+        model=model,
+        partition=Partition.BALANCED,
+        allow_cpu=True,
+        replicas=2,
+        stages=2,
+        transport=Transport.P2P,
+        **msgspec.structs.asdict(train),
+    )
+    placement = place(spec, candidates)
+    if isinstance(placement, Unplaceable):
+        raise SystemExit(f"no balanced placement: {placement.reason}")
+    return {
+        "fellows": [[s.fellow_id for s in placement.pipeline(r)] for r in range(2)],
+        "splits": [[(s.layer_start, s.layer_end) for s in placement.pipeline(r)] for r in range(2)],
+    }
+
+
+def split_run(
+    work: Path,
+    job: str,
+    model: ModelConfig,
+    train: TrainConfig,
+    placed: dict[str, Any],
+    prefixes: dict[str, list[str] | None],
+) -> list[list[dict[str, Any]]]:
+    """2 replicas x 2 stages as real stage processes with ``placed``'s splits, each stage in
+    its fellow's CPU quota."""
+
+    def port() -> str:
+        return f"tcp://127.0.0.1:{free_port()}"
+
+    plans = replicated_chain_plans(
+        job_id=job,
+        model=model,
+        train=train,
+        addresses=[[None, port()] for _ in range(2)],
+        sync_addresses=[[port_range(2) for _ in range(2)] for _ in range(2)],
+        splits=placed["splits"],
+        transport=Transport.P2P,
+        intra_op_threads=1,
+    )
+    where = {
+        (r, s): prefixes[name]
+        for r, row in enumerate(placed["fellows"])
+        for s, name in enumerate(row)
+        if prefixes[name] is not None
+    }
+    return run_plans([p for row in plans for p in row], work, command_prefixes=where)
+
+
+def splits(work: Path, quick: bool, rounds: int, steps: int) -> dict[str, Any]:
+    """Replicas on unequal fellows: one split for every replica against each replica's own
+    (rings per segment), allreduce, in alternating rounds."""
+    model = (
+        ModelConfig(n_layers=8, d_model=128, seq_len=64, n_heads=4)
+        if quick
+        else ModelConfig(n_layers=8, d_model=256, seq_len=128, n_heads=4)
+    )
+    train = TrainConfig(steps=steps, batch_size=8, micro_batches=4, val_every=0, link_probe_every=0)
+    arms = {
+        "one_split": split_placement(model, train, 1),
+        "own_splits": split_placement(model, train, 2),
+    }
+    for arm, placed in arms.items():
+        print(f"  {arm}: fellows {placed['fellows']}, splits {placed['splits']}", flush=True)
+    per_round: list[dict[str, dict[str, Any]]] = []
+    with contextlib.ExitStack() as stack:
+        prefixes = {
+            name: stack.enter_context(cpu_quota(share)) for name, share in SPLIT_SHARES.items()
+        }
+        for r in range(rounds):
+            got = {}
+            for arm in list(arms) if r % 2 == 0 else list(arms)[::-1]:
+                events = split_run(work, f"splits-{r}-{arm}", model, train, arms[arm], prefixes)
+                got[arm] = run_figures(events, 2, 2, train, model.seq_len)
+                print(
+                    f"  round {r + 1}: {arm:10s} {got[arm]['tokens_per_s']:8.0f} tok/s", flush=True
+                )
+            per_round.append(got)
+    med = {arm: statistics.median(r[arm]["tokens_per_s"] for r in per_round) for arm in arms}
+    ratio = statistics.median(
+        r["own_splits"]["tokens_per_s"] / r["one_split"]["tokens_per_s"] for r in per_round
+    )
+    figures = {
+        "one_split_tokens_per_s": med["one_split"],
+        "own_splits_tokens_per_s": med["own_splits"],
+        "own_over_one": round(ratio, 3),
+        "one_split": arms["one_split"]["splits"],
+        "own_splits": arms["own_splits"]["splits"],
+        "fellows": arms["own_splits"]["fellows"],
+        "shares": SPLIT_SHARES,
+        "quota_applied": all(p is not None for p in prefixes.values()),
+        "sync_missed": sum(r[a]["sync_missed"] for r in per_round for a in arms),
+        "rounds": rounds,
+        "steps": steps,
+        "model": msgspec.structs.asdict(model),
+        "per_round": [{a: r[a]["tokens_per_s"] for a in arms} for r in per_round],
+    }
+    print(f"  each replica's own split / one split for all: {ratio:.3f}x")
+    return figures
+
+
 SPEED_MODEL = ModelConfig(n_layers=4, d_model=256, seq_len=128, n_heads=4)
 LOSS_MODEL = ModelConfig(n_layers=4, d_model=128, seq_len=64, n_heads=4)
 QUICK_MODEL = ModelConfig(n_layers=2, d_model=64, seq_len=32, n_heads=4)
@@ -523,7 +671,7 @@ def runs(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smoke run (< 60 s)")
-    parser.add_argument("--only", choices=["runs", "placement"], default=None)
+    parser.add_argument("--only", choices=["runs", "placement", "splits"], default=None)
     parser.add_argument("--rounds", type=int, default=None, help="default 3, quick 1")
     parser.add_argument("--steps", type=int, default=None, help="steps per run (24, quick 8)")
     parser.add_argument("--loss-steps", type=int, default=None, help="default 600, quick 20")
@@ -538,6 +686,7 @@ def main() -> None:
     started = time.time()
     run_list: list[dict[str, Any]] = []
     figures: dict[str, Any] = {}
+    split_figures: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
         work = args.work or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         work.mkdir(parents=True, exist_ok=True)
@@ -546,12 +695,15 @@ def main() -> None:
             run_list = runs(work, args.quick, rounds, steps, loss_steps, every)
         if args.only in (None, "placement"):
             figures = placement(work, args.quick, rounds, steps)
+        if args.only in (None, "splits"):
+            split_figures = splits(work, args.quick, rounds, steps)
     emit(
         {
             "bench": "replicas",
             "quick": args.quick,
             "runs": run_list,
             "placement": figures,
+            "splits": split_figures,
             "cpus": os.cpu_count(),
             "load_avg": load_avg(),
             "seconds": round(time.time() - started, 1),

@@ -276,7 +276,7 @@ function graphLayout(job, fellowIds, width) {
     const cuts = [...new Set(stages.flatMap((s) => [s.layer_start, s.layer_end]))].sort((a, b) => a - b);
     const holder = (r, layer) => stages.find((s) => (s.replica || 0) === r && s.layer_start <= layer && layer < s.layer_end);
     const drawn = new Set();
-    for (let g = 0; g + 1 < cuts.length; g++) {
+    for (let g = 0; g + 1 < cuts.length && live.length > 1; g++) {
       live.forEach((r, j) => {
         const next = live[(j + 1) % live.length];
         if (live.length === 2 && j === 1) return; // two replicas: both ring links join one pair

@@ -124,6 +124,10 @@ class JobRecord(msgspec.Struct, kw_only=True):
     # (final_export_error), naming the stage, fellow, path and cause; None: it is there.
     export_error: str | None = None
     pushed_step: int | None = None
+    # The layer ranges of the pipeline that pushed ``pushed_step`` (the lead replica's then:
+    # with replicas that split the layers differently, a lead that took over later may split
+    # them otherwise): what a resume and the export's manifest use.
+    pushed_ranges: list[tuple[int, int]] | None = None
     latest_shard_pushes: list[ShardReceipt] = msgspec.field(default_factory=list)
     # Automatic resume: each one, the step the current attempt started from, and the layer
     # ranges every attempt keeps (learned bottlenecks stay where they were trained).

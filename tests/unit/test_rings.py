@@ -299,3 +299,28 @@ def test_p2p_does_not_place_replicas_on_a_fellow_whose_sync_range_is_malformed()
     )
     refused = place(spec, fellows)
     assert isinstance(refused, Unplaceable) and "bad" in refused.reason
+
+
+def test_a_resume_after_the_lead_changed_takes_the_split_its_shards_were_pushed_with():
+    from silentswarm.protocol import JobState
+    from silentswarm.types.jobs import ShardReceipt
+
+    jobs, job = split_job([[(0, 1), (1, 4)], [(0, 2), (2, 4)]])
+    for stage in (0, 1):  # the lead (replica 0, split 1-3) pushes a complete step 20
+        receipt = ShardReceipt(
+            fellow_id=f"r0s{stage}", stage=stage, step=20, attempt=1, size=1, sha256="0", at=1.0
+        )
+        jobs.record_push(job.job_id, receipt, 20 if stage == 1 else None)
+    assert job.pushed_step == 20 and job.pushed_ranges == [(0, 1), (1, 4)]
+    jobs.lose_stage(job.job_id, "r0s0", "went offline")
+    assert job.placement.lead == 1  # split 2-2: its shards are not pushed yet
+    jobs.lose_stage(job.job_id, "r1s1", "went offline")  # no replica left: a resume
+    assert job.state is JobState.PENDING and job.resume_step == 20
+    assert job.layer_ranges == [(0, 1), (1, 4)], "the shards' split, not the last lead's"
+
+
+def test_a_sync_bind_range_must_match_the_advertised_one():
+    with pytest.raises(ConfigError, match="port j binds for port j"):
+        Settings(sync_address="tcp://h:7000-7003", sync_bind="tcp://0.0.0.0:9000-9001")
+    both = Settings(sync_address="tcp://h:7000-7001", sync_bind="tcp://0.0.0.0:9000-9001")
+    assert both.sync_bind == "tcp://0.0.0.0:9000-9001"
