@@ -501,9 +501,12 @@ class StageRunner:
         shapes = [tuple(v.shape) for v in model.variables]
         rows = ring_rows(shapes, variable_bounds(model, self.replicas.rings))
         results = self.replicas.round(step, [packed[a:b] for a, b in rows])
-        # A new matrix: the contributions may still be on their way out of ZeroMQ, which
-        # sends without copying them.
-        model.set_accumulated_packed(np.concatenate([r.average for r in results]))
+        # A new matrix (each average is one): the contributions may still be on their way
+        # out of ZeroMQ, which sends without copying them.
+        averages = [r.average for r in results]
+        model.set_accumulated_packed(
+            averages[0] if len(averages) == 1 else np.concatenate(averages)
+        )
         return 1
 
     def _outer_step(self, step: int) -> None:

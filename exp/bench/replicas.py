@@ -40,13 +40,25 @@ ZeroMQ, in one invocation:
 3. **2 replicas x 2 stages** on 4 processes (contended on 2 cores: correctness and bytes, not
    speed), ``allreduce`` on the speed model.
 
+Splits (``--only splits``): replicas on unequal fellows, each splitting the layers on its
+own fellows (one ring per segment of layers, silentswarm.rings) against one split for every
+replica (over each stage position's weakest fellow, as placement does where rings per
+segment cannot be). The placement model (8 blocks), 2 replicas x 2 stages on four stage
+processes, each in a cgroup v1 CPU quota: shares 0.5 and 0.5 of a core for replica 0's
+fellows, 0.25 and 0.75 for replica 1's (2 cores in all, this machine's); the splits come from
+the leader's ``place()`` (``balanced``, the shares as speeds, p2p with two sync ports per
+fellow, or one, which gives one split); ``allreduce``, alternating rounds, each run's
+tokens/s the sum over replicas of each pipeline's slowest stage, ``own_over_one`` the
+median of the per-round ratios.
+
 The last line is one JSON object with every figure.
 
-    python exp/bench/replicas.py                             # runs, then placement
+    python exp/bench/replicas.py                             # runs, placement, splits
     python exp/bench/replicas.py --only runs                 # the replica arms (~10 minutes)
     python exp/bench/replicas.py --only placement            # the full run (~15 minutes)
     python exp/bench/replicas.py --only placement --quick    # a smoke run (< 60 s): a small
         # model, one round, only the equal split (the first job) and the balanced one
+    python exp/bench/replicas.py --only splits               # ~8 minutes (--quick: ~2)
 """
 
 from __future__ import annotations
