@@ -706,7 +706,15 @@ class JobManager:
         placement = job.placement
         if placement is None:
             return
-        segments_of = {s.fellow_id: placement.sync_segments(s) for s in placement.stages}
+        # The rings of the current epoch are over its members' splits: a replacement still
+        # waiting to join (its ring change not sent: not a member) cuts none of them.
+        waiting = {p.replica for p in job.progress if p.joining not in (None, "switching")}
+        members = [r for r in placement.live_replicas if r not in waiting]
+        segments_of = {
+            s.fellow_id: placement.sync_segments(s, members)
+            for s in placement.stages
+            if s.replica in members
+        }
         verdict = elastic.digest_verdict(
             job.progress, epoch=job.ring_epoch, segments_of=segments_of
         )

@@ -300,14 +300,13 @@ class Placement(msgspec.Struct, kw_only=True):
     def stage_of(self, fellow_id: str) -> PlacedStage | None:
         return next((s for s in self.stages if s.fellow_id == fellow_id), None)
 
-    def sync_segments(self, stage: PlacedStage) -> list[int]:
+    def sync_segments(self, stage: PlacedStage, replicas: Sequence[int] | None = None) -> list[int]:
         """The first layers of the segments (:mod:`silentswarm.rings`) ``stage`` holds among
-        the live replicas' splits: the rings it is in, and (elastic membership drops
-        replicas and places replacements with the lead's split, which only merges segments)
-        every ring it may be in later this attempt."""
-        splits = [
-            [(s.layer_start, s.layer_end) for s in self.pipeline(r)] for r in self.live_replicas
-        ]
+        the splits of ``replicas`` (default: the live ones): the rings it is in, and
+        (elastic membership drops replicas and places replacements with the lead's split,
+        which only merges segments) every ring it may be in later this attempt."""
+        members = self.live_replicas if replicas is None else replicas
+        splits = [[(s.layer_start, s.layer_end) for s in self.pipeline(r)] for r in members]
         return [a for a, _ in stage_segments(stage.layer_start, stage.layer_end, segments(splits))]
 
 
