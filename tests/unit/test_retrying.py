@@ -122,6 +122,8 @@ class _Leader(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers["content-length"]))
         status = self.server.answers.pop(0)
+        # Counted before the answer: the client may act on it before this thread runs on.
+        self.server.seen += 1
         body = {"nats_creds": "CREDS"} if status == 200 else {"message": f"status {status}"}
         if status == 200:
             body.update(fellow_name="f1", nats_url="nats://x:4222")
@@ -131,7 +133,6 @@ class _Leader(BaseHTTPRequestHandler):
         self.send_header("content-length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
-        self.server.seen += 1
 
     def log_message(self, *args: object) -> None:
         pass
