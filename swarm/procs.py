@@ -234,6 +234,26 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def free_ports(n: int, host: str = "127.0.0.1", tries: int = 100) -> int:
+    """The first of ``n`` consecutive free ports (a sync address range, one port per ring);
+    like :func:`free_port`, free when looked at."""
+    for _ in range(tries):
+        first = free_port(host)
+        socks: list[socket.socket] = []
+        try:
+            for port in range(first, first + n):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(sock)
+                sock.bind((host, port))
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+        return first
+    raise OSError(f"no {n} consecutive free ports on {host}")
+
+
 def wait_until(
     predicate: Callable[[], T | None],
     *,

@@ -95,7 +95,7 @@ from silentswarm.plan import (
     replicated_chain_plans,
     single_process_plan,
 )
-from silentswarm.procs import free_port
+from silentswarm.procs import free_port, free_ports
 
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 100_000
@@ -301,23 +301,8 @@ def placement(work: Path, quick: bool, rounds: int, steps: int) -> dict[str, Any
 
 def port_range(n: int) -> str:
     """``n`` consecutive free loopback ports as a sync address range (one port per ring)."""
-    import socket
-
-    for _ in range(100):
-        first = free_port()
-        socks = []
-        try:
-            for port in range(first, first + n):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-        return f"tcp://127.0.0.1:{first}-{first + n - 1}"
-    raise SystemExit(f"no {n} consecutive free ports")
+    first = free_ports(n)
+    return f"tcp://127.0.0.1:{first}-{first + n - 1}"
 
 
 # Shares of a core of the four fellows of the splits arm, by fellow: dealt out by place() as

@@ -19,7 +19,7 @@ from silentswarm.plan import (
     replicated_chain_plans,
     single_process_plan,
 )
-from silentswarm.procs import free_port
+from silentswarm.procs import free_port, free_ports
 from silentswarm.types.stage import DoneEvent, StageEvent, StepEvent
 
 pytestmark = pytest.mark.integration
@@ -174,23 +174,8 @@ SPLITS = [[(0, 1), (1, 4)], [(0, 2), (2, 4)]]  # segments [0, 1), [1, 2), [2, 4)
 
 def port_range(n: int) -> str:
     """``n`` consecutive free loopback ports as a sync address range."""
-    import socket
-
-    for _ in range(100):
-        first = free_port()
-        socks = []
-        try:
-            for port in range(first, first + n):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-        return f"tcp://127.0.0.1:{first}-{first + n - 1}"
-    raise AssertionError(f"no {n} consecutive free ports")
+    first = free_ports(n)
+    return f"tcp://127.0.0.1:{first}-{first + n - 1}"
 
 
 def split_replicas(train: TrainConfig) -> list[list[StagePlan]]:

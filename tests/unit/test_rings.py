@@ -324,3 +324,22 @@ def test_a_sync_bind_range_must_match_the_advertised_one():
         Settings(sync_address="tcp://h:7000-7003", sync_bind="tcp://0.0.0.0:9000-9001")
     both = Settings(sync_address="tcp://h:7000-7001", sync_bind="tcp://0.0.0.0:9000-9001")
     assert both.sync_bind == "tcp://0.0.0.0:9000-9001"
+
+
+def test_free_ports_finds_a_range_a_stage_can_bind_port_by_port():
+    import socket
+
+    from silentswarm.procs import free_ports
+
+    first = free_ports(3)
+    address = f"tcp://127.0.0.1:{first}-{first + 2}"
+    socks = []
+    try:
+        for port in sync_ports(address):
+            sock = socket.socket()
+            socks.append(sock)
+            sock.bind(("127.0.0.1", int(port.rsplit(":", 1)[1])))
+    finally:
+        for sock in socks:
+            sock.close()
+    assert len(socks) == 3
