@@ -450,7 +450,7 @@ class ExportStore:
         # since may split the layers otherwise, until it pushes a complete step of its own).
         ranges = getattr(job, "pushed_ranges", None)
         if ranges is None or len(ranges) != n or step != getattr(job, "pushed_step", None):
-            ranges = [(s.layer_start, s.layer_end) for s in placement.stages]
+            ranges = placement.split(placement.lead)
         for placed, (layer_start, layer_end) in zip(placement.stages, ranges, strict=True):
             (npz, npz_sha), (meta, meta_sha) = self.shard_files(directory, step, placed.stage)
             stages.append(

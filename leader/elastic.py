@@ -36,7 +36,7 @@ import msgspec
 from silentswarm.jobspec import PlacedStage, Placement, seats, stage_plans
 from silentswarm.leader.placement import DEFAULTS, Candidate, PlacementDefaults, Unplaceable, place
 from silentswarm.plan import RingChange, StagePlan, Transport
-from silentswarm.rings import build_rings, fellow_ports, segments, stage_segments
+from silentswarm.rings import build_rings, fellow_ports, ports_needed
 from silentswarm.types.jobs import JobRecord
 from silentswarm.types.views import StageProgress
 
@@ -159,16 +159,12 @@ def replacement(
         return None
     lost = {p.fellow_id for p in job.dropped}
     usable = [c for c in candidates if c.fellow_id not in lost]
-    lead = placement.pipeline(placement.lead)
-    ranges = [(s.layer_start, s.layer_end) for s in lead]
+    ranges = placement.split(placement.lead)
     if placement.transport == Transport.P2P:
-        # One port per ring it will be in: the segments of the lead's split among the others'.
-        splits = [
-            [(s.layer_start, s.layer_end) for s in placement.pipeline(r)]
-            for r in placement.live_replicas
-        ]
-        segs = segments(splits)
-        ports = max(len(stage_segments(a, b, segs)) for a, b in ranges)
+        # One port per ring it will be in: the rings of the lead's stages among the others'.
+        live = placement.live_replicas
+        needed = ports_needed([placement.split(r) for r in live])[live.index(placement.lead)]
+        ports = max(needed)
         usable = [
             c for c in usable if c.data_address and len(fellow_ports(c.sync_address)) >= ports
         ]

@@ -773,9 +773,7 @@ class JobManager:
         job.resume_step = step
         # One pipeline's ranges: those of the shards it resumes from (the lead replica's when
         # they were pushed), else the lead's.
-        job.layer_ranges = job.pushed_ranges or [
-            (s.layer_start, s.layer_end) for s in job.placement.pipeline(job.placement.lead)
-        ]
+        job.layer_ranges = job.pushed_ranges or job.placement.split(job.placement.lead)
         self.resumed[job.job_id] = (
             job.attempt,
             [p.fellow_id for p in job.progress if p.result is None],
@@ -795,8 +793,7 @@ class JobManager:
         if complete_step is not None:
             job.pushed_step = complete_step
             if job.placement is not None:  # only the lead replica pushes
-                lead = job.placement.pipeline(job.placement.lead)
-                job.pushed_ranges = [(s.layer_start, s.layer_end) for s in lead]
+                job.pushed_ranges = job.placement.split(job.placement.lead)
         self._touch(job)
 
     def add_signal(self, job_id: str, record: SignalRecord) -> None:

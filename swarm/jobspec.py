@@ -300,13 +300,17 @@ class Placement(msgspec.Struct, kw_only=True):
     def stage_of(self, fellow_id: str) -> PlacedStage | None:
         return next((s for s in self.stages if s.fellow_id == fellow_id), None)
 
+    def split(self, replica: int) -> list[tuple[int, int]]:
+        """Pipeline ``replica``'s layer ranges, in stage order."""
+        return [(s.layer_start, s.layer_end) for s in self.pipeline(replica)]
+
     def sync_segments(self, stage: PlacedStage, replicas: Sequence[int] | None = None) -> list[int]:
         """The first layers of the segments (:mod:`silentswarm.rings`) ``stage`` holds among
         the splits of ``replicas`` (default: the live ones): the rings it is in, and
         (elastic membership drops replicas and places replacements with the lead's split,
         which only merges segments) every ring it may be in later this attempt."""
         members = self.live_replicas if replicas is None else replicas
-        splits = [[(s.layer_start, s.layer_end) for s in self.pipeline(r)] for r in members]
+        splits = [self.split(r) for r in members]
         return [a for a, _ in stage_segments(stage.layer_start, stage.layer_end, segments(splits))]
 
 
@@ -314,17 +318,7 @@ def seats(placement: Placement, replicas: Sequence[int] | None = None) -> dict[i
     """The placed pipelines of ``replicas`` (default: every live one) as the rings see them."""
     live = placement.live_replicas if replicas is None else replicas
     return {
-        r: [
-            Seat(
-                replica=r,
-                stage=s.stage,
-                fellow_id=s.fellow_id,
-                layer_start=s.layer_start,
-                layer_end=s.layer_end,
-                ports=tuple(fellow_ports(s.sync_address)),
-            )
-            for s in placement.pipeline(r)
-        ]
+        r: [Seat.of(s, r, fellow_ports(s.sync_address)) for s in placement.pipeline(r)]
         for r in live
     }
 

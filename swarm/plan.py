@@ -633,7 +633,7 @@ class StagePlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         if self.transport == Transport.P2P:
             for ring in self.sync_rings:
                 where = f"ring of layers [{ring.layer_start}, {ring.layer_end})"
-                if ring.port is None or ring.port >= len(self.sync_ports):
+                if self.sync_bind(ring) is None:
                     out.append(f"transport p2p needs a sync port to bind for the {where}")
                 if ring.next is not None and not ring.next.data_address:
                     out.append(f"transport p2p needs the {where}'s 'next' with its sync address")
@@ -902,14 +902,7 @@ def replicated_chain_plans(
         return chains
     seats = {
         r: [
-            rings.Seat(
-                replica=r,
-                stage=s,
-                fellow_id=plan.fellow_id,
-                layer_start=plan.layer_start,
-                layer_end=plan.layer_end,
-                ports=tuple(rings.sync_ports(sync_addresses[r][s])),
-            )
+            rings.Seat.of(plan, r, rings.sync_ports(sync_addresses[r][s]))
             for s, plan in enumerate(chains[r])
         ]
         for r in range(k)

@@ -27,8 +27,9 @@ from __future__ import annotations
 import itertools
 import re
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from silentswarm.errors import ConfigError
 from silentswarm.plan import CurveKeys, Peer, SyncRing
@@ -150,6 +151,15 @@ def link_secrets(count: int, *, curve: bool, relay: bool) -> list[LinkSecrets]:
 # --- the rings ----------------------------------------------------------------------------------
 
 
+class Placed(Protocol):
+    """What a seat is made from: a placed stage (leader) or a stage plan (without one)."""
+
+    stage: int
+    fellow_id: str
+    layer_start: int
+    layer_end: int
+
+
 @dataclass(frozen=True)
 class Seat:
     """A replica's stage as the rings see it: who runs it, its layers, its fellow's ring
@@ -161,6 +171,18 @@ class Seat:
     layer_start: int
     layer_end: int
     ports: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, placed: Placed, replica: int, ports: Iterable[str]) -> Seat:
+        """The seat of ``placed`` (a placed stage or a stage plan) in pipeline ``replica``."""
+        return cls(
+            replica=replica,
+            stage=placed.stage,
+            fellow_id=placed.fellow_id,
+            layer_start=placed.layer_start,
+            layer_end=placed.layer_end,
+            ports=tuple(ports),
+        )
 
 
 def build_rings(

@@ -343,7 +343,7 @@ def split_placement(model: ModelConfig, train: TrainConfig, ports: int) -> dict[
         raise SystemExit(f"no balanced placement: {placement.reason}")
     return {
         "fellows": [[s.fellow_id for s in placement.pipeline(r)] for r in range(2)],
-        "splits": [[(s.layer_start, s.layer_end) for s in placement.pipeline(r)] for r in range(2)],
+        "splits": [placement.split(r) for r in range(2)],
     }
 
 

@@ -508,20 +508,7 @@ def survivor_changes(
     per segment of their splits (silentswarm.rings), fresh secrets, donor the first."""
     from silentswarm.rings import Seat, build_rings, fellow_ports
 
-    seats = {
-        r: [
-            Seat(
-                replica=r,
-                stage=p.stage,
-                fellow_id=p.fellow_id,
-                layer_start=p.layer_start,
-                layer_end=p.layer_end,
-                ports=tuple(p.sync_ports),
-            )
-            for p in grid[r]
-        ]
-        for r in members
-    }
+    seats = {r: [Seat.of(p, r, p.sync_ports) for p in grid[r]] for r in members}
     rings = build_rings(seats, curve=True, relay=True)
     assert all(fellow_ports(port) for row in grid for p in row for port in p.sync_ports)
     return {
