@@ -25,6 +25,7 @@ import pytest
 
 from tests.conftest import RestartableLeader, start_agent
 from tests.helpers import Leader, child_env, swarm_cli, wait_for
+from tests.integration.nats_client import with_nats
 from tests.integration.test_jobs import tiny, wait_ready
 
 pytestmark = pytest.mark.timeout(300)
@@ -204,7 +205,13 @@ def test_a_full_export_disk_leaves_no_partial_upload_and_a_restart_sweeps_stale_
         assert {p.name: p.read_bytes() for p in step_dir.iterdir()} == kept
         assert json.loads((export / "run_manifest.json").read_text())["step"] == kept_step
 
-        # A transfer cut off by a leader that died: swept when the leader starts again.
+        # A transfer cut off by a leader that died: swept when the leader starts again. The
+        # leader writes changed records every tick: killed once the error is in the store.
+        wait_for(
+            lambda: stored_job(nats_server.url, job_id)["export_error"] == error,
+            timeout=20,
+            what="the export error in the JetStream record",
+        )
         (root / "filler").unlink()
         incoming.mkdir(exist_ok=True)
         (incoming / f"e1-a1-s{STEPS}-stage-0.npz").write_bytes(b"half a shard")
@@ -215,3 +222,13 @@ def test_a_full_export_disk_leaves_no_partial_upload_and_a_restart_sweeps_stale_
         assert client.job(job_id)["export_error"] == error
     finally:
         leader.client.close()
+
+
+def stored_job(nats_url: str, job_id: str) -> dict:
+    """The job's record as the leader last wrote it to JetStream (not the REST view of it)."""
+
+    async def read(nc) -> dict:
+        bucket = await nc.jetstream().key_value("swarm_jobs")
+        return json.loads((await bucket.get(job_id)).value)
+
+    return with_nats(nats_url, read)
