@@ -36,7 +36,8 @@ ZeroMQ, in one invocation:
    averaging (lr 1.0, no momentum), then plain averaging at H / 4; each with its final
    validation loss (replica 0's last stage) and ``bytes_per_token``: the bytes the replicas
    sent each other over their rings per token trained (all replicas' tokens). The 2% target
-   is checked against the better of the two outer settings at H.
+   is checked against the better of the two outer settings at H. ``--learning-rate`` sets
+   the inner (AdamW) learning rate of every convergence run (default the spec's).
 3. **2 replicas x 2 stages** on 4 processes (contended on 2 cores: correctness and bytes, not
    speed), ``allreduce`` on the speed model.
 
@@ -505,7 +506,13 @@ def run_figures(
 
 
 def runs(
-    work: Path, quick: bool, rounds: int, steps: int, loss_steps: int, every: int
+    work: Path,
+    quick: bool,
+    rounds: int,
+    steps: int,
+    loss_steps: int,
+    every: int,
+    learning_rate: float,
 ) -> list[dict[str, Any]]:
     speed_model = QUICK_MODEL if quick else SPEED_MODEL
     loss_model = QUICK_MODEL if quick else LOSS_MODEL
@@ -557,7 +564,13 @@ def runs(
             )
 
     # 2. convergence: allreduce against diloco at equal tokens, and one fellow's speed
-    loss_train = TrainConfig(steps=loss_steps, batch_size=8, micro_batches=1, **common)
+    loss_train = TrainConfig(
+        steps=loss_steps,
+        batch_size=8,
+        micro_batches=1,
+        learning_rate=learning_rate,
+        **common,
+    )
     one_loss = run_figures(
         replica_run(
             work,
@@ -605,6 +618,7 @@ def runs(
             "val_loss": got["val_loss"],
             "bytes_per_token": got["bytes_per_token"],
             "steps": loss_steps,
+            "learning_rate": learning_rate,
         }
         if sync == "diloco":
             arm |= {"outer_learning_rate": outer_lr, "outer_momentum": outer_mu}
@@ -673,6 +687,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="steps per run (24, quick 8)")
     parser.add_argument("--loss-steps", type=int, default=None, help="default 600, quick 20")
     parser.add_argument("--diloco-every", type=int, default=20, help="DiLoCo's H")
+    parser.add_argument(
+        "--learning-rate",
+        type=float,
+        default=TrainConfig().learning_rate,
+        help="the convergence runs' inner learning rate (default the spec's)",
+    )
     parser.add_argument("--work", type=Path, default=None)
     args = parser.parse_args()
     # A SIGTERM runs the finally blocks: the stages stop and the cgroup is removed.
@@ -689,7 +709,7 @@ def main() -> None:
         work.mkdir(parents=True, exist_ok=True)
         if args.only in (None, "runs"):
             every = min(args.diloco_every, loss_steps)
-            run_list = runs(work, args.quick, rounds, steps, loss_steps, every)
+            run_list = runs(work, args.quick, rounds, steps, loss_steps, every, args.learning_rate)
         if args.only in (None, "placement"):
             figures = placement(work, args.quick, rounds, steps)
         if args.only in (None, "splits"):
