@@ -252,12 +252,14 @@ def update_to(leader, served: Path, wheel: Path, version: str, prefix: Path) -> 
     updated = swarm_cli(leader, "update", "--fellow-id", "rolling-1", timeout=30)
     assert updated.returncode == 0, updated.stderr
     assert f"reinstalling {wheel.name}" in updated.stdout
+    # It registers with its new version first, then is ready once its checks are done.
     wait_for(
-        lambda: leader.workers()["rolling-1"]["version"] == version,
+        lambda: (
+            (w := leader.workers()["rolling-1"])["version"] == version and w["status"] == "ready"
+        ),
         timeout=150,
-        what=f"the fellow to come back with {version}",
+        what=f"the fellow to come back ready with {version}",
     )
-    assert leader.status("rolling-1") == "ready"
     assert (prefix / "dist" / wheel.name).exists()
 
 
