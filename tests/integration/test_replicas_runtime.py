@@ -269,6 +269,63 @@ def test_diloco_replicas_hold_the_same_weights_right_after_each_sync():
             np.testing.assert_array_equal(a, w)
 
 
+@pytest.mark.parametrize(("outer_lr", "outer_mu"), [(1.0, 0.0), (0.7, 0.9)])
+def test_a_diloco_sync_applies_the_outer_step_to_the_replicas_mean_pseudo_gradient(
+    monkeypatch, outer_lr, outer_mu
+):
+    """Each sync, on every replica: the anchor moves by DiLoCo's outer step (SGD with
+    Nesterov momentum) on the mean of the replicas' pseudo-gradients (anchor minus weights,
+    as each replica held them before the sync), and the weights become that anchor. Plain
+    averaging (lr 1, no momentum) is the mean of the replicas' weights."""
+    from silentswarm.agent.runtime.replicas import nesterov_step
+    from silentswarm.agent.runtime.stage import StageRunner
+
+    outer_step = StageRunner._outer_step
+    seen: dict[tuple[int, int], tuple[list[np.ndarray], ...]] = {}
+
+    def recorded(self: StageRunner, step: int) -> None:
+        model = self.model
+        anchor = [a.numpy() for a in model.anchor]
+        momentum = [b.numpy() for b in model.outer_momentum]
+        weights = model.weights()
+        outer_step(self, step)
+        seen[(self.plan.replica, step)] = (anchor, momentum, weights, model.weights())
+
+    monkeypatch.setattr(StageRunner, "_outer_step", recorded)
+    train = config(
+        4,
+        sync="diloco",
+        sync_every=2,
+        outer_learning_rate=outer_lr,
+        outer_momentum=outer_mu,
+        sync_clip_ratio=1e6,
+    )
+    run_all([Run(row[0]) for row in replicas(2, 1, train)])
+    assert sorted(seen) == [(0, 1), (0, 3), (1, 1), (1, 3)]
+    carried: list[np.ndarray] = []  # the momentum the first sync leaves
+    for step in (1, 3):
+        (anchor, momentum, w0, after0), (anchor1, momentum1, w1, after1) = (
+            seen[(0, step)],
+            seen[(1, step)],
+        )
+        for i, a in enumerate(anchor):
+            # The replicas left the last sync with the same anchor and momentum.
+            np.testing.assert_array_equal(a, anchor1[i])
+            np.testing.assert_array_equal(momentum[i], momentum1[i])
+            mean = ((a - w0[i]) + (a - w1[i])) / np.float32(2)
+            expected, buffer = nesterov_step(a, momentum[i], mean, lr=outer_lr, mu=outer_mu)
+            if step == 1:
+                carried.append(buffer)
+            else:  # the second sync starts from the momentum the first one left
+                np.testing.assert_allclose(momentum[i], carried[i], rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(after0[i], expected, rtol=1e-5, atol=1e-6)
+            np.testing.assert_array_equal(after0[i], after1[i])
+            if (outer_lr, outer_mu) == (1.0, 0.0):
+                np.testing.assert_allclose(after0[i], (w0[i] + w1[i]) / 2, rtol=1e-5, atol=1e-6)
+        # The replicas trained apart in between: the check is of an average, not of a copy.
+        assert any(not np.array_equal(a, b) for a, b in zip(w0, w1, strict=True))
+
+
 def test_diloco_outer_state_is_checkpointed_and_restored(tmp_path):
     from silentswarm.agent.runtime.checkpoint import load_checkpoint, restore_into, save_stage
 
