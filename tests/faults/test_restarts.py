@@ -62,4 +62,6 @@ def test_a_nats_restart_mid_training_loses_no_history_and_no_logs(procs, nats_se
     logs = [r["message"] for r in leader.get("/api/v1/workers/n1/logs?limit=2000")]
     assert any("disconnected from NATS" in m for m in logs)
     assert any("reconnected to NATS" in m for m in logs)
-    assert leader.status("n1") == "ready" and leader.status("n2") == "ready"
+    # Back to ready once their stages have stopped (the job may complete a moment before).
+    leader.wait_status("n1", "ready", timeout=30)
+    leader.wait_status("n2", "ready", timeout=30)
