@@ -36,8 +36,11 @@ ZeroMQ, in one invocation:
    averaging (lr 1.0, no momentum), then plain averaging at H / 4; each with its final
    validation loss (replica 0's last stage) and ``bytes_per_token``: the bytes the replicas
    sent each other over their rings per token trained (all replicas' tokens). The 2% target
-   is checked against the better of the two outer settings at H. ``--learning-rate`` sets
-   the inner (AdamW) learning rate of every convergence run (default the spec's).
+   is checked against the better of the two outer settings at H. Each convergence run also
+   reports ``sync_clipped`` and ``sync_missed``: the contributions its rings clipped (a norm
+   far above the others') or went without (summed over its stages and rounds).
+   ``--learning-rate`` sets the inner (AdamW) learning rate of every convergence run (default
+   the spec's).
 3. **2 replicas x 2 stages** on 4 processes (contended on 2 cores: correctness and bytes, not
    speed), ``allreduce`` on the speed model.
 
@@ -617,6 +620,8 @@ def runs(
             "speedup_vs_one": round(got["tokens_per_s"] / one_loss["tokens_per_s"], 3),
             "val_loss": got["val_loss"],
             "bytes_per_token": got["bytes_per_token"],
+            "sync_clipped": got["sync_clipped"],
+            "sync_missed": got["sync_missed"],
             "steps": loss_steps,
             "learning_rate": learning_rate,
         }
@@ -641,6 +646,8 @@ def runs(
             "speedup_vs_one": round(got["tokens_per_s"] / one, 3),
             "val_loss": got["val_loss"],
             "bytes_per_token": got["bytes_per_token"],
+            "sync_clipped": got["sync_clipped"],
+            "sync_missed": got["sync_missed"],
             "steps": steps,
         }
     )
