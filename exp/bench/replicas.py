@@ -58,9 +58,9 @@ median of the per-round ratios.
 The last line is one JSON object with every figure.
 
     python exp/bench/replicas.py                             # runs, placement, splits
-    python exp/bench/replicas.py --only runs                 # the replica arms (~10 minutes)
+    python exp/bench/replicas.py --only runs                 # the replica arms (~8 minutes)
     python exp/bench/replicas.py --only placement            # the full run (~15 minutes)
-    python exp/bench/replicas.py --only placement --quick    # a smoke run (< 60 s): a small
+    python exp/bench/replicas.py --only placement --quick    # a smoke run (~1.5 minutes): a
         # model, one round, only the equal split (the first job) and the balanced one
     python exp/bench/replicas.py --only splits               # ~8 minutes (--quick: ~2)
 """
@@ -688,7 +688,11 @@ def runs(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smoke run (< 60 s)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: small models, one round (~1-2 minutes a part)",
+    )
     parser.add_argument("--only", choices=["runs", "placement", "splits"], default=None)
     parser.add_argument("--rounds", type=int, default=None, help="default 3, quick 1")
     parser.add_argument("--steps", type=int, default=None, help="steps per run (24, quick 8)")
