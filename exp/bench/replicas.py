@@ -61,7 +61,7 @@ The last line is one JSON object with every figure.
     python exp/bench/replicas.py --only runs                 # the replica arms (~8 minutes)
     python exp/bench/replicas.py --only placement            # the full run (~15 minutes)
     python exp/bench/replicas.py --only placement --quick    # a smoke run (~1.5 minutes): a
-        # model, one round, only the equal split (the first job) and the balanced one
+        # small model, one round, only the equal split (the first job) and the balanced one
     python exp/bench/replicas.py --only splits               # ~8 minutes (--quick: ~2)
 """
 
