@@ -25,7 +25,7 @@ import pytest
 
 from tests.conftest import RestartableLeader, start_agent
 from tests.helpers import Leader, child_env, swarm_cli, wait_for
-from tests.integration.nats_client import with_nats
+from tests.integration.nats_client import stored_job
 from tests.integration.test_jobs import tiny, wait_ready
 
 pytestmark = pytest.mark.timeout(300)
@@ -222,13 +222,3 @@ def test_a_full_export_disk_leaves_no_partial_upload_and_a_restart_sweeps_stale_
         assert client.job(job_id)["export_error"] == error
     finally:
         leader.client.close()
-
-
-def stored_job(nats_url: str, job_id: str) -> dict:
-    """The job's record as the leader last wrote it to JetStream (not the REST view of it)."""
-
-    async def read(nc) -> dict:
-        bucket = await nc.jetstream().key_value("swarm_jobs")
-        return json.loads((await bucket.get(job_id)).value)
-
-    return with_nats(nats_url, read)

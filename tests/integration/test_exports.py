@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import start_agent
 from tests.helpers import Leader, run_swarm, swarm_cli, wait_for
-from tests.integration.nats_client import with_nats
+from tests.integration.nats_client import stored_job
 from tests.integration.test_jobs import tiny, wait_ready
 
 pytestmark = pytest.mark.timeout(300)
@@ -30,12 +30,7 @@ def pushed(leader: Leader, job_id: str, step: int) -> bool:
 
 def saved_pushes(nats_url: str, job_id: str) -> set[tuple[int, int]]:
     """The (stage, step) receipts of the job as the leader saved them in JetStream KV."""
-
-    async def read(nc):
-        entry = await (await nc.jetstream().key_value("swarm_jobs")).get(job_id)
-        return json.loads(entry.value)
-
-    record = with_nats(nats_url, read)
+    record = stored_job(nats_url, job_id)
     return {(r["stage"], r["step"]) for r in record.get("latest_shard_pushes") or []}
 
 
