@@ -240,6 +240,29 @@ def test_codec_loss_experiment_quick():
             assert abs(row["val_loss"] / base["val_loss"] - 1) < 0.01, row
 
 
+@pytest.mark.timeout(200)
+def test_overlap_loss_experiment_quick():
+    """exp/overlap_loss.py: the delayed update and the predicted one each against ``sync``
+    of the same rate and seed; all three train differently from the same start."""
+    out = subprocess.run(
+        [sys.executable, str(REPO / "exp" / "overlap_loss.py"), "--quick"],
+        cwd=REPO,
+        env=child_env(TF_CPP_MIN_LOG_LEVEL="2"),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    *rows, summary = [json.loads(line) for line in out.stdout.strip().splitlines()]
+    losses = {r["mode"]: r["val_loss"] for r in rows}
+    assert sorted(losses) == ["delay", "predict", "sync"] and all(map(positive, losses.values()))
+    assert len(set(losses.values())) == 3, losses
+    vs_sync = {row["mode"]: row["per_seed"] for row in summary["vs_sync"]}
+    for mode in ("delay", "predict"):
+        assert vs_sync[mode] == [pytest.approx(losses[mode] / losses["sync"] - 1)]
+
+
 def test_serve_benchmark_quick():
     figures = run_quick("serve")
     assert figures["bench"] == "serve"
