@@ -223,35 +223,69 @@ class DigestVerdict:
 
 
 def digest_verdict(
-    progress: Iterable[StageProgress], *, epoch: int, segments_of: Mapping[str, Sequence[int]]
+    progress: Iterable[StageProgress],
+    *,
+    epoch: int,
+    segments_of: Mapping[str, Sequence[int]],
+    donor: int | None,
 ) -> DigestVerdict:
     """Each member reports the sha256 of the state it took at ring change ``epoch`` in each
     of its rings (``segments_of``: the segments each member stage holds; what it reports for
     another is ignored); once every member of a ring has (those that train, and
     replacements joining with it), the digest of a strict majority wins and the others are
-    outvoted. A ring where no digest has a majority is undecided: the donor (who sent it)
-    and the members (who say what they got) disagree, and nobody can tell who lies."""
-    by_segment: dict[int, list[tuple[str, str | None]]] = {}
+    outvoted.
+
+    The state goes around the ring from the ``donor`` replica, each member passing on what
+    it took, so a member's digest is only as good as its predecessor's forwarding: when a
+    member other than the donor is outvoted, its predecessor is too if that one claims the
+    majority's digest and is not the donor (it passed on what it did not take, or its
+    successor lies: nobody can tell which, so neither stays, and a hostile member can take
+    one honest member down with it, never more). In a ring of two that disagree the donor
+    stays and the other goes: the job keeps the replica it already trusted. A ring of more
+    with no majority is undecided: nobody can tell who lies."""
+    by_segment: dict[int, list[tuple[int, str, str | None]]] = {}
     for p in progress:
         if p.joining not in (None, "switching"):
             continue
         reported = p.state_digests if p.sync_epoch == epoch else {}
         for segment in segments_of.get(p.fellow_id, ()):
-            by_segment.setdefault(segment, []).append((p.fellow_id, reported.get(segment)))
+            by_segment.setdefault(segment, []).append(
+                (p.replica, p.fellow_id, reported.get(segment))
+            )
     outvoted: list[str] = []
     undecided: list[int] = []
     for segment, members in sorted(by_segment.items()):
-        if len(members) < 2 or any(digest is None for _, digest in members):
+        if len(members) < 2 or any(digest is None for *_, digest in members):
             continue
-        counts = Counter(digest for _, digest in members)
-        digest, votes = counts.most_common(1)[0]
-        if votes == len(members):
-            continue
-        if votes * 2 > len(members):
-            outvoted += [f for f, d in members if d != digest and f not in outvoted]
-        else:
+        lost = _ring_verdict(sorted(members), donor)  # ring order: replica order
+        if lost is None:
             undecided.append(segment)
+        outvoted += [f for f in lost or () if f not in outvoted]
     return DigestVerdict(outvoted=outvoted, undecided=undecided)
+
+
+def _ring_verdict(
+    members: list[tuple[int, str, str | None]], donor: int | None
+) -> list[str] | None:
+    """One ring's :func:`digest_verdict`: ``members`` as ``(replica, fellow, digest)`` in
+    ring order; the fellows outvoted, or None when undecided."""
+    counts = Counter(digest for *_, digest in members)
+    digest, votes = counts.most_common(1)[0]
+    if votes == len(members):
+        return []
+    if votes * 2 > len(members):
+        lost: list[str] = []
+        for i, (replica, fellow_id, got) in enumerate(members):
+            if got == digest:
+                continue
+            lost.append(fellow_id)
+            before, before_fellow, before_got = members[i - 1]
+            if replica != donor and before != donor and before_got == digest:
+                lost.append(before_fellow)
+        return lost
+    if len(members) == 2 and donor in (members[0][0], members[1][0]):
+        return [next(f for r, f, _ in members if r != donor)]
+    return None
 
 
 __all__ = [

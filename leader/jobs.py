@@ -611,6 +611,9 @@ class JobManager:
             placement.live_replicas,
         )
         self._complete_if_done(job)
+        if job.state is JobState.RUNNING and not joining:
+            # A member that had not reported its digest yet no longer holds the vote up.
+            self._check_digests(job)
 
     def place_replacement(self, job_id: str, stages: list[PlacedStage]) -> JobRecord | None:
         """A replacement pipeline placed in a free slot of a running job: its stages join
@@ -716,7 +719,7 @@ class JobManager:
             if s.replica in members
         }
         verdict = elastic.digest_verdict(
-            job.progress, epoch=job.ring_epoch, segments_of=segments_of
+            job.progress, epoch=job.ring_epoch, segments_of=segments_of, donor=job.ring_donor
         )
         why = f"the state taken at ring change {job.ring_epoch} differs between replicas"
         if verdict.undecided:

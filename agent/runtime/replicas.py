@@ -93,9 +93,6 @@ FIRST_HELLO_S = 900.0
 # its own (relative L2 distance): the replicas are in sync right after an allreduce step (and
 # right after DiLoCo's outer step), so a far-off state is a broken or hostile donor.
 MAX_DONOR_DISTANCE = 0.05
-# The same for the rest of a member's float state (AdamW's moments, DiLoCo's outer state):
-# moments follow the latest gradients, so replicas that missed a round differ more there.
-MAX_STATE_DISTANCE = 1.0
 # How long a joining stage waits for the ring command that lists it as joining, and then for
 # the running members to reach its step (its new ring's links and the donor's state); the
 # running members wait peer_timeout_s for theirs.
@@ -281,6 +278,53 @@ def relative_distance(theirs: Sequence[np.ndarray], ours: Sequence[np.ndarray]) 
         own += float(np.sum(np.square(b64)))
     distance = math.sqrt(diff) / (math.sqrt(own) if own > 0 else 1.0)
     return distance if math.isfinite(distance) else math.inf
+
+
+def donor_refusal(
+    theirs: Sequence[np.ndarray],
+    own: Sequence[np.ndarray] | None,
+    *,
+    n_weights: int,
+    velocities: Sequence[int] = (),
+    anchors: Sequence[tuple[int, int]] = (),
+) -> str | None:
+    """Why a member refuses a donor's ring state ``theirs`` (None: it takes it).
+
+    ``own`` is the member's own state in the same layout, None for a joining stage (nothing
+    to compare). The first ``n_weights`` arrays are the weights, ``velocities`` the
+    positions of AdamW's second moments, ``anchors`` ``(anchor, its weight)`` positions.
+    Every value must be finite and no second moment negative (one would turn every weight
+    NaN at the next step). A joiner's anchors lie within :data:`MAX_DONOR_DISTANCE` of the
+    donor's weights (a change comes right after an outer step, where they are equal); a
+    member's own weights within it of the donor's, its integer state (the optimizer's step
+    count) equal. Pure."""
+    bad = sum(1 for a in theirs if a.dtype.kind == "f" and not np.isfinite(a).all())
+    if bad:
+        return f"{bad} of its arrays hold values that are not finite"
+    negative = sum(1 for i in velocities if (theirs[i] < 0).any())
+    if negative:
+        return f"{negative} of its optimizer's second moments hold negative values"
+    if own is None:
+        held = [theirs[a] for a, _ in anchors]
+        distance = relative_distance(held, [theirs[w] for _, w in anchors])
+        if held and distance > MAX_DONOR_DISTANCE:
+            return (
+                f"its DiLoCo anchors are {distance:.4g} away from its weights (at most "
+                f"{MAX_DONOR_DISTANCE})"
+            )
+        return None
+    distance = relative_distance(theirs[:n_weights], own[:n_weights])
+    if distance > MAX_DONOR_DISTANCE:
+        return (
+            f"its weights are {distance:.4g} away from this replica's (relative L2 "
+            f"distance; at most {MAX_DONOR_DISTANCE} between replicas in sync)"
+        )
+    if any(
+        b.dtype.kind != "f" and not np.array_equal(a, b)
+        for a, b in zip(theirs[n_weights:], own[n_weights:], strict=False)
+    ):
+        return "its optimizer's step count is not this replica's"
+    return None
 
 
 # --- the ring ---------------------------------------------------------------------------------
@@ -892,7 +936,6 @@ __all__ = [
     "BIND_RETRY_S",
     "JOIN_TIMEOUT_S",
     "MAX_DONOR_DISTANCE",
-    "MAX_STATE_DISTANCE",
     "ROW",
     "Clipped",
     "ReplicaRings",
@@ -900,6 +943,7 @@ __all__ = [
     "RoundResult",
     "average",
     "clip_contributions",
+    "donor_refusal",
     "layout_rows",
     "nesterov_step",
     "next_member",

@@ -28,10 +28,13 @@ from silentswarm.plan import SyncRing
 @dataclass(frozen=True)
 class RingState:
     """One ring's share of a stage's state: ``variables``, the first ``n_weights`` of them
-    its trainable weights."""
+    its trainable weights; ``velocities``: the positions of AdamW's second moments (never
+    negative); ``anchors``: ``(position of a DiLoCo anchor, position of its weight)``."""
 
     variables: list[Any]
     n_weights: int
+    velocities: tuple[int, ...] = ()
+    anchors: tuple[tuple[int, int], ...] = ()
 
 
 def _ring_of(at: int, rings: Sequence[SyncRing]) -> int:
@@ -60,10 +63,12 @@ def variable_bounds(model: StageModel, rings: Sequence[SyncRing]) -> list[tuple[
     return out
 
 
-def _slots(model: StageModel) -> dict[int, int]:
-    """The optimizer's per-variable slots (AdamW's moments), by id, to the index of the
-    trainable variable each belongs to; none for an optimizer that keeps no such lists
-    (then every ring carries all of its variables)."""
+def _slots(
+    model: StageModel, names: Sequence[str] = ("_momentums", "_velocities")
+) -> dict[int, int]:
+    """The optimizer's per-variable slots (AdamW's moments; ``names`` says which), by id, to
+    the index of the trainable variable each belongs to; none for an optimizer that keeps no
+    such lists (then every ring carries all of its variables)."""
     optimizer = model.optimizer
     out: dict[int, int] = {}
     for j, variable in enumerate(model.variables):
@@ -71,7 +76,7 @@ def _slots(model: StageModel) -> dict[int, int]:
             index = optimizer._get_variable_index(variable)
         except (AttributeError, KeyError):
             return {}
-        for name in ("_momentums", "_velocities"):
+        for name in names:
             slots = getattr(optimizer, name, None)
             if slots is not None and index < len(slots):
                 out[id(slots[index])] = j
@@ -103,9 +108,23 @@ def ring_states(model: StageModel, rings: Sequence[SyncRing]) -> list[RingState]
         ring = of_slot.get(key, of_outer.get(key, of_piece.get(key)))
         for i in range(len(rings)) if ring is None else (ring,):
             rest[i].append(variable)
-    return [
-        RingState(variables=[*w, *r], n_weights=len(w)) for w, r in zip(weights, rest, strict=True)
-    ]
+    velocity = set(_slots(model, ("_velocities",)))
+    anchor_of = {id(a): id(v) for a, v in zip(model.anchor, model.variables, strict=False)}
+    out = []
+    for w, r in zip(weights, rest, strict=True):
+        variables = [*w, *r]
+        at = {id(v): i for i, v in enumerate(variables)}
+        out.append(
+            RingState(
+                variables=variables,
+                n_weights=len(w),
+                velocities=tuple(i for i, v in enumerate(variables) if id(v) in velocity),
+                anchors=tuple(
+                    (i, at[anchor_of[id(v)]]) for i, v in enumerate(variables) if id(v) in anchor_of
+                ),
+            )
+        )
+    return out
 
 
 __all__ = ["RingState", "ring_states", "variable_bounds", "variable_rings"]

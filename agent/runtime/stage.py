@@ -83,15 +83,13 @@ from silentswarm.agent.runtime.data import (
 from silentswarm.agent.runtime.presets import init_from_preset, preset_dir
 from silentswarm.agent.runtime.replicas import (
     JOIN_TIMEOUT_S,
-    MAX_DONOR_DISTANCE,
-    MAX_STATE_DISTANCE,
     ROW,
     ReplicaRings,
     StateSpec,
+    donor_refusal,
     nesterov_step,
     pack,
     pack_state,
-    relative_distance,
     relay_opener,
     ring_rows,
     state_digest,
@@ -968,13 +966,17 @@ class StageRunner:
         data: bool,
     ) -> None:
         """Take the donor's state, so replicas that drifted apart (rounds that missed a
-        member) are equal again. Every value must be finite. A member with state of its own
-        checks it against the donor's first: the weights within :data:`MAX_DONOR_DISTANCE`,
-        the rest of the float state (AdamW's moments, DiLoCo's outer state) within
-        :data:`MAX_STATE_DISTANCE` (moments move faster than weights), the integer state (the
-        optimizer's step count) equal, and it keeps its own data position (the same as the
-        donor's in replicas in step). A joining stage has nothing to compare: it takes all (and
-        its data position from the ring that carries one: ``data``)."""
+        member) are equal again. Every value must be finite and AdamW's second moments not
+        negative. A joining stage has nothing of its own: it takes all (and its data position
+        from the ring that carries one: ``data``), a DiLoCo anchor only within
+        :data:`MAX_DONOR_DISTANCE` of the donor's weights (a change comes right after an outer
+        step, where the two are equal). A member with state of its own takes the donor's
+        weights only, within :data:`MAX_DONOR_DISTANCE` of its own, and moves its DiLoCo
+        anchors by the same amount; it keeps its own optimizer moments, outer momentum and
+        data position (the same as the donor's in replicas in step), and refuses a donor whose
+        optimizer step count is not its own. So a donor can move a member's weights a little,
+        and nothing else: the optimizer state that a forged value would wreck (a negative
+        second moment turns every weight NaN at the next step) stays the member's own."""
         plan = self.plan
         variables = state.variables
         where = f"stage {plan.stage} of replica {plan.replica}"
@@ -986,34 +988,25 @@ class StageRunner:
             )
 
         arrays = unpack_state(matrix, specs)
-        bad = sum(1 for a in arrays if a.dtype.kind == "f" and not np.isfinite(a).all())
-        if bad:
-            raise refuse(f"{bad} of its arrays hold values that are not finite")
         n_weights = state.n_weights
-        if not joining:
-            weights = [np.asarray(v.numpy()) for v in variables[:n_weights]]
-            distance = relative_distance(arrays[:n_weights], weights)
-            if distance > MAX_DONOR_DISTANCE:
-                raise refuse(
-                    f"its weights are {distance:.4g} away from this replica's (relative L2 "
-                    f"distance; at most {MAX_DONOR_DISTANCE} between replicas in sync)"
-                )
-            own = [np.asarray(v.numpy()) for v in variables[n_weights:]]
-            theirs = arrays[n_weights : len(variables)]
-            floats = [(a, b) for a, b in zip(theirs, own, strict=True) if b.dtype.kind == "f"]
-            distance = relative_distance([a for a, _ in floats], [b for _, b in floats])
-            if floats and distance > MAX_STATE_DISTANCE:
-                raise refuse(
-                    f"its optimizer state is {distance:.4g} away from this replica's (at most "
-                    f"{MAX_STATE_DISTANCE})"
-                )
-            if any(
-                b.dtype.kind != "f" and not np.array_equal(a, b)
-                for a, b in zip(theirs, own, strict=True)
-            ):
-                raise refuse("its optimizer's step count is not this replica's")
-        for variable, array in zip(variables, arrays, strict=False):
-            variable.assign(array)
+        own = None if joining else [np.asarray(v.numpy()) for v in variables]
+        why = donor_refusal(
+            arrays[: len(variables)],
+            own,
+            n_weights=n_weights,
+            velocities=state.velocities,
+            anchors=state.anchors,
+        )
+        if why is not None:
+            raise refuse(why)
+        if own is None:
+            for variable, array in zip(variables, arrays, strict=False):
+                variable.assign(array)
+        else:
+            for a, w in state.anchors:  # moved as far as their weights
+                variables[a].assign(own[a] + (arrays[w] - own[w]))
+            for variable, array in zip(variables[:n_weights], arrays, strict=False):
+                variable.assign(array)
         if self.data is not None and joining and data:
             epoch, index = (int(x) for x in arrays[-1])
             try:

@@ -279,14 +279,31 @@ def test_a_member_outvoted_on_the_state_it_took_is_dropped():
     assert "outvoted" in job.membership[-1].reason
 
 
-def test_two_members_that_disagree_on_the_state_fail_the_attempt():
+def test_two_members_that_disagree_on_the_state_keep_the_donor():
+    """Nobody can tell which of two lies: the job keeps the replica it trusted before (the
+    donor) and goes on, instead of failing the attempt."""
     jobs, job, _ = running(k=3, p=1, max_resumes=2, resume_from_scratch=True)
     jobs.lose_stage(job.job_id, fellow(job, 2, 0), "went offline")
     jobs.ring_changed(job.job_id, 1, 10, 0, joined=[])
     a, b = fellow(job, 0, 0), fellow(job, 1, 0)
     jobs.record_progress(step(job, a, 11, sync_epoch=1, state_digests={0: DIGEST_A}))
     jobs.record_progress(step(job, b, 11, sync_epoch=1, state_digests={0: DIGEST_B}))
-    assert job.state is JobState.PENDING and "no majority" in job.resumes[-1].reason
+    assert job.state is JobState.RUNNING and job.attempt == 1
+    assert job.placement.live_replicas == [0]
+    lost = [m for m in job.membership if m.kind == "lost"]
+    assert [m.replica for m in lost] == [2, 1] and "outvoted" in lost[-1].reason
+
+
+def test_a_member_lost_before_it_reported_its_digest_no_longer_holds_the_vote_up():
+    jobs, job, _ = running(k=4, p=1)
+    jobs.lose_stage(job.job_id, fellow(job, 3, 0), "went offline")
+    jobs.ring_changed(job.job_id, 1, 10, 0, joined=[])
+    a, b = fellow(job, 0, 0), fellow(job, 1, 0)
+    jobs.record_progress(step(job, a, 11, sync_epoch=1, state_digests={0: DIGEST_A}))
+    jobs.record_progress(step(job, b, 11, sync_epoch=1, state_digests={0: DIGEST_B}))
+    assert job.placement.live_replicas == [0, 1, 2], "replica 2 has not said yet"
+    jobs.lose_stage(job.job_id, fellow(job, 2, 0), "went offline before it reported")
+    assert job.state is JobState.RUNNING and job.placement.live_replicas == [0]
 
 
 def test_a_refused_donor_is_lost_with_the_member_that_refused_it():
@@ -309,14 +326,23 @@ def test_a_refused_donor_is_lost_with_the_member_that_refused_it():
 @pytest.mark.parametrize(
     ("progress", "outvoted", "undecided"),
     [
-        ([(0, 0, DIGEST_A), (1, 0, DIGEST_A), (2, 0, DIGEST_B)], ["r2s0"], []),
+        # r2 took what r1 passed on: r1 claims A, so r1 forwarded B or r2 lies: both go.
+        ([(0, 0, DIGEST_A), (1, 0, DIGEST_A), (2, 0, DIGEST_B)], ["r1s0", "r2s0"], []),
+        # r1 took B from the donor itself: only r1 goes.
+        ([(0, 0, DIGEST_A), (1, 0, DIGEST_B), (2, 0, DIGEST_A)], ["r1s0"], []),
+        # The donor sent a state it does not report: the others outvote it; nobody passed
+        # the donor anything, so its predecessor stays.
+        ([(0, 0, DIGEST_A), (1, 0, DIGEST_B), (2, 0, DIGEST_B)], ["r0s0"], []),
         ([(0, 0, DIGEST_A), (1, 0, DIGEST_A)], [], []),
-        ([(0, 0, DIGEST_A), (1, 0, DIGEST_B)], [], [0]),  # two: nobody can tell
+        # Two that disagree: the donor stays, the other goes (the attempt goes on).
+        ([(0, 0, DIGEST_A), (1, 0, DIGEST_B)], ["r1s0"], []),
         ([(0, 0, DIGEST_A), (1, 0, DIGEST_B), (2, 0, None)], [], []),  # not all said yet
+        # Four in a tie: nobody can tell who lies.
+        ([(0, 0, DIGEST_A), (1, 0, DIGEST_A), (2, 0, DIGEST_B), (3, 0, DIGEST_B)], [], [0]),
         (
             [(0, 0, DIGEST_A), (0, 1, DIGEST_B), (1, 1, DIGEST_B), (1, 0, DIGEST_A),
              (2, 0, DIGEST_B), (2, 1, DIGEST_B)],
-            ["r2s0"],
+            ["r2s0", "r1s0"],
             [],
         ),
     ],
@@ -325,7 +351,7 @@ def test_the_digests_of_each_rings_members_are_put_to_a_vote(progress, outvoted,
     from silentswarm.types.views import StageProgress
 
     # One split: stage s holds one segment, named 10 * s here; each also claims a digest for
-    # a segment it does not hold (ignored: only its own rings' count).
+    # a segment it does not hold (ignored: only its own rings' count). Replica 0 donated.
     stages = [
         StageProgress(
             stage=s,
@@ -338,8 +364,11 @@ def test_the_digests_of_each_rings_members_are_put_to_a_vote(progress, outvoted,
     ]
     starting = StageProgress(stage=0, replica=5, fellow_id="new", joining="starting")
     segments_of = {p.fellow_id: [10 * p.stage] for p in [*stages, starting]}
-    verdict = elastic.digest_verdict([*stages, starting], epoch=3, segments_of=segments_of)
-    assert (verdict.outvoted, verdict.undecided) == (outvoted, [10 * u for u in undecided])
+    verdict = elastic.digest_verdict([*stages, starting], epoch=3, segments_of=segments_of, donor=0)
+    assert (sorted(verdict.outvoted), verdict.undecided) == (
+        sorted(outvoted),
+        [10 * u for u in undecided],
+    )
 
 
 def test_with_different_splits_each_segments_holders_vote_on_its_digest():
@@ -361,7 +390,7 @@ def test_with_different_splits_each_segments_holders_vote_on_its_digest():
                       state_digests=d)
         for f, d in digests.items()
     ]  # fmt: skip
-    verdict = elastic.digest_verdict(progress, epoch=2, segments_of=segments_of)
+    verdict = elastic.digest_verdict(progress, epoch=2, segments_of=segments_of, donor=0)
     assert (verdict.outvoted, verdict.undecided) == (["r1s0"], [])
 
 

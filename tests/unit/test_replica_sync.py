@@ -17,6 +17,7 @@ from silentswarm.agent.runtime.replicas import (
     ReplicaSync,
     average,
     clip_contributions,
+    donor_refusal,
     layout_rows,
     nesterov_step,
     next_member,
@@ -414,6 +415,62 @@ def test_the_relative_distance_of_a_donors_weights():
     assert relative_distance([vec(0.5, 0.0)], [vec(0.0, 0.0)]) == pytest.approx(0.5)  # absolute
     assert relative_distance([vec(1.0)], ours) == float("inf"), "another layout"
     assert relative_distance([vec(np.nan, 4.0), vec(0.0)], ours) == float("inf")
+
+
+def donor_state(weight=(3.0, 4.0), moment=(0.1, 0.2), velocity=(0.01, 0.04), anchor=None):
+    """A ring state's layout: one weight, its AdamW moments, (its DiLoCo anchor,) the step
+    count: ``(arrays, n_weights, velocities, anchors)``."""
+    arrays = [vec(*weight), vec(*moment), vec(*velocity)]
+    anchors = ()
+    if anchor is not None:
+        arrays.append(vec(*anchor))
+        anchors = ((3, 0),)
+    arrays.append(np.array([7], dtype=np.int64))
+    return arrays, 1, (2,), anchors
+
+
+@pytest.mark.parametrize(
+    ("theirs", "joining", "refused"),
+    [
+        ({}, True, None),
+        ({}, False, None),
+        ({"weight": (3.0, 4.1)}, False, None),  # 2% away: replicas that missed a round
+        ({"moment": (10.0, -9.0)}, False, None),  # a member keeps its own moments
+        ({"weight": (3.0, 5.0)}, False, "weights are 0.2 away"),
+        ({"weight": (3.0, 5.0)}, True, None),  # a joiner has nothing to compare
+        ({"moment": (np.nan, 0.0)}, True, "1 of its arrays hold values that are not finite"),
+        ({"weight": (np.inf, 4.0)}, False, "not finite"),
+        # A negated second moment passes any distance check and NaNs every weight at the
+        # next step: refused whoever takes it.
+        ({"velocity": (-0.01, 0.04)}, False, "1 of its optimizer's second moments"),
+        ({"velocity": (0.01, -0.04)}, True, "negative values"),
+        ({"anchor": (3.0, 4.0)}, True, None),
+        ({"anchor": (3.0, 4.1)}, False, None),
+        ({"anchor": (3.0, 8.0)}, True, "its DiLoCo anchors are 0.8 away from its weights"),
+    ],
+)
+def test_what_a_member_refuses_of_a_donors_state(theirs, joining, refused):
+    own, n_weights, velocities, anchors = donor_state(
+        anchor=(3.0, 4.0) if "anchor" in theirs else None
+    )
+    arrays, *_ = donor_state(**theirs)
+    why = donor_refusal(
+        arrays,
+        None if joining else own,
+        n_weights=n_weights,
+        velocities=velocities,
+        anchors=anchors,
+    )
+    assert (why is None) == (refused is None), why
+    assert refused is None or refused in why
+
+
+def test_a_member_refuses_a_donor_whose_step_count_is_not_its_own():
+    own, n_weights, velocities, _ = donor_state()
+    theirs = [*own[:-1], np.array([8], dtype=np.int64)]
+    why = donor_refusal(theirs, own, n_weights=n_weights, velocities=velocities)
+    assert why == "its optimizer's step count is not this replica's"
+    assert donor_refusal(theirs, None, n_weights=n_weights, velocities=velocities) is None
 
 
 # --- elastic membership: rings of real links ----------------------------------------------------

@@ -1,0 +1,40 @@
+"""A ring's share of a replicated stage's state (agent/runtime/ring_state.py) on a real
+StageModel: what a donor hands over, and which of it a member checks as AdamW's second
+moments and DiLoCo's anchors (agent/runtime/replicas.donor_refusal relies on the positions).
+Real TensorFlow on the CPU, a tiny model, no XLA."""
+
+from __future__ import annotations
+
+import pytest
+
+from silentswarm.plan import ModelConfig, TrainConfig, replicated_chain_plans
+
+MODEL = ModelConfig(vocab_size=259, seq_len=8, n_layers=2, d_model=16, n_heads=2)
+
+
+@pytest.mark.parametrize("sync", ["allreduce", "diloco"])
+def test_a_rings_state_names_its_second_moments_and_anchors(sync):
+    from silentswarm.agent.runtime.ring_state import ring_states
+    from silentswarm.agent.runtime.stage_model import StageModel
+
+    train = TrainConfig(steps=1, batch_size=2, micro_batches=1, jit_compile=False, sync=sync)
+    plans = replicated_chain_plans(
+        job_id="j",
+        model=MODEL,
+        train=train,
+        addresses=[[None], [None]],
+        sync_addresses=[["tcp://127.0.0.1:1"], ["tcp://127.0.0.1:2"]],
+    )
+    model = StageModel(plans[0][0])
+    (state,) = ring_states(model, plans[0][0].sync_rings)
+    optimizer = model.optimizer
+    velocities = {id(v) for v in optimizer._velocities}
+    assert {id(state.variables[i]) for i in state.velocities} == velocities
+    assert len(state.velocities) == len(model.variables)
+    assert [id(v) for v in state.variables[: state.n_weights]] == [id(v) for v in model.variables]
+    if sync == "diloco":
+        pairs = {(id(state.variables[a]), id(state.variables[w])) for a, w in state.anchors}
+        want = {(id(a), id(v)) for a, v in zip(model.anchor, model.variables, strict=True)}
+        assert pairs == want
+    else:
+        assert state.anchors == ()
