@@ -93,6 +93,9 @@ FIRST_HELLO_S = 900.0
 # its own (relative L2 distance): the replicas are in sync right after an allreduce step (and
 # right after DiLoCo's outer step), so a far-off state is a broken or hostile donor.
 MAX_DONOR_DISTANCE = 0.05
+# The same for the rest of a member's float state (AdamW's moments, DiLoCo's outer momentum):
+# moments follow the latest gradients, so replicas that missed a round differ more there.
+MAX_STATE_DISTANCE = 1.0
 # How long a joining stage waits for the ring command that lists it as joining, and then for
 # the running members to reach its step (its new ring's links and the donor's state); the
 # running members wait peer_timeout_s for theirs.
@@ -280,44 +283,80 @@ def relative_distance(theirs: Sequence[np.ndarray], ours: Sequence[np.ndarray]) 
     return distance if math.isfinite(distance) else math.inf
 
 
+def adam_moment_bound(beta_1: float, beta_2: float) -> float:
+    """How far AdamW's first moment can ever be from its second's square root, elementwise
+    (``|m| <= bound * sqrt(v)``, by Cauchy-Schwarz over the two running means of the same
+    gradients), with a 10% margin for rounding; inf where ``beta_1 ** 2 >= beta_2`` (no
+    bound). 8.0 at Keras's 0.9 and 0.999."""
+    if beta_1**2 >= beta_2:
+        return math.inf
+    return 1.1 * (1 - beta_1) / math.sqrt((1 - beta_2) * (1 - beta_1**2 / beta_2))
+
+
 def donor_refusal(
     theirs: Sequence[np.ndarray],
     own: Sequence[np.ndarray] | None,
     *,
     n_weights: int,
-    velocities: Sequence[int] = (),
+    moments: Sequence[tuple[int, int]] = (),
     anchors: Sequence[tuple[int, int]] = (),
+    moment_bound: float = math.inf,
 ) -> str | None:
     """Why a member refuses a donor's ring state ``theirs`` (None: it takes it).
 
     ``own`` is the member's own state in the same layout, None for a joining stage (nothing
-    to compare). The first ``n_weights`` arrays are the weights, ``velocities`` the
-    positions of AdamW's second moments, ``anchors`` ``(anchor, its weight)`` positions.
-    Every value must be finite and no second moment negative (one would turn every weight
-    NaN at the next step). A joiner's anchors lie within :data:`MAX_DONOR_DISTANCE` of the
-    donor's weights (a change comes right after an outer step, where they are equal); a
-    member's own weights within it of the donor's, its integer state (the optimizer's step
-    count) equal. Pure."""
+    to compare). The first ``n_weights`` arrays are the weights, ``moments`` the positions of
+    AdamW's ``(first, second)`` moments, ``anchors`` ``(DiLoCo anchor, its weight)``
+    positions. Every value must be finite, no second moment negative and no first moment
+    beyond ``moment_bound`` times its second's square root (:func:`adam_moment_bound`):
+    a forged second moment would otherwise turn every weight NaN or huge at the next step,
+    however close the state is overall. A joiner's anchors lie within
+    :data:`MAX_DONOR_DISTANCE` of the donor's weights (a change comes right after an outer
+    step, where they are equal). A member checks each class against its own: the weights
+    and the anchors within :data:`MAX_DONOR_DISTANCE`, the rest of the float state (the
+    moments, the outer momentum) within :data:`MAX_STATE_DISTANCE`, the integer state (the
+    optimizer's step count) equal. Pure."""
     bad = sum(1 for a in theirs if a.dtype.kind == "f" and not np.isfinite(a).all())
     if bad:
         return f"{bad} of its arrays hold values that are not finite"
-    negative = sum(1 for i in velocities if (theirs[i] < 0).any())
-    if negative:
-        return f"{negative} of its optimizer's second moments hold negative values"
+    for first, second in moments:
+        m, v = theirs[first], theirs[second]
+        if (v < 0).any():
+            return "its optimizer's second moments hold negative values"
+        if math.isfinite(moment_bound) and (np.abs(m) > moment_bound * np.sqrt(v) + 1e-30).any():
+            return (
+                f"its optimizer's first moments exceed {moment_bound:.3g} times the square "
+                "root of their second moments (no AdamW state does)"
+            )
+    anchor_at = [a for a, _ in anchors]
     if own is None:
-        held = [theirs[a] for a, _ in anchors]
-        distance = relative_distance(held, [theirs[w] for _, w in anchors])
-        if held and distance > MAX_DONOR_DISTANCE:
+        distance = relative_distance(
+            [theirs[a] for a in anchor_at], [theirs[w] for _, w in anchors]
+        )
+        if anchors and distance > MAX_DONOR_DISTANCE:
             return (
                 f"its DiLoCo anchors are {distance:.4g} away from its weights (at most "
                 f"{MAX_DONOR_DISTANCE})"
             )
         return None
-    distance = relative_distance(theirs[:n_weights], own[:n_weights])
-    if distance > MAX_DONOR_DISTANCE:
+    for what, at, limit in (
+        ("weights", range(n_weights), MAX_DONOR_DISTANCE),
+        ("DiLoCo anchors", anchor_at, MAX_DONOR_DISTANCE),
+    ):
+        distance = relative_distance([theirs[i] for i in at], [own[i] for i in at])
+        if distance > limit:
+            return (
+                f"its {what} are {distance:.4g} away from this replica's (relative L2 "
+                f"distance; at most {limit} between replicas in sync)"
+            )
+    rest = [
+        i for i in range(n_weights, len(own)) if i not in anchor_at and own[i].dtype.kind == "f"
+    ]
+    distance = relative_distance([theirs[i] for i in rest], [own[i] for i in rest])
+    if rest and distance > MAX_STATE_DISTANCE:
         return (
-            f"its weights are {distance:.4g} away from this replica's (relative L2 "
-            f"distance; at most {MAX_DONOR_DISTANCE} between replicas in sync)"
+            f"its optimizer state is {distance:.4g} away from this replica's (at most "
+            f"{MAX_STATE_DISTANCE})"
         )
     if any(
         b.dtype.kind != "f" and not np.array_equal(a, b)
@@ -936,11 +975,13 @@ __all__ = [
     "BIND_RETRY_S",
     "JOIN_TIMEOUT_S",
     "MAX_DONOR_DISTANCE",
+    "MAX_STATE_DISTANCE",
     "ROW",
     "Clipped",
     "ReplicaRings",
     "ReplicaSync",
     "RoundResult",
+    "adam_moment_bound",
     "average",
     "clip_contributions",
     "donor_refusal",

@@ -28,12 +28,13 @@ from silentswarm.plan import SyncRing
 @dataclass(frozen=True)
 class RingState:
     """One ring's share of a stage's state: ``variables``, the first ``n_weights`` of them
-    its trainable weights; ``velocities``: the positions of AdamW's second moments (never
-    negative); ``anchors``: ``(position of a DiLoCo anchor, position of its weight)``."""
+    its trainable weights; ``moments``: ``(position of AdamW's first moment of a weight,
+    position of its second)``; ``anchors``: ``(position of a DiLoCo anchor, position of its
+    weight)``: what a member checks a donor's state with, class by class."""
 
     variables: list[Any]
     n_weights: int
-    velocities: tuple[int, ...] = ()
+    moments: tuple[tuple[int, int], ...] = ()
     anchors: tuple[tuple[int, int], ...] = ()
 
 
@@ -108,7 +109,9 @@ def ring_states(model: StageModel, rings: Sequence[SyncRing]) -> list[RingState]
         ring = of_slot.get(key, of_outer.get(key, of_piece.get(key)))
         for i in range(len(rings)) if ring is None else (ring,):
             rest[i].append(variable)
-    velocity = set(_slots(model, ("_velocities",)))
+    first = {j: key for key, j in _slots(model, ("_momentums",)).items()}
+    second = {j: key for key, j in _slots(model, ("_velocities",)).items()}
+    moment_pairs = [(first[j], second[j]) for j in first if j in second]
     anchor_of = {id(a): id(v) for a, v in zip(model.anchor, model.variables, strict=False)}
     out = []
     for w, r in zip(weights, rest, strict=True):
@@ -118,7 +121,7 @@ def ring_states(model: StageModel, rings: Sequence[SyncRing]) -> list[RingState]
             RingState(
                 variables=variables,
                 n_weights=len(w),
-                velocities=tuple(i for i, v in enumerate(variables) if id(v) in velocity),
+                moments=tuple((at[m], at[v]) for m, v in moment_pairs if m in at and v in at),
                 anchors=tuple(
                     (i, at[anchor_of[id(v)]]) for i, v in enumerate(variables) if id(v) in anchor_of
                 ),

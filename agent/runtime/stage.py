@@ -86,6 +86,7 @@ from silentswarm.agent.runtime.replicas import (
     ROW,
     ReplicaRings,
     StateSpec,
+    adam_moment_bound,
     donor_refusal,
     nesterov_step,
     pack,
@@ -966,47 +967,33 @@ class StageRunner:
         data: bool,
     ) -> None:
         """Take the donor's state, so replicas that drifted apart (rounds that missed a
-        member) are equal again. Every value must be finite and AdamW's second moments not
-        negative. A joining stage has nothing of its own: it takes all (and its data position
-        from the ring that carries one: ``data``), a DiLoCo anchor only within
-        :data:`MAX_DONOR_DISTANCE` of the donor's weights (a change comes right after an outer
-        step, where the two are equal). A member with state of its own takes the donor's
-        weights only, within :data:`MAX_DONOR_DISTANCE` of its own, and moves its DiLoCo
-        anchors by the same amount; it keeps its own optimizer moments, outer momentum and
-        data position (the same as the donor's in replicas in step), and refuses a donor whose
-        optimizer step count is not its own. So a donor can move a member's weights a little,
-        and nothing else: the optimizer state that a forged value would wreck (a negative
-        second moment turns every weight NaN at the next step) stays the member's own."""
+        member) are equal again, after :func:`donor_refusal`'s checks: every value finite,
+        AdamW's moments such as AdamW makes them, and a member with state of its own checks
+        each class against its own (the weights and DiLoCo's anchors close, the moments and
+        the outer momentum within a looser bound, the optimizer's step count equal) and keeps
+        its own data position (the same as the donor's in replicas in step). A joining stage
+        has nothing to compare: it takes all (and its data position from the ring that carries
+        one: ``data``)."""
         plan = self.plan
         variables = state.variables
         where = f"stage {plan.stage} of replica {plan.replica}"
-
-        def refuse(why: str) -> DonorRefusedError:
-            return DonorRefusedError(
+        arrays = unpack_state(matrix, specs)
+        optimizer = self.model.optimizer
+        why = donor_refusal(
+            arrays[: len(variables)],
+            None if joining else [np.asarray(v.numpy()) for v in variables],
+            n_weights=state.n_weights,
+            moments=state.moments,
+            anchors=state.anchors,
+            moment_bound=adam_moment_bound(float(optimizer.beta_1), float(optimizer.beta_2)),
+        )
+        if why is not None:
+            raise DonorRefusedError(
                 f"{where}: refused the state of donor replica {change.donor} (ring epoch "
                 f"{change.epoch}): {why}"
             )
-
-        arrays = unpack_state(matrix, specs)
-        n_weights = state.n_weights
-        own = None if joining else [np.asarray(v.numpy()) for v in variables]
-        why = donor_refusal(
-            arrays[: len(variables)],
-            own,
-            n_weights=n_weights,
-            velocities=state.velocities,
-            anchors=state.anchors,
-        )
-        if why is not None:
-            raise refuse(why)
-        if own is None:
-            for variable, array in zip(variables, arrays, strict=False):
-                variable.assign(array)
-        else:
-            for a, w in state.anchors:  # moved as far as their weights
-                variables[a].assign(own[a] + (arrays[w] - own[w]))
-            for variable, array in zip(variables[:n_weights], arrays, strict=False):
-                variable.assign(array)
+        for variable, array in zip(variables, arrays, strict=False):
+            variable.assign(array)
         if self.data is not None and joining and data:
             epoch, index = (int(x) for x in arrays[-1])
             try:

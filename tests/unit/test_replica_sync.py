@@ -15,6 +15,7 @@ from silentswarm.agent.errors import FrameError, HandshakeError
 from silentswarm.agent.runtime.replicas import (
     ROW,
     ReplicaSync,
+    adam_moment_bound,
     average,
     clip_contributions,
     donor_refusal,
@@ -419,14 +420,29 @@ def test_the_relative_distance_of_a_donors_weights():
 
 def donor_state(weight=(3.0, 4.0), moment=(0.1, 0.2), velocity=(0.01, 0.04), anchor=None):
     """A ring state's layout: one weight, its AdamW moments, (its DiLoCo anchor,) the step
-    count: ``(arrays, n_weights, velocities, anchors)``."""
+    count: ``(arrays, n_weights, moments, anchors)``."""
     arrays = [vec(*weight), vec(*moment), vec(*velocity)]
     anchors = ()
     if anchor is not None:
         arrays.append(vec(*anchor))
         anchors = ((3, 0),)
     arrays.append(np.array([7], dtype=np.int64))
-    return arrays, 1, (2,), anchors
+    return arrays, 1, ((1, 2),), anchors
+
+
+BOUND = adam_moment_bound(0.9, 0.999)
+
+
+def test_adams_first_moment_stays_within_its_bound_of_the_second():
+    """The bound holds for AdamW's running means of any gradients, the worst case
+    included (gradients that keep their sign and grow); no bound where beta_1^2 >= beta_2."""
+    assert 7.27 * 1.1 < BOUND < 8.1 and adam_moment_bound(0.9, 0.5) == float("inf")
+    rng = np.random.default_rng(0)
+    for grads in (rng.normal(size=(500, 64)), np.geomspace(1e-6, 1e3, 500)[:, None]):
+        m = v = np.zeros(grads.shape[1])
+        for g in grads:
+            m, v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g * g
+            assert (np.abs(m) <= BOUND * np.sqrt(v)).all()
 
 
 @pytest.mark.parametrize(
@@ -435,22 +451,27 @@ def donor_state(weight=(3.0, 4.0), moment=(0.1, 0.2), velocity=(0.01, 0.04), anc
         ({}, True, None),
         ({}, False, None),
         ({"weight": (3.0, 4.1)}, False, None),  # 2% away: replicas that missed a round
-        ({"moment": (10.0, -9.0)}, False, None),  # a member keeps its own moments
+        ({"moment": (0.15, 0.2)}, False, None),
+        ({"moment": (0.6, -0.2)}, False, "optimizer state is 2.816 away"),
         ({"weight": (3.0, 5.0)}, False, "weights are 0.2 away"),
         ({"weight": (3.0, 5.0)}, True, None),  # a joiner has nothing to compare
         ({"moment": (np.nan, 0.0)}, True, "1 of its arrays hold values that are not finite"),
         ({"weight": (np.inf, 4.0)}, False, "not finite"),
-        # A negated second moment passes any distance check and NaNs every weight at the
-        # next step: refused whoever takes it.
-        ({"velocity": (-0.01, 0.04)}, False, "1 of its optimizer's second moments"),
-        ({"velocity": (0.01, -0.04)}, True, "negative values"),
+        # A negated second moment is close to the member's own (they are tiny next to the
+        # first moments) and NaNs every weight at the next step: refused whoever takes it.
+        ({"velocity": (-0.01, 0.04)}, False, "second moments hold negative values"),
+        ({"velocity": (0.01, -0.04)}, True, "second moments hold negative values"),
+        # A second moment forged to nothing makes the next update m / eps.
+        ({"velocity": (0.01, 0.0)}, False, "first moments exceed 8"),
+        ({"velocity": (1e-12, 0.04)}, True, "first moments exceed"),
         ({"anchor": (3.0, 4.0)}, True, None),
         ({"anchor": (3.0, 4.1)}, False, None),
+        ({"anchor": (3.0, 5.0)}, False, "DiLoCo anchors are 0.2 away from this replica's"),
         ({"anchor": (3.0, 8.0)}, True, "its DiLoCo anchors are 0.8 away from its weights"),
     ],
 )
 def test_what_a_member_refuses_of_a_donors_state(theirs, joining, refused):
-    own, n_weights, velocities, anchors = donor_state(
+    own, n_weights, moments, anchors = donor_state(
         anchor=(3.0, 4.0) if "anchor" in theirs else None
     )
     arrays, *_ = donor_state(**theirs)
@@ -458,19 +479,20 @@ def test_what_a_member_refuses_of_a_donors_state(theirs, joining, refused):
         arrays,
         None if joining else own,
         n_weights=n_weights,
-        velocities=velocities,
+        moments=moments,
         anchors=anchors,
+        moment_bound=BOUND,
     )
     assert (why is None) == (refused is None), why
     assert refused is None or refused in why
 
 
 def test_a_member_refuses_a_donor_whose_step_count_is_not_its_own():
-    own, n_weights, velocities, _ = donor_state()
+    own, n_weights, moments, _ = donor_state()
     theirs = [*own[:-1], np.array([8], dtype=np.int64)]
-    why = donor_refusal(theirs, own, n_weights=n_weights, velocities=velocities)
+    why = donor_refusal(theirs, own, n_weights=n_weights, moments=moments)
     assert why == "its optimizer's step count is not this replica's"
-    assert donor_refusal(theirs, None, n_weights=n_weights, velocities=velocities) is None
+    assert donor_refusal(theirs, None, n_weights=n_weights, moments=moments) is None
 
 
 # --- elastic membership: rings of real links ----------------------------------------------------

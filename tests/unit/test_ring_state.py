@@ -1,6 +1,6 @@
 """A ring's share of a replicated stage's state (agent/runtime/ring_state.py) on a real
-StageModel: what a donor hands over, and which of it a member checks as AdamW's second
-moments and DiLoCo's anchors (agent/runtime/replicas.donor_refusal relies on the positions).
+StageModel: what a donor hands over, and which of it a member checks as AdamW's moments
+and DiLoCo's anchors (agent/runtime/replicas.donor_refusal relies on the positions).
 Real TensorFlow on the CPU, a tiny model, no XLA."""
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ def test_a_rings_state_names_its_second_moments_and_anchors(sync):
     model = StageModel(plans[0][0])
     (state,) = ring_states(model, plans[0][0].sync_rings)
     optimizer = model.optimizer
-    velocities = {id(v) for v in optimizer._velocities}
-    assert {id(state.variables[i]) for i in state.velocities} == velocities
-    assert len(state.velocities) == len(model.variables)
+    pairs = {(id(state.variables[m]), id(state.variables[v])) for m, v in state.moments}
+    want = {
+        (id(m), id(v)) for m, v in zip(optimizer._momentums, optimizer._velocities, strict=True)
+    }
+    assert pairs == want and len(pairs) == len(model.variables)
     assert [id(v) for v in state.variables[: state.n_weights]] == [id(v) for v in model.variables]
     if sync == "diloco":
         pairs = {(id(state.variables[a]), id(state.variables[w])) for a, w in state.anchors}
