@@ -32,12 +32,10 @@ import secrets
 import shutil
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import msgspec
 
 from silentswarm import __version__
 from silentswarm.errors import FieldError
@@ -60,14 +58,14 @@ WEIGHTS = "weights.npz"  # stage-<i>/weights.npz: the name earlier exports used
 KEEP_COMPLETE_STEPS = 2
 
 
-def exported_placement(placement: Placement) -> Placement:
+def exported_placement(
+    placement: Placement, ranges: Sequence[tuple[int, int]] | None = None
+) -> Placement:
     """The placement an export describes: the lead replica's stages (the only ones that push
-    shards: replica 0's, or the one that took over when it was lost), so a job with replicas
-    exports one pipeline, as a job without them does."""
-    lead = placement.lead
-    if all(s.replica == lead for s in placement.stages):
-        return placement
-    return msgspec.structs.replace(placement, stages=placement.pipeline(lead), replica_slots=0)
+    shards: replica 0's, or the one that took over when it was lost) as one pipeline without
+    replicas (:meth:`Placement.alone`; ``ranges``: the pushed shards' layers), so a job with
+    replicas exports what a job without them does, whichever replica led."""
+    return placement.alone(ranges)
 
 
 @dataclass
@@ -438,8 +436,7 @@ class ExportStore:
         """``run_manifest.json`` for the newest complete step (None when there is none)."""
         if job.placement is None:
             return None
-        placement = exported_placement(job.placement)
-        n = len(placement.stages)
+        n = job.placement.n_stages
         complete = self.complete_steps(directory, n)
         if not complete:
             return None
@@ -450,7 +447,9 @@ class ExportStore:
         # since may split the layers otherwise, until it pushes a complete step of its own).
         ranges = getattr(job, "pushed_ranges", None)
         if ranges is None or len(ranges) != n or step != getattr(job, "pushed_step", None):
-            ranges = placement.split(placement.lead)
+            ranges = None
+        placement = exported_placement(job.placement, ranges)
+        ranges = placement.split(0)
         for placed, (layer_start, layer_end) in zip(placement.stages, ranges, strict=True):
             (npz, npz_sha), (meta, meta_sha) = self.shard_files(directory, step, placed.stage)
             stages.append(

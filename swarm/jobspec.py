@@ -300,6 +300,19 @@ class Placement(msgspec.Struct, kw_only=True):
     def stage_of(self, fellow_id: str) -> PlacedStage | None:
         return next((s for s in self.stages if s.fellow_id == fellow_id), None)
 
+    def alone(self, ranges: Sequence[tuple[int, int]] | None = None) -> Placement:
+        """The lead replica's pipeline as a placement without replicas (its stages replica
+        0, the lead 0): what an export describes and glue rebuilds, whichever replica led.
+        ``ranges``: the layers of the shards it describes, where they differ from the lead's
+        own (a lead that took over and splits otherwise; its GPU slots then no longer fit)."""
+        stages = [msgspec.structs.replace(s, replica=0) for s in self.pipeline(self.lead)]
+        if ranges is not None and list(ranges) != [(s.layer_start, s.layer_end) for s in stages]:
+            stages = [
+                msgspec.structs.replace(s, layer_start=a, layer_end=b, gpu_slots=[])
+                for s, (a, b) in zip(stages, ranges, strict=True)
+            ]
+        return msgspec.structs.replace(self, stages=stages, replica_slots=0, lead=0)
+
     def split(self, replica: int) -> list[tuple[int, int]]:
         """Pipeline ``replica``'s layer ranges, in stage order."""
         return [(s.layer_start, s.layer_end) for s in self.pipeline(replica)]
@@ -337,7 +350,7 @@ def stage_plans(
     """
     k = placement.n_replicas
     pipelines = [placement.pipeline(r) for r in range(k)]
-    n = len(pipelines[0])
+    n = placement.n_stages
     train = spec.train_config()
     curve = placement.transport != Transport.TUNNEL
     relay = placement.transport != Transport.P2P
@@ -357,10 +370,10 @@ def stage_plans(
                 sync_ports=fellow_ports(placed.sync_address),
                 sync_rings=rings[(r, i)],
             )
-        # Replica 0's stages checkpoint at the end (the export) and, with shard pushes,
-        # every shard_push_interval_steps; its fellows push each to the leader. The other
-        # replicas hold the same weights: they write none.
-        lead = r == 0
+        # The lead replica's stages (replica 0's when placed) checkpoint at the end (the
+        # export) and, with shard pushes, every shard_push_interval_steps; its fellows push
+        # each to the leader. The other replicas hold the same weights: they write none.
+        lead = r == placement.lead
         plans.append(
             StagePlan(
                 job_id=job_id,

@@ -104,7 +104,9 @@ class RunManifest(msgspec.Struct, kw_only=True, frozen=True):
             job_id=self.job_id,
             attempt=self.attempt,
             spec=self.spec,
-            placement=self.placement,
+            # One pipeline, whichever replica led (an export written before exports named
+            # it replica 0 lists the lead's stages under their own replica number).
+            placement=self.placement.alone(),
             subject_prefix="swarm",
         )
         return [

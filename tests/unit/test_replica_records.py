@@ -33,6 +33,7 @@ from silentswarm.natsconn import NatsAccess
 from silentswarm.plan import ModelConfig, Transport
 from silentswarm.protocol import JobState, Progress, ProgressEvent, ShardChunk, StageOutcome
 from silentswarm.protocol import StageResult as R
+from silentswarm.types.manifests import decode_run_manifest
 from silentswarm.types.stage import DoneEvent, StepEvent
 from silentswarm.types.views import JobView, StageProgress, job_view
 from tests.fakes import Clock
@@ -367,6 +368,57 @@ def test_only_replica_0_pushes_the_export(tmp_path):
     manifest = json.loads((export / "run_manifest.json").read_bytes())
     assert [(s["stage"], s["fellow_id"]) for s in manifest["stages"]] == [(0, "f00"), (1, "f01")]
     assert [s["fellow_id"] for s in manifest["placement"]["stages"]] == ["f00", "f01"]
+
+
+def test_an_export_of_a_lead_that_took_over_is_one_pipeline_glue_can_rebuild(tmp_path):
+    """Replica 0 is lost, replica 1 leads and pushes: the manifest describes one pipeline
+    without replicas (replica 0 of 1, lead 0), on the new lead's fellows, and its portable
+    plans are that pipeline's (they failed with an IndexError when the manifest kept the
+    lead's replica number)."""
+    clock = Clock()
+    manager = JobManager(wall=clock)
+    job = running(manager, clock, tmp_path / "export")
+    manager.lose_stage(job.job_id, "f00", "went offline")
+    assert job.placement.lead == 1
+    exports = ExportService(
+        bus=LeaderBus(
+            nats=NatsAccess(url="nats://127.0.0.1:1"),
+            prefix="swarm",
+            registry=FellowRegistry(heartbeat_interval_s=1, offline_after_s=3, leader_version="t"),
+        ),
+        jobs=manager,
+        prefix="swarm",
+        export_root=tmp_path,
+        secret=b"operator-token",
+        public_url="http://leader:8000",
+    )
+
+    async def scenario() -> None:
+        for stage in (0, 1):
+            for chunk in chunks(job, 1, stage, 4):
+                msg = Msg(chunk)
+                await exports._on_shard(msg)
+                assert all(a.ok for a in msg.answers), msg.answers
+
+    asyncio.run(scenario())
+    manifest = decode_run_manifest((Path(job.export_dir) / "run_manifest.json").read_bytes())
+    placement = manifest.placement
+    assert [(s.replica, s.stage, s.fellow_id) for s in placement.stages] == [
+        (0, 0, "f10"),
+        (0, 1, "f11"),
+    ]
+    assert (placement.n_replicas, placement.lead) == (1, 0)
+    plans = manifest.portable_plans()
+    assert [(p.stage, p.n_stages, p.replicated) for p in plans] == [(0, 2, False), (1, 2, False)]
+    # An export written before: the lead's stages under their own replica number.
+    old = msgspec.structs.replace(
+        placement,
+        stages=[msgspec.structs.replace(s, replica=1) for s in placement.stages],
+        replica_slots=2,
+        lead=1,
+    )
+    plans = msgspec.structs.replace(manifest, placement=old).portable_plans()
+    assert [(p.stage, p.n_stages, p.replicated) for p in plans] == [(0, 2, False), (1, 2, False)]
 
 
 # --- the agent -------------------------------------------------------------------------------
