@@ -242,6 +242,14 @@ class JobMetricsAggregator:
         losses = [v[0] for v in step.values()]
         return sum(losses) / len(losses), mean_of(v[1] for v in step.values())
 
+    def retain(self, fellow_ids: Iterable[str]) -> None:
+        """Keep only the stages of ``fellow_ids`` (the job's placed fellows now): a replica
+        dropped while the replay runs leaves its view, as it leaves the job record's, so a
+        stream that saw it before shows the same job as one started after."""
+        keep = set(fellow_ids)
+        for fellow_id in [f for f in self._stages if f not in keep]:
+            del self._stages[fellow_id]
+
     def view(self) -> JobMetrics:
         stages = list(self._stages.values())
         return job_metrics(self.job_id, self.attempt, job_view(stages), stages, self._rates)

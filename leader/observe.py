@@ -163,8 +163,11 @@ class Observability:
             if progress is None or not self._admitted(progress):
                 return None
             aggregator.apply(progress)
+            job = self.jobs.get(job_id)
+            if job.placement is not None and job.attempt == aggregator.attempt:
+                aggregator.retain(job.placement.fellow_ids)
             view = msgspec.to_builtins(aggregator.view())
-            view["state"] = self.jobs.get(job_id).state.value
+            view["state"] = job.state.value
             data = msgspec.json.encode(view).decode()
             return ServerSentEventMessage(data=data, event="metrics", id=record.seq)
 

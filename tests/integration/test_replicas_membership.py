@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from silentswarm.natsauth import NatsAuthority, attempt_user_name
 from tests.conftest import start_agent
-from tests.helpers import wait_for
+from tests.helpers import child_env, wait_for
 from tests.integration.test_jobs import tiny, wait_ready, wait_steps
 
 pytestmark = pytest.mark.timeout(300)
@@ -118,3 +120,11 @@ def test_a_lost_replica_does_not_stop_the_job_and_a_new_fellow_joins_its_slot(
     assert done["export_error"] is None, done["export_error"]
     manifest = json.loads((Path(done["export_dir"]) / "run_manifest.json").read_text())
     assert [s["fellow_id"] for s in manifest["stages"]] == [survivor]
+    # One pipeline without replicas, which glue rebuilds and checks against the stages.
+    assert [s["replica"] for s in manifest["placement"]["stages"]] == [0]
+    glued = subprocess.run(
+        [sys.executable, "-m", "silentswarm.agent.runtime.glue", "--export-dir",
+         done["export_dir"], "--out", str(tmp_path / "glued")],
+        capture_output=True, text=True, timeout=180, env=child_env(TF_CPP_MIN_LOG_LEVEL="3"),
+    )  # fmt: skip
+    assert glued.returncode == 0, glued.stderr

@@ -220,6 +220,30 @@ def samples(jobs) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
+def test_a_metrics_stream_drops_a_lost_replica_as_the_record_does():
+    """A stream's replay saw replica 1's first stage before it was lost; once the job's
+    placement holds its replacement, the stream shows what a stream started now shows: no
+    dead fellow holding the job's step back, the replacement's boundary."""
+    clock = Clock()
+    manager = JobManager(wall=clock)
+    job = running(manager, clock)
+    replay = JobMetricsAggregator(job.job_id)
+    for r, s, n in ((0, 0, 199), (0, 1, 199), (1, 0, 199), (1, 1, 199)):
+        replay.apply(step(job, r, s, n, at=clock.now, loss=2.0 if s else None))
+    manager.lose_stage(job.job_id, "f11", "went offline")
+    for r, s, n in ((0, 0, 400), (0, 1, 400)):
+        replay.apply(step(job, r, s, n, at=clock.now, loss=2.0 if s else None))
+    assert replay.view().step == 199, "without retain the lost replica holds the step back"
+    replay.retain(job.placement.fellow_ids)
+    view = replay.view()
+    assert view.step == 400 and {f.fellow_id for f in view.fellows} == {"f00", "f01"}
+    assert [(b.upstream, b.downstream) for b in view.boundaries] == [("f00", "f01")]
+    fresh = JobMetricsAggregator(job.job_id)
+    for fellow in view.fellows:
+        fresh.apply(step(job, fellow.replica, fellow.stage, 400, at=clock.now))
+    assert [f.fellow_id for f in fresh.view().fellows] == [f.fellow_id for f in view.fellows]
+
+
 def test_metrics_have_per_replica_series_and_keep_the_old_ones():
     clock = Clock()
     manager = JobManager(wall=clock)
