@@ -15,8 +15,10 @@ from __future__ import annotations
 import enum
 import re
 import secrets
+import types
+import typing
 from collections.abc import Sequence
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
@@ -195,11 +197,12 @@ _UNKNOWN = re.compile(r"unknown field `(?P<name>[^`]+)`")
 
 
 def decode_strict(data: bytes, kind: type[T]) -> T:
-    """``kind`` from JSON (an empty body is ``{}``); FieldError naming the field."""
+    """``kind`` from JSON (an empty body is ``{}``); FieldError naming the field (and, for a
+    choice of words, what it takes)."""
     try:
         return msgspec.json.decode(data or b"{}", type=kind)
     except msgspec.ValidationError as exc:
-        raise _field_error(str(exc)) from None
+        raise _field_error(str(exc), kind) from None
     except msgspec.DecodeError as exc:
         raise FieldError(f"the body is not valid JSON ({exc})", field="$") from None
 
@@ -213,7 +216,7 @@ def decode_job_spec(data: bytes) -> JobSpec:
     return spec
 
 
-def _field_error(text: str) -> FieldError:
+def _field_error(text: str, kind: type | None = None) -> FieldError:
     """msgspec's ``Object contains unknown field `x` - at `$.model``` as field ``model.x``."""
     match = _AT.match(text)
     reason = match.group("reason") if match else text
@@ -227,7 +230,42 @@ def _field_error(text: str) -> FieldError:
         reason = "unknown field"
     if not field:
         return FieldError(f"job spec: {reason}", field="$")
+    if reason.startswith("Invalid enum value") and kind is not None:
+        allowed = _allowed(kind, field)
+        if allowed:
+            reason = f"{reason}; expected {allowed}"
     return FieldError(f"{field}: {reason}", field=field)
+
+
+_NUMBERS = {int: "an integer", float: "a number"}
+
+
+def _allowed(kind: type, field: str) -> str | None:
+    """What field ``field`` (a dotted path into struct ``kind``) takes when it is a choice
+    of words (``Literal`` or an enum), perhaps beside a number: ``"auto" or an integer``."""
+    hint: Any = kind
+    for name in field.split("."):
+        hints = typing.get_type_hints(hint) if isinstance(hint, type) else {}
+        if name not in hints:
+            return None
+        hint = hints[name]
+    union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+    args = typing.get_args(hint) if union else (hint,)
+    words = [
+        f'"{value}"'
+        for arg in args
+        for value in (
+            typing.get_args(arg)
+            if typing.get_origin(arg) is Literal
+            else [m.value for m in arg]
+            if isinstance(arg, type) and issubclass(arg, enum.Enum)
+            else []
+        )
+    ]
+    if not words:
+        return None
+    choice = words[0] if len(words) == 1 else f"one of {', '.join(words)}"
+    return " or ".join([choice, *(_NUMBERS[a] for a in args if a in _NUMBERS)])
 
 
 def new_job_id(name: str) -> str:

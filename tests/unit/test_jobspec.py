@@ -53,6 +53,23 @@ def test_the_spec_is_flat_a_nested_train_is_an_unknown_field():
 
 
 @pytest.mark.parametrize(
+    ("raw", "field", "expected"),
+    [
+        ({"replicas": "auto "}, "replicas", 'expected "auto" or an integer'),
+        ({"micro_batches": "x"}, "micro_batches", 'expected "auto" or an integer'),
+        ({"sync": "foo"}, "sync", 'expected one of "allreduce", "diloco"'),
+        ({"transport": "x"}, "transport", 'expected one of "auto", "p2p", "tunnel"'),
+        ({"partition": "x"}, "partition", '"equal", "weighted", "balanced"'),
+    ],
+)
+def test_a_wrong_word_names_the_field_and_what_it_takes(raw, field, expected):
+    with pytest.raises(FieldError) as err:
+        decode_job_spec(json.dumps(raw).encode())
+    assert err.value.field == field and err.value.message.startswith(f"{field}: Invalid enum")
+    assert err.value.message.endswith(expected)
+
+
+@pytest.mark.parametrize(
     ("raw", "needle"),
     [
         ({"batch_size": 6, "micro_batches": 4}, "micro_batches (4) must divide batch_size (6)"),

@@ -47,7 +47,7 @@ def jobs(
                 "-" if view.loss is None else f"{view.loss:.4f}",
                 ",".join(view.fellows) or "-",
                 render.since(j.created_at),
-                j.reason[:60],
+                j.reason,
             ]
         )
     headers = ["JOB", "OWNER", "STATE", "STEP", "LOSS", "FELLOWS", "AGE", "REASON"]
