@@ -17,6 +17,7 @@ from typing import Annotated
 
 import msgspec
 
+from silentswarm.endpoints import DATA_ENDPOINT, SYNC_ENDPOINT
 from silentswarm.plan import StateDigests
 from silentswarm.pools import DEFAULT_POOL, Labels, PoolName
 from silentswarm.types.links import LinkStats, Tuning
@@ -36,6 +37,9 @@ PROTOCOL_VERSION = 1
 # page): a value outside them fails decoding, and the message is refused with the reason.
 Id = Annotated[str, msgspec.Meta(max_length=64)]
 Name = Annotated[str, msgspec.Meta(max_length=256)]
+# What a fellow advertises for its stages' peers (silentswarm.endpoints): tcp://host:port.
+DataEndpoint = Annotated[str, msgspec.Meta(max_length=256, pattern=DATA_ENDPOINT)]
+SyncEndpoint = Annotated[str, msgspec.Meta(max_length=256, pattern=SYNC_ENDPOINT)]
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
 Bytes = Annotated[int, msgspec.Meta(ge=0, le=2**60)]  # an exabyte: more than any machine
@@ -132,10 +136,10 @@ class FellowIdentity(msgspec.Struct, kw_only=True, gc=False):
     hostname: Name
     version: Annotated[str, msgspec.Meta(max_length=128)]
     pid: Annotated[int, msgspec.Meta(ge=0, le=2**32)]
-    data_address: Name | None = None
+    data_address: DataEndpoint | None = None
     # Where its stages bind for their replicas' ring (SWARM_SYNC_ADDRESS): a job with
     # replicas; an older agent says nothing (its ring links go over the relay).
-    sync_address: Name | None = None
+    sync_address: SyncEndpoint | None = None
     # Where jobs may place it (silentswarm.pools): an older agent says nothing, "default".
     pool: PoolName = DEFAULT_POOL
     labels: Labels = msgspec.field(default_factory=dict)

@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from silentswarm.endpoints import endpoint_problem
 from silentswarm.errors import ConfigError
 from silentswarm.hosts import is_loopback
 from silentswarm.natsconn import NatsAccess
@@ -296,9 +297,15 @@ def env_name(field: str) -> str:
 
 
 def _check_sync_ports(settings: Settings) -> None:
-    """A sync address names one port or a range of them (one per ring a stage is in)."""
+    """The advertised addresses are TCP endpoints (:mod:`silentswarm.endpoints`), and a sync
+    address names one port or a range of them (one per ring a stage is in)."""
     from silentswarm.rings import sync_ports  # it imports the plan, which imports this
 
+    for name, ports in (("data_address", False), ("sync_address", True)):
+        value = getattr(settings, name)
+        problem = None if not value else endpoint_problem(value, ports=ports)
+        if problem:
+            raise ConfigError(f"{env_name(name)}: {problem} (what peers connect to)")
     counts = {}
     for name in ("sync_address", "sync_bind"):
         try:
