@@ -20,11 +20,15 @@ What a member does with a received frame:
 
 - another job or attempt: dropped and counted (as on a boundary);
 - an older round: dropped (a late member's contribution the others already left out);
-- a later round: kept for that round, and the current one ends: the predecessor has moved
-  on, so nothing more of this round can come through it;
-- a phase other than ``sync``, an origin that is no member or already seen, or another shape:
-  :class:`~silentswarm.agent.errors.FrameError` (fatal, as on a boundary: the links carry
-  only the placed peers' frames, so a malformed one is a bug or an attack).
+- a later round (up to :data:`MAX_ROUNDS_AHEAD` ahead, one per origin): kept for that
+  round, and the current one ends: the predecessor has moved on, so nothing more of this
+  round can come through it;
+- one that does not decode, a phase other than ``sync``, an origin that is no member, this
+  member itself or already seen, another shape, a round further ahead: dropped, logged and
+  counted as clipped (``sync_clipped``). The links carry only the placed peers' frames, so
+  such a frame is a bug or an attack, and it costs that contribution, not the member: were
+  it fatal, a hostile predecessor could end its honest successor and have its replica
+  dropped.
 
 A member whose contribution has not arrived within ``sync_timeout_s`` is left out of the
 round and counted (``sync_missed``); the round averages over those present. In a ring of
@@ -93,6 +97,10 @@ FIRST_HELLO_S = 900.0
 # its own (relative L2 distance): the replicas are in sync right after an allreduce step (and
 # right after DiLoCo's outer step), so a far-off state is a broken or hostile donor.
 MAX_DONOR_DISTANCE = 0.05
+# How many rounds ahead of its own a member keeps its predecessor's frames (one per origin):
+# a predecessor that moved on while this member stalled is a few rounds ahead at most; a
+# frame further ahead is dropped, so a hostile one cannot fill this member's memory.
+MAX_ROUNDS_AHEAD = 8
 # The same for the rest of a member's float state (AdamW's moments, DiLoCo's outer momentum):
 # moments follow the latest gradients, so replicas that missed a round differ more there.
 MAX_STATE_DISTANCE = 1.0
@@ -453,7 +461,8 @@ class ReplicaSync:
         self.dropped = 0  # frames of another job or attempt
         self.stale = 0  # frames of a round already over
         self.seconds = 0.0  # in rounds since the last take_seconds()
-        self._early: dict[int, list[Parts]] = {}  # frames of rounds still to come
+        # Frames of rounds still to come (at most MAX_ROUNDS_AHEAD), by round and origin.
+        self._early: dict[int, dict[int, Parts]] = {}
         self._first_round_grace = False  # see switch()
         # What the links of earlier rings moved and dropped (the counters stay cumulative).
         self._sent_before = 0
@@ -785,7 +794,7 @@ class ReplicaSync:
             return got
         self._send(own)
         successor = next_member(self.members, self.replica)
-        pending = self._early.pop(round_id, [])
+        pending = list(self._early.pop(round_id, {}).values())
         wait_s = self.plan.train.sync_timeout_s
         if self._first_round_grace:
             self._first_round_grace = False
@@ -823,35 +832,52 @@ class ReplicaSync:
         shape: tuple[int, ...],
     ) -> int | None:
         """Take a received frame into ``got``: its origin; None for a frame dropped (another
-        job or attempt, an older round); -1 for a later round's (kept for it). FrameError for
-        a malformed one."""
-        assert self.up is not None
-        name = self.up.name
-        frame = self._decode_ours(parts)
+        job or attempt, an older round, or one no honest predecessor sends: counted as
+        clipped and logged); -1 for a later round's (kept for it, up to
+        :data:`MAX_ROUNDS_AHEAD` rounds ahead, one per origin).
+
+        A malformed frame is the predecessor's doing, so it costs that contribution, never
+        this member: raising here would end this stage and drop its replica, which is what a
+        hostile predecessor would want."""
+        try:
+            frame = self._decode_ours(parts)
+        except FrameError as exc:
+            return self._reject(str(exc))
         if frame is None:
             return None
         header = frame.header
         if header.phase != PHASE:
-            raise FrameError(f"{name}: a {header.phase!r} frame on a sync link")
+            return self._reject(f"a {header.phase!r} frame on a sync link")
+        origin = header.micro
+        if origin == self.replica or origin not in self.members:
+            return self._reject(
+                f"round {header.step} contribution of replica {origin} (members {self.members})"
+            )
+        if frame.array.shape != shape:
+            return self._reject(
+                f"a contribution of shape {list(frame.array.shape)}, this stage's is {list(shape)}"
+            )
         if header.step < round_id:
             self.stale += 1
             return None
         if header.step > round_id:
-            self._early.setdefault(header.step, []).append(parts)
+            if header.step > round_id + MAX_ROUNDS_AHEAD:
+                return self._reject(f"a contribution to round {header.step} in round {round_id}")
+            early = self._early.setdefault(header.step, {})
+            if origin in early:
+                return self._reject(f"a second round {header.step} contribution of {origin}")
+            early[origin] = parts
             return -1
-        origin = header.micro
-        if origin not in self.members or origin in got:
-            raise FrameError(
-                f"{name}: round {round_id} contribution of replica {origin} "
-                f"(members {self.members}; seen {sorted(got)})"
-            )
-        if frame.array.shape != shape:
-            raise FrameError(
-                f"{name}: a contribution of shape {list(frame.array.shape)}, "
-                f"this stage's is {list(shape)}"
-            )
+        if origin in got:
+            return self._reject(f"a second round {round_id} contribution of replica {origin}")
         got[origin] = np.asarray(frame.array, dtype=np.float32)
         return origin
+
+    def _reject(self, why: str) -> None:
+        """Drop a sync frame no honest predecessor sends; it counts as a clipped contribution."""
+        assert self.up is not None
+        self.clipped += 1
+        log.warning("%s: dropped a sync frame: %s", self.up.name, why)
 
 
 class ReplicaRings:

@@ -13,6 +13,7 @@ import pytest
 
 from silentswarm.agent.errors import FrameError, HandshakeError
 from silentswarm.agent.runtime.replicas import (
+    MAX_ROUNDS_AHEAD,
     ROW,
     ReplicaSync,
     adam_moment_bound,
@@ -306,29 +307,49 @@ def _timeout(train: TrainConfig, seconds: float) -> TrainConfig:
     return msgspec.structs.replace(train, sync_timeout_s=seconds)
 
 
-def test_a_malformed_contribution_is_a_frame_error():
-    members = opened(ring_plans(2))
+def _plan(plan: StagePlan, sync_timeout_s: float) -> StagePlan:
+    return msgspec.structs.replace(plan, train=_timeout(plan.train, sync_timeout_s))
+
+
+def test_a_malformed_contribution_costs_that_contribution_not_the_member():
+    """A contribution of another shape is dropped and counted as clipped; the member that
+    got it goes on with the round (a hostile predecessor cannot end it)."""
+    members = opened([_plan(p, 1.0) for p in ring_plans(2)])
     try:
         a = contributions(1)[0]
         b = np.zeros((a.shape[0] + 1, ROW), dtype=np.float32)
-        results: list[Any] = [None, None]
-
-        def run(i: int, x: np.ndarray) -> None:
-            try:
-                results[i] = members[i].round(0, x)
-            except FrameError as exc:
-                results[i] = exc
-
-        threads = [threading.Thread(target=run, args=(i, x)) for i, x in enumerate([a, b])]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        assert all(isinstance(r, FrameError) for r in results)
-        assert "shape" in str(results[0])
+        results = in_threads([lambda: members[0].round(0, a), lambda: members[1].round(0, b)])
+        for i, r in enumerate(results):
+            assert r.present == [i], r
+        assert [m.clipped for m in members] == [1, 1] and [m.missed for m in members] == [1, 1]
     finally:
-        for m in members:
-            m.close()
+        closed(members)
+
+
+def test_frames_no_honest_predecessor_sends_are_dropped_and_counted():
+    """Far ahead, twice from one origin, from this member itself, of another shape: each is
+    dropped and counted as clipped, and nothing of it is kept."""
+    members = opened(ring_plans(2))
+    try:
+        a, b = contributions(2)
+        first, second = members
+        got: dict[int, np.ndarray] = {}
+
+        def check(parts, round_id: int = 0) -> int | None:
+            return second._check(parts, round_id, got, a.shape)
+
+        assert check(first._encode(0 + MAX_ROUNDS_AHEAD + 1, a)) is None
+        assert check(first._encode(MAX_ROUNDS_AHEAD, a)) == -1  # kept for its round
+        assert check(first._encode(MAX_ROUNDS_AHEAD, b)) is None
+        assert check(second._encode(0, a)) is None  # its own origin, forged
+        assert check(first._encode(0, np.zeros((4, ROW), np.float32))) is None
+        assert check(first._encode(0, a)) == 0 and check(first._encode(0, b)) is None
+        assert second.clipped == 5 and first.clipped == 0
+        assert {k: list(v) for k, v in second._early.items()} == {MAX_ROUNDS_AHEAD: [0]}
+        np.testing.assert_array_equal(got[0], a)
+        second._early.clear()
+    finally:
+        closed(members)
 
 
 def test_a_ring_of_three_over_the_relay(nats_server):
