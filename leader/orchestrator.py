@@ -171,7 +171,7 @@ class Orchestrator:
         await self._schedule()
         self._stop_dropped()
         self._replace()
-        self._change_rings()
+        await self._change_rings()
         self._deliver_purges()
         await self.retain()
         await self.flush()
@@ -505,13 +505,17 @@ class Orchestrator:
                 attempt=attempt,
             )
 
-    def _change_rings(self) -> None:
+    async def _change_rings(self) -> None:
         """Send the rings' new membership to every member of the jobs whose rings must change
         (a replica lost; a replacement ready to join), from a step a little ahead.
 
         A replacement whose ring change went out but which has not trained yet cannot be
         part of another change (it is between two rings): after a loss it is dropped too and
-        the new rings go on without it; a replacement ready meanwhile waits for it."""
+        the new rings go on without it; a replacement ready meanwhile waits for it. The
+        changes are saved before any member hears of them (as a START's attempt is): a
+        leader that died in between would otherwise make the same epoch again with other
+        secrets and steps, and members that took the first would refuse the second."""
+        sends: list[tuple[JobRecord, str, RingChange]] = []
         later: set[str] = set()
         while self.jobs.ring_due:
             job = self.jobs.get(self.jobs.ring_due.pop())
@@ -528,10 +532,15 @@ class Orchestrator:
                 self.jobs.ring_due.discard(job.job_id)  # this pass makes the change
             if job.state is not JobState.RUNNING:
                 continue
-            self._send_rings(job, after_loss=after_loss)
+            sends += [(job, fid, c) for fid, c in self._ring_changes(job, after_loss=after_loss)]
         self.jobs.ring_due |= later
+        if sends:
+            await self.flush()
+        for job, fid, change in sends:
+            self._spawn(self._send_ring(job.job_id, job.attempt, fid, change), f"ring-{fid}")
 
-    def _send_rings(self, job: JobRecord, *, after_loss: bool) -> None:
+    def _ring_changes(self, job: JobRecord, *, after_loss: bool) -> list[tuple[str, RingChange]]:
+        """The job's next ring change, recorded: each member's :class:`RingChange`."""
         assert job.placement is not None
         joining, ready = elastic.joining_replicas(job), self.jobs.ready_to_join(job)
         members = [r for r in job.placement.live_replicas if r not in joining or r in ready]
@@ -542,7 +551,7 @@ class Orchestrator:
                 self.jobs.lose_stage(job.job_id, fid, "the run ends before it could join")
             members = [r for r in members if r not in ready]
             if not after_loss or job.state is not JobState.RUNNING:
-                return
+                return []
             # The rings stay as they are to the end (each round waits sync_timeout_s for
             # the lost member), but the lead's checkpoint duty must reach its new holder:
             # a change due at the run's end switches nothing and hands over only that.
@@ -574,8 +583,7 @@ class Orchestrator:
                 donor,
                 f"; replicas {ready} join" if ready else "",
             )
-        for fid, change in changes.items():
-            self._spawn(self._send_ring(job.job_id, job.attempt, fid, change), f"ring-{fid}")
+        return list(changes.items())
 
     async def _send_ring(
         self, job_id: str, attempt: int, fellow_id: str, change: RingChange

@@ -482,3 +482,55 @@ def test_a_restarted_leader_sends_the_ring_change_of_a_loss_it_had_not_sent():
     third = JobManager(wall=Clock())
     third.restore([msgspec.json.decode(msgspec.json.encode(job), type=JobRecord)])
     assert third.ring_due == set()
+
+
+def test_a_ring_change_is_saved_before_any_member_hears_it():
+    """A leader that died between the two would make the same epoch again with other
+    secrets: the members that took the first would refuse the second."""
+    import asyncio
+
+    from silentswarm.leader.bus import LeaderBus
+    from silentswarm.leader.orchestrator import Orchestrator
+    from silentswarm.leader.purges import PurgeBook
+    from silentswarm.leader.registry import FellowRegistry
+    from silentswarm.natsconn import NatsAccess
+    from silentswarm.types.jobs import SignalRecord
+
+    jobs, job, _ = running(k=3, p=1)
+    events: list[tuple[str, str, int]] = []
+
+    class Store:  # the JetStream buckets' edge: what was written, in order
+        jobs, fellows, purges = "jobs", "fellows", "purges"
+
+        async def put(self, bucket, key, value):
+            if bucket == "jobs":
+                events.append(("saved", key, value.ring_epoch))
+
+    class Hub:  # the signals' edge
+        async def send(self, fellow_id, args, *, job_id, attempt):
+            events.append(("sent", fellow_id, args.change.epoch))
+            return SignalRecord(
+                signal_id="s", fellow_id=fellow_id, ok=True, kind="ring", sent_at=0, attempts=1
+            )
+
+    registry = FellowRegistry(heartbeat_interval_s=1, offline_after_s=3, leader_version="t")
+    orchestrator = Orchestrator(
+        bus=LeaderBus(nats=NatsAccess(url="nats://127.0.0.1:1"), prefix="s", registry=registry),
+        registry=registry,
+        jobs=jobs,
+        purges=PurgeBook(),
+        prefix="s",
+    )
+    orchestrator.store, orchestrator.hub = Store(), Hub()
+    orchestrator.loaded.set()
+    for r in range(3):
+        jobs.record_progress(step(job, fellow(job, r, 0), 10))
+    jobs.lose_stage(job.job_id, fellow(job, 2, 0), "went offline")
+
+    async def scenario() -> None:
+        await orchestrator._change_rings()
+        await asyncio.gather(*orchestrator._tasks)
+
+    asyncio.run(scenario())
+    assert events[0] == ("saved", job.job_id, 1), events
+    assert sorted(events[1:]) == [("sent", fellow(job, r, 0), 1) for r in (0, 1)]
