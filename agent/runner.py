@@ -64,6 +64,7 @@ from silentswarm.sdnotify import notify, watchdog_forever
 from silentswarm.settings import Settings
 from silentswarm.types.links import LinkStats, Tuning
 from silentswarm.types.stage import (
+    MAX_COMMAND_BYTES,
     CheckpointEvent,
     CheckpointRequest,
     JoiningEvent,
@@ -71,6 +72,7 @@ from silentswarm.types.stage import (
     RingCommand,
     StageEvent,
     StepEvent,
+    encode_command,
 )
 
 log = logging.getLogger(__name__)
@@ -565,10 +567,15 @@ class FellowAgent:
         change = sig.args.change
         plan = run.plan
         problems = (
-            change.problems(plan.replica, (plan.layer_start, plan.layer_end))
+            list(change.problems(plan.replica, (plan.layer_start, plan.layer_end)))
             if plan.replicated
             else ["no replicas"]
         )
+        size = len(encode_command(RingCommand(change=change)))
+        if size > MAX_COMMAND_BYTES:
+            problems.append(
+                f"the change is {size} bytes, over the {MAX_COMMAND_BYTES} a stage reads"
+            )
         if problems:
             return self._ack(sig, False, ErrorCode.RING_INVALID, "; ".join(problems))
         if not await run.command(RingCommand(change=change)):

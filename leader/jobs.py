@@ -516,7 +516,11 @@ class JobManager:
             return job
         what = outcome.message or outcome.result.value
         reason = f"fellow {fellow_id} (stage {stage.stage}) {outcome.result.value}: {what}"
-        donor = self._donor_of(job, fellow_id) if outcome.code == ErrorCode.DONOR_REFUSED else None
+        # A member refuses its donor while it switches, before it trains in the new rings: a
+        # refusal from one that already trained in them is no refusal, and takes no donor.
+        switching = job.ring_epoch > 0 and (stage.sync_epoch or 0) < job.ring_epoch
+        refused = outcome.code == ErrorCode.DONOR_REFUSED and switching
+        donor = self._donor_of(job, fellow_id) if refused else None
         self.lose_stage(job.job_id, fellow_id, reason)
         if donor is not None and job.state is JobState.RUNNING:
             # One of the two lies about the state handed over: neither is kept.

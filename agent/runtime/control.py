@@ -34,14 +34,20 @@ from typing import NoReturn
 import msgspec
 
 from silentswarm.plan import RingChange
-from silentswarm.types.stage import COMMANDS, CheckpointRequest, Command, RingCommand
+from silentswarm.types.stage import (
+    COMMANDS,
+    MAX_COMMAND_BYTES,
+    CheckpointRequest,
+    Command,
+    RingCommand,
+)
 
 log = logging.getLogger(__name__)
 
 EXIT_SUPERVISOR_GONE = 70
 """Exit status when stdin reaches EOF: the supervising agent died (EX_SOFTWARE)."""
 
-MAX_LINE_BYTES = 64 * 1024
+MAX_LINE_BYTES = MAX_COMMAND_BYTES
 """A longer line is no command of ours: it is dropped rather than buffered without bound."""
 
 

@@ -204,6 +204,13 @@ Command = CheckpointRequest | RingCommand
 COMMANDS: dict[str, type[Command]] = {"checkpoint": CheckpointRequest, "ring": RingCommand}
 
 
+MAX_COMMAND_BYTES = 4 << 20
+"""The longest command line a stage reads from its agent: a ring change of a stage in one ring
+per layer of a deep model (about 800 bytes a ring) fits; a longer line is no command of
+ours, and the stage drops it rather than buffer without bound, so the agent refuses to send
+one (the leader then hears a refused RING, not a silent success)."""
+
+
 def encode_command(command: Command) -> bytes:
     """One command as its JSON line, with the newline."""
     return msgspec.json.encode(command) + b"\n"
@@ -211,6 +218,7 @@ def encode_command(command: Command) -> bytes:
 
 __all__ = [
     "COMMANDS",
+    "MAX_COMMAND_BYTES",
     "CheckpointEvent",
     "CheckpointRequest",
     "Command",

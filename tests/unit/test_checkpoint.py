@@ -18,7 +18,12 @@ import msgspec
 import numpy as np
 import pytest
 
-from silentswarm.agent.runtime.control import CheckpointRequest, ControlChannel, parse_command
+from silentswarm.agent.runtime.control import (
+    MAX_LINE_BYTES,
+    CheckpointRequest,
+    ControlChannel,
+    parse_command,
+)
 from silentswarm.plan import (
     ModelConfig,
     Peer,
@@ -142,12 +147,16 @@ def test_lines_split_across_chunks_and_a_last_line_without_newline():
     assert eofs == ["eof"]
 
 
-def test_an_overlong_line_is_dropped(caplog):
+def test_an_overlong_line_is_dropped_and_a_long_one_is_taken(caplog):
+    """A ring change of a stage in many rings is a long line (hundreds of KiB); one past
+    MAX_LINE_BYTES is no command of ours."""
     channel, _ = _channel()
-    junk = b'{"cmd": "checkpoint", "id": "' + b"x" * 100_000 + b'"}\n'
+    junk = b'{"cmd": "checkpoint", "id": "' + b"x" * (MAX_LINE_BYTES + 100_000) + b'"}\n'
+    long = b'{"cmd": "checkpoint", "id": "y"' + b" " * 300_000 + b"}\n"  # valid, long
     with caplog.at_level(logging.WARNING, logger="silentswarm.agent.runtime.control"):
-        channel.feed_chunks([junk[i : i + 4096] for i in range(0, len(junk), 4096)] + [_line("ok")])
-    assert [r.id for r in channel.due_checkpoints(1, 5)] == ["ok"]
+        lines = junk + long + _line("ok")
+        channel.feed_chunks([lines[i : i + 65536] for i in range(0, len(lines), 65536)])
+    assert [r.id for r in channel.due_checkpoints(1, 5)] == ["y", "ok"]
     assert "longer than" in caplog.text
 
 

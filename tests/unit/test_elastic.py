@@ -323,6 +323,22 @@ def test_a_refused_donor_is_lost_with_the_member_that_refused_it():
     assert [m.replica for m in job.membership if m.kind == "lost"] == [2, 1]
 
 
+def test_a_donor_refusal_from_a_member_that_trains_in_the_new_rings_takes_no_donor():
+    jobs, job, _ = running(k=4, p=1)
+    jobs.lose_stage(job.job_id, fellow(job, 3, 0), "went offline")
+    jobs.ring_changed(job.job_id, 1, 10, 0, joined=[])
+    jobs.record_progress(step(job, fellow(job, 1, 0), 11, sync_epoch=1))
+    refused = StageOutcome(
+        job_id=job.job_id,
+        attempt=1,
+        result=StageResult.FAILED,
+        code="DONOR_REFUSED",
+        message="refused the state of donor replica 0",
+    )
+    jobs.record_outcome(fellow(job, 1, 0), refused)
+    assert job.state is JobState.RUNNING and job.placement.live_replicas == [0, 2]
+
+
 @pytest.mark.parametrize(
     ("progress", "outvoted", "undecided"),
     [
