@@ -335,7 +335,8 @@ class JobManager:
 
     def restore(self, records: Iterable[JobRecord]) -> None:
         """Jobs loaded from the store at start-up (a running job that lost a replica, or whose
-        replacement was ready to join, when the leader stopped gets its ring change now)."""
+        replacement was ready to join, when the leader stopped gets its ring change now, and
+        its dropped fellows' NATS users of the attempt are revoked again)."""
         for record in records:
             record.refresh_view()
             self._jobs[record.job_id] = record
@@ -351,6 +352,12 @@ class JobManager:
                 self.after_loss.add(record.job_id)
             if self.ready_to_join(record):
                 self.ring_due.add(record.job_id)
+            # Revocations are not stored: a leader that stopped between a drop and its
+            # revocation revokes again what the attempt dropped (revoking twice is harmless).
+            placed = set() if record.placement is None else set(record.placement.fellow_ids)
+            for fellow_id in dict.fromkeys(p.fellow_id for p in record.dropped):
+                if fellow_id not in placed:
+                    self.revokes.append((fellow_id, record.job_id, record.attempt))
 
     def submit(self, spec: JobSpec, init_source: InitSource | None = None) -> JobRecord:
         """A new PENDING job; ``init_source``: the export ``init_from`` resolved to."""

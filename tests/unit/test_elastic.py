@@ -550,3 +550,16 @@ def test_a_ring_change_is_saved_before_any_member_hears_it():
     asyncio.run(scenario())
     assert events[0] == ("saved", job.job_id, 1), events
     assert sorted(events[1:]) == [("sent", fellow(job, r, 0), 1) for r in (0, 1)]
+
+
+def test_a_restarted_leader_revokes_what_the_attempt_dropped_again():
+    """Revocations are queued in memory only: a leader that stopped before it revoked a
+    dropped fellow's attempt user revokes it when it loads the job (a fellow that holds a
+    stage of the job again is left alone)."""
+    jobs, job, _ = running(k=3, p=1)
+    jobs.lose_stage(job.job_id, fellow(job, 2, 0), "went offline")
+    lost = [p.fellow_id for p in job.dropped]
+    assert jobs.revokes == [(lost[0], job.job_id, 1)]
+    again = JobManager(wall=jobs._wall)
+    again.restore([msgspec.convert(msgspec.to_builtins(job), JobRecord)])
+    assert again.revokes == [(lost[0], job.job_id, 1)]
