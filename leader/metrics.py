@@ -490,11 +490,12 @@ def _sync_stage_labels(stage: JobStage) -> list[str]:
 
 
 def replicas_of(jobs: Iterable[JobRecord]) -> list[Replica]:
-    """The replicas of the jobs that have more than one (none of a job without replicas)."""
+    """The replicas of the jobs placed with more than one (none of a job without replicas;
+    a job that lost all but one keeps that one's series, as it keeps its replica slots)."""
     out = []
     for job in jobs:
         groups = by_replica(job.progress)
-        if len(groups) > 1:
+        if job.placement is not None and job.placement.n_replicas > 1:
             out.extend(Replica(job, r, stages) for r, stages in groups.items())
     return out
 

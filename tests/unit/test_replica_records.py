@@ -298,6 +298,11 @@ def test_metrics_have_per_replica_series_and_keep_the_old_ones():
     s00 = (("fellow", "f00"), jid, ("replica", "0"), ("stage", "0"))
     assert got[("swarm_job_stage_sync_seconds", s00)] == 0.5
     assert got[("swarm_job_stage_sync_sent_bytes_total", s00)] == 1000
+    # A job that lost all but one replica keeps that one's series (its slots stay 2).
+    manager.lose_stage(job.job_id, "f10", "went offline")
+    got = samples([job])
+    assert got[("swarm_job_replica_step", r0)] == 4 and ("swarm_job_replica_step", r1) not in got
+    assert got[("swarm_job_stage_sync_seconds", s00)] == 0.5
 
 
 def test_a_job_without_replicas_exports_no_replica_series():
