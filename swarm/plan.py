@@ -423,7 +423,12 @@ class SyncRing(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     and connects to its successor ``next`` (whose ``data_address`` is the successor's port
     for this ring; None: the relay), with the links' CURVE keys and relay tokens as for a
     boundary (up: from the predecessor, down: to the successor). A ring of one member has no
-    peers."""
+    peers.
+
+    In a ring of three or more a member forwards the others' contributions, so the links'
+    keys prove only who passed a frame on: each member signs what it originates (ed25519;
+    ``sign_seed`` its own key, ``signers`` every member's public key by replica), and a
+    frame whose origin did not sign it is dropped. A ring of two forwards nothing."""
 
     layer_start: Annotated[int, msgspec.Meta(ge=0, le=MAX_LAYERS)]
     layer_end: Annotated[int, msgspec.Meta(ge=1, le=MAX_LAYERS)]
@@ -434,6 +439,10 @@ class SyncRing(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     curve_down: CurveKeys | None = None
     relay_up_token: RelayToken | None = None
     relay_down_token: RelayToken | None = None
+    sign_seed: Digest | None = None
+    signers: dict[Annotated[int, msgspec.Meta(ge=0, le=4095)], Digest] = msgspec.field(
+        default_factory=dict
+    )
 
     @property
     def segment(self) -> int:

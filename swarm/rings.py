@@ -185,6 +185,21 @@ class Seat:
         )
 
 
+def signing_seeds(replicas: Iterable[int]) -> dict[int, str]:
+    """A fresh ed25519 key for each of ``replicas`` (its 32-byte seed, hex): what a member of
+    a ring of three or more signs its own contributions with."""
+    import nacl.signing  # only the leader makes keys
+
+    return {r: nacl.signing.SigningKey.generate().encode().hex() for r in replicas}
+
+
+def public_key(seed: str) -> str:
+    """The ed25519 public key (hex) of a :func:`signing_seeds` seed."""
+    import nacl.signing
+
+    return nacl.signing.SigningKey(bytes.fromhex(seed)).verify_key.encode().hex()
+
+
 def build_rings(
     pipelines: Mapping[int, Sequence[Seat]], *, curve: bool, relay: bool
 ) -> dict[tuple[int, int], list[SyncRing]]:
@@ -192,7 +207,8 @@ def build_rings(
     (each replica's seats in stage order): one ring per segment of their splits, in replica
     order, with fresh secrets for every link. A member binds port ``j`` of its own for its
     ``j``-th ring and its predecessor connects there; past its ports, the link's ``port``
-    and address are None (the relay under transport ``auto``)."""
+    and address are None (the relay under transport ``auto``). In a ring of three or more
+    every member gets a signing key of its own and every member's public key."""
     members = sorted(pipelines)
     splits = [[(s.layer_start, s.layer_end) for s in pipelines[r]] for r in members]
     segs = segments(splits)
@@ -209,6 +225,8 @@ def build_rings(
         ring = [holder(r, segment) for r in members]
         n = len(ring)
         links = link_secrets(n, curve=curve, relay=relay) if n > 1 else []
+        seeds = signing_seeds(members) if n > 2 else {}
+        signers = {r: public_key(seed) for r, seed in seeds.items()}
         for j, (seat, port) in enumerate(ring):
             fields: dict[str, object] = {}
             if n > 1:
@@ -224,6 +242,8 @@ def build_rings(
                     curve_down=down.connecting,
                     relay_up_token=up.token,
                     relay_down_token=down.token,
+                    sign_seed=seeds.get(seat.replica),
+                    signers=signers,
                 )
             out[(seat.replica, seat.stage)].append(
                 SyncRing(layer_start=segment[0], layer_end=segment[1], port=port, **fields)
@@ -240,7 +260,9 @@ __all__ = [
     "fellow_ports",
     "link_secrets",
     "ports_needed",
+    "public_key",
     "segments",
+    "signing_seeds",
     "stage_segments",
     "sync_ports",
     "uniform",

@@ -81,6 +81,7 @@ from silentswarm.agent.pipe.link import (
     connect_downstream,
 )
 from silentswarm.agent.pipe.wire import Direction, Frame, decode_frame, encode_frame
+from silentswarm.agent.runtime.ring_signing import RingSigner
 from silentswarm.compression import parse_wire_codec
 from silentswarm.plan import CurveKeys as PlanCurveKeys
 from silentswarm.plan import RingChange, StagePlan, SyncRing
@@ -446,6 +447,7 @@ class ReplicaSync:
                 raise ValueError("ReplicaSync needs a replicated plan with its ring peers")
         self.plan = plan
         self.ring = ring
+        self.signer = _signer(ring)
         self.fingerprint = fingerprint
         self.k = plan.n_replicas  # the replica slots (each keeps its own rows of the batch)
         self.replica = plan.replica
@@ -580,6 +582,7 @@ class ReplicaSync:
         self._retire_links()
         self._early.clear()
         self.ring = ring
+        self.signer = _signer(ring)
         self.members = list(change.members)
         self.epoch = change.epoch
         # A joining member's first step traces and compiles its step (seconds): the first
@@ -619,14 +622,18 @@ class ReplicaSync:
                     direction=Direction.FWD,
                     phase=STATE_PHASE,
                 )
-                self.down.send(parts, timeout_s=timeout_s)
+                self.down.send(self.signer.sign(parts), timeout_s=timeout_s)
             return matrix
         assert self.up is not None and self.down is not None
         name = self.up.name
         deadline = time.monotonic() + timeout_s
         while True:
             parts = self.up.recv(max(0.001, deadline - time.monotonic()))
-            frame = self._decode_ours(parts)
+            signed = self.signer.split(parts)
+            if signed is None:
+                raise FrameError(f"{name}: the donor's state came without a signature")
+            body, signature = signed
+            frame = self._decode_ours(body)
             if frame is None:
                 continue
             header = frame.header
@@ -634,6 +641,8 @@ class ReplicaSync:
             want = (STATE_PHASE, change.epoch, change.donor)
             if got != want:
                 raise FrameError(f"{name}: expected the donor's state {want}, got {got}")
+            if signature is not None and not self.signer.signed_by(change.donor, body, signature):
+                raise FrameError(f"{name}: a state replica {change.donor} (the donor) did not sign")
             if frame.array.shape != tuple(shape):
                 raise FrameError(
                     f"{name}: the donor's state has shape {list(frame.array.shape)}, "
@@ -792,7 +801,7 @@ class ReplicaSync:
         n = len(self.members)
         if n == 1:  # a ring of one: nothing to send, nobody to wait for
             return got
-        self._send(own)
+        self._send(self.signer.sign(own))
         successor = next_member(self.members, self.replica)
         pending = list(self._early.pop(round_id, {}).values())
         wait_s = self.plan.train.sync_timeout_s
@@ -839,24 +848,20 @@ class ReplicaSync:
         A malformed frame is the predecessor's doing, so it costs that contribution, never
         this member: raising here would end this stage and drop its replica, which is what a
         hostile predecessor would want."""
+        signed = self.signer.split(parts)
+        if signed is None:
+            return self._reject("an unsigned frame in a ring whose members sign")
+        body, signature = signed
         try:
-            frame = self._decode_ours(parts)
+            frame = self._decode_ours(body)
         except FrameError as exc:
             return self._reject(str(exc))
         if frame is None:
             return None
-        header = frame.header
-        if header.phase != PHASE:
-            return self._reject(f"a {header.phase!r} frame on a sync link")
-        origin = header.micro
-        if origin == self.replica or origin not in self.members:
-            return self._reject(
-                f"round {header.step} contribution of replica {origin} (members {self.members})"
-            )
-        if frame.array.shape != shape:
-            return self._reject(
-                f"a contribution of shape {list(frame.array.shape)}, this stage's is {list(shape)}"
-            )
+        why = self._problem(frame, body, signature, shape)
+        if why is not None:
+            return self._reject(why)
+        header, origin = frame.header, frame.header.micro
         if header.step < round_id:
             self.stale += 1
             return None
@@ -873,11 +878,35 @@ class ReplicaSync:
         got[origin] = np.asarray(frame.array, dtype=np.float32)
         return origin
 
+    def _problem(
+        self, frame: Frame, body: Parts, signature: bytes | None, shape: tuple[int, ...]
+    ) -> str | None:
+        """Why no honest predecessor sends this sync frame (None: it may)."""
+        header, origin = frame.header, frame.header.micro
+        if header.phase != PHASE:
+            return f"a {header.phase!r} frame on a sync link"
+        if origin == self.replica or origin not in self.members:
+            return f"round {header.step} contribution of replica {origin} (members {self.members})"
+        if signature is not None and not self.signer.signed_by(origin, body, signature):
+            return f"a round {header.step} contribution replica {origin} did not sign"
+        if frame.array.shape != shape:
+            return (
+                f"a contribution of shape {list(frame.array.shape)}, this stage's is {list(shape)}"
+            )
+        return None
+
     def _reject(self, why: str) -> None:
         """Drop a sync frame no honest predecessor sends; it counts as a clipped contribution."""
         assert self.up is not None
         self.clipped += 1
         log.warning("%s: dropped a sync frame: %s", self.up.name, why)
+
+
+def _signer(ring: SyncRing | None) -> RingSigner:
+    """The ring's keys as a member holds them (a ring of two, or none yet, signs nothing)."""
+    if ring is None:
+        return RingSigner(None, {})
+    return RingSigner(ring.sign_seed, ring.signers)
 
 
 class ReplicaRings:

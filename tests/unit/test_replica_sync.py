@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from silentswarm.agent.errors import FrameError, HandshakeError
+from silentswarm.agent.pipe.wire import Direction, encode_frame
 from silentswarm.agent.runtime.replicas import (
     MAX_ROUNDS_AHEAD,
     ROW,
@@ -43,7 +44,7 @@ from silentswarm.plan import (
     replicated_chain_plans,
 )
 from silentswarm.procs import free_port
-from silentswarm.rings import link_secrets
+from silentswarm.rings import link_secrets, public_key, signing_seeds
 from silentswarm.subjects import relay_link, sync_link
 
 MODEL = ModelConfig(n_layers=2, d_model=32, n_heads=2, seq_len=16)
@@ -326,6 +327,44 @@ def test_a_malformed_contribution_costs_that_contribution_not_the_member():
         closed(members)
 
 
+def test_in_a_ring_of_three_a_forwarder_cannot_forge_another_members_contribution():
+    """Member 1 takes member 2's contributions through member 0: a frame that claims origin
+    2 but carries member 0's signature, or none, is dropped and counted; member 2's own
+    signed frame, passed on unchanged, is taken; so is a signed state of the donor."""
+    members = opened(ring_plans(3))
+    try:
+        a, b, c = contributions(3)
+        forger, victim, honest = members
+        assert all(m.signer.active for m in members)
+        got: dict[int, np.ndarray] = {}
+
+        def as_origin_2(x: np.ndarray, signer) -> list:
+            _, parts = encode_frame(
+                x, honest.codec, job=honest.plan.job_id, attempt=honest.plan.attempt, step=0,
+                micro=2, direction=Direction.FWD, phase="sync",
+            )  # fmt: skip
+            return signer.sign(parts)
+
+        assert victim._check(as_origin_2(a * 1000, forger.signer), 0, got, a.shape) is None
+        assert victim._check(forger._encode(0, a), 0, got, a.shape) is None  # unsigned
+        assert victim.clipped == 2 and got == {}
+        assert victim._check(as_origin_2(c, honest.signer), 0, got, a.shape) == 2
+        assert victim._check(forger.signer.sign(forger._encode(0, a)), 0, got, a.shape) == 0
+        np.testing.assert_array_equal(got[2], c)
+        # A tampered signed frame: one value changed after signing.
+        parts = as_origin_2(b, honest.signer)
+        payload = bytearray(parts[1])
+        payload[0] ^= 1
+        tampered = [parts[0], bytes(payload), *parts[2:]]
+        assert victim._check(tampered, 1, {}, a.shape) is None and victim.clipped == 3
+        # Rounds of the three still agree, every frame signed and checked.
+        results = rounds(members, 0, [a, b, c])
+        for r in results:
+            np.testing.assert_allclose(r.average, (a + b + c) / 3, rtol=1e-6)
+    finally:
+        closed(members)
+
+
 def test_frames_no_honest_predecessor_sends_are_dropped_and_counted():
     """Far ahead, twice from one origin, from this member itself, of another shape: each is
     dropped and counted as clipped, and nothing of it is kept."""
@@ -533,6 +572,8 @@ def ring_changes(
     every link (member ``a`` to its successor), the successor's sync address. ``plans[r]`` is
     replica r's plan for the stage (None for a slot nobody holds)."""
     secrets = link_secrets(len(members), curve=True, relay=True)
+    seeds = signing_seeds(members) if len(members) > 2 else {}
+    signers = {r: public_key(seed) for r, seed in seeds.items()}
     out = {}
     for i, r in enumerate(members):
         j, h = (i + 1) % len(members), (i - 1) % len(members)
@@ -550,6 +591,8 @@ def ring_changes(
             curve_down=secrets[i].connecting if many else None,
             relay_up_token=secrets[h].token if many else None,
             relay_down_token=secrets[i].token if many else None,
+            sign_seed=seeds.get(r),
+            signers=signers,
         )
         out[r] = RingChange(
             epoch=epoch,
@@ -561,6 +604,29 @@ def ring_changes(
             **fields,
         )
     return out
+
+
+def test_a_new_ring_of_three_hands_the_donors_signed_state_around():
+    """Epoch 1 of the same three members, donor 1: replica 0 takes the state through replica
+    2, checks donor 1's signature on it, and every member has the donor's bytes."""
+    plans = ring_plans(3)
+    members = opened(plans)
+    try:
+        changes = ring_changes(plans, [0, 1, 2], epoch=1, at_step=3, donor=1)
+        in_threads([lambda m=m: m.switch(changes[m.replica], 20.0) for m in members])
+        assert all(m.signer.active for m in members)
+        state = contributions(1, rows=5, seed=3)[0]
+        got = in_threads(
+            [
+                lambda m=m: m.hand_over(
+                    changes[m.replica], state if m.replica == 1 else None, state.shape, 20.0
+                )
+                for m in members
+            ]
+        )
+        assert all(g.tobytes() == state.tobytes() for g in got)
+    finally:
+        closed(members)
 
 
 def test_a_ring_of_three_switches_to_two_and_hands_the_donors_state_around():

@@ -16,6 +16,7 @@ from silentswarm.rings import (
     build_rings,
     fellow_ports,
     ports_needed,
+    public_key,
     segments,
     stage_segments,
     sync_ports,
@@ -154,6 +155,20 @@ def test_each_segment_has_one_ring_over_its_holders_in_replica_order():
     # every link has its own secrets
     tokens = [r.relay_down_token for ring in rings.values() for r in ring]
     assert len(tokens) == len(set(tokens)) == 3 + 3 + 3
+
+
+def test_members_of_a_ring_of_three_or_more_sign_with_keys_of_their_own():
+    """Each member gets its own seed, every member the same public keys (one per replica,
+    each its seed's); a ring of two forwards nothing and signs nothing."""
+    rings = build_rings(seats([[(0, 4)]] * 3), curve=True, relay=True)
+    own = {r: rings[(r, 0)][0] for r in range(3)}
+    assert len({ring.sign_seed for ring in own.values()}) == 3
+    assert all(ring.signers == own[0].signers for ring in own.values())
+    assert own[0].signers == {r: public_key(ring.sign_seed) for r, ring in own.items()}
+    again = build_rings(seats([[(0, 4)]] * 3), curve=True, relay=True)
+    assert again[(0, 0)][0].sign_seed != own[0].sign_seed, "fresh keys for every ring"
+    two = build_rings(seats([[(0, 4)]] * 2), curve=True, relay=True)
+    assert all(r[0].sign_seed is None and r[0].signers == {} for r in two.values())
 
 
 def test_a_ring_past_a_fellows_ports_goes_over_the_relay():
