@@ -84,6 +84,7 @@ def connect_downstream(
     timeout_s: float,
     fingerprint: bytes = b"",
     curve: CurveKeys | None = None,
+    max_message_bytes: int | None = None,
 ) -> Link:
     """The upstream end: say HELLO on every allowed transport until the binder ACKs one.
 
@@ -91,7 +92,15 @@ def connect_downstream(
     ``fingerprint`` (what must be equal on both ends, such as the model config); a binder
     with another fingerprint refuses, and this raises HandshakeError.
     """
-    make_zmq = (lambda: ZmqLink(name=name, connect=address, curve=curve)) if address else None
+    make_zmq = (
+        (
+            lambda: ZmqLink(
+                name=name, connect=address, curve=curve, max_message_bytes=max_message_bytes
+            )
+        )
+        if address
+        else None
+    )
     with _candidates(name, transport, make_zmq, relay) as links:
         links.chosen = handshake.say_hello(
             name, links.zmq, links.relay, timeout_s=timeout_s, fingerprint=fingerprint
@@ -110,6 +119,7 @@ def accept_upstream(
     p2p_grace_s: float,
     fingerprint: bytes = b"",
     curve: CurveKeys | None = None,
+    max_message_bytes: int | None = None,
 ) -> Link:
     """The downstream end: wait for HELLO; answer ACK on the transport it chose.
 
@@ -117,7 +127,11 @@ def accept_upstream(
     within ``p2p_grace_s`` (the connector says HELLO on both at the same time). A HELLO whose
     fingerprint differs from ours is refused on its transport and raises HandshakeError.
     """
-    make_zmq = (lambda: ZmqLink(name=name, bind=bind, curve=curve)) if bind else None
+    make_zmq = (
+        (lambda: ZmqLink(name=name, bind=bind, curve=curve, max_message_bytes=max_message_bytes))
+        if bind
+        else None
+    )
     with _candidates(name, transport, make_zmq, relay) as links:
         links.chosen = handshake.answer_hello(
             name,

@@ -59,7 +59,10 @@ class ZmqLink:
         connect: str | None = None,
         context: zmq.Context | None = None,
         curve: CurveKeys | None = None,
+        max_message_bytes: int | None = None,
     ) -> None:
+        """``max_message_bytes``: the largest message the peer may send (ZeroMQ drops the
+        connection of a peer that sends more, before it is in memory); None: no limit."""
         if (bind is None) == (connect is None):
             raise ValueError("give exactly one of bind or connect")
         self.name = name
@@ -84,6 +87,8 @@ class ZmqLink:
             else:
                 sock.curve_serverkey = curve.peer_public.encode()
         sock.setsockopt(zmq.LINGER, 0)
+        if max_message_bytes is not None:
+            sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
         sock.setsockopt(zmq.HEARTBEAT_TTL, 10000)

@@ -436,7 +436,14 @@ class ReplicaSync:
     member before the same step), then :meth:`hand_over` the donor's state. A joining
     stage's member (``plan.joining``) is in no ring until its first switch."""
 
-    def __init__(self, plan: StagePlan, fingerprint: bytes, ring: SyncRing | None = None) -> None:
+    def __init__(
+        self,
+        plan: StagePlan,
+        fingerprint: bytes,
+        ring: SyncRing | None = None,
+        *,
+        max_message_bytes: int | None = None,
+    ) -> None:
         if not plan.replicated:
             raise ValueError("ReplicaSync needs a replicated plan")
         if ring is None and not plan.joining:
@@ -448,6 +455,7 @@ class ReplicaSync:
         self.plan = plan
         self.ring = ring
         self.signer = _signer(ring)
+        self.max_message_bytes = max_message_bytes  # a p2p ring link's (ZmqLink)
         self.fingerprint = fingerprint
         self.k = plan.n_replicas  # the replica slots (each keeps its own rows of the batch)
         self.replica = plan.replica
@@ -526,6 +534,7 @@ class ReplicaSync:
                         p2p_grace_s=plan.p2p_probe_timeout_s,
                         fingerprint=self.fingerprint,
                         curve=_curve(ring.curve_up),
+                        max_message_bytes=self.max_message_bytes,
                     )
                     return
                 except LinkError as exc:
@@ -558,6 +567,7 @@ class ReplicaSync:
             timeout_s=timeout_s,
             fingerprint=self.fingerprint,
             curve=_curve(ring.curve_down),
+            max_message_bytes=self.max_message_bytes,
         )
         thread.join()
         got = accepted["link"]
@@ -920,13 +930,21 @@ class ReplicaRings:
     its packed matrix by segment: :func:`ring_rows`). The counters are the rings' sums, kept
     across ring changes."""
 
-    def __init__(self, plan: StagePlan, fingerprint: bytes) -> None:
+    def __init__(
+        self, plan: StagePlan, fingerprint: bytes, *, max_message_bytes: int | None = None
+    ) -> None:
         if not plan.replicated:
             raise ValueError("ReplicaRings needs a replicated plan")
         self.plan = plan
         self.fingerprint = fingerprint
+        self.max_message_bytes = max_message_bytes
         self.syncs: list[ReplicaSync] = (
-            [] if plan.joining else [ReplicaSync(plan, fingerprint, r) for r in plan.sync_rings]
+            []
+            if plan.joining
+            else [
+                ReplicaSync(plan, fingerprint, r, max_message_bytes=max_message_bytes)
+                for r in plan.sync_rings
+            ]
         )
         self._retired: list[ReplicaSync] = []  # rings given up at a change (their counters)
 
@@ -959,7 +977,10 @@ class ReplicaRings:
         for sync in self.syncs:
             sync._retire_links()
         self._retired += self.syncs
-        self.syncs = [ReplicaSync(plan, self.fingerprint, ring) for ring in change.rings]
+        self.syncs = [
+            ReplicaSync(plan, self.fingerprint, ring, max_message_bytes=self.max_message_bytes)
+            for ring in change.rings
+        ]
         for sync, ring in zip(self.syncs, change.rings, strict=True):
             sync.switch(change, timeout_s, ring)
 

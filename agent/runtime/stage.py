@@ -377,6 +377,7 @@ class StageRunner:
                 p2p_grace_s=plan.p2p_probe_timeout_s,
                 fingerprint=fingerprint,
                 curve=_curve(plan.curve_up),
+                max_message_bytes=boundary_message_bytes(plan),
             )
             self.up = Boundary(
                 link,
@@ -399,6 +400,7 @@ class StageRunner:
                 timeout_s=plan.peer_timeout_s,
                 fingerprint=fingerprint,
                 curve=_curve(plan.curve_down),
+                max_message_bytes=boundary_message_bytes(plan),
             )
             self.down = Boundary(
                 link,
@@ -411,7 +413,9 @@ class StageRunner:
                 vocab_size=plan.model.vocab_size,
             )
         if plan.replicated:  # after the pipeline's links: those never wait on another replica
-            self.replicas = ReplicaRings(plan, fingerprint)
+            self.replicas = ReplicaRings(
+                plan, fingerprint, max_message_bytes=ring_message_bytes(self.model.n_params)
+            )
             if not plan.joining:  # a joining stage's ring comes with its ring command
                 self.replicas.open()
         self.emit_links()
@@ -1272,6 +1276,25 @@ class _Tally:
         parts = self.link.recv(timeout_s)
         self.received += frame_nbytes(parts)
         return parts
+
+
+# What a peer may send in one message over a p2p link: ZeroMQ drops the connection of one
+# that sends more before the message is in memory (the relay has its own frame limit).
+# Generous on purpose: a limit a legitimate frame could reach would hang a job.
+MESSAGE_SLACK_BYTES = 64 << 20
+
+
+def boundary_message_bytes(plan: StagePlan) -> int:
+    """A boundary's limit: four times a frame of the whole batch (a validation batch is
+    the largest) at the model's width in float32, with its targets, plus slack."""
+    width = 4 * plan.model.d_model + 8
+    return 4 * plan.train.batch_size * plan.model.seq_len * width + MESSAGE_SLACK_BYTES
+
+
+def ring_message_bytes(n_params: int) -> int:
+    """A ring link's limit: the donor's state (the weights, AdamW's two moments, DiLoCo's
+    anchor and momentum: five float32 values a parameter) with room to spare, plus slack."""
+    return 24 * n_params + MESSAGE_SLACK_BYTES
 
 
 def _curve(keys: PlanCurveKeys | None) -> CurveKeys | None:

@@ -780,3 +780,39 @@ def test_curve_lets_only_the_placed_neighbour_connect():
         thread.join(timeout=20)
         if "link" in accepted:
             accepted["link"].close()
+
+
+def test_a_peer_that_sends_past_the_message_limit_is_cut_off_before_it_is_read():
+    """ZeroMQ drops the connection of a peer whose message is over ``max_message_bytes``
+    (the stages set it from the largest frame they expect): the receiver never holds it,
+    and the peer's messages within the limit get through once it has reconnected."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    receiver = ZmqLink(name="down", bind=address, max_message_bytes=1 << 20)
+    sender = ZmqLink(name="up", connect=address)
+    try:
+        sender.send([b"x" * (2 << 20)], timeout_s=5)
+        assert receiver.recv_any(1.0) is None, "the oversized message was read"
+
+        def small_arrives() -> bool:
+            sender.send([b"small"], timeout_s=5)
+            got = receiver.recv_any(0.5)
+            return got is not None and bytes(got[0]) == b"small"
+
+        wait_for(small_arrives, timeout=20, what="a message within the limit after the cut")
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_stages_links_allow_its_largest_frames():
+    from silentswarm.agent.runtime.stage import boundary_message_bytes, ring_message_bytes
+    from silentswarm.plan import ModelConfig, TrainConfig, single_process_plan
+
+    plan = single_process_plan(
+        job_id="j",
+        model=ModelConfig(n_layers=2, d_model=1024, seq_len=512),
+        train=TrainConfig(batch_size=32, micro_batches=1),
+    )
+    batch_frame = 32 * 512 * 1024 * 4  # a validation batch's activations, float32
+    assert boundary_message_bytes(plan) > 4 * batch_frame
+    assert ring_message_bytes(10**8) > 5 * 4 * 10**8  # weights, 2 moments, anchor, momentum
