@@ -306,18 +306,22 @@ def test_a_member_lost_before_it_reported_its_digest_no_longer_holds_the_vote_up
     assert job.state is JobState.RUNNING and job.placement.live_replicas == [0]
 
 
-def test_a_refused_donor_is_lost_with_the_member_that_refused_it():
-    jobs, job, _ = running(k=3, p=1)
-    jobs.lose_stage(job.job_id, fellow(job, 2, 0), "went offline")
-    jobs.ring_changed(job.job_id, 1, 10, 0, joined=[])
-    refused = StageOutcome(
+def donor_refused(job: JobRecord) -> StageOutcome:
+    """Replica 1's stage ends refusing the state of donor replica 0."""
+    return StageOutcome(
         job_id=job.job_id,
         attempt=1,
         result=StageResult.FAILED,
         code="DONOR_REFUSED",
         message="refused the state of donor replica 0",
     )
-    jobs.record_outcome(fellow(job, 1, 0), refused)
+
+
+def test_a_refused_donor_is_lost_with_the_member_that_refused_it():
+    jobs, job, _ = running(k=3, p=1)
+    jobs.lose_stage(job.job_id, fellow(job, 2, 0), "went offline")
+    jobs.ring_changed(job.job_id, 1, 10, 0, joined=[])
+    jobs.record_outcome(fellow(job, 1, 0), donor_refused(job))
     # Neither can be trusted: with no replica left, the attempt fails as without replicas.
     assert job.state is JobState.FAILED
     assert [m.replica for m in job.membership if m.kind == "lost"] == [2, 1]
@@ -328,14 +332,7 @@ def test_a_donor_refusal_from_a_member_that_trains_in_the_new_rings_takes_no_don
     jobs.lose_stage(job.job_id, fellow(job, 3, 0), "went offline")
     jobs.ring_changed(job.job_id, 1, 10, 0, joined=[])
     jobs.record_progress(step(job, fellow(job, 1, 0), 11, sync_epoch=1))
-    refused = StageOutcome(
-        job_id=job.job_id,
-        attempt=1,
-        result=StageResult.FAILED,
-        code="DONOR_REFUSED",
-        message="refused the state of donor replica 0",
-    )
-    jobs.record_outcome(fellow(job, 1, 0), refused)
+    jobs.record_outcome(fellow(job, 1, 0), donor_refused(job))
     assert job.state is JobState.RUNNING and job.placement.live_replicas == [0, 2]
 
 
