@@ -117,8 +117,8 @@ class FellowAgent:
             hostname=self.probe.hostname,
             version=__version__,
             pid=os.getpid(),
-            data_address=settings.data_address,
-            sync_address=settings.sync_address,
+            data_address=settings.data_address or None,  # "": none (--data-address "")
+            sync_address=settings.sync_address or None,
             pool=settings.pool,
             labels=settings.labels,
         )

@@ -235,12 +235,9 @@ def digest_verdict(
     replacements joining with it), the digest of a strict majority wins and the others are
     outvoted.
 
-    The state goes around the ring from the ``donor`` replica, each member passing on what
-    it took, so a member's digest is only as good as its predecessor's forwarding: when a
-    member other than the donor is outvoted, its predecessor is too if that one claims the
-    majority's digest and is not the donor (it passed on what it did not take, or its
-    successor lies: nobody can tell which, so neither stays, and a hostile member can take
-    one honest member down with it, never more). In a ring of two that disagree the donor
+    The state goes around the ring from the ``donor`` replica, signed by it in a ring of
+    three or more (a forwarder cannot alter it unnoticed: its successor fails the switch), so
+    a digest that differs is its reporter's own. In a ring of two that disagree the donor
     stays and the other goes: the job keeps the replica it already trusted. A ring of more
     with no majority is undecided: nobody can tell who lies."""
     by_segment: dict[int, list[tuple[int, str, str | None]]] = {}
@@ -274,15 +271,7 @@ def _ring_verdict(
     if votes == len(members):
         return []
     if votes * 2 > len(members):
-        lost: list[str] = []
-        for i, (replica, fellow_id, got) in enumerate(members):
-            if got == digest:
-                continue
-            lost.append(fellow_id)
-            before, before_fellow, before_got = members[i - 1]
-            if replica != donor and before != donor and before_got == digest:
-                lost.append(before_fellow)
-        return lost
+        return [fellow_id for _, fellow_id, got in members if got != digest]
     if len(members) == 2 and donor in (members[0][0], members[1][0]):
         return [next(f for r, f, _ in members if r != donor)]
     return None

@@ -12,9 +12,14 @@ from __future__ import annotations
 
 import re
 
-_HOST = r"(?:\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?)"
-DATA_ENDPOINT = rf"^tcp://{_HOST}:[0-9]{{1,5}}$"
-SYNC_ENDPOINT = rf"^tcp://{_HOST}:[0-9]{{1,5}}(?:-[0-9]{{1,5}})?$"
+# A name (letters, digits, '-', '_', dots; a final dot allowed), an IPv4 address, or an IPv6
+# address in brackets, perhaps with a zone (``[fe80::1%eth0]``). \Z, not $: no final newline.
+_HOST = (
+    r"(?:\[[0-9A-Fa-f:.]{2,45}(?:%[A-Za-z0-9_.-]{1,32})?\]"
+    r"|[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,251}[A-Za-z0-9_])?\.?)"
+)
+DATA_ENDPOINT = rf"^tcp://{_HOST}:[0-9]{{1,5}}\Z"
+SYNC_ENDPOINT = rf"^tcp://{_HOST}:[0-9]{{1,5}}(?:-[0-9]{{1,5}})?\Z"
 _DATA = re.compile(DATA_ENDPOINT)
 _SYNC = re.compile(SYNC_ENDPOINT)
 

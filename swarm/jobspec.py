@@ -384,7 +384,7 @@ def stage_plans(
     every link that may use the relay (auto, tunnel) a fresh relay token, so only they can
     send relay messages the other accepts: each boundary of each replica's pipeline, and
     with replicas each link of each segment's ring (:func:`silentswarm.rings.build_rings`).
-    Only replica 0 checkpoints for the leader.
+    Only the lead replica (``placement.lead``) checkpoints for the leader.
     """
     k = placement.n_replicas
     pipelines = [placement.pipeline(r) for r in range(k)]

@@ -414,7 +414,9 @@ StateDigests = Annotated[
 ]
 
 
-class SyncRing(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class SyncRing(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True
+):
     """One ring a replicated stage is a member of (:mod:`silentswarm.rings`): the ring of the
     replicas' stages that hold the segment of layers ``[layer_start, layer_end)``.
 
@@ -428,7 +430,9 @@ class SyncRing(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     In a ring of three or more a member forwards the others' contributions, so the links'
     keys prove only who passed a frame on: each member signs what it originates (ed25519;
     ``sign_seed`` its own key, ``signers`` every member's public key by replica), and a
-    frame whose origin did not sign it is dropped. A ring of two forwards nothing."""
+    frame whose origin did not sign it is dropped. A ring of two forwards nothing. Fields at
+    their defaults are left out of the JSON, so an agent from before signing still takes a
+    ring of two (and refuses a signed one, which it could not check)."""
 
     layer_start: Annotated[int, msgspec.Meta(ge=0, le=MAX_LAYERS)]
     layer_end: Annotated[int, msgspec.Meta(ge=1, le=MAX_LAYERS)]

@@ -114,7 +114,8 @@ class ZmqLink:
                 self._ctx.term()
             if isinstance(exc, LinkError):
                 raise LinkError(f"{name}: {exc.message}") from None
-            raise LinkError(f"{name}: cannot connect to {connect!r}: {exc}") from None
+            verb = "bind" if bind is not None else "connect to"
+            raise LinkError(f"{name}: cannot {verb} {bind or connect!r}: {exc}") from None
         self.address = bind or connect
         self.peer_done = False
         self._sock = sock
@@ -200,4 +201,7 @@ def _bind(sock: zmq.Socket, address: str) -> None:
         if exc.errno != zmq.EADDRNOTAVAIL:
             raise LinkError(f"cannot bind {address}: {exc}") from None
         port = address.rsplit(":", 1)[1]
-        sock.bind(f"tcp://*:{port}")
+        try:
+            sock.bind(f"tcp://*:{port}")
+        except zmq.ZMQError as again:  # e.g. the port still held by a socket just closed
+            raise LinkError(f"cannot bind {address} (or tcp://*:{port}): {again}") from None

@@ -22,13 +22,13 @@ What a member does with a received frame:
 - an older round: dropped (a late member's contribution the others already left out);
 - a later round (up to :data:`MAX_ROUNDS_AHEAD` ahead, one per origin): kept for that
   round, and the current one ends: the predecessor has moved on, so nothing more of this
-  round can come through it;
+  round can come through it; further ahead (this member is far behind): dropped as stale;
 - one that does not decode, a phase other than ``sync``, an origin that is no member, this
-  member itself or already seen, another shape, a round further ahead: dropped, logged and
-  counted as clipped (``sync_clipped``). The links carry only the placed peers' frames, so
-  such a frame is a bug or an attack, and it costs that contribution, not the member: were
-  it fatal, a hostile predecessor could end its honest successor and have its replica
-  dropped.
+  member itself or already seen, another shape, unsigned in a ring that signs: dropped,
+  logged and counted as clipped (``sync_clipped``). The links carry only the placed peers'
+  frames, so such a frame is a bug or an attack, and it costs that contribution, not the
+  member: were it fatal, a hostile predecessor could end its honest successor and have its
+  replica dropped.
 
 A member whose contribution has not arrived within ``sync_timeout_s`` is left out of the
 round and counted (``sync_missed``); the round averages over those present. In a ring of
@@ -292,6 +292,12 @@ def relative_distance(theirs: Sequence[np.ndarray], ours: Sequence[np.ndarray]) 
     return distance if math.isfinite(distance) else math.inf
 
 
+# The absolute slack of donor_refusal's moment bound: gradients below ~1e-21 leave a float32
+# second moment at exactly 0 (g * g * 0.001 underflows) while the first is not; a first moment
+# this small moves a weight by at most alpha * TINY / epsilon (Keras's 1e-7): 1e-5 of a step.
+TINY = 1e-12
+
+
 def adam_moment_bound(beta_1: float, beta_2: float) -> float:
     """How far AdamW's first moment can ever be from its second's square root, elementwise
     (``|m| <= bound * sqrt(v)``, by Cauchy-Schwarz over the two running means of the same
@@ -332,7 +338,7 @@ def donor_refusal(
         m, v = theirs[first], theirs[second]
         if (v < 0).any():
             return "its optimizer's second moments hold negative values"
-        if math.isfinite(moment_bound) and (np.abs(m) > moment_bound * np.sqrt(v) + 1e-30).any():
+        if math.isfinite(moment_bound) and (np.abs(m) > moment_bound * np.sqrt(v) + TINY).any():
             return (
                 f"its optimizer's first moments exceed {moment_bound:.3g} times the square "
                 "root of their second moments (no AdamW state does)"
@@ -876,8 +882,16 @@ class ReplicaSync:
             self.stale += 1
             return None
         if header.step > round_id:
-            if header.step > round_id + MAX_ROUNDS_AHEAD:
-                return self._reject(f"a contribution to round {header.step} in round {round_id}")
+            if header.step > round_id + MAX_ROUNDS_AHEAD:  # this member is far behind
+                self.stale += 1
+                log.warning(
+                    "%s: dropped a contribution to round %d in round %d (more than %d ahead)",
+                    self.up.name if self.up is not None else self.where,
+                    header.step,
+                    round_id,
+                    MAX_ROUNDS_AHEAD,
+                )
+                return None
             early = self._early.setdefault(header.step, {})
             if origin in early:
                 return self._reject(f"a second round {header.step} contribution of {origin}")

@@ -783,9 +783,10 @@ def test_curve_lets_only_the_placed_neighbour_connect():
 
 
 def test_a_peer_that_sends_past_the_message_limit_is_cut_off_before_it_is_read():
-    """ZeroMQ drops the connection of a peer whose message is over ``max_message_bytes``
-    (the stages set it from the largest frame they expect): the receiver never holds it,
-    and the peer's messages within the limit get through once it has reconnected."""
+    """ZeroMQ drops the connection of a peer whose message part is over
+    ``max_message_bytes`` (the stages set it from the largest frame they expect): the
+    receiver never holds it, and the peer's messages within the limit get through once it
+    has reconnected."""
     address = f"tcp://127.0.0.1:{free_port()}"
     receiver = ZmqLink(name="down", bind=address, max_message_bytes=1 << 20)
     sender = ZmqLink(name="up", connect=address)
@@ -805,14 +806,32 @@ def test_a_peer_that_sends_past_the_message_limit_is_cut_off_before_it_is_read()
 
 
 def test_a_stages_links_allow_its_largest_frames():
+    """Every part of the largest frame a boundary carries (a validation batch, float32, with
+    its targets) fits its limit with room to spare, and so does a ring's state frame."""
+    from silentswarm.agent.pipe.wire import Direction, encode_frame, parse_wire_codec
+    from silentswarm.agent.runtime.replicas import pack_state
     from silentswarm.agent.runtime.stage import boundary_message_bytes, ring_message_bytes
     from silentswarm.plan import ModelConfig, TrainConfig, single_process_plan
 
+    model = ModelConfig(n_layers=2, d_model=256, seq_len=128)
     plan = single_process_plan(
-        job_id="j",
-        model=ModelConfig(n_layers=2, d_model=1024, seq_len=512),
-        train=TrainConfig(batch_size=32, micro_batches=1),
+        job_id="j", model=model, train=TrainConfig(batch_size=16, micro_batches=1)
     )
-    batch_frame = 32 * 512 * 1024 * 4  # a validation batch's activations, float32
-    assert boundary_message_bytes(plan) > 4 * batch_frame
-    assert ring_message_bytes(10**8) > 5 * 4 * 10**8  # weights, 2 moments, anchor, momentum
+    batch = np.zeros((16, 128, 256), np.float32)
+    _, parts = encode_frame(
+        batch,
+        parse_wire_codec("none"),
+        job="j",
+        attempt=1,
+        step=0,
+        micro=0,
+        direction=Direction.FWD,
+        phase="eval",
+        targets=np.zeros((16, 128), np.uint8),
+        eval_batches=1,
+    )
+    largest = max(memoryview(p).nbytes for p in parts)
+    assert largest == batch.nbytes and boundary_message_bytes(plan) >= 4 * largest
+    n_params = 250_000
+    state = pack_state([np.zeros(n_params, np.float32)] * 5)  # weights, m, v, anchor, momentum
+    assert ring_message_bytes(n_params) >= state.nbytes

@@ -20,6 +20,10 @@ from silentswarm.settings import Settings
         ("tcp://127.0.0.1:5701", False, True),
         ("tcp://fellow-3.lab.example:5701", False, True),
         ("tcp://[::1]:5701", False, True),
+        ("tcp://[fe80::1%eth0]:5701", False, True),
+        ("tcp://fellow_a:5701", False, True),  # a Compose service's name
+        ("tcp://fellow-3.lab.example.:5701", False, True),
+        ("tcp://10.0.0.5:5701\n", False, False),
         ("tcp://10.0.0.5:7000-7003", True, True),
         ("tcp://10.0.0.5:7000-7003", False, False),  # a range is a sync address's only
         ("foo", False, False),
