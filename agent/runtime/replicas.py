@@ -883,15 +883,11 @@ class ReplicaSync:
             return None
         if header.step > round_id:
             if header.step > round_id + MAX_ROUNDS_AHEAD:  # this member is far behind
-                self.stale += 1
-                log.warning(
-                    "%s: dropped a contribution to round %d in round %d (more than %d ahead)",
-                    self.up.name if self.up is not None else self.where,
-                    header.step,
-                    round_id,
-                    MAX_ROUNDS_AHEAD,
+                return self._reject(
+                    f"a contribution to round {header.step} in round {round_id} (more than "
+                    f"{MAX_ROUNDS_AHEAD} ahead)",
+                    stale=True,
                 )
-                return None
             early = self._early.setdefault(header.step, {})
             if origin in early:
                 return self._reject(f"a second round {header.step} contribution of {origin}")
@@ -919,10 +915,14 @@ class ReplicaSync:
             )
         return None
 
-    def _reject(self, why: str) -> None:
-        """Drop a sync frame no honest predecessor sends; it counts as a clipped contribution."""
+    def _reject(self, why: str, *, stale: bool = False) -> None:
+        """Drop a sync frame no honest predecessor sends (it counts as a clipped
+        contribution), or with ``stale`` one this member is too far behind to keep."""
         assert self.up is not None
-        self.clipped += 1
+        if stale:
+            self.stale += 1
+        else:
+            self.clipped += 1
         log.warning("%s: dropped a sync frame: %s", self.up.name, why)
 
 

@@ -1278,8 +1278,9 @@ class _Tally:
         return parts
 
 
-# What a peer may send in one message over a p2p link: ZeroMQ drops the connection of one
-# that sends more before the message is in memory (the relay has its own frame limit).
+# What a peer may send in one message part over a p2p link: ZeroMQ drops the connection of
+# one that sends a larger part before it is in memory (libzmq caps parts one by one, not
+# their number; the relay has its own frame limit).
 # Generous on purpose: a limit a legitimate frame could reach would hang a job.
 MESSAGE_SLACK_BYTES = 64 << 20
 
