@@ -279,12 +279,15 @@ def wait_until(
 
 
 def is_gone(proc: psutil.Process) -> bool:
-    """Exited: no such process, or a zombie that nobody has reaped yet.
+    """Exited: no such process, or a zombie that nobody has reaped yet, all its threads gone.
 
-    Processes that start-cluster detached are reaped by PID 1, which may take its time.
+    Processes that start-cluster detached are reaped by PID 1, which may take its time. A
+    multi-threaded process's main thread (nats-server's) can turn zombie while its other
+    threads are still exiting, holding the files they share (the store's lock) a moment
+    longer: it is gone once it is the only thread left.
     """
     try:
-        return proc.status() == psutil.STATUS_ZOMBIE
+        return proc.status() == psutil.STATUS_ZOMBIE and proc.num_threads() <= 1
     except psutil.NoSuchProcess:
         return True
 

@@ -35,7 +35,15 @@ def saved_pushes(nats_url: str, job_id: str) -> set[tuple[int, int]]:
 
 
 def check_manifest(directory: Path, n_stages: int) -> dict:
-    manifest = json.loads((directory / "run_manifest.json").read_text())
+    """The job's final manifest, its files checked. A job turns terminal a moment before its
+    final manifest (with the final losses) replaces the last push's: it is awaited."""
+    path = directory / "run_manifest.json"
+    wait_for(
+        lambda: json.loads(path.read_text())["state"] == "COMPLETED",
+        timeout=15,
+        what="the final manifest",
+    )
+    manifest = json.loads(path.read_text())
     assert manifest["format"] == 1 and len(manifest["stages"]) == n_stages
     for stage in manifest["stages"]:
         for key in ("weights", "checkpoint"):

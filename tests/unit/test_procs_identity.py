@@ -89,6 +89,37 @@ def test_same_process_matches_start_ticks_and_boot_not_just_the_pid():
     assert same_process(ProcessIdentity(me.pid, me.start_ticks, "another-boot")) is None
 
 
+# The main thread exits alone (pthread_exit): the process lives on in another thread, as a
+# multi-threaded server's does for a moment while it dies (its lock still held).
+_MAIN_THREAD_EXITS_FIRST = """
+import ctypes, sys, threading
+release = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.readline(), release.set())).start()
+print("ready", flush=True)
+ctypes.CDLL(None).pthread_exit(None)
+"""
+
+
+def test_a_zombie_main_thread_is_not_gone_while_another_thread_runs():
+    child = subprocess.Popen(
+        [sys.executable, "-c", _MAIN_THREAD_EXITS_FIRST],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        proc = psutil.Process(child.pid)
+        assert wait_until(lambda: proc.status() == psutil.STATUS_ZOMBIE, timeout=30)
+        assert proc.num_threads() == 2 and not is_gone(proc)
+        child.communicate("go\n", timeout=30)  # the last thread ends: the process exits
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 0
+
+
 def test_an_exited_process_and_a_zombie_are_not_the_same_process():
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     identity = identity_of(child.pid)
