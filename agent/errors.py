@@ -93,6 +93,17 @@ class DonorRefusedError(RingChangeError):
     code = ErrorCode.DONOR_REFUSED
 
 
+class ForwardRefusedError(RingChangeError):
+    """A ring member refused the frame its predecessor handed on as the donor's state at a
+    ring change: it does not decode, is not this change's state, has the wrong shape, or
+    lacks the donor's signature. The link is authenticated (CURVE, or the relay's subjects
+    of the placed fellows), so the frame came from the predecessor: the leader treats both
+    the member's and the predecessor's replicas as lost (it cannot tell which of the two
+    lies)."""
+
+    code = ErrorCode.FORWARD_REFUSED
+
+
 class StageFailedError(SwarmError):
     """A stage started by :mod:`silentswarm.agent.runtime.launch` exited non-zero or did not
     finish."""

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from silentswarm.errors import ErrorCode
 from silentswarm.jobspec import PlacedStage, Placement, seats, stage_plans
 from silentswarm.leader.placement import DEFAULTS, Candidate, PlacementDefaults, Unplaceable, place
 from silentswarm.plan import RingChange, StagePlan, Transport
@@ -131,6 +132,22 @@ def ring_changes(
                 checkpoint_at_end=lead,
             )
     return out
+
+
+def accused_replica(job: JobRecord, replica: int, code: str | None) -> int | None:
+    """The replica that ``replica``'s refusal at a ring change accuses, which the leader
+    drops with ``replica``'s (it cannot tell which of the two lies): the donor of the
+    current rings for DONOR_REFUSED (their state was refused), the member before
+    ``replica`` in them for FORWARD_REFUSED (what it forwarded as that state was). None for
+    any other outcome, a member not in the current rings, or one accusing itself."""
+    if code == ErrorCode.DONOR_REFUSED:
+        accused = job.ring_donor
+    elif code == ErrorCode.FORWARD_REFUSED and replica in job.ring_members:
+        members = job.ring_members
+        accused = members[(members.index(replica) - 1) % len(members)]
+    else:
+        return None
+    return None if accused == replica else accused
 
 
 def free_slot(job: JobRecord) -> int | None:

@@ -17,7 +17,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from silentswarm.errors import ConflictError, ErrorCode, IllegalTransitionError, NotFoundError
@@ -523,15 +523,16 @@ class JobManager:
             return job
         what = outcome.message or outcome.result.value
         reason = f"fellow {fellow_id} (stage {stage.stage}) {outcome.result.value}: {what}"
-        # A member refuses its donor while it switches, before it trains in the new rings: a
-        # refusal from one that already trained in them is no refusal, and takes no donor.
+        # A member refuses its donor's state (or what its predecessor forwarded as such)
+        # while it switches, before it trains in the new rings: a refusal from one that
+        # already trained in them is no refusal, and takes nobody along.
         switching = job.ring_epoch > 0 and (stage.sync_epoch or 0) < job.ring_epoch
-        refused = outcome.code == ErrorCode.DONOR_REFUSED and switching
-        donor = self._donor_of(job, fellow_id) if refused else None
+        accused = elastic.accused_replica(job, stage.replica, outcome.code) if switching else None
+        other = None if accused is None else self._fellow_of(job, accused, fellow_id)
         self.lose_stage(job.job_id, fellow_id, reason)
-        if donor is not None and job.state is JobState.RUNNING:
+        if other is not None and job.state is JobState.RUNNING:
             # One of the two lies about the state handed over: neither is kept.
-            self.lose_stage(job.job_id, donor, f"{reason} (its state was refused)")
+            self.lose_stage(job.job_id, other, f"{reason} (the state it sent was refused)")
         return job
 
     def _complete_if_done(self, job: JobRecord) -> None:
@@ -555,15 +556,15 @@ class JobManager:
             log.error("job %s completed without its final model: %s", job.job_id, job.export_error)
         self._finish(job, JobEvent.COMPLETED, "every stage completed")
 
-    def _donor_of(self, job: JobRecord, fellow_id: str) -> str | None:
-        """The fellow of the current rings' donor replica that handed the stage on
-        ``fellow_id`` its state: the donor's stage holding its first layer (replicas may split
-        the layers differently; None: no ring change yet)."""
+    def _fellow_of(self, job: JobRecord, replica: int, fellow_id: str) -> str | None:
+        """The fellow of ``replica`` that handed the stage on ``fellow_id`` its state in the
+        current rings: its stage holding that stage's first layers (replicas may split the
+        layers differently); None where the replica is placed no more."""
         refusing = None if job.placement is None else job.placement.stage_of(fellow_id)
-        if job.ring_donor is None or job.placement is None or refusing is None:
+        if job.placement is None or refusing is None:
             return None
-        donors = [s for s in job.placement.pipeline(job.ring_donor) if layers_overlap(s, refusing)]
-        return donors[0].fellow_id if donors else None
+        senders = [s for s in job.placement.pipeline(replica) if layers_overlap(s, refusing)]
+        return senders[0].fellow_id if senders else None
 
     # --- elastic membership ---------------------------------------------------------------
 
@@ -657,14 +658,22 @@ class JobManager:
         return job
 
     def ring_changed(
-        self, job_id: str, epoch: int, at_step: int, donor: int, *, joined: list[int]
+        self,
+        job_id: str,
+        epoch: int,
+        at_step: int,
+        donor: int,
+        *,
+        members: Sequence[int],
+        joined: list[int],
     ) -> None:
         """The orchestrator is sending ring ``epoch`` (from step ``at_step``, state from
-        ``donor``) to every member: the stages of the ``joined`` replicas switch with it."""
+        ``donor``, over the replicas ``members``) to every member: the stages of the
+        ``joined`` replicas switch with it."""
         job = self._jobs.get(job_id)
         if job is None:
             return
-        job.ring_epoch, job.ring_donor = epoch, donor
+        job.ring_epoch, job.ring_donor, job.ring_members = epoch, donor, sorted(members)
         self.after_loss.discard(job_id)
         for p in job.progress:
             if p.replica in joined:

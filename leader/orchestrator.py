@@ -560,7 +560,9 @@ class Orchestrator:
                 job, members=members, epoch=epoch, at_step=job.spec.steps
             )
             donor = next(iter(changes.values())).donor
-            self.jobs.ring_changed(job.job_id, epoch, job.spec.steps, donor, joined=[])
+            self.jobs.ring_changed(
+                job.job_id, epoch, job.spec.steps, donor, members=members, joined=[]
+            )
             log.info(
                 "job %s: the run ends before a ring change could take effect; replica %d "
                 "takes over the checkpoints",
@@ -573,7 +575,7 @@ class Orchestrator:
                 job, members=members, epoch=epoch, at_step=at_step, joining=ready
             )
             donor = next(iter(changes.values())).donor
-            self.jobs.ring_changed(job.job_id, epoch, at_step, donor, joined=ready)
+            self.jobs.ring_changed(job.job_id, epoch, at_step, donor, members=members, joined=ready)
             log.info(
                 "job %s: ring %d of replicas %s from step %d (state from replica %d%s)",
                 job.job_id,

@@ -110,6 +110,9 @@ class ErrorCode(StrEnum):
     SHARD_FETCH_FAILED = "SHARD_FETCH_FAILED"
     STAGE_FAILED = "STAGE_FAILED"  # also a stage's failure that has no code of its own
     DONOR_REFUSED = "DONOR_REFUSED"  # a ring member refused the donor's state (far, not finite)
+    # a ring member refused the donor's state as its predecessor forwarded it at a ring change
+    # (malformed, of the wrong shape, unsigned or signed by another than the donor)
+    FORWARD_REFUSED = "FORWARD_REFUSED"
     LINK_FAILED = "LINK_FAILED"
     PEER_TIMEOUT = "PEER_TIMEOUT"
     RELAY_GAP = "RELAY_GAP"

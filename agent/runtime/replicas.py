@@ -70,7 +70,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from silentswarm import subjects
-from silentswarm.agent.errors import FrameError, LinkError, PeerTimeoutError
+from silentswarm.agent.errors import ForwardRefusedError, FrameError, LinkError, PeerTimeoutError
 from silentswarm.agent.pipe.base import Parts
 from silentswarm.agent.pipe.link import (
     CurveKeys,
@@ -619,7 +619,8 @@ class ReplicaSync:
         """The donor's state (a :func:`pack_state` matrix of ``shape``) once around the new
         ring: the donor sends ``own``; every other member receives it from its predecessor,
         forwards it unless its successor is the donor, and returns it. Lossless (codec
-        ``none``). A frame that is not the donor's state of this epoch is a FrameError; none
+        ``none``). A frame that is not the donor's state of this epoch is a
+        ForwardRefusedError (naming the predecessor: the leader drops its replica too); none
         within ``timeout_s`` a PeerTimeoutError."""
         alone = len(self.members) == 1
         if self.replica == change.donor:
@@ -641,34 +642,50 @@ class ReplicaSync:
                 self.down.send(self.signer.sign(parts), timeout_s=timeout_s)
             return matrix
         assert self.up is not None and self.down is not None
-        name = self.up.name
         deadline = time.monotonic() + timeout_s
         while True:
             parts = self.up.recv(max(0.001, deadline - time.monotonic()))
-            signed = self.signer.split(parts)
-            if signed is None:
-                raise FrameError(f"{name}: the donor's state came without a signature")
-            body, signature = signed
-            frame = self._decode_ours(body)
-            if frame is None:
-                continue
-            header = frame.header
-            got = (header.phase, header.step, header.micro)
-            want = (STATE_PHASE, change.epoch, change.donor)
-            if got != want:
-                raise FrameError(f"{name}: expected the donor's state {want}, got {got}")
-            if signature is not None and not self.signer.signed_by(change.donor, body, signature):
-                raise FrameError(f"{name}: a state replica {change.donor} (the donor) did not sign")
-            if frame.array.shape != tuple(shape):
-                raise FrameError(
-                    f"{name}: the donor's state has shape {list(frame.array.shape)}, "
-                    f"this stage's is {list(shape)}"
-                )
-            break
+            try:
+                frame = self._donor_state(parts, change, shape)
+            except FrameError as exc:
+                predecessor = prev_member(self.members, self.replica)
+                raise ForwardRefusedError(
+                    f"{exc} (forwarded by replica {predecessor}, ring epoch {change.epoch})"
+                ) from None
+            if frame is not None:
+                break
         matrix = np.array(frame.array, dtype=np.float32)
         if next_member(self.members, self.replica) != change.donor:
             self.down.send(parts, timeout_s=timeout_s)
         return matrix
+
+    def _donor_state(
+        self, parts: Parts, change: RingChange, shape: tuple[int, ...]
+    ) -> Frame | None:
+        """``parts`` from the predecessor as the donor's state of ``change``: its frame, None
+        for one of another job or attempt (dropped), a FrameError for anything else."""
+        assert self.up is not None
+        name = self.up.name
+        signed = self.signer.split(parts)
+        if signed is None:
+            raise FrameError(f"{name}: the donor's state came without a signature")
+        body, signature = signed
+        frame = self._decode_ours(body)
+        if frame is None:
+            return None
+        header = frame.header
+        got = (header.phase, header.step, header.micro)
+        want = (STATE_PHASE, change.epoch, change.donor)
+        if got != want:
+            raise FrameError(f"{name}: expected the donor's state {want}, got {got}")
+        if signature is not None and not self.signer.signed_by(change.donor, body, signature):
+            raise FrameError(f"{name}: a state replica {change.donor} (the donor) did not sign")
+        if frame.array.shape != tuple(shape):
+            raise FrameError(
+                f"{name}: the donor's state has shape {list(frame.array.shape)}, "
+                f"this stage's is {list(shape)}"
+            )
+        return frame
 
     def _decode_ours(self, parts: Parts) -> Frame | None:
         """A frame from the predecessor, or None (dropped and counted) for one of another

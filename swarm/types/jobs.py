@@ -151,6 +151,7 @@ class JobRecord(msgspec.Struct, kw_only=True):
     # the changes, newest last (the last MEMBERSHIP_LOG_LEN).
     ring_epoch: int = 0
     ring_donor: int | None = None  # the replica whose state the current ring took
+    ring_members: list[int] = msgspec.field(default_factory=list)  # its replicas, in order
     dropped: list[StageProgress] = msgspec.field(default_factory=list)
     membership: list[MembershipChange] = msgspec.field(default_factory=list)
 

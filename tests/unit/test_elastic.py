@@ -257,7 +257,7 @@ def test_a_replacement_is_placed_joins_and_counts_once_it_trains():
     assert jobs.ready_to_join(job) == [1] and job.job_id in jobs.ring_due
     changes = elastic.ring_changes(job, members=[0, 1], epoch=2, at_step=30, joining=[1])
     assert changes[first].joining == [1] and changes[first].donor == 0
-    jobs.ring_changed(job.job_id, 2, 30, 0, joined=[1])
+    jobs.ring_changed(job.job_id, 2, 30, 0, members=job.placement.live_replicas, joined=[1])
     assert [m.kind for m in job.membership][-1] == "joined"
     assert job.ring_epoch == 2 and job.ring_donor == 0
     jobs.record_progress(step(job, first, 31, sync_epoch=2, state_digests={0: DIGEST_A}))
@@ -268,7 +268,7 @@ def test_a_replacement_is_placed_joins_and_counts_once_it_trains():
 def test_a_member_outvoted_on_the_state_it_took_is_dropped():
     jobs, job, _ = running(k=4, p=1)
     jobs.lose_stage(job.job_id, fellow(job, 3, 0), "went offline")
-    jobs.ring_changed(job.job_id, 1, 10, 0, joined=[])
+    jobs.ring_changed(job.job_id, 1, 10, 0, members=job.placement.live_replicas, joined=[])
     a, b, c = (fellow(job, r, 0) for r in range(3))
     jobs.record_progress(step(job, a, 11, sync_epoch=1, state_digests={0: DIGEST_B}))
     jobs.record_progress(step(job, b, 11, sync_epoch=1, state_digests={0: DIGEST_A}))
@@ -284,7 +284,7 @@ def test_two_members_that_disagree_on_the_state_keep_the_donor():
     donor) and goes on, instead of failing the attempt."""
     jobs, job, _ = running(k=3, p=1, max_resumes=2, resume_from_scratch=True)
     jobs.lose_stage(job.job_id, fellow(job, 2, 0), "went offline")
-    jobs.ring_changed(job.job_id, 1, 10, 0, joined=[])
+    jobs.ring_changed(job.job_id, 1, 10, 0, members=job.placement.live_replicas, joined=[])
     a, b = fellow(job, 0, 0), fellow(job, 1, 0)
     jobs.record_progress(step(job, a, 11, sync_epoch=1, state_digests={0: DIGEST_A}))
     jobs.record_progress(step(job, b, 11, sync_epoch=1, state_digests={0: DIGEST_B}))
@@ -297,7 +297,7 @@ def test_two_members_that_disagree_on_the_state_keep_the_donor():
 def test_a_member_lost_before_it_reported_its_digest_no_longer_holds_the_vote_up():
     jobs, job, _ = running(k=4, p=1)
     jobs.lose_stage(job.job_id, fellow(job, 3, 0), "went offline")
-    jobs.ring_changed(job.job_id, 1, 10, 0, joined=[])
+    jobs.ring_changed(job.job_id, 1, 10, 0, members=job.placement.live_replicas, joined=[])
     a, b = fellow(job, 0, 0), fellow(job, 1, 0)
     jobs.record_progress(step(job, a, 11, sync_epoch=1, state_digests={0: DIGEST_A}))
     jobs.record_progress(step(job, b, 11, sync_epoch=1, state_digests={0: DIGEST_B}))
@@ -320,17 +320,74 @@ def donor_refused(job: JobRecord) -> StageOutcome:
 def test_a_refused_donor_is_lost_with_the_member_that_refused_it():
     jobs, job, _ = running(k=3, p=1)
     jobs.lose_stage(job.job_id, fellow(job, 2, 0), "went offline")
-    jobs.ring_changed(job.job_id, 1, 10, 0, joined=[])
+    jobs.ring_changed(job.job_id, 1, 10, 0, members=job.placement.live_replicas, joined=[])
     jobs.record_outcome(fellow(job, 1, 0), donor_refused(job))
     # Neither can be trusted: with no replica left, the attempt fails as without replicas.
     assert job.state is JobState.FAILED
     assert [m.replica for m in job.membership if m.kind == "lost"] == [2, 1]
 
 
+def forward_refused(job: JobRecord) -> StageOutcome:
+    """A stage ends refusing what its predecessor forwarded as the donor's state."""
+    return StageOutcome(
+        job_id=job.job_id,
+        attempt=1,
+        result=StageResult.FAILED,
+        code="FORWARD_REFUSED",
+        message="a state replica 0 (the donor) did not sign (forwarded by replica 1)",
+    )
+
+
+@pytest.mark.parametrize(
+    ("code", "members", "donor", "replica", "accused"),
+    [
+        ("DONOR_REFUSED", [0, 1, 2], 0, 2, 0),
+        ("DONOR_REFUSED", [0, 1, 2], 0, 0, None),  # the donor accusing itself
+        ("FORWARD_REFUSED", [0, 1, 2], 0, 2, 1),  # its predecessor
+        ("FORWARD_REFUSED", [0, 1, 2], 1, 0, 2),  # the first member's: the last
+        ("FORWARD_REFUSED", [0, 2, 5], 0, 5, 2),  # in ring order, not by number
+        ("FORWARD_REFUSED", [0, 1], 0, 1, 0),  # a ring of two: the donor forwarded it
+        ("FORWARD_REFUSED", [0, 1], 0, 3, None),  # not a member of the rings
+        ("FORWARD_REFUSED", [], None, 1, None),  # no ring change recorded
+        ("STAGE_FAILED", [0, 1, 2], 0, 2, None),
+        (None, [0, 1, 2], 0, 2, None),
+    ],
+)
+def test_a_refusal_at_a_ring_change_accuses_the_donor_or_the_predecessor(
+    code, members, donor, replica, accused
+):
+    _, job, _ = running(k=3, p=1)
+    job.ring_members, job.ring_donor = members, donor
+    assert elastic.accused_replica(job, replica, code) == accused
+
+
+def test_a_forward_refusal_loses_the_member_and_the_predecessor_that_forwarded_the_state():
+    """Ring of replicas 0, 2, 3 (1 lost), donor 0: replica 3 refuses what replica 2 handed
+    on; both go, the donor and the job stay."""
+    jobs, job, _ = running(k=4, p=1)
+    jobs.lose_stage(job.job_id, fellow(job, 1, 0), "went offline")
+    jobs.ring_changed(job.job_id, 1, 10, 0, members=job.placement.live_replicas, joined=[])
+    assert job.ring_members == [0, 2, 3]
+    jobs.record_outcome(fellow(job, 3, 0), forward_refused(job))
+    assert job.state is JobState.RUNNING and job.placement.live_replicas == [0]
+    lost = [m for m in job.membership if m.kind == "lost"]
+    assert [m.replica for m in lost] == [1, 3, 2]
+    assert "the state it sent was refused" in lost[-1].reason
+
+
+def test_a_forward_refusal_from_a_member_that_trains_in_the_new_rings_takes_nobody_along():
+    jobs, job, _ = running(k=4, p=1)
+    jobs.lose_stage(job.job_id, fellow(job, 1, 0), "went offline")
+    jobs.ring_changed(job.job_id, 1, 10, 0, members=job.placement.live_replicas, joined=[])
+    jobs.record_progress(step(job, fellow(job, 3, 0), 11, sync_epoch=1))
+    jobs.record_outcome(fellow(job, 3, 0), forward_refused(job))
+    assert job.state is JobState.RUNNING and job.placement.live_replicas == [0, 2]
+
+
 def test_a_donor_refusal_from_a_member_that_trains_in_the_new_rings_takes_no_donor():
     jobs, job, _ = running(k=4, p=1)
     jobs.lose_stage(job.job_id, fellow(job, 3, 0), "went offline")
-    jobs.ring_changed(job.job_id, 1, 10, 0, joined=[])
+    jobs.ring_changed(job.job_id, 1, 10, 0, members=job.placement.live_replicas, joined=[])
     jobs.record_progress(step(job, fellow(job, 1, 0), 11, sync_epoch=1))
     jobs.record_outcome(fellow(job, 1, 0), donor_refused(job))
     assert job.state is JobState.RUNNING and job.placement.live_replicas == [0, 2]
@@ -436,7 +493,7 @@ def test_a_joiner_lost_after_its_ring_change_went_out_needs_a_new_one():
     assert isinstance(stages, list)
     jobs.place_replacement(job.job_id, stages)
     jobs.record_progress(step(job, "n1", 0, event=ProgressEvent.JOINING))
-    jobs.ring_changed(job.job_id, 2, 40, 0, joined=[2])
+    jobs.ring_changed(job.job_id, 2, 40, 0, members=job.placement.live_replicas, joined=[2])
     jobs.ring_due.clear()
     jobs.lose_stage(job.job_id, "n1", "crashed while joining")
     assert jobs.ring_due == {job.job_id} and jobs.after_loss == {job.job_id}
@@ -490,7 +547,9 @@ def test_a_restarted_leader_sends_the_ring_change_of_a_loss_it_had_not_sent():
     again = JobManager(wall=Clock())
     again.restore([msgspec.json.decode(msgspec.json.encode(job), type=JobRecord)])
     assert again.ring_due == {job.job_id} and again.after_loss == {job.job_id}
-    jobs.ring_changed(job.job_id, 1, 10, 0, joined=[])  # sent: the loss has its epoch
+    jobs.ring_changed(
+        job.job_id, 1, 10, 0, members=job.placement.live_replicas, joined=[]
+    )  # sent: the loss has its epoch
     third = JobManager(wall=Clock())
     third.restore([msgspec.json.decode(msgspec.json.encode(job), type=JobRecord)])
     assert third.ring_due == set()

@@ -11,7 +11,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from silentswarm.agent.errors import FrameError, HandshakeError
+from silentswarm.agent.errors import ForwardRefusedError, HandshakeError
 from silentswarm.agent.pipe.wire import Direction, encode_frame
 from silentswarm.agent.runtime.replicas import (
     MAX_ROUNDS_AHEAD,
@@ -33,6 +33,7 @@ from silentswarm.agent.runtime.replicas import (
     unpack,
     unpack_state,
 )
+from silentswarm.errors import ErrorCode
 from silentswarm.plan import (
     ModelConfig,
     Peer,
@@ -734,7 +735,7 @@ def test_a_joining_member_is_in_no_ring_until_it_switches_and_gets_the_donors_st
             m.close()
 
 
-def test_a_state_of_another_shape_is_a_frame_error():
+def test_a_state_of_another_shape_is_refused_naming_the_replica_that_sent_it():
     plans = ring_plans(2)
     members = opened(plans)
     try:
@@ -746,17 +747,61 @@ def test_a_state_of_another_shape_is_a_frame_error():
         def receive() -> None:
             try:
                 results[1] = members[1].hand_over(changes[1], None, (own.shape[0] + 1, ROW), 20.0)
-            except FrameError as exc:
+            except ForwardRefusedError as exc:
                 results[1] = exc
 
         thread = threading.Thread(target=receive, daemon=True)
         thread.start()
         members[0].hand_over(changes[0], own, own.shape, 20.0)
         thread.join(30)
-        assert isinstance(results[1], FrameError) and "state" in str(results[1])
+        refused = results[1]
+        assert isinstance(refused, ForwardRefusedError) and "state has shape" in str(refused)
+        assert refused.code is ErrorCode.FORWARD_REFUSED
+        assert "forwarded by replica 0, ring epoch 1" in str(refused)
     finally:
         for m in members:
             m.close()
+
+
+def test_a_forwarder_that_alters_the_donors_state_is_named_by_its_successor():
+    """Ring of three, donor 1: replica 2 receives the signed state and hands on an altered
+    copy (one value changed, the donor's signature kept); replica 0 refuses it, naming
+    replica 2 (whose replica the leader then drops with 0's)."""
+    plans = ring_plans(3)
+    members = opened(plans)
+    try:
+        changes = ring_changes(plans, [0, 1, 2], epoch=1, at_step=3, donor=1)
+        in_threads([lambda m=m: m.switch(changes[m.replica], 20.0) for m in members])
+        state = contributions(1, rows=5, seed=3)[0]
+        forwarder = members[2]
+
+        def alter_and_forward() -> None:
+            assert forwarder.up is not None and forwarder.down is not None
+            parts = list(forwarder.up.recv(20.0))
+            payload = bytearray(parts[1])
+            payload[0] ^= 1
+            parts[1] = bytes(payload)
+            forwarder.down.send(parts, timeout_s=20.0)
+
+        def receive() -> Any:
+            try:
+                return members[0].hand_over(changes[0], None, state.shape, 20.0)
+            except ForwardRefusedError as exc:
+                return [exc]  # in_threads raises an exception it is handed
+
+        got = in_threads(
+            [
+                lambda: members[1].hand_over(changes[1], state, state.shape, 20.0),
+                alter_and_forward,
+                receive,
+            ]
+        )
+        (refused,) = got[2]
+        assert isinstance(refused, ForwardRefusedError), refused
+        assert "(the donor) did not sign" in str(refused)
+        assert "forwarded by replica 2, ring epoch 1" in str(refused)
+    finally:
+        closed(members)
 
 
 def test_a_ring_over_the_relay_switches_to_new_subjects_tokens(nats_server):
