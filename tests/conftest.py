@@ -7,11 +7,8 @@ themselves (they train TensorFlow models or start stage processes)."""
 
 from __future__ import annotations
 
-import os
 import secrets
-import shutil
 import signal
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -51,35 +48,12 @@ SLOW_FIRST = (
 )
 
 
-# TensorFlow's persistent XLA compilation cache, one for the whole run: the suite starts a few
-# hundred stage processes, and most compile a graph another one compiled before (the same
-# model and settings); loading it instead saves ~1.5 s of their ~4-s first step. Entries are
-# keyed by the exact HLO and written atomically (temp file, rename), so the processes of both
-# xdist workers share it. A test-only speed-up: stages of real jobs compile as they always did.
-XLA_CACHE_FLAG = "--tf_xla_persistent_cache_directory"
-_XLA_CACHE = pytest.StashKey[str]()
-
-
 def pytest_configure(config: pytest.Config) -> None:
     """Ctrl-C at its default in the suite and so in every process it starts (a child inherits
     an ignored signal): a suite started in the background (``cmd &`` in a script) runs with
-    SIGINT ignored, and a test that sends a process SIGINT expects a terminal's Ctrl-C.
-
-    The XLA cache is made once, by the main process (xdist's workers inherit its environment,
-    and every process a test starts theirs)."""
+    SIGINT ignored, and a test that sends a process SIGINT expects a terminal's Ctrl-C."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    flags = os.environ.get("TF_XLA_FLAGS", "")
-    if "PYTEST_XDIST_WORKER" not in os.environ and XLA_CACHE_FLAG not in flags:
-        cache = tempfile.mkdtemp(prefix="swarm-test-xla-cache-")
-        config.stash[_XLA_CACHE] = cache
-        os.environ["TF_XLA_FLAGS"] = f"{flags} {XLA_CACHE_FLAG}={cache}".strip()
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    cache = config.stash.get(_XLA_CACHE, None)
-    if cache is not None:
-        shutil.rmtree(cache, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

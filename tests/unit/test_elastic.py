@@ -306,14 +306,15 @@ def test_a_member_lost_before_it_reported_its_digest_no_longer_holds_the_vote_up
     assert job.state is JobState.RUNNING and job.placement.live_replicas == [0]
 
 
-def donor_refused(job: JobRecord) -> StageOutcome:
-    """Replica 1's stage ends refusing the state of donor replica 0."""
+def refused(job: JobRecord, code: str = "DONOR_REFUSED") -> StageOutcome:
+    """A stage ends refusing the donor's state (``DONOR_REFUSED``), or what its predecessor
+    forwarded as that state (``FORWARD_REFUSED``)."""
     return StageOutcome(
         job_id=job.job_id,
         attempt=1,
         result=StageResult.FAILED,
-        code="DONOR_REFUSED",
-        message="refused the state of donor replica 0",
+        code=code,
+        message=f"{code}: the state of donor replica 0",
     )
 
 
@@ -321,21 +322,10 @@ def test_a_refused_donor_is_lost_with_the_member_that_refused_it():
     jobs, job, _ = running(k=3, p=1)
     jobs.lose_stage(job.job_id, fellow(job, 2, 0), "went offline")
     jobs.ring_changed(job.job_id, 1, 10, 0, members=job.placement.live_replicas, joined=[])
-    jobs.record_outcome(fellow(job, 1, 0), donor_refused(job))
+    jobs.record_outcome(fellow(job, 1, 0), refused(job))
     # Neither can be trusted: with no replica left, the attempt fails as without replicas.
     assert job.state is JobState.FAILED
     assert [m.replica for m in job.membership if m.kind == "lost"] == [2, 1]
-
-
-def forward_refused(job: JobRecord) -> StageOutcome:
-    """A stage ends refusing what its predecessor forwarded as the donor's state."""
-    return StageOutcome(
-        job_id=job.job_id,
-        attempt=1,
-        result=StageResult.FAILED,
-        code="FORWARD_REFUSED",
-        message="a state replica 0 (the donor) did not sign (forwarded by replica 1)",
-    )
 
 
 @pytest.mark.parametrize(
@@ -368,7 +358,7 @@ def test_a_forward_refusal_loses_the_member_and_the_predecessor_that_forwarded_t
     jobs.lose_stage(job.job_id, fellow(job, 1, 0), "went offline")
     jobs.ring_changed(job.job_id, 1, 10, 0, members=job.placement.live_replicas, joined=[])
     assert job.ring_members == [0, 2, 3]
-    jobs.record_outcome(fellow(job, 3, 0), forward_refused(job))
+    jobs.record_outcome(fellow(job, 3, 0), refused(job, "FORWARD_REFUSED"))
     assert job.state is JobState.RUNNING and job.placement.live_replicas == [0]
     lost = [m for m in job.membership if m.kind == "lost"]
     assert [m.replica for m in lost] == [1, 3, 2]
@@ -380,7 +370,7 @@ def test_a_forward_refusal_from_a_member_that_trains_in_the_new_rings_takes_nobo
     jobs.lose_stage(job.job_id, fellow(job, 1, 0), "went offline")
     jobs.ring_changed(job.job_id, 1, 10, 0, members=job.placement.live_replicas, joined=[])
     jobs.record_progress(step(job, fellow(job, 3, 0), 11, sync_epoch=1))
-    jobs.record_outcome(fellow(job, 3, 0), forward_refused(job))
+    jobs.record_outcome(fellow(job, 3, 0), refused(job, "FORWARD_REFUSED"))
     assert job.state is JobState.RUNNING and job.placement.live_replicas == [0, 2]
 
 
@@ -389,7 +379,7 @@ def test_a_donor_refusal_from_a_member_that_trains_in_the_new_rings_takes_no_don
     jobs.lose_stage(job.job_id, fellow(job, 3, 0), "went offline")
     jobs.ring_changed(job.job_id, 1, 10, 0, members=job.placement.live_replicas, joined=[])
     jobs.record_progress(step(job, fellow(job, 1, 0), 11, sync_epoch=1))
-    jobs.record_outcome(fellow(job, 1, 0), donor_refused(job))
+    jobs.record_outcome(fellow(job, 1, 0), refused(job))
     assert job.state is JobState.RUNNING and job.placement.live_replicas == [0, 2]
 
 
