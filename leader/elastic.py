@@ -37,7 +37,7 @@ from silentswarm.errors import ErrorCode
 from silentswarm.jobspec import PlacedStage, Placement, seats, stage_plans
 from silentswarm.leader.placement import DEFAULTS, Candidate, PlacementDefaults, Unplaceable, place
 from silentswarm.plan import RingChange, StagePlan, Transport
-from silentswarm.rings import build_rings, fellow_ports, ports_needed
+from silentswarm.rings import build_rings, fellow_ports, ports_needed, prev_member
 from silentswarm.types.jobs import JobRecord
 from silentswarm.types.views import StageProgress
 
@@ -143,8 +143,7 @@ def accused_replica(job: JobRecord, replica: int, code: str | None) -> int | Non
     if code == ErrorCode.DONOR_REFUSED:
         accused = job.ring_donor
     elif code == ErrorCode.FORWARD_REFUSED and replica in job.ring_members:
-        members = job.ring_members
-        accused = members[(members.index(replica) - 1) % len(members)]
+        accused = prev_member(job.ring_members, replica)
     else:
         return None
     return None if accused == replica else accused

@@ -200,6 +200,19 @@ def public_key(seed: str) -> str:
     return nacl.signing.SigningKey(bytes.fromhex(seed)).verify_key.encode().hex()
 
 
+def next_member(members: Sequence[int], replica: int) -> int:
+    """The member ``replica`` sends to in the ring ``members`` (sorted): the next one, the
+    last member's the first (itself in a ring of one)."""
+    i = list(members).index(replica)
+    return members[(i + 1) % len(members)]
+
+
+def prev_member(members: Sequence[int], replica: int) -> int:
+    """The member ``replica`` hears from in the ring ``members``: the one before it."""
+    i = list(members).index(replica)
+    return members[(i - 1) % len(members)]
+
+
 def build_rings(
     pipelines: Mapping[int, Sequence[Seat]], *, curve: bool, relay: bool
 ) -> dict[tuple[int, int], list[SyncRing]]:
@@ -259,7 +272,9 @@ __all__ = [
     "build_rings",
     "fellow_ports",
     "link_secrets",
+    "next_member",
     "ports_needed",
+    "prev_member",
     "public_key",
     "segments",
     "signing_seeds",

@@ -51,9 +51,10 @@ exactly); :func:`state_digest` is what every member reports, and :func:`relative
 what a member checks the donor's weights with (above :data:`MAX_DONOR_DISTANCE`: refused).
 
 The math is pure numpy (:func:`pack`, :func:`unpack`, :func:`clip_contributions`,
-:func:`average`, :func:`nesterov_step`, :func:`next_member`, :func:`prev_member`,
-:func:`pack_state`, :func:`unpack_state`, :func:`state_digest`, :func:`relative_distance`);
-no TensorFlow here.
+:func:`average`, :func:`nesterov_step`, :func:`pack_state`, :func:`unpack_state`,
+:func:`state_digest`, :func:`relative_distance`); no TensorFlow here. The ring order
+(:func:`~silentswarm.rings.next_member`, :func:`~silentswarm.rings.prev_member`) is the
+leader's too, in :mod:`silentswarm.rings`.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ from silentswarm.agent.runtime.ring_signing import RingSigner
 from silentswarm.compression import parse_wire_codec
 from silentswarm.plan import CurveKeys as PlanCurveKeys
 from silentswarm.plan import RingChange, StagePlan, SyncRing
+from silentswarm.rings import next_member, prev_member
 
 log = logging.getLogger(__name__)
 
@@ -213,19 +215,6 @@ def nesterov_step(
     ``b = mu * b + delta``; ``anchor -= lr * (delta + mu * b)``. Returns (anchor, b)."""
     momentum = np.float32(mu) * momentum + delta
     return anchor - np.float32(lr) * (delta + np.float32(mu) * momentum), momentum
-
-
-def next_member(members: Sequence[int], replica: int) -> int:
-    """The member ``replica`` sends to in the ring ``members`` (sorted): the next one, the
-    last member's the first (itself in a ring of one)."""
-    i = list(members).index(replica)
-    return members[(i + 1) % len(members)]
-
-
-def prev_member(members: Sequence[int], replica: int) -> int:
-    """The member ``replica`` hears from in the ring ``members``: the one before it."""
-    i = list(members).index(replica)
-    return members[(i - 1) % len(members)]
 
 
 def _words(array: np.ndarray) -> np.ndarray:
