@@ -11,6 +11,7 @@ import secrets
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -56,9 +57,15 @@ def pytest_configure(config: pytest.Config) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark by location: what lives under an integration folder starts real processes.
-    For xdist: group what must run on one worker, and put the slowest first."""
+    For xdist: group what must run on one worker, and put the slowest first.
+
+    First among the hooks: xdist's worker turns each ``xdist_group`` mark into the suffix of
+    the test's id that ``--dist loadgroup`` schedules by, in its own hook of this name; run
+    after it, the marks came too late and no group held (a module's fixtures were built on
+    both workers, the namespace makers could run side by side)."""
     for item in items:
         path = item.path.resolve()
         if path.is_relative_to(TESTS) and path.relative_to(TESTS).parts[0] in INTEGRATION_DIRS:
@@ -67,6 +74,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=slow_rank)  # stable: the rest keeps its order
+
+
+@pytest.hookimpl
+def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
+    """On the xdist controller, once a worker has collected: the namespace makers carry their
+    group in their ids, or the groups silently do not hold (pytest-xdist 3.8 on pytest 9.2
+    writes the suffix where pytest no longer reads it, pytest-dev/pytest-xdist#1386) and
+    they could run side by side: the run stops, saying why (xdist's own way to stop: an
+    exception raised here ends it as "no tests ran")."""
+    loose = [i for i in ids if i.removeprefix("tests/").startswith(NETNS_MODULES + NETNS_TESTS)]
+    loose = [i for i in loose if not i.endswith("@netns")]
+    if loose:
+        dsession = node.config.pluginmanager.getplugin("dsession")
+        dsession.shouldstop = (
+            f"--dist loadgroup does not group here ({loose[0]} has no @netns suffix): "
+            "see pytest-dev/pytest-xdist#1386 and the pytest pin in pyproject.toml"
+        )
 
 
 def _test_id(item: pytest.Item) -> str:
