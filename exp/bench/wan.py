@@ -34,7 +34,9 @@ micro-batches and in-flight window, run in the same invocation (added when not a
   m) trains once, over loopback, and its arms on every profile and window share that run
   (``loss_profile``); ``--loss-per-arm`` trains every arm over its own link instead, to check
   that claim. An arm whose compression or micro-batch count is ``auto`` always trains over its
-  own link: there the link decides what the stages choose. ``chosen`` says what an arm's last round
+  own link: there the link decides what the stages choose. Where the loss runs would train
+  exactly as the throughput runs did (``--quick``: the same steps and config), the
+  throughput runs are taken as they are. ``chosen`` says what an arm's last round
   measured (round trip, Mbit/s each way) and settled on (codecs, count, window).
 
 The last line is one JSON object: ``{"bench": "wan", "arms": [...], ...}``; a PNG of tokens/s
@@ -236,22 +238,22 @@ def chosen(first: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 def throughput(
     work: Path, arms: list[Arm], model: ModelConfig, train: TrainConfig, rounds: int
-) -> tuple[dict[Arm, list[float]], dict[Arm, dict[str, Any] | None]]:
-    """tokens/s of every arm in every round (the order flips every round), and what each
-    arm's last round measured and chose."""
+) -> tuple[dict[Arm, list[float]], dict[Arm, dict[str, Any]]]:
+    """tokens/s of every arm in every round (the order flips every round), and each arm's
+    last run (what it measured and chose)."""
     got: dict[Arm, list[float]] = {arm: [] for arm in arms}
-    picked: dict[Arm, dict[str, Any] | None] = {}
+    last: dict[Arm, dict[str, Any]] = {}
     for r in range(rounds):
         for arm in arms if r % 2 == 0 else arms[::-1]:
             result = run_arm(work / f"round-{r}", arm, model, train)
             got[arm].append(result["tokens_per_s"])
-            picked[arm] = result["chosen"]
+            last[arm] = result
             print(
                 f"  round {r + 1} {arm.tag:40s} {result['tokens_per_s']:8.0f} tok/s  "
                 f"{result['chosen']}",
                 flush=True,
             )
-    return got, picked
+    return got, last
 
 
 def losses(
@@ -261,13 +263,23 @@ def losses(
     train: TrainConfig,
     per_arm: bool,
     seeds: list[int],
+    ran: tuple[TrainConfig, dict[Arm, dict[str, Any]]] | None = None,
 ) -> dict[Arm, dict[int, dict[str, Any]]]:
     """Each arm's loss run per seed: its own, or the loopback run of its math (see the
-    module doc)."""
+    module doc). ``ran`` is a training config and the runs already made with it: a loss
+    run that is one of them (the same config, and the same arm or the same math over
+    loopback) is not made again."""
     runs: dict[Any, dict[str, Any]] = {}
     out: dict[Arm, dict[int, dict[str, Any]]] = {}
     for seed in seeds:
         seeded = msgspec.structs.replace(train, seed=seed)
+        for arm, result in ran[1].items() if ran and ran[0] == seeded else ():
+            over_link = per_arm or arm.adaptive
+            if over_link or not profile(arm.profile).shaped:
+                key = (arm if per_arm else arm.math, seed)
+                if key not in runs:
+                    runs[key] = {**result, "loss_profile": arm.profile}
+                    print(f"  loss {arm.tag:40s} seed {seed}: its throughput run", flush=True)
         for arm in arms:
             key = (arm if per_arm else arm.math, seed)
             if key not in runs:
@@ -461,9 +473,14 @@ def main() -> None:
     if args.quick:
         model = ModelConfig(n_layers=2, d_model=64, n_heads=4, seq_len=32)
         train = TrainConfig(
-            steps=args.steps or 6, batch_size=8, max_data_bytes=500_000, seed=args.seed
+            steps=args.steps or 6,
+            batch_size=8,
+            max_data_bytes=500_000,
+            val_batches=2,
+            seed=args.seed,
         )
-        loss_train = msgspec.structs.replace(train, steps=args.loss_steps or 6, val_batches=2)
+        # the loss runs are the throughput runs (losses() does not make them again)
+        loss_train = msgspec.structs.replace(train, steps=args.loss_steps or train.steps)
         ms = args.micro_batches or [4]
         specs = args.specs or ["none", "fixed_int8"]
     else:
@@ -482,9 +499,9 @@ def main() -> None:
     png = args.png or work / "wan_tokens_per_s.png"
     print(f"model {model}\nwork dir {work}\n{len(arms)} arms, {rounds} rounds", flush=True)
     load_start = load_avg()
-    tps, tps_chosen = throughput(work, arms, model, train, rounds)
+    tps, tps_last = throughput(work, arms, model, train, rounds)
     seeds = list(dict.fromkeys(args.loss_seeds or [args.seed]))
-    loss = losses(work, arms, model, loss_train, args.loss_per_arm, seeds)
+    loss = losses(work, arms, model, loss_train, args.loss_per_arm, seeds, ran=(train, tps_last))
     rows = []
     for arm in arms:
         ref = arm.reference
@@ -503,7 +520,7 @@ def main() -> None:
                 str(s): v for s, v in zip(runs, vs_ref, strict=True)
             },
             "loss_profile": run["loss_profile"],
-            "chosen": tps_chosen[arm],
+            "chosen": tps_last[arm]["chosen"],
             "per_round_tokens_per_s": tps[arm],
         }
         if arm.schedule != "1f1b":
