@@ -12,7 +12,8 @@ the same ``epoch`` and ``at_step``: every member switches before it trains that 
   cannot go on without it (no replicas, or no full replica would be left).
 - :func:`switch_step`: the step a ring change takes effect, a little ahead of the furthest
   stage (so every member hears it before it gets there), after an outer sync under
-  DiLoCo; None when the run ends first.
+  DiLoCo; None when the run ends first. One stage's report far from all the others' does
+  not move it (:func:`vouched_max`).
 - :func:`ring_changes`: the members' changes, one ring per segment of the members' splits
   (:mod:`silentswarm.rings`), with fresh CURVE keys and relay tokens for every link of
   every new ring (a member left out knows none of them).
@@ -28,8 +29,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import msgspec
 
@@ -45,6 +47,13 @@ from silentswarm.types.views import StageProgress
 # least MIN_AHEAD steps ahead: the RING signals must reach every member before it gets there.
 LEAD_S = 3.0
 MIN_AHEAD = 2
+# Honest members report steps and step times close together: the rings hold a stage's
+# replicas in step, the pipeline its stages (a record per step; DiLoCo's replicas drift up to
+# sync_every steps apart between syncs), and a synchronous pipeline's stages share one pace.
+# A report further than this from every other member's is not believed (vouched_max).
+STEP_SPREAD = 4  # steps, plus the stages and, under DiLoCo, sync_every
+TIME_SPREAD = 2.0  # times the step time another member reports
+Num = TypeVar("Num", int, float)
 
 
 def joining_replicas(job: JobRecord) -> set[int]:
@@ -69,8 +78,9 @@ def replica_to_drop(job: JobRecord, fellow_id: str) -> int | None:
 
 def switch_step(job: JobRecord, *, lead_s: float = LEAD_S, after_loss: bool = False) -> int | None:
     """The step (0-based: the first trained with the new rings) a ring change takes effect:
-    ``lead_s`` seconds of the slowest step time ahead of the furthest training stage, at
-    least MIN_AHEAD steps; under DiLoCo the next multiple of ``sync_every`` from there (right
+    ``lead_s`` seconds of the slowest step time ahead of the furthest training stage (the
+    slowest and the furthest another stage vouches for: :func:`vouched_max`), at least
+    MIN_AHEAD steps; under DiLoCo the next multiple of ``sync_every`` from there (right
     after an outer sync, when the replicas hold the same weights). None when that is not
     before the run's last step.
 
@@ -78,17 +88,38 @@ def switch_step(job: JobRecord, *, lead_s: float = LEAD_S, after_loss: bool = Fa
     ``sync_timeout_s`` for it: the steps reported before the loss are no measure of the
     steps to come, which take at least that long."""
     training = [p for p in job.progress if not p.joining]
-    furthest = max((p.step for p in training), default=0)
     train = job.spec.train_config()
+    spread = STEP_SPREAD + (job.placement.n_stages if job.placement else 1)
+    if train.sync == "diloco":
+        spread += train.sync_every
+    steps = [p.step for p in training] or [0]
+    furthest = vouched_max(steps, lambda other, s: other >= s - spread)
     floor = train.sync_timeout_s if after_loss else 0.0
     times = [max(p.step_time_s, floor) for p in training if p.step_time_s] or [floor]
-    slowest = max(times)
+    slowest = vouched_max(times, lambda other, t: other >= t / TIME_SPREAD)
     ahead = max(MIN_AHEAD, math.ceil(lead_s / slowest)) if slowest > 0 else MIN_AHEAD
     at = furthest + ahead
     if train.sync == "diloco":
         every = train.sync_every
         at = -(-at // every) * every
     return at if at < job.spec.steps else None
+
+
+def vouched_max(values: Sequence[Num], close: Callable[[Num, Num], bool]) -> Num:
+    """The largest of ``values`` that another one is close to (``close(other, value)``).
+
+    Each value is one placed stage's report, a stranger's word: a stage reporting a step far
+    ahead of the others' (or a step time far slower) would put a ring change off to the
+    run's end, or too soon for the others to hear of it. Where three or more report, one
+    report far from all the others is passed over; with two, neither outvotes the other
+    (the furthest holds: a stuck member's old report must not pull the change back)."""
+    ordered = sorted(values, reverse=True)
+    if len(ordered) < 3:
+        return ordered[0]
+    for i, value in enumerate(ordered):
+        if any(close(other, value) for j, other in enumerate(ordered) if j != i):
+            return value
+    return ordered[-1]
 
 
 def ring_changes(
@@ -305,4 +336,5 @@ __all__ = [
     "replica_to_drop",
     "ring_changes",
     "switch_step",
+    "vouched_max",
 ]

@@ -120,6 +120,41 @@ def test_a_ring_change_takes_effect_a_little_ahead_of_the_furthest_stage(
     assert elastic.switch_step(job) == expected
 
 
+@pytest.mark.parametrize(
+    ("k", "steps", "times", "expected"),
+    [
+        # one stage's report far beyond the others' is not believed: the furthest step and
+        # the slowest step time another member vouches for (spread: 4 + 1 stage steps)
+        (3, [10, 12, 1000], [None] * 3, 14),
+        (3, [10, 12, 99], [None] * 3, 14),  # it would have ended the run first
+        (3, [10, 12, 17], [None] * 3, 19),  # within the spread of another: believed
+        (3, [10, 12, 18], [None] * 3, 14),
+        (3, [10, 12, 12], [0.5, 0.25, 3600.0], 18),  # 3 s of 0.5 s steps, not MIN_AHEAD
+        (3, [10, 12, 12], [0.5, 0.25, 1.0], 15),  # 1.0 is within twice 0.5: believed
+        (3, [10, 12, 12], [0.5, 0.25, 1e-9], 18),  # a tiny time moves nothing
+        (3, [50, 50, 0], [None] * 3, 52),  # a stage far behind (stuck) moves nothing
+        # two reports: neither outvotes the other, the furthest and the slowest hold
+        (2, [10, 1000], [None] * 2, None),
+        (2, [50, 0], [None] * 2, 52),
+        (2, [10, 12], [0.25, 3600.0], 14),
+    ],
+)
+def test_one_report_far_from_the_others_does_not_move_a_ring_change(k, steps, times, expected):
+    _, job, _ = running(k=k, p=1)
+    for p, n, t in zip(job.progress, steps, times, strict=True):
+        p.step, p.step_time_s = n, t
+    assert elastic.switch_step(job) == expected
+
+
+def test_under_diloco_the_replicas_may_drift_a_sync_interval_apart():
+    _, job, _ = running(k=3, p=1, sync="diloco", sync_every=20)
+    for p, n in zip(job.progress, [10, 12, 35], strict=True):
+        p.step = n  # 35 is within 4 + 1 + 20 steps of 12: believed
+    assert elastic.switch_step(job) == 40
+    job.progress[2].step = 38  # beyond: the furthest vouched for is 12
+    assert elastic.switch_step(job) == 20
+
+
 def test_after_a_loss_each_step_until_the_switch_counts_as_a_sync_timeout():
     _, job, _ = running(k=2, p=1, sync_timeout_s=3.0)
     for p in job.progress:
