@@ -15,7 +15,7 @@ Everything is measured side by side in one invocation (these machines are noisy)
 1b. Sweep: 2 and 3 stages against one process at several micro-batch counts m (a 6-block
    model, so 3 stages split it evenly): speedup, ideal and % of ideal for each (p, m). On
    2 cores 3 stages cannot beat 2x; the sweep shows how much of that the bubble and the
-   third process's contention leave.
+   third process's contention leave. (``--quick``: one point, the speed arms' own rounds.)
 2. Compression: for each spec, a 2-stage run long enough that ``none`` ends at least 30%
    below the corpus's unigram entropy; bytes per step relative to ``none`` (both
    directions, headers and scales included, as counted on the wire) and final validation
@@ -297,13 +297,20 @@ def sweep(
     stages: list[int],
     micro_batches: list[int],
     repeats: int,
+    measured: tuple[ModelConfig, TrainConfig, list[dict[str, float]]] | None = None,
 ) -> dict[str, Any]:
-    """Speedup of each pipeline depth over one process at each m, medians over rounds."""
+    """Speedup of each pipeline depth over one process at each m, medians over rounds.
+
+    ``measured``: the speed arms' model, config and rounds; a point of the same model and
+    config takes those rounds instead of running them again (``--quick``: its one point)."""
     cores = os.cpu_count() or 1
     rows: list[dict[str, Any]] = []
     for m in micro_batches:
         config = msgspec.structs.replace(train, micro_batches=m)
-        rounds = [sweep_point(work, model, config, stages, f"m{m}-{r}") for r in range(repeats)]
+        if measured is not None and (measured[0], measured[1]) == (model, config):
+            rounds = measured[2]
+        else:
+            rounds = [sweep_point(work, model, config, stages, f"m{m}-{r}") for r in range(repeats)]
         for p in stages:
             speedup = statistics.median(r[f"p{p}"] / r["single"] for r in rounds)
             ideal = ideal_speedup(p, m, cores)
@@ -397,9 +404,9 @@ def main() -> None:
             in_flight=args.in_flight,
         )
         comp_steps = args.steps or 6
-        sweep_model = ModelConfig(n_layers=3, d_model=64, n_heads=4, seq_len=32)
-        sweep_train = TrainConfig(steps=6, batch_size=8, micro_batches=2, max_data_bytes=500_000)
-        sweep_m = [4]
+        # the sweep's one point is the speed arms' (sweep() takes their rounds)
+        sweep_model, sweep_train = model, speed_train
+        sweep_m = [speed_train.micro_batches]
         specs = args.specs or ["none", "fixed_int8"]
     else:
         # Speed: the 4-block model of FACTS.md, micro-batches enough to keep the bubble small.
@@ -459,7 +466,10 @@ def main() -> None:
             f"p in (2, 3), m in {tuple(sweep_m)}",
             flush=True,
         )
-        sweep_figures = sweep(work, sweep_model, sweep_train, [2, 3], sweep_m, repeats)
+        measured = (model, speed_train, speed_figures["per_round"]) if speed_figures else None
+        sweep_figures = sweep(
+            work, sweep_model, sweep_train, [2, 3], sweep_m, repeats, measured=measured
+        )
     if args.only in (None, "compression"):
         comp_figures = run_compression(work, comp_model, comp_train, specs)
     print(
