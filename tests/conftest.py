@@ -46,6 +46,7 @@ SLOW_FIRST = (
     "integration/test_pipeline.py",
     "integration/test_calibration.py",
     "integration/test_overlap.py",
+    "unit/test_glue.py",  # its export fixture's group, ~50 s: not at the end
 )
 
 
