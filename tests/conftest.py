@@ -84,6 +84,8 @@ def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
     writes the suffix where pytest no longer reads it, pytest-dev/pytest-xdist#1386) and
     they could run side by side: the run stops, saying why (xdist's own way to stop: an
     exception raised here ends it as "no tests ran")."""
+    if node.config.getoption("dist") != "loadgroup":
+        return  # another --dist, asked for on the command line: no groups are expected
     loose = [i for i in ids if i.removeprefix("tests/").startswith(NETNS_MODULES + NETNS_TESTS)]
     loose = [i for i in loose if not i.endswith("@netns")]
     if loose:
