@@ -106,20 +106,19 @@ def switch_step(job: JobRecord, *, lead_s: float = LEAD_S, after_loss: bool = Fa
 
 
 def vouched_max(values: Sequence[Num], close: Callable[[Num, Num], bool]) -> Num:
-    """The largest of ``values`` that another one is close to (``close(other, value)``).
+    """The largest of ``values``, unless the next below it is not close to it
+    (``close(other, value)``, which holds the more the larger ``other`` is): then that next.
 
     Each value is one placed stage's report, a stranger's word: a stage reporting a step far
     ahead of the others' (or a step time far slower) would put a ring change off to the
     run's end, or too soon for the others to hear of it. Where three or more report, one
-    report far from all the others is passed over; with two, neither outvotes the other
-    (the furthest holds: a stuck member's old report must not pull the change back)."""
+    report far from all the others is passed over (the next below it is close to the
+    largest); with two, neither outvotes the other (the furthest holds: a stuck member's
+    old report must not pull the change back)."""
     ordered = sorted(values, reverse=True)
-    if len(ordered) < 3:
+    if len(ordered) < 3 or close(ordered[1], ordered[0]):
         return ordered[0]
-    for i, value in enumerate(ordered):
-        if any(close(other, value) for j, other in enumerate(ordered) if j != i):
-            return value
-    return ordered[-1]
+    return ordered[1]
 
 
 def ring_changes(

@@ -86,7 +86,7 @@ def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
     exception raised here ends it as "no tests ran")."""
     if node.config.getoption("dist") != "loadgroup":
         return  # another --dist, asked for on the command line: no groups are expected
-    loose = [i for i in ids if i.removeprefix("tests/").startswith(NETNS_MODULES + NETNS_TESTS)]
+    loose = [i for i in ids if makes_namespaces(i.removeprefix("tests/"))]
     loose = [i for i in loose if not i.endswith("@netns")]
     if loose:
         dsession = node.config.pluginmanager.getplugin("dsession")
@@ -94,6 +94,12 @@ def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
             f"--dist loadgroup does not group here ({loose[0]} has no @netns suffix): "
             "see pytest-dev/pytest-xdist#1386 and the pytest pin in pyproject.toml"
         )
+
+
+def makes_namespaces(test_id: str) -> bool:
+    """Whether the test ``folder/test_x.py::test_name`` makes network namespaces (group
+    ``netns``)."""
+    return test_id.startswith(NETNS_MODULES + NETNS_TESTS)
 
 
 def _test_id(item: pytest.Item) -> str:
@@ -106,7 +112,7 @@ def xdist_group(item: pytest.Item) -> str | None:
     together; a module's tests together where they share a module-scoped fixture (a second
     worker would build it again)."""
     test_id = _test_id(item)
-    if test_id.startswith(NETNS_MODULES + NETNS_TESTS):
+    if makes_namespaces(test_id):
         return "netns"
     info = getattr(item, "_fixtureinfo", None)
     defs = [] if info is None else [d for ds in info.name2fixturedefs.values() for d in ds]

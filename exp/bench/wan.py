@@ -271,29 +271,33 @@ def losses(
     loopback) is not made again."""
     runs: dict[Any, dict[str, Any]] = {}
     out: dict[Arm, dict[int, dict[str, Any]]] = {}
+
+    def key(arm: Arm, seed: int) -> tuple[Any, int]:
+        return (arm if per_arm else arm.math, seed)
+
+    def over_link(arm: Arm) -> bool:
+        return per_arm or arm.adaptive
+
     for seed in seeds:
         seeded = msgspec.structs.replace(train, seed=seed)
         for arm, result in ran[1].items() if ran and ran[0] == seeded else ():
-            over_link = per_arm or arm.adaptive
-            if over_link or not profile(arm.profile).shaped:
-                key = (arm if per_arm else arm.math, seed)
-                if key not in runs:
-                    runs[key] = {**result, "loss_profile": arm.profile}
-                    print(f"  loss {arm.tag:40s} seed {seed}: its throughput run", flush=True)
+            if (over_link(arm) or not profile(arm.profile).shaped) and key(arm, seed) not in runs:
+                runs[key(arm, seed)] = {**result, "loss_profile": arm.profile}
+                print(f"  loss {arm.tag:40s} seed {seed}: its throughput run", flush=True)
         for arm in arms:
-            key = (arm if per_arm else arm.math, seed)
-            if key not in runs:
-                over_link = per_arm or arm.adaptive
-                result = run_arm(work / f"loss-{seed}", arm, model, seeded, shaped=over_link)
-                result["loss_profile"] = arm.profile if over_link else "loopback"
-                runs[key] = result
+            k = key(arm, seed)
+            if k not in runs:
+                linked = over_link(arm)
+                result = run_arm(work / f"loss-{seed}", arm, model, seeded, shaped=linked)
+                result["loss_profile"] = arm.profile if linked else "loopback"
+                runs[k] = result
                 print(
                     f"  loss {arm.tag if per_arm else '/'.join(map(str, arm.math)):40s} "
                     f"seed {seed} val loss {result['val_loss']:.4f} "
                     f"over {result['loss_profile']}",
                     flush=True,
                 )
-            out.setdefault(arm, {})[seed] = runs[key]
+            out.setdefault(arm, {})[seed] = runs[k]
     return out
 
 
