@@ -62,22 +62,26 @@ def stage_memory(
     layers: int,
     in_flight: int | None = None,
     overlap: bool = False,
+    recompute: bool = False,
 ) -> StageMemory:
     """``in_flight``: the job's window (``TrainConfig.in_flight``; None: 1F1B's);
-    ``overlap``: the job's schedule is ``overlap`` (``TrainConfig.overlap``)."""
+    ``overlap``: the job's schedule is ``overlap`` (``TrainConfig.overlap``); ``recompute``:
+    stages before the last keep only each held micro-batch's input, and one micro-batch's
+    intermediates while its backward runs the forward again (``TrainConfig.recompute``)."""
     per_param = OVERLAP_BYTES_PER_PARAM if overlap else BYTES_PER_PARAM
     mb = max(1, batch_size // max(1, micro_batches))
     held = stage_in_flight(stage, n_stages, micro_batches, in_flight)
+    saved = 1 if recompute and stage < n_stages - 1 else held  # whose intermediates are kept
     tokens = mb * m.seq_len
     # Saved for backward: LayerNorm outputs, q/k/v, attention output, MLP hidden (twice),
     # residuals; plus scores and probabilities per head.
-    activations = FLOAT * held * (tokens * m.d_model * (8 + 2 * m.mlp_ratio))
-    activations += FLOAT * held * 2 * mb * m.n_heads * m.seq_len * m.seq_len
+    activations = FLOAT * saved * (tokens * m.d_model * (8 + 2 * m.mlp_ratio))
+    activations += FLOAT * saved * 2 * mb * m.n_heads * m.seq_len * m.seq_len
     per_layer = block_params(m) * per_param + activations
     boundary = 2 * FLOAT * held * tokens * m.d_model  # a frame out and a frame in
     if stage == 0:
         first = (m.vocab_size + m.seq_len) * m.d_model * per_param
-        first += FLOAT * held * tokens * m.d_model
+        first += FLOAT * saved * tokens * m.d_model  # the embedding's output
     else:
         first = boundary
     if stage == n_stages - 1:

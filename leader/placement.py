@@ -155,6 +155,7 @@ def place(
                 layers=end - start,
                 in_flight=in_flight,
                 overlap=spec.overlap,
+                recompute=spec.recompute,
             )
             placed = _place_stage(i, c, gpus[c.fellow_id], memory, start, end, per_host)
             if isinstance(placed, Unplaceable):
@@ -408,6 +409,7 @@ def _layer_cap(spec: JobSpec, i: int, n: int, c: Candidate, gpus: list[GpuInfo])
         layers=1,
         in_flight=in_flight,
         overlap=spec.overlap,
+        recompute=spec.recompute,
     )
     if gpus:
         room = sum(g.memory_free_bytes for g in gpus) - GPU_RUNTIME_BYTES * len(gpus)

@@ -202,6 +202,12 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # each stage keeps a second gradient set and, while the steps overlap, a second copy
     # of its weights.
     schedule: Literal["1f1b", "overlap"] = "1f1b"
+    # Stages before the last keep no intermediates of a forward for its backward: each
+    # backward runs the forward again inside one compiled call with the received gradient
+    # (activation recomputation). A micro-batch in flight then holds only the stage's input,
+    # so a deep window (in_flight) costs little memory; the compute is measured in
+    # docs/performance.md. Needs schedule "1f1b" and model.dropout 0.
+    recompute: bool = False
     learning_rate: Annotated[float, msgspec.Meta(gt=0, le=100.0)] = 3e-3
     warmup_steps: StepCount = 10
     # The cosine decay ends at this fraction of learning_rate.
@@ -335,6 +341,11 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         if self.in_flight is not None and not 1 <= self.in_flight <= top:
             what = f"{prefix}batch_size" if m == "auto" else f"{prefix}micro_batches"
             out.append(f"{prefix}in_flight ({self.in_flight}) must be in [1, {what} ({top})]")
+        if self.recompute and self.overlap:
+            out.append(
+                f'{prefix}recompute needs {prefix}schedule "1f1b" (an overlapped backward may '
+                "run after the update its forward did not see)"
+            )
         return out
 
     @property
@@ -611,6 +622,7 @@ class StagePlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             *self.model.problems(),
             *self.train.problems(),
             *self.train.tokenizer.problems(self.model.vocab_size, prefix="train."),
+            *recompute_problems(self.model, self.train, prefix="train."),
         ]
         out.extend(self._layout_problems())
         out.extend(self._peer_problems())
@@ -724,6 +736,16 @@ class StagePlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         if problems:
             raise ConfigError("invalid stage plan: " + "; ".join(problems))
         return self
+
+
+def recompute_problems(model: ModelConfig, train: TrainConfig, prefix: str = "") -> list[str]:
+    """``recompute`` runs a forward twice, so both must draw the same numbers: no dropout."""
+    if train.recompute and model.dropout > 0:
+        return [
+            f"{prefix}recompute needs model.dropout 0 (a recomputed forward would draw other "
+            "dropout masks)"
+        ]
+    return []
 
 
 def decode_plan(data: bytes, *, source: str = "plan") -> StagePlan:

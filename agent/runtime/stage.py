@@ -127,7 +127,8 @@ log = logging.getLogger(__name__)
 MESSAGE_CHARS = 4096  # a failed checkpoint's message, cut to fit the event's bound
 BUSY_SAMPLES_KEPT = 20  # per micro-batch count: the median of the latest steps' work
 Emit = Callable[[StageEvent], None]
-_Held = tuple[tf.GradientTape, tf.Tensor, tf.Tensor]  # a forward's tape, input and output
+# A forward's tape (None under recompute: its backward runs it again), input and output.
+_Held = tuple[tf.GradientTape | None, tf.Tensor, tf.Tensor]
 Batch = tuple[np.ndarray, np.ndarray]  # a step's (inputs, targets), as stage 0 reads them
 # The training fields only stage 0 needs (it reads the data and tells the stages after it how
 # many validation batches come): those stages need neither the files nor the same values.

@@ -202,6 +202,7 @@ class StageModel:
         self.local_micro = compiled(self._local_micro)
         self.local_step = compiled(self._local_step)
         self.last_micro = compiled(self._last_micro)
+        self.recompute_backward = compiled(self._recompute_backward)
 
     def devices(self) -> dict[str, str]:
         """Where each piece's variables actually live, e.g. ``{"block_2": "/job:.../CPU:1"}``."""
@@ -266,6 +267,18 @@ class StageModel:
         self._accumulate_impl(grads)
         return dx
 
+    def _recompute_backward(self, x, received, input_grad: bool):
+        """``recompute``: the forward again, its backward with the next stage's gradient, the
+        variables' gradients accumulated; the input's gradient (None without ``input_grad``)."""
+        with tf.GradientTape() as tape:
+            if input_grad:
+                tape.watch(x)
+            out = self._forward(x)
+        sources = [*self.variables, x] if input_grad else self.variables
+        grads = tape.gradient(out, sources, output_gradients=received)
+        self._accumulate_impl(grads[: len(self.variables)])
+        return grads[-1] if input_grad else None
+
     def _accumulate_impl(self, grads) -> None:
         for acc, g in zip(self.accumulators, grads, strict=True):
             acc.assign_add(tf.convert_to_tensor(g))  # the embedding's gradient is sparse
@@ -304,9 +317,14 @@ class StageModel:
     def accumulate(self, grads: list[tf.Tensor]) -> None:
         self._accumulate(grads)
 
-    def tape_forward(self, x: tf.Tensor, *, input_grad: bool) -> tuple[tf.GradientTape, tf.Tensor]:
+    def tape_forward(
+        self, x: tf.Tensor, *, input_grad: bool
+    ) -> tuple[tf.GradientTape | None, tf.Tensor]:
         """A stage before the last: the compiled forward under a tape of its own, kept until
-        :meth:`tape_backward` (``input_grad``: the tape watches the input too)."""
+        :meth:`tape_backward` (``input_grad``: the tape watches the input too); with
+        ``recompute``, no tape (None): the backward runs the forward again."""
+        if self.plan.train.recompute:
+            return None, self.forward(x)
         with tf.GradientTape() as tape:
             if input_grad:
                 tape.watch(x)
@@ -315,7 +333,7 @@ class StageModel:
 
     def tape_backward(
         self,
-        tape: tf.GradientTape,
+        tape: tf.GradientTape | None,
         x: tf.Tensor,
         out: tf.Tensor,
         received: tf.Tensor,
@@ -323,7 +341,11 @@ class StageModel:
         input_grad: bool,
     ) -> tf.Tensor | None:
         """The backward of :meth:`tape_forward` with the next stage's gradient: the variables'
-        gradients accumulated, the input's returned (None without ``input_grad``)."""
+        gradients accumulated, the input's returned (None without ``input_grad``). Without a
+        tape (``recompute``), forward again, backward and accumulation in one compiled call."""
+        if tape is None:
+            dx = self.recompute_backward(x, received, input_grad)
+            return dx if input_grad else None
         sources = [*self.variables, x] if input_grad else self.variables
         grads = tape.gradient(out, sources, output_gradients=received)
         n_vars = len(self.variables)

@@ -93,9 +93,13 @@ def pipeline_tps(work: Path, job: str, model: ModelConfig, train: TrainConfig, p
     return min(done(s)["tokens_per_s"] for s in stages)
 
 
-def speed(work: Path, model: ModelConfig, train: TrainConfig, repeats: int) -> dict[str, Any]:
-    """One process, the 2- and 3-stage pipelines and the 2-stage ceiling, interleaved rounds."""
-    arms = ["single", "p2", "p3", "ceiling"]
+def speed(
+    work: Path, model: ModelConfig, train: TrainConfig, repeats: int, compare_recompute: bool
+) -> dict[str, Any]:
+    """One process, the 2- and 3-stage pipelines and the 2-stage ceiling, interleaved rounds;
+    with ``compare_recompute`` also the 2-stage pipeline with ``recompute`` the other way."""
+    arms = ["single", "p2", "p3", "ceiling", *(["p2_other"] if compare_recompute else [])]
+    other = msgspec.structs.replace(train, recompute=not train.recompute)
     rounds: list[dict[str, float]] = []
     ceiling_ops: list[list[dict[str, float]]] = []
     for r in range(repeats):
@@ -109,6 +113,8 @@ def speed(work: Path, model: ModelConfig, train: TrainConfig, repeats: int) -> d
             elif arm == "ceiling":
                 got[arm], ops = ceiling(work, f"speed-ceiling-{r}", model, train)
                 ceiling_ops.append(ops)
+            elif arm == "p2_other":
+                got[arm] = pipeline_tps(work, f"speed-{arm}-{r}", model, other, 2)
             else:
                 got[arm] = pipeline_tps(work, f"speed-{arm}-{r}", model, train, int(arm[1:]))
         rounds.append(got)
@@ -127,7 +133,7 @@ def speed(work: Path, model: ModelConfig, train: TrainConfig, repeats: int) -> d
         return statistics.median(r[a] / r[b] for r in rounds)
 
     ideal, ideal3 = ideal_speedup(2, m, cores), ideal_speedup(3, m, cores)
-    return {
+    figures = {
         "single_tokens_per_s": med("single"),
         "pipeline_tokens_per_s": med("p2"),
         "speedup": ratio("p2", "single"),
@@ -145,9 +151,19 @@ def speed(work: Path, model: ModelConfig, train: TrainConfig, repeats: int) -> d
         },
         "micro_batches": m,
         "in_flight": train.in_flight,  # None: 1F1B's (n_stages - stage)
+        "recompute": train.recompute,
         "rounds": repeats,
         "per_round": rounds,
     }
+    if compare_recompute:
+        on, off = ("p2", "p2_other") if train.recompute else ("p2_other", "p2")
+        figures["recompute_vs_tape"] = {
+            "recompute_tokens_per_s": med(on),
+            "tape_tokens_per_s": med(off),
+            "ratio": ratio(on, off),
+        }
+        print(f"  recompute / tape (2 stages): {ratio(on, off):.3f}", flush=True)
+    return figures
 
 
 def ceiling(
@@ -387,6 +403,18 @@ def main() -> None:
         default=None,
         help="the speed arms' forward window per stage (TrainConfig.in_flight; default 1F1B's)",
     )
+    parser.add_argument(
+        "--recompute",
+        action="store_true",
+        help="the speed arms' stages before the last recompute their forward in the backward "
+        "(TrainConfig.recompute)",
+    )
+    parser.add_argument(
+        "--compare-recompute",
+        action="store_true",
+        help="also run the 2-stage pipeline with recompute the other way, in the same rounds "
+        "(speed.recompute_vs_tape)",
+    )
     parser.add_argument("--compute-child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.compute_child:
@@ -402,6 +430,7 @@ def main() -> None:
             micro_batches=4,
             max_data_bytes=500_000,
             in_flight=args.in_flight,
+            recompute=args.recompute,
         )
         comp_steps = args.steps or 6
         # the sweep's one point is the speed arms' (sweep() takes their rounds)
@@ -412,7 +441,11 @@ def main() -> None:
         # Speed: the 4-block model of FACTS.md, micro-batches enough to keep the bubble small.
         model = ModelConfig(n_layers=4, d_model=256, n_heads=8, seq_len=128)
         speed_train = TrainConfig(
-            steps=40, batch_size=16, micro_batches=8, in_flight=args.in_flight
+            steps=40,
+            batch_size=16,
+            micro_batches=8,
+            in_flight=args.in_flight,
+            recompute=args.recompute,
         )
         # Compression: one block per stage at d_model 256; 1500 steps take `none` about a
         # third below the unigram entropy of the full stdlib corpus (measured: 2.11 vs 3.15).
@@ -445,7 +478,7 @@ def main() -> None:
             f"m={speed_train.micro_batches}",
             flush=True,
         )
-        speed_figures = speed(work, model, speed_train, repeats)
+        speed_figures = speed(work, model, speed_train, repeats, args.compare_recompute)
         p3 = speed_figures["p3"]
         print(
             f"  speedup {speed_figures['speedup']:.2f}x, "

@@ -82,12 +82,21 @@ def test_two_stages_reproduce_one_process_step_by_step(procs, tmp_path):
     assert done(first)["down_bytes_sent"] > 0
 
 
-@pytest.mark.parametrize(("micro_batches", "in_flight"), [(4, 4), (1, None)])
-def test_three_stages_over_zeromq_match_one_process(procs, tmp_path, micro_batches, in_flight):
+@pytest.mark.parametrize(
+    ("micro_batches", "in_flight", "recompute"),
+    [(4, 4, False), (4, 4, True), (1, None, False)],
+    ids=["window", "window-recompute", "one-micro-batch"],
+)
+def test_three_stages_over_zeromq_match_one_process(
+    procs, tmp_path, micro_batches, in_flight, recompute
+):
     """A middle stage (both boundaries) passes gradients on exactly too, also with every
-    micro-batch in flight on every stage before the last (deeper than 1F1B's 3 and 2); with
-    one micro-batch the fused calls apply straight from the gradients (no accumulators)."""
-    config = msgspec.structs.replace(train(10), micro_batches=micro_batches, in_flight=in_flight)
+    micro-batch in flight on every stage before the last (deeper than 1F1B's 3 and 2), and so
+    when those stages recompute their forwards in their backwards (``recompute``); with one
+    micro-batch the fused calls apply straight from the gradients (no accumulators)."""
+    config = msgspec.structs.replace(
+        train(10), micro_batches=micro_batches, in_flight=in_flight, recompute=recompute
+    )
     single = single_process_plan(job_id="ref3", model=SMALL, train=config)
     plans = chain("zmq3", 3, config)
     (reference,) = run_plans([single], tmp_path)

@@ -337,6 +337,19 @@ def test_an_in_flight_window_is_in_the_memory_estimate():
     assert stage_memory(m, stage=1, in_flight=8, **kw) == stage_memory(m, stage=1, **kw)
 
 
+def test_recompute_keeps_a_windows_activations_out_of_the_estimate():
+    m = ModelConfig(n_layers=4, d_model=128, n_heads=4, seq_len=64, vocab_size=256)
+    kw = dict(batch_size=16, micro_batches=8, n_stages=2, layers=2)
+    tape = stage_memory(m, stage=0, in_flight=8, **kw)
+    recomputed = stage_memory(m, stage=0, in_flight=8, recompute=True, **kw)
+    assert recomputed.per_layer[0] < tape.per_layer[0] and recomputed.first_extra < tape.first_extra
+    # one micro-batch's intermediates (its backward's), whatever the window
+    narrow = stage_memory(m, stage=0, in_flight=1, recompute=True, **kw)
+    assert recomputed.per_layer == narrow.per_layer
+    # the last stage's fused call holds one micro-batch either way
+    assert stage_memory(m, stage=1, recompute=True, **kw) == stage_memory(m, stage=1, **kw)
+
+
 def test_placement_estimates_the_jobs_window():
     fellows = [cand("a"), cand("b")]
     plain = place(spec(stages=2, micro_batches=8, batch_size=16), fellows)
