@@ -55,11 +55,16 @@ def test_link_benchmark_quick():
 
 @pytest.mark.timeout(300)
 def test_pipeline_benchmark_quick():
-    # every forward of a step ahead on stage 0 (m = 4): the ceiling child follows the window
-    figures = run_quick("pipeline", "--in-flight", "4", timeout=280)
+    # every forward of a step ahead on stage 0 (m = 4): the ceiling child follows the window;
+    # and the 2-stage pipeline with recompute beside the tape's, in the same round
+    figures = run_quick("pipeline", "--in-flight", "4", "--compare-recompute", timeout=280)
     assert figures["bench"] == "pipeline"
     speed = figures["speed"]
     assert speed["in_flight"] == 4 and speed["micro_batches"] == 4
+    assert speed["recompute"] is False
+    other = speed["recompute_vs_tape"]
+    assert other["tape_tokens_per_s"] == speed["pipeline_tokens_per_s"]
+    assert positive(other["recompute_tokens_per_s"]) and positive(other["ratio"]), other
     keys = ("single_tokens_per_s", "speedup", "ideal_speedup", "ceiling_tokens_per_s")
     assert all(positive(speed[k]) for k in (*keys, "fraction_of_ceiling")), speed
     assert all(positive(speed["p3"][k]) for k in ("speedup", "ideal_speedup")), speed["p3"]
