@@ -346,7 +346,7 @@ def sweep(
                 f"-> {100 * speedup / ideal:.0f}% of ideal",
                 flush=True,
             )
-    return {"cores": cores, "rows": rows}
+    return {"cores": cores, "recompute": train.recompute, "rows": rows}
 
 
 def compression(
@@ -406,8 +406,8 @@ def main() -> None:
     parser.add_argument(
         "--recompute",
         action="store_true",
-        help="the speed arms' stages before the last recompute their forward in the backward "
-        "(TrainConfig.recompute)",
+        help="the speed arms' and the sweep's stages before the last recompute their forward "
+        "in the backward (TrainConfig.recompute)",
     )
     parser.add_argument(
         "--compare-recompute",
@@ -455,7 +455,9 @@ def main() -> None:
         comp_steps = args.steps or 1500
         # Sweep: 6 blocks split evenly by 2 and by 3 stages; small enough for 9 points.
         sweep_model = ModelConfig(n_layers=6, d_model=128, n_heads=4, seq_len=64)
-        sweep_train = TrainConfig(steps=30, batch_size=16, micro_batches=2)
+        sweep_train = TrainConfig(
+            steps=30, batch_size=16, micro_batches=2, recompute=args.recompute
+        )
         sweep_m = args.sweep_m or [2, 4, 8]
         specs = args.specs
     comp_train = TrainConfig(
