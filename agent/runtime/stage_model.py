@@ -12,9 +12,11 @@ How each kind of stage runs a micro-batch (the choice measured, see docs/perform
   (:meth:`StageModel.local_step`), a plain training loop's step.
 - The other stages keep a GradientTape around their compiled forward for each micro-batch in
   flight; the backward is ``tape.gradient(outputs, variables, output_gradients=g)`` with the
-  gradient received from the next stage. Recomputing the forward inside one compiled backward
-  measured slower on the speed benchmark's model (a second forward costs more than the tape's
-  bookkeeping) but faster on small micro-batches; choosing per run is not built yet.
+  gradient received from the next stage. With ``recompute`` they keep no tape: the backward
+  runs the forward again inside one compiled call with that gradient and the accumulation
+  (:meth:`StageModel.recompute_backward`), so a micro-batch in flight holds only its input.
+  Which is faster depends on the machine and the micro-batch (docs/performance.md); choosing
+  per run is not built yet.
 
 The loss is summed on the device and read once per step (:meth:`StageModel.take_loss`), not
 once per micro-batch.
@@ -241,16 +243,32 @@ class StageModel:
         with tf.device(head.device):
             return token_loss(head.layer(h), targets)
 
-    def _loss_grads(self, x, targets, *, input_grad: bool):
-        """This micro-batch's loss (added to the running sum) and gradients; the last stage."""
+    @staticmethod
+    def _taped(forward, x, input_grad: bool):
+        """``forward(x)`` under a tape of its own (``input_grad``: watching ``x`` too)."""
         with tf.GradientTape() as tape:
             if input_grad:
                 tape.watch(x)
-            loss = self._forward_loss(x, targets, training=True)
+            out = forward(x)
+        return tape, out
+
+    def _gradients(self, tape, x, out, input_grad: bool, received=None):
+        """The variables' gradients of ``out`` (``received``: its own gradient, from the next
+        stage), and the input's (None without ``input_grad``)."""
         sources = [*self.variables, x] if input_grad else self.variables
-        grads = tape.gradient(loss, sources)
+        grads = tape.gradient(out, sources, output_gradients=received)
+        n_vars = len(self.variables)
+        return grads[:n_vars], (grads[n_vars] if input_grad else None)
+
+    def _loss_grads(self, x, targets, *, input_grad: bool):
+        """This micro-batch's loss (added to the running sum), the variables' gradients and
+        the input's (None without ``input_grad``); the last stage."""
+        tape, loss = self._taped(
+            lambda v: self._forward_loss(v, targets, training=True), x, input_grad
+        )
+        grads, dx = self._gradients(tape, x, loss, input_grad)
         self.loss_sum.assign_add(loss)
-        return grads[: len(self.variables)], grads[len(self.variables) :]
+        return grads, dx
 
     def _local_micro(self, x, targets) -> None:
         grads, _ = self._loss_grads(x, targets, input_grad=False)
@@ -263,21 +281,17 @@ class StageModel:
 
     def _last_micro(self, x, targets):
         """Forward, loss, backward and accumulation; returns the gradient for upstream."""
-        grads, (dx,) = self._loss_grads(x, targets, input_grad=True)
+        grads, dx = self._loss_grads(x, targets, input_grad=True)
         self._accumulate_impl(grads)
         return dx
 
     def _recompute_backward(self, x, received, input_grad: bool):
         """``recompute``: the forward again, its backward with the next stage's gradient, the
         variables' gradients accumulated; the input's gradient (None without ``input_grad``)."""
-        with tf.GradientTape() as tape:
-            if input_grad:
-                tape.watch(x)
-            out = self._forward(x)
-        sources = [*self.variables, x] if input_grad else self.variables
-        grads = tape.gradient(out, sources, output_gradients=received)
-        self._accumulate_impl(grads[: len(self.variables)])
-        return grads[-1] if input_grad else None
+        tape, out = self._taped(self._forward, x, input_grad)
+        grads, dx = self._gradients(tape, x, out, input_grad, received)
+        self._accumulate_impl(grads)
+        return dx
 
     def _accumulate_impl(self, grads) -> None:
         for acc, g in zip(self.accumulators, grads, strict=True):
@@ -325,11 +339,7 @@ class StageModel:
         ``recompute``, no tape (None): the backward runs the forward again."""
         if self.plan.train.recompute:
             return None, self.forward(x)
-        with tf.GradientTape() as tape:
-            if input_grad:
-                tape.watch(x)
-            out = self.forward(x)
-        return tape, out
+        return self._taped(self.forward, x, input_grad)
 
     def tape_backward(
         self,
@@ -344,13 +354,10 @@ class StageModel:
         gradients accumulated, the input's returned (None without ``input_grad``). Without a
         tape (``recompute``), forward again, backward and accumulation in one compiled call."""
         if tape is None:
-            dx = self.recompute_backward(x, received, input_grad)
-            return dx if input_grad else None
-        sources = [*self.variables, x] if input_grad else self.variables
-        grads = tape.gradient(out, sources, output_gradients=received)
-        n_vars = len(self.variables)
-        self.accumulate(grads[:n_vars])
-        return grads[n_vars] if input_grad else None
+            return self.recompute_backward(x, received, input_grad)
+        grads, dx = self._gradients(tape, x, out, input_grad, received)
+        self.accumulate(grads)
+        return dx
 
     def reset_anchor(self) -> None:
         """DiLoCo: the weights as they are now become the anchor (a run's start)."""
