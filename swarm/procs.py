@@ -130,11 +130,20 @@ def same_process(identity: ProcessIdentity) -> psutil.Process | None:
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
-    """A ``preexec_fn`` that asks Linux to send ``sig`` to the child when its parent dies."""
+    """A ``preexec_fn`` that asks Linux to send ``sig`` to the child when its parent dies.
+
+    The request only covers a death after it is made: a parent killed between ``fork`` and
+    the ``prctl`` (a window of milliseconds, wide on a loaded machine) has already handed the
+    child to a reaper, and no signal would ever come. So the child checks afterwards that its
+    parent is still the process that made this function, and exits at once if not.
+    """
+    parent = os.getpid()
 
     def _set() -> None:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(128 + sig)
 
     return _set
 

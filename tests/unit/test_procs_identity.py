@@ -3,6 +3,7 @@ the boot id), the pure rules around it, and file locks."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from silentswarm.natsd import choose_port
 from silentswarm.procs import (
     ProcessIdentity,
     ProcStat,
+    die_with_parent,
     identity_of,
     is_gone,
     is_locked,
@@ -118,6 +120,54 @@ def test_a_zombie_main_thread_is_not_gone_while_another_thread_runs():
             child.kill()
             child.wait()
     assert child.returncode == 0
+
+
+# A caller whose child, between fork and exec, waits until the caller is gone before it asks
+# to die with it: the window a SIGKILL can fall into, held open.
+_CALLER_DIES_BEFORE_THE_REQUEST = """
+import os, subprocess, sys, time
+from silentswarm.procs import die_with_parent
+
+caller = os.getpid()
+tie = die_with_parent()
+
+
+def late_tie():
+    deadline = time.monotonic() + 30
+    while os.getppid() == caller and time.monotonic() < deadline:
+        time.sleep(0.01)
+    tie()
+
+
+subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], preexec_fn=late_tie)
+time.sleep(120)
+"""
+
+
+def test_a_child_whose_parent_died_before_it_asked_to_die_with_it_exits():
+    caller = subprocess.Popen([sys.executable, "-c", _CALLER_DIES_BEFORE_THE_REQUEST])
+    children: list[psutil.Process] = []
+    try:
+        assert wait_until(lambda: psutil.Process(caller.pid).children(), timeout=30)
+        children = psutil.Process(caller.pid).children()
+        caller.kill()
+        caller.wait(timeout=10)
+        assert wait_until(lambda: all(is_gone(child) for child in children), timeout=30)
+    finally:
+        if caller.poll() is None:
+            caller.kill()
+            caller.wait()
+        for child in children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+
+
+def test_a_child_whose_parent_lives_keeps_running_after_the_request():
+    child = subprocess.Popen(
+        [sys.executable, "-c", "print('ran')"], stdout=subprocess.PIPE, preexec_fn=die_with_parent()
+    )
+    out, _ = child.communicate(timeout=30)
+    assert child.returncode == 0 and out == b"ran\n"
 
 
 def test_an_exited_process_and_a_zombie_are_not_the_same_process():
