@@ -129,20 +129,23 @@ def same_process(identity: ProcessIdentity) -> psutil.Process | None:
     return proc
 
 
-def die_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None]:
-    """A ``preexec_fn`` that asks Linux to send ``sig`` to the child when its parent dies.
+def die_with_parent(sig: int = signal.SIGTERM, *, parent: int | None = None) -> Callable[[], None]:
+    """A function that asks Linux to send ``sig`` to the process calling it when its parent
+    dies: a ``preexec_fn`` made in the parent (``parent`` defaults to the pid of the process
+    making it), or, in a child that ties itself, called with the pid its parent had (a
+    multiprocessing child: ``multiprocessing.parent_process().pid``).
 
     The request only covers a death after it is made: a parent killed between ``fork`` and
     the ``prctl`` (a window of milliseconds, wide on a loaded machine) has already handed the
-    child to a reaper, and no signal would ever come. So the child checks afterwards that its
-    parent is still the process that made this function, and exits at once if not.
+    child to a reaper, and no signal would ever come. So the caller checks afterwards that
+    its parent is still ``parent``, and exits at once if not.
     """
-    parent = os.getpid()
+    expected = os.getpid() if parent is None else parent
 
     def _set() -> None:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
-        if os.getppid() != parent:
+        if os.getppid() != expected:
             os._exit(128 + sig)
 
     return _set

@@ -184,7 +184,8 @@ async def connect(url: str) -> Any:
 
 def worker_setup(cpus: tuple[int, ...]) -> None:
     """A worker dies with the bench, leaves Ctrl-C to it, and stays off the leader's core."""
-    die_with_parent()()
+    parent = mp.parent_process()
+    die_with_parent(parent=parent.pid if parent else os.getppid())()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if cpus:
         os.sched_setaffinity(0, cpus)

@@ -170,6 +170,18 @@ def test_a_child_whose_parent_lives_keeps_running_after_the_request():
     assert child.returncode == 0 and out == b"ran\n"
 
 
+@pytest.mark.parametrize(
+    ("parent", "returncode"), [("os.getppid()", 0), ("os.getppid() + 1", 128 + 15)]
+)
+def test_a_child_that_ties_itself_names_the_parent_it_expects(parent, returncode):
+    tie = (
+        "import os; from silentswarm.procs import die_with_parent; "
+        f"die_with_parent(parent={parent})()"
+    )
+    child = subprocess.run([sys.executable, "-c", tie], timeout=60, check=False)
+    assert child.returncode == returncode
+
+
 def test_an_exited_process_and_a_zombie_are_not_the_same_process():
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     identity = identity_of(child.pid)
