@@ -39,6 +39,7 @@ from silentswarm.agent.errors import DataError, GenerateError
 from silentswarm.agent.runtime.adapters import check_base, merge_into, read_adapter
 from silentswarm.agent.runtime.glue.manifest import sha256_file
 from silentswarm.agent.runtime.glue.save import DEFAULT_OUT as DEFAULT_SUBDIR
+from silentswarm.agent.runtime.tfsetup import graph_function
 from silentswarm.agent.runtime.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from silentswarm.agent.runtime.tool import ToolParser, exit_with
 from silentswarm.errors import ManifestError
@@ -142,7 +143,7 @@ class Sampler:
         self.seq_len = loaded.seq_len
         model = loaded.model
 
-        @tf.function(
+        @graph_function(
             input_signature=[
                 tf.TensorSpec((1, self.seq_len), tf.int32),
                 tf.TensorSpec((), tf.int32),

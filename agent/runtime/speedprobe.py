@@ -42,12 +42,13 @@ def measure(seconds: float, threads: int | None) -> float:
         tf.config.threading.set_intra_op_parallelism_threads(threads)
         tf.config.threading.set_inter_op_parallelism_threads(1)
     from silentswarm.agent.runtime.model import block
+    from silentswarm.agent.runtime.tfsetup import graph_function
 
     layer = block(STANDARD, job_seed=0, layer=0, name="probe")
     x = tf.random.stateless_normal((BATCH, STANDARD.seq_len, STANDARD.d_model), seed=(1, 2))
     layer(x)  # build
 
-    @tf.function(jit_compile=True)
+    @graph_function(jit_compile=True)
     def step(x):
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(tf.square(layer(x, training=True)))

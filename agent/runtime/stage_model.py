@@ -52,6 +52,7 @@ from silentswarm.agent.runtime.model import (
 )
 from silentswarm.agent.runtime.replicas import ROW
 from silentswarm.agent.runtime.schedule import lr_at
+from silentswarm.agent.runtime.tfsetup import graph_function
 from silentswarm.compression import parse_compression
 from silentswarm.plan import StagePlan
 
@@ -190,16 +191,16 @@ class StageModel:
         jit = train.jit_compile and len({p.device for p in self.pieces}) <= 1
 
         def compiled(fn):
-            return tf.function(fn, reduce_retracing=True, jit_compile=jit)
+            return graph_function(fn, reduce_retracing=True, jit_compile=jit)
 
         self.forward = compiled(self._forward)
         self.forward_loss = compiled(self._forward_loss)
-        self._accumulate = tf.function(self._accumulate_impl)
-        self._apply = tf.function(self._apply_impl, jit_compile=jit)
-        self._apply_pending = tf.function(self._apply_pending_impl, jit_compile=jit)
-        self._stash = tf.function(self._stash_impl)
-        self._packed = tf.function(self._packed_impl, jit_compile=jit)
-        self._set_packed = tf.function(self._set_packed_impl, jit_compile=jit)
+        self._accumulate = graph_function(self._accumulate_impl)
+        self._apply = graph_function(self._apply_impl, jit_compile=jit)
+        self._apply_pending = graph_function(self._apply_pending_impl, jit_compile=jit)
+        self._stash = graph_function(self._stash_impl)
+        self._packed = graph_function(self._packed_impl, jit_compile=jit)
+        self._set_packed = graph_function(self._set_packed_impl, jit_compile=jit)
         # Each is one XLA compilation (seconds): a run traces only those its plan uses.
         self.local_micro = compiled(self._local_micro)
         self.local_step = compiled(self._local_step)

@@ -26,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from silentswarm.agent.runtime.model import shared_heads
+from silentswarm.agent.runtime.tfsetup import graph_function
 
 
 class Stepper(Protocol):
@@ -66,9 +67,9 @@ class CachedStepper:
         self.values = [tf.Variable(tf.zeros(shape), trainable=False) for _ in range(cfg.n_layers)]
         window = tf.TensorSpec((1, cfg.seq_len), tf.int32)
         scalar = tf.TensorSpec((), tf.int32)
-        self._start = tf.function(self._prefill, input_signature=[window, scalar, scalar])
+        self._start = graph_function(self._prefill, input_signature=[window, scalar, scalar])
         column = tf.TensorSpec((None, 1), tf.int32)
-        self._step = tf.function(
+        self._step = graph_function(
             self._run, input_signature=[column, column, tf.TensorSpec((None,), tf.int32)]
         )
 
@@ -124,7 +125,7 @@ class WindowStepper:
         self.model, self.slots, self.seq_len = model, slots, model.cfg.seq_len
         self.contexts: list[list[int]] = [[] for _ in range(slots)]
 
-        @tf.function(
+        @graph_function(
             input_signature=[
                 tf.TensorSpec((None, self.seq_len), tf.int32),
                 tf.TensorSpec((None,), tf.int32),

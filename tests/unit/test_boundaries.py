@@ -146,3 +146,21 @@ def test_the_pipe_imports_only_the_codec_table_and_errors_of_ours_and_no_tensorf
         "import silentswarm.agent.pipe.link, silentswarm.agent.pipe.wire",
         {"tensorflow", "keras", "leader"},
     )
+
+
+def test_the_runtime_traces_only_through_graph_function():
+    """``tf.function`` is called in one place, ``tfsetup.graph_function`` (no AutoGraph), so a
+    new traced function cannot bring AutoGraph's tracing cost back unnoticed."""
+    offenders = []
+    for path in sorted((REPO / "agent").rglob("*.py")):
+        if path.name == "tfsetup.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == "function"
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "tf"
+            ):
+                offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not offenders, f"tf.function outside tfsetup.graph_function: {offenders}"

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING
 
 from silentswarm.agent.errors import GlueMismatchError
 from silentswarm.agent.pipe.wire import CodecKind, WireCodec, parse_wire_codec
+from silentswarm.agent.runtime.tfsetup import graph_function
 from silentswarm.types.manifests import GlueCheck
 
 if TYPE_CHECKING:
@@ -80,7 +81,6 @@ class Chain:
     """The restored stage models run like the pipeline runs them, numpy wire codec between."""
 
     def __init__(self, models: list[StageModel]) -> None:
-        import tensorflow as tf
 
         from silentswarm.agent.runtime.model import HEADS
         from silentswarm.compression import parse_compression
@@ -100,7 +100,7 @@ class Chain:
 
         # The last stage's forward as StageModel compiles it (the pipeline asks it for the
         # loss only; here the logits are wanted too).
-        self.last_logits = tf.function(
+        self.last_logits = graph_function(
             logits, reduce_retracing=True, jit_compile=last.plan.train.jit_compile
         )
 
@@ -193,12 +193,14 @@ def check_and_evaluate(
 
     n = len(chain.models)
     codec = chain.codec
-    forward = tf.function(lambda t: glued(t, training=False), reduce_retracing=True)
+    forward = graph_function(lambda t: glued(t, training=False), reduce_retracing=True)
     stage_fns = [
-        tf.function(lambda x, s=s: glued.stage_forward(s, x, training=False), reduce_retracing=True)
+        graph_function(
+            lambda x, s=s: glued.stage_forward(s, x, training=False), reduce_retracing=True
+        )
         for s in range(n)
     ]
-    codec_fn = tf.function(glued.wire, reduce_retracing=True)
+    codec_fn = graph_function(glued.wire, reduce_retracing=True)
     stage_diff = [0.0] * n
     stage_scale = [1.0] * n
     mismatches, elements = [0] * (n - 1), [0] * (n - 1)

@@ -53,7 +53,9 @@ def _reload_diff(loaded, tokens: np.ndarray, want: np.ndarray) -> float:
     import numpy as np
     import tensorflow as tf
 
-    forward = tf.function(lambda t: loaded(t, training=False))
+    from silentswarm.agent.runtime.tfsetup import graph_function
+
+    forward = graph_function(lambda t: loaded(t, training=False))
     return float(np.max(np.abs(forward(tf.constant(tokens)).numpy() - want)))
 
 
