@@ -14,10 +14,15 @@ time):
   runs. The optimizer applies the gradient to the unpredicted weights. Not in the runtime:
   this is where it was measured.
 
+Each delayed arm may also run with a smaller Adam ``beta_1`` (``--beta1s``): a delay acts as
+extra momentum (Mitliagkas et al., "Asynchrony begets momentum", 2016), so less explicit
+momentum may give back what the delay costs. ``sync`` always runs at Keras's 0.9.
+
 One JSON line per arm (the final validation loss), then a summary of each delayed arm against
 ``sync`` at the same learning rate and seed.
 
     python exp/overlap_loss.py --learning-rates 3e-4 1e-3 3e-3 --seeds 0 1
+    python exp/overlap_loss.py --learning-rates 1e-3 3e-3 --beta1s 0.9 0.7 0.5
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 MODES = ("sync", "delay", "predict")
+SYNC_BETA1 = 0.9  # Keras's AdamW default, what the runtime trains with
 
 
 def run_arm(args: argparse.Namespace) -> dict:
@@ -61,6 +67,7 @@ def run_arm(args: argparse.Namespace) -> dict:
     plan = single_process_plan(job_id="overlap-loss", model=model_config, train=train)
     model, data, m = StageModel(plan), job_dataset(train, model_config.seq_len), 2
     opt = model.optimizer
+    opt.beta_1 = args.beta1  # before the first apply traces it
 
     def directions():
         for v in model.variables:
@@ -107,12 +114,13 @@ def run_arm(args: argparse.Namespace) -> dict:
         "mode": args.mode,
         "learning_rate": args.lr,
         "seed": args.seed,
+        "beta1": args.beta1,
         "steps": args.steps,
         "val_loss": sum(losses) / len(losses),
     }
 
 
-def child(args: argparse.Namespace, mode: str, lr: float, seed: int) -> dict:
+def child(args: argparse.Namespace, mode: str, lr: float, seed: int, beta1: float) -> dict:
     command = [
         sys.executable,
         __file__,
@@ -122,6 +130,8 @@ def child(args: argparse.Namespace, mode: str, lr: float, seed: int) -> dict:
         str(lr),
         "--seed",
         str(seed),
+        "--beta1",
+        str(beta1),
         "--steps",
         str(args.steps),
         "--layers",
@@ -134,7 +144,8 @@ def child(args: argparse.Namespace, mode: str, lr: float, seed: int) -> dict:
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
-        raise SystemExit(f"arm {mode} lr {lr} seed {seed} failed:\n{done.stderr[-3000:]}")
+        arm = f"{mode} lr {lr} seed {seed} beta1 {beta1}"
+        raise SystemExit(f"arm {arm} failed:\n{done.stderr[-3000:]}")
     line = json.loads(done.stdout.strip().splitlines()[-1])
     print(json.dumps(line), flush=True)
     return line
@@ -142,18 +153,25 @@ def child(args: argparse.Namespace, mode: str, lr: float, seed: int) -> dict:
 
 def summary(arms: list[dict]) -> dict:
     """Each delayed arm's validation loss against ``sync`` of its rate and seed, and the mean
-    over seeds per rate and mode."""
+    over seeds per rate, mode and beta_1."""
     sync = {(a["learning_rate"], a["seed"]): a["val_loss"] for a in arms if a["mode"] == "sync"}
-    rows: dict[tuple[float, str], list[float]] = {}
+    rows: dict[tuple[float, str, float], list[float]] = {}
     for a in arms:
         ref = sync.get((a["learning_rate"], a["seed"]))
         if a["mode"] != "sync" and ref:
-            rows.setdefault((a["learning_rate"], a["mode"]), []).append(a["val_loss"] / ref - 1)
+            key = (a["learning_rate"], a["mode"], a["beta1"])
+            rows.setdefault(key, []).append(a["val_loss"] / ref - 1)
     return {
         "experiment": "overlap_loss",
         "vs_sync": [
-            {"learning_rate": lr, "mode": mode, "mean": sum(v) / len(v), "per_seed": v}
-            for (lr, mode), v in sorted(rows.items())
+            {
+                "learning_rate": lr,
+                "mode": mode,
+                "beta1": beta1,
+                "mean": sum(v) / len(v),
+                "per_seed": v,
+            }
+            for (lr, mode, beta1), v in sorted(rows.items())
         ],
     }
 
@@ -163,6 +181,9 @@ def main() -> None:
     parser.add_argument("--learning-rates", type=float, nargs="+", default=[1e-3])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument(
+        "--beta1s", type=float, nargs="+", default=[SYNC_BETA1], help="the delayed arms' beta_1"
+    )
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--d-model", type=int, default=128)
@@ -171,6 +192,7 @@ def main() -> None:
     parser.add_argument("--arm", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--lr", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--beta1", type=float, default=SYNC_BETA1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
         args.steps, args.layers, args.d_model, args.seq_len = 6, 2, 32, 16
@@ -178,7 +200,13 @@ def main() -> None:
         args.mode = args.arm
         print(json.dumps(run_arm(args)), flush=True)
         return
-    arms = [(m, lr, s) for lr in args.learning_rates for s in args.seeds for m in args.modes]
+    arms = [
+        (mode, lr, seed, beta1)
+        for lr in args.learning_rates
+        for seed in args.seeds
+        for mode in args.modes
+        for beta1 in ([SYNC_BETA1] if mode == "sync" else args.beta1s)
+    ]
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda a: child(args, *a), arms))
     print(json.dumps(summary(results)), flush=True)
