@@ -48,7 +48,7 @@ from silentswarm.leader.storage import Throttle
 from silentswarm.leader.store import StateStore
 from silentswarm.natsauth import NatsAuthority
 from silentswarm.plan import RingChange, StagePlan
-from silentswarm.protocol import FellowStatus, JobState, Progress
+from silentswarm.protocol import JobState, Progress
 from silentswarm.retrying import Backoff
 from silentswarm.types.jobs import JobRecord
 from silentswarm.types.signals import (
@@ -289,7 +289,7 @@ class Orchestrator:
         running = self.jobs.running()
         if not running:
             return
-        fellows = {r.fellow_id: decide.fellow_state(r) for r in self.registry.list()}
+        fellows = {f.fellow_id: f for f in self.registry.read_each(decide.fellow_state)}
         now = time.time()
         for job in running:
             for finding in decide.judge_running(job, fellows, now=now):
@@ -609,7 +609,7 @@ class Orchestrator:
         now = time.monotonic()
         self._stops_sent = decide.forget_old_stops(self._stops_sent, now=now)
         stops = decide.orphan_stops(
-            [decide.fellow_state(r) for r in self.registry.list()],
+            self.registry.read_each(decide.fellow_state),
             {job.job_id: job for job in self.jobs.list()},
             starting=self.jobs.starting,
             stopped=self._stops_sent,
@@ -752,9 +752,7 @@ class Orchestrator:
         """
         due = decide.purges_due(
             self.purges.list(),
-            online={
-                r.fellow_id for r in self.registry.list() if r.status is not FellowStatus.OFFLINE
-            },
+            online=self.registry.online_ids(),
             busy=self.jobs.busy_fellows(),
             in_flight=self._purging,
             now=time.time(),

@@ -18,6 +18,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import msgspec
 
@@ -37,6 +38,8 @@ from silentswarm.protocol import (
 from silentswarm.types.fleet import FellowRecord, NodeView, Transition
 
 __all__ = ["FellowRecord", "FellowRegistry", "NodeView", "Transition"]
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 HISTORY_LEN = 50
@@ -269,6 +272,19 @@ class FellowRegistry:
 
     def list(self) -> list[FellowRecord]:
         return [self._view(e) for _, e in sorted(self._entries.items())]
+
+    def read_each(self, read: Callable[[FellowRecord], T]) -> list[T]:
+        """``read`` of every fellow's live record, in no particular order, without the copies
+        :meth:`list` makes: for a caller that takes what it needs at once and keeps nothing of
+        the record (the orchestrator's snapshots, four times a second: copying every record
+        for them was a sixth of the leader's CPU at 5,000 fellows)."""
+        return [read(entry.record) for entry in self._entries.values()]
+
+    def online_ids(self) -> set[str]:
+        """The fellows not offline."""
+        return {
+            fid for fid, e in self._entries.items() if e.record.status is not FellowStatus.OFFLINE
+        }
 
     def counts(self) -> dict[str, int]:
         counts = Counter(e.record.status.value for e in self._entries.values())

@@ -167,6 +167,25 @@ def test_deregister_marks_offline_at_once_and_a_restart_is_accepted(reg):
     ]
 
 
+def test_read_each_and_online_ids_see_what_list_shows_without_copying(reg, clock):
+    register(reg, "f2")
+    beat(reg, "f2")
+    register(reg, "f1")
+    beat(reg, "f1", status=FellowStatus.TRAINING)
+    register(reg, "f3")
+    clock.advance(2.0)
+    beat(reg, "f1", status=FellowStatus.TRAINING)
+    beat(reg, "f2")
+    clock.advance(2.0)
+    beat(reg, "f1", status=FellowStatus.TRAINING)
+    beat(reg, "f2")
+    reg.sweep()  # f3 has not been heard for 4 s, over offline_after_s: offline
+    listed = {r.fellow_id: (r.status, r.last_heartbeat_at) for r in reg.list()}
+    read = reg.read_each(lambda r: (r.fellow_id, (r.status, r.last_heartbeat_at)))
+    assert dict(read) == listed and len(read) == 3
+    assert reg.online_ids() == {"f1", "f2"} and listed["f3"][0] is FellowStatus.OFFLINE
+
+
 def test_deregister_by_another_instance_is_refused(reg):
     register(reg, "f1", instance="a")
     reply = reg.deregister(DeregisterRequest(fellow_id="f1", instance_id="zzz"))
