@@ -750,8 +750,11 @@ class Orchestrator:
         waits (PURGE_PENDING) instead of exiting; either answers on its signal subject. A
         fellow nobody serves answers "no responders" at once, so trying is cheap.
         """
+        pending = self.purges.list()
+        if not pending:
+            return  # the usual case: no fellow to look at
         due = decide.purges_due(
-            self.purges.list(),
+            pending,
             online=self.registry.online_ids(),
             busy=self.jobs.busy_fellows(),
             in_flight=self._purging,
