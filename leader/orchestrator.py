@@ -38,7 +38,7 @@ from silentswarm.leader.datasets import DatasetStore
 from silentswarm.leader.datasets import start_args as dataset_start_args
 from silentswarm.leader.errors import NotReadyError
 from silentswarm.leader.exports import ExportService
-from silentswarm.leader.jobs import JobManager, plan_schedule
+from silentswarm.leader.jobs import FellowState, JobManager, plan_schedule
 from silentswarm.leader.placement import DEFAULTS, PlacementDefaults
 from silentswarm.leader.pools import AccountLookup, holdings, no_accounts
 from silentswarm.leader.purges import PurgeBook
@@ -163,11 +163,14 @@ class Orchestrator:
         self._wake.set()
 
     async def tick(self) -> None:
-        self._reconcile()
+        # One snapshot of the fleet for the synchronous part below: no heartbeat can land
+        # before the first await.
+        fellows = self.registry.read_each(decide.fellow_state)
+        self._reconcile(fellows)
         self._stop_resumed()
         for job in self.jobs.expire_resumes():
             self.job_ended(job)
-        self._stop_orphans()
+        self._stop_orphans(fellows)
         await self._schedule()
         self._stop_dropped()
         self._replace()
@@ -285,14 +288,14 @@ class Orchestrator:
 
     # --- reconciling and scheduling --------------------------------------------------------
 
-    def _reconcile(self) -> None:
+    def _reconcile(self, fellows: list[FellowState]) -> None:
         running = self.jobs.running()
         if not running:
             return
-        fellows = {f.fellow_id: f for f in self.registry.read_each(decide.fellow_state)}
+        by_id = {f.fellow_id: f for f in fellows}
         now = time.time()
         for job in running:
-            for finding in decide.judge_running(job, fellows, now=now):
+            for finding in decide.judge_running(job, by_id, now=now):
                 if isinstance(finding, decide.StageEnded):
                     self.jobs.record_outcome(finding.fellow_id, finding.outcome)
                 else:
@@ -603,13 +606,13 @@ class Orchestrator:
                 attempt=attempt,
             )
 
-    def _stop_orphans(self) -> None:
+    def _stop_orphans(self, fellows: list[FellowState]) -> None:
         """STOP stages of attempts the leader does not run (any more): see
         :func:`silentswarm.leader.decide.orphan_stops`."""
         now = time.monotonic()
         self._stops_sent = decide.forget_old_stops(self._stops_sent, now=now)
         stops = decide.orphan_stops(
-            self.registry.read_each(decide.fellow_state),
+            fellows,
             {job.job_id: job for job in self.jobs.list()},
             starting=self.jobs.starting,
             stopped=self._stops_sent,
