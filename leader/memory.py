@@ -7,8 +7,9 @@ the backwards of the step in flight still read. Per layer and micro-batch it kee
 what the backward pass needs; under 1F1B stage ``s`` of ``p`` holds at most ``min(m, p - s)``
 micro-batches at once, or the job's larger ``in_flight`` window (``plan.stage_in_flight``).
 The last stage adds the head: its weights and the logits (with their softmax and gradient)
-of its micro-batches. Each process also pays a fixed runtime cost
-(TensorFlow itself, and a CUDA context per GPU). Estimates err on the high side.
+of its micro-batches, and the inputs it keeps for the weight-gradient passes it defers.
+Each process also pays a fixed runtime cost (TensorFlow itself, and a CUDA context per
+GPU). Estimates err on the high side.
 """
 
 from __future__ import annotations
@@ -63,11 +64,15 @@ def stage_memory(
     in_flight: int | None = None,
     overlap: bool = False,
     recompute: bool = False,
+    deferred: int | None = 0,
 ) -> StageMemory:
     """``in_flight``: the job's window (``TrainConfig.in_flight``; None: 1F1B's);
     ``overlap``: the job's schedule is ``overlap`` (``TrainConfig.overlap``); ``recompute``:
     stages before the last keep only each held micro-batch's input, and one micro-batch's
-    intermediates while its backward runs the forward again (``TrainConfig.recompute``)."""
+    intermediates while its backward runs the forward again (``TrainConfig.recompute``);
+    ``deferred``: the last stage's deferred weight-gradient passes
+    (``TrainConfig.defer_weight_grads``; None: "auto", up to a whole batch), each keeping
+    its micro-batch's input until its pass."""
     per_param = OVERLAP_BYTES_PER_PARAM if overlap else BYTES_PER_PARAM
     mb = max(1, batch_size // max(1, micro_batches))
     held = stage_in_flight(stage, n_stages, micro_batches, in_flight)
@@ -87,6 +92,8 @@ def stage_memory(
     if stage == n_stages - 1:
         last = (m.d_model * m.vocab_size + 2 * m.d_model) * per_param
         last += 3 * FLOAT * held * tokens * m.vocab_size  # logits, softmax, their gradient
+        kept = batch_size if deferred is None else min(deferred, micro_batches - 1) * mb
+        last += FLOAT * kept * m.seq_len * m.d_model  # the deferred passes' inputs
     else:
         last = boundary
     return StageMemory(per_layer=(per_layer,) * layers, first_extra=first, last_extra=last)

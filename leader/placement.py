@@ -156,6 +156,7 @@ def place(
                 in_flight=in_flight,
                 overlap=spec.overlap,
                 recompute=spec.recompute,
+                deferred=spec.memory_deferred(),
             )
             placed = _place_stage(i, c, gpus[c.fellow_id], memory, start, end, per_host)
             if isinstance(placed, Unplaceable):
@@ -410,6 +411,7 @@ def _layer_cap(spec: JobSpec, i: int, n: int, c: Candidate, gpus: list[GpuInfo])
         in_flight=in_flight,
         overlap=spec.overlap,
         recompute=spec.recompute,
+        deferred=spec.memory_deferred(),
     )
     if gpus:
         room = sum(g.memory_free_bytes for g in gpus) - GPU_RUNTIME_BYTES * len(gpus)

@@ -33,6 +33,7 @@ from silentswarm.plan import (
     StepCount,
     TrainConfig,
     Transport,
+    defer_problems,
     recompute_problems,
 )
 from silentswarm.pools import DEFAULT_POOL, Labels, PoolName
@@ -132,6 +133,7 @@ class JobSpec(TrainConfig, frozen=True, kw_only=True, forbid_unknown_fields=True
             *self.tokenizer.problems(self.model.vocab_size),
             *(self.adapter.problems(self.model.family) if self.adapter is not None else []),
             *recompute_problems(self.model, self),
+            *defer_problems(self.model, self),
         ]
         if not 1 <= len(self.name) <= 128:
             out.append("name must be 1-128 characters")

@@ -208,6 +208,17 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # so a deep window (in_flight) costs little memory; the compute is measured in
     # docs/performance.md. Needs schedule "1f1b" and model.dropout 0.
     recompute: bool = False
+    # The last stage's weight-gradient pass of a step's last ``defer_weight_grads``
+    # micro-batches runs after the step's last input gradient has left: each of them first
+    # gets a call that computes only the gradient upstream waits for, and once the last one
+    # is sent, the whole forward and backward again for the weights' gradients, while the
+    # gradient travels and the stage would otherwise wait for the next step's first
+    # forward (zero-bubble pipelining's split of the backward, by recomputation). The same
+    # gradients, a shorter critical path over slow links, more compute on the last stage.
+    # "auto": the stages choose from their measured links and compute
+    # (agent/runtime/tuning.py; 0 under dropout or schedule "overlap"). An int needs
+    # schedule "1f1b" and model.dropout 0 when above 0.
+    defer_weight_grads: Annotated[int, msgspec.Meta(ge=0, le=2**16)] | Literal["auto"] = "auto"
     learning_rate: Annotated[float, msgspec.Meta(gt=0, le=100.0)] = 3e-3
     warmup_steps: StepCount = 10
     # The cosine decay ends at this fraction of learning_rate.
@@ -341,6 +352,14 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         if self.in_flight is not None and not 1 <= self.in_flight <= top:
             what = f"{prefix}batch_size" if m == "auto" else f"{prefix}micro_batches"
             out.append(f"{prefix}in_flight ({self.in_flight}) must be in [1, {what} ({top})]")
+        k = self.defer_weight_grads
+        if k != "auto" and k > 0 and m != "auto" and k >= m:
+            out.append(
+                f"{prefix}defer_weight_grads ({k}) must be below {prefix}micro_batches ({m}): "
+                "the step's last micro-batch is the one upstream waits for first"
+            )
+        if k != "auto" and k > 0 and self.overlap:
+            out.append(f'{prefix}defer_weight_grads needs {prefix}schedule "1f1b" (or 0)')
         if self.recompute and self.overlap:
             out.append(
                 f'{prefix}recompute needs {prefix}schedule "1f1b" (an overlapped backward may '
@@ -356,6 +375,17 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     def overlap(self) -> bool:
         """Whether consecutive steps overlap (``schedule: "overlap"``)."""
         return self.schedule == "overlap"
+
+    @property
+    def auto_deferred(self) -> bool:
+        """Whether the stages choose ``defer_weight_grads`` (see :func:`may_defer`)."""
+        return self.defer_weight_grads == "auto"
+
+    @property
+    def initial_deferred(self) -> int:
+        """Micro-batches whose weight gradients the last stage defers before any decision."""
+        k = self.defer_weight_grads
+        return 0 if k == "auto" else min(k, self.initial_micro_batches - 1)
 
     @property
     def initial_micro_batches(self) -> int:
@@ -378,6 +408,12 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         if self.micro_batches == "auto":
             return 1, None
         return self.micro_batches, self.in_flight
+
+    def memory_deferred(self) -> int | None:
+        """The deferred weight-gradient passes a memory estimate must assume (None: "auto",
+        any count the stages may choose)."""
+        k = self.defer_weight_grads
+        return None if k == "auto" else k
 
     def train_config(self) -> TrainConfig:
         """Exactly the training fields, as a TrainConfig (of a JobSpec: for its plans)."""
@@ -623,6 +659,7 @@ class StagePlan(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             *self.train.problems(),
             *self.train.tokenizer.problems(self.model.vocab_size, prefix="train."),
             *recompute_problems(self.model, self.train, prefix="train."),
+            *defer_problems(self.model, self.train, prefix="train."),
         ]
         out.extend(self._layout_problems())
         out.extend(self._peer_problems())
@@ -746,6 +783,23 @@ def recompute_problems(model: ModelConfig, train: TrainConfig, prefix: str = "")
             "dropout masks)"
         ]
     return []
+
+
+def defer_problems(model: ModelConfig, train: TrainConfig, prefix: str = "") -> list[str]:
+    """Deferred weight gradients run a micro-batch's forward twice: no dropout."""
+    k = train.defer_weight_grads
+    if k != "auto" and k > 0 and model.dropout > 0:
+        return [
+            f"{prefix}defer_weight_grads needs model.dropout 0 (the weights' pass runs the "
+            'forward again, which would draw other dropout masks), or 0 or "auto"'
+        ]
+    return []
+
+
+def may_defer(model: ModelConfig, train: TrainConfig) -> bool:
+    """Whether ``defer_weight_grads: "auto"`` may choose more than 0: not where a forward run
+    twice draws other numbers (dropout), nor where steps overlap."""
+    return train.auto_deferred and model.dropout == 0 and not train.overlap
 
 
 def decode_plan(data: bytes, *, source: str = "plan") -> StagePlan:

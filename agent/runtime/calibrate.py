@@ -16,7 +16,7 @@ the attempt runs :func:`calibrate` before its next step, in stage order:
 
 The decision comes from a neighbour, so it is checked before it is used: the boundaries and
 step it names, codecs that are wire codecs the plan allows, a micro-batch count that divides
-the batch, a window inside it.
+the batch, a window inside it, deferred weight-gradient passes as the job allows them.
 """
 
 from __future__ import annotations
@@ -66,6 +66,9 @@ class Rules:
     max_in_flight: int | None  # None: up to the micro-batch count
     fixed: tuple[int, int] | None  # the spec's micro-batches and window; None: the tuner's
     overlap: bool = False  # the job's schedule is "overlap"
+    # The deferred weight-gradient passes the job fixes (at most m - 1 of them are
+    # deferred); None: the tuner's to choose, below the micro-batch count.
+    deferred: int | None = 0
 
 
 def calibrate(
@@ -128,6 +131,11 @@ def check(back: ChainBack, rules: Rules, *, step: int, name: str) -> None:
         problems.append(f"{m} micro-batches do not divide the batch of {rules.batch_size}")
     elif not 1 <= window <= top:
         problems.append(f"a window of {window} is outside 1..{top}")
+    deferred = back.tuning.deferred
+    if rules.deferred is not None and deferred != min(rules.deferred, max(0, m - 1)):
+        problems.append(f"the job defers {rules.deferred} weight-gradient passes, not {deferred}")
+    elif deferred >= m:
+        problems.append(f"{deferred} deferred passes are not below {m} micro-batches")
     if back.tuning.overlap != rules.overlap:
         problems.append(f"the job's steps {'' if rules.overlap else 'do not '}overlap")
     if problems:

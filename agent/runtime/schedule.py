@@ -124,11 +124,16 @@ def lr_at(step: int, *, base: float, warmup: int, total: int, min_ratio: float) 
 
 
 class OpTimes(NamedTuple):
-    """Seconds one stage spends on each kind of op (measured, e.g. by the pipeline bench)."""
+    """Seconds one stage spends on each kind of op (measured, e.g. by the pipeline bench).
+
+    ``input_grad``: a backward that computes only the input's gradient, what the last stage
+    runs for a micro-batch whose weights' pass it defers (``deferred`` of
+    :func:`step_period`); that pass then costs ``forward + backward`` again."""
 
     forward: float
     backward: float
     apply: float = 0.0
+    input_grad: float | None = None
 
 
 def step_period(
@@ -136,6 +141,7 @@ def step_period(
     times: list[OpTimes],
     steps: int = 6,
     link_s: float | Sequence[tuple[float, float]] = 0.0,
+    deferred: int = 0,
 ) -> float:
     """Seconds per step of a synchronous pipeline whose stages take ``times``, steady state.
 
@@ -150,12 +156,18 @@ def step_period(
     cross a boundary, so a schedule's tolerance of slow links can be compared. ``link_s`` may
     also give each boundary its own ``(forward, backward)`` seconds, boundary ``b`` being
     the one between stages ``b`` and ``b + 1``.
+
+    ``deferred``: the last stage's backwards of a step's last ``deferred`` micro-batches
+    compute only the input's gradient (``input_grad`` seconds), and their weights' passes
+    (``forward + backward`` each) run after the step's last backward, before the apply.
     """
     n = len(schedules)
     if n != len(times) or n == 0 or steps < 2:
         raise ValueError("one OpTimes per schedule, and at least two steps")
+    if deferred and times[-1].input_grad is None:
+        raise ValueError("deferred weight gradients need the last stage's input_grad time")
     flat = [[Slot(op, k, i) for k in range(steps) for op, i in schedule] for schedule in schedules]
-    return _period(flat, times, steps, _crossings(link_s, n), overlap=False)
+    return _period(flat, times, steps, _crossings(link_s, n), overlap=False, deferred=deferred)
 
 
 def overlapped(
@@ -202,11 +214,14 @@ def _period(
     crossing: list[tuple[float, float]],
     *,
     overlap: bool,
+    deferred: int = 0,
 ) -> float:
     """Run every stage's ops of ``steps`` steps (:class:`Slot` lists) as early as their inputs
     and the stage allow; the mean interval between the ends of consecutive steps."""
     n = len(flat)
     last_micro = max(slot.micro for slot in flat[0])
+    tail = times[-1]
+    weights_pass = deferred * (tail.forward + tail.backward)  # the deferred micro-batches'
     finish: dict[tuple[int, int, Op, int], float] = {}
     clock = [0.0] * n
     position = [0] * n
@@ -217,14 +232,10 @@ def _period(
             if position[s] >= len(flat[s]):
                 continue
             op, k, i = flat[s][position[s]]
-            if op is Op.FORWARD:
-                needs = [] if s == 0 else [(k, s - 1, Op.FORWARD, i)]
-                cost = times[s].forward
-            else:
-                needs = [(k, s, Op.FORWARD, i)]
-                if s < n - 1:
-                    needs.append((k, s + 1, Op.BACKWARD, i))
-                cost = times[s].backward
+            needs = _needs(op, k, s, i, n)
+            cost = times[s].forward if op is Op.FORWARD else times[s].backward
+            if op is Op.BACKWARD and s == n - 1 and i > last_micro - deferred:
+                cost = tail.input_grad or 0.0
             if any(need not in finish for need in needs):
                 continue
             if overlap and op is Op.FORWARD and i == 0 and k >= 2:
@@ -233,6 +244,8 @@ def _period(
             start = max([clock[s], *arrivals])
             clock[s] = finish[(k, s, op, i)] = start + cost
             if op is Op.BACKWARD and i == last_micro:
+                if s == n - 1:
+                    clock[s] += weights_pass
                 if not overlap:
                     clock[s] += times[s].apply
                 step_end[k] = max(step_end[k], clock[s])
@@ -241,6 +254,18 @@ def _period(
         if not progressed:
             raise RuntimeError(f"deadlock at positions {position}")
     return (step_end[-1] - step_end[0]) / (steps - 1)
+
+
+def _needs(op: Op, step: int, s: int, i: int, n: int) -> list[tuple[int, int, Op, int]]:
+    """The ops whose results op ``op`` of micro ``i`` on stage ``s`` of ``n`` waits for: a
+    forward, the stage before's forward; a backward, its own forward and the stage after's
+    backward."""
+    if op is Op.FORWARD:
+        return [] if s == 0 else [(step, s - 1, Op.FORWARD, i)]
+    needs = [(step, s, Op.FORWARD, i)]
+    if s < n - 1:
+        needs.append((step, s + 1, Op.BACKWARD, i))
+    return needs
 
 
 class PendingUpdate(msgspec.Struct, frozen=True, kw_only=True):

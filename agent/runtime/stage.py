@@ -110,7 +110,7 @@ from silentswarm.agent.runtime.stage_model import StageModel
 from silentswarm.agent.runtime.warmstart import ExportStart
 from silentswarm.compression import parse_wire_codec
 from silentswarm.plan import CurveKeys as PlanCurveKeys
-from silentswarm.plan import RingChange, StagePlan
+from silentswarm.plan import RingChange, StagePlan, may_defer
 from silentswarm.types.links import LinkStats, Tuning
 from silentswarm.types.stage import (
     CheckpointEvent,
@@ -304,6 +304,7 @@ class StageRunner:
             in_flight=window,
             auto=plan.train.auto_micro_batches,
             overlap=plan.train.overlap,
+            deferred=plan.train.initial_deferred if plan.n_stages > 1 else 0,
         )
         self.down_link: LinkStats | None = None
         # Seconds of work per step (its time less its waits on peers), by micro-batch count:
@@ -330,6 +331,11 @@ class StageRunner:
     def in_flight(self) -> int:
         """The forward window in force (:func:`silentswarm.plan.stage_in_flight`)."""
         return self.tuning.in_flight
+
+    @property
+    def deferred(self) -> int:
+        """The last stage's deferred weight-gradient passes per step, as agreed."""
+        return min(self.tuning.deferred, self.m - 1)
 
     # --- links ----------------------------------------------------------------------------
 
@@ -543,16 +549,29 @@ class StageRunner:
     def _last_micros(self, step: int, batch: Batch | None) -> None:
         """The last stage's micro-batches of ``step``, gradients accumulated: 1F1B there is
         F0 B0 F1 B1 ..., one compiled call for each pair, the targets those the forward
-        frame brought; the whole model (``batch``: its own), one call each."""
+        frame brought; the whole model (``batch``: its own), one call each. The last
+        :attr:`deferred` micro-batches first get a call for the input's gradient alone, and
+        their whole call once the step's last gradient is on its way upstream."""
         model = self.model
+        deferred: list[tuple[tf.Tensor, tf.Tensor]] = []
+        first_deferred = self.m - self.deferred
         for i in range(self.m):
             if batch is not None:  # the whole model: stage 0 is the last stage
                 inputs, targets = batch
                 model.local_micro(self._micro(inputs, i), self._micro(targets, i))
                 continue
             x, ids, _ = self._recv_forward(step, i)
-            dx = model.last_micro(x, tf.constant(ids.astype(np.int32)))
+            targets = tf.constant(ids.astype(np.int32))
+            if i >= first_deferred:
+                dx = model.input_grad(x, targets)
+                deferred.append((x, targets))
+            else:
+                dx = model.last_micro(x, targets)
             self.up.send(dx.numpy(), step=step, micro=i, direction=Direction.BWD)
+        # The weights' passes while the last gradient travels (the input's, recomputed, is
+        # dropped): the same accumulated gradients and loss as undeferred calls.
+        for x, targets in deferred:
+            model.last_micro(x, targets)
 
     def _tape_step(self, step: int, batch: Batch | None) -> None:
         """A stage before the last: forwards and backwards in 1F1B order, gradients
@@ -1048,7 +1067,15 @@ class StageRunner:
             max_in_flight=train.in_flight,
             fixed=None if train.auto_micro_batches else (self.m, self.in_flight),
             overlap=train.overlap,
+            deferred=None if may_defer(plan.model, train) else self._fixed_deferred,
         )
+
+    @property
+    def _fixed_deferred(self) -> int:
+        """The job's own count of deferred weight-gradient passes (0 where "auto" may not
+        choose: dropout, or overlapping steps)."""
+        k = self.plan.train.defer_weight_grads
+        return 0 if k == "auto" else k
 
     def calibrate(self, step: int) -> None:
         """Measure the links with the rest of the chain and take up what it decided."""
@@ -1091,7 +1118,7 @@ class StageRunner:
         )
         self.tuning = back.tuning
         log.info(
-            "calibrated before step %d: %s; %d micro-batches, window %d",
+            "calibrated before step %d: %s; %d micro-batches, window %d, %d deferred",
             step,
             ", ".join(
                 f"boundary {s.boundary} rtt {s.rtt_ms:.1f} ms, {s.fwd_mbit_s:.0f}/"
@@ -1100,6 +1127,7 @@ class StageRunner:
             ),
             self.m,
             self.in_flight,
+            self.deferred,
         )
         self.emit_links()
 
@@ -1124,6 +1152,8 @@ class StageRunner:
                 in_flight_cap=train.in_flight,
                 overlap=train.overlap,
                 target_bytes=token_dtype(plan.model.vocab_size).itemsize,
+                deferred=self._fixed_deferred,
+                auto_deferred=may_defer(plan.model, train),
             )
         )
         predicted = None if result.predicted_step_s is None else round(result.predicted_step_s, 5)
@@ -1139,6 +1169,7 @@ class StageRunner:
                 auto=train.auto_micro_batches,
                 overlap=train.overlap,
                 predicted_step_s=predicted,
+                deferred=result.deferred,
             ),
         )
 

@@ -206,6 +206,7 @@ class StageModel:
         self.local_step = compiled(self._local_step)
         self.last_micro = compiled(self._last_micro)
         self.recompute_backward = compiled(self._recompute_backward)
+        self.input_grad = compiled(self._input_grad)
 
     def devices(self) -> dict[str, str]:
         """Where each piece's variables actually live, e.g. ``{"block_2": "/job:.../CPU:1"}``."""
@@ -285,6 +286,16 @@ class StageModel:
         grads, dx = self._loss_grads(x, targets, input_grad=True)
         self._accumulate_impl(grads)
         return dx
+
+    def _input_grad(self, x, targets):
+        """The last stage: the gradient of this micro-batch's loss for its input alone, what
+        upstream waits for (XLA leaves out the weights' gradients, about a third of the
+        whole call); the loss is not added to the running sum. Its weights' pass is
+        :meth:`last_micro` later (deferred weight gradients)."""
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = self._forward_loss(x, targets, training=True)
+        return tape.gradient(loss, x)
 
     def _recompute_backward(self, x, received, input_grad: bool):
         """``recompute``: the forward again, its backward with the next stage's gradient, the

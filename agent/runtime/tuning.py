@@ -23,6 +23,12 @@ micro-batch and, per boundary crossing, the one-way delay plus the codec's trans
   counts its fixed cost per micro-batch is unknown and a count is at most doubled. The
   schedule in force is kept unless another is predicted :data:`KEEP_UNLESS` faster: a new
   count costs a compilation of its shape.
+- **Deferred weight gradients** (only under ``defer_weight_grads: "auto"``, chosen last, for
+  the codecs and schedule chosen): every count from 0 to ``m - 1``; the fewest within
+  :data:`DEFER_NEAR` of the best. A deferred micro-batch's input gradient costs
+  :data:`INPUT_GRAD_SHARE` of the last stage's whole call, and its weights' pass the whole
+  call again, after the step's last backward: worth it where the step waits for the last
+  gradient's round trip (a slow link), never on one where it does not.
 """
 
 from __future__ import annotations
@@ -51,6 +57,10 @@ NEAR_BEST = 0.03  # a schedule this close to the best predicted one is as good
 KEEP_UNLESS = 0.05  # the schedule in force stays unless another is predicted this much faster
 MAX_AUTO_MICRO_BATCHES = 64
 BACKWARD_SHARE = 2 / 3  # of a stage's compute per sample, for the model of its ops
+# The last stage's call for the input's gradient alone, against its whole call (forward,
+# loss, backward, accumulation): 21.2 ms against 31.5 on the speed model (2026-12-05).
+INPUT_GRAD_SHARE = 0.67
+DEFER_NEAR = 0.005  # a deferral count this close to the best predicted one is as good
 MBIT = 1e6 / 8  # bytes per second in one Mbit/s
 
 
@@ -125,6 +135,8 @@ class TuneInput:
     in_flight_cap: int | None = None
     overlap: bool = False  # the job's schedule is "overlap": steps run into each other
     target_bytes: int = 0  # bytes of one target id: every forward frame carries a position's
+    deferred: int = 0  # the last stage's deferred weight-gradient passes in force
+    auto_deferred: bool = False  # whether that count is the tuner's to choose
 
 
 @dataclass(frozen=True)
@@ -133,6 +145,7 @@ class TuneResult:
     micro_batches: int
     in_flight: int
     predicted_step_s: float | None
+    deferred: int = 0
 
 
 class _Model:
@@ -178,14 +191,23 @@ class _Model:
                     chosen[b][d] = AUTO_CODECS[level]
         return tuple((f, k) for f, k in chosen)
 
-    def predict(self, m: int, window: int, codecs: Sequence[tuple[WireCodec, WireCodec]]) -> float:
+    def predict(
+        self,
+        m: int,
+        window: int,
+        codecs: Sequence[tuple[WireCodec, WireCodec]],
+        deferred: int = 0,
+    ) -> float:
         """Predicted seconds per step (:func:`step_period`)."""
         inp, n = self.inp, len(self.costs)
         mb = inp.batch_size / m
         times = []
         for cost in self.costs:
             t = cost.micro_s(m)
-            times.append(OpTimes(t * (1 - BACKWARD_SHARE), t * BACKWARD_SHARE))
+            forward = t * (1 - BACKWARD_SHARE)
+            times.append(
+                OpTimes(forward, t * BACKWARD_SHARE, input_grad=t * INPUT_GRAD_SHARE - forward)
+            )
         links = []
         targets = inp.seq_len * inp.target_bytes
         for link, (fwd, bwd) in zip(inp.links, codecs, strict=True):
@@ -201,7 +223,16 @@ class _Model:
         if inp.overlap:
             return overlapped_period(n, m, window, times, steps=6, link_s=links)
         schedules = [one_f_one_b(s, n, m, window) for s in range(n)]
-        return step_period(schedules, times, steps=4, link_s=links)
+        return step_period(schedules, times, steps=4, link_s=links, deferred=deferred)
+
+    def deferred(
+        self, m: int, window: int, codecs: Sequence[tuple[WireCodec, WireCodec]]
+    ) -> tuple[int, float]:
+        """The fewest deferred weight-gradient passes within :data:`DEFER_NEAR` of the best
+        predicted step for this schedule, and that step's predicted seconds."""
+        tried = [(k, self.predict(m, window, codecs, k)) for k in range(m)]
+        best = min(t for _, t in tried)
+        return next((k, t) for k, t in tried if t <= best * (1 + DEFER_NEAR))
 
     def best_window(self, m: int, cap: int | None) -> Schedule:
         """The smallest window within :data:`NEAR_BEST` of the best for ``m`` (at the fewest
@@ -230,20 +261,28 @@ def tune(inp: TuneInput) -> TuneResult:
         raise ValueError(f"{n_stages} stages need {n_stages - 1} links and codec pairs")
     costs = [fit_cost(points) for points in inp.busy]
     if any(c is None for c in costs):
-        return TuneResult(list(inp.codecs), inp.micro_batches, inp.in_flight, None)
+        return TuneResult(list(inp.codecs), inp.micro_batches, inp.in_flight, None, inp.deferred)
     model = _Model(inp, [c for c in costs if c is not None])
     codecs = model.codecs(inp.micro_batches, inp.in_flight)
-    current = model.predict(inp.micro_batches, inp.in_flight, codecs)
-    if not inp.auto_micro_batches:
-        return TuneResult(list(codecs), inp.micro_batches, inp.in_flight, current)
-    per_count = [model.best_window(m, inp.in_flight_cap) for m in model.counts()]
-    best = min(s.predicted_step_s for s in per_count)
-    chosen = next(s for s in per_count if s.predicted_step_s <= best * (1 + NEAR_BEST))
-    if chosen.predicted_step_s >= current * (1 - KEEP_UNLESS):
-        return TuneResult(list(codecs), inp.micro_batches, inp.in_flight, current)
-    return TuneResult(
-        list(chosen.codecs), chosen.micro_batches, chosen.in_flight, chosen.predicted_step_s
+    schedule = Schedule(
+        inp.micro_batches,
+        inp.in_flight,
+        model.predict(inp.micro_batches, inp.in_flight, codecs),
+        codecs,
     )
+    if inp.auto_micro_batches:
+        per_count = [model.best_window(m, inp.in_flight_cap) for m in model.counts()]
+        best = min(s.predicted_step_s for s in per_count)
+        chosen = next(s for s in per_count if s.predicted_step_s <= best * (1 + NEAR_BEST))
+        if chosen.predicted_step_s < schedule.predicted_step_s * (1 - KEEP_UNLESS):
+            schedule = chosen
+    m, window = schedule.micro_batches, schedule.in_flight
+    if inp.auto_deferred and not inp.overlap:
+        deferred, predicted = model.deferred(m, window, schedule.codecs)
+    else:
+        deferred = min(inp.deferred, m - 1)
+        predicted = model.predict(m, window, schedule.codecs, deferred)
+    return TuneResult(list(schedule.codecs), m, window, predicted, deferred)
 
 
 def _windows(micro_batches: int, cap: int | None) -> list[int]:

@@ -6,9 +6,10 @@ the namespace, stage 0 in the root namespace. ``loopback`` arms use no path. In 
 arms the nats-server runs beside stage 0 and stage 1 reaches it through the path, so the
 relay crosses the slow link once, as p2p does.
 
-Each arm is (profile, compression, transport, schedule, micro_batches, in_flight). Its
-reference is the ``loopback`` arm with codec ``none`` and the same transport, schedule,
-micro-batches and in-flight window, run in the same invocation (added when not asked for):
+Each arm is (profile, compression, transport, schedule, micro_batches, in_flight, defer:
+``TrainConfig.defer_weight_grads``, "auto" unless ``--defer`` says otherwise). Its reference
+is the ``loopback`` arm with codec ``none`` and the same transport, schedule, micro-batches,
+in-flight window and deferral, run in the same invocation (added when not asked for):
 
 - ``tokens_per_s``: the median over short interleaved rounds (the arms' order flips every
   round) of the last stage's tokens/s over the second half of its steps (past compilation and
@@ -29,7 +30,8 @@ micro-batches and in-flight window, run in the same invocation (added when not a
   overlapping the steps buys and what its delayed update costs.
 
   Neither schedule's math depends on the link (the same frames arrive, later) or on the
-  in-flight window (the same gradients accumulate in the same order; the overlap schedule
+  in-flight window or the deferral (the same gradients accumulate in the same order, to
+  float rounding; the overlap schedule
   delays every update by one step whatever the timing), so each (codec, transport, schedule,
   m) trains once, over loopback, and its arms on every profile and window share that run
   (``loss_profile``); ``--loss-per-arm`` trains every arm over its own link instead, to check
@@ -84,6 +86,7 @@ class Arm:
     schedule: str
     micro_batches: int | str  # or "auto"
     in_flight: int | None = None  # TrainConfig.in_flight; None: 1F1B's p - s
+    defer: int | str = "auto"  # TrainConfig.defer_weight_grads
 
     @property
     def adaptive(self) -> bool:
@@ -93,7 +96,13 @@ class Arm:
     @property
     def reference(self) -> Arm:
         return Arm(
-            "loopback", "none", self.transport, self.schedule, self.micro_batches, self.in_flight
+            "loopback",
+            "none",
+            self.transport,
+            self.schedule,
+            self.micro_batches,
+            self.in_flight,
+            self.defer,
         )
 
     @property
@@ -114,9 +123,10 @@ class Arm:
     def tag(self) -> str:
         window = f"-w{self.in_flight}" if self.in_flight else ""
         schedule = "" if self.schedule == "1f1b" else f"-{self.schedule}"
+        defer = "" if self.defer == "auto" else f"-d{self.defer}"
         return (
             f"{self.profile}-{self.compression}-{self.transport}-m{self.micro_batches}{window}"
-            f"{schedule}"
+            f"{schedule}{defer}"
         ).replace("_", "-")
 
 
@@ -127,17 +137,19 @@ def plan_arms(
     schedules: list[str],
     ms: list[int],
     in_flights: list[int | None] | None = None,
+    defers: list[int | str] | None = None,
 ) -> list[Arm]:
     """Every combination asked for, and each one's reference (and an overlap arm's
     synchronous twin) where it is not among them."""
     arms = [
-        Arm(p, c, t, s, m, w)
+        Arm(p, c, t, s, m, w, d)
         for p in profiles
         for c in specs
         for t in transports
         for s in schedules
         for m in ms
         for w in in_flights or [None]
+        for d in defers or ["auto"]
     ]
     todo = list(arms)
     while todo:
@@ -156,7 +168,11 @@ def run_arm(
     last stage's done event, with the boundary's bytes per step."""
     prof = profile(arm.profile) if shaped else PROFILES["loopback"]
     train = msgspec.structs.replace(
-        train, micro_batches=arm.micro_batches, in_flight=arm.in_flight, schedule=arm.schedule
+        train,
+        micro_batches=arm.micro_batches,
+        in_flight=arm.in_flight,
+        schedule=arm.schedule,
+        defer_weight_grads=arm.defer,
     )
     run_dir = work / f"{arm.tag}-{train.steps}"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -233,6 +249,7 @@ def chosen(first: list[dict[str, Any]]) -> dict[str, Any] | None:
         "bwd_codec": link["bwd_codec"],
         "micro_batches": tuning["micro_batches"],
         "in_flight": tuning["in_flight"],
+        "deferred": tuning.get("deferred", 0),
     }
 
 
@@ -319,6 +336,7 @@ def tunnel_vs_p2p(tps: dict[Arm, list[float]]) -> list[dict[str, Any]]:
                     "schedule": arm.schedule,
                     "micro_batches": arm.micro_batches,
                     "in_flight": arm.in_flight,
+                    "defer": arm.defer,
                     "ratio": statistics.median(
                         a / b for a, b in zip(values, tps[twin], strict=True)
                     ),
@@ -333,13 +351,13 @@ def loss_cost(row: dict[str, Any], rows: list[dict[str, Any]]) -> float:
     arm, whose reference overlaps too, what the delayed update costs is counted as well."""
     if row["schedule"] == "1f1b":
         return row["val_loss_vs_reference"]
-    same = ("transport", "micro_batches", "in_flight")
+    same = ("transport", "micro_batches", "in_flight", "defer")
     for ref in rows:
         if (ref["profile"], ref["compression"], ref["schedule"]) == (
             "loopback",
             "none",
             "1f1b",
-        ) and all(ref[k] == row[k] for k in same):
+        ) and all(ref.get(k) == row.get(k) for k in same):
             mine, theirs = row["val_loss_per_seed"], ref["val_loss_per_seed"]
             return statistics.fmean(mine[s] / theirs[s] - 1.0 for s in mine)
     return float("inf")  # no synchronous reference in this run: the target is not shown met
@@ -385,22 +403,29 @@ def draw(path: Path, rows: list[dict[str, Any]]) -> bool:
     profiles = list(dict.fromkeys(r["profile"] for r in rows))
     codecs = list(dict.fromkeys(r["compression"] for r in rows))
     series = sorted(
-        {(r["compression"], r["in_flight"], r["schedule"]) for r in rows},
-        key=lambda cws: (codecs.index(cws[0]), cws[1] or 0, cws[2]),
+        {(r["compression"], r["in_flight"], r["schedule"], r.get("defer", "auto")) for r in rows},
+        key=lambda cwsd: (codecs.index(cwsd[0]), cwsd[1] or 0, cwsd[2], str(cwsd[3])),
     )
-    windows = len({w for _, w, _ in series}) > 1
-    schedules = len({k for _, _, k in series}) > 1
+    windows = len({w for _, w, _, _ in series}) > 1
+    schedules = len({k for _, _, k, _ in series}) > 1
+    defers = len({d for _, _, _, d in series}) > 1
     colours = {c: f"C{i}" for i, c in enumerate(codecs)}
     width = 0.8 / max(1, len(series))
     fig, ax = plt.subplots(figsize=(2.0 + 1.8 * len(profiles), 4.8))
-    for i, (codec, window, schedule) in enumerate(series):
+    for i, (codec, window, schedule, defer) in enumerate(series):
         xs, ys = [], []
         for j, prof in enumerate(profiles):
             values = [
                 r["tokens_per_s"]
                 for r in rows
-                if (r["profile"], r["compression"], r["in_flight"], r["schedule"])
-                == (prof, codec, window, schedule)
+                if (
+                    r["profile"],
+                    r["compression"],
+                    r["in_flight"],
+                    r["schedule"],
+                    r.get("defer", "auto"),
+                )
+                == (prof, codec, window, schedule, defer)
             ]
             if values:
                 xs.append(j + (i - (len(series) - 1) / 2) * width)
@@ -410,6 +435,8 @@ def draw(path: Path, rows: list[dict[str, Any]]) -> bool:
             label += ", " + (f"{window} in flight" if window else "1F1B")
         if schedules:
             label += f", {schedule}"
+        if defers:
+            label += f", {defer} deferred"
         hatch = ("" if window else "//") + (".." if schedule == "overlap" else "")
         ax.bar(xs, ys, width, label=label, color=colours[codec], hatch=hatch)
     ax.set_xticks(range(len(profiles)), profiles)
@@ -423,7 +450,7 @@ def draw(path: Path, rows: list[dict[str, Any]]) -> bool:
 
 
 def micro_batches(text: str) -> int | str:
-    """A --micro-batches value: a count, or "auto"."""
+    """A --micro-batches (or --defer) value: a count, or "auto"."""
     if text == "auto":
         return text
     try:
@@ -451,6 +478,14 @@ def main() -> None:
         nargs="+",
         default=None,
         help="micro-batches in flight per stage (TrainConfig.in_flight; 0 or default: 1F1B's)",
+    )
+    parser.add_argument(
+        "--defer",
+        type=micro_batches,
+        nargs="+",
+        default=None,
+        help='deferred weight-gradient passes (TrainConfig.defer_weight_grads): counts or "auto"'
+        " (default: auto)",
     )
     parser.add_argument("--rounds", type=int, default=None, help="throughput rounds (default 2)")
     parser.add_argument("--steps", type=int, default=None, help="steps of a throughput run")
@@ -497,7 +532,7 @@ def main() -> None:
         ms = args.micro_batches or [8]
         specs = args.specs or SPECS
     windows = [w or None for w in args.in_flight] if args.in_flight else None
-    arms = plan_arms(args.profiles, specs, args.transports, args.schedules, ms, windows)
+    arms = plan_arms(args.profiles, specs, args.transports, args.schedules, ms, windows, args.defer)
     rounds = args.rounds or (1 if args.quick else 2)
     work = args.work or Path(tempfile.mkdtemp(prefix="swarm-wan-"))
     png = args.png or work / "wan_tokens_per_s.png"

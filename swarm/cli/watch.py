@@ -140,6 +140,7 @@ def view_lines(snap: Snapshot) -> dict[str, str]:
             f"  schedule {t.micro_batches} micro-batches, {t.in_flight} in flight"
             + (" (auto)" if t.auto else "")
             + (", steps overlap" if t.overlap else "")
+            + (f", {t.deferred} weight passes deferred" if t.deferred else "")
             + f" since step {t.step}"
         )
     return lines

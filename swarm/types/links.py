@@ -45,13 +45,17 @@ class Tuning(msgspec.Struct, frozen=True, kw_only=True):
     and the forward window ``in_flight`` (:func:`silentswarm.plan.stage_in_flight`).
     ``auto``: chosen from measurements (``micro_batches: "auto"``), not given by the spec;
     ``overlap``: consecutive steps overlap (the job's ``schedule: "overlap"``);
-    ``predicted_step_s``: the step time the choice was predicted to take, where measured."""
+    ``predicted_step_s``: the step time the choice was predicted to take, where measured;
+    ``deferred``: how many of a step's last micro-batches the last stage runs the weights'
+    gradient pass of after the step's last input gradient left (``defer_weight_grads``),
+    always below ``micro_batches``."""
 
     step: Count
     micro_batches: MicroBatches
     in_flight: MicroBatches
     auto: bool = False
     overlap: bool = False
+    deferred: Annotated[int, msgspec.Meta(ge=0, le=2**16)] = 0
     predicted_step_s: Annotated[float, msgspec.Meta(ge=0.0, le=1e9)] | None = None
 
 

@@ -83,19 +83,24 @@ def test_two_stages_reproduce_one_process_step_by_step(procs, tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("micro_batches", "in_flight", "recompute"),
-    [(4, 4, False), (4, 4, True), (1, None, False)],
-    ids=["window", "window-recompute", "one-micro-batch"],
+    ("micro_batches", "in_flight", "recompute", "deferred"),
+    [(4, 4, False, 0), (4, 4, True, 0), (1, None, False, 0), (4, None, False, 3)],
+    ids=["window", "window-recompute", "one-micro-batch", "deferred"],
 )
 def test_three_stages_over_zeromq_match_one_process(
-    procs, tmp_path, micro_batches, in_flight, recompute
+    procs, tmp_path, micro_batches, in_flight, recompute, deferred
 ):
     """A middle stage (both boundaries) passes gradients on exactly too, also with every
     micro-batch in flight on every stage before the last (deeper than 1F1B's 3 and 2), and so
-    when those stages recompute their forwards in their backwards (``recompute``); with one
-    micro-batch the fused calls apply straight from the gradients (no accumulators)."""
+    when those stages recompute their forwards in their backwards (``recompute``), or the last
+    stage defers 3 of its 4 weights' passes (``defer_weight_grads``); with one micro-batch
+    the fused calls apply straight from the gradients (no accumulators)."""
     config = msgspec.structs.replace(
-        train(10), micro_batches=micro_batches, in_flight=in_flight, recompute=recompute
+        train(10),
+        micro_batches=micro_batches,
+        in_flight=in_flight,
+        recompute=recompute,
+        defer_weight_grads=deferred,
     )
     single = single_process_plan(job_id="ref3", model=SMALL, train=config)
     plans = chain("zmq3", 3, config)
@@ -112,6 +117,8 @@ def test_three_stages_over_zeromq_match_one_process(
     for step, (a, b) in enumerate(zip(want, got, strict=True)):
         assert abs(a - b) <= 1e-4 * abs(a), f"step {step}: single {a} vs pipeline {b}"
     assert abs(done(results[-1])["val_loss"] - done(reference)["val_loss"]) < 1e-3
+    agreed = [e["tuning"]["deferred"] for e in results[-1] if e["event"] == "links"]
+    assert agreed and set(agreed) == {deferred}
     middle = done(results[1])
     assert middle["up_bytes_received"] == done(results[0])["down_bytes_sent"]
     assert middle["down_bytes_sent"] == done(results[2])["up_bytes_received"]

@@ -65,8 +65,29 @@ def test_an_allowed_decision_passes():
         (decision(), dataclasses.replace(RULES, fixed=(4, 1)), "schedule is"),
         (decision(tuning={"overlap": True}), RULES, "steps do not overlap"),
         (decision(), dataclasses.replace(RULES, overlap=True), "steps overlap"),
+        (decision(tuning={"deferred": 2}), RULES, "defers 0 weight-gradient passes, not 2"),
+        (
+            decision(tuning={"deferred": 3}),
+            dataclasses.replace(RULES, deferred=2),
+            "defers 2 weight-gradient passes, not 3",
+        ),
+        (
+            decision(tuning={"deferred": 8}),
+            dataclasses.replace(RULES, deferred=None),
+            "not below 8 micro-batches",
+        ),
     ],
 )
 def test_a_neighbour_decision_outside_the_plan_is_refused(back, rules, complaint):
     with pytest.raises(FrameError, match=complaint):
         check(back, rules, step=5, name="b")
+
+
+@pytest.mark.parametrize(
+    ("deferred", "rule"),
+    [(0, 0), (7, None), (3, None), (7, 7), (7, 100)],  # a job's count is capped at m - 1
+    ids=["none", "chosen-most", "chosen", "fixed", "fixed-capped"],
+)
+def test_deferred_passes_the_job_allows_pass(deferred, rule):
+    back = decision(tuning={"deferred": deferred})
+    check(back, dataclasses.replace(RULES, deferred=rule), step=5, name="b")

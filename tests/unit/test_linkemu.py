@@ -96,6 +96,18 @@ def test_plan_arms_keeps_an_asked_for_reference():
     ]
 
 
+def test_each_deferral_has_its_own_reference_and_shares_the_loss_runs():
+    arms = wan.plan_arms(["wan100"], ["fixed_int8"], ["p2p"], ["1f1b"], [8], [8], [0, "auto"])
+    assert sorted(a.tag for a in arms) == [
+        "loopback-none-p2p-m8-w8",
+        "loopback-none-p2p-m8-w8-d0",
+        "wan100-fixed-int8-p2p-m8-w8",
+        "wan100-fixed-int8-p2p-m8-w8-d0",
+    ]
+    assert all(a.reference.defer == a.defer for a in arms)
+    assert len({a.math for a in arms if a.compression == "fixed_int8"}) == 1
+
+
 def test_loss_runs_are_shared_by_math_not_link():
     a = wan.Arm("wan100", "fixed_int8", "p2p", "1f1b", 8)
     b = wan.Arm("wan20", "fixed_int8", "p2p", "1f1b", 8)

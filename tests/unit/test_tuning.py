@@ -203,3 +203,51 @@ def test_the_targets_each_forward_frame_carries_count_in_the_prediction():
     extra_s = 16 * SEQ * 4 / (2.0 * 1e6 / 8)  # a step's ids at 2 Mbit/s
     assert with_ids.predicted_step_s > without.predicted_step_s
     assert with_ids.predicted_step_s - without.predicted_step_s <= extra_s * 1.01
+
+
+# The speed model over wan100 as measured (2026-12-05): stage 0 is the slower stage (45 ms of
+# work per micro-batch against the last stage's 35), the link 51 ms round trip, 97 Mbit/s.
+SPEED_BUSY = [[(8, 0.36)], [(8, 0.28)]]
+SPEED_FIXED = {"auto_fwd": False, "auto_bwd": False, "auto_micro_batches": False}
+
+
+def speed_inp(rtt_ms: float, mbit: float, **kw) -> TuneInput:
+    fields = {
+        "links": [link(mbit, rtt_ms)],
+        "busy": SPEED_BUSY,
+        "codecs": [(INT8, INT8)],
+        "micro_batches": 8,
+        "in_flight": 8,
+        **SPEED_FIXED,
+    }
+    return inp(**{**fields, **kw})
+
+
+@pytest.mark.parametrize(
+    ("rtt_ms", "mbit", "chosen"),
+    [
+        (0.3, 10_000, 0),  # loopback: nothing waits for the last gradient, so nothing defers
+        (51, 97, 3),  # wan100: the last gradient's round trip is a sixth of the step
+    ],
+    ids=["loopback", "wan100"],
+)
+def test_deferred_weight_passes_are_chosen_where_the_step_waits_on_the_round_trip(
+    rtt_ms, mbit, chosen
+):
+    got = tune(speed_inp(rtt_ms, mbit, auto_deferred=True))
+    undeferred = tune(speed_inp(rtt_ms, mbit))
+    assert got.deferred == chosen
+    assert undeferred.deferred == 0
+    if chosen:
+        assert got.predicted_step_s < undeferred.predicted_step_s * 0.97
+    else:
+        assert got.predicted_step_s == pytest.approx(undeferred.predicted_step_s)
+
+
+def test_a_jobs_own_deferral_is_kept_below_the_count_and_overlap_defers_nothing():
+    got = tune(speed_inp(51, 97, deferred=20))
+    assert got.deferred == 7  # m - 1: the step's last micro-batch defers, not a later one
+    assert tune(speed_inp(51, 97, deferred=2)).deferred == 2
+    assert tune(speed_inp(51, 97, auto_deferred=True, overlap=True)).deferred == 0
+    nothing = tune(speed_inp(51, 97, busy=[[], [(8, 0.28)]], deferred=2))
+    assert (nothing.deferred, nothing.predicted_step_s) == (2, None)
