@@ -142,6 +142,7 @@ def step_period(
     steps: int = 6,
     link_s: float | Sequence[tuple[float, float]] = 0.0,
     deferred: int = 0,
+    transfer_s: Sequence[tuple[float, float]] | None = None,
 ) -> float:
     """Seconds per step of a synchronous pipeline whose stages take ``times``, steady state.
 
@@ -155,7 +156,10 @@ def step_period(
     allow; otherwise every frame takes ``link_s`` seconds (one-way delay plus transfer) to
     cross a boundary, so a schedule's tolerance of slow links can be compared. ``link_s`` may
     also give each boundary its own ``(forward, backward)`` seconds, boundary ``b`` being
-    the one between stages ``b`` and ``b + 1``.
+    the one between stages ``b`` and ``b + 1``. ``transfer_s``, per boundary and direction
+    too, is the part of a crossing that occupies the link (the bytes at its rate; the rest is
+    delay): frames in one direction queue behind each other for it, so a link that carries
+    less than the stages produce sets the pace (None: frames never queue).
 
     ``deferred``: the last stage's backwards of a step's last ``deferred`` micro-batches
     compute only the input's gradient (``input_grad`` seconds), and their weights' passes
@@ -167,7 +171,14 @@ def step_period(
     if deferred and times[-1].input_grad is None:
         raise ValueError("deferred weight gradients need the last stage's input_grad time")
     flat = [[Slot(op, k, i) for k in range(steps) for op, i in schedule] for schedule in schedules]
-    return _period(flat, times, steps, _crossings(link_s, n), overlap=False, deferred=deferred)
+    return _period(
+        flat,
+        times,
+        steps,
+        _links(link_s, transfer_s, n),
+        overlap=False,
+        deferred=deferred,
+    )
 
 
 def overlapped(
@@ -197,6 +208,7 @@ def overlapped_period(
     times: list[OpTimes],
     steps: int = 8,
     link_s: float | Sequence[tuple[float, float]] = 0.0,
+    transfer_s: Sequence[tuple[float, float]] | None = None,
 ) -> float:
     """:func:`step_period` of the :func:`overlapped` schedule: each stage applies an update
     before the first forward of every step from the third on, and a step ends when every
@@ -204,14 +216,14 @@ def overlapped_period(
     if n_stages != len(times) or n_stages == 0 or steps < 3:
         raise ValueError("one OpTimes per stage, and at least three steps")
     flat = [overlapped(s, n_stages, micro_batches, steps, in_flight) for s in range(n_stages)]
-    return _period(flat, times, steps, _crossings(link_s, n_stages), overlap=True)
+    return _period(flat, times, steps, _links(link_s, transfer_s, n_stages), overlap=True)
 
 
 def _period(
     flat: list[list[Slot]],
     times: list[OpTimes],
     steps: int,
-    crossing: list[tuple[float, float]],
+    links: list[_Link],
     *,
     overlap: bool,
     deferred: int = 0,
@@ -219,6 +231,7 @@ def _period(
     """Run every stage's ops of ``steps`` steps (:class:`Slot` lists) as early as their inputs
     and the stage allow; the mean interval between the ends of consecutive steps."""
     n = len(flat)
+    sent: dict[tuple[int, int, Op, int], float] = {}  # a frame's arrival at its receiver
     last_micro = max(slot.micro for slot in flat[0])
     tail = times[-1]
     weights_pass = deferred * (tail.forward + tail.backward)  # the deferred micro-batches'
@@ -240,9 +253,10 @@ def _period(
                 continue
             if overlap and op is Op.FORWARD and i == 0 and k >= 2:
                 clock[s] += times[s].apply  # the update of step k - 2
-            arrivals = (finish[need] + _crossing(crossing, need, s) for need in needs)
+            arrivals = (finish[need] if need[1] == s else sent[need] for need in needs)
             start = max([clock[s], *arrivals])
             clock[s] = finish[(k, s, op, i)] = start + cost
+            _send(links, sent, (k, s, op, i), n, clock[s])
             if op is Op.BACKWARD and i == last_micro:
                 if s == n - 1:
                     clock[s] += weights_pass
@@ -314,23 +328,56 @@ class DelayedUpdates:
         return due
 
 
-def _crossings(
-    link_s: float | Sequence[tuple[float, float]], n_stages: int
-) -> list[tuple[float, float]]:
-    """Each boundary's (forward, backward) seconds, from one figure for all or one pair each."""
+class _Link:
+    """One boundary in the model: each direction's crossing seconds, the part of them that
+    occupies the link, and when the link is next free that way."""
+
+    def __init__(self, crossing: tuple[float, float], transfer: tuple[float, float]) -> None:
+        self.crossing = crossing
+        self.transfer = transfer
+        self.free = [0.0, 0.0]
+
+    def arrival(self, direction: int, ready: float) -> float:
+        """When a frame ready to leave at ``ready`` arrives, after those before it."""
+        start = max(ready, self.free[direction])
+        self.free[direction] = start + self.transfer[direction]
+        return start + self.crossing[direction]
+
+
+def _links(
+    link_s: float | Sequence[tuple[float, float]],
+    transfer_s: Sequence[tuple[float, float]] | None,
+    n_stages: int,
+) -> list[_Link]:
+    """Each boundary's model, from one crossing figure for all or one pair each."""
+    boundaries = max(0, n_stages - 1)
     if isinstance(link_s, int | float):
-        return [(float(link_s), float(link_s))] * max(0, n_stages - 1)
-    crossing = [(float(f), float(b)) for f, b in link_s]
-    if len(crossing) != n_stages - 1:
+        crossing = [(float(link_s), float(link_s))] * boundaries
+    else:
+        crossing = [(float(f), float(b)) for f, b in link_s]
+    transfer = [(0.0, 0.0)] * boundaries if transfer_s is None else list(transfer_s)
+    if len(crossing) != boundaries or len(transfer) != boundaries:
         raise ValueError(
-            f"{n_stages} stages have {n_stages - 1} boundaries, got {len(crossing)} link times"
+            f"{n_stages} stages have {boundaries} boundaries, got {len(crossing)} link times "
+            f"and {len(transfer)} transfer times"
         )
-    return crossing
+    return [
+        _Link(c, (min(t[0], c[0]), min(t[1], c[1])))
+        for c, t in zip(crossing, transfer, strict=True)
+    ]
 
 
-def _crossing(crossing: list[tuple[float, float]], need: tuple[int, int, Op, int], s: int) -> float:
-    """Seconds the input ``need`` takes to reach stage ``s``: 0 from the stage itself."""
-    source = need[1]
-    if source == s:
-        return 0.0
-    return crossing[source][0] if source < s else crossing[s][1]
+def _send(
+    links: list[_Link],
+    sent: dict[tuple[int, int, Op, int], float],
+    op: tuple[int, int, Op, int],
+    n: int,
+    done: float,
+) -> None:
+    """The frame op ``op`` (step, stage, kind, micro) sends when it is done, if any: a
+    forward downstream (not from the last stage), a backward upstream (not from the first)."""
+    _, s, kind, _ = op
+    if kind is Op.FORWARD and s < n - 1:
+        sent[op] = links[s].arrival(0, done)
+    elif kind is Op.BACKWARD and s > 0:
+        sent[op] = links[s - 1].arrival(1, done)

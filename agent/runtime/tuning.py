@@ -208,22 +208,23 @@ class _Model:
             times.append(
                 OpTimes(forward, t * BACKWARD_SHARE, input_grad=t * INPUT_GRAD_SHARE - forward)
             )
-        links = []
+        links, transfers = [], []
         targets = inp.seq_len * inp.target_bytes
         for link, (fwd, bwd) in zip(inp.links, codecs, strict=True):
             delay = link.rtt_ms / 2000
             f = (wire_bytes_per_sample(fwd, inp.seq_len, inp.dims) + targets) * mb
             b = wire_bytes_per_sample(bwd, inp.seq_len, inp.dims) * mb
-            links.append(
-                (
-                    delay + f / max(link.fwd_mbit_s * MBIT, 1.0),
-                    delay + b / max(link.bwd_mbit_s * MBIT, 1.0),
-                )
-            )
+            transfer = (f / max(link.fwd_mbit_s * MBIT, 1.0), b / max(link.bwd_mbit_s * MBIT, 1.0))
+            transfers.append(transfer)
+            links.append((delay + transfer[0], delay + transfer[1]))
         if inp.overlap:
-            return overlapped_period(n, m, window, times, steps=6, link_s=links)
+            return overlapped_period(
+                n, m, window, times, steps=6, link_s=links, transfer_s=transfers
+            )
         schedules = [one_f_one_b(s, n, m, window) for s in range(n)]
-        return step_period(schedules, times, steps=4, link_s=links, deferred=deferred)
+        return step_period(
+            schedules, times, steps=4, link_s=links, deferred=deferred, transfer_s=transfers
+        )
 
     def deferred(
         self, m: int, window: int, codecs: Sequence[tuple[WireCodec, WireCodec]]

@@ -263,3 +263,14 @@ def test_watch_says_when_steps_overlap():
     agg.apply(msgspec.structs.replace(step("a", 0, 1, 100.0), tuning=tuning))
     text = "\n".join(metrics_lines(agg.view()))
     assert "schedule 4 micro-batches, 2 in flight, steps overlap since step 0" in text
+
+
+def test_watch_says_how_many_weight_passes_the_last_stage_defers():
+    from silentswarm.cli.watch import metrics_lines
+    from silentswarm.types.links import Tuning
+
+    agg = JobMetricsAggregator("j")
+    tuning = Tuning(step=2, micro_batches=8, in_flight=8, deferred=3)
+    agg.apply(msgspec.structs.replace(step("a", 0, 1, 100.0), tuning=tuning))
+    text = "\n".join(metrics_lines(agg.view()))
+    assert "schedule 8 micro-batches, 8 in flight, 3 weight passes deferred since step 2" in text

@@ -168,6 +168,28 @@ def test_each_boundary_and_direction_has_its_own_link_time():
         step_period(one, times, link_s=[(0.001, 0.001), (0.001, 0.001)])
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["1f1b", "overlap"])
+def test_frames_queue_for_a_link_that_carries_less_than_the_stages_produce(overlap):
+    """8 micro-batches of 10 ms work per stage and direction, frames that each take 40 ms of
+    a 20 ms-delay link: the link sets the pace (8 x 40 ms each way, not one frame's time),
+    and a link that keeps up costs only its delay."""
+    times = [OpTimes(0.005, 0.005), OpTimes(0.005, 0.005)]
+
+    def period(transfer: float) -> float:
+        crossing, busy = [(0.02 + transfer,) * 2], [(transfer,) * 2]
+        if overlap:
+            return overlapped_period(2, 8, 8, times, link_s=crossing, transfer_s=busy)
+        schedules = [one_f_one_b(s, 2, 8, 8) for s in range(2)]
+        return step_period(schedules, times, link_s=crossing, transfer_s=busy)
+
+    assert period(0.040) >= 8 * 0.040
+    unqueued = step_period(
+        [one_f_one_b(s, 2, 8, 8) for s in range(2)], times, link_s=[(0.06, 0.06)]
+    )
+    assert unqueued < 0.3 < period(0.040)  # without queueing the frames overlap on the link
+    assert period(0.001) < 0.25
+
+
 @pytest.mark.parametrize(
     ("p", "m", "window"), [(2, 4, None), (3, 4, 4), (4, 2, None), (2, 1, None)]
 )
