@@ -219,7 +219,7 @@ def ceiling(
                 proc.wait()
     schedules = [one_f_one_b(s, p, train.micro_batches, train.in_flight) for s in range(p)]
     period = step_period(schedules, times)
-    ops = [{k: round(1e3 * v, 3) for k, v in t._asdict().items()} for t in times]
+    ops = [{k: round(1e3 * v, 3) for k, v in t._asdict().items() if v is not None} for t in times]
     return train.batch_size * model.seq_len / period, ops
 
 
