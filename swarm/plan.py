@@ -352,13 +352,13 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         if self.in_flight is not None and not 1 <= self.in_flight <= top:
             what = f"{prefix}batch_size" if m == "auto" else f"{prefix}micro_batches"
             out.append(f"{prefix}in_flight ({self.in_flight}) must be in [1, {what} ({top})]")
-        k = self.defer_weight_grads
-        if k != "auto" and k > 0 and m != "auto" and k >= m:
+        k = self.fixed_deferred
+        if k and m != "auto" and k >= m:
             out.append(
                 f"{prefix}defer_weight_grads ({k}) must be below {prefix}micro_batches ({m}): "
                 "the step's last micro-batch is the one upstream waits for first"
             )
-        if k != "auto" and k > 0 and self.overlap:
+        if k and self.overlap:
             out.append(f'{prefix}defer_weight_grads needs {prefix}schedule "1f1b" (or 0)')
         if self.recompute and self.overlap:
             out.append(
@@ -382,10 +382,16 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         return self.defer_weight_grads == "auto"
 
     @property
+    def fixed_deferred(self) -> int:
+        """The job's own count of deferred weight-gradient passes; 0 under "auto" (until the
+        stages choose, and where they may not: :func:`may_defer`)."""
+        k = self.defer_weight_grads
+        return 0 if k == "auto" else k
+
+    @property
     def initial_deferred(self) -> int:
         """Micro-batches whose weight gradients the last stage defers before any decision."""
-        k = self.defer_weight_grads
-        return 0 if k == "auto" else min(k, self.initial_micro_batches - 1)
+        return min(self.fixed_deferred, self.initial_micro_batches - 1)
 
     @property
     def initial_micro_batches(self) -> int:
@@ -787,8 +793,7 @@ def recompute_problems(model: ModelConfig, train: TrainConfig, prefix: str = "")
 
 def defer_problems(model: ModelConfig, train: TrainConfig, prefix: str = "") -> list[str]:
     """Deferred weight gradients run a micro-batch's forward twice: no dropout."""
-    k = train.defer_weight_grads
-    if k != "auto" and k > 0 and model.dropout > 0:
+    if train.fixed_deferred and model.dropout > 0:
         return [
             f"{prefix}defer_weight_grads needs model.dropout 0 (the weights' pass runs the "
             'forward again, which would draw other dropout masks), or 0 or "auto"'

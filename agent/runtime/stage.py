@@ -1067,15 +1067,8 @@ class StageRunner:
             max_in_flight=train.in_flight,
             fixed=None if train.auto_micro_batches else (self.m, self.in_flight),
             overlap=train.overlap,
-            deferred=None if may_defer(plan.model, train) else self._fixed_deferred,
+            deferred=None if may_defer(plan.model, train) else train.fixed_deferred,
         )
-
-    @property
-    def _fixed_deferred(self) -> int:
-        """The job's own count of deferred weight-gradient passes (0 where "auto" may not
-        choose: dropout, or overlapping steps)."""
-        k = self.plan.train.defer_weight_grads
-        return 0 if k == "auto" else k
 
     def calibrate(self, step: int) -> None:
         """Measure the links with the rest of the chain and take up what it decided."""
@@ -1152,7 +1145,7 @@ class StageRunner:
                 in_flight_cap=train.in_flight,
                 overlap=train.overlap,
                 target_bytes=token_dtype(plan.model.vocab_size).itemsize,
-                deferred=self._fixed_deferred,
+                deferred=train.fixed_deferred,
                 auto_deferred=may_defer(plan.model, train),
             )
         )

@@ -282,7 +282,9 @@ def tune(inp: TuneInput) -> TuneResult:
         deferred, predicted = model.deferred(m, window, schedule.codecs)
     else:
         deferred = min(inp.deferred, m - 1)
-        predicted = model.predict(m, window, schedule.codecs, deferred)
+        predicted = schedule.predicted_step_s  # the undeferred step's
+        if deferred:
+            predicted = model.predict(m, window, schedule.codecs, deferred)
     return TuneResult(list(schedule.codecs), m, window, predicted, deferred)
 
 
