@@ -349,6 +349,9 @@ def sweep(
     return {"cores": cores, "recompute": train.recompute, "rows": rows}
 
 
+COMPRESSION_RUN_TIMEOUT_S = 3 * 3600.0  # one spec's run
+
+
 def compression(
     work: Path, model: ModelConfig, train: TrainConfig, specs: list[str] | None = None
 ) -> dict[str, Any]:
@@ -358,7 +361,12 @@ def compression(
     k = model.d_model // 8
     rows: dict[str, dict[str, Any]] = {}
     for spec in ["none", *[s for s in specs or [t.format(k=k) for t in SPECS] if s != "none"]]:
-        stages = run_plans(pipeline_plans(f"c-{spec.replace('_', '-')}", model, train, spec), work)
+        # 1500 steps of d_model 256 take about 10 minutes on a fast day: no 600 s limit here.
+        stages = run_plans(
+            pipeline_plans(f"c-{spec.replace('_', '-')}", model, train, spec),
+            work,
+            timeout=COMPRESSION_RUN_TIMEOUT_S,
+        )
         first, last = done(stages[0]), done(stages[-1])
         wire = first["down_bytes_sent"] + first["down_bytes_received"]
         rows[spec] = {
