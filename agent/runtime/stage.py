@@ -80,6 +80,7 @@ from silentswarm.agent.runtime.data import (
     job_tokenizer,
     job_val_batches,
 )
+from silentswarm.agent.runtime.deferral import DeferralCheck
 from silentswarm.agent.runtime.presets import init_from_preset, preset_dir
 from silentswarm.agent.runtime.replicas import (
     JOIN_TIMEOUT_S,
@@ -306,6 +307,13 @@ class StageRunner:
             overlap=plan.train.overlap,
             deferred=plan.train.initial_deferred if plan.n_stages > 1 else 0,
         )
+        # The deferred passes the last stage runs now: the agreed count, or under "auto" the
+        # one its check of the model's proposal runs (agent.runtime.deferral).
+        self._deferred_now = self.tuning.deferred
+        self._deferral: DeferralCheck | None = None
+        if plan.is_last and plan.n_stages > 1 and may_defer(plan.model, plan.train):
+            codecs = ((self.act_codec.name, self.grad_codec.name),) * (plan.n_stages - 1)
+            self._deferral = DeferralCheck(self._deferred_now, (m, window, codecs))
         self.down_link: LinkStats | None = None
         # Seconds of work per step (its time less its waits on peers), by micro-batch count:
         # what the tuner fits each stage's cost to.
@@ -334,8 +342,8 @@ class StageRunner:
 
     @property
     def deferred(self) -> int:
-        """The last stage's deferred weight-gradient passes per step, as agreed."""
-        return min(self.tuning.deferred, self.m - 1)
+        """The last stage's deferred weight-gradient passes this step."""
+        return min(self._deferred_now, self.m - 1)
 
     # --- links ----------------------------------------------------------------------------
 
@@ -760,6 +768,8 @@ class StageRunner:
             wait_s, traffic = self.take_wait(), self.bytes_summary()  # before validation
             sync_s = 0.0 if self.replicas is None else self.replicas.take_seconds()
             self._sample_compute(result.seconds - wait_s - sync_s)  # the sync is no work
+            ran = self.deferred if plan.is_last else 0
+            self._check_deferral(step, result.seconds)
             val_loss = None
             every = plan.train.val_every
             if every and (step + 1) % every == 0 and step + 1 < plan.train.steps:
@@ -776,6 +786,7 @@ class StageRunner:
                     wait_s=round(wait_s, 5),
                     val_loss=val_loss,
                     sync_s=round(sync_s, 5),
+                    deferred=ran,
                     **self._ring_fields(),
                     **traffic,
                 )
@@ -1044,10 +1055,12 @@ class StageRunner:
     # --- calibration ----------------------------------------------------------------------
 
     def _sample_compute(self, busy_s: float) -> None:
-        """Keep a step's seconds of work (not the first after a compile)."""
+        """Keep a step's seconds of work (not the first after a compile), less what deferred
+        passes added to it: the model adds that itself."""
         if self._skip_sample:
             self._skip_sample = False
         elif busy_s > 0:
+            busy_s = tuning.undeferred_busy(busy_s, self.m, self.deferred)
             samples = self._busy.setdefault(self.m, [])
             samples.append(busy_s)
             del samples[:-BUSY_SAMPLES_KEPT]
@@ -1101,8 +1114,8 @@ class StageRunner:
             self.down_link = back.links[plan.stage]
             self.down.send_codec = parse_wire_codec(self.down_link.fwd_codec)
         changed = back.tuning.micro_batches != self.m
-        if changed:
-            self._skip_sample = True
+        if changed or back.tuning.deferred != self._deferred_now:
+            self._skip_sample = True  # a new count compiles
         self._next_calibration = calibrate.next_due(
             step,
             start_step=self.start_step,
@@ -1110,6 +1123,7 @@ class StageRunner:
             changed=changed,
         )
         self.tuning = back.tuning
+        self._deferred_now = back.tuning.deferred
         log.info(
             "calibrated before step %d: %s; %d micro-batches, window %d, %d deferred",
             step,
@@ -1150,6 +1164,17 @@ class StageRunner:
             )
         )
         predicted = None if result.predicted_step_s is None else round(result.predicted_step_s, 5)
+        deferred, verdict = result.deferred, None
+        if self._deferral is not None and predicted is None:  # nothing measured: no proposal
+            deferred = self._deferred_now
+        elif self._deferral is not None:
+            setting = (
+                result.micro_batches,
+                result.in_flight,
+                tuple((fwd.name, bwd.name) for fwd, bwd in result.codecs),
+            )
+            deferred = self._deferral.propose(result.deferred, setting)
+            verdict = self._deferral.last_verdict
         return ChainBack(
             links=[
                 msgspec.structs.replace(s, fwd_codec=fwd.name, bwd_codec=bwd.name)
@@ -1162,11 +1187,36 @@ class StageRunner:
                 auto=train.auto_micro_batches,
                 overlap=train.overlap,
                 predicted_step_s=predicted,
-                deferred=result.deferred,
+                deferred=deferred,
+                deferral=verdict,
             ),
         )
 
-    def emit_links(self) -> None:
+    def _check_deferral(self, step: int, seconds: float) -> None:
+        """The last stage under "auto": the step's time to its check of the deferral, which
+        says what the next step runs; a verdict is the schedule's news."""
+        if self._deferral is None:
+            return
+        out = self._deferral.after_step(step, self.deferred, seconds)
+        if out.next_count != self._deferred_now:
+            self._skip_sample = True  # the first count's input-gradient call compiles
+        self._deferred_now = out.next_count
+        v = out.verdict
+        if v is not None:
+            log.info(
+                "deferred weight passes from step %d: %d (%.4f s a step; %d: %.4f s)",
+                v.step,
+                v.kept,
+                v.kept_step_s,
+                v.other,
+                v.other_step_s,
+            )
+            self.tuning = msgspec.structs.replace(
+                self.tuning, step=v.step, deferred=v.kept, deferral=v
+            )
+            self.emit_links(deferral_check=True)
+
+    def emit_links(self, *, deferral_check: bool = False) -> None:
         self.emit(
             LinksEvent(
                 stage=self.plan.stage,
@@ -1174,6 +1224,7 @@ class StageRunner:
                 down=None if self.down is None else self.down.link.transport,
                 down_link=self.down_link,
                 tuning=self.tuning,
+                deferral_check=deferral_check,
             )
         )
 

@@ -64,6 +64,13 @@ DEFER_NEAR = 0.005  # a deferral count this close to the best predicted one is a
 MBIT = 1e6 / 8  # bytes per second in one Mbit/s
 
 
+def undeferred_busy(busy_s: float, micro_batches: int, deferred: int) -> float:
+    """A last stage's seconds of work in a step less what its ``deferred`` passes added (one
+    input-gradient call each, about :data:`INPUT_GRAD_SHARE` of a micro-batch's whole call):
+    the work the model's costs are fitted to, which adds deferral's itself."""
+    return busy_s * micro_batches / (micro_batches + INPUT_GRAD_SHARE * deferred)
+
+
 def wire_bytes_per_sample(codec: WireCodec, seq_len: int, dims: int) -> int:
     """Bytes one sample's boundary tensor takes on the wire (no frame header): a row per
     position, as the frames encode it."""
@@ -307,5 +314,6 @@ __all__ = [
     "TuneResult",
     "fit_cost",
     "tune",
+    "undeferred_busy",
     "wire_bytes_per_sample",
 ]

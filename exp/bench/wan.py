@@ -221,7 +221,7 @@ def run_arm(
     summary = dict(done(last))
     summary["bytes_per_step"] = wire_per_step(first)
     summary["tokens_per_s"] = steady_tokens_per_s(last)
-    summary["chosen"] = chosen(first)
+    summary["chosen"] = chosen(first, last)
     return summary
 
 
@@ -234,13 +234,17 @@ def steady_tokens_per_s(events: list[dict[str, Any]]) -> float:
     return sum(e["step_time_s"] * e["tokens_per_s"] for e in half) / seconds
 
 
-def chosen(first: list[dict[str, Any]]) -> dict[str, Any] | None:
+def chosen(first: list[dict[str, Any]], last: list[dict[str, Any]]) -> dict[str, Any] | None:
     """What the last calibration measured and settled on (the boundary's codecs, the
-    schedule), from stage 0's links events; None without one."""
+    schedule), from stage 0's links events, and the deferred weight passes the last stage
+    kept (its check of the calibration's proposal may have settled on another count, with
+    the steps it measured); None without a calibration."""
     links = [e for e in first if e["event"] == "links" and e.get("down_link")]
     if not links:
         return None
     link, tuning = links[-1]["down_link"], links[-1]["tuning"]
+    kept = [e["tuning"] for e in last if e["event"] == "links" and e.get("tuning")]
+    final = kept[-1] if kept else tuning
     return {
         "rtt_ms": link["rtt_ms"],
         "fwd_mbit_s": link["fwd_mbit_s"],
@@ -249,7 +253,8 @@ def chosen(first: list[dict[str, Any]]) -> dict[str, Any] | None:
         "bwd_codec": link["bwd_codec"],
         "micro_batches": tuning["micro_batches"],
         "in_flight": tuning["in_flight"],
-        "deferred": tuning.get("deferred", 0),
+        "deferred": final.get("deferred", 0),
+        "deferral": final.get("deferral"),
     }
 
 

@@ -40,6 +40,7 @@ from silentswarm.errors import (
     LeaderUnreachableError,
 )
 from silentswarm.types.jobs import JobEnd, JobRecord
+from silentswarm.types.links import Tuning
 from silentswarm.types.metrics import BoundaryMetrics, FellowMetrics, JobMetrics
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED"}
@@ -140,10 +141,20 @@ def view_lines(snap: Snapshot) -> dict[str, str]:
             f"  schedule {t.micro_batches} micro-batches, {t.in_flight} in flight"
             + (" (auto)" if t.auto else "")
             + (", steps overlap" if t.overlap else "")
-            + (f", {t.deferred} weight passes deferred" if t.deferred else "")
+            + deferral_text(t)
             + f" since step {t.step}"
         )
     return lines
+
+
+def deferral_text(t: Tuning) -> str:
+    """The deferred weight passes in force, and the measured steps that kept them."""
+    text = f", {t.deferred} weight passes deferred" if t.deferred else ""
+    v = t.deferral
+    if v is not None:
+        text = text or ", no weight passes deferred"
+        text += f" (measured {v.kept_step_s:.3f} s a step; {v.other}: {v.other_step_s:.3f} s)"
+    return text
 
 
 def changed_lines(printed: dict[str, str], lines: dict[str, str]) -> list[str]:

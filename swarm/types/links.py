@@ -19,6 +19,8 @@ Millis = Annotated[float, msgspec.Meta(ge=0.0, le=3_600_000.0)]
 MbitPerS = Annotated[float, msgspec.Meta(ge=0.0, le=10_000_000.0)]  # 10 Pbit/s
 CodecName = Annotated[str, msgspec.Meta(max_length=32)]
 MicroBatches = Annotated[int, msgspec.Meta(ge=1, le=2**16)]
+Deferred = Annotated[int, msgspec.Meta(ge=0, le=2**16)]
+StepSeconds = Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]
 
 
 class LinkStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -40,6 +42,18 @@ class LinkStats(msgspec.Struct, frozen=True, kw_only=True):
     bwd_codec: CodecName = "none"
 
 
+class DeferralVerdict(msgspec.Struct, frozen=True, kw_only=True):
+    """What the last stage measured before keeping a count of deferred weight-gradient
+    passes (``defer_weight_grads: "auto"``): the median seconds of its steps with the count
+    it kept and with the other one it ran, and the step from which the kept count runs."""
+
+    step: Count
+    kept: Deferred
+    kept_step_s: StepSeconds
+    other: Deferred
+    other_step_s: StepSeconds
+
+
 class Tuning(msgspec.Struct, frozen=True, kw_only=True):
     """The schedule every stage of an attempt runs from step ``step`` on: ``micro_batches``
     and the forward window ``in_flight`` (:func:`silentswarm.plan.stage_in_flight`).
@@ -48,15 +62,17 @@ class Tuning(msgspec.Struct, frozen=True, kw_only=True):
     ``predicted_step_s``: the step time the choice was predicted to take, where measured;
     ``deferred``: how many of a step's last micro-batches the last stage runs the weights'
     gradient pass of after the step's last input gradient left (``defer_weight_grads``),
-    always below ``micro_batches``."""
+    always below ``micro_batches``; ``deferral``: the measurement that decided ``deferred``
+    under "auto", once there is one."""
 
     step: Count
     micro_batches: MicroBatches
     in_flight: MicroBatches
     auto: bool = False
     overlap: bool = False
-    deferred: Annotated[int, msgspec.Meta(ge=0, le=2**16)] = 0
-    predicted_step_s: Annotated[float, msgspec.Meta(ge=0.0, le=1e9)] | None = None
+    deferred: Deferred = 0
+    predicted_step_s: StepSeconds | None = None
+    deferral: DeferralVerdict | None = None
 
 
-__all__ = ["LinkStats", "Tuning"]
+__all__ = ["DeferralVerdict", "LinkStats", "Tuning"]

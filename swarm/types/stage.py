@@ -56,12 +56,15 @@ class PlacementEvent(_Event, tag="placement", kw_only=True):
 class LinksEvent(_Event, tag="links", kw_only=True):
     """The transport each boundary settled on (None where the stage has no such boundary);
     after each calibration also what the downstream boundary measured and the codecs it
-    uses (``down_link``), and the schedule in force (``tuning``)."""
+    uses (``down_link``), and the schedule in force (``tuning``). ``deferral_check``: sent by
+    the last stage between calibrations, when its check of a proposed count of deferred
+    weight passes took its verdict (``tuning.deferral``)."""
 
     up: Transport | None
     down: Transport | None
     down_link: LinkStats | None = None
     tuning: Tuning | None = None
+    deferral_check: bool = False
 
 
 class _Traffic(_Event, kw_only=True):
@@ -103,6 +106,8 @@ class StepEvent(_Traffic, tag="step", kw_only=True):
     val_loss: float | None = None  # on the steps that were validated, on the last stage
     # Seconds of the step spent syncing with the stage's replicas (0 without a sync).
     sync_s: float = 0.0
+    # The last stage's deferred weight-gradient passes in this step (defer_weight_grads).
+    deferred: Count = 0
     # Elastic membership: the rings' epoch in force (0: the one the plan started with), and
     # on the step new rings formed before, their members and the sha256 (hex) of the state
     # every member took from the donor in each ring, by its segment's first layer (the

@@ -190,7 +190,13 @@ def auto_run(tmp_path, far=None) -> list[list[dict]]:
 
 
 def calibrations(events: list[dict]) -> list[dict]:
-    return [e for e in events if e["event"] == "links" and "step" in (e.get("tuning") or {})][1:]
+    return [
+        e
+        for e in events
+        if e["event"] == "links"
+        and "step" in (e.get("tuning") or {})
+        and not e.get("deferral_check")
+    ][1:]
 
 
 @no_paths
@@ -265,3 +271,63 @@ def test_a_three_stage_chain_measures_every_boundary_and_agrees(tmp_path):
     tunings = [[e["tuning"] for e in c] for c in per_stage]
     assert tunings[0] == tunings[1] == tunings[2]
     assert len(steps(runs[2])) == 6
+
+
+@no_paths
+@pytest.mark.timeout(300)
+def test_the_last_stage_keeps_a_proposed_deferral_only_as_its_steps_measure(tmp_path):
+    """Over a 100 Mbit/s, 25 ms path the model proposes deferring some of the last stage's
+    weight passes (``defer_weight_grads: "auto"``): the last stage runs the proposal, then
+    the count before it, each for one untimed step and four timed ones, keeps the one whose
+    steps were faster, and says so; every step event says what it ran."""
+    linkemu = bench_module("linkemu")
+    train = TrainConfig(
+        steps=16,
+        batch_size=16,
+        micro_batches=8,
+        in_flight=8,
+        max_data_bytes=300_000,
+        val_batches=2,
+    )
+    port = free_port()
+    plans = chain_plans(
+        job_id="defer",
+        model=ModelConfig(n_layers=2, d_model=256, n_heads=4, seq_len=128),
+        train=train,
+        addresses=[None, f"tcp://127.0.0.1:{port}"],
+        compression="fixed_int8",
+        transport=Transport.P2P,
+        intra_op_threads=1,
+    )
+    with linkemu.FarSide(linkemu.profile("wan100")) as far:
+        host, entry = far.relay(far=False, target=(far.far_ip, port))
+        plans[1] = msgspec.structs.replace(plans[1], data_address=f"tcp://{far.far_ip}:{port}")
+        plans[0] = msgspec.structs.replace(
+            plans[0], next=Peer(fellow_id=plans[1].fellow_id, data_address=f"tcp://{host}:{entry}")
+        )
+        first, last = run_plans(plans, tmp_path, timeout=300, command_prefixes={1: far.prefix})
+    (proposal,) = [t for t in (e["tuning"] for e in calibrations(first)) if t["step"] == 2]
+    k = proposal["deferred"]
+    assert 0 < k < 8, proposal
+    checks = [e for e in last if e["event"] == "links" and e.get("deferral_check")]
+    assert len(checks) == 1, checks
+    verdict = checks[0]["tuning"]["deferral"]
+    assert verdict["step"] == 12 and {verdict["kept"], verdict["other"]} == {k, 0}
+    assert checks[0]["tuning"]["deferred"] == verdict["kept"]
+    ran = {e["step"]: e.get("deferred", 0) for e in steps(last)}
+    assert [ran[s] for s in range(16)] == [0, 0] + [k] * 5 + [0] * 5 + [verdict["kept"]] * 4
+    assert all(e.get("deferred", 0) == 0 for e in steps(first))  # only the last stage defers
+    seconds = {e["step"]: e["step_time_s"] for e in steps(last)}
+
+    def median(xs: list[float]) -> float:
+        xs = sorted(xs)
+        return (xs[1] + xs[2]) / 2
+
+    timed = {
+        k: median([seconds[s] for s in (3, 4, 5, 6)]),
+        0: median([seconds[s] for s in (8, 9, 10, 11)]),
+    }
+    assert verdict["kept_step_s"] == pytest.approx(timed[verdict["kept"]], abs=1e-4)
+    assert verdict["other_step_s"] == pytest.approx(timed[verdict["other"]], abs=1e-4)
+    faster = k if timed[k] < timed[0] * (1 - 0.005) else 0
+    assert verdict["kept"] == faster

@@ -274,3 +274,25 @@ def test_watch_says_how_many_weight_passes_the_last_stage_defers():
     agg.apply(msgspec.structs.replace(step("a", 0, 1, 100.0), tuning=tuning))
     text = "\n".join(metrics_lines(agg.view()))
     assert "schedule 8 micro-batches, 8 in flight, 3 weight passes deferred since step 2" in text
+
+
+def test_watch_shows_the_measured_steps_behind_a_deferral():
+    """The last stage's verdict (a later tuning than the calibration's) is what shows."""
+    from silentswarm.cli.watch import metrics_lines
+    from silentswarm.types.links import DeferralVerdict, Tuning
+
+    agg = JobMetricsAggregator("j")
+    proposed = Tuning(step=2, micro_batches=8, in_flight=8, deferred=3)
+    kept = DeferralVerdict(step=11, kept=3, kept_step_s=0.353, other=0, other_step_s=0.3804)
+    dropped = DeferralVerdict(step=11, kept=0, kept_step_s=0.371, other=5, other_step_s=0.392)
+    agg.apply(msgspec.structs.replace(step("a", 0, 1, 100.0), tuning=proposed))
+    verdict = msgspec.structs.replace(proposed, step=11, deferral=kept)
+    agg.apply(msgspec.structs.replace(step("b", 1, 1, 100.1, loss=4.0), tuning=verdict))
+    text = "\n".join(metrics_lines(agg.view()))
+    assert (
+        "3 weight passes deferred (measured 0.353 s a step; 0: 0.380 s) since step 11" in text
+    )
+    verdict = msgspec.structs.replace(proposed, step=11, deferred=0, deferral=dropped)
+    agg.apply(msgspec.structs.replace(step("b", 1, 2, 100.2, loss=4.0), tuning=verdict))
+    text = "\n".join(metrics_lines(agg.view()))
+    assert "no weight passes deferred (measured 0.371 s a step; 5: 0.392 s) since step 11" in text
