@@ -289,9 +289,7 @@ def test_watch_shows_the_measured_steps_behind_a_deferral():
     verdict = msgspec.structs.replace(proposed, step=11, deferral=kept)
     agg.apply(msgspec.structs.replace(step("b", 1, 1, 100.1, loss=4.0), tuning=verdict))
     text = "\n".join(metrics_lines(agg.view()))
-    assert (
-        "3 weight passes deferred (measured 0.353 s a step; 0: 0.380 s) since step 11" in text
-    )
+    assert "3 weight passes deferred (measured 0.353 s a step; 0: 0.380 s) since step 11" in text
     verdict = msgspec.structs.replace(proposed, step=11, deferred=0, deferral=dropped)
     agg.apply(msgspec.structs.replace(step("b", 1, 2, 100.2, loss=4.0), tuning=verdict))
     text = "\n".join(metrics_lines(agg.view()))
