@@ -48,6 +48,9 @@ RESEND_EVERY_S = 0.5  # resend requests for the same missing chunk, at most this
 DONE_EVERY_S = 0.25  # DONE is said again this often until the peer confirms it
 DONE_TIMEOUT_S = 60.0  # ... or until this long has passed (the waiter's peer timeout)
 REANSWER_EVERY_S = 0.1  # a late HELLO is answered again at most this often
+# Chunks taken but not acknowledged yet are acknowledged this late at most (a grant goes out
+# at once every window / 4 chunks): one credit message for several small frames, not one each.
+ACK_DELAY_S = 0.05
 
 T = TypeVar("T")
 
@@ -312,6 +315,7 @@ class RelayLink:
         self._granted = 0  # chunks this end has granted its peer, in all
         self._deferred_grants = 0
         self._announced = (0, 0)  # the (granted, acked) this end last told its peer
+        self._ack_timer: asyncio.TimerHandle | None = None  # the delayed acknowledgement
         self._gap: _Gap | None = None
         self._peer_done = False
         self._ack_body: bytes | None = None  # our handshake answer, said again to a late HELLO
@@ -471,8 +475,16 @@ class RelayLink:
                 self._frames.append(item)
             if done:
                 self._cv.notify_all()
-        await self._announce(force=not self._assembler.assembling)
+        await self._announce()
+        if self._announced != (self._granted, self._expected_seq) and self._ack_timer is None:
+            self._ack_timer = asyncio.get_running_loop().call_later(ACK_DELAY_S, self._ack_due)
         return None
+
+    def _ack_due(self) -> None:
+        """The delayed acknowledgement (on the loop): what came since the last one."""
+        self._ack_timer = None
+        if self._announced != (self._granted, self._expected_seq):
+            self._io.loop.create_task(self._announce(force=True))
 
     async def _gap_seen(self, got: int, *, urgent: bool = False) -> None:
         """Chunk ``got`` (or a probe) shows the one expected is missing: ask for a resend
@@ -489,14 +501,18 @@ class RelayLink:
             await self._announce(resend=True)
 
     async def _announce(self, *, resend: bool = False, force: bool = False) -> None:
-        """Tell the peer what this end has (acked) and grants: every few chunks, at the end
-        of a frame (``force``), or with a resend request."""
+        """Tell the peer what this end has (acked) and grants: every few chunks, when asked
+        (``force``: the delayed acknowledgement, a probe, frames read), or with a resend
+        request."""
         granted, acked = self._granted, self._expected_seq
         last_granted, last_acked = self._announced
         batch = self._grant_every
         if not (resend or force or granted - last_granted >= batch or acked - last_acked >= batch):
             return
         self._announced = (granted, acked)
+        if self._ack_timer is not None:
+            self._ack_timer.cancel()
+            self._ack_timer = None
         serial = self._next_serial()
         await self._publish(self._send_auth.credit(serial, granted, acked, resend=resend))
 

@@ -400,6 +400,9 @@ def main() -> None:
     parser.add_argument("--only", choices=["speed", "sweep", "compression"], default=None)
     parser.add_argument("--specs", nargs="*", default=None, help="compression specs to run")
     parser.add_argument(
+        "--seed", type=int, default=0, help="the compression runs' seed (weights, data order)"
+    )
+    parser.add_argument(
         "--compression-layers", type=int, default=2, help="blocks of the compression model"
     )
     parser.add_argument(
@@ -476,6 +479,7 @@ def main() -> None:
         warmup_steps=max(1, comp_steps // 30),
         val_batches=4 if args.quick else 128,  # 1024 windows over the whole validation split
         max_data_bytes=None if not args.quick else 500_000,
+        seed=args.seed,
     )
     repeats = args.repeats or (1 if args.quick else 2)
     work = args.work or Path(tempfile.mkdtemp(prefix="swarm-bench-"))

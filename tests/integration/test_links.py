@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -20,7 +21,7 @@ import pytest
 from silentswarm.agent.errors import FrameError, LinkError, PeerTimeoutError, RelayGapError
 from silentswarm.agent.pipe.handshake import ACK, HELLO
 from silentswarm.agent.pipe.link import TransportKind, accept_upstream, connect_downstream
-from silentswarm.agent.pipe.relay import LoopThread, RelayLink, serialize_parts
+from silentswarm.agent.pipe.relay import ACK_DELAY_S, LoopThread, RelayLink, serialize_parts
 from silentswarm.agent.pipe.relaymsg import RelayAuth
 from silentswarm.agent.pipe.wire import Direction, decode_frame, encode_frame, parse_wire_codec
 from silentswarm.agent.pipe.zmq import ZmqLink
@@ -376,6 +377,38 @@ def test_what_is_lost_on_the_way_is_found_and_sent_again(nats_server, loser, kin
         assert header.step == 1 and np.all(array == 3.0)
         assert lost and (a.resent > 0) == (kind == b"D")
         assert a.send_done(10) and b.wait_done(0)
+    finally:
+        a.close()
+        b.close()
+
+
+def published(link: RelayLink, kind: bytes) -> list[float]:
+    """When ``link`` publishes each message of ``kind`` from now on (monotonic seconds)."""
+    publish, times = link._publish, []
+
+    async def counted(payload: bytes) -> bool:
+        if payload[:1] == kind:
+            times.append(time.monotonic())
+        return await publish(payload)
+
+    link._publish = counted
+    return times
+
+
+def test_small_frames_share_their_acknowledgements(nats_server):
+    """Eighteen one-chunk frames: the receiver acknowledges every window / 4 chunks (at 8
+    and 16) and the last two within ACK_DELAY_S, not once per frame, so the sender's end
+    waits no longer than that."""
+    a, b = relay_pair(nats_server.url, token=TOKEN, window=32)
+    credits = published(b, b"C")
+    try:
+        for step in range(18):
+            a.send(frame(step, shape=(16, 256)), timeout_s=10)  # 16 KiB: one chunk each
+            assert decode_frame(b.recv(10))[0].step == step
+        last = time.monotonic()
+        assert a.send_done(10) and b.wait_done(0)
+        assert len(credits) == 3, credits
+        assert credits[-1] - last < ACK_DELAY_S + 0.5
     finally:
         a.close()
         b.close()
