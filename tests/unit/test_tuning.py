@@ -6,10 +6,12 @@ import pytest
 
 from silentswarm.agent.runtime.tuning import (
     AUTO_CODECS,
+    INPUT_GRAD_SHARE,
     StageCost,
     TuneInput,
     fit_cost,
     tune,
+    undeferred_busy,
     wire_bytes_per_sample,
 )
 from silentswarm.compression import parse_wire_codec
@@ -251,3 +253,20 @@ def test_a_jobs_own_deferral_is_kept_below_the_count_and_overlap_defers_nothing(
     assert tune(speed_inp(51, 97, auto_deferred=True, overlap=True)).deferred == 0
     nothing = tune(speed_inp(51, 97, busy=[[], [(8, 0.28)]], deferred=2))
     assert (nothing.deferred, nothing.predicted_step_s) == (2, None)
+
+
+@pytest.mark.parametrize(
+    ("busy", "m", "deferred", "expected"),
+    [
+        (0.40, 8, 0, 0.40),  # nothing deferred: as measured
+        (8 * 0.03 + 3 * 0.67 * 0.03, 8, 3, 8 * 0.03),  # three input-gradient calls taken out
+        (1.0, 1, 0, 1.0),
+    ],
+)
+def test_a_last_stages_sample_is_fitted_without_its_deferred_passes_extra_calls(
+    busy, m, deferred, expected
+):
+    """The model adds deferral's cost itself (INPUT_GRAD_SHARE of a call per deferred
+    micro-batch): a sample that keeps it would count it twice."""
+    assert INPUT_GRAD_SHARE == 0.67
+    assert undeferred_busy(busy, m, deferred) == pytest.approx(expected)
