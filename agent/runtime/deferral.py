@@ -84,11 +84,13 @@ class DeferralCheck:
         self._last_ran: int | None = None
         self._proposed = False  # the steps before the first calibration still warm up: untimed
 
-    def propose(self, proposed: int, setting: Hashable) -> int:
-        """The model's count for ``setting``; the count the next step runs."""
+    def propose(self, proposed: int, setting: Hashable, most: int) -> int:
+        """The model's count for ``setting``, where at most ``most`` passes can be deferred
+        (the micro-batch count less one); the count the next step runs."""
         self._proposed = True
         if setting != self._setting:
             self._setting = setting
+            self.current = min(self.current, most)
             self._timed.clear()
             self._last_ran = None  # a new schedule's first step compiles
             self.trial = None

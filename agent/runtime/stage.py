@@ -1173,7 +1173,9 @@ class StageRunner:
                 result.in_flight,
                 tuple((fwd.name, bwd.name) for fwd, bwd in result.codecs),
             )
-            deferred = self._deferral.propose(result.deferred, setting)
+            deferred = self._deferral.propose(
+                result.deferred, setting, most=result.micro_batches - 1
+            )
             verdict = self._deferral.last_verdict
         return ChainBack(
             links=[

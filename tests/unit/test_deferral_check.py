@@ -50,7 +50,7 @@ def test_a_start_tries_the_proposal_then_the_count_before_it_then_keeps_the_fast
     check = DeferralCheck(0, S, samples=4)
     times = {0: 0.40, 3: 0.36}
     _, _, step, count = run(check, 0, {0: 1.2}, 0, 2)  # the warm-up: slow, and untimed
-    count = check.propose(3, S)
+    count = check.propose(3, S, most=7)
     assert count == 3
     ran, verdicts, step, count = run(check, step, times, count, 11)
     # 3 for one untimed step and four timed; 0 as long; then the verdict, and the kept
@@ -66,9 +66,9 @@ def test_a_start_tries_the_proposal_then_the_count_before_it_then_keeps_the_fast
 def test_a_proposal_that_measures_slower_is_dropped():
     check = DeferralCheck(0, S, samples=3)
     times = {0: 0.40, 5: 0.42}
-    check.propose(0, S)  # a calibration that keeps 0
+    check.propose(0, S, most=7)  # a calibration that keeps 0
     _, _, step, count = run(check, 0, times, 0, 5)  # enough steps with 0 since
-    count = check.propose(5, S)
+    count = check.propose(5, S, most=7)
     ran, verdicts, step, count = run(check, step, times, count, 6)
     assert ran == [5, 5, 5, 5, 0, 0]  # no second look at 0: its latest steps are timed
     assert [(v.kept, v.other) for v in verdicts] == [(0, 5)]
@@ -78,7 +78,7 @@ def test_a_proposal_that_measures_slower_is_dropped():
 def test_a_proposal_equal_to_the_current_count_starts_no_trial():
     check = DeferralCheck(2, S, samples=3)
     run(check, 0, {2: 0.3}, 2, 4)
-    assert check.propose(2, S) == 2
+    assert check.propose(2, S, most=7) == 2
     assert check.trial is None
     ran, verdicts, _, _ = run(check, 4, {2: 0.3}, 2, 5)
     assert ran == [2] * 5 and verdicts == []
@@ -87,7 +87,7 @@ def test_a_proposal_equal_to_the_current_count_starts_no_trial():
 def test_a_new_setting_forgets_every_measurement():
     check = DeferralCheck(0, S, samples=2)
     run(check, 0, {0: 0.5}, 0, 6)
-    count = check.propose(4, ("m4", "w4", "int8"))  # another micro-batch count
+    count = check.propose(4, ("m4", "w4", "int8"), most=7)  # another micro-batch count
     ran, verdicts, _, _ = run(check, 6, {0: 0.5, 4: 0.45}, count, 7)
     # the new setting's first step is untimed, and 0 is measured again under it
     assert ran == [4, 4, 4, 0, 0, 0, 4]
@@ -97,10 +97,10 @@ def test_a_new_setting_forgets_every_measurement():
 def test_only_the_latest_steps_count():
     check = DeferralCheck(0, S, samples=2)
     # 0 ran slowly long ago, then fast: the trial compares with the fast steps
-    check.propose(0, S)
+    check.propose(0, S, most=7)
     for s, t in enumerate([0.9, 0.9, 0.9, 0.30, 0.30]):
         check.after_step(s, 0, t)
-    count = check.propose(1, S)
+    count = check.propose(1, S, most=7)
     ran, verdicts, _, _ = run(check, 5, {0: 0.30, 1: 0.31}, count, 3)
     assert ran == [1, 1, 1]
     assert [(v.kept, v.kept_step_s) for v in verdicts] == [(0, 0.30)]
@@ -108,12 +108,23 @@ def test_only_the_latest_steps_count():
 
 def test_a_second_proposal_of_the_same_count_continues_the_trial_another_restarts_it():
     check = DeferralCheck(0, S, samples=2)
-    check.propose(0, S)
+    check.propose(0, S, most=7)
     run(check, 0, {0: 0.4}, 0, 4)
-    count = check.propose(3, S)
+    count = check.propose(3, S, most=7)
     _, _, step, count = run(check, 4, {0: 0.4, 3: 0.3}, count, 2)  # one untimed, one timed
-    assert check.propose(3, S) == 3 and check.trial == (3, 0)
+    assert check.propose(3, S, most=7) == 3 and check.trial == (3, 0)
     _, verdicts, step, count = run(check, step, {0: 0.4, 3: 0.3}, count, 1)
     assert [v.kept for v in verdicts] == [3]
-    count = check.propose(1, S)  # the model changed its mind: a new trial against 3
+    count = check.propose(1, S, most=7)  # the model changed its mind: a new trial against 3
     assert check.trial == (1, 3) and count == 1
+
+
+def test_a_smaller_micro_batch_count_caps_the_count_in_force():
+    """At 8 micro-batches 5 were kept; at 4 at most 3 can be: the check compares the
+    proposal with the 3 the stage really runs, and ends."""
+    check = DeferralCheck(5, S, samples=2)
+    count = check.propose(1, ("m4", "w4", "int8"), most=3)
+    assert check.trial == (1, 3)
+    ran, verdicts, _, _ = run(check, 10, {1: 0.2, 3: 0.3}, count, 6)
+    assert ran == [1, 1, 1, 3, 3, 3]
+    assert [(v.kept, v.other) for v in verdicts] == [(1, 3)]
