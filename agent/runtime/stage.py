@@ -1201,7 +1201,7 @@ class StageRunner:
             return
         out = self._deferral.after_step(step, self.deferred, seconds)
         if out.next_count != self._deferred_now:
-            self._skip_sample = True  # the first count's input-gradient call compiles
+            self._skip_sample = True  # its first input-gradient call may compile
         self._deferred_now = out.next_count
         v = out.verdict
         if v is not None:
