@@ -178,15 +178,19 @@ def auto_run(tmp_path, far=None) -> list[list[dict]]:
         transport=Transport.P2P,
         intra_op_threads=1,
     )
-    prefixes = {}
-    if far is not None:
-        host, entry = far.relay(far=False, target=(far.far_ip, port))
-        plans[1] = msgspec.structs.replace(plans[1], data_address=f"tcp://{far.far_ip}:{port}")
-        plans[0] = msgspec.structs.replace(
-            plans[0], next=Peer(fellow_id=plans[1].fellow_id, data_address=f"tcp://{host}:{entry}")
-        )
-        prefixes[1] = far.prefix
+    prefixes = {} if far is None else across(far, plans, port)
     return run_plans(plans, tmp_path, timeout=300, command_prefixes=prefixes)
+
+
+def across(far, plans: list, port: int) -> dict[int, list[str]]:
+    """Put stage 1 of a 2-stage chain (its data socket on ``port``) on ``far``'s side of the
+    path, stage 0 reaching it through the path's relay; the command prefixes for run_plans."""
+    host, entry = far.relay(far=False, target=(far.far_ip, port))
+    plans[1] = msgspec.structs.replace(plans[1], data_address=f"tcp://{far.far_ip}:{port}")
+    plans[0] = msgspec.structs.replace(
+        plans[0], next=Peer(fellow_id=plans[1].fellow_id, data_address=f"tcp://{host}:{entry}")
+    )
+    return {1: far.prefix}
 
 
 def calibrations(events: list[dict]) -> list[dict]:
@@ -300,12 +304,8 @@ def test_the_last_stage_keeps_a_proposed_deferral_only_as_its_steps_measure(tmp_
         intra_op_threads=1,
     )
     with linkemu.FarSide(linkemu.profile("wan100")) as far:
-        host, entry = far.relay(far=False, target=(far.far_ip, port))
-        plans[1] = msgspec.structs.replace(plans[1], data_address=f"tcp://{far.far_ip}:{port}")
-        plans[0] = msgspec.structs.replace(
-            plans[0], next=Peer(fellow_id=plans[1].fellow_id, data_address=f"tcp://{host}:{entry}")
-        )
-        first, last = run_plans(plans, tmp_path, timeout=300, command_prefixes={1: far.prefix})
+        prefixes = across(far, plans, port)
+        first, last = run_plans(plans, tmp_path, timeout=300, command_prefixes=prefixes)
     (proposal,) = [t for t in (e["tuning"] for e in calibrations(first)) if t["step"] == 2]
     k = proposal["deferred"]
     assert 0 < k < 8, proposal
