@@ -342,8 +342,8 @@ class StageRunner:
 
     @property
     def deferred(self) -> int:
-        """The last stage's deferred weight-gradient passes this step."""
-        return min(self._deferred_now, self.m - 1)
+        """The weight-gradient passes this stage defers this step: only the last one does."""
+        return min(self._deferred_now, self.m - 1) if self.plan.is_last else 0
 
     # --- links ----------------------------------------------------------------------------
 
@@ -768,7 +768,7 @@ class StageRunner:
             wait_s, traffic = self.take_wait(), self.bytes_summary()  # before validation
             sync_s = 0.0 if self.replicas is None else self.replicas.take_seconds()
             self._sample_compute(result.seconds - wait_s - sync_s)  # the sync is no work
-            ran = self.deferred if plan.is_last else 0
+            ran = self.deferred
             self._check_deferral(step, result.seconds)
             val_loss = None
             every = plan.train.val_every
@@ -1134,7 +1134,7 @@ class StageRunner:
             ),
             self.m,
             self.in_flight,
-            self.deferred,
+            self.tuning.deferred,
         )
         self.emit_links()
 
