@@ -476,14 +476,19 @@ class RelayLink:
             if done:
                 self._cv.notify_all()
         await self._announce()
-        if self._announced != (self._granted, self._expected_seq) and self._ack_timer is None:
-            self._ack_timer = asyncio.get_running_loop().call_later(ACK_DELAY_S, self._ack_due)
+        if self._owes_ack and self._ack_timer is None:
+            self._ack_timer = self._io.loop.call_later(ACK_DELAY_S, self._ack_due)
         return None
+
+    @property
+    def _owes_ack(self) -> bool:
+        """Whether chunks were taken or grants made since the peer was last told."""
+        return self._announced != (self._granted, self._expected_seq)
 
     def _ack_due(self) -> None:
         """The delayed acknowledgement (on the loop): what came since the last one."""
         self._ack_timer = None
-        if self._announced != (self._granted, self._expected_seq):
+        if self._owes_ack:
             self._io.loop.create_task(self._announce(force=True))
 
     async def _gap_seen(self, got: int, *, urgent: bool = False) -> None:
