@@ -249,7 +249,9 @@ def test_a_signal_is_retried_until_answered_on_a_real_nats_server(nats_server):
         return record
 
     record = asyncio.run(run())
-    assert record.ok and record.attempts == 2
+    # Two tries reached the fellow; a loaded server may also answer the very first try
+    # "no responders" though the subscription was flushed (seen in CI): one more try.
+    assert record.ok and record.attempts in (2, 3)
 
 
 def test_an_unanswered_signal_ends_at_its_deadline(nats_server):
