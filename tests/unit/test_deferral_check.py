@@ -128,3 +128,28 @@ def test_a_smaller_micro_batch_count_caps_the_count_in_force():
     ran, verdicts, _, _ = run(check, 10, {1: 0.2, 3: 0.3}, count, 6)
     assert ran == [1, 1, 1, 3, 3, 3]
     assert [(v.kept, v.other) for v in verdicts] == [(1, 3)]
+
+
+@pytest.mark.integration  # builds TensorFlow stage models
+def test_only_the_last_stage_counts_deferred_passes_and_shrinks_its_busy_samples():
+    """The agreed count is every stage's, but only the last runs the extra input-gradient
+    calls: stage 0's busy samples stay what it measured (before 15c5f7e they were scaled
+    down too), the last stage's lose the deferred calls' share."""
+    from silentswarm.agent.runtime.stage import StageRunner
+    from silentswarm.agent.runtime.tuning import INPUT_GRAD_SHARE
+    from silentswarm.plan import ModelConfig, TrainConfig, chain_plans
+
+    model = ModelConfig(n_layers=2, d_model=32, n_heads=2, seq_len=16)
+    train = TrainConfig(steps=4, batch_size=8, micro_batches=8, defer_weight_grads=3)
+    plans = chain_plans(
+        job_id="defer", model=model, train=train, addresses=[None, "tcp://127.0.0.1:1"]
+    )
+    first, last = (StageRunner(plan, lambda event: None) for plan in plans)
+    assert (first.tuning.deferred, last.tuning.deferred) == (3, 3)  # the agreed count
+    assert (first.deferred, last.deferred) == (0, 3)  # the passes each runs
+    for runner in (first, last):
+        for busy_s in (9.9, 0.8):  # the first step's (it compiles) is not kept
+            runner._sample_compute(busy_s)
+    assert first.busy_points() == [(8, 0.8)]
+    ((m, busy),) = last.busy_points()
+    assert m == 8 and busy == pytest.approx(0.8 * 8 / (8 + INPUT_GRAD_SHARE * 3))
