@@ -278,7 +278,7 @@ def test_a_three_stage_chain_measures_every_boundary_and_agrees(tmp_path):
 
 
 @no_paths
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(400)
 def test_the_last_stage_keeps_a_proposed_deferral_only_as_its_steps_measure(tmp_path):
     """Over a 100 Mbit/s, 25 ms path the model proposes deferring some of the last stage's
     weight passes (``defer_weight_grads: "auto"``): the last stage runs the proposal, then
@@ -293,22 +293,34 @@ def test_the_last_stage_keeps_a_proposed_deferral_only_as_its_steps_measure(tmp_
         max_data_bytes=300_000,
         val_batches=2,
     )
-    port = free_port()
-    plans = chain_plans(
-        job_id="defer",
-        model=ModelConfig(n_layers=2, d_model=256, n_heads=4, seq_len=128),
-        train=train,
-        addresses=[None, f"tcp://127.0.0.1:{port}"],
-        compression="fixed_int8",
-        transport=Transport.P2P,
-        intra_op_threads=1,
-    )
-    with linkemu.FarSide(linkemu.profile("wan100")) as far:
-        prefixes = across(far, plans, port)
-        first, last = run_plans(plans, tmp_path, timeout=300, command_prefixes=prefixes)
-    (proposal,) = [t for t in (e["tuning"] for e in calibrations(first)) if t["step"] == 2]
-    k = proposal["deferred"]
-    assert 0 < k < 8, proposal
+    # The first calibration's costs come from one timed step, which a loaded machine can
+    # make the model's reason to propose nothing (seen in CI): then nothing is checked and
+    # every step runs undeferred, and the job runs again.
+    for run in range(3):
+        port = free_port()
+        plans = chain_plans(
+            job_id=f"defer{run}",
+            model=ModelConfig(n_layers=2, d_model=256, n_heads=4, seq_len=128),
+            train=train,
+            addresses=[None, f"tcp://127.0.0.1:{port}"],
+            compression="fixed_int8",
+            transport=Transport.P2P,
+            intra_op_threads=1,
+        )
+        with linkemu.FarSide(linkemu.profile("wan100")) as far:
+            prefixes = across(far, plans, port)
+            first, last = run_plans(
+                plans, tmp_path / str(run), timeout=300, command_prefixes=prefixes
+            )
+        (proposal,) = [t for t in (e["tuning"] for e in calibrations(first)) if t["step"] == 2]
+        k = proposal["deferred"]
+        if k > 0:
+            break
+        assert not [e for e in last if e.get("deferral_check")]
+        assert all(e.get("deferred", 0) == 0 for e in steps(last))
+    else:
+        pytest.fail("three runs' first calibrations proposed no deferral")
+    assert k < 8, proposal
     checks = [e for e in last if e["event"] == "links" and e.get("deferral_check")]
     assert len(checks) == 1, checks
     verdict = checks[0]["tuning"]["deferral"]
