@@ -149,7 +149,7 @@ def test_an_emulated_path_is_measured_per_direction():
             far_half.wait()
     down = msgspec.json.decode(out.strip().splitlines()[-1])
     assert down == msgspec.to_builtins(up), "both ends hold the same figures"
-    assert 40 <= up.rtt_ms < 60, up
+    assert 40 <= up.rtt_ms < 70, up  # 40 ms of path; a loaded machine adds its scheduling
     assert 7.5 <= up.fwd_mbit_s <= 10.5, up
     assert 30 <= up.bwd_mbit_s <= 42, up
 

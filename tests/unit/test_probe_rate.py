@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from silentswarm.agent.pipe.probe import CHUNK, MAX_RATE_MBIT_S, burst_rate
+from silentswarm.agent.pipe.probe import CHUNK, MAX_RATE_MBIT_S, burst_rate, link_rate
 
 RATE = 2.0  # Mbit/s
 PIECE_S = CHUNK * 8 / (RATE * 1e6)
@@ -72,3 +72,28 @@ def test_a_fast_link_read_in_batches_is_measured_over_the_batches():
     piece_s = CHUNK * 8 / 1e9
     times = [(k // 8) * 8 * piece_s + (k % 8) * 1e-6 for k in range(512)]
     assert burst_rate(times, [CHUNK] * 512) == pytest.approx(1000, rel=0.05)
+
+
+MIB = 1024 * 1024
+ROUNDS = {
+    # (bytes, Mbit/s) per round -> the link's rate
+    "a short first burst's outlier is not the link's rate": (
+        [(MIB // 4, 44.8), (1200 * 1024, 38.3)],
+        38.3,
+    ),
+    "the best of the bursts long enough to time": (
+        [(MIB // 4, 9.6), (MIB // 2, 9.9), (MIB, 9.5)],
+        9.9,
+    ),
+    "a fast link's bursts are all short: the best of them": (
+        [(MIB // 4, 900.0), (8 * MIB, 2500.0)],
+        2500.0,
+    ),
+    "a burst the reader could not time": ([(MIB // 4, 0.0), (MIB // 2, 40.0)], 40.0),
+    "no rounds": ([], 0.0),
+}
+
+
+@pytest.mark.parametrize(("rounds", "rate"), ROUNDS.values(), ids=ROUNDS.keys())
+def test_the_link_s_rate_comes_from_bursts_long_enough_to_time(rounds, rate):
+    assert link_rate(rounds) == rate
