@@ -215,9 +215,10 @@ def link_rate(rounds: Sequence[tuple[int, float]]) -> float:
     lasted :data:`MIN_MEASURE_S` or more, or the best of all where none did (a fast link).
 
     Both ends apply it to the same rounds, so they agree. A short burst's rate rests on a few
-    pieces, and a few milliseconds of a loaded reader's jitter move it by a tenth (CI read
-    44.8 Mbit/s from a 256 KiB burst on a 40 Mbit/s path, 38.3 from the 1.2 MiB one after);
-    the best of several rounds would keep that outlier."""
+    pieces, and a few milliseconds of a loaded reader's jitter move it by a tenth: on a
+    40 Mbit/s emulated path under load the 256 KiB first burst read 33-40 Mbit/s and the
+    ~1 MiB one after 36.7-39.6; the best of all rounds keeps such an outlier (CI once read
+    44.8)."""
     if not rounds:
         return 0.0
     long = [
