@@ -250,11 +250,9 @@ def burst_rate(arrivals: Sequence[float], sizes: Sequence[int]) -> float:
         return MAX_RATE_MBIT_S
     return min(MAX_RATE_MBIT_S, sum(sizes[start + 1 :]) * 8 / elapsed / 1e6)
 
-    """Time the peer's bursts and answer each one's rate; the link's rate (:func:`link_rate`), Mbit/s."""
-
 
 def receive_bursts(link: ProbeLink, timeout_s: float) -> float:
-    """Time the peer's bursts and answer each one's rate; the best rate, Mbit/s."""
+    """Time the peer's bursts and answer each one's rate; the link's rate, Mbit/s."""
     rounds: list[tuple[int, float]] = []
     for round_ in range(MAX_ROUNDS + 1):
         burst = recv_msg(link, Burst, timeout_s)
