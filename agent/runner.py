@@ -39,6 +39,7 @@ from silentswarm.lifecycle import FellowEvent, next_status
 from silentswarm.natsauth import write_private
 from silentswarm.natsconn import NatsAccess, connect_forever
 from silentswarm.protocol import (
+    ACK_MESSAGE_CHARS,
     EXPORT_ERROR_CHARS,
     CheckpointSignal,
     DeregisterRequest,
@@ -380,7 +381,7 @@ class FellowAgent:
             fellow_id=self.fellow_id,
             ok=False,
             code=refusal.code,
-            message=refusal.message,
+            message=refusal.message[:ACK_MESSAGE_CHARS],
         )
         if signal_id:
             self._remember_ack(ack)
@@ -411,7 +412,11 @@ class FellowAgent:
         self, sig: Signal, ok: bool, code: ErrorCode | None = None, message: str = ""
     ) -> SignalAck:
         return SignalAck(
-            signal_id=sig.signal_id, fellow_id=self.fellow_id, ok=ok, code=code, message=message
+            signal_id=sig.signal_id,
+            fellow_id=self.fellow_id,
+            ok=ok,
+            code=code,
+            message=message[:ACK_MESSAGE_CHARS],
         )
 
     # --- jobs ------------------------------------------------------------------------------

@@ -19,7 +19,8 @@ from nats.errors import Error as NatsError
 
 from silentswarm import subjects as topics
 from silentswarm.errors import ErrorCode, ProtocolError
-from silentswarm.protocol import make_signal
+from silentswarm.leader.jobs import clean_report
+from silentswarm.protocol import SignalAck, make_signal
 from silentswarm.retrying import Backoff
 from silentswarm.types.jobs import SignalRecord
 from silentswarm.types.signals import SignalArgs
@@ -31,6 +32,8 @@ TRY_TIMEOUT_S = 2.0
 # after 0.1 s doubling up to 1 s (no jitter: one leader, a handful of fellows), until the
 # deadline; any other error is a bug and is raised.
 RETRY_ON = (NatsError, TimeoutError, ProtocolError)
+ACK_MESSAGE_SHOWN = 1024  # of a fellow's words on a refusal, what its job's record keeps
+CODE_CHARS = 64
 RETRIES = Backoff(wait_initial=0.1, wait_max=1.0)  # the deadline ends them (asyncio.timeout)
 
 
@@ -83,17 +86,41 @@ class SignalHub:
                 code=ErrorCode.NO_ANSWER,
                 message=f"{last_error} after {tries} tries",
             )
+        record = answered(ack, signal_id=sig.signal_id, fellow_id=fellow_id)
         log.info(
             "%s %s -> %s: %s%s",
             kind.value,
             sig.signal_id,
             fellow_id,
-            "ok" if ack.ok else f"refused ({ack.code}: {ack.message})",
+            "ok" if record.ok else f"refused ({record.code}: {record.message})",
             f" after {tries} tries" if tries > 1 else "",
         )
-        return SignalRecord(
-            **msgspec.structs.asdict(ack), kind=kind.value, sent_at=sent_at, attempts=tries
+        return msgspec.structs.replace(record, kind=kind.value, sent_at=sent_at, attempts=tries)
+
+
+def answered(ack: SignalAck, *, signal_id: str, fellow_id: str) -> SignalRecord:
+    """The record of ``fellow_id``'s answer to signal ``signal_id``: the ids are the leader's,
+    never the answer's (a stranger's answer naming another fellow must not count against
+    that one), and an answer naming another signal or fellow is a refusal by this one. The
+    fellow's code and words are cleaned to show."""
+    ok, code = ack.ok, None if ack.code is None else clean_report(ack.code, CODE_CHARS)
+    message = clean_report(ack.message, ACK_MESSAGE_SHOWN)
+    if (ack.signal_id, ack.fellow_id) != (signal_id, fellow_id):
+        ok, code = False, ErrorCode.PROTOCOL_ERROR
+        message = clean_report(
+            f"answered signal {ack.signal_id!r} as {ack.fellow_id!r}", ACK_MESSAGE_SHOWN
         )
+    return SignalRecord(
+        signal_id=signal_id,
+        fellow_id=fellow_id,
+        ok=ok,
+        code=code,
+        message=message,
+        duplicate=ack.duplicate,
+        kind="",
+        sent_at=0.0,
+        attempts=0,
+    )
 
 
 def why_unanswered(exc: BaseException) -> str:

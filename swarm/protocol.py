@@ -53,6 +53,8 @@ SPEED_UNIT_D_MODEL, SPEED_UNIT_SEQ_LEN, SPEED_UNIT_HEADS, SPEED_UNIT_BATCH = 256
 MAX_GPUS = 64
 # How long a fellow's account of a missing final export may be (StageOutcome.export_error).
 EXPORT_ERROR_CHARS = 1024
+# How long a fellow's account of a refused signal may be (SignalAck.message).
+ACK_MESSAGE_CHARS = 4096
 
 
 class Message(msgspec.Struct, kw_only=True, gc=False):
@@ -298,11 +300,14 @@ class SignalHead(Message, kw_only=True):
 
 
 class SignalAck(Message, kw_only=True):
-    signal_id: str
-    fellow_id: str
+    """A fellow's answer to a signal. The leader checks that it answers the signal it sent,
+    as the fellow it sent it to, and keeps the words cleaned (a stranger's text)."""
+
+    signal_id: Id
+    fellow_id: Id
     ok: bool
-    code: str | None = None
-    message: str = ""
+    code: Annotated[str, msgspec.Meta(max_length=64)] | None = None
+    message: Annotated[str, msgspec.Meta(max_length=ACK_MESSAGE_CHARS)] = ""
     duplicate: bool = False
 
 

@@ -12,7 +12,7 @@ import msgspec
 from silentswarm.jobspec import JobSpec, Placement
 from silentswarm.lifecycle import TERMINAL_JOB_STATES
 from silentswarm.plan import Transport
-from silentswarm.protocol import JobState, SignalAck
+from silentswarm.protocol import JobState
 from silentswarm.types.views import JobView, StageProgress, job_view
 
 
@@ -23,9 +23,18 @@ class JobTransition(msgspec.Struct, kw_only=True):
     reason: str
 
 
-class SignalRecord(SignalAck, kw_only=True):
-    """One signal the leader sent and how it ended: the fellow's ack, or ``NO_ANSWER``."""
+class SignalRecord(msgspec.Struct, kw_only=True):
+    """One signal the leader sent and how it ended: the fellow's ack, or ``NO_ANSWER``.
 
+    The leader writes it (not a fellow's :class:`SignalAck` as sent): the ids are the signal's
+    and its target's, the words the fellow's, cleaned."""
+
+    signal_id: str
+    fellow_id: str
+    ok: bool
+    code: str | None = None
+    message: str = ""
+    duplicate: bool = False
     kind: str
     sent_at: float
     attempts: int
