@@ -53,6 +53,7 @@ class LeaderBus:
         self.nc = await connect_forever(
             self.access,
             name="swarm-leader",
+            inbox_prefix=topics.LEADER_INBOX,
             on_disconnected=self._on_disconnected,
             on_reconnected=self._on_reconnected,
         )

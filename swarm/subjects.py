@@ -121,6 +121,13 @@ def sync_link(segment: int, sender: int) -> str:
 ALL_TOPICS: tuple[Topic[Any], ...] = (REGISTER, HEARTBEAT, SIGNAL, LOG, PROGRESS, SHARD, RELAY)
 
 
+# The leader's own reply inbox, outside ``_INBOX``: a fellow may read ``_INBOX.<its id>.>``,
+# and the leader's default inbox ``_INBOX.<nuid>`` shows in every signal's reply subject, so
+# a fellow that got itself named after that nuid would read every answer the leader gets
+# (fellows' acks, JetStream's, the records in its KV store).
+LEADER_INBOX = "_SWARM_LEADER_INBOX"
+
+
 def inbox_prefix(fellow_id: str) -> str:
     """Each fellow gets its own reply inbox, so permissions can pin it there."""
     if not TOKEN_RE.match(fellow_id):

@@ -13,6 +13,7 @@ import httpx
 import nats
 import pytest
 
+from silentswarm import subjects as topics
 from silentswarm.natsauth import NatsAuthority, creds_user_name
 from silentswarm.natsd import start_nats_server
 from tests.conftest import NatsControl, leader_process, secure_env, start_agent
@@ -121,6 +122,50 @@ def test_a_fellow_cannot_pose_as_another_or_read_its_inbox(
         await leader.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("inbox", ["_INBOX", topics.LEADER_INBOX], ids=["default", "leader's"])
+def test_a_fellow_named_after_the_leader_s_inbox_reads_its_answers_only_under_the_default(
+    secure_nats: NatsControl, nats_authority: NatsAuthority, inbox: str
+):
+    """Every signal shows the leader's reply subject; a fellow enrolled under the nuid in it
+    may read ``_INBOX.<nuid>.>``. Under its own prefix the leader's answers stay its own."""
+
+    async def main() -> tuple[list[bytes], list[str]]:
+        leader = await _connect(secure_nats.url, nats_authority.leader_creds_path, [], inbox)
+        f1 = await _connect(
+            secure_nats.url, nats_authority.write_fellow_creds("swarm", "f1"), [], "_INBOX.f1"
+        )
+        replies: list[str] = []
+
+        async def ack(msg) -> None:
+            replies.append(msg.reply)
+            await msg.respond(b"ack")
+
+        await f1.subscribe("swarm.sig.f1", cb=ack)
+        await f1.flush()
+        await request_until_heard(leader, "swarm.sig.f1", b"STOP")
+        nuid = replies[0].split(".")[1]
+        errors: list[str] = []
+        spy = await _connect(
+            secure_nats.url, nats_authority.write_fellow_creds("swarm", nuid), errors
+        )
+        stolen: list[bytes] = []
+
+        async def steal(msg) -> None:
+            stolen.append(msg.data)
+
+        await spy.subscribe(f"_INBOX.{nuid}.>", cb=steal)
+        await spy.flush()
+        assert (await request_until_heard(leader, "swarm.sig.f1", b"STOP")).data == b"ack"
+        await spy.flush()
+        for nc in (spy, f1, leader):
+            await nc.close()
+        return stolen, errors
+
+    stolen, errors = asyncio.run(main())
+    assert stolen == ([b"ack"] if inbox == "_INBOX" else []), stolen
+    assert errors == [], "the spy's subscription is one its permissions allow"
 
 
 def test_an_authenticated_swarm_trains_over_the_relay(
