@@ -47,6 +47,7 @@ from silentswarm.types.views import StageProgress
 # least MIN_AHEAD steps ahead: the RING signals must reach every member before it gets there.
 LEAD_S = 3.0
 MIN_AHEAD = 2
+MIN_STEP_S = 1e-3  # the shortest step time a fellow's figure counts as
 # Honest members report steps and step times close together: the rings hold a stage's
 # replicas in step, the pipeline its stages (a record per step; DiLoCo's replicas drift up to
 # sync_every steps apart between syncs), and a synchronous pipeline's stages share one pace.
@@ -97,12 +98,18 @@ def switch_step(job: JobRecord, *, lead_s: float = LEAD_S, after_loss: bool = Fa
     floor = train.sync_timeout_s if after_loss else 0.0
     times = [max(p.step_time_s, floor) for p in training if p.step_time_s] or [floor]
     slowest = vouched_max(times, lambda other, t: other >= t / TIME_SPREAD)
-    ahead = max(MIN_AHEAD, math.ceil(lead_s / slowest)) if slowest > 0 else MIN_AHEAD
+    ahead = max(MIN_AHEAD, steps_ahead(lead_s, slowest)) if slowest > 0 else MIN_AHEAD
     at = furthest + ahead
     if train.sync == "diloco":
         every = train.sync_every
         at = -(-at // every) * every
     return at if at < job.spec.steps else None
+
+
+def steps_ahead(lead_s: float, step_s: float) -> int:
+    """The steps that take ``lead_s`` seconds at ``step_s`` seconds a step (a fellow's
+    figure: one below :data:`MIN_STEP_S` counts as that, so the count stays finite)."""
+    return math.ceil(lead_s / max(step_s, MIN_STEP_S))
 
 
 def vouched_max(values: Sequence[Num], close: Callable[[Num, Num], bool]) -> Num:

@@ -14,7 +14,6 @@ jobs are marked dirty for the store to write.
 from __future__ import annotations
 
 import logging
-import math
 import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -840,7 +839,7 @@ class JobManager:
             )
         step = max((p.step for p in job.progress), default=0)
         times = [p.step_time_s for p in job.progress if p.step_time_s]
-        ahead = max(2, math.ceil(lead_s / max(times))) if times else 2
+        ahead = max(2, elastic.steps_ahead(lead_s, max(times))) if times else 2
         return job, min(step + ahead, job.spec.steps)
 
     def add_checkpoint(self, job_id: str, record: CheckpointRecord) -> None:

@@ -315,7 +315,7 @@ class SignalAck(Message, kw_only=True):
 
 
 class LogRecord(msgspec.Struct, kw_only=True, gc=False):
-    ts: float
+    ts: Annotated[float, msgspec.Meta(ge=0.0, le=1e10)]  # before 2286: a time to show
     level: Annotated[str, msgspec.Meta(max_length=16)]
     logger: Name
     message: Annotated[str, msgspec.Meta(max_length=8192)]
@@ -341,14 +341,15 @@ class Progress(Message, kw_only=True):
     stage: Annotated[int, msgspec.Meta(ge=0, le=4096)] | None = None
     step: Count
     total_steps: Count | None = None
-    loss: float | None = None
+    loss: float | None = None  # a diverged run's is not finite, and says so
     val_loss: float | None = None
-    lr: float | None = None
-    step_time_s: float | None = None
+    lr: Annotated[float, msgspec.Meta(ge=0.0, le=1e6)] | None = None
+    # Bounded (NaN and inf refused): the leader divides by step times (elastic.steps_ahead).
+    step_time_s: Annotated[float, msgspec.Meta(ge=0.0, le=1e9)] | None = None
     # Of step_time_s, the seconds the stage waited on its peers: the rest is its own work,
     # from which the leader learns the fellow's compute speed (balanced partitions).
     wait_s: Annotated[float, msgspec.Meta(ge=0.0, le=1e9)] | None = None
-    tokens_per_s: float | None = None
+    tokens_per_s: Rate | None = None
     bytes_sent: Bytes = 0  # over both boundaries of the stage, since it started
     bytes_received: Bytes = 0
     down_bytes_sent: Bytes = 0  # over the boundary to the next stage only

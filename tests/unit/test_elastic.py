@@ -137,6 +137,8 @@ def test_a_ring_change_takes_effect_a_little_ahead_of_the_furthest_stage(
         (2, [10, 1000], [None] * 2, None),
         (2, [50, 0], [None] * 2, 52),
         (2, [10, 12], [0.25, 3600.0], 14),
+        # both absurdly fast: counted as 1 ms steps (3000 ahead, past the run), no overflow
+        (2, [10, 12], [1e-308, 1e-308], None),
     ],
 )
 def test_one_report_far_from_the_others_does_not_move_a_ring_change(k, steps, times, expected):

@@ -161,7 +161,18 @@ def test_a_fellow_with_64_gpus_is_still_a_fellow():
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("message", "x" * 2000), ("step", -1), ("job_id", "j" * 65), ("checkpoint_path", "p" * 2000)],
+    [
+        ("message", "x" * 2000),
+        ("step", -1),
+        ("job_id", "j" * 65),
+        ("checkpoint_path", "p" * 2000),
+        # the leader divides by step times and sums rates: NaN, inf and negatives are refused
+        ("step_time_s", float("nan")),
+        ("step_time_s", float("inf")),
+        ("step_time_s", -1.0),
+        ("tokens_per_s", float("inf")),
+        ("lr", float("nan")),
+    ],
 )
 def test_progress_out_of_bounds_is_refused(field, value):
     record = {"v": 1, "job_id": "j", "fellow_id": "f1", "attempt": 1, "step": 1, field: value}
