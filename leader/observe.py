@@ -215,13 +215,25 @@ class Observability:
         return self.jobs.admit_progress(progress).verdict is Verdict.ADMIT
 
     def _decode_progress(self, record: streams.Record) -> Progress | None:
+        """A stored progress record whose job and fellow are its subject's (the subject is
+        what the server let its sender publish on: live progress is checked the same way,
+        :meth:`LeaderBus.decode_job_message`); None otherwise, logged."""
         try:
-            return topics.PROGRESS.decode(record.data)
+            progress = topics.PROGRESS.decode(record.data)
+            tokens = topics.PROGRESS.parse(self.prefix, record.subject)
         except ProtocolError as exc:
             log.warning(
                 "skipped unreadable progress record %d on %s: %s", record.seq, record.subject, exc
             )
             return None
+        if (progress.job_id, progress.fellow_id) != (tokens["job"], tokens["fellow"]):
+            log.warning(
+                "skipped progress record %d on %s: job or fellow id is not its subject's",
+                record.seq,
+                record.subject,
+            )
+            return None
+        return progress
 
     def _decode_log(self, record: streams.Record) -> LogBatch | None:
         try:

@@ -225,6 +225,10 @@ def test_progress_from_anyone_but_the_placed_stage_shows_nowhere(beside: Beside)
         (legacy_stage0, Progress(job_id=job_id, fellow_id=stage0, attempt=9, stage=0,
                                  step=10**6, loss=99.0)),
     ]  # fmt: skip
+    last = len(placed(beside)) - 1
+    in_last_stages_name = Progress(
+        job_id=job_id, fellow_id=placed(beside)[last], attempt=1, stage=last, step=10**6, loss=99.0
+    )
     refused_before = dropped(beside, "progress")
     rate_before = dropped(beside, "progress_rate")
 
@@ -246,6 +250,12 @@ def test_progress_from_anyone_but_the_placed_stage_shows_nowhere(beside: Beside)
             await nc.publish(subject, topics.encode(record))
             await nc.flush()
             await nc.close()
+        # On its own subject (no flood evicts it from the stream), a record in the placed
+        # last stage's name: the live check refuses it, and the history (a replay) must too.
+        nc = await beside.connect(legacy_user(beside, "trudy"))
+        await nc.publish(f"swarm.progress.{job_id}.trudy", topics.encode(in_last_stages_name))
+        await nc.flush()
+        await nc.close()
         # A flood from one (legacy) user: over its rate, dropped and counted.
         nc = await beside.connect(legacy_mallory)
         flood = topics.encode(forged[0][1])
@@ -258,7 +268,7 @@ def test_progress_from_anyone_but_the_placed_stage_shows_nowhere(beside: Beside)
     errors = beside.run(attack)
     assert f'publish to "swarm.progress.{job_id}.mallory"' in " ".join(errors)
     wait_for(
-        lambda: dropped(beside, "progress") >= refused_before + len(forged),
+        lambda: dropped(beside, "progress") >= refused_before + len(forged) + 1,
         timeout=10,
         what="the forged records to be refused",
     )
