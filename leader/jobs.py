@@ -79,6 +79,8 @@ START_GRACE_S = 3.0
 START_RETRY_MAX_S = 30.0
 # A job's export_error, all stages' reasons together, is cut to this many characters.
 JOB_EXPORT_ERROR_CHARS = 4096
+# Of a fellow's words on how its stage ended or why its checkpoint failed, what the job keeps.
+STAGE_MESSAGE_CHARS = 1024
 # What a fellow says is shown to operators (terminals, the UI): control characters go.
 _UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]+")
 
@@ -514,13 +516,14 @@ class JobManager:
         if stage is None or stage.result is not None:
             return None
         apply_outcome(stage, outcome, now=self._wall())
+        stage.message = clean_report(stage.message, STAGE_MESSAGE_CHARS)
         if outcome.export_error is not None:
             stage.export_error = clean_report(outcome.export_error, EXPORT_ERROR_CHARS)
         self._touch(job)
         if outcome.result is StageResult.COMPLETED:
             self._complete_if_done(job)
             return job
-        what = outcome.message or outcome.result.value
+        what = stage.message or outcome.result.value
         reason = f"fellow {fellow_id} (stage {stage.stage}) {outcome.result.value}: {what}"
         # A member refuses its donor's state (or what its predecessor forwarded as such)
         # while it switches, before it trains in the new rings: a refusal from one that
@@ -859,7 +862,9 @@ class JobManager:
             for stage in record.stages:
                 if stage.fellow_id == msg.fellow_id and stage.ok is None:
                     stage.ok, stage.step = msg.ok, msg.step
-                    stage.path, stage.message = msg.checkpoint_path, msg.message
+                    stage.message = clean_report(msg.message, STAGE_MESSAGE_CHARS)
+                    path = msg.checkpoint_path
+                    stage.path = None if path is None else clean_report(path, STAGE_MESSAGE_CHARS)
                     self._touch(job)
                     return
 

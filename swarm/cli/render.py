@@ -8,6 +8,7 @@ wrapping and no trailing blanks, so that ``grep``, ``awk`` and tests read one ro
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Sequence
 from typing import IO, Any
@@ -17,6 +18,12 @@ from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
+
+# What a terminal would act on in a stranger's text: C0 controls but newline and tab, DEL,
+# C1 controls (CSI among them), line and paragraph separators, bidi overrides and isolates.
+_TERMINAL_UNSAFE = re.compile(
+    r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]"
+)
 
 # Wide enough that no row of a table on a pipe is ever wrapped.
 PIPE_WIDTH = 100_000
@@ -103,6 +110,20 @@ def plain(item: RenderableType) -> None:
     elif isinstance(item, Group):
         for part in item.renderables:
             plain(part)
+
+
+def terminal_safe(text: str) -> str:
+    """A fellow's words (a log line) made safe to print: what a terminal would act on is
+    shown escaped (``\\x1b``); lines and tabs stay, so a traceback reads as one."""
+    return _TERMINAL_UNSAFE.sub(lambda m: m.group().encode("unicode_escape").decode(), text)
+
+
+def clock(epoch: float) -> str:
+    """``HH:MM:SS`` local time of ``epoch``; ``??:??:??`` for a time no clock shows."""
+    try:
+        return time.strftime("%H:%M:%S", time.localtime(epoch))
+    except (OverflowError, OSError, ValueError):
+        return "??:??:??"
 
 
 def gib(n: int | None) -> str:

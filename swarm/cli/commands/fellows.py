@@ -4,7 +4,6 @@ purges that wait for an offline fellow (``pending-purges``, ``retry-purge``)."""
 from __future__ import annotations
 
 import json
-import time
 from typing import Annotated
 from urllib.parse import quote
 
@@ -134,8 +133,8 @@ def _print_log(ctx: CliContext, r: LogEntry) -> None:
     if ctx.json:
         print(json.dumps(msgspec.to_builtins(r), sort_keys=True), flush=True)
         return
-    stamp = time.strftime("%H:%M:%S", time.localtime(r.ts))
-    print(f"{stamp} {r.fellow_id} {r.level:<7} {r.logger}: {r.message}", flush=True)
+    level, logger, message = (render.terminal_safe(t) for t in (r.level, r.logger, r.message))
+    print(f"{render.clock(r.ts)} {r.fellow_id} {level:<7} {logger}: {message}", flush=True)
 
 
 def update(
