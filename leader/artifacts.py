@@ -15,8 +15,12 @@ it leads out of it), else ``<root>/<job_id>/model_export``::
                                           when the job or attempt ends)
 
 A step is *complete* when every stage's JSON is there; resume and glue use the newest complete
-step. Older complete steps are pruned (the newest two are kept). A job with replicas exports
-replica 0's stages (:func:`exported_placement`): the other replicas push nothing.
+step. Older complete steps are pruned (the newest two are kept), as are incomplete steps older
+than the newest complete one and all but the newest :data:`KEEP_PARTIAL_STEPS` incomplete ones
+newer than it. A pushing fellow is a stranger: its files never grow past their announced size,
+it holds at most :data:`OPEN_TRANSFERS_PER_FELLOW` open transfers, and a file that would leave
+the disk less than its reserve free fails with ENOSPC before a byte is written. A job with
+replicas exports replica 0's stages (:func:`exported_placement`): the other replicas push nothing.
 
 Writes never follow symlinks: see :class:`ExportStore`.
 """
@@ -56,6 +60,15 @@ SHARD_FILE = re.compile(r"^stage-(\d{1,4})\.(npz|json)$")
 MANIFEST = RUN_MANIFEST
 WEIGHTS = "weights.npz"  # stage-<i>/weights.npz: the name earlier exports used
 KEEP_COMPLETE_STEPS = 2
+# What one placed fellow can make the leader hold (a stranger's pushes): an honest pusher
+# sends one file at a time, and its pipeline's stages reach the same checkpoints a few
+# steps apart, so a few open transfers and incomplete steps are plenty.
+OPEN_TRANSFERS_PER_FELLOW = 4
+KEEP_PARTIAL_STEPS = 4  # incomplete steps newer than the newest complete one
+MAX_PIECE = 1 << 20  # ShardChunk.data's bound
+# A file is not taken on when it would leave the export disk less free than this (or than
+# a twentieth of a smaller disk).
+DISK_RESERVE_BYTES = 256 << 20
 
 
 def exported_placement(
@@ -77,6 +90,19 @@ class _Transfer:
     next_seq: int = 0
     hasher: Any = field(default_factory=hashlib.sha256)
     received: int = 0
+
+
+def piece_problem(chunk: ShardChunk, n_stages: int) -> str | None:
+    """What is wrong with a piece on its face (its file, numbering, and on a first piece
+    whether its pieces can carry its size); None: nothing."""
+    match = SHARD_FILE.match(chunk.name)
+    if match is None or int(match.group(1)) != chunk.stage or not 0 <= chunk.stage < n_stages:
+        return f"bad shard file {chunk.name!r}"
+    if chunk.step < 0 or chunk.total < 1 or not 0 <= chunk.seq < chunk.total:
+        return "bad piece numbering"
+    if chunk.seq == 0 and not -(-chunk.size // MAX_PIECE) <= chunk.total <= max(1, chunk.size):
+        return f"{chunk.total} pieces cannot carry {chunk.size} bytes"
+    return None
 
 
 def _step_of(entry: Path) -> int | None:
@@ -216,37 +242,21 @@ class ExportStore:
         self, directory: Path, chunk: ShardChunk, n_stages: int
     ) -> tuple[ShardAck, ShardReceipt | None]:
         """Take one piece; a receipt when it completed a stage's shard (its JSON)."""
-        match = SHARD_FILE.match(chunk.name)
-        if match is None or int(match.group(1)) != chunk.stage or not 0 <= chunk.stage < n_stages:
-            return ShardAck(
-                ok=False, next_seq=chunk.seq, message=f"bad shard file {chunk.name!r}"
-            ), None
-        if chunk.step < 0 or chunk.total < 1 or not 0 <= chunk.seq < chunk.total:
-            return ShardAck(ok=False, next_seq=chunk.seq, message="bad piece numbering"), None
+        problem = piece_problem(chunk, n_stages)
+        if problem is not None:
+            return ShardAck(ok=False, next_seq=chunk.seq, message=problem), None
         key = (chunk.job_id, chunk.fellow_id, chunk.step, chunk.attempt, chunk.name)
         transfer = self._transfers.get(key)
         if chunk.seq == 0:
-            name = f"{chunk.fellow_id}-a{chunk.attempt}-s{chunk.step}-{chunk.name}"
-            self._transfers.pop(key, None)
-            try:
-                with self._dir(directory, ".incoming") as fd:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(name, dir_fd=fd)
-                    os.close(os.open(name, _NEW_FILE, 0o644, dir_fd=fd))
-            except OSError:
-                self._abandon(directory, name)
-                raise
-            transfer = _Transfer(
-                path=directory / ".incoming" / name,
-                sha256=chunk.sha256,
-                size=chunk.size,
-                total=chunk.total,
-            )
-            self._transfers[key] = transfer
+            transfer = self._open(directory, key, chunk)
         if transfer is None or chunk.seq != transfer.next_seq or chunk.sha256 != transfer.sha256:
             want = 0 if transfer is None or chunk.sha256 != transfer.sha256 else transfer.next_seq
             return ShardAck(ok=False, next_seq=want, message=f"expected piece {want}"), None
         incoming = transfer.path.name
+        if transfer.received + len(chunk.data) > transfer.size:
+            self._forget_transfer(key)
+            message = f"{chunk.name}: more than the {transfer.size} bytes announced"
+            return ShardAck(ok=False, next_seq=0, message=message), None
         try:
             with self._dir(directory, ".incoming") as fd:
                 flags = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -295,6 +305,7 @@ class ExportStore:
         except OSError:
             self._abandon(directory, incoming)
             raise
+        self._drop_partial_beyond(directory, n_stages)
         receipt = None
         if chunk.name.endswith(".json"):
             npz = self.step_dir(directory, chunk.step) / f"stage-{chunk.stage}.npz"
@@ -308,6 +319,64 @@ class ExportStore:
                 at=time.time(),
             )
         return ShardAck(ok=True, next_seq=transfer.total, done=True), receipt
+
+    def _open(
+        self, directory: Path, key: tuple[str, str, int, int, str], chunk: ShardChunk
+    ) -> _Transfer:
+        """A file's first piece: its transfer (a new one: a first piece starts the file
+        over). ENOSPC, before a byte is written, for a file that would leave the export disk
+        less free than its reserve (a stranger's claimed size must not fill it)."""
+        name = f"{chunk.fellow_id}-a{chunk.attempt}-s{chunk.step}-{chunk.name}"
+        self._forget_transfer(key)
+        self._make_room(chunk.job_id, chunk.fellow_id)
+        try:
+            with self._dir(directory, ".incoming") as fd:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=fd)
+                disk = os.fstatvfs(fd)
+                free = disk.f_bavail * disk.f_frsize
+                reserve = min(DISK_RESERVE_BYTES, disk.f_blocks * disk.f_frsize // 20)
+                if chunk.size > free - reserve:
+                    raise OSError(
+                        errno.ENOSPC,
+                        f"No space left on device for its {chunk.size} bytes ({free} free, "
+                        f"{reserve} kept in reserve)",
+                    )
+                os.close(os.open(name, _NEW_FILE, 0o644, dir_fd=fd))
+        except OSError:
+            self._abandon(directory, name)
+            raise
+        transfer = _Transfer(
+            path=directory / ".incoming" / name,
+            sha256=chunk.sha256,
+            size=chunk.size,
+            total=chunk.total,
+        )
+        self._transfers[key] = transfer
+        return transfer
+
+    def _forget_transfer(self, key: tuple[str, str, int, int, str]) -> None:
+        """An open transfer given up: its partial file goes too."""
+        transfer = self._transfers.pop(key, None)
+        if transfer is not None:
+            self._abandon(transfer.path.parent.parent, transfer.path.name)
+
+    def _make_room(self, job_id: str, fellow_id: str) -> None:
+        """Before ``fellow_id`` opens another transfer: its oldest open ones given up, down
+        to one fewer than :data:`OPEN_TRANSFERS_PER_FELLOW`."""
+        mine = [k for k in self._transfers if k[:2] == (job_id, fellow_id)]
+        for key in mine[: max(0, len(mine) - OPEN_TRANSFERS_PER_FELLOW + 1)]:
+            self._forget_transfer(key)
+
+    def _drop_partial_beyond(self, directory: Path, n_stages: int) -> None:
+        """Incomplete steps newer than the newest complete one, down to the newest
+        :data:`KEEP_PARTIAL_STEPS` (a stage that pushes steps the others never reach)."""
+        complete = self.complete_steps(directory, n_stages)
+        newest = complete[-1] if complete else -1
+        partial = [s for s in self.step_numbers(directory) if s > newest]
+        doomed = set(partial[:-KEEP_PARTIAL_STEPS])
+        if doomed:
+            self._remove_steps(directory, doomed.__contains__)
 
     def _abandon(self, directory: Path, incoming: str) -> None:
         """A write failed: the partial file goes (on a full disk, its space comes back)."""
@@ -385,13 +454,27 @@ class ExportStore:
                     steps.append(int(entry.name[5:]))
         return sorted(steps)
 
+    def step_numbers(self, directory: Path) -> list[int]:
+        """Every step directory's step, oldest first (symlinks left out)."""
+        root = directory / "shards"
+        if not root.is_dir() or self._links_below(directory, "shards"):
+            return []
+        found = (_step_of(e) for e in root.iterdir() if not e.is_symlink())
+        return sorted(s for s in found if s is not None)
+
     def prune(self, directory: Path, n_stages: int) -> None:
-        """Keep the newest complete steps (and anything newer); drop older steps."""
+        """Keep the newest complete steps (and anything newer); drop older steps, and the
+        incomplete ones older than the newest complete step (every stage has pushed past
+        them: a pusher sends its checkpoints in order)."""
         complete = self.complete_steps(directory, n_stages)
-        if len(complete) <= KEEP_COMPLETE_STEPS:
+        if not complete:
             return
-        oldest_kept = complete[-KEEP_COMPLETE_STEPS]
-        self._remove_steps(directory, lambda step: step < oldest_kept)
+        oldest_kept = complete[-KEEP_COMPLETE_STEPS:][0]
+        kept = set(complete)
+        self._remove_steps(
+            directory,
+            lambda step: step < oldest_kept or (step < complete[-1] and step not in kept),
+        )
 
     def drop_after(self, directory: Path, step: int) -> None:
         """A resume from ``step``: the failed attempt's later (partial) shards must not mix

@@ -191,6 +191,8 @@ class ExportService:
             return f"job {job.job_id} is {job.state.value}: its export takes no more pushes", None
         if placement is None or chunk.attempt != job.attempt:
             return f"attempt {chunk.attempt} is not the job's current attempt", None
+        if chunk.step > job.spec.steps:
+            return f"step {chunk.step} is past the job's last ({job.spec.steps})", None
         placed = placement.stage_of(chunk.fellow_id)
         if placed is None or placed.stage != chunk.stage:
             return (

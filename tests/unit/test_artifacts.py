@@ -186,3 +186,71 @@ def test_the_manifest_names_its_jobs_owner_and_init_from_learns_it(tmp_path):
     spec = JobSpec(model=ModelConfig(n_layers=4), init_from=f"export:{job.job_id}/model_export")
     source = initsource.resolve(spec, JobManager(), root)  # a leader that forgot the job
     assert source is not None and (source.job_id, source.owner) == (job.job_id, "alice")
+
+
+# --- what one stranger's pushes can make the leader hold -----------------------------------
+
+
+def test_a_piece_past_the_announced_size_ends_its_transfer_and_its_partial_file(tmp_path):
+    store = ExportStore()
+    first, second, third = chunks("stage-0.npz", b"0123456789", stage=0, step=5)
+    for piece in (first, second):
+        assert store.receive(tmp_path, piece, 2)[0].ok
+    third.data = b"89" + b"x" * 100  # the announced 10 bytes, and then some
+    ack, _ = store.receive(tmp_path, third, 2)
+    assert not ack.ok and ack.next_seq == 0 and "more than the 10 bytes" in ack.message
+    assert list((tmp_path / ".incoming").iterdir()) == []
+
+
+def test_pieces_that_cannot_carry_the_announced_size_are_refused_at_once(tmp_path):
+    store = ExportStore()
+    [huge] = chunks("stage-0.npz", b"x", stage=0, step=5)
+    huge.size, huge.total = 1 << 40, 2  # a terabyte in two pieces of at most 1 MiB
+    ack, _ = store.receive(tmp_path, huge, 2)
+    assert not ack.ok and "2 pieces cannot carry" in ack.message
+    [many] = chunks("stage-0.npz", b"x", stage=0, step=5)
+    many.total = 1000  # a thousand pieces for one byte
+    assert "cannot carry" in store.receive(tmp_path, many, 2)[0].message
+    assert not (tmp_path / ".incoming").exists() or not list((tmp_path / ".incoming").iterdir())
+
+
+def test_a_file_that_would_leave_the_disk_short_is_refused_before_a_byte_is_written(tmp_path):
+    store = ExportStore()
+    [first, *_] = chunks("stage-0.npz", b"x" * 8, stage=0, step=5)
+    disk = os.statvfs(tmp_path)
+    first.size = disk.f_bavail * disk.f_frsize  # all the disk has left
+    first.total = -(-first.size // (1 << 20))
+    try:
+        store.receive(tmp_path, first, 2)
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC and "kept in reserve" in str(exc)
+    else:
+        raise AssertionError("taken on")
+    assert list((tmp_path / ".incoming").iterdir()) == []
+
+
+def test_a_fellow_holds_at_most_four_open_transfers(tmp_path):
+    store = ExportStore()
+    firsts = [chunks("stage-0.npz", b"0123456789", stage=0, step=s)[0] for s in range(1, 7)]
+    for first in firsts:
+        assert store.receive(tmp_path, first, 2)[0].ok
+    incoming = sorted(p.name for p in (tmp_path / ".incoming").iterdir())
+    assert incoming == [f"f1-a1-s{s}-stage-0.npz" for s in (3, 4, 5, 6)]
+    # The given-up ones start over; another fellow's are its own.
+    second_of_1 = chunks("stage-0.npz", b"0123456789", stage=0, step=1)[1]
+    assert store.receive(tmp_path, second_of_1, 2)[0].next_seq == 0
+    other = chunks("stage-0.npz", b"0123456789", stage=0, step=9, fellow="f2")[0]
+    assert store.receive(tmp_path, other, 2)[0].ok
+    assert len(list((tmp_path / ".incoming").iterdir())) == 5
+
+
+def test_incomplete_steps_are_kept_only_where_they_may_still_complete(tmp_path):
+    store = ExportStore()
+    send_shard(store, tmp_path, stage=0, step=10)  # never completed: stage 1 went on
+    for stage in (0, 1):
+        send_shard(store, tmp_path, stage=stage, step=20)
+    for step in (30, 40, 50, 60, 70):  # one stage ahead, far beyond the other
+        send_shard(store, tmp_path, stage=0, step=step)
+    assert store.step_numbers(tmp_path) == [10, 20, 40, 50, 60, 70]
+    store.prune(tmp_path, 2)
+    assert store.step_numbers(tmp_path) == [20, 40, 50, 60, 70]

@@ -372,9 +372,9 @@ def test_only_replica_0_pushes_the_export(tmp_path):
         public_url="http://leader:8000",
     )
 
-    async def push(replica: int, stage: int) -> list:
+    async def push(replica: int, stage: int, n: int = 4) -> list:
         answers = []
-        for chunk in chunks(job, replica, stage, 4):
+        for chunk in chunks(job, replica, stage, n):
             msg = Msg(chunk)
             await exports._on_shard(msg)
             answers.extend(msg.answers)
@@ -386,6 +386,9 @@ def test_only_replica_0_pushes_the_export(tmp_path):
         refused = await push(1, 0)
         assert [a.ok for a in refused] == [False, False]
         assert "only replica 0 pushes shards" in refused[0].message
+        beyond = await push(0, 0, job.spec.steps + 1)  # a step the job never reaches
+        assert [a.ok for a in beyond] == [False, False]
+        assert f"past the job's last ({job.spec.steps})" in beyond[0].message
 
     asyncio.run(scenario())
     export = Path(job.export_dir)
