@@ -54,6 +54,7 @@ class LeaderBus:
             self.access,
             name="swarm-leader",
             inbox_prefix=topics.LEADER_INBOX,
+            on_handler_error=self._handler_failed,
             on_disconnected=self._on_disconnected,
             on_reconnected=self._on_reconnected,
         )
@@ -62,6 +63,10 @@ class LeaderBus:
         await self.nc.flush()
         self.registry.bus_connected()
         self.connected.set()
+
+    def _handler_failed(self, exc: Exception) -> None:
+        """A handler raised (a bug): its message is lost, and counted as dropped."""
+        self.dropped["handler_error"] += 1
 
     async def close(self) -> None:
         if self._connect_task is not None and not self._connect_task.done():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -25,6 +26,12 @@ MAX_OUTSTANDING_PINGS = 2
 PENDING_BYTES = 4 * 1024 * 1024
 
 Hook = Callable[[], Awaitable[None]]
+# An exception a message handler raised (nats-py hands those to the error callback, beside
+# the connection's own errors): a bug, logged with its traceback at most this often.
+HANDLER_ERROR_LOG_EVERY_S = 10.0
+# What the connection itself raises (a failed connect, a dropped socket, a server's -ERR):
+# an outage, or a refusal, not a handler's failure.
+CONNECTION_ERRORS = (nats.errors.Error, OSError, TimeoutError, EOFError)
 
 
 class NatsAccess(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -52,6 +59,60 @@ class NatsAccess(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         return options
 
 
+class ErrorReport:
+    """nats-py's error callback for one connection, which hears two kinds of error: the
+    connection's own (an outage is warned of once until it reconnects; refused credentials
+    or permissions are errors) and those a subscription's handler raised (a bug: its message
+    is lost; ``on_handler_error`` is told of each, and each is logged as an error with its
+    traceback, at most once every :data:`HANDLER_ERROR_LOG_EVERY_S` per exception type)."""
+
+    def __init__(
+        self, access: NatsAccess, on_handler_error: Callable[[Exception], None] | None = None
+    ) -> None:
+        self.access = access
+        self.on_handler_error = on_handler_error
+        self.outage_reported = False
+        self._handler_logged: dict[type, float] = {}
+
+    async def report(self, exc: Exception) -> None:
+        """nats-py's ``error_cb`` (it takes only a coroutine function)."""
+        if not isinstance(exc, CONNECTION_ERRORS):
+            self.handler_failed(exc)
+        else:
+            self.connection_failed(exc)
+
+    def handler_failed(self, exc: Exception) -> None:
+        if self.on_handler_error is not None:
+            self.on_handler_error(exc)
+        now = time.monotonic()
+        last = self._handler_logged.get(type(exc), float("-inf"))
+        if now - last >= HANDLER_ERROR_LOG_EVERY_S:
+            self._handler_logged[type(exc)] = now
+            log.error("a NATS message handler failed: %r", exc, exc_info=exc)
+
+    def connection_failed(self, exc: Exception) -> None:
+        url, creds = self.access.url, self.access.creds
+        if "authorization violation" in str(exc).lower():
+            log.error(
+                "NATS %s refused our credentials (%s): check SWARM_NATS_CREDS%s",
+                url,
+                creds or "none given",
+                "" if creds else ", or run the leader with --dev",
+            )
+        elif "permissions violation" in str(exc).lower():
+            log.error("NATS %s: %s", url, exc)
+        elif not self.outage_reported:
+            log.warning(
+                "NATS %s: %s (retrying every %.1fs)",
+                url,
+                exc or type(exc).__name__,
+                RECONNECT_WAIT_S,
+            )
+            self.outage_reported = True
+        else:
+            log.debug("NATS %s: %s", url, exc)
+
+
 async def connect_forever(
     access: NatsAccess | str,
     *,
@@ -59,33 +120,14 @@ async def connect_forever(
     inbox_prefix: str = "_INBOX",
     on_disconnected: Hook | None = None,
     on_reconnected: Hook | None = None,
+    on_handler_error: Callable[[Exception], None] | None = None,
 ) -> Client:
-    """Connect, retrying forever (also for the first connection), and stay connected."""
+    """Connect, retrying forever (also for the first connection), and stay connected.
+    ``on_handler_error``: see :class:`ErrorReport`."""
     if isinstance(access, str):
         access = NatsAccess(url=access)
     url = access.url
-    outage = {"reported": False}
-
-    async def error_cb(exc: Exception) -> None:
-        if "authorization violation" in str(exc).lower():
-            log.error(
-                "NATS %s refused our credentials (%s): check SWARM_NATS_CREDS%s",
-                url,
-                access.creds or "none given",
-                "" if access.creds else ", or run the leader with --dev",
-            )
-        elif "permissions violation" in str(exc).lower():
-            log.error("NATS %s: %s", url, exc)
-        elif not outage["reported"]:
-            log.warning(
-                "NATS %s: %s (retrying every %.1fs)",
-                url,
-                exc or type(exc).__name__,
-                RECONNECT_WAIT_S,
-            )
-            outage["reported"] = True
-        else:
-            log.debug("NATS %s: %s", url, exc)
+    errors = ErrorReport(access, on_handler_error)
 
     async def disconnected_cb() -> None:
         log.warning("disconnected from NATS %s", url)
@@ -93,7 +135,7 @@ async def connect_forever(
             await on_disconnected()
 
     async def reconnected_cb() -> None:
-        outage["reported"] = False
+        errors.outage_reported = False
         log.info("reconnected to NATS %s", url)
         if on_reconnected is not None:
             await on_reconnected()
@@ -109,10 +151,10 @@ async def connect_forever(
         ping_interval=PING_INTERVAL_S,
         max_outstanding_pings=MAX_OUTSTANDING_PINGS,
         pending_size=PENDING_BYTES,
-        error_cb=error_cb,
+        error_cb=errors.report,
         disconnected_cb=disconnected_cb,
         reconnected_cb=reconnected_cb,
     )
-    outage["reported"] = False
+    errors.outage_reported = False
     log.info("connected to NATS %s as %s", url, name)
     return nc
