@@ -20,6 +20,7 @@ from nats.aio.msg import Msg
 
 from silentswarm import subjects as topics
 from silentswarm.errors import ErrorCode, ProtocolError
+from silentswarm.leader.admission import RateLimiter
 from silentswarm.leader.registry import FellowRegistry
 from silentswarm.natsconn import NatsAccess, connect_forever
 from silentswarm.protocol import DeregisterRequest, RegisterReply, RegisterRequest
@@ -29,6 +30,11 @@ HEARTBEATS_PER_YIELD = 32
 # A flood must not flood the leader's log: per subject, one warning per interval.
 DROP_LOG_EVERY_S = 5.0
 DROP_LOG_SUBJECTS = 1024
+# Per fellow, before decoding: an honest one heartbeats once an interval (1 s by default;
+# the limit is at least 5 per interval) and registers on (re)connect; a flood past these is
+# dropped and counted (heartbeat_rate, register_rate).
+HEARTBEATS_PER_S, HEARTBEAT_BURST = 10.0, 50.0
+REGISTERS_PER_S, REGISTER_BURST = 2.0, 20.0
 
 
 class LeaderBus:
@@ -42,6 +48,9 @@ class LeaderBus:
         self._connect_task: asyncio.Task[None] | None = None
         self.connected = asyncio.Event()
         self._heartbeats = 0
+        beats_per_s = max(HEARTBEATS_PER_S, 5 / registry.heartbeat_interval_s)
+        self.heartbeat_limit = RateLimiter(beats_per_s, HEARTBEAT_BURST)
+        self.register_limit = RateLimiter(REGISTERS_PER_S, REGISTER_BURST)
         # subject -> (monotonic time of its last warning, drops not logged since)
         self._drop_log: OrderedDict[str, tuple[float, int]] = OrderedDict()
 
@@ -149,6 +158,9 @@ class LeaderBus:
         sender = self._sender(topics.REGISTER, msg)
         if sender is None:
             return
+        if not self.register_limit.allow(sender):
+            self.drop(msg, "over the fellow's registration rate", kind="register_rate")
+            return
         try:
             req = topics.REGISTER.decode(msg.data)
         except ProtocolError as exc:
@@ -176,6 +188,9 @@ class LeaderBus:
     async def _on_heartbeat(self, msg: Msg) -> None:
         sender = self._sender(topics.HEARTBEAT, msg)
         if sender is None:
+            return
+        if not self.heartbeat_limit.allow(sender):
+            self.drop(msg, "over the fellow's heartbeat rate", kind="heartbeat_rate")
             return
         try:
             hb = topics.HEARTBEAT.decode(msg.data)

@@ -98,3 +98,36 @@ def test_junk_is_dropped_logged_and_counted_and_changes_nothing(procs, nats_serv
     ):
         assert f"dropped message on {subject}" in leader_log, subject
     assert "dropped message on swarm.hb.honest" in leader_log  # the impostor
+
+
+def dropped_for(leader, reason: str) -> float:
+    text = leader.http.get("/api/v1/metrics").text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "swarm_leader_dropped_messages"
+        for sample in family.samples
+        if sample.name.endswith("_total") and sample.labels.get("reason") == reason
+    )
+
+
+def test_a_heartbeat_and_registration_flood_is_limited_per_fellow(procs, nats_server, leader):
+    start_agent(procs, nats_server.url, "honest")
+    leader.wait_status("honest", "ready", timeout=20)
+    identity = FellowIdentity(
+        fellow_id="mallory", instance_id="i", hostname="h", version="v", pid=1
+    )
+    hardware = HardwareSnapshot(hostname="h", cpu_cores=1, ram_total_bytes=1, ram_available_bytes=1)
+    beat = subjects.encode(Heartbeat(fellow=identity, seq=1, status="ready", hardware=hardware))
+
+    async def flood(nc):
+        for _ in range(2000):
+            await nc.publish("swarm.hb.mallory", beat)
+            await nc.publish("swarm.register.mallory", b"junk", reply="_INBOX.mallory.x")
+        await nc.flush()
+
+    with_nats(nats_server.url, flood, inbox_prefix="_INBOX.mallory")
+    for reason in ("heartbeat_rate", "register_rate"):
+        wait_for(lambda r=reason: dropped_for(leader, r) >= 1000, timeout=20, what=reason)
+    assert leader.get("/health")["status"] == "ok"
+    leader.wait_status("honest", "ready", timeout=20)  # its own heartbeats still count
