@@ -32,6 +32,7 @@ ACK = b"\x00swarm-ack"
 DONE = b"\x00swarm-done"  # the downstream end finished the run: the upstream may close
 OK = b"ok"
 HELLO_EVERY_S = 0.25
+REFUSAL_CHARS = 1024  # of a peer's refusal, what the error says
 
 
 def is_control(parts: Sequence[bytes | memoryview]) -> bool:
@@ -134,7 +135,8 @@ def _await_ack(
 
 def _check_ack(name: str, body: bytes) -> None:
     if body.startswith(b"!"):
-        raise HandshakeError(f"{name}: the downstream peer refused: {body[1:].decode()}")
+        why = body[1:REFUSAL_CHARS].decode(errors="replace")  # a stranger's words
+        raise HandshakeError(f"{name}: the downstream peer refused: {why!r}")
 
 
 def _tried(zlink: ZmqLink | None, rlink: RelayLink | None) -> list[str]:

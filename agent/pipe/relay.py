@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from silentswarm.agent.errors import LinkError, PeerTimeoutError, RelayGapError
+from silentswarm.agent.errors import FrameError, LinkError, PeerTimeoutError, RelayGapError
 from silentswarm.agent.pipe import relaymsg
 from silentswarm.agent.pipe.base import Parts
 
@@ -108,20 +108,20 @@ def deserialize_parts(blob: bytes | bytearray | memoryview) -> Parts:
     """The parts of a frame blob, as views of it (no copy)."""
     view = memoryview(blob)
     if len(view) < 4:
-        raise LinkError("relay frame shorter than its header")
+        raise FrameError("relay frame shorter than its header")
     (count,) = struct.unpack_from(">I", view, 0)
     offset = 4 + 8 * count
     if count > MAX_PARTS or len(view) < offset:
-        raise LinkError("relay frame header is corrupt")
+        raise FrameError("relay frame header is corrupt")
     lengths = struct.unpack_from(f">{count}Q", view, 4)
     parts: Parts = []
     for length in lengths:
         if offset + length > len(view):
-            raise LinkError("relay frame is truncated")
+            raise FrameError("relay frame is truncated")
         parts.append(view[offset : offset + length])
         offset += length
     if offset != len(view):
-        raise LinkError("relay frame has trailing bytes")
+        raise FrameError("relay frame has trailing bytes")
     return parts
 
 
@@ -133,7 +133,9 @@ class FrameAssembler:
     (at most ``max_frame_bytes``: a peer cannot make this end allocate more), and its parts
     are views of that buffer. Every chunk is checked against the frame it belongs to; a
     frame that does not add up is an error for the receive, and the chunks after it are
-    skipped until the next frame begins.
+    skipped until the next frame begins. Such an error is a :class:`FrameError` (the peer
+    sent it, as it would a frame that does not decode), never a :class:`LinkError`: the link
+    still works, and a ring takes it as that contribution lost, not as its own end.
     """
 
     def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
@@ -148,12 +150,12 @@ class FrameAssembler:
     def assembling(self) -> bool:
         return self._buffer is not None
 
-    def add(self, chunk: relaymsg.DataChunk) -> list[Parts | LinkError]:
+    def add(self, chunk: relaymsg.DataChunk) -> list[Parts | FrameError]:
         """What the chunk completes: a frame, errors, or nothing yet."""
-        out: list[Parts | LinkError] = []
+        out: list[Parts | FrameError] = []
         if chunk.index == 0:
             if self._buffer is not None:
-                out.append(LinkError(f"relay frame cut short at chunk {self._next_index}"))
+                out.append(FrameError(f"relay frame cut short at chunk {self._next_index}"))
                 self._buffer = None
             error = self._begin(chunk)
             if error is not None:
@@ -170,31 +172,31 @@ class FrameAssembler:
             self._size,
         ):
             self._buffer = None
-            out.append(LinkError("relay frame's chunks do not add up"))
+            out.append(FrameError("relay frame's chunks do not add up"))
             return out
         out.extend(self._write(chunk))
         return out
 
-    def _begin(self, chunk: relaymsg.DataChunk) -> LinkError | None:
+    def _begin(self, chunk: relaymsg.DataChunk) -> FrameError | None:
         size, count = chunk.frame_bytes, chunk.count
         if size > self.max_frame_bytes:
-            return LinkError(
+            return FrameError(
                 f"relay frame of {size} bytes is over the limit of {self.max_frame_bytes}"
             )
         if count > size or (count == 1 and chunk.chunk.nbytes != size):
-            return LinkError("relay frame's chunks do not add up")
+            return FrameError("relay frame's chunks do not add up")
         if count > 1:
             self._buffer = memoryview(np.empty(size, dtype=np.uint8)).cast("B")
             self._next_index, self._count, self._size, self._offset = 0, count, size, 0
         return None
 
-    def _write(self, chunk: relaymsg.DataChunk) -> list[Parts | LinkError]:
+    def _write(self, chunk: relaymsg.DataChunk) -> list[Parts | FrameError]:
         assert self._buffer is not None
         end = self._offset + chunk.chunk.nbytes
         last = chunk.index + 1 == self._count
         if end > self._size or (last and end != self._size) or chunk.chunk.nbytes == 0:
             self._buffer = None
-            return [LinkError("relay frame's chunks do not add up")]
+            return [FrameError("relay frame's chunks do not add up")]
         self._buffer[self._offset : end] = chunk.chunk
         self._offset, self._next_index = end, chunk.index + 1
         if not last:
@@ -203,10 +205,10 @@ class FrameAssembler:
         return [self._parts(buffer)]
 
     @staticmethod
-    def _parts(blob: memoryview) -> Parts | LinkError:
+    def _parts(blob: memoryview) -> Parts | FrameError:
         try:
             return deserialize_parts(blob)
-        except LinkError as exc:
+        except FrameError as exc:
             return exc
 
 
@@ -308,7 +310,7 @@ class RelayLink:
         self._max_frame_bytes = max_frame_bytes
         self._cv = threading.Condition()
         # receiving
-        self._frames: deque[Parts | LinkError] = deque()
+        self._frames: deque[Parts | FrameError] = deque()
         self._control: deque[bytes] = deque(maxlen=CONTROL_BACKLOG)
         self._assembler = FrameAssembler(max_frame_bytes)
         self._expected_seq = 0
@@ -470,8 +472,8 @@ class RelayLink:
             else:
                 self._deferred_grants += 1
             for item in done:
-                if isinstance(item, LinkError):
-                    item = LinkError(f"{self.name}: {item}")
+                if isinstance(item, FrameError):
+                    item = FrameError(f"{self.name}: {item}")
                 self._frames.append(item)
             if done:
                 self._cv.notify_all()
@@ -767,7 +769,7 @@ class RelayLink:
                 deferred, self._deferred_grants = self._deferred_grants, 0
         if deferred:
             self._io.call_soon(self._release_deferred, deferred)
-        if isinstance(item, LinkError):
+        if isinstance(item, FrameError):
             raise item
         return item
 

@@ -104,6 +104,10 @@ SCALE_MIN = float(np.finfo(np.float32).tiny)  # 2**-126, bfloat16's smallest nor
 SCALE_MAX = float(np.uint32(0x7F7F0000).view(np.float32))  # bfloat16's largest, ~3.39e38
 # fp16's shifts stay within float32's normal powers of two, so 2**shift is exact both ways.
 MAX_SHIFT = 100
+# A frame is at most a batch x sequence x width tensor (a ring's, a flat vector); numpy takes
+# rank 64 at most and sizes below 2**63: a stranger's header must not reach either limit.
+MAX_RANK = 8
+MAX_DIM = 2**31
 # The dtypes target ids travel as, by name (little-endian on the wire), smallest first.
 TARGET_DTYPES: dict[str, np.dtype] = {
     "uint8": np.dtype("<u1"),
@@ -617,8 +621,11 @@ def _header_codec(header: FrameHeader) -> WireCodec:
     if header.dtype != "float32":
         raise FrameError(f"frame dtype {header.dtype!r} is not supported (only 'float32')")
     shape = header.shape
-    if not shape or any(d < 0 for d in shape):
-        raise FrameError(f"bad frame shape {list(shape)}: need rank >= 1, no negative sizes")
+    if not 1 <= len(shape) <= MAX_RANK or any(not 0 <= d <= MAX_DIM for d in shape):
+        raise FrameError(
+            f"bad frame shape {list(shape)[: MAX_RANK + 1]}: need rank 1 to {MAX_RANK}, "
+            f"sizes 0 to {MAX_DIM}"
+        )
     if (header.shift and codec.kind is not CodecKind.FP16) or abs(header.shift) > MAX_SHIFT:
         raise FrameError(
             f"frame shift {header.shift}: only fp16 frames shift, by at most {MAX_SHIFT}"
@@ -679,7 +686,10 @@ def _decode_targets(
     the header's or, with ``vocab_size``, an id outside the vocabulary."""
     if part.nbytes != header.targets_nbytes:
         raise FrameError(f"targets are {part.nbytes} bytes, header says {header.targets_nbytes}")
-    ids = np.frombuffer(part, dtype=dtype).reshape(header.shape[:-1])
+    try:
+        ids = np.frombuffer(part, dtype=dtype).reshape(header.shape[:-1])
+    except ValueError as exc:  # defensive: the shape and size were checked
+        raise FrameError(f"cannot shape the targets as {list(header.shape[:-1])}: {exc}") from None
     if vocab_size is not None and ids.size and int(ids.max()) >= vocab_size:
         raise FrameError(f"target id {int(ids.max())} is outside the vocabulary of {vocab_size}")
     return ids

@@ -633,8 +633,8 @@ class ReplicaSync:
         assert self.up is not None and self.down is not None
         deadline = time.monotonic() + timeout_s
         while True:
-            parts = self.up.recv(max(0.001, deadline - time.monotonic()))
             try:
+                parts = self.up.recv(max(0.001, deadline - time.monotonic()))
                 frame = self._donor_state(parts, change, shape)
             except FrameError as exc:
                 predecessor = prev_member(self.members, self.replica)
@@ -845,15 +845,18 @@ class ReplicaSync:
         return got
 
     def _recv(self, deadline: float) -> Parts | None:
-        """The predecessor's next frame; None once ``deadline`` has passed."""
+        """The predecessor's next frame; None once ``deadline`` has passed. A relay frame
+        that does not assemble is the predecessor's doing: dropped as a contribution
+        (:meth:`_reject`), and the wait goes on."""
         assert self.up is not None
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return None
-        try:
-            return self.up.recv(remaining)
-        except PeerTimeoutError:
-            return None
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                return self.up.recv(remaining)
+            except PeerTimeoutError:
+                return None
+            except FrameError as exc:
+                self._reject(str(exc))
+        return None
 
     def _check(
         self,

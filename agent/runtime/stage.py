@@ -197,12 +197,24 @@ class Boundary:
         self.link.send(parts, timeout_s=self.timeout_s)  # blocks only on a full link
         self.wait_s += time.perf_counter() - started
 
-    def recv(self, *, step: int, micro: int, direction: Direction, phase: str = "train") -> Frame:
-        """The next frame of this job and attempt, which must be the one named; a forward
-        frame must carry its targets (the stage after reads no data)."""
+    def recv(
+        self,
+        *,
+        step: int,
+        micro: int,
+        direction: Direction,
+        phase: str = "train",
+        shape: tuple[int | None, ...] | None = None,
+    ) -> Frame:
+        """The next frame of this job and attempt, which must be the one named, of ``shape``
+        (None: any size on that axis) when given; a forward frame must carry its targets
+        (the stage after reads no data), and every value finite (NaN or inf from a peer
+        would reach the weights unseen). Frames of another job or attempt are dropped, but
+        the peer timeout runs from the call, not from each of them."""
+        deadline = time.monotonic() + self.timeout_s
         while True:
             started = time.perf_counter()
-            parts = self.link.recv(self.timeout_s)
+            parts = self.link.recv(max(0.0, deadline - time.monotonic()))
             self.wait_s += time.perf_counter() - started
             try:
                 frame = decode_frame(parts, vocab_size=self.vocab_size)
@@ -221,7 +233,23 @@ class Boundary:
                 raise FrameError(f"{self.name}: expected frame {want}, got {got}")
             if direction is Direction.FWD and frame.targets is None:
                 raise FrameError(f"{self.name}: forward frame {want} carries no targets")
+            if shape is not None and not _fits(frame.array.shape, shape):
+                raise FrameError(
+                    f"{self.name}: frame {want} is shaped {list(frame.array.shape)}, "
+                    f"expected {['any' if d is None else d for d in shape]}"
+                )
+            if not np.isfinite(frame.array).all():
+                raise FrameError(
+                    f"{self.name}: frame {want} holds values that are not finite (NaN or inf): "
+                    "the peer's model diverged, or the peer is not honest"
+                )
             return frame
+
+
+def _fits(got: tuple[int, ...], want: tuple[int | None, ...]) -> bool:
+    return len(got) == len(want) and all(
+        w is None or g == w for g, w in zip(got, want, strict=True)
+    )
 
 
 @dataclass
@@ -479,7 +507,13 @@ class StageRunner:
         self, step: int, i: int, phase: str = "train"
     ) -> tuple[tf.Tensor, np.ndarray, Frame]:
         """A forward frame from upstream: its activations, its target ids, the frame."""
-        frame = self.up.recv(step=step, micro=i, direction=Direction.FWD, phase=phase)
+        frame = self.up.recv(
+            step=step,
+            micro=i,
+            direction=Direction.FWD,
+            phase=phase,
+            shape=(None, self.plan.model.seq_len, self.wire_dims),
+        )
         assert frame.targets is not None  # Boundary.recv refuses a forward frame without
         return tf.constant(frame.array), frame.targets, frame
 
@@ -611,7 +645,7 @@ class StageRunner:
         """Micro-batch ``i`` of ``step`` backward through its tape with the gradient from
         downstream; its input's gradient upstream."""
         tape, x, out = inflight.pop((step, i))
-        frame = self.down.recv(step=step, micro=i, direction=Direction.BWD)
+        frame = self.down.recv(step=step, micro=i, direction=Direction.BWD, shape=tuple(out.shape))
         received = tf.constant(frame.array)
         dx = self.model.tape_backward(tape, x, out, received, input_grad=not self.plan.is_first)
         if dx is not None:

@@ -693,6 +693,52 @@ def test_boundary_rejects_corrupt_and_drops_stale_frames(zmq_pair):
             boundary.recv(step=6, micro=0, direction=Direction.FWD)
 
 
+def test_a_frame_of_the_wrong_shape_or_not_finite_is_refused_by_name(zmq_pair):
+    from silentswarm.agent.runtime.stage import Boundary
+
+    binder, connector = zmq_pair
+    boundary = Boundary(binder, 0, "b0", "j", 2, parse_wire_codec("none"), 5.0)
+    connector.send(frame(1, attempt=2, shape=(4, 8, 16), targets=ids()))
+    assert boundary.recv(step=1, micro=0, direction=Direction.FWD, shape=(None, 8, 16))
+    connector.send(frame(2, attempt=2, shape=(4, 9, 16), targets=ids((4, 9))))
+    with pytest.raises(
+        FrameError, match=r"b0: frame .* is shaped \[4, 9, 16\], expected \['any', 8, 16\]"
+    ):
+        boundary.recv(step=2, micro=0, direction=Direction.FWD, shape=(None, 8, 16))
+    connector.send(frame(3, attempt=2, shape=(2, 8, 16), targets=ids((2, 8))))
+    with pytest.raises(FrameError, match="is shaped"):  # a gradient's shape is exact
+        boundary.recv(step=3, micro=0, direction=Direction.FWD, shape=(4, 8, 16))
+    for step, value in enumerate((np.nan, np.inf, -np.inf), start=4):
+        connector.send(frame(step, value, attempt=2, targets=ids()))
+        with pytest.raises(FrameError, match="not finite"):
+            boundary.recv(step=step, micro=0, direction=Direction.FWD)
+
+
+def test_stale_frames_do_not_hold_off_the_peer_timeout(zmq_pair):
+    """Frames of an older attempt are dropped, but each does not start the wait again: a
+    peer that sends one now and then still times out at the boundary's timeout."""
+    from silentswarm.agent.runtime.stage import Boundary
+
+    binder, connector = zmq_pair
+    boundary = Boundary(binder, 0, "b0", "j", 2, parse_wire_codec("none"), 1.5)
+    stop = threading.Event()
+
+    def stale_now_and_then() -> None:
+        while not stop.wait(0.3):
+            connector.send(frame(1, attempt=1, targets=ids()))
+
+    sender = threading.Thread(target=stale_now_and_then, daemon=True)
+    sender.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(PeerTimeoutError):
+            boundary.recv(step=1, micro=0, direction=Direction.FWD)
+    finally:
+        stop.set()
+        sender.join(5)
+    assert time.monotonic() - started < 5.0 and boundary.dropped >= 2
+
+
 def test_boundaries_carry_targets_downstream_and_count_their_bytes(zmq_pair):
     """Targets are a frame part like any other: both ends' byte counts include them; an id
     outside the receiver's vocabulary is refused; gradients go back without any."""

@@ -8,7 +8,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from silentswarm.agent.errors import LinkError
+from silentswarm.agent.errors import FrameError
 from silentswarm.agent.pipe.link import deserialize_parts, serialize_parts
 from silentswarm.agent.pipe.relay import FrameAssembler, chunk_frame, frame_views
 from silentswarm.agent.pipe.relaymsg import (
@@ -227,7 +227,7 @@ def test_a_frame_over_the_limit_is_never_allocated_and_its_chunks_are_skipped():
     assembler = FrameAssembler(max_frame_bytes=1000)
     huge = AUTH.data(0, 0, 3, 1 << 40, b"x" * 10)
     [error] = assembler.add(parse_message(huge, AUTH))
-    assert isinstance(error, LinkError) and "over the limit of 1000" in str(error)
+    assert isinstance(error, FrameError) and "over the limit of 1000" in str(error)
     rest = parse_message(AUTH.data(1, 1, 3, 1 << 40, b"x" * 10), AUTH)
     assert assembler.add(rest) == [] and not assembler.assembling
     [frame] = [item for c in _chunks([b"ok"], 4, seq=2) for item in assembler.add(c)]
@@ -257,7 +257,7 @@ def _chunk(index: int, count: int, size: int, data: bytes) -> DataChunk:
 def test_chunks_that_do_not_add_up_fail_their_frame_and_the_next_one_is_taken(chunks):
     assembler = FrameAssembler()
     out = [item for chunk in chunks for item in assembler.add(chunk)]
-    assert len(out) == 1 and isinstance(out[0], LinkError), out
+    assert len(out) == 1 and isinstance(out[0], FrameError), out
     [frame] = [item for c in _chunks([b"next"], 3, seq=9) for item in assembler.add(c)]
     assert [bytes(p) for p in frame] == [b"next"]
 
@@ -267,7 +267,7 @@ def test_a_frame_cut_short_by_a_new_one_fails_and_the_new_one_is_taken():
     first = _chunks([b"a" * 100], 32)
     assert assembler.add(first[0]) == [] and assembler.assembling
     out = [item for c in _chunks([b"b" * 100], 32, seq=1) for item in assembler.add(c)]
-    assert isinstance(out[0], LinkError) and "cut short" in str(out[0])
+    assert isinstance(out[0], FrameError) and "cut short" in str(out[0])
     assert [bytes(p) for p in out[1]] == [b"b" * 100]
 
 

@@ -11,7 +11,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from silentswarm.agent.errors import ForwardRefusedError, HandshakeError
+from silentswarm.agent.errors import ForwardRefusedError, FrameError, HandshakeError
 from silentswarm.agent.pipe.wire import Direction, encode_frame
 from silentswarm.agent.runtime.replicas import (
     MAX_ROUNDS_AHEAD,
@@ -324,6 +324,29 @@ def test_a_malformed_contribution_costs_that_contribution_not_the_member():
         for i, r in enumerate(results):
             assert r.present == [i], r
         assert [m.clipped for m in members] == [1, 1] and [m.missed for m in members] == [1, 1]
+    finally:
+        closed(members)
+
+
+def test_a_relay_frame_that_does_not_assemble_costs_that_frame_not_the_member():
+    """Over the relay a predecessor's chunks that do not add up reach the receive as a
+    FrameError: dropped and counted as clipped, and the member waits on for the round."""
+    members = opened(ring_plans(2))
+    victim = members[1]
+    real_recv, failed = victim.up.recv, []
+
+    def recv(timeout_s: float):
+        if not failed:
+            failed.append(True)
+            raise FrameError("ring-1: relay frame cut short at chunk 3")
+        return real_recv(timeout_s)
+
+    victim.up.recv = recv
+    try:
+        a, b = contributions(2)
+        results = rounds(members, 0, [a, b])
+        assert results[1].present == [0, 1] and victim.clipped == 1
+        np.testing.assert_allclose(results[1].average, (a + b) / 2, rtol=1e-6)
     finally:
         closed(members)
 

@@ -439,6 +439,26 @@ def test_bad_shape(shape: list[int]) -> None:
     expect_frame_error([header, *int4_parts()[1:]], "bad frame shape")
 
 
+@pytest.mark.parametrize(
+    "shape",
+    [[0, 2**63 - 1, 8], [0, 2**31 + 1, 8], [0] + [1] * 70],
+    ids=["a dimension numpy cannot hold", "past the bound", "rank 71"],
+)
+def test_an_empty_frame_of_an_impossible_shape_is_a_frame_error(shape: list[int]) -> None:
+    """Every byte count of a shape with a 0 in it is 0, so the sizes agree: the shape's own
+    bounds must refuse it before numpy does (with a ValueError)."""
+    fields = raw_header(
+        codec="none",
+        bits=32,
+        shape=shape,
+        payload_nbytes=0,
+        scales_nbytes=0,
+        targets_dtype="uint8",
+        targets_nbytes=0,
+    )
+    expect_frame_error([msgspec.msgpack.encode(fields), b"", b""], "bad frame shape")
+
+
 def test_non_buffer_part() -> None:
     expect_frame_error([int4_parts()[0], 12345, b""], "not a contiguous byte buffer")
 
