@@ -463,6 +463,10 @@ class RelayLink:
         if chunk.seq > self._expected_seq:  # one was lost on the way: ask for it again
             await self._gap_seen(chunk.seq)
             return relaymsg.DropReason.GAP
+        if chunk.seq >= self._window + self._granted:
+            # Past the credit this end gave: an honest sender waits for it, and taking it
+            # would let a peer queue frames here without bound.
+            return relaymsg.DropReason.OVER_CREDIT
         self._expected_seq += 1
         self._gap = None
         done = self._assembler.add(chunk)

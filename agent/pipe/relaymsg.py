@@ -119,6 +119,7 @@ class DropReason(enum.StrEnum):
     STALE = "stale"  # authentic but already seen: a replayed or resent chunk, an old serial
     GAP = "gap"  # an authentic chunk ahead of the one expected (one was lost): asked again
     BAD_SEQ = "bad_seq"  # names chunks never sent (an ack, a resend request, a probe)
+    OVER_CREDIT = "over_credit"  # a chunk past the credit granted: its sender ignores it
 
 
 @dataclass(frozen=True, slots=True)

@@ -81,6 +81,7 @@ from silentswarm.agent.pipe.link import (
     accept_upstream,
     connect_downstream,
 )
+from silentswarm.agent.pipe.relay import MAX_FRAME_BYTES
 from silentswarm.agent.pipe.wire import Direction, Frame, decode_frame, encode_frame
 from silentswarm.agent.runtime.ring_signing import RingSigner
 from silentswarm.compression import parse_wire_codec
@@ -385,10 +386,19 @@ class RoundResult:
 
 
 def relay_opener(
-    plan: StagePlan, boundary: str, name: str, send: str, recv: str, token: str | None
+    plan: StagePlan,
+    boundary: str,
+    name: str,
+    send: str,
+    recv: str,
+    token: str | None,
+    *,
+    max_frame_bytes: int | None = None,
 ) -> RelayOpener | None:
     """How to open the relay end of a link whose RELAY ``boundary`` token is ``boundary``,
-    publishing on direction ``send`` and hearing ``recv``; None without NATS in the plan."""
+    publishing on direction ``send`` and hearing ``recv``; None without NATS in the plan.
+    ``max_frame_bytes``: the largest frame either end takes (the link's, from the plan, as
+    for a p2p link; None: the relay's own limit)."""
     if plan.nats is None:
         return None
     nats = plan.nats
@@ -410,6 +420,7 @@ def relay_opener(
             send_subject=subject(send),
             recv_subject=subject(recv),
             token=None if token is None else bytes.fromhex(token),
+            max_frame_bytes=max_frame_bytes or MAX_FRAME_BYTES,
         )
 
     return make
@@ -524,6 +535,7 @@ class ReplicaSync:
                             "bwd",
                             "fwd",
                             ring.relay_up_token,
+                            max_frame_bytes=self.max_message_bytes,
                         ),
                         timeout_s=max(0.001, deadline - time.monotonic()),
                         p2p_grace_s=plan.p2p_probe_timeout_s,
@@ -558,6 +570,7 @@ class ReplicaSync:
                 "fwd",
                 "bwd",
                 ring.relay_down_token,
+                max_frame_bytes=self.max_message_bytes,
             ),
             timeout_s=timeout_s,
             fingerprint=self.fingerprint,

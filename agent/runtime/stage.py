@@ -402,7 +402,9 @@ class StageRunner:
         replica's boundaries have subjects of their own (:func:`subjects.relay_link`)."""
         plan = self.plan
         link = subjects.relay_link(boundary, plan.replica)
-        return relay_opener(plan, link, name, send, recv, token)
+        return relay_opener(
+            plan, link, name, send, recv, token, max_frame_bytes=boundary_message_bytes(plan)
+        )
 
     def open_links(self) -> None:
         plan = self.plan

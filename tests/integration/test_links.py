@@ -176,6 +176,26 @@ def relay_pair(url: str, **kw) -> tuple[RelayLink, RelayLink]:
     return a, b
 
 
+def test_a_sender_that_ignores_credit_cannot_queue_frames_without_bound(nats_server):
+    """Window 2, at most 1 unread frame: whatever a sender that never waits for credit
+    sends, the receiver holds what its grants allowed and drops the rest, counted."""
+    a, b = relay_pair(nats_server.url, token=TOKEN, window=2, max_frames=1)
+    a._wait_credit = lambda timeout_s: None  # a peer that ignores the protocol
+    try:
+        for step in range(40):
+            a.send(frame(step, shape=(4, 64)), timeout_s=10)  # one chunk each
+        wait_for(
+            lambda: b.dropped_by_reason.get("over_credit", 0) >= 1,
+            timeout=10,
+            what="a chunk past the credit to be dropped",
+        )
+        assert len(b._frames) <= 3, len(b._frames)  # the window's 2, and 1 granted after
+        assert [decode_frame(b.recv(5))[0].step for _ in range(len(b._frames))] == [0, 1, 2]
+    finally:
+        a.close()
+        b.close()
+
+
 def test_relay_chunks_large_frames_below_max_payload(nats_server):
     a, b = relay_pair(nats_server.url, chunk_bytes=256 * 1024)
     try:
@@ -453,7 +473,7 @@ def test_a_frame_larger_than_the_limit_is_refused_at_both_ends(nats_server):
             await nc.publish("t.fwd", auth.data(2, 0, 1, len(blob), blob))
 
         with_nats(nats_server.url, inject)
-        with pytest.raises(LinkError, match="over the limit of 1048576"):
+        with pytest.raises(FrameError, match="over the limit of 1048576"):
             b.recv(5)
         assert decode_frame(b.recv(5))[0].step == 3, "the next frame is taken"
     finally:
