@@ -238,3 +238,19 @@ def stage_processes(job_id: str | None = None) -> list[psutil.Process]:
         if job_id is None or any(job_id in part for part in cmdline):
             found.append(proc)
     return found
+
+
+def dropped_messages(http: httpx.Client, reason: str | None = None) -> float:
+    """The leader's ``swarm_leader_dropped_messages_total`` from its metrics page: all of
+    it, or only ``reason``'s."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = http.get("/api/v1/metrics").text
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "swarm_leader_dropped_messages"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+        and (reason is None or sample.labels.get("reason") == reason)
+    )

@@ -15,7 +15,6 @@ import json
 
 import msgspec
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from silentswarm import subjects as topics
 from silentswarm.natsauth import Permissions
@@ -31,21 +30,14 @@ from silentswarm.protocol import (
     RegisterRequest,
     ShardChunk,
 )
-from tests.helpers import until, wait_for
+from tests.helpers import dropped_messages, until, wait_for
 from tests.hostile.conftest import HONEST, Beside
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 
 def dropped(beside: Beside, reason: str) -> float:
-    text = beside.leader.http.get("/api/v1/metrics").text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        if family.name == "swarm_leader_dropped_messages"
-        for sample in family.samples
-        if sample.name.endswith("_total") and sample.labels.get("reason") == reason
-    )
+    return dropped_messages(beside.leader.http, reason)
 
 
 def identity(name: str = "mallory", instance: str = "m1") -> FellowIdentity:

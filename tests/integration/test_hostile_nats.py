@@ -6,24 +6,16 @@ from __future__ import annotations
 import os
 
 import msgspec
-from prometheus_client.parser import text_string_to_metric_families
 
 from silentswarm import subjects
 from silentswarm.protocol import FellowIdentity, HardwareSnapshot, Heartbeat, Progress, ShardChunk
 from tests.conftest import start_agent
-from tests.helpers import wait_for
+from tests.helpers import dropped_messages, wait_for
 from tests.integration.nats_client import with_nats
 
 
-def dropped(leader) -> float:
-    text = leader.http.get("/api/v1/metrics").text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        if family.name == "swarm_leader_dropped_messages"
-        for sample in family.samples
-        if sample.name.endswith("_total")
-    )
+def dropped(leader, reason: str | None = None) -> float:
+    return dropped_messages(leader.http, reason)
 
 
 def test_junk_is_dropped_logged_and_counted_and_changes_nothing(procs, nats_server, leader):
@@ -100,17 +92,6 @@ def test_junk_is_dropped_logged_and_counted_and_changes_nothing(procs, nats_serv
     assert "dropped message on swarm.hb.honest" in leader_log  # the impostor
 
 
-def dropped_for(leader, reason: str) -> float:
-    text = leader.http.get("/api/v1/metrics").text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        if family.name == "swarm_leader_dropped_messages"
-        for sample in family.samples
-        if sample.name.endswith("_total") and sample.labels.get("reason") == reason
-    )
-
-
 def test_a_heartbeat_and_registration_flood_is_limited_per_fellow(procs, nats_server, leader):
     start_agent(procs, nats_server.url, "honest")
     leader.wait_status("honest", "ready", timeout=20)
@@ -128,6 +109,6 @@ def test_a_heartbeat_and_registration_flood_is_limited_per_fellow(procs, nats_se
 
     with_nats(nats_server.url, flood, inbox_prefix="_INBOX.mallory")
     for reason in ("heartbeat_rate", "register_rate"):
-        wait_for(lambda r=reason: dropped_for(leader, r) >= 1000, timeout=20, what=reason)
+        wait_for(lambda r=reason: dropped(leader, r) >= 1000, timeout=20, what=reason)
     assert leader.get("/health")["status"] == "ok"
     leader.wait_status("honest", "ready", timeout=20)  # its own heartbeats still count
