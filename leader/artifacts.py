@@ -16,11 +16,12 @@ it leads out of it), else ``<root>/<job_id>/model_export``::
 
 A step is *complete* when every stage's JSON is there; resume and glue use the newest complete
 step. Older complete steps are pruned (the newest two are kept), as are incomplete steps older
-than the newest complete one and all but the newest :data:`KEEP_PARTIAL_STEPS` incomplete ones
-newer than it. A pushing fellow is a stranger: its files never grow past their announced size,
-it holds at most :data:`OPEN_TRANSFERS_PER_FELLOW` open transfers, and a file that would leave
-the disk less than its reserve free fails with ENOSPC before a byte is written. A job with
-replicas exports replica 0's stages (:func:`exported_placement`): the other replicas push nothing.
+than the newest complete one, those that can no longer complete (a stage without them has pushed
+a later step) and all but the newest :data:`KEEP_PARTIAL_STEPS` of those that can. A pushing
+fellow is a stranger: its files never grow past their announced size, it holds at most
+:data:`OPEN_TRANSFERS_PER_FELLOW` open transfers, and a file that would leave the disk less
+than its reserve free fails with ENOSPC before a byte is written. A job with replicas exports
+replica 0's stages (:func:`exported_placement`): the other replicas push nothing.
 
 Writes never follow symlinks: see :class:`ExportStore`.
 """
@@ -64,7 +65,9 @@ KEEP_COMPLETE_STEPS = 2
 # sends one file at a time, and its pipeline's stages reach the same checkpoints a few
 # steps apart, so a few open transfers and incomplete steps are plenty.
 OPEN_TRANSFERS_PER_FELLOW = 4
-KEEP_PARTIAL_STEPS = 4  # incomplete steps newer than the newest complete one
+# Incomplete steps that can still complete, newer than the newest complete one: an honest
+# slow stage lags a few checkpoints; one stage pushing far ahead of the others is held here.
+KEEP_PARTIAL_STEPS = 16
 MAX_PIECE = 1 << 20  # ShardChunk.data's bound
 # A file is not taken on when it would leave the export disk less free than this (or than
 # a twentieth of a smaller disk).
@@ -90,6 +93,27 @@ class _Transfer:
     next_seq: int = 0
     hasher: Any = field(default_factory=hashlib.sha256)
     received: int = 0
+
+
+def partial_steps_to_drop(
+    held: dict[int, set[int]], complete: set[int], n_stages: int, writing: set[int]
+) -> set[int]:
+    """Which incomplete steps newer than the newest complete one go (``held``: the stages
+    with a file at each step). A step is *dead* when a stage without a file there has
+    pushed a later step: pushers go forward (a slow one skips to its newest checkpoint), so
+    it never will, and the step can never complete. The live ones are kept, but for the
+    oldest beyond :data:`KEEP_PARTIAL_STEPS` (one stage pushing steps far ahead of the
+    others, which no honest lag reaches), unless a transfer still ``writing`` into it."""
+    newest_complete = max(complete, default=-1)
+    newest = {i: max((s for s, st in held.items() if i in st), default=-1) for i in range(n_stages)}
+    partial = sorted(s for s in held if s > newest_complete and s not in complete)
+    dead = {
+        s
+        for s in partial
+        if any(i not in held[s] and newest[i] > s for i in range(n_stages)) and s not in writing
+    }
+    live = [s for s in partial if s not in dead]
+    return dead | {s for s in live[:-KEEP_PARTIAL_STEPS] if s not in writing}
 
 
 def piece_problem(chunk: ShardChunk, n_stages: int) -> str | None:
@@ -305,7 +329,7 @@ class ExportStore:
         except OSError:
             self._abandon(directory, incoming)
             raise
-        self._drop_partial_beyond(directory, n_stages)
+        self._drop_partial(directory, n_stages, chunk.job_id)
         receipt = None
         if chunk.name.endswith(".json"):
             npz = self.step_dir(directory, chunk.step) / f"stage-{chunk.stage}.npz"
@@ -368,15 +392,28 @@ class ExportStore:
         for key in mine[: max(0, len(mine) - OPEN_TRANSFERS_PER_FELLOW + 1)]:
             self._forget_transfer(key)
 
-    def _drop_partial_beyond(self, directory: Path, n_stages: int) -> None:
-        """Incomplete steps newer than the newest complete one, down to the newest
-        :data:`KEEP_PARTIAL_STEPS` (a stage that pushes steps the others never reach)."""
-        complete = self.complete_steps(directory, n_stages)
-        newest = complete[-1] if complete else -1
-        partial = [s for s in self.step_numbers(directory) if s > newest]
-        doomed = set(partial[:-KEEP_PARTIAL_STEPS])
+    def _drop_partial(self, directory: Path, n_stages: int, job_id: str) -> None:
+        """Incomplete steps that can no longer complete, and the oldest beyond
+        :data:`KEEP_PARTIAL_STEPS` of those that can (:func:`partial_steps_to_drop`); a step
+        one of the job's open transfers writes into is kept."""
+        held = self.stages_by_step(directory)
+        complete = set(self.complete_steps(directory, n_stages))
+        writing = {key[2] for key in self._transfers if key[0] == job_id}
+        doomed = partial_steps_to_drop(held, complete, n_stages, writing)
         if doomed:
             self._remove_steps(directory, doomed.__contains__)
+
+    def stages_by_step(self, directory: Path) -> dict[int, set[int]]:
+        """Every step directory's step and the stages with a stored file there."""
+        root = directory / "shards"
+        out: dict[int, set[int]] = {}
+        for step in self.step_numbers(directory):
+            stages = out.setdefault(step, set())
+            for entry in (root / f"step-{step}").iterdir():
+                match = SHARD_FILE.match(entry.name)
+                if match is not None and _is_plain(entry):
+                    stages.add(int(match.group(1)))
+        return out
 
     def _abandon(self, directory: Path, incoming: str) -> None:
         """A write failed: the partial file goes (on a full disk, its space comes back)."""

@@ -8,9 +8,11 @@ import hashlib
 import json
 import os
 
+import pytest
+
 from silentswarm.jobspec import JobSpec
 from silentswarm.leader import initsource
-from silentswarm.leader.artifacts import ExportStore
+from silentswarm.leader.artifacts import ExportStore, partial_steps_to_drop
 from silentswarm.leader.jobs import JobManager, plan_schedule
 from silentswarm.leader.placement import Candidate
 from silentswarm.plan import ModelConfig
@@ -244,13 +246,55 @@ def test_a_fellow_holds_at_most_four_open_transfers(tmp_path):
     assert len(list((tmp_path / ".incoming").iterdir())) == 5
 
 
-def test_incomplete_steps_are_kept_only_where_they_may_still_complete(tmp_path):
+AHEAD = {s: {1} for s in range(1, 31)}  # stage 1 alone, thirty steps on
+PARTIAL = {
+    # (the stages with a file at each step, the steps transfers write into) -> dropped
+    "a slow stage's step stays while it may still push it": (
+        ({10: {1}, 20: {1}, 30: {1}, 40: {1}, 50: {1}, 60: {1}}, set()),
+        set(),
+    ),
+    "a step the slow stage skipped past is dead": (
+        ({10: {1}, 20: {1}, 30: {0, 1}, 40: {1}}, set()),
+        {10, 20},
+    ),
+    "so is the slow stage's own step the fast one never pushed": (
+        ({10: {1}, 25: {0}, 30: {1}}, set()),
+        {10, 25},
+    ),
+    "one stage far ahead keeps only the newest 16 it may still complete": (
+        (AHEAD, set()),
+        set(range(1, 15)),
+    ),
+    "a step a transfer is writing into is never dropped": ((AHEAD, {5}), set(range(1, 15)) - {5}),
+}
+
+
+@pytest.mark.parametrize(("given", "dropped"), PARTIAL.values(), ids=PARTIAL.keys())
+def test_incomplete_steps_go_when_they_can_no_longer_complete(given, dropped):
+    held, writing = given
+    assert partial_steps_to_drop(held, set(), 2, writing) == dropped
+
+
+def test_a_stage_that_pushes_slowly_still_completes_the_step_it_pushes(tmp_path):
+    """Stage 1 pushes seven checkpoints while stage 0 is still pushing the first: that
+    step completes when stage 0's files arrive (the oldest incomplete step is the one the
+    slow stage is working on, not one to drop)."""
+    store = ExportStore()
+    for step in range(10, 80, 10):
+        send_shard(store, tmp_path, stage=1, step=step)
+    send_shard(store, tmp_path, stage=0, step=10)
+    assert store.complete_steps(tmp_path, 2) == [10]
+    send_shard(store, tmp_path, stage=0, step=70)  # it skips to its newest checkpoint
+    assert store.complete_steps(tmp_path, 2) == [10, 70]
+    store.prune(tmp_path, 2)
+    assert store.step_numbers(tmp_path) == [10, 70]
+
+
+def test_incomplete_steps_older_than_the_newest_complete_one_are_pruned(tmp_path):
     store = ExportStore()
     send_shard(store, tmp_path, stage=0, step=10)  # never completed: stage 1 went on
     for stage in (0, 1):
         send_shard(store, tmp_path, stage=stage, step=20)
-    for step in (30, 40, 50, 60, 70):  # one stage ahead, far beyond the other
-        send_shard(store, tmp_path, stage=0, step=step)
-    assert store.step_numbers(tmp_path) == [10, 20, 40, 50, 60, 70]
+    send_shard(store, tmp_path, stage=0, step=30)
     store.prune(tmp_path, 2)
-    assert store.step_numbers(tmp_path) == [20, 40, 50, 60, 70]
+    assert store.step_numbers(tmp_path) == [20, 30]
