@@ -307,7 +307,10 @@ class SignalAck(Message, kw_only=True):
     fellow_id: Id
     ok: bool
     code: Annotated[str, msgspec.Meta(max_length=64)] | None = None
-    message: Annotated[str, msgspec.Meta(max_length=ACK_MESSAGE_CHARS)] = ""
+    # Not bounded here: an older agent's long refusal must still read as a refusal, not as
+    # no answer; the leader cuts it (leader.signals.answered), and NATS bounds the payload.
+    # An agent sends at most ACK_MESSAGE_CHARS.
+    message: str = ""
     duplicate: bool = False
 
 

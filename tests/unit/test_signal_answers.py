@@ -12,7 +12,7 @@ from silentswarm import subjects as topics
 from silentswarm.errors import ErrorCode
 from silentswarm.leader.signals import ACK_MESSAGE_SHOWN, SignalHub, answered
 from silentswarm.protocol import ACK_MESSAGE_CHARS, SignalAck
-from silentswarm.types.signals import CheckpointArgs, StopArgs
+from silentswarm.types.signals import CheckpointArgs, PurgeArgs, StopArgs
 
 
 def ack(**fields: object) -> SignalAck:
@@ -58,34 +58,40 @@ def test_long_words_are_cut_to_what_the_record_keeps():
 def test_on_a_real_server_a_fellow_cannot_refuse_in_another_s_name_or_flood_the_record(
     nats_server,
 ):
-    async def run() -> tuple[object, object]:
+    async def run() -> list:
         fellow = await nats.connect(nats_server.url)
         leader = await nats.connect(nats_server.url)
 
         async def answer(msg) -> None:
             sig = topics.SIGNAL.decode(msg.data)
-            if isinstance(sig.args, StopArgs):  # longer than any answer may be: unreadable
-                refusal = SignalAck(
-                    signal_id=sig.signal_id,
-                    fellow_id="f1",
-                    ok=False,
-                    message="x" * (ACK_MESSAGE_CHARS + 1),
-                )
-            else:
-                refusal = SignalAck(signal_id=sig.signal_id, fellow_id="healthy", ok=False)
+            refusal = SignalAck(signal_id=sig.signal_id, fellow_id="f1", ok=False)
+            if isinstance(sig.args, CheckpointArgs):
+                refusal.fellow_id = "healthy"
+            elif isinstance(sig.args, StopArgs):  # an older agent's long words: still a refusal
+                refusal.code, refusal.message = "SIGNAL_FAILED", "x" * 100_000
+            else:  # an id no signal has: unreadable
+                refusal.signal_id = "s" * 65
             await msg.respond(topics.encode(refusal))
 
         await fellow.subscribe(topics.SIGNAL.subject("swarm", fellow="f1"), cb=answer)
         await fellow.flush()
         hub = SignalHub(leader, prefix="swarm")
-        start = await hub.send("f1", CheckpointArgs(checkpoint_id="c1", at_step=2), deadline_s=5.0)
-        stop = await hub.send("f1", StopArgs(reason="t"), deadline_s=1.5)
+        records = [
+            await hub.send("f1", CheckpointArgs(checkpoint_id="c1", at_step=2), deadline_s=5.0),
+            await hub.send("f1", StopArgs(reason="t"), deadline_s=5.0),
+            await hub.send("f1", PurgeArgs(reason="t"), deadline_s=1.5),
+        ]
         await fellow.close()
         await leader.close()
-        return start, stop
+        return records
 
-    start, stop = asyncio.run(run())
-    assert (start.fellow_id, start.ok, start.code) == ("f1", False, ErrorCode.PROTOCOL_ERROR)
-    assert "as 'healthy'" in start.message
-    assert (stop.fellow_id, stop.ok, stop.code) == ("f1", False, ErrorCode.NO_ANSWER)
-    assert stop.message.startswith("unreadable answer") and stop.attempts >= 2
+    other, long, unreadable = asyncio.run(run())
+    assert (other.fellow_id, other.ok, other.code) == ("f1", False, ErrorCode.PROTOCOL_ERROR)
+    assert "as 'healthy'" in other.message
+    assert (long.ok, long.code, len(long.message)) == (False, "SIGNAL_FAILED", ACK_MESSAGE_SHOWN)
+    assert (unreadable.fellow_id, unreadable.ok, unreadable.code) == (
+        "f1",
+        False,
+        ErrorCode.NO_ANSWER,
+    )
+    assert unreadable.message.startswith("unreadable answer") and unreadable.attempts >= 2
