@@ -477,19 +477,15 @@ class ExportStore:
     def complete_steps(self, directory: Path, n_stages: int) -> list[int]:
         """Steps for which every stage's shard (both files, plain files) is there, oldest
         first. Symlinks count as missing."""
-        root = directory / "shards"
-        steps = []
-        if root.is_dir() and not self._links_below(directory, "shards"):
-            for entry in root.iterdir():
-                if _step_of(entry) is None or entry.is_symlink():
-                    continue
-                if all(
-                    _is_plain(entry / f"stage-{i}.{suffix}")
-                    for i in range(n_stages)
-                    for suffix in ("json", "npz")
-                ):
-                    steps.append(int(entry.name[5:]))
-        return sorted(steps)
+        return [
+            step
+            for step in self.step_numbers(directory)
+            if all(
+                _is_plain(self.step_dir(directory, step) / f"stage-{i}.{suffix}")
+                for i in range(n_stages)
+                for suffix in ("json", "npz")
+            )
+        ]
 
     def step_numbers(self, directory: Path) -> list[int]:
         """Every step directory's step, oldest first (symlinks left out)."""

@@ -13,7 +13,6 @@ import logging
 import time
 import uuid
 
-import msgspec
 from nats.aio.client import Client
 from nats.errors import Error as NatsError
 
@@ -86,7 +85,14 @@ class SignalHub:
                 code=ErrorCode.NO_ANSWER,
                 message=f"{last_error} after {tries} tries",
             )
-        record = answered(ack, signal_id=sig.signal_id, fellow_id=fellow_id)
+        record = answered(
+            ack,
+            signal_id=sig.signal_id,
+            fellow_id=fellow_id,
+            kind=kind.value,
+            sent_at=sent_at,
+            attempts=tries,
+        )
         log.info(
             "%s %s -> %s: %s%s",
             kind.value,
@@ -95,11 +101,20 @@ class SignalHub:
             "ok" if record.ok else f"refused ({record.code}: {record.message})",
             f" after {tries} tries" if tries > 1 else "",
         )
-        return msgspec.structs.replace(record, kind=kind.value, sent_at=sent_at, attempts=tries)
+        return record
 
 
-def answered(ack: SignalAck, *, signal_id: str, fellow_id: str) -> SignalRecord:
-    """The record of ``fellow_id``'s answer to signal ``signal_id``: the ids are the leader's,
+def answered(
+    ack: SignalAck,
+    *,
+    signal_id: str,
+    fellow_id: str,
+    kind: str,
+    sent_at: float,
+    attempts: int,
+) -> SignalRecord:
+    """The record of ``fellow_id``'s answer to signal ``signal_id`` (of ``kind``, first sent
+    at ``sent_at``, in ``attempts`` tries): the ids are the leader's,
     never the answer's (a stranger's answer naming another fellow must not count against
     that one), and an answer naming another signal or fellow is a refusal by this one. The
     fellow's code and words are cleaned to show."""
@@ -117,9 +132,9 @@ def answered(ack: SignalAck, *, signal_id: str, fellow_id: str) -> SignalRecord:
         code=code,
         message=message,
         duplicate=ack.duplicate,
-        kind="",
-        sent_at=0.0,
-        attempts=0,
+        kind=kind,
+        sent_at=sent_at,
+        attempts=attempts,
     )
 
 

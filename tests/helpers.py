@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import httpx
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parent.parent
@@ -243,8 +244,6 @@ def stage_processes(job_id: str | None = None) -> list[psutil.Process]:
 def dropped_messages(http: httpx.Client, reason: str | None = None) -> float:
     """The leader's ``swarm_leader_dropped_messages_total`` from its metrics page: all of
     it, or only ``reason``'s."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     text = http.get("/api/v1/metrics").text
     return sum(
         sample.value

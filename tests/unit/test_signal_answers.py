@@ -20,6 +20,11 @@ def ack(**fields: object) -> SignalAck:
     return SignalAck(**{**base, **fields})
 
 
+def answer_of(given: SignalAck):
+    """The record of ``given`` as f1's answer to STOP s1, sent at 5.0, in two tries."""
+    return answered(given, signal_id="s1", fellow_id="f1", kind="stop", sent_at=5.0, attempts=2)
+
+
 CASES = {
     "an honest yes": (ack(), (True, None, "")),
     "an honest refusal": (
@@ -43,15 +48,14 @@ CASES = {
 
 @pytest.mark.parametrize(("given", "want"), CASES.values(), ids=CASES.keys())
 def test_an_answer_is_recorded_under_the_ids_the_leader_sent(given, want):
-    record = answered(given, signal_id="s1", fellow_id="f1")
+    record = answer_of(given)
     assert (record.signal_id, record.fellow_id) == ("s1", "f1")
+    assert (record.kind, record.sent_at, record.attempts) == ("stop", 5.0, 2)
     assert (record.ok, record.code, record.message) == want
 
 
 def test_long_words_are_cut_to_what_the_record_keeps():
-    record = answered(
-        ack(ok=False, message="x" * ACK_MESSAGE_CHARS), signal_id="s1", fellow_id="f1"
-    )
+    record = answer_of(ack(ok=False, message="x" * ACK_MESSAGE_CHARS))
     assert len(record.message) == ACK_MESSAGE_SHOWN and record.message.endswith("...")
 
 
