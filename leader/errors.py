@@ -66,6 +66,20 @@ class ExportDirForbiddenError(ForbiddenError):
         return {**super().to_dict(), "field": self.field}
 
 
+class FellowPathForbiddenError(ForbiddenError):
+    """A job of an account that is no admin names files on the fellows' own disks (a
+    ``data`` path, ``init_from`` "preset:DIR"): 403, naming the field."""
+
+    code = ErrorCode.ACCOUNT_FORBIDDEN
+
+    def __init__(self, message: str, *, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+    def to_dict(self) -> dict[str, str]:
+        return {**super().to_dict(), "field": self.field}
+
+
 class AccountExistsError(ConflictError):
     code = ErrorCode.ACCOUNT_EXISTS
 

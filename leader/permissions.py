@@ -30,11 +30,14 @@ no route serves an export's manifest or weights to an account.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from enum import StrEnum
 from pathlib import PurePath
 
 import msgspec
 
+from silentswarm.datasets import is_dataset
+from silentswarm.plan import JsonlSource
 from silentswarm.pools import DEFAULT_POOL
 from silentswarm.types.accounts import OPERATOR_ACCOUNT, Role
 
@@ -169,6 +172,44 @@ def export_dir_refusal(principal: Principal, relative: PurePath) -> str | None:
         f'{principal.name}/ in the export root (e.g. "{principal.name}/my-run"), or '
         "leaves it unset for the job's own directory"
     )
+
+
+# What a job may name that no fellow's own disk holds: the leader's uploaded datasets and
+# Python's own sources (agent/runtime/data.py's DEFAULT_CORPUS).
+FELLOW_NEUTRAL_DATA = "stdlib"
+
+
+def fellow_path_refusal(
+    principal: Principal, data: Sequence[str | JsonlSource], init_from: str | None
+) -> tuple[str, str] | None:
+    """``(field, why)`` when ``principal`` may not have fellows read what a job names, or None.
+
+    A ``data`` path or glob, a JSONL source's ``jsonl`` and ``init_from`` "preset:DIR" are
+    read by the fellow on its own disk: whoever names them reads that fellow's files (its
+    credentials, ``/proc``) through the tokens stage 0 sends down the pipeline. Only an admin
+    names them; an account names uploaded datasets ("dataset:NAME") and "stdlib", and starts
+    from "job:" or "export:" sources, which the leader serves and checks."""
+    if principal.role is Role.ADMIN:
+        return None
+    who = f"account {principal.name!r} ({principal.role})"
+    for i, entry in enumerate(data):
+        field, text = (
+            (f"data[{i}].jsonl", entry.jsonl)
+            if isinstance(entry, JsonlSource)
+            else (f"data[{i}]", entry)
+        )
+        if not (is_dataset(text) or text == FELLOW_NEUTRAL_DATA):
+            return field, (
+                f'{field}: {who} may name only uploaded datasets ("dataset:NAME", swarm data '
+                f'upload) and "stdlib": a path is read from the fellows\' own disks, which '
+                "needs the admin role"
+            )
+    if init_from is not None and init_from.startswith("preset:"):
+        return "init_from", (
+            f'init_from: {who} may start from "job:ID" or "export:DIR"; a "preset:DIR" is '
+            "read from the fellows' own disks, which needs the admin role"
+        )
+    return None
 
 
 def pool_refusal(principal: Principal, pool: str) -> str | None:

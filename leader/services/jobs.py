@@ -18,6 +18,7 @@ from silentswarm.leader.artifacts import resolve_export_dir
 from silentswarm.leader.errors import (
     AccountForbiddenError,
     ExportDirForbiddenError,
+    FellowPathForbiddenError,
     PoolForbiddenError,
 )
 from silentswarm.leader.exports import ExportService
@@ -27,6 +28,7 @@ from silentswarm.leader.permissions import (
     OPERATOR,
     Principal,
     export_dir_refusal,
+    fellow_path_refusal,
     init_from_refusal,
     pool_refusal,
 )
@@ -108,6 +110,9 @@ class JobsService:
         refused = pool_refusal(principal, spec.run_pool)
         if refused:
             raise PoolForbiddenError(refused)
+        on_fellows = fellow_path_refusal(principal, spec.data, spec.init_from)
+        if on_fellows:
+            raise FellowPathForbiddenError(on_fellows[1], field=on_fellows[0])
         configured = spec.artifact_paths.model_export_dir
         if configured is not None:
             path = resolve_export_dir(self.export_root, configured)

@@ -86,6 +86,17 @@ def test_two_accounts_cannot_touch_each_others_jobs(leader, procs):
         hijack = alice.request("POST", "/api/v1/jobs", json={**SPEC, "artifact_paths": paths})
         assert hijack.status_code == 403, (where, hijack.text)
         assert hijack.json()["field"] == "artifact_paths.model_export_dir", hijack.text
+    # Nor have fellows read their own files for it (their credentials, /proc): only an admin
+    # names paths on the fellows' disks.
+    for extra, field in (
+        ({"data": ["stdlib", "/proc/self/environ"]}, "data[1]"),
+        ({"data": [{"jsonl": "/var/lib/silentswarm/fellow/*"}]}, "data[0].jsonl"),
+        ({"init_from": "preset:/home/someone/model"}, "init_from"),
+    ):
+        snoop = alice.request("POST", "/api/v1/jobs", json={**SPEC, **extra})
+        assert snoop.status_code == 403, (extra, snoop.text)
+        assert snoop.json()["field"] == field and "admin role" in snoop.json()["message"]
+    assert leader.request("POST", "/api/v1/jobs", json={**SPEC, "data": ["/srv/*"]}).is_success
     paths = {"model_export_dir": "alice/run-1"}
     own_dir = alice.request("POST", "/api/v1/jobs", json={**SPEC, "artifact_paths": paths})
     assert own_dir.status_code == 201, own_dir.text

@@ -23,10 +23,12 @@ from silentswarm.leader.permissions import (
     Request,
     classify,
     export_dir_refusal,
+    fellow_path_refusal,
     init_from_refusal,
     may,
     pool_refusal,
 )
+from silentswarm.plan import JsonlSource
 from silentswarm.types.account_api import CreateAccount, UpdateAccount
 from silentswarm.types.accounts import PoolLimit, Role
 from tests.fakes import Clock
@@ -264,3 +266,30 @@ def test_a_submitter_exports_only_under_its_own_directory(principal, relative, r
     assert (why is not None) is refused
     if why:
         assert "artifact_paths.model_export_dir" in why and f"{principal.name}/" in why
+
+
+ALICE = Principal(name="alice", role=Role.SUBMITTER)
+
+
+@pytest.mark.parametrize(
+    ("principal", "data", "init_from", "field"),
+    [
+        (ALICE, ["stdlib"], None, None),
+        (ALICE, ["dataset:notes", JsonlSource(jsonl="dataset:qa@" + "0" * 64)], "job:x", None),
+        (ALICE, ["stdlib"], "export:alice/run", None),
+        (ALICE, ["dataset:notes", "/proc/self/environ"], None, "data[1]"),
+        (ALICE, ["~/**"], None, "data[0]"),
+        (ALICE, ["stdlib/../../etc/passwd"], None, "data[0]"),
+        (ALICE, ["stdlib", JsonlSource(jsonl="/var/lib/silentswarm/*")], None, "data[1].jsonl"),
+        (ALICE, ["stdlib"], "preset:/home/fellow/llama", "init_from"),
+        (Principal(name="vera", role=Role.VIEWER), ["corpus/*.txt"], None, "data[0]"),
+        (OPERATOR, ["/srv/corpus/**", JsonlSource(jsonl="qa.jsonl")], "preset:/models/x", None),
+        (Principal(name="root", role=Role.ADMIN), ["~/corpus"], "preset:/m", None),
+    ],
+)
+def test_only_an_admin_names_files_on_the_fellows_disks(principal, data, init_from, field):
+    refused = fellow_path_refusal(principal, data, init_from)
+    assert (refused and refused[0]) == field
+    if refused:
+        assert refused[1].startswith(f"{field}: account {principal.name!r}")
+        assert "admin role" in refused[1]
