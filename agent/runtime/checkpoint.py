@@ -272,6 +272,39 @@ def pending_update(checkpoint: Checkpoint) -> PendingUpdate | None:
 # --- reading and restoring --------------------------------------------------------------------
 
 
+def read_arrays(npz_path: Path) -> dict[str, np.ndarray]:
+    """The arrays of an ``np.savez`` file, none bigger than the bytes it stores.
+
+    A checkpoint may come from another fellow (a resumed or replaced stage reads the shards
+    its predecessor pushed), so the file is a stranger's: a deflated member, or a header
+    that declares more than its member holds, would make this process allocate what the
+    file's size never bounded (a 190 KB member inflates to 200 MB). ``np.savez`` stores its
+    members uncompressed, each one header and its data: anything else is a ValueError."""
+    arrays: dict[str, np.ndarray] = {}
+    with zipfile.ZipFile(npz_path) as archive:
+        for member in archive.infolist():
+            if member.compress_type != zipfile.ZIP_STORED:
+                raise ValueError(f"{member.filename} is compressed")
+            if not member.filename.endswith(".npy"):
+                raise ValueError(f"{member.filename} is not an array")
+            with archive.open(member) as file:
+                version = np.lib.format.read_magic(file)
+                if version not in ((1, 0), (2, 0)):
+                    raise ValueError(f"{member.filename}: .npy format {version}")
+                if version == (1, 0):
+                    shape, _fortran, dtype = np.lib.format.read_array_header_1_0(file)
+                else:
+                    shape, _fortran, dtype = np.lib.format.read_array_header_2_0(file)
+                declared = int(np.prod(shape, dtype=object)) * dtype.itemsize + file.tell()
+                if dtype.hasobject or declared != member.file_size:
+                    raise ValueError(f"{member.filename}'s header does not match its size")
+            with archive.open(member) as file:
+                arrays[member.filename[: -len(".npy")]] = np.lib.format.read_array(
+                    file, allow_pickle=False
+                )
+    return arrays
+
+
 def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Meta data and arrays from a stage's JSON file (the npz next to it)."""
     path = Path(path)
@@ -282,9 +315,8 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: not a stage checkpoint of format {FORMAT_VERSION}")
     try:
-        with np.load(path.with_name(meta["npz"]), allow_pickle=False) as npz:
-            arrays = {name: npz[name] for name in npz.files}
-    except (KeyError, ValueError, zipfile.BadZipFile) as exc:
+        arrays = read_arrays(path.with_name(meta["npz"]))
+    except (KeyError, ValueError, OSError, MemoryError, zipfile.BadZipFile) as exc:
         raise CheckpointError(f"{path}: cannot read its arrays ({exc})") from None
     for entry in meta["arrays"]:
         array = arrays.get(entry["name"])

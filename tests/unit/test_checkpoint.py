@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import zipfile
 from pathlib import Path
 
 import msgspec
@@ -282,6 +283,43 @@ def test_control_and_checkpoint_meta_need_no_tensorflow():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert done.returncode == 0, done.stderr
+
+
+def _stored(path: Path, arrays: dict[str, np.ndarray]) -> Path:
+    np.savez(path, **arrays)
+    return path
+
+
+def test_a_savez_file_reads_back_exactly(tmp_path):
+    from silentswarm.agent.runtime.checkpoint import read_arrays
+
+    arrays = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "step": np.array(7)}
+    got = read_arrays(_stored(tmp_path / "a.npz", arrays))
+    assert set(got) == {"w", "step"}
+    assert all(np.array_equal(got[k], v) and got[k].dtype == v.dtype for k, v in arrays.items())
+
+
+def test_a_strangers_arrays_never_inflate_past_the_file(tmp_path):
+    """A pushed shard is a stranger's file: a deflated member (190 KB of zeros inflate to
+    200 MB), or a header that declares more than its member holds, is refused before any
+    array is made."""
+    from silentswarm.agent.runtime.checkpoint import read_arrays
+
+    bomb = tmp_path / "bomb.npz"
+    np.savez_compressed(bomb, w=np.zeros(1 << 20, dtype=np.float32))
+    assert bomb.stat().st_size < 10_000
+    with pytest.raises(ValueError, match="compressed"):
+        read_arrays(bomb)
+
+    honest = _stored(tmp_path / "honest.npz", {"w": np.zeros(16, dtype=np.float32)})
+    with zipfile.ZipFile(honest) as archive:
+        member = archive.read("w.npy")
+    lying = tmp_path / "lying.npz"
+    with zipfile.ZipFile(lying, "w", zipfile.ZIP_STORED) as archive:
+        # the header now claims 99 floats where the member stores 16
+        archive.writestr("w.npy", member.replace(b"(16,)", b"(99,)"))
+    with pytest.raises(ValueError, match="does not match its size"):
+        read_arrays(lying)
 
 
 # --- checkpoints --------------------------------------------------------------------------------
