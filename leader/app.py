@@ -160,6 +160,7 @@ def create_app(
         joins=JoinSessions(),
         package=package,
         stopping=observe.stopping,
+        require_loaded=orchestrator.require_loaded,
     )
     metrics = LeaderMetrics(SwarmCollector(info=info, bus=bus, registry=registry, jobs=jobs))
     tickets = ReadTickets(token)

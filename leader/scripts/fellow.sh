@@ -24,7 +24,7 @@
 set -eu
 umask 077
 
-PREFIX="${HOME:-/tmp}/.silentswarm"
+PREFIX=""  # default $HOME/.silentswarm (no default without HOME: never a shared /tmp)
 PYTHON="python3"
 NAME=""
 PIP_ARGS=""
@@ -65,7 +65,20 @@ done
 unset SWARM_JOIN_TOKEN  # no child inherits it
 [ -n "$TOKEN" ] || usage
 
+if [ -z "$PREFIX" ]; then
+  if [ -z "${HOME:-}" ]; then
+    echo "fellow.sh: HOME is not set: name the install directory with --prefix DIR" >&2
+    exit 2
+  fi
+  PREFIX="$HOME/.silentswarm"
+fi
 mkdir -p "$PREFIX"
+# Another user's directory (made before us, as anyone can in /tmp) or a link to one would let
+# that user swap the venv, the helper or the credentials under us.
+if [ -L "$PREFIX" ] || [ -z "$(find "$PREFIX" -prune -user "$(id -u)" 2>/dev/null)" ]; then
+  echo "fellow.sh: $PREFIX is a link or another user's directory: refusing to install into it" >&2
+  exit 1
+fi
 chmod 700 "$PREFIX"
 LOG="$PREFIX/join.log"
 : >"$LOG"
@@ -107,7 +120,7 @@ command -v "$PYTHON" >/dev/null 2>&1 || { echo "FAILED: $PYTHON not found; insta
   || { echo "FAILED: $PYTHON is older than 3.11" >&2; exit 1; }
 
 cat >"$HELPER" <<'PY'
-import hashlib, json, os, ssl, sys, urllib.request
+import hashlib, json, os, ssl, sys, time, urllib.request
 
 def private(path, data):
     # 0600 also when the file was there before with another mode.
@@ -134,7 +147,11 @@ if cmd == "claim":
     leader, session, name, out = sys.argv[2:6]
     token = sys.stdin.readline().strip()  # never an argument: arguments are public
     claim = {"token": token, "fellow_name": name or None}
-    status, body = call("POST", f"{leader}/api/v1/bootstrap/join-sessions/{session}/claim", claim)
+    for _ in range(30):  # 503: the leader is still loading the fellows it knows (seconds)
+        status, body = call("POST", f"{leader}/api/v1/bootstrap/join-sessions/{session}/claim", claim)
+        if status != 503:
+            break
+        time.sleep(2)
     if status != 200:
         try:
             message = json.loads(body)["message"]

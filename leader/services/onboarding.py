@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import msgspec
 from litestar.response import ServerSentEventMessage
@@ -48,9 +48,12 @@ class OnboardingService:
         joins: JoinSessions,
         package: BootstrapPackage,
         stopping: asyncio.Event,
+        require_loaded: Callable[[], None],
     ) -> None:
         """``authority``: mints each joining fellow its own NATS user (None: it cannot).
-        ``stopping``: set at shutdown; the install-log streams end then."""
+        ``stopping``: set at shutdown; the install-log streams end then. ``require_loaded``:
+        NotReadyError (503) until the fellows the leader knows are loaded: before that every
+        known name reads as free, and a claim or an enrollment would take one."""
         self.settings = settings
         self.nats_url = nats_url
         self.nats_auth = nats_auth
@@ -59,6 +62,7 @@ class OnboardingService:
         self.joins = joins
         self.package = package
         self.stopping = stopping
+        self.require_loaded = require_loaded
 
     @property
     def fellow_nats_url(self) -> str:
@@ -130,6 +134,7 @@ class OnboardingService:
         if proposed_name is not None:
             _check_fellow_name(proposed_name)
         package = self.package.ready()
+        self.require_loaded()
         session, secret = self.joins.claim(session_id, token, proposed_name, self.name_state)
         assert session.fellow_name is not None
         creds = None
@@ -201,6 +206,7 @@ class OnboardingService:
         if not hmac.compare_digest(token.encode(), expected.encode()):
             raise EnrollRefusedError("wrong enrollment token (SWARM_ENROLL_TOKEN)")
         _check_fellow_name(fellow_name)
+        self.require_loaded()
         settle_fellow_name(
             operator_name=None,
             proposed_name=fellow_name,

@@ -16,6 +16,7 @@ import pytest
 
 from silentswarm.leader.auth import ReadTickets
 from silentswarm.natsauth import creds_user_name
+from silentswarm.procs import free_port
 from tests.conftest import leader_process, secure_env, start_agent
 from tests.helpers import Leader, child_env, run_swarm, wait_for
 from tests.integration.test_jobs import tiny, wait_ready
@@ -114,6 +115,37 @@ def test_a_claim_or_enrollment_cannot_take_a_live_or_known_fellows_name(
     assert fresh.status_code == 200, fresh.text
     assert creds_user_name(fresh.json()["nats_creds"]) == "newcomer"
     refused(enroll(leader, "newcomer"), "FELLOW_NAME_RESERVED")
+
+
+def test_no_name_is_handed_out_before_the_leader_knows_its_fellows(procs, nats_authority, tmp_path):
+    """Until the leader has loaded the fellows it knows (from NATS), every known name would
+    read as free: a claim or an enrollment then is a 503, and the session stays unused."""
+    wheel = tmp_path / "silentswarm-0.0.0-py3-none-any.whl"
+    wheel.write_bytes(b"a stand-in package")
+    port = free_port()
+    leader = Leader(f"http://127.0.0.1:{port}", token="op-token")
+    env = child_env(
+        SWARM_NATS_URL=f"nats://127.0.0.1:{free_port()}",  # nobody there: it never loads
+        SWARM_LEADER_PORT=str(port),
+        SWARM_STATE_DIR=str(tmp_path / "leader-state"),
+        SWARM_API_TOKEN="op-token",
+        SWARM_ENROLL_TOKEN=FLEET_TOKEN,
+        SWARM_BOOTSTRAP_WHEEL=str(wheel),
+        **secure_env(nats_authority),
+    )
+    proc = procs.python("leader", "silentswarm.leader.main", env=env)
+    wait_for(
+        lambda: proc.poll() is None and leader.get("/api/v1/info")["state_loaded"] is False,
+        timeout=20,
+        what="the leader to serve before its state is loaded",
+    )
+    session = create_session(leader, fellow_name="victim")
+    for response in (enroll(leader, "victim"), claim(leader, session, None)):
+        assert response.status_code == 503, response.text
+        assert response.json()["code"] == "LEADER_NOT_READY", response.text
+        assert "nats_creds" not in response.text
+    path = f"/api/v1/bootstrap/join-sessions/{session['session_id']}"
+    assert leader.get(path)["status"] == "created"
 
 
 # --- 2. the operator token only in the Authorization header -------------------------------------

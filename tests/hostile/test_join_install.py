@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from tests.conftest import leader_process, secure_env
-from tests.helpers import child_env, kill_tree, wait_for
+from tests.helpers import REPO, child_env, kill_tree, wait_for
 from tests.integration.test_bootstrap import SITE_PACKAGES, create_session, fetch_script
 
 STRACE = shutil.which("strace")
@@ -232,3 +232,26 @@ def test_a_failed_install_removes_join_json_and_tightens_an_older_install(leader
     assert state["status"] == "failed" and "pip could not install" in state["reason"]
     log = json.dumps(state)
     assert claim["secret"] not in log and session["token"] not in log
+
+
+def test_the_installer_never_installs_into_a_directory_another_user_made(tmp_path):
+    """Without HOME the install directory is never a shared /tmp one, and a directory that is
+    a link or another user's (made first, as anyone can in /tmp) is refused before anything
+    is written into it: its owner could swap the venv, the helper or the credentials."""
+    script = str(REPO / "leader" / "scripts" / "fellow.sh")
+    join = ["--join", "http://127.0.0.1:9", "s-1"]
+    env = child_env(SWARM_JOIN_TOKEN="t")
+    env.pop("HOME", None)
+    homeless = subprocess.run(["sh", script, *join], capture_output=True, text=True, env=env)
+    assert homeless.returncode == 2 and "--prefix" in homeless.stderr, homeless.stderr
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o777)
+    theirs.chmod(0o777)
+    shutil.chown(theirs, user="nobody")
+    (tmp_path / "link").symlink_to(theirs)
+    for prefix in (theirs, tmp_path / "link"):
+        refused = subprocess.run(
+            ["sh", script, *join, "--prefix", str(prefix)], capture_output=True, text=True, env=env
+        )
+        assert refused.returncode == 1 and "refusing" in refused.stderr, refused.stderr
+        assert not list(theirs.iterdir()), "nothing written into it"
