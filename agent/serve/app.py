@@ -242,15 +242,20 @@ async def completions(request: Request) -> Response | Stream:
     run.submit()
     if body.stream:
         return Stream(_events(run), media_type="text/event-stream", headers=SSE_HEADERS)
-    texts = [""] * len(body.prompts)
-    reasons: list[str | None] = [None] * len(body.prompts)
+    gather = asyncio.ensure_future(_whole(run, len(body.prompts)))
+    left = asyncio.ensure_future(_disconnect(request))
     try:
-        async for piece in run.pieces():
-            texts[piece.index] += piece.text
-            reasons[piece.index] = piece.finish_reason or reasons[piece.index]
-    except asyncio.CancelledError:  # the client left
-        served.metrics.requests.labels("client_closed").inc()
-        raise
+        await asyncio.wait((gather, left), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+        if not gather.done():  # the client left (or the server stops): free its slots now
+            gather.cancel()
+            served.metrics.requests.labels("client_closed").inc()
+    if not gather.done() or gather.cancelled():
+        with contextlib.suppress(asyncio.CancelledError):
+            await gather
+        return Response(b"", status_code=499)  # nobody reads it
+    texts, reasons = gather.result()
     choices = [
         Choice(text=text, index=i, finish_reason=reasons[i])  # type: ignore[arg-type]
         for i, text in enumerate(texts)
@@ -260,6 +265,25 @@ async def completions(request: Request) -> Response | Stream:
     return Response(
         msgspec.json.encode(run.chunk(choices, run.usage)), media_type="application/json"
     )
+
+
+async def _whole(run: Completions, n: int) -> tuple[list[str], list[str | None]]:
+    """Every prompt's whole text and why it ended (a request that does not stream)."""
+    texts = [""] * n
+    reasons: list[str | None] = [None] * n
+    async for piece in run.pieces():
+        texts[piece.index] += piece.text
+        reasons[piece.index] = piece.finish_reason or reasons[piece.index]
+    return texts, reasons
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client has gone. A handler that does not stream is not cancelled when
+    its client leaves (the ASGI server only says so to whoever receives), so a request that
+    asked for 16 long completions and hung up would hold its slots, and the queue's places,
+    to the end of generation."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _events(run: Completions) -> AsyncIterator[bytes]:
