@@ -2,14 +2,14 @@
 
 ``--model-dir DIR [--adapter DIR] [--host 127.0.0.1] [--port 8000] [--slots 8] [--no-kv-cache]
 [--max-waiting 64] [--name NAME]``; the API token comes from ``SWARM_SERVE_TOKEN`` (``swarm
-serve`` sets it from ``--token`` or the operator's token: never on a command line, where
-``ps`` shows it). ``DIR`` is a glued model (``swarm glue``'s output, or the export directory
-holding it), checked against its manifest before it is loaded; ``--adapter`` merges a LoRA
-adapter's export into it, refused unless the adapter was trained on this very model. The
-model is traced before the port opens (one prompt and one step), so the first request does
-not pay for it; then one line on stdout says where it serves. ``--port 0`` takes a free port
-(the line names it). Exit 2 for a bad argument, model directory or missing token
-(``serve: error: ...``).
+serve`` sets it from ``--token``, ``--token-file`` or a fresh one it prints: never on this
+process's command line, where ``ps`` shows it). ``DIR`` is a glued model (``swarm glue``'s
+output, or the export directory holding it), checked against its manifest before it is loaded;
+``--adapter`` merges a LoRA adapter's export into it, refused unless the adapter was trained on
+this very model. The model is traced before the port opens (one prompt and one step), so the
+first request does not pay for it; then one line on stdout says where it serves. ``--port 0``
+takes a free port (the line names it). Exit 2 for a bad argument, model directory or missing
+token (``serve: error: ...``).
 """
 
 from __future__ import annotations
@@ -149,8 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         token = os.environ.get(TOKEN_ENV, "").strip()
         if not token:
             raise ServeError(
-                f"no API token: set {TOKEN_ENV} (swarm serve sets it from --token or the "
-                "operator's token)"
+                f"no API token: set {TOKEN_ENV} (swarm serve sets it from --token, "
+                "--token-file or a fresh one it prints)"
             )
         require_tensorflow("the completion server")
         serve(args, token)

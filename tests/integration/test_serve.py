@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -321,7 +322,15 @@ def test_serve_refuses_a_bad_model_dir_or_no_token(tmp_path):
         no_model.stderr
     )
     assert "inference_manifest.json" in no_model.stderr
-    env = child_env(SWARM_STATE_DIR=str(tmp_path / "state"))
-    no_token = run_swarm("serve", "--model-dir", str(tmp_path), env=env)
-    assert no_token.returncode == 2 and "token" in no_token.stderr, no_token.stderr
+    # Without a token of its own the server never takes the operator's: a fresh one, shown once.
+    env = child_env(SWARM_STATE_DIR=str(tmp_path / "state"), SWARM_API_TOKEN="operator-secret")
+    env.pop("SWARM_SERVE_TOKEN", None)
+    fresh = run_swarm("serve", "--model-dir", str(tmp_path), env=env)
+    assert fresh.returncode == 2 and "inference_manifest.json" in fresh.stderr, fresh.stderr
+    assert re.search(r"clients send this API token \(shown once\): sws_\S{32}\n", fresh.stderr)
+    assert "operator-secret" not in fresh.stderr and "Traceback" not in fresh.stderr
+    empty = tmp_path / "empty-token"
+    empty.write_text("\n")
+    no_token = run_swarm("serve", "--model-dir", str(tmp_path), "--token-file", str(empty))
+    assert no_token.returncode != 0 and "--token-file" in no_token.stderr, no_token.stderr
     assert "Traceback" not in no_token.stderr

@@ -5,6 +5,7 @@ its own: the CLI never imports TensorFlow."""
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ from silentswarm.errors import ConfigError
 
 # agent/serve/main.py's TOKEN_ENV (the token never goes on a command line, where ps shows it).
 SERVE_TOKEN_ENV = "SWARM_SERVE_TOKEN"
+SERVE_TOKEN_PREFIX = "sws_"  # a fresh serve token, told apart from the operator's at a glance
 
 
 def glue(
@@ -83,7 +85,13 @@ def serve(
     port: Annotated[int, Parameter(help="The port (0: a free one, printed)")] = 8000,
     token: Annotated[
         str | None,
-        Parameter(help="The API token clients send (default: the operator's token)"),
+        Parameter(
+            help="The API token clients send (any local user sees it in ps: prefer "
+            "SWARM_SERVE_TOKEN or --token-file; default: a fresh one, printed once)"
+        ),
+    ] = None,
+    token_file: Annotated[
+        Path | None, Parameter(help="A file whose first line is the API token clients send")
     ] = None,
     slots: Annotated[int, Parameter(help="Requests generated together, batched")] = 8,
     kv_cache: Annotated[bool, Parameter(help="Cache keys and values (off: recompute)")] = True,
@@ -91,12 +99,11 @@ def serve(
     ctx: Ctx,
 ) -> None:
     """Serve a glued model: OpenAI-style completions at /v1/completions (SSE when streamed)."""
-    secret = token or os.environ.get(SERVE_TOKEN_ENV) or ctx.token
+    secret = token or read_token_file(token_file) or os.environ.get(SERVE_TOKEN_ENV, "").strip()
     if not secret:
-        raise ConfigError(
-            "serve needs an API token: --token, SWARM_SERVE_TOKEN, or the operator's "
-            "(SWARM_API_TOKEN, or a local leader's <state>/api-token)"
-        )
+        # Never the operator's token: the server's clients would hold the whole swarm's key.
+        secret = SERVE_TOKEN_PREFIX + secrets.token_urlsafe(24)
+        print(f"serve: clients send this API token (shown once): {secret}", file=sys.stderr)
     argv = ["--model-dir", str(model_dir), "--host", host, "--port", str(port)]
     argv += ["--adapter", str(adapter)] if adapter else []
     argv += ["--slots", str(slots), *([] if kv_cache else ["--no-kv-cache"])]
@@ -105,6 +112,19 @@ def serve(
         [*argv, *(["--name", name] if name else [])],
         env={SERVE_TOKEN_ENV: secret},
     )
+
+
+def read_token_file(path: Path | None) -> str | None:
+    """The first line of ``path`` (None: no file); ConfigError naming it when unreadable."""
+    if path is None:
+        return None
+    try:
+        line = path.read_text().splitlines()[0].strip() if path.stat().st_size else ""
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--token-file {path}: cannot read it ({exc})") from None
+    if not line:
+        raise ConfigError(f"--token-file {path}: its first line is empty")
+    return line
 
 
 def run_runtime(module: str, argv: list[str], env: dict[str, str] | None = None) -> None:
