@@ -90,10 +90,13 @@ class DatasetStore:
         *,
         source: str = "",
         declared_bytes: int | None = None,
+        replace: bool = True,
     ) -> DatasetRecord:
-        """Store the streamed ``body`` under ``name`` (replacing what the name pointed at).
-        FieldError (``name``) for a bad name; DatasetTooLargeError when the body is over the
-        limit or the disk's room, before it is read when the client declared its length."""
+        """Store the streamed ``body`` under ``name`` (replacing what the name pointed at;
+        without ``replace``, FileExistsError when the name exists by the time the body is in,
+        the content then left for :meth:`collect`). FieldError (``name``) for a bad name;
+        DatasetTooLargeError when the body is over the limit or the disk's room, before it is
+        read when the client declared its length."""
         problem = datasets.name_problem(name)
         if problem:
             raise FieldError(problem, field="name")
@@ -125,7 +128,7 @@ class DatasetStore:
             # collect() run by another request (an upload or a delete finishing meanwhile)
             # can never see the content without its name and remove it.
             os.replace(temp, self.blobs / digest)
-            self._write_name(record)
+            self._write_name(record, replace=replace)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 raise DatasetTooLargeError(
@@ -155,10 +158,20 @@ class DatasetStore:
                 removed.append(path.name)
         return removed
 
-    def _write_name(self, record: DatasetRecord) -> None:
+    def _write_name(self, record: DatasetRecord, *, replace: bool) -> None:
+        """Point ``record.name`` at its content; without ``replace`` only if the name is new,
+        checked and taken in one step (a link fails where the name exists), so two uploads
+        of a new name cannot both think it theirs."""
         temp = self.incoming / f"{secrets.token_hex(8)}.json"
         temp.write_bytes(msgspec.json.encode(record))
-        os.replace(temp, self.names / f"{record.name}.json")
+        target = self.names / f"{record.name}.json"
+        if replace:
+            os.replace(temp, target)
+            return
+        try:
+            os.link(temp, target)
+        finally:
+            temp.unlink(missing_ok=True)
 
     def _room(self) -> int:
         """The bytes an upload may take now: the limit, or the disk's free space less a

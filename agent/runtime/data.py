@@ -85,6 +85,9 @@ stages' handshake compares it, since only stage 0 tokenises anything."""
 _ENCODE_BATCH = 1 << 20  # text bytes a BPE encodes at a time (in parallel pieces)
 _ENCODE_PIECE = 1 << 16  # about this much text per piece
 _CARRY_MAX = 1 << 22  # a line longer than this is cut where the read stopped
+# A JSONL line is one document, read whole: longer ones are refused (a file of no newlines
+# would be read into memory at once, a few times over as it is decoded).
+JSONL_LINE_MAX = 64 << 20
 
 CACHE_ENV = "SWARM_DATA_CACHE"
 """Where token caches go, when set (else ``$XDG_CACHE_HOME/silentswarm/tokens``, else
@@ -438,12 +441,17 @@ def _append_jsonl(path: str, field: str, writer: _TokenWriter) -> bool:
     used = False
     try:
         with open(path, "rb") as f:
-            for lineno, line in enumerate(f, 1):
+            for lineno, line in enumerate(iter(lambda: f.readline(JSONL_LINE_MAX + 1), b""), 1):
                 if writer.full:
                     break
+                where = f"{path}, line {lineno}"
+                if len(line) > JSONL_LINE_MAX:
+                    raise DataError(
+                        f"{where}: longer than {JSONL_LINE_MAX >> 20} MiB (one document a "
+                        "line: split it)"
+                    )
                 if not line.strip():
                     continue
-                where = f"{path}, line {lineno}"
                 try:
                     record = _json.decode(line)
                 except msgspec.DecodeError as exc:

@@ -53,13 +53,19 @@ class DatasetsController(Controller):
         datasets: NamedDependency[DatasetsService],
         source: FromQuery[str] = "",
     ) -> DatasetRecord:
-        refuse_replacing(principal_of(request), name, datasets)
-        return await datasets.upload(
-            name,
-            request.stream(),
-            source=source[:4096],
-            declared_bytes=request.content_length,
-        )
+        principal = principal_of(request)
+        refuse_replacing(principal, name, datasets)
+        try:
+            return await datasets.upload(
+                name,
+                request.stream(),
+                source=source[:4096],
+                declared_bytes=request.content_length,
+                replace=principal.role is Role.ADMIN,
+            )
+        except FileExistsError:  # another upload took the new name while this one streamed
+            refuse_replacing(principal, name, datasets)
+            raise
 
     @get("/datasets", summary="Every uploaded dataset: name, sha256, size")
     async def list_datasets(

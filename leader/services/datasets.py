@@ -87,12 +87,22 @@ class DatasetsService:
     # --- the operator's ----------------------------------------------------------------------
 
     async def upload(
-        self, name: str, body: AsyncIterator[bytes], *, source: str, declared_bytes: int | None
+        self,
+        name: str,
+        body: AsyncIterator[bytes],
+        *,
+        source: str,
+        declared_bytes: int | None,
+        replace: bool = True,
     ) -> DatasetRecord:
+        """``replace`` False: FileExistsError when ``name`` exists once the body is in."""
         self.loop.require_loaded()
-        record = await self.store.put(name, body, source=source, declared_bytes=declared_bytes)
-        self.store.collect(self.in_use())  # the content the name pointed at before
-        return record
+        try:
+            return await self.store.put(
+                name, body, source=source, declared_bytes=declared_bytes, replace=replace
+            )
+        finally:  # the content the name pointed at before, or the one it could not take
+            self.store.collect(self.in_use())
 
     def list(self) -> list[DatasetRecord]:
         return self.store.list()

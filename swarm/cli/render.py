@@ -98,7 +98,9 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
 
 
 def cell(value: Any) -> Text:
-    text = "-" if value is None else str(value)
+    """A table cell; what a terminal would act on shown escaped (a job's name, a dataset's
+    source: an account's words)."""
+    text = "-" if value is None else terminal_safe(str(value))
     return Text(text, style=STYLES.get(text, ""))
 
 

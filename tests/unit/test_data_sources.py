@@ -339,6 +339,19 @@ def test_a_bad_jsonl_line_is_an_error_naming_file_and_line(tmp_path: Path, line,
     assert not (tmp_path / "c").exists() or not _cache_files(tmp_path / "c", ".json")
 
 
+def test_a_jsonl_line_past_the_limit_is_refused_before_it_is_read_whole(tmp_path, monkeypatch):
+    """A file with no newlines would be one line read into memory whole: refused, naming it."""
+    monkeypatch.setattr(data_module, "JSONL_LINE_MAX", 1000)
+    path = tmp_path / "dump.jsonl"
+    fits = json.dumps({"text": "x" * 900})
+    path.write_text(f"{fits}\n" + json.dumps({"text": "y" * 5000}) + "\n")
+    with pytest.raises(DataError, match=rf"{path}, line 2: longer than 0 MiB"):
+        TextDataset([JsonlSource(jsonl=str(path))], seq_len=8, seed=0, cache_dir=tmp_path / "c")
+    path.write_text(f"{fits}\n{fits}")  # a last line without its newline still reads
+    built = TextDataset([JsonlSource(jsonl=str(path))], seq_len=8, seed=0, cache_dir=tmp_path / "d")
+    assert built.tokens.size > 1800
+
+
 def test_jsonl_that_is_not_utf8_or_matches_nothing(tmp_path: Path):
     path = tmp_path / "bad.jsonl"
     path.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')

@@ -150,6 +150,36 @@ def test_the_store_keeps_content_by_digest_and_names_by_name(tmp_path):
     assert datasets_.blob("../" + "a" * 61) is None
 
 
+def test_a_new_name_is_taken_by_one_upload_only_even_when_two_stream_at_once(tmp_path):
+    """A submitter's upload may only make a new name: the check at its start is not enough
+    (a slow upload begun while the name was free would replace what another upload put
+    there meanwhile), so the name is taken when the body is in, in one step."""
+    datasets_ = store(tmp_path)
+    gate = asyncio.Event()
+
+    async def slow() -> AsyncIterator[bytes]:
+        yield b"the attacker's "
+        await gate.wait()
+        yield b"text"
+
+    async def race():
+        late = asyncio.create_task(datasets_.put("notes", slow(), replace=False))
+        await asyncio.sleep(0)  # it has begun: the name was free then
+        first = await datasets_.put("notes", chunks(b"the owner's text"), replace=False)
+        gate.set()
+        with pytest.raises(FileExistsError):
+            await late
+        return first
+
+    first = asyncio.run(race())
+    assert datasets_.get("notes") == first
+    assert datasets_.collect(in_use=set()) == [hashlib.sha256(b"the attacker's text").hexdigest()]
+    leftovers = [p.name for p in (tmp_path / "datasets" / ".incoming").iterdir()]
+    assert leftovers == []
+    replaced = asyncio.run(datasets_.put("notes", chunks(b"an admin's")))  # replace: True
+    assert datasets_.get("notes") == replaced
+
+
 def test_an_upload_over_the_limit_is_stopped_and_leaves_nothing(tmp_path):
     datasets_ = store(tmp_path, max_bytes=5)
     with pytest.raises(DatasetTooLargeError, match="at most 5 bytes"):

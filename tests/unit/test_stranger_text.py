@@ -86,3 +86,10 @@ def test_a_failed_checkpoint_s_words_are_kept_cleaned():
     )
     stage = job.checkpoints[-1].stages[0]
     assert (stage.ok, stage.message, stage.path) == (False, "disk [2J full", "/ck/ ]0;x")
+
+
+def test_a_table_cell_an_account_wrote_prints_escaped():
+    """A job's name or a dataset's source is an account's words: in a table as escaped text."""
+    grid = render.table(["NAME", "SOURCE"], [["job\x1b[2J", "notes.txt\x1b]0;owned\x07"]])
+    cells = [str(column._cells[0]) for column in grid.columns]
+    assert cells == ["job\\x1b[2J", "notes.txt\\x1b]0;owned\\x07"]
