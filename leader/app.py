@@ -161,6 +161,7 @@ def create_app(
         package=package,
         stopping=observe.stopping,
         require_loaded=orchestrator.require_loaded,
+        revoker=revoker,
     )
     metrics = LeaderMetrics(SwarmCollector(info=info, bus=bus, registry=registry, jobs=jobs))
     tickets = ReadTickets(token)

@@ -17,6 +17,7 @@ from silentswarm.leader.bootstrap import JoinSessions, Package
 from silentswarm.leader.errors import EnrollRefusedError
 from silentswarm.leader.naming import NameState, settle_fellow_name
 from silentswarm.leader.registry import FellowRegistry
+from silentswarm.leader.services.fleet import UserRevocation
 from silentswarm.leader.services.package import BootstrapPackage, fellow_nats_url
 from silentswarm.natsauth import NatsAuthority
 from silentswarm.protocol import FellowStatus
@@ -49,11 +50,13 @@ class OnboardingService:
         package: BootstrapPackage,
         stopping: asyncio.Event,
         require_loaded: Callable[[], None],
+        revoker: UserRevocation | None = None,
     ) -> None:
         """``authority``: mints each joining fellow its own NATS user (None: it cannot).
         ``stopping``: set at shutdown; the install-log streams end then. ``require_loaded``:
         NotReadyError (503) until the fellows the leader knows are loaded: before that every
-        known name reads as free, and a claim or an enrollment would take one."""
+        known name reads as free, and a claim or an enrollment would take one. ``revoker``:
+        revokes the earlier NATS users of a known name a join session hands out again."""
         self.settings = settings
         self.nats_url = nats_url
         self.nats_auth = nats_auth
@@ -63,6 +66,7 @@ class OnboardingService:
         self.package = package
         self.stopping = stopping
         self.require_loaded = require_loaded
+        self.revoker = revoker
 
     @property
     def fellow_nats_url(self) -> str:
@@ -137,6 +141,10 @@ class OnboardingService:
         self.require_loaded()
         session, secret = self.joins.claim(session_id, token, proposed_name, self.name_state)
         assert session.fellow_name is not None
+        if self.revoker is not None and self.name_state(session.fellow_name) is NameState.OFFLINE:
+            # The operator gave a known fellow's name to a new host: whoever held that name's
+            # users before (an old install, a lost or stolen disk) hears nothing meant for it.
+            await self.revoker.revoke_fellow(session.fellow_name)
         creds = None
         if self.authority is not None:
             creds = self.authority.fellow_creds(self.settings.subject_prefix, session.fellow_name)

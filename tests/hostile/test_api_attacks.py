@@ -7,11 +7,15 @@ and absurd job spec numbers."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import time
+from pathlib import Path
 
 import httpx
+import nats
+import nats.errors
 import pytest
 
 from silentswarm.leader.auth import ReadTickets
@@ -59,12 +63,12 @@ def claim(leader: Leader, session: dict, proposed: str | None) -> httpx.Response
     )
 
 
-def enroll(leader: Leader, name: str) -> httpx.Response:
+def enroll(leader: Leader, name: str, timeout: float = 10) -> httpx.Response:
     return httpx.post(
         f"{leader.url}/api/v1/bootstrap/enroll",
         json={"fellow_name": name},
         headers={"authorization": f"Bearer {FLEET_TOKEN}"},
-        timeout=10,
+        timeout=timeout,
     )
 
 
@@ -76,8 +80,21 @@ def refused(response: httpx.Response, code: str) -> None:
     assert "nats_creds" not in body and "secret" not in body
 
 
+async def refused_by_nats(url: str, creds: Path) -> bool:
+    """Whether nats-server turns these credentials away."""
+    try:
+        nc = await nats.connect(
+            url, user_credentials=str(creds), allow_reconnect=False, max_reconnect_attempts=0
+        )
+    except nats.errors.Error as exc:
+        assert "authorization violation" in str(exc).lower(), exc
+        return True
+    await nc.close()
+    return False
+
+
 def test_a_claim_or_enrollment_cannot_take_a_live_or_known_fellows_name(
-    procs, secure_nats, nats_authority, onboarding_leader
+    procs, secure_nats, nats_authority, onboarding_leader, tmp_path
 ):
     leader = onboarding_leader
     creds = nats_authority.write_fellow_creds("swarm", "victim")
@@ -103,10 +120,18 @@ def test_a_claim_or_enrollment_cannot_take_a_live_or_known_fellows_name(
     refused(enroll(leader, "victim"), "FELLOW_NAME_KNOWN")
 
     # The operator's session may give a known name, and its name wins over the host's.
+    old_keys = nats_authority.fellow_user_keys("victim")
+    kept = tmp_path / "old-install.creds"  # the old install's copy (the authority drops its own)
+    kept.write_bytes(creds.read_bytes())
+    assert old_keys and not asyncio.run(refused_by_nats(secure_nats.url, kept))
     given = claim(leader, named, "something-else")
     assert given.status_code == 200, given.text
     assert given.json()["fellow_name"] == "victim"
     assert creds_user_name(given.json()["nats_creds"]) == "victim"
+    # Whoever held the name's users before (an old install's disk) is cut off: only the
+    # new host's user stays.
+    assert asyncio.run(refused_by_nats(secure_nats.url, kept))
+    assert not set(old_keys) & set(nats_authority.fellow_user_keys("victim"))
     # That session holds the name while it installs: no other host or enrollment gets it.
     refused(enroll(leader, "victim"), "FELLOW_NAME_KNOWN")
 
@@ -139,8 +164,9 @@ def test_no_name_is_handed_out_before_the_leader_knows_its_fellows(procs, nats_a
         timeout=20,
         what="the leader to serve before its state is loaded",
     )
-    session = create_session(leader, fellow_name="victim")
-    for response in (enroll(leader, "victim"), claim(leader, session, None)):
+    session = create_session(leader)  # unnamed: the host proposes a name
+    # (The enrollment token is no account's: the guard gives the accounts 10 s to load first.)
+    for response in (enroll(leader, "victim", timeout=30), claim(leader, session, "victim")):
         assert response.status_code == 503, response.text
         assert response.json()["code"] == "LEADER_NOT_READY", response.text
         assert "nats_creds" not in response.text
