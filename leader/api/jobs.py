@@ -9,9 +9,10 @@ from litestar.response import File, ServerSentEvent
 from litestar.status_codes import HTTP_200_OK, HTTP_201_CREATED, HTTP_202_ACCEPTED
 
 from silentswarm.jobspec import decode_job_spec
-from silentswarm.leader.api.sse import last_event_id
+from silentswarm.leader.api.sse import for_reader, last_event_id
 from silentswarm.leader.auth import principal_of
 from silentswarm.leader.exports import ExportService
+from silentswarm.leader.services.accounts import AccountsService
 from silentswarm.leader.services.jobs import JobsService
 from silentswarm.types.jobs import CheckpointRecord, ServedJob
 from silentswarm.types.metrics import HistoryPoint, JobMetrics
@@ -92,9 +93,14 @@ class JobsController(Controller):
         summary="SSE: merged metrics per record (ids: stream sequence), then an 'end' event",
     )
     async def stream(
-        self, job_id: FromPath[str], request: Request, jobs: NamedDependency[JobsService]
+        self,
+        job_id: FromPath[str],
+        request: Request,
+        jobs: NamedDependency[JobsService],
+        accounts: NamedDependency[AccountsService],
     ) -> ServerSentEvent:
-        return ServerSentEvent(jobs.metrics_stream(job_id, last_event_id(request)))
+        events = jobs.metrics_stream(job_id, last_event_id(request))
+        return ServerSentEvent(for_reader(request, accounts, events))
 
     @get(
         "/{job_id:str}/init/{name:str}",

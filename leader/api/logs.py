@@ -7,7 +7,8 @@ from litestar.di import NamedDependency
 from litestar.params import FromPath, QueryParameter
 from litestar.response import ServerSentEvent
 
-from silentswarm.leader.api.sse import last_event_id
+from silentswarm.leader.api.sse import for_reader, last_event_id
+from silentswarm.leader.services.accounts import AccountsService
 from silentswarm.leader.services.fleet import FleetService
 from silentswarm.types.fleet import LogEntry
 
@@ -27,6 +28,11 @@ class LogsController(Controller):
 
     @get("/stream", summary="SSE: the fellow's log batches, resumable with Last-Event-ID")
     async def stream(
-        self, fellow_id: FromPath[str], request: Request, fleet: NamedDependency[FleetService]
+        self,
+        fellow_id: FromPath[str],
+        request: Request,
+        fleet: NamedDependency[FleetService],
+        accounts: NamedDependency[AccountsService],
     ) -> ServerSentEvent:
-        return ServerSentEvent(fleet.log_stream(fellow_id, last_event_id(request)))
+        events = fleet.log_stream(fellow_id, last_event_id(request))
+        return ServerSentEvent(for_reader(request, accounts, events))

@@ -14,6 +14,7 @@ import logging
 
 from silentswarm.leader.accounts import AccountBook, AccountStore
 from silentswarm.leader.errors import NotReadyError, StorageUnavailableError
+from silentswarm.leader.permissions import ANONYMOUS, Principal
 from silentswarm.types.account_api import AccountCreated, AccountView, CreateAccount, UpdateAccount
 from silentswarm.types.accounts import Account
 
@@ -27,6 +28,13 @@ class AccountsService:
         self.book = book
         self.store: AccountStore | None = None  # set once the accounts are loaded
         self.loaded = asyncio.Event()
+
+    def still_permitted(self, principal: Principal) -> bool:
+        """Whether ``principal`` may still read: the operator and anonymous readers always;
+        an account while it exists and is not revoked (a stream it opened ends when not)."""
+        if principal.is_operator or principal == ANONYMOUS:
+            return True
+        return self.book.principal(principal.name) is not None
 
     def opened(self, store: AccountStore) -> None:
         self.store = store

@@ -7,6 +7,7 @@ checkpoint (409 once ownership is through) and asked for their files.
 from __future__ import annotations
 
 import subprocess
+import threading
 from typing import Any
 
 import httpx
@@ -165,8 +166,27 @@ def test_a_revoked_token_stops_at_once_and_tokens_are_never_shown_again(leader, 
         assert answer.status_code == 403, answer.text
         assert answer.json()["code"] == "POOL_FORBIDDEN" and answer.json()["field"] == "pool"
     ticket = carol.request("POST", "/api/v1/auth/read-ticket").json()["ticket"]
+    # A stream carol opened before: it ends once she is revoked (checked every 5 s).
+    ended = threading.Event()
+
+    def follow() -> None:
+        path = f"/api/v1/jobs/{job['job_id']}/metrics/stream"
+        headers = {"authorization": f"Bearer {token}"}
+        with httpx.stream("GET", leader.url + path, headers=headers, timeout=60) as stream:
+            assert stream.status_code == 200
+            opened.set()
+            for _ in stream.iter_bytes():
+                pass
+        ended.set()
+
+    opened = threading.Event()
+    follower = threading.Thread(target=follow, daemon=True)
+    follower.start()
+    assert opened.wait(10), "the stream opened"
+    assert not ended.wait(1), "the stream flows while carol may read"
     revoked = leader.request("POST", "/api/v1/accounts/carol/revoke")
     assert revoked.status_code == 200 and revoked.json()["revoked_at"] is not None
+    assert ended.wait(10), "the revoked account's open stream ended"
     # The very next request: refused, the read ticket too.
     answer = carol.request("GET", "/api/v1/auth/whoami")
     assert answer.status_code == 401 and answer.json()["code"] == "TOKEN_REVOKED"
