@@ -15,8 +15,10 @@ from silentswarm.leader.datasets import DatasetStore
 from silentswarm.leader.errors import ShardAccessError
 from silentswarm.leader.exports import ExportService
 from silentswarm.leader.jobs import JobManager
+from silentswarm.leader.permissions import OPERATOR, Principal
 from silentswarm.leader.services.jobs import JobLoop
 from silentswarm.plan import JsonlSource
+from silentswarm.types.accounts import Role
 from silentswarm.types.datasets import DatasetRecord
 
 
@@ -113,10 +115,20 @@ class DatasetsService:
     def delete(self, name: str) -> DatasetRecord:
         return self.store.delete(name, self.in_use())
 
-    def pin(self, spec: JobSpec) -> JobSpec:
-        return pin_datasets(
-            spec, self.store.get, lambda digest: self.store.blob(digest) is not None
-        )
+    def pin(self, spec: JobSpec, principal: Principal = OPERATOR) -> JobSpec:
+        """``spec`` pinned (:func:`pin_datasets`). An entry pinned already names content an
+        admin may reuse while the leader has it; an account of another role only while a
+        name still points at it: content an admin deleted, kept only for the jobs reading it,
+        is not kept alive by new jobs of whoever read its digest in a job record."""
+
+        def reusable(digest: str) -> bool:
+            if self.store.blob(digest) is None:
+                return False
+            if principal.role is Role.ADMIN:
+                return True
+            return any(record.sha256 == digest for record in self.store.list())
+
+        return pin_datasets(spec, self.store.get, reusable)
 
     # --- the stages' ---------------------------------------------------------------------
 

@@ -83,7 +83,7 @@ class JobsService:
         observe: Observability,
         exports: ExportService,
         export_root: Path,
-        pin_datasets: Callable[[JobSpec], JobSpec],
+        pin_datasets: Callable[[JobSpec, Principal], JobSpec],
         default_transport: Transport | str = Transport.AUTO,
     ) -> None:
         """``export_root``: SWARM_EXPORT_ROOT, which every job's export directory stays under.
@@ -126,7 +126,7 @@ class JobsService:
         if init_source is not None:
             self._check_init_owner(principal, init_source)
         spec = with_default_transport(spec, self.default_transport)
-        job = self.jobs.submit(self.pin_datasets(spec), init_source)
+        job = self.jobs.submit(self.pin_datasets(spec, principal), init_source)
         job.owner = principal.name  # before any await: the loop never sees it ownerless
         await self.loop.flush()
         self.loop.wake()

@@ -280,3 +280,22 @@ def test_the_account_commands(leader):
     assert after.returncode == 1 and "revoked" in after.stderr, after.stderr
     unknown = swarm("account", "revoke", "nobody")
     assert unknown.returncode == 1 and unknown.stderr.count("\n") == 1
+
+
+def test_a_deleted_datasets_digest_starts_no_account_job(leader):
+    """Content an admin deleted stays only for the jobs that read it: an account cannot keep
+    it alive with new jobs naming its digest (visible in every job's record); an admin can."""
+    alice = _create(leader, "alice", "submitter")
+    uploaded = leader.request("PUT", "/api/v1/datasets/notes", content=b"some notes\n" * 50)
+    assert uploaded.status_code == 201, uploaded.text
+    digest = uploaded.json()["sha256"]
+    reading = alice.submit(**SPEC, data=["dataset:notes"])  # PENDING: it keeps the content
+    assert reading["spec"]["data"] == [f"dataset:notes@{digest}"]
+    again = alice.request("POST", "/api/v1/jobs", json={**SPEC, "data": [f"dataset:x@{digest}"]})
+    assert again.status_code == 201, "while a name points at it, a digest is anyone's to reuse"
+    assert leader.request("DELETE", "/api/v1/datasets/notes").status_code == 200
+    revived = alice.request("POST", "/api/v1/jobs", json={**SPEC, "data": [f"dataset:x@{digest}"]})
+    assert revived.status_code == 400 and revived.json()["field"] == "data[0]", revived.text
+    admins = leader.request("POST", "/api/v1/jobs", json={**SPEC, "data": [f"dataset:x@{digest}"]})
+    assert admins.status_code == 201, admins.text
+    alice.close()
