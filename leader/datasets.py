@@ -37,7 +37,10 @@ from silentswarm.types.datasets import DatasetRecord
 from silentswarm.types.signals import DatasetArgs, DatasetFile
 
 WRITE_BYTES = 1 << 20  # gathered before each write to disk (in a thread)
-DISK_MARGIN_BYTES = 256 << 20  # what an upload leaves free on the leader's disk
+# What an upload leaves free on the leader's disk: twice the most the exports keep in
+# reserve (leader/artifacts.py, 256 MiB at most), so uploads run out of room before shard
+# pushes and exports do.
+DISK_MARGIN_BYTES = 512 << 20
 
 
 class DatasetStore:
@@ -116,6 +119,10 @@ class DatasetStore:
                     pending.append(chunk)
                     pending_bytes += len(chunk)
                     if pending_bytes >= WRITE_BYTES:
+                        # The room again, as it is now: uploads running side by side each
+                        # saw the same free space at their start.
+                        room = min(room, size - pending_bytes + self._room())
+                        self._check_size(size, room)
                         await asyncio.to_thread(out.writelines, pending)
                         pending, pending_bytes = [], 0
                 await asyncio.to_thread(out.writelines, pending)

@@ -4,6 +4,7 @@ how stage 0's data loader finds a downloaded dataset."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -221,3 +222,44 @@ def test_stage_0_reads_a_downloaded_dataset_from_its_cache(tmp_path, monkeypatch
     assert resolve_paths([f"dataset:notes@{digest}"]) == [path]
     dataset = TextDataset([f"dataset:notes@{digest}"], seq_len=8, seed=0, val_fraction=0.2)
     assert bytes(dataset.tokens[: len(text)]) == text
+
+
+def test_uploads_side_by_side_share_the_room_instead_of_each_taking_all_of_it(
+    tmp_path, monkeypatch
+):
+    """Each upload saw the disk's free space at its start: two at once could each fill it.
+    The room is read again as the body comes in, so together they stop at what was free."""
+    from collections import namedtuple
+
+    from silentswarm.leader import datasets as store_module
+
+    datasets_ = store(tmp_path, max_bytes=1 << 30)
+    incoming = tmp_path / "datasets" / ".incoming"
+    usage = namedtuple("usage", "total used free")
+
+    def disk_usage(_path):  # a disk with 10 KiB free, less what the uploads wrote
+        written = sum(p.stat().st_size for p in incoming.iterdir())
+        return usage(1 << 30, 0, 10_240 - written)
+
+    monkeypatch.setattr(store_module.shutil, "disk_usage", disk_usage)
+    monkeypatch.setattr(store_module, "DISK_MARGIN_BYTES", 0)
+    monkeypatch.setattr(store_module, "WRITE_BYTES", 1024)
+
+    async def body(turns: list[asyncio.Event], mine: int) -> AsyncIterator[bytes]:
+        for _ in range(8):  # 8 KiB each, a KiB at a time, taking turns while both run
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(turns[mine].wait(), 0.5)
+            turns[mine].clear()
+            yield b"x" * 1024
+            turns[1 - mine].set()
+
+    async def both() -> list[object]:
+        turns = [asyncio.Event(), asyncio.Event()]
+        turns[0].set()
+        uploads = [datasets_.put(f"d{i}", body(turns, i)) for i in (0, 1)]
+        return await asyncio.gather(*uploads, return_exceptions=True)
+
+    results = asyncio.run(both())
+    refused = [r for r in results if isinstance(r, DatasetTooLargeError)]
+    assert refused and all("room for" in str(r) for r in refused), results
+    assert sum(r.size_bytes for r in datasets_.list()) <= 10_240  # never more than was free
