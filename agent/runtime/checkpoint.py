@@ -316,7 +316,15 @@ def load_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
         raise CheckpointError(f"{path}: not a stage checkpoint of format {FORMAT_VERSION}")
     try:
         arrays = read_arrays(path.with_name(meta["npz"]))
-    except (KeyError, ValueError, OSError, MemoryError, zipfile.BadZipFile) as exc:
+    except (
+        KeyError,
+        ValueError,
+        OSError,
+        EOFError,
+        OverflowError,
+        MemoryError,
+        zipfile.BadZipFile,
+    ) as exc:
         raise CheckpointError(f"{path}: cannot read its arrays ({exc})") from None
     for entry in meta["arrays"]:
         array = arrays.get(entry["name"])

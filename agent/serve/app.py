@@ -254,6 +254,7 @@ async def completions(request: Request) -> Response | Stream:
     if not gather.done() or gather.cancelled():
         with contextlib.suppress(asyncio.CancelledError):
             await gather
+        served.metrics.duration.observe(time.perf_counter() - began)
         return Response(b"", status_code=499)  # nobody reads it
     texts, reasons = gather.result()
     choices = [

@@ -74,5 +74,4 @@ def for_reader(
     request: Request, accounts: AccountsService, events: AsyncIterator[T]
 ) -> AsyncIterator[T]:
     """``events`` for as long as the request's reader may read (:func:`while_permitted`)."""
-    principal = principal_of(request)
-    return while_permitted(events, lambda: accounts.still_permitted(principal))
+    return while_permitted(events, accounts.reader_check(principal_of(request)))

@@ -73,10 +73,13 @@ if [ -z "$PREFIX" ]; then
   PREFIX="$HOME/.silentswarm"
 fi
 mkdir -p "$PREFIX"
-# Another user's directory (made before us, as anyone can in /tmp) or a link to one would let
-# that user swap the venv, the helper or the credentials under us.
-if [ -L "$PREFIX" ] || [ -z "$(find "$PREFIX" -prune -user "$(id -u)" 2>/dev/null)" ]; then
-  echo "fellow.sh: $PREFIX is a link or another user's directory: refusing to install into it" >&2
+# Another user's directory (made before us, as anyone can in /tmp), or a link of theirs or to
+# theirs, would let that user swap the venv, the helper or the credentials under us. A link of
+# our own to a directory of our own (a bigger disk) is fine.
+ME="$(id -u)"
+if [ -z "$(find "$PREFIX" -prune -user "$ME" 2>/dev/null)" ] \
+  || [ -z "$(find -H "$PREFIX" -prune -user "$ME" 2>/dev/null)" ]; then
+  echo "fellow.sh: $PREFIX is another user's directory or link: refusing to install into it" >&2
   exit 1
 fi
 chmod 700 "$PREFIX"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 from silentswarm.leader.accounts import AccountBook, AccountStore
 from silentswarm.leader.errors import NotReadyError, StorageUnavailableError
@@ -29,12 +30,21 @@ class AccountsService:
         self.store: AccountStore | None = None  # set once the accounts are loaded
         self.loaded = asyncio.Event()
 
-    def still_permitted(self, principal: Principal) -> bool:
-        """Whether ``principal`` may still read: the operator and anonymous readers always;
-        an account while it exists and is not revoked (a stream it opened ends when not)."""
+    def reader_check(self, principal: Principal) -> Callable[[], bool]:
+        """Whether ``principal`` may still read, asked again and again by a stream it opened:
+        the operator and anonymous readers always; an account while the very account it was
+        (its token's digest) exists and is not revoked, so revoking a name and creating it
+        again ends the streams of the old token too."""
         if principal.is_operator or principal == ANONYMOUS:
-            return True
-        return self.book.principal(principal.name) is not None
+            return lambda: True
+        opened = self.book.find(principal.name)
+        digest = opened.token_sha256 if opened is not None else None
+
+        def permitted() -> bool:
+            now = self.book.find(principal.name)
+            return now is not None and now.revoked_at is None and now.token_sha256 == digest
+
+        return permitted
 
     def opened(self, store: AccountStore) -> None:
         self.store = store

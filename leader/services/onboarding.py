@@ -141,9 +141,15 @@ class OnboardingService:
         self.require_loaded()
         session, secret = self.joins.claim(session_id, token, proposed_name, self.name_state)
         assert session.fellow_name is not None
-        if self.revoker is not None and self.name_state(session.fellow_name) is NameState.OFFLINE:
-            # The operator gave a known fellow's name to a new host: whoever held that name's
-            # users before (an old install, a lost or stolen disk) hears nothing meant for it.
+        # A name handed out again (the operator gave a known fellow's to a new host, or an
+        # earlier claim of it never registered): whoever holds its earlier users (an old
+        # install, a lost disk) hears nothing meant for the new host. An online fellow's name
+        # never gets here.
+        if (
+            self.revoker is not None
+            and self.authority is not None
+            and await asyncio.to_thread(self.authority.fellow_user_keys, session.fellow_name)
+        ):
             await self.revoker.revoke_fellow(session.fellow_name)
         creds = None
         if self.authority is not None:

@@ -21,6 +21,7 @@ from rich.text import Text
 
 # What a terminal would act on in a stranger's text: C0 controls but newline and tab, DEL,
 # C1 controls (CSI among them), line and paragraph separators, bidi overrides and isolates.
+_CELL_BREAKS = str.maketrans({"\n": "\\n", "\t": "\\t"})
 _TERMINAL_UNSAFE = re.compile(
     r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]"
 )
@@ -99,8 +100,8 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
 
 def cell(value: Any) -> Text:
     """A table cell; what a terminal would act on shown escaped (a job's name, a dataset's
-    source: an account's words)."""
-    text = "-" if value is None else terminal_safe(str(value))
+    source: an account's words), and its line breaks and tabs too: no fake rows."""
+    text = "-" if value is None else terminal_safe(str(value)).translate(_CELL_BREAKS)
     return Text(text, style=STYLES.get(text, ""))
 
 

@@ -9,6 +9,7 @@ arguments (nor, past the installer itself, in any environment); every file that 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import stat
 import subprocess
@@ -234,6 +235,7 @@ def test_a_failed_install_removes_join_json_and_tightens_an_older_install(leader
     assert claim["secret"] not in log and session["token"] not in log
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="makes a directory of another user's: needs root")
 def test_the_installer_never_installs_into_a_directory_another_user_made(tmp_path):
     """Without HOME the install directory is never a shared /tmp one, and a directory that is
     a link or another user's (made first, as anyone can in /tmp) is refused before anything
@@ -255,3 +257,16 @@ def test_the_installer_never_installs_into_a_directory_another_user_made(tmp_pat
         )
         assert refused.returncode == 1 and "refusing" in refused.stderr, refused.stderr
         assert not list(theirs.iterdir()), "nothing written into it"
+    # A link of one's own to a directory of one's own (a bigger disk) is taken: the install
+    # goes on to the claim (which finds no leader here).
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (tmp_path / "my-link").symlink_to(mine)
+    taken = subprocess.run(
+        ["sh", script, *join, "--prefix", str(tmp_path / "my-link")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert "refusing" not in taken.stderr and (mine / "join.log").exists(), taken.stderr

@@ -156,6 +156,35 @@ def test_two_accounts_cannot_touch_each_others_jobs(leader, procs):
         client.close()
 
 
+def follow_stream(leader: Leader, path: str, token: str) -> threading.Event:
+    """Open an SSE stream with ``token`` and read it in a thread; set once it has ended."""
+    opened, ended = threading.Event(), threading.Event()
+
+    def follow() -> None:
+        headers = {"authorization": f"Bearer {token}"}
+        with httpx.stream("GET", leader.url + path, headers=headers, timeout=60) as stream:
+            assert stream.status_code == 200
+            opened.set()
+            for _ in stream.iter_bytes():
+                pass
+        ended.set()
+
+    threading.Thread(target=follow, daemon=True).start()
+    assert opened.wait(10), "the stream opened"
+    return ended
+
+
+def test_revoking_a_name_and_creating_it_again_ends_the_old_tokens_streams(leader):
+    bob = _create(leader, "bob", "submitter")
+    job = bob.submit(**SPEC)
+    ended = follow_stream(leader, f"/api/v1/jobs/{job['job_id']}/metrics/stream", bob.token)
+    assert leader.request("POST", "/api/v1/accounts/bob/revoke").status_code == 200
+    again = _create(leader, "bob", "submitter")  # at once: before the stream's next check
+    assert ended.wait(10), "the old token's stream ended"
+    again.close()
+    bob.close()
+
+
 def test_a_revoked_token_stops_at_once_and_tokens_are_never_shown_again(leader, procs):
     carol = _create(leader, "carol", "submitter", pools=["gpu"])
     token = carol.token
@@ -167,22 +196,7 @@ def test_a_revoked_token_stops_at_once_and_tokens_are_never_shown_again(leader, 
         assert answer.json()["code"] == "POOL_FORBIDDEN" and answer.json()["field"] == "pool"
     ticket = carol.request("POST", "/api/v1/auth/read-ticket").json()["ticket"]
     # A stream carol opened before: it ends once she is revoked (checked every 5 s).
-    ended = threading.Event()
-
-    def follow() -> None:
-        path = f"/api/v1/jobs/{job['job_id']}/metrics/stream"
-        headers = {"authorization": f"Bearer {token}"}
-        with httpx.stream("GET", leader.url + path, headers=headers, timeout=60) as stream:
-            assert stream.status_code == 200
-            opened.set()
-            for _ in stream.iter_bytes():
-                pass
-        ended.set()
-
-    opened = threading.Event()
-    follower = threading.Thread(target=follow, daemon=True)
-    follower.start()
-    assert opened.wait(10), "the stream opened"
+    ended = follow_stream(leader, f"/api/v1/jobs/{job['job_id']}/metrics/stream", token)
     assert not ended.wait(1), "the stream flows while carol may read"
     revoked = leader.request("POST", "/api/v1/accounts/carol/revoke")
     assert revoked.status_code == 200 and revoked.json()["revoked_at"] is not None

@@ -56,13 +56,17 @@ def own_layer(deb: Path, tmp_path: Path) -> Path:
     root = tmp_path / f"own-{deb.stem}"
     root.mkdir()
     fsys = subprocess.Popen(["dpkg-deb", "--fsys-tarfile", str(deb)], stdout=subprocess.PIPE)
-    untar = subprocess.run(
-        ["tar", "-x", "-C", str(root), "--exclude", f"{UPSTREAM_TREE}/*"],
-        stdin=fsys.stdout,
-        capture_output=True,
-        timeout=600,
-    )
-    fsys.stdout.close()
+    try:
+        untar = subprocess.run(
+            ["tar", "-x", "-C", str(root), "--exclude", f"{UPSTREAM_TREE}/*"],
+            stdin=fsys.stdout,
+            capture_output=True,
+            timeout=600,
+        )
+    finally:
+        fsys.stdout.close()
+        if fsys.poll() is None:
+            fsys.kill()
     assert fsys.wait(timeout=60) == 0 and untar.returncode == 0, untar.stderr
     control = root / "DEBIAN"
     assert run("dpkg-deb", "--control", str(deb), str(control)).returncode == 0
@@ -259,7 +263,8 @@ def test_the_debs_pass_lintian_install_upgrade_and_purge_cleanly(tmp_path):
     base = dist / f"silentswarm_{version}-1_amd64.deb"
     fellow = dist / f"silentswarm-fellow_{version}-1_amd64.deb"
     # lintian runs while the packages are installed.
-    lintians = [start_lintian(base), start_lintian(own_layer(fellow, tmp_path))]
+    fellow_own = own_layer(fellow, tmp_path)
+    lintians = [start_lintian(base), start_lintian(fellow_own)]
     try:
         check_metadata(base, fellow, f"{version}-1", tmp_path)
         try:

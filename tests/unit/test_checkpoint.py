@@ -320,6 +320,14 @@ def test_a_strangers_arrays_never_inflate_past_the_file(tmp_path):
         archive.writestr("w.npy", member.replace(b"(16,)", b"(99,)"))
     with pytest.raises(ValueError, match="does not match its size"):
         read_arrays(lying)
+    # A stage reading such a checkpoint fails with the checkpoint named, not a traceback.
+    from silentswarm.agent.errors import CheckpointError
+    from silentswarm.agent.runtime.checkpoint import FORMAT_VERSION, load_checkpoint
+
+    meta = tmp_path / "stage0.json"
+    meta.write_text(json.dumps({"format": FORMAT_VERSION, "npz": bomb.name, "arrays": []}))
+    with pytest.raises(CheckpointError, match=r"cannot read its arrays .*compressed"):
+        load_checkpoint(meta)
 
 
 # --- checkpoints --------------------------------------------------------------------------------

@@ -119,7 +119,8 @@ def read_token_file(path: Path | None) -> str | None:
     if path is None:
         return None
     try:
-        line = path.read_text().splitlines()[0].strip() if path.stat().st_size else ""
+        lines = path.read_text().splitlines()  # a pipe too: <(pass show serve-token)
+        line = lines[0].strip() if lines else ""
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"--token-file {path}: cannot read it ({exc})") from None
     if not line:
