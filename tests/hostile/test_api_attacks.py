@@ -11,11 +11,8 @@ import asyncio
 import json
 import signal
 import time
-from pathlib import Path
 
 import httpx
-import nats
-import nats.errors
 import pytest
 
 from silentswarm.leader.auth import ReadTickets
@@ -24,6 +21,7 @@ from silentswarm.procs import free_port
 from tests.conftest import leader_process, secure_env, start_agent
 from tests.helpers import Leader, child_env, run_swarm, wait_for
 from tests.integration.test_jobs import tiny, wait_ready
+from tests.integration.test_nats_revocation import refused as nats_refuses
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 FLEET_TOKEN = "fleet-secret"
@@ -80,19 +78,6 @@ def refused(response: httpx.Response, code: str) -> None:
     assert "nats_creds" not in body and "secret" not in body
 
 
-async def refused_by_nats(url: str, creds: Path) -> bool:
-    """Whether nats-server turns these credentials away."""
-    try:
-        nc = await nats.connect(
-            url, user_credentials=str(creds), allow_reconnect=False, max_reconnect_attempts=0
-        )
-    except nats.errors.Error as exc:
-        assert "authorization violation" in str(exc).lower(), exc
-        return True
-    await nc.close()
-    return False
-
-
 def test_a_claim_or_enrollment_cannot_take_a_live_or_known_fellows_name(
     procs, secure_nats, nats_authority, onboarding_leader, tmp_path
 ):
@@ -123,14 +108,14 @@ def test_a_claim_or_enrollment_cannot_take_a_live_or_known_fellows_name(
     old_keys = nats_authority.fellow_user_keys("victim")
     kept = tmp_path / "old-install.creds"  # the old install's copy (the authority drops its own)
     kept.write_bytes(creds.read_bytes())
-    assert old_keys and not asyncio.run(refused_by_nats(secure_nats.url, kept))
+    assert old_keys and not asyncio.run(nats_refuses(secure_nats.url, kept))
     given = claim(leader, named, "something-else")
     assert given.status_code == 200, given.text
     assert given.json()["fellow_name"] == "victim"
     assert creds_user_name(given.json()["nats_creds"]) == "victim"
     # Whoever held the name's users before (an old install's disk) is cut off: only the
     # new host's user stays.
-    assert asyncio.run(refused_by_nats(secure_nats.url, kept))
+    assert asyncio.run(nats_refuses(secure_nats.url, kept))
     assert not set(old_keys) & set(nats_authority.fellow_user_keys("victim"))
     # That session holds the name while it installs: no other host or enrollment gets it.
     refused(enroll(leader, "victim"), "FELLOW_NAME_KNOWN")
