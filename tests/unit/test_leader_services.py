@@ -171,7 +171,7 @@ def _jobs_service(tmp_path: Path) -> tuple[JobsService, FakeLoop]:
         observe=Observability(bus=None, jobs=jobs, prefix="swarm"),  # type: ignore[arg-type]
         exports=None,  # type: ignore[arg-type]
         export_root=tmp_path,
-        pin_datasets=lambda spec: spec,
+        pin_datasets=lambda spec, principal: spec,
     )
     return service, loop
 
