@@ -55,20 +55,10 @@ class PoolForbiddenError(ForbiddenError):
         return {**super().to_dict(), "field": self.field}
 
 
-class ExportDirForbiddenError(ForbiddenError):
-    """A job's export directory is outside its account's part of the export root (403,
-    naming the field ``artifact_paths.model_export_dir``)."""
-
-    code = ErrorCode.ACCOUNT_FORBIDDEN
-    field = "artifact_paths.model_export_dir"
-
-    def to_dict(self) -> dict[str, str]:
-        return {**super().to_dict(), "field": self.field}
-
-
-class FellowPathForbiddenError(ForbiddenError):
-    """A job of an account that is no admin names files on the fellows' own disks (a
-    ``data`` path, ``init_from`` "preset:DIR"): 403, naming the field."""
+class SpecFieldForbiddenError(ForbiddenError):
+    """A job spec's field names what its account may not (403, naming the field): an export
+    directory outside the account's part of the export root, files on the fellows' own disks
+    (a ``data`` path, ``init_from`` "preset:DIR")."""
 
     code = ErrorCode.ACCOUNT_FORBIDDEN
 

@@ -37,7 +37,7 @@ from pathlib import PurePath
 import msgspec
 
 from silentswarm.datasets import is_dataset
-from silentswarm.plan import JsonlSource
+from silentswarm.plan import DEFAULT_CORPUS, JsonlSource
 from silentswarm.pools import DEFAULT_POOL
 from silentswarm.types.accounts import OPERATOR_ACCOUNT, Role
 
@@ -174,11 +174,6 @@ def export_dir_refusal(principal: Principal, relative: PurePath) -> str | None:
     )
 
 
-# What a job may name that no fellow's own disk holds: the leader's uploaded datasets and
-# Python's own sources (agent/runtime/data.py's DEFAULT_CORPUS).
-FELLOW_NEUTRAL_DATA = "stdlib"
-
-
 def fellow_path_refusal(
     principal: Principal, data: Sequence[str | JsonlSource], init_from: str | None
 ) -> tuple[str, str] | None:
@@ -198,7 +193,7 @@ def fellow_path_refusal(
             if isinstance(entry, JsonlSource)
             else (f"data[{i}]", entry)
         )
-        if not (is_dataset(text) or text == FELLOW_NEUTRAL_DATA):
+        if not (is_dataset(text) or text == DEFAULT_CORPUS):
             return field, (
                 f'{field}: {who} may name only uploaded datasets ("dataset:NAME", swarm data '
                 f'upload) and "stdlib": a path is read from the fellows\' own disks, which '

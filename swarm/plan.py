@@ -101,6 +101,10 @@ class JsonlSource(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
 DataSource = PathText | JsonlSource
 
+DEFAULT_CORPUS = "stdlib"
+"""A ``data`` entry no fellow's own disk chooses: the top-level ``*.py`` files of the Python
+standard library (``agent/runtime/data.py`` expands it)."""
+
 BYTE_VOCAB = 256
 # A BPE's vocabulary holds the 256 bytes and its two special tokens at least.
 MIN_BPE_VOCAB = BYTE_VOCAB + 2
@@ -228,7 +232,7 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # Text paths/globs ("stdlib": Python's own sources) and JSONL sources (JsonlSource);
     # either may name a dataset uploaded to the leader ("dataset:NAME", silentswarm.datasets).
     data: Annotated[list[DataSource], msgspec.Meta(min_length=1, max_length=1024)] = msgspec.field(
-        default_factory=lambda: ["stdlib"]
+        default_factory=lambda: [DEFAULT_CORPUS]
     )
     max_data_bytes: Annotated[int, msgspec.Meta(ge=1, le=2**50)] | None = None
     tokenizer: TokenizerConfig = msgspec.field(default_factory=TokenizerConfig)

@@ -298,7 +298,7 @@ def read_arrays(npz_path: Path) -> dict[str, np.ndarray]:
                 declared = int(np.prod(shape, dtype=object)) * dtype.itemsize + file.tell()
                 if dtype.hasobject or declared != member.file_size:
                     raise ValueError(f"{member.filename}'s header does not match its size")
-            with archive.open(member) as file:
+                file.seek(0)  # read_array reads the header again
                 arrays[member.filename[: -len(".npy")]] = np.lib.format.read_array(
                     file, allow_pickle=False
                 )

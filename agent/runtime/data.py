@@ -52,6 +52,7 @@ from silentswarm.agent.runtime.tokenizer import (
     Tokenizer,
     train_bpe,
 )
+from silentswarm.plan import DEFAULT_CORPUS
 
 if TYPE_CHECKING:
     from silentswarm.plan import TrainConfig
@@ -75,8 +76,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CORPUS = "stdlib"
-"""Sentinel pattern: the top-level ``*.py`` files of the Python standard library."""
 
 VOCAB_SIZE = BYTE_VOCAB
 TOKENIZER = ByteTokenizer.name

@@ -248,10 +248,11 @@ async def completions(request: Request) -> Response | Stream:
         await asyncio.wait((gather, left), return_when=asyncio.FIRST_COMPLETED)
     finally:
         left.cancel()
-        if not gather.done():  # the client left (or the server stops): free its slots now
+        client_left = not gather.done()  # (or the server stops): free its slots now
+        if client_left:
             gather.cancel()
             served.metrics.requests.labels("client_closed").inc()
-    if not gather.done() or gather.cancelled():
+    if client_left:
         with contextlib.suppress(asyncio.CancelledError):
             await gather
         served.metrics.duration.observe(time.perf_counter() - began)

@@ -17,9 +17,8 @@ from silentswarm.leader import initsource
 from silentswarm.leader.artifacts import resolve_export_dir
 from silentswarm.leader.errors import (
     AccountForbiddenError,
-    ExportDirForbiddenError,
-    FellowPathForbiddenError,
     PoolForbiddenError,
+    SpecFieldForbiddenError,
 )
 from silentswarm.leader.exports import ExportService
 from silentswarm.leader.jobs import JobManager
@@ -112,13 +111,13 @@ class JobsService:
             raise PoolForbiddenError(refused)
         on_fellows = fellow_path_refusal(principal, spec.data, spec.init_from)
         if on_fellows:
-            raise FellowPathForbiddenError(on_fellows[1], field=on_fellows[0])
+            raise SpecFieldForbiddenError(on_fellows[1], field=on_fellows[0])
         configured = spec.artifact_paths.model_export_dir
         if configured is not None:
             path = resolve_export_dir(self.export_root, configured)
             refused = export_dir_refusal(principal, path.relative_to(self.export_root))
             if refused:
-                raise ExportDirForbiddenError(refused)
+                raise SpecFieldForbiddenError(refused, field="artifact_paths.model_export_dir")
         self.loop.require_loaded()
         if spec.init_from_export:
             await self.loop.final_exports()

@@ -141,15 +141,11 @@ class OnboardingService:
         self.require_loaded()
         session, secret = self.joins.claim(session_id, token, proposed_name, self.name_state)
         assert session.fellow_name is not None
-        # A name handed out again (the operator gave a known fellow's to a new host, or an
-        # earlier claim of it never registered): whoever holds its earlier users (an old
-        # install, a lost disk) hears nothing meant for the new host. An online fellow's name
-        # never gets here.
-        if (
-            self.revoker is not None
-            and self.authority is not None
-            and await asyncio.to_thread(self.authority.fellow_user_keys, session.fellow_name)
-        ):
+        if self.revoker is not None:
+            # A name handed out again (the operator gave a known fellow's to a new host, or an
+            # earlier claim of it never registered): whoever holds its earlier users (an old
+            # install, a lost disk) hears nothing meant for the new host. A new name has none
+            # (nothing to push); an online fellow's name never gets here.
             await self.revoker.revoke_fellow(session.fellow_name)
         creds = None
         if self.authority is not None:

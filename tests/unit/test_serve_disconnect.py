@@ -11,7 +11,6 @@ import time
 from collections.abc import Iterator
 
 import httpx
-import numpy as np
 import pytest
 import uvicorn
 
@@ -20,32 +19,21 @@ from silentswarm.agent.serve.app import Served, create_app
 from silentswarm.agent.serve.engine import Engine
 from silentswarm.agent.serve.metrics import ServeMetrics
 from tests.helpers import wait_for
+from tests.unit.test_serve_text import SlowStepper
 
 TOKEN = "serve-token"
 LONG = 20_000  # tokens per prompt: 20 s a prompt at a millisecond a step
-
-
-class SlowModel:
-    """Two slots, a byte vocabulary, uniform logits; a millisecond a step."""
-
-    slots, seq_len = 2, 50_000
-
-    def start(self, slot, ids):
-        return np.zeros(256)
-
-    def step(self, slots, tokens, positions):
-        time.sleep(0.001)
-        return np.zeros((len(slots), 256))
 
 
 @pytest.fixture
 def server() -> Iterator[tuple[str, Served]]:
     engine: Engine | None = None
     metrics = ServeMetrics(model="m", slots=2, kv_cache=True, counts=lambda: engine.counts)
-    engine = Engine(SlowModel(), max_waiting=4, on_step=metrics.step)
+    model = SlowStepper(slots=2, vocab=256, seq_len=50_000)  # a byte vocabulary
+    engine = Engine(model, max_waiting=4, on_step=metrics.step)
     served = Served(
         name="m",
-        seq_len=SlowModel.seq_len,
+        seq_len=model.seq_len,
         vocab_size=256,
         tokenizer=ByteTokenizer(),
         engine=engine,

@@ -112,18 +112,20 @@ def test_a_tiny_temperature_is_greedy_not_a_nan():
 
 
 class SlowStepper:
-    """One slot; uniform logits; each step takes a millisecond (a model's time)."""
+    """A stand-in model: ``slots`` slots, uniform logits over ``vocab``; each step takes a
+    millisecond (a model's time)."""
 
-    slots, seq_len = 1, 10_000
+    def __init__(self, slots: int = 1, vocab: int = 4, seq_len: int = 10_000) -> None:
+        self.slots, self.vocab, self.seq_len = slots, vocab, seq_len
 
     def start(self, slot, ids):
-        return np.zeros(4)
+        return np.zeros(self.vocab)
 
     def step(self, slots, tokens, positions):
         import time
 
         time.sleep(0.001)
-        return np.zeros((len(slots), 4))
+        return np.zeros((len(slots), self.vocab))
 
 
 def test_a_waiting_request_that_is_cancelled_leaves_the_queue_at_once():
