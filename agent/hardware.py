@@ -24,6 +24,7 @@ import msgspec
 import psutil
 import pynvml
 
+from silentswarm.cpus import cpu_budget, usable_cores
 from silentswarm.protocol import FellowLimits, GpuInfo, HardwareSnapshot
 from silentswarm.settings import Settings
 
@@ -102,14 +103,18 @@ async def probe_compute_speed(
     *,
     threads: int | None = None,
     prefix: list[str] | None = None,
+    seconds: float | None = None,
 ) -> tuple[float | None, str | None]:
     """(standard blocks trained per second, None) or (None, why the probe failed).
 
     Takes seconds (it imports TensorFlow in a subprocess, killed if this is cancelled).
-    ``prefix`` goes in front of the command (a benchmark puts the probe in a cgroup)."""
+    ``prefix`` goes in front of the command (a benchmark puts the probe in a cgroup);
+    ``seconds``: how long its timed passes run (the probe's default: 2)."""
     argv = [*(prefix or []), sys.executable, "-m", "silentswarm.agent.runtime.speedprobe"]
     if threads:
         argv += ["--threads", str(threads)]
+    if seconds:
+        argv += ["--seconds", str(seconds)]
     value, why = await _run_probe(argv, "compute_speed", timeout)
     if why:
         return None, why
@@ -151,10 +156,12 @@ class HardwareProbe:
     def snapshot(self) -> HardwareSnapshot:
         mem = psutil.virtual_memory()
         sent, received = self._net_rates()
+        cpus = cpu_budget()
         return HardwareSnapshot(
             hostname=self.hostname,
             platform=f"{platform.system()} {platform.machine()}",
-            cpu_cores=psutil.cpu_count(logical=True) or 1,
+            cpu_cores=cpus.cores,
+            cpu_quota=cpus.quota,
             cpu_load_pct=psutil.cpu_percent(interval=None),
             ram_total_bytes=mem.total,
             ram_available_bytes=mem.available,
@@ -184,7 +191,8 @@ class HardwareProbe:
         """Measure the compute speed (seconds: it imports TensorFlow), unless declared."""
         if self.speed_declared:
             return
-        speed, error = await probe_compute_speed()
+        # As many threads as its stages will run (placement gives each the fellow's cores).
+        speed, error = await probe_compute_speed(threads=usable_cores())
         if error:
             log.warning("compute speed probe failed: %s", error)
         else:

@@ -147,7 +147,14 @@ FELLOW_SERIES: tuple[Series[FellowRecord], ...] = (
 # fellow's last snapshot describes a machine the leader no longer hears from.
 HARDWARE_SERIES: tuple[Series[FellowRecord], ...] = (
     Series(
-        "swarm_fellow_cpu_cores", "CPU cores of the fellow's host", lambda f: f.hardware.cpu_cores
+        "swarm_fellow_cpu_cores",
+        "CPU cores the fellow may use (its affinity capped by its cgroup's quota, rounded up)",
+        lambda f: f.hardware.cpu_cores,
+    ),
+    Series(
+        "swarm_fellow_cpu_quota_cores",
+        "The fellow's cgroup CPU quota in cores (absent: no quota)",
+        lambda f: f.hardware.cpu_quota,
     ),
     Series(
         "swarm_fellow_cpu_load_ratio",

@@ -7,7 +7,6 @@ them); msgspec Structs so a plan round-trips through JSON files and NATS message
 from __future__ import annotations
 
 import enum
-import os
 from collections.abc import Sequence
 from typing import Annotated, Literal, Protocol, Self
 
@@ -15,6 +14,7 @@ import msgspec
 
 from silentswarm import datasets
 from silentswarm.compression import CompressionSpec, WireCodec, parse_compression, parse_wire_codec
+from silentswarm.cpus import usable_cores
 from silentswarm.errors import ConfigError
 from silentswarm.natsconn import NatsAccess
 
@@ -903,7 +903,7 @@ def chain_plans(
     Without ``intra_op_threads`` each stage gets this machine's cores / stages.
     """
     if intra_op_threads is None:
-        intra_op_threads = max(1, (os.cpu_count() or 1) // len(addresses))
+        intra_op_threads = max(1, usable_cores() // len(addresses))
     n = len(addresses)
     ids = fellow_ids or [f"stage-{i}" for i in range(n)]
     if ranges is None:
@@ -976,7 +976,7 @@ def replicated_chain_plans(
     if splits is not None and (len(splits) != k or any(len(s) != n for s in splits)):
         raise ConfigError("need one split of the chain's stages per replica")
     if intra_op_threads is None:
-        intra_op_threads = max(1, (os.cpu_count() or 1) // (k * n))
+        intra_op_threads = max(1, usable_cores() // (k * n))
     ids = fellow_ids or [[f"r{r}-stage-{s}" for s in range(n)] for r in range(k)]
     chains = [
         chain_plans(

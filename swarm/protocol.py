@@ -88,7 +88,11 @@ class FellowLimits(msgspec.Struct, kw_only=True, gc=False):
 class HardwareSnapshot(msgspec.Struct, kw_only=True, gc=False):
     hostname: Name
     platform: Name = ""
+    # The cores this fellow may use (silentswarm.cpus: its affinity mask capped by its
+    # cgroup's CPU quota, rounded up), not the host's count; its stages run that many threads.
     cpu_cores: Annotated[int, msgspec.Meta(ge=0, le=65536)]
+    # The cgroup's CPU quota in cores (a container's limit); None: no quota.
+    cpu_quota: Annotated[float, msgspec.Meta(gt=0.0, le=65536.0)] | None = None
     cpu_load_pct: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 0.0
     ram_total_bytes: Bytes
     ram_available_bytes: Bytes

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import secrets
 import signal
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -288,23 +289,18 @@ def leader_process(
         client.close()
 
 
-def start_agent(procs: Processes, nats_url: str, name: str, **env: str):
+def start_agent(
+    procs: Processes, nats_url: str, name: str, *, prefix: list[str] | None = None, **env: str
+):
     """A real fellow agent; its state under the test's temp dir, its own data and sync
-    ports."""
+    ports; ``prefix`` goes in front of its command line (a CPU quota, an affinity mask)."""
     env.setdefault("SWARM_STATE_DIR", str(agent_state_dir(procs)))
     env.setdefault("SWARM_DATA_ADDRESS", f"tcp://127.0.0.1:{free_port()}")
     env.setdefault("SWARM_SYNC_ADDRESS", f"tcp://127.0.0.1:{free_port()}")
     # Declared, not probed: the probe trains a block for seconds (pass "" to probe).
     env.setdefault("SWARM_FELLOW_COMPUTE_SPEED", "1")
-    return procs.python(
-        f"agent-{name}",
-        "silentswarm.agent.main",
-        "--nats-url",
-        nats_url,
-        "--name",
-        name,
-        env=child_env(**env),
-    )
+    argv = [sys.executable, "-m", "silentswarm.agent.main", "--nats-url", nats_url, "--name", name]
+    return procs.start(f"agent-{name}", [*(prefix or []), *argv], child_env(**env))
 
 
 def agent_state_dir(procs: Processes) -> Path:

@@ -14,7 +14,6 @@ a joining stage (``StagePlan.joining``) needs it: its ring command comes there.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Annotated, NoReturn
@@ -24,6 +23,7 @@ import cyclopts
 from silentswarm.agent.errors import DataError, FrameError, LinkError, RingChangeError
 from silentswarm.agent.runtime.control import ControlChannel
 from silentswarm.agent.runtime.tfsetup import configure_tensorflow, require_tensorflow
+from silentswarm.cpus import usable_cores
 from silentswarm.entry import configure_logging, fail
 from silentswarm.errors import ConfigError, ErrorCode, SwarmError
 from silentswarm.plan import decode_plan
@@ -63,7 +63,7 @@ def run(
         control = ControlChannel()
         control.start_reader(0)  # fd 0, not sys.stdin: see start_reader
     configure_tensorflow(
-        intra_op_threads=stage_plan.intra_op_threads or os.cpu_count() or 1,
+        intra_op_threads=stage_plan.intra_op_threads or usable_cores(),
         logical_cpus=max(1, len(stage_plan.gpu_slots)),
     )
     from silentswarm.agent.runtime.stage import StageRunner

@@ -77,14 +77,13 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import psutil
 from _common import emit, load_avg, verdict  # puts the repo on sys.path
+from cpuquota import cpu_quota
 
 from silentswarm.agent.hardware import probe_compute_speed
 from silentswarm.agent.runtime.launch import done, run_plans
@@ -101,37 +100,8 @@ from silentswarm.plan import (
 )
 from silentswarm.procs import free_port, free_ports
 
-CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
-PERIOD_US = 100_000
 SLOW_SHARE = 0.5
 FAST, SLOW = "fast", "slow"
-
-
-@contextlib.contextmanager
-def cpu_quota(share: float) -> Iterator[list[str] | None]:
-    """A cgroup v1 CPU group holding its processes to ``share`` of one core: yields the
-    command prefix that puts a process in it (None where cgroups cannot be made: not root,
-    no v1 cpu controller); the group is removed after."""
-    group = CGROUP_CPU / f"swarm-bench-{uuid.uuid4().hex[:8]}"
-    try:
-        group.mkdir()
-        (group / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-        (group / "cpu.cfs_quota_us").write_text(str(int(PERIOD_US * share)))
-    except OSError as exc:
-        print(f"  no CPU quota ({exc}): both fellows run at full speed", flush=True)
-        with contextlib.suppress(OSError):
-            group.rmdir()
-        yield None
-        return
-    procs = group / "cgroup.procs"
-    try:
-        yield ["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh"]
-    finally:
-        for _ in range(50):  # a process that just exited may still be listed briefly
-            with contextlib.suppress(OSError):
-                group.rmdir()
-                break
-            time.sleep(0.1)
 
 
 def probe_speeds(prefix: list[str] | None) -> dict[str, float]:
@@ -241,7 +211,10 @@ def placement(work: Path, quick: bool, rounds: int, steps: int) -> dict[str, Any
     )
     train = TrainConfig(steps=steps, batch_size=8, micro_batches=4, val_every=0, link_probe_every=0)
     n, equal = model.n_layers, model.n_layers // 2
-    with cpu_quota(SLOW_SHARE) as prefix:
+    why: list[str] = []
+    with cpu_quota(SLOW_SHARE, why=why) as prefix:
+        if prefix is None:
+            print(f"  {why[0]}: both fellows run at full speed", flush=True)
         probed = probe_speeds(prefix)
         order, from_probe = balanced_split(model, train, probed)
         slow = order.index(SLOW)

@@ -497,7 +497,7 @@ function fellowView(id) {
         ["labels", labelText(w.labels) || "-", "fellow-labels"],
         ["job", w.job_id || "-"],
         ["step / loss", `${w.step ?? "-"} / ${num(w.loss)}`],
-        ["CPU", `${hw.cpu_cores} cores, ${num(hw.cpu_load_pct, 0)}% busy`],
+        ["CPU", `${hw.cpu_cores} cores${hw.cpu_quota == null ? "" : ` (quota ${num(hw.cpu_quota, 2)})`}, ${num(hw.cpu_load_pct, 0)}% busy`, "fellow-cpu"],
         ["RAM free", `${gib(hw.ram_available_bytes)} of ${gib(hw.ram_total_bytes)}`],
         ["host network", `sent ${rate(hw.net_sent_bytes_per_s)}, received ${rate(hw.net_recv_bytes_per_s)}`],
         ["VRAM used / free", gpuTotals(w)],

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import BENCH, REPO, child_env, shaped_paths_unavailable
+from tests.helpers import BENCH, REPO, bench_module, child_env, shaped_paths_unavailable
 
 pytestmark = pytest.mark.integration
 
@@ -292,3 +292,18 @@ def test_replicas_benchmark_quick_places_by_speed():
     assert all(positive(v) for v in placement["probed_speeds"].values())
     assert all(positive(v) for v in placement["measured_speeds"].values())
     assert sorted(placement["stage_order"]) == ["fast", "slow"]
+
+
+@pytest.mark.timeout(200)
+def test_cpu_budget_benchmark_quick():
+    why: list[str] = []
+    with bench_module("cpuquota").cpu_quota(0.5, why=why) as prefix:
+        if prefix is None:
+            pytest.skip(why[0])
+    figures = run_quick("cpu_budget", timeout=150)
+    assert figures["bench"] == "cpu_budget" and figures["quick"] is True
+    (arm,) = figures["arms"]
+    assert arm["quota_cores"] == 0.5 and arm["budget_threads"] == 1
+    assert arm["host_threads"] == figures["host_cores"]
+    for key in ("host_threads_speed", "budget_threads_speed", "budget_over_host"):
+        assert positive(arm[key]), key

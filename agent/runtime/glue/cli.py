@@ -21,6 +21,7 @@ from silentswarm.agent.runtime.glue.manifest import read_run_manifest
 from silentswarm.agent.runtime.glue.run import GlueResult, glue
 from silentswarm.agent.runtime.glue.save import DEFAULT_OUT, check_out
 from silentswarm.agent.runtime.tool import ToolParser, exit_with
+from silentswarm.cpus import usable_cores
 from silentswarm.errors import SwarmError
 
 PROG = "glue"
@@ -90,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_out(args.export_dir, args.out or args.export_dir / DEFAULT_OUT)
         from silentswarm.agent.runtime.tfsetup import configure_tensorflow
 
-        configure_tensorflow(intra_op_threads=os.cpu_count() or 1)
+        configure_tensorflow(intra_op_threads=usable_cores())
         import tensorflow as tf
 
         # Exact float32 matmuls on GPUs (TF32 would blur the comparison with the pipeline).

@@ -27,6 +27,11 @@ FELLOW_ID = Parameter(help="The fellow's id (as swarm fellows lists it)")
 SOME_FELLOW = Parameter(help="Only this fellow (default: all)")
 
 
+def cores_text(cores: int, quota: float | None) -> str:
+    """The cores a fellow may use, and its container's quota where one limits it."""
+    return str(cores) if quota is None else f"{cores} (quota {quota:g})"
+
+
 def fellows(*, options: LeaderOptions = LEADER, ctx: Ctx) -> None:
     """Every fellow the leader knows: status, host, pool and labels, hardware, last heartbeat."""
     with ctx.client() as client:
@@ -39,6 +44,7 @@ def fellows(*, options: LeaderOptions = LEADER, ctx: Ctx) -> None:
             f.pool,
             format_labels(f.labels) or "-",
             len(f.hardware.gpus) or "cpu",
+            cores_text(f.hardware.cpu_cores, f.hardware.cpu_quota),
             render.gib(f.hardware.ram_available_bytes),
             f.job_id,
             render.ago(f.last_heartbeat_age_s),
@@ -52,6 +58,7 @@ def fellows(*, options: LeaderOptions = LEADER, ctx: Ctx) -> None:
         "POOL",
         "LABELS",
         "GPUS",
+        "CORES",
         "RAM FREE",
         "JOB",
         "LAST HEARTBEAT",

@@ -1,0 +1,202 @@
+"""The CPUs this process may really use: its affinity mask and its cgroup's CPU quota.
+
+``os.cpu_count()`` and psutil count the host's cores. A fellow in a container (Docker
+``--cpus``, a Kubernetes CPU limit, Nomad's ``cpu_hard_limit``, systemd's ``CPUQuota=``) or
+pinned to a few cores (``taskset``, ``--cpuset-cpus``, ``AllowedCPUs=``) gets far fewer: a
+TensorFlow thread pool sized for the host then runs dozens of threads into a quota of two
+cores, and the kernel stops the whole group for the rest of every period it overdraws, so
+a stage, and the pipeline behind it, stalls. Like the JVM's container support, the budget
+here is the affinity mask's size capped by the quota rounded up (a quota of 1.5 cores gets 2
+threads: rounding down would leave a third of it unused).
+
+The quota is the smallest ``cpu.max`` (cgroup v2) or ``cpu.cfs_quota_us`` over
+``cpu.cfs_period_us`` (v1) on the path from this process's cgroup up to its hierarchy's
+mount (a parent's limit binds its children). The parsing is pure; :func:`cpu_budget` reads
+``/proc/self/cgroup``, ``/proc/self/mountinfo`` and the cgroup files.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+PROC_SELF = Path("/proc/self")
+# A quota below this many cores is read as this (a misread or absurd file must not make
+# every figure derived from it divide by almost nothing).
+MIN_QUOTA_CORES = 0.01
+
+
+@dataclass(frozen=True)
+class CpuBudget:
+    """``cores``: the threads worth running (>= 1); ``quota``: the cgroup's limit in cores
+    (None: no limit); ``affinity``: the cores the scheduler may put this process on;
+    ``host``: the machine's logical cores."""
+
+    cores: int
+    quota: float | None
+    affinity: int
+    host: int
+
+
+@dataclass(frozen=True)
+class CgroupDir:
+    """A directory of this process's cgroup (or an ancestor's) in one hierarchy."""
+
+    version: int  # 1 or 2
+    path: Path
+    mount: Path  # where its hierarchy is mounted: limits are read from path up to here
+
+
+def budget(host: int, affinity: int, quota: float | None) -> CpuBudget:
+    """The threads worth running with ``affinity`` usable cores and a quota of ``quota``
+    cores: the affinity capped by the quota rounded up, at least 1."""
+    host = max(1, host)
+    affinity = max(1, min(affinity, host))
+    if quota is not None:
+        quota = max(MIN_QUOTA_CORES, quota)
+        cores = min(affinity, math.ceil(quota - 1e-9))
+    else:
+        cores = affinity
+    return CpuBudget(cores=max(1, cores), quota=quota, affinity=affinity, host=host)
+
+
+def parse_cpu_max(text: str) -> float | None:
+    """cgroup v2 ``cpu.max`` (``"$MAX $PERIOD"``, ``max`` for none) in cores; None for no
+    limit or a file that does not read as one."""
+    parts = text.split()
+    if len(parts) != 2 or parts[0] == "max":
+        return None
+    return quota_cores(parts[0], parts[1])
+
+
+def quota_cores(quota_us: str, period_us: str) -> float | None:
+    """A quota and period in microseconds as cores; None for -1 (v1's no limit) or junk."""
+    try:
+        quota, period = int(quota_us.strip()), int(period_us.strip())
+    except ValueError:
+        return None
+    if quota <= 0 or period <= 0:
+        return None
+    return quota / period
+
+
+def cgroup_dirs(proc_cgroup: str, mountinfo: str) -> list[CgroupDir]:
+    """The directories that hold this process's CPU limits: for each hierarchy with the
+    ``cpu`` controller (v1) or the unified one (v2) that ``mountinfo`` shows mounted, the
+    process's cgroup directory (``proc_cgroup`` is ``/proc/self/cgroup``)."""
+    v1_paths: dict[str, str] = {}
+    v2_path: str | None = None
+    for line in proc_cgroup.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and controllers == "":
+            v2_path = path
+        else:
+            for controller in controllers.split(","):
+                v1_paths[controller] = path
+    dirs: list[CgroupDir] = []
+    for line in mountinfo.splitlines():
+        mount = parse_mount(line)
+        if mount is None:
+            continue
+        fstype, root, point, options = mount
+        if fstype == "cgroup2" and v2_path is not None:
+            inside = relative_to_root(v2_path, root)
+            if inside is not None:
+                dirs.append(CgroupDir(2, Path(point, inside), Path(point)))
+        elif fstype == "cgroup" and "cpu" in options and "cpu" in v1_paths:
+            inside = relative_to_root(v1_paths["cpu"], root)
+            if inside is not None:
+                dirs.append(CgroupDir(1, Path(point, inside), Path(point)))
+    return dirs
+
+
+def parse_mount(line: str) -> tuple[str, str, str, set[str]] | None:
+    """(fstype, root, mount point, super options) of a ``/proc/self/mountinfo`` line."""
+    fields = line.split()
+    if "-" not in fields:
+        return None
+    sep = fields.index("-")
+    if sep < 5 or len(fields) < sep + 4:
+        return None
+    root, point = unescape(fields[3]), unescape(fields[4])
+    return fields[sep + 1], root, point, set(fields[sep + 3].split(","))
+
+
+def unescape(field: str) -> str:
+    """mountinfo writes space, tab, newline and backslash as octal escapes."""
+    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        field = field.replace(code, char)
+    return field
+
+
+def relative_to_root(path: str, root: str) -> str | None:
+    """A cgroup path as seen from a mount of the hierarchy at ``root``: "" for the mount
+    itself; None when the cgroup lies outside what is mounted."""
+    p, r = PurePosixPath(path), PurePosixPath(root)
+    try:
+        inside = p.relative_to(r)
+    except ValueError:
+        return None
+    return "" if str(inside) == "." else str(inside)
+
+
+def quota_on_path(start: CgroupDir, read: Callable[[Path], str | None]) -> float | None:
+    """The smallest quota from ``start``'s directory up to its hierarchy's mount point."""
+    found: list[float] = []
+    here = start.path
+    for _ in range(len(start.path.relative_to(start.mount).parts) + 1):
+        if start.version == 2:
+            text = read(here / "cpu.max")
+            cores = parse_cpu_max(text) if text is not None else None
+        else:
+            quota, period = read(here / "cpu.cfs_quota_us"), read(here / "cpu.cfs_period_us")
+            cores = quota_cores(quota, period) if quota and period else None
+        if cores is not None:
+            found.append(cores)
+        here = here.parent
+    return min(found) if found else None
+
+
+def read_small(path: Path, limit: int = 4096) -> str | None:
+    """A kernel file's text, at most ``limit`` characters (mountinfo on a host with many
+    mounts runs long: it is read with a larger limit); None where it cannot be read."""
+    try:
+        with path.open() as f:
+            return f.read(limit)
+    except OSError:
+        return None
+
+
+def cgroup_quota(proc: Path = PROC_SELF) -> float | None:
+    """This process's CPU quota in cores from its cgroups; None where none limits it or the
+    files cannot be read."""
+    proc_cgroup, mountinfo = read_small(proc / "cgroup"), read_small(proc / "mountinfo", 1 << 20)
+    if proc_cgroup is None or mountinfo is None:
+        return None
+    quotas = [quota_on_path(d, read_small) for d in cgroup_dirs(proc_cgroup, mountinfo)]
+    found = [q for q in quotas if q is not None]
+    return min(found) if found else None
+
+
+def affinity_count() -> int:
+    """The cores the scheduler may run this process on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def cpu_budget() -> CpuBudget:
+    """This process's CPU budget, read now (a limit can change while it runs)."""
+    return budget(os.cpu_count() or 1, affinity_count(), cgroup_quota())
+
+
+def usable_cores() -> int:
+    """The threads worth running in this process (see the module's docstring)."""
+    return cpu_budget().cores
