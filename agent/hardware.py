@@ -104,18 +104,20 @@ async def probe_compute_speed(
     threads: int | None = None,
     prefix: list[str] | None = None,
     seconds: float | None = None,
+    key: str = "compute_speed",
 ) -> tuple[float | None, str | None]:
     """(standard blocks trained per second, None) or (None, why the probe failed).
 
     Takes seconds (it imports TensorFlow in a subprocess, killed if this is cancelled).
     ``prefix`` goes in front of the command (a benchmark puts the probe in a cgroup);
-    ``seconds``: how long its timed passes run (the probe's default: 2)."""
+    ``seconds``: how long its timed passes run (the probe's default: 2); ``key``:
+    ``compute_speed`` (while it ran) or ``wall_clock_speed`` (a CPU quota's stalls in)."""
     argv = [*(prefix or []), sys.executable, "-m", "silentswarm.agent.runtime.speedprobe"]
     if threads:
         argv += ["--threads", str(threads)]
     if seconds:
         argv += ["--seconds", str(seconds)]
-    value, why = await _run_probe(argv, "compute_speed", timeout)
+    value, why = await _run_probe(argv, key, timeout)
     if why:
         return None, why
     try:

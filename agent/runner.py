@@ -681,6 +681,7 @@ class FellowAgent:
             lr=event.lr,
             step_time_s=event.step_time_s,
             wait_s=event.wait_s,
+            throttled_s=event.throttled_s,
             tokens_per_s=event.tokens_per_s,
             bytes_sent=self.bytes_sent,
             bytes_received=self.bytes_received,

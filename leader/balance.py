@@ -81,13 +81,14 @@ def measured_speed(
 
 
 def stage_busy_s(progress: Progress) -> float | None:
-    """The seconds a step record's stage worked: its step time less its waits; None for a
-    record without both, or one of the first :data:`SKIP_STEPS` steps (they compile)."""
+    """The seconds a step record's stage worked: its step time less its waits and the
+    seconds its CPU quota held it back; None for a record without step time and waits, or
+    one of the first :data:`SKIP_STEPS` steps (they compile)."""
     if progress.event is not ProgressEvent.STEP or progress.step <= SKIP_STEPS:
         return None
     if progress.step_time_s is None or progress.wait_s is None:
         return None
-    busy = progress.step_time_s - progress.wait_s
+    busy = progress.step_time_s - progress.wait_s - progress.throttled_s
     return busy if busy > 0 else None
 
 
@@ -118,6 +119,7 @@ def balanced_sizes(
     first_extra: float = 0.0,
     last_extra: float = 0.0,
     micro_batches: int | None = None,
+    shares: Sequence[float] | None = None,
 ) -> list[int] | None:
     """Layers per stage, in order, at least one each, for the shortest pipeline step.
 
@@ -129,6 +131,13 @@ def balanced_sizes(
 
     ``speeds`` must be positive; ``caps[i]`` (None: no limit) is the most layers stage ``i``
     may hold. None when the caps leave no split (a cap below one, or too few in all).
+
+    ``shares[i]`` < 1: stage ``i``'s fellow runs under a CPU quota of that share of its
+    threads (``speeds`` are then its speed while it runs, the quota's stalls left out).
+    Such a stage runs at full speed while it is busy less than that share of the step, and
+    at ``speed * share`` once it is busier (:func:`throttled_step_cost`); the cost is then
+    no longer one the greedy search is exact for, so every split is tried (up to
+    :data:`MAX_SEARCH` of them; beyond that the search runs on ``speed * share``).
     """
     n = len(speeds)
     if not 1 <= n <= n_layers:
@@ -141,6 +150,12 @@ def balanced_sizes(
     extras = [0.0] * n
     extras[0] += first_extra
     extras[-1] += last_extra
+    if shares is not None and min(shares) < 1.0:
+        if len(shares) != n or min(shares) <= 0:
+            raise ValueError(f"shares must be positive, one per stage: {list(shares)}")
+        if math.comb(n_layers - 1, n - 1) <= MAX_SEARCH:
+            return _every_split(n_layers, speeds, limits, extras, shares, micro_batches)
+        speeds = [v * min(1.0, q) for v, q in zip(speeds, shares, strict=True)]
     sizes = _least_bottleneck(n_layers, speeds, limits, extras)
     if micro_batches is None or n_layers * n > MAX_SEARCH:
         return sizes
@@ -165,6 +180,63 @@ def step_cost(
     """A 1F1B step's time, in the stages' time unit: ``(m - 1) * max(T) / m + sum(T) / m``."""
     times = [stage_time(k, v, e) for k, v, e in zip(sizes, speeds, extras, strict=True)]
     return ((micro_batches - 1) * max(times) + sum(times)) / micro_batches
+
+
+def throttled_step_cost(
+    sizes: Sequence[int],
+    speeds: Sequence[float],
+    extras: Sequence[float],
+    shares: Sequence[float],
+    micro_batches: int | None,
+) -> float:
+    """A step's time when some stages run under a CPU quota (``shares[i]`` of their threads'
+    time): a stage busy longer than its share of the step is held back, and its time becomes
+    ``T / share``; the step is found again until no stage crosses its share (each pass only
+    lengthens it, so at most one pass per stage). Without ``micro_batches``: the slowest
+    stage's time."""
+    times = [stage_time(k, v, e) for k, v, e in zip(sizes, speeds, extras, strict=True)]
+    held = list(times)
+
+    def step() -> float:
+        if micro_batches is None:
+            return max(held)
+        return ((micro_batches - 1) * max(held) + sum(held)) / micro_batches
+
+    current = step()
+    for _ in range(len(times)):
+        over = [
+            i
+            for i, (t, q) in enumerate(zip(times, shares, strict=True))
+            if q < 1.0 and held[i] == t and t > q * current + EPSILON
+        ]
+        if not over:
+            break
+        for i in over:
+            held[i] = times[i] / shares[i]
+        current = step()
+    return current
+
+
+def _every_split(
+    n_layers: int,
+    speeds: Sequence[float],
+    limits: Sequence[int],
+    extras: Sequence[float],
+    shares: Sequence[float],
+    micro_batches: int | None,
+) -> list[int] | None:
+    """The split with the least :func:`throttled_step_cost`, trying every one within the
+    limits (the first found among equals)."""
+    n = len(speeds)
+    best: tuple[float, list[int]] | None = None
+    for cuts in itertools.combinations(range(1, n_layers), n - 1):
+        sizes = [b - a for a, b in itertools.pairwise((0, *cuts, n_layers))]
+        if any(k > c for k, c in zip(sizes, limits, strict=True)):
+            continue
+        cost = throttled_step_cost(sizes, speeds, extras, shares, micro_batches)
+        if best is None or cost < best[0] - EPSILON:
+            best = (cost, sizes)
+    return None if best is None else best[1]
 
 
 def _least_bottleneck(

@@ -60,7 +60,13 @@ def candidate(record: FellowRecord) -> Candidate:
         pool=record.pool,
         labels=record.labels,
         compute_speed=record.measured_speed or hw.compute_speed,
+        cpu_share=cpu_share(hw.cpu_cores, hw.cpu_quota),
     )
+
+
+def cpu_share(cores: int, quota: float | None) -> float:
+    """The share of its threads' time a fellow's CPU quota lets it run: 1 without one."""
+    return 1.0 if quota is None or cores < 1 else min(1.0, quota / cores)
 
 
 def idle_candidates(

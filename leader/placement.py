@@ -84,6 +84,10 @@ class Candidate(msgspec.Struct, kw_only=True, frozen=True):
     # Standard blocks per second (protocol.ComputeSpeed): measured from its stages' step
     # times where it ran any, else its start-up probe; None: unknown.
     compute_speed: float | None = None
+    # The share of its threads' time its CPU quota lets it run (decide.cpu_share): a
+    # container's 0.5 of a core for one thread is 0.5; 1 without a quota. Its compute_speed
+    # is its speed while it runs; balance models the quota's stalls with this.
+    cpu_share: float = 1.0
     # Where its stage binds for its replicas' ring (SWARM_SYNC_ADDRESS); None: not given.
     sync_address: str | None = None
 
@@ -376,6 +380,7 @@ def _balanced_ranges(
         return split_layers(spec.model.n_layers, n)
     fill = sum(known) / len(known)
     speeds = [min(g[i].compute_speed or fill for g in groups) for i in range(n)]
+    shares = [min(g[i].cpu_share for g in groups) for i in range(n)]
     caps = [
         min(_layer_cap(spec, i, n, g[i], gpus[g[i].fellow_id]) for g in groups) for i in range(n)
     ]
@@ -388,6 +393,7 @@ def _balanced_ranges(
         caps=caps,
         last_extra=head_blocks(spec.model),
         micro_batches=spec.micro_batches if fixed else None,
+        shares=shares,
     )
     if sizes is None:
         return Unplaceable(

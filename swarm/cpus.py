@@ -148,7 +148,16 @@ def relative_to_root(path: str, root: str) -> str | None:
 
 def quota_on_path(start: CgroupDir, read: Callable[[Path], str | None]) -> float | None:
     """The smallest quota from ``start``'s directory up to its hierarchy's mount point."""
-    found: list[float] = []
+    found = binding_quota(start, read)
+    return found[0] if found else None
+
+
+def binding_quota(
+    start: CgroupDir, read: Callable[[Path], str | None]
+) -> tuple[float, CgroupDir] | None:
+    """The smallest quota from ``start``'s directory up to its mount point, and the
+    directory that sets it (where the kernel counts the throttling it causes)."""
+    found: list[tuple[float, CgroupDir]] = []
     here = start.path
     for _ in range(len(start.path.relative_to(start.mount).parts) + 1):
         if start.version == 2:
@@ -158,9 +167,9 @@ def quota_on_path(start: CgroupDir, read: Callable[[Path], str | None]) -> float
             quota, period = read(here / "cpu.cfs_quota_us"), read(here / "cpu.cfs_period_us")
             cores = quota_cores(quota, period) if quota and period else None
         if cores is not None:
-            found.append(cores)
+            found.append((cores, CgroupDir(start.version, here, start.mount)))
         here = here.parent
-    return min(found) if found else None
+    return min(found, key=lambda f: f[0]) if found else None
 
 
 def read_small(path: Path, limit: int = 4096) -> str | None:
@@ -176,12 +185,50 @@ def read_small(path: Path, limit: int = 4096) -> str | None:
 def cgroup_quota(proc: Path = PROC_SELF) -> float | None:
     """This process's CPU quota in cores from its cgroups; None where none limits it or the
     files cannot be read."""
+    found = tightest_quota(proc)
+    return found[0] if found else None
+
+
+def tightest_quota(proc: Path = PROC_SELF) -> tuple[float, CgroupDir] | None:
+    """The tightest CPU quota over this process's hierarchies, and the directory that sets it."""
     proc_cgroup, mountinfo = read_small(proc / "cgroup"), read_small(proc / "mountinfo", 1 << 20)
     if proc_cgroup is None or mountinfo is None:
         return None
-    quotas = [quota_on_path(d, read_small) for d in cgroup_dirs(proc_cgroup, mountinfo)]
+    quotas = [binding_quota(d, read_small) for d in cgroup_dirs(proc_cgroup, mountinfo)]
     found = [q for q in quotas if q is not None]
-    return min(found) if found else None
+    return min(found, key=lambda f: f[0]) if found else None
+
+
+def parse_throttled(text: str, version: int) -> float | None:
+    """Seconds a group spent held back by its quota, from its ``cpu.stat``: v1's
+    ``throttled_time`` (ns), v2's ``throttled_usec``; None where the file has neither."""
+    key, unit = ("throttled_time", 1e-9) if version == 1 else ("throttled_usec", 1e-6)
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name == key:
+            try:
+                return max(0, int(value)) * unit
+            except ValueError:
+                return None
+    return None
+
+
+class ThrottleClock:
+    """The seconds the kernel has held this process's cgroup over its CPU quota, read from
+    the ``cpu.stat`` of the group whose quota is tightest (found once; 0.0 without a
+    quota). A stage subtracts a step's share of it from its busy time: those seconds are the
+    quota's, not the work's, and the leader keeps the two apart (balanced partitions)."""
+
+    def __init__(self, proc: Path = PROC_SELF) -> None:
+        found = tightest_quota(proc)
+        self.group = found[1] if found else None
+
+    def seconds(self) -> float:
+        if self.group is None:
+            return 0.0
+        text = read_small(self.group.path / "cpu.stat")
+        seconds = parse_throttled(text, self.group.version) if text is not None else None
+        return seconds or 0.0
 
 
 def affinity_count() -> int:

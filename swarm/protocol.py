@@ -356,6 +356,9 @@ class Progress(Message, kw_only=True):
     # Of step_time_s, the seconds the stage waited on its peers: the rest is its own work,
     # from which the leader learns the fellow's compute speed (balanced partitions).
     wait_s: Annotated[float, msgspec.Meta(ge=0.0, le=1e9)] | None = None
+    # Of the rest, the seconds the fellow's CPU quota held the stage back (a container's
+    # limit): the quota's, not the work's; the leader's speed leaves them out.
+    throttled_s: Annotated[float, msgspec.Meta(ge=0.0, le=1e9)] = 0.0
     tokens_per_s: Rate | None = None
     bytes_sent: Bytes = 0  # over both boundaries of the stage, since it started
     bytes_received: Bytes = 0

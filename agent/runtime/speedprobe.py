@@ -4,9 +4,14 @@ Trains one standard transformer block (gpt2, d_model 256, seq 128, batch 8, fp32
 unit of :data:`silentswarm.protocol.ComputeSpeed`), forward and backward through a compiled
 step, on the device a stage would train on (TensorFlow's default: the first GPU it sees,
 else the CPU), for about ``--seconds`` after two warm-up passes, and prints
-``{"compute_speed": passes per second}``. The agent runs it once at start in a subprocess
-(it never imports TensorFlow itself), bounded by a timeout; the leader's ``balanced``
-partition splits layers by it until the fellow's own stages have measured better.
+``{"compute_speed": passes per second, "wall_clock_speed": ...}``: the first over the
+seconds it ran, the second over the wall clock. They differ under a CPU quota (a
+container's limit), which holds the process back for part of every period: the fellow
+reports its quota beside the first (``HardwareSnapshot.cpu_quota``) and placement models
+the quota's stalls itself (silentswarm.leader.balance). The agent runs it once at start
+in a subprocess (it never imports TensorFlow itself), bounded by a timeout; the leader's
+``balanced`` partition splits layers by it until the fellow's own stages have measured
+better.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import os
 import sys
 import time
 
+from silentswarm.cpus import ThrottleClock
 from silentswarm.plan import ModelConfig
 from silentswarm.protocol import (
     SPEED_UNIT_BATCH,
@@ -33,8 +39,9 @@ WARMUP_PASSES = 2
 MAX_PASSES = 200
 
 
-def measure(seconds: float, threads: int | None) -> float:
-    """Passes per second of the standard block's training step."""
+def measure(seconds: float, threads: int | None) -> tuple[float, float]:
+    """Passes per second of the standard block's training step: while it ran (the seconds a
+    CPU quota held the process back left out), and over the wall clock."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import tensorflow as tf
 
@@ -57,13 +64,15 @@ def measure(seconds: float, threads: int | None) -> float:
 
     for _ in range(WARMUP_PASSES):
         step(x).numpy()
-    passes, start = 0, time.perf_counter()
+    throttle = ThrottleClock()
+    passes, start, held = 0, time.perf_counter(), throttle.seconds()
     while passes < MAX_PASSES:
         step(x).numpy()
         passes += 1
         if time.perf_counter() - start >= seconds:
             break
-    return passes / (time.perf_counter() - start)
+    elapsed, held = time.perf_counter() - start, throttle.seconds() - held
+    return passes / max(elapsed - held, elapsed * 0.01), passes / elapsed
 
 
 def main() -> None:
@@ -71,8 +80,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=2.0, help="timed passes for about this")
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads")
     args = parser.parse_args()
-    speed = measure(max(0.1, args.seconds), args.threads)
-    print(json.dumps({"compute_speed": round(speed, 4)}))
+    speed, wall = measure(max(0.1, args.seconds), args.threads)
+    print(json.dumps({"compute_speed": round(speed, 4), "wall_clock_speed": round(wall, 4)}))
     sys.stdout.flush()
 
 

@@ -110,6 +110,7 @@ from silentswarm.agent.runtime.schedule import (
 from silentswarm.agent.runtime.stage_model import StageModel
 from silentswarm.agent.runtime.warmstart import ExportStart
 from silentswarm.compression import parse_wire_codec
+from silentswarm.cpus import ThrottleClock
 from silentswarm.plan import CurveKeys as PlanCurveKeys
 from silentswarm.plan import RingChange, StagePlan, may_defer
 from silentswarm.types.links import LinkStats, Tuning
@@ -347,6 +348,10 @@ class StageRunner:
         # what the tuner fits each stage's cost to.
         self._busy: dict[int, list[float]] = {}
         self._skip_sample = True  # the next step compiles (the first, or a new micro-batch size)
+        # The seconds a CPU quota held this process back (0 without one): a step's share is
+        # reported apart from its work, so the leader learns the work's speed.
+        self._throttle = ThrottleClock()
+        self._throttled_mark = self._throttle.seconds()
         self._next_calibration: int | None = self.start_step if plan.n_stages > 1 else None
         # Elastic membership: the ring epoch in force (0: the plan's), the changes taken that
         # wait for their step, and what the next step event reports of the latest switch
@@ -802,6 +807,7 @@ class StageRunner:
             results.append(result)
             step_times.append(result.seconds)
             wait_s, traffic = self.take_wait(), self.bytes_summary()  # before validation
+            throttled_s = min(self.take_throttled(), max(0.0, result.seconds - wait_s))
             sync_s = 0.0 if self.replicas is None else self.replicas.take_seconds()
             self._sample_compute(result.seconds - wait_s - sync_s)  # the sync is no work
             ran = self.deferred
@@ -811,6 +817,7 @@ class StageRunner:
             if every and (step + 1) % every == 0 and step + 1 < plan.train.steps:
                 val_loss = self.evaluate(step)
                 self.take_wait()  # the validation's waits are no step's
+                self.take_throttled()
             self.emit(
                 StepEvent(
                     stage=plan.stage,
@@ -820,6 +827,7 @@ class StageRunner:
                     step_time_s=round(result.seconds, 5),
                     tokens_per_s=round(tokens_per_step / result.seconds, 1),
                     wait_s=round(wait_s, 5),
+                    throttled_s=round(throttled_s, 5),
                     val_loss=val_loss,
                     sync_s=round(sync_s, 5),
                     deferred=ran,
@@ -1334,6 +1342,12 @@ class StageRunner:
             )
         if self.up is not None:
             self.up.link.send_done()
+
+    def take_throttled(self) -> float:
+        """Seconds the CPU quota held this process back since the last call."""
+        now = self._throttle.seconds()
+        taken, self._throttled_mark = max(0.0, now - self._throttled_mark), now
+        return taken
 
     def take_wait(self) -> float:
         """Seconds blocked on peers since the last call (the pipeline bubble, seen from here)."""

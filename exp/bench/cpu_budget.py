@@ -4,7 +4,8 @@ A fellow in a container's CPU quota used to run as many TensorFlow threads as it
 cores; it now runs its budget (silentswarm.cpus: the affinity mask capped by the quota,
 rounded up). For each quota in ``--shares`` (a cgroup v1 CPU group, exp/bench/cpuquota.py),
 the agent's own compute-speed probe (one standard transformer block, forward and backward)
-runs with the host's threads and with the budget's, in ``--rounds`` rounds whose order
+runs with the host's threads and with the budget's (and, where the quota is not whole, with
+the quota rounded down: ``budget_over_floor``), in ``--rounds`` rounds whose order
 alternates; ``budget_over_host`` is the median of the per-round ratios. On a host with few
 cores the overdraft is small (2 threads in a 0.5-core quota); on a many-core host it is
 what the ratio grows with.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import statistics
 import time
@@ -32,7 +34,9 @@ from silentswarm.cpus import budget
 
 
 def probe(threads: int, prefix: list[str], seconds: float) -> float:
-    speed, error = asyncio.run(probe_compute_speed(threads=threads, prefix=prefix, seconds=seconds))
+    speed, error = asyncio.run(
+        probe_compute_speed(threads=threads, prefix=prefix, seconds=seconds, key="wall_clock_speed")
+    )
     if speed is None:
         raise SystemExit(f"the probe failed: {error}")
     return speed
@@ -41,21 +45,24 @@ def probe(threads: int, prefix: list[str], seconds: float) -> float:
 def arm(share: float, rounds: int, seconds: float) -> dict[str, Any]:
     host = os.cpu_count() or 1
     threads = {"host": host, "budget": budget(host, host, share).cores}
+    if 1 <= math.floor(share) < threads["budget"]:
+        threads["floor"] = math.floor(share)  # the quota rounded down, for the rounding's sake
     why: list[str] = []
     per_round: list[dict[str, float]] = []
     with cpu_quota(share, why=why) as prefix:
         if prefix is None:
             raise SystemExit(why[0])
         for r in range(rounds):
-            order = ["host", "budget"] if r % 2 == 0 else ["budget", "host"]
+            order = list(threads) if r % 2 == 0 else list(threads)[::-1]
             got = {name: probe(threads[name], prefix, seconds) for name in order}
             print(
-                f"  quota {share:g}: round {r + 1}: {threads['host']} threads {got['host']:.2f}, "
-                f"{threads['budget']} threads {got['budget']:.2f} blocks/s",
+                f"  quota {share:g}: round {r + 1}: "
+                + ", ".join(f"{name} {threads[name]} threads {got[name]:.2f}" for name in threads)
+                + " blocks/s",
                 flush=True,
             )
             per_round.append(got)
-    return {
+    figures: dict[str, Any] = {
         "quota_cores": share,
         "host_threads": threads["host"],
         "budget_threads": threads["budget"],
@@ -64,6 +71,12 @@ def arm(share: float, rounds: int, seconds: float) -> dict[str, Any]:
         "budget_over_host": statistics.median(r["budget"] / r["host"] for r in per_round),
         "per_round": per_round,
     }
+    if "floor" in threads:
+        figures["floor_threads"] = threads["floor"]
+        figures["floor_threads_speed"] = statistics.median(r["floor"] for r in per_round)
+        ratios = [r["budget"] / r["floor"] for r in per_round]
+        figures["budget_over_floor"] = statistics.median(ratios)
+    return figures
 
 
 def main() -> None:

@@ -129,7 +129,7 @@ def stage_speeds(
     speeds = {}
     for stage, (name, stage_events) in enumerate(zip(order, events, strict=True)):
         steps = [e for e in stage_events if e["event"] == "step"][balance.SKIP_STEPS :]
-        busy = statistics.median(e["step_time_s"] - e["wait_s"] for e in steps)
+        busy = statistics.median(e["step_time_s"] - e["wait_s"] - e["throttled_s"] for e in steps)
         speed = balance.measured_speed(
             model,
             batch_size=batch_size,
@@ -143,8 +143,11 @@ def stage_speeds(
     return speeds
 
 
-def balanced_split(model: ModelConfig, train: TrainConfig, speeds: dict[str, float]):
-    """Through the leader's own placement: the stage order and the layer count of each."""
+def balanced_split(
+    model: ModelConfig, train: TrainConfig, speeds: dict[str, float], shares: dict[str, float]
+):
+    """Through the leader's own placement: the stage order and the layer count of each
+    (``shares``: each fellow's CPU share, as the leader derives it from its quota)."""
     ram = psutil.virtual_memory().available
     candidates = [
         Candidate(
@@ -154,6 +157,7 @@ def balanced_split(model: ModelConfig, train: TrainConfig, speeds: dict[str, flo
             cpu_cores=1,
             ram_available_bytes=ram,
             compute_speed=speed,
+            cpu_share=shares.get(name, 1.0),
         )
         for name, speed in speeds.items()
     ]
@@ -216,7 +220,9 @@ def placement(work: Path, quick: bool, rounds: int, steps: int) -> dict[str, Any
         if prefix is None:
             print(f"  {why[0]}: both fellows run at full speed", flush=True)
         probed = probe_speeds(prefix)
-        order, from_probe = balanced_split(model, train, probed)
+        # One thread in a quota of SLOW_SHARE of a core (leader.decide.cpu_share).
+        shares = {SLOW: SLOW_SHARE} if prefix is not None else {}
+        order, from_probe = balanced_split(model, train, probed, shares)
         slow = order.index(SLOW)
         print(
             f"  probed speeds {probed} (standard blocks/s); stage order {order}; "
@@ -226,7 +232,7 @@ def placement(work: Path, quick: bool, rounds: int, steps: int) -> dict[str, Any
         # The first job: equal layers; its step records give the speeds the leader keeps.
         first = run_split(work, "place-first", model, train, equal, slow, prefix)
         measured = stage_speeds(first, order, [equal, n - equal], model, train.batch_size)
-        order_again, balanced = balanced_split(model, train, measured)
+        order_again, balanced = balanced_split(model, train, measured, shares)
         assert order_again == order, (order, order_again)
         print(
             f"  measured speeds {measured} (the equal run's step times); balanced split "
@@ -260,6 +266,7 @@ def placement(work: Path, quick: bool, rounds: int, steps: int) -> dict[str, Any
         "probe_split_tokens_per_s": med.get(from_probe),
         "stage_order": order,
         "probed_speeds": probed,
+        "cpu_shares": shares,
         "measured_speeds": measured,
         "quota_applied": prefix is not None,
         "slow_share": SLOW_SHARE,

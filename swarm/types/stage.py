@@ -103,6 +103,8 @@ class StepEvent(_Traffic, tag="step", kw_only=True):
     step_time_s: float
     tokens_per_s: float
     wait_s: float  # blocked on peers during the step (the pipeline bubble, seen from here)
+    # Of the rest, the seconds a CPU quota held the stage's process back (swarm.cpus).
+    throttled_s: float = 0.0
     val_loss: float | None = None  # on the steps that were validated, on the last stage
     # Seconds of the step spent syncing with the stage's replicas (0 without a sync).
     sync_s: float = 0.0

@@ -36,24 +36,26 @@ def test_a_quota_and_an_affinity_mask_set_a_fellows_cores_and_threads(
     with bench_module("cpuquota").cpu_quota(0.5, why=why) as quota:
         if quota is None:
             pytest.skip(why[0])
-        start_agent(procs, nats_server.url, "boxed", prefix=quota)
-        start_agent(procs, nats_server.url, "pinned", prefix=["taskset", "-c", "0"])
-        for name in ("boxed", "pinned"):
-            leader.wait_status(name, "ready", timeout=30)
-        hardware = {name: w["hardware"] for name, w in leader.workers().items()}
-        assert (hardware["boxed"]["cpu_cores"], hardware["boxed"]["cpu_quota"]) == (1, 0.5)
-        assert (hardware["pinned"]["cpu_cores"], hardware["pinned"]["cpu_quota"]) == (1, None)
-        assert wait_for(
-            lambda: quota_gauges(leader) or None, timeout=10, what="the quota gauge"
-        ) == {"boxed": 0.5}
-        table = swarm_cli(leader, "fellows")
-        assert table.returncode == 0, table.stderr
-        rows = {line.split()[0]: line for line in table.stdout.splitlines()[1:] if line.strip()}
-        assert "1 (quota 0.5)" in rows["boxed"] and "quota" not in rows["pinned"]
-        # One stage on one of them: the host's count would have given it `host` threads.
-        job_id = leader.submit(
-            name="budget", model=MODEL, stages=1, max_data_bytes=100_000, batch_size=4, steps=4
-        )["job_id"]
-        job = leader.wait_job(job_id, "COMPLETED", timeout=120)
-        assert [s["intra_op_threads"] for s in job["placement"]["stages"]] == [1]
-        procs.cleanup()  # the quota's group goes only once its processes have
+        try:
+            start_agent(procs, nats_server.url, "boxed", prefix=quota)
+            start_agent(procs, nats_server.url, "pinned", prefix=["taskset", "-c", "0"])
+            for name in ("boxed", "pinned"):
+                leader.wait_status(name, "ready", timeout=30)
+            hardware = {name: w["hardware"] for name, w in leader.workers().items()}
+            assert (hardware["boxed"]["cpu_cores"], hardware["boxed"]["cpu_quota"]) == (1, 0.5)
+            assert (hardware["pinned"]["cpu_cores"], hardware["pinned"]["cpu_quota"]) == (1, None)
+            assert wait_for(
+                lambda: quota_gauges(leader) or None, timeout=10, what="the quota gauge"
+            ) == {"boxed": 0.5}
+            table = swarm_cli(leader, "fellows")
+            assert table.returncode == 0, table.stderr
+            rows = {line.split()[0]: line for line in table.stdout.splitlines()[1:] if line.strip()}
+            assert "1 (quota 0.5)" in rows["boxed"] and "quota" not in rows["pinned"]
+            # One stage on one of them: the host's count would have given it `host` threads.
+            job_id = leader.submit(
+                name="budget", model=MODEL, stages=1, max_data_bytes=100_000, batch_size=4, steps=4
+            )["job_id"]
+            job = leader.wait_job(job_id, "COMPLETED", timeout=120)
+            assert [s["intra_op_threads"] for s in job["placement"]["stages"]] == [1]
+        finally:
+            procs.cleanup()  # the quota's group goes only once its processes have
