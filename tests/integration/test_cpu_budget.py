@@ -1,5 +1,6 @@
-"""A fellow in a container's CPU quota or pinned to a core reports the cores it may use, and
-its stages run that many threads: real agents in a real cgroup v1 quota and affinity mask."""
+"""A fellow in a container's CPU quota or pinned to a core reports the cores it may use, its
+stages run that many threads and report the seconds the quota held them back: real agents
+and stages in a real cgroup v1 quota and affinity mask."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import os
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from silentswarm.agent.runtime.launch import run_plans
+from silentswarm.plan import ModelConfig, TrainConfig, single_process_plan
 from tests.conftest import start_agent
 from tests.helpers import Leader, bench_module, swarm_cli, wait_for
 
@@ -38,7 +41,13 @@ def test_a_quota_and_an_affinity_mask_set_a_fellows_cores_and_threads(
             pytest.skip(why[0])
         try:
             start_agent(procs, nats_server.url, "boxed", prefix=quota)
-            start_agent(procs, nats_server.url, "pinned", prefix=["taskset", "-c", "0"])
+            start_agent(
+                procs,
+                nats_server.url,
+                "pinned",
+                prefix=["taskset", "-c", "0"],
+                SWARM_FELLOW_POOL="pinned",
+            )
             for name in ("boxed", "pinned"):
                 leader.wait_status(name, "ready", timeout=30)
             hardware = {name: w["hardware"] for name, w in leader.workers().items()}
@@ -51,11 +60,50 @@ def test_a_quota_and_an_affinity_mask_set_a_fellows_cores_and_threads(
             assert table.returncode == 0, table.stderr
             rows = {line.split()[0]: line for line in table.stdout.splitlines()[1:] if line.strip()}
             assert "1 (quota 0.5)" in rows["boxed"] and "quota" not in rows["pinned"]
-            # One stage on one of them: the host's count would have given it `host` threads.
+            # One stage on the pinned one (its own pool: the boxed one would start TensorFlow
+            # at half a core's pace): the host's count would have given it `host` threads.
             job_id = leader.submit(
-                name="budget", model=MODEL, stages=1, max_data_bytes=100_000, batch_size=4, steps=4
+                name="budget",
+                model=MODEL,
+                pool="pinned",
+                stages=1,
+                max_data_bytes=100_000,
+                batch_size=4,
+                steps=4,
             )["job_id"]
             job = leader.wait_job(job_id, "COMPLETED", timeout=120)
             assert [s["intra_op_threads"] for s in job["placement"]["stages"]] == [1]
         finally:
             procs.cleanup()  # the quota's group goes only once its processes have
+
+
+def test_a_stage_under_a_quota_reports_the_seconds_it_was_held_back(tmp_path):
+    """A real stage process in a real cgroup: at full speed while TensorFlow starts and
+    compiles, then held to half a core; its step records from then on carry the seconds the
+    kernel held its group back, which the leader leaves out of the fellow's speed."""
+    why: list[str] = []
+    with bench_module("cpuquota").cpu_group(2.0, why=why) as group:
+        if group is None:
+            pytest.skip(why[0])
+        held_from: list[int] = []
+
+        def hold(event: dict) -> None:
+            if event["event"] == "step" and event["step"] >= 2 and not held_from:
+                group.set_share(0.5)
+                held_from.append(event["step"] + 1)
+
+        plan = single_process_plan(
+            job_id="held",
+            model=ModelConfig(**MODEL),
+            train=TrainConfig(steps=40, batch_size=8, val_every=0, max_data_bytes=100_000),
+        )
+        (events,) = run_plans([plan], tmp_path, command_prefixes={0: group.prefix}, on_event=hold)
+    steps = [e for e in events if e["event"] == "step"]
+    free = [e for e in steps if 0 < e["step"] < held_from[0]]
+    records = [e for e in steps if e["step"] > held_from[0]]  # the next may straddle the switch
+    assert all(0 <= e["throttled_s"] <= e["step_time_s"] - e["wait_s"] + 1e-4 for e in steps)
+    assert sum(e["throttled_s"] for e in free) < 0.05
+    held = sum(e["throttled_s"] for e in records)
+    total = sum(e["step_time_s"] for e in records)
+    # Busy all the time in half a core: held back for about half of it.
+    assert held > 0.25 * total, (held, total)

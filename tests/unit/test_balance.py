@@ -309,6 +309,8 @@ def step(**kw) -> Progress:
 
 BUSY = {
     "time less waits": (step(step_time_s=0.5, wait_s=0.2), 0.3),
+    "and less a CPU quota's stalls": (step(step_time_s=0.5, wait_s=0.1, throttled_s=0.3), 0.1),
+    "all held back by the quota": (step(step_time_s=0.5, wait_s=0.1, throttled_s=0.4), None),
     "no waits reported (an older agent)": (step(step_time_s=0.5), None),
     "no step time": (step(wait_s=0.1), None),
     "a first step compiles": (step(step=2, step_time_s=3.0, wait_s=0.1), None),

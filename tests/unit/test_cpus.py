@@ -9,11 +9,13 @@ import pytest
 from silentswarm.cli.commands.fellows import cores_text
 from silentswarm.cpus import (
     CgroupDir,
+    ThrottleClock,
     budget,
     cgroup_dirs,
     cgroup_quota,
     parse_cpu_max,
     parse_mount,
+    parse_throttled,
     quota_cores,
     quota_on_path,
     read_small,
@@ -176,3 +178,34 @@ def test_the_fellows_table_shows_a_quota_beside_the_cores():
     assert cores_text(8, None) == "8"
     assert cores_text(1, 0.5) == "1 (quota 0.5)"
     assert cores_text(2, 1.5) == "2 (quota 1.5)"
+
+
+@pytest.mark.parametrize(
+    ("text", "version", "seconds"),
+    [
+        ("nr_periods 10\nnr_throttled 4\nthrottled_time 1500000000\n", 1, 1.5),
+        ("usage_usec 9\nnr_throttled 2\nthrottled_usec 250000\n", 2, 0.25),
+        ("throttled_usec 250000\n", 1, None),  # v1 has no such key
+        ("throttled_time x\n", 1, None),
+        ("", 2, None),
+    ],
+)
+def test_throttled_seconds_from_cpu_stat(text, version, seconds):
+    assert parse_throttled(text, version) == seconds
+
+
+def test_the_throttle_clock_reads_the_tightest_quotas_group(tmp_path):
+    proc, mount = tmp_path / "proc", tmp_path / "cpu"
+    proc.mkdir()
+    (proc / "cgroup").write_text("3:cpu:/slice/fellow\n")
+    (proc / "mountinfo").write_text(f"32 31 0:29 / {mount} rw - cgroup cgroup rw,cpu\n")
+    write(mount / "slice", cpu_cfs_quota_us="50000", cpu_cfs_period_us="100000")
+    write(mount / "slice" / "fellow", cpu_cfs_quota_us="200000", cpu_cfs_period_us="100000")
+    (mount / "slice" / "cpu.stat").write_text("throttled_time 2000000000\n")
+    (mount / "slice" / "fellow" / "cpu.stat").write_text("throttled_time 7\n")
+    clock = ThrottleClock(proc)
+    assert clock.group is not None and clock.group.path == mount / "slice"
+    assert clock.seconds() == 2.0
+    (mount / "slice" / "cpu.stat").write_text("throttled_time 3500000000\n")
+    assert clock.seconds() == 3.5
+    assert ThrottleClock(tmp_path / "none").seconds() == 0.0
