@@ -164,6 +164,7 @@ class HardwareProbe:
             platform=f"{platform.system()} {platform.machine()}",
             cpu_cores=cpus.cores,
             cpu_quota=cpus.quota,
+            host_cpu_cores=cpus.host,
             cpu_load_pct=psutil.cpu_percent(interval=None),
             ram_total_bytes=mem.total,
             ram_available_bytes=mem.available,

@@ -20,6 +20,7 @@ measured: the order whose slowest boundary is fastest.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
@@ -48,6 +49,9 @@ SKIP_STEPS = 3
 # The 1F1B search tries every bottleneck up to this many layers x stages (then: the least
 # bottleneck alone).
 MAX_SEARCH = 16384
+# With a fellow under a CPU quota every split is tried up to this many (a few ms here;
+# then the search runs on speed x share).
+MAX_EVERY_SPLIT = 2048
 EPSILON = 1e-9
 # A stage's measured speed moves the fellow's kept one this far (exponential smoothing).
 SMOOTHING = 0.3
@@ -137,12 +141,12 @@ def balanced_sizes(
     Such a stage runs at full speed while it is busy less than that share of the step, and
     at ``speed * share`` once it is busier (:func:`throttled_step_cost`); the cost is then
     no longer one the greedy search is exact for, so every split is tried (up to
-    :data:`MAX_SEARCH` of them; beyond that the search runs on ``speed * share``).
+    :data:`MAX_EVERY_SPLIT` of them; beyond that the search runs on ``speed * share``).
     """
     n = len(speeds)
     if not 1 <= n <= n_layers:
         raise ValueError(f"cannot split {n_layers} layers into {n} stages")
-    if any(s <= 0 for s in speeds):
+    if not all(s > 0 and math.isfinite(s) for s in speeds):
         raise ValueError(f"speeds must be positive: {list(speeds)}")
     limits = [n_layers if c is None else min(c, n_layers) for c in (caps or [None] * n)]
     if len(limits) != n or min(limits) < 1 or sum(limits) < n_layers:
@@ -151,11 +155,17 @@ def balanced_sizes(
     extras[0] += first_extra
     extras[-1] += last_extra
     if shares is not None and min(shares) < 1.0:
-        if len(shares) != n or min(shares) <= 0:
+        if len(shares) != n or not all(q > 0 and math.isfinite(q) for q in shares):
             raise ValueError(f"shares must be positive, one per stage: {list(shares)}")
-        if math.comb(n_layers - 1, n - 1) <= MAX_SEARCH:
-            return _every_split(n_layers, speeds, limits, extras, shares, micro_batches)
-        speeds = [v * min(1.0, q) for v, q in zip(speeds, shares, strict=True)]
+        shares = tuple(min(1.0, q) for q in shares)
+        if math.comb(n_layers - 1, n - 1) <= MAX_EVERY_SPLIT:
+            found = _every_split(
+                n_layers, tuple(speeds), tuple(limits), tuple(extras), shares, micro_batches
+            )
+            return None if found is None else list(found)
+        speeds = [v * q for v, q in zip(speeds, shares, strict=True)]
+        if not all(v > 0 for v in speeds):
+            raise ValueError(f"speeds times shares must be positive: {speeds}")
     sizes = _least_bottleneck(n_layers, speeds, limits, extras)
     if micro_batches is None or n_layers * n > MAX_SEARCH:
         return sizes
@@ -217,6 +227,7 @@ def throttled_step_cost(
     return current
 
 
+@functools.lru_cache(maxsize=256)
 def _every_split(
     n_layers: int,
     speeds: Sequence[float],
@@ -224,9 +235,10 @@ def _every_split(
     extras: Sequence[float],
     shares: Sequence[float],
     micro_batches: int | None,
-) -> list[int] | None:
+) -> tuple[int, ...] | None:
     """The split with the least :func:`throttled_step_cost`, trying every one within the
-    limits (the first found among equals)."""
+    limits (the first found among equals). Cached: placement asks again at every tick while
+    a job waits, with the same idle fellows' figures."""
     n = len(speeds)
     best: tuple[float, list[int]] | None = None
     for cuts in itertools.combinations(range(1, n_layers), n - 1):
@@ -236,7 +248,7 @@ def _every_split(
         cost = throttled_step_cost(sizes, speeds, extras, shares, micro_batches)
         if best is None or cost < best[0] - EPSILON:
             best = (cost, sizes)
-    return None if best is None else best[1]
+    return None if best is None else tuple(best[1])
 
 
 def _least_bottleneck(

@@ -18,6 +18,7 @@ resuming) are :mod:`silentswarm.leader.jobs`'s; these are the loop's:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -36,6 +37,9 @@ ORPHAN_STOP_EVERY_S = 5.0
 STOP_MEMORY_S = 12 * ORPHAN_STOP_EVERY_S
 # A pending purge for a fellow that is not back is tried again this often.
 PURGE_RETRY_S = 5.0
+# The least share of its threads' time placement credits a quota-bound fellow with: its
+# stage's time is divided by the share, which must stay a number.
+MIN_CPU_SHARE = 0.01
 
 # (fellow id, job id, attempt): one stage of one attempt.
 StageKey = tuple[str, str, int]
@@ -55,6 +59,7 @@ def candidate(record: FellowRecord) -> Candidate:
         data_address=record.data_address,
         sync_address=record.sync_address,
         cpu_cores=hw.cpu_cores,
+        host_cpu_cores=hw.host_cpu_cores or hw.cpu_cores,
         ram_available_bytes=offered_ram(hw),
         gpus=tuple(usable_gpus(hw)),
         pool=record.pool,
@@ -65,8 +70,11 @@ def candidate(record: FellowRecord) -> Candidate:
 
 
 def cpu_share(cores: int, quota: float | None) -> float:
-    """The share of its threads' time a fellow's CPU quota lets it run: 1 without one."""
-    return 1.0 if quota is None or cores < 1 else min(1.0, quota / cores)
+    """The share of its threads' time a fellow's CPU quota lets it run: 1 without one, at
+    least :data:`MIN_CPU_SHARE` (both figures come from the fellow)."""
+    if quota is None or cores < 1 or not math.isfinite(quota):
+        return 1.0
+    return min(1.0, max(MIN_CPU_SHARE, quota / cores))
 
 
 def idle_candidates(

@@ -64,7 +64,7 @@ def merge_host(hostname: str, fellows: list[HostFellow]) -> NodeView:
         hostname=hostname,
         online=bool(online),
         fellows=[f.fellow_id for f in by_id],
-        cpu_cores=freshest.cpu_cores,
+        cpu_cores=freshest.host_cpu_cores or freshest.cpu_cores,
         cpu_load_pct=freshest.cpu_load_pct,
         ram_total_bytes=freshest.ram_total_bytes,
         ram_available_bytes=freshest.ram_available_bytes,

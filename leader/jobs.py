@@ -136,14 +136,20 @@ def plan_schedule(
         if allowance.reason:
             waiting[job.job_id] = f"waiting: {allowance.reason}"
             continue
-        result = place(
-            job.spec,
-            free,
-            defaults,
-            ranges=job.layer_ranges,
-            max_stages=allowance.max_stages,
-            links=links,
-        )
+        try:
+            result = place(
+                job.spec,
+                free,
+                defaults,
+                ranges=job.layer_ranges,
+                max_stages=allowance.max_stages,
+                links=links,
+            )
+        except (ValueError, ArithmeticError) as exc:
+            # Figures that came from fellows and slipped past their bounds must not stop
+            # the placement of every other job (this runs on every tick).
+            waiting[job.job_id] = f"waiting: placement failed on the fellows' figures ({exc})"
+            continue
         if isinstance(result, Unplaceable):
             note = ""
             if result.too_few and pools:

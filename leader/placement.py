@@ -76,7 +76,7 @@ class Candidate(msgspec.Struct, kw_only=True, frozen=True):
     fellow_id: str
     hostname: str
     data_address: str | None
-    cpu_cores: int
+    cpu_cores: int  # what it may use: its affinity capped by its quota (silentswarm.cpus)
     ram_available_bytes: int  # already cut to the operator's cap
     gpus: tuple[GpuInfo, ...] = ()  # usable by TensorFlow, free VRAM cut to the cap
     pool: str = DEFAULT_POOL
@@ -88,6 +88,8 @@ class Candidate(msgspec.Struct, kw_only=True, frozen=True):
     # container's 0.5 of a core for one thread is 0.5; 1 without a quota. Its compute_speed
     # is its speed while it runs; balance models the quota's stalls with this.
     cpu_share: float = 1.0
+    # Its host's logical cores, which the fellows on one host share; None: as cpu_cores.
+    host_cpu_cores: int | None = None
     # Where its stage binds for its replicas' ring (SWARM_SYNC_ADDRESS); None: not given.
     sync_address: str | None = None
 
@@ -438,6 +440,13 @@ def _too_few(spec: JobSpec, need: int, available: int, *, replicas: int = 1) -> 
     return Unplaceable(reason=f"waiting for {need} {what}; {available} available", too_few=True)
 
 
+def intra_op_threads(c: Candidate, on_host: int) -> int:
+    """A stage's threads: the fellow's own cores (its container's quota, its affinity), and
+    no more than its share of the host's cores when ``on_host`` stages share the host."""
+    host = c.host_cpu_cores or c.cpu_cores
+    return max(1, min(c.cpu_cores, host // max(1, on_host)))
+
+
 def _place_stage(
     i: int,
     c: Candidate,
@@ -482,7 +491,7 @@ def _place_stage(
         data_address=c.data_address,
         gpu_slots=slots,
         # Stages sharing a host share its cores.
-        intra_op_threads=max(1, c.cpu_cores // per_host[c.hostname]),
+        intra_op_threads=intra_op_threads(c, per_host[c.hostname]),
         memory_estimate_bytes=estimate,
         memory_offered_bytes=offered,
     )

@@ -1,13 +1,13 @@
 """The CPUs this process may really use: its affinity mask and its cgroup's CPU quota.
 
 ``os.cpu_count()`` and psutil count the host's cores. A fellow in a container (Docker
-``--cpus``, a Kubernetes CPU limit, Nomad's ``cpu_hard_limit``, systemd's ``CPUQuota=``) or
+``--cpus``, a Kubernetes CPU limit, a Nomad driver's hard limit, systemd's ``CPUQuota=``) or
 pinned to a few cores (``taskset``, ``--cpuset-cpus``, ``AllowedCPUs=``) gets far fewer: a
 TensorFlow thread pool sized for the host then runs dozens of threads into a quota of two
 cores, and the kernel stops the whole group for the rest of every period it overdraws, so
 a stage, and the pipeline behind it, stalls. Like the JVM's container support, the budget
 here is the affinity mask's size capped by the quota rounded up (a quota of 1.5 cores gets 2
-threads: rounding down would leave a third of it unused).
+threads: rounding down would leave a third of it unused; docs/performance.md measures both).
 
 The quota is the smallest ``cpu.max`` (cgroup v2) or ``cpu.cfs_quota_us`` over
 ``cpu.cfs_period_us`` (v1) on the path from this process's cgroup up to its hierarchy's
@@ -17,16 +17,20 @@ mount (a parent's limit binds its children). The parsing is pure; :func:`cpu_bud
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 PROC_SELF = Path("/proc/self")
-# A quota below this many cores is read as this (a misread or absurd file must not make
-# every figure derived from it divide by almost nothing).
+# A quota is read within these many cores (a misread or absurd file must not make every
+# figure derived from it divide by almost nothing, nor leave the bounds a heartbeat checks).
 MIN_QUOTA_CORES = 0.01
+MAX_QUOTA_CORES = 65536.0
+DEFAULT_PERIOD_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,7 @@ def budget(host: int, affinity: int, quota: float | None) -> CpuBudget:
     host = max(1, host)
     affinity = max(1, min(affinity, host))
     if quota is not None:
-        quota = max(MIN_QUOTA_CORES, quota)
+        quota = min(max(MIN_QUOTA_CORES, quota), MAX_QUOTA_CORES)
         cores = min(affinity, math.ceil(quota - 1e-9))
     else:
         cores = affinity
@@ -137,8 +141,11 @@ def unescape(field: str) -> str:
 
 def relative_to_root(path: str, root: str) -> str | None:
     """A cgroup path as seen from a mount of the hierarchy at ``root``: "" for the mount
-    itself; None when the cgroup lies outside what is mounted."""
+    itself; None when the cgroup lies outside what is mounted (or outside the process's
+    cgroup namespace, which the kernel writes as ``/..``: what lies there is not known)."""
     p, r = PurePosixPath(path), PurePosixPath(root)
+    if ".." in p.parts or ".." in r.parts:
+        return None
     try:
         inside = p.relative_to(r)
     except ValueError:
@@ -153,13 +160,15 @@ def quota_on_path(start: CgroupDir, read: Callable[[Path], str | None]) -> float
 
 
 def binding_quota(
-    start: CgroupDir, read: Callable[[Path], str | None]
+    start: CgroupDir, read: Callable[[Path], str | None], depth: int | None = None
 ) -> tuple[float, CgroupDir] | None:
-    """The smallest quota from ``start``'s directory up to its mount point, and the
-    directory that sets it (where the kernel counts the throttling it causes)."""
+    """The smallest quota from ``start``'s directory up to its mount point (or ``depth``
+    parents up: 0 reads ``start`` alone), and the directory that sets it (where the kernel
+    counts the throttling it causes)."""
     found: list[tuple[float, CgroupDir]] = []
     here = start.path
-    for _ in range(len(start.path.relative_to(start.mount).parts) + 1):
+    levels = len(start.path.relative_to(start.mount).parts) if depth is None else depth
+    for _ in range(levels + 1):
         if start.version == 2:
             text = read(here / "cpu.max")
             cores = parse_cpu_max(text) if text is not None else None
@@ -190,45 +199,98 @@ def cgroup_quota(proc: Path = PROC_SELF) -> float | None:
 
 
 def tightest_quota(proc: Path = PROC_SELF) -> tuple[float, CgroupDir] | None:
-    """The tightest CPU quota over this process's hierarchies, and the directory that sets it."""
-    proc_cgroup, mountinfo = read_small(proc / "cgroup"), read_small(proc / "mountinfo", 1 << 20)
-    if proc_cgroup is None or mountinfo is None:
-        return None
-    quotas = [binding_quota(d, read_small) for d in cgroup_dirs(proc_cgroup, mountinfo)]
+    """The tightest CPU quota over this process's hierarchies, and the directory that sets it
+    (the quota files are read each time: an operator may change a limit while it runs)."""
+    quotas = [binding_quota(d, read_small) for d in own_cgroup_dirs(proc)]
     found = [q for q in quotas if q is not None]
     return min(found, key=lambda f: f[0]) if found else None
 
 
-def parse_throttled(text: str, version: int) -> float | None:
-    """Seconds a group spent held back by its quota, from its ``cpu.stat``: v1's
-    ``throttled_time`` (ns), v2's ``throttled_usec``; None where the file has neither."""
+@functools.cache
+def own_cgroup_dirs(proc: Path) -> tuple[CgroupDir, ...]:
+    """The process's cgroup directories, found once: mountinfo runs to hundreds of KiB on a
+    host with many mounts, and the agent asks at every heartbeat."""
+    proc_cgroup = read_small(proc / "cgroup", 1 << 16)
+    mountinfo = read_small(proc / "mountinfo", 1 << 20)
+    if proc_cgroup is None or mountinfo is None:
+        return ()
+    return tuple(cgroup_dirs(proc_cgroup, mountinfo))
+
+
+def parse_cpu_stat(text: str, version: int) -> tuple[float, int] | None:
+    """(seconds, periods) a group was held back by its quota, from its ``cpu.stat``: v1's
+    ``throttled_time`` (ns), v2's ``throttled_usec``, and ``nr_throttled``; None where the
+    file lacks them."""
     key, unit = ("throttled_time", 1e-9) if version == 1 else ("throttled_usec", 1e-6)
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name == key:
-            try:
-                return max(0, int(value)) * unit
-            except ValueError:
-                return None
-    return None
+    fields = dict(line.partition(" ")[::2] for line in text.splitlines())
+    try:
+        return max(0, int(fields[key])) * unit, max(0, int(fields["nr_throttled"]))
+    except (KeyError, ValueError):
+        return None
+
+
+def group_period_s(group: CgroupDir, read: Callable[[Path], str | None] = read_small) -> float:
+    """The quota's period in seconds (v1 ``cpu.cfs_period_us``, v2 ``cpu.max``'s second
+    field); the kernel's default, 0.1 s, where it cannot be read."""
+    if group.version == 1:
+        text = read(group.path / "cpu.cfs_period_us")
+    else:
+        text = read(group.path / "cpu.max")
+        text = text.split()[-1] if text and len(text.split()) == 2 else None
+    try:
+        period_us = int((text or "").strip())
+    except ValueError:
+        return DEFAULT_PERIOD_S
+    return period_us / 1e6 if period_us > 0 else DEFAULT_PERIOD_S
+
+
+@dataclass(frozen=True)
+class ThrottleReading:
+    at: float  # time.monotonic()
+    throttled_s: float
+    periods: int
+    quota: float | None = None  # the group's quota then, in cores (it may change)
 
 
 class ThrottleClock:
-    """The seconds the kernel has held this process's cgroup over its CPU quota, read from
-    the ``cpu.stat`` of the group whose quota is tightest (found once; 0.0 without a
-    quota). A stage subtracts a step's share of it from its busy time: those seconds are the
-    quota's, not the work's, and the leader keeps the two apart (balanced partitions)."""
+    """How long a CPU quota held this process back, from the ``cpu.stat`` of the group whose
+    quota is tightest (found once). A stage leaves these seconds out of its busy time: they
+    are the quota's, not the work's, and the leader keeps the two apart (balanced
+    partitions). Without a quota every interval reads 0.
 
-    def __init__(self, proc: Path = PROC_SELF) -> None:
+    The kernel adds a stall to ``throttled_time`` once per CPU the group was throttled on,
+    so ``threads`` busy threads count it up to ``threads`` times over: :meth:`held` bounds it
+    by the periods the group was throttled in and by what the quota leaves ``threads`` busy
+    threads, ``wall x (1 - quota / threads)`` (exact for a process busy all the time)."""
+
+    def __init__(self, threads: int, proc: Path = PROC_SELF) -> None:
         found = tightest_quota(proc)
+        self.threads = max(1, threads)
         self.group = found[1] if found else None
 
-    def seconds(self) -> float:
+    def read(self) -> ThrottleReading:
+        """The group's counters and its quota now (an operator may change the quota while
+        the process runs: ``docker update --cpus``)."""
+        now = time.monotonic()
         if self.group is None:
-            return 0.0
+            return ThrottleReading(now, 0.0, 0)
         text = read_small(self.group.path / "cpu.stat")
-        seconds = parse_throttled(text, self.group.version) if text is not None else None
-        return seconds or 0.0
+        stat = parse_cpu_stat(text, self.group.version) if text is not None else None
+        found = binding_quota(self.group, read_small, depth=0)
+        quota = found[0] if found else None
+        return ThrottleReading(now, *(stat or (0.0, 0)), quota=quota)
+
+    def held(self, since: ThrottleReading, now: ThrottleReading | None = None) -> float:
+        """Seconds the quota held the process back between two readings (``now``: read now)."""
+        now = now or self.read()
+        quotas = [q for q in (since.quota, now.quota) if q is not None]
+        if self.group is None or not quotas:
+            return 0.0
+        wall = max(0.0, now.at - since.at)
+        counted = max(0.0, now.throttled_s - since.throttled_s)
+        periods = max(0, now.periods - since.periods) * group_period_s(self.group)
+        left = wall * max(0.0, 1.0 - min(quotas) / self.threads)
+        return min(counted, periods, left)
 
 
 def affinity_count() -> int:

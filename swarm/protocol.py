@@ -92,7 +92,9 @@ class HardwareSnapshot(msgspec.Struct, kw_only=True, gc=False):
     # cgroup's CPU quota, rounded up), not the host's count; its stages run that many threads.
     cpu_cores: Annotated[int, msgspec.Meta(ge=0, le=65536)]
     # The cgroup's CPU quota in cores (a container's limit); None: no quota.
-    cpu_quota: Annotated[float, msgspec.Meta(gt=0.0, le=65536.0)] | None = None
+    cpu_quota: Annotated[float, msgspec.Meta(ge=0.01, le=65536.0)] | None = None
+    # The host's logical cores (what fellows on one host share); None from an older agent.
+    host_cpu_cores: Annotated[int, msgspec.Meta(ge=1, le=65536)] | None = None
     cpu_load_pct: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 0.0
     ram_total_bytes: Bytes
     ram_available_bytes: Bytes

@@ -22,7 +22,7 @@ import os
 import sys
 import time
 
-from silentswarm.cpus import ThrottleClock
+from silentswarm.cpus import ThrottleClock, usable_cores
 from silentswarm.plan import ModelConfig
 from silentswarm.protocol import (
     SPEED_UNIT_BATCH,
@@ -64,14 +64,14 @@ def measure(seconds: float, threads: int | None) -> tuple[float, float]:
 
     for _ in range(WARMUP_PASSES):
         step(x).numpy()
-    throttle = ThrottleClock()
-    passes, start, held = 0, time.perf_counter(), throttle.seconds()
+    throttle = ThrottleClock(threads or usable_cores())
+    passes, start, mark = 0, time.perf_counter(), throttle.read()
     while passes < MAX_PASSES:
         step(x).numpy()
         passes += 1
         if time.perf_counter() - start >= seconds:
             break
-    elapsed, held = time.perf_counter() - start, throttle.seconds() - held
+    elapsed, held = time.perf_counter() - start, throttle.held(mark)
     return passes / max(elapsed - held, elapsed * 0.01), passes / elapsed
 
 

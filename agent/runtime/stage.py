@@ -110,7 +110,7 @@ from silentswarm.agent.runtime.schedule import (
 from silentswarm.agent.runtime.stage_model import StageModel
 from silentswarm.agent.runtime.warmstart import ExportStart
 from silentswarm.compression import parse_wire_codec
-from silentswarm.cpus import ThrottleClock
+from silentswarm.cpus import ThrottleClock, usable_cores
 from silentswarm.plan import CurveKeys as PlanCurveKeys
 from silentswarm.plan import RingChange, StagePlan, may_defer
 from silentswarm.types.links import LinkStats, Tuning
@@ -140,6 +140,11 @@ DATA_FIELDS = frozenset({"data", "max_data_bytes", "val_fraction", "val_batches"
 # upstream that died meanwhile is the leader's to notice (its fellow's failure or silence ends
 # the attempt, and this stage with it); ``peer_timeout_s`` bounds every wait after the HELLO.
 FIRST_HELLO_S = 900.0
+# How long a stage waits at least for its downstream to confirm the end of the run: the
+# stages after it validate the last step first, and that validation is often the run's
+# first (its graph compiles: seconds, more on a loaded machine). A downstream that died
+# meanwhile is, again, the leader's to notice.
+LAST_DONE_S = 300.0
 
 
 @dataclass
@@ -350,8 +355,8 @@ class StageRunner:
         self._skip_sample = True  # the next step compiles (the first, or a new micro-batch size)
         # The seconds a CPU quota held this process back (0 without one): a step's share is
         # reported apart from its work, so the leader learns the work's speed.
-        self._throttle = ThrottleClock()
-        self._throttled_mark = self._throttle.seconds()
+        self._throttle = ThrottleClock(plan.intra_op_threads or usable_cores())
+        self._throttled_mark = self._throttle.read()
         self._next_calibration: int | None = self.start_step if plan.n_stages > 1 else None
         # Elastic membership: the ring epoch in force (0: the plan's), the changes taken that
         # wait for their step, and what the next step event reports of the latest switch
@@ -817,7 +822,6 @@ class StageRunner:
             if every and (step + 1) % every == 0 and step + 1 < plan.train.steps:
                 val_loss = self.evaluate(step)
                 self.take_wait()  # the validation's waits are no step's
-                self.take_throttled()
             self.emit(
                 StepEvent(
                     stage=plan.stage,
@@ -839,6 +843,7 @@ class StageRunner:
             every = self.checkpoint_every
             if every and (step + 1) % every == 0 and step + 1 < plan.train.steps:
                 self.checkpoint(CheckpointRequest(id=f"every-{step + 1}"), step + 1)
+            self.take_throttled()  # validation and checkpoints are no step's work
 
         step = self.join() if plan.joining else self.start_step
         while step < plan.train.steps:
@@ -1335,18 +1340,19 @@ class StageRunner:
         Without it an upstream stage could exit (and close its socket) while its last frames
         were still queued, and the downstream stage would wait for them in vain.
         """
-        if self.down is not None and not self.down.link.wait_done(self.plan.peer_timeout_s):
+        wait_s = max(self.plan.peer_timeout_s, LAST_DONE_S)
+        if self.down is not None and not self.down.link.wait_done(wait_s):
             raise PeerTimeoutError(
                 f"{self.down.name}: the downstream stage did not confirm the end of the run "
-                f"within {self.plan.peer_timeout_s:.0f}s"
+                f"within {wait_s:.0f}s"
             )
         if self.up is not None:
             self.up.link.send_done()
 
     def take_throttled(self) -> float:
         """Seconds the CPU quota held this process back since the last call."""
-        now = self._throttle.seconds()
-        taken, self._throttled_mark = max(0.0, now - self._throttled_mark), now
+        now = self._throttle.read()
+        taken, self._throttled_mark = self._throttle.held(self._throttled_mark, now), now
         return taken
 
     def take_wait(self) -> float:

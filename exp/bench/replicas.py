@@ -5,12 +5,15 @@ Placement: an 8-block model on two stage processes, one at 100% of a core and on
 made for the run and removed after), every process with 1 intra-op thread, 4 micro-batches.
 
 1. Each fellow's speed is probed (``silentswarm.agent.hardware.probe_compute_speed``, the
-   agent's own probe, the slow one inside the quota); the leader's ``place()`` with
-   ``"partition": "balanced"`` gives the stage order and the probe's split.
-2. A first job runs the equal split; its stages' step records (step time less waits) give
-   each fellow's measured speed through the leader's own ``balance.measured_speed``, as the
-   leader learns it; ``place()`` with those speeds gives the **balanced** split (what the
-   leader places once it has run a job on the fellows).
+   agent's own probe, the slow one inside the quota: its speed while it ran); the leader's
+   ``place()`` with ``"partition": "balanced"`` and the slow fellow's ``cpu_share`` (0.5: one
+   thread in half a core, as ``leader.decide.cpu_share`` derives it from a fellow's quota)
+   gives the stage order and the probe's split.
+2. A first job runs the equal split; its stages' step records (step time less waits and
+   less the seconds the quota held them back) give each fellow's measured speed through the
+   leader's own ``balance.measured_speed``, as the leader learns it; ``place()`` with those
+   speeds and the share gives the **balanced** split (what the leader places once it has
+   run a job on the fellows).
 3. Every contiguous split of the 8 blocks over that stage order (1-7 ... 7-1) trains as a real
    2-stage pipeline (loopback ZeroMQ), in short rounds whose order alternates; each split's
    figure is the median over rounds of its slowest stage's steady tokens/s. ``equal`` is the

@@ -10,12 +10,13 @@ from silentswarm.cli.commands.fellows import cores_text
 from silentswarm.cpus import (
     CgroupDir,
     ThrottleClock,
+    ThrottleReading,
     budget,
     cgroup_dirs,
     cgroup_quota,
     parse_cpu_max,
+    parse_cpu_stat,
     parse_mount,
-    parse_throttled,
     quota_cores,
     quota_on_path,
     read_small,
@@ -42,6 +43,7 @@ def test_budget_takes_the_tighter_of_affinity_and_quota(host, affinity, quota, c
 def test_budget_keeps_the_quota_and_bounds_absurd_ones():
     assert budget(8, 8, 0.5).quota == 0.5
     assert budget(8, 8, 1e-9).quota == pytest.approx(0.01)
+    assert budget(8, 8, 1e12) == budget(8, 8, 65536.0)  # within what a heartbeat may carry
     assert budget(8, 16, None).affinity == 8
 
 
@@ -181,31 +183,87 @@ def test_the_fellows_table_shows_a_quota_beside_the_cores():
 
 
 @pytest.mark.parametrize(
-    ("text", "version", "seconds"),
+    ("text", "version", "stat"),
     [
-        ("nr_periods 10\nnr_throttled 4\nthrottled_time 1500000000\n", 1, 1.5),
-        ("usage_usec 9\nnr_throttled 2\nthrottled_usec 250000\n", 2, 0.25),
-        ("throttled_usec 250000\n", 1, None),  # v1 has no such key
-        ("throttled_time x\n", 1, None),
+        ("nr_periods 10\nnr_throttled 4\nthrottled_time 1500000000\n", 1, (1.5, 4)),
+        ("usage_usec 9\nnr_throttled 2\nthrottled_usec 250000\n", 2, (0.25, 2)),
+        ("nr_throttled 2\nthrottled_usec 250000\n", 1, None),  # v1 has no such key
+        ("nr_throttled 1\nthrottled_time x\n", 1, None),
+        ("throttled_time 5\n", 1, None),  # no period count
         ("", 2, None),
     ],
 )
-def test_throttled_seconds_from_cpu_stat(text, version, seconds):
-    assert parse_throttled(text, version) == seconds
+def test_cpu_stat(text, version, stat):
+    assert parse_cpu_stat(text, version) == stat
 
 
-def test_the_throttle_clock_reads_the_tightest_quotas_group(tmp_path):
+def fake_group(tmp_path: Path, *, quota_us: int, period_us: int = 100_000) -> tuple[Path, Path]:
+    """A /proc/self and a v1 hierarchy: the process in slice/fellow, the quota on slice."""
     proc, mount = tmp_path / "proc", tmp_path / "cpu"
     proc.mkdir()
     (proc / "cgroup").write_text("3:cpu:/slice/fellow\n")
     (proc / "mountinfo").write_text(f"32 31 0:29 / {mount} rw - cgroup cgroup rw,cpu\n")
-    write(mount / "slice", cpu_cfs_quota_us="50000", cpu_cfs_period_us="100000")
-    write(mount / "slice" / "fellow", cpu_cfs_quota_us="200000", cpu_cfs_period_us="100000")
-    (mount / "slice" / "cpu.stat").write_text("throttled_time 2000000000\n")
-    (mount / "slice" / "fellow" / "cpu.stat").write_text("throttled_time 7\n")
-    clock = ThrottleClock(proc)
-    assert clock.group is not None and clock.group.path == mount / "slice"
-    assert clock.seconds() == 2.0
-    (mount / "slice" / "cpu.stat").write_text("throttled_time 3500000000\n")
-    assert clock.seconds() == 3.5
-    assert ThrottleClock(tmp_path / "none").seconds() == 0.0
+    write(mount / "slice", cpu_cfs_quota_us=str(quota_us), cpu_cfs_period_us=str(period_us))
+    write(mount / "slice" / "fellow", cpu_cfs_quota_us="-1", cpu_cfs_period_us="100000")
+    (mount / "slice" / "fellow" / "cpu.stat").write_text("nr_throttled 0\nthrottled_time 0\n")
+    return proc, mount / "slice"
+
+
+def stat(group: Path, seconds: float, periods: int) -> None:
+    (group / "cpu.stat").write_text(
+        f"nr_periods {periods}\nnr_throttled {periods}\nthrottled_time {int(seconds * 1e9)}\n"
+    )
+
+
+def test_the_throttle_clock_reads_the_tightest_quotas_group(tmp_path):
+    proc, group = fake_group(tmp_path, quota_us=50_000)
+    stat(group, 2.0, 40)
+    clock = ThrottleClock(threads=1, proc=proc)
+    assert clock.group is not None and clock.group.path == group
+    start = clock.read()
+    assert (start.throttled_s, start.periods, start.quota) == (2.0, 40, 0.5)
+    stat(group, 2.3, 50)
+    (group / "cpu.cfs_quota_us").write_text("25000")  # the operator tightens it
+    later = clock.read()
+    assert (later.throttled_s, later.periods) == pytest.approx((2.3, 50))
+    assert later.quota == 0.25
+
+
+@pytest.mark.parametrize(
+    ("quota_us", "threads", "wall", "counted", "periods", "held"),
+    [
+        # One thread in half a core, busy all the time: held half the wall clock.
+        (50_000, 1, 1.0, 0.5, 10, 0.5),
+        # Two threads in 1.5 cores: the kernel counts each CPU's stall, 0.5 s for 0.25 s;
+        # what 1.5 cores leave two busy threads bounds it.
+        (150_000, 2, 1.0, 0.5, 10, 0.25),
+        # Throttled in 2 periods of 100 ms: no more than 0.2 s, whatever was counted.
+        (50_000, 1, 1.0, 0.9, 2, 0.2),
+        # A quota as large as the threads cannot hold them back.
+        (200_000, 2, 1.0, 0.3, 5, 0.0),
+    ],
+)
+def test_held_seconds_are_bounded_by_what_the_quota_can_take(
+    tmp_path, quota_us, threads, wall, counted, periods, held
+):
+    proc, group = fake_group(tmp_path, quota_us=quota_us)
+    stat(group, 0.0, 0)
+    clock = ThrottleClock(threads=threads, proc=proc)
+    start = clock.read()
+    stat(group, counted, periods)
+    now = clock.read()
+    now = ThrottleReading(start.at + wall, now.throttled_s, now.periods)
+    assert clock.held(start, now) == pytest.approx(held)
+
+
+def test_without_a_quota_nothing_is_held(tmp_path):
+    clock = ThrottleClock(threads=4, proc=tmp_path / "none")
+    assert clock.group is None
+    start = clock.read()
+    assert clock.held(start) == 0.0
+
+
+def test_a_cgroup_outside_the_namespace_is_not_followed():
+    """The kernel writes a cgroup outside the reader's namespace as /..; nothing is read."""
+    assert cgroup_dirs("0::/../../x\n", V2_MOUNTS) == []
+    assert cgroup_dirs("1:cpu:/../y\n", HYBRID_MOUNTS) == []

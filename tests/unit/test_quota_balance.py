@@ -6,10 +6,12 @@ from __future__ import annotations
 import math
 import random
 
+import msgspec
 import pytest
 
 from silentswarm.jobspec import JobSpec, Partition
 from silentswarm.leader.balance import (
+    MAX_EVERY_SPLIT,
     balanced_sizes,
     head_blocks,
     stage_time,
@@ -17,8 +19,10 @@ from silentswarm.leader.balance import (
     throttled_step_cost,
 )
 from silentswarm.leader.decide import cpu_share
-from silentswarm.leader.placement import Candidate, Unplaceable, place
+from silentswarm.leader.jobs import JobRecord, plan_schedule
+from silentswarm.leader.placement import Candidate, Unplaceable, intra_op_threads, place
 from silentswarm.plan import ModelConfig
+from silentswarm.protocol import HardwareSnapshot, JobState
 from tests.unit.test_balance import all_splits
 
 GIB = 1 << 30
@@ -112,7 +116,7 @@ def test_shares_of_one_change_nothing(seed):
 
 def test_too_many_splits_to_try_falls_back_to_the_quota_scaled_speeds():
     n, stages = 40, 8
-    assert math.comb(n - 1, stages - 1) > 16384
+    assert math.comb(n - 1, stages - 1) > MAX_EVERY_SPLIT
     speeds, shares = [1.0 + i / 4 for i in range(stages)], [0.5] + [1.0] * (stages - 1)
     scaled = [speeds[0] * 0.5, *speeds[1:]]
     assert balanced_sizes(n, speeds, micro_batches=4, shares=shares) == balanced_sizes(
@@ -185,3 +189,99 @@ def test_place_gives_a_quota_bound_fellow_what_it_can_do_within_its_share():
     # Without the quota the two are equal: the split is even.
     placement = place(spec, [cand("boxed", 1.0), cand("free", 1.0)])
     assert [s.layer_end - s.layer_start for s in placement.stages] == [4, 4]
+
+
+@pytest.mark.parametrize(
+    ("cores", "quota", "share"),
+    [(2, 0.01, 0.01), (1, float("nan"), 1.0), (1, float("inf"), 1.0)],
+)
+def test_cpu_share_stays_a_usable_number(cores, quota, share):
+    assert cpu_share(cores, quota) == share
+
+
+@pytest.mark.parametrize(
+    ("speeds", "shares"),
+    [([1.0, float("nan")], None), ([1.0, 1.0], [0.5, float("nan")]), ([1.0, 1.0], [0.5, 0.0])],
+)
+def test_balanced_sizes_refuses_figures_that_are_not_numbers(speeds, shares):
+    with pytest.raises(ValueError):
+        balanced_sizes(8, speeds, micro_batches=4, shares=shares)
+
+
+def test_a_heartbeat_may_not_carry_a_vanishing_quota():
+    snapshot = {"hostname": "h", "cpu_cores": 2, "ram_total_bytes": 1, "ram_available_bytes": 1}
+    ok = msgspec.json.decode(
+        msgspec.json.encode({**snapshot, "cpu_quota": 0.5}), type=HardwareSnapshot
+    )
+    assert ok.cpu_quota == 0.5
+    for quota in (5e-324, 0.0, -1.0, 1e9):
+        with pytest.raises(msgspec.ValidationError, match="cpu_quota"):
+            msgspec.json.decode(
+                msgspec.json.encode({**snapshot, "cpu_quota": quota}), type=HardwareSnapshot
+            )
+
+
+@pytest.mark.parametrize(
+    ("cores", "host", "on_host", "threads"),
+    [
+        (2, 2, 2, 1),  # two fellows on a 2-core host, no quotas: one core each
+        (2, 64, 2, 2),  # two containers of 2 cores on a 64-core host: their own
+        (16, 16, 3, 5),
+        (1, 64, 1, 1),  # a quota of a core on a big host: one thread
+        (4, None, 2, 2),  # an older agent: its count is the host's
+    ],
+)
+def test_a_stages_threads_are_its_fellows_and_its_share_of_the_host(cores, host, on_host, threads):
+    c = Candidate(
+        fellow_id="f",
+        hostname="h",
+        data_address=None,
+        cpu_cores=cores,
+        host_cpu_cores=host,
+        ram_available_bytes=GIB,
+    )
+    assert intra_op_threads(c, on_host) == threads
+
+
+def test_a_fellows_absurd_figures_hold_its_job_not_the_schedule():
+    """A speed at the protocol's lower edge times the least share is no number placement can
+    divide by: that job waits with the reason, the next one is placed."""
+    now = 1.0
+
+    def record(job_id: str, partition: Partition) -> JobRecord:
+        spec = JobSpec(
+            model=ModelConfig(n_layers=40),
+            partition=partition,
+            allow_cpu=True,
+            stages=8,
+            micro_batches=4,
+        )
+        return JobRecord(
+            job_id=job_id,
+            name=job_id,
+            spec=spec,
+            state=JobState.PENDING,
+            created_at=now,
+            updated_at=now,
+        )
+
+    def cand(fid: str, speed: float, share: float, ram_gib: int = 16) -> Candidate:
+        return Candidate(
+            fellow_id=fid,
+            hostname=fid,
+            data_address=f"tcp://{fid}:1",
+            cpu_cores=1,
+            ram_available_bytes=ram_gib * GIB,
+            compute_speed=speed,
+            cpu_share=share,
+        )
+
+    # The most RAM: placement ranks it first, so the balanced job takes it.
+    fellows = [cand("liar", 5e-324, 0.01, ram_gib=64)]
+    fellows += [cand(f"f{i}", 1.0, 1.0) for i in range(7)]
+    fellows += [cand(f"g{i}", 1.0, 1.0) for i in range(8)]
+    assignments, waiting = plan_schedule(
+        [record("bad", Partition.BALANCED), record("next", Partition.EQUAL)], fellows
+    )
+    assert "placement failed" in waiting["bad"]
+    assert [a.job_id for a in assignments] == ["next"]

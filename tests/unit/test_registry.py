@@ -270,6 +270,16 @@ def test_nodes_group_fellows_by_host_with_freshest_snapshot(reg, clock):
     assert not any(n.online for n in reg.nodes())
 
 
+def test_a_host_counts_its_cores_not_its_fellows_quota(reg):
+    """A fellow in a one-core container on an 8-core host: the host has 8 cores."""
+    register(reg, "boxed", host="h1")
+    boxed = msgspec.structs.replace(hw("h1"), cpu_cores=1, cpu_quota=0.5, host_cpu_cores=8)
+    beat(reg, "boxed", host="h1", hardware=boxed)
+    (node,) = reg.nodes()
+    assert node.cpu_cores == 8
+    assert reg.get("boxed").hardware.cpu_cores == 1
+
+
 def test_counts_cover_every_status(reg):
     register(reg, "f1")
     beat(reg, "f1")
