@@ -42,6 +42,7 @@ from silentswarm.agent.runtime.glue.save import DEFAULT_OUT as DEFAULT_SUBDIR
 from silentswarm.agent.runtime.tfsetup import graph_function
 from silentswarm.agent.runtime.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from silentswarm.agent.runtime.tool import ToolParser, exit_with
+from silentswarm.cpus import usable_cores
 from silentswarm.errors import ManifestError
 from silentswarm.types.manifests import (
     INFERENCE_MANIFEST,
@@ -80,12 +81,27 @@ def find_model_dir(path: str | os.PathLike[str]) -> Path:
     )
 
 
+def size_thread_pools() -> None:
+    """TensorFlow's thread pools by the CPUs this process may use (a container's quota, an
+    affinity mask: silentswarm.cpus), not the host's count; before TensorFlow starts."""
+    import tensorflow as tf
+
+    cores = usable_cores()
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(cores)
+        tf.config.threading.set_inter_op_parallelism_threads(cores)
+    except RuntimeError:  # TensorFlow already runs in this process: its pools stay
+        pass
+
+
 def load_model(
     path: str | os.PathLike[str], adapter: str | os.PathLike[str] | None = None
 ) -> LoadedModel:
     """The glued model of a model (or export) directory, its files checked first; with
     ``adapter`` (a LoRA adapter's export), that adapter merged in once its base is checked to
-    be this model (:mod:`silentswarm.agent.runtime.adapters`)."""
+    be this model (:mod:`silentswarm.agent.runtime.adapters`). Once the files are checked,
+    and before TensorFlow starts, its thread pools are sized by the CPUs this process may
+    use (:func:`size_thread_pools`)."""
     directory = find_model_dir(path)
     source = directory / INFERENCE_MANIFEST
     try:
@@ -100,6 +116,7 @@ def load_model(
             raise GenerateError(f"{file}: missing")
         if sha256_file(file) != entry.sha256:
             raise GenerateError(f"{file}: sha256 does not match {INFERENCE_MANIFEST}")
+    size_thread_pools()
     import keras
 
     import silentswarm.agent.runtime.model  # noqa: F401  (registers the layers with Keras)

@@ -26,7 +26,6 @@ from pathlib import Path
 from silentswarm.agent.errors import GenerateError, ServeError
 from silentswarm.agent.runtime.tfsetup import require_tensorflow
 from silentswarm.agent.runtime.tool import ToolParser, exit_with
-from silentswarm.cpus import usable_cores
 from silentswarm.errors import ExtraMissingError
 
 PROG = "serve"
@@ -34,16 +33,6 @@ TOKEN_ENV = "SWARM_SERVE_TOKEN"
 MAX_SLOTS = 256
 
 log = logging.getLogger(__name__)
-
-
-def size_thread_pools() -> None:
-    """TensorFlow's thread pools by the CPUs this process may use (its container's quota,
-    its affinity), not the host's count (silentswarm.cpus); before TensorFlow starts."""
-    import tensorflow as tf
-
-    cores = usable_cores()
-    tf.config.threading.set_intra_op_parallelism_threads(cores)
-    tf.config.threading.set_inter_op_parallelism_threads(cores)
 
 
 def parse(argv: Sequence[str] | None):
@@ -164,7 +153,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "--token-file or a fresh one it prints)"
             )
         require_tensorflow("the completion server")
-        size_thread_pools()
         serve(args, token)
     except (ServeError, ExtraMissingError) as exc:
         exit_with(PROG, exc.message, 2)
