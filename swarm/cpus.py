@@ -153,30 +153,31 @@ def relative_to_root(path: str, root: str) -> str | None:
     return "" if str(inside) == "." else str(inside)
 
 
-def quota_on_path(start: CgroupDir, read: Callable[[Path], str | None]) -> float | None:
-    """The smallest quota from ``start``'s directory up to its hierarchy's mount point."""
-    found = binding_quota(start, read)
-    return found[0] if found else None
+def group_limit(group: CgroupDir, read: Callable[[Path], str | None]) -> tuple[float, float] | None:
+    """The quota set on ``group``'s own directory: (cores, its period in seconds); None
+    where it sets none (or its files do not read as one)."""
+    if group.version == 2:
+        text = read(group.path / "cpu.max") or ""
+        cores = parse_cpu_max(text)
+        period_us = text.split()[-1] if cores is not None else ""
+    else:
+        period_us = read(group.path / "cpu.cfs_period_us") or ""
+        cores = quota_cores(read(group.path / "cpu.cfs_quota_us") or "", period_us)
+    return None if cores is None else (cores, int(period_us) / 1e6)
 
 
 def binding_quota(
-    start: CgroupDir, read: Callable[[Path], str | None], depth: int | None = None
+    start: CgroupDir, read: Callable[[Path], str | None]
 ) -> tuple[float, CgroupDir] | None:
-    """The smallest quota from ``start``'s directory up to its mount point (or ``depth``
-    parents up: 0 reads ``start`` alone), and the directory that sets it (where the kernel
-    counts the throttling it causes)."""
+    """The smallest quota from ``start``'s directory up to its mount point, and the
+    directory that sets it (where the kernel counts the throttling it causes)."""
     found: list[tuple[float, CgroupDir]] = []
     here = start.path
-    levels = len(start.path.relative_to(start.mount).parts) if depth is None else depth
-    for _ in range(levels + 1):
-        if start.version == 2:
-            text = read(here / "cpu.max")
-            cores = parse_cpu_max(text) if text is not None else None
-        else:
-            quota, period = read(here / "cpu.cfs_quota_us"), read(here / "cpu.cfs_period_us")
-            cores = quota_cores(quota, period) if quota and period else None
-        if cores is not None:
-            found.append((cores, CgroupDir(start.version, here, start.mount)))
+    for _ in range(len(start.path.relative_to(start.mount).parts) + 1):
+        group = CgroupDir(start.version, here, start.mount)
+        limit = group_limit(group, read)
+        if limit is not None:
+            found.append((limit[0], group))
         here = here.parent
     return min(found, key=lambda f: f[0]) if found else None
 
@@ -229,27 +230,13 @@ def parse_cpu_stat(text: str, version: int) -> tuple[float, int] | None:
         return None
 
 
-def group_period_s(group: CgroupDir, read: Callable[[Path], str | None] = read_small) -> float:
-    """The quota's period in seconds (v1 ``cpu.cfs_period_us``, v2 ``cpu.max``'s second
-    field); the kernel's default, 0.1 s, where it cannot be read."""
-    if group.version == 1:
-        text = read(group.path / "cpu.cfs_period_us")
-    else:
-        text = read(group.path / "cpu.max")
-        text = text.split()[-1] if text and len(text.split()) == 2 else None
-    try:
-        period_us = int((text or "").strip())
-    except ValueError:
-        return DEFAULT_PERIOD_S
-    return period_us / 1e6 if period_us > 0 else DEFAULT_PERIOD_S
-
-
 @dataclass(frozen=True)
 class ThrottleReading:
     at: float  # time.monotonic()
     throttled_s: float
     periods: int
     quota: float | None = None  # the group's quota then, in cores (it may change)
+    period_s: float = DEFAULT_PERIOD_S  # and that quota's period
 
 
 class ThrottleClock:
@@ -276,9 +263,9 @@ class ThrottleClock:
             return ThrottleReading(now, 0.0, 0)
         text = read_small(self.group.path / "cpu.stat")
         stat = parse_cpu_stat(text, self.group.version) if text is not None else None
-        found = binding_quota(self.group, read_small, depth=0)
-        quota = found[0] if found else None
-        return ThrottleReading(now, *(stat or (0.0, 0)), quota=quota)
+        limit = group_limit(self.group, read_small)
+        quota, period_s = limit if limit else (None, DEFAULT_PERIOD_S)
+        return ThrottleReading(now, *(stat or (0.0, 0)), quota=quota, period_s=period_s)
 
     def held(self, since: ThrottleReading, now: ThrottleReading | None = None) -> float:
         """Seconds the quota held the process back between two readings (``now``: read now)."""
@@ -288,7 +275,7 @@ class ThrottleClock:
             return 0.0
         wall = max(0.0, now.at - since.at)
         counted = max(0.0, now.throttled_s - since.throttled_s)
-        periods = max(0, now.periods - since.periods) * group_period_s(self.group)
+        periods = max(0, now.periods - since.periods) * now.period_s
         left = wall * max(0.0, 1.0 - min(quotas) / self.threads)
         return min(counted, periods, left)
 

@@ -92,6 +92,7 @@ from silentswarm.agent.hardware import probe_compute_speed
 from silentswarm.agent.runtime.launch import done, run_plans
 from silentswarm.jobspec import JobSpec, Partition
 from silentswarm.leader import balance
+from silentswarm.leader.decide import cpu_share
 from silentswarm.leader.placement import Candidate, Unplaceable, place
 from silentswarm.plan import (
     ModelConfig,
@@ -223,8 +224,8 @@ def placement(work: Path, quick: bool, rounds: int, steps: int) -> dict[str, Any
         if prefix is None:
             print(f"  {why[0]}: both fellows run at full speed", flush=True)
         probed = probe_speeds(prefix)
-        # One thread in a quota of SLOW_SHARE of a core (leader.decide.cpu_share).
-        shares = {SLOW: SLOW_SHARE} if prefix is not None else {}
+        # One thread in a quota of SLOW_SHARE of a core, as the leader derives its share.
+        shares = {SLOW: cpu_share(1, SLOW_SHARE)} if prefix is not None else {}
         order, from_probe = balanced_split(model, train, probed, shares)
         slow = order.index(SLOW)
         print(

@@ -197,7 +197,7 @@ def test_chain_order(case):
 # --- through place() ---------------------------------------------------------------------
 
 
-def cand(fid, speed, ram_gib=16.0, host=None):
+def cand(fid, speed, ram_gib=16.0, host=None, share=1.0):
     return Candidate(
         fellow_id=fid,
         hostname=host or fid,
@@ -205,6 +205,7 @@ def cand(fid, speed, ram_gib=16.0, host=None):
         cpu_cores=1,
         ram_available_bytes=int(ram_gib * GIB),
         compute_speed=speed,
+        cpu_share=share,
     )
 
 

@@ -11,6 +11,7 @@ from silentswarm.cpus import (
     CgroupDir,
     ThrottleClock,
     ThrottleReading,
+    binding_quota,
     budget,
     cgroup_dirs,
     cgroup_quota,
@@ -18,7 +19,6 @@ from silentswarm.cpus import (
     parse_cpu_stat,
     parse_mount,
     quota_cores,
-    quota_on_path,
     read_small,
 )
 
@@ -135,6 +135,12 @@ def test_mount_points_with_spaces_are_unescaped():
     assert parse_mount(line) == ("cgroup", "/", "/mnt/cg cpu", {"rw", "cpu"})
 
 
+def quota_on_path(start: CgroupDir) -> float | None:
+    """The smallest quota from ``start`` up to its mount point."""
+    found = binding_quota(start, read_small)
+    return None if found is None else found[0]
+
+
 def write(path: Path, **files: str) -> None:
     path.mkdir(parents=True, exist_ok=True)
     for name, text in files.items():
@@ -147,7 +153,7 @@ def test_a_parents_quota_binds_its_children(tmp_path):
     write(mount, cpu_cfs_quota_us="-1", cpu_cfs_period_us="100000")
     write(mount / "slice", cpu_cfs_quota_us="150000", cpu_cfs_period_us="100000")
     write(mount / "slice" / "job", cpu_cfs_quota_us="-1", cpu_cfs_period_us="100000")
-    assert quota_on_path(CgroupDir(1, mount / "slice" / "job", mount), read_small) == 1.5
+    assert quota_on_path(CgroupDir(1, mount / "slice" / "job", mount)) == 1.5
 
 
 def test_the_tightest_quota_on_the_path_wins_and_nothing_above_the_mount_counts(tmp_path):
@@ -157,9 +163,9 @@ def test_the_tightest_quota_on_the_path_wins_and_nothing_above_the_mount_counts(
     write(mount / "a", cpu_max="400000 100000")
     write(mount / "a" / "b", cpu_max="max 100000")
     write(mount / "a" / "b" / "c", cpu_max="250000 100000")
-    assert quota_on_path(CgroupDir(2, mount / "a" / "b" / "c", mount), read_small) == 2.5
-    assert quota_on_path(CgroupDir(2, mount / "a" / "b", mount), read_small) == 4.0
-    assert quota_on_path(CgroupDir(2, mount, mount), read_small) is None
+    assert quota_on_path(CgroupDir(2, mount / "a" / "b" / "c", mount)) == 2.5
+    assert quota_on_path(CgroupDir(2, mount / "a" / "b", mount)) == 4.0
+    assert quota_on_path(CgroupDir(2, mount, mount)) is None
 
 
 def test_cgroup_quota_reads_a_whole_tree(tmp_path):

@@ -23,7 +23,7 @@ from silentswarm.leader.jobs import JobRecord, plan_schedule
 from silentswarm.leader.placement import Candidate, Unplaceable, intra_op_threads, place
 from silentswarm.plan import ModelConfig
 from silentswarm.protocol import HardwareSnapshot, JobState
-from tests.unit.test_balance import all_splits
+from tests.unit.test_balance import all_splits, cand
 
 GIB = 1 << 30
 
@@ -163,17 +163,6 @@ def test_cpu_share(cores, quota, share):
 
 
 def test_place_gives_a_quota_bound_fellow_what_it_can_do_within_its_share():
-    def cand(fid: str, share: float) -> Candidate:
-        return Candidate(
-            fellow_id=fid,
-            hostname=fid,
-            data_address=f"tcp://{fid}:1",
-            cpu_cores=1,
-            ram_available_bytes=16 * GIB,
-            compute_speed=14.0,
-            cpu_share=share,
-        )
-
     spec = JobSpec(
         model=PLACEMENT_MODEL,
         partition=Partition.BALANCED,
@@ -182,12 +171,12 @@ def test_place_gives_a_quota_bound_fellow_what_it_can_do_within_its_share():
         batch_size=8,
         micro_batches=4,
     )
-    placement = place(spec, [cand("boxed", 0.5), cand("free", 1.0)])
+    placement = place(spec, [cand("boxed", 14.0, share=0.5), cand("free", 14.0)])
     assert not isinstance(placement, Unplaceable), placement
     got = [(s.fellow_id, s.layer_end - s.layer_start) for s in placement.stages]
     assert got == [("boxed", 2), ("free", 6)]
     # Without the quota the two are equal: the split is even.
-    placement = place(spec, [cand("boxed", 1.0), cand("free", 1.0)])
+    placement = place(spec, [cand("boxed", 14.0), cand("free", 14.0)])
     assert [s.layer_end - s.layer_start for s in placement.stages] == [4, 4]
 
 
@@ -265,21 +254,10 @@ def test_a_fellows_absurd_figures_hold_its_job_not_the_schedule():
             updated_at=now,
         )
 
-    def cand(fid: str, speed: float, share: float, ram_gib: int = 16) -> Candidate:
-        return Candidate(
-            fellow_id=fid,
-            hostname=fid,
-            data_address=f"tcp://{fid}:1",
-            cpu_cores=1,
-            ram_available_bytes=ram_gib * GIB,
-            compute_speed=speed,
-            cpu_share=share,
-        )
-
     # The most RAM: placement ranks it first, so the balanced job takes it.
-    fellows = [cand("liar", 5e-324, 0.01, ram_gib=64)]
-    fellows += [cand(f"f{i}", 1.0, 1.0) for i in range(7)]
-    fellows += [cand(f"g{i}", 1.0, 1.0) for i in range(8)]
+    fellows = [cand("liar", 5e-324, ram_gib=64, share=0.01)]
+    fellows += [cand(f"f{i}", 1.0) for i in range(7)]
+    fellows += [cand(f"g{i}", 1.0) for i in range(8)]
     assignments, waiting = plan_schedule(
         [record("bad", Partition.BALANCED), record("next", Partition.EQUAL)], fellows
     )
