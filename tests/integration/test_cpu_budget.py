@@ -79,18 +79,26 @@ def test_a_quota_and_an_affinity_mask_set_a_fellows_cores_and_threads(
 
 def test_a_stage_under_a_quota_reports_the_seconds_it_was_held_back(tmp_path):
     """A real stage process in a real cgroup: at full speed while TensorFlow starts and
-    compiles, then held to half a core; its step records from then on carry the seconds the
-    kernel held its group back, which the leader leaves out of the fellow's speed."""
+    compiles, then held to a tenth of a core; its step records from then on carry the seconds
+    the kernel held its group back, which the leader leaves out of the fellow's speed. (A tenth,
+    not a half: on a machine busy with other work a stage gets less than half a core from the
+    scheduler anyway, and the kernel holds back only what wants more than its quota.)"""
     why: list[str] = []
     with bench_module("cpuquota").cpu_group(2.0, why=why) as group:
         if group is None:
             pytest.skip(why[0])
         held_from: list[int] = []
+        released_after: list[int] = []
 
         def hold(event: dict) -> None:
-            if event["event"] == "step" and event["step"] >= 2 and not held_from:
-                group.set_share(0.5)
+            if event["event"] != "step":
+                return
+            if event["step"] >= 2 and not held_from:
+                group.set_share(0.1)
                 held_from.append(event["step"] + 1)
+            elif held_from and event["step"] >= held_from[0] + 12 and not released_after:
+                group.set_share(2.0)  # the rest of the run (its save, its end) at full speed
+                released_after.append(event["step"])
 
         plan = single_process_plan(
             job_id="held",
@@ -100,10 +108,11 @@ def test_a_stage_under_a_quota_reports_the_seconds_it_was_held_back(tmp_path):
         (events,) = run_plans([plan], tmp_path, command_prefixes={0: group.prefix}, on_event=hold)
     steps = [e for e in events if e["event"] == "step"]
     free = [e for e in steps if 0 < e["step"] < held_from[0]]
-    records = [e for e in steps if e["step"] > held_from[0]]  # the next may straddle the switch
+    # The first held step may straddle the switch.
+    records = [e for e in steps if held_from[0] < e["step"] <= released_after[0]]
     assert all(0 <= e["throttled_s"] <= e["step_time_s"] - e["wait_s"] + 1e-4 for e in steps)
     assert sum(e["throttled_s"] for e in free) < 0.05
     held = sum(e["throttled_s"] for e in records)
     total = sum(e["step_time_s"] for e in records)
-    # Busy all the time in half a core: held back for about half of it.
+    # Busy all the time in a tenth of a core: held back for most of it.
     assert held > 0.25 * total, (held, total)
