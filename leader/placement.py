@@ -11,6 +11,9 @@ each fellow offers: :mod:`silentswarm.telemetry`). The rules:
   fellows (when ``allow_cpu``) follow, by available RAM.
 - The job takes the best ranked fellows; with ``largest_vram`` the best one runs the last
   stage (head, logits and loss are the largest), with ``preserve`` the ranked order stays.
+  A ``balanced`` job takes the fastest instead (GPU fellows still first; measured speed
+  times its quota's share; the unmeasured last), in the same order, and the best ranked
+  where the fastest do not fit.
 - Layers are split equally, or (``weighted``) in proportion to each fellow's aggregate
   eligible free memory, or (``balanced``) to even out the stages' times by each fellow's
   measured compute speed within its memory (:mod:`silentswarm.leader.balance`), every stage
@@ -140,7 +143,45 @@ def place(
             reason=f"{k} replicas of {wanted} stages need {k * wanted} fellows; the owner's "
             f"account may take {max_stages} more in pool {spec.run_pool}"
         )
-    groups = _pipelines(spec, ranked[: k * wanted], k, defaults, links if ranges is None else None)
+    taken = _taken_by_speed(spec, ranked, k * wanted, gpus)
+    placement = _place_on(spec, taken, k, gpus, defaults, ranges, links)
+    if isinstance(placement, Unplaceable) and taken != ranked[: k * wanted]:
+        # The fastest may lack the memory the best ranked have: the memory ranking's choice.
+        return _place_on(spec, ranked[: k * wanted], k, gpus, defaults, ranges, links)
+    return placement
+
+
+def _taken_by_speed(
+    spec: JobSpec, ranked: list[Candidate], n: int, gpus: dict[str, list[GpuInfo]]
+) -> list[Candidate]:
+    """The ``n`` fellows a job takes of ``ranked``: the best ranked, or for a ``balanced``
+    job the ``n`` fastest (fellows with eligible GPUs first, then by measured speed times
+    the share its CPU quota leaves; a fellow not measured after every measured one, ties by
+    rank), kept in ranked order. A balanced split's step time falls as the chosen fellows'
+    speeds add up, so a spare fast fellow beats a slow one with more memory."""
+    if spec.partition != Partition.BALANCED or len(ranked) <= n:
+        return ranked[:n]
+
+    def pace(at: int) -> tuple[bool, bool, float, int]:
+        c = ranked[at]
+        speed = c.compute_speed * c.cpu_share if c.compute_speed else 0.0
+        return (not gpus[c.fellow_id], c.compute_speed is None, -speed, at)
+
+    chosen = sorted(sorted(range(len(ranked)), key=pace)[:n])
+    return [ranked[at] for at in chosen]
+
+
+def _place_on(
+    spec: JobSpec,
+    taken: list[Candidate],
+    k: int,
+    gpus: dict[str, list[GpuInfo]],
+    defaults: PlacementDefaults,
+    ranges: list[tuple[int, int]] | None,
+    links: Mapping[tuple[str, str], float] | None,
+) -> Placement | Unplaceable:
+    """The job on ``taken`` (ranked order) as ``k`` pipelines."""
+    groups = _pipelines(spec, taken, k, defaults, links if ranges is None else None)
     transport = _transport(spec, groups)
     if isinstance(transport, Unplaceable):
         return transport

@@ -19,10 +19,14 @@ def layers_of(job: dict) -> dict[str, int]:
 def test_a_balanced_job_gives_the_faster_fellow_more_layers_and_trains(
     procs, nats_server, leader: Leader
 ):
-    # Same machine, same memory: only the declared speeds (SWARM_FELLOW_COMPUTE_SPEED) differ.
-    start_agent(procs, nats_server.url, "slow", SWARM_FELLOW_COMPUTE_SPEED="1")
-    start_agent(procs, nats_server.url, "fast", SWARM_FELLOW_COMPUTE_SPEED="3")
-    for name in ("slow", "fast"):
+    # Same machine: the declared speeds (SWARM_FELLOW_COMPUTE_SPEED) differ. Three fellows
+    # for a 2-stage job: the slowest, which offers the most memory (the others are capped),
+    # is left out.
+    capped = {"SWARM_FELLOW_MAX_MEMORY_GB": "4"}
+    start_agent(procs, nats_server.url, "slow", SWARM_FELLOW_COMPUTE_SPEED="1", **capped)
+    start_agent(procs, nats_server.url, "fast", SWARM_FELLOW_COMPUTE_SPEED="3", **capped)
+    start_agent(procs, nats_server.url, "slowest", SWARM_FELLOW_COMPUTE_SPEED="0.5")
+    for name in ("slow", "fast", "slowest"):
         leader.wait_status(name, "ready", timeout=20)
     workers = leader.workers()
     assert workers["fast"]["hardware"]["compute_speed"] == 3.0
@@ -31,6 +35,7 @@ def test_a_balanced_job_gives_the_faster_fellow_more_layers_and_trains(
         name="balanced",
         model=MODEL,
         partition="balanced",
+        stages=2,
         max_data_bytes=300_000,
         batch_size=8,
         micro_batches=2,
@@ -43,9 +48,16 @@ def test_a_balanced_job_gives_the_faster_fellow_more_layers_and_trains(
     # The stages' step times told the leader each fellow's speed (their work, waits left
     # out), which the next balanced placement prefers to the declared one.
     measured = {name: w["measured_speed"] for name, w in leader.workers().items()}
-    assert all(speed is not None and speed > 0 for speed in measured.values()), measured
+    assert all(measured[name] is not None and measured[name] > 0 for name in ("fast", "slow"))
+    assert measured["slowest"] is None, measured
     equal = leader.submit(
-        name="equal", model=MODEL, max_data_bytes=300_000, batch_size=8, micro_batches=2, steps=2
+        name="equal",
+        model=MODEL,
+        stages=2,
+        max_data_bytes=300_000,
+        batch_size=8,
+        micro_batches=2,
+        steps=2,
     )["job_id"]
     assert sorted(layers_of(leader.wait_job(equal, "COMPLETED", timeout=120)).values()) == [3, 3]
 

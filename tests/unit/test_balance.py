@@ -27,6 +27,7 @@ from silentswarm.plan import ModelConfig
 from silentswarm.protocol import (
     FellowIdentity,
     FellowStatus,
+    GpuInfo,
     HardwareSnapshot,
     JobState,
     Progress,
@@ -282,6 +283,76 @@ def test_place_balanced_orders_along_measured_links():
     assert order in (["b", "c", "a"], ["a", "c", "b"])  # the slow pair a-b not adjacent
     equal = place(job(layers=6, partition=Partition.EQUAL), fellows, links=links)
     assert [s.fellow_id for s in equal.stages] == ["a", "b", "c"]  # only balanced reorders
+
+
+def gpu_cand(fid, speed, free_gib=24.0):
+    gpu = GpuInfo(
+        index=0,
+        uuid=f"GPU-{fid}",
+        name="test GPU",
+        memory_total_bytes=int(32 * GIB),
+        memory_free_bytes=int(free_gib * GIB),
+        memory_used_bytes=int((32 - free_gib) * GIB),
+    )
+    return msgspec.structs.replace(cand(fid, speed), gpus=(gpu,))
+
+
+TAKES = {
+    "a spare fast fellow beats a slow one with more memory": (
+        [cand("big", 1.0, ram_gib=64), cand("mid", 2.0, ram_gib=32), cand("fast", 3.0)],
+        ["mid", "fast"],  # in the memory ranking's order
+        ["big", "mid"],
+    ),
+    "its quota's share counts": (
+        [cand("boxed", 4.0, ram_gib=64, share=0.25), cand("b", 2.0), cand("c", 1.5)],
+        ["b", "c"],
+        ["boxed", "b"],
+    ),
+    "an unmeasured fellow comes after the measured": (
+        [cand("new", None, ram_gib=64), cand("b", 1.0), cand("c", 0.5)],
+        ["b", "c"],
+        ["new", "b"],
+    ),
+    "fellows with a GPU still first": (
+        [gpu_cand("gpu", 0.5), cand("cpu1", 3.0), cand("cpu2", 2.0)],
+        ["gpu", "cpu1"],
+        ["gpu", "cpu1"],
+    ),
+    "as many as there are: every one": (
+        [cand("a", 1.0, ram_gib=64), cand("b", 3.0)],
+        ["a", "b"],
+        ["a", "b"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", TAKES, ids=list(TAKES))
+def test_a_balanced_job_takes_the_fastest_fellows(case):
+    fellows, balanced, equal = TAKES[case]
+    spec = job(layers=8, stages=2)
+    placement = place(spec, fellows)
+    assert [s.fellow_id for s in placement.stages] == balanced
+    by_memory = place(msgspec.structs.replace(spec, partition=Partition.EQUAL), fellows)
+    assert [s.fellow_id for s in by_memory.stages] == equal
+
+
+def test_a_balanced_job_takes_the_best_ranked_where_the_fastest_do_not_fit():
+    spec = JobSpec(
+        model=ModelConfig(n_layers=8, d_model=1024, n_heads=8),
+        partition=Partition.BALANCED,
+        allow_cpu=True,
+        stages=2,
+        pipeline_last_stage_placement="preserve",
+    )
+    fast = [cand(f"fast{i}", 10.0, ram_gib=1.5) for i in range(2)]  # too little for 4 blocks
+    big = [cand(f"big{i}", 1.0, ram_gib=64) for i in range(2)]
+    assert isinstance(place(spec, fast), Unplaceable)
+    placement = place(spec, [*fast, *big])
+    assert not isinstance(placement, Unplaceable), placement
+    assert [s.fellow_id for s in placement.stages] == ["big0", "big1"]
+    # A fast fellow with room for 6 of the 8 blocks: taken, beside the best ranked big one.
+    mixed = [cand("fast", 10.0, ram_gib=2.25), *big]
+    assert [s.fellow_id for s in place(spec, mixed).stages] == ["big0", "fast"]
 
 
 # --- speeds: the probe's unit, what a step shows, what the leader keeps ---------------------

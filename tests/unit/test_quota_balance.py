@@ -237,12 +237,12 @@ def test_a_fellows_absurd_figures_hold_its_job_not_the_schedule():
     divide by: that job waits with the reason, the next one is placed."""
     now = 1.0
 
-    def record(job_id: str, partition: Partition) -> JobRecord:
+    def record(job_id: str, partition: Partition, stages: int) -> JobRecord:
         spec = JobSpec(
             model=ModelConfig(n_layers=40),
             partition=partition,
             allow_cpu=True,
-            stages=8,
+            stages=stages,
             micro_batches=4,
         )
         return JobRecord(
@@ -254,12 +254,12 @@ def test_a_fellows_absurd_figures_hold_its_job_not_the_schedule():
             updated_at=now,
         )
 
-    # The most RAM: placement ranks it first, so the balanced job takes it.
+    # The balanced job takes every fellow, the liar too (it takes the fastest of more).
     fellows = [cand("liar", 5e-324, ram_gib=64, share=0.01)]
     fellows += [cand(f"f{i}", 1.0) for i in range(7)]
     fellows += [cand(f"g{i}", 1.0) for i in range(8)]
     assignments, waiting = plan_schedule(
-        [record("bad", Partition.BALANCED), record("next", Partition.EQUAL)], fellows
+        [record("bad", Partition.BALANCED, 16), record("next", Partition.EQUAL, 8)], fellows
     )
     assert "placement failed" in waiting["bad"]
     assert [a.job_id for a in assignments] == ["next"]
