@@ -143,11 +143,12 @@ def place(
             reason=f"{k} replicas of {wanted} stages need {k * wanted} fellows; the owner's "
             f"account may take {max_stages} more in pool {spec.run_pool}"
         )
+    best_ranked = ranked[: k * wanted]
     taken = _taken_by_speed(spec, ranked, k * wanted, gpus)
     placement = _place_on(spec, taken, k, gpus, defaults, ranges, links)
-    if isinstance(placement, Unplaceable) and taken != ranked[: k * wanted]:
+    if isinstance(placement, Unplaceable) and taken != best_ranked:
         # The fastest may lack the memory the best ranked have: the memory ranking's choice.
-        return _place_on(spec, ranked[: k * wanted], k, gpus, defaults, ranges, links)
+        return _place_on(spec, best_ranked, k, gpus, defaults, ranges, links)
     return placement
 
 
