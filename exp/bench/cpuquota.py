@@ -37,14 +37,22 @@ class CpuGroup:
 
 
 @contextlib.contextmanager
-def cpu_group(share: float, *, why: list[str] | None = None) -> Iterator[CpuGroup | None]:
+def cpu_group(
+    share: float, *, weight: int | None = None, why: list[str] | None = None
+) -> Iterator[CpuGroup | None]:
     """A CPU group holding its processes to ``share`` cores (None where cgroups cannot be
-    made; ``why`` then gets the reason); removed after its processes have gone."""
+    made; ``why`` then gets the reason); removed after its processes have gone.
+
+    ``weight`` is the group's ``cpu.shares`` against a busy process's 1024: a high weight
+    makes the share the group's whatever else runs beside it (a timing-sensitive test on a
+    machine busy with others), where the quota alone only caps it."""
     group = CpuGroup(CGROUP_CPU / f"swarm-quota-{uuid.uuid4().hex[:8]}")
     try:
         group.path.mkdir()
         (group.path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
         group.set_share(share)
+        if weight is not None:
+            (group.path / "cpu.shares").write_text(str(weight))
     except OSError as exc:
         if why is not None:
             why.append(f"no CPU quota: {exc}")

@@ -293,9 +293,13 @@ def test_the_last_stage_keeps_a_proposed_deferral_only_as_its_steps_measure(tmp_
         max_data_bytes=300_000,
         val_batches=2,
     )
-    # The first calibration's costs come from one timed step, which a loaded machine can
-    # make the model's reason to propose nothing (seen in CI): then nothing is checked and
-    # every step runs undeferred, and the job runs again.
+    # The first calibration's costs come from one timed step; on a machine busy with other
+    # tests the stages' compute slows against the path's fixed delay and the model rightly
+    # proposes less, down to nothing (CI: three runs in a row). Each stage runs in a CPU
+    # group weighted 8 busy processes' worth, so it computes near a quiet machine's speed
+    # (proposals 3-4 beside four busy loops, 0-2 without the weight). A run whose proposal
+    # is nothing anyway is checked for running nothing deferred, and the job runs again.
+    cpuquota = bench_module("cpuquota")
     for run in range(3):
         port = free_port()
         plans = chain_plans(
@@ -307,8 +311,15 @@ def test_the_last_stage_keeps_a_proposed_deferral_only_as_its_steps_measure(tmp_
             transport=Transport.P2P,
             intra_op_threads=1,
         )
-        with linkemu.FarSide(linkemu.profile("wan100")) as far:
+        why: list[str] = []
+        with (
+            cpuquota.cpu_group(2.0, weight=8192, why=why) as near_group,
+            cpuquota.cpu_group(2.0, weight=8192, why=why) as far_group,
+            linkemu.FarSide(linkemu.profile("wan100")) as far,
+        ):
             prefixes = across(far, plans, port)
+            if near_group is not None and far_group is not None:
+                prefixes = {0: near_group.prefix, 1: far_group.prefix + prefixes[1]}
             first, last = run_plans(
                 plans, tmp_path / str(run), timeout=300, command_prefixes=prefixes
             )
