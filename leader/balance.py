@@ -15,7 +15,8 @@ fills the fastest stages first; trying every bottleneck above the least one find
 step. ``tests/unit/test_balance.py`` checks both against every split on small cases.
 
 :func:`chain_order` orders the chosen fellows along the pipeline when their links were
-measured: the order whose slowest boundary is fastest.
+measured: the order whose links cost a step least (the slowest boundary's transfer plus
+every boundary's round trip).
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 
-from silentswarm.jobspec import PlacedStage
+from silentswarm.compression import parse_compression
+from silentswarm.jobspec import JobSpec, PlacedStage
 from silentswarm.leader.memory import block_params
 from silentswarm.plan import ModelConfig
 from silentswarm.protocol import (
@@ -37,7 +39,7 @@ from silentswarm.protocol import (
     Progress,
     ProgressEvent,
 )
-from silentswarm.types.links import LinkStats
+from silentswarm.types.links import LinkStats, MeasuredLink
 
 # chain_order tries every order up to this many fellows, then keeps the given order.
 MAX_ORDERED = 7
@@ -98,13 +100,15 @@ def stage_busy_s(progress: Progress) -> float | None:
 
 def boundary_link(
     stages: Sequence[PlacedStage], link: LinkStats
-) -> tuple[tuple[str, str], float] | None:
+) -> tuple[tuple[str, str], MeasuredLink] | None:
     """The fellow pair a measured boundary joins (``link.boundary`` is its upstream stage)
-    and its rate: the slower direction's Mbit/s. None for a boundary the placement lacks."""
+    and what is kept of it: the slower direction's Mbit/s and the round trip. None for a
+    boundary the placement lacks."""
     b = link.boundary
     if not 0 <= b < len(stages) - 1:
         return None
-    return (stages[b].fellow_id, stages[b + 1].fellow_id), min(link.fwd_mbit_s, link.bwd_mbit_s)
+    kept = MeasuredLink(mbit_s=min(link.fwd_mbit_s, link.bwd_mbit_s), rtt_ms=link.rtt_ms)
+    return (stages[b].fellow_id, stages[b + 1].fellow_id), kept
 
 
 def smoothed(kept: float | None, sample: float) -> float:
@@ -310,42 +314,57 @@ def bottleneck(
     )
 
 
+def boundary_bits(spec: JobSpec) -> float:
+    """The bits a boundary carries forward in one step of ``spec``: the batch's activations
+    in the spec's wire codec (under ``"auto"``, int8: what the tuner picks on the slow links
+    where the order matters). What :func:`chain_order` weighs the links' rates by."""
+    compression = parse_compression(spec.compression, d_model=spec.model.d_model)
+    bits = 8 if compression.auto else compression.codec.bits
+    return spec.batch_size * spec.model.seq_len * compression.dims(spec.model.d_model) * bits
+
+
 def chain_order(
     fellows: Sequence[str],
-    links: Mapping[tuple[str, str], float],
+    links: Mapping[tuple[str, str], MeasuredLink],
     *,
+    bits_per_step: float,
     last: str | None = None,
 ) -> list[str]:
-    """``fellows`` in the pipeline order whose slowest measured boundary is fastest.
+    """``fellows`` in the pipeline order whose links cost a step least.
 
-    ``links[(a, b)]``: a measured rate (Mbit/s) between ``a`` and ``b``, either direction; a
-    pair never measured counts as unknown and is avoided only in favour of a known faster
-    one. ``last``, when given, stays the last stage (it hosts the head). With no pair of the
-    fellows measured, or more than :data:`MAX_ORDERED` of them, the given order stays.
+    A chain's cost is its slowest boundary's transfer of ``bits_per_step`` (the transfers of
+    the other boundaries go on beside it) plus the round trips of all its boundaries (a step's
+    fill and drain cross each boundary once each way); ties go to the chain whose rates add
+    up to more. ``links[(a, b)]``: a measured link between ``a`` and ``b``, either direction;
+    a pair never measured counts as half the slowest measured rate with twice the longest
+    measured round trip, so it is avoided only in favour of known better ones. ``last``,
+    when given, stays the last stage (it hosts the head). With no pair of the fellows
+    measured, or more than :data:`MAX_ORDERED` of them, the given order stays.
     """
     order = list(fellows)
     if not 3 <= len(order) <= MAX_ORDERED:  # two fellows share their one link either way
         return order
 
-    def rate(a: str, b: str) -> float | None:
+    def measured(a: str, b: str) -> MeasuredLink | None:
         return links.get((a, b), links.get((b, a)))
 
-    if not any(rate(a, b) is not None for a, b in itertools.combinations(order, 2)):
+    known = [m for a, b in itertools.combinations(order, 2) if (m := measured(a, b)) is not None]
+    if not known:
         return order
-    known = [v for a, b in itertools.combinations(order, 2) if (v := rate(a, b)) is not None]
-    unknown = min(known) / 2  # below every measured link, but not zero: prefer measured ones
+    unknown = MeasuredLink(
+        mbit_s=min(m.mbit_s for m in known) / 2, rtt_ms=2 * max(m.rtt_ms for m in known)
+    )
 
     def score(chain: Sequence[str]) -> tuple[float, float]:
-        rates = [
-            r if (r := rate(a, b)) is not None else unknown for a, b in itertools.pairwise(chain)
-        ]
-        return (min(rates), sum(rates))
+        hops = [measured(a, b) or unknown for a, b in itertools.pairwise(chain)]
+        transfer_s = max(bits_per_step / max(h.mbit_s * 1e6, 1.0) for h in hops)
+        return (transfer_s + sum(h.rtt_ms for h in hops) / 1000, -sum(h.mbit_s for h in hops))
 
     head = [f for f in order if f != last]
     tail = [last] if last is not None and last in order else []
     best = order
     for perm in itertools.permutations(head):
         chain = [*perm, *tail]
-        if score(chain) > score(best):
+        if score(chain) < score(best):
             best = chain
     return best

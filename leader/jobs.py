@@ -63,6 +63,7 @@ from silentswarm.types.jobs import (
     ShardReceipt,
     SignalRecord,
 )
+from silentswarm.types.links import MeasuredLink
 from silentswarm.types.views import StageProgress, mean_of, replica_lasts
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ def plan_schedule(
     fleet: Iterable[FellowRecord] = (),
     held: Mapping[tuple[str, str], Held] | None = None,
     account_of: AccountLookup = no_accounts,
-    links: Mapping[tuple[str, str], float] | None = None,
+    links: Mapping[tuple[str, str], MeasuredLink] | None = None,
 ) -> tuple[list[Assignment], dict[str, str]]:
     """Place pending jobs, oldest first, on idle fellows of their pool with their labels.
 
@@ -120,7 +121,7 @@ def plan_schedule(
     jobs that fit on what is left. ``fleet`` (every known fellow) explains a pool too few
     fellows fit; ``held`` is what each owner's placed jobs hold per pool and ``account_of``
     its account, whose pool limits a job must stay within (:mod:`silentswarm.leader.pools`);
-    ``links`` (fellow pair -> measured Mbit/s) orders ``balanced`` jobs' stages.
+    ``links`` (fellow pair -> its measured link) orders ``balanced`` jobs' stages.
     """
     pools = by_pool(fleet)
     held = dict(held or {})

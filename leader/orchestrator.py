@@ -102,9 +102,6 @@ class Orchestrator:
         # Mints each placed stage of each attempt its own NATS user (None: no NATS users).
         self.authority = authority
         self.progress_limit = RateLimiter(PROGRESS_PER_S, PROGRESS_BURST)
-        # (upstream fellow, downstream fellow) -> the latest measured Mbit/s between them
-        # (the slower direction), from the stages' calibrations: orders balanced jobs.
-        self.links: dict[tuple[str, str], float] = {}
         self.exports = exports
         # Where the uploaded datasets a stage 0 downloads are (needs ``exports``' tokens).
         self.datasets = datasets
@@ -335,7 +332,7 @@ class Orchestrator:
             fleet=fleet,
             held=holdings(self.jobs.list(), starting=self.jobs.starting),
             account_of=self.account_of,
-            links=self.links,
+            links=self.registry.links,
         )
         self.jobs.set_waiting(waiting)
         for assignment in assignments:
@@ -671,8 +668,8 @@ class Orchestrator:
     def _learn(self, job: JobRecord, progress: Progress) -> None:
         """What a step record tells of its fellow, for the next ``balanced`` placement: its
         speed (the step's work, its time less its waits; kept smoothed in the registry; the
-        first steps compile and are left out) and its downstream link's measured rate
-        (kept per fellow pair, in memory)."""
+        first steps compile and are left out) and its downstream link's measured rate and
+        round trip (kept on its record, per downstream fellow)."""
         if job.placement is None:
             return
         placed = job.placement.stage_of(progress.fellow_id)
@@ -682,8 +679,8 @@ class Orchestrator:
         if progress.down_link is not None:
             measured = balance.boundary_link(stages, progress.down_link)
             if measured is not None:
-                pair, rate = measured
-                self.links[pair] = rate
+                (upstream, downstream), link = measured
+                self.registry.record_link(upstream, downstream, link)
         busy = balance.stage_busy_s(progress)
         if busy is None:
             return

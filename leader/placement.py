@@ -18,7 +18,8 @@ each fellow offers: :mod:`silentswarm.telemetry`). The rules:
   eligible free memory, or (``balanced``) to even out the stages' times by each fellow's
   measured compute speed within its memory (:mod:`silentswarm.leader.balance`), every stage
   getting at least one layer. A ``balanced`` job's stages are ordered along the fellows'
-  fastest measured links where the leader has measured any.
+  measured links where the leader has measured any: the order whose slowest boundary's
+  transfer plus every boundary's round trip is least.
 - Inside a fellow, ``gpu_slots`` split its layers over its eligible GPUs by free VRAM, the
   GPU with the most free memory last, so it also hosts the head on the last stage.
 - Every stage and every slot must fit its memory estimate (:mod:`silentswarm.leader.memory`); a job
@@ -48,7 +49,13 @@ from silentswarm import rings
 from silentswarm.compression import parse_compression
 from silentswarm.jobspec import JobSpec, LastStagePlacement, Partition, PlacedStage, Placement
 from silentswarm.leader import pools
-from silentswarm.leader.balance import balanced_sizes, chain_order, head_blocks, ranges_of
+from silentswarm.leader.balance import (
+    balanced_sizes,
+    boundary_bits,
+    chain_order,
+    head_blocks,
+    ranges_of,
+)
 from silentswarm.leader.memory import (
     CPU_RUNTIME_BYTES,
     GPU_RUNTIME_BYTES,
@@ -58,6 +65,7 @@ from silentswarm.leader.memory import (
 from silentswarm.plan import GpuSlot, Transport, split_layers
 from silentswarm.pools import DEFAULT_POOL
 from silentswarm.protocol import GpuInfo
+from silentswarm.types.links import MeasuredLink
 
 GIB = 1024**3
 
@@ -123,13 +131,13 @@ def place(
     *,
     ranges: list[tuple[int, int]] | None = None,
     max_stages: int | None = None,
-    links: Mapping[tuple[str, str], float] | None = None,
+    links: Mapping[tuple[str, str], MeasuredLink] | None = None,
 ) -> Placement | Unplaceable:
     """A placement for ``spec`` on some of ``candidates``, or why there is none now.
 
     ``ranges`` fixes the stages' layer ranges (a resumed job keeps its boundaries);
     ``max_stages`` caps how many fellows the job may take in all (its account's limit);
-    ``links`` (fellow pair -> measured Mbit/s) orders a ``balanced`` job's stages
+    ``links`` (fellow pair -> its measured link) orders a ``balanced`` job's stages
     (:func:`silentswarm.leader.balance.chain_order`). The placed stages are ordered by
     (replica, stage)."""
     candidates = [c for c in candidates if pools.fits(c.pool, c.labels, spec)]
@@ -179,7 +187,7 @@ def _place_on(
     gpus: dict[str, list[GpuInfo]],
     defaults: PlacementDefaults,
     ranges: list[tuple[int, int]] | None,
-    links: Mapping[tuple[str, str], float] | None,
+    links: Mapping[tuple[str, str], MeasuredLink] | None,
 ) -> Placement | Unplaceable:
     """The job on ``taken`` (ranked order) as ``k`` pipelines."""
     groups = _pipelines(spec, taken, k, defaults, links if ranges is None else None)
@@ -239,7 +247,7 @@ def _pipelines(
     taken: list[Candidate],
     k: int,
     defaults: PlacementDefaults,
-    links: Mapping[tuple[str, str], float] | None,
+    links: Mapping[tuple[str, str], MeasuredLink] | None,
 ) -> list[list[Candidate]]:
     """``taken`` (ranked) as ``k`` pipelines, each in stage order. Dealt out like cards:
     replica r takes the r-th best, the (k + r)-th, ..., so the replicas are alike."""
@@ -251,7 +259,7 @@ def _pipelines(
         if keep_last and len(chosen) > 1:
             chosen = [*chosen[1:], chosen[0]]  # the best ranked runs the last stage
         if spec.partition == Partition.BALANCED and links:
-            chosen = _along_links(chosen, links, keep_last=keep_last)
+            chosen = _along_links(chosen, links, keep_last=keep_last, bits=boundary_bits(spec))
         groups.append(chosen)
     return groups
 
@@ -342,11 +350,15 @@ def fellows_needed(spec: JobSpec, ranges: list[tuple[int, int]] | None = None) -
 
 
 def _along_links(
-    chosen: list[Candidate], links: Mapping[tuple[str, str], float], *, keep_last: bool
+    chosen: list[Candidate],
+    links: Mapping[tuple[str, str], MeasuredLink],
+    *,
+    keep_last: bool,
+    bits: float,
 ) -> list[Candidate]:
     by_id = {c.fellow_id: c for c in chosen}
     last = chosen[-1].fellow_id if keep_last else None
-    return [by_id[f] for f in chain_order(list(by_id), links, last=last)]
+    return [by_id[f] for f in chain_order(list(by_id), links, bits_per_step=bits, last=last)]
 
 
 def _splits(

@@ -16,7 +16,7 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -36,6 +36,7 @@ from silentswarm.protocol import (
     RegisterRequest,
 )
 from silentswarm.types.fleet import FellowRecord, NodeView, Transition
+from silentswarm.types.links import MeasuredLink
 
 __all__ = ["FellowRecord", "FellowRegistry", "NodeView", "Transition"]
 
@@ -43,6 +44,9 @@ T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 HISTORY_LEN = 50
+# Measured links kept per fellow (its stages' downstream peers, the most recent): a bound
+# on what one fellow's record holds, well above the peers a fellow meets in its jobs.
+LINKS_KEPT = 32
 
 
 @dataclass
@@ -82,6 +86,9 @@ class FellowRegistry:
         self._released: dict[str, str] = {}
         # Fellow ids whose record changed (or was removed) since the store last wrote them.
         self.dirty: set[str] = set()
+        # (upstream, downstream) -> their latest measured link: an index of the records'
+        # ``links``, which placement reads on every tick.
+        self._links: dict[tuple[str, str], MeasuredLink] = {}
 
     # --- the leader's own NATS connection ---------------------------------------------------
 
@@ -213,6 +220,8 @@ class FellowRegistry:
         entry = self._entries.pop(fellow_id, None)
         if entry is None:
             raise KeyError(fellow_id)
+        for peer in entry.record.links:
+            self._links.pop((fellow_id, peer), None)
         self._released[fellow_id] = entry.record.instance_id
         self.dirty.add(fellow_id)
         log.info("fellow %s released", fellow_id)
@@ -226,10 +235,15 @@ class FellowRegistry:
         """
         for saved in records:
             entry = self._entries.get(saved.fellow_id)
+            for peer, link in saved.links.items():
+                self._links.setdefault((saved.fellow_id, peer), link)
             if entry is None:
                 self._entries[saved.fellow_id] = _Entry(record=saved, last_seen=self._clock())
                 continue
             live = entry.record
+            for peer, link in saved.links.items():
+                live.links.setdefault(peer, link)
+            self._trim_links(saved.fellow_id, live.links)
             live.registered_at = min(live.registered_at, saved.registered_at)
             live.registrations += saved.registrations
             live.history[:0] = saved.history
@@ -265,6 +279,34 @@ class FellowRegistry:
         entry = self._entries.get(fellow_id)
         if entry is not None:
             entry.record.measured_speed = smoothed(entry.record.measured_speed, speed)
+
+    def record_link(self, upstream: str, downstream: str, link: MeasuredLink) -> None:
+        """A boundary ``upstream`` -> ``downstream`` measured ``link``: kept on the upstream
+        fellow's record (the latest :data:`LINKS_KEPT` peers), written by the store when it
+        is new or changed (a stage repeats its latest measurement with every step)."""
+        entry = self._entries.get(upstream)
+        if entry is None or upstream == downstream:
+            return
+        links = entry.record.links
+        if links.get(downstream) == link:
+            return
+        links.pop(downstream, None)
+        links[downstream] = link
+        self._links[(upstream, downstream)] = link
+        self._trim_links(upstream, links)
+        self.dirty.add(upstream)
+
+    def _trim_links(self, upstream: str, links: dict[str, MeasuredLink]) -> None:
+        """Drop the oldest of ``upstream``'s links beyond :data:`LINKS_KEPT`."""
+        while len(links) > LINKS_KEPT:
+            oldest = next(iter(links))
+            del links[oldest]
+            self._links.pop((upstream, oldest), None)
+
+    @property
+    def links(self) -> Mapping[tuple[str, str], MeasuredLink]:
+        """Every kept measured link, by (upstream, downstream) fellow pair."""
+        return self._links
 
     def get(self, fellow_id: str) -> FellowRecord | None:
         entry = self._entries.get(fellow_id)
@@ -406,7 +448,9 @@ class FellowRegistry:
         return entry.record.status is FellowStatus.OFFLINE or self._is_stale(entry)
 
     def _view(self, entry: _Entry) -> FellowRecord:
-        record = msgspec.structs.replace(entry.record, history=list(entry.record.history))
+        record = msgspec.structs.replace(
+            entry.record, history=list(entry.record.history), links=dict(entry.record.links)
+        )
         if record.last_heartbeat_at is not None:
             record.last_heartbeat_age_s = round(
                 max(0.0, self._wall() - record.last_heartbeat_at), 3

@@ -12,6 +12,7 @@ import msgspec
 
 from silentswarm.pools import DEFAULT_POOL
 from silentswarm.protocol import FellowLimits, FellowStatus, GpuInfo, HardwareSnapshot, StageOutcome
+from silentswarm.types.links import MeasuredLink
 
 
 class Transition(msgspec.Struct, kw_only=True, gc=False):
@@ -54,6 +55,10 @@ class FellowRecord(msgspec.Struct, kw_only=True, gc=False):
     # Standard blocks per second its stages' step times showed, smoothed
     # (silentswarm.leader.balance.measured_speed); placement prefers it to the start-up probe's.
     measured_speed: float | None = None
+    # Its stages' latest measured links downstream, per downstream fellow id (at most
+    # silentswarm.leader.registry.LINKS_KEPT, the most recent): balanced jobs are ordered
+    # along them (silentswarm.leader.balance.chain_order).
+    links: dict[str, MeasuredLink] = msgspec.field(default_factory=dict)
     # Where its stages bind for their replicas' ring (SWARM_SYNC_ADDRESS); None: not given
     # (or a record from before replicas).
     sync_address: str | None = None

@@ -42,6 +42,16 @@ class LinkStats(msgspec.Struct, frozen=True, kw_only=True):
     bwd_codec: CodecName = "none"
 
 
+class MeasuredLink(msgspec.Struct, frozen=True, kw_only=True):
+    """What the leader keeps of a measured boundary between two fellows, for placing the
+    next ``balanced`` job along fast links: the slower direction's rate and the round trip.
+    Kept on the upstream fellow's record (:class:`silentswarm.types.fleet.FellowRecord`), so
+    it outlives a leader restart."""
+
+    mbit_s: MbitPerS
+    rtt_ms: Millis
+
+
 class DeferralVerdict(msgspec.Struct, frozen=True, kw_only=True):
     """What the last stage measured before keeping a count of deferred weight-gradient
     passes (``defer_weight_grads: "auto"``): the median seconds of its steps with the count

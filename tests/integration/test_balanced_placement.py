@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import start_agent
-from tests.helpers import Leader, wait_for
+from tests.helpers import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -17,8 +17,10 @@ def layers_of(job: dict) -> dict[str, int]:
 
 
 def test_a_balanced_job_gives_the_faster_fellow_more_layers_and_trains(
-    procs, nats_server, leader: Leader
+    procs, nats_server, restartable_leader
 ):
+    restartable_leader.start()
+    leader = restartable_leader.client
     # Same machine: the declared speeds (SWARM_FELLOW_COMPUTE_SPEED) differ. Three fellows
     # for a 2-stage job: the slowest, which offers the most memory (the others are capped),
     # is left out.
@@ -50,6 +52,17 @@ def test_a_balanced_job_gives_the_faster_fellow_more_layers_and_trains(
     measured = {name: w["measured_speed"] for name, w in leader.workers().items()}
     assert all(measured[name] is not None and measured[name] > 0 for name in ("fast", "slow"))
     assert measured["slowest"] is None, measured
+    # Its stages measured the boundary; the upstream fellow's record keeps it (the next
+    # balanced job is ordered along it), through a restart of the leader.
+    upstream, downstream = (s["fellow_id"] for s in job["placement"]["stages"])
+    links = {name: w["links"] for name, w in leader.workers().items()}
+    assert set(links[upstream]) == {downstream} and links[downstream] == {}, links
+    assert links[upstream][downstream]["mbit_s"] > 0 and links[upstream][downstream]["rtt_ms"] > 0
+    restartable_leader.kill()
+    restartable_leader.start()
+    assert {name: w["links"] for name, w in leader.workers().items()} == links
+    for name in ("slow", "fast"):
+        leader.wait_status(name, "ready", timeout=30)
     equal = leader.submit(
         name="equal",
         model=MODEL,

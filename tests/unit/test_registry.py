@@ -4,7 +4,7 @@ import msgspec
 import pytest
 
 from silentswarm.leader.hostview import HostFellow, merge_host
-from silentswarm.leader.registry import FellowRegistry
+from silentswarm.leader.registry import LINKS_KEPT, FellowRegistry
 from silentswarm.protocol import (
     DeregisterRequest,
     FellowIdentity,
@@ -16,6 +16,7 @@ from silentswarm.protocol import (
     RegisterRequest,
 )
 from silentswarm.telemetry import CUDA_FIX
+from silentswarm.types.links import MeasuredLink
 from tests.fakes import Clock
 
 
@@ -349,6 +350,45 @@ def test_restored_records_get_a_fresh_offline_window(reg, clock):
     assert second.sweep() == [] and second.get("a").status is FellowStatus.READY
     clock.now += 4
     assert [fid for fid, _ in second.sweep()] == ["a"]
+
+
+def test_measured_links_outlive_a_leader_restart(reg, clock):
+    """The links a balanced job's order is chosen by are kept on the upstream fellow's
+    record, so the store writes them and a restarted leader has them back."""
+    for fid in ("a", "b", "c"):
+        register(reg, fid)
+    reg.take_dirty()
+    near, far = MeasuredLink(mbit_s=900.0, rtt_ms=0.5), MeasuredLink(mbit_s=90.0, rtt_ms=50.0)
+    reg.record_link("a", "b", far)
+    reg.record_link("b", "c", near)
+    assert [fid for fid, _ in reg.take_dirty()] == ["a", "b"]
+    reg.record_link("a", "b", far)  # a stage repeats its latest measurement every step
+    assert reg.take_dirty() == []
+    reg.record_link("a", "b", near)
+    [(fid, record)] = reg.take_dirty()
+    assert fid == "a" and record.links == {"b": near}
+    saved = [record for record in reg.list()]
+    second = FellowRegistry(
+        heartbeat_interval_s=1.0, offline_after_s=3.0, leader_version="t", clock=clock, wall=clock
+    )
+    encoded = msgspec.json.encode(saved)  # as the store keeps them
+    second.restore(msgspec.json.decode(encoded, type=list[type(saved[0])]))
+    assert dict(second.links) == {("a", "b"): near, ("b", "c"): near}
+    second.release("b")
+    assert dict(second.links) == {("a", "b"): near}
+
+
+def test_a_fellow_keeps_its_latest_links_only(reg):
+    register(reg, "a")
+    for i in range(LINKS_KEPT + 5):
+        reg.record_link("a", f"peer{i}", MeasuredLink(mbit_s=float(i + 1), rtt_ms=1.0))
+    reg.record_link("a", "peer0", MeasuredLink(mbit_s=7.0, rtt_ms=1.0))  # measured again
+    kept = reg.get("a").links
+    assert len(kept) == LINKS_KEPT and list(kept)[-1] == "peer0"
+    assert {b for a, b in reg.links} == set(kept)
+    reg.record_link("nobody", "a", MeasuredLink(mbit_s=1.0, rtt_ms=1.0))
+    reg.record_link("a", "a", MeasuredLink(mbit_s=1.0, rtt_ms=1.0))
+    assert ("nobody", "a") not in reg.links and ("a", "a") not in reg.links
 
 
 # --- host views merged over every fellow of a host (leader.hostview) ------------------------
