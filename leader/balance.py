@@ -25,6 +25,7 @@ import functools
 import heapq
 import itertools
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 
 from silentswarm.compression import parse_compression
@@ -323,6 +324,90 @@ def boundary_bits(spec: JobSpec) -> float:
     return spec.batch_size * spec.model.seq_len * compression.dims(spec.model.d_model) * bits
 
 
+def typical_link(links: Mapping[tuple[str, str], MeasuredLink]) -> MeasuredLink | None:
+    """The median measured rate and round trip: what :func:`fellows_along_links` takes a
+    pair never measured to have. None without a measurement."""
+    if not links:
+        return None
+    return MeasuredLink(
+        mbit_s=statistics.median(m.mbit_s for m in links.values()),
+        rtt_ms=statistics.median(m.rtt_ms for m in links.values()),
+    )
+
+
+def link_seconds(
+    chain: Sequence[str],
+    links: Mapping[tuple[str, str], MeasuredLink],
+    *,
+    bits_per_step: float,
+    unknown: MeasuredLink,
+) -> float:
+    """What ``chain``'s links add to a step: its slowest boundary's transfer of
+    ``bits_per_step`` (the other boundaries' transfers go on beside it) plus the round trips
+    of all its boundaries (a step's fill and drain cross each once each way). A pair never
+    measured counts as ``unknown``."""
+    hops = [links.get((a, b), links.get((b, a))) or unknown for a, b in itertools.pairwise(chain)]
+    if not hops:
+        return 0.0
+    transfer_s = max(bits_per_step / max(h.mbit_s * 1e6, 1.0) for h in hops)
+    return transfer_s + sum(h.rtt_ms for h in hops) / 1000
+
+
+def compute_seconds(
+    m: ModelConfig, *, batch_size: int, speeds: Sequence[float], micro_batches: int
+) -> float | None:
+    """A balanced split's 1F1B step on fellows of these speeds (standard blocks per second,
+    in stage order), in seconds: :func:`step_cost` of :func:`balanced_sizes`, the head on
+    the last stage, scaled from standard blocks to this model's. None where no split fits."""
+    sizes = balanced_sizes(
+        m.n_layers, speeds, last_extra=head_blocks(m), micro_batches=micro_batches
+    )
+    if sizes is None:
+        return None
+    extras = [0.0] * len(speeds)
+    extras[-1] = head_blocks(m)
+    per_block = block_work(m, batch_size) / block_work(SPEED_UNIT, SPEED_UNIT_BATCH)
+    return step_cost(sizes, speeds, extras, micro_batches) * per_block
+
+
+def fellows_along_links(
+    speeds: Mapping[str, float],
+    n: int,
+    links: Mapping[tuple[str, str], MeasuredLink],
+    *,
+    model: ModelConfig,
+    batch_size: int,
+    micro_batches: int,
+    bits_per_step: float,
+) -> list[str]:
+    """The ``n`` of ``speeds``' fellows (at most :data:`MAX_ORDERED`, the fastest first)
+    whose pipeline is predicted fastest: the balanced split's compute
+    (:func:`compute_seconds`) plus its best order's links (:func:`link_seconds`, a pair
+    never measured taken as :func:`typical_link`); ties keep the fastest. Speeds are in
+    standard blocks per second (already times any CPU quota's share)."""
+    ids = sorted(speeds, key=lambda f: -speeds[f])[:MAX_ORDERED]
+    unknown = typical_link(links)
+    if len(ids) <= n or unknown is None:
+        return ids[:n]
+    best: tuple[float, list[str]] | None = None
+    for group in itertools.combinations(ids, n):
+        compute = compute_seconds(
+            model,
+            batch_size=batch_size,
+            speeds=[speeds[f] for f in group],
+            micro_batches=micro_batches,
+        )
+        if compute is None:
+            continue
+        wire = min(
+            link_seconds(chain, links, bits_per_step=bits_per_step, unknown=unknown)
+            for chain in itertools.permutations(group)
+        )
+        if best is None or compute + wire < best[0]:
+            best = (compute + wire, list(group))
+    return ids[:n] if best is None else best[1]
+
+
 def chain_order(
     fellows: Sequence[str],
     links: Mapping[tuple[str, str], MeasuredLink],
@@ -330,16 +415,14 @@ def chain_order(
     bits_per_step: float,
     last: str | None = None,
 ) -> list[str]:
-    """``fellows`` in the pipeline order whose links cost a step least.
+    """``fellows`` in the pipeline order whose links cost a step least
+    (:func:`link_seconds`); ties go to the chain whose rates add up to more.
 
-    A chain's cost is its slowest boundary's transfer of ``bits_per_step`` (the transfers of
-    the other boundaries go on beside it) plus the round trips of all its boundaries (a step's
-    fill and drain cross each boundary once each way); ties go to the chain whose rates add
-    up to more. ``links[(a, b)]``: a measured link between ``a`` and ``b``, either direction;
-    a pair never measured counts as half the slowest measured rate with twice the longest
-    measured round trip, so it is avoided only in favour of known better ones. ``last``,
-    when given, stays the last stage (it hosts the head). With no pair of the fellows
-    measured, or more than :data:`MAX_ORDERED` of them, the given order stays.
+    ``links[(a, b)]``: a measured link between ``a`` and ``b``, either direction; a pair
+    never measured counts as half the slowest measured rate with twice the longest measured
+    round trip, so it is avoided only in favour of known better ones. ``last``, when given,
+    stays the last stage (it hosts the head). With no pair of the fellows measured, or more
+    than :data:`MAX_ORDERED` of them, the given order stays.
     """
     order = list(fellows)
     if not 3 <= len(order) <= MAX_ORDERED:  # two fellows share their one link either way
@@ -356,9 +439,8 @@ def chain_order(
     )
 
     def score(chain: Sequence[str]) -> tuple[float, float]:
-        hops = [measured(a, b) or unknown for a, b in itertools.pairwise(chain)]
-        transfer_s = max(bits_per_step / max(h.mbit_s * 1e6, 1.0) for h in hops)
-        return (transfer_s + sum(h.rtt_ms for h in hops) / 1000, -sum(h.mbit_s for h in hops))
+        rates = sum((measured(a, b) or unknown).mbit_s for a, b in itertools.pairwise(chain))
+        return (link_seconds(chain, links, bits_per_step=bits_per_step, unknown=unknown), -rates)
 
     head = [f for f in order if f != last]
     tail = [last] if last is not None and last in order else []

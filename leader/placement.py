@@ -53,6 +53,7 @@ from silentswarm.leader.balance import (
     balanced_sizes,
     boundary_bits,
     chain_order,
+    fellows_along_links,
     head_blocks,
     ranges_of,
 )
@@ -153,6 +154,8 @@ def place(
         )
     best_ranked = ranked[: k * wanted]
     taken = _taken_by_speed(spec, ranked, k * wanted, gpus)
+    if k == 1 and ranges is None and links:
+        taken = _taken_along_links(spec, ranked, taken, gpus, links)
     placement = _place_on(spec, taken, k, gpus, defaults, ranges, links)
     if isinstance(placement, Unplaceable) and taken != best_ranked:
         # The fastest may lack the memory the best ranked have: the memory ranking's choice.
@@ -178,6 +181,37 @@ def _taken_by_speed(
 
     chosen = sorted(sorted(range(len(ranked)), key=pace)[:n])
     return [ranked[at] for at in chosen]
+
+
+def _taken_along_links(
+    spec: JobSpec,
+    ranked: list[Candidate],
+    taken: list[Candidate],
+    gpus: dict[str, list[GpuInfo]],
+    links: Mapping[tuple[str, str], MeasuredLink],
+) -> list[Candidate]:
+    """For a ``balanced`` pipeline with more fellows ready than it needs, all CPU fellows
+    of measured speed: the ``len(taken)`` whose balanced split plus best-ordered links are
+    predicted fastest (:func:`silentswarm.leader.balance.fellows_along_links`), in ranked
+    order; ``taken`` where that cannot be judged (a GPU or an unmeasured fellow among them)."""
+    if spec.partition != Partition.BALANCED or len(ranked) <= len(taken):
+        return taken
+    if any(gpus[c.fellow_id] or not c.compute_speed for c in ranked):
+        return taken
+    speeds = {c.fellow_id: (c.compute_speed or 0.0) * c.cpu_share for c in ranked}
+    m = spec.micro_batches if isinstance(spec.micro_batches, int) else 1
+    chosen = set(
+        fellows_along_links(
+            speeds,
+            len(taken),
+            links,
+            model=spec.model,
+            batch_size=spec.batch_size,
+            micro_batches=m,
+            bits_per_step=boundary_bits(spec),
+        )
+    )
+    return [c for c in ranked if c.fellow_id in chosen]
 
 
 def _place_on(

@@ -13,6 +13,7 @@ from silentswarm.leader.balance import (
     boundary_bits,
     boundary_link,
     chain_order,
+    fellows_along_links,
     head_blocks,
     measured_speed,
     ranges_of,
@@ -338,6 +339,57 @@ def test_place_balanced_orders_along_measured_links():
     assert order in (["b", "c", "a"], ["a", "c", "b"])  # the slow pair a-b not adjacent
     equal = place(job(layers=6, partition=Partition.EQUAL), fellows, links=links)
     assert [s.fellow_id for s in equal.stages] == ["a", "b", "c"]  # only balanced reorders
+
+
+# (speeds, measured links, the two fellows a 2-stage balanced job of 6 layers takes)
+ALONG_LINKS = {
+    "nothing measured: the fastest": ({"a": 2.0, "b": 2.0, "c": 1.0}, {}, {"a", "b"}),
+    "a slow link between the fastest: the next fastest instead": (
+        {"a": 2.0, "b": 2.0, "c": 1.8},
+        {("a", "b"): hop(1.0, 50.0), ("a", "c"): hop(100.0, 1.0)},
+        {"a", "c"},
+    ),
+    "compute outweighs a fair link": (
+        {"a": 10.0, "b": 10.0, "c": 1.0},
+        {("a", "b"): hop(50.0, 10.0), ("c", "a"): hop(1000.0, 0.1)},
+        {"a", "b"},
+    ),
+    "a pair never measured counts as the typical one": (
+        {"a": 2.0, "b": 2.0, "c": 2.0},
+        {("a", "b"): hop(1.0), ("a", "c"): hop(100.0), ("d", "e"): hop(1.0)},
+        {"a", "c"},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", ALONG_LINKS, ids=list(ALONG_LINKS))
+def test_fellows_along_links(case):
+    speeds, links, want = ALONG_LINKS[case]
+    spec = job(layers=6)
+    got = fellows_along_links(
+        speeds,
+        2,
+        links,
+        model=spec.model,
+        batch_size=spec.batch_size,
+        micro_batches=spec.micro_batches,
+        bits_per_step=boundary_bits(spec),
+    )
+    assert set(got) == want
+
+
+def test_place_balanced_takes_fellows_along_their_links():
+    """Three fellows ready for two stages: the two fastest are joined by a slow link, so the
+    job takes the fast pair with a fast link; unmeasured or other partitions as before."""
+    fellows = [cand("a", 2.0), cand("b", 2.0), cand("c", 1.8)]
+    links = {("a", "b"): hop(1.0, 50.0), ("a", "c"): hop(100.0, 1.0)}
+    placement = place(job(layers=6, stages=2), fellows, links=links)
+    assert {s.fellow_id for s in placement.stages} == {"a", "c"}
+    unmeasured = [cand("a", 2.0), cand("b", 2.0), cand("c", None)]
+    placement = place(job(layers=6, stages=2), unmeasured, links=links)
+    assert {s.fellow_id for s in placement.stages} == {"a", "b"}
+    equal = place(job(layers=6, stages=2, partition=Partition.EQUAL), fellows, links=links)
+    assert {s.fellow_id for s in equal.stages} == {"a", "b"}
 
 
 def gpu_cand(fid, speed, free_gib=24.0):
