@@ -190,15 +190,20 @@ def _taken_along_links(
     gpus: dict[str, list[GpuInfo]],
     links: Mapping[tuple[str, str], MeasuredLink],
 ) -> list[Candidate]:
-    """For a ``balanced`` pipeline with more fellows ready than it needs, all CPU fellows
-    of measured speed: the ``len(taken)`` whose balanced split plus best-ordered links are
-    predicted fastest (:func:`silentswarm.leader.balance.fellows_along_links`), in ranked
-    order; ``taken`` where that cannot be judged (a GPU or an unmeasured fellow among them)."""
+    """For a ``balanced`` pipeline with more fellows ready than it needs, where the fastest
+    (``taken``) are CPU fellows of measured speed: the ``len(taken)`` of the measured CPU
+    fellows whose balanced split plus best-ordered links are predicted fastest
+    (:func:`silentswarm.leader.balance.fellows_along_links`), in ranked order; ``taken``
+    where that cannot be judged (a GPU or an unmeasured fellow among the fastest)."""
     if spec.partition != Partition.BALANCED or len(ranked) <= len(taken):
         return taken
-    if any(gpus[c.fellow_id] or not c.compute_speed for c in ranked):
+    if any(gpus[c.fellow_id] or not c.compute_speed for c in taken):
         return taken
-    speeds = {c.fellow_id: (c.compute_speed or 0.0) * c.cpu_share for c in ranked}
+    speeds = {
+        c.fellow_id: c.compute_speed * c.cpu_share
+        for c in ranked
+        if c.compute_speed and not gpus[c.fellow_id]
+    }
     m = spec.micro_batches if isinstance(spec.micro_batches, int) else 1
     chosen = set(
         fellows_along_links(

@@ -388,6 +388,12 @@ def test_place_balanced_takes_fellows_along_their_links():
     unmeasured = [cand("a", 2.0), cand("b", 2.0), cand("c", None)]
     placement = place(job(layers=6, stages=2), unmeasured, links=links)
     assert {s.fellow_id for s in placement.stages} == {"a", "b"}
+    spare = [*fellows, cand("d", None)]  # an unmeasured spare is not among the fastest
+    placement = place(job(layers=6, stages=2), spare, links=links)
+    assert {s.fellow_id for s in placement.stages} == {"a", "c"}
+    fastest_unmeasured = [cand("a", None), cand("b", None), cand("c", 1.8)]
+    placement = place(job(layers=6, stages=2), fastest_unmeasured, links=links)
+    assert {s.fellow_id for s in placement.stages} == {"c", "a"}  # measured first, as before
     equal = place(job(layers=6, stages=2, partition=Partition.EQUAL), fellows, links=links)
     assert {s.fellow_id for s in equal.stages} == {"a", "b"}
 
