@@ -325,8 +325,7 @@ def boundary_bits(spec: JobSpec) -> float:
 
 
 def typical_link(links: Mapping[tuple[str, str], MeasuredLink]) -> MeasuredLink | None:
-    """The median measured rate and round trip: what :func:`fellows_along_links` takes a
-    pair never measured to have. None without a measurement."""
+    """The median measured rate and round trip. None without a measurement."""
     if not links:
         return None
     return MeasuredLink(
@@ -335,18 +334,51 @@ def typical_link(links: Mapping[tuple[str, str], MeasuredLink]) -> MeasuredLink 
     )
 
 
+def guessed_links(
+    fellows: Sequence[str], links: Mapping[tuple[str, str], MeasuredLink]
+) -> dict[tuple[str, str], MeasuredLink]:
+    """Every pair of ``fellows``: measured (either direction), or guessed.
+
+    Over the internet a link's rate is mostly its slower end's own connection, so a fellow's
+    access rate is the fastest any of its measured links showed, and a pair never measured
+    gets the slower of its two ends' (the median measured rate for an end never measured)
+    with the median measured round trip. Empty without a measurement."""
+    typical = typical_link(links)
+    if typical is None:
+        return {}
+    wanted = set(fellows)
+    access: dict[str, float] = {}
+    for (a, b), m in links.items():
+        for end in (a, b):
+            if end in wanted:
+                access[end] = max(access.get(end, 0.0), m.mbit_s)
+    out = {}
+    for a, b in itertools.combinations(fellows, 2):
+        measured = links.get((a, b), links.get((b, a)))
+        if measured is None:
+            rate = min(access.get(a, typical.mbit_s), access.get(b, typical.mbit_s))
+            measured = MeasuredLink(mbit_s=rate, rtt_ms=typical.rtt_ms)
+        out[a, b] = measured
+    return out
+
+
 def link_seconds(
     chain: Sequence[str],
     links: Mapping[tuple[str, str], MeasuredLink],
     *,
     bits_per_step: float,
-    unknown: MeasuredLink,
+    unknown: MeasuredLink | None = None,
 ) -> float:
     """What ``chain``'s links add to a step: its slowest boundary's transfer of
     ``bits_per_step`` (the other boundaries' transfers go on beside it) plus the round trips
-    of all its boundaries (a step's fill and drain cross each once each way). A pair never
-    measured counts as ``unknown``."""
-    hops = [links.get((a, b), links.get((b, a))) or unknown for a, b in itertools.pairwise(chain)]
+    of all its boundaries (a step's fill and drain cross each once each way). A pair not in
+    ``links`` counts as ``unknown`` (without it, every pair must be there)."""
+    hops = []
+    for a, b in itertools.pairwise(chain):
+        hop = links.get((a, b), links.get((b, a))) or unknown
+        if hop is None:
+            raise KeyError(f"no link between {a} and {b}")
+        hops.append(hop)
     if not hops:
         return 0.0
     transfer_s = max(bits_per_step / max(h.mbit_s * 1e6, 1.0) for h in hops)
@@ -383,11 +415,11 @@ def fellows_along_links(
     """The ``n`` of ``speeds``' fellows (at most :data:`MAX_ORDERED`, the fastest first)
     whose pipeline is predicted fastest: the balanced split's compute
     (:func:`compute_seconds`) plus its best order's links (:func:`link_seconds`, a pair
-    never measured taken as :func:`typical_link`); ties keep the fastest. Speeds are in
-    standard blocks per second (already times any CPU quota's share)."""
+    never measured as :func:`guessed_links` guesses it); ties keep the fastest. Speeds are
+    in standard blocks per second (already times any CPU quota's share)."""
     ids = sorted(speeds, key=lambda f: -speeds[f])[:MAX_ORDERED]
-    unknown = typical_link(links)
-    if len(ids) <= n or unknown is None:
+    pairs = guessed_links(ids, links)
+    if len(ids) <= n or not pairs:
         return ids[:n]
     best: tuple[float, list[str]] | None = None
     for group in itertools.combinations(ids, n):
@@ -400,7 +432,7 @@ def fellows_along_links(
         if compute is None:
             continue
         wire = min(
-            link_seconds(chain, links, bits_per_step=bits_per_step, unknown=unknown)
+            link_seconds(chain, pairs, bits_per_step=bits_per_step)
             for chain in itertools.permutations(group)
         )
         if best is None or compute + wire < best[0]:

@@ -14,6 +14,7 @@ from silentswarm.leader.balance import (
     boundary_link,
     chain_order,
     fellows_along_links,
+    guessed_links,
     head_blocks,
     measured_speed,
     ranges_of,
@@ -354,12 +355,29 @@ ALONG_LINKS = {
         {("a", "b"): hop(50.0, 10.0), ("c", "a"): hop(1000.0, 0.1)},
         {"a", "b"},
     ),
-    "a pair never measured counts as the typical one": (
+    "a pair never measured: its slower end's best link": (
+        {"a": 2.0, "b": 2.0, "c": 2.0, "d": 0.1},
+        # b's only link is slow, a's and c's best are fast: a-c, never measured, is the pick
+        {("a", "b"): hop(1.0), ("a", "d"): hop(100.0), ("c", "d"): hop(100.0)},
+        {"a", "c"},
+    ),
+    "an end never measured counts as the median": (
         {"a": 2.0, "b": 2.0, "c": 2.0},
-        {("a", "b"): hop(1.0), ("a", "c"): hop(100.0), ("d", "e"): hop(1.0)},
+        {("a", "b"): hop(1.0), ("a", "x"): hop(100.0), ("y", "z"): hop(100.0)},
         {"a", "c"},
     ),
 }
+
+
+def test_guessed_links():
+    links = {("a", "b"): hop(1.0, 40.0), ("d", "a"): hop(100.0, 2.0), ("c", "d"): hop(50.0, 6.0)}
+    pairs = guessed_links(["a", "b", "c", "e"], links)
+    assert set(pairs) == {("a", "b"), ("a", "c"), ("a", "e"), ("b", "c"), ("b", "e"), ("c", "e")}
+    assert pairs["a", "b"] == hop(1.0, 40.0)  # measured
+    assert pairs["a", "c"] == hop(50.0, 6.0)  # c's best is 50, a's 100; the median round trip
+    assert pairs["b", "c"] == hop(1.0, 6.0)
+    assert pairs["a", "e"] == hop(50.0, 6.0)  # e never measured: the median rate
+    assert guessed_links(["a", "b"], {}) == {}
 
 
 @pytest.mark.parametrize("case", ALONG_LINKS, ids=list(ALONG_LINKS))
