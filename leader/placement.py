@@ -152,14 +152,20 @@ def place(
             reason=f"{k} replicas of {wanted} stages need {k * wanted} fellows; the owner's "
             f"account may take {max_stages} more in pool {spec.run_pool}"
         )
-    best_ranked = ranked[: k * wanted]
-    taken = _taken_by_speed(spec, ranked, k * wanted, gpus)
+    # The choices to try, best first: along the links, the fastest, and (the others may
+    # lack the memory the best ranked have) the memory ranking's.
+    by_speed = _taken_by_speed(spec, ranked, k * wanted, gpus)
+    choices = [by_speed, ranked[: k * wanted]]
     if k == 1 and ranges is None and links:
-        taken = _taken_along_links(spec, ranked, taken, gpus, links)
-    placement = _place_on(spec, taken, k, gpus, defaults, ranges, links)
-    if isinstance(placement, Unplaceable) and taken != best_ranked:
-        # The fastest may lack the memory the best ranked have: the memory ranking's choice.
-        return _place_on(spec, best_ranked, k, gpus, defaults, ranges, links)
+        choices.insert(0, _taken_along_links(spec, ranked, by_speed, gpus, links))
+    placement: Placement | Unplaceable | None = None
+    for at, taken in enumerate(choices):
+        if taken in choices[:at]:
+            continue
+        placement = _place_on(spec, taken, k, gpus, defaults, ranges, links)
+        if not isinstance(placement, Unplaceable):
+            return placement
+    assert placement is not None
     return placement
 
 

@@ -409,6 +409,10 @@ def test_place_balanced_takes_fellows_along_their_links():
     spare = [*fellows, cand("d", None)]  # an unmeasured spare is not among the fastest
     placement = place(job(layers=6, stages=2), spare, links=links)
     assert {s.fellow_id for s in placement.stages} == {"a", "c"}
+    # the pair along the links lacks the memory: the fastest, not the memory ranking's pair
+    tight = [cand("a", 2.0), cand("b", 2.0), cand("c", 1.8, ram_gib=0.05), cand("d", 0.5, 64)]
+    placement = place(job(layers=6, stages=2), tight, links=links)
+    assert {s.fellow_id for s in placement.stages} == {"a", "b"}
     fastest_unmeasured = [cand("a", None), cand("b", None), cand("c", 1.8)]
     placement = place(job(layers=6, stages=2), fastest_unmeasured, links=links)
     assert {s.fellow_id for s in placement.stages} == {"c", "a"}  # measured first, as before
