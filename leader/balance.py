@@ -44,6 +44,9 @@ from silentswarm.types.links import LinkStats, MeasuredLink
 
 # chain_order tries every order up to this many fellows, then keeps the given order.
 MAX_ORDERED = 7
+# fellows_along_links costs at most this many chains (sets times orders) per placement: it
+# runs on every tick while a job waits (2520: 5 stages of 7 fellows, ~30 ms here).
+MAX_CHAINS = 2520
 SPEED_UNIT = ModelConfig(
     d_model=SPEED_UNIT_D_MODEL, seq_len=SPEED_UNIT_SEQ_LEN, n_heads=SPEED_UNIT_HEADS, n_layers=1
 )
@@ -412,12 +415,16 @@ def fellows_along_links(
     micro_batches: int,
     bits_per_step: float,
 ) -> list[str]:
-    """The ``n`` of ``speeds``' fellows (at most :data:`MAX_ORDERED`, the fastest first)
-    whose pipeline is predicted fastest: the balanced split's compute
+    """The ``n`` of ``speeds``' fellows (of the :data:`MAX_ORDERED` fastest, fewer where
+    more than :data:`MAX_CHAINS` orders would be costed: none to choose from at 6 stages
+    and more) whose pipeline is predicted fastest: the balanced split's compute
     (:func:`compute_seconds`) plus its best order's links (:func:`link_seconds`, a pair
     never measured as :func:`guessed_links` guesses it); ties keep the fastest. Speeds are
     in standard blocks per second (already times any CPU quota's share)."""
-    ids = sorted(speeds, key=lambda f: -speeds[f])[:MAX_ORDERED]
+    pool = MAX_ORDERED  # fewer where the chains to cost would pass MAX_CHAINS
+    while pool > n and math.comb(pool, n) * math.factorial(n) > MAX_CHAINS:
+        pool -= 1
+    ids = sorted(speeds, key=lambda f: -speeds[f])[:pool]
     pairs = guessed_links(ids, links)
     if len(ids) <= n or not pairs:
         return ids[:n]

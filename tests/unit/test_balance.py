@@ -369,6 +369,16 @@ ALONG_LINKS = {
 }
 
 
+def test_six_stages_take_the_fastest_whatever_the_links():
+    """Choosing 6 of 7 would cost 7 x 720 orders on every tick a job waits: no choice."""
+    speeds = {f: 2.0 for f in "abcdefg"} | {"g": 1.9}
+    links = {("a", "b"): hop(0.1, 500.0), ("f", "g"): hop(1000.0)}
+    spec = job(layers=6)
+    kw = {"model": spec.model, "batch_size": 8, "micro_batches": 4, "bits_per_step": MB}
+    assert set(fellows_along_links(speeds, 6, links, **kw)) == set("abcdef")
+    assert "g" in fellows_along_links(speeds, 5, links, **kw)  # 21 x 120: chosen
+
+
 def test_guessed_links():
     links = {("a", "b"): hop(1.0, 40.0), ("d", "a"): hop(100.0, 2.0), ("c", "d"): hop(50.0, 6.0)}
     pairs = guessed_links(["a", "b", "c", "e"], links)
