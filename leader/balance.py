@@ -458,28 +458,22 @@ def chain_order(
     (:func:`link_seconds`); ties go to the chain whose rates add up to more.
 
     ``links[(a, b)]``: a measured link between ``a`` and ``b``, either direction; a pair
-    never measured counts as half the slowest measured rate with twice the longest measured
-    round trip, so it is avoided only in favour of known better ones. ``last``, when given,
-    stays the last stage (it hosts the head). With no pair of the fellows measured, or more
-    than :data:`MAX_ORDERED` of them, the given order stays.
+    never measured is guessed from its ends' other links (:func:`guessed_links`). ``last``,
+    when given, stays the last stage (it hosts the head). With nothing measured, or more
+    than :data:`MAX_ORDERED` fellows, the given order stays.
     """
     order = list(fellows)
     if not 3 <= len(order) <= MAX_ORDERED:  # two fellows share their one link either way
         return order
-
-    def measured(a: str, b: str) -> MeasuredLink | None:
-        return links.get((a, b), links.get((b, a)))
-
-    known = [m for a, b in itertools.combinations(order, 2) if (m := measured(a, b)) is not None]
-    if not known:
+    pairs = guessed_links(order, links)
+    if not pairs:
         return order
-    unknown = MeasuredLink(
-        mbit_s=min(m.mbit_s for m in known) / 2, rtt_ms=2 * max(m.rtt_ms for m in known)
-    )
 
     def score(chain: Sequence[str]) -> tuple[float, float]:
-        rates = sum((measured(a, b) or unknown).mbit_s for a, b in itertools.pairwise(chain))
-        return (link_seconds(chain, links, bits_per_step=bits_per_step, unknown=unknown), -rates)
+        rates = sum(
+            pairs.get((a, b), pairs.get((b, a))).mbit_s for a, b in itertools.pairwise(chain)
+        )
+        return (link_seconds(chain, pairs, bits_per_step=bits_per_step), -rates)
 
     head = [f for f in order if f != last]
     tail = [last] if last is not None and last in order else []
