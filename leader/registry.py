@@ -16,14 +16,14 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
 import msgspec
 
 from silentswarm.errors import ErrorCode
-from silentswarm.leader.balance import smoothed
+from silentswarm.leader.balance import LinkBook, smoothed
 from silentswarm.leader.hostview import HostFellow, merge_host
 from silentswarm.lifecycle import FellowEvent, can_go_offline, next_status
 from silentswarm.protocol import (
@@ -88,7 +88,7 @@ class FellowRegistry:
         self.dirty: set[str] = set()
         # (upstream, downstream) -> their latest measured link: an index of the records'
         # ``links``, which placement reads on every tick.
-        self._links: dict[tuple[str, str], MeasuredLink] = {}
+        self._links = LinkBook()
 
     # --- the leader's own NATS connection ---------------------------------------------------
 
@@ -221,7 +221,7 @@ class FellowRegistry:
         if entry is None:
             raise KeyError(fellow_id)
         for peer in entry.record.links:
-            self._links.pop((fellow_id, peer), None)
+            self._links.drop((fellow_id, peer))
         self._released[fellow_id] = entry.record.instance_id
         self.dirty.add(fellow_id)
         log.info("fellow %s released", fellow_id)
@@ -236,7 +236,8 @@ class FellowRegistry:
         for saved in records:
             entry = self._entries.get(saved.fellow_id)
             for peer, link in saved.links.items():
-                self._links.setdefault((saved.fellow_id, peer), link)
+                if (saved.fellow_id, peer) not in self._links:
+                    self._links.put((saved.fellow_id, peer), link)
             if entry is None:
                 self._entries[saved.fellow_id] = _Entry(record=saved, last_seen=self._clock())
                 continue
@@ -292,7 +293,7 @@ class FellowRegistry:
             return
         links.pop(downstream, None)
         links[downstream] = link
-        self._links[(upstream, downstream)] = link
+        self._links.put((upstream, downstream), link)
         self._trim_links(upstream, links)
         self.dirty.add(upstream)
 
@@ -301,11 +302,11 @@ class FellowRegistry:
         while len(links) > LINKS_KEPT:
             oldest = next(iter(links))
             del links[oldest]
-            self._links.pop((upstream, oldest), None)
+            self._links.drop((upstream, oldest))
 
     @property
-    def links(self) -> Mapping[tuple[str, str], MeasuredLink]:
-        """Every kept measured link, by (upstream, downstream) fellow pair."""
+    def links(self) -> LinkBook:
+        """Every kept measured link, by (upstream, downstream) fellow pair and by fellow."""
         return self._links
 
     def get(self, fellow_id: str) -> FellowRecord | None:

@@ -8,6 +8,7 @@ import pytest
 
 from silentswarm.jobspec import JobSpec, Partition, PlacedStage
 from silentswarm.leader.balance import (
+    LinkBook,
     balanced_sizes,
     bottleneck,
     boundary_bits,
@@ -389,6 +390,16 @@ def test_six_stages_take_the_fastest_whatever_the_links():
     assert "g" in fellows_along_links(speeds, 5, links, **kw)  # 21 x 120: chosen
 
 
+def test_a_link_book_finds_links_by_pair_and_by_fellow():
+    book = LinkBook({("a", "b"): hop(1.0), ("c", "a"): hop(2.0)})
+    assert book.between("b", "a") == hop(1.0) and book.between("b", "c") is None
+    assert sorted(m.mbit_s for m in book.of("a")) == [1.0, 2.0] and book.of("z") == []
+    book.put(("a", "b"), hop(3.0))
+    book.drop(("c", "a"))
+    book.drop(("x", "y"))  # never there
+    assert dict(book) == {("a", "b"): hop(3.0)} and book.of("c") == [] and len(book) == 1
+
+
 def test_guessed_links():
     links = {("a", "b"): hop(1.0, 40.0), ("d", "a"): hop(100.0, 2.0), ("c", "d"): hop(50.0, 6.0)}
     pairs = guessed_links(["a", "b", "c", "e"], links)
@@ -396,7 +407,7 @@ def test_guessed_links():
     assert pairs["a", "b"] == hop(1.0, 40.0)  # measured
     assert pairs["a", "c"] == hop(50.0, 6.0)  # c's best is 50, a's 100; the median round trip
     assert pairs["b", "c"] == hop(1.0, 6.0)
-    assert pairs["a", "e"] == hop(50.0, 6.0)  # e never measured: the median rate
+    assert pairs["a", "e"] == hop(50.0, 6.0)  # e never measured: the median of their links
     assert guessed_links(["a", "b"], {}) == {}
 
 
