@@ -1,8 +1,9 @@
 """Who may report what: the rules the leader applies to what fellows send about jobs. Pure.
 
 A fellow is a stranger. It may report progress for a job only as the fellow placed at that
-stage of the job's current attempt; the live view, the job record and the history rebuilt
-from the stream after a restart all apply this one rule. A fellow's volume is bounded by a
+stage of the job's current attempt, and a measured link only of its own downstream boundary;
+the live view, the job record and the history rebuilt from the stream after a restart all
+apply this one rule. A fellow's volume is bounded by a
 token bucket per fellow: what is over it is dropped and counted, so one fellow cannot make
 the leader spend its time on it.
 """
@@ -62,6 +63,15 @@ def admit_progress(
             Verdict.REFUSE,
             f"fellow {progress.fellow_id} runs replica {placed.replica}, "
             f"not replica {progress.replica}",
+        )
+    link = progress.down_link
+    if link is not None and link.boundary != placed.stage:
+        # A stage measures only the boundary to its next stage; another pair's figures
+        # would steer where the next balanced job's stages go.
+        return Admission(
+            Verdict.REFUSE,
+            f"fellow {progress.fellow_id} runs stage {placed.stage}, "
+            f"not the upstream end of boundary {link.boundary}",
         )
     return ADMITTED
 

@@ -155,6 +155,10 @@ def test_an_emulated_path_is_measured_per_direction():
 
 
 SMALL = ModelConfig(n_layers=2, d_model=64, n_heads=4, seq_len=32)
+# The CPU weight of each stage of the deferral test against a busy process's 1024: enough to
+# keep its compute near a quiet machine's beside the other tests, not so much that they
+# starve while it runs.
+WEIGHT = 4096
 
 
 def auto_run(tmp_path, far=None) -> list[list[dict]]:
@@ -296,9 +300,9 @@ def test_the_last_stage_keeps_a_proposed_deferral_only_as_its_steps_measure(tmp_
     # The first calibration's costs come from one timed step; on a machine busy with other
     # tests the stages' compute slows against the path's fixed delay and the model rightly
     # proposes less, down to nothing (CI: three runs in a row). Each stage runs in a CPU
-    # group weighted 8 busy processes' worth, so it computes near a quiet machine's speed
-    # (proposals 3-4 beside four busy loops, 0-2 without the weight). A run whose proposal
-    # is nothing anyway is checked for running nothing deferred, and the job runs again.
+    # group of WEIGHT, so it computes near a quiet machine's speed (beside four busy loops,
+    # proposals 3-4 at 4096, 0-3 at 3072, 0-2 without a weight). A run whose proposal is
+    # nothing anyway is checked for running nothing deferred, and the job runs again.
     cpuquota = bench_module("cpuquota")
     for run in range(3):
         port = free_port()
@@ -313,8 +317,8 @@ def test_the_last_stage_keeps_a_proposed_deferral_only_as_its_steps_measure(tmp_
         )
         why: list[str] = []
         with (
-            cpuquota.cpu_group(2.0, weight=8192, why=why) as near_group,
-            cpuquota.cpu_group(2.0, weight=8192, why=why) as far_group,
+            cpuquota.cpu_group(2.0, weight=WEIGHT, why=why) as near_group,
+            cpuquota.cpu_group(2.0, weight=WEIGHT, why=why) as far_group,
             linkemu.FarSide(linkemu.profile("wan100")) as far,
         ):
             prefixes = across(far, plans, port)

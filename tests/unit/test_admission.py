@@ -7,6 +7,7 @@ import pytest
 from silentswarm.jobspec import PlacedStage, Placement, Transport
 from silentswarm.leader.admission import RateLimiter, Verdict, admit_progress
 from silentswarm.protocol import Progress
+from silentswarm.types.links import LinkStats
 from tests.fakes import Clock
 
 PLACEMENT = Placement(
@@ -18,9 +19,18 @@ PLACEMENT = Placement(
 )
 
 
-def progress(fellow="b", stage=1, attempt=2, job="j1", replica=0):
+def progress(fellow="b", stage=1, attempt=2, job="j1", replica=0, boundary=None):
+    link = None
+    if boundary is not None:
+        link = LinkStats(boundary=boundary, step=0, rtt_ms=1.0, fwd_mbit_s=9.0, bwd_mbit_s=9.0)
     return Progress(
-        job_id=job, fellow_id=fellow, attempt=attempt, stage=stage, step=1, replica=replica
+        job_id=job,
+        fellow_id=fellow,
+        attempt=attempt,
+        stage=stage,
+        step=1,
+        replica=replica,
+        down_link=link,
     )
 
 
@@ -38,6 +48,8 @@ def progress(fellow="b", stage=1, attempt=2, job="j1", replica=0):
         (2, PLACEMENT, progress(attempt=999), Verdict.REFUSE, "not the job's current attempt"),
         (2, None, progress(), Verdict.REFUSE, "not the job's current attempt"),
         (2, PLACEMENT, progress(attempt=1), Verdict.STALE, "is over"),
+        (2, PLACEMENT, progress(fellow="a", stage=0, boundary=0), Verdict.ADMIT, ""),
+        (2, PLACEMENT, progress(boundary=0), Verdict.REFUSE, "not the upstream end of boundary 0"),
     ],
 )
 def test_only_the_placed_stage_of_the_current_attempt_reports(
