@@ -355,7 +355,7 @@ class LinkBook(Mapping[tuple[str, str], MeasuredLink]):
 
     def between(self, a: str, b: str) -> MeasuredLink | None:
         """The link measured between ``a`` and ``b``, either direction."""
-        return self._pairs.get((a, b), self._pairs.get((b, a)))
+        return between(self._pairs, a, b)
 
     def of(self, fellow: str) -> list[MeasuredLink]:
         """Every link measured with ``fellow`` at either end."""
@@ -369,6 +369,11 @@ class LinkBook(Mapping[tuple[str, str], MeasuredLink]):
 
     def __len__(self) -> int:
         return len(self._pairs)
+
+
+def between(links: Mapping[tuple[str, str], MeasuredLink], a: str, b: str) -> MeasuredLink | None:
+    """The link in ``links`` between ``a`` and ``b``, either direction."""
+    return links.get((a, b), links.get((b, a)))
 
 
 def _book(links: Mapping[tuple[str, str], MeasuredLink]) -> LinkBook:
@@ -407,15 +412,14 @@ def link_seconds(
     links: Mapping[tuple[str, str], MeasuredLink],
     *,
     bits_per_step: float,
-    unknown: MeasuredLink | None = None,
 ) -> float:
     """What ``chain``'s links add to a step: its slowest boundary's transfer of
     ``bits_per_step`` (the other boundaries' transfers go on beside it) plus the round trips
-    of all its boundaries (a step's fill and drain cross each once each way). A pair not in
-    ``links`` counts as ``unknown`` (without it, every pair must be there)."""
+    of all its boundaries (a step's fill and drain cross each once each way). Every pair of
+    the chain must be in ``links`` (:func:`guessed_links` gives them all)."""
     hops = []
     for a, b in itertools.pairwise(chain):
-        hop = links.get((a, b), links.get((b, a))) or unknown
+        hop = between(links, a, b)
         if hop is None:
             raise KeyError(f"no link between {a} and {b}")
         hops.append(hop)
@@ -507,9 +511,8 @@ def chain_order(
         return order
 
     def score(chain: Sequence[str]) -> tuple[float, float]:
-        rates = sum(
-            pairs.get((a, b), pairs.get((b, a))).mbit_s for a, b in itertools.pairwise(chain)
-        )
+        hops = [between(pairs, a, b) for a, b in itertools.pairwise(chain)]
+        rates = sum(h.mbit_s for h in hops if h is not None)  # guessed_links gives every pair
         return (link_seconds(chain, pairs, bits_per_step=bits_per_step), -rates)
 
     head = [f for f in order if f != last]

@@ -298,13 +298,15 @@ def _pipelines(
     replica r takes the r-th best, the (k + r)-th, ..., so the replicas are alike."""
     last_rule = spec.pipeline_last_stage_placement or defaults.last_stage
     keep_last = last_rule == LastStagePlacement.LARGEST_VRAM
+    along = spec.partition == Partition.BALANCED and bool(links)
+    bits = boundary_bits(spec) if along else 0.0
     groups = []
     for r in range(k):
         chosen = taken[r::k]
         if keep_last and len(chosen) > 1:
             chosen = [*chosen[1:], chosen[0]]  # the best ranked runs the last stage
-        if spec.partition == Partition.BALANCED and links:
-            chosen = _along_links(chosen, links, keep_last=keep_last, bits=boundary_bits(spec))
+        if along and links:
+            chosen = _along_links(chosen, links, keep_last=keep_last, bits=bits)
         groups.append(chosen)
     return groups
 

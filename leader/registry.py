@@ -235,16 +235,14 @@ class FellowRegistry:
         """
         for saved in records:
             entry = self._entries.get(saved.fellow_id)
-            for peer, link in saved.links.items():
-                if (saved.fellow_id, peer) not in self._links:
-                    self._links.put((saved.fellow_id, peer), link)
             if entry is None:
                 self._entries[saved.fellow_id] = _Entry(record=saved, last_seen=self._clock())
+                self._index_links(saved)
                 continue
             live = entry.record
-            for peer, link in saved.links.items():
-                live.links.setdefault(peer, link)
+            live.links = {**saved.links, **live.links}  # the saved ones are the older
             self._trim_links(saved.fellow_id, live.links)
+            self._index_links(live)
             live.registered_at = min(live.registered_at, saved.registered_at)
             live.registrations += saved.registrations
             live.history[:0] = saved.history
@@ -296,6 +294,10 @@ class FellowRegistry:
         self._links.put((upstream, downstream), link)
         self._trim_links(upstream, links)
         self.dirty.add(upstream)
+
+    def _index_links(self, record: FellowRecord) -> None:
+        for peer, link in record.links.items():
+            self._links.put((record.fellow_id, peer), link)
 
     def _trim_links(self, upstream: str, links: dict[str, MeasuredLink]) -> None:
         """Drop the oldest of ``upstream``'s links beyond :data:`LINKS_KEPT`."""
