@@ -26,6 +26,7 @@ from typing import Any, BinaryIO
 
 import msgspec
 
+from silentswarm.agent.runtime import compilecache
 from silentswarm.plan import StagePlan
 from silentswarm.procs import die_with_parent, tail
 from silentswarm.protocol import StageOutcome, StageResult
@@ -56,7 +57,9 @@ RUNTIME_ENV = {
 
 
 # The stage's own settings among SWARM_*: where stage 0 keeps its data cache, and its size.
-RUNTIME_PASSTHROUGH = frozenset({"SWARM_DATA_CACHE", "SWARM_DATA_CACHE_MAX_BYTES"})
+RUNTIME_PASSTHROUGH = (
+    frozenset({"SWARM_DATA_CACHE", "SWARM_DATA_CACHE_MAX_BYTES"}) | compilecache.ENV_NAMES
+)
 
 
 def sync_fields(plan: StagePlan, event: StepEvent | DoneEvent | None) -> dict[str, Any]:
@@ -250,7 +253,8 @@ class StageRun:
             self.finished.set_result(self._outcome(code))
 
     async def _read_stderr(self) -> None:
-        """Keep the runtime's stderr in ``stage.err`` and hand every line on.
+        """Keep the runtime's stderr in ``stage.err`` and hand every line on, but
+        TensorFlow's probes of compile cache entries (:func:`compilecache.is_probe_noise`).
 
         The pipe is read to its end whatever happens to the file: a full disk must not stop
         the reading, or the runtime blocks on a full stderr pipe and training hangs."""
@@ -259,6 +263,9 @@ class StageRun:
         out = self._open_stderr_file()
         try:
             async for raw in proc.stderr:
+                line = raw.decode(errors="replace").rstrip()
+                if compilecache.is_probe_noise(line):
+                    continue  # TensorFlow's look at a compile cache entry, on every load
                 if out is not None:
                     try:
                         out.write(raw)
@@ -266,7 +273,6 @@ class StageRun:
                     except OSError as exc:
                         log.error("%s: cannot write %s any more: %s", self.job_id, out.name, exc)
                         out = _closed(out)
-                line = raw.decode(errors="replace").rstrip()
                 if line:
                     self.on_output("stderr", line)
         finally:

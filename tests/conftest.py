@@ -7,9 +7,12 @@ themselves (they train TensorFlow models or start stage processes)."""
 
 from __future__ import annotations
 
+import os
 import secrets
+import shutil
 import signal
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,8 @@ from silentswarm.procs import free_port
 from tests.helpers import Leader, Processes, child_env, wait_for
 
 TESTS = Path(__file__).resolve().parent
+COMPILE_CACHE_ENV = "SWARM_COMPILE_CACHE"
+_compile_cache = pytest.StashKey[str]()
 INTEGRATION_DIRS = ("integration", "faults", "hostile", "ui")
 
 
@@ -57,6 +62,17 @@ def pytest_configure(config: pytest.Config) -> None:
     SIGINT ignored, and a test that sends a process SIGINT expects a terminal's Ctrl-C."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    # One compile cache (agent/runtime/compilecache.py) for every stage the suite starts,
+    # never ~/.cache: made here, before xdist starts its workers, which inherit it.
+    if not hasattr(config, "workerinput") and COMPILE_CACHE_ENV not in os.environ:
+        config.stash[_compile_cache] = tempfile.mkdtemp(prefix="swarm-test-xla-")
+        os.environ[COMPILE_CACHE_ENV] = config.stash[_compile_cache]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    directory = config.stash.get(_compile_cache, None)
+    if directory is not None:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.hookimpl(tryfirst=True)

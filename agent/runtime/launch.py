@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 
 from silentswarm.agent.errors import StageFailedError
+from silentswarm.agent.runtime import compilecache
 from silentswarm.plan import StagePlan
 from silentswarm.procs import die_with_parent
 
@@ -40,7 +41,12 @@ def stage_command(plan_path: Path, *, control_stdin: bool = False) -> list[str]:
 
 
 def stage_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_")}
+    """This environment without SWARM_* (but the compile cache's settings), plus ``extra``."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("SWARM_") or k in compilecache.ENV_NAMES
+    }
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})

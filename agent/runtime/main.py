@@ -15,19 +15,21 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, NoReturn
 
 import cyclopts
 
 from silentswarm.agent.errors import DataError, FrameError, LinkError, RingChangeError
+from silentswarm.agent.runtime import compilecache
 from silentswarm.agent.runtime.control import ControlChannel
 from silentswarm.agent.runtime.tfsetup import configure_tensorflow, require_tensorflow
 from silentswarm.cpus import usable_cores
 from silentswarm.entry import configure_logging, fail
 from silentswarm.errors import ConfigError, ErrorCode, SwarmError
 from silentswarm.plan import decode_plan
-from silentswarm.types.stage import ErrorEvent, StageEvent, encode_event
+from silentswarm.types.stage import ErrorEvent, StageEvent, StepEvent, encode_event
 
 app = cyclopts.App(name="swarm-stage", help="Run one pipeline stage from an explicit plan.")
 log = logging.getLogger("stage")
@@ -39,6 +41,23 @@ def emit(event: StageEvent) -> None:
     sys.stdout.flush()  # whatever was printed before it comes first
     sys.stdout.buffer.write(encode_event(event) + b"\n")
     sys.stdout.buffer.flush()
+
+
+def publishing_after_first_step(
+    cache: compilecache.CompileCache,
+) -> Callable[[StageEvent], None]:
+    """:func:`emit`, which first publishes what the first step compiled, before that step's
+    event: a stage killed once it said so does not take its executables along."""
+    published = False
+
+    def on_event(event: StageEvent) -> None:
+        nonlocal published
+        if not published and isinstance(event, StepEvent):
+            published = True
+            cache.publish()
+        emit(event)
+
+    return on_event
 
 
 @app.default
@@ -62,6 +81,9 @@ def run(
     if control_stdin:
         control = ControlChannel()
         control.start_reader(0)  # fd 0, not sys.stdin: see start_reader
+    cache = compilecache.open_from_env()
+    if cache is not None:
+        compilecache.enable(cache)
     configure_tensorflow(
         intra_op_threads=stage_plan.intra_op_threads or usable_cores(),
         logical_cpus=max(1, len(stage_plan.gpu_slots)),
@@ -70,7 +92,8 @@ def run(
 
     runner: StageRunner | None = None
     try:
-        runner = StageRunner(stage_plan, emit, control)
+        on_event = emit if cache is None else publishing_after_first_step(cache)
+        runner = StageRunner(stage_plan, on_event, control)
         runner.run()
     except (LinkError, FrameError, DataError, RingChangeError) as exc:
         stage_failed(stage_plan.stage, str(exc), control, exc.code)
@@ -82,6 +105,8 @@ def run(
     finally:
         if runner is not None:
             runner.close()
+        if cache is not None:
+            cache.close()
 
 
 def stage_failed(

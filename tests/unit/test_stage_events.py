@@ -211,3 +211,15 @@ def test_a_run_that_says_done_and_exits_0_completed(tmp_path):
     assert events[-1] == DONE == run.done
     assert outcome.result is StageResult.COMPLETED
     assert (outcome.step, outcome.loss, outcome.val_loss) == (4, 2.5, 2.75)
+
+
+def test_tensorflows_probes_of_compile_cache_entries_are_neither_kept_nor_shipped(tmp_path):
+    noise = (
+        "E0000 00:00:1796569575.826342   22769 text_format.cc:378] Error parsing text-format "
+        "tensorflow.XlaSerializedCacheEntry: 2:1: Expected identifier, got: 4"
+    )
+    run, outcome, _, output = _read_fake_runtime(tmp_path, f"Traceback: boom\n{noise}", 1)
+    assert ("stderr", "Traceback: boom") in output
+    assert not [line for _, line in output if "XlaSerializedCacheEntry" in line]
+    assert "XlaSerializedCacheEntry" not in run.stderr_path.read_text()
+    assert outcome.message == "Traceback: boom (exit 1)", "the cause, not TensorFlow's probe"
