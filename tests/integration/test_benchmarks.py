@@ -192,6 +192,16 @@ def test_tokenizer_benchmark_quick():
     assert positive(bpe["train_s"]) and positive(bpe["encode_mb_per_s"])
 
 
+@pytest.mark.timeout(240)
+def test_stagestart_benchmark_quick():
+    figures = run_quick("stagestart", timeout=220)
+    assert figures["bench"] == "stagestart" and figures["same_losses"] is True
+    for arm in ("off", "cold", "warm"):
+        assert 0 < figures[f"{arm}_first_step_s"] <= figures[f"{arm}_total_s"]
+    assert set(figures["warm_vs_off"]) == {"first_step_s", "total_s"}
+    assert figures["cache_bytes"] > 0, "the cold arm filled the cache"
+
+
 def run_codec_loss(*args: str, timeout: float) -> list[dict[str, Any]]:
     """``exp/codec_loss.py --quick [args]``: its stdout's JSON lines."""
     out = subprocess.run(
