@@ -267,9 +267,14 @@ class CompileCache:
 
     def publish(self) -> int:
         """Hand on the entries written in ``work`` since it was opened that are whole; then
-        keep the cache under its limit. The number handed on."""
-        published = self._publish_from(self.work)
-        self._prune()
+        keep the cache under its limit. The number handed on; a cache that cannot be
+        written any more is logged, never the stage's failure."""
+        try:
+            published = self._publish_from(self.work)
+            self._prune()
+        except OSError as exc:
+            log.warning("compile cache %s: nothing published: %s", self.shared, exc)
+            return 0
         return published
 
     def close(self, *, publish: bool = True) -> None:

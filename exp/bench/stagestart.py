@@ -1,7 +1,7 @@
 """Stage start-up with and without the compile cache (agent/runtime/compilecache.py).
 
-The quickstart's job (its model, 2 stages over loopback ZeroMQ, one intra-op thread each)
-trains ``--steps`` steps, three ways in each round, one after the other:
+The quickstart's job (its model, ``--stages`` 2 over loopback ZeroMQ, one intra-op thread
+each) trains ``--steps`` steps, three ways in each round, one after the other:
 
 - ``off``: ``SWARM_COMPILE_CACHE=off``, every executable compiled;
 - ``cold``: an empty cache: compiled, and kept;
@@ -41,12 +41,14 @@ def quickstart() -> tuple[ModelConfig, dict[str, Any]]:
     return ModelConfig(**spec["model"]), spec
 
 
-def run_arm(work: Path, model: ModelConfig, train: TrainConfig, cache: str) -> dict[str, Any]:
+def run_arm(
+    work: Path, model: ModelConfig, train: TrainConfig, stages: int, cache: str
+) -> dict[str, Any]:
     plans = chain_plans(
         job_id="start",
         model=model,
         train=train,
-        addresses=[None, f"tcp://127.0.0.1:{free_port()}"],
+        addresses=[None, *[f"tcp://127.0.0.1:{free_port()}" for _ in range(stages - 1)]],
         transport=Transport.P2P,
         intra_op_threads=1,
     )
@@ -68,11 +70,15 @@ def run_arm(work: Path, model: ModelConfig, train: TrainConfig, cache: str) -> d
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a smoke run: 1 round, 2 steps")
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: a tiny model, 1 stage, 1 round, 2 steps"
+    )
+    parser.add_argument("--stages", type=int, default=None, help="pipeline stages (default 2)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds (default 3)")
     parser.add_argument("--steps", type=int, default=None, help="steps per run (default 5)")
     args = parser.parse_args()
     rounds = args.rounds or (1 if args.quick else 3)
+    stages = args.stages or (1 if args.quick else 2)
     model, spec = quickstart()
     if args.quick:
         model = ModelConfig(vocab_size=256, seq_len=16, n_layers=2, d_model=32, n_heads=2)
@@ -92,7 +98,7 @@ def main() -> None:
             cache = base / f"cache-{r}"
             for arm in ARMS:
                 where = "off" if arm == "off" else str(cache)
-                got = run_arm(base / "work", model, train, where)
+                got = run_arm(base / "work", model, train, stages, where)
                 per_arm[arm].append(got)
                 print(
                     f"  round {r + 1} {arm:4s}: first step {got['first_step_s']:5.2f} s, "
@@ -104,7 +110,7 @@ def main() -> None:
         "bench": "stagestart",
         "quick": args.quick,
         "model": {k: getattr(model, k) for k in ("n_layers", "d_model", "n_heads", "seq_len")},
-        "stages": 2,
+        "stages": stages,
         "steps": train.steps,
         "rounds": rounds,
         "cache_bytes": cache_bytes,

@@ -57,7 +57,10 @@ def test_link_benchmark_quick():
 def test_pipeline_benchmark_quick():
     # every forward of a step ahead on stage 0 (m = 4): the ceiling child follows the window;
     # and the 2-stage pipeline with recompute beside the tape's, in the same round
-    figures = run_quick("pipeline", "--in-flight", "4", "--compare-recompute", timeout=280)
+    # and the compression section's reference spec alone (the codecs: the compression test)
+    figures = run_quick(
+        "pipeline", "--in-flight", "4", "--compare-recompute", "--specs", "none", timeout=280
+    )
     assert figures["bench"] == "pipeline"
     speed = figures["speed"]
     assert speed["in_flight"] == 4 and speed["micro_batches"] == 4
@@ -234,18 +237,18 @@ def test_codec_fidelity_experiment_quick():
 
 @pytest.mark.timeout(300)
 def test_codec_loss_experiment_quick():
-    """exp/codec_loss.py runs each arm per seed against its seed's unrounded arm."""
+    """exp/codec_loss.py runs each arm per seed against its seed's unrounded arm (one seed here)."""
     arms = ["none/none", "row/e4m3", "block32/stochastic"]
-    lines = run_codec_loss("--seeds", "0", "1", "--arms", *arms, timeout=280)
+    lines = run_codec_loss("--seeds", "0", "--arms", *arms, timeout=280)
     rows, summary = lines[:-1], lines[-1]
-    assert len(rows) == 6 and all(positive(r["val_loss"]) for r in rows)
+    assert len(rows) == 3 and all(positive(r["val_loss"]) for r in rows)
     assert summary["experiment"] == "codec_loss"
     by_arm = summary["summary"]
-    assert by_arm["none/none"]["vs_none"] == [0.0, 0.0]
+    assert by_arm["none/none"]["vs_none"] == [0.0]
     for arm in ("row/e4m3", "block32/stochastic"):
-        assert len(by_arm[arm]["vs_none"]) == 2
+        assert len(by_arm[arm]["vs_none"]) == 1
     # A quick run's validation loss can round to the same float32 mean with
-    # and without rounding (it did, seed 1 of int8 both ways); the training losses say
+    # and without rounding (it did once, int8 both ways); the training losses say
     # whether the rounding reached the training.
     unrounded = {r["seed"]: r for r in rows if r["fwd"] == "none"}
     for row in rows:
