@@ -43,6 +43,8 @@ from typing import BinaryIO
 
 import psutil
 
+from silentswarm.agent.runtime.cachedirs import byte_limit, user_cache_dir
+
 log = logging.getLogger(__name__)
 
 CACHE_ENV = "SWARM_COMPILE_CACHE"
@@ -152,28 +154,14 @@ def default_root(environ: Mapping[str, str] | None = None) -> Path | None:
         return None
     if explicit:
         return Path(explicit).expanduser()
-    xdg = env.get("XDG_CACHE_HOME")
-    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
-    return base / "silentswarm" / "xla"
+    return user_cache_dir("xla", env)
 
 
 def max_bytes(environ: Mapping[str, str] | None = None) -> int:
     """``SWARM_COMPILE_CACHE_MAX_BYTES``, else :data:`DEFAULT_MAX_BYTES` (also for a value
     that is no positive integer, with a warning)."""
-    env = os.environ if environ is None else environ
-    raw = env.get(MAX_BYTES_ENV, "").strip()
-    if not raw:
-        return DEFAULT_MAX_BYTES
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        log.warning(
-            "%s=%r is not a positive integer: %d it is", MAX_BYTES_ENV, raw, DEFAULT_MAX_BYTES
-        )
-        return DEFAULT_MAX_BYTES
-    return value
+    limit = byte_limit(MAX_BYTES_ENV, f"the limit is {DEFAULT_MAX_BYTES}", environ)
+    return DEFAULT_MAX_BYTES if limit is None else limit
 
 
 def _work_name(pid: int) -> str | None:

@@ -45,6 +45,7 @@ from silentswarm import datasets
 from silentswarm.agent.errors import DataError
 from silentswarm.agent.pipe.wire import token_dtype
 from silentswarm.agent.runtime import datacache
+from silentswarm.agent.runtime.cachedirs import user_cache_dir
 from silentswarm.agent.runtime.tokenizer import (
     BYTE_VOCAB,
     BpeTokenizer,
@@ -145,9 +146,7 @@ def default_cache_dir() -> Path:
     explicit = os.environ.get(CACHE_ENV)
     if explicit:
         return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg) if xdg and os.path.isabs(xdg) else Path.home() / ".cache"
-    return base / "silentswarm" / "tokens"
+    return user_cache_dir("tokens")
 
 
 def _cache_dir(cache_dir: str | os.PathLike[str] | None) -> Path:

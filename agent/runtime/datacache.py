@@ -21,6 +21,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from silentswarm.agent.runtime.cachedirs import byte_limit
+
 log = logging.getLogger(__name__)
 
 MAX_BYTES_ENV = "SWARM_DATA_CACHE_MAX_BYTES"
@@ -36,19 +38,7 @@ class Entry:
 def max_bytes() -> int | None:
     """``SWARM_DATA_CACHE_MAX_BYTES``, or None (no limit; also for a value that is no
     positive integer, with a warning)."""
-    raw = os.environ.get(MAX_BYTES_ENV, "").strip()
-    if not raw:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        log.warning(
-            "%s=%r is not a positive integer: the data cache is not limited", MAX_BYTES_ENV, raw
-        )
-        return None
-    return value
+    return byte_limit(MAX_BYTES_ENV, "the data cache is not limited")
 
 
 def touch(paths: Iterable[Path]) -> None:
