@@ -173,10 +173,10 @@ def _work_name(pid: int) -> str | None:
 
 
 def _others_may_write(directory: Path) -> str | None:
-    """Why another user could put an entry in ``directory`` (or under it), None if no one
-    can: it and the directories above its entries must be this user's, writable by it
-    alone."""
-    for path in (directory, directory / WORK_DIR):
+    """Why another user could put an entry in ``directory`` (or under it, or swap it for
+    one of theirs), None if no one can: it, the cache's root above it and the directory of
+    the stages' own must be this user's, writable by it alone."""
+    for path in (directory.parent, directory, directory / WORK_DIR):
         stat = path.stat()
         if stat.st_uid != os.getuid():
             return f"{path} belongs to uid {stat.st_uid}"

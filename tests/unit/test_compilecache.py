@@ -190,11 +190,11 @@ def test_a_loaded_entry_stays_readable_by_its_stage_when_pruned(tmp_path):
     reader.close(publish=False)
 
 
-@pytest.mark.parametrize("mode", [0o777, 0o770])
-def test_a_directory_others_may_write_is_not_used(tmp_path, mode):
+@pytest.mark.parametrize(("where", "mode"), [(HOST, 0o777), (HOST, 0o770), (".", 0o777)])
+def test_a_directory_others_may_write_is_not_used(tmp_path, where, mode):
     root = tmp_path / "cache"
     (root / HOST).mkdir(parents=True)
-    (root / HOST).chmod(mode)
+    (root / where).chmod(mode)
     assert CompileCache.open(root, 2**30, host=HOST) is None
     assert not list((root / HOST / ".work").iterdir()), "and it leaves nothing behind"
 
