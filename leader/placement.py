@@ -305,7 +305,7 @@ def _pipelines(
         chosen = taken[r::k]
         if keep_last and len(chosen) > 1:
             chosen = [*chosen[1:], chosen[0]]  # the best ranked runs the last stage
-        if along and links:
+        if along:
             chosen = _along_links(chosen, links, keep_last=keep_last, bits=bits)
         groups.append(chosen)
     return groups

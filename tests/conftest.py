@@ -20,13 +20,13 @@ from typing import Any
 import pytest
 
 from silentswarm.agent.pipe.zmq import ZmqLink
+from silentswarm.agent.runtime import compilecache
 from silentswarm.natsauth import NatsAuthority
 from silentswarm.natsd import NatsServer, start_nats_server
 from silentswarm.procs import free_port
 from tests.helpers import Leader, Processes, child_env, wait_for
 
 TESTS = Path(__file__).resolve().parent
-COMPILE_CACHE_ENV = "SWARM_COMPILE_CACHE"
 _compile_cache = pytest.StashKey[str]()
 INTEGRATION_DIRS = ("integration", "faults", "hostile", "ui")
 
@@ -64,9 +64,9 @@ def pytest_configure(config: pytest.Config) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     # One compile cache (agent/runtime/compilecache.py) for every stage the suite starts,
     # never ~/.cache: made here, before xdist starts its workers, which inherit it.
-    if not hasattr(config, "workerinput") and COMPILE_CACHE_ENV not in os.environ:
+    if not hasattr(config, "workerinput") and compilecache.CACHE_ENV not in os.environ:
         config.stash[_compile_cache] = tempfile.mkdtemp(prefix="swarm-test-xla-")
-        os.environ[COMPILE_CACHE_ENV] = config.stash[_compile_cache]
+        os.environ[compilecache.CACHE_ENV] = config.stash[_compile_cache]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -118,9 +118,13 @@ def host_key(environ: Mapping[str, str] | None = None) -> str:
     env = os.environ if environ is None else environ
     parts = [_tensorflow_version(), platform.machine(), *_cpu_identity()]
     for name in ("XLA_FLAGS", "TF_XLA_FLAGS"):
-        kept = [f for f in env.get(name, "").split() if not f.startswith(_CACHE_FLAGS)]
-        parts.append(f"{name}={' '.join(kept)}")
+        parts.append(f"{name}={' '.join(_other_flags(env.get(name, '')))}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _other_flags(flags: str) -> list[str]:
+    """The flags of an XLA flags variable but the cache's own."""
+    return [f for f in flags.split() if not f.startswith(_CACHE_FLAGS)]
 
 
 def _tensorflow_version() -> str:
@@ -222,24 +226,18 @@ class CompileCache:
                 directory.mkdir(exist_ok=True, mode=0o700)
             work.mkdir(mode=0o700)
             free = shutil.disk_usage(work).free
-            strangers = _others_may_write(shared)
+            # What it holds is machine code this process would run.
+            why = _others_may_write(shared)
         except OSError as exc:
             log.warning("compile cache %s not used: %s", root, exc.strerror or exc)
             return None
-        if strangers:  # what it holds is machine code this process would run
-            log.warning("compile cache %s not used: %s", root, strangers)
+        if why is None and free < MIN_FREE_BYTES:
+            why = f"{free >> 20} MiB free, below {MIN_FREE_BYTES >> 20}"
+        if why is not None:
+            log.warning("compile cache %s not used: %s", root, why)
             shutil.rmtree(work, ignore_errors=True)
             return None
         cache = cls(shared=shared, work=work, max_bytes=limit)
-        if free < MIN_FREE_BYTES:
-            log.warning(
-                "compile cache %s not used: %d MiB free, below %d",
-                root,
-                free >> 20,
-                MIN_FREE_BYTES >> 20,
-            )
-            cache.close(publish=False)
-            return None
         cache._salvage()
         for entry in _entries(shared):
             if is_whole(entry):
@@ -326,5 +324,4 @@ def open_from_env(environ: Mapping[str, str] | None = None) -> CompileCache | No
 def enable(cache: CompileCache, environ: MutableMapping[str, str] | None = None) -> None:
     """Point TensorFlow at ``cache`` (``TF_XLA_FLAGS``); before TensorFlow's first compile."""
     env = os.environ if environ is None else environ
-    kept = [f for f in env.get("TF_XLA_FLAGS", "").split() if not f.startswith(_CACHE_FLAGS)]
-    env["TF_XLA_FLAGS"] = " ".join([*kept, cache.tf_flags()])
+    env["TF_XLA_FLAGS"] = " ".join([*_other_flags(env.get("TF_XLA_FLAGS", "")), cache.tf_flags()])

@@ -105,7 +105,7 @@ def main() -> None:
                     f"done {got['total_s']:5.2f} s",
                     flush=True,
                 )
-            cache_bytes = sum(p.stat().st_size for p in cache.glob("*/*.pb"))
+        cache_bytes = sum(p.stat().st_size for p in cache.glob("*/*.pb"))  # the last round's
     figures: dict[str, Any] = {
         "bench": "stagestart",
         "quick": args.quick,
