@@ -26,6 +26,7 @@ import pynvml
 
 from silentswarm.cpus import cpu_budget, usable_cores
 from silentswarm.protocol import FellowLimits, GpuInfo, HardwareSnapshot
+from silentswarm.ram import memory_budget
 from silentswarm.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -156,7 +157,8 @@ class HardwareProbe:
         psutil.cpu_percent(interval=None)  # prime: the next call measures since now
 
     def snapshot(self) -> HardwareSnapshot:
-        mem = psutil.virtual_memory()
+        host = psutil.virtual_memory()
+        mem = memory_budget(host.total, host.available)
         sent, received = self._net_rates()
         cpus = cpu_budget()
         return HardwareSnapshot(
@@ -168,6 +170,9 @@ class HardwareProbe:
             cpu_load_pct=psutil.cpu_percent(interval=None),
             ram_total_bytes=mem.total,
             ram_available_bytes=mem.available,
+            ram_limit_bytes=mem.limit,
+            host_ram_total_bytes=mem.host_total,
+            host_ram_available_bytes=mem.host_available,
             net_sent_bytes_per_s=sent,
             net_recv_bytes_per_s=received,
             gpus=self._gpus(),

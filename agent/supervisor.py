@@ -26,10 +26,12 @@ from typing import Any, BinaryIO
 
 import msgspec
 
+from silentswarm.agent.exitreason import signal_reason
 from silentswarm.agent.runtime import compilecache
 from silentswarm.plan import StagePlan
 from silentswarm.procs import die_with_parent, tail
 from silentswarm.protocol import StageOutcome, StageResult
+from silentswarm.ram import OomKills, memory_limit, oom_kills
 from silentswarm.types.stage import (
     Command,
     DoneEvent,
@@ -124,6 +126,9 @@ class StageRun:
         # became of its final one): replica 0's, until a ring change moves the duty.
         self.leads = plan.replica == 0
         self.finished: asyncio.Future[StageOutcome] = asyncio.get_running_loop().create_future()
+        # The kernel's out-of-memory kills counted when the runtime started: a count that rose
+        # by its end says what a SIGKILL was (agent.exitreason).
+        self.oom_kills_at_start = OomKills(group=None, host=None)
         self._reader: asyncio.Task[None] | None = None
         self._stderr_reader: asyncio.Task[None] | None = None
 
@@ -146,6 +151,7 @@ class StageRun:
         fd = os.open(plan_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as handle:
             handle.write(msgspec.json.format(msgspec.json.encode(self.plan)))
+        self.oom_kills_at_start = oom_kills()
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
@@ -308,9 +314,16 @@ class StageRun:
         elif self.stopping is not None:
             result, message = StageResult.STOPPED, self.stopping
         else:
-            why = self.error or _last_line(self.stderr_path) or f"runtime exited with {code}"
-            result, message = StageResult.FAILED, f"{why} (exit {code})"
-            error_code = self.error_code
+            result, error_code = StageResult.FAILED, self.error_code
+            last_line = _last_line(self.stderr_path)
+            killed = signal_reason(code, self.oom_kills_at_start, oom_kills(), memory_limit())
+            if killed is not None and self.error is None:
+                why, error_code = killed
+                if last_line:
+                    why = f"{why}; its stderr's last line: {last_line}"
+            else:
+                why = self.error or last_line or f"runtime exited with {code}"
+            message = f"{why} (exit {code})"
         return StageOutcome(
             result=result,
             message=message,

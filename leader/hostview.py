@@ -8,7 +8,8 @@ every heartbeat. So the view is merged:
 
 - GPUs: the union by UUID over the fellows considered, the freshest reading of each GPU;
 - host numbers (CPU, RAM, network): the freshest snapshot considered; they describe the
-  host, whichever fellow read them;
+  host, whichever fellow read them (its ``host_*`` figures: a fellow in a container offers
+  only its cgroup's share);
 - caps and which GPUs each fellow sees: per fellow, keyed by fellow id, for every fellow
   of the host (offline ones too: their caps are still what they were started with);
 - GPUs TensorFlow can use: the union of the GPUs each fellow's probe covers.
@@ -66,8 +67,8 @@ def merge_host(hostname: str, fellows: list[HostFellow]) -> NodeView:
         fellows=[f.fellow_id for f in by_id],
         cpu_cores=freshest.host_cpu_cores or freshest.cpu_cores,
         cpu_load_pct=freshest.cpu_load_pct,
-        ram_total_bytes=freshest.ram_total_bytes,
-        ram_available_bytes=freshest.ram_available_bytes,
+        ram_total_bytes=freshest.host_ram_total_bytes or freshest.ram_total_bytes,
+        ram_available_bytes=freshest.host_ram_available_bytes or freshest.ram_available_bytes,
         gpus=sorted(gpus.values(), key=lambda g: (g.index, g.uuid)),
         nvml_error=None if nvml_ok else freshest.nvml_error,
         gpu_warning=_warning(considered),

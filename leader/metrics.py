@@ -163,13 +163,18 @@ HARDWARE_SERIES: tuple[Series[FellowRecord], ...] = (
     ),
     Series(
         "swarm_fellow_ram_total_bytes",
-        "RAM of the fellow's host",
+        "RAM the fellow may use (its host's, capped by its cgroup's memory limit)",
         lambda f: f.hardware.ram_total_bytes,
     ),
     Series(
         "swarm_fellow_ram_available_bytes",
-        "RAM available on the fellow's host",
+        "RAM the fellow offers (its host's available, capped by the room under its limit)",
         lambda f: f.hardware.ram_available_bytes,
+    ),
+    Series(
+        "swarm_fellow_ram_limit_bytes",
+        "The fellow's cgroup memory limit (absent: none below its host's RAM)",
+        lambda f: f.hardware.ram_limit_bytes,
     ),
     Series(
         "swarm_fellow_network_transmit_bytes_per_second",

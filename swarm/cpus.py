@@ -11,21 +11,21 @@ threads: rounding down would leave a third of it unused; docs/performance.md mea
 
 The quota is the smallest ``cpu.max`` (cgroup v2) or ``cpu.cfs_quota_us`` over
 ``cpu.cfs_period_us`` (v1) on the path from this process's cgroup up to its hierarchy's
-mount (a parent's limit binds its children). The parsing is pure; :func:`cpu_budget` reads
-``/proc/self/cgroup``, ``/proc/self/mountinfo`` and the cgroup files.
+mount (a parent's limit binds its children: the directories are :mod:`silentswarm.cgroups`').
+The parsing is pure; :func:`cpu_budget` reads the cgroup files.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
-PROC_SELF = Path("/proc/self")
+from silentswarm.cgroups import PROC_SELF, CgroupDir, own_cgroup_dirs, read_small
+
 # A quota is read within these many cores (a misread or absurd file must not make every
 # figure derived from it divide by almost nothing, nor leave the bounds a heartbeat checks).
 MIN_QUOTA_CORES = 0.01
@@ -43,15 +43,6 @@ class CpuBudget:
     quota: float | None
     affinity: int
     host: int
-
-
-@dataclass(frozen=True)
-class CgroupDir:
-    """A directory of this process's cgroup (or an ancestor's) in one hierarchy."""
-
-    version: int  # 1 or 2
-    path: Path
-    mount: Path  # where its hierarchy is mounted: limits are read from path up to here
 
 
 def budget(host: int, affinity: int, quota: float | None) -> CpuBudget:
@@ -87,72 +78,6 @@ def quota_cores(quota_us: str, period_us: str) -> float | None:
     return quota / period
 
 
-def cgroup_dirs(proc_cgroup: str, mountinfo: str) -> list[CgroupDir]:
-    """The directories that hold this process's CPU limits: for each hierarchy with the
-    ``cpu`` controller (v1) or the unified one (v2) that ``mountinfo`` shows mounted, the
-    process's cgroup directory (``proc_cgroup`` is ``/proc/self/cgroup``)."""
-    v1_paths: dict[str, str] = {}
-    v2_path: str | None = None
-    for line in proc_cgroup.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        hierarchy, controllers, path = parts
-        if hierarchy == "0" and controllers == "":
-            v2_path = path
-        else:
-            for controller in controllers.split(","):
-                v1_paths[controller] = path
-    dirs: list[CgroupDir] = []
-    for line in mountinfo.splitlines():
-        mount = parse_mount(line)
-        if mount is None:
-            continue
-        fstype, root, point, options = mount
-        if fstype == "cgroup2" and v2_path is not None:
-            inside = relative_to_root(v2_path, root)
-            if inside is not None:
-                dirs.append(CgroupDir(2, Path(point, inside), Path(point)))
-        elif fstype == "cgroup" and "cpu" in options and "cpu" in v1_paths:
-            inside = relative_to_root(v1_paths["cpu"], root)
-            if inside is not None:
-                dirs.append(CgroupDir(1, Path(point, inside), Path(point)))
-    return dirs
-
-
-def parse_mount(line: str) -> tuple[str, str, str, set[str]] | None:
-    """(fstype, root, mount point, super options) of a ``/proc/self/mountinfo`` line."""
-    fields = line.split()
-    if "-" not in fields:
-        return None
-    sep = fields.index("-")
-    if sep < 5 or len(fields) < sep + 4:
-        return None
-    root, point = unescape(fields[3]), unescape(fields[4])
-    return fields[sep + 1], root, point, set(fields[sep + 3].split(","))
-
-
-def unescape(field: str) -> str:
-    """mountinfo writes space, tab, newline and backslash as octal escapes."""
-    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
-        field = field.replace(code, char)
-    return field
-
-
-def relative_to_root(path: str, root: str) -> str | None:
-    """A cgroup path as seen from a mount of the hierarchy at ``root``: "" for the mount
-    itself; None when the cgroup lies outside what is mounted (or outside the process's
-    cgroup namespace, which the kernel writes as ``/..``: what lies there is not known)."""
-    p, r = PurePosixPath(path), PurePosixPath(root)
-    if ".." in p.parts or ".." in r.parts:
-        return None
-    try:
-        inside = p.relative_to(r)
-    except ValueError:
-        return None
-    return "" if str(inside) == "." else str(inside)
-
-
 def group_limit(group: CgroupDir, read: Callable[[Path], str | None]) -> tuple[float, float] | None:
     """The quota set on ``group``'s own directory: (cores, its period in seconds); None
     where it sets none (or its files do not read as one)."""
@@ -172,24 +97,11 @@ def binding_quota(
     """The smallest quota from ``start``'s directory up to its mount point, and the
     directory that sets it (where the kernel counts the throttling it causes)."""
     found: list[tuple[float, CgroupDir]] = []
-    here = start.path
-    for _ in range(len(start.path.relative_to(start.mount).parts) + 1):
-        group = CgroupDir(start.version, here, start.mount)
+    for group in start.up_to_mount():
         limit = group_limit(group, read)
         if limit is not None:
             found.append((limit[0], group))
-        here = here.parent
     return min(found, key=lambda f: f[0]) if found else None
-
-
-def read_small(path: Path, limit: int = 4096) -> str | None:
-    """A kernel file's text, at most ``limit`` characters (mountinfo on a host with many
-    mounts runs long: it is read with a larger limit); None where it cannot be read."""
-    try:
-        with path.open() as f:
-            return f.read(limit)
-    except OSError:
-        return None
 
 
 def cgroup_quota(proc: Path = PROC_SELF) -> float | None:
@@ -205,17 +117,6 @@ def tightest_quota(proc: Path = PROC_SELF) -> tuple[float, CgroupDir] | None:
     quotas = [binding_quota(d, read_small) for d in own_cgroup_dirs(proc)]
     found = [q for q in quotas if q is not None]
     return min(found, key=lambda f: f[0]) if found else None
-
-
-@functools.cache
-def own_cgroup_dirs(proc: Path) -> tuple[CgroupDir, ...]:
-    """The process's cgroup directories, found once: mountinfo runs to hundreds of KiB on a
-    host with many mounts, and the agent asks at every heartbeat."""
-    proc_cgroup = read_small(proc / "cgroup", 1 << 16)
-    mountinfo = read_small(proc / "mountinfo", 1 << 20)
-    if proc_cgroup is None or mountinfo is None:
-        return ()
-    return tuple(cgroup_dirs(proc_cgroup, mountinfo))
 
 
 def parse_cpu_stat(text: str, version: int) -> tuple[float, int] | None:

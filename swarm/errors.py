@@ -109,6 +109,8 @@ class ErrorCode(StrEnum):
     SHARD_PUSH_FAILED = "SHARD_PUSH_FAILED"
     SHARD_FETCH_FAILED = "SHARD_FETCH_FAILED"
     STAGE_FAILED = "STAGE_FAILED"  # also a stage's failure that has no code of its own
+    # the kernel's out-of-memory killer ended a stage runtime (its fellow's cgroup or host)
+    STAGE_OUT_OF_MEMORY = "STAGE_OUT_OF_MEMORY"
     DONOR_REFUSED = "DONOR_REFUSED"  # a ring member refused the donor's state (far, not finite)
     # a ring member refused the donor's state as its predecessor forwarded it at a ring change
     # (malformed, of the wrong shape, unsigned or signed by another than the donor)

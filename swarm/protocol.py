@@ -96,8 +96,15 @@ class HardwareSnapshot(msgspec.Struct, kw_only=True, gc=False):
     # The host's logical cores (what fellows on one host share); None from an older agent.
     host_cpu_cores: Annotated[int, msgspec.Meta(ge=1, le=65536)] | None = None
     cpu_load_pct: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 0.0
+    # The memory this fellow may use (silentswarm.ram): the host's, capped by its cgroup's
+    # memory limit and the room under it; placement offers ram_available_bytes.
     ram_total_bytes: Bytes
     ram_available_bytes: Bytes
+    # That limit where one holds the fellow below the host's memory (a container's); None: none.
+    ram_limit_bytes: Bytes | None = None
+    # The host's memory (what fellows on one host share); None from an older agent.
+    host_ram_total_bytes: Bytes | None = None
+    host_ram_available_bytes: Bytes | None = None
     net_sent_bytes_per_s: Rate = 0.0
     net_recv_bytes_per_s: Rate = 0.0
     gpus: Annotated[list[GpuInfo], msgspec.Meta(max_length=MAX_GPUS)] = msgspec.field(

@@ -254,3 +254,54 @@ def dropped_messages(http: httpx.Client, reason: str | None = None) -> float:
         if sample.name.endswith("_total")
         and (reason is None or sample.labels.get("reason") == reason)
     )
+
+
+CGROUP_MEMORY = Path("/sys/fs/cgroup/memory")
+
+
+class MemoryGroup:
+    """A cgroup v1 memory group (:func:`memory_group`): a container's memory limit, for real."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @property
+    def prefix(self) -> list[str]:
+        """The command prefix that starts a process inside the group."""
+        return ["sh", "-c", f'echo $$ > {self.path / "cgroup.procs"} && exec "$@"', "sh"]
+
+    def set_limit(self, limit: int) -> None:
+        (self.path / "memory.limit_in_bytes").write_text(str(limit))
+
+    def working_set(self) -> int:
+        """Its usage less the page cache the kernel can drop (as the agent counts it)."""
+        usage = int((self.path / "memory.usage_in_bytes").read_text())
+        stat = dict(line.split() for line in (self.path / "memory.stat").read_text().splitlines())
+        return usage - int(stat["total_inactive_file"])
+
+
+@contextlib.contextmanager
+def memory_group(limit: int, why: list[str]) -> Iterator[MemoryGroup | None]:
+    """A memory group holding its processes to ``limit`` bytes (None where the v1 memory
+    controller is not mounted or cannot be written: ``why`` says why); removed after its
+    processes have gone."""
+    group = MemoryGroup(CGROUP_MEMORY / f"swarm-memory-{os.urandom(4).hex()}")
+    try:
+        group.path.mkdir()
+        group.set_limit(limit)
+    except OSError as exc:
+        why.append(f"no memory group: {exc}")
+        with contextlib.suppress(OSError):
+            group.path.rmdir()
+        yield None
+        return
+    try:
+        yield group
+    finally:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # a process that just exited may still be listed
+            try:
+                group.path.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)

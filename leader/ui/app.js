@@ -498,7 +498,7 @@ function fellowView(id) {
         ["job", w.job_id || "-"],
         ["step / loss", `${w.step ?? "-"} / ${num(w.loss)}`],
         ["CPU", `${hw.cpu_cores} cores${hw.cpu_quota == null ? "" : ` (quota ${num(hw.cpu_quota, 2)})`}, ${num(hw.cpu_load_pct, 0)}% busy`, "fellow-cpu"],
-        ["RAM free", `${gib(hw.ram_available_bytes)} of ${gib(hw.ram_total_bytes)}`],
+        ["RAM free", `${gib(hw.ram_available_bytes)} of ${gib(hw.ram_total_bytes)}${hw.ram_limit_bytes == null ? "" : " (its limit)"}`, "fellow-ram"],
         ["host network", `sent ${rate(hw.net_sent_bytes_per_s)}, received ${rate(hw.net_recv_bytes_per_s)}`],
         ["VRAM used / free", gpuTotals(w)],
         ["layers", placed ? `[${placed.layer_start}, ${placed.layer_end}) of ${job.job_id}` : "-"],

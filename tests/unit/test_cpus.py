@@ -6,20 +6,17 @@ from pathlib import Path
 
 import pytest
 
+from silentswarm.cgroups import CgroupDir, cgroup_dirs, parse_mount, read_small
 from silentswarm.cli.commands.fellows import cores_text
 from silentswarm.cpus import (
-    CgroupDir,
     ThrottleClock,
     ThrottleReading,
     binding_quota,
     budget,
-    cgroup_dirs,
     cgroup_quota,
     parse_cpu_max,
     parse_cpu_stat,
-    parse_mount,
     quota_cores,
-    read_small,
 )
 
 

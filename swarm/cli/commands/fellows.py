@@ -32,6 +32,12 @@ def cores_text(cores: int, quota: float | None) -> str:
     return str(cores) if quota is None else f"{cores} (quota {quota:g})"
 
 
+def ram_text(available: int, limit: int | None) -> str:
+    """The memory a fellow offers, and its container's limit where one holds it."""
+    free = render.gib(available)
+    return free if limit is None else f"{free} (limit {render.gib(limit)})"
+
+
 def fellows(*, options: LeaderOptions = LEADER, ctx: Ctx) -> None:
     """Every fellow the leader knows: status, host, pool and labels, hardware, last heartbeat."""
     with ctx.client() as client:
@@ -45,7 +51,7 @@ def fellows(*, options: LeaderOptions = LEADER, ctx: Ctx) -> None:
             format_labels(f.labels) or "-",
             len(f.hardware.gpus) or "cpu",
             cores_text(f.hardware.cpu_cores, f.hardware.cpu_quota),
-            render.gib(f.hardware.ram_available_bytes),
+            ram_text(f.hardware.ram_available_bytes, f.hardware.ram_limit_bytes),
             f.job_id,
             render.ago(f.last_heartbeat_age_s),
         ]

@@ -1,0 +1,127 @@
+"""A fellow in a container's memory limit offers what the limit leaves, not its host's RAM,
+and a stage the kernel's out-of-memory killer ends says so: real agents and stages in a real
+cgroup v1 memory group, a real out-of-memory kill."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import psutil
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import start_agent
+from tests.helpers import Leader, memory_group, swarm_cli, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+GIB = 1 << 30
+MIB = 1 << 20
+TINY = {"vocab_size": 256, "seq_len": 32, "n_layers": 2, "d_model": 32, "n_heads": 2}
+# ~1.3 GiB by placement's estimate (leader/memory.py), TensorFlow's runtime included.
+LARGER = {"vocab_size": 256, "seq_len": 32, "n_layers": 8, "d_model": 512, "n_heads": 2}
+
+
+def limit_gauges(leader: Leader) -> dict[str, float]:
+    text = leader.http.get("/api/v1/metrics").text
+    return {
+        sample.labels["fellow"]: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "swarm_fellow_ram_limit_bytes"
+        for sample in family.samples
+    }
+
+
+def test_a_fellow_offers_what_its_memory_limit_leaves_and_follows_a_changed_limit(
+    procs, nats_server, leader: Leader
+):
+    why: list[str] = []
+    with memory_group(GIB, why) as group:
+        if group is None:
+            pytest.skip(why[0])
+        try:
+            start_agent(procs, nats_server.url, "boxed", prefix=group.prefix)
+            leader.wait_status("boxed", "ready", timeout=30)
+            hardware = leader.workers()["boxed"]["hardware"]
+            host = psutil.virtual_memory().total
+            assert hardware["ram_limit_bytes"] == GIB
+            assert hardware["ram_total_bytes"] == GIB
+            assert hardware["host_ram_total_bytes"] == host
+            # The agent's own working set is in the group: it offers the room under the limit.
+            assert 0.5 * GIB < hardware["ram_available_bytes"] < GIB
+            assert limit_gauges(leader) == {"boxed": GIB}
+            table = swarm_cli(leader, "fellows")
+            assert table.returncode == 0, table.stderr
+            assert "(limit 1.0G)" in table.stdout, table.stdout
+            nodes = leader.get("/api/v1/nodes")
+            assert [n["ram_total_bytes"] for n in nodes] == [host], "the host view is the host's"
+
+            # The host's RAM would take this job; the limit does not.
+            job_id = leader.submit(
+                name="larger", model=LARGER, stages=1, steps=4, batch_size=4, max_data_bytes=100_000
+            )["job_id"]
+
+            def waiting_for_ram() -> str | None:
+                reason = leader.job(job_id)["reason"] or ""
+                return reason if "of RAM" in reason else None
+
+            reason = wait_for(waiting_for_ram, timeout=30, what="the job to wait for RAM")
+            found = re.search(r"needs ~([\d.]+) GiB of RAM, best fellow has ([\d.]+) GiB", reason)
+            assert found and float(found[2]) <= 1.0 < float(found[1]), reason
+            assert leader.job(job_id)["state"] == "PENDING"
+            # `docker update --memory`: the next heartbeat offers the new room, and it is placed.
+            group.set_limit(3 * GIB)
+            leader.wait_job(job_id, "RUNNING", "COMPLETED", timeout=60)
+            assert leader.workers()["boxed"]["hardware"]["ram_limit_bytes"] == 3 * GIB
+        finally:
+            procs.cleanup()  # the group goes only once its processes have
+
+
+def test_a_stage_the_out_of_memory_killer_ends_says_so_and_the_fellow_stays(
+    procs, nats_server, leader: Leader, tmp_path
+):
+    why: list[str] = []
+    shm = Path("/dev/shm") / f"swarm-oom-{tmp_path.name}"
+    with memory_group(3 * GIB // 2, why) as group:
+        if group is None:
+            pytest.skip(why[0])
+        try:
+            agent = start_agent(procs, nats_server.url, "boxed", prefix=group.prefix)
+            leader.wait_status("boxed", "ready", timeout=30)
+            job_id = leader.submit(
+                name="oom",
+                model=TINY,
+                stages=1,
+                steps=100_000,
+                batch_size=4,
+                max_data_bytes=100_000,
+                max_resumes=0,
+            )["job_id"]
+            wait_for(
+                lambda: any(p["step"] >= 2 for p in leader.job(job_id)["progress"]),
+                timeout=90,
+                what="the stage to train",
+            )
+            # Memory the kernel cannot drop (tmpfs, no swap), charged to the group, to more
+            # than its room: the out-of-memory killer ends its largest process, the stage; what
+            # is left then fits (the stage's working set is far above the 64 MiB over).
+            over = (3 * GIB // 2 - group.working_set() + 64 * MIB) // MIB
+            filled = subprocess.run(
+                [*group.prefix, "dd", "if=/dev/zero", f"of={shm}", "bs=1M", f"count={over}"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert filled.returncode == 0, filled.stderr
+            job = leader.wait_job(job_id, "FAILED", timeout=60)
+            reason = job["reason"]
+            assert "the kernel's out-of-memory killer ended the stage runtime" in reason, reason
+            assert "memory cgroup reached its limit of 1.5 GiB" in reason, reason
+            assert "(exit -9)" in reason, reason
+            assert agent.poll() is None, "the agent outlives its stage"
+            leader.wait_status("boxed", "ready", timeout=30)
+        finally:
+            shm.unlink(missing_ok=True)
+            procs.cleanup()
