@@ -46,6 +46,11 @@ log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 5.0
 LINE_LIMIT = 16 << 20
+# A runtime's oom_score_adj: when its fellow's container or host runs out of memory, the
+# kernel's out-of-memory killer takes a stage before the agent (which then says why the stage
+# died) and before the host's other programs (a volunteer's own). Raising it needs no
+# privilege; the fellow unit lowers the agent's (OOMScoreAdjust=).
+STAGE_OOM_SCORE_ADJ = 500
 
 # TensorFlow's GPU memory: allocate on demand and hand it back (the async allocator), so a
 # fellow's VRAM telemetry stays truthful and several stages can share a GPU.
@@ -85,6 +90,23 @@ def sync_fields(plan: StagePlan, event: StepEvent | DoneEvent | None) -> dict[st
         if event.state_digests:
             fields["state_digests"] = event.state_digests
     return fields
+
+
+def stage_preexec(tie: Callable[[], None]) -> Callable[[], None]:
+    """A runtime's ``preexec_fn``: ``tie`` (it dies with the agent), then the first to go on
+    an out-of-memory kill (:data:`STAGE_OOM_SCORE_ADJ`, never lower than it already is)."""
+
+    def _run() -> None:
+        tie()
+        with (
+            contextlib.suppress(OSError, ValueError),
+            open("/proc/self/oom_score_adj", "r+") as adj,
+        ):
+            if int(adj.read()) < STAGE_OOM_SCORE_ADJ:
+                adj.seek(0)
+                adj.write(str(STAGE_OOM_SCORE_ADJ))
+
+    return _run
 
 
 def runtime_env() -> dict[str, str]:
@@ -163,7 +185,7 @@ class StageRun:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             env=runtime_env(),
-            preexec_fn=die_with_parent(signal.SIGKILL),
+            preexec_fn=stage_preexec(die_with_parent(signal.SIGKILL)),
             # A line longer than this would stop the readers, the pipe would fill and the
             # stage would block writing: allow very long lines.
             limit=LINE_LIMIT,

@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+import msgspec
+
 from silentswarm.errors import ConflictError, ErrorCode, IllegalTransitionError, NotFoundError
 from silentswarm.jobspec import JobSpec, PlacedStage, Placement, new_job_id
 from silentswarm.leader import elastic
@@ -73,6 +75,7 @@ CHECKPOINT_LOG_LEN = 20
 PUSH_LOG_LEN = 50
 MEMBERSHIP_LOG_LEN = 50
 DROPPED_LEN = 64  # progress entries of lost replicas' stages a record keeps
+OUT_OF_MEMORY_LEN = 64  # fellows a record remembers its stages ran out of memory on
 # After START, a fellow's heartbeats may still describe the moment before it: only judge
 # "not running the job" on heartbeats received this long after the job started.
 START_GRACE_S = 3.0
@@ -140,7 +143,7 @@ def plan_schedule(
         try:
             result = place(
                 job.spec,
-                free,
+                offered_to(job, free),
                 defaults,
                 ranges=job.layer_ranges,
                 max_stages=allowance.max_stages,
@@ -155,13 +158,54 @@ def plan_schedule(
             note = ""
             if result.too_few and pools:
                 note = fleet_note(job.spec, pools, free={c.fellow_id for c in free})
-            waiting[job.job_id] = result.reason + note
+            waiting[job.job_id] = result.reason + note + out_of_memory_note(job)
             continue
         assignments.append(Assignment(job.job_id, result))
         held[key] = held.get(key, Held()).plus(len(result.stages))
         taken = set(result.fellow_ids)
         free = [c for c in free if c.fellow_id not in taken]
     return assignments, waiting
+
+
+def offered_to(job: JobRecord, free: list[Candidate]) -> list[Candidate]:
+    """The idle fellows as ``job`` may use them: a fellow on which the out-of-memory killer
+    ended a CPU stage of the job offers it less than that stage's estimate (placement's
+    estimate fell short there, so the same stage must not go back to it)."""
+    if not job.out_of_memory:
+        return free
+    return [
+        msgspec.structs.replace(
+            c, ram_available_bytes=min(c.ram_available_bytes, job.out_of_memory[c.fellow_id] - 1)
+        )
+        if c.fellow_id in job.out_of_memory
+        else c
+        for c in free
+    ]
+
+
+def out_of_memory_note(job: JobRecord) -> str:
+    """What a waiting job's reason adds when fellows offer it less after an out-of-memory
+    kill (:func:`offered_to`)."""
+    if not job.out_of_memory:
+        return ""
+    fellows = ", ".join(sorted(job.out_of_memory))
+    return (
+        f"; the out-of-memory killer ended a stage of this job on {fellows}: "
+        "they get only smaller stages of it"
+    )
+
+
+def noted_out_of_memory(job: JobRecord, fellow_id: str) -> None:
+    """Remember that the out-of-memory killer ended the job's CPU stage on ``fellow_id``,
+    with the RAM placement estimated for it (a GPU stage's estimate is of VRAM: not noted)."""
+    placed = None if job.placement is None else job.placement.stage_of(fellow_id)
+    if placed is None or placed.gpu_slots or not placed.memory_estimate_bytes:
+        return
+    known = job.out_of_memory.get(fellow_id)
+    estimate = placed.memory_estimate_bytes
+    job.out_of_memory[fellow_id] = estimate if known is None else min(known, estimate)
+    while len(job.out_of_memory) > OUT_OF_MEMORY_LEN:
+        job.out_of_memory.pop(next(iter(job.out_of_memory)))
 
 
 def resume_from(job: JobRecord) -> int | str:
@@ -530,6 +574,8 @@ class JobManager:
         if outcome.result is StageResult.COMPLETED:
             self._complete_if_done(job)
             return job
+        if outcome.code == ErrorCode.STAGE_OUT_OF_MEMORY:
+            noted_out_of_memory(job, fellow_id)
         what = stage.message or outcome.result.value
         reason = f"fellow {fellow_id} (stage {stage.stage}) {outcome.result.value}: {what}"
         # A member refuses its donor's state (or what its predecessor forwarded as such)

@@ -38,7 +38,7 @@ from silentswarm.leader.datasets import DatasetStore
 from silentswarm.leader.datasets import start_args as dataset_start_args
 from silentswarm.leader.errors import NotReadyError
 from silentswarm.leader.exports import ExportService
-from silentswarm.leader.jobs import FellowState, JobManager, plan_schedule
+from silentswarm.leader.jobs import FellowState, JobManager, offered_to, plan_schedule
 from silentswarm.leader.placement import DEFAULTS, PlacementDefaults
 from silentswarm.leader.pools import AccountLookup, holdings, no_accounts
 from silentswarm.leader.purges import PurgeBook
@@ -463,7 +463,7 @@ class Orchestrator:
             now=time.monotonic(),
         )
         for job in jobs:
-            stages = elastic.replacement(job, idle, self.defaults)
+            stages = elastic.replacement(job, offered_to(job, idle), self.defaults)
             if not isinstance(stages, list):
                 continue  # not enough ready fellows yet (or none fit): the next tick tries
             if self.jobs.place_replacement(job.job_id, stages) is None:

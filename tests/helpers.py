@@ -273,11 +273,11 @@ class MemoryGroup:
     def set_limit(self, limit: int) -> None:
         (self.path / "memory.limit_in_bytes").write_text(str(limit))
 
-    def working_set(self) -> int:
-        """Its usage less the page cache the kernel can drop (as the agent counts it)."""
-        usage = int((self.path / "memory.usage_in_bytes").read_text())
-        stat = dict(line.split() for line in (self.path / "memory.stat").read_text().splitlines())
-        return usage - int(stat["total_inactive_file"])
+    def unreclaimable(self) -> int:
+        """What the kernel cannot drop to make room (no swap): anonymous memory and tmpfs."""
+        text = (self.path / "memory.stat").read_text()
+        stat = {name: int(value) for name, value in (line.split() for line in text.splitlines())}
+        return stat["total_rss"] + stat["total_shmem"]
 
 
 @contextlib.contextmanager

@@ -5,7 +5,7 @@ import itertools
 import msgspec
 import pytest
 
-from silentswarm.errors import ConflictError, IllegalTransitionError, NotFoundError
+from silentswarm.errors import ConflictError, ErrorCode, IllegalTransitionError, NotFoundError
 from silentswarm.jobspec import JobSpec
 from silentswarm.leader.jobs import FellowState, JobManager, plan_schedule, reconcile
 from silentswarm.leader.placement import Candidate
@@ -132,6 +132,43 @@ def test_a_failed_stage_fails_the_job_with_the_fellow_and_the_error():
     manager.record_outcome("f2", bad)
     assert job.state is J.FAILED
     assert "f2" in job.reason and "OOM" in job.reason
+
+
+def test_a_fellow_whose_stage_ran_out_of_memory_gets_no_stage_as_large_again():
+    clock = Clock()
+    manager = JobManager(wall=clock)
+    job = submit(manager, clock, stages=1, resume_from_scratch=True)
+    roomy, smaller = fellow("f1", ram=8 << 30), fellow("f2", ram=4 << 30)
+    [assignment], _ = plan_schedule(manager.pending(), [roomy, smaller])
+    assert assignment.placement.fellow_ids == ["f1"], "the most RAM first"
+    estimate = assignment.placement.stages[0].memory_estimate_bytes
+    manager.begin_start(job.job_id, assignment.placement)
+    manager.start_succeeded(job.job_id)
+    killed = StageOutcome(
+        job_id=job.job_id,
+        attempt=1,
+        result=R.FAILED,
+        message="the kernel's out-of-memory killer ended the stage runtime",
+        code=ErrorCode.STAGE_OUT_OF_MEMORY,
+    )
+    manager.record_outcome("f1", killed)
+    assert job.state is J.PENDING and job.out_of_memory == {"f1": estimate}
+    # Its estimate fell short on f1: the resumed job goes to the other fellow...
+    [again], _ = plan_schedule(manager.pending(), [roomy, smaller])
+    assert again.placement.fellow_ids == ["f2"]
+    # ...or waits, saying why f1 will not do, where f1 is all there is.
+    assert plan_schedule(manager.pending(), [roomy])[0] == []
+    waiting = plan_schedule(manager.pending(), [roomy])[1][job.job_id]
+    assert "the out-of-memory killer ended a stage of this job on f1" in waiting, waiting
+    # A failure of another kind teaches nothing about memory.
+    other = submit(manager, clock, stages=1, resume_from_scratch=True)
+    [placed] = [a for a in plan_schedule([other], [roomy])[0]]
+    manager.begin_start(other.job_id, placed.placement)
+    manager.start_succeeded(other.job_id)
+    manager.record_outcome(
+        "f1", StageOutcome(job_id=other.job_id, attempt=1, result=R.FAILED, message="boom")
+    )
+    assert other.state is J.PENDING and other.out_of_memory == {}
 
 
 def test_start_failure_returns_the_job_to_waiting_and_cancel_is_final():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import msgspec
 import pytest
 
 from silentswarm.agent.runtime.control import parse_command
-from silentswarm.agent.supervisor import StageRun
+from silentswarm.agent.supervisor import STAGE_OOM_SCORE_ADJ, StageRun, stage_preexec
 from silentswarm.plan import ModelConfig, TrainConfig, single_process_plan
 from silentswarm.protocol import StageResult
 from silentswarm.types.stage import (
@@ -223,3 +224,17 @@ def test_tensorflows_probes_of_compile_cache_entries_are_neither_kept_nor_shippe
     assert not [line for _, line in output if "XlaSerializedCacheEntry" in line]
     assert "XlaSerializedCacheEntry" not in run.stderr_path.read_text()
     assert outcome.message == "Traceback: boom (exit 1)", "the cause, not TensorFlow's probe"
+
+
+def test_a_runtime_is_the_first_the_out_of_memory_killer_takes(tmp_path):
+    """Its oom_score_adj is raised to 500 (never lowered: one already higher stays)."""
+    read = ["cat", "/proc/self/oom_score_adj"]
+    started = subprocess.run(read, preexec_fn=stage_preexec(lambda: None), capture_output=True)
+    assert started.stdout.strip() == str(STAGE_OOM_SCORE_ADJ).encode()
+
+    def already_higher() -> None:
+        Path("/proc/self/oom_score_adj").write_text("700")
+        stage_preexec(lambda: None)()
+
+    higher = subprocess.run(read, preexec_fn=already_higher, capture_output=True)
+    assert higher.stdout.strip() == b"700"
