@@ -168,19 +168,30 @@ def plan_schedule(
 
 
 def offered_to(job: JobRecord, free: list[Candidate]) -> list[Candidate]:
-    """The idle fellows as ``job`` may use them: a fellow on which the out-of-memory killer
-    ended a CPU stage of the job offers it less than that stage's estimate (placement's
-    estimate fell short there, so the same stage must not go back to it)."""
+    """The idle fellows as ``job`` may use them: a fellow on which a stage of the job ran out
+    of memory offers it less than that stage's estimate (placement's estimate fell short
+    there, so the same stage must not go back to it): its RAM, or its GPUs' free VRAM scaled
+    down together."""
     if not job.out_of_memory:
         return free
     return [
-        msgspec.structs.replace(
-            c, ram_available_bytes=min(c.ram_available_bytes, job.out_of_memory[c.fellow_id] - 1)
-        )
-        if c.fellow_id in job.out_of_memory
-        else c
+        _offering_less(c, job.out_of_memory[c.fellow_id]) if c.fellow_id in job.out_of_memory else c
         for c in free
     ]
+
+
+def _offering_less(c: Candidate, estimate: int) -> Candidate:
+    below = max(0, estimate - 1)
+    free_vram = sum(g.memory_free_bytes for g in c.gpus)
+    if free_vram <= below:
+        return msgspec.structs.replace(c, ram_available_bytes=min(c.ram_available_bytes, below))
+    gpus = tuple(
+        msgspec.structs.replace(g, memory_free_bytes=g.memory_free_bytes * below // free_vram)
+        for g in c.gpus
+    )
+    return msgspec.structs.replace(
+        c, ram_available_bytes=min(c.ram_available_bytes, below), gpus=gpus
+    )
 
 
 def out_of_memory_note(job: JobRecord) -> str:
@@ -196,10 +207,11 @@ def out_of_memory_note(job: JobRecord) -> str:
 
 
 def noted_out_of_memory(job: JobRecord, fellow_id: str) -> None:
-    """Remember that the out-of-memory killer ended the job's CPU stage on ``fellow_id``,
-    with the RAM placement estimated for it (a GPU stage's estimate is of VRAM: not noted)."""
+    """Remember that the job's stage on ``fellow_id`` ran out of memory (the kernel's
+    out-of-memory killer, or TensorFlow's allocator on a GPU), with the memory placement
+    estimated for it (RAM, or VRAM on GPUs)."""
     placed = None if job.placement is None else job.placement.stage_of(fellow_id)
-    if placed is None or placed.gpu_slots or not placed.memory_estimate_bytes:
+    if placed is None or not placed.memory_estimate_bytes:
         return
     known = job.out_of_memory.get(fellow_id)
     estimate = placed.memory_estimate_bytes

@@ -96,12 +96,10 @@ def run(
         runner = StageRunner(stage_plan, on_event, control)
         runner.run()
     except (LinkError, FrameError, DataError, RingChangeError) as exc:
-        stage_failed(stage_plan.stage, str(exc), control, exc.code)
+        stage_failed(stage_plan.stage, str(exc), exc.code, control)
     except Exception as exc:  # a bug or a TensorFlow failure: say so, keep the trace in the log
         log.exception("stage %d failed", stage_plan.stage)
-        message = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        code = exc.code if isinstance(exc, SwarmError) else ErrorCode.STAGE_FAILED
-        stage_failed(stage_plan.stage, message, control, code)
+        stage_failed(stage_plan.stage, *failure(exc), control)
     finally:
         if runner is not None:
             runner.close()
@@ -109,8 +107,29 @@ def run(
             cache.close()
 
 
+def failure(exc: BaseException) -> tuple[str, ErrorCode]:
+    """What a stage that failed with ``exc`` reports: its first line and its code. A device
+    out of memory (TensorFlow's ``ResourceExhaustedError``: a GPU's allocator, "OOM when
+    allocating tensor"; Python's ``MemoryError``) is ``STAGE_OUT_OF_MEMORY``, which the
+    leader remembers against the fellow (a later attempt gives it a smaller stage)."""
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    message = f"{type(exc).__name__}: {text}"
+    if isinstance(exc, SwarmError):
+        return message, exc.code
+    if _out_of_memory(exc):
+        return f"the stage ran out of device memory ({message})", ErrorCode.STAGE_OUT_OF_MEMORY
+    return message, ErrorCode.STAGE_FAILED
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    if isinstance(exc, MemoryError):
+        return True
+    tf = sys.modules.get("tensorflow")  # a stage's failure: TensorFlow is loaded by then
+    return tf is not None and isinstance(exc, tf.errors.ResourceExhaustedError)
+
+
 def stage_failed(
-    stage: int, message: str, control: ControlChannel | None, code: ErrorCode
+    stage: int, message: str, code: ErrorCode, control: ControlChannel | None
 ) -> NoReturn:
     """Report the failure (its message and code) and exit 1.
 

@@ -163,9 +163,10 @@ class JobRecord(msgspec.Struct, kw_only=True):
     ring_members: list[int] = msgspec.field(default_factory=list)  # its replicas, in order
     dropped: list[StageProgress] = msgspec.field(default_factory=list)
     membership: list[MembershipChange] = msgspec.field(default_factory=list)
-    # Fellows whose CPU stage of this job the kernel's out-of-memory killer ended, with the
-    # RAM placement estimated that stage needed: it needed more, so this job's later
-    # attempts give such a fellow only stages estimated below that (leader.jobs.offered_to).
+    # Fellows on which a stage of this job ran out of memory (STAGE_OUT_OF_MEMORY), with the
+    # memory placement estimated that stage needed (RAM, or VRAM on GPUs): it needed more, so
+    # the job's later attempts give such a fellow only stages estimated below that
+    # (leader.jobs.offered_to).
     out_of_memory: dict[str, int] = msgspec.field(default_factory=dict)
 
     @property

@@ -7,11 +7,18 @@ import pytest
 
 from silentswarm.errors import ConflictError, ErrorCode, IllegalTransitionError, NotFoundError
 from silentswarm.jobspec import JobSpec
-from silentswarm.leader.jobs import FellowState, JobManager, plan_schedule, reconcile
+from silentswarm.leader.jobs import FellowState, JobManager, offered_to, plan_schedule, reconcile
 from silentswarm.leader.placement import Candidate
 from silentswarm.lifecycle import JOB_TRANSITIONS, JobEvent, next_job_state
 from silentswarm.plan import ModelConfig
-from silentswarm.protocol import FellowStatus, JobState, Progress, ProgressEvent, StageOutcome
+from silentswarm.protocol import (
+    FellowStatus,
+    GpuInfo,
+    JobState,
+    Progress,
+    ProgressEvent,
+    StageOutcome,
+)
 from silentswarm.protocol import StageResult as R
 from silentswarm.types.views import JobView
 from tests.fakes import Clock
@@ -169,6 +176,44 @@ def test_a_fellow_whose_stage_ran_out_of_memory_gets_no_stage_as_large_again():
         "f1", StageOutcome(job_id=other.job_id, attempt=1, result=R.FAILED, message="boom")
     )
     assert other.state is J.PENDING and other.out_of_memory == {}
+
+
+def gpu(fid: str, free_gib: int) -> GpuInfo:
+    return GpuInfo(
+        index=0,
+        uuid=f"GPU-{fid}",
+        name="H100",
+        memory_total_bytes=80 << 30,
+        memory_free_bytes=free_gib << 30,
+        memory_used_bytes=(80 - free_gib) << 30,
+    )
+
+
+def test_a_gpu_fellow_whose_stage_ran_out_of_vram_offers_the_job_less_of_it():
+    clock = Clock()
+    manager = JobManager(wall=clock)
+    job = submit(manager, clock, stages=1, resume_from_scratch=True)
+    big, other = fellow("f1", gpus=(gpu("f1", 40),)), fellow("f2", gpus=(gpu("f2", 20),))
+    [assignment], _ = plan_schedule(manager.pending(), [big, other])
+    assert assignment.placement.fellow_ids == ["f1"], "the most free VRAM first"
+    estimate = assignment.placement.stages[0].memory_estimate_bytes
+    manager.begin_start(job.job_id, assignment.placement)
+    manager.start_succeeded(job.job_id)
+    manager.record_outcome(
+        "f1",
+        StageOutcome(
+            job_id=job.job_id,
+            attempt=1,
+            result=R.FAILED,
+            message="the stage ran out of device memory (ResourceExhaustedError: OOM)",
+            code=ErrorCode.STAGE_OUT_OF_MEMORY,
+        ),
+    )
+    assert job.out_of_memory == {"f1": estimate}
+    [offered] = offered_to(job, [big])
+    assert sum(g.memory_free_bytes for g in offered.gpus) < estimate
+    [again], _ = plan_schedule(manager.pending(), [big, other])
+    assert again.placement.fellow_ids == ["f2"]
 
 
 def test_start_failure_returns_the_job_to_waiting_and_cancel_is_final():
