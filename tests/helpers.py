@@ -256,52 +256,12 @@ def dropped_messages(http: httpx.Client, reason: str | None = None) -> float:
     )
 
 
-CGROUP_MEMORY = Path("/sys/fs/cgroup/memory")
-
-
-class MemoryGroup:
-    """A cgroup v1 memory group (:func:`memory_group`): a container's memory limit, for real."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    @property
-    def prefix(self) -> list[str]:
-        """The command prefix that starts a process inside the group."""
-        return ["sh", "-c", f'echo $$ > {self.path / "cgroup.procs"} && exec "$@"', "sh"]
-
-    def set_limit(self, limit: int) -> None:
-        (self.path / "memory.limit_in_bytes").write_text(str(limit))
-
-    def unreclaimable(self) -> int:
-        """What the kernel cannot drop to make room (no swap): anonymous memory and tmpfs."""
-        text = (self.path / "memory.stat").read_text()
-        stat = {name: int(value) for name, value in (line.split() for line in text.splitlines())}
-        return stat["total_rss"] + stat["total_shmem"]
-
-
-@contextlib.contextmanager
-def memory_group(limit: int, why: list[str]) -> Iterator[MemoryGroup | None]:
-    """A memory group holding its processes to ``limit`` bytes (None where the v1 memory
-    controller is not mounted or cannot be written: ``why`` says why); removed after its
-    processes have gone."""
-    group = MemoryGroup(CGROUP_MEMORY / f"swarm-memory-{os.urandom(4).hex()}")
-    try:
-        group.path.mkdir()
-        group.set_limit(limit)
-    except OSError as exc:
-        why.append(f"no memory group: {exc}")
-        with contextlib.suppress(OSError):
-            group.path.rmdir()
-        yield None
-        return
-    try:
-        yield group
-    finally:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:  # a process that just exited may still be listed
-            try:
-                group.path.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
+def fellow_gauges(http: httpx.Client, family: str) -> dict[str, float]:
+    """A per-fellow gauge of the leader's metrics page, by fellow id."""
+    text = http.get("/api/v1/metrics").text
+    return {
+        sample.labels["fellow"]: sample.value
+        for found in text_string_to_metric_families(text)
+        if found.name == family
+        for sample in found.samples
+    }

@@ -7,26 +7,15 @@ from __future__ import annotations
 import os
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from silentswarm.agent.runtime.launch import run_plans
 from silentswarm.plan import ModelConfig, TrainConfig, single_process_plan
 from tests.conftest import start_agent
-from tests.helpers import Leader, bench_module, swarm_cli, wait_for
+from tests.helpers import Leader, bench_module, fellow_gauges, swarm_cli, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 MODEL = {"vocab_size": 256, "seq_len": 32, "n_layers": 2, "d_model": 32, "n_heads": 2}
-
-
-def quota_gauges(leader: Leader) -> dict[str, float]:
-    text = leader.http.get("/api/v1/metrics").text
-    return {
-        sample.labels["fellow"]: sample.value
-        for family in text_string_to_metric_families(text)
-        if family.name == "swarm_fellow_cpu_quota_cores"
-        for sample in family.samples
-    }
 
 
 def test_a_quota_and_an_affinity_mask_set_a_fellows_cores_and_threads(
@@ -53,9 +42,12 @@ def test_a_quota_and_an_affinity_mask_set_a_fellows_cores_and_threads(
             hardware = {name: w["hardware"] for name, w in leader.workers().items()}
             assert (hardware["boxed"]["cpu_cores"], hardware["boxed"]["cpu_quota"]) == (1, 0.5)
             assert (hardware["pinned"]["cpu_cores"], hardware["pinned"]["cpu_quota"]) == (1, None)
-            assert wait_for(
-                lambda: quota_gauges(leader) or None, timeout=10, what="the quota gauge"
-            ) == {"boxed": 0.5}
+            quotas = wait_for(
+                lambda: fellow_gauges(leader.http, "swarm_fellow_cpu_quota_cores") or None,
+                timeout=10,
+                what="the quota gauge",
+            )
+            assert quotas == {"boxed": 0.5}
             table = swarm_cli(leader, "fellows")
             assert table.returncode == 0, table.stderr
             rows = {line.split()[0]: line for line in table.stdout.splitlines()[1:] if line.strip()}

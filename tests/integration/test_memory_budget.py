@@ -11,10 +11,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import leader_process, start_agent
-from tests.helpers import Leader, memory_group, swarm_cli, wait_for
+from tests.helpers import Leader, bench_module, fellow_gauges, swarm_cli, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -25,21 +24,11 @@ TINY = {"vocab_size": 256, "seq_len": 32, "n_layers": 2, "d_model": 32, "n_heads
 LARGER = {"vocab_size": 256, "seq_len": 32, "n_layers": 8, "d_model": 512, "n_heads": 2}
 
 
-def limit_gauges(leader: Leader) -> dict[str, float]:
-    text = leader.http.get("/api/v1/metrics").text
-    return {
-        sample.labels["fellow"]: sample.value
-        for family in text_string_to_metric_families(text)
-        if family.name == "swarm_fellow_ram_limit_bytes"
-        for sample in family.samples
-    }
-
-
 def test_a_fellow_offers_what_its_memory_limit_leaves_and_follows_a_changed_limit(
     procs, nats_server, leader: Leader
 ):
     why: list[str] = []
-    with memory_group(GIB, why) as group:
+    with bench_module("cpuquota").memory_group(GIB, why=why) as group:
         if group is None:
             pytest.skip(why[0])
         try:
@@ -52,7 +41,7 @@ def test_a_fellow_offers_what_its_memory_limit_leaves_and_follows_a_changed_limi
             assert hardware["host_ram_total_bytes"] == host
             # The agent's own working set is in the group: it offers the room under the limit.
             assert 0.5 * GIB < hardware["ram_available_bytes"] < GIB
-            assert limit_gauges(leader) == {"boxed": GIB}
+            assert fellow_gauges(leader.http, "swarm_fellow_ram_limit_bytes") == {"boxed": GIB}
             table = swarm_cli(leader, "fellows")
             assert table.returncode == 0, table.stderr
             assert "(limit 1.0G)" in table.stdout, table.stdout
@@ -93,7 +82,7 @@ def test_a_stage_the_out_of_memory_killer_ends_says_so_and_the_fellow_stays(
     leader = patient_leader
     why: list[str] = []
     shm = Path("/dev/shm") / f"swarm-oom-{tmp_path.name}"
-    with memory_group(3 * GIB // 2, why) as group:
+    with bench_module("cpuquota").memory_group(3 * GIB // 2, why=why) as group:
         if group is None:
             pytest.skip(why[0])
         try:
