@@ -195,14 +195,13 @@ def _offering_less(c: Candidate, estimate: int) -> Candidate:
 
 
 def out_of_memory_note(job: JobRecord) -> str:
-    """What a waiting job's reason adds when fellows offer it less after an out-of-memory
-    kill (:func:`offered_to`)."""
+    """What a waiting job's reason adds when fellows offer it less since a stage of it ran
+    out of memory there (:func:`offered_to`)."""
     if not job.out_of_memory:
         return ""
     fellows = ", ".join(sorted(job.out_of_memory))
     return (
-        f"; the out-of-memory killer ended a stage of this job on {fellows}: "
-        "they get only smaller stages of it"
+        f"; a stage of this job ran out of memory on {fellows}: they get only smaller stages of it"
     )
 
 

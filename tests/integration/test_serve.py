@@ -1,8 +1,9 @@
 """``swarm serve``: a glued model behind OpenAI-style completions, for real.
 
-The model is a real export (trained in this process with the stage loop's arithmetic, as
-tests/unit/test_glue.py makes them) glued by the glue command's code; the server is a real
-``python -m silentswarm.agent.serve`` process on a free port, read with plain HTTP clients.
+The model is the run's shared glued model (``glued_model``, tests/integration/conftest.py:
+a real export, trained with the stage loop's arithmetic as tests/unit/test_glue.py makes
+them, glued by the glue command's code); the server is a real ``python -m
+silentswarm.agent.serve`` process on a free port, read with plain HTTP clients.
 """
 
 from __future__ import annotations
@@ -15,28 +16,17 @@ import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 
 from silentswarm.procs import free_port
 from tests.helpers import REPO, Processes, child_env, run_swarm, wait_for
-from tests.unit.test_glue import make_export
 
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
 
 TOKEN = "serve-test-token"
 PROMPTS = ["def ", "import ", "class A", "for i in", "return ", "    if x", "# a", "print("]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    from silentswarm.agent.runtime.glue import glue
-
-    directory = tmp_path_factory.mktemp("export")
-    make_export(directory, "none", steps=30)
-    return glue(directory, directory / "full_model").out
 
 
 class Server:
@@ -55,7 +45,7 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
+def server(glued_model, tmp_path_factory):
     procs = Processes(tmp_path_factory.mktemp("serve-logs"))
     port = free_port()
     try:
@@ -63,7 +53,7 @@ def server(model_dir, tmp_path_factory):
             "serve",
             "silentswarm.agent.serve",
             "--model-dir",
-            str(model_dir),
+            str(glued_model),
             "--port",
             str(port),
             "--slots",
@@ -243,14 +233,14 @@ def test_a_client_that_leaves_frees_its_slot(server):
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_the_kv_cache_generates_what_the_whole_window_generates(model_dir, family):
+def test_the_kv_cache_generates_what_the_whole_window_generates(glued_model, family):
     """Token for token at temperature 0, through the engine, against ``generate``'s path."""
     from silentswarm.agent.runtime.generate import Sampler, load_model, pick
     from silentswarm.agent.runtime.model import GluedTransformer
     from silentswarm.agent.serve.kvcache import CachedStepper, WindowStepper
     from silentswarm.plan import ModelConfig
 
-    loaded = load_model(model_dir)
+    loaded = load_model(glued_model)
     if family == "llama":  # grouped-query attention and rotary positions
         cfg = ModelConfig(
             family="llama",
