@@ -28,6 +28,7 @@ import msgspec
 
 from silentswarm.agent.exitreason import signal_reason
 from silentswarm.agent.runtime import compilecache
+from silentswarm.errors import ErrorCode
 from silentswarm.plan import StagePlan
 from silentswarm.procs import die_with_parent, tail
 from silentswarm.protocol import StageOutcome, StageResult
@@ -331,14 +332,17 @@ class StageRun:
         else:
             steps_done, loss, val_loss = None, None, None
         error_code = None
+        killed = signal_reason(code, self.oom_kills_at_start, oom_kills(), memory_limit())
+        # The out-of-memory killer's work is said even when a stop was asked for meanwhile
+        # (an agent stalled at its group's limit reads both at once when it runs again).
+        out_of_memory = killed is not None and killed[1] is ErrorCode.STAGE_OUT_OF_MEMORY
         if code == 0 and done is not None:
             result, message = StageResult.COMPLETED, ""
-        elif self.stopping is not None:
+        elif self.stopping is not None and not out_of_memory:
             result, message = StageResult.STOPPED, self.stopping
         else:
             result, error_code = StageResult.FAILED, self.error_code
             last_line = _last_line(self.stderr_path)
-            killed = signal_reason(code, self.oom_kills_at_start, oom_kills(), memory_limit())
             if killed is not None and self.error is None:
                 why, error_code = killed
                 if last_line:

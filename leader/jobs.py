@@ -205,15 +205,10 @@ def out_of_memory_note(job: JobRecord) -> str:
     )
 
 
-def noted_out_of_memory(job: JobRecord, fellow_id: str) -> None:
-    """Remember that the job's stage on ``fellow_id`` ran out of memory (the kernel's
-    out-of-memory killer, or TensorFlow's allocator on a GPU), with the memory placement
-    estimated for it (RAM, or VRAM on GPUs)."""
-    placed = None if job.placement is None else job.placement.stage_of(fellow_id)
-    if placed is None or not placed.memory_estimate_bytes:
-        return
+def note_out_of_memory(job: JobRecord, fellow_id: str, estimate: int) -> None:
+    """``fellow_id`` ran a stage of ``job`` estimated at ``estimate`` out of memory: keep the
+    smallest such estimate per fellow (for the last :data:`OUT_OF_MEMORY_LEN` fellows)."""
     known = job.out_of_memory.get(fellow_id)
-    estimate = placed.memory_estimate_bytes
     job.out_of_memory[fellow_id] = estimate if known is None else min(known, estimate)
     while len(job.out_of_memory) > OUT_OF_MEMORY_LEN:
         job.out_of_memory.pop(next(iter(job.out_of_memory)))
@@ -585,8 +580,11 @@ class JobManager:
         if outcome.result is StageResult.COMPLETED:
             self._complete_if_done(job)
             return job
-        if outcome.code == ErrorCode.STAGE_OUT_OF_MEMORY:
-            noted_out_of_memory(job, fellow_id)
+        placed = None if job.placement is None else job.placement.stage_of(fellow_id)
+        estimate = placed.memory_estimate_bytes if placed is not None else None
+        if outcome.code == ErrorCode.STAGE_OUT_OF_MEMORY and estimate:
+            # It needed more than placement's estimate (RAM, or VRAM on GPUs) on this fellow.
+            note_out_of_memory(job, fellow_id, estimate)
         what = stage.message or outcome.result.value
         reason = f"fellow {fellow_id} (stage {stage.stage}) {outcome.result.value}: {what}"
         # A member refuses its donor's state (or what its predecessor forwarded as such)
@@ -600,6 +598,26 @@ class JobManager:
             # One of the two lies about the state handed over: neither is kept.
             self.lose_stage(job.job_id, other, f"{reason} (the state it sent was refused)")
         return job
+
+    def record_late_outcome(self, fellow_id: str, outcome: StageOutcome) -> None:
+        """An outcome of an attempt already given up (its fellow's heartbeats repeat it until
+        its next START). One that says its stage ran out of memory is noted against the
+        fellow when it was placed in that attempt, and said in that attempt's resume record:
+        a fellow whose group thrashed at its limit misses heartbeats, is taken for offline,
+        and says why only after the job has resumed."""
+        job = self._jobs.get(outcome.job_id)
+        if job is None or job.terminal or outcome.code != ErrorCode.STAGE_OUT_OF_MEMORY:
+            return
+        gave_up = next((r for r in job.resumes if r.failed_attempt == outcome.attempt), None)
+        if gave_up is None or fellow_id not in gave_up.memory_estimates:
+            return
+        estimate = gave_up.memory_estimates[fellow_id]
+        if job.out_of_memory.get(fellow_id, estimate + 1) <= estimate:
+            return  # noted already: when it ended in time, or at an earlier heartbeat
+        note_out_of_memory(job, fellow_id, estimate)
+        message = clean_report(outcome.message, STAGE_MESSAGE_CHARS)
+        gave_up.reason = f"{gave_up.reason}; its stage said later: {message}"
+        self._touch(job)
 
     def _complete_if_done(self, job: JobRecord) -> None:
         """COMPLETED once every stage that trains has; a replacement still joining then has
@@ -856,8 +874,19 @@ class JobManager:
     def _resume(self, job: JobRecord, reason: str, step: int) -> None:
         assert job.placement is not None
         now = self._wall()
+        estimates = {
+            s.fellow_id: s.memory_estimate_bytes
+            for s in job.placement.stages
+            if s.memory_estimate_bytes
+        }
         job.resumes.append(
-            ResumeRecord(at=now, failed_attempt=job.attempt, reason=reason, from_step=step)
+            ResumeRecord(
+                at=now,
+                failed_attempt=job.attempt,
+                reason=reason,
+                from_step=step,
+                memory_estimates=estimates,
+            )
         )
         job.resume_step = step
         # One pipeline's ranges: those of the shards it resumes from (the lead replica's when

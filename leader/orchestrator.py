@@ -29,7 +29,7 @@ from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 
 from silentswarm import subjects as topics
-from silentswarm.errors import NotFoundError
+from silentswarm.errors import ErrorCode, NotFoundError
 from silentswarm.jobspec import stage_plans
 from silentswarm.leader import balance, decide, elastic, initsource, retention
 from silentswarm.leader.admission import RateLimiter, Verdict
@@ -286,6 +286,9 @@ class Orchestrator:
     # --- reconciling and scheduling --------------------------------------------------------
 
     def _reconcile(self, fellows: list[FellowState]) -> None:
+        for fellow in fellows:
+            if fellow.outcome is not None and fellow.outcome.code == ErrorCode.STAGE_OUT_OF_MEMORY:
+                self.jobs.record_late_outcome(fellow.fellow_id, fellow.outcome)
         running = self.jobs.running()
         if not running:
             return

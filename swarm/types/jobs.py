@@ -62,6 +62,11 @@ class ResumeRecord(msgspec.Struct, kw_only=True):
     failed_attempt: int
     reason: str
     from_step: int
+    # The memory placement estimated for each fellow's stage in the failed attempt: a stage
+    # of it that reports running out of memory only after the attempt was given up (its
+    # fellow stalled while the kernel reclaimed, and was taken for offline) is still noted
+    # against that fellow (JobRecord.out_of_memory).
+    memory_estimates: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class ShardReceipt(msgspec.Struct, kw_only=True):

@@ -4,7 +4,9 @@ cgroup v1 memory group, a real out-of-memory kill."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -129,5 +131,75 @@ def test_a_stage_the_out_of_memory_killer_ends_says_so_and_the_fellow_stays(
             assert agent.poll() is None, "the agent outlives its stage"
             leader.wait_status("boxed", "ready", timeout=30)
         finally:
+            shm.unlink(missing_ok=True)
+            procs.cleanup()
+
+
+def test_an_out_of_memory_death_said_after_its_fellow_was_taken_for_offline_is_noted(
+    procs, nats_server, leader: Leader, tmp_path
+):
+    """A group at its limit stalls its agent while the kernel reclaims: the leader takes the
+    fellow for offline and resumes the job before the stage's end is said. (The stall is a
+    SIGSTOP here, the out-of-memory kill real.) The fellow says it when it runs again, and
+    the resumed job neither puts the same stage on it nor hides why."""
+    why: list[str] = []
+    shm = Path("/dev/shm") / f"swarm-oom-{tmp_path.name}"
+    with bench_module("cpuquota").memory_group(3 * GIB // 2, why=why) as group:
+        if group is None:
+            pytest.skip(why[0])
+        agent = None
+        try:
+            agent = start_agent(procs, nats_server.url, "boxed", prefix=group.prefix)
+            leader.wait_status("boxed", "ready", timeout=30)
+            job_id = leader.submit(
+                name="late",
+                model=TINY,
+                stages=1,
+                steps=100_000,
+                batch_size=4,
+                max_data_bytes=100_000,
+                max_resumes=2,
+                resume_from_scratch=True,
+            )["job_id"]
+            wait_for(
+                lambda: any(p["step"] >= 2 for p in leader.job(job_id)["progress"]),
+                timeout=90,
+                what="the stage to train",
+            )
+            os.kill(agent.pid, signal.SIGSTOP)
+            resumed = wait_for(
+                lambda: leader.job(job_id)["resumes"] or None,
+                timeout=30,
+                what="the job to resume without the silent fellow",
+            )
+            assert "went offline" in resumed[0]["reason"], resumed
+            estimate = resumed[0]["memory_estimates"]["boxed"]
+            fill = ["dd", "if=/dev/zero", f"of={shm}", "bs=1M", "count="]
+            fill[-1] += str((3 * GIB // 2 - group.unreclaimable() + 64 * MIB) // MIB)
+            subprocess.run(
+                [*group.prefix, "choom", "-n", "300", "--", *fill], capture_output=True, timeout=60
+            )
+            os.kill(agent.pid, signal.SIGCONT)
+
+            def noted() -> dict | None:
+                job = leader.job(job_id)
+                return job if job["out_of_memory"] else None
+
+            job = wait_for(noted, timeout=60, what="the late out-of-memory death to be noted")
+            assert job["out_of_memory"] == {"boxed": estimate}
+            said = job["resumes"][0]["reason"]
+            assert "; its stage said later: the kernel's out-of-memory killer" in said, said
+            waiting = wait_for(
+                lambda: (
+                    "ran out of memory on boxed" in leader.job(job_id)["reason"]
+                    and leader.job(job_id)
+                ),
+                timeout=30,
+                what="the waiting reason to say why boxed will not do",
+            )
+            assert waiting["state"] == "PENDING", waiting["reason"]
+        finally:
+            if agent is not None and agent.poll() is None:
+                os.kill(agent.pid, signal.SIGCONT)
             shm.unlink(missing_ok=True)
             procs.cleanup()

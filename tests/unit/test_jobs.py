@@ -160,6 +160,10 @@ def test_a_fellow_whose_stage_ran_out_of_memory_gets_no_stage_as_large_again():
     )
     manager.record_outcome("f1", killed)
     assert job.state is J.PENDING and job.out_of_memory == {"f1": estimate}
+    # The heartbeats that repeat the outcome after the resume add nothing.
+    reason = job.resumes[-1].reason
+    manager.record_late_outcome("f1", killed)
+    assert job.resumes[-1].reason == reason and "said later" not in reason
     # Its estimate fell short on f1: the resumed job goes to the other fellow...
     [again], _ = plan_schedule(manager.pending(), [roomy, smaller])
     assert again.placement.fellow_ids == ["f2"]
@@ -176,6 +180,43 @@ def test_a_fellow_whose_stage_ran_out_of_memory_gets_no_stage_as_large_again():
         "f1", StageOutcome(job_id=other.job_id, attempt=1, result=R.FAILED, message="boom")
     )
     assert other.state is J.PENDING and other.out_of_memory == {}
+
+
+def test_an_out_of_memory_death_said_after_the_attempt_was_given_up_is_still_noted():
+    """A fellow whose group thrashed at its limit missed heartbeats and was taken for
+    offline; its stage's outcome (the out-of-memory killer's) comes after the resume."""
+    clock = Clock()
+    manager = JobManager(wall=clock)
+    job = submit(manager, clock, stages=1, resume_from_scratch=True)
+    roomy, smaller = fellow("f1", ram=8 << 30), fellow("f2", ram=4 << 30)
+    [assignment], _ = plan_schedule(manager.pending(), [roomy, smaller])
+    estimate = assignment.placement.stages[0].memory_estimate_bytes
+    manager.begin_start(job.job_id, assignment.placement)
+    manager.start_succeeded(job.job_id)
+    manager.lose_stage(job.job_id, "f1", "fellow f1 went offline (no heartbeat for 3.0s)")
+    assert job.state is J.PENDING and job.out_of_memory == {}
+    late = StageOutcome(
+        job_id=job.job_id,
+        attempt=1,
+        result=R.FAILED,
+        message="the kernel's out-of-memory killer ended the stage runtime (exit -9)",
+        code=ErrorCode.STAGE_OUT_OF_MEMORY,
+    )
+    # Only a fellow placed in that attempt is heard.
+    manager.record_late_outcome("f2", late)
+    assert job.out_of_memory == {}
+    manager.dirty.clear()
+    manager.record_late_outcome("f1", late)
+    assert job.out_of_memory == {"f1": estimate} and job.job_id in manager.dirty
+    assert job.resumes[-1].reason == (
+        "fellow f1 went offline (no heartbeat for 3.0s); its stage said later: the kernel's "
+        "out-of-memory killer ended the stage runtime (exit -9)"
+    )
+    manager.dirty.clear()
+    manager.record_late_outcome("f1", late)  # every heartbeat repeats it: noted once
+    assert job.resumes[-1].reason.count("said later") == 1 and not manager.dirty
+    [again], _ = plan_schedule(manager.pending(), [roomy, smaller])
+    assert again.placement.fellow_ids == ["f2"]
 
 
 def gpu(fid: str, free_gib: int) -> GpuInfo:
