@@ -82,20 +82,28 @@ def test_a_stage_under_a_quota_reports_the_seconds_it_was_held_back(tmp_path):
         held_from: list[int] = []
         released_after: list[int] = []
 
+        out = tmp_path / "stage-held-0.out"  # run_plans writes the stage's events there
+
         def hold(event: dict) -> None:
             if event["event"] != "step":
                 return
             if event["step"] >= 2 and not held_from:
                 group.set_share(0.1)
-                held_from.append(event["step"] + 1)
+                # This callback follows the stage's output file and may run far behind it on
+                # a busy machine: held are the steps after the newest one written by now (and
+                # after the one in flight, which the quota may have caught halfway).
+                lines = out.read_text().splitlines()
+                held_from.append(sum('"event":"step"' in line for line in lines) + 1)
             elif held_from and event["step"] >= held_from[0] + 12 and not released_after:
                 group.set_share(2.0)  # the rest of the run (its save, its end) at full speed
                 released_after.append(event["step"])
 
+        # Steps of a few ms once compiled: 400 leave the callback seconds of slack to see
+        # step 2 and still hold a dozen steps after it.
         plan = single_process_plan(
             job_id="held",
             model=ModelConfig(**MODEL),
-            train=TrainConfig(steps=40, batch_size=8, val_every=0, max_data_bytes=100_000),
+            train=TrainConfig(steps=400, batch_size=8, val_every=0, max_data_bytes=100_000),
         )
         (events,) = run_plans([plan], tmp_path, command_prefixes={0: group.prefix}, on_event=hold)
     steps = [e for e in events if e["event"] == "step"]
