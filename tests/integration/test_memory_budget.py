@@ -71,6 +71,36 @@ def test_a_fellow_offers_what_its_memory_limit_leaves_and_follows_a_changed_limi
             procs.cleanup()  # the group goes only once its processes have
 
 
+def training(leader: Leader, **spec) -> str:
+    """A one-stage job of the tiny model, as long as the test wants it, once it trains."""
+    job_id = leader.submit(
+        model=TINY, stages=1, steps=100_000, batch_size=4, max_data_bytes=100_000, **spec
+    )["job_id"]
+    wait_for(
+        lambda: any(p["step"] >= 2 for p in leader.job(job_id)["progress"]),
+        timeout=90,
+        what="the stage to train",
+    )
+    return job_id
+
+
+def out_of_memory(group, shm: Path) -> None:
+    """Fill ``group`` past its limit with memory the kernel cannot drop (tmpfs, no swap):
+    past what the limit leaves even with every file page dropped (less, and the kernel
+    thrashes the stage's code pages for seconds before it gives up). The out-of-memory
+    killer ends the stage first (its runtime raised its oom_score_adj to 500); dd (300: below
+    the stage, above the agent) may go next: the stage's memory leaves the group a few ms
+    after it died, and dd's pages keep coming meanwhile. What is left then fits: the stage's
+    own memory is far above the 64 MiB over. (The fellow unit also lowers the agent's score;
+    this sandbox cannot: no CAP_SYS_RESOURCE.)"""
+    limit = int((group.path / "memory.limit_in_bytes").read_text())
+    over = (limit - group.unreclaimable() + 64 * MIB) // MIB
+    fill = ["dd", "if=/dev/zero", f"of={shm}", "bs=1M", f"count={over}"]
+    subprocess.run(
+        [*group.prefix, "choom", "-n", "300", "--", *fill], capture_output=True, timeout=60
+    )
+
+
 @pytest.fixture
 def patient_leader(procs, nats_server, tmp_path) -> Iterator[Leader]:
     """A leader that waits 20 s for a heartbeat: a group at its limit stalls the agent too
@@ -90,36 +120,8 @@ def test_a_stage_the_out_of_memory_killer_ends_says_so_and_the_fellow_stays(
         try:
             agent = start_agent(procs, nats_server.url, "boxed", prefix=group.prefix)
             leader.wait_status("boxed", "ready", timeout=30)
-            job_id = leader.submit(
-                name="oom",
-                model=TINY,
-                stages=1,
-                steps=100_000,
-                batch_size=4,
-                max_data_bytes=100_000,
-                max_resumes=0,
-            )["job_id"]
-            wait_for(
-                lambda: any(p["step"] >= 2 for p in leader.job(job_id)["progress"]),
-                timeout=90,
-                what="the stage to train",
-            )
-            # Memory the kernel cannot drop (tmpfs, no swap), charged to the group, to more
-            # than the limit leaves even with every file page dropped (less, and the kernel
-            # thrashes the stage's code pages for seconds before it gives up): the
-            # out-of-memory killer ends the group's largest process, the stage; what is left
-            # then fits (the stage's own memory is far above the 64 MiB over).
-            over = (3 * GIB // 2 - group.unreclaimable() + 64 * MIB) // MIB
-            # The stage goes first (its runtime raised its oom_score_adj to 500). dd (300: below
-            # the stage, above the agent) may go next: the stage's memory leaves the group a
-            # few ms after it died, and dd's pages keep coming meanwhile. (The fellow unit
-            # also lowers the agent's score; this sandbox cannot: no CAP_SYS_RESOURCE.)
-            fill = ["dd", "if=/dev/zero", f"of={shm}", "bs=1M", f"count={over}"]
-            subprocess.run(
-                [*group.prefix, "choom", "-n", "300", "--", *fill],
-                capture_output=True,
-                timeout=60,
-            )
+            job_id = training(leader, name="oom", max_resumes=0)
+            out_of_memory(group, shm)
             job = leader.wait_job(job_id, "FAILED", timeout=60)
             reason = job["reason"]
             assert "the kernel's out-of-memory killer ended the stage runtime" in reason, reason
@@ -151,21 +153,7 @@ def test_an_out_of_memory_death_said_after_its_fellow_was_taken_for_offline_is_n
         try:
             agent = start_agent(procs, nats_server.url, "boxed", prefix=group.prefix)
             leader.wait_status("boxed", "ready", timeout=30)
-            job_id = leader.submit(
-                name="late",
-                model=TINY,
-                stages=1,
-                steps=100_000,
-                batch_size=4,
-                max_data_bytes=100_000,
-                max_resumes=2,
-                resume_from_scratch=True,
-            )["job_id"]
-            wait_for(
-                lambda: any(p["step"] >= 2 for p in leader.job(job_id)["progress"]),
-                timeout=90,
-                what="the stage to train",
-            )
+            job_id = training(leader, name="late", max_resumes=2, resume_from_scratch=True)
             os.kill(agent.pid, signal.SIGSTOP)
             resumed = wait_for(
                 lambda: leader.job(job_id)["resumes"] or None,
@@ -174,11 +162,7 @@ def test_an_out_of_memory_death_said_after_its_fellow_was_taken_for_offline_is_n
             )
             assert "went offline" in resumed[0]["reason"], resumed
             estimate = resumed[0]["memory_estimates"]["boxed"]
-            fill = ["dd", "if=/dev/zero", f"of={shm}", "bs=1M", "count="]
-            fill[-1] += str((3 * GIB // 2 - group.unreclaimable() + 64 * MIB) // MIB)
-            subprocess.run(
-                [*group.prefix, "choom", "-n", "300", "--", *fill], capture_output=True, timeout=60
-            )
+            out_of_memory(group, shm)
             os.kill(agent.pid, signal.SIGCONT)
 
             def noted() -> dict | None:
