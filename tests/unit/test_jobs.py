@@ -141,23 +141,34 @@ def test_a_failed_stage_fails_the_job_with_the_fellow_and_the_error():
     assert "f2" in job.reason and "OOM" in job.reason
 
 
-def test_a_fellow_whose_stage_ran_out_of_memory_gets_no_stage_as_large_again():
-    clock = Clock()
-    manager = JobManager(wall=clock)
+def one_stage_running(manager: JobManager, clock: Clock, fellows: list[Candidate]):
+    """A resumable one-stage job started where placement puts it: (job, the stage's fellow,
+    its memory estimate)."""
     job = submit(manager, clock, stages=1, resume_from_scratch=True)
-    roomy, smaller = fellow("f1", ram=8 << 30), fellow("f2", ram=4 << 30)
-    [assignment], _ = plan_schedule(manager.pending(), [roomy, smaller])
-    assert assignment.placement.fellow_ids == ["f1"], "the most RAM first"
-    estimate = assignment.placement.stages[0].memory_estimate_bytes
+    [assignment], _ = plan_schedule(manager.pending(), fellows)
     manager.begin_start(job.job_id, assignment.placement)
     manager.start_succeeded(job.job_id)
-    killed = StageOutcome(
+    (stage,) = assignment.placement.stages
+    return job, stage.fellow_id, stage.memory_estimate_bytes
+
+
+def out_of_memory(job, message: str) -> StageOutcome:
+    return StageOutcome(
         job_id=job.job_id,
         attempt=1,
         result=R.FAILED,
-        message="the kernel's out-of-memory killer ended the stage runtime",
+        message=message,
         code=ErrorCode.STAGE_OUT_OF_MEMORY,
     )
+
+
+def test_a_fellow_whose_stage_ran_out_of_memory_gets_no_stage_as_large_again():
+    clock = Clock()
+    manager = JobManager(wall=clock)
+    roomy, smaller = fellow("f1", ram=8 << 30), fellow("f2", ram=4 << 30)
+    job, placed_on, estimate = one_stage_running(manager, clock, [roomy, smaller])
+    assert placed_on == "f1", "the most RAM first"
+    killed = out_of_memory(job, "the kernel's out-of-memory killer ended the stage runtime")
     manager.record_outcome("f1", killed)
     assert job.state is J.PENDING and job.out_of_memory == {"f1": estimate}
     # The heartbeats that repeat the outcome after the resume add nothing.
@@ -187,21 +198,11 @@ def test_an_out_of_memory_death_said_after_the_attempt_was_given_up_is_still_not
     offline; its stage's outcome (the out-of-memory killer's) comes after the resume."""
     clock = Clock()
     manager = JobManager(wall=clock)
-    job = submit(manager, clock, stages=1, resume_from_scratch=True)
     roomy, smaller = fellow("f1", ram=8 << 30), fellow("f2", ram=4 << 30)
-    [assignment], _ = plan_schedule(manager.pending(), [roomy, smaller])
-    estimate = assignment.placement.stages[0].memory_estimate_bytes
-    manager.begin_start(job.job_id, assignment.placement)
-    manager.start_succeeded(job.job_id)
+    job, _, estimate = one_stage_running(manager, clock, [roomy, smaller])
     manager.lose_stage(job.job_id, "f1", "fellow f1 went offline (no heartbeat for 3.0s)")
     assert job.state is J.PENDING and job.out_of_memory == {}
-    late = StageOutcome(
-        job_id=job.job_id,
-        attempt=1,
-        result=R.FAILED,
-        message="the kernel's out-of-memory killer ended the stage runtime (exit -9)",
-        code=ErrorCode.STAGE_OUT_OF_MEMORY,
-    )
+    late = out_of_memory(job, "the kernel's out-of-memory killer ended the stage runtime (exit -9)")
     # Only a fellow placed in that attempt is heard.
     manager.record_late_outcome("f2", late)
     assert job.out_of_memory == {}
@@ -233,23 +234,11 @@ def gpu(fid: str, free_gib: int) -> GpuInfo:
 def test_a_gpu_fellow_whose_stage_ran_out_of_vram_offers_the_job_less_of_it():
     clock = Clock()
     manager = JobManager(wall=clock)
-    job = submit(manager, clock, stages=1, resume_from_scratch=True)
     big, other = fellow("f1", gpus=(gpu("f1", 40),)), fellow("f2", gpus=(gpu("f2", 20),))
-    [assignment], _ = plan_schedule(manager.pending(), [big, other])
-    assert assignment.placement.fellow_ids == ["f1"], "the most free VRAM first"
-    estimate = assignment.placement.stages[0].memory_estimate_bytes
-    manager.begin_start(job.job_id, assignment.placement)
-    manager.start_succeeded(job.job_id)
-    manager.record_outcome(
-        "f1",
-        StageOutcome(
-            job_id=job.job_id,
-            attempt=1,
-            result=R.FAILED,
-            message="the stage ran out of device memory (ResourceExhaustedError: OOM)",
-            code=ErrorCode.STAGE_OUT_OF_MEMORY,
-        ),
-    )
+    job, placed_on, estimate = one_stage_running(manager, clock, [big, other])
+    assert placed_on == "f1", "the most free VRAM first"
+    said = "the stage ran out of device memory (ResourceExhaustedError: OOM)"
+    manager.record_outcome("f1", out_of_memory(job, said))
     assert job.out_of_memory == {"f1": estimate}
     [offered] = offered_to(job, [big])
     assert sum(g.memory_free_bytes for g in offered.gpus) < estimate
