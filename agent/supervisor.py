@@ -332,7 +332,11 @@ class StageRun:
         else:
             steps_done, loss, val_loss = None, None, None
         error_code = None
-        killed = signal_reason(code, self.oom_kills_at_start, oom_kills(), memory_limit())
+        killed = (  # the kernel's counters are read only for a death by a signal
+            signal_reason(code, self.oom_kills_at_start, oom_kills(), memory_limit())
+            if code < 0
+            else None
+        )
         # The out-of-memory killer's work is said even when a stop was asked for meanwhile
         # (an agent stalled at its group's limit reads both at once when it runs again).
         out_of_memory = killed is not None and killed[1] is ErrorCode.STAGE_OUT_OF_MEMORY

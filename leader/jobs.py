@@ -183,12 +183,12 @@ def offered_to(job: JobRecord, free: list[Candidate]) -> list[Candidate]:
 def _offering_less(c: Candidate, estimate: int) -> Candidate:
     below = max(0, estimate - 1)
     free_vram = sum(g.memory_free_bytes for g in c.gpus)
-    if free_vram <= below:
-        return msgspec.structs.replace(c, ram_available_bytes=min(c.ram_available_bytes, below))
-    gpus = tuple(
-        msgspec.structs.replace(g, memory_free_bytes=g.memory_free_bytes * below // free_vram)
-        for g in c.gpus
-    )
+    gpus = c.gpus
+    if free_vram > below:
+        gpus = tuple(
+            msgspec.structs.replace(g, memory_free_bytes=g.memory_free_bytes * below // free_vram)
+            for g in c.gpus
+        )
     return msgspec.structs.replace(
         c, ram_available_bytes=min(c.ram_available_bytes, below), gpus=gpus
     )

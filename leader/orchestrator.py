@@ -29,7 +29,7 @@ from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 
 from silentswarm import subjects as topics
-from silentswarm.errors import ErrorCode, NotFoundError
+from silentswarm.errors import NotFoundError
 from silentswarm.jobspec import stage_plans
 from silentswarm.leader import balance, decide, elastic, initsource, retention
 from silentswarm.leader.admission import RateLimiter, Verdict
@@ -287,7 +287,7 @@ class Orchestrator:
 
     def _reconcile(self, fellows: list[FellowState]) -> None:
         for fellow in fellows:
-            if fellow.outcome is not None and fellow.outcome.code == ErrorCode.STAGE_OUT_OF_MEMORY:
+            if fellow.outcome is not None:  # of an attempt given up, one that ran out of memory
                 self.jobs.record_late_outcome(fellow.fellow_id, fellow.outcome)
         running = self.jobs.running()
         if not running:

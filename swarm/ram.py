@@ -102,7 +102,7 @@ def group_memory(group: CgroupDir, read: Read) -> GroupMemory | None:
         return None
     usage = usage or 0
     cache = stat_field(read(group.path / "memory.stat"), cache_key) or 0
-    return GroupMemory(limit=min(set_limits), working_set=max(0, usage - min(cache, usage)))
+    return GroupMemory(limit=min(set_limits), working_set=usage - min(cache, usage))
 
 
 def path_memory(start: CgroupDir, read: Read) -> list[GroupMemory]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import os
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,10 @@ def glued_model(tmp_path_factory) -> Path:
     from silentswarm.agent.runtime.glue import glue
     from tests.unit.test_glue import make_export
 
-    root = tmp_path_factory.getbasetemp().parent  # the same for every worker of the run
+    # Each xdist worker's temporary root is a folder of the run's; without xdist the run's
+    # root is the session's own (its parent holds every earlier run's too).
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     directory = root / "shared-glued-model"
     done = directory / "made"
     with open(root / "shared-glued-model.lock", "w") as lock:
