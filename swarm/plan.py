@@ -895,21 +895,35 @@ def chain_plans(
     intra_op_threads: int | None = None,
     peer_timeout_s: float = 60.0,
     ranges: Sequence[tuple[int, int]] | None = None,
+    secure: bool = False,
 ) -> list[StagePlan]:
     """Plans for a chain of ``len(addresses)`` stages with ``ranges`` of layers (default:
     equal ranges).
 
     ``addresses[i]`` is where stage i binds for its upstream boundary (unused for stage 0).
-    Without ``intra_op_threads`` each stage gets this machine's cores / stages.
+    Without ``intra_op_threads`` each stage gets this machine's cores / stages. With
+    ``secure`` every boundary gets fresh CURVE keys (p2p) and relay tokens (tunnel), as a
+    leader's plans have: a bound boundary without CURVE takes any connector, and ZeroMQ
+    deals its frames out among all of them (a stray socket still reconnecting to a port
+    that was freed and handed out again takes every other frame).
     """
+    from silentswarm.rings import link_secrets  # it imports this module
+
     if intra_op_threads is None:
         intra_op_threads = max(1, usable_cores() // len(addresses))
     n = len(addresses)
     ids = fellow_ids or [f"stage-{i}" for i in range(n)]
     if ranges is None:
         ranges = split_layers(model.n_layers, n)
+    links = (
+        link_secrets(n - 1, curve=transport != Transport.TUNNEL, relay=transport != Transport.P2P)
+        if secure
+        else None
+    )
     plans = []
     for i, (start, end) in enumerate(ranges):
+        up = links[i - 1] if links and i > 0 else None
+        down = links[i] if links and i + 1 < n else None
         plans.append(
             StagePlan(
                 job_id=job_id,
@@ -932,6 +946,10 @@ def chain_plans(
                 nats=NatsAccess(url=nats_url) if nats_url else None,
                 intra_op_threads=intra_op_threads,
                 peer_timeout_s=peer_timeout_s,
+                curve_up=up.binding if up else None,
+                curve_down=down.connecting if down else None,
+                relay_up_token=up.token if up else None,
+                relay_down_token=down.token if down else None,
             ).checked()
         )
     return plans
@@ -962,8 +980,8 @@ def replicated_chain_plans(
     ``sync_addresses[r][s]`` is stage s of replica r's sync address (one port, or a range
     ``tcp://h:7000-7003``: one port per ring it is in). ``splits[r]`` is replica r's layer
     split (default: equal ranges for every replica). Every segment's holders form a ring in
-    replica order (:func:`silentswarm.rings.build_rings`); with ``secure`` every ring link
-    gets fresh CURVE keys and relay tokens, as a leader's plans have.
+    replica order (:func:`silentswarm.rings.build_rings`); with ``secure`` every boundary and
+    ring link gets fresh CURVE keys and relay tokens, as a leader's plans have.
     """
     from silentswarm import rings  # it imports this module
 
@@ -993,6 +1011,7 @@ def replicated_chain_plans(
             attempt=attempt,
             intra_op_threads=intra_op_threads,
             peer_timeout_s=peer_timeout_s,
+            secure=secure,
         )
         for r in range(k)
     ]

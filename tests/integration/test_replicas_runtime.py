@@ -426,3 +426,50 @@ def test_replica_processes_sync_over_the_relay(procs, nats_server, tmp_path):
         assert summary["sync_bytes_sent"] > 0 and summary.get("sync_missed", 0) == 0
     # allreduce keeps the replicas' weights equal: the same validation loss
     assert done(results[0])["val_loss"] == done(results[1])["val_loss"]
+
+
+@pytest.mark.parametrize("secure", [True, False], ids=["curve", "no-curve"])
+def test_a_stray_socket_on_a_boundarys_port_takes_its_frames_only_without_curve(secure):
+    """A socket left reconnecting to a port that was freed and handed out again (another
+    test's, a killed stage's upstream) reaches the stage that binds it next. With CURVE, as a
+    leader's plans and ``secure`` test plans have, it never completes the handshake; without,
+    ZeroMQ deals what stage 1 sends upstream out between it and the placed neighbour: stage 0
+    misses a link probe or a gradient and fails (a replicas test once did in CI, "expected
+    frame ('train', 3, 0, bwd), got ('train', 3, 1, bwd)")."""
+    import zmq
+
+    from silentswarm.agent.errors import FrameError, PeerTimeoutError
+    from silentswarm.plan import chain_plans
+
+    address = f"tcp://127.0.0.1:{free_port()}"
+    plans = chain_plans(
+        job_id="stray",
+        model=TINY,
+        train=config(3),
+        addresses=[None, address],
+        transport=Transport.P2P,
+        intra_op_threads=1,
+        peer_timeout_s=5.0,
+        secure=secure,
+    )
+    assert (plans[1].curve_up is not None) is secure
+    stray = zmq.Context.instance().socket(zmq.DEALER)
+    stray.setsockopt(zmq.LINGER, 0)
+    stray.connect(address)
+    try:
+        runs = [Run(plan) for plan in plans]
+        for run in runs:
+            run.thread.start()
+        for run in runs:
+            run.thread.join(60)
+            assert not run.thread.is_alive(), f"stage {run.plan.stage} hung"
+        if secure:
+            assert [r.error for r in runs] == [None, None]
+            assert [s.step for s in runs[1].steps] == [0, 1, 2]
+            assert not stray.poll(0), "the stray socket received a frame"
+        else:
+            assert isinstance(runs[0].error, FrameError | PeerTimeoutError), runs[0].error
+            assert "boundary 0 (stage-0 -> stage-1)" in str(runs[0].error)
+            assert stray.poll(0), "the stray socket took nothing"
+    finally:
+        stray.close()
