@@ -111,6 +111,10 @@ class StageFailedError(SwarmError):
     code = ErrorCode.STAGE_FAILED
 
 
+class ForkServerError(StageFailedError):
+    """The fork server that starts stages (agent/runtime/forkserver.py) is gone or refused."""
+
+
 class GenerateError(ConfigError):
     """A bad argument or model directory: exit 2."""
 

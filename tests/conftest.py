@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from silentswarm.agent.pipe.zmq import ZmqLink
-from silentswarm.agent.runtime import compilecache
+from silentswarm.agent.runtime import compilecache, forkserver
 from silentswarm.natsauth import NatsAuthority
 from silentswarm.natsd import NatsServer, start_nats_server
 from silentswarm.procs import free_port
@@ -64,6 +64,10 @@ def pytest_configure(config: pytest.Config) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     # One compile cache (agent/runtime/compilecache.py) for every stage the suite starts,
     # never ~/.cache: made here, before xdist starts its workers, which inherit it.
+    # Stages that run_plans starts are forked from a process that imported TensorFlow once
+    # (agent/runtime/forkserver.py): 4-5 s of CPU less each, about a fifth of the suite's.
+    # SWARM_STAGE_FORKSERVER=0 starts every one from scratch, as a fellow's agent does.
+    os.environ.setdefault(forkserver.ENV_NAME, "1")
     if not hasattr(config, "workerinput") and compilecache.CACHE_ENV not in os.environ:
         config.stash[_compile_cache] = tempfile.mkdtemp(prefix="swarm-test-xla-")
         os.environ[compilecache.CACHE_ENV] = config.stash[_compile_cache]

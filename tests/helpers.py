@@ -85,8 +85,8 @@ def busy_port() -> Iterator[int]:
 
 def child_env(**overrides: str) -> dict[str, str]:
     # The test's own token cache and default state directory stay, and the suite's compile
-    # cache (tests/conftest.py).
-    kept = ("SWARM_DATA_CACHE", "SWARM_STATE_DIR", "SWARM_COMPILE_CACHE")
+    # cache and stage fork server setting (tests/conftest.py).
+    kept = ("SWARM_DATA_CACHE", "SWARM_STATE_DIR", "SWARM_COMPILE_CACHE", "SWARM_STAGE_FORKSERVER")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SWARM_") or k in kept}
     env["PYTHONUNBUFFERED"] = "1"
     # Most tests run NATS without authentication; the auth tests (and start-cluster's)

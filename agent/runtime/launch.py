@@ -2,26 +2,32 @@
 
 For tests, benchmarks and quick local experiments; imports no TensorFlow itself. Every
 process is killed if any fails or the time runs out, and gets SIGTERM when its caller dies
-(even by SIGKILL), so nothing outlives a run.
+(even by SIGKILL), so nothing outlives a run. With ``SWARM_STAGE_FORKSERVER=1`` (the test
+suite's setting) the stages are forked from a process that imported TensorFlow once
+(:mod:`~silentswarm.agent.runtime.forkserver`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import msgspec
 
-from silentswarm.agent.errors import StageFailedError
-from silentswarm.agent.runtime import compilecache
+from silentswarm.agent.errors import ForkServerError, StageFailedError
+from silentswarm.agent.runtime import compilecache, forkserver
 from silentswarm.plan import StagePlan
 from silentswarm.procs import die_with_parent
+
+log = logging.getLogger("launch")
+Started = subprocess.Popen[bytes] | forkserver.ForkedProcess
 
 
 def write_plans(plans: list[StagePlan], directory: Path) -> list[Path]:
@@ -82,17 +88,13 @@ def run_plans(
     """
     tails: dict[Path, int] = {}
     paths = write_plans(plans, directory)
-    running: list[tuple[StagePlan, subprocess.Popen[bytes], Path]] = []
+    running: list[tuple[StagePlan, Started, Path]] = []
     try:
         for plan, path in reversed(list(zip(plans, paths, strict=True))):
             out = directory / f"stage-{_name(plan)}.out"
             with open(out, "wb") as stdout, open(out.with_suffix(".err"), "wb") as stderr:
-                proc = subprocess.Popen(
-                    [*_prefix(command_prefixes or {}, plan), *stage_command(path)],
-                    stdout=stdout,
-                    stderr=stderr,
-                    env=stage_env(env),
-                    preexec_fn=die_with_parent(),  # a killed caller takes its stages along
+                proc = _start(
+                    _prefix(command_prefixes or {}, plan), path, stage_env(env), stdout, stderr
                 )
             running.append((plan, proc, out))
         deadline = time.monotonic() + timeout
@@ -119,6 +121,31 @@ def run_plans(
     return [results[key] for key in sorted(results)]
 
 
+def _start(
+    prefix: Sequence[str], path: Path, env: dict[str, str], stdout: IO[bytes], stderr: IO[bytes]
+) -> Started:
+    """One stage process: forked by this process's fork server where it is on
+    (:mod:`~silentswarm.agent.runtime.forkserver`) and the command has no prefix, else
+    started from scratch. Either way a killed caller takes its stages along."""
+    command = [*prefix, *stage_command(path)]
+    server = None if prefix or not forkserver.enabled() else forkserver.server_for(env)
+    if server is not None:
+        with open(os.devnull, "rb") as stdin:
+            try:
+                return server.spawn(
+                    command,
+                    env=env,
+                    stdin=stdin.fileno(),
+                    stdout=stdout.fileno(),
+                    stderr=stderr.fileno(),
+                )
+            except ForkServerError as exc:
+                log.warning("%s; starting the stage as a process of its own", exc)
+    return subprocess.Popen(
+        command, stdout=stdout, stderr=stderr, env=env, preexec_fn=die_with_parent()
+    )
+
+
 def _name(plan: StagePlan) -> str:
     """``<job>-<stage>``, and ``<job>-r<replica>-<stage>`` for a replica after the first."""
     if plan.replica == 0:
@@ -127,7 +154,7 @@ def _name(plan: StagePlan) -> str:
 
 
 def _follow(
-    running: list[tuple[StagePlan, subprocess.Popen[bytes], Path]],
+    running: list[tuple[StagePlan, Started, Path]],
     offsets: dict[Path, int],
     on_event: Callable[[dict[str, Any]], None] | None,
 ) -> None:

@@ -352,18 +352,23 @@ run_plans([single_process_plan(job_id="orphan", model=model, train=train)], Path
 """
 
 
-def test_a_killed_caller_takes_its_stages_along(tmp_path):
-    """A benchmark or script killed mid-run (SIGKILL: no finally runs) leaves no stage."""
+@pytest.mark.parametrize("forked", ["0", "1"], ids=["started", "forked"])
+def test_a_killed_caller_takes_its_stages_along(tmp_path, forked):
+    """A benchmark or script killed mid-run (SIGKILL: no finally runs) leaves no stage, also
+    when its stages were forked by its fork server (the server dies with the caller, its
+    children with it)."""
     script = tmp_path / "caller.py"
     script.write_text(CALLER)
     caller = subprocess.Popen(
-        [sys.executable, str(script), str(tmp_path / "run")], env=child_env(PYTHONPATH=str(REPO))
+        [sys.executable, str(script), str(tmp_path / "run")],
+        env=child_env(PYTHONPATH=str(REPO), SWARM_STAGE_FORKSERVER=forked),
     )
+    out = tmp_path / "run" / "stage-orphan-0.out"
     stages: list[psutil.Process] = []
     try:
-        stages = wait_for(
-            lambda: psutil.Process(caller.pid).children(), timeout=30, what="the stage process"
-        )
+        wait_for(lambda: out.exists() and out.read_text(), timeout=60, what="the stage's events")
+        stages = psutil.Process(caller.pid).children(recursive=True)
+        assert len(stages) == 1 + int(forked), stages  # the stage (and its fork server)
         caller.kill()
         caller.wait(timeout=10)
         _, alive = psutil.wait_procs(stages, timeout=30)
