@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import logging
 import os
 import select
@@ -48,6 +49,7 @@ ENV_NAME = "SWARM_STAGE_FORKSERVER"
 IMPORT_PREFIXES = ("TF_", "XLA_", "CUDA_", "NVIDIA_", "OMP_", "MKL_", "KMP_", "OPENBLAS_")
 IMPORT_PREFIXES += ("PYTHON", "LD_", "MALLOC_", "GLIBC_")
 PRELOAD = ("silentswarm.agent.runtime.main", "silentswarm.agent.runtime.stage")
+_PR_SET_NAME = 15
 MAX_MESSAGE_BYTES = 1 << 20  # one request: an argv and an environment
 START_TIMEOUT_S = 120.0  # the server's imports, on a loaded machine
 
@@ -354,6 +356,7 @@ def _become_stage(request: ForkRequest, fds: list[int], own: list[int]) -> None:
         os.environ.update(request.env)
         os.chdir(request.cwd)
         die_with_parent(signal.SIGTERM, parent=os.getppid())()
+        _name_process(request.argv)
         code = _run_main(request.argv)
         with contextlib.suppress(Exception):
             threading._shutdown()  # type: ignore[attr-defined]  # what interpreter exit does
@@ -366,6 +369,15 @@ def _become_stage(request: ForkRequest, fds: list[int], own: list[int]) -> None:
             with contextlib.suppress(Exception):
                 stream.flush()
         os._exit(code)
+
+
+def _name_process(argv: list[str]) -> None:
+    """The name ``ps -o comm``, ``pgrep`` and ``top`` show: the module's last part (``main``
+    is ``swarm-stage``'s); its command line stays the server's, as a fork's does."""
+    name = "swarm-stage" if argv[2:3] == ["silentswarm.agent.runtime.main"] else argv[2]
+    name = name.rsplit(".", 1)[-1]
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
 def _run_main(argv: list[str]) -> int:

@@ -29,6 +29,7 @@ from typing import Any
 
 from _common import REPO, emit, load_avg, median  # puts the repo on sys.path
 
+from silentswarm.agent.runtime import forkserver
 from silentswarm.agent.runtime.launch import run_plans, steps
 from silentswarm.plan import ModelConfig, TrainConfig, Transport, chain_plans
 from silentswarm.procs import free_port
@@ -77,6 +78,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None, help="rounds (default 3)")
     parser.add_argument("--steps", type=int, default=None, help="steps per run (default 5)")
     args = parser.parse_args()
+    # What a user waits is a stage started as a fellow starts it, never one forked from a
+    # process that imported TensorFlow already (the test suite's setting).
+    os.environ[forkserver.ENV_NAME] = "0"
     rounds = args.rounds or (1 if args.quick else 3)
     stages = args.stages or (1 if args.quick else 2)
     model, spec = quickstart()

@@ -8,6 +8,7 @@ import subprocess
 import threading
 from pathlib import Path
 
+import psutil
 import pytest
 
 from silentswarm.agent.runtime import forkserver
@@ -70,6 +71,7 @@ def test_a_forked_stage_trains_with_its_own_environment_and_dies_by_its_signal(s
     wait_for(stepped, timeout=60, what="a step of the forked stage")
     assert cache.is_dir() and any(cache.rglob("*")), "the stage's own compile cache"
     assert stage.poll() is None
+    assert psutil.Process(stage.pid).name() == "swarm-stage"
     stage.kill()
     assert stage.wait(timeout=30) == -signal.SIGKILL
 
