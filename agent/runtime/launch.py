@@ -128,19 +128,20 @@ def _start(
     (:mod:`~silentswarm.agent.runtime.forkserver`) and the command has no prefix, else
     started from scratch. Either way a killed caller takes its stages along."""
     command = [*prefix, *stage_command(path)]
-    server = None if prefix or not forkserver.enabled() else forkserver.server_for(env)
-    if server is not None:
-        with open(os.devnull, "rb") as stdin:
-            try:
-                return server.spawn(
-                    command,
-                    env=env,
-                    stdin=stdin.fileno(),
-                    stdout=stdout.fileno(),
-                    stderr=stderr.fileno(),
-                )
-            except ForkServerError as exc:
-                log.warning("%s; starting the stage as a process of its own", exc)
+    if not prefix and forkserver.enabled():
+        try:
+            server = forkserver.server_for(env)
+            if server is not None:
+                with open(os.devnull, "rb") as stdin:
+                    return server.spawn(
+                        command,
+                        env=env,
+                        stdin=stdin.fileno(),
+                        stdout=stdout.fileno(),
+                        stderr=stderr.fileno(),
+                    )
+        except ForkServerError as exc:
+            log.warning("%s; starting the stage as a process of its own", exc)
     return subprocess.Popen(
         command, stdout=stdout, stderr=stderr, env=env, preexec_fn=die_with_parent()
     )

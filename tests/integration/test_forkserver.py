@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from silentswarm.agent.runtime import forkserver
-from silentswarm.agent.runtime.launch import stage_command, stage_env, write_plans
+from silentswarm.agent.runtime.launch import run_plans, stage_command, stage_env, steps, write_plans
 from silentswarm.plan import ModelConfig, TrainConfig, Transport, chain_plans, single_process_plan
 from silentswarm.procs import free_port
 from tests.helpers import wait_for
@@ -105,3 +105,19 @@ def test_threads_other_than_the_main_one_start_their_stages_from_scratch():
     thread.start()
     thread.join(timeout=30)
     assert got == [None]
+
+
+def test_a_server_that_does_not_start_leaves_the_stage_to_start_from_scratch(
+    tmp_path, monkeypatch, caplog
+):
+    """No Ready in time (here: none can come that soon): run_plans says so and starts the
+    stage as a process of its own; the run goes on."""
+    monkeypatch.setenv(forkserver.ENV_NAME, "1")
+    monkeypatch.setattr(forkserver, "START_TIMEOUT_S", 0.001)
+    env = {"TF_FORKSERVER_TEST": "late"}  # no server of this key exists yet
+    train = TrainConfig(steps=1, batch_size=2, micro_batches=1, max_data_bytes=100_000)
+    plan = single_process_plan(job_id="late", model=TINY, train=train)
+    with caplog.at_level("WARNING", logger="launch"):
+        (events,) = run_plans([plan], tmp_path, env=env)
+    assert [e["step"] for e in steps(events)] == [0]
+    assert "did not start" in caplog.text and "as a process of its own" in caplog.text
