@@ -65,7 +65,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # One compile cache (agent/runtime/compilecache.py) for every stage the suite starts,
     # never ~/.cache: made here, before xdist starts its workers, which inherit it.
     # Stages that run_plans starts are forked from a process that imported TensorFlow once
-    # (agent/runtime/forkserver.py): 4-5 s of CPU less each, about a fifth of the suite's.
+    # (agent/runtime/forkserver.py): 4-5 s of CPU less each (TensorFlow's import).
     # SWARM_STAGE_FORKSERVER=0 starts every one from scratch, as a fellow's agent does.
     os.environ.setdefault(forkserver.ENV_NAME, "1")
     if not hasattr(config, "workerinput") and compilecache.CACHE_ENV not in os.environ:

@@ -96,7 +96,11 @@ def test_a_dead_server_takes_its_stages_along_and_the_next_launch_gets_another(t
     assert waiting.wait(timeout=30) < 0
     wait_for(lambda: not first.alive(), timeout=10, what="the server's end to be seen")
     second = forkserver.server_for(env)
-    assert second is not None and second is not first and second.alive()
+    try:
+        assert second is not None and second is not first and second.alive()
+    finally:
+        if second is not None:
+            second.close()  # its key is this test's own: no other test would use it
 
 
 def test_threads_other_than_the_main_one_start_their_stages_from_scratch():
