@@ -281,11 +281,11 @@ def _close_servers() -> None:
 def serve(fd: int) -> None:
     """Import what a stage imports, say Ready, then fork a stage per request and report each
     child's exit, until the launcher closes its end."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    sys.modules.setdefault("matplotlib", None)  # type: ignore[arg-type]  # as tfsetup does
     import importlib
 
+    from silentswarm.agent.runtime.tfsetup import before_import
+
+    before_import()
     for name in PRELOAD:
         importlib.import_module(name)
     sock = socket.socket(fileno=fd)

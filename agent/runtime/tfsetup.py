@@ -29,6 +29,16 @@ def require_tensorflow(what: str) -> None:
         )
 
 
+def before_import(*, plotting: bool = False) -> None:
+    """What must hold before TensorFlow is imported: quiet logs, the PCI order of GPUs, and
+    (without ``plotting``) no matplotlib (see :func:`configure_tensorflow`)."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    if not plotting:
+        # Keras's helpers catch the ImportError this gives and go on without plots.
+        sys.modules.setdefault("matplotlib", None)  # type: ignore[arg-type]
+
+
 def configure_tensorflow(
     *, intra_op_threads: int, logical_cpus: int = 1, plotting: bool = False
 ) -> None:
@@ -42,11 +52,7 @@ def configure_tensorflow(
     developer's environment), for image-gallery helpers no stage or tool calls; that is
     0.5 s of every stage's start here, a third of what TensorFlow's own import costs.
     """
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
-    if not plotting:
-        # Keras's helpers catch the ImportError this gives and go on without plots.
-        sys.modules.setdefault("matplotlib", None)  # type: ignore[arg-type]
+    before_import(plotting=plotting)
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(max(1, intra_op_threads))
