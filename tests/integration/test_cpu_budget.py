@@ -76,7 +76,10 @@ def test_a_stage_under_a_quota_reports_the_seconds_it_was_held_back(tmp_path):
     not a half: on a machine busy with other work a stage gets less than half a core from the
     scheduler anyway, and the kernel holds back only what wants more than its quota.)"""
     why: list[str] = []
-    with bench_module("cpuquota").cpu_group(2.0, why=why) as group:
+    # "Full speed" is a quota above every core the machine has: a quota of exactly its cores
+    # still throttles now and then (the kernel hands quota out to each core in slices).
+    full = float(os.cpu_count() or 1) + 1.0
+    with bench_module("cpuquota").cpu_group(full, why=why) as group:
         if group is None:
             pytest.skip(why[0])
         held_from: list[int] = []
@@ -95,7 +98,7 @@ def test_a_stage_under_a_quota_reports_the_seconds_it_was_held_back(tmp_path):
                 lines = out.read_text().splitlines()
                 held_from.append(sum('"event":"step"' in line for line in lines) + 1)
             elif held_from and event["step"] >= held_from[0] + 12 and not released_after:
-                group.set_share(2.0)  # the rest of the run (its save, its end) at full speed
+                group.set_share(full)  # the rest of the run (its save, its end) at full speed
                 released_after.append(event["step"])
 
         # Steps of a few ms once compiled: 400 leave the callback seconds of slack to see
@@ -111,7 +114,10 @@ def test_a_stage_under_a_quota_reports_the_seconds_it_was_held_back(tmp_path):
     # The first held step may straddle the switch.
     records = [e for e in steps if held_from[0] < e["step"] <= released_after[0]]
     assert all(0 <= e["throttled_s"] <= e["step_time_s"] - e["wait_s"] + 1e-4 for e in steps)
-    assert sum(e["throttled_s"] for e in free) < 0.05
+    # Free steps are not held back, or next to nothing of their time (under 2%, where held
+    # ones below lose over a quarter).
+    free_time = sum(e["step_time_s"] for e in free)
+    assert sum(e["throttled_s"] for e in free) < max(0.05, 0.02 * free_time), free
     held = sum(e["throttled_s"] for e in records)
     total = sum(e["step_time_s"] for e in records)
     # Busy all the time in a tenth of a core: held back for most of it.
