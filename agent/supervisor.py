@@ -283,7 +283,8 @@ class StageRun:
 
     async def _read_stderr(self) -> None:
         """Keep the runtime's stderr in ``stage.err`` and hand every line on, but
-        TensorFlow's probes of compile cache entries (:func:`compilecache.is_probe_noise`).
+        the harmless lines TensorFlow writes as it loads compile cache entries
+        (:func:`compilecache.is_probe_noise`).
 
         The pipe is read to its end whatever happens to the file: a full disk must not stop
         the reading, or the runtime blocks on a full stderr pipe and training hangs."""

@@ -60,6 +60,14 @@ WORK_DIR = ".work"
 # What TensorFlow logs each time it loads an entry: it tries the file as a text proto before
 # it reads it as the binary one it is (tensorflow ReadTextOrBinaryProto). Noise, not an error.
 PROBE_NOISE = "Error parsing text-format tensorflow.XlaSerializedCacheEntry"
+# What XLA logs, at ERROR and with a warning of SIGILL, for every loaded executable on a CPU
+# where it compiles with LLVM's tuning flags (``+prefer-no-gather``, ``+prefer-no-scatter``):
+# it counts them among the compile machine's features, which the host's never name. They
+# select instructions, they are none, so the line says nothing of a real mismatch; one that
+# names an instruction set (``+avx512f``) is not noise. (This cache keys its entries by the
+# CPU's model and flags, so an entry compiled elsewhere is never loaded.)
+TUNING_FLAG_NOISE = "Target machine feature +prefer-"
+_AOT_LOADER = "cpu_aot_loader"
 _DEVICE_TYPES = "CPU"  # the device, not the XLA one its entries name (XLA_CPU_JIT)
 _CACHE_FLAGS = ("--tf_xla_persistent_cache_directory", "--tf_xla_persistent_cache_device_types")
 # XlaSerializedCacheEntry: key = 1, hlo_module = 2, executable = 3, all length-delimited.
@@ -68,9 +76,10 @@ _LENGTH_DELIMITED = 2
 
 
 def is_probe_noise(line: str) -> bool:
-    """Whether a line of a stage's stderr is TensorFlow's harmless text-proto probe of a
-    cache entry (:data:`PROBE_NOISE`)."""
-    return PROBE_NOISE in line
+    """Whether a line of a stage's stderr is one TensorFlow writes, harmless, as it loads a
+    cache entry: its text-proto probe (:data:`PROBE_NOISE`), or XLA's complaint of a
+    tuning flag taken for a missing CPU feature (:data:`TUNING_FLAG_NOISE`)."""
+    return PROBE_NOISE in line or (_AOT_LOADER in line and TUNING_FLAG_NOISE in line)
 
 
 def _varint(handle: BinaryIO) -> int | None:

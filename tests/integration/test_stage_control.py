@@ -72,7 +72,9 @@ class Stage:
             try:
                 event = self._events.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                raise AssertionError(f"stage {self.plan.stage}: no {what}\n{self.log()}") from None
+                raise AssertionError(
+                    f"stage {self.plan.stage}: no {what}\n{self.log_tail()}"
+                ) from None
             if event is None or event["event"] == "error":
                 raise AssertionError(f"stage {self.plan.stage} ended before {what}: {event}")
             self.seen.append(event)
@@ -80,7 +82,13 @@ class Stage:
                 return event
 
     def log(self) -> str:
-        return self.err_path.read_text(errors="replace")[-3000:]
+        """The stage's whole stderr: its warnings come first, and TensorFlow's lines (a
+        loaded compile cache entry's can run to kilobytes) after them."""
+        return self.err_path.read_text(errors="replace")
+
+    def log_tail(self) -> str:
+        """The end of its stderr, for a failure's message."""
+        return self.log()[-3000:]
 
     def kill(self) -> None:
         kill_tree(self.proc.pid)
@@ -171,12 +179,14 @@ def test_both_stages_checkpoint_at_the_requested_step_and_at_the_end(start_stage
                 checkpoint.arrays
             )
         log = stage.log()
-        assert "ignoring control line" in log and "unknown or missing cmd 'reboot'" in log
+        assert "ignoring control line" in log and "unknown or missing cmd 'reboot'" in log, log[
+            :3000
+        ]
 
     for stage in stages:  # the agent may close the pipe once it has seen 'done': still exit 0
         stage.close_stdin()
     for stage in stages:
-        assert stage.proc.wait(timeout=30) == 0, stage.log()
+        assert stage.proc.wait(timeout=30) == 0, stage.log_tail()
 
 
 def test_a_closed_stdin_ends_a_stage_at_once_even_while_it_waits_for_its_peer(start_stages):

@@ -268,3 +268,28 @@ def test_tensorflows_probe_of_an_entry_is_noise_and_nothing_else_is():
     )
     assert compilecache.is_probe_noise(line)
     assert not compilecache.is_probe_noise("E0000 cuda_platform.cc:52] failed call to cuInit")
+
+
+AOT_LINE = (
+    "E0000 00:00:1796606657.133172   20280 cpu_aot_loader.cc:220] Loading XLA:CPU AOT result. "
+    "Target machine feature +{feature} is not  supported on the host machine. Machine type "
+    "used for XLA:CPU compilation doesn't match the machine type for execution. Compile "
+    "machine features: [+64bit,+avx512f,+prefer-no-scatter,+prefer-no-gather] vs host machine "
+    "features: [avx512f,64bit]. This could lead to execution errors such as SIGILL."
+)
+
+
+@pytest.mark.parametrize(
+    ("feature", "noise"),
+    [
+        ("prefer-no-scatter", True),
+        ("prefer-no-gather", True),
+        ("avx512f", False),
+        ("amx-tile", False),
+    ],
+)
+def test_xlas_complaint_of_a_tuning_flag_is_noise_and_of_an_instruction_set_is_not(feature, noise):
+    """XLA logs every executable it loads on a CPU whose compiles carry LLVM's tuning flags as
+    built for another machine, with a warning of SIGILL (seen in every warm stage's stderr);
+    a missing instruction set would be a real mismatch, which the operator must see."""
+    assert compilecache.is_probe_noise(AOT_LINE.format(feature=feature)) is noise
