@@ -37,6 +37,8 @@ ORPHAN_STOP_EVERY_S = 5.0
 STOP_MEMORY_S = 12 * ORPHAN_STOP_EVERY_S
 # A pending purge for a fellow that is not back is tried again this often.
 PURGE_RETRY_S = 5.0
+# How often a released agent that is still heard is told again to exit.
+RELEASED_STOP_EVERY_S = 10.0
 # The least share of its threads' time placement credits a quota-bound fellow with: its
 # stage's time is divided by the share, which must stay a number.
 MIN_CPU_SHARE = 0.01
@@ -257,6 +259,25 @@ def forget_old_stops(stopped: Mapping[StageKey, float], *, now: float) -> dict[S
 
 
 # --- purges -------------------------------------------------------------------------------
+
+
+def released_to_stop(
+    heard: Collection[str],
+    *,
+    purge_pending: Collection[str],
+    told: Mapping[str, float],
+    now: float,
+) -> list[str]:
+    """The released agents to tell (again) to exit, of those ``heard`` since the last tick:
+    each at most every ``RELEASED_STOP_EVERY_S`` (``told``: when each was last told,
+    monotonic like ``now``), never one whose purge is pending (it waits for its PURGE, which
+    the purge delivery sends)."""
+    return sorted(
+        fid
+        for fid in heard
+        if fid not in purge_pending
+        and now - told.get(fid, -RELEASED_STOP_EVERY_S) >= RELEASED_STOP_EVERY_S
+    )
 
 
 def purges_due(

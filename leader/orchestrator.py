@@ -120,6 +120,8 @@ class Orchestrator:
         self._final_exports: dict[str, asyncio.Task[Any]] = {}
         # Fellow id -> the purge delivery in flight (one at a time; others wait for it).
         self._purging: dict[str, asyncio.Future[bool]] = {}
+        # Fellow id -> when its released agent was last told to exit (monotonic).
+        self._released_told: dict[str, float] = {}
         # Fellows an operator action (release, update) is signalling: not placed meanwhile.
         self._reserved: set[str] = set()
         self._cooldown: dict[str, float] = {}  # fellow id -> monotonic time it may be placed
@@ -173,6 +175,7 @@ class Orchestrator:
         self._replace()
         await self._change_rings()
         self._deliver_purges()
+        self._stop_released()
         await self.retain()
         await self.flush()
 
@@ -205,11 +208,14 @@ class Orchestrator:
         self.registry.restore(state.fellows)
         self.jobs.restore(state.jobs)
         self.purges.restore(state.purges)
+        self.registry.restore_released(state.released)
         log.info(
-            "loaded %d job(s), %d fellow(s), %d pending purge(s) from JetStream",
+            "loaded %d job(s), %d fellow(s), %d pending purge(s), %d released agent(s) "
+            "from JetStream",
             len(state.jobs),
             len(state.fellows),
             len(state.purges),
+            len(state.released),
         )
         for job in decide.abandoned_starts(self.jobs.list()):
             assert job.placement is not None
@@ -233,6 +239,9 @@ class Orchestrator:
             self.purges.dirty.discard(fid)
             if not await _save(store, store.purges, fid, self.purges.get(fid)):
                 self.purges.dirty.add(fid)
+        for fid, marker in self.registry.take_released_dirty():
+            if not await _save(store, store.released, fid, marker):
+                self.registry.released_dirty.add(fid)
 
     # --- retention ---------------------------------------------------------------------------
 
@@ -765,6 +774,32 @@ class Orchestrator:
         )
         for fid in due:
             self._spawn(self.deliver_purge(fid, deadline_s=2.0), f"purge-{fid}")
+
+    def _stop_released(self) -> None:
+        """Tell a released agent that is still heard to exit: one that was offline when an
+        operator released it (the STOP went nowhere), or was released before this leader
+        restarted. Its heartbeats are dropped either way; this ends its process too."""
+        now = time.monotonic()
+        heard = self.registry.take_released_heard()
+        if not heard and not self._released_told:
+            return  # the usual case
+        self._released_told = {
+            fid: at
+            for fid, at in self._released_told.items()
+            if now - at < decide.RELEASED_STOP_EVERY_S
+        }
+        pending = {p.fellow_id for p in self.purges.list()}
+        told = self._released_told
+        for fid in decide.released_to_stop(heard, purge_pending=pending, told=told, now=now):
+            told[fid] = now
+            self._spawn(self._tell_released(fid), f"released-{fid}")
+
+    async def _tell_released(self, fellow_id: str) -> None:
+        assert self.hub is not None
+        record = await self.hub.send(
+            fellow_id, StopArgs(release=True, reason="released by an operator"), deadline_s=2.0
+        )
+        log.info("told released fellow %s to exit: %s", fellow_id, record.message or record.code)
 
     async def deliver_purge(self, fellow_id: str, *, deadline_s: float = 8.0) -> bool:
         """One PURGE delivery per fellow at a time: a second caller (an operator's retry

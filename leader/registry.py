@@ -35,7 +35,7 @@ from silentswarm.protocol import (
     RegisterReply,
     RegisterRequest,
 )
-from silentswarm.types.fleet import FellowRecord, NodeView, Transition
+from silentswarm.types.fleet import FellowRecord, NodeView, ReleasedFellow, Transition
 from silentswarm.types.links import MeasuredLink
 
 __all__ = ["FellowRecord", "FellowRegistry", "NodeView", "Transition"]
@@ -47,6 +47,9 @@ HISTORY_LEN = 50
 # Measured links kept per fellow (its stages' downstream peers, the most recent): a bound
 # on what one fellow's record holds, well above the peers a fellow meets in its jobs.
 LINKS_KEPT = 32
+# Release markers kept at most, the oldest dropped first: bounded like the revocations in
+# the NATS account (about 2,000 released fellows fill its JWT), with room to spare.
+RELEASED_KEPT = 10_000
 
 
 @dataclass
@@ -83,7 +86,12 @@ class FellowRegistry:
         self._connected_since: float | None = None
         self.dropped: Counter[str] = Counter()
         # Fellow id -> the agent instance an operator released: its heartbeats are ignored.
-        self._released: dict[str, str] = {}
+        # Stored (``take_released_dirty``), so a restarted leader does not take it back.
+        self._released: dict[str, ReleasedFellow] = {}
+        self.released_dirty: set[str] = set()
+        # Released instances heard from (heartbeats) since ``take_released_heard``: agents
+        # that missed their STOP (offline when released), which the leader tells again.
+        self._released_heard: set[str] = set()
         # Fellow ids whose record changed (or was removed) since the store last wrote them.
         self.dirty: set[str] = set()
         # (upstream, downstream) -> their latest measured link: an index of the records'
@@ -107,13 +115,13 @@ class FellowRegistry:
 
     def register(self, req: RegisterRequest) -> RegisterReply:
         fid = req.fellow.fellow_id
-        if self._released.get(fid) == req.fellow.instance_id:
+        if self._is_released(fid, req.fellow.instance_id):
             if self.purge_pending(fid):
                 return self._reject(
                     ErrorCode.PURGE_PENDING, f"fellow {fid!r} was released; a purge is on its way"
                 )
             return self._reject(ErrorCode.RELEASED, f"fellow {fid!r} was released by an operator")
-        self._released.pop(fid, None)
+        self._forget_release(fid)
         self.dirty.add(fid)
         entry = self._entries.get(fid)
         if entry is None:
@@ -175,11 +183,13 @@ class FellowRegistry:
     def heartbeat(self, hb: Heartbeat) -> bool:
         """Apply one heartbeat; False when it was dropped (it belongs to a stale instance)."""
         fid = hb.fellow.fellow_id
-        if self._released.get(fid) == hb.fellow.instance_id:
+        if self._is_released(fid, hb.fellow.instance_id):
             self.dropped["released"] += 1
+            self._released_heard.add(fid)
             return False
         entry = self._entries.get(fid)
         if entry is None:
+            self._forget_release(fid)  # another instance took the id
             self.dirty.add(fid)
             # A fellow we never heard register: the leader restarted and lost its memory,
             # or the register reply was lost. The heartbeat says all we need.
@@ -222,10 +232,42 @@ class FellowRegistry:
             raise KeyError(fellow_id)
         for peer in entry.record.links:
             self._links.drop((fellow_id, peer))
-        self._released[fellow_id] = entry.record.instance_id
+        self._released.pop(fellow_id, None)  # the newest last: the oldest go first
+        self._released[fellow_id] = ReleasedFellow(
+            fellow_id=fellow_id, instance_id=entry.record.instance_id, released_at=self._wall()
+        )
+        self.released_dirty.add(fellow_id)
+        while len(self._released) > RELEASED_KEPT:
+            oldest = next(iter(self._released))
+            del self._released[oldest]
+            self.released_dirty.add(oldest)
         self.dirty.add(fellow_id)
         log.info("fellow %s released", fellow_id)
         return entry.record
+
+    def restore_released(self, records: list[ReleasedFellow]) -> None:
+        """The released instances loaded from the store at start-up, oldest first."""
+        for record in sorted(records, key=lambda r: r.released_at):
+            self._released.setdefault(record.fellow_id, record)
+
+    def take_released_dirty(self) -> list[tuple[str, ReleasedFellow | None]]:
+        """The release markers added or dropped (None) since the last call."""
+        out = [(fid, self._released.get(fid)) for fid in sorted(self.released_dirty)]
+        self.released_dirty.clear()
+        return out
+
+    def take_released_heard(self) -> set[str]:
+        """The fellow ids whose released instance was heard since the last call."""
+        heard, self._released_heard = self._released_heard, set()
+        return heard
+
+    def _is_released(self, fellow_id: str, instance_id: str) -> bool:
+        marker = self._released.get(fellow_id)
+        return marker is not None and marker.instance_id == instance_id
+
+    def _forget_release(self, fellow_id: str) -> None:
+        if self._released.pop(fellow_id, None) is not None:
+            self.released_dirty.add(fellow_id)
 
     def restore(self, records: list[FellowRecord]) -> None:
         """Records loaded from the store at start-up; each gets a fresh offline window.

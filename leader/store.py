@@ -1,4 +1,5 @@
-"""Durable leader state in JetStream KV: one bucket each for jobs, fellows and pending purges.
+"""Durable leader state in JetStream KV: one bucket each for jobs, fellows, pending purges
+and released agent instances.
 
 Values are msgspec JSON (readable with ``nats kv get``). Records are written when they
 change (the managers mark them dirty), never on every heartbeat, and all read back when
@@ -34,7 +35,7 @@ from nats.js.kv import KeyValue
 from silentswarm import subjects as topics
 from silentswarm.leader.errors import StoreReadError
 from silentswarm.leader.streams import describe, is_storage_error, progress_stream
-from silentswarm.types.fleet import FellowRecord, PendingPurge
+from silentswarm.types.fleet import FellowRecord, PendingPurge, ReleasedFellow
 from silentswarm.types.jobs import JobRecord
 
 log = logging.getLogger(__name__)
@@ -45,31 +46,40 @@ class LoadedState(msgspec.Struct):
     jobs: list[JobRecord]
     fellows: list[FellowRecord]
     purges: list[PendingPurge]
+    released: list[ReleasedFellow]
 
 
 def bucket_name(prefix: str, name: str) -> str:
-    """The KV bucket of one kind of record (``jobs``, ``fellows``, ``purges``)."""
+    """The KV bucket of one kind of record (``jobs``, ``fellows``, ``purges``, ``released``)."""
     return f"{prefix}_{name}"
 
 
 class StateStore:
-    """The three KV buckets, named ``<prefix>_jobs``, ``<prefix>_fellows``, ``<prefix>_purges``."""
+    """The KV buckets ``<prefix>_jobs``, ``<prefix>_fellows``, ``<prefix>_purges`` and
+    ``<prefix>_released``."""
 
     def __init__(
-        self, nc: Client, prefix: str, jobs: KeyValue, fellows: KeyValue, purges: KeyValue
+        self,
+        nc: Client,
+        prefix: str,
+        jobs: KeyValue,
+        fellows: KeyValue,
+        purges: KeyValue,
+        released: KeyValue,
     ) -> None:
         self.nc = nc
         self.prefix = prefix
         self.jobs = jobs
         self.fellows = fellows
         self.purges = purges
+        self.released = released
         self.write_error: str | None = None
 
     @classmethod
     async def open(cls, nc: Client, *, prefix: str) -> StateStore:
         js = nc.jetstream()
         buckets = []
-        for name in ("jobs", "fellows", "purges"):
+        for name in ("jobs", "fellows", "purges", "released"):
             config = KeyValueConfig(
                 bucket=bucket_name(prefix, name), history=1, storage=StorageType.FILE
             )
@@ -81,6 +91,7 @@ class StateStore:
             jobs=await self._load("jobs", JobRecord),
             fellows=await self._load("fellows", FellowRecord),
             purges=await self._load("purges", PendingPurge),
+            released=await self._load("released", ReleasedFellow),
         )
 
     async def keys(self, name: str) -> list[str]:

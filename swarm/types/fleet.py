@@ -107,6 +107,15 @@ class PendingPurge(msgspec.Struct, kw_only=True):
     last_error: str = ""
 
 
+class ReleasedFellow(msgspec.Struct, kw_only=True):
+    """The agent instance an operator released: kept (and stored) until another instance
+    takes the fellow id, so the released one is not taken back, even by a restarted leader."""
+
+    fellow_id: str
+    instance_id: str
+    released_at: float
+
+
 class ReleaseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     purge_install: bool = False
 

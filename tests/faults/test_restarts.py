@@ -3,8 +3,11 @@ leader keeps (state, metrics history, logs) is intact beyond the outage."""
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
+from tests.conftest import start_agent
 from tests.helpers import wait_for
 from tests.integration.test_jobs import agents, tiny, wait_ready, wait_steps
 
@@ -32,6 +35,30 @@ def test_leader_restart_mid_job_keeps_the_job_which_completes(
     done = client.wait_job(job_id, "COMPLETED", timeout=150)
     assert done["attempt"] == 1 and done["final_loss"] is not None
     assert [h["to_state"] for h in done["history"]] == ["PENDING", "RUNNING", "COMPLETED"]
+
+
+def test_a_released_agent_stays_released_across_a_leader_restart_and_is_told_to_exit(
+    procs, nats_server, restartable_leader
+):
+    """An agent that was frozen when an operator released it (its STOP went nowhere) wakes
+    after the leader restarted: the restarted leader still knows that instance was released
+    (the release is stored), ignores its heartbeats instead of taking the fellow back, and
+    tells it to exit."""
+    client = restartable_leader.client
+    restartable_leader.start()
+    agent = start_agent(procs, nats_server.url, "frozen")
+    wait_ready(client, "frozen")
+    agent.send_signal(signal.SIGSTOP)
+    client.wait_status("frozen", "offline", timeout=15)
+    released = client.request("POST", "/api/v1/workers/frozen/release", json={})
+    assert released.status_code == 200, released.text
+    assert "agent_stopped" not in released.json(), "offline: no STOP was sent"
+
+    restartable_leader.kill()
+    restartable_leader.start()
+    agent.send_signal(signal.SIGCONT)
+    assert agent.wait(timeout=30) == 0, "the released agent exits"
+    assert "frozen" not in client.workers()
 
 
 def test_a_nats_restart_mid_training_loses_no_history_and_no_logs(procs, nats_server, leader):

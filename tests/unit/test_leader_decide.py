@@ -9,6 +9,7 @@ from silentswarm.leader import decide
 from silentswarm.leader.decide import (
     ORPHAN_STOP_EVERY_S,
     PURGE_RETRY_S,
+    RELEASED_STOP_EVERY_S,
     START_COOLDOWN_S,
     STOP_MEMORY_S,
     OrphanStop,
@@ -372,6 +373,30 @@ def test_purges_due(case, tries, ago, online, busy, in_flight, due):
         now=NOW,
     )
     assert found == (["a"] if due else [])
+
+
+RELEASED = [
+    # (case, heard, purge pending, last told ago (None: never), to stop)
+    ("heard, never told", True, False, None, True),
+    ("not heard", False, False, None, False),
+    ("told just now", True, False, 0.0, False),
+    ("just under the interval", True, False, RELEASED_STOP_EVERY_S - 0.001, False),
+    ("exactly the interval", True, False, RELEASED_STOP_EVERY_S, True),
+    ("a purge is pending: it waits for its PURGE", True, True, None, False),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "heard", "pending", "ago", "stop"), RELEASED, ids=[r[0] for r in RELEASED]
+)
+def test_released_to_stop(case, heard, pending, ago, stop):
+    found = decide.released_to_stop(
+        {"a"} if heard else set(),
+        purge_pending={"a"} if pending else set(),
+        told={} if ago is None else {"a": NOW - ago},
+        now=NOW,
+    )
+    assert found == (["a"] if stop else [])
 
 
 def test_purges_due_keep_the_books_order():

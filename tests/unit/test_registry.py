@@ -3,6 +3,7 @@
 import msgspec
 import pytest
 
+from silentswarm.leader import registry as registry_module
 from silentswarm.leader.hostview import HostFellow, merge_host
 from silentswarm.leader.registry import LINKS_KEPT, FellowRegistry
 from silentswarm.protocol import (
@@ -334,6 +335,48 @@ def test_release_forgets_the_fellow_and_ignores_its_agent_until_a_new_instance_c
     assert reg.get("a").instance_id == "new"
     with pytest.raises(KeyError):
         reg.release("nobody")
+
+
+def test_a_release_is_stored_and_a_restarted_registry_keeps_ignoring_that_instance(reg, clock):
+    """The release marker goes to the store; a registry restored from it refuses the
+    released instance and drops its heartbeats (counting them, and naming the fellow for
+    the leader to tell it again to exit) until another instance takes the id."""
+    register(reg, "a", instance="old")
+    reg.release("a")
+    [(fid, marker)] = reg.take_released_dirty()
+    assert (fid, marker.instance_id, marker.released_at) == ("a", "old", clock.now)
+    assert reg.take_released_dirty() == []
+
+    restarted = FellowRegistry(
+        heartbeat_interval_s=1.0, offline_after_s=3.0, leader_version="t", clock=clock, wall=clock
+    )
+    restarted.restore_released([marker])
+    restarted.bus_connected()
+    assert beat(restarted, "a", instance="old") is False and restarted.get("a") is None
+    assert restarted.dropped["released"] == 1
+    assert restarted.take_released_heard() == {"a"} and restarted.take_released_heard() == set()
+    assert register(restarted, "a", instance="old").code == "RELEASED"
+    assert restarted.take_released_dirty() == []
+
+    assert beat(restarted, "a", instance="new") is True, "another instance takes the id"
+    assert restarted.take_released_dirty() == [("a", None)], "and the marker goes"
+    assert beat(restarted, "a", instance="old") is False, "the old one is another instance now"
+    assert restarted.take_released_heard() == set()
+
+
+def test_release_markers_are_bounded_the_oldest_dropped_first(reg, clock, monkeypatch):
+    monkeypatch.setattr(registry_module, "RELEASED_KEPT", 2)
+    for fid in ("a", "b", "c"):
+        register(reg, fid)
+        clock.now += 1
+        reg.release(fid)
+    assert [(fid, m is None) for fid, m in reg.take_released_dirty()] == [
+        ("a", True),
+        ("b", False),
+        ("c", False),
+    ]
+    assert register(reg, "a").accepted, "a's marker was dropped"
+    assert register(reg, "b").code == "RELEASED"
 
 
 def test_restored_records_get_a_fresh_offline_window(reg, clock):
