@@ -68,6 +68,7 @@ def candidate(record: FellowRecord) -> Candidate:
         labels=record.labels,
         compute_speed=record.measured_speed or hw.compute_speed,
         cpu_share=cpu_share(hw.cpu_cores, hw.cpu_quota),
+        version=record.version,
     )
 
 

@@ -199,9 +199,13 @@ def replacement(
     job: JobRecord,
     candidates: list[Candidate],
     defaults: PlacementDefaults = DEFAULTS,
+    *,
+    version: str | None = None,
 ) -> list[PlacedStage] | Unplaceable | None:
     """A pipeline for the job's lowest free replica slot on some of ``candidates`` (the ready
     fellows), with the layer split of the job's other replicas; None when no slot is free.
+    ``version``: the one the job's fellows run, which the replacement's must run too (its
+    ring speaks theirs); None: any.
 
     Fellows that ran a stage of a replica this attempt lost are not taken again: a late
     report of their old run could not be told from the new one's, and a fellow that just
@@ -211,7 +215,11 @@ def replacement(
     if slot is None or placement is None:
         return None
     lost = {p.fellow_id for p in job.dropped}
-    usable = [c for c in candidates if c.fellow_id not in lost]
+    usable = [
+        c
+        for c in candidates
+        if c.fellow_id not in lost and (version is None or c.version == version)
+    ]
     ranges = placement.split(placement.lead)
     if placement.transport == Transport.P2P:
         # One port per ring it will be in: the rings of the lead's stages among the others'.

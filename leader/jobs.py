@@ -30,8 +30,10 @@ from silentswarm.leader.placement import (
     Candidate,
     PlacementDefaults,
     Unplaceable,
+    by_version,
     fellows_needed,
     place,
+    versions_note,
 )
 from silentswarm.leader.pools import (
     AccountLookup,
@@ -117,8 +119,10 @@ def plan_schedule(
     held: Mapping[tuple[str, str], Held] | None = None,
     account_of: AccountLookup = no_accounts,
     links: Mapping[tuple[str, str], MeasuredLink] | None = None,
+    leader_version: str = "",
 ) -> tuple[list[Assignment], dict[str, str]]:
-    """Place pending jobs, oldest first, on idle fellows of their pool with their labels.
+    """Place pending jobs, oldest first, on idle fellows of their pool with their labels,
+    all of one version (the leader's if they can hold the job: :func:`by_version`).
 
     A job that does not fit keeps waiting (with the reason) and does not block younger
     jobs that fit on what is left. ``fleet`` (every known fellow) explains a pool too few
@@ -140,24 +144,34 @@ def plan_schedule(
         if allowance.reason:
             waiting[job.job_id] = f"waiting: {allowance.reason}"
             continue
+        groups = by_version(offered_to(job, free), leader_version)
+        result: Placement | Unplaceable | None = None
         try:
-            result = place(
-                job.spec,
-                offered_to(job, free),
-                defaults,
-                ranges=job.layer_ranges,
-                max_stages=allowance.max_stages,
-                links=links,
-            )
+            for group in groups or [[]]:
+                tried = place(
+                    job.spec,
+                    group,
+                    defaults,
+                    ranges=job.layer_ranges,
+                    max_stages=allowance.max_stages,
+                    links=links,
+                )
+                if not isinstance(tried, Unplaceable):
+                    result = tried
+                    break
+                if result is None:  # the reason to give: the first group's (the leader's)
+                    result = tried
         except (ValueError, ArithmeticError) as exc:
             # Figures that came from fellows and slipped past their bounds must not stop
             # the placement of every other job (this runs on every tick).
             waiting[job.job_id] = f"waiting: placement failed on the fellows' figures ({exc})"
             continue
+        assert result is not None
         if isinstance(result, Unplaceable):
             note = ""
             if result.too_few and pools:
                 note = fleet_note(job.spec, pools, free={c.fellow_id for c in free})
+            note += versions_note(groups)
             waiting[job.job_id] = result.reason + note + out_of_memory_note(job)
             continue
         assignments.append(Assignment(job.job_id, result))

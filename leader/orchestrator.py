@@ -345,6 +345,7 @@ class Orchestrator:
             held=holdings(self.jobs.list(), starting=self.jobs.starting),
             account_of=self.account_of,
             links=self.registry.links,
+            leader_version=self.registry.leader_version,
         )
         self.jobs.set_waiting(waiting)
         for assignment in assignments:
@@ -475,7 +476,9 @@ class Orchestrator:
             now=time.monotonic(),
         )
         for job in jobs:
-            stages = elastic.replacement(job, offered_to(job, idle), self.defaults)
+            stages = elastic.replacement(
+                job, offered_to(job, idle), self.defaults, version=self._version_of(job)
+            )
             if not isinstance(stages, list):
                 continue  # not enough ready fellows yet (or none fit): the next tick tries
             if self.jobs.place_replacement(job.job_id, stages) is None:
@@ -489,6 +492,18 @@ class Orchestrator:
                 self.jobs.lose_stage(job.job_id, plans[0].fellow_id, exc.message)
                 continue
             self._spawn(self._start_joiners(job.job_id, job.attempt, starts), f"join-{job.job_id}")
+
+    def _version_of(self, job: JobRecord) -> str | None:
+        """The version the job's live fellows run (one: placement never mixes them); None
+        when none of them is known any more."""
+        placement = job.placement
+        assert placement is not None
+        for replica in placement.live_replicas:
+            for stage in placement.pipeline(replica):
+                record = self.registry.get(stage.fellow_id)
+                if record is not None:
+                    return record.version
+        return None
 
     async def _start_joiners(
         self, job_id: str, attempt: int, starts: list[tuple[StagePlan, StartArgs]]

@@ -40,7 +40,7 @@ each fellow offers: :mod:`silentswarm.telemetry`). The rules:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -104,6 +104,32 @@ class Candidate(msgspec.Struct, kw_only=True, frozen=True):
     host_cpu_cores: int | None = None
     # Where its stage binds for its replicas' ring (SWARM_SYNC_ADDRESS); None: not given.
     sync_address: str | None = None
+    # The SilentSwarm version its agent runs: a job's fellows all run one (by_version).
+    version: str = ""
+
+
+def by_version(candidates: Sequence[Candidate], leader_version: str) -> list[list[Candidate]]:
+    """``candidates`` in groups of one version each, the groups to try a job on in order:
+    the leader's version first, then the others by how many fellows run them (the most
+    first). A job's stages talk to each other in their version's wire layouts (the relay's,
+    the rings', the frames'), which the project changes between versions; so a job runs on
+    fellows of one version, never across two."""
+    groups: dict[str, list[Candidate]] = {}
+    for c in candidates:
+        groups.setdefault(c.version, []).append(c)
+    order = sorted(groups, key=lambda v: (v != leader_version, -len(groups[v]), v))
+    return [groups[v] for v in order]
+
+
+def versions_note(groups: Sequence[Sequence[Candidate]]) -> str:
+    """What a waiting job's reason adds when the ready fellows run several versions."""
+    if len(groups) < 2:
+        return ""
+    counts = ", ".join(f"{g[0].version or '?'}: {len(g)}" for g in groups)
+    return (
+        f"; the ready fellows run {len(groups)} versions ({counts}) and a job's fellows must "
+        "share one: `swarm update` brings them to the leader's"
+    )
 
 
 class Unplaceable(msgspec.Struct, kw_only=True, frozen=True):
