@@ -22,7 +22,7 @@ from nats.aio.client import Client
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
-from silentswarm.errors import FieldError, NotFoundError
+from silentswarm.errors import ConflictError, FieldError, NotFoundError
 from silentswarm.leader.errors import AccountExistsError, NotReadyError, RevokedTokenError
 from silentswarm.leader.permissions import Principal
 from silentswarm.leader.store import bucket_name, read_records
@@ -148,6 +148,21 @@ class AccountBook:
             # Its digest stays in the book, so that the token is told it was revoked.
             account.revoked_at = self._wall()
         return account
+
+    def rotate(self, name: str) -> tuple[Account, str]:
+        """A new token for a live account, in place of its old one, which stops working on
+        the next request (the streams it opened end at their next check; a read ticket it
+        took, bound to the name, runs out within its minute); the account keeps its role,
+        pools, limits and jobs. A revoked account is refused: create it again."""
+        account = self.get(name)
+        if account.revoked_at is not None:
+            raise ConflictError(
+                f"account {name!r} was revoked; create it again to give the name a new token"
+            )
+        token = self._new_token()
+        rotated = msgspec.structs.replace(account, token_sha256=token_digest(token))
+        self._put(rotated)
+        return rotated, token
 
     def update(self, name: str, request: UpdateAccount) -> Account:
         account = self.get(name)

@@ -1,4 +1,5 @@
-"""Accounts (admin only: the guard refuses other roles): create, list, change, revoke."""
+"""Accounts (admin only: the guard refuses other roles): create, list, change, rotate a
+token, revoke."""
 
 from __future__ import annotations
 
@@ -73,6 +74,19 @@ class AccountsController(Controller):
         with naming_the_field():
             body = decode_strict(await request.body(), UpdateAccount)
         return await accounts.update(name, body)
+
+    @post(
+        "/{name:str}/rotate",
+        status_code=HTTP_200_OK,
+        summary=(
+            "Give an account a new token (admin), shown this once: the old one stops working "
+            "at once; role, pools, limits and jobs stay. 409 for a revoked account"
+        ),
+    )
+    async def rotate(
+        self, name: FromPath[str], accounts: NamedDependency[AccountsService]
+    ) -> AccountCreated:
+        return await accounts.rotate(name)
 
     @post(
         "/{name:str}/revoke",

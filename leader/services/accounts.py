@@ -76,6 +76,16 @@ class AccountsService:
         await self._save(account, undone=False)
         return AccountView.of(account)
 
+    async def rotate(self, name: str) -> AccountCreated:
+        """A new token for ``name``; the old one stops at once. A store that refuses leaves
+        the new token in force in this leader (its answer is a 503 saying to repeat it, and
+        the repeat gives yet another token), never the old one."""
+        await self._loaded()
+        account, token = self.book.rotate(name)
+        log.info("account %s: token rotated", name)
+        await self._save(account, undone=False)
+        return AccountCreated(account=AccountView.of(account), token=token)
+
     async def update(self, name: str, request: UpdateAccount) -> AccountView:
         await self._loaded()
         account = self.book.update(name, request)

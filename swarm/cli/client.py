@@ -196,6 +196,9 @@ class LeaderClient:
     def accounts(self) -> list[AccountView]:
         return self._call("GET", "/api/v1/accounts", list[AccountView])
 
+    def rotate_account(self, name: str) -> AccountCreated:
+        return self._call("POST", f"/api/v1/accounts/{_id(name)}/rotate", AccountCreated)
+
     def revoke_account(self, name: str) -> AccountView:
         return self._call("POST", f"/api/v1/accounts/{_id(name)}/revoke", AccountView)
 

@@ -185,6 +185,23 @@ def test_revoking_a_name_and_creating_it_again_ends_the_old_tokens_streams(leade
     bob.close()
 
 
+def test_a_rotated_token_stops_at_once_and_its_streams_end(leader):
+    erin = _create(leader, "erin", "submitter")
+    job = erin.submit(**SPEC)
+    ended = follow_stream(leader, f"/api/v1/jobs/{job['job_id']}/metrics/stream", erin.token)
+    rotated = leader.request("POST", "/api/v1/accounts/erin/rotate")
+    assert rotated.status_code == 200, rotated.text
+    token = rotated.json()["token"]
+    assert token.startswith("swa_") and token != erin.token
+    assert ended.wait(10), "the old token's stream ended"
+    assert erin.request("GET", "/api/v1/auth/whoami").status_code == 403  # unknown now
+    erin.token = token
+    erin.http.headers["authorization"] = f"Bearer {token}"
+    assert erin.get("/api/v1/auth/whoami")["name"] == "erin"
+    assert erin.job(job["job_id"])["owner"] == "erin", "its jobs stay its own"
+    erin.close()
+
+
 def test_a_revoked_token_stops_at_once_and_tokens_are_never_shown_again(leader, procs):
     carol = _create(leader, "carol", "submitter", pools=["gpu"])
     token = carol.token
@@ -286,6 +303,14 @@ def test_the_account_commands(leader):
     assert "ACCOUNT_EXISTS" in again.stderr or "exists" in again.stderr
     bad_role = swarm("account", "create", "gil", "--role", "root")
     assert bad_role.returncode == 2 and bad_role.stderr.count("\n") == 1, bad_role.stderr
+    # A new token: printed once; the old one stops at once, the account (its pools) stays.
+    rotated = swarm("account", "rotate", "fran")
+    assert rotated.returncode == 0 and "shown once" in rotated.stdout, rotated.stderr
+    old, token = token, next(w for w in rotated.stdout.split() if w.startswith("swa_"))
+    assert token != old
+    assert swarm("jobs", token=old).returncode == 1
+    assert swarm("jobs", token=token).returncode == 0
+    assert leader.get("/api/v1/accounts/fran")["pools"] == ["gpu"]
     denied = swarm("account", "list", token=token)
     assert denied.returncode == 1 and "admin" in denied.stderr, denied.stderr
     revoked = swarm("account", "revoke", "fran")
@@ -294,6 +319,9 @@ def test_the_account_commands(leader):
     assert after.returncode == 1 and "revoked" in after.stderr, after.stderr
     unknown = swarm("account", "revoke", "nobody")
     assert unknown.returncode == 1 and unknown.stderr.count("\n") == 1
+    for name in ("fran", "nobody"):  # revoked: create it again; unknown: 404
+        refused = swarm("account", "rotate", name)
+        assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
 
 
 def test_a_deleted_datasets_digest_starts_no_account_job(leader):

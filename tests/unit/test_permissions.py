@@ -7,7 +7,7 @@ from pathlib import PurePath
 import msgspec
 import pytest
 
-from silentswarm.errors import FieldError, NotFoundError
+from silentswarm.errors import ConflictError, FieldError, NotFoundError
 from silentswarm.leader.accounts import AccountBook, token_digest
 from silentswarm.leader.auth import ReadTickets
 from silentswarm.leader.errors import (
@@ -62,6 +62,7 @@ J = "/api/v1/jobs/j-1"
         ("DELETE", "/api/v1/datasets/corpus", Action.ADMIN, None),
         ("POST", "/api/v1/accounts", Action.ADMIN, None),
         ("POST", "/api/v1/accounts/alice/revoke", Action.ADMIN, None),
+        ("POST", "/api/v1/accounts/alice/rotate", Action.ADMIN, None),
         ("POST", "/api/v1/workers/f1/release", Action.ADMIN, None),
         ("POST", "/api/v1/workers/update", Action.ADMIN, None),
         ("POST", "/api/v1/purges/retry", Action.ADMIN, None),
@@ -208,6 +209,27 @@ def test_names_are_unique_and_operator_is_reserved():
     assert second != first and account.revoked_at is None
     assert book.resolve(second).role is Role.SUBMITTER
     assert book.resolve(first) is None
+
+
+def test_a_rotated_token_replaces_the_old_one_and_keeps_the_account():
+    book = _book()
+    limits = {"gpu": PoolLimit(max_jobs=2)}
+    request = CreateAccount(name="alice", role=Role.SUBMITTER, pools=["gpu"], pool_limits=limits)
+    created, old = book.create(request)
+    rotated, new = book.rotate("alice")
+    assert new != old and rotated.token_sha256 == token_digest(new)
+    assert book.resolve(old) is None, "the old token stops at once"
+    assert book.resolve(new) == Principal(name="alice", role=Role.SUBMITTER, pools=("gpu",))
+    assert (rotated.created_at, rotated.pool_limits) == (created.created_at, limits)
+    assert book.get("alice") is rotated
+    with pytest.raises(NotFoundError):
+        book.rotate("nobody")
+    book.revoke("alice")
+    with pytest.raises(ConflictError) as refused:
+        book.rotate("alice")
+    assert refused.value.http_status == 409 and "create it again" in refused.value.message
+    with pytest.raises(RevokedTokenError):
+        book.resolve(new)
 
 
 def test_pool_limits_must_name_the_accounts_pools():

@@ -1,5 +1,6 @@
-"""Accounts on the leader (admin): ``swarm account create``, ``list``, ``revoke``, and
-``swarm whoami``. A token is printed once, by ``create``; the leader keeps only its SHA-256."""
+"""Accounts on the leader (admin): ``swarm account create``, ``list``, ``rotate``,
+``revoke``, and ``swarm whoami``. A token is printed once, by ``create`` or ``rotate``; the
+leader keeps only its SHA-256."""
 
 from __future__ import annotations
 
@@ -83,6 +84,23 @@ def revoke(
     ctx.emit(account, f"account {account.name} revoked; its token no longer works")
 
 
+def rotate(
+    name: Annotated[str, Parameter(help="The account's name")],
+    *,
+    options: LeaderOptions = LEADER,
+    ctx: Ctx,
+) -> None:
+    """Give an account a new API token and print it, this once: the old token stops working
+    at once (its open streams too); the account keeps its role, pools, limits and jobs."""
+    with ctx.client() as client:
+        created = client.rotate_account(name)
+    ctx.emit(
+        created,
+        f"account {created.account.name}: new token, shown once (the old one no longer "
+        f"works):\n{created.token}\nuse it as SWARM_API_TOKEN={created.token}",
+    )
+
+
 def whoami(*, options: LeaderOptions = LEADER, ctx: Ctx) -> None:
     """The account this CLI's token stands for, and its role."""
     with ctx.client() as client:
@@ -96,6 +114,7 @@ def register(app: cyclopts.App) -> None:
     account = cyclopts.App(name="account", help="Accounts on the leader (admin).")
     account.command(create, name="create")
     account.command(list_accounts, name="list")
+    account.command(rotate, name="rotate")
     account.command(revoke, name="revoke")
     app.command(account)
     app.command(whoami, name="whoami")
