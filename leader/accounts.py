@@ -102,6 +102,12 @@ class AccountBook:
     def list(self) -> list[Account]:
         return sorted(self._accounts.values(), key=lambda a: a.name)
 
+    def token_of(self, name: str) -> str:
+        """The SHA-256 of ``name``'s token now ("" for the operator and unknown names): what
+        a read ticket is bound to, so that rotating the token voids the tickets it took."""
+        account = self._accounts.get(name)
+        return "" if account is None else account.token_sha256
+
     def find(self, name: str) -> Account | None:
         """The account called ``name`` (revoked or not: its running jobs keep its pool
         limits), None for the operator and unknown names: placement's lookup."""
@@ -151,9 +157,10 @@ class AccountBook:
 
     def rotate(self, name: str) -> tuple[Account, str]:
         """A new token for a live account, in place of its old one, which stops working on
-        the next request (the streams it opened end at their next check; a read ticket it
-        took, bound to the name, runs out within its minute); the account keeps its role,
-        pools, limits and jobs. A revoked account is refused: create it again."""
+        the next request, as do the read tickets it took (bound to the token:
+        ``leader.auth.ReadTickets``); the streams it opened end at their next check. The
+        account keeps its role, pools, limits and jobs. A revoked account is refused: create
+        it again."""
         account = self.get(name)
         if account.revoked_at is not None:
             raise ConflictError(

@@ -164,7 +164,7 @@ def create_app(
         revoker=revoker,
     )
     metrics = LeaderMetrics(SwarmCollector(info=info, bus=bus, registry=registry, jobs=jobs))
-    tickets = ReadTickets(token)
+    tickets = ReadTickets(token, bound_to=account_book.token_of)
     accounts = AccountsService(account_book)
 
     def owner_of(job_id: str) -> str | None:

@@ -98,17 +98,24 @@ class ReadTickets:
     """Short-lived read tickets for what cannot send a header (a browser's EventSource).
 
     A ticket is ``<expiry>.<account>.<hmac>``: the HMAC-SHA256 of its expiry (whole seconds
-    since the epoch) and the account it was issued to, under a key derived from the operator
+    since the epoch), the account it was issued to and that account's token as it is then
+    (``bound_to``: its SHA-256; the operator's: none), under a key derived from the operator
     token, so the leader keeps no state, a restart with the same token keeps them valid, and
-    a new token voids them all. A ticket opens the GET routes its account may read, until it
-    expires (TICKET_TTL_S) or the account is revoked."""
+    a new operator token voids them all. A ticket opens the GET routes its account may read,
+    until it expires (TICKET_TTL_S), the account is revoked or its token rotated."""
 
     def __init__(
-        self, token: str, *, ttl_s: float = TICKET_TTL_S, wall: Callable[[], float] = time.time
+        self,
+        token: str,
+        *,
+        ttl_s: float = TICKET_TTL_S,
+        wall: Callable[[], float] = time.time,
+        bound_to: Callable[[str], str] = lambda _account: "",
     ) -> None:
-        self._key = hmac.new(token.encode(), b"silentswarm read ticket v2", hashlib.sha256).digest()
+        self._key = hmac.new(token.encode(), b"silentswarm read ticket v3", hashlib.sha256).digest()
         self.ttl_s = ttl_s
         self._wall = wall
+        self._bound_to = bound_to
 
     def issue(self, account: str = OPERATOR_ACCOUNT) -> tuple[str, int]:
         expires = int(self._wall() + self.ttl_s)
@@ -125,7 +132,10 @@ class ReadTickets:
             or not account
             or not hmac.compare_digest(mac.encode(), self._sign(int(stamp), account).encode())
         ):
-            raise ForbiddenError("this read ticket is not one this leader issued")
+            raise ForbiddenError(
+                "this read ticket is not one this leader issued (or its account's token was "
+                "rotated since)"
+            )
         if int(stamp) < self._wall():
             raise UnauthorizedError(
                 f"this read ticket expired; get a new one: POST {TICKET_ROUTE} "
@@ -135,7 +145,7 @@ class ReadTickets:
         return account
 
     def _sign(self, expires: int, account: str) -> str:
-        message = f"{expires}.{account}".encode()
+        message = f"{expires}.{account}.{self._bound_to(account)}".encode()
         return hmac.new(self._key, message, hashlib.sha256).hexdigest()
 
 

@@ -189,12 +189,15 @@ def test_a_rotated_token_stops_at_once_and_its_streams_end(leader):
     erin = _create(leader, "erin", "submitter")
     job = erin.submit(**SPEC)
     ended = follow_stream(leader, f"/api/v1/jobs/{job['job_id']}/metrics/stream", erin.token)
+    ticket = erin.request("POST", "/api/v1/auth/read-ticket").json()["ticket"]
     rotated = leader.request("POST", "/api/v1/accounts/erin/rotate")
     assert rotated.status_code == 200, rotated.text
     token = rotated.json()["token"]
     assert token.startswith("swa_") and token != erin.token
     assert ended.wait(10), "the old token's stream ended"
     assert erin.request("GET", "/api/v1/auth/whoami").status_code == 403  # unknown now
+    with httpx.Client(base_url=leader.url, timeout=5.0) as anonymous:
+        assert anonymous.get(f"/api/v1/jobs?ticket={ticket}").status_code == 403, "its ticket"
     erin.token = token
     erin.http.headers["authorization"] = f"Bearer {token}"
     assert erin.get("/api/v1/auth/whoami")["name"] == "erin"

@@ -41,3 +41,20 @@ def test_a_later_expiry_cannot_be_written_in_and_another_token_voids_it():
     with pytest.raises(ForbiddenError):
         ReadTickets("a-new-token").check(ticket)
     assert "the-token" not in ticket
+
+
+def test_a_ticket_is_bound_to_its_accounts_token_as_it_was_when_issued():
+    """Rotating an account's token (or revoking the name and creating it again) voids the
+    tickets the old token took; the account's other tickets and the operator's stay good."""
+    tokens = {"alice": "digest-1", "bob": "digest-b"}
+    tickets = ReadTickets("the-token", bound_to=lambda name: tokens.get(name, ""))
+    alice, _ = tickets.issue("alice")
+    bob, _ = tickets.issue("bob")
+    operator, _ = tickets.issue()
+    assert tickets.check(alice) == "alice"
+    tokens["alice"] = "digest-2"
+    with pytest.raises(ForbiddenError) as err:
+        tickets.check(alice)
+    assert "rotated" in err.value.message
+    assert tickets.check(tickets.issue("alice")[0]) == "alice", "a new ticket of the new token"
+    assert (tickets.check(bob), tickets.check(operator)) == ("bob", "operator")
