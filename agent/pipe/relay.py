@@ -298,6 +298,7 @@ class RelayLink:
         self.dropped = 0
         self.dropped_by_reason: dict[str, int] = {}
         self.resent = 0  # chunks sent again at the peer's request
+        self.resend_requests = 0  # the peer's requests to send again (none may be owed)
         self.reconnects = 0
         self.send_subject = send_subject
         self.recv_subject = recv_subject
@@ -612,6 +613,8 @@ class RelayLink:
                 while self._retained and self._retained[0][0] < credit.acked:
                     self._retained.popleft()
                 self._cv.notify_all()
+        if credit.resend:
+            self.resend_requests += 1
         if credit.resend and credit.acked < self._published:
             self._resend_from = (
                 credit.acked if self._resend_from is None else min(credit.acked, self._resend_from)
