@@ -615,11 +615,10 @@ class RelayLink:
                 self._cv.notify_all()
         if credit.resend:
             self.resend_requests += 1
-        if credit.resend and credit.acked < self._published:
-            self._resend_from = (
-                credit.acked if self._resend_from is None else min(credit.acked, self._resend_from)
-            )
-            self._wake_pump()
+            if credit.acked < self._published:
+                start = self._resend_from
+                self._resend_from = credit.acked if start is None else min(credit.acked, start)
+                self._wake_pump()
         return None
 
     def _wake_pump(self) -> None:
