@@ -190,6 +190,7 @@ INVALID_ARGS = {
     SignalKind.UPDATE.value: ErrorCode.UPDATE_INVALID,
     SignalKind.PURGE.value: ErrorCode.PURGE_INVALID,
     SignalKind.RING.value: ErrorCode.RING_INVALID,
+    SignalKind.PROBE.value: ErrorCode.PROBE_INVALID,
 }
 
 

@@ -14,6 +14,7 @@ import os
 import shutil
 import socket
 import subprocess
+import time
 import uuid
 from collections import OrderedDict
 from pathlib import Path
@@ -30,6 +31,7 @@ from silentswarm.agent.datafetch import fetch_datasets
 from silentswarm.agent.decide import AgentState, Refusal, Start, decide, malformed
 from silentswarm.agent.errors import FetchError, NotRegisteredError, UpdateError
 from silentswarm.agent.hardware import HardwareProbe, limits_from
+from silentswarm.agent.linkprobe import run_probe
 from silentswarm.agent.logship import FellowLogShipper
 from silentswarm.agent.reinstall import PackageRef, reinstall
 from silentswarm.agent.shardpush import Shard, ShardPusher, fetch_init, fetch_shard
@@ -46,6 +48,8 @@ from silentswarm.protocol import (
     FellowIdentity,
     FellowStatus,
     Heartbeat,
+    LinkProbeReport,
+    ProbeSignal,
     Progress,
     ProgressEvent,
     PurgeSignal,
@@ -64,6 +68,7 @@ from silentswarm.retrying import Backoff, WarnOnNewReason
 from silentswarm.sdnotify import notify, watchdog_forever
 from silentswarm.settings import Settings
 from silentswarm.types.links import LinkStats, Tuning
+from silentswarm.types.signals import PROBE_TIMEOUT_S
 from silentswarm.types.stage import (
     MAX_COMMAND_BYTES,
     CheckpointEvent,
@@ -86,6 +91,11 @@ PUSH_DRAIN_S = 300.0
 # Registration is asked again until accepted, after 0.25 s doubling up to 1 s (no jitter).
 REGISTER_RETRIES = Backoff(wait_initial=0.25, wait_max=1.0)
 SEEN_SIGNALS = 256
+# A link probe's report rides in the heartbeats this long after it ended (one may be lost).
+PROBE_REPORT_FOR_S = 10.0
+# The most a START waits for a link probe to free the data port: the probe's own deadline
+# (PROBE_TIMEOUT_S, handshake included) with room for the link's close.
+PROBE_WAIT_S = PROBE_TIMEOUT_S + 5.0
 MESSAGE_CHARS = 1000  # a progress message's bound (swarm.protocol): longer ones are cut
 
 
@@ -158,6 +168,11 @@ class FellowAgent:
         self.run_nc: Client | None = None
         # Handed out by the leader when it registered us: only this process can deregister.
         self._instance_secret = ""
+        # A link probe (PROBE) running in a thread, and the latest one's report, repeated in
+        # the heartbeats until PROBE_REPORT_FOR_S after it ended (a heartbeat may be lost).
+        self._probe: asyncio.Task[LinkProbeReport] | None = None
+        self._probe_report: LinkProbeReport | None = None
+        self._probe_report_until = 0.0
         self._tasks: set[asyncio.Task[Any]] = set()
 
     @property
@@ -334,6 +349,7 @@ class FellowAgent:
             bytes_sent=self.bytes_sent,
             bytes_received=self.bytes_received,
             hardware=self.probe.snapshot(),
+            link_probe=self._probe_report if time.monotonic() < self._probe_report_until else None,
         )
         try:
             await self.nc.publish(
@@ -407,6 +423,8 @@ class FellowAgent:
                 return await self._on_purge(sig)
             case RingSignal():
                 return await self._on_ring(sig)
+            case ProbeSignal():
+                return self._on_probe(sig)
 
     def _ack(
         self, sig: Signal, ok: bool, code: ErrorCode | None = None, message: str = ""
@@ -475,7 +493,8 @@ class FellowAgent:
                 )
             plan = msgspec.structs.replace(plan, nats=attempt_nats)
         run = StageRun(plan, start.workdir, self._on_stage_event, self._on_stage_output)
-        if not start.fetches:
+        waits = bool(start.fetches) or self._probe is not None
+        if not waits:
             try:
                 await run.start()
             except OSError as exc:
@@ -488,7 +507,7 @@ class FellowAgent:
         self._checkpoint_final = False
         self._end_submitted, self._end_error = False, None
         self._set_status(FellowEvent.START)
-        if start.fetches:
+        if waits:
             self._background(self._fetch_and_start(run, start), "stage-fetch")
         self._background(self._supervise(run), "stage-supervisor")
         return None
@@ -509,7 +528,7 @@ class FellowAgent:
 
     async def _fetch_and_start(self, run: StageRun, start: Start) -> None:
         """Download the stage's datasets, then the shard it resumes from or the export it
-        starts from, then start it."""
+        starts from, then start it, once a link probe that holds the data port has ended."""
         fetches = []
         if start.datasets is not None:
             fetches.append(("the uploaded data", fetch_datasets, (start.datasets,)))
@@ -527,6 +546,12 @@ class FellowAgent:
                 run.fail_unstarted(f"cannot fetch {what}: {exc}")
                 return
             log.info("job %s: fetched %s", run.job_id, what)
+        probe = self._probe
+        if probe is not None:
+            # Its thread holds the data port the stage binds: it ends by its own deadline.
+            log.info("job %s: waiting for the link probe to end", run.job_id)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(probe), PROBE_WAIT_S)
         if run.finished.done():  # stopped meanwhile
             return
         try:
@@ -592,6 +617,48 @@ class FellowAgent:
             True,
             message=f"ring {change.epoch} of replicas {change.members} from step {change.at_step}",
         )
+
+    def _on_probe(self, sig: ProbeSignal) -> SignalAck:
+        """Measure the link to another fellow, in a thread, while this one runs no stage;
+        the result goes out in the next heartbeats."""
+        args = sig.args
+        busy = (
+            "it runs a stage"
+            if self.run_ is not None
+            else "it is probing another link"
+            if self._probe is not None
+            else "it is updating or stopping"
+            if self._updating is not None or (self._stop is not None and self._stop.is_set())
+            else f"it is {self.status.value}"
+            if self.status is not FellowStatus.READY
+            else None
+        )
+        if busy is not None:
+            return self._ack(sig, False, ErrorCode.PROBE_REFUSED, f"no link probe: {busy}")
+        bind = self.settings.data_bind or self.identity.data_address
+        if args.bind and bind is None:
+            return self._ack(
+                sig, False, ErrorCode.PROBE_REFUSED, "no link probe: no data address to bind"
+            )
+        probe = asyncio.get_running_loop().create_task(
+            asyncio.to_thread(run_probe, args, bind=bind), name=f"probe-{args.probe_id}"
+        )
+        self._probe = probe
+        probe.add_done_callback(self._probe_ended)
+        role = "binding" if args.bind else f"connecting to {args.address}"
+        return self._ack(sig, True, message=f"probing the link to {args.peer}, {role}")
+
+    def _probe_ended(self, task: asyncio.Task[LinkProbeReport]) -> None:
+        self._probe = None
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:  # a bug: the probe reports the link's faults itself
+            log.error("link probe failed", exc_info=exc)
+            return
+        self._probe_report = task.result()
+        self._probe_report_until = time.monotonic() + PROBE_REPORT_FOR_S
+        self._background(self._send_heartbeat(), "probe-report")
 
     async def _on_update(self, sig: UpdateSignal) -> SignalAck:
         package: PackageRef | None = sig.args.package

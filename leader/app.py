@@ -116,6 +116,7 @@ def create_app(
         wake=job_loop_wake,
         account_of=account_book.find,
         revoke_attempt=revoker.revoke_attempt_soon if revoker is not None else None,
+        link_probe_every_s=settings.link_probe_every_s,
     )
     # The domain services the controllers call; each gets the loop as the narrow
     # collaborator its Protocol names (leader.services), never more.
@@ -163,7 +164,9 @@ def create_app(
         require_loaded=orchestrator.require_loaded,
         revoker=revoker,
     )
-    metrics = LeaderMetrics(SwarmCollector(info=info, bus=bus, registry=registry, jobs=jobs))
+    metrics = LeaderMetrics(
+        SwarmCollector(info=info, bus=bus, registry=registry, jobs=jobs, prober=orchestrator.prober)
+    )
     tickets = ReadTickets(token, bound_to=account_book.token_of)
     accounts = AccountsService(account_book)
 

@@ -65,6 +65,7 @@ if TYPE_CHECKING:
 
     from silentswarm.leader.bus import LeaderBus
     from silentswarm.leader.jobs import JobManager
+    from silentswarm.leader.linkprobes import LinkProber
     from silentswarm.leader.registry import FellowRegistry
     from silentswarm.leader.services.info import InfoService
 
@@ -617,6 +618,19 @@ def leader_families(
     yield dropped
 
 
+def link_probe_family(results: Mapping[str, int]) -> Metric:
+    """Link probes between idle fellows (silentswarm.leader.linkprobes), by result."""
+    family = CounterMetricFamily(
+        "swarm_link_probes",
+        "Link probes between idle fellows, by result: measured (recorded; disagreed: also "
+        "counted when the two ends' reports differed), refused, failed, expired",
+        labels=["result"],
+    )
+    for result in ("measured", "disagreed", "refused", "failed", "expired"):
+        family.add_metric([result], float(results.get(result, 0)))
+    return family
+
+
 def _state_set(
     name: str,
     doc: str,
@@ -644,16 +658,25 @@ class SwarmCollector:
     """Reads the leader's live parts at scrape time (a ``prometheus_client`` Collector)."""
 
     def __init__(
-        self, *, info: InfoService, bus: LeaderBus, registry: FellowRegistry, jobs: JobManager
+        self,
+        *,
+        info: InfoService,
+        bus: LeaderBus,
+        registry: FellowRegistry,
+        jobs: JobManager,
+        prober: LinkProber | None = None,
     ) -> None:
         self.info = info
         self.bus = bus
         self.registry = registry
         self.jobs = jobs
+        self.prober = prober
 
     def collect(self) -> Iterator[Metric]:
         dropped = {"bus": self.bus.dropped, "registry": self.registry.dropped}
         yield from leader_families(self.info.info(), dropped)
+        if self.prober is not None:
+            yield link_probe_family(self.prober.results)
         yield from fellow_families(self.registry.list(), self.registry.counts())
         yield from job_families(self.jobs.list(), self.jobs.retired())
 

@@ -31,7 +31,7 @@ from nats.js.kv import KeyValue
 from silentswarm import subjects as topics
 from silentswarm.errors import NotFoundError
 from silentswarm.jobspec import stage_plans
-from silentswarm.leader import balance, decide, elastic, initsource, retention
+from silentswarm.leader import balance, decide, elastic, initsource, linkprobes, retention
 from silentswarm.leader.admission import RateLimiter, Verdict
 from silentswarm.leader.bus import LeaderBus
 from silentswarm.leader.datasets import DatasetStore
@@ -39,6 +39,7 @@ from silentswarm.leader.datasets import start_args as dataset_start_args
 from silentswarm.leader.errors import NotReadyError
 from silentswarm.leader.exports import ExportService
 from silentswarm.leader.jobs import FellowState, JobManager, offered_to, plan_schedule
+from silentswarm.leader.linkprobes import LinkProber, ProbeResult, ProbeRun
 from silentswarm.leader.placement import DEFAULTS, PlacementDefaults
 from silentswarm.leader.pools import AccountLookup, holdings, no_accounts
 from silentswarm.leader.purges import PurgeBook
@@ -50,9 +51,11 @@ from silentswarm.natsauth import NatsAuthority
 from silentswarm.plan import RingChange, StagePlan
 from silentswarm.protocol import JobState, Progress
 from silentswarm.retrying import Backoff
+from silentswarm.rings import boundary_keys
 from silentswarm.types.jobs import JobRecord
 from silentswarm.types.signals import (
     REASON_CHARS,
+    ProbeArgs,
     PurgeArgs,
     RingArgs,
     StartArgs,
@@ -90,12 +93,15 @@ class Orchestrator:
         wake: asyncio.Event | None = None,
         account_of: AccountLookup = no_accounts,
         revoke_attempt: Callable[[str, str, int], None] | None = None,
+        link_probe_every_s: float = 0.0,
     ) -> None:
         """``wake``: set (by anyone: the export service when a shard arrives) to run the
         next tick at once instead of after ``TICK_S``. ``account_of``: a job owner's account,
         whose pool limits placement keeps to (default: nobody is limited).
         ``revoke_attempt(fellow, job, attempt)``: revokes that fellow's NATS user of the
-        attempt (a dropped replica's fellows; None: no NATS users to revoke)."""
+        attempt (a dropped replica's fellows; None: no NATS users to revoke).
+        ``link_probe_every_s``: how often idle fellows' unmeasured links may be probed
+        (:mod:`silentswarm.leader.linkprobes`; 0: never)."""
         self.account_of = account_of
         self.revoke_attempt = revoke_attempt
         self.bus = bus
@@ -124,6 +130,7 @@ class Orchestrator:
         self._released_told: dict[str, float] = {}
         # Fellows an operator action (release, update) is signalling: not placed meanwhile.
         self._reserved: set[str] = set()
+        self.prober = LinkProber(every_s=link_probe_every_s)
         self._cooldown: dict[str, float] = {}  # fellow id -> monotonic time it may be placed
         # When each stage last got a STOP (monotonic): the orphan sweep waits a while after.
         self._stops_sent: dict[decide.StageKey, float] = {}
@@ -176,8 +183,13 @@ class Orchestrator:
         await self._change_rings()
         self._deliver_purges()
         self._stop_released()
+        self._probe_links()
         await self.retain()
         await self.flush()
+
+    def _held(self) -> set[str]:
+        """Ready fellows not to place now: an operator action's, or a link probe's."""
+        return self._reserved | self.prober.busy()
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)
@@ -332,7 +344,7 @@ class Orchestrator:
         idle = decide.idle_candidates(
             fleet,
             busy=self.jobs.busy_fellows(),
-            reserved=self._reserved,
+            reserved=self._held(),
             cooldown=self._cooldown,
             purging={p.fellow_id for p in self.purges.list()},
             now=time.monotonic(),
@@ -470,7 +482,7 @@ class Orchestrator:
         idle = decide.idle_candidates(
             self.registry.list(),
             busy=self.jobs.busy_fellows(),
-            reserved=self._reserved,
+            reserved=self._held(),
             cooldown=self._cooldown,
             purging={p.fellow_id for p in self.purges.list()},
             now=time.monotonic(),
@@ -665,6 +677,103 @@ class Orchestrator:
             fellow_id, StopArgs(reason=reason[:REASON_CHARS]), job_id=job_id, attempt=attempt
         )
         self.jobs.add_signal(job_id, record)
+
+    # --- link probes -----------------------------------------------------------------------
+
+    def _probe_links(self) -> None:
+        """The probe in flight: take its ends' reports, or let it expire. None in flight: when
+        one is due and no job waits for placement, pair two idle fellows whose link is not
+        measured and send them PROBE (:mod:`silentswarm.leader.linkprobes`)."""
+        prober = self.prober
+        if not prober.enabled:
+            return
+        now = time.monotonic()
+        current = prober.current
+        if current is not None:
+            for fellow_id in current.fellows:
+                report = self.registry.link_probe_of(fellow_id)
+                if report is not None:
+                    self._probe_ended(prober.report(fellow_id, report))
+            self._probe_ended(prober.expire(now))
+            return
+        if not prober.due(now) or self.jobs.pending() or self.jobs.starting:
+            return
+        idle = decide.idle_candidates(
+            self.registry.list(),
+            busy=self.jobs.busy_fellows(),
+            reserved=self._held(),
+            cooldown=self._cooldown,
+            purging={p.fellow_id for p in self.purges.list()},
+            now=now,
+        )
+        plan = linkprobes.next_pair(idle, self.registry.links, prober.tried, now=now)
+        if plan is None:
+            prober.last_started = now  # nothing to probe: look again an interval later
+            return
+        run = prober.begin(plan, now=now)
+        self._spawn(self._send_probes(run), f"probe-{run.probe_id}")
+
+    async def _send_probes(self, run: ProbeRun) -> None:
+        """PROBE to the binding end first (it binds, then waits for the other), then to the
+        connecting end; an end that refuses or stays silent ends the probe."""
+        assert self.hub is not None  # ticks run once NATS is up
+        hub = self.hub
+        plan = run.plan
+        (connector_keys, binder_keys) = boundary_keys(2)[0]
+        ends = (
+            (
+                plan.binder,
+                ProbeArgs(probe_id=run.probe_id, peer=plan.connector, bind=True, curve=binder_keys),
+            ),
+            (
+                plan.connector,
+                ProbeArgs(
+                    probe_id=run.probe_id,
+                    peer=plan.binder,
+                    bind=False,
+                    address=plan.address,
+                    curve=connector_keys,
+                ),
+            ),
+        )
+        for fellow_id, args in ends:
+            record = await hub.send(fellow_id, args)
+            if not record.ok:
+                why = f"{fellow_id}: {record.code}: {record.message}"
+                self._probe_ended(self.prober.refused(run.probe_id, why))
+                return
+        log.info(
+            "link probe %s: %s binds %s, %s connects",
+            run.probe_id,
+            plan.binder,
+            plan.address,
+            plan.connector,
+        )
+
+    def _probe_ended(self, result: ProbeResult | None) -> None:
+        if result is None:
+            return
+        plan = result.plan
+        if result.link is None:
+            log.info(
+                "link probe %s of %s and %s: no link recorded (%s)",
+                result.probe_id,
+                plan.connector,
+                plan.binder,
+                result.reason,
+            )
+            return
+        # The connecting end is the upstream one, as on a pipeline boundary.
+        self.registry.record_link(plan.connector, plan.binder, result.link)
+        log.info(
+            "link probe %s: %s -> %s %.1f Mbit/s, %.2f ms round trip",
+            result.probe_id,
+            plan.connector,
+            plan.binder,
+            result.link.mbit_s,
+            result.link.rtt_ms,
+        )
+        self.wake()
 
     # --- progress --------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from silentswarm.protocol import (
     FellowStatus,
     HardwareSnapshot,
     Heartbeat,
+    LinkProbeReport,
     RegisterReply,
     RegisterRequest,
 )
@@ -58,6 +59,8 @@ class _Entry:
     last_seen: float  # leader's monotonic clock
     # The instance said goodbye: its heartbeats still in flight must not revive it.
     deregistered: bool = False
+    # The latest link probe report its heartbeats carried (silentswarm.leader.linkprobes).
+    link_probe: LinkProbeReport | None = None
 
 
 class FellowRegistry:
@@ -220,6 +223,8 @@ class FellowRegistry:
         record.bytes_sent, record.bytes_received = hb.bytes_sent, hb.bytes_received
         record.last_heartbeat_at = self._wall()
         record.heartbeats += 1
+        if hb.link_probe is not None:
+            entry.link_probe = hb.link_probe
         self._set_status(entry, hb.status, "reported by fellow")
         return True
 
@@ -320,6 +325,11 @@ class FellowRegistry:
         entry = self._entries.get(fellow_id)
         if entry is not None:
             entry.record.measured_speed = smoothed(entry.record.measured_speed, speed)
+
+    def link_probe_of(self, fellow_id: str) -> LinkProbeReport | None:
+        """The latest link probe report ``fellow_id``'s heartbeats carried."""
+        entry = self._entries.get(fellow_id)
+        return entry.link_probe if entry is not None else None
 
     def record_link(self, upstream: str, downstream: str, link: MeasuredLink) -> None:
         """A boundary ``upstream`` -> ``downstream`` measured ``link``: kept on the upstream

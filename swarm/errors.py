@@ -98,6 +98,8 @@ class ErrorCode(StrEnum):
     UPDATE_INVALID = "UPDATE_INVALID"
     PURGE_INVALID = "PURGE_INVALID"
     RING_INVALID = "RING_INVALID"
+    PROBE_INVALID = "PROBE_INVALID"
+    PROBE_REFUSED = "PROBE_REFUSED"  # a fellow that runs a stage (or probes) measures no link
     START_STALE = "START_STALE"
     START_FAILED = "START_FAILED"
     NOT_TRAINING = "NOT_TRAINING"

@@ -23,6 +23,7 @@ from silentswarm.pools import DEFAULT_POOL, Labels, PoolName
 from silentswarm.types.links import LinkStats, Tuning
 from silentswarm.types.signals import (
     CheckpointArgs,
+    ProbeArgs,
     PurgeArgs,
     RingArgs,
     SignalArgs,
@@ -221,6 +222,20 @@ class RegisterReply(Message, kw_only=True):
     instance_secret: str = ""
 
 
+class LinkProbeReport(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """What one end of a PROBE measured (:class:`silentswarm.types.signals.ProbeArgs`): the
+    link's figures when ``ok``, else why not. A fellow repeats its latest report in its
+    heartbeats for a few seconds (a heartbeat may be lost); the leader takes each probe's
+    once, from each of the two fellows it paired, and records the link only when both ends
+    report it (:mod:`silentswarm.leader.linkprobes`)."""
+
+    probe_id: Id
+    peer: Id
+    ok: bool
+    stats: LinkStats | None = None
+    message: Annotated[str, msgspec.Meta(max_length=512)] = ""
+
+
 class Heartbeat(Message, kw_only=True):
     fellow: FellowIdentity
     seq: Count
@@ -234,6 +249,7 @@ class Heartbeat(Message, kw_only=True):
     bytes_received: Bytes = 0
     hardware: HardwareSnapshot
     sent_at: float = msgspec.field(default_factory=time.time)
+    link_probe: LinkProbeReport | None = None
 
 
 # --- signals --------------------------------------------------------------------------------
@@ -246,6 +262,7 @@ class SignalKind(enum.StrEnum):
     UPDATE = "UPDATE"
     PURGE = "PURGE"
     RING = "RING"
+    PROBE = "PROBE"
 
 
 class _Signal(Message, kw_only=True, tag_field="kind"):
@@ -286,7 +303,19 @@ class RingSignal(_Signal, tag="RING", kw_only=True):
     args: RingArgs
 
 
-Signal = StartSignal | CheckpointSignal | StopSignal | UpdateSignal | PurgeSignal | RingSignal
+class ProbeSignal(_Signal, tag="PROBE", kw_only=True):
+    args: ProbeArgs
+
+
+Signal = (
+    StartSignal
+    | CheckpointSignal
+    | StopSignal
+    | UpdateSignal
+    | PurgeSignal
+    | RingSignal
+    | ProbeSignal
+)
 _SIGNAL_OF: dict[type[SignalArgs], type[Signal]] = {
     StartArgs: StartSignal,
     CheckpointArgs: CheckpointSignal,
@@ -294,6 +323,7 @@ _SIGNAL_OF: dict[type[SignalArgs], type[Signal]] = {
     UpdateArgs: UpdateSignal,
     PurgeArgs: PurgeSignal,
     RingArgs: RingSignal,
+    ProbeArgs: ProbeSignal,
 }
 
 

@@ -131,6 +131,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # The leader's placement defaults for jobs that leave these fields unset.
     placement_min_gpu_free_gb: float = 4.0
     pipeline_last_stage_placement: str = "largest_vram"
+    # How often the leader may have two idle fellows on different hosts measure their link
+    # before any job crosses it (silentswarm.leader.linkprobes): one probe at a time; 0: never.
+    link_probe_every_s: Annotated[float, msgspec.Meta(ge=0, le=_DAY_S)] = 10.0
     # The transport of jobs whose spec names none: auto, tunnel (the NATS relay) or p2p.
     pipeline_transport: str = "auto"
     log_level: str = "INFO"

@@ -39,7 +39,10 @@ NETNS_MODULES = (
     "integration/test_calibration.py",
     "integration/test_public_access.py",
 )
-NETNS_TESTS = ("integration/test_benchmarks.py::test_wan_",)
+NETNS_TESTS = (
+    "integration/test_benchmarks.py::test_wan_",
+    "integration/test_link_probes.py::test_a_shaped_",
+)
 # The slowest first (minutes each, measured): xdist hands work out in collection order, and a
 # long test started last keeps one worker busy alone at the end.
 SLOW_FIRST = (

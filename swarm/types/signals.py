@@ -18,7 +18,8 @@ from typing import Annotated
 
 import msgspec
 
-from silentswarm.plan import RingChange, StagePlan
+from silentswarm.endpoints import DATA_ENDPOINT
+from silentswarm.plan import CurveKeys, RingChange, StagePlan
 
 MAX_CREDS_CHARS = 16384  # a .creds file: a user JWT and its nkey seed, with room to spare
 MAX_SHARD_FILES = 64  # a stage's shard is two files (stage-<i>.npz, stage-<i>.json)
@@ -155,15 +156,38 @@ class PurgeArgs(_Args, kw_only=True):
     reason: Text = ""
 
 
-SignalArgs = StartArgs | StopArgs | CheckpointArgs | UpdateArgs | PurgeArgs | RingArgs
+# --- PROBE ----------------------------------------------------------------------------------
+
+PROBE_TIMEOUT_S = 20.0  # the most a probe may take, handshake included (ProbeArgs.timeout_s)
+
+
+class ProbeArgs(_Args, kw_only=True):
+    """PROBE: measure the link to fellow ``peer`` while neither runs a stage (placement then
+    knows the pair's link before any job crosses it: :mod:`silentswarm.leader.linkprobes`).
+    ``bind``: this fellow binds its data address and waits for ``peer``; else it connects to
+    ``address``, the peer's advertised data address. ``curve``: this end's CURVE keys (the
+    leader makes them per probe), so only the two fellows the leader paired talk. The result
+    goes back in the fellow's heartbeats (:class:`silentswarm.protocol.LinkProbeReport`)."""
+
+    probe_id: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{8,64}$")]
+    peer: Id
+    bind: bool
+    address: Annotated[str, msgspec.Meta(max_length=256, pattern=DATA_ENDPOINT)] | None = None
+    curve: CurveKeys
+    timeout_s: Annotated[float, msgspec.Meta(gt=0.0, le=PROBE_TIMEOUT_S)] = PROBE_TIMEOUT_S
+
+
+SignalArgs = StartArgs | StopArgs | CheckpointArgs | UpdateArgs | PurgeArgs | RingArgs | ProbeArgs
 
 __all__ = [
     "MAX_CREDS_CHARS",
+    "PROBE_TIMEOUT_S",
     "REASON_CHARS",
     "CheckpointArgs",
     "InitArgs",
     "InitFile",
     "PackageRef",
+    "ProbeArgs",
     "PurgeArgs",
     "ResumeArgs",
     "RingArgs",

@@ -1,0 +1,133 @@
+"""One end of a PROBE: the link to another fellow, measured while neither runs a stage.
+
+The leader pairs two idle fellows on different hosts whose link no job has measured yet
+(:mod:`silentswarm.leader.linkprobes`) and sends each a PROBE
+(:class:`silentswarm.types.signals.ProbeArgs`). The binding end binds its data address (the
+port its stages bind, so the path measured is the one a boundary would take, NAT and port
+forwards included), the other connects to the address the leader gave it; both ends speak
+CURVE with keys the leader made for this probe only, shake hands with the probe's id as the
+fingerprint, and run the boundary probe (:mod:`silentswarm.agent.pipe.probe`: round trip,
+then bursts each way). Each end reports what both ends then hold; the leader records the link
+only when the two agree.
+
+Blocking (ZeroMQ and the probe are synchronous): the agent runs it in a thread, and starts no
+stage on the fellow until it has ended.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from silentswarm.agent.errors import FrameError, LinkError, PeerTimeoutError
+from silentswarm.agent.pipe.base import Parts
+from silentswarm.agent.pipe.link import (
+    CurveKeys,
+    TransportKind,
+    accept_upstream,
+    connect_downstream,
+)
+from silentswarm.agent.pipe.probe import ProbeLink, measure_as_downstream, measure_as_upstream
+from silentswarm.protocol import LinkProbeReport
+from silentswarm.types.signals import ProbeArgs
+
+log = logging.getLogger(__name__)
+
+# The probe's messages are the boundary probe's: bursts of at most 8 MiB, a few control
+# messages. A larger message from the peer is a stranger's, and ZeroMQ drops it.
+MAX_MESSAGE_BYTES = 9 * 2**20
+
+
+def run_probe(args: ProbeArgs, *, bind: str | None) -> LinkProbeReport:
+    """Measure the link to ``args.peer``; ``bind``: where this fellow binds (its data bind
+    address) when ``args.bind``. Never raises for the link's or the peer's faults: they are
+    the report's ``message``."""
+    name = f"probe-{args.probe_id[:8]}"
+    curve = CurveKeys(
+        public=args.curve.public, secret=args.curve.secret, peer_public=args.curve.peer_public
+    )
+    fingerprint = args.probe_id.encode()
+    started = time.monotonic()
+    deadline = started + args.timeout_s
+    link = None
+    try:
+        if args.bind:
+            if bind is None:
+                return _failed(args, "this fellow has no data address to bind")
+            link = accept_upstream(
+                name=name,
+                transport=TransportKind.P2P,
+                bind=bind,
+                relay=None,
+                timeout_s=args.timeout_s,
+                p2p_grace_s=0.0,
+                fingerprint=fingerprint,
+                curve=curve,
+                max_message_bytes=MAX_MESSAGE_BYTES,
+            )
+            stats = measure_as_downstream(
+                _Deadline(link, deadline), boundary=0, step=0, timeout_s=args.timeout_s
+            )
+        else:
+            if args.address is None:
+                return _failed(args, "no address to connect to")
+            link = connect_downstream(
+                name=name,
+                transport=TransportKind.P2P,
+                address=args.address,
+                relay=None,
+                timeout_s=args.timeout_s,
+                fingerprint=fingerprint,
+                curve=curve,
+                max_message_bytes=MAX_MESSAGE_BYTES,
+            )
+            stats = measure_as_upstream(
+                _Deadline(link, deadline), boundary=0, step=0, timeout_s=args.timeout_s
+            )
+    except (LinkError, FrameError) as exc:
+        log.warning("link probe %s with %s failed: %s", args.probe_id, args.peer, exc)
+        return _failed(args, exc.message)
+    finally:
+        if link is not None:
+            link.close()
+    log.info(
+        "link probe %s with %s: %.1f Mbit/s forward, %.1f back, %.2f ms round trip (%.1f s)",
+        args.probe_id,
+        args.peer,
+        stats.fwd_mbit_s,
+        stats.bwd_mbit_s,
+        stats.rtt_ms,
+        time.monotonic() - started,
+    )
+    return LinkProbeReport(probe_id=args.probe_id, peer=args.peer, ok=True, stats=stats)
+
+
+class _Deadline:
+    """``link`` with every wait cut at ``deadline`` (monotonic): a peer that answers each
+    message just before its timeout cannot stretch the probe, which holds the data port the
+    fellow's next stage binds, past the time the leader gave it."""
+
+    def __init__(self, link: ProbeLink, deadline: float) -> None:
+        self.link = link
+        self.name = link.name
+        self.deadline = deadline
+
+    def _left(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise PeerTimeoutError(f"{self.name}: the probe ran out of time")
+        return left
+
+    def send(self, parts: Sequence[bytes | memoryview], timeout_s: float = 60.0) -> None:
+        self.link.send(parts, timeout_s=min(timeout_s, self._left()))
+
+    def recv(self, timeout_s: float) -> Parts:
+        return self.link.recv(min(timeout_s, self._left()))
+
+
+def _failed(args: ProbeArgs, message: str) -> LinkProbeReport:
+    return LinkProbeReport(probe_id=args.probe_id, peer=args.peer, ok=False, message=message[:512])
+
+
+__all__ = ["MAX_MESSAGE_BYTES", "run_probe"]

@@ -1,0 +1,259 @@
+"""Links measured before a job needs them: the leader pairs idle fellows and has them probe.
+
+Placement along links (``"partition": "balanced"``, :mod:`silentswarm.leader.balance`) knows
+a pair's link once a job's boundary between them has measured it; a pair never measured is
+guessed from its ends' other links. So, while fellows wait, the leader measures the links a
+guess would stand for: every ``SWARM_LINK_PROBE_EVERY_S`` seconds, when no job waits for
+placement, it picks one pair (:func:`next_pair`) of idle fellows of one pool and one version,
+on different hosts, whose link is not measured and was not tried in the last
+:data:`RETRY_AFTER_S`, and sends each a PROBE (:class:`silentswarm.types.signals.ProbeArgs`):
+one binds its data address, the other connects, and both run the boundary probe (round trip,
+bursts each way; :mod:`silentswarm.agent.linkprobe`). The fellows with the fewest measured
+links go first, and a fellow with :data:`LINKS_WANTED` of them is left alone: a swarm of
+thousands gets each fellow's own rate (what :func:`silentswarm.leader.balance.guessed_links`
+guesses from) long before every pair, of which there are millions.
+
+Two fellows report one link, and either may lie: the link is recorded only when both report
+it, and then as the worse of their figures (the slower rate, the longer round trip), so a
+fellow cannot make its links look better than its peer says they are. A probe that one end
+refuses, that fails, or whose reports do not both come within :data:`PROBE_EXPIRES_S` is
+counted and retried no sooner than :data:`RETRY_AFTER_S` later. A fellow in a probe is not
+placed until the probe ends (it holds the data port a stage binds).
+
+Pure choices here (:func:`next_pair`, :func:`agreed_link`) and the bookkeeping of the one
+probe in flight (:class:`LinkProber`); the orchestrator sends the signals.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from silentswarm.leader.balance import LinkBook
+from silentswarm.leader.placement import Candidate
+from silentswarm.protocol import LinkProbeReport
+from silentswarm.types.links import LinkStats, MeasuredLink
+from silentswarm.types.signals import PROBE_TIMEOUT_S
+
+# A fellow with this many measured links is not probed again: enough for its own rate.
+LINKS_WANTED = 8
+# A pair whose probe failed is not tried again for this long.
+RETRY_AFTER_S = 600.0
+# A probe whose two reports have not both come by then has failed: the fellows' deadline
+# (PROBE_TIMEOUT_S, handshake included) and two heartbeats' worth of slack.
+PROBE_EXPIRES_S = PROBE_TIMEOUT_S + 10.0
+# Pairs :func:`next_pair` looks at per call at most: it runs on the leader's tick.
+MAX_SCAN = 20_000
+
+Pair = frozenset[str]
+
+
+@dataclass(frozen=True)
+class ProbePlan:
+    """Who binds (its advertised data address is what the other connects to) and who
+    connects."""
+
+    binder: str
+    connector: str
+    address: str
+
+
+def address_host(address: str | None) -> str | None:
+    """The host of a ``tcp://host:port`` data address (None for none)."""
+    if not address or not address.startswith("tcp://"):
+        return None
+    host, _, _ = address[len("tcp://") :].rpartition(":")
+    return host.lower() or None
+
+
+def same_host(a: Candidate, b: Candidate) -> bool:
+    """Whether two fellows share a machine, as far as the leader can tell: the same host in
+    their data addresses, or, where one advertises none, the same host name. Their link is
+    the machine's loopback, which no placement needs measured."""
+    ha, hb = address_host(a.data_address), address_host(b.data_address)
+    if ha is not None and hb is not None:
+        return ha == hb
+    return a.hostname == b.hostname
+
+
+def next_pair(
+    idle: Sequence[Candidate],
+    links: LinkBook,
+    tried: Mapping[Pair, float],
+    *,
+    now: float,
+    wanted: int = LINKS_WANTED,
+    retry_after_s: float = RETRY_AFTER_S,
+    max_scan: int = MAX_SCAN,
+) -> ProbePlan | None:
+    """The pair of ``idle`` fellows to probe next, or None.
+
+    A pair qualifies when both ends have fewer than ``wanted`` measured links, share a pool
+    and a version, are on different hosts, at least one advertises a data address (the one
+    that binds), their link is not measured either way, and it was not tried (``tried``: pair
+    -> the time of its last try, on ``now``'s clock) in the last ``retry_after_s``. Of those,
+    the first in the order of fewest measured links (ties by fellow id), so that every fellow
+    gets some before any gets many."""
+    counts = {c.fellow_id: len(links.of(c.fellow_id)) for c in idle}
+    ordered = sorted(
+        (c for c in idle if counts[c.fellow_id] < wanted),
+        key=lambda c: (counts[c.fellow_id], c.fellow_id),
+    )
+    scanned = 0
+    for i, a in enumerate(ordered):
+        for b in ordered[i + 1 :]:
+            scanned += 1
+            if scanned > max_scan:
+                return None
+            if a.pool != b.pool or a.version != b.version or same_host(a, b):
+                continue
+            if a.data_address is None and b.data_address is None:
+                continue
+            last = tried.get(frozenset((a.fellow_id, b.fellow_id)))
+            if last is not None and now - last < retry_after_s:
+                continue
+            if links.between(a.fellow_id, b.fellow_id) is not None:
+                continue
+            binder, connector = (a, b) if a.data_address is not None else (b, a)
+            assert binder.data_address is not None
+            return ProbePlan(
+                binder=binder.fellow_id,
+                connector=connector.fellow_id,
+                address=binder.data_address,
+            )
+    return None
+
+
+def agreed_link(first: LinkStats, second: LinkStats) -> MeasuredLink:
+    """What is kept of a link both ends reported: the worse of their figures (the slower of
+    every direction's rate, the longer round trip)."""
+    rate = min(first.fwd_mbit_s, first.bwd_mbit_s, second.fwd_mbit_s, second.bwd_mbit_s)
+    return MeasuredLink(mbit_s=rate, rtt_ms=max(first.rtt_ms, second.rtt_ms))
+
+
+@dataclass
+class ProbeRun:
+    """The probe in flight: its id, its plan, when it began (monotonic) and what each end
+    has reported so far."""
+
+    probe_id: str
+    plan: ProbePlan
+    started: float
+    reports: dict[str, LinkProbeReport] = field(default_factory=dict)
+
+    @property
+    def fellows(self) -> tuple[str, str]:
+        return (self.plan.binder, self.plan.connector)
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """A probe's end: the link to record (``upstream`` is the connecting end) or why none."""
+
+    probe_id: str
+    plan: ProbePlan
+    link: MeasuredLink | None
+    reason: str = ""
+
+
+class LinkProber:
+    """The probe in flight and what the leader remembers of the ones before: when each
+    pair was last tried, when the last began, and counts by result (``measured``,
+    ``refused``, ``failed``, ``expired``, ``disagreed``: what the metrics show)."""
+
+    def __init__(self, *, every_s: float) -> None:
+        self.every_s = every_s
+        self.current: ProbeRun | None = None
+        self.tried: dict[Pair, float] = {}
+        self.last_started: float | None = None
+        self.results: Counter[str] = Counter()
+
+    @property
+    def enabled(self) -> bool:
+        return self.every_s > 0
+
+    def busy(self) -> frozenset[str]:
+        """The fellows in the probe in flight: not placed until it ends."""
+        return frozenset(self.current.fellows) if self.current is not None else frozenset()
+
+    def due(self, now: float) -> bool:
+        """Whether a new probe may begin: on, none in flight, the interval passed."""
+        if not self.enabled or self.current is not None:
+            return False
+        return self.last_started is None or now - self.last_started >= self.every_s
+
+    def begin(self, plan: ProbePlan, *, now: float) -> ProbeRun:
+        self._forget_old(now)
+        self.current = ProbeRun(probe_id=secrets.token_hex(8), plan=plan, started=now)
+        self.tried[frozenset(self.current.fellows)] = now
+        self.last_started = now
+        return self.current
+
+    def refused(self, probe_id: str, reason: str) -> ProbeResult | None:
+        """An end refused its PROBE (or did not answer): the probe is over."""
+        return self._end(probe_id, None, "refused", reason)
+
+    def report(self, fellow_id: str, report: LinkProbeReport) -> ProbeResult | None:
+        """Take one end's report (a heartbeat's); the probe's result once it is decided. A
+        report of another probe, from a fellow outside this one, or naming another peer is
+        ignored (heartbeats repeat a report; a stranger's is no answer)."""
+        run = self.current
+        if run is None or report.probe_id != run.probe_id or fellow_id not in run.fellows:
+            return None
+        peer = run.plan.connector if fellow_id == run.plan.binder else run.plan.binder
+        if report.peer != peer or fellow_id in run.reports:
+            return None
+        run.reports[fellow_id] = report
+        if not report.ok or report.stats is None:
+            return self._end(run.probe_id, None, "failed", f"{fellow_id}: {report.message}")
+        if len(run.reports) < 2:
+            return None
+        first, second = (run.reports[f].stats for f in run.fellows)
+        assert first is not None and second is not None
+        if first != second:
+            # Both ends hold the connector's figures (it sends them over): a difference is
+            # one end's lie or a broken agent. The worse is kept, and counted.
+            self.results["disagreed"] += 1
+        return self._end(run.probe_id, agreed_link(first, second), "measured")
+
+    def expire(self, now: float) -> ProbeResult | None:
+        run = self.current
+        if run is None or now - run.started < PROBE_EXPIRES_S:
+            return None
+        missing = sorted(set(run.fellows) - set(run.reports))
+        return self._end(run.probe_id, None, "expired", f"no report from {', '.join(missing)}")
+
+    def _end(
+        self, probe_id: str, link: MeasuredLink | None, result: str, reason: str = ""
+    ) -> ProbeResult | None:
+        run = self.current
+        if run is None or run.probe_id != probe_id:
+            return None
+        self.current = None
+        self.results[result] += 1
+        if link is not None:
+            self.tried.pop(frozenset(run.fellows), None)
+        return ProbeResult(probe_id=probe_id, plan=run.plan, link=link, reason=reason)
+
+    def _forget_old(self, now: float) -> None:
+        """Drop the tries older than the retry interval: they no longer hold a pair back."""
+        old = [pair for pair, at in self.tried.items() if now - at >= RETRY_AFTER_S]
+        for pair in old:
+            del self.tried[pair]
+
+
+__all__ = [
+    "LINKS_WANTED",
+    "PROBE_EXPIRES_S",
+    "RETRY_AFTER_S",
+    "LinkProber",
+    "ProbePlan",
+    "ProbeResult",
+    "ProbeRun",
+    "address_host",
+    "agreed_link",
+    "next_pair",
+    "same_host",
+]

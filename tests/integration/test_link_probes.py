@@ -1,0 +1,224 @@
+"""Idle fellows on different hosts measure their links before any job needs them: a real
+leader pairs real agents, which probe each other over real ZeroMQ with CURVE keys made for
+the probe; a stranger without the keys gets nothing (the pure choices:
+tests/unit/test_linkprobes.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
+
+from silentswarm import subjects as topics
+from silentswarm.agent.errors import PeerTimeoutError
+from silentswarm.agent.linkprobe import MAX_MESSAGE_BYTES
+from silentswarm.agent.pipe.link import CurveKeys, TransportKind, connect_downstream
+from silentswarm.agent.pipe.probe import measure_as_upstream
+from silentswarm.errors import ErrorCode
+from silentswarm.natsd import start_nats_server
+from silentswarm.procs import free_port
+from silentswarm.protocol import Heartbeat, LinkProbeReport, SignalAck, make_signal
+from silentswarm.rings import boundary_keys
+from silentswarm.types.signals import ProbeArgs
+from tests.conftest import leader_process, start_agent
+from tests.helpers import bench_module, shaped_paths_unavailable, wait_for
+from tests.integration.nats_client import with_nats
+
+pytestmark = pytest.mark.integration
+no_paths = pytest.mark.skipif(
+    (why := shaped_paths_unavailable()) is not None, reason=f"no shaped paths here: {why}"
+)
+
+
+def probe_counts(leader) -> dict[str, float]:
+    text = leader.http.get("/api/v1/metrics").text
+    return {
+        sample.labels["result"]: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "swarm_link_probes"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
+
+
+def links_by_pair(leader) -> dict[frozenset[str], dict[str, Any]]:
+    return {
+        frozenset((fellow["fellow_id"], peer)): link
+        for fellow in leader.get("/api/v1/workers")
+        for peer, link in fellow["links"].items()
+    }
+
+
+@pytest.mark.timeout(120)
+def test_idle_fellows_on_different_hosts_measure_every_link_once(procs, nats_server, tmp_path):
+    running = leader_process(procs, nats_server, tmp_path, SWARM_LINK_PROBE_EVERY_S="0.2")
+    leader = next(running)  # ``running`` kept: collected, it would close the client
+    # Three hosts (loopback addresses of their own) and a fourth fellow on the first's host.
+    hosts = {"f1": "127.0.0.1", "f2": "127.0.0.2", "f3": "127.0.0.3", "f4": "127.0.0.1"}
+    for name, host in hosts.items():
+        start_agent(
+            procs,
+            nats_server.url,
+            name,
+            SWARM_DATA_ADDRESS=f"tcp://{host}:{free_port()}",
+            SWARM_SYNC_ADDRESS=f"tcp://{host}:{free_port()}",
+        )
+    for name in hosts:
+        leader.wait_status(name, "ready", timeout=30)
+    pairs = {
+        frozenset((a, b)) for a in hosts for b in hosts if a < b and hosts[a] != hosts[b]
+    }  # 5 pairs: f1 and f4 share a host
+    links = wait_for(
+        lambda: (found := links_by_pair(leader)).keys() >= pairs and found,
+        timeout=90,
+        what="every pair of fellows on different hosts to have a measured link",
+    )
+    assert links.keys() == pairs, "a pair on one host is not probed"
+    for pair, link in links.items():
+        assert link["mbit_s"] > 100 and 0 < link["rtt_ms"] < 100, (pair, link)
+    # One probe per pair (none of f1 and f4), each measured the first time.
+    counts = probe_counts(leader)
+    assert counts["measured"] == len(pairs), counts
+    assert counts["refused"] == counts["failed"] == counts["expired"] == 0, counts
+
+
+def send_probe(url: str, fellow: str, args: ProbeArgs) -> SignalAck:
+    sig = make_signal(args, signal_id=f"probe-{args.probe_id[:8]}-{args.bind}")
+
+    async def ask(nc: Any) -> SignalAck:
+        msg = await nc.request(
+            topics.SIGNAL.subject("swarm", fellow=fellow), topics.encode(sig), timeout=5
+        )
+        return topics.SIGNAL.decode_reply(msg.data)
+
+    return with_nats(url, ask)
+
+
+def next_report(url: str, fellow: str, probe_id: str, timeout: float) -> LinkProbeReport:
+    """The first heartbeat of ``fellow`` that reports probe ``probe_id``."""
+
+    async def listen(nc: Any) -> LinkProbeReport:
+        got: asyncio.Future[LinkProbeReport] = asyncio.get_running_loop().create_future()
+
+        async def on_beat(msg: Any) -> None:
+            hb = msgspec.msgpack.decode(msg.data, type=Heartbeat)
+            report = hb.link_probe
+            if report is not None and report.probe_id == probe_id and not got.done():
+                got.set_result(report)
+
+        await nc.subscribe(topics.HEARTBEAT.subject("swarm", fellow=fellow), cb=on_beat)
+        return await asyncio.wait_for(got, timeout)
+
+    return with_nats(url, listen)
+
+
+@pytest.mark.timeout(90)
+def test_a_probe_binds_for_its_keys_alone_and_reports_what_both_ends_measured(
+    procs, nats_server, tmp_path
+):
+    """The test plays the leader (PROBE straight to the agent's signal subject; dev mode) and
+    the other fellow: a peer without the probe's CURVE keys is never answered and the probe
+    fails by its deadline; with them, both ends hold the same figures."""
+    running = leader_process(procs, nats_server, tmp_path, SWARM_LINK_PROBE_EVERY_S="0")
+    leader = next(running)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    start_agent(procs, nats_server.url, "binder", SWARM_DATA_ADDRESS=address)
+    leader.wait_status("binder", "ready", timeout=30)
+
+    connector_keys, binder_keys = boundary_keys(2)[0]
+    args = ProbeArgs(
+        probe_id="a1" * 8, peer="stranger", bind=True, curve=binder_keys, timeout_s=3.0
+    )
+    ack = send_probe(nats_server.url, "binder", args)
+    assert ack.ok, ack
+    # While it probes, another PROBE is refused, saying why.
+    busy = send_probe(nats_server.url, "binder", msgspec.structs.replace(args, probe_id="b2" * 8))
+    assert not busy.ok and busy.code == ErrorCode.PROBE_REFUSED and "probing" in busy.message
+    # A peer with keys of its own: CURVE refuses it, no HELLO ever arrives.
+    own_public, own_secret = (k.decode() for k in zmq.curve_keypair())
+    with pytest.raises(PeerTimeoutError):
+        connect_downstream(
+            name="stranger",
+            transport=TransportKind.P2P,
+            address=address,
+            relay=None,
+            timeout_s=2.0,
+            fingerprint=args.probe_id.encode(),
+            curve=CurveKeys(public=own_public, secret=own_secret, peer_public=binder_keys.public),
+        )
+    failed = next_report(nats_server.url, "binder", args.probe_id, timeout=15)
+    assert not failed.ok and failed.stats is None and "HELLO" in failed.message, failed
+
+    # The probe's own keys: the binder answers, and both ends hold the connector's figures.
+    args = msgspec.structs.replace(args, probe_id="c3" * 8, timeout_s=15.0)
+    assert send_probe(nats_server.url, "binder", args).ok
+    link = connect_downstream(
+        name="peer",
+        transport=TransportKind.P2P,
+        address=address,
+        relay=None,
+        timeout_s=10.0,
+        fingerprint=args.probe_id.encode(),
+        curve=CurveKeys(
+            public=connector_keys.public,
+            secret=connector_keys.secret,
+            peer_public=connector_keys.peer_public,
+        ),
+        max_message_bytes=MAX_MESSAGE_BYTES,
+    )
+    try:
+        ours = measure_as_upstream(link, boundary=0, step=0, timeout_s=10)
+    finally:
+        link.close()
+    theirs = next_report(nats_server.url, "binder", args.probe_id, timeout=15)
+    assert theirs.ok and theirs.peer == "stranger" and theirs.stats == ours, theirs
+
+
+@no_paths
+@pytest.mark.timeout(150)
+def test_a_shaped_link_is_measured_at_its_rate_before_any_job(procs, tmp_path):
+    """A fellow one 20 Mbit/s path away (a network namespace behind a shaped veth pair):
+    the leader has it and a fellow here probe their link, and records about 20 Mbit/s."""
+    linkemu = bench_module("linkemu")
+    with linkemu.FarSide(linkemu.symmetric("probe", 20e6, 0.0)) as far:
+        # NATS on the near end of the path, where both sides reach it (nowhere else).
+        nats = start_nats_server(
+            host=far.near_ip,
+            port=0,
+            store_dir=tmp_path / "nats",
+            log_path=tmp_path / "nats.log",
+            tie_to_parent=True,
+        )
+        try:
+            running = leader_process(procs, nats, tmp_path, SWARM_LINK_PROBE_EVERY_S="0.2")
+            leader = next(running)
+            start_agent(
+                procs,
+                nats.url,
+                "near",
+                SWARM_DATA_ADDRESS=f"tcp://{far.near_ip}:{free_port()}",
+                SWARM_SYNC_ADDRESS=f"tcp://{far.near_ip}:{free_port()}",
+            )
+            start_agent(
+                procs,
+                nats.url,
+                "far",
+                prefix=far.prefix,
+                SWARM_DATA_ADDRESS=f"tcp://{far.far_ip}:{free_port()}",
+                SWARM_SYNC_ADDRESS=f"tcp://{far.far_ip}:{free_port()}",
+            )
+            link = wait_for(
+                lambda: links_by_pair(leader).get(frozenset(("near", "far"))),
+                timeout=90,
+                what="the probe of the shaped link",
+            )
+            counts = probe_counts(leader)
+        finally:
+            nats.stop()
+    assert 14 <= link["mbit_s"] <= 21, link  # the slower direction, 20 Mbit/s each
+    assert link["rtt_ms"] < 50, link
+    assert counts["measured"] == 1, counts
