@@ -40,7 +40,7 @@ from silentswarm.leader.errors import NotReadyError
 from silentswarm.leader.exports import ExportService
 from silentswarm.leader.jobs import FellowState, JobManager, offered_to, plan_schedule
 from silentswarm.leader.linkprobes import LinkProber, ProbeResult, ProbeRun
-from silentswarm.leader.placement import DEFAULTS, PlacementDefaults
+from silentswarm.leader.placement import DEFAULTS, Candidate, PlacementDefaults
 from silentswarm.leader.pools import AccountLookup, holdings, no_accounts
 from silentswarm.leader.purges import PurgeBook
 from silentswarm.leader.registry import FellowRegistry
@@ -52,6 +52,7 @@ from silentswarm.plan import RingChange, StagePlan
 from silentswarm.protocol import JobState, Progress
 from silentswarm.retrying import Backoff
 from silentswarm.rings import boundary_keys
+from silentswarm.types.fleet import FellowRecord
 from silentswarm.types.jobs import JobRecord
 from silentswarm.types.signals import (
     REASON_CHARS,
@@ -187,9 +188,18 @@ class Orchestrator:
         await self.retain()
         await self.flush()
 
-    def _held(self) -> set[str]:
-        """Ready fellows not to place now: an operator action's, or a link probe's."""
-        return self._reserved | self.prober.busy()
+    def _idle(self, fleet: list[FellowRecord], *, now: float) -> list[Candidate]:
+        """The fellows a job may be placed on now (:func:`decide.idle_candidates`): ready,
+        in no job, not held by an operator action or a link probe, not cooling down, no
+        purge pending."""
+        return decide.idle_candidates(
+            fleet,
+            busy=self.jobs.busy_fellows(),
+            reserved=self._reserved | self.prober.busy(),
+            cooldown=self._cooldown,
+            purging={p.fellow_id for p in self.purges.list()},
+            now=now,
+        )
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)
@@ -341,14 +351,7 @@ class Orchestrator:
         if not pending:
             return
         fleet = self.registry.list()
-        idle = decide.idle_candidates(
-            fleet,
-            busy=self.jobs.busy_fellows(),
-            reserved=self._held(),
-            cooldown=self._cooldown,
-            purging={p.fellow_id for p in self.purges.list()},
-            now=time.monotonic(),
-        )
+        idle = self._idle(fleet, now=time.monotonic())
         assignments, waiting = plan_schedule(
             pending,
             idle,
@@ -479,14 +482,7 @@ class Orchestrator:
         ]
         if not jobs:
             return
-        idle = decide.idle_candidates(
-            self.registry.list(),
-            busy=self.jobs.busy_fellows(),
-            reserved=self._held(),
-            cooldown=self._cooldown,
-            purging={p.fellow_id for p in self.purges.list()},
-            now=time.monotonic(),
-        )
+        idle = self._idle(self.registry.list(), now=time.monotonic())
         for job in jobs:
             stages = elastic.replacement(
                 job, offered_to(job, idle), self.defaults, version=self._version_of(job)
@@ -698,14 +694,7 @@ class Orchestrator:
             return
         if not prober.due(now) or self.jobs.pending() or self.jobs.starting:
             return
-        idle = decide.idle_candidates(
-            self.registry.list(),
-            busy=self.jobs.busy_fellows(),
-            reserved=self._held(),
-            cooldown=self._cooldown,
-            purging={p.fellow_id for p in self.purges.list()},
-            now=now,
-        )
+        idle = self._idle(self.registry.list(), now=now)
         plan = linkprobes.next_pair(idle, self.registry.links, prober.tried, now=now)
         if plan is None:
             prober.last_started = now  # nothing to probe: look again an interval later

@@ -116,6 +116,20 @@ def next_report(url: str, fellow: str, probe_id: str, timeout: float) -> LinkPro
     return with_nats(url, listen)
 
 
+def connect(address: str, probe_id: str, curve: CurveKeys, timeout_s: float):
+    """The connecting end of probe ``probe_id``, as a fellow's would be, with ``curve``."""
+    return connect_downstream(
+        name="peer",
+        transport=TransportKind.P2P,
+        address=address,
+        relay=None,
+        timeout_s=timeout_s,
+        fingerprint=probe_id.encode(),
+        curve=curve,
+        max_message_bytes=MAX_MESSAGE_BYTES,
+    )
+
+
 @pytest.mark.timeout(90)
 def test_a_probe_binds_for_its_keys_alone_and_reports_what_both_ends_measured(
     procs, nats_server, tmp_path
@@ -141,35 +155,15 @@ def test_a_probe_binds_for_its_keys_alone_and_reports_what_both_ends_measured(
     # A peer with keys of its own: CURVE refuses it, no HELLO ever arrives.
     own_public, own_secret = (k.decode() for k in zmq.curve_keypair())
     with pytest.raises(PeerTimeoutError):
-        connect_downstream(
-            name="stranger",
-            transport=TransportKind.P2P,
-            address=address,
-            relay=None,
-            timeout_s=2.0,
-            fingerprint=args.probe_id.encode(),
-            curve=CurveKeys(public=own_public, secret=own_secret, peer_public=binder_keys.public),
-        )
+        connect(address, args.probe_id, CurveKeys(own_public, own_secret, binder_keys.public), 2)
     failed = next_report(nats_server.url, "binder", args.probe_id, timeout=15)
     assert not failed.ok and failed.stats is None and "HELLO" in failed.message, failed
 
     # The probe's own keys: the binder answers, and both ends hold the connector's figures.
     args = msgspec.structs.replace(args, probe_id="c3" * 8, timeout_s=15.0)
     assert send_probe(nats_server.url, "binder", args).ok
-    link = connect_downstream(
-        name="peer",
-        transport=TransportKind.P2P,
-        address=address,
-        relay=None,
-        timeout_s=10.0,
-        fingerprint=args.probe_id.encode(),
-        curve=CurveKeys(
-            public=connector_keys.public,
-            secret=connector_keys.secret,
-            peer_public=connector_keys.peer_public,
-        ),
-        max_message_bytes=MAX_MESSAGE_BYTES,
-    )
+    keys = CurveKeys(connector_keys.public, connector_keys.secret, connector_keys.peer_public)
+    link = connect(address, args.probe_id, keys, 10)
     try:
         ours = measure_as_upstream(link, boundary=0, step=0, timeout_s=10)
     finally:
