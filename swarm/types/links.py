@@ -52,6 +52,16 @@ class MeasuredLink(msgspec.Struct, frozen=True, kw_only=True):
     rtt_ms: Millis
 
 
+class MeasuredPair(msgspec.Struct, frozen=True, kw_only=True):
+    """One measured link as ``swarm links`` shows it: the fellow that connects (the upstream
+    end of a boundary, or of an idle probe), the one it reached, and what was kept."""
+
+    upstream: str
+    downstream: str
+    mbit_s: MbitPerS
+    rtt_ms: Millis
+
+
 class DeferralVerdict(msgspec.Struct, frozen=True, kw_only=True):
     """What the last stage measured before keeping a count of deferred weight-gradient
     passes (``defer_weight_grads: "auto"``): the median seconds of its steps with the count

@@ -6,6 +6,7 @@ tests/unit/test_linkprobes.py)."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import msgspec
@@ -25,7 +26,7 @@ from silentswarm.protocol import Heartbeat, LinkProbeReport, SignalAck, make_sig
 from silentswarm.rings import boundary_keys
 from silentswarm.types.signals import ProbeArgs
 from tests.conftest import leader_process, start_agent
-from tests.helpers import bench_module, shaped_paths_unavailable, wait_for
+from tests.helpers import bench_module, shaped_paths_unavailable, swarm_cli, wait_for
 from tests.integration.nats_client import with_nats
 
 pytestmark = pytest.mark.integration
@@ -84,6 +85,16 @@ def test_idle_fellows_on_different_hosts_measure_every_link_once(procs, nats_ser
     counts = probe_counts(leader)
     assert counts["measured"] == len(pairs), counts
     assert counts["refused"] == counts["failed"] == counts["expired"] == 0, counts
+    # The operator sees them: one row per link, the connecting fellow first.
+    shown = swarm_cli(leader, "links", "--json")
+    assert shown.returncode == 0, shown.stderr
+    listed = json.loads(shown.stdout)
+    assert {frozenset((r["upstream"], r["downstream"])) for r in listed} == pairs
+    table = swarm_cli(leader, "links")
+    assert table.returncode == 0 and "UPSTREAM" in table.stdout, table.stderr
+    lines = table.stdout.splitlines()
+    for row in listed:
+        assert any(row["upstream"] in line and row["downstream"] in line for line in lines), row
 
 
 def send_probe(url: str, fellow: str, args: ProbeArgs) -> SignalAck:

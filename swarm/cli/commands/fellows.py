@@ -1,5 +1,6 @@
-"""The fleet: ``fellows``, ``nodes``, a fellow's ``logs``, ``update``, ``release`` and the
-purges that wait for an offline fellow (``pending-purges``, ``retry-purge``)."""
+"""The fleet: ``fellows``, ``nodes``, the measured ``links``, a fellow's ``logs``,
+``update``, ``release`` and the purges that wait for an offline fellow (``pending-purges``,
+``retry-purge``)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from silentswarm.cli.options import LEADER, LeaderOptions
 from silentswarm.errors import ErrorCode, LeaderResponseError
 from silentswarm.pools import format_labels
 from silentswarm.types.fleet import LogEntry
+from silentswarm.types.links import MeasuredPair
 
 # A fellow's id, the same kind of parameter in every command: positional (FELLOW_ID), or
 # --fellow-id ID as release and update took it before.
@@ -70,6 +72,24 @@ def fellows(*, options: LeaderOptions = LEADER, ctx: Ctx) -> None:
         "LAST HEARTBEAT",
     ]
     ctx.emit(records, render.table(headers, rows) if rows else "no fellows registered")
+
+
+def links(*, options: LeaderOptions = LEADER, ctx: Ctx) -> None:
+    """The links measured between fellows (by their jobs' boundaries, or probed while they
+    were idle): what "partition": "balanced" places along. A pair not listed is a guess."""
+    with ctx.client() as client:
+        records = client.fellows()
+    pairs = sorted(
+        (
+            MeasuredPair(upstream=f.fellow_id, downstream=peer, mbit_s=m.mbit_s, rtt_ms=m.rtt_ms)
+            for f in records
+            for peer, m in f.links.items()
+        ),
+        key=lambda p: (p.upstream, p.downstream),
+    )
+    rows = [[p.upstream, p.downstream, f"{p.mbit_s:,.1f}", f"{p.rtt_ms:.2f}"] for p in pairs]
+    headers = ["UPSTREAM", "DOWNSTREAM", "MBIT/S", "RTT MS"]
+    ctx.emit(pairs, render.table(headers, rows) if rows else "no links measured yet")
 
 
 def nodes(*, options: LeaderOptions = LEADER, ctx: Ctx) -> None:
@@ -215,6 +235,7 @@ def retry_purge(
 def register(app: cyclopts.App) -> None:
     app.command(fellows)
     app.command(nodes)
+    app.command(links)
     app.command(logs)
     app.command(update)
     app.command(release)
