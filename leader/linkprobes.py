@@ -17,7 +17,8 @@ Two fellows report one link, and either may lie: the link is recorded only when 
 it, and then as the worse of their figures (the slower rate, the longer round trip), so a
 fellow cannot make its links look better than its peer says they are. A probe that one end
 refuses, that fails, or whose reports do not both come within :data:`PROBE_EXPIRES_S` is
-counted and retried no sooner than :data:`RETRY_AFTER_S` later. A fellow in a probe is not
+counted and retried no sooner than :data:`RETRY_AFTER_S` later; a link recorded
+:data:`LINK_STALE_S` ago (by a probe or a job) is measured again. A fellow in a probe is not
 placed until the probe ends (it holds the data port a stage binds).
 
 Pure choices here (:func:`next_pair`, :func:`agreed_link`) and the bookkeeping of the one
@@ -39,8 +40,10 @@ from silentswarm.types.signals import PROBE_TIMEOUT_S
 
 # A fellow with this many measured links is not probed again: enough for its own rate.
 LINKS_WANTED = 8
-# A pair whose probe failed is not tried again for this long.
+# A pair is not probed again for this long after a probe of it (failed or not).
 RETRY_AFTER_S = 600.0
+# A link recorded this long ago is measured again (links change: routes, other traffic).
+LINK_STALE_S = 86_400.0
 # A probe whose two reports have not both come by then has failed: the fellows' deadline
 # (PROBE_TIMEOUT_S, handshake included) and two heartbeats' worth of slack.
 PROBE_EXPIRES_S = PROBE_TIMEOUT_S + 10.0
@@ -84,19 +87,27 @@ def next_pair(
     tried: Mapping[Pair, float],
     *,
     now: float,
+    wall_now: float | None = None,
     wanted: int = LINKS_WANTED,
     retry_after_s: float = RETRY_AFTER_S,
+    stale_after_s: float = LINK_STALE_S,
     max_scan: int = MAX_SCAN,
 ) -> ProbePlan | None:
     """The pair of ``idle`` fellows to probe next, or None.
 
-    A pair qualifies when both ends have fewer than ``wanted`` measured links, share a pool
+    A pair qualifies when both ends have fewer than ``wanted`` current links, share a pool
     and a version, are on different hosts, at least one advertises a data address (the one
-    that binds), their link is not measured either way, and it was not tried (``tried``: pair
-    -> the time of its last try, on ``now``'s clock) in the last ``retry_after_s``. Of those,
-    the first in the order of fewest measured links (ties by fellow id), so that every fellow
-    gets some before any gets many."""
-    counts = {c.fellow_id: len(links.of(c.fellow_id)) for c in idle}
+    that binds), their link is not measured either way or was recorded ``stale_after_s``
+    before ``wall_now`` (the wall clock; None: no link is old), and it was not tried
+    (``tried``: pair -> the time of its last try, on ``now``'s clock) in the last
+    ``retry_after_s``. Of those, the first in the order of fewest current links (ties by
+    fellow id), so that every fellow gets some before any gets many."""
+
+    def current(link: MeasuredLink) -> bool:
+        at = link.measured_at
+        return wall_now is None or at is None or wall_now - at < stale_after_s
+
+    counts = {c.fellow_id: sum(map(current, links.of(c.fellow_id))) for c in idle}
     ordered = sorted(
         (c for c in idle if counts[c.fellow_id] < wanted),
         key=lambda c: (counts[c.fellow_id], c.fellow_id),
@@ -114,7 +125,8 @@ def next_pair(
             last = tried.get(frozenset((a.fellow_id, b.fellow_id)))
             if last is not None and now - last < retry_after_s:
                 continue
-            if links.between(a.fellow_id, b.fellow_id) is not None:
+            measured = links.between(a.fellow_id, b.fellow_id)
+            if measured is not None and current(measured):
                 continue
             binder, connector = (a, b) if a.data_address is not None else (b, a)
             assert binder.data_address is not None
@@ -233,8 +245,6 @@ class LinkProber:
             return None
         self.current = None
         self.results[result] += 1
-        if link is not None:
-            self.tried.pop(frozenset(run.fellows), None)
         return ProbeResult(probe_id=probe_id, plan=run.plan, link=link, reason=reason)
 
     def _forget_old(self, now: float) -> None:
@@ -246,6 +256,7 @@ class LinkProber:
 
 __all__ = [
     "LINKS_WANTED",
+    "LINK_STALE_S",
     "PROBE_EXPIRES_S",
     "RETRY_AFTER_S",
     "LinkProber",

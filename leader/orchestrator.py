@@ -695,7 +695,9 @@ class Orchestrator:
         if not prober.due(now) or self.jobs.pending() or self.jobs.starting:
             return
         idle = self._idle(self.registry.list(), now=now)
-        plan = linkprobes.next_pair(idle, self.registry.links, prober.tried, now=now)
+        plan = linkprobes.next_pair(
+            idle, self.registry.links, prober.tried, now=now, wall_now=time.time()
+        )
         if plan is None:
             prober.last_started = now  # nothing to probe: look again an interval later
             return
@@ -753,7 +755,7 @@ class Orchestrator:
             )
             return
         # The connecting end is the upstream one, as on a pipeline boundary.
-        self.registry.record_link(plan.connector, plan.binder, result.link)
+        self.registry.record_link(plan.connector, plan.binder, result.link, fresh=True)
         log.info(
             "link probe %s: %s -> %s %.1f Mbit/s, %.2f ms round trip",
             result.probe_id,

@@ -331,16 +331,21 @@ class FellowRegistry:
         entry = self._entries.get(fellow_id)
         return entry.link_probe if entry is not None else None
 
-    def record_link(self, upstream: str, downstream: str, link: MeasuredLink) -> None:
+    def record_link(
+        self, upstream: str, downstream: str, link: MeasuredLink, *, fresh: bool = False
+    ) -> None:
         """A boundary ``upstream`` -> ``downstream`` measured ``link``: kept on the upstream
-        fellow's record (the latest :data:`LINKS_KEPT` peers), written by the store when it
-        is new or changed (a stage repeats its latest measurement with every step)."""
+        fellow's record (the latest :data:`LINKS_KEPT` peers) with the time, written by the
+        store when its figures are new or changed (a stage repeats its latest measurement
+        with every step); ``fresh``: a new measurement (an idle probe's), whose time counts
+        even where its figures are the same."""
         entry = self._entries.get(upstream)
         if entry is None or upstream == downstream:
             return
         links = entry.record.links
-        if links.get(downstream) == link:
+        if not fresh and link.same_figures(links.get(downstream)):
             return
+        link = msgspec.structs.replace(link, measured_at=self._wall())
         links.pop(downstream, None)
         links[downstream] = link
         self._links.put((upstream, downstream), link)

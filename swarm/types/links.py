@@ -46,10 +46,16 @@ class MeasuredLink(msgspec.Struct, frozen=True, kw_only=True):
     """What the leader keeps of a measured boundary between two fellows, for placing the
     next ``balanced`` job along fast links: the slower direction's rate and the round trip.
     Kept on the upstream fellow's record (:class:`silentswarm.types.fleet.FellowRecord`), so
-    it outlives a leader restart."""
+    it outlives a leader restart. ``measured_at``: when the leader last recorded other
+    figures for the pair (wall clock; None in records older than it), so that an idle probe
+    measures a link again once it is old (:mod:`silentswarm.leader.linkprobes`)."""
 
     mbit_s: MbitPerS
     rtt_ms: Millis
+    measured_at: float | None = None
+
+    def same_figures(self, other: MeasuredLink | None) -> bool:
+        return other is not None and (self.mbit_s, self.rtt_ms) == (other.mbit_s, other.rtt_ms)
 
 
 class MeasuredPair(msgspec.Struct, frozen=True, kw_only=True):

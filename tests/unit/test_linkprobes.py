@@ -8,6 +8,7 @@ import pytest
 
 from silentswarm.leader.balance import LinkBook
 from silentswarm.leader.linkprobes import (
+    LINK_STALE_S,
     LINKS_WANTED,
     PROBE_EXPIRES_S,
     RETRY_AFTER_S,
@@ -18,7 +19,13 @@ from silentswarm.leader.linkprobes import (
     next_pair,
 )
 from silentswarm.leader.placement import Candidate
-from silentswarm.protocol import LinkProbeReport
+from silentswarm.leader.registry import FellowRegistry
+from silentswarm.protocol import (
+    FellowIdentity,
+    HardwareSnapshot,
+    LinkProbeReport,
+    RegisterRequest,
+)
 from silentswarm.types.links import LinkStats, MeasuredLink
 
 NOW = 10_000.0
@@ -191,3 +198,50 @@ def test_a_probe_that_fails_records_nothing_and_holds_the_pair_back(how):
 
 def test_probes_are_off_at_zero():
     assert not LinkProber(every_s=0).due(NOW)
+
+
+def test_a_link_recorded_a_day_ago_is_measured_again():
+    old = MeasuredLink(mbit_s=100.0, rtt_ms=10.0, measured_at=NOW - LINK_STALE_S)
+    recent = MeasuredLink(mbit_s=100.0, rtt_ms=10.0, measured_at=NOW - 60)
+    idle = [fellow("f1"), fellow("f2")]
+    assert next_pair(idle, LinkBook({("f1", "f2"): recent}), {}, now=NOW, wall_now=NOW) is None
+    plan = next_pair(idle, LinkBook({("f1", "f2"): old}), {}, now=NOW, wall_now=NOW)
+    assert plan is not None and {plan.binder, plan.connector} == {"f1", "f2"}
+    # Without the wall clock (or a link's time), no link is old.
+    assert next_pair(idle, LinkBook({("f1", "f2"): old}), {}, now=NOW) is None
+    # Old links do not count towards a fellow's LINKS_WANTED: f1's are all old.
+    many_old = LinkBook({("f1", f"x{i}"): old for i in range(LINKS_WANTED)})
+    assert next_pair(idle, many_old, {}, now=NOW, wall_now=NOW) is not None
+
+
+def test_a_measured_pair_waits_before_it_is_probed_again():
+    prober = LinkProber(every_s=10)
+    run = prober.begin(PLAN, now=NOW)
+    prober.report("b", report(run.probe_id, "c"))
+    assert prober.report("c", report(run.probe_id, "b")) is not None
+    assert prober.tried[frozenset(("b", "c"))] == NOW
+
+
+def test_the_registry_keeps_a_links_time_until_its_figures_change():
+    now = [1000.0]
+    registry = FellowRegistry(
+        heartbeat_interval_s=1.0, offline_after_s=3.0, leader_version="t", wall=lambda: now[0]
+    )
+    registry.bus_connected()
+    hardware = HardwareSnapshot(
+        hostname="h", cpu_cores=2, ram_total_bytes=8 << 30, ram_available_bytes=4 << 30
+    )
+    ident = FellowIdentity(fellow_id="up", instance_id="i", hostname="h", version="t", pid=1)
+    assert registry.register(RegisterRequest(fellow=ident, hardware=hardware)).accepted
+    registry.record_link("up", "down", LINK)
+    assert registry.links["up", "down"].measured_at == 1000.0
+    now[0] = 2000.0
+    registry.record_link("up", "down", LINK)  # a stage repeats its figures: no new time
+    assert registry.links["up", "down"].measured_at == 1000.0
+    registry.record_link("up", "down", LINK, fresh=True)  # a probe measured them again
+    assert registry.links["up", "down"].measured_at == 2000.0
+    now[0] = 3000.0
+    registry.record_link("up", "down", MeasuredLink(mbit_s=50.0, rtt_ms=10.0))
+    assert registry.links["up", "down"] == MeasuredLink(
+        mbit_s=50.0, rtt_ms=10.0, measured_at=3000.0
+    )

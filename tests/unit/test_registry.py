@@ -409,6 +409,7 @@ def test_measured_links_outlive_a_leader_restart(reg, clock):
     assert reg.take_dirty() == []
     reg.record_link("a", "b", near)
     [(fid, record)] = reg.take_dirty()
+    near = msgspec.structs.replace(near, measured_at=clock())  # recorded with the time
     assert fid == "a" and record.links == {"b": near}
     saved = [record for record in reg.list()]
     second = FellowRegistry(
