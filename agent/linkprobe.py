@@ -7,8 +7,10 @@ port its stages bind, so the path measured is the one a boundary would take, NAT
 forwards included), the other connects to the address the leader gave it; both ends speak
 CURVE with keys the leader made for this probe only, shake hands with the probe's id as the
 fingerprint, and run the boundary probe (:mod:`silentswarm.agent.pipe.probe`: round trip,
-then bursts each way). Each end reports what both ends then hold; the leader records the link
-only when the two agree.
+then bursts each way), then the binder's own pings. Each end reports what it measured itself
+(its round trip, the rate it received at) beside the rate its peer says it received at; the
+leader keeps the slowest rate and the longest round trip of the two reports, so neither end
+can make the link look better than the other measured it.
 
 Blocking (ZeroMQ and the probe are synchronous): the agent runs it in a thread, and starts no
 stage on the fellow until it has ended.
@@ -28,8 +30,15 @@ from silentswarm.agent.pipe.link import (
     accept_upstream,
     connect_downstream,
 )
-from silentswarm.agent.pipe.probe import ProbeLink, measure_as_downstream, measure_as_upstream
+from silentswarm.agent.pipe.probe import (
+    ProbeLink,
+    answer_pings,
+    downstream_half,
+    measure_as_upstream,
+    ping_round,
+)
 from silentswarm.protocol import LinkProbeReport
+from silentswarm.types.links import LinkStats
 from silentswarm.types.signals import ProbeArgs
 
 log = logging.getLogger(__name__)
@@ -66,8 +75,17 @@ def run_probe(args: ProbeArgs, *, bind: str | None) -> LinkProbeReport:
                 curve=curve,
                 max_message_bytes=MAX_MESSAGE_BYTES,
             )
-            stats = measure_as_downstream(
-                _Deadline(link, deadline), boundary=0, step=0, timeout_s=args.timeout_s
+            timed = _Deadline(link, deadline)
+            half = downstream_half(timed, boundary=0, step=0, timeout_s=args.timeout_s)
+            # What this end measured itself: the forward rate it timed, the round trip of
+            # its own pings. The backward rate is the peer's word (the leader keeps the
+            # slower of every rate either end reports).
+            stats = LinkStats(
+                boundary=0,
+                step=0,
+                rtt_ms=ping_round(timed, args.timeout_s),
+                fwd_mbit_s=half.own_fwd_mbit_s,
+                bwd_mbit_s=half.peer.bwd_mbit_s,
             )
         else:
             if args.address is None:
@@ -82,9 +100,9 @@ def run_probe(args: ProbeArgs, *, bind: str | None) -> LinkProbeReport:
                 curve=curve,
                 max_message_bytes=MAX_MESSAGE_BYTES,
             )
-            stats = measure_as_upstream(
-                _Deadline(link, deadline), boundary=0, step=0, timeout_s=args.timeout_s
-            )
+            timed = _Deadline(link, deadline)
+            stats = measure_as_upstream(timed, boundary=0, step=0, timeout_s=args.timeout_s)
+            answer_pings(timed, args.timeout_s)  # the binder's own round trip
     except (LinkError, FrameError) as exc:
         log.warning("link probe %s with %s failed: %s", args.probe_id, args.peer, exc)
         return _failed(args, exc.message)

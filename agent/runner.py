@@ -550,8 +550,7 @@ class FellowAgent:
         if probe is not None:
             # Its thread holds the data port the stage binds: it ends by its own deadline.
             log.info("job %s: waiting for the link probe to end", run.job_id)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(probe), PROBE_WAIT_S)
+            await asyncio.wait({probe}, timeout=PROBE_WAIT_S)  # never raises
         if run.finished.done():  # stopped meanwhile
             return
         try:

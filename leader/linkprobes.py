@@ -3,23 +3,29 @@
 Placement along links (``"partition": "balanced"``, :mod:`silentswarm.leader.balance`) knows
 a pair's link once a job's boundary between them has measured it; a pair never measured is
 guessed from its ends' other links. So, while fellows wait, the leader measures the links a
-guess would stand for: every ``SWARM_LINK_PROBE_EVERY_S`` seconds, when no job waits for
-placement, it picks one pair (:func:`next_pair`) of idle fellows of one pool and one version,
-on different hosts, whose link is not measured and was not tried in the last
-:data:`RETRY_AFTER_S`, and sends each a PROBE (:class:`silentswarm.types.signals.ProbeArgs`):
-one binds its data address, the other connects, and both run the boundary probe (round trip,
-bursts each way; :mod:`silentswarm.agent.linkprobe`). The fellows with the fewest measured
-links go first, and a fellow with :data:`LINKS_WANTED` of them is left alone: a swarm of
-thousands gets each fellow's own rate (what :func:`silentswarm.leader.balance.guessed_links`
-guesses from) long before every pair, of which there are millions.
+guess would stand for: every ``SWARM_LINK_PROBE_EVERY_S`` seconds it picks one pair
+(:func:`next_pair`) of idle fellows of one pool (where no job waits for placement) and one
+version, on different hosts, whose link is not measured (or was recorded
+:data:`LINK_STALE_S` ago) and was not tried in the last :data:`RETRY_AFTER_S`, and sends each
+a PROBE (:class:`silentswarm.types.signals.ProbeArgs`): one binds its data address (one
+another machine can reach: not loopback or link-local), the other connects, and both run the
+boundary probe (round trip, bursts each way), then the binder its own pings
+(:mod:`silentswarm.agent.linkprobe`). The fellows with the fewest current links go first, and
+a fellow with :data:`LINKS_WANTED` of them is left alone: a swarm of thousands gets each
+fellow's own rate (what :func:`silentswarm.leader.balance.guessed_links` guesses from) long
+before every pair, of which there are millions.
 
-Two fellows report one link, and either may lie: the link is recorded only when both report
-it, and then as the worse of their figures (the slower rate, the longer round trip), so a
-fellow cannot make its links look better than its peer says they are. A probe that one end
-refuses, that fails, or whose reports do not both come within :data:`PROBE_EXPIRES_S` is
-counted and retried no sooner than :data:`RETRY_AFTER_S` later; a link recorded
-:data:`LINK_STALE_S` ago (by a probe or a job) is measured again. A fellow in a probe is not
-placed until the probe ends (it holds the data port a stage binds).
+Two fellows report one link, and either may lie: each end reports the round trip of its own
+pings and the rate it timed itself beside the rate its peer claims, the link is recorded only
+when both report it, and then as the worse of their figures (the slowest rate, the longer
+round trip), so neither can make a link look better than its honest peer measured it (a
+liar can hide a slow direction behind the rate of the other, which its peer timed). A probe
+that one end refuses, that fails, or whose reports do not both come within
+:data:`PROBE_EXPIRES_S` is counted, its pair is tried again no sooner than
+:data:`RETRY_AFTER_S` later, and both its fellows are held back from probes for that long,
+twice as long after each failure in a row (a port no one reaches costs a few probes, not
+every one). A fellow in a probe is not placed until the probe ends (it holds the data port a
+stage binds).
 
 Pure choices here (:func:`next_pair`, :func:`agreed_link`) and the bookkeeping of the one
 probe in flight (:class:`LinkProber`); the orchestrator sends the signals.
@@ -27,6 +33,7 @@ probe in flight (:class:`LinkProber`); the orchestrator sends the signals.
 
 from __future__ import annotations
 
+import ipaddress
 import secrets
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -44,6 +51,8 @@ LINKS_WANTED = 8
 RETRY_AFTER_S = 600.0
 # A link recorded this long ago is measured again (links change: routes, other traffic).
 LINK_STALE_S = 86_400.0
+# The longest a fellow's failed probes hold it back (RETRY_AFTER_S, doubling per failure).
+MAX_HOLD_S = 86_400.0
 # A probe whose two reports have not both come by then has failed: the fellows' deadline
 # (PROBE_TIMEOUT_S, handshake included) and two heartbeats' worth of slack.
 PROBE_EXPIRES_S = PROBE_TIMEOUT_S + 10.0
@@ -71,6 +80,22 @@ def address_host(address: str | None) -> str | None:
     return host.lower() or None
 
 
+def reachable(address: str | None) -> bool:
+    """Whether another machine could reach ``address``: not a loopback, link-local or
+    unspecified address (a stranger that advertises one would have its honest peer connect
+    to a port of the peer's own machine)."""
+    host = address_host(address)
+    if host is None:
+        return False
+    if host == "localhost" or host.endswith(".localhost"):
+        return False
+    try:
+        ip = ipaddress.ip_address(host.strip("[]").partition("%")[0])
+    except ValueError:
+        return True  # a name
+    return not (ip.is_loopback or ip.is_link_local or ip.is_unspecified)
+
+
 def same_host(a: Candidate, b: Candidate) -> bool:
     """Whether two fellows share a machine, as far as the leader can tell: the same host in
     their data addresses, or, where one advertises none, the same host name. Their link is
@@ -88,20 +113,27 @@ def next_pair(
     *,
     now: float,
     wall_now: float | None = None,
+    held_back: Mapping[str, float] | None = None,
+    start: int = 0,
     wanted: int = LINKS_WANTED,
     retry_after_s: float = RETRY_AFTER_S,
     stale_after_s: float = LINK_STALE_S,
     max_scan: int = MAX_SCAN,
-) -> ProbePlan | None:
-    """The pair of ``idle`` fellows to probe next, or None.
+) -> tuple[ProbePlan | None, int]:
+    """The pair of ``idle`` fellows to probe next (or None), and where the next call starts.
 
-    A pair qualifies when both ends have fewer than ``wanted`` current links, share a pool
-    and a version, are on different hosts, at least one advertises a data address (the one
-    that binds), their link is not measured either way or was recorded ``stale_after_s``
-    before ``wall_now`` (the wall clock; None: no link is old), and it was not tried
-    (``tried``: pair -> the time of its last try, on ``now``'s clock) in the last
-    ``retry_after_s``. Of those, the first in the order of fewest current links (ties by
-    fellow id), so that every fellow gets some before any gets many."""
+    A pair qualifies when both ends have fewer than ``wanted`` current links and are not
+    ``held_back`` (fellow -> the time, on ``now``'s clock, until which its failed probes
+    hold it back), share a pool and a version, are on different hosts, at least one
+    advertises a data address another machine can reach (:func:`reachable`: it binds),
+    their link is not measured either way or was recorded ``stale_after_s`` before
+    ``wall_now`` (the wall clock; None: no link is old), and it was not tried (``tried``:
+    pair -> the time of its last try) in the last ``retry_after_s``. Of those, the first in
+    the order of fewest current links (ties by fellow id), so that every fellow gets some
+    before any gets many. At most ``max_scan`` pairs are looked at, from the ``start``-th
+    fellow of that order on (wrapping); the second value is where a scan cut short stopped,
+    so that the next call goes on from there (0 when this one looked at every pair)."""
+    held = held_back or {}
 
     def current(link: MeasuredLink) -> bool:
         at = link.measured_at
@@ -109,18 +141,23 @@ def next_pair(
 
     counts = {c.fellow_id: sum(map(current, links.of(c.fellow_id))) for c in idle}
     ordered = sorted(
-        (c for c in idle if counts[c.fellow_id] < wanted),
+        (c for c in idle if counts[c.fellow_id] < wanted and held.get(c.fellow_id, 0.0) <= now),
         key=lambda c: (counts[c.fellow_id], c.fellow_id),
     )
+    n = len(ordered)
+    binds = {c.fellow_id: reachable(c.data_address) for c in ordered}
     scanned = 0
-    for i, a in enumerate(ordered):
+    for k in range(n):
+        i = (start + k) % n if n else 0
+        a = ordered[i]
         for b in ordered[i + 1 :]:
             scanned += 1
             if scanned > max_scan:
-                return None
-            if a.pool != b.pool or a.version != b.version or same_host(a, b):
+                return None, i
+            a_binds, b_binds = binds[a.fellow_id], binds[b.fellow_id]
+            if not (a_binds or b_binds):
                 continue
-            if a.data_address is None and b.data_address is None:
+            if a.pool != b.pool or a.version != b.version or same_host(a, b):
                 continue
             last = tried.get(frozenset((a.fellow_id, b.fellow_id)))
             if last is not None and now - last < retry_after_s:
@@ -128,19 +165,22 @@ def next_pair(
             measured = links.between(a.fellow_id, b.fellow_id)
             if measured is not None and current(measured):
                 continue
-            binder, connector = (a, b) if a.data_address is not None else (b, a)
+            binder, connector = (a, b) if a_binds else (b, a)
             assert binder.data_address is not None
-            return ProbePlan(
+            plan = ProbePlan(
                 binder=binder.fellow_id,
                 connector=connector.fellow_id,
                 address=binder.data_address,
             )
-    return None
+            return plan, 0
+    return None, 0
 
 
 def agreed_link(first: LinkStats, second: LinkStats) -> MeasuredLink:
     """What is kept of a link both ends reported: the worse of their figures (the slower of
-    every direction's rate, the longer round trip)."""
+    every direction's rate, the longer round trip). Each end reports the rate it timed and
+    the round trip of its own pings, so the kept link is no better than either honest end
+    measured it."""
     rate = min(first.fwd_mbit_s, first.bwd_mbit_s, second.fwd_mbit_s, second.bwd_mbit_s)
     return MeasuredLink(mbit_s=rate, rtt_ms=max(first.rtt_ms, second.rtt_ms))
 
@@ -172,13 +212,19 @@ class ProbeResult:
 
 class LinkProber:
     """The probe in flight and what the leader remembers of the ones before: when each
-    pair was last tried, when the last began, and counts by result (``measured``,
-    ``refused``, ``failed``, ``expired``, ``disagreed``: what the metrics show)."""
+    pair was last tried, each fellow's failed probes in a row and until when they hold it
+    back (:data:`RETRY_AFTER_S`, doubling up to :data:`MAX_HOLD_S`: a fellow whose port no
+    one reaches does not take every probe), where the last scan stopped, when the last probe
+    began, and counts by result (``measured``, ``refused``, ``failed``, ``expired``: what
+    the metrics show)."""
 
     def __init__(self, *, every_s: float) -> None:
         self.every_s = every_s
         self.current: ProbeRun | None = None
         self.tried: dict[Pair, float] = {}
+        self.failures: dict[str, int] = {}
+        self.held_back: dict[str, float] = {}
+        self.scan_from = 0
         self.last_started: float | None = None
         self.results: Counter[str] = Counter()
 
@@ -196,18 +242,24 @@ class LinkProber:
             return False
         return self.last_started is None or now - self.last_started >= self.every_s
 
+    def looked(self, now: float, *, resume: int) -> None:
+        """A scan found nothing to probe: look again an interval later, from ``resume``."""
+        self.last_started = now
+        self.scan_from = resume
+
     def begin(self, plan: ProbePlan, *, now: float) -> ProbeRun:
         self._forget_old(now)
         self.current = ProbeRun(probe_id=secrets.token_hex(8), plan=plan, started=now)
         self.tried[frozenset(self.current.fellows)] = now
         self.last_started = now
+        self.scan_from = 0
         return self.current
 
-    def refused(self, probe_id: str, reason: str) -> ProbeResult | None:
+    def refused(self, probe_id: str, reason: str, *, now: float) -> ProbeResult | None:
         """An end refused its PROBE (or did not answer): the probe is over."""
-        return self._end(probe_id, None, "refused", reason)
+        return self._end(probe_id, None, "refused", reason, now=now)
 
-    def report(self, fellow_id: str, report: LinkProbeReport) -> ProbeResult | None:
+    def report(self, fellow_id: str, report: LinkProbeReport, *, now: float) -> ProbeResult | None:
         """Take one end's report (a heartbeat's); the probe's result once it is decided. A
         report of another probe, from a fellow outside this one, or naming another peer is
         ignored (heartbeats repeat a report; a stranger's is no answer)."""
@@ -219,44 +271,58 @@ class LinkProber:
             return None
         run.reports[fellow_id] = report
         if not report.ok or report.stats is None:
-            return self._end(run.probe_id, None, "failed", f"{fellow_id}: {report.message}")
+            why = f"{fellow_id}: {report.message}"
+            return self._end(run.probe_id, None, "failed", why, now=now)
         if len(run.reports) < 2:
             return None
         first, second = (run.reports[f].stats for f in run.fellows)
         assert first is not None and second is not None
-        if first != second:
-            # Both ends hold the connector's figures (it sends them over): a difference is
-            # one end's lie or a broken agent. The worse is kept, and counted.
-            self.results["disagreed"] += 1
-        return self._end(run.probe_id, agreed_link(first, second), "measured")
+        return self._end(run.probe_id, agreed_link(first, second), "measured", "", now=now)
 
     def expire(self, now: float) -> ProbeResult | None:
         run = self.current
         if run is None or now - run.started < PROBE_EXPIRES_S:
             return None
         missing = sorted(set(run.fellows) - set(run.reports))
-        return self._end(run.probe_id, None, "expired", f"no report from {', '.join(missing)}")
+        why = f"no report from {', '.join(missing)}"
+        return self._end(run.probe_id, None, "expired", why, now=now)
 
     def _end(
-        self, probe_id: str, link: MeasuredLink | None, result: str, reason: str = ""
+        self, probe_id: str, link: MeasuredLink | None, result: str, reason: str, *, now: float
     ) -> ProbeResult | None:
         run = self.current
         if run is None or run.probe_id != probe_id:
             return None
         self.current = None
         self.results[result] += 1
+        for fellow in run.fellows:
+            # Either end may be the one at fault (a port no one reaches, a peer without the
+            # keys): both are held back, and a success clears it.
+            if link is not None:
+                self.failures.pop(fellow, None)
+                self.held_back.pop(fellow, None)
+            else:
+                failures = self.failures[fellow] = self.failures.get(fellow, 0) + 1
+                hold = min(MAX_HOLD_S, RETRY_AFTER_S * 2 ** (failures - 1))
+                self.held_back[fellow] = now + hold
         return ProbeResult(probe_id=probe_id, plan=run.plan, link=link, reason=reason)
 
     def _forget_old(self, now: float) -> None:
-        """Drop the tries older than the retry interval: they no longer hold a pair back."""
+        """Drop the tries older than the retry interval (they no longer hold a pair back)
+        and the failures of fellows held back no more for a day (released or gone ones)."""
         old = [pair for pair, at in self.tried.items() if now - at >= RETRY_AFTER_S]
         for pair in old:
             del self.tried[pair]
+        gone = [f for f, until in self.held_back.items() if now - until >= MAX_HOLD_S]
+        for fellow in gone:
+            del self.held_back[fellow]
+            self.failures.pop(fellow, None)
 
 
 __all__ = [
     "LINKS_WANTED",
     "LINK_STALE_S",
+    "MAX_HOLD_S",
     "PROBE_EXPIRES_S",
     "RETRY_AFTER_S",
     "LinkProber",
@@ -266,5 +332,6 @@ __all__ = [
     "address_host",
     "agreed_link",
     "next_pair",
+    "reachable",
     "same_host",
 ]

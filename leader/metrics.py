@@ -622,11 +622,11 @@ def link_probe_family(results: Mapping[str, int]) -> Metric:
     """Link probes between idle fellows (silentswarm.leader.linkprobes), by result."""
     family = CounterMetricFamily(
         "swarm_link_probes",
-        "Link probes between idle fellows, by result: measured (recorded; disagreed: also "
-        "counted when the two ends' reports differed), refused, failed, expired",
+        "Link probes between idle fellows, by result: measured (recorded), refused, failed, "
+        "expired",
         labels=["result"],
     )
-    for result in ("measured", "disagreed", "refused", "failed", "expired"):
+    for result in ("measured", "refused", "failed", "expired"):
         family.add_metric([result], float(results.get(result, 0)))
     return family
 

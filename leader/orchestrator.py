@@ -689,17 +689,25 @@ class Orchestrator:
             for fellow_id in current.fellows:
                 report = self.registry.link_probe_of(fellow_id)
                 if report is not None:
-                    self._probe_ended(prober.report(fellow_id, report))
+                    self._probe_ended(prober.report(fellow_id, report, now=now))
             self._probe_ended(prober.expire(now))
             return
-        if not prober.due(now) or self.jobs.pending() or self.jobs.starting:
+        if not prober.due(now):
             return
-        idle = self._idle(self.registry.list(), now=now)
-        plan = linkprobes.next_pair(
-            idle, self.registry.links, prober.tried, now=now, wall_now=time.time()
+        # A pool where a job waits for placement keeps its fellows for it.
+        waiting = {job.spec.run_pool for job in self.jobs.pending()}
+        idle = [c for c in self._idle(self.registry.list(), now=now) if c.pool not in waiting]
+        plan, resume = linkprobes.next_pair(
+            idle,
+            self.registry.links,
+            prober.tried,
+            now=now,
+            wall_now=time.time(),
+            held_back=prober.held_back,
+            start=prober.scan_from,
         )
         if plan is None:
-            prober.last_started = now  # nothing to probe: look again an interval later
+            prober.looked(now, resume=resume)  # look again an interval later
             return
         run = prober.begin(plan, now=now)
         self._spawn(self._send_probes(run), f"probe-{run.probe_id}")
@@ -728,10 +736,12 @@ class Orchestrator:
             ),
         )
         for fellow_id, args in ends:
+            if self.prober.current is not run:
+                return  # it ended meanwhile (the binder reported a failure): no more PROBEs
             record = await hub.send(fellow_id, args)
             if not record.ok:
                 why = f"{fellow_id}: {record.code}: {record.message}"
-                self._probe_ended(self.prober.refused(run.probe_id, why))
+                self._probe_ended(self.prober.refused(run.probe_id, why, now=time.monotonic()))
                 return
         log.info(
             "link probe %s: %s binds %s, %s connects",

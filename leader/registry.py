@@ -335,7 +335,8 @@ class FellowRegistry:
         self, upstream: str, downstream: str, link: MeasuredLink, *, fresh: bool = False
     ) -> None:
         """A boundary ``upstream`` -> ``downstream`` measured ``link``: kept on the upstream
-        fellow's record (the latest :data:`LINKS_KEPT` peers) with the time, written by the
+        fellow's record (the latest :data:`LINKS_KEPT` peers; the pair's link the other way,
+        older, dropped) with the time, written by the
         store when its figures are new or changed (a stage repeats its latest measurement
         with every step); ``fresh``: a new measurement (an idle probe's), whose time counts
         even where its figures are the same."""
@@ -351,6 +352,11 @@ class FellowRegistry:
         self._links.put((upstream, downstream), link)
         self._trim_links(upstream, links)
         self.dirty.add(upstream)
+        # One link per pair, the newest: the other direction's figures are older.
+        other = self._entries.get(downstream)
+        if other is not None and other.record.links.pop(upstream, None) is not None:
+            self._links.drop((downstream, upstream))
+            self.dirty.add(downstream)
 
     def _index_links(self, record: FellowRecord) -> None:
         for peer, link in record.links.items():

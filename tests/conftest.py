@@ -42,6 +42,8 @@ NETNS_MODULES = (
 NETNS_TESTS = (
     "integration/test_benchmarks.py::test_wan_",
     "integration/test_link_probes.py::test_a_shaped_",
+    "integration/test_link_probes.py::test_idle_fellows_",
+    "integration/test_link_probes.py::test_a_boasting_",
 )
 # The slowest first (minutes each, measured): xdist hands work out in collection order, and a
 # long test started last keeps one worker busy alone at the end.

@@ -24,6 +24,7 @@ bounded by :data:`MAX_BURST`.
 from __future__ import annotations
 
 import math
+import secrets
 import statistics
 import time
 from collections.abc import Sequence
@@ -49,7 +50,8 @@ CLUMP_S = 0.0005  # pieces read this close together were read in one go
 MAX_RATE_MBIT_S = 10_000_000.0  # LinkStats' bound: a burst faster than the clock can tell
 _ZEROS = bytes(CHUNK)
 
-Seq = Annotated[int, msgspec.Meta(ge=0, le=1024)]
+MAX_SEQ = 1024
+Seq = Annotated[int, msgspec.Meta(ge=0, le=MAX_SEQ)]
 # One stage's (micro-batch count, seconds of work per step) points.
 Busy = Annotated[
     list[
@@ -169,13 +171,31 @@ def measure_as_upstream(
 def measure_as_downstream(
     link: ProbeLink, *, boundary: int, step: int, timeout_s: float
 ) -> LinkStats:
-    """The binding end's half: answer the pings, time the bursts forward, send bursts back."""
+    """The binding end's half: answer the pings, time the bursts forward, send bursts back;
+    the figures the upstream end sends, which both ends then hold."""
+    return downstream_half(link, boundary=boundary, step=step, timeout_s=timeout_s).peer
+
+
+class DownstreamHalf(msgspec.Struct, frozen=True, kw_only=True):
+    """What the binding end has after its half: the upstream end's figures (``peer``), and
+    the forward rate it timed itself, which no peer can make look faster than the path is
+    (pieces cannot arrive faster than the link carries them, and a burst is at least
+    :data:`FIRST_BURST`)."""
+
+    peer: LinkStats
+    own_fwd_mbit_s: float
+
+
+def downstream_half(
+    link: ProbeLink, *, boundary: int, step: int, timeout_s: float
+) -> DownstreamHalf:
+    """:func:`measure_as_downstream`, keeping this end's own forward rate too."""
     for seq in range(PINGS):
         ping = recv_msg(link, Ping, timeout_s)
         if ping.seq != seq:
             raise FrameError(f"{link.name}: ping {ping.seq} out of order (expected {seq})")
         send_msg(link, Pong(seq), timeout_s)
-    receive_bursts(link, timeout_s)
+    fwd = receive_bursts(link, timeout_s)
     send_bursts(link, timeout_s)
     stats = recv_msg(link, Measured, timeout_s).stats
     if (stats.boundary, stats.step) != (boundary, step):
@@ -183,7 +203,30 @@ def measure_as_downstream(
             f"{link.name}: the peer measured boundary {stats.boundary} at step {stats.step}, "
             f"not boundary {boundary} at step {step}"
         )
-    return stats
+    return DownstreamHalf(peer=stats, own_fwd_mbit_s=round(fwd, 3))
+
+
+def ping_round(link: ProbeLink, timeout_s: float) -> float:
+    """The median round trip of :data:`PINGS` pings this end sends, ms. Each carries a random
+    number the answer must echo, so a peer cannot answer before it has the ping (answers
+    sent ahead fail the round): a round trip no shorter than the path's."""
+    rtts = []
+    for _ in range(PINGS):
+        seq = secrets.randbelow(MAX_SEQ + 1)
+        started = time.perf_counter()
+        send_msg(link, Ping(seq), timeout_s)
+        pong = recv_msg(link, Pong, timeout_s)
+        if pong.seq != seq:
+            raise FrameError(f"{link.name}: pong {pong.seq} answers no ping (expected {seq})")
+        rtts.append(time.perf_counter() - started)
+    return round(statistics.median(rtts) * 1000, 3)
+
+
+def answer_pings(link: ProbeLink, timeout_s: float) -> None:
+    """The other end of :func:`ping_round`: answer each ping with its number."""
+    for _ in range(PINGS):
+        ping = recv_msg(link, Ping, timeout_s)
+        send_msg(link, Pong(ping.seq), timeout_s)
 
 
 def send_bursts(link: ProbeLink, timeout_s: float) -> float:
@@ -260,6 +303,8 @@ def receive_bursts(link: ProbeLink, timeout_s: float) -> float:
             raise FrameError(f"{link.name}: burst round {burst.round}, expected {round_}")
         if burst.nbytes == 0:
             return link_rate(rounds)
+        if burst.nbytes < FIRST_BURST:  # every burst send_bursts sends is at least this
+            raise FrameError(f"{link.name}: a probe burst of {burst.nbytes} bytes")
         if burst.chunks != math.ceil(burst.nbytes / CHUNK):
             raise FrameError(
                 f"{link.name}: a burst of {burst.nbytes} bytes in {burst.chunks} pieces"
@@ -287,10 +332,14 @@ __all__ = [
     "CALIB_DATA",
     "ChainBack",
     "ChainForward",
+    "DownstreamHalf",
+    "answer_pings",
     "burst_rate",
+    "downstream_half",
     "link_rate",
     "measure_as_downstream",
     "measure_as_upstream",
+    "ping_round",
     "recv_msg",
     "send_msg",
 ]

@@ -103,7 +103,7 @@ def test_burst_pieces_must_match_what_was_announced(zmq_pair):
     binder, connector = zmq_pair
     for seq in range(probe.PINGS):
         probe.send_msg(connector, probe.Ping(seq), 5)
-    probe.send_msg(connector, probe.Burst(0, 3 * probe.CHUNK, 1), 5)
+    probe.send_msg(connector, probe.Burst(0, probe.FIRST_BURST, 1), 5)
     with pytest.raises(FrameError, match="pieces"):
         probe.measure_as_downstream(binder, boundary=0, step=0, timeout_s=5)
 

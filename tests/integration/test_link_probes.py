@@ -6,7 +6,9 @@ tests/unit/test_linkprobes.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -17,13 +19,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from silentswarm import subjects as topics
 from silentswarm.agent.errors import PeerTimeoutError
 from silentswarm.agent.linkprobe import MAX_MESSAGE_BYTES
+from silentswarm.agent.pipe import probe
 from silentswarm.agent.pipe.link import CurveKeys, TransportKind, connect_downstream
-from silentswarm.agent.pipe.probe import measure_as_upstream
 from silentswarm.errors import ErrorCode
+from silentswarm.leader.linkprobes import agreed_link
 from silentswarm.natsd import start_nats_server
 from silentswarm.procs import free_port
 from silentswarm.protocol import Heartbeat, LinkProbeReport, SignalAck, make_signal
 from silentswarm.rings import boundary_keys
+from silentswarm.types.links import LinkStats
 from silentswarm.types.signals import ProbeArgs
 from tests.conftest import leader_process, start_agent
 from tests.helpers import bench_module, shaped_paths_unavailable, swarm_cli, wait_for
@@ -54,47 +58,74 @@ def links_by_pair(leader) -> dict[frozenset[str], dict[str, Any]]:
     }
 
 
-@pytest.mark.timeout(120)
-def test_idle_fellows_on_different_hosts_measure_every_link_once(procs, nats_server, tmp_path):
-    running = leader_process(procs, nats_server, tmp_path, SWARM_LINK_PROBE_EVERY_S="0.2")
-    leader = next(running)  # ``running`` kept: collected, it would close the client
-    # Three hosts (loopback addresses of their own) and a fourth fellow on the first's host.
-    hosts = {"f1": "127.0.0.1", "f2": "127.0.0.2", "f3": "127.0.0.3", "f4": "127.0.0.1"}
-    for name, host in hosts.items():
-        start_agent(
-            procs,
-            nats_server.url,
-            name,
-            SWARM_DATA_ADDRESS=f"tcp://{host}:{free_port()}",
-            SWARM_SYNC_ADDRESS=f"tcp://{host}:{free_port()}",
+@contextlib.contextmanager
+def two_hosts(procs, tmp_path, profile, every_s: str = "0.2") -> Iterator[tuple[Any, Any, Any]]:
+    """A far side one ``profile`` path away (a network namespace), NATS on the path's near end
+    (where both sides reach it, nowhere else), and a leader that probes every ``every_s``
+    seconds: the far side, the NATS server and the leader's client."""
+    with bench_module("linkemu").FarSide(profile) as far:
+        nats = start_nats_server(
+            host=far.near_ip,
+            port=0,
+            store_dir=tmp_path / "nats",
+            log_path=tmp_path / "nats.log",
+            tie_to_parent=True,
         )
-    for name in hosts:
-        leader.wait_status(name, "ready", timeout=30)
-    pairs = {
-        frozenset((a, b)) for a in hosts for b in hosts if a < b and hosts[a] != hosts[b]
-    }  # 5 pairs: f1 and f4 share a host
-    links = wait_for(
-        lambda: (found := links_by_pair(leader)).keys() >= pairs and found,
-        timeout=90,
-        what="every pair of fellows on different hosts to have a measured link",
+        try:
+            running = leader_process(procs, nats, tmp_path, SWARM_LINK_PROBE_EVERY_S=every_s)
+            yield far, nats, next(running)  # ``running`` kept: collected, it closes the client
+        finally:
+            nats.stop()
+
+
+def fellow_at(procs, nats, name: str, host: str, prefix: list[str] | None = None) -> None:
+    start_agent(
+        procs,
+        nats.url,
+        name,
+        prefix=prefix,
+        SWARM_DATA_ADDRESS=f"tcp://{host}:{free_port()}",
+        SWARM_SYNC_ADDRESS=f"tcp://{host}:{free_port()}",
     )
+
+
+@no_paths
+@pytest.mark.timeout(150)
+def test_idle_fellows_on_different_hosts_measure_every_link_once(procs, tmp_path):
+    """Two fellows on each side of a path: the four pairs across it are probed, once each,
+    the two pairs that share a host never; ``swarm links`` shows them."""
+    lan = linkemu_profile("lan")
+    with two_hosts(procs, tmp_path, lan) as (far, nats, leader):
+        hosts = {"f1": far.near_ip, "f2": far.far_ip, "f3": far.far_ip, "f4": far.near_ip}
+        for name, host in hosts.items():
+            fellow_at(procs, nats, name, host, far.prefix if host == far.far_ip else None)
+        pairs = {frozenset((a, b)) for a in hosts for b in hosts if a < b and hosts[a] != hosts[b]}
+        links = wait_for(
+            lambda: (found := links_by_pair(leader)).keys() >= pairs and found,
+            timeout=120,
+            what="every pair of fellows on different hosts to have a measured link",
+        )
+        counts = probe_counts(leader)
+        shown = swarm_cli(leader, "links", "--json")
+        table = swarm_cli(leader, "links")
     assert links.keys() == pairs, "a pair on one host is not probed"
     for pair, link in links.items():
         assert link["mbit_s"] > 100 and 0 < link["rtt_ms"] < 100, (pair, link)
-    # One probe per pair (none of f1 and f4), each measured the first time.
-    counts = probe_counts(leader)
+    # One probe per pair, each measured the first time.
     assert counts["measured"] == len(pairs), counts
     assert counts["refused"] == counts["failed"] == counts["expired"] == 0, counts
     # The operator sees them: one row per link, the connecting fellow first.
-    shown = swarm_cli(leader, "links", "--json")
     assert shown.returncode == 0, shown.stderr
     listed = json.loads(shown.stdout)
     assert {frozenset((r["upstream"], r["downstream"])) for r in listed} == pairs
-    table = swarm_cli(leader, "links")
     assert table.returncode == 0 and "UPSTREAM" in table.stdout, table.stderr
     lines = table.stdout.splitlines()
     for row in listed:
         assert any(row["upstream"] in line and row["downstream"] in line for line in lines), row
+
+
+def linkemu_profile(name: str, rate_bit_s: float | None = None) -> Any:
+    return bench_module("linkemu").symmetric(name, rate_bit_s, 0.0)
 
 
 def send_probe(url: str, fellow: str, args: ProbeArgs) -> SignalAck:
@@ -147,7 +178,8 @@ def test_a_probe_binds_for_its_keys_alone_and_reports_what_both_ends_measured(
 ):
     """The test plays the leader (PROBE straight to the agent's signal subject; dev mode) and
     the other fellow: a peer without the probe's CURVE keys is never answered and the probe
-    fails by its deadline; with them, both ends hold the same figures."""
+    fails by its deadline; with them, the binder reports what it timed itself beside what
+    the peer claims, and a peer's boast does not change what it timed."""
     running = leader_process(procs, nats_server, tmp_path, SWARM_LINK_PROBE_EVERY_S="0")
     leader = next(running)
     address = f"tcp://127.0.0.1:{free_port()}"
@@ -156,7 +188,7 @@ def test_a_probe_binds_for_its_keys_alone_and_reports_what_both_ends_measured(
 
     connector_keys, binder_keys = boundary_keys(2)[0]
     args = ProbeArgs(
-        probe_id="a1" * 8, peer="stranger", bind=True, curve=binder_keys, timeout_s=3.0
+        probe_id="a1" * 8, peer="stranger", bind=True, curve=binder_keys, timeout_s=8.0
     )
     ack = send_probe(nats_server.url, "binder", args)
     assert ack.ok, ack
@@ -170,17 +202,21 @@ def test_a_probe_binds_for_its_keys_alone_and_reports_what_both_ends_measured(
     failed = next_report(nats_server.url, "binder", args.probe_id, timeout=15)
     assert not failed.ok and failed.stats is None and "HELLO" in failed.message, failed
 
-    # The probe's own keys: the binder answers, and both ends hold the connector's figures.
+    # The probe's own keys: the binder answers; it reports the backward rate we timed, and
+    # its own forward rate and round trip.
+    keys = CurveKeys(connector_keys.public, connector_keys.secret, connector_keys.peer_public)
     args = msgspec.structs.replace(args, probe_id="c3" * 8, timeout_s=15.0)
     assert send_probe(nats_server.url, "binder", args).ok
-    keys = CurveKeys(connector_keys.public, connector_keys.secret, connector_keys.peer_public)
     link = connect(address, args.probe_id, keys, 10)
     try:
-        ours = measure_as_upstream(link, boundary=0, step=0, timeout_s=10)
+        ours = probe.measure_as_upstream(link, boundary=0, step=0, timeout_s=10)
+        probe.answer_pings(link, 10)
     finally:
         link.close()
     theirs = next_report(nats_server.url, "binder", args.probe_id, timeout=15)
-    assert theirs.ok and theirs.peer == "stranger" and theirs.stats == ours, theirs
+    assert theirs.ok and theirs.peer == "stranger" and theirs.stats is not None, theirs
+    assert theirs.stats.bwd_mbit_s == ours.bwd_mbit_s
+    assert theirs.stats.fwd_mbit_s > 0 and theirs.stats.rtt_ms > 0
 
 
 @no_paths
@@ -188,42 +224,53 @@ def test_a_probe_binds_for_its_keys_alone_and_reports_what_both_ends_measured(
 def test_a_shaped_link_is_measured_at_its_rate_before_any_job(procs, tmp_path):
     """A fellow one 20 Mbit/s path away (a network namespace behind a shaped veth pair):
     the leader has it and a fellow here probe their link, and records about 20 Mbit/s."""
-    linkemu = bench_module("linkemu")
-    with linkemu.FarSide(linkemu.symmetric("probe", 20e6, 0.0)) as far:
-        # NATS on the near end of the path, where both sides reach it (nowhere else).
-        nats = start_nats_server(
-            host=far.near_ip,
-            port=0,
-            store_dir=tmp_path / "nats",
-            log_path=tmp_path / "nats.log",
-            tie_to_parent=True,
+    with two_hosts(procs, tmp_path, linkemu_profile("probe", 20e6)) as (far, nats, leader):
+        fellow_at(procs, nats, "near", far.near_ip)
+        fellow_at(procs, nats, "far", far.far_ip, far.prefix)
+        link = wait_for(
+            lambda: links_by_pair(leader).get(frozenset(("near", "far"))),
+            timeout=90,
+            what="the probe of the shaped link",
         )
-        try:
-            running = leader_process(procs, nats, tmp_path, SWARM_LINK_PROBE_EVERY_S="0.2")
-            leader = next(running)
-            start_agent(
-                procs,
-                nats.url,
-                "near",
-                SWARM_DATA_ADDRESS=f"tcp://{far.near_ip}:{free_port()}",
-                SWARM_SYNC_ADDRESS=f"tcp://{far.near_ip}:{free_port()}",
-            )
-            start_agent(
-                procs,
-                nats.url,
-                "far",
-                prefix=far.prefix,
-                SWARM_DATA_ADDRESS=f"tcp://{far.far_ip}:{free_port()}",
-                SWARM_SYNC_ADDRESS=f"tcp://{far.far_ip}:{free_port()}",
-            )
-            link = wait_for(
-                lambda: links_by_pair(leader).get(frozenset(("near", "far"))),
-                timeout=90,
-                what="the probe of the shaped link",
-            )
-            counts = probe_counts(leader)
-        finally:
-            nats.stop()
+        counts = probe_counts(leader)
     assert 14 <= link["mbit_s"] <= 21, link  # the slower direction, 20 Mbit/s each
     assert link["rtt_ms"] < 50, link
     assert counts["measured"] == 1, counts
+
+
+@no_paths
+@pytest.mark.timeout(120)
+def test_a_boasting_peer_cannot_make_a_slow_link_look_fast(procs, tmp_path):
+    """The test plays a fellow that probes a far fellow over a 20 Mbit/s path and claims an
+    instant round trip and 9 Pbit/s each way: the far fellow reports its own round trip and
+    the forward rate it timed, so the link the leader would keep is the path's."""
+    with two_hosts(procs, tmp_path, linkemu_profile("boast", 20e6), every_s="0") as (
+        far,
+        nats,
+        leader,
+    ):
+        address = f"tcp://{far.far_ip}:{free_port()}"
+        start_agent(procs, nats.url, "far", prefix=far.prefix, SWARM_DATA_ADDRESS=address)
+        leader.wait_status("far", "ready", timeout=30)
+        connector_keys, binder_keys = boundary_keys(2)[0]
+        args = ProbeArgs(probe_id="e5" * 8, peer="boaster", bind=True, curve=binder_keys)
+        assert send_probe(nats.url, "far", args).ok
+        keys = CurveKeys(connector_keys.public, connector_keys.secret, connector_keys.peer_public)
+        boast = LinkStats(boundary=0, step=0, rtt_ms=0.0, fwd_mbit_s=9e6, bwd_mbit_s=9e6)
+        link = connect(address, args.probe_id, keys, 10)
+        try:
+            for seq in range(probe.PINGS):
+                probe.send_msg(link, probe.Ping(seq), 10)
+                probe.recv_msg(link, probe.Pong, 10)
+            probe.send_bursts(link, 10)
+            probe.receive_bursts(link, 10)
+            probe.send_msg(link, probe.Measured(boast), 10)
+            probe.answer_pings(link, 10)
+        finally:
+            link.close()
+        told = next_report(nats.url, "far", args.probe_id, timeout=20)
+    assert told.ok and told.stats is not None, told
+    assert told.stats.bwd_mbit_s == 9e6, told  # the boaster's word ...
+    assert told.stats.fwd_mbit_s <= 21 and told.stats.rtt_ms > 0, told  # ... and what it timed
+    kept = agreed_link(told.stats, boast)
+    assert kept.mbit_s <= 21 and kept.rtt_ms == told.stats.rtt_ms, kept

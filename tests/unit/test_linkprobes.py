@@ -10,6 +10,7 @@ from silentswarm.leader.balance import LinkBook
 from silentswarm.leader.linkprobes import (
     LINK_STALE_S,
     LINKS_WANTED,
+    MAX_HOLD_S,
     PROBE_EXPIRES_S,
     RETRY_AFTER_S,
     LinkProber,
@@ -17,6 +18,7 @@ from silentswarm.leader.linkprobes import (
     address_host,
     agreed_link,
     next_pair,
+    reachable,
 )
 from silentswarm.leader.placement import Candidate
 from silentswarm.leader.registry import FellowRegistry
@@ -93,7 +95,7 @@ def book(*pairs: tuple[str, str]) -> LinkBook:
 )
 def test_next_pair(idle, links, tried, want):
     tried = {frozenset(pair): at for pair, at in tried.items()}
-    plan = next_pair(idle, book(*links), tried, now=NOW)
+    plan, _ = next_pair(idle, book(*links), tried, now=NOW)
     if want is None:
         assert plan is None
         return
@@ -106,15 +108,45 @@ def test_a_fellow_with_enough_measured_links_is_left_alone():
     idle = [fellow(f"f{i}") for i in range(1, LINKS_WANTED + 3)]
     # f1 has LINKS_WANTED links, to the fellows beyond the idle ones
     links = book(*(("f1", f"x{i}") for i in range(LINKS_WANTED)))
-    plan = next_pair(idle, links, {}, now=NOW)
+    plan, _ = next_pair(idle, links, {}, now=NOW)
     assert plan is not None and "f1" not in (plan.binder, plan.connector)
-    assert next_pair([idle[0], idle[1]], links, {}, now=NOW) is None
+    assert next_pair([idle[0], idle[1]], links, {}, now=NOW) == (None, 0)
 
 
-def test_the_scan_is_bounded():
-    # every pair of one host: nothing to probe, and no more than max_scan pairs looked at
-    idle = [fellow(f"f{i}", "10.1.1.1") for i in range(300)]
-    assert next_pair(idle, LinkBook(), {}, now=NOW, max_scan=100) is None
+def test_a_scan_cut_short_goes_on_where_it_stopped():
+    # 30 fellows of another pool sort first (no links), then one pair that qualifies.
+    crowd = [fellow(f"a{i:02}", None, pool="other") for i in range(30)]
+    pair = [fellow("z1", "10.2.2.2"), fellow("z2", "10.3.3.3")]
+    links = LinkBook({("z1", "x"): LINK, ("z2", "y"): LINK})  # z1, z2 sort last
+    assert next_pair([*crowd, *pair], links, {}, now=NOW)[0] is not None  # no limit: found
+    start, found = 0, None
+    for _ in range(40):  # each call looks at 100 pairs at most, from where the last stopped
+        found, start = next_pair([*crowd, *pair], links, {}, now=NOW, start=start, max_scan=100)
+        if found is not None:
+            break
+    assert found is not None and {found.binder, found.connector} == {"z1", "z2"}
+    # From the start each time, the pair behind the crowd is never reached.
+    assert next_pair([*crowd, *pair], links, {}, now=NOW, max_scan=100)[0] is None
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.9.9.9", "[::1]", "localhost", "169.254.1.1"])
+def test_an_address_no_other_machine_reaches_never_binds(host):
+    # f2 advertises it: an honest f1 would connect to a port of its own machine.
+    idle = [fellow("f1", None), fellow("f2", host)]
+    assert next_pair(idle, LinkBook(), {}, now=NOW) == (None, 0)
+    assert not reachable(f"tcp://{host}:5701")
+    # With a reachable end, that one binds.
+    idle = [fellow("f1", "10.0.0.1"), fellow("f2", host)]
+    plan, _ = next_pair(idle, LinkBook(), {}, now=NOW)
+    assert plan is not None and plan.binder == "f1"
+
+
+def test_fellows_held_back_are_not_probed():
+    idle = [fellow("f1"), fellow("f2"), fellow("f3")]
+    plan, _ = next_pair(idle, LinkBook(), {}, now=NOW, held_back={"f1": NOW + 1})
+    assert plan is not None and plan.binder == "f2" and plan.connector == "f3"
+    plan, _ = next_pair(idle, LinkBook(), {}, now=NOW, held_back={"f1": NOW})
+    assert plan is not None and plan.binder == "f1"
 
 
 @pytest.mark.parametrize(
@@ -157,25 +189,28 @@ def test_a_probe_is_recorded_once_both_ends_report_it():
     run = prober.begin(PLAN, now=NOW)
     assert prober.busy() == {"b", "c"} and not prober.due(NOW + 100)
     # a stranger's report, another probe's, one naming the wrong peer: ignored
-    assert prober.report("x", report(run.probe_id, "b")) is None
-    assert prober.report("b", report("0" * 16, "c")) is None
-    assert prober.report("b", report(run.probe_id, "x")) is None
-    assert prober.report("b", report(run.probe_id, "c")) is None  # one end: not yet
-    assert prober.report("b", report(run.probe_id, "c")) is None  # a repeat changes nothing
-    result = prober.report("c", report(run.probe_id, "b"))
+    assert prober.report("x", report(run.probe_id, "b"), now=NOW) is None
+    assert prober.report("b", report("0" * 16, "c"), now=NOW) is None
+    assert prober.report("b", report(run.probe_id, "x"), now=NOW) is None
+    assert prober.report("b", report(run.probe_id, "c"), now=NOW) is None  # one end: not yet
+    assert prober.report("b", report(run.probe_id, "c"), now=NOW) is None  # a repeat: nothing
+    result = prober.report("c", report(run.probe_id, "b"), now=NOW)
     assert result is not None and result.link == MeasuredLink(mbit_s=80, rtt_ms=12)
     assert prober.current is None and prober.busy() == frozenset()
     assert dict(prober.results) == {"measured": 1}
     assert not prober.due(NOW + 9) and prober.due(NOW + 10)
 
 
-def test_ends_that_disagree_get_the_worse_figures_and_are_counted():
+@pytest.mark.parametrize("liar", ["b", "c"])
+def test_a_boasting_end_gets_the_honest_ends_figures(liar):
+    """Each end reports its own round trip and the rate it timed: a liar's boast (either
+    end) is capped by what its honest peer measured itself."""
     prober = LinkProber(every_s=10)
     run = prober.begin(PLAN, now=NOW)
-    prober.report("b", report(run.probe_id, "c", s=stats(900, 800, 1)))  # a boast
-    result = prober.report("c", report(run.probe_id, "b", s=stats(90, 80, 12)))
+    honest = "c" if liar == "b" else "b"
+    prober.report(liar, report(run.probe_id, honest, s=stats(9e6, 9e6, 0)), now=NOW)
+    result = prober.report(honest, report(run.probe_id, liar, s=stats(90, 80, 12)), now=NOW)
     assert result is not None and result.link == MeasuredLink(mbit_s=80, rtt_ms=12)
-    assert prober.results == {"measured": 1, "disagreed": 1}
 
 
 @pytest.mark.parametrize("how", ["failed", "refused", "expired"])
@@ -183,10 +218,10 @@ def test_a_probe_that_fails_records_nothing_and_holds_the_pair_back(how):
     prober = LinkProber(every_s=10)
     run = prober.begin(PLAN, now=NOW)
     if how == "failed":
-        result = prober.report("c", report(run.probe_id, "b", ok=False))
+        result = prober.report("c", report(run.probe_id, "b", ok=False), now=NOW)
         assert result is not None and "no HELLO" in result.reason
     elif how == "refused":
-        result = prober.refused(run.probe_id, "b: PROBE_REFUSED: it runs a stage")
+        result = prober.refused(run.probe_id, "b: PROBE_REFUSED: it runs a stage", now=NOW)
     else:
         assert prober.expire(NOW + PROBE_EXPIRES_S - 1) is None
         result = prober.expire(NOW + PROBE_EXPIRES_S)
@@ -194,6 +229,26 @@ def test_a_probe_that_fails_records_nothing_and_holds_the_pair_back(how):
     assert result is not None and result.link is None
     assert prober.current is None and prober.results == {how: 1}
     assert frozenset(("b", "c")) in prober.tried  # next_pair waits RETRY_AFTER_S for it
+    ended = NOW + (PROBE_EXPIRES_S if how == "expired" else 0)
+    assert prober.held_back == {"b": ended + RETRY_AFTER_S, "c": ended + RETRY_AFTER_S}
+
+
+def test_failures_in_a_row_hold_a_fellow_back_longer_and_a_success_clears_them():
+    prober = LinkProber(every_s=10)
+    now = NOW
+    for failures in (1, 2, 3):
+        run = prober.begin(ProbePlan(binder="b", connector=f"c{failures}", address="x"), now=now)
+        prober.refused(run.probe_id, "no answer", now=now)
+        assert prober.held_back["b"] == now + RETRY_AFTER_S * 2 ** (failures - 1)
+        now += 1
+    for _ in range(20):  # the hold stops growing at MAX_HOLD_S
+        run = prober.begin(ProbePlan(binder="b", connector="cx", address="x"), now=now)
+        prober.refused(run.probe_id, "no answer", now=now)
+    assert prober.held_back["b"] == now + MAX_HOLD_S
+    run = prober.begin(ProbePlan(binder="b", connector="c9", address="x"), now=now)
+    prober.report("b", report(run.probe_id, "c9"), now=now)
+    prober.report("c9", report(run.probe_id, "b"), now=now)
+    assert "b" not in prober.held_back and "b" not in prober.failures
 
 
 def test_probes_are_off_at_zero():
@@ -204,21 +259,22 @@ def test_a_link_recorded_a_day_ago_is_measured_again():
     old = MeasuredLink(mbit_s=100.0, rtt_ms=10.0, measured_at=NOW - LINK_STALE_S)
     recent = MeasuredLink(mbit_s=100.0, rtt_ms=10.0, measured_at=NOW - 60)
     idle = [fellow("f1"), fellow("f2")]
-    assert next_pair(idle, LinkBook({("f1", "f2"): recent}), {}, now=NOW, wall_now=NOW) is None
-    plan = next_pair(idle, LinkBook({("f1", "f2"): old}), {}, now=NOW, wall_now=NOW)
+    recent_book = LinkBook({("f1", "f2"): recent})
+    assert next_pair(idle, recent_book, {}, now=NOW, wall_now=NOW)[0] is None
+    plan, _ = next_pair(idle, LinkBook({("f1", "f2"): old}), {}, now=NOW, wall_now=NOW)
     assert plan is not None and {plan.binder, plan.connector} == {"f1", "f2"}
     # Without the wall clock (or a link's time), no link is old.
-    assert next_pair(idle, LinkBook({("f1", "f2"): old}), {}, now=NOW) is None
+    assert next_pair(idle, LinkBook({("f1", "f2"): old}), {}, now=NOW)[0] is None
     # Old links do not count towards a fellow's LINKS_WANTED: f1's are all old.
     many_old = LinkBook({("f1", f"x{i}"): old for i in range(LINKS_WANTED)})
-    assert next_pair(idle, many_old, {}, now=NOW, wall_now=NOW) is not None
+    assert next_pair(idle, many_old, {}, now=NOW, wall_now=NOW)[0] is not None
 
 
 def test_a_measured_pair_waits_before_it_is_probed_again():
     prober = LinkProber(every_s=10)
     run = prober.begin(PLAN, now=NOW)
-    prober.report("b", report(run.probe_id, "c"))
-    assert prober.report("c", report(run.probe_id, "b")) is not None
+    prober.report("b", report(run.probe_id, "c"), now=NOW)
+    assert prober.report("c", report(run.probe_id, "b"), now=NOW) is not None
     assert prober.tried[frozenset(("b", "c"))] == NOW
 
 
@@ -245,3 +301,31 @@ def test_the_registry_keeps_a_links_time_until_its_figures_change():
     assert registry.links["up", "down"] == MeasuredLink(
         mbit_s=50.0, rtt_ms=10.0, measured_at=3000.0
     )
+
+
+def test_a_pair_keeps_one_link_the_newest():
+    """A probe records connector -> binder; the pair's older link the other way (a job's
+    boundary) goes, so placement and the next probe read the new figures."""
+    now = [1000.0]
+    registry = FellowRegistry(
+        heartbeat_interval_s=1.0, offline_after_s=3.0, leader_version="t", wall=lambda: now[0]
+    )
+    registry.bus_connected()
+    hardware = HardwareSnapshot(
+        hostname="h", cpu_cores=2, ram_total_bytes=8 << 30, ram_available_bytes=4 << 30
+    )
+    for fid in ("a", "b"):
+        ident = FellowIdentity(fellow_id=fid, instance_id="i", hostname="h", version="t", pid=1)
+        assert registry.register(RegisterRequest(fellow=ident, hardware=hardware)).accepted
+    registry.record_link("a", "b", LINK)
+    registry.take_dirty()
+    now[0] = 2000.0
+    registry.record_link("b", "a", MeasuredLink(mbit_s=5.0, rtt_ms=80.0), fresh=True)
+    assert dict(registry.links) == {
+        ("b", "a"): MeasuredLink(mbit_s=5.0, rtt_ms=80.0, measured_at=2000.0)
+    }
+    assert registry.links.between("a", "b").mbit_s == 5.0
+    assert registry.get("a").links == {} and sorted(f for f, _ in registry.take_dirty()) == [
+        "a",
+        "b",
+    ]
