@@ -26,7 +26,7 @@ import heapq
 import itertools
 import math
 import statistics
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from silentswarm.compression import parse_compression
 from silentswarm.jobspec import JobSpec, PlacedStage
@@ -371,6 +371,13 @@ class LinkBook(Mapping[tuple[str, str], MeasuredLink]):
         return len(self._pairs)
 
 
+# Whether two fellows (by id) share a machine (silentswarm.leader.placement.same_host).
+SameHost = Callable[[str, str], bool]
+# What a pair on one machine is taken to have when no job measured it: its loopback, far
+# faster than any network link (loopback ZeroMQ moves gigabytes a second here).
+SAME_HOST_LINK = MeasuredLink(mbit_s=10_000.0, rtt_ms=0.05)
+
+
 def between(links: Mapping[tuple[str, str], MeasuredLink], a: str, b: str) -> MeasuredLink | None:
     """The link in ``links`` between ``a`` and ``b``, either direction."""
     return links.get((a, b), links.get((b, a)))
@@ -381,15 +388,19 @@ def _book(links: Mapping[tuple[str, str], MeasuredLink]) -> LinkBook:
 
 
 def guessed_links(
-    fellows: Sequence[str], links: Mapping[tuple[str, str], MeasuredLink]
+    fellows: Sequence[str],
+    links: Mapping[tuple[str, str], MeasuredLink],
+    *,
+    same_host: SameHost | None = None,
 ) -> dict[tuple[str, str], MeasuredLink]:
     """Every pair of ``fellows``: measured (either direction), or guessed.
 
+    Two fellows on one machine (``same_host``) share its loopback (:data:`SAME_HOST_LINK`).
     Over the internet a link's rate is mostly its slower end's own connection, so a fellow's
-    access rate is the fastest any of its measured links showed, and a pair never measured
-    gets the slower of its two ends' (for an end never measured, the median rate of the
-    fellows' measured links) with the median round trip of those links. Empty where none of
-    the fellows has a measured link."""
+    access rate is the fastest any of its measured links showed, and another pair never
+    measured gets the slower of its two ends' (for an end never measured, the median rate of
+    the fellows' measured links) with the median round trip of those links. Empty where none
+    of the fellows has a measured link."""
     book = _book(links)
     known = {f: book.of(f) for f in fellows}
     seen = list({id(m): m for ms in known.values() for m in ms}.values())
@@ -401,6 +412,8 @@ def guessed_links(
     out = {}
     for a, b in itertools.combinations(fellows, 2):
         measured = book.between(a, b)
+        if measured is None and same_host is not None and same_host(a, b):
+            measured = SAME_HOST_LINK
         if measured is None:
             measured = MeasuredLink(mbit_s=min(access[a], access[b]), rtt_ms=median_rtt)
         out[a, b] = measured
@@ -455,6 +468,7 @@ def fellows_along_links(
     batch_size: int,
     micro_batches: int,
     bits_per_step: float,
+    same_host: SameHost | None = None,
 ) -> list[str]:
     """The ``n`` of ``speeds``' fellows (of the :data:`MAX_ORDERED` fastest, fewer where
     more than :data:`MAX_CHAINS` orders would be costed: none to choose from at 6 stages
@@ -466,7 +480,7 @@ def fellows_along_links(
     while pool > n and math.comb(pool, n) * math.factorial(n) > MAX_CHAINS:
         pool -= 1
     ids = sorted(speeds, key=lambda f: -speeds[f])[:pool]
-    pairs = guessed_links(ids, links)
+    pairs = guessed_links(ids, links, same_host=same_host)
     if len(ids) <= n or not pairs:
         return ids[:n]
     best: tuple[float, list[str]] | None = None
@@ -494,6 +508,7 @@ def chain_order(
     *,
     bits_per_step: float,
     last: str | None = None,
+    same_host: SameHost | None = None,
 ) -> list[str]:
     """``fellows`` in the pipeline order whose links cost a step least
     (:func:`link_seconds`); ties go to the chain whose rates add up to more.
@@ -506,7 +521,7 @@ def chain_order(
     order = list(fellows)
     if not 3 <= len(order) <= MAX_ORDERED:  # two fellows share their one link either way
         return order
-    pairs = guessed_links(order, links)
+    pairs = guessed_links(order, links, same_host=same_host)
     if not pairs:
         return order
 

@@ -33,14 +33,14 @@ probe in flight (:class:`LinkProber`); the orchestrator sends the signals.
 
 from __future__ import annotations
 
-import ipaddress
 import secrets
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from silentswarm.hosts import routable_endpoint
 from silentswarm.leader.balance import LinkBook
-from silentswarm.leader.placement import Candidate
+from silentswarm.leader.placement import Candidate, same_host
 from silentswarm.protocol import LinkProbeReport
 from silentswarm.types.links import LinkStats, MeasuredLink
 from silentswarm.types.signals import PROBE_TIMEOUT_S
@@ -72,40 +72,6 @@ class ProbePlan:
     address: str
 
 
-def address_host(address: str | None) -> str | None:
-    """The host of a ``tcp://host:port`` data address (None for none)."""
-    if not address or not address.startswith("tcp://"):
-        return None
-    host, _, _ = address[len("tcp://") :].rpartition(":")
-    return host.lower() or None
-
-
-def reachable(address: str | None) -> bool:
-    """Whether another machine could reach ``address``: not a loopback, link-local or
-    unspecified address (a stranger that advertises one would have its honest peer connect
-    to a port of the peer's own machine)."""
-    host = address_host(address)
-    if host is None:
-        return False
-    if host == "localhost" or host.endswith(".localhost"):
-        return False
-    try:
-        ip = ipaddress.ip_address(host.strip("[]").partition("%")[0])
-    except ValueError:
-        return True  # a name
-    return not (ip.is_loopback or ip.is_link_local or ip.is_unspecified)
-
-
-def same_host(a: Candidate, b: Candidate) -> bool:
-    """Whether two fellows share a machine, as far as the leader can tell: the same host in
-    their data addresses, or, where one advertises none, the same host name. Their link is
-    the machine's loopback, which no placement needs measured."""
-    ha, hb = address_host(a.data_address), address_host(b.data_address)
-    if ha is not None and hb is not None:
-        return ha == hb
-    return a.hostname == b.hostname
-
-
 def next_pair(
     idle: Sequence[Candidate],
     links: LinkBook,
@@ -125,7 +91,8 @@ def next_pair(
     A pair qualifies when both ends have fewer than ``wanted`` current links and are not
     ``held_back`` (fellow -> the time, on ``now``'s clock, until which its failed probes
     hold it back), share a pool and a version, are on different hosts, at least one
-    advertises a data address another machine can reach (:func:`reachable`: it binds),
+    advertises a data address another machine can reach
+    (:func:`silentswarm.hosts.routable_endpoint`: it binds),
     their link is not measured either way or was recorded ``stale_after_s`` before
     ``wall_now`` (the wall clock; None: no link is old), and it was not tried (``tried``:
     pair -> the time of its last try) in the last ``retry_after_s``. Of those, the first in
@@ -145,7 +112,7 @@ def next_pair(
         key=lambda c: (counts[c.fellow_id], c.fellow_id),
     )
     n = len(ordered)
-    binds = {c.fellow_id: reachable(c.data_address) for c in ordered}
+    binds = {c.fellow_id: routable_endpoint(c.data_address) for c in ordered}
     scanned = 0
     for k in range(n):
         i = (start + k) % n if n else 0
@@ -329,9 +296,6 @@ __all__ = [
     "ProbePlan",
     "ProbeResult",
     "ProbeRun",
-    "address_host",
     "agreed_link",
     "next_pair",
-    "reachable",
-    "same_host",
 ]

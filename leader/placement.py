@@ -40,13 +40,14 @@ each fellow offers: :mod:`silentswarm.telemetry`). The rules:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
 
 from silentswarm import rings
 from silentswarm.compression import parse_compression
+from silentswarm.hosts import endpoint_host
 from silentswarm.jobspec import JobSpec, LastStagePlacement, Partition, PlacedStage, Placement
 from silentswarm.leader import pools
 from silentswarm.leader.balance import (
@@ -215,6 +216,16 @@ def _taken_by_speed(
     return [ranked[at] for at in chosen]
 
 
+def same_host(a: Candidate, b: Candidate) -> bool:
+    """Whether two fellows share a machine, as far as the leader can tell: the same host in
+    their data addresses, or, where one advertises none, the same host name. Their link is
+    the machine's loopback."""
+    ha, hb = endpoint_host(a.data_address), endpoint_host(b.data_address)
+    if ha is not None and hb is not None:
+        return ha == hb
+    return a.hostname == b.hostname
+
+
 def _taken_along_links(
     spec: JobSpec,
     ranked: list[Candidate],
@@ -246,9 +257,15 @@ def _taken_along_links(
             batch_size=spec.batch_size,
             micro_batches=m,
             bits_per_step=boundary_bits(spec),
+            same_host=_same_host_of(ranked),
         )
     )
     return [c for c in ranked if c.fellow_id in chosen]
+
+
+def _same_host_of(fellows: list[Candidate]) -> Callable[[str, str], bool]:
+    by_id = {c.fellow_id: c for c in fellows}
+    return lambda a, b: same_host(by_id[a], by_id[b])
 
 
 def _place_on(
@@ -431,7 +448,10 @@ def _along_links(
 ) -> list[Candidate]:
     by_id = {c.fellow_id: c for c in chosen}
     last = chosen[-1].fellow_id if keep_last else None
-    return [by_id[f] for f in chain_order(list(by_id), links, bits_per_step=bits, last=last)]
+    order = chain_order(
+        list(by_id), links, bits_per_step=bits, last=last, same_host=_same_host_of(chosen)
+    )
+    return [by_id[f] for f in order]
 
 
 def _splits(

@@ -1,5 +1,6 @@
 """Is an address loopback? What the leader's defaults (public reads) and warnings (no TLS
-off loopback) turn on."""
+off loopback) turn on; and which host a fellow's ``tcp://host:port`` address names, and
+whether another machine could reach it (the leader's link probes)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,27 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def endpoint_host(address: str | None) -> str | None:
+    """The host of a ``tcp://host:port`` address, lower case (None for none)."""
+    if not address or not address.startswith("tcp://"):
+        return None
+    host, _, _ = address[len("tcp://") :].rpartition(":")
+    return host.lower() or None
+
+
+def routable_endpoint(address: str | None) -> bool:
+    """Whether another machine could reach ``address``: not loopback, link-local or
+    unspecified (a stranger that advertises one has its peers connect to their own machine)."""
+    host = endpoint_host(address)
+    if host is None or is_loopback(host) or host.endswith(".localhost"):
+        return False
+    try:
+        ip = ipaddress.ip_address(host.strip("[]").partition("%")[0])
+    except ValueError:
+        return True  # a name
+    return not (ip.is_link_local or ip.is_unspecified)
 
 
 def url_hosts(url: str) -> list[tuple[str, str]]:

@@ -44,6 +44,7 @@ NETNS_TESTS = (
     "integration/test_link_probes.py::test_a_shaped_",
     "integration/test_link_probes.py::test_idle_fellows_",
     "integration/test_link_probes.py::test_a_boasting_",
+    "integration/test_link_probes.py::test_probed_links_",
 )
 # The slowest first (minutes each, measured): xdist hands work out in collection order, and a
 # long test started last keeps one worker busy alone at the end.

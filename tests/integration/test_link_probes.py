@@ -78,7 +78,9 @@ def two_hosts(procs, tmp_path, profile, every_s: str = "0.2") -> Iterator[tuple[
             nats.stop()
 
 
-def fellow_at(procs, nats, name: str, host: str, prefix: list[str] | None = None) -> None:
+def fellow_at(
+    procs, nats, name: str, host: str, prefix: list[str] | None = None, **env: str
+) -> None:
     start_agent(
         procs,
         nats.url,
@@ -86,6 +88,7 @@ def fellow_at(procs, nats, name: str, host: str, prefix: list[str] | None = None
         prefix=prefix,
         SWARM_DATA_ADDRESS=f"tcp://{host}:{free_port()}",
         SWARM_SYNC_ADDRESS=f"tcp://{host}:{free_port()}",
+        **env,
     )
 
 
@@ -274,3 +277,36 @@ def test_a_boasting_peer_cannot_make_a_slow_link_look_fast(procs, tmp_path):
     assert told.stats.fwd_mbit_s <= 21 and told.stats.rtt_ms > 0, told  # ... and what it timed
     kept = agreed_link(told.stats, boast)
     assert kept.mbit_s <= 21 and kept.rtt_ms == told.stats.rtt_ms, kept
+
+
+@no_paths
+@pytest.mark.timeout(240)
+def test_probed_links_steer_the_first_balanced_job_off_a_slow_link(procs, tmp_path):
+    """c is the fastest fellow but sits 2 Mbit/s away from a and b, which share a machine:
+    before any job ran, probes measure c's links, and the first balanced 2-stage job takes a
+    and b (their link, never probed, is the machine's loopback) instead of c and a."""
+    with two_hosts(procs, tmp_path, linkemu_profile("slow", 2e6)) as (far, nats, leader):
+        fellow_at(procs, nats, "a", far.near_ip, SWARM_FELLOW_COMPUTE_SPEED="2")
+        fellow_at(procs, nats, "b", far.near_ip, SWARM_FELLOW_COMPUTE_SPEED="1.5")
+        fellow_at(procs, nats, "c", far.far_ip, far.prefix, SWARM_FELLOW_COMPUTE_SPEED="3")
+        probed = wait_for(
+            lambda: (
+                (found := links_by_pair(leader)).keys() >= {frozenset("ac"), frozenset("bc")}
+                and found
+            ),
+            timeout=150,
+            what="the probes of c's links",
+        )
+        job_id = leader.submit(
+            name="along",
+            model={"vocab_size": 256, "seq_len": 32, "n_layers": 4, "d_model": 32, "n_heads": 2},
+            partition="balanced",
+            stages=2,
+            max_data_bytes=300_000,
+            batch_size=8,
+            micro_batches=2,
+            steps=4,
+        )["job_id"]
+        job = leader.wait_job(job_id, "COMPLETED", timeout=150)
+    assert all(link["mbit_s"] < 2.5 for link in probed.values()), probed
+    assert {s["fellow_id"] for s in job["placement"]["stages"]} == {"a", "b"}, job["placement"]

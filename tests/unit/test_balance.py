@@ -8,6 +8,7 @@ import pytest
 
 from silentswarm.jobspec import JobSpec, Partition, PlacedStage
 from silentswarm.leader.balance import (
+    SAME_HOST_LINK,
     LinkBook,
     balanced_sizes,
     bottleneck,
@@ -449,6 +450,23 @@ def test_place_balanced_takes_fellows_along_their_links():
     assert {s.fellow_id for s in placement.stages} == {"c", "a"}  # measured first, as before
     equal = place(job(layers=6, stages=2, partition=Partition.EQUAL), fellows, links=links)
     assert {s.fellow_id for s in equal.stages} == {"a", "b"}
+
+
+def test_a_pair_on_one_machine_counts_as_a_fast_link():
+    """a and b share a machine (their link never measured: its loopback), c, the fastest,
+    sits behind slow links to both: a balanced 2-stage job takes a and b. Without the
+    machine, a-b would be guessed as slow as their links to c, and c taken."""
+
+    def on(fid, speed, host):
+        return msgspec.structs.replace(cand(fid, speed), data_address=f"tcp://{host}:5701")
+
+    fellows = [on("a", 2.0, "10.0.0.1"), on("b", 1.5, "10.0.0.1"), on("c", 3.0, "10.0.0.2")]
+    links = {("a", "c"): hop(2.0, 50.0), ("b", "c"): hop(2.0, 50.0)}
+    placement = place(job(layers=6, stages=2), fellows, links=links)
+    assert {s.fellow_id for s in placement.stages} == {"a", "b"}
+    assert guessed_links(["a", "b", "c"], links)["a", "b"].mbit_s == 2.0
+    one_machine = guessed_links(["a", "b", "c"], links, same_host=lambda x, y: {x, y} == {"a", "b"})
+    assert one_machine["a", "b"] == SAME_HOST_LINK and one_machine["a", "c"] == hop(2.0, 50.0)
 
 
 def gpu_cand(fid, speed, free_gib=24.0):

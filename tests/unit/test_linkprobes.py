@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from silentswarm.hosts import endpoint_host, routable_endpoint
 from silentswarm.leader.balance import LinkBook
 from silentswarm.leader.linkprobes import (
     LINK_STALE_S,
@@ -15,10 +16,8 @@ from silentswarm.leader.linkprobes import (
     RETRY_AFTER_S,
     LinkProber,
     ProbePlan,
-    address_host,
     agreed_link,
     next_pair,
-    reachable,
 )
 from silentswarm.leader.placement import Candidate
 from silentswarm.leader.registry import FellowRegistry
@@ -134,7 +133,7 @@ def test_an_address_no_other_machine_reaches_never_binds(host):
     # f2 advertises it: an honest f1 would connect to a port of its own machine.
     idle = [fellow("f1", None), fellow("f2", host)]
     assert next_pair(idle, LinkBook(), {}, now=NOW) == (None, 0)
-    assert not reachable(f"tcp://{host}:5701")
+    assert not routable_endpoint(f"tcp://{host}:5701")
     # With a reachable end, that one binds.
     idle = [fellow("f1", "10.0.0.1"), fellow("f2", host)]
     plan, _ = next_pair(idle, LinkBook(), {}, now=NOW)
@@ -158,8 +157,8 @@ def test_fellows_held_back_are_not_probed():
         (None, None),
     ],
 )
-def test_address_host(address, host):
-    assert address_host(address) == host
+def test_endpoint_host(address, host):
+    assert endpoint_host(address) == host
 
 
 def stats(fwd: float, bwd: float, rtt: float) -> LinkStats:
