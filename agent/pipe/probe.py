@@ -147,14 +147,7 @@ def measure_as_upstream(
     link: ProbeLink, *, boundary: int, step: int, timeout_s: float
 ) -> LinkStats:
     """The connecting end's half: pings, bursts forward, bursts back; both ends' result."""
-    rtts = []
-    for seq in range(PINGS):
-        started = time.perf_counter()
-        send_msg(link, Ping(seq), timeout_s)
-        pong = recv_msg(link, Pong, timeout_s)
-        if pong.seq != seq:
-            raise FrameError(f"{link.name}: pong {pong.seq} answers no ping (expected {seq})")
-        rtts.append(time.perf_counter() - started)
+    rtts = round_trips(link, range(PINGS), timeout_s)
     fwd = send_bursts(link, timeout_s)
     bwd = receive_bursts(link, timeout_s)
     stats = LinkStats(
@@ -210,16 +203,22 @@ def ping_round(link: ProbeLink, timeout_s: float) -> float:
     """The median round trip of :data:`PINGS` pings this end sends, ms. Each carries a random
     number the answer must echo, so a peer cannot answer before it has the ping (answers
     sent ahead fail the round): a round trip no shorter than the path's."""
+    seqs = [secrets.randbelow(MAX_SEQ + 1) for _ in range(PINGS)]
+    return round(statistics.median(round_trips(link, seqs, timeout_s)) * 1000, 3)
+
+
+def round_trips(link: ProbeLink, seqs: Sequence[int], timeout_s: float) -> list[float]:
+    """Ping with each of ``seqs`` in turn, each answered before the next; the seconds each
+    took. FrameError for an answer that echoes another number."""
     rtts = []
-    for _ in range(PINGS):
-        seq = secrets.randbelow(MAX_SEQ + 1)
+    for seq in seqs:
         started = time.perf_counter()
         send_msg(link, Ping(seq), timeout_s)
         pong = recv_msg(link, Pong, timeout_s)
         if pong.seq != seq:
             raise FrameError(f"{link.name}: pong {pong.seq} answers no ping (expected {seq})")
         rtts.append(time.perf_counter() - started)
-    return round(statistics.median(rtts) * 1000, 3)
+    return rtts
 
 
 def answer_pings(link: ProbeLink, timeout_s: float) -> None:
@@ -341,5 +340,6 @@ __all__ = [
     "measure_as_upstream",
     "ping_round",
     "recv_msg",
+    "round_trips",
     "send_msg",
 ]

@@ -277,8 +277,8 @@ def test_a_measured_pair_waits_before_it_is_probed_again():
     assert prober.tried[frozenset(("b", "c"))] == NOW
 
 
-def test_the_registry_keeps_a_links_time_until_its_figures_change():
-    now = [1000.0]
+def registry_of(*fellows: str, now: list[float]) -> FellowRegistry:
+    """A registry whose wall clock reads ``now[0]``, with ``fellows`` registered."""
     registry = FellowRegistry(
         heartbeat_interval_s=1.0, offline_after_s=3.0, leader_version="t", wall=lambda: now[0]
     )
@@ -286,8 +286,15 @@ def test_the_registry_keeps_a_links_time_until_its_figures_change():
     hardware = HardwareSnapshot(
         hostname="h", cpu_cores=2, ram_total_bytes=8 << 30, ram_available_bytes=4 << 30
     )
-    ident = FellowIdentity(fellow_id="up", instance_id="i", hostname="h", version="t", pid=1)
-    assert registry.register(RegisterRequest(fellow=ident, hardware=hardware)).accepted
+    for fid in fellows:
+        ident = FellowIdentity(fellow_id=fid, instance_id="i", hostname="h", version="t", pid=1)
+        assert registry.register(RegisterRequest(fellow=ident, hardware=hardware)).accepted
+    return registry
+
+
+def test_the_registry_keeps_a_links_time_until_its_figures_change():
+    now = [1000.0]
+    registry = registry_of("up", now=now)
     registry.record_link("up", "down", LINK)
     assert registry.links["up", "down"].measured_at == 1000.0
     now[0] = 2000.0
@@ -306,16 +313,7 @@ def test_a_pair_keeps_one_link_the_newest():
     """A probe records connector -> binder; the pair's older link the other way (a job's
     boundary) goes, so placement and the next probe read the new figures."""
     now = [1000.0]
-    registry = FellowRegistry(
-        heartbeat_interval_s=1.0, offline_after_s=3.0, leader_version="t", wall=lambda: now[0]
-    )
-    registry.bus_connected()
-    hardware = HardwareSnapshot(
-        hostname="h", cpu_cores=2, ram_total_bytes=8 << 30, ram_available_bytes=4 << 30
-    )
-    for fid in ("a", "b"):
-        ident = FellowIdentity(fellow_id=fid, instance_id="i", hostname="h", version="t", pid=1)
-        assert registry.register(RegisterRequest(fellow=ident, hardware=hardware)).accepted
+    registry = registry_of("a", "b", now=now)
     registry.record_link("a", "b", LINK)
     registry.take_dirty()
     now[0] = 2000.0
