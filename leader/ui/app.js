@@ -532,6 +532,7 @@ function fellowView(id) {
         ),
       );
     }
+    children.push(linksTable(id));
     summary.replaceChildren(...children);
   };
   refresh();
@@ -544,6 +545,37 @@ function fellowView(id) {
       stopStream();
     },
   };
+}
+
+// The links measured between this fellow and others (by a job's boundary, or probed while
+// both were idle), either end: what a "balanced" job is placed along.
+function linksOf(id) {
+  const rows = [];
+  for (const w of state.workers) {
+    for (const [peer, link] of Object.entries(w.links || {})) {
+      if (w.fellow_id === id) rows.push({ peer, link });
+      else if (peer === id) rows.push({ peer: w.fellow_id, link });
+    }
+  }
+  return rows.sort((a, b) => a.peer.localeCompare(b.peer));
+}
+
+function linksTable(id) {
+  const rows = linksOf(id);
+  if (!rows.length) return el("p", { class: "muted", id: "fellow-links" }, "No link measured yet.");
+  const when = (at) => (at === null || at === undefined ? "-" : new Date(at * 1000).toLocaleString());
+  return el(
+    "table",
+    { id: "fellow-links" },
+    el("thead", {}, el("tr", {}, ...["link to", "Mbit/s", "round trip", "measured"].map((h) => el("th", {}, h)))),
+    el(
+      "tbody",
+      {},
+      ...rows.map(({ peer, link }) =>
+        el("tr", { "data-peer": peer }, el("td", {}, peer), el("td", {}, num(link.mbit_s, 1)), el("td", {}, `${num(link.rtt_ms, 2)} ms`), el("td", {}, when(link.measured_at))),
+      ),
+    ),
+  );
 }
 
 function placementTable(placement) {

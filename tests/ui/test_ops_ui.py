@@ -221,6 +221,14 @@ def test_ops_ui_shows_fellows_logs_loss_and_the_cluster(
     # Its pool (none set: the default pool) and labels, in the view and in the table.
     assert (text(browser, "fellow-pool"), text(browser, "fellow-labels")) == ("default", "zone=eu")
     assert count(browser, '#fellows tr[data-fellow="ui-1"] td.pool .labels') == 1
+    # The link its boundary measured with ui-2 (whichever end ui-1 is): rate and round trip.
+    wait_for(
+        lambda: count(browser, '#fellow-links tr[data-peer="ui-2"]') == 1,
+        timeout=20,
+        what="the measured link to ui-2",
+    )
+    row = browser.find_element(By.CSS_SELECTOR, '#fellow-links tr[data-peer="ui-2"]').text
+    assert " ms" in row and float(row.split()[1]) > 0, row
     browser.save_screenshot(str(shots / "fellow.png"))
 
     # The job: its loss curve grows while it trains; a reload redraws the stored curve.
