@@ -16,7 +16,9 @@ fellow's own rate (what :func:`silentswarm.leader.balance.guessed_links` guesses
 before every pair, of which there are millions.
 
 Two fellows report one link, and either may lie: each end reports the round trip of its own
-pings and the rate it timed itself beside the rate its peer claims, the link is recorded only
+pings and the rate it timed itself beside the rate its peer claims (its own timing, which the
+peer cannot shorten: pings and bursts carry random numbers that keep answers and bursts from
+being sent ahead, :mod:`silentswarm.agent.pipe.probe`), the link is recorded only
 when both report it, and then as the worse of their figures (the slowest rate, the longer
 round trip), so neither can make a link look better than its honest peer measured it (a
 liar can hide a slow direction behind the rate of the other, which its peer timed). A probe

@@ -217,13 +217,21 @@ def _taken_by_speed(
 
 
 def same_host(a: Candidate, b: Candidate) -> bool:
-    """Whether two fellows share a machine, as far as the leader can tell: the same host in
-    their data addresses, or, where one advertises none, the same host name. Their link is
-    the machine's loopback."""
+    """Whether two fellows may share a machine, as far as the leader can tell: the same host
+    in their data addresses, or, where one advertises none, the same host name (its own
+    claim). Such a pair is not probed."""
     ha, hb = endpoint_host(a.data_address), endpoint_host(b.data_address)
     if ha is not None and hb is not None:
         return ha == hb
     return a.hostname == b.hostname
+
+
+def direct_on_one_host(a: Candidate, b: Candidate) -> bool:
+    """Whether two fellows' direct link is one machine's loopback: both advertise a data
+    address, on the same host (a host name alone is a fellow's claim, and a pair without
+    addresses talks over the relay)."""
+    ha, hb = endpoint_host(a.data_address), endpoint_host(b.data_address)
+    return ha is not None and ha == hb
 
 
 def _taken_along_links(
@@ -257,15 +265,19 @@ def _taken_along_links(
             batch_size=spec.batch_size,
             micro_batches=m,
             bits_per_step=boundary_bits(spec),
-            same_host=_same_host_of(ranked),
+            same_host=_loopback_pairs(spec, ranked),
         )
     )
     return [c for c in ranked if c.fellow_id in chosen]
 
 
-def _same_host_of(fellows: list[Candidate]) -> Callable[[str, str], bool]:
+def _loopback_pairs(spec: JobSpec, fellows: list[Candidate]) -> Callable[[str, str], bool]:
+    """Which pairs of ``fellows`` (by id) talk over one machine's loopback in ``spec``'s
+    job: a direct pair on one host, unless the job relays every boundary (``tunnel``)."""
     by_id = {c.fellow_id: c for c in fellows}
-    return lambda a, b: same_host(by_id[a], by_id[b])
+    if spec.transport == Transport.TUNNEL:
+        return lambda a, b: False
+    return lambda a, b: direct_on_one_host(by_id[a], by_id[b])
 
 
 def _place_on(
@@ -349,7 +361,8 @@ def _pipelines(
         if keep_last and len(chosen) > 1:
             chosen = [*chosen[1:], chosen[0]]  # the best ranked runs the last stage
         if along:
-            chosen = _along_links(chosen, links, keep_last=keep_last, bits=bits)
+            pairs = _loopback_pairs(spec, chosen)
+            chosen = _along_links(chosen, links, keep_last=keep_last, bits=bits, same=pairs)
         groups.append(chosen)
     return groups
 
@@ -445,12 +458,11 @@ def _along_links(
     *,
     keep_last: bool,
     bits: float,
+    same: Callable[[str, str], bool],
 ) -> list[Candidate]:
     by_id = {c.fellow_id: c for c in chosen}
     last = chosen[-1].fellow_id if keep_last else None
-    order = chain_order(
-        list(by_id), links, bits_per_step=bits, last=last, same_host=_same_host_of(chosen)
-    )
+    order = chain_order(list(by_id), links, bits_per_step=bits, last=last, same_host=same)
     return [by_id[f] for f in order]
 
 

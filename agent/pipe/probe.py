@@ -5,20 +5,24 @@ between training steps when the stages recalibrate), so probe messages never mix
 A probe message is a two-part message ``[CALIB, msgpack body]`` (a tagged union, below) or a
 piece of a burst, ``[CALIB_DATA, zeros]``. Over ZeroMQ and the relay alike:
 
-1. **Round trip**: the upstream end sends :data:`PINGS` pings, one at a time; the downstream
-   end answers each at once; the median round trip counts.
-2. **Bandwidth, forward then backward**: the sending end sends bursts of growing size (from
-   :data:`FIRST_BURST`, at least doubling, sized to last about :data:`BURST_TARGET_S` at the
-   last rate, at most :data:`MAX_BURST`), the receiving end times each from the arrival of its
-   first piece to its last and answers the rate; the rounds stop when a rate is less than
+1. **Round trip**: the upstream end sends :data:`PINGS` pings, one at a time, each with a
+   random number; the downstream end echoes each at once; the median round trip counts.
+2. **Bandwidth, forward then backward**: the receiving end says Go with a random number; the
+   sending end sends bursts of growing size (from :data:`FIRST_BURST`, at least doubling,
+   sized to last about :data:`BURST_TARGET_S` at the last rate, at most :data:`MAX_BURST`),
+   each carrying the number the receiver last gave (Go, then each Rate) and cut in pieces of
+   :data:`CHUNK` bytes; the receiving end times each from the arrival of its first piece to
+   its last and answers the rate with the next number; the rounds stop when a rate is less than
    :data:`RAMP` times the one before (TCP's window has opened) or after :data:`MAX_ROUNDS`. The
    best round that lasted at least :data:`MIN_MEASURE_S` counts (:func:`link_rate`). A cold
    connection starts small (slow start), hence the ramp.
 3. The upstream end sends what it measured so that both ends hold the same numbers.
 
-A peer's probe message is checked like a frame: a wrong kind, size, count or order raises
-FrameError (the attempt fails as it would on a bad frame); the sizes the peer asks for are
-bounded by :data:`MAX_BURST`.
+A peer's probe message is checked like a frame: a wrong kind, size, count, order or number
+raises FrameError (the attempt fails as it would on a bad frame); the sizes the peer asks for
+are bounded by :data:`MAX_BURST`. The numbers keep a peer from answering a ping before it has
+it or sending a burst before the receiver asked (both would time as a faster link than the
+path is), which an idle link probe between strangers relies on (:mod:`silentswarm.agent.linkprobe`).
 """
 
 from __future__ import annotations
@@ -50,8 +54,11 @@ CLUMP_S = 0.0005  # pieces read this close together were read in one go
 MAX_RATE_MBIT_S = 10_000_000.0  # LinkStats' bound: a burst faster than the clock can tell
 _ZEROS = bytes(CHUNK)
 
-MAX_SEQ = 1024
-Seq = Annotated[int, msgspec.Meta(ge=0, le=MAX_SEQ)]
+Seq = Annotated[int, msgspec.Meta(ge=0, le=1024)]
+# Random numbers an answer must echo (pings) or a burst must carry (the receiver's go-ahead):
+# a peer cannot answer, or send, before it has the message that asked.
+MAX_NONCE = 2**31 - 1
+Nonce = Annotated[int, msgspec.Meta(ge=0, le=MAX_NONCE)]
 # One stage's (micro-batch count, seconds of work per step) points.
 Busy = Annotated[
     list[
@@ -70,24 +77,37 @@ class _Msg(msgspec.Struct, frozen=True, tag_field="kind"):
 
 
 class Ping(_Msg, tag="ping"):
-    seq: Seq
+    seq: Nonce
 
 
 class Pong(_Msg, tag="pong"):
-    seq: Seq
+    seq: Nonce
+
+
+class Go(_Msg, tag="go"):
+    """The receiving end is ready for the first burst, which must carry ``nonce``."""
+
+    nonce: Nonce
 
 
 class Burst(_Msg, tag="burst"):
-    """``nbytes`` in ``chunks`` pieces follow; 0 bytes: the rounds are over."""
+    """``nbytes`` in ``chunks`` pieces of :data:`CHUNK` bytes (the last one the rest) follow;
+    0 bytes: the rounds are over. ``nonce``: the one the receiver's last Go or Rate asked
+    for, so no burst leaves before the receiver is ready to time it (pieces queued ahead
+    would be read together, which times as an instant link)."""
 
     round: Seq
     nbytes: Annotated[int, msgspec.Meta(ge=0, le=MAX_BURST)]
     chunks: Annotated[int, msgspec.Meta(ge=0, le=MAX_BURST // CHUNK)]
+    nonce: Nonce = 0
 
 
 class Rate(_Msg, tag="rate"):
+    """The rate a burst arrived at, and the nonce the next burst must carry."""
+
     round: Seq
     mbit_s: Annotated[float, msgspec.Meta(ge=0.0, le=MAX_RATE_MBIT_S)]
+    nonce: Nonce = 0
 
 
 class Measured(_Msg, tag="measured"):
@@ -119,7 +139,7 @@ class ProbeLink(Protocol):
     def recv(self, timeout_s: float) -> Parts: ...
 
 
-ProbeMsg = Ping | Pong | Burst | Rate | Measured | ChainForward | ChainBack
+ProbeMsg = Ping | Pong | Go | Burst | Rate | Measured | ChainForward | ChainBack
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(ProbeMsg)
 M = TypeVar("M", bound=_Msg)
@@ -147,7 +167,7 @@ def measure_as_upstream(
     link: ProbeLink, *, boundary: int, step: int, timeout_s: float
 ) -> LinkStats:
     """The connecting end's half: pings, bursts forward, bursts back; both ends' result."""
-    rtts = round_trips(link, range(PINGS), timeout_s)
+    rtts = round_trips(link, nonces(PINGS), timeout_s)
     fwd = send_bursts(link, timeout_s)
     bwd = receive_bursts(link, timeout_s)
     stats = LinkStats(
@@ -183,11 +203,7 @@ def downstream_half(
     link: ProbeLink, *, boundary: int, step: int, timeout_s: float
 ) -> DownstreamHalf:
     """:func:`measure_as_downstream`, keeping this end's own forward rate too."""
-    for seq in range(PINGS):
-        ping = recv_msg(link, Ping, timeout_s)
-        if ping.seq != seq:
-            raise FrameError(f"{link.name}: ping {ping.seq} out of order (expected {seq})")
-        send_msg(link, Pong(seq), timeout_s)
+    answer_pings(link, timeout_s)
     fwd = receive_bursts(link, timeout_s)
     send_bursts(link, timeout_s)
     stats = recv_msg(link, Measured, timeout_s).stats
@@ -203,8 +219,11 @@ def ping_round(link: ProbeLink, timeout_s: float) -> float:
     """The median round trip of :data:`PINGS` pings this end sends, ms. Each carries a random
     number the answer must echo, so a peer cannot answer before it has the ping (answers
     sent ahead fail the round): a round trip no shorter than the path's."""
-    seqs = [secrets.randbelow(MAX_SEQ + 1) for _ in range(PINGS)]
-    return round(statistics.median(round_trips(link, seqs, timeout_s)) * 1000, 3)
+    return round(statistics.median(round_trips(link, nonces(PINGS), timeout_s)) * 1000, 3)
+
+
+def nonces(n: int) -> list[int]:
+    return [secrets.randbelow(MAX_NONCE + 1) for _ in range(n)]
 
 
 def round_trips(link: ProbeLink, seqs: Sequence[int], timeout_s: float) -> list[float]:
@@ -230,10 +249,11 @@ def answer_pings(link: ProbeLink, timeout_s: float) -> None:
 
 def send_bursts(link: ProbeLink, timeout_s: float) -> float:
     """Send growing bursts until the peer's rate stops rising; the link's rate, Mbit/s."""
+    nonce = recv_msg(link, Go, timeout_s).nonce
     size, rates, sizes = FIRST_BURST, [], []
     for round_ in range(MAX_ROUNDS):
         chunks = math.ceil(size / CHUNK)
-        send_msg(link, Burst(round_, size, chunks), timeout_s)
+        send_msg(link, Burst(round_, size, chunks, nonce), timeout_s)
         left = size
         for _ in range(chunks):
             piece = min(CHUNK, left)
@@ -242,6 +262,7 @@ def send_bursts(link: ProbeLink, timeout_s: float) -> float:
         rate = recv_msg(link, Rate, timeout_s)
         if rate.round != round_:
             raise FrameError(f"{link.name}: rate of round {rate.round}, expected {round_}")
+        nonce = rate.nonce
         rates.append(rate.mbit_s)
         sizes.append(size)
         if len(rates) >= 2 and rates[-1] < RAMP * rates[-2]:
@@ -294,8 +315,13 @@ def burst_rate(arrivals: Sequence[float], sizes: Sequence[int]) -> float:
 
 
 def receive_bursts(link: ProbeLink, timeout_s: float) -> float:
-    """Time the peer's bursts and answer each one's rate; the link's rate, Mbit/s."""
+    """Time the peer's bursts and answer each one's rate; the link's rate, Mbit/s. Each
+    burst must carry the nonce this end sent for it and come in the pieces it announced,
+    each :data:`CHUNK` bytes but the last: a peer can neither send a burst ahead of time nor
+    make its pieces small, which would both time as a faster link than the path is."""
     rounds: list[tuple[int, float]] = []
+    nonce = nonces(1)[0]
+    send_msg(link, Go(nonce), timeout_s)
     for round_ in range(MAX_ROUNDS + 1):
         burst = recv_msg(link, Burst, timeout_s)
         if burst.round != round_:
@@ -304,6 +330,8 @@ def receive_bursts(link: ProbeLink, timeout_s: float) -> float:
             return link_rate(rounds)
         if burst.nbytes < FIRST_BURST:  # every burst send_bursts sends is at least this
             raise FrameError(f"{link.name}: a probe burst of {burst.nbytes} bytes")
+        if burst.nonce != nonce:
+            raise FrameError(f"{link.name}: a probe burst this end did not ask for (nonce)")
         if burst.chunks != math.ceil(burst.nbytes / CHUNK):
             raise FrameError(
                 f"{link.name}: a burst of {burst.nbytes} bytes in {burst.chunks} pieces"
@@ -316,13 +344,17 @@ def receive_bursts(link: ProbeLink, timeout_s: float) -> float:
             if len(parts) != 2 or bytes(parts[0]) != CALIB_DATA:
                 raise FrameError(f"{link.name}: expected piece {index} of a probe burst")
             size = memoryview(parts[1]).nbytes
-            if size > CHUNK:
-                raise FrameError(f"{link.name}: a probe piece of {size} bytes")
+            expected = min(CHUNK, burst.nbytes - index * CHUNK)
+            if size != expected:
+                raise FrameError(
+                    f"{link.name}: probe piece {index} of {size} bytes, expected {expected}"
+                )
             arrivals.append(now)
             sizes.append(size)
         mbit_s = round(burst_rate(arrivals, sizes), 3)
         rounds.append((burst.nbytes, mbit_s))
-        send_msg(link, Rate(round_, mbit_s), timeout_s)
+        nonce = nonces(1)[0]
+        send_msg(link, Rate(round_, mbit_s, nonce), timeout_s)
     raise FrameError(f"{link.name}: more than {MAX_ROUNDS} probe bursts")
 
 
@@ -332,12 +364,14 @@ __all__ = [
     "ChainBack",
     "ChainForward",
     "DownstreamHalf",
+    "Go",
     "answer_pings",
     "burst_rate",
     "downstream_half",
     "link_rate",
     "measure_as_downstream",
     "measure_as_upstream",
+    "nonces",
     "ping_round",
     "recv_msg",
     "round_trips",

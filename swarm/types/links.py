@@ -66,6 +66,7 @@ class MeasuredPair(msgspec.Struct, frozen=True, kw_only=True):
     downstream: str
     mbit_s: MbitPerS
     rtt_ms: Millis
+    measured_at: float | None = None
 
 
 class DeferralVerdict(msgspec.Struct, frozen=True, kw_only=True):

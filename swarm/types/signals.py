@@ -158,7 +158,9 @@ class PurgeArgs(_Args, kw_only=True):
 
 # --- PROBE ----------------------------------------------------------------------------------
 
-PROBE_TIMEOUT_S = 20.0  # the most a probe may take, handshake included (ProbeArgs.timeout_s)
+# The most a probe may take, handshake included (ProbeArgs.timeout_s): two bursts each way
+# (256 KiB, then 512 KiB) fit it down to about 0.5 Mbit/s.
+PROBE_TIMEOUT_S = 30.0
 
 
 class ProbeArgs(_Args, kw_only=True):

@@ -76,8 +76,6 @@ def test_the_relay_is_measured_the_same_way(nats_server):
         (lambda link: link.send([b"header", b"payload"]), "expected a link probe message"),
         # a probe message of the wrong kind
         (lambda link: probe.send_msg(link, probe.Rate(0, 1.0), 5), "expected Ping"),
-        # pings out of order
-        (lambda link: probe.send_msg(link, probe.Ping(3), 5), "out of order"),
         # a burst bigger than any probe sends: refused while decoding
         (
             lambda link: link.send(
@@ -99,13 +97,72 @@ def test_a_hostile_peer_probe_is_refused_with_a_reason(zmq_pair, hostile: Callab
         probe.measure_as_downstream(binder, boundary=0, step=0, timeout_s=5)
 
 
-def test_burst_pieces_must_match_what_was_announced(zmq_pair):
+def pings_then(connector, bursts: Callable) -> None:
+    """A connector that answers the probe's pings as it should, then sends ``bursts(link,
+    nonce)`` with the nonce the receiver's Go gave."""
+    for seq in probe.nonces(probe.PINGS):
+        probe.send_msg(connector, probe.Ping(seq), 5)
+        probe.recv_msg(connector, probe.Pong, 5)
+    bursts(connector, probe.recv_msg(connector, probe.Go, 5).nonce)
+
+
+def pieces(link, sizes: list[int]) -> None:
+    for size in sizes:
+        link.send([probe.CALIB_DATA, bytes(size)])
+
+
+FULL = probe.FIRST_BURST // probe.CHUNK  # the pieces of a first burst
+
+
+@pytest.mark.parametrize(
+    ("bursts", "complaint"),
+    [
+        # fewer pieces than its bytes take
+        (
+            lambda link, n: probe.send_msg(link, probe.Burst(0, probe.FIRST_BURST, 1, n), 5),
+            "pieces",
+        ),
+        # its bytes in empty pieces, which arrive together: an instant link
+        (
+            lambda link, n: (
+                probe.send_msg(link, probe.Burst(0, probe.FIRST_BURST, FULL, n), 5),
+                pieces(link, [0] * FULL),
+            ),
+            "probe piece 0 of 0 bytes",
+        ),
+        # a burst the receiver did not ask for (queued ahead, it would be read at once)
+        (
+            lambda link, n: probe.send_msg(
+                link, probe.Burst(0, probe.FIRST_BURST, FULL, (n + 1) % probe.MAX_NONCE), 5
+            ),
+            "did not ask for",
+        ),
+        # a burst too small to time
+        (
+            lambda link, n: probe.send_msg(link, probe.Burst(0, probe.CHUNK, 1, n), 5),
+            "a probe burst of",
+        ),
+    ],
+)
+def test_a_burst_is_timed_only_as_asked_for_and_announced(zmq_pair, bursts: Callable, complaint):
+    binder, connector = zmq_pair
+    hostile = threading.Thread(target=pings_then, args=(connector, bursts))
+    hostile.start()
+    try:
+        with pytest.raises(FrameError, match=complaint):
+            probe.measure_as_downstream(binder, boundary=0, step=0, timeout_s=5)
+    finally:
+        hostile.join(10)
+
+
+def test_answers_sent_before_the_pings_fail_the_round_trip(zmq_pair):
+    """A binder that sends its pongs before any ping came (the pings' numbers are random):
+    the connector's round trip is not a few microseconds, it is refused."""
     binder, connector = zmq_pair
     for seq in range(probe.PINGS):
-        probe.send_msg(connector, probe.Ping(seq), 5)
-    probe.send_msg(connector, probe.Burst(0, probe.FIRST_BURST, 1), 5)
-    with pytest.raises(FrameError, match="pieces"):
-        probe.measure_as_downstream(binder, boundary=0, step=0, timeout_s=5)
+        probe.send_msg(binder, probe.Pong(seq), 5)
+    with pytest.raises(FrameError, match="answers no ping"):
+        probe.measure_as_upstream(connector, boundary=0, step=0, timeout_s=5)
 
 
 FAR_HALF = textwrap.dedent(

@@ -28,7 +28,7 @@ from silentswarm.leader.decide import candidate
 from silentswarm.leader.jobs import JobRecord, plan_schedule
 from silentswarm.leader.placement import Candidate, Unplaceable, place
 from silentswarm.leader.registry import FellowRegistry
-from silentswarm.plan import ModelConfig
+from silentswarm.plan import ModelConfig, Transport
 from silentswarm.protocol import (
     FellowIdentity,
     FellowStatus,
@@ -467,6 +467,14 @@ def test_a_pair_on_one_machine_counts_as_a_fast_link():
     assert guessed_links(["a", "b", "c"], links)["a", "b"].mbit_s == 2.0
     one_machine = guessed_links(["a", "b", "c"], links, same_host=lambda x, y: {x, y} == {"a", "b"})
     assert one_machine["a", "b"] == SAME_HOST_LINK and one_machine["a", "c"] == hop(2.0, 50.0)
+    # A job that relays every boundary does not talk over the loopback: c and a.
+    relayed = place(job(layers=6, stages=2, transport=Transport.TUNNEL), fellows, links=links)
+    assert {s.fellow_id for s in relayed.stages} == {"a", "c"}
+    # b advertises no address, only a's host name (its own claim, and its links relay).
+    claimed = [fellows[0], msgspec.structs.replace(fellows[1], data_address=None), fellows[2]]
+    claimed[1] = msgspec.structs.replace(claimed[1], hostname=fellows[0].hostname)
+    placed = place(job(layers=6, stages=2), claimed, links=links)
+    assert {s.fellow_id for s in placed.stages} == {"a", "c"}
 
 
 def gpu_cand(fid, speed, free_gib=24.0):

@@ -128,7 +128,23 @@ def test_a_scan_cut_short_goes_on_where_it_stopped():
     assert next_pair([*crowd, *pair], links, {}, now=NOW, max_scan=100)[0] is None
 
 
-@pytest.mark.parametrize("host", ["127.0.0.1", "127.9.9.9", "[::1]", "localhost", "169.254.1.1"])
+@pytest.mark.parametrize(
+    "host",
+    [
+        "127.0.0.1",
+        "127.9.9.9",
+        "[::1]",
+        "localhost",
+        "localhost.",
+        "169.254.1.1",
+        "0.0.0.0",
+        "127.1",  # what inet_aton also reads as loopback
+        "2130706433",
+        "0x7f000001",
+        "[::ffff:127.0.0.1]",
+        "[fe80::1%eth0]",
+    ],
+)
 def test_an_address_no_other_machine_reaches_never_binds(host):
     # f2 advertises it: an honest f1 would connect to a port of its own machine.
     idle = [fellow("f1", None), fellow("f2", host)]

@@ -81,14 +81,29 @@ def links(*, options: LeaderOptions = LEADER, ctx: Ctx) -> None:
         records = client.fellows()
     pairs = sorted(
         (
-            MeasuredPair(upstream=f.fellow_id, downstream=peer, mbit_s=m.mbit_s, rtt_ms=m.rtt_ms)
+            MeasuredPair(
+                upstream=f.fellow_id,
+                downstream=peer,
+                mbit_s=m.mbit_s,
+                rtt_ms=m.rtt_ms,
+                measured_at=m.measured_at,
+            )
             for f in records
             for peer, m in f.links.items()
         ),
         key=lambda p: (p.upstream, p.downstream),
     )
-    rows = [[p.upstream, p.downstream, f"{p.mbit_s:,.1f}", f"{p.rtt_ms:.2f}"] for p in pairs]
-    headers = ["UPSTREAM", "DOWNSTREAM", "MBIT/S", "RTT MS"]
+    rows = [
+        [
+            p.upstream,
+            p.downstream,
+            f"{p.mbit_s:,.1f}",
+            f"{p.rtt_ms:.2f}",
+            "-" if p.measured_at is None else f"{render.since(p.measured_at)} ago",
+        ]
+        for p in pairs
+    ]
+    headers = ["UPSTREAM", "DOWNSTREAM", "MBIT/S", "RTT MS", "MEASURED"]
     ctx.emit(pairs, render.table(headers, rows) if rows else "no links measured yet")
 
 
