@@ -44,7 +44,7 @@ from silentswarm.hosts import routable_endpoint
 from silentswarm.leader.balance import LinkBook
 from silentswarm.leader.placement import Candidate, same_host
 from silentswarm.protocol import LinkProbeReport
-from silentswarm.types.links import LinkStats, MeasuredLink
+from silentswarm.types.links import LINK_CURRENT_S, LinkStats, MeasuredLink
 from silentswarm.types.signals import PROBE_TIMEOUT_S
 
 # A fellow with this many measured links is not probed again: enough for its own rate.
@@ -52,7 +52,7 @@ LINKS_WANTED = 8
 # A pair is not probed again for this long after a probe of it (failed or not).
 RETRY_AFTER_S = 600.0
 # A link recorded this long ago is measured again (links change: routes, other traffic).
-LINK_STALE_S = 86_400.0
+LINK_STALE_S = LINK_CURRENT_S
 # The longest a fellow's failed probes hold it back (RETRY_AFTER_S, doubling per failure).
 MAX_HOLD_S = 86_400.0
 # A probe whose two reports have not both come by then has failed: the fellows' deadline
@@ -151,7 +151,7 @@ def agreed_link(first: LinkStats, second: LinkStats) -> MeasuredLink:
     the round trip of its own pings, so the kept link is no better than either honest end
     measured it."""
     rate = min(first.fwd_mbit_s, first.bwd_mbit_s, second.fwd_mbit_s, second.bwd_mbit_s)
-    return MeasuredLink(mbit_s=rate, rtt_ms=max(first.rtt_ms, second.rtt_ms))
+    return MeasuredLink(mbit_s=rate, rtt_ms=max(first.rtt_ms, second.rtt_ms), probed=True)
 
 
 @dataclass

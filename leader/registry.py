@@ -37,7 +37,7 @@ from silentswarm.protocol import (
     RegisterRequest,
 )
 from silentswarm.types.fleet import FellowRecord, NodeView, ReleasedFellow, Transition
-from silentswarm.types.links import MeasuredLink
+from silentswarm.types.links import LINK_CURRENT_S, MeasuredLink
 
 __all__ = ["FellowRecord", "FellowRegistry", "NodeView", "Transition"]
 
@@ -339,14 +339,30 @@ class FellowRegistry:
         older, dropped) with the time, written by the
         store when its figures are new or changed (a stage repeats its latest measurement
         with every step); ``fresh``: a new measurement (an idle probe's), whose time counts
-        even where its figures are the same."""
+        even where its figures are the same. A job's report does not raise a link an idle
+        probe recorded less than :data:`LINK_CURRENT_S` ago (it may lower it)."""
         entry = self._entries.get(upstream)
         if entry is None or upstream == downstream:
             return
         links = entry.record.links
-        if not fresh and link.same_figures(links.get(downstream)):
+        now = self._wall()
+        kept = self._links.between(upstream, downstream)
+        if not fresh and _current_probe(kept, now):
+            # A job's report is its upstream stage's word alone: it may lower a link both
+            # ends of a probe agreed on, not raise it, until that link is old.
+            assert kept is not None
+            link = MeasuredLink(
+                mbit_s=min(link.mbit_s, kept.mbit_s),
+                rtt_ms=max(link.rtt_ms, kept.rtt_ms),
+                measured_at=kept.measured_at,
+                probed=True,
+            )
+            if link == kept:
+                return
+        elif not fresh and link.same_figures(links.get(downstream)):
             return
-        link = msgspec.structs.replace(link, measured_at=self._wall())
+        else:
+            link = msgspec.structs.replace(link, measured_at=now)
         links.pop(downstream, None)
         links[downstream] = link
         self._links.put((upstream, downstream), link)
@@ -522,3 +538,14 @@ class FellowRegistry:
                 max(0.0, self._wall() - record.last_heartbeat_at), 3
             )
         return record
+
+
+def _current_probe(link: MeasuredLink | None, now: float) -> bool:
+    """Whether ``link`` is one an idle probe's two ends agreed on less than
+    :data:`LINK_CURRENT_S` before ``now`` (the wall clock)."""
+    return (
+        link is not None
+        and link.probed
+        and link.measured_at is not None
+        and now - link.measured_at < LINK_CURRENT_S
+    )

@@ -9,7 +9,16 @@ import re
 import socket
 from urllib.parse import urlsplit
 
-LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
+LOOPBACK_NAMES = frozenset(
+    {
+        "localhost",
+        "localhost.localdomain",
+        "ip6-localhost",
+        "ip6-loopback",
+        "localhost6",
+        "localhost6.localdomain6",
+    }
+)
 # What inet_aton reads as an IPv4 address besides the dotted quad: 127.1, 2130706433, 0x7f...
 _IPV4_SHORTHAND = re.compile(r"(0x[0-9a-f]+|[0-9]+)(\.(0x[0-9a-f]+|[0-9]+)){0,3}")
 

@@ -42,17 +42,25 @@ class LinkStats(msgspec.Struct, frozen=True, kw_only=True):
     bwd_codec: CodecName = "none"
 
 
+# How long a measured link stays current: then an idle probe measures it again, and a job's
+# report may raise a link a probe agreed on (silentswarm.leader.linkprobes, .registry).
+LINK_CURRENT_S = 86_400.0
+
+
 class MeasuredLink(msgspec.Struct, frozen=True, kw_only=True):
     """What the leader keeps of a measured boundary between two fellows, for placing the
     next ``balanced`` job along fast links: the slower direction's rate and the round trip.
     Kept on the upstream fellow's record (:class:`silentswarm.types.fleet.FellowRecord`), so
     it outlives a leader restart. ``measured_at``: when the leader last recorded other
     figures for the pair (wall clock; None in records older than it), so that an idle probe
-    measures a link again once it is old (:mod:`silentswarm.leader.linkprobes`)."""
+    measures a link again once it is old (:mod:`silentswarm.leader.linkprobes`); ``probed``:
+    both ends of an idle probe agreed on it (a job's boundary report is its upstream stage's
+    word alone)."""
 
     mbit_s: MbitPerS
     rtt_ms: Millis
     measured_at: float | None = None
+    probed: bool = False
 
     def same_figures(self, other: MeasuredLink | None) -> bool:
         return other is not None and (self.mbit_s, self.rtt_ms) == (other.mbit_s, other.rtt_ms)

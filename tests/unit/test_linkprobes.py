@@ -182,7 +182,9 @@ def stats(fwd: float, bwd: float, rtt: float) -> LinkStats:
 
 
 def test_the_worse_of_both_ends_figures_is_kept():
-    assert agreed_link(stats(90, 80, 12), stats(95, 70, 10)) == MeasuredLink(mbit_s=70, rtt_ms=12)
+    assert agreed_link(stats(90, 80, 12), stats(95, 70, 10)) == MeasuredLink(
+        mbit_s=70, rtt_ms=12, probed=True
+    )
 
 
 def report(run_id: str, peer: str, ok: bool = True, s: LinkStats | None = None) -> LinkProbeReport:
@@ -210,7 +212,7 @@ def test_a_probe_is_recorded_once_both_ends_report_it():
     assert prober.report("b", report(run.probe_id, "c"), now=NOW) is None  # one end: not yet
     assert prober.report("b", report(run.probe_id, "c"), now=NOW) is None  # a repeat: nothing
     result = prober.report("c", report(run.probe_id, "b"), now=NOW)
-    assert result is not None and result.link == MeasuredLink(mbit_s=80, rtt_ms=12)
+    assert result is not None and result.link == MeasuredLink(mbit_s=80, rtt_ms=12, probed=True)
     assert prober.current is None and prober.busy() == frozenset()
     assert dict(prober.results) == {"measured": 1}
     assert not prober.due(NOW + 9) and prober.due(NOW + 10)
@@ -225,7 +227,7 @@ def test_a_boasting_end_gets_the_honest_ends_figures(liar):
     honest = "c" if liar == "b" else "b"
     prober.report(liar, report(run.probe_id, honest, s=stats(9e6, 9e6, 0)), now=NOW)
     result = prober.report(honest, report(run.probe_id, liar, s=stats(90, 80, 12)), now=NOW)
-    assert result is not None and result.link == MeasuredLink(mbit_s=80, rtt_ms=12)
+    assert result is not None and result.link == MeasuredLink(mbit_s=80, rtt_ms=12, probed=True)
 
 
 @pytest.mark.parametrize("how", ["failed", "refused", "expired"])
@@ -342,3 +344,28 @@ def test_a_pair_keeps_one_link_the_newest():
         "a",
         "b",
     ]
+
+
+def test_a_jobs_report_lowers_a_probed_link_but_does_not_raise_it_until_it_is_old():
+    """A job's boundary figures are its upstream stage's word alone: against a link both ends
+    of a probe agreed on less than a day ago they count only where they are worse."""
+    now = [1000.0]
+    registry = registry_of("a", "b", now=now)
+    probed = agreed_link(stats(80, 90, 12), stats(85, 95, 10))
+    registry.record_link("a", "b", probed, fresh=True)
+    assert registry.links.between("a", "b") == MeasuredLink(
+        mbit_s=80, rtt_ms=12, measured_at=1000.0, probed=True
+    )
+    now[0] = 2000.0
+    registry.take_dirty()
+    registry.record_link("b", "a", MeasuredLink(mbit_s=9e6, rtt_ms=0.0))  # a boast
+    assert registry.links.between("a", "b").mbit_s == 80 and registry.take_dirty() == []
+    registry.record_link("a", "b", MeasuredLink(mbit_s=20.0, rtt_ms=40.0))  # worse: kept
+    assert registry.links.between("a", "b") == MeasuredLink(
+        mbit_s=20, rtt_ms=40, measured_at=1000.0, probed=True
+    )
+    now[0] = 1000.0 + LINK_STALE_S  # a day on, the job's own figures count again
+    registry.record_link("a", "b", MeasuredLink(mbit_s=300.0, rtt_ms=5.0))
+    assert registry.links.between("a", "b") == MeasuredLink(
+        mbit_s=300, rtt_ms=5, measured_at=now[0]
+    )
