@@ -26,6 +26,7 @@ from silentswarm.agent.errors import FrameError, LinkError, PeerTimeoutError
 from silentswarm.agent.pipe.base import Parts
 from silentswarm.agent.pipe.link import (
     CurveKeys,
+    Link,
     TransportKind,
     accept_upstream,
     connect_downstream,
@@ -52,30 +53,12 @@ def run_probe(args: ProbeArgs, *, bind: str | None) -> LinkProbeReport:
     """Measure the link to ``args.peer``; ``bind``: where this fellow binds (its data bind
     address) when ``args.bind``. Never raises for the link's or the peer's faults: they are
     the report's ``message``."""
-    name = f"probe-{args.probe_id[:8]}"
-    curve = CurveKeys(
-        public=args.curve.public, secret=args.curve.secret, peer_public=args.curve.peer_public
-    )
-    fingerprint = args.probe_id.encode()
     started = time.monotonic()
-    deadline = started + args.timeout_s
     link = None
     try:
+        link = open_link(args, bind=bind)
+        timed = _Deadline(link, started + args.timeout_s)
         if args.bind:
-            if bind is None:
-                return _failed(args, "this fellow has no data address to bind")
-            link = accept_upstream(
-                name=name,
-                transport=TransportKind.P2P,
-                bind=bind,
-                relay=None,
-                timeout_s=args.timeout_s,
-                p2p_grace_s=0.0,
-                fingerprint=fingerprint,
-                curve=curve,
-                max_message_bytes=MAX_MESSAGE_BYTES,
-            )
-            timed = _Deadline(link, deadline)
             half = downstream_half(timed, boundary=0, step=0, timeout_s=args.timeout_s)
             # What this end measured itself: the forward rate it timed, the round trip of
             # its own pings. The backward rate is the peer's word (the leader keeps the
@@ -88,19 +71,6 @@ def run_probe(args: ProbeArgs, *, bind: str | None) -> LinkProbeReport:
                 bwd_mbit_s=half.peer.bwd_mbit_s,
             )
         else:
-            if args.address is None:
-                return _failed(args, "no address to connect to")
-            link = connect_downstream(
-                name=name,
-                transport=TransportKind.P2P,
-                address=args.address,
-                relay=None,
-                timeout_s=args.timeout_s,
-                fingerprint=fingerprint,
-                curve=curve,
-                max_message_bytes=MAX_MESSAGE_BYTES,
-            )
-            timed = _Deadline(link, deadline)
             stats = measure_as_upstream(timed, boundary=0, step=0, timeout_s=args.timeout_s)
             answer_pings(timed, args.timeout_s)  # the binder's own round trip
     except (LinkError, FrameError) as exc:
@@ -119,6 +89,44 @@ def run_probe(args: ProbeArgs, *, bind: str | None) -> LinkProbeReport:
         time.monotonic() - started,
     )
     return LinkProbeReport(probe_id=args.probe_id, peer=args.peer, ok=True, stats=stats)
+
+
+def open_link(args: ProbeArgs, *, bind: str | None) -> Link:
+    """The probe's link, after the handshake: bound at ``bind`` and taken from the peer
+    (``args.bind``), or connected to ``args.address``; CURVE with the probe's keys, the probe
+    id as the fingerprint, ZeroMQ only. LinkError where there is nothing to bind or connect
+    to, or no peer shakes hands within ``args.timeout_s``."""
+    name = f"probe-{args.probe_id[:8]}"
+    curve = CurveKeys(
+        public=args.curve.public, secret=args.curve.secret, peer_public=args.curve.peer_public
+    )
+    fingerprint = args.probe_id.encode()
+    if args.bind:
+        if bind is None:
+            raise LinkError("this fellow has no data address to bind")
+        return accept_upstream(
+            name=name,
+            transport=TransportKind.P2P,
+            bind=bind,
+            relay=None,
+            timeout_s=args.timeout_s,
+            p2p_grace_s=0.0,
+            fingerprint=fingerprint,
+            curve=curve,
+            max_message_bytes=MAX_MESSAGE_BYTES,
+        )
+    if args.address is None:
+        raise LinkError("no address to connect to")
+    return connect_downstream(
+        name=name,
+        transport=TransportKind.P2P,
+        address=args.address,
+        relay=None,
+        timeout_s=args.timeout_s,
+        fingerprint=fingerprint,
+        curve=curve,
+        max_message_bytes=MAX_MESSAGE_BYTES,
+    )
 
 
 class _Deadline:
@@ -148,4 +156,4 @@ def _failed(args: ProbeArgs, message: str) -> LinkProbeReport:
     return LinkProbeReport(probe_id=args.probe_id, peer=args.peer, ok=False, message=message[:512])
 
 
-__all__ = ["MAX_MESSAGE_BYTES", "run_probe"]
+__all__ = ["MAX_MESSAGE_BYTES", "open_link", "run_probe"]

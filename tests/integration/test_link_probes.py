@@ -18,12 +18,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from silentswarm import subjects as topics
 from silentswarm.agent.errors import PeerTimeoutError
-from silentswarm.agent.linkprobe import MAX_MESSAGE_BYTES
+from silentswarm.agent.linkprobe import open_link
 from silentswarm.agent.pipe import probe
-from silentswarm.agent.pipe.link import CurveKeys, TransportKind, connect_downstream
 from silentswarm.errors import ErrorCode
 from silentswarm.leader.linkprobes import agreed_link
 from silentswarm.natsd import start_nats_server
+from silentswarm.plan import CurveKeys
 from silentswarm.procs import free_port
 from silentswarm.protocol import Heartbeat, LinkProbeReport, SignalAck, make_signal
 from silentswarm.rings import boundary_keys
@@ -162,17 +162,16 @@ def next_report(url: str, fellow: str, probe_id: str, timeout: float) -> LinkPro
 
 
 def connect(address: str, probe_id: str, curve: CurveKeys, timeout_s: float):
-    """The connecting end of probe ``probe_id``, as a fellow's would be, with ``curve``."""
-    return connect_downstream(
-        name="peer",
-        transport=TransportKind.P2P,
+    """The connecting end of probe ``probe_id``, opened as a fellow opens it, with ``curve``."""
+    args = ProbeArgs(
+        probe_id=probe_id,
+        peer="binder",
+        bind=False,
         address=address,
-        relay=None,
-        timeout_s=timeout_s,
-        fingerprint=probe_id.encode(),
         curve=curve,
-        max_message_bytes=MAX_MESSAGE_BYTES,
+        timeout_s=timeout_s,
     )
+    return open_link(args, bind=None)
 
 
 @pytest.mark.timeout(90)
@@ -201,16 +200,16 @@ def test_a_probe_binds_for_its_keys_alone_and_reports_what_both_ends_measured(
     # A peer with keys of its own: CURVE refuses it, no HELLO ever arrives.
     own_public, own_secret = (k.decode() for k in zmq.curve_keypair())
     with pytest.raises(PeerTimeoutError):
-        connect(address, args.probe_id, CurveKeys(own_public, own_secret, binder_keys.public), 2)
+        stranger = CurveKeys(public=own_public, secret=own_secret, peer_public=binder_keys.public)
+        connect(address, args.probe_id, stranger, 2)
     failed = next_report(nats_server.url, "binder", args.probe_id, timeout=15)
     assert not failed.ok and failed.stats is None and "HELLO" in failed.message, failed
 
     # The probe's own keys: the binder answers; it reports the backward rate we timed, and
     # its own forward rate and round trip.
-    keys = CurveKeys(connector_keys.public, connector_keys.secret, connector_keys.peer_public)
     args = msgspec.structs.replace(args, probe_id="c3" * 8, timeout_s=15.0)
     assert send_probe(nats_server.url, "binder", args).ok
-    link = connect(address, args.probe_id, keys, 10)
+    link = connect(address, args.probe_id, connector_keys, 10)
     try:
         ours = probe.measure_as_upstream(link, boundary=0, step=0, timeout_s=10)
         probe.answer_pings(link, 10)
@@ -258,9 +257,8 @@ def test_a_boasting_peer_cannot_make_a_slow_link_look_fast(procs, tmp_path):
         connector_keys, binder_keys = boundary_keys(2)[0]
         args = ProbeArgs(probe_id="e5" * 8, peer="boaster", bind=True, curve=binder_keys)
         assert send_probe(nats.url, "far", args).ok
-        keys = CurveKeys(connector_keys.public, connector_keys.secret, connector_keys.peer_public)
         boast = LinkStats(boundary=0, step=0, rtt_ms=0.0, fwd_mbit_s=9e6, bwd_mbit_s=9e6)
-        link = connect(address, args.probe_id, keys, 10)
+        link = connect(address, args.probe_id, connector_keys, 10)
         try:
             for seq in range(probe.PINGS):
                 probe.send_msg(link, probe.Ping(seq), 10)
