@@ -621,17 +621,7 @@ class FellowAgent:
         """Measure the link to another fellow, in a thread, while this one runs no stage;
         the result goes out in the next heartbeats."""
         args = sig.args
-        busy = (
-            "it runs a stage"
-            if self.run_ is not None
-            else "it is probing another link"
-            if self._probe is not None
-            else "it is updating or stopping"
-            if self._updating is not None or (self._stop is not None and self._stop.is_set())
-            else f"it is {self.status.value}"
-            if self.status is not FellowStatus.READY
-            else None
-        )
+        busy = self._busy_for_probe()
         if busy is not None:
             return self._ack(sig, False, ErrorCode.PROBE_REFUSED, f"no link probe: {busy}")
         bind = self.settings.data_bind or self.identity.data_address
@@ -646,6 +636,18 @@ class FellowAgent:
         probe.add_done_callback(self._probe_ended)
         role = "binding" if args.bind else f"connecting to {args.address}"
         return self._ack(sig, True, message=f"probing the link to {args.peer}, {role}")
+
+    def _busy_for_probe(self) -> str | None:
+        """Why this fellow cannot probe a link now (None: it can)."""
+        if self.run_ is not None:
+            return "it runs a stage"
+        if self._probe is not None:
+            return "it is probing another link"
+        if self._updating is not None or (self._stop is not None and self._stop.is_set()):
+            return "it is updating or stopping"
+        if self.status is not FellowStatus.READY:
+            return f"it is {self.status.value}"
+        return None
 
     def _probe_ended(self, task: asyncio.Task[LinkProbeReport]) -> None:
         self._probe = None

@@ -105,8 +105,7 @@ def next_pair(
     held = held_back or {}
 
     def current(link: MeasuredLink) -> bool:
-        at = link.measured_at
-        return wall_now is None or at is None or wall_now - at < stale_after_s
+        return wall_now is None or link.current(wall_now, stale_after_s)
 
     counts = {c.fellow_id: sum(map(current, links.of(c.fellow_id))) for c in idle}
     ordered = sorted(

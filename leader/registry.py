@@ -37,7 +37,7 @@ from silentswarm.protocol import (
     RegisterRequest,
 )
 from silentswarm.types.fleet import FellowRecord, NodeView, ReleasedFellow, Transition
-from silentswarm.types.links import LINK_CURRENT_S, MeasuredLink
+from silentswarm.types.links import MeasuredLink
 
 __all__ = ["FellowRecord", "FellowRegistry", "NodeView", "Transition"]
 
@@ -336,11 +336,11 @@ class FellowRegistry:
     ) -> None:
         """A boundary ``upstream`` -> ``downstream`` measured ``link``: kept on the upstream
         fellow's record (the latest :data:`LINKS_KEPT` peers; the pair's link the other way,
-        older, dropped) with the time, written by the
-        store when its figures are new or changed (a stage repeats its latest measurement
-        with every step); ``fresh``: a new measurement (an idle probe's), whose time counts
-        even where its figures are the same. A job's report does not raise a link an idle
-        probe recorded less than :data:`LINK_CURRENT_S` ago (it may lower it)."""
+        older, dropped) with the time, written by the store when its figures are new or
+        changed (a stage repeats its latest measurement with every step); ``fresh``: a new
+        measurement (an idle probe's), whose time counts even where its figures are the same.
+        A job's report does not raise a link an idle probe recorded less than
+        :data:`~silentswarm.types.links.LINK_CURRENT_S` ago (it may lower it)."""
         entry = self._entries.get(upstream)
         if entry is None or upstream == downstream:
             return
@@ -542,10 +542,5 @@ class FellowRegistry:
 
 def _current_probe(link: MeasuredLink | None, now: float) -> bool:
     """Whether ``link`` is one an idle probe's two ends agreed on less than
-    :data:`LINK_CURRENT_S` before ``now`` (the wall clock)."""
-    return (
-        link is not None
-        and link.probed
-        and link.measured_at is not None
-        and now - link.measured_at < LINK_CURRENT_S
-    )
+    :data:`~silentswarm.types.links.LINK_CURRENT_S` before ``now`` (the wall clock)."""
+    return link is not None and link.probed and link.current(now)

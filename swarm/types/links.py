@@ -65,6 +65,11 @@ class MeasuredLink(msgspec.Struct, frozen=True, kw_only=True):
     def same_figures(self, other: MeasuredLink | None) -> bool:
         return other is not None and (self.mbit_s, self.rtt_ms) == (other.mbit_s, other.rtt_ms)
 
+    def current(self, now: float, within: float = LINK_CURRENT_S) -> bool:
+        """Recorded less than ``within`` seconds before ``now`` (the wall clock); a link of
+        unknown age (recorded before the leader kept times) counts as current."""
+        return self.measured_at is None or now - self.measured_at < within
+
 
 class MeasuredPair(msgspec.Struct, frozen=True, kw_only=True):
     """One measured link as ``swarm links`` shows it: the fellow that connects (the upstream
