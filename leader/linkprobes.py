@@ -116,7 +116,7 @@ def next_pair(
     binds = {c.fellow_id: routable_endpoint(c.data_address) for c in ordered}
     scanned = 0
     for k in range(n):
-        i = (start + k) % n if n else 0
+        i = (start + k) % n
         a = ordered[i]
         for b in ordered[i + 1 :]:
             scanned += 1
