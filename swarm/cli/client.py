@@ -7,6 +7,8 @@ code ``LEADER_RESPONSE_INVALID`` that names the route and the field, not a trace
 
 from __future__ import annotations
 
+import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -15,6 +17,7 @@ from urllib.parse import quote
 import httpx
 import msgspec
 
+from silentswarm import __version__
 from silentswarm.errors import ErrorCode, LeaderResponseError, LeaderUnreachableError
 from silentswarm.types.account_api import AccountCreated, AccountView, CreateAccount, WhoAmI
 from silentswarm.types.api import Health, LeaderInfo
@@ -33,6 +36,7 @@ from silentswarm.types.fleet import (
 from silentswarm.types.jobs import CheckpointRecord, JobRecord, ServedJob, SignalRecord
 from silentswarm.types.metrics import ClusterView, HistoryPoint, JobMetrics
 from silentswarm.types.onboarding import CreateSession, JoinSession, JoinSessionCreated
+from silentswarm.unknown_fields import decode_leniently
 
 UPLOAD_CHUNK_BYTES = 1 << 20
 # Calls that wait for fellows to answer signals (8 s per signal, retries included).
@@ -242,11 +246,37 @@ def _id(value: str) -> str:
 
 def decode_answer(body: bytes | str, answer: type[T], what: str) -> T:
     """``body`` (JSON) as ``answer``; LeaderResponseError (``LEADER_RESPONSE_INVALID``) naming
-    ``what`` and msgspec's reason (with the field's path) when it does not decode."""
+    ``what`` and msgspec's reason (with the field's path) when it does not decode.
+
+    A newer leader's answer may carry fields this version's strict types (a job's spec)
+    refuse: they are left out, and said once on stderr (:func:`warn_newer_fields`)."""
     try:
         return msgspec.json.decode(body, type=answer)
-    except msgspec.DecodeError as exc:
+    except msgspec.DecodeError:
+        pass
+    try:
+        value, dropped = decode_leniently(body, answer)
+    except msgspec.DecodeError as exc:  # what is wrong besides fields it does not know
         raise LeaderResponseError(
             f"the leader's answer to {what} is not what this client expects: {exc}",
             code=ErrorCode.LEADER_RESPONSE_INVALID,
         ) from None
+    warn_newer_fields(dropped)
+    return value
+
+
+_warned: set[str] = set()
+
+
+def warn_newer_fields(paths: list[str]) -> None:
+    """One line on stderr per field this CLI does not know (a list's items count once)."""
+    fields = dict.fromkeys(re.sub(r"\[\d+\]", "[]", p).removeprefix("[].") for p in paths)
+    new = [f for f in fields if f not in _warned]
+    if not new:
+        return
+    _warned.update(new)
+    print(
+        f"swarm: warning: the leader sent fields this CLI ({__version__}) does not know, left "
+        f"out: {', '.join(new)}; install the leader's version (swarm info shows it)",
+        file=sys.stderr,
+    )

@@ -1,0 +1,99 @@
+"""Fields a newer peer sent that this version's strict types refuse: found and left out.
+
+The job spec's types (:mod:`silentswarm.plan`, :mod:`silentswarm.jobspec`) refuse unknown
+fields, so that a typo in a submitted spec is a 400 naming it and a fellow never trains on a
+plan it half understands. A job record that a newer leader answers carries its spec, with
+the fields that leader added: a CLI of an older version would refuse the whole answer.
+:func:`drop_unknown_fields` walks a decoded JSON value beside the type it should decode as
+and takes out of it what the type does not know, only from the structs that would refuse it,
+so the CLI can show what it does know and say what it left out (silentswarm.cli.client). It
+is pure: no I/O, and nothing but the value it is given is changed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import msgspec.inspect as mi
+
+
+def drop_unknown_fields(value: Any, kind: Any) -> list[str]:
+    """Remove from ``value`` (JSON decoded to dicts and lists, changed in place) the keys
+    that a struct of ``kind`` that forbids unknown fields would refuse; their paths
+    (``spec.train.new_field``, ``[2].spec.model.x``), in the order found."""
+    dropped: list[str] = []
+    _walk(value, mi.type_info(kind), "", dropped)
+    return dropped
+
+
+ARRAYS = (mi.ListType, mi.SetType, mi.FrozenSetType, mi.VarTupleType)
+
+
+def _walk(value: Any, info: mi.Type | None, path: str, dropped: list[str]) -> None:
+    if isinstance(info, mi.Metadata):
+        info = info.type
+    if isinstance(info, mi.UnionType):
+        info = _member(value, info)
+    if isinstance(info, mi.StructType):
+        if isinstance(value, dict):
+            _struct(value, info, path, dropped)
+        return
+    for item, item_info, item_path in _children(value, info, path):
+        _walk(item, item_info, item_path, dropped)
+
+
+def _children(value: Any, info: mi.Type | None, path: str) -> list[tuple[Any, mi.Type, str]]:
+    """The items of a JSON object or array that ``info`` (a mapping, array or tuple) types."""
+    if isinstance(info, mi.DictType) and isinstance(value, dict):
+        return [(item, info.value_type, _join(path, str(key))) for key, item in value.items()]
+    if isinstance(info, ARRAYS) and isinstance(value, list):
+        return [(item, info.item_type, f"{path}[{i}]") for i, item in enumerate(value)]
+    if isinstance(info, mi.TupleType) and isinstance(value, list):
+        pairs = zip(value, info.item_types, strict=False)
+        return [(item, kind, f"{path}[{i}]") for i, (item, kind) in enumerate(pairs)]
+    return []
+
+
+def _struct(value: dict[str, Any], info: mi.StructType, path: str, dropped: list[str]) -> None:
+    known = {f.encode_name: f for f in info.fields}
+    for key in list(value):
+        field = known.get(key)
+        if field is not None:
+            _walk(value[key], field.type, _join(path, key), dropped)
+        elif info.forbid_unknown_fields and key != info.tag_field:
+            del value[key]
+            dropped.append(_join(path, key))
+
+
+def _member(value: Any, info: mi.UnionType) -> mi.Type | None:
+    """The member of a union that ``value`` decodes as, where that is a struct or a
+    container (what may hold structs): by its tag, else the only one of its JSON kind."""
+    members = [m.type if isinstance(m, mi.Metadata) else m for m in info.types]
+    if isinstance(value, dict):
+        structs = [m for m in members if isinstance(m, mi.StructType)]
+        for struct in structs:
+            if struct.tag_field is not None and value.get(struct.tag_field) == struct.tag:
+                return struct
+        untagged = [s for s in structs if s.tag_field is None]
+        dicts = [m for m in members if isinstance(m, mi.DictType)]
+        candidates = untagged + dicts
+        return candidates[0] if len(candidates) == 1 else None
+    if isinstance(value, list):
+        lists = [m for m in members if isinstance(m, (*ARRAYS, mi.TupleType))]
+        return lists[0] if len(lists) == 1 else None
+    return None
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def decode_leniently(body: bytes | str, kind: type[Any]) -> tuple[Any, list[str]]:
+    """``body`` (JSON) as ``kind`` with what its strict structs would refuse left out: the
+    value and the paths left out. Raises msgspec.DecodeError (a ValidationError is one) where
+    it does not decode even so."""
+    raw = msgspec.json.decode(body)
+    dropped = drop_unknown_fields(raw, kind)
+    # Through JSON again, not msgspec.convert: the same rules as the strict decode's.
+    return msgspec.json.decode(msgspec.json.encode(raw), type=kind), dropped

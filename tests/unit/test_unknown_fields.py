@@ -1,0 +1,112 @@
+"""drop_unknown_fields: what a strict struct would refuse is found wherever the type puts
+one, and nothing else is touched; the CLI's decode of a newer leader's answer."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Annotated, Any, Literal
+
+import msgspec
+import pytest
+
+from silentswarm.cli import client
+from silentswarm.cli.client import decode_answer
+from silentswarm.errors import ErrorCode, LeaderResponseError
+from silentswarm.jobspec import JobSpec, decode_job_spec
+from silentswarm.unknown_fields import drop_unknown_fields
+
+
+class Inner(msgspec.Struct, forbid_unknown_fields=True):
+    a: int = 0
+
+
+class Loose(msgspec.Struct):
+    inner: Inner = msgspec.field(default_factory=Inner)
+
+
+class Cat(msgspec.Struct, tag="cat", forbid_unknown_fields=True):
+    lives: int = 9
+
+
+class Dog(msgspec.Struct, tag="dog", forbid_unknown_fields=True):
+    good: bool = True
+
+
+class Outer(msgspec.Struct, forbid_unknown_fields=True, rename={"inner": "in"}):
+    inner: Inner = msgspec.field(default_factory=Inner)
+    maybe: Inner | None = None
+    many: list[Inner] = msgspec.field(default_factory=list)
+    by_name: dict[str, Inner] = msgspec.field(default_factory=dict)
+    pair: tuple[Inner, int] | None = None
+    pet: Cat | Dog | None = None
+    loose: Loose = msgspec.field(default_factory=Loose)
+    sized: Annotated[Inner, msgspec.Meta(title="x")] = msgspec.field(default_factory=Inner)
+    mode: Literal["a", "b"] = "a"
+
+
+CASES = [
+    ({"in": {"a": 1}}, [], "a value it knows: unchanged"),
+    ({"new": 1}, ["new"], "at the top"),
+    ({"in": {"a": 1, "new": {"deep": 1}}}, ["in.new"], "inside a field, renamed, once"),
+    ({"maybe": {"b": 2}}, ["maybe.b"], "an optional struct"),
+    ({"maybe": None, "new": None}, ["new"], "a null where a struct may be"),
+    ({"many": [{"a": 1}, {"x": 1}]}, ["many[1].x"], "in a list's items"),
+    ({"by_name": {"k": {"x": 1}}}, ["by_name.k.x"], "in a mapping's values"),
+    ({"pair": [{"x": 1}, 3]}, ["pair[0].x"], "in a tuple"),
+    ({"pet": {"type": "dog", "good": True, "x": 1}}, ["pet.x"], "a tagged union by its tag"),
+    ({"pet": {"type": "cat", "lives": 3}}, [], "a tag is no unknown field"),
+    ({"loose": {"new": 1, "inner": {"x": 1}}}, ["loose.inner.x"], "a lenient struct keeps"),
+    ({"sized": {"x": 1}}, ["sized.x"], "through Annotated"),
+    ({"many": "not a list", "maybe": 5}, [], "values of the wrong kind: left to decode"),
+]
+
+
+@pytest.mark.parametrize(("value", "dropped", "what"), CASES, ids=[c[2] for c in CASES])
+def test_drops_what_a_strict_struct_refuses_and_nothing_else(value, dropped, what):
+    before = copy.deepcopy(value)
+    assert drop_unknown_fields(value, Outer) == dropped, what
+    if not dropped:
+        assert value == before, "nothing known was touched"
+    if dropped and all(isinstance(v, dict | list | None) for v in before.values()):
+        msgspec.convert(value, Outer)  # what is left decodes strictly
+
+
+def test_a_list_of_them_names_each_item():
+    value = [{"new": 1}, {"in": {"y": 2}}]
+    assert drop_unknown_fields(value, list[Outer]) == ["[0].new", "[1].in.y"]
+    assert value == [{}, {"in": {}}]
+
+
+SPEC = decode_job_spec(json.dumps({"name": "skew", "steps": 5, "stages": 1}).encode())
+
+
+def newer(spec: JobSpec) -> dict[str, Any]:
+    raw = msgspec.to_builtins(spec)
+    raw["zero_bubble"] = True
+    raw["model"]["rope_scaling"] = {"factor": 2.0}
+    return raw
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings(monkeypatch):
+    monkeypatch.setattr(client, "_warned", set())
+
+
+def test_a_newer_leaders_spec_decodes_as_this_version_knows_it_and_is_said_once(capsys):
+    body = json.dumps([newer(SPEC), newer(SPEC)])
+    assert decode_answer(body, list[JobSpec], "GET /api/v1/jobs") == [SPEC, SPEC]
+    assert decode_answer(body, list[JobSpec], "GET /api/v1/jobs") == [SPEC, SPEC]
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("swarm: warning: the leader sent fields")
+    assert "left out: model.rope_scaling, zero_bubble;" in lines[0], lines[0]
+
+
+def test_an_answer_that_is_wrong_besides_is_still_refused_naming_the_field(capsys):
+    raw = newer(SPEC)
+    raw["steps"] = "many"
+    with pytest.raises(LeaderResponseError) as caught:
+        decode_answer(json.dumps(raw), JobSpec, "GET /api/v1/jobs/x")
+    assert caught.value.code == ErrorCode.LEADER_RESPONSE_INVALID
+    assert "GET /api/v1/jobs/x" in caught.value.message and "$.steps" in caught.value.message
+    assert capsys.readouterr().err == "", "no warning for an answer it refuses"
