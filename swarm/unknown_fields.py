@@ -12,6 +12,7 @@ is pure: no I/O, and nothing but the value it is given is changed.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import msgspec
@@ -21,10 +22,16 @@ import msgspec.inspect as mi
 def drop_unknown_fields(value: Any, kind: Any) -> list[str]:
     """Remove from ``value`` (JSON decoded to dicts and lists, changed in place) the keys
     that a struct of ``kind`` that forbids unknown fields would refuse; their paths
-    (``spec.train.new_field``, ``[2].spec.model.x``), in the order found."""
+    (``spec.train.new_field``, ``[2].spec.model.x``), in the order found. Structs encoded as
+    arrays (``array_like``) are left as they are (none of the leader's answers has one)."""
     dropped: list[str] = []
-    _walk(value, mi.type_info(kind), "", dropped)
+    _walk(value, _type_info(kind), "", dropped)
     return dropped
+
+
+@functools.cache
+def _type_info(kind: Any) -> mi.Type:
+    return mi.type_info(kind)
 
 
 ARRAYS = (mi.ListType, mi.SetType, mi.FrozenSetType, mi.VarTupleType)
@@ -68,17 +75,18 @@ def _struct(value: dict[str, Any], info: mi.StructType, path: str, dropped: list
 
 def _member(value: Any, info: mi.UnionType) -> mi.Type | None:
     """The member of a union that ``value`` decodes as, where that is a struct or a
-    container (what may hold structs): by its tag, else the only one of its JSON kind."""
+    container (what may hold structs): by its tag, else the only one of its JSON kind
+    (msgspec refuses unions of a struct and a mapping, or of two untagged structs)."""
     members = [m.type if isinstance(m, mi.Metadata) else m for m in info.types]
     if isinstance(value, dict):
         structs = [m for m in members if isinstance(m, mi.StructType)]
         for struct in structs:
             if struct.tag_field is not None and value.get(struct.tag_field) == struct.tag:
                 return struct
-        untagged = [s for s in structs if s.tag_field is None]
-        dicts = [m for m in members if isinstance(m, mi.DictType)]
-        candidates = untagged + dicts
-        return candidates[0] if len(candidates) == 1 else None
+        if structs:  # a lone one decodes without its tag; of several, none has this tag
+            return structs[0] if len(structs) == 1 else None
+        dicts = [m for m in members if isinstance(m, mi.DictType)]  # never beside a struct
+        return dicts[0] if len(dicts) == 1 else None
     if isinstance(value, list):
         lists = [m for m in members if isinstance(m, (*ARRAYS, mi.TupleType))]
         return lists[0] if len(lists) == 1 else None
@@ -93,7 +101,10 @@ def decode_leniently(body: bytes | str, kind: type[Any]) -> tuple[Any, list[str]
     """``body`` (JSON) as ``kind`` with what its strict structs would refuse left out: the
     value and the paths left out. Raises msgspec.DecodeError (a ValidationError is one) where
     it does not decode even so."""
-    raw = msgspec.json.decode(body)
+    try:
+        raw = msgspec.json.decode(body)
+    except RecursionError:  # nesting the typed decode skips over as an unknown field's
+        raise msgspec.DecodeError("JSON nested too deeply") from None
     dropped = drop_unknown_fields(raw, kind)
     # Through JSON again, not msgspec.convert: the same rules as the strict decode's.
     return msgspec.json.decode(msgspec.json.encode(raw), type=kind), dropped

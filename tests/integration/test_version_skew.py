@@ -79,14 +79,17 @@ class RewritingProxy:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+        self.thread.join(timeout=5)
 
 
 @pytest.fixture
 def newer_leader(leader: Leader) -> Iterator[tuple[Leader, RewritingProxy]]:
     proxy = RewritingProxy(leader.url)
+    proxied = Leader(proxy.url, token=leader.token)
     try:
-        yield Leader(proxy.url, token=leader.token), proxy
+        yield proxied, proxy
     finally:
+        proxied.http.close()
         proxy.close()
 
 
