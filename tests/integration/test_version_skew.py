@@ -1,7 +1,8 @@
 """A CLI older than its leader: the real CLI against a real leader whose answers carry what a
 newer version added to a job's spec (a proxy between them adds it to each record, as a
-newer leader would write it). The CLI shows what it knows and says once what it left out;
-an answer wrong in a field it does know is still an error naming that field."""
+newer leader would write it, and gives the leader a newer version). The CLI shows what it
+knows and says once what it left out; ``swarm info`` says the versions differ; an answer
+wrong in a field it does know is still an error naming that field."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ from typing import Any
 import httpx
 import pytest
 
+from silentswarm import __version__
 from tests.helpers import Leader, swarm_cli
 
 Rewrite = Callable[[dict[str, Any]], None]
+NEWER = "99.0.0"
 
 
 def newer_spec(record: dict[str, Any]) -> None:
@@ -69,6 +72,8 @@ class RewritingProxy:
             value = answer.json()
             for record in job_records(value):
                 self.rewrite(record)
+            if handler.path == "/api/v1/info":
+                value["version"] = NEWER
             body = json.dumps(value).encode()
         handler.send_response(answer.status_code)
         handler.send_header("content-type", answer.headers.get("content-type", "text/plain"))
@@ -107,6 +112,12 @@ def test_an_older_cli_shows_a_newer_leaders_jobs_and_says_once_what_it_left_out(
 
     direct = swarm_cli(leader, "jobs", timeout=30)
     assert direct.returncode == 0 and WARNING not in direct.stderr, direct.stderr
+    same = swarm_cli(leader, "info", timeout=30)
+    assert same.returncode == 0 and f"cli       version {__version__}\n" in same.stdout
+    info = swarm_cli(proxied, "info", timeout=30)
+    assert info.returncode == 0, info.stdout + info.stderr
+    assert f"(version {NEWER})" in info.stdout
+    assert f"cli       version {__version__} (not the leader's: install {NEWER}" in info.stdout
 
     listed = swarm_cli(proxied, "jobs", timeout=30)
     assert listed.returncode == 0, listed.stdout + listed.stderr

@@ -11,6 +11,7 @@ import cyclopts
 import msgspec
 from cyclopts import Parameter
 
+from silentswarm import __version__
 from silentswarm.cli import cluster
 from silentswarm.cli.context import Ctx
 from silentswarm.cli.options import JSON, LEADER, JsonOptions, LeaderOptions
@@ -24,11 +25,15 @@ def info(*, options: LeaderOptions = LEADER, ctx: Ctx) -> None:
     with ctx.client() as client:
         data = client.info()
     counts = ", ".join(f"{k} {v}" for k, v in data.fellows.items() if v) or "none"
+    cli = f"cli       version {__version__}"
+    if data.version != __version__:
+        cli += f" (not the leader's: install {data.version} to read all it sends)"
     ctx.emit(
         data,
         "\n".join(
             [
                 f"leader    {ctx.leader_url} (version {data.version})",
+                cli,
                 f"nats      {data.nats_url} "
                 f"({'connected' if data.nats_connected else 'DISCONNECTED'})",
                 f"fellows   {counts}",
