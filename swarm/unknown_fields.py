@@ -22,7 +22,8 @@ import msgspec.inspect as mi
 def drop_unknown_fields(value: Any, kind: Any) -> list[str]:
     """Remove from ``value`` (JSON decoded to dicts and lists, changed in place) the keys
     that a struct of ``kind`` that forbids unknown fields would refuse; their paths
-    (``spec.train.new_field``, ``[2].spec.model.x``), in the order found. Structs encoded as
+    (``spec.train.new_field``, ``[2].spec.model.x``, ``pool_limits[gpu].x``: a list's index
+    or a mapping's key in brackets), in the order found. Structs encoded as
     arrays (``array_like``) are left as they are (none of the leader's answers has one)."""
     dropped: list[str] = []
     _walk(value, _type_info(kind), "", dropped)
@@ -53,7 +54,7 @@ def _walk(value: Any, info: mi.Type | None, path: str, dropped: list[str]) -> No
 def _children(value: Any, info: mi.Type | None, path: str) -> list[tuple[Any, mi.Type, str]]:
     """The items of a JSON object or array that ``info`` (a mapping, array or tuple) types."""
     if isinstance(info, mi.DictType) and isinstance(value, dict):
-        return [(item, info.value_type, _join(path, str(key))) for key, item in value.items()]
+        return [(item, info.value_type, f"{path}[{key}]") for key, item in value.items()]
     if isinstance(info, ARRAYS) and isinstance(value, list):
         return [(item, info.item_type, f"{path}[{i}]") for i, item in enumerate(value)]
     if isinstance(info, mi.TupleType) and isinstance(value, list):

@@ -269,8 +269,9 @@ _warned: set[str] = set()
 
 
 def warn_newer_fields(paths: list[str]) -> None:
-    """One line on stderr per field this CLI does not know (a list's items count once)."""
-    fields = dict.fromkeys(re.sub(r"\[\d+\]", "[]", p).removeprefix("[].") for p in paths)
+    """One line on stderr per field this CLI does not know (a list's items, a mapping's
+    values, count once)."""
+    fields = dict.fromkeys(re.sub(r"\[[^]]*\]", "[]", p).removeprefix("[].") for p in paths)
     new = [f for f in fields if f not in _warned]
     if not new:
         return

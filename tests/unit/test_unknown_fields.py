@@ -53,7 +53,7 @@ CASES = [
     ({"maybe": {"b": 2}}, ["maybe.b"], {"maybe": {}}, "an optional struct"),
     ({"maybe": None, "new": None}, ["new"], {"maybe": None}, "a null where a struct may be"),
     ({"many": [{"a": 1}, {"x": 1}]}, ["many[1].x"], {"many": [{"a": 1}, {}]}, "a list's items"),
-    ({"by_name": {"k": {"x": 1}}}, ["by_name.k.x"], {"by_name": {"k": {}}}, "a mapping's values"),
+    ({"by_name": {"k": {"x": 1}}}, ["by_name[k].x"], {"by_name": {"k": {}}}, "a mapping's values"),
     ({"pair": [{"x": 1}, 3]}, ["pair[0].x"], {"pair": [{}, 3]}, "in a tuple"),
     (
         {"pet": {"type": "dog", "good": True, "x": 1}},
@@ -136,3 +136,10 @@ def test_nesting_too_deep_for_the_lenient_decode_is_refused_not_a_traceback():
     with pytest.raises(LeaderResponseError) as caught:
         decode_answer(body, JobSpec, "GET /api/v1/jobs/x")
     assert caught.value.code == ErrorCode.LEADER_RESPONSE_INVALID
+
+
+def test_the_warning_names_a_field_once_whatever_list_item_or_mapping_key_holds_it(capsys):
+    client.warn_newer_fields(["[0].a.x", "[1].a.x", "a.by[gpu].y", "a.by[cpu].y", "[2].z"])
+    client.warn_newer_fields(["[7].a.x"])
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "left out: a.x, a.by[].y, z;" in lines[0], lines
