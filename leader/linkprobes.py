@@ -6,7 +6,8 @@ guessed from its ends' other links. So, while fellows wait, the leader measures 
 guess would stand for: every ``SWARM_LINK_PROBE_EVERY_S`` seconds it picks one pair
 (:func:`next_pair`) of idle fellows of one pool (where no job waits for placement) and one
 version, on different hosts, whose link is not measured (or was recorded
-:data:`LINK_STALE_S` ago) and was not tried in the last :data:`RETRY_AFTER_S`, and sends each
+:data:`LINK_STALE_S` ago, or a job found it far slower than its probe:
+``MeasuredLink.recheck``) and was not tried in the last :data:`RETRY_AFTER_S`, and sends each
 a PROBE (:class:`silentswarm.types.signals.ProbeArgs`): one binds its data address (one
 another machine can reach: not loopback or link-local), the other connects, and both run the
 boundary probe (round trip, bursts each way), then the binder its own pings
@@ -95,8 +96,10 @@ def next_pair(
     hold it back), share a pool and a version, are on different hosts, at least one
     advertises a data address another machine can reach
     (:func:`silentswarm.hosts.routable_endpoint`: it binds),
-    their link is not measured either way or was recorded ``stale_after_s`` before
-    ``wall_now`` (the wall clock; None: no link is old), and it was not tried (``tried``:
+    their link is not measured either way, was recorded ``stale_after_s`` before
+    ``wall_now`` (the wall clock; None: no link is old) or is marked for a recheck
+    (``MeasuredLink.recheck``: a job's boundary found it far slower than the probe that
+    agreed on it), and it was not tried (``tried``:
     pair -> the time of its last try) in the last ``retry_after_s``. Of those, the first in
     the order of fewest current links (ties by fellow id), so that every fellow gets some
     before any gets many. At most ``max_scan`` pairs are looked at, from the ``start``-th
@@ -105,6 +108,10 @@ def next_pair(
     held = held_back or {}
 
     def current(link: MeasuredLink) -> bool:
+        """Measured, not to be measured again yet: recorded less than ``stale_after_s`` ago
+        and not marked for a recheck (a job found it far slower than its probe)."""
+        if link.recheck:
+            return False
         return wall_now is None or link.current(wall_now, stale_after_s)
 
     counts = {c.fellow_id: sum(map(current, links.of(c.fellow_id))) for c in idle}

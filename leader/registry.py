@@ -340,7 +340,8 @@ class FellowRegistry:
         changed (a stage repeats its latest measurement with every step); ``fresh``: a new
         measurement (an idle probe's), whose time counts even where its figures are the same.
         A job's report does not raise a link an idle probe recorded less than
-        :data:`~silentswarm.types.links.LINK_CURRENT_S` ago (it may lower it)."""
+        :data:`~silentswarm.types.links.LINK_CURRENT_S` ago (it may lower it; far below it,
+        the link is marked for the next idle probe to measure again: ``recheck``)."""
         entry = self._entries.get(upstream)
         if entry is None or upstream == downstream:
             return
@@ -356,6 +357,7 @@ class FellowRegistry:
                 rtt_ms=max(link.rtt_ms, kept.rtt_ms),
                 measured_at=kept.measured_at,
                 probed=True,
+                recheck=kept.recheck or link.far_below(kept),
             )
             if link == kept:
                 return

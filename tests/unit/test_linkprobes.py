@@ -360,12 +360,45 @@ def test_a_jobs_report_lowers_a_probed_link_but_does_not_raise_it_until_it_is_ol
     registry.take_dirty()
     registry.record_link("b", "a", MeasuredLink(mbit_s=9e6, rtt_ms=0.0))  # a boast
     assert registry.links.between("a", "b").mbit_s == 80 and registry.take_dirty() == []
-    registry.record_link("a", "b", MeasuredLink(mbit_s=20.0, rtt_ms=40.0))  # worse: kept
+    registry.record_link("a", "b", MeasuredLink(mbit_s=60.0, rtt_ms=14.0))  # worse: kept
     assert registry.links.between("a", "b") == MeasuredLink(
-        mbit_s=20, rtt_ms=40, measured_at=1000.0, probed=True
+        mbit_s=60, rtt_ms=14, measured_at=1000.0, probed=True
     )
     now[0] = 1000.0 + LINK_STALE_S  # a day on, the job's own figures count again
     registry.record_link("a", "b", MeasuredLink(mbit_s=300.0, rtt_ms=5.0))
     assert registry.links.between("a", "b") == MeasuredLink(
         mbit_s=300, rtt_ms=5, measured_at=now[0]
     )
+
+
+@pytest.mark.parametrize(
+    ("job", "recheck"),
+    [
+        (MeasuredLink(mbit_s=41.0, rtt_ms=23.0), False),  # worse, not far: kept as it is
+        (MeasuredLink(mbit_s=39.0, rtt_ms=12.0), True),  # under half the probe's rate
+        (MeasuredLink(mbit_s=80.0, rtt_ms=25.0), True),  # over twice its round trip
+    ],
+)
+def test_a_jobs_report_far_below_a_probed_link_has_the_next_probe_measure_it_again(job, recheck):
+    now = [1000.0]
+    registry = registry_of("f1", "f2", now=now)
+    registry.record_link("f1", "f2", agreed_link(stats(80, 90, 12), stats(85, 95, 10)), fresh=True)
+    now[0] = 2000.0
+    registry.record_link("f1", "f2", job)
+    lowered = registry.links.between("f1", "f2")
+    assert lowered is not None and lowered.recheck is recheck and lowered.probed
+    assert lowered.mbit_s == min(80, job.mbit_s) and lowered.measured_at == 1000.0
+    idle = [fellow("f1"), fellow("f2")]
+    plan, _ = next_pair(idle, registry.links, {}, now=NOW, wall_now=2000.0)
+    assert (plan is not None) is recheck, "only a link marked for a recheck is probed again"
+    registry.take_dirty()
+    registry.record_link("f1", "f2", job)  # the stage repeats its figures: nothing new
+    assert registry.take_dirty() == [] and registry.links.between("f1", "f2") == lowered
+    # The probe measures it again: its figures stand, whatever the job said, unmarked.
+    now[0] = 2500.0
+    again = agreed_link(stats(70, 75, 13), stats(72, 74, 12))
+    registry.record_link("f2", "f1", again, fresh=True)
+    assert registry.links.between("f1", "f2") == MeasuredLink(
+        mbit_s=70, rtt_ms=13, measured_at=2500.0, probed=True
+    )
+    assert next_pair(idle, registry.links, {}, now=NOW, wall_now=2500.0)[0] is None
