@@ -352,17 +352,27 @@ class FellowRegistry:
             # A job's report is its upstream stage's word alone: it may lower a link both
             # ends of a probe agreed on, not raise it, until that link is old.
             assert kept is not None
+            # Against what the probe agreed on, not what earlier reports lowered it to, so
+            # that a link lowered step by step is measured again as one lowered at once.
+            agreed_mbit_s = kept.agreed_mbit_s if kept.agreed_mbit_s is not None else kept.mbit_s
+            agreed_rtt_ms = kept.agreed_rtt_ms if kept.agreed_rtt_ms is not None else kept.rtt_ms
             link = MeasuredLink(
                 mbit_s=min(link.mbit_s, kept.mbit_s),
                 rtt_ms=max(link.rtt_ms, kept.rtt_ms),
                 measured_at=kept.measured_at,
                 probed=True,
-                recheck=kept.recheck or link.far_below(kept),
+                agreed_mbit_s=agreed_mbit_s,
+                agreed_rtt_ms=agreed_rtt_ms,
+                recheck=kept.recheck or link.far_below(agreed_mbit_s, agreed_rtt_ms),
             )
             if link == kept:
                 return
         elif not fresh and link.same_figures(links.get(downstream)):
             return
+        elif link.probed:  # an idle probe's: what it agreed on is kept beside the figures
+            link = msgspec.structs.replace(
+                link, measured_at=now, agreed_mbit_s=link.mbit_s, agreed_rtt_ms=link.rtt_ms
+            )
         else:
             link = msgspec.structs.replace(link, measured_at=now)
         links.pop(downstream, None)

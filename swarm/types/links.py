@@ -45,9 +45,12 @@ class LinkStats(msgspec.Struct, frozen=True, kw_only=True):
 # How long a measured link stays current: then an idle probe measures it again, and a job's
 # report may raise a link a probe agreed on (silentswarm.leader.linkprobes, .registry).
 LINK_CURRENT_S = 86_400.0
-# A job's boundary report this far below a probe-agreed link (under this share of its rate,
-# or over its round trip divided by it) has the next idle probe of the pair measure it again.
+# A job's boundary report this far below what an idle probe agreed on (under this share of
+# its rate, or over its round trip divided by it, and by more than the floors below: a LAN's
+# fraction of a millisecond doubles with any jitter) has the next idle probe measure it again.
 RECHECK_BELOW = 0.5
+RECHECK_MBIT_S_FLOOR = 0.5
+RECHECK_RTT_MS_FLOOR = 1.0
 
 
 class MeasuredLink(msgspec.Struct, frozen=True, kw_only=True):
@@ -58,21 +61,31 @@ class MeasuredLink(msgspec.Struct, frozen=True, kw_only=True):
     figures for the pair (wall clock; None in records older than it), so that an idle probe
     measures a link again once it is old (:mod:`silentswarm.leader.linkprobes`); ``probed``:
     both ends of an idle probe agreed on it (a job's boundary report is its upstream stage's
-    word alone); ``recheck``: a job's report lowered such a link far below what the probe
-    agreed (:data:`RECHECK_BELOW`), so the next idle probe of the pair measures it again: the
-    drop stands if the link really is that slow, and a passing one does not hold the pair
-    down for a day."""
+    word alone); ``agreed_mbit_s`` and ``agreed_rtt_ms``: what that probe agreed on, kept
+    while jobs' reports lower the link; ``recheck``: a job's report is far below them
+    (:meth:`far_below`), so the next idle probe of the pair measures the link again: the drop
+    stands if the link really is that slow, and a passing one (or a stage's word) does not
+    hold the pair down for a day."""
 
     mbit_s: MbitPerS
     rtt_ms: Millis
     measured_at: float | None = None
     probed: bool = False
+    agreed_mbit_s: MbitPerS | None = None
+    agreed_rtt_ms: Millis | None = None
     recheck: bool = False
 
-    def far_below(self, other: MeasuredLink) -> bool:
-        """Whether these figures are far worse than ``other``'s (:data:`RECHECK_BELOW`)."""
-        slower = self.mbit_s < other.mbit_s * RECHECK_BELOW
-        return slower or self.rtt_ms * RECHECK_BELOW > other.rtt_ms
+    def far_below(self, mbit_s: float, rtt_ms: float) -> bool:
+        """Whether these figures are far worse than ``mbit_s`` and ``rtt_ms``: under
+        :data:`RECHECK_BELOW` of the rate, or over the round trip divided by it, and by more
+        than :data:`RECHECK_MBIT_S_FLOOR` or :data:`RECHECK_RTT_MS_FLOOR`."""
+        slower = (
+            self.mbit_s < mbit_s * RECHECK_BELOW and mbit_s - self.mbit_s > RECHECK_MBIT_S_FLOOR
+        )
+        longer = (
+            self.rtt_ms * RECHECK_BELOW > rtt_ms and self.rtt_ms - rtt_ms > RECHECK_RTT_MS_FLOOR
+        )
+        return slower or longer
 
     def same_figures(self, other: MeasuredLink | None) -> bool:
         return other is not None and (self.mbit_s, self.rtt_ms) == (other.mbit_s, other.rtt_ms)

@@ -353,8 +353,9 @@ def test_a_jobs_report_lowers_a_probed_link_but_does_not_raise_it_until_it_is_ol
     registry = registry_of("a", "b", now=now)
     probed = agreed_link(stats(80, 90, 12), stats(85, 95, 10))
     registry.record_link("a", "b", probed, fresh=True)
+    agreed = {"agreed_mbit_s": 80, "agreed_rtt_ms": 12}
     assert registry.links.between("a", "b") == MeasuredLink(
-        mbit_s=80, rtt_ms=12, measured_at=1000.0, probed=True
+        mbit_s=80, rtt_ms=12, measured_at=1000.0, probed=True, **agreed
     )
     now[0] = 2000.0
     registry.take_dirty()
@@ -362,7 +363,7 @@ def test_a_jobs_report_lowers_a_probed_link_but_does_not_raise_it_until_it_is_ol
     assert registry.links.between("a", "b").mbit_s == 80 and registry.take_dirty() == []
     registry.record_link("a", "b", MeasuredLink(mbit_s=60.0, rtt_ms=14.0))  # worse: kept
     assert registry.links.between("a", "b") == MeasuredLink(
-        mbit_s=60, rtt_ms=14, measured_at=1000.0, probed=True
+        mbit_s=60, rtt_ms=14, measured_at=1000.0, probed=True, **agreed
     )
     now[0] = 1000.0 + LINK_STALE_S  # a day on, the job's own figures count again
     registry.record_link("a", "b", MeasuredLink(mbit_s=300.0, rtt_ms=5.0))
@@ -399,6 +400,32 @@ def test_a_jobs_report_far_below_a_probed_link_has_the_next_probe_measure_it_aga
     again = agreed_link(stats(70, 75, 13), stats(72, 74, 12))
     registry.record_link("f2", "f1", again, fresh=True)
     assert registry.links.between("f1", "f2") == MeasuredLink(
-        mbit_s=70, rtt_ms=13, measured_at=2500.0, probed=True
+        mbit_s=70, rtt_ms=13, measured_at=2500.0, probed=True, agreed_mbit_s=70, agreed_rtt_ms=13
     )
     assert next_pair(idle, registry.links, {}, now=NOW, wall_now=2500.0)[0] is None
+
+
+@pytest.mark.parametrize(
+    ("agreed", "reports", "recheck"),
+    [
+        # Each a little below the last, together far below what the probe agreed on.
+        ((80, 12), [(60, 12), (45, 12), (41, 12), (39, 12)], True),
+        ((80, 12), [(80, 16), (80, 20), (80, 25)], True),
+        ((80, 12), [(60, 16), (45, 20)], False),
+        # A LAN's fraction of a millisecond, doubled by jitter: not far below.
+        ((900, 0.3), [(900, 0.9)], False),
+        # A slow link that loses less than half a megabit: not far below either.
+        ((0.8, 30), [(0.35, 30)], False),
+        ((0.8, 30), [(0.25, 30)], True),
+    ],
+)
+def test_far_below_is_against_what_the_probe_agreed_on(agreed, reports, recheck):
+    now = [1000.0]
+    registry = registry_of("f1", "f2", now=now)
+    probed = MeasuredLink(mbit_s=agreed[0], rtt_ms=agreed[1], probed=True)
+    registry.record_link("f1", "f2", probed, fresh=True)
+    for mbit_s, rtt_ms in reports:
+        registry.record_link("f1", "f2", MeasuredLink(mbit_s=mbit_s, rtt_ms=rtt_ms))
+    link = registry.links.between("f1", "f2")
+    assert link is not None and link.recheck is recheck, link
+    assert (link.agreed_mbit_s, link.agreed_rtt_ms) == agreed
