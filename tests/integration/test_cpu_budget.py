@@ -91,12 +91,13 @@ def test_a_stage_under_a_quota_reports_the_seconds_it_was_held_back(tmp_path):
             if event["event"] != "step":
                 return
             if event["step"] >= 2 and not held_from:
-                group.set_share(0.1)
                 # This callback follows the stage's output file and may run far behind it on
-                # a busy machine: held are the steps after the newest one written by now (and
-                # after the one in flight, which the quota may have caught halfway).
+                # a busy machine: held are the steps after the newest one written before the
+                # quota falls (and after the one in flight, which it may catch halfway). Read
+                # first: a step written after the fall was held, and must not count as free.
                 lines = out.read_text().splitlines()
                 held_from.append(sum('"event":"step"' in line for line in lines) + 1)
+                group.set_share(0.1)
             elif held_from and event["step"] >= held_from[0] + 12 and not released_after:
                 group.set_share(full)  # the rest of the run (its save, its end) at full speed
                 released_after.append(event["step"])
