@@ -117,6 +117,7 @@ def create_app(
         account_of=account_book.find,
         revoke_attempt=revoker.revoke_attempt_soon if revoker is not None else None,
         link_probe_every_s=settings.link_probe_every_s,
+        link_probes_at_once=settings.link_probes_at_once,
     )
     # The domain services the controllers call; each gets the loop as the narrow
     # collaborator its Protocol names (leader.services), never more.

@@ -3,8 +3,8 @@
 Placement along links (``"partition": "balanced"``, :mod:`silentswarm.leader.balance`) knows
 a pair's link once a job's boundary between them has measured it; a pair never measured is
 guessed from its ends' other links. So, while fellows wait, the leader measures the links a
-guess would stand for: every ``SWARM_LINK_PROBE_EVERY_S`` seconds it picks one pair
-(:func:`next_pair`) of idle fellows of one pool (where no job waits for placement) and one
+guess would stand for: every ``SWARM_LINK_PROBE_EVERY_S`` seconds it picks pairs
+(:func:`next_pairs`) of idle fellows of one pool (where no job waits for placement) and one
 version, on different hosts, whose link is not measured (or was recorded
 :data:`LINK_STALE_S` ago, or a job found it far slower than its probe:
 ``MeasuredLink.recheck``) and was not tried in the last :data:`RETRY_AFTER_S`, and sends each
@@ -30,8 +30,13 @@ twice as long after each failure in a row (a port no one reaches costs a few pro
 every one). A fellow in a probe is not placed until the probe ends (it holds the data port a
 stage binds).
 
-Pure choices here (:func:`next_pair`, :func:`agreed_link`) and the bookkeeping of the one
-probe in flight (:class:`LinkProber`); the orchestrator sends the signals.
+Up to ``SWARM_LINK_PROBES_AT_ONCE`` probes run side by side, on machines of their own: two
+probes that shared a host would share its link and each measure part of it
+(:func:`own_host`: a fellow's data address's host, else its host name; :func:`hosts_of`).
+
+Pure choices here (:func:`next_pair`, :func:`next_pairs`, :func:`agreed_link`) and the
+bookkeeping of the probes in flight (:class:`LinkProber`); the orchestrator sends the
+signals.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from silentswarm.hosts import routable_endpoint
+from silentswarm.hosts import endpoint_host, routable_endpoint
 from silentswarm.leader.balance import LinkBook
 from silentswarm.leader.placement import Candidate, same_host
 from silentswarm.protocol import LinkProbeReport
@@ -73,6 +78,9 @@ class ProbePlan:
     binder: str
     connector: str
     address: str
+    # Every host either end may be on (its data address's host, its host name): a probe
+    # beside it shares none of them, so two probes never share a machine's link.
+    hosts: frozenset[str] = frozenset()
 
 
 def next_pair(
@@ -84,6 +92,7 @@ def next_pair(
     wall_now: float | None = None,
     held_back: Mapping[str, float] | None = None,
     start: int = 0,
+    busy_hosts: frozenset[str] = frozenset(),
     wanted: int = LINKS_WANTED,
     retry_after_s: float = RETRY_AFTER_S,
     stale_after_s: float = LINK_STALE_S,
@@ -104,7 +113,9 @@ def next_pair(
     the order of fewest current links (ties by fellow id), so that every fellow gets some
     before any gets many. At most ``max_scan`` pairs are looked at, from the ``start``-th
     fellow of that order on (wrapping); the second value is where a scan cut short stopped,
-    so that the next call goes on from there (0 when this one looked at every pair)."""
+    so that the next call goes on from there (0 when this one looked at every pair). A
+    fellow whose machine (:func:`own_host`) is one of ``busy_hosts`` (the probes in flight's,
+    :func:`hosts_of`) is left out: probes side by side share no machine's link."""
     held = held_back or {}
 
     def current(link: MeasuredLink) -> bool:
@@ -116,7 +127,13 @@ def next_pair(
 
     counts = {c.fellow_id: sum(map(current, links.of(c.fellow_id))) for c in idle}
     ordered = sorted(
-        (c for c in idle if counts[c.fellow_id] < wanted and held.get(c.fellow_id, 0.0) <= now),
+        (
+            c
+            for c in idle
+            if counts[c.fellow_id] < wanted
+            and held.get(c.fellow_id, 0.0) <= now
+            and own_host(c) not in busy_hosts
+        ),
         key=lambda c: (counts[c.fellow_id], c.fellow_id),
     )
     n = len(ordered)
@@ -146,9 +163,67 @@ def next_pair(
                 binder=binder.fellow_id,
                 connector=connector.fellow_id,
                 address=binder.data_address,
+                hosts=hosts_of(a) | hosts_of(b),
             )
             return plan, 0
     return None, 0
+
+
+def next_pairs(
+    idle: Sequence[Candidate],
+    links: LinkBook,
+    tried: Mapping[Pair, float],
+    *,
+    slots: int,
+    busy_hosts: frozenset[str] = frozenset(),
+    now: float,
+    wall_now: float | None = None,
+    held_back: Mapping[str, float] | None = None,
+    start: int = 0,
+) -> tuple[list[ProbePlan], int]:
+    """Up to ``slots`` pairs to probe side by side (:func:`next_pair` one after another,
+    each leaving out the hosts of the ones before and of ``busy_hosts``, each looking at
+    its share of :data:`MAX_SCAN` pairs), and where the next scan starts."""
+    plans: list[ProbePlan] = []
+    hosts = set(busy_hosts)
+    resume = start
+    while len(plans) < slots:
+        plan, resume = next_pair(
+            idle,
+            links,
+            tried,
+            now=now,
+            wall_now=wall_now,
+            held_back=held_back,
+            start=resume,
+            busy_hosts=frozenset(hosts),
+            max_scan=max(1, MAX_SCAN // slots),
+        )
+        if plan is None:
+            break
+        plans.append(plan)
+        hosts |= plan.hosts
+    return plans, resume
+
+
+def hosts_of(fellow: Candidate) -> frozenset[str]:
+    """Every name of the machine ``fellow`` may be on, which a probe of it keeps from the
+    probes beside it: its data address's host and its host name (a fellow's own claim:
+    one that names another's only keeps its probes apart)."""
+    names = {f"name:{fellow.hostname}"}
+    host = endpoint_host(fellow.data_address)
+    if host is not None:
+        names.add(f"addr:{host}")
+    return frozenset(names)
+
+
+def own_host(fellow: Candidate) -> str:
+    """The machine ``fellow`` is on as :func:`~silentswarm.leader.placement.same_host` tells
+    machines apart: its data address's host, or its host name where it advertises none (so
+    fellows on machines cloned from one image, one host name and other addresses, are
+    probed side by side)."""
+    host = endpoint_host(fellow.data_address)
+    return f"addr:{host}" if host is not None else f"name:{fellow.hostname}"
 
 
 def agreed_link(first: LinkStats, second: LinkStats) -> MeasuredLink:
@@ -162,7 +237,7 @@ def agreed_link(first: LinkStats, second: LinkStats) -> MeasuredLink:
 
 @dataclass
 class ProbeRun:
-    """The probe in flight: its id, its plan, when it began (monotonic) and what each end
+    """A probe in flight: its id, its plan, when it began (monotonic) and what each end
     has reported so far."""
 
     probe_id: str
@@ -186,16 +261,18 @@ class ProbeResult:
 
 
 class LinkProber:
-    """The probe in flight and what the leader remembers of the ones before: when each
+    """The probes in flight (at most ``at_once``, on machines of their own) and what the
+    leader remembers of the ones before: when each
     pair was last tried, each fellow's failed probes in a row and until when they hold it
     back (:data:`RETRY_AFTER_S`, doubling up to :data:`MAX_HOLD_S`: a fellow whose port no
     one reaches does not take every probe), where the last scan stopped, when the last probe
     began, and counts by result (``measured``, ``refused``, ``failed``, ``expired``: what
     the metrics show)."""
 
-    def __init__(self, *, every_s: float) -> None:
+    def __init__(self, *, every_s: float, at_once: int = 1) -> None:
         self.every_s = every_s
-        self.current: ProbeRun | None = None
+        self.at_once = at_once
+        self.running: dict[str, ProbeRun] = {}  # by probe id
         self.tried: dict[Pair, float] = {}
         self.failures: dict[str, int] = {}
         self.held_back: dict[str, float] = {}
@@ -208,12 +285,21 @@ class LinkProber:
         return self.every_s > 0
 
     def busy(self) -> frozenset[str]:
-        """The fellows in the probe in flight: not placed until it ends."""
-        return frozenset(self.current.fellows) if self.current is not None else frozenset()
+        """The fellows in the probes in flight: not placed until theirs ends."""
+        return frozenset(f for run in self.running.values() for f in run.fellows)
+
+    def busy_hosts(self) -> frozenset[str]:
+        """The hosts of the probes in flight (:func:`hosts_of`): no other probe uses them."""
+        return frozenset(h for run in self.running.values() for h in run.plan.hosts)
+
+    def slots(self) -> int:
+        """How many more probes may run beside those in flight."""
+        return max(0, self.at_once - len(self.running))
 
     def due(self, now: float) -> bool:
-        """Whether a new probe may begin: on, none in flight, the interval passed."""
-        if not self.enabled or self.current is not None:
+        """Whether new probes may begin: on, fewer than ``at_once`` in flight, the interval
+        since the last began passed."""
+        if not self.enabled or not self.slots():
             return False
         return self.last_started is None or now - self.last_started >= self.every_s
 
@@ -222,13 +308,15 @@ class LinkProber:
         self.last_started = now
         self.scan_from = resume
 
-    def begin(self, plan: ProbePlan, *, now: float) -> ProbeRun:
+    def begin(self, plan: ProbePlan, *, now: float, resume: int = 0) -> ProbeRun:
+        """A probe of ``plan`` in flight; ``resume``: where the scan that chose it stopped."""
         self._forget_old(now)
-        self.current = ProbeRun(probe_id=secrets.token_hex(8), plan=plan, started=now)
-        self.tried[frozenset(self.current.fellows)] = now
+        run = ProbeRun(probe_id=secrets.token_hex(8), plan=plan, started=now)
+        self.running[run.probe_id] = run
+        self.tried[frozenset(run.fellows)] = now
         self.last_started = now
-        self.scan_from = 0
-        return self.current
+        self.scan_from = resume
+        return run
 
     def refused(self, probe_id: str, reason: str, *, now: float) -> ProbeResult | None:
         """An end refused its PROBE (or did not answer): the probe is over."""
@@ -238,8 +326,8 @@ class LinkProber:
         """Take one end's report (a heartbeat's); the probe's result once it is decided. A
         report of another probe, from a fellow outside this one, or naming another peer is
         ignored (heartbeats repeat a report; a stranger's is no answer)."""
-        run = self.current
-        if run is None or report.probe_id != run.probe_id or fellow_id not in run.fellows:
+        run = self.running.get(report.probe_id)
+        if run is None or fellow_id not in run.fellows:
             return None
         peer = run.plan.connector if fellow_id == run.plan.binder else run.plan.binder
         if report.peer != peer or fellow_id in run.reports:
@@ -254,21 +342,25 @@ class LinkProber:
         assert first is not None and second is not None
         return self._end(run.probe_id, agreed_link(first, second), "measured", "", now=now)
 
-    def expire(self, now: float) -> ProbeResult | None:
-        run = self.current
-        if run is None or now - run.started < PROBE_EXPIRES_S:
-            return None
-        missing = sorted(set(run.fellows) - set(run.reports))
-        why = f"no report from {', '.join(missing)}"
-        return self._end(run.probe_id, None, "expired", why, now=now)
+    def expire(self, now: float) -> list[ProbeResult]:
+        """End the probes whose reports have not both come within :data:`PROBE_EXPIRES_S`."""
+        ended = []
+        for run in list(self.running.values()):
+            if now - run.started < PROBE_EXPIRES_S:
+                continue
+            missing = sorted(set(run.fellows) - set(run.reports))
+            why = f"no report from {', '.join(missing)}"
+            result = self._end(run.probe_id, None, "expired", why, now=now)
+            if result is not None:
+                ended.append(result)
+        return ended
 
     def _end(
         self, probe_id: str, link: MeasuredLink | None, result: str, reason: str, *, now: float
     ) -> ProbeResult | None:
-        run = self.current
-        if run is None or run.probe_id != probe_id:
+        run = self.running.pop(probe_id, None)
+        if run is None:
             return None
-        self.current = None
         self.results[result] += 1
         for fellow in run.fellows:
             # Either end may be the one at fault (a port no one reaches, a peer without the
@@ -305,5 +397,8 @@ __all__ = [
     "ProbeResult",
     "ProbeRun",
     "agreed_link",
+    "hosts_of",
     "next_pair",
+    "next_pairs",
+    "own_host",
 ]

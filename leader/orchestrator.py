@@ -95,6 +95,7 @@ class Orchestrator:
         account_of: AccountLookup = no_accounts,
         revoke_attempt: Callable[[str, str, int], None] | None = None,
         link_probe_every_s: float = 0.0,
+        link_probes_at_once: int = 1,
     ) -> None:
         """``wake``: set (by anyone: the export service when a shard arrives) to run the
         next tick at once instead of after ``TICK_S``. ``account_of``: a job owner's account,
@@ -102,7 +103,8 @@ class Orchestrator:
         ``revoke_attempt(fellow, job, attempt)``: revokes that fellow's NATS user of the
         attempt (a dropped replica's fellows; None: no NATS users to revoke).
         ``link_probe_every_s``: how often idle fellows' unmeasured links may be probed
-        (:mod:`silentswarm.leader.linkprobes`; 0: never)."""
+        (:mod:`silentswarm.leader.linkprobes`; 0: never), ``link_probes_at_once`` of them
+        side by side at most."""
         self.account_of = account_of
         self.revoke_attempt = revoke_attempt
         self.bus = bus
@@ -131,7 +133,7 @@ class Orchestrator:
         self._released_told: dict[str, float] = {}
         # Fellows an operator action (release, update) is signalling: not placed meanwhile.
         self._reserved: set[str] = set()
-        self.prober = LinkProber(every_s=link_probe_every_s)
+        self.prober = LinkProber(every_s=link_probe_every_s, at_once=link_probes_at_once)
         self._cooldown: dict[str, float] = {}  # fellow id -> monotonic time it may be placed
         # When each stage last got a STOP (monotonic): the orphan sweep waits a while after.
         self._stops_sent: dict[decide.StageKey, float] = {}
@@ -677,40 +679,43 @@ class Orchestrator:
     # --- link probes -----------------------------------------------------------------------
 
     def _probe_links(self) -> None:
-        """The probe in flight: take its ends' reports, or let it expire. None in flight: when
-        one is due and no job waits for placement, pair two idle fellows whose link is not
-        measured and send them PROBE (:mod:`silentswarm.leader.linkprobes`)."""
+        """The probes in flight: take their ends' reports, or let them expire. When more are
+        due and no job waits for placement, pair idle fellows whose links are not measured,
+        on hosts no probe in flight uses, and send them PROBE
+        (:mod:`silentswarm.leader.linkprobes`)."""
         prober = self.prober
         if not prober.enabled:
             return
         now = time.monotonic()
-        current = prober.current
-        if current is not None:
-            for fellow_id in current.fellows:
+        for run in list(prober.running.values()):
+            for fellow_id in run.fellows:
                 report = self.registry.link_probe_of(fellow_id)
                 if report is not None:
                     self._probe_ended(prober.report(fellow_id, report, now=now))
-            self._probe_ended(prober.expire(now))
-            return
+        for result in prober.expire(now):
+            self._probe_ended(result)
         if not prober.due(now):
             return
         # A pool where a job waits for placement keeps its fellows for it.
         waiting = {job.spec.run_pool for job in self.jobs.pending()}
         idle = [c for c in self._idle(self.registry.list(), now=now) if c.pool not in waiting]
-        plan, resume = linkprobes.next_pair(
+        plans, resume = linkprobes.next_pairs(
             idle,
             self.registry.links,
             prober.tried,
+            slots=prober.slots(),
+            busy_hosts=prober.busy_hosts(),
             now=now,
             wall_now=time.time(),
             held_back=prober.held_back,
             start=prober.scan_from,
         )
-        if plan is None:
+        if not plans:
             prober.looked(now, resume=resume)  # look again an interval later
             return
-        run = prober.begin(plan, now=now)
-        self._spawn(self._send_probes(run), f"probe-{run.probe_id}")
+        for plan in plans:
+            run = prober.begin(plan, now=now, resume=resume)
+            self._spawn(self._send_probes(run), f"probe-{run.probe_id}")
 
     async def _send_probes(self, run: ProbeRun) -> None:
         """PROBE to the binding end first (it binds, then waits for the other), then to the
@@ -736,7 +741,7 @@ class Orchestrator:
             ),
         )
         for fellow_id, args in ends:
-            if self.prober.current is not run:
+            if self.prober.running.get(run.probe_id) is not run:
                 return  # it ended meanwhile (the binder reported a failure): no more PROBEs
             record = await hub.send(fellow_id, args)
             if not record.ok:

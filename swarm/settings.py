@@ -131,9 +131,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     # The leader's placement defaults for jobs that leave these fields unset.
     placement_min_gpu_free_gb: float = 4.0
     pipeline_last_stage_placement: str = "largest_vram"
-    # How often the leader may have two idle fellows on different hosts measure their link
-    # before any job crosses it (silentswarm.leader.linkprobes): one probe at a time; 0: never.
+    # How often the leader may have idle fellows on different hosts measure their links
+    # before any job crosses them (silentswarm.leader.linkprobes); 0: never. At most this many
+    # probes side by side, on machines of their own.
     link_probe_every_s: Annotated[float, msgspec.Meta(ge=0, le=_DAY_S)] = 10.0
+    link_probes_at_once: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
     # The transport of jobs whose spec names none: auto, tunnel (the NATS relay) or p2p.
     pipeline_transport: str = "auto"
     log_level: str = "INFO"

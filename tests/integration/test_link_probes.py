@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
+import re
+import subprocess
 from collections.abc import Iterator
+from datetime import datetime
 from typing import Any
 
 import msgspec
@@ -59,7 +63,9 @@ def links_by_pair(leader) -> dict[frozenset[str], dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def two_hosts(procs, tmp_path, profile, every_s: str = "0.2") -> Iterator[tuple[Any, Any, Any]]:
+def two_hosts(
+    procs, tmp_path, profile, every_s: str = "0.2", **leader_env: str
+) -> Iterator[tuple[Any, Any, Any]]:
     """A far side one ``profile`` path away (a network namespace), NATS on the path's near end
     (where both sides reach it, nowhere else), and a leader that probes every ``every_s``
     seconds: the far side, the NATS server and the leader's client."""
@@ -72,7 +78,9 @@ def two_hosts(procs, tmp_path, profile, every_s: str = "0.2") -> Iterator[tuple[
             tie_to_parent=True,
         )
         try:
-            running = leader_process(procs, nats, tmp_path, SWARM_LINK_PROBE_EVERY_S=every_s)
+            running = leader_process(
+                procs, nats, tmp_path, SWARM_LINK_PROBE_EVERY_S=every_s, **leader_env
+            )
             yield far, nats, next(running)  # ``running`` kept: collected, it closes the client
         finally:
             nats.stop()
@@ -125,6 +133,67 @@ def test_idle_fellows_on_different_hosts_measure_every_link_once(procs, tmp_path
     lines = table.stdout.splitlines()
     for row in listed:
         assert any(row["upstream"] in line and row["downstream"] in line for line in lines), row
+
+
+LOG_TIME = "%Y-%m-%d %H:%M:%S,%f"
+BEGAN = re.compile(r"^(\S+ \S+) INFO .*link probe (\w+): (\S+) binds \S+, (\S+) connects")
+ENDED = re.compile(r"^(\S+ \S+) INFO .*link probe (\w+): \S+ -> \S+ [\d.]+ Mbit/s")
+
+
+def probe_spans(log: str) -> dict[str, tuple[float, float, frozenset[str]]]:
+    """Each measured probe in a leader's log: (began, ended, its two fellows)."""
+
+    def at(stamp: str) -> float:
+        return datetime.strptime(stamp, LOG_TIME).timestamp()
+
+    began = {}
+    for line in log.splitlines():
+        if m := BEGAN.match(line):
+            began[m[2]] = (at(m[1]), frozenset(m.group(3, 4)))
+    spans = {}
+    for line in log.splitlines():
+        if (m := ENDED.match(line)) and m[2] in began:
+            start, fellows = began[m[2]]
+            spans[m[2]] = (start, at(m[1]), fellows)
+    return spans
+
+
+@no_paths
+@pytest.mark.timeout(150)
+def test_probes_run_side_by_side_on_machines_of_their_own(procs, tmp_path):
+    """Five fellows on four hosts (four addresses of a network namespace, f5 on f1's, NATS
+    across a path from it): the nine pairs on different hosts are measured once each,
+    probes ran side by side, and two that overlapped never shared a host."""
+    lan = linkemu_profile("lan")
+    with two_hosts(procs, tmp_path, lan, SWARM_LINK_PROBES_AT_ONCE="4") as (far, nats, leader):
+        k = far.far_ip.split(".")[2]
+        extra = [f"10.215.{k}.{i}" for i in (1, 2, 3)]
+        ns = far.prefix
+        for ip in extra:  # the namespace's own addresses (no dummy links in this kernel)
+            subprocess.run([*ns, "ip", "addr", "add", f"{ip}/32", "dev", "lo"], check=True)
+        hosts = dict(zip(("f1", "f2", "f3", "f4"), [far.far_ip, *extra], strict=True))
+        hosts["f5"] = hosts["f1"]
+        for name, host in hosts.items():
+            fellow_at(procs, nats, name, host, ns)
+        pairs = {frozenset((a, b)) for a in hosts for b in hosts if hosts[a] < hosts[b]}
+        links = wait_for(
+            lambda: (found := links_by_pair(leader)).keys() >= pairs and found,
+            timeout=120,
+            what="every pair of fellows on different hosts to have a measured link",
+        )
+        counts = probe_counts(leader)
+    assert len(pairs) == 9 and links.keys() == pairs, sorted(map(sorted, links))
+    assert counts["measured"] == len(pairs), counts
+    log = "\n".join(p.read_text() for p in procs.log_dir.glob("leader-*.log"))
+    spans = probe_spans(log)
+    assert len(spans) == len(pairs), log[-3000:]
+    overlapping = [
+        (a, b) for a, b in itertools.combinations(spans.values(), 2) if a[0] < b[1] and b[0] < a[1]
+    ]
+    assert overlapping, f"no two probes ran side by side: {sorted(spans.values())}"
+    for a, b in overlapping:
+        shared = {hosts[f] for f in a[2]} & {hosts[f] for f in b[2]}
+        assert not shared, ("two probes at once on one host", a, b)
 
 
 def linkemu_profile(name: str, rate_bit_s: float | None = None) -> Any:

@@ -17,7 +17,9 @@ from silentswarm.leader.linkprobes import (
     LinkProber,
     ProbePlan,
     agreed_link,
+    hosts_of,
     next_pair,
+    next_pairs,
 )
 from silentswarm.leader.placement import Candidate
 from silentswarm.leader.registry import FellowRegistry
@@ -100,7 +102,9 @@ def test_next_pair(idle, links, tried, want):
         return
     binder, connector = want
     by_id = {c.fellow_id: c for c in idle}
-    assert plan == ProbePlan(binder=binder, connector=connector, address=by_id[binder].data_address)
+    assert plan is not None and (plan.binder, plan.connector) == (binder, connector)
+    assert plan.address == by_id[binder].data_address
+    assert plan.hosts == hosts_of(by_id[binder]) | hosts_of(by_id[connector])
 
 
 def test_a_fellow_with_enough_measured_links_is_left_alone():
@@ -213,7 +217,7 @@ def test_a_probe_is_recorded_once_both_ends_report_it():
     assert prober.report("b", report(run.probe_id, "c"), now=NOW) is None  # a repeat: nothing
     result = prober.report("c", report(run.probe_id, "b"), now=NOW)
     assert result is not None and result.link == MeasuredLink(mbit_s=80, rtt_ms=12, probed=True)
-    assert prober.current is None and prober.busy() == frozenset()
+    assert prober.running == {} and prober.busy() == frozenset()
     assert dict(prober.results) == {"measured": 1}
     assert not prober.due(NOW + 9) and prober.due(NOW + 10)
 
@@ -240,11 +244,11 @@ def test_a_probe_that_fails_records_nothing_and_holds_the_pair_back(how):
     elif how == "refused":
         result = prober.refused(run.probe_id, "b: PROBE_REFUSED: it runs a stage", now=NOW)
     else:
-        assert prober.expire(NOW + PROBE_EXPIRES_S - 1) is None
-        result = prober.expire(NOW + PROBE_EXPIRES_S)
-        assert result is not None and "no report from b, c" in result.reason
+        assert prober.expire(NOW + PROBE_EXPIRES_S - 1) == []
+        (result,) = prober.expire(NOW + PROBE_EXPIRES_S)
+        assert "no report from b, c" in result.reason
     assert result is not None and result.link is None
-    assert prober.current is None and prober.results == {how: 1}
+    assert prober.running == {} and prober.results == {how: 1}
     assert frozenset(("b", "c")) in prober.tried  # next_pair waits RETRY_AFTER_S for it
     ended = NOW + (PROBE_EXPIRES_S if how == "expired" else 0)
     assert prober.held_back == {"b": ended + RETRY_AFTER_S, "c": ended + RETRY_AFTER_S}
@@ -429,3 +433,66 @@ def test_far_below_is_against_what_the_probe_agreed_on(agreed, reports, recheck)
     link = registry.links.between("f1", "f2")
     assert link is not None and link.recheck is recheck, link
     assert (link.agreed_mbit_s, link.agreed_rtt_ms) == agreed
+
+
+def test_probes_side_by_side_share_no_machine():
+    """Four fellows on three machines (f1 and f2 share one): one probe is all that fits;
+    five fellows on five machines: two side by side, sharing no machine."""
+    three = [fellow("f1", "10.0.0.1"), fellow("f2", "10.0.0.1"), fellow("f3"), fellow("f4")]
+    plans, _ = next_pairs(three, book(), {}, slots=4, now=NOW)
+    assert len(plans) == 1
+    five = [fellow("f1"), fellow("f2"), fellow("f3"), fellow("f4"), fellow("f5")]
+    plans, _ = next_pairs(five, book(), {}, slots=4, now=NOW)
+    assert len(plans) == 2
+    assert not plans[0].hosts & plans[1].hosts
+    assert len({f for p in plans for f in (p.binder, p.connector)}) == 4
+    # Machines cloned from one image (one host name, their own addresses): side by side.
+    clones = [fellow(f"f{i}", hostname="ubuntu") for i in range(1, 5)]
+    assert len(next_pairs(clones, book(), {}, slots=4, now=NOW)[0]) == 2
+    # A fellow without an address is on its host name's machine: not beside a probe of
+    # a fellow with that host name.
+    busy = hosts_of(fellow("f9", hostname="m"))
+    alone = [fellow("f1", None, hostname="m"), fellow("f2"), fellow("f3")]
+    plans, _ = next_pairs(alone, book(), {}, slots=4, busy_hosts=busy, now=NOW)
+    assert [{p.binder, p.connector} for p in plans] == [{"f2", "f3"}]
+    # No more than the slots, and none on the hosts of the probes in flight.
+    assert len(next_pairs(five, book(), {}, slots=1, now=NOW)[0]) == 1
+    busy = hosts_of(fellow("f1")) | hosts_of(fellow("f2"))
+    plans, _ = next_pairs(five, book(), {}, slots=4, busy_hosts=busy, now=NOW)
+    assert [{p.binder, p.connector} for p in plans] == [{"f3", "f4"}]
+
+
+def test_the_prober_runs_up_to_at_once_probes_and_ends_each_by_its_own_reports():
+    prober = LinkProber(every_s=10, at_once=2)
+    first = ProbePlan(binder="b", connector="c", address="x", hosts=frozenset({"h1", "h2"}))
+    second = ProbePlan(binder="d", connector="e", address="y", hosts=frozenset({"h3", "h4"}))
+    assert prober.due(NOW) and prober.slots() == 2
+    one = prober.begin(first, now=NOW)
+    two = prober.begin(second, now=NOW)
+    assert prober.slots() == 0 and not prober.due(NOW + 100)
+    assert prober.busy() == {"b", "c", "d", "e"}
+    assert prober.busy_hosts() == {"h1", "h2", "h3", "h4"}
+    # A report of one probe from a fellow of the other is no answer.
+    assert prober.report("d", report(one.probe_id, "c"), now=NOW) is None
+    prober.report("d", report(two.probe_id, "e"), now=NOW)
+    result = prober.report("e", report(two.probe_id, "d"), now=NOW)
+    assert result is not None and result.plan == second
+    assert set(prober.running) == {one.probe_id} and prober.busy() == {"b", "c"}
+    assert prober.slots() == 1 and prober.due(NOW + 10) and not prober.due(NOW + 9)
+    (expired,) = prober.expire(NOW + PROBE_EXPIRES_S)
+    assert expired.plan == first and prober.running == {}
+
+
+def test_a_later_round_leaves_the_machines_of_the_probes_in_flight_alone():
+    """What the orchestrator does each round: the idle fellows less those probing, the
+    slots left, the hosts in flight; f5 shares f1's machine."""
+    prober = LinkProber(every_s=10, at_once=4)
+    fleet = [fellow("f1"), fellow("f2"), fellow("f5", "10.0.0.1"), fellow("f3"), fellow("f4")]
+    (first,), resume = next_pairs(fleet, book(), {}, slots=1, now=NOW)
+    prober.begin(first, now=NOW, resume=resume)
+    assert {first.binder, first.connector} == {"f1", "f2"}
+    idle = [c for c in fleet if c.fellow_id not in prober.busy()]
+    plans, _ = next_pairs(
+        idle, book(), prober.tried, slots=prober.slots(), busy_hosts=prober.busy_hosts(), now=NOW
+    )
+    assert [{p.binder, p.connector} for p in plans] == [{"f3", "f4"}]
