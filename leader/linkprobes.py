@@ -210,11 +210,7 @@ def hosts_of(fellow: Candidate) -> frozenset[str]:
     """Every name of the machine ``fellow`` may be on, which a probe of it keeps from the
     probes beside it: its data address's host and its host name (a fellow's own claim:
     one that names another's only keeps its probes apart)."""
-    names = {f"name:{fellow.hostname}"}
-    host = endpoint_host(fellow.data_address)
-    if host is not None:
-        names.add(f"addr:{host}")
-    return frozenset(names)
+    return frozenset({own_host(fellow), f"name:{fellow.hostname}"})
 
 
 def own_host(fellow: Candidate) -> str:
