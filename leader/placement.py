@@ -27,7 +27,10 @@ each fellow offers: :mod:`silentswarm.telemetry`). The rules:
 - A job with ``replicas`` runs k copies of its p-stage pipeline on k * p distinct fellows
   (:func:`shape`): the best k * p ranked, dealt out like cards (replica r takes every k-th
   from the r-th) so the replicas are alike, each replica ordered by the rules above on its
-  own. A ``weighted`` or ``balanced`` job splits each replica's layers on its own fellows
+  own; a ``balanced`` job with measured links among them takes the grouping and orders
+  predicted fastest instead, its pipelines' links and compute against its rings'
+  (:mod:`silentswarm.leader.replica_groups`: under DiLoCo's rare syncs each pipeline stays
+  on one site, under allreduce each ring may). A ``weighted`` or ``balanced`` job splits each replica's layers on its own fellows
   (the replicas average per layer, one ring per segment: :mod:`silentswarm.rings`); an
   equal split, a resumed job's fixed ranges, a learned codec, or a ``p2p`` fellow with
   fewer sync ports than its stage's rings gives every replica one split, computed as
@@ -39,6 +42,7 @@ each fellow offers: :mod:`silentswarm.telemetry`). The rules:
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -54,7 +58,9 @@ from silentswarm.leader.balance import (
     balanced_sizes,
     boundary_bits,
     chain_order,
+    compute_seconds,
     fellows_along_links,
+    guessed_links,
     head_blocks,
     ranges_of,
 )
@@ -64,6 +70,7 @@ from silentswarm.leader.memory import (
     StageMemory,
     stage_memory,
 )
+from silentswarm.leader.replica_groups import replica_groups, rounds_per_step, sync_bits
 from silentswarm.plan import GpuSlot, Transport, split_layers
 from silentswarm.pools import DEFAULT_POOL
 from silentswarm.protocol import GpuInfo
@@ -290,7 +297,7 @@ def _place_on(
     links: Mapping[tuple[str, str], MeasuredLink] | None,
 ) -> Placement | Unplaceable:
     """The job on ``taken`` (ranked order) as ``k`` pipelines."""
-    groups = _pipelines(spec, taken, k, defaults, links if ranges is None else None)
+    groups = _pipelines(spec, taken, k, gpus, defaults, links if ranges is None else None)
     transport = _transport(spec, groups)
     if isinstance(transport, Unplaceable):
         return transport
@@ -346,15 +353,23 @@ def _pipelines(
     spec: JobSpec,
     taken: list[Candidate],
     k: int,
+    gpus: dict[str, list[GpuInfo]],
     defaults: PlacementDefaults,
     links: Mapping[tuple[str, str], MeasuredLink] | None,
 ) -> list[list[Candidate]]:
     """``taken`` (ranked) as ``k`` pipelines, each in stage order. Dealt out like cards:
-    replica r takes the r-th best, the (k + r)-th, ..., so the replicas are alike."""
+    replica r takes the r-th best, the (k + r)-th, ..., so the replicas are alike; a
+    ``balanced`` job with measured links takes the grouping and orders predicted fastest
+    (:func:`_grouped_along_links`)."""
     last_rule = spec.pipeline_last_stage_placement or defaults.last_stage
     keep_last = last_rule == LastStagePlacement.LARGEST_VRAM
     along = spec.partition == Partition.BALANCED and bool(links)
     bits = boundary_bits(spec) if along else 0.0
+    if along and k > 1:
+        assert links is not None
+        grouped = _grouped_along_links(spec, taken, k, gpus, links, keep_last=keep_last)
+        if grouped is not None:
+            return grouped
     groups = []
     for r in range(k):
         chosen = taken[r::k]
@@ -365,6 +380,68 @@ def _pipelines(
             chosen = _along_links(chosen, links, keep_last=keep_last, bits=bits, same=pairs)
         groups.append(chosen)
     return groups
+
+
+def _grouped_along_links(
+    spec: JobSpec,
+    taken: list[Candidate],
+    k: int,
+    gpus: dict[str, list[GpuInfo]],
+    links: Mapping[tuple[str, str], MeasuredLink],
+    *,
+    keep_last: bool,
+) -> list[list[Candidate]] | None:
+    """``taken`` as the ``k`` pipelines whose predicted step is least
+    (:func:`silentswarm.leader.replica_groups.replica_groups`): each replica's compute
+    (where every fellow is a CPU fellow of measured speed) and its links in their best
+    order, and the rings between the replicas; None where none of them has a measured
+    link. With ``keep_last`` each replica's best ranked fellow runs its last stage."""
+    by_id = {c.fellow_id: c for c in taken}
+    pairs = guessed_links(list(by_id), links, same_host=_loopback_pairs(spec, taken))
+    if not pairs:
+        return None
+    bits = boundary_bits(spec)
+
+    def order(group: list[str]) -> list[str]:
+        if keep_last and len(group) > 1:
+            group = [*group[1:], group[0]]
+        last = group[-1] if keep_last else None
+        return chain_order(group, pairs, bits_per_step=bits, last=last)
+
+    chains = replica_groups(
+        list(by_id),
+        k,
+        pairs,
+        order=order,
+        bits_per_step=bits,
+        ring_bits=sync_bits(spec, len(taken) // k),
+        rounds=rounds_per_step(spec),
+        compute=_compute_seconds_of(spec, taken, gpus),
+    )
+    return [[by_id[f] for f in chain] for chain in chains]
+
+
+def _compute_seconds_of(
+    spec: JobSpec, taken: list[Candidate], gpus: dict[str, list[GpuInfo]]
+) -> Callable[[list[str]], float] | None:
+    """A pipeline's compute seconds a step on these fellows (a balanced split's, by their
+    measured speeds times their quotas' shares), or None where a GPU fellow or one not
+    measured is among them."""
+    if any(gpus[c.fellow_id] or not c.compute_speed for c in taken):
+        return None
+    speeds = {c.fellow_id: (c.compute_speed or 0.0) * c.cpu_share for c in taken}
+    m = spec.micro_batches if isinstance(spec.micro_batches, int) else 1
+
+    def seconds(chain: list[str]) -> float:
+        found = compute_seconds(
+            spec.model,
+            batch_size=spec.batch_size,
+            speeds=[speeds[f] for f in chain],
+            micro_batches=m,
+        )
+        return math.inf if found is None else found
+
+    return seconds
 
 
 def _transport(spec: JobSpec, groups: list[list[Candidate]]) -> Transport | Unplaceable:

@@ -46,6 +46,7 @@ NETNS_TESTS = (
     "integration/test_link_probes.py::test_a_boasting_",
     "integration/test_link_probes.py::test_probed_links_",
     "integration/test_link_probes.py::test_probes_run_side_by_side_",
+    "integration/test_link_probes.py::test_probed_links_keep_each_",
 )
 # The slowest first (minutes each, measured): xdist hands work out in collection order, and a
 # long test started last keeps one worker busy alone at the end.

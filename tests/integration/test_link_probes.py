@@ -377,3 +377,51 @@ def test_probed_links_steer_the_first_balanced_job_off_a_slow_link(procs, tmp_pa
         job = leader.wait_job(job_id, "COMPLETED", timeout=150)
     assert all(link["mbit_s"] < 2.5 for link in probed.values()), probed
     assert {s["fellow_id"] for s in job["placement"]["stages"]} == {"a", "b"}, job["placement"]
+
+
+@no_paths
+@pytest.mark.timeout(240)
+def test_probed_links_keep_each_diloco_replica_on_one_site(procs, tmp_path):
+    """Two sites 20 Mbit/s apart, two fellows each, ranked a b c d by their memory caps:
+    dealt like cards, both replicas' pipelines would cross the slow path every micro-batch.
+    Once probes measured the four pairs across it, a balanced DiLoCo job of 2 replicas x 2
+    stages puts each pipeline on one site (its loopback) and only its syncs across, and
+    completes in its first attempt."""
+    with two_hosts(procs, tmp_path, linkemu_profile("sites", 20e6)) as (far, nats, leader):
+        sites = {"a": far.near_ip, "b": far.near_ip, "c": far.far_ip, "d": far.far_ip}
+        for at, (name, host) in enumerate(sites.items()):
+            fellow_at(
+                procs,
+                nats,
+                name,
+                host,
+                far.prefix if host == far.far_ip else None,
+                SWARM_FELLOW_COMPUTE_SPEED="1",
+                SWARM_FELLOW_MAX_MEMORY_GB=str(4 - at / 2),
+            )
+        across = {frozenset((a, b)) for a in "ab" for b in "cd"}
+        probed = wait_for(
+            lambda: (found := links_by_pair(leader)).keys() >= across and found,
+            timeout=150,
+            what="the probes of the four pairs across the path",
+        )
+        job_id = leader.submit(
+            name="sites",
+            model={"vocab_size": 256, "seq_len": 32, "n_layers": 4, "d_model": 32, "n_heads": 2},
+            partition="balanced",
+            replicas=2,
+            stages=2,
+            sync="diloco",
+            sync_every=5,  # a round moves a stage's 1.1 Mbit: 0.011 s a step across
+            max_data_bytes=300_000,
+            batch_size=8,  # a step's 0.26 Mbit of activations: 0.013 s across
+            micro_batches=2,
+            steps=10,
+        )["job_id"]
+        job = leader.wait_job(job_id, "COMPLETED", timeout=150)
+    assert probed.keys() == across, "a pair on one site is not probed"
+    assert all(link["mbit_s"] < 25 for link in probed.values()), probed
+    stages = job["placement"]["stages"]
+    replicas = sorted(sorted(s["fellow_id"] for s in stages if s["replica"] == r) for r in (0, 1))
+    assert replicas == [["a", "b"], ["c", "d"]], stages
+    assert job["attempt"] == 1, job

@@ -1,0 +1,358 @@
+"""Which fellows form each replica when links were measured (issue 23, item 3): the pure
+grouping of ``leader/replica_groups.py`` and what placement makes of it. Table-driven."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable
+
+import pytest
+
+from silentswarm.jobspec import JobSpec, Partition
+from silentswarm.leader.balance import chain_order
+from silentswarm.leader.memory import block_params
+from silentswarm.leader.placement import Candidate, place
+from silentswarm.leader.replica_groups import (
+    MAX_GROUPINGS,
+    clustered,
+    dealt,
+    grouping_count,
+    groupings,
+    replica_groups,
+    ring_seconds,
+    rounds_per_step,
+    sync_bits,
+)
+from silentswarm.plan import ModelConfig
+from silentswarm.types.links import MeasuredLink
+
+GIB = 1 << 30
+MBIT = 1e6
+
+
+def hop(mbit_s: float, rtt_ms: float = 0.0) -> MeasuredLink:
+    return MeasuredLink(mbit_s=mbit_s, rtt_ms=rtt_ms)
+
+
+LAN, WAN = hop(1000.0, 1.0), hop(10.0, 50.0)
+
+
+def sites(*groups: Iterable[str]) -> dict[tuple[str, str], MeasuredLink]:
+    """Every pair of fellows: LAN within a site (its fellows' names), WAN across."""
+    site = {f: at for at, names in enumerate(groups) for f in names}
+    return {
+        (a, b): LAN if site[a] == site[b] else WAN
+        for a, b in itertools.combinations(sorted(site), 2)
+    }
+
+
+def as_given(group: list[str]) -> list[str]:
+    return group
+
+
+def canonical(grouping) -> frozenset[frozenset[str]]:
+    return frozenset(frozenset(g) for g in grouping)
+
+
+# --- enumeration -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "count"),
+    [(4, 2, 3), (6, 2, 10), (6, 3, 15), (8, 4, 105), (9, 3, 280), (3, 3, 1), (4, 1, 1)],
+)
+def test_every_grouping_once(n, k, count):
+    ids = [f"f{i}" for i in range(n)]
+    found = [canonical(g) for g in groupings(ids, k)]
+    assert grouping_count(n, k) == count == len(found) == len(set(found))
+    for grouping in found:
+        assert len(grouping) == k and all(len(g) == n // k for g in grouping)
+        assert set().union(*grouping) == set(ids)
+
+
+def test_dealt_like_cards():
+    assert dealt(list("abcdef"), 2) == [["a", "c", "e"], ["b", "d", "f"]]
+    assert dealt(list("abcdef"), 3) == [["a", "d"], ["b", "e"], ["c", "f"]]
+
+
+# --- the costs ---------------------------------------------------------------------------
+
+# (members in ring order, links, bits, seconds)
+RINGS = {
+    "one member: no ring": (["a"], {}, 8 * MBIT, 0.0),
+    "nothing to send": (["a", "b"], {("a", "b"): WAN}, 0.0, 0.0),
+    "two members: one contribution over their link": (
+        ["a", "b"],
+        {("a", "b"): WAN},
+        10 * MBIT,
+        1.0 + 0.05,
+    ),
+    "three: two contributions at the slowest link's pace": (
+        ["a", "b", "c"],
+        {("a", "b"): LAN, ("b", "c"): LAN, ("a", "c"): WAN},
+        10 * MBIT,
+        2 * (1.0 + 0.05),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(RINGS))
+def test_ring_seconds(case):
+    members, links, bits, want = RINGS[case]
+    assert ring_seconds(members, links, bits=bits) == pytest.approx(want)
+
+
+def test_a_ring_link_never_measured_nor_guessed_is_an_error():
+    with pytest.raises(KeyError, match="a and b"):
+        ring_seconds(["a", "b"], {}, bits=1.0)
+
+
+def test_sync_bits_count_every_parameter_once_in_the_sync_codec():
+    model = ModelConfig(n_layers=5, d_model=64, n_heads=2, vocab_size=300, seq_len=32)
+    full = JobSpec(model=model, replicas=2)
+    params = (
+        5 * block_params(model)
+        + (300 + 32) * 64  # token and position embeddings
+        + 64 * 300
+        + 2 * 64  # head and its norm
+    )
+    for stages in (1, 2, 3, 5):
+        assert sum(sync_bits(full, stages)) == params * 32
+    first, last = sync_bits(full, 2)
+    assert first == (3 * block_params(model) + 332 * 64) * 32  # split_layers: 3 then 2
+    half = JobSpec(model=model, replicas=2, sync_compression="fp16")
+    assert sync_bits(half, 2) == [first / 2, last / 2]
+    assert rounds_per_step(full) == 1.0
+    assert rounds_per_step(JobSpec(model=model, replicas=2, sync="diloco", sync_every=25)) == 0.04
+
+
+# --- the grouping --------------------------------------------------------------------------
+
+BOUNDARY = 2 * MBIT  # a step's activations over one boundary
+WEIGHTS = 25 * MBIT  # a stage's contribution to its ring round
+
+# (ranked fellows, replicas, links, rounds a step, speeds or None, the expected grouping)
+GROUPINGS = {
+    "allreduce across two sites: pipelines cross, every step's rings stay home": (
+        "abcd",
+        2,
+        sites("ab", "cd"),
+        1.0,
+        None,
+        [["a", "c"], ["b", "d"]],
+    ),
+    "diloco across two sites: each pipeline at home, the rare syncs cross": (
+        "abcd",
+        2,
+        sites("ab", "cd"),
+        1 / 20,
+        None,
+        [["a", "b"], ["c", "d"]],
+    ),
+    "diloco, sites interleaved in the ranking": (
+        "acbd",
+        2,
+        sites("ab", "cd"),
+        1 / 20,
+        None,
+        [["a", "b"], ["c", "d"]],
+    ),
+    "one site: dealt": ("abcd", 2, sites("abcd"), 1 / 20, None, [["a", "c"], ["b", "d"]]),
+    "three sites of two, three replicas": (
+        "abcdef",
+        3,
+        sites("ad", "be", "cf"),
+        1 / 20,
+        None,
+        [["a", "d"], ["b", "e"], ["c", "f"]],
+    ),
+    "two sites of three, three stages each": (
+        "aybxcz",
+        2,
+        sites("abc", "xyz"),
+        1 / 20,
+        None,
+        [["a", "b", "c"], ["y", "x", "z"]],
+    ),
+    "a site of slow fellows: compute beats the links, the fast ones split up": (
+        "abcd",
+        2,
+        sites("ab", "cd"),
+        1 / 20,
+        {"a": 40.0, "b": 40.0, "c": 1.0, "d": 1.0},
+        [["a", "c"], ["b", "d"]],
+    ),
+}
+
+
+def grouping_of(case: str):
+    taken, k, links, rounds, speeds, _ = GROUPINGS[case]
+
+    def compute(chain: list[str]) -> float:  # 8 layers, balanced
+        return 8 / sum(speeds[f] for f in chain)
+
+    return replica_groups(
+        list(taken),
+        k,
+        links,
+        order=as_given,
+        bits_per_step=BOUNDARY,
+        ring_bits=[WEIGHTS] * (len(taken) // k),
+        rounds=rounds,
+        compute=compute if speeds else None,
+    )
+
+
+@pytest.mark.parametrize("case", list(GROUPINGS))
+def test_replica_groups(case):
+    assert grouping_of(case) == GROUPINGS[case][-1]
+
+
+def test_orders_come_from_the_caller_and_rings_pair_stage_positions():
+    """``order`` puts each group in stage order (here: the chain_order of the links, the
+    best ranked last); a ring joins the replicas' stages of one position."""
+    links = sites("abc", "xyz") | {("a", "b"): WAN, ("x", "y"): WAN}
+
+    def order(group: list[str]) -> list[str]:
+        group = [*group[1:], group[0]]
+        return chain_order(group, links, bits_per_step=BOUNDARY, last=group[-1])
+
+    got = replica_groups(
+        list("axbycz"),
+        2,
+        links,
+        order=order,
+        bits_per_step=BOUNDARY,
+        ring_bits=[1.0] * 3,
+        rounds=1 / 20,
+    )
+    assert got == [["b", "c", "a"], ["y", "z", "x"]]  # a-b and x-y (now slow) at no boundary
+
+
+def test_a_grouping_must_beat_the_dealt_one_by_the_margin():
+    """Two sites whose cross links are barely slower: the dealt grouping stays."""
+    links = sites("ab", "cd") | {
+        pair: hop(990.0, 1.0) for pair, link in sites("ab", "cd").items() if link == WAN
+    }
+    got = replica_groups(
+        list("abcd"),
+        2,
+        links,
+        order=as_given,
+        bits_per_step=BOUNDARY,
+        ring_bits=[1.0, 1.0],
+        rounds=1 / 20,
+    )
+    assert got == dealt(list("abcd"), 2)
+
+
+def test_clustered_groups_fellows_close_to_each_other():
+    links = sites("adf", "bc", "e")
+    assert clustered(list("abcdef"), 3, links) == [["a", "d"], ["b", "c"], ["e", "f"]]
+    assert clustered(list("abcdef"), 2, links) == [["a", "d", "f"], ["b", "c", "e"]]
+
+
+def test_a_large_swarm_is_grouped_by_swaps_within_the_budget():
+    """Four sites of four fellows, four 4-stage DiLoCo replicas (a sync every 100 steps): 2.6
+    million groupings, far past the budget; the dealt grouping spreads every replica over
+    four sites, where one pipeline per site is predicted faster."""
+    names = [f"{site}{i}" for site in "pqrs" for i in range(4)]  # ranked p0 p1 ... s3
+    assert grouping_count(16, 4) > MAX_GROUPINGS
+    links = sites(*([n for n in names if n[0] == site] for site in "pqrs"))
+    assert all({f[0] for f in chain} == set("pqrs") for chain in dealt(names, 4))
+    started = time.process_time()
+    got = replica_groups(
+        names,
+        4,
+        links,
+        order=as_given,
+        bits_per_step=BOUNDARY,
+        ring_bits=[WEIGHTS] * 4,
+        rounds=1 / 100,
+    )
+    assert time.process_time() - started < 2.0
+    assert sorted({f[0] for f in chain} for chain in got) == [{"p"}, {"q"}, {"r"}, {"s"}]
+
+
+@pytest.mark.parametrize(("rounds", "spread"), [(1 / 100, False), (1.0, True)])
+def test_a_large_swarm_by_swaps_keeps_rings_or_pipelines_at_home(rounds, spread):
+    """The same swarm: with a sync every step the dealt grouping (each replica across the
+    four sites, each ring at home) stays; with one every 100 steps each pipeline is at
+    home."""
+    names = [f"{site}{i}" for site in "pqrs" for i in range(4)]
+    links = sites(*([n for n in names if n[0] == site] for site in "pqrs"))
+    got = replica_groups(
+        names,
+        4,
+        links,
+        order=as_given,
+        bits_per_step=BOUNDARY,
+        ring_bits=[WEIGHTS] * 4,
+        rounds=rounds,
+    )
+    at_home = sorted({f[0] for f in chain} for chain in got) == [{"p"}, {"q"}, {"r"}, {"s"}]
+    assert got == dealt(names, 4) if spread else at_home
+
+
+# --- placement -----------------------------------------------------------------------------
+
+
+def cpu(fid: str, ram_gib: float, speed: float | None = None) -> Candidate:
+    return Candidate(
+        fellow_id=fid,
+        hostname=fid,
+        data_address=f"tcp://{fid}:1",
+        sync_address=f"tcp://{fid}:2",
+        cpu_cores=8,
+        ram_available_bytes=int(ram_gib * GIB),
+        compute_speed=speed,
+    )
+
+
+def replicas_job(**kw) -> JobSpec:
+    kw.setdefault("partition", Partition.BALANCED)
+    return JobSpec(model=ModelConfig(n_layers=8), allow_cpu=True, replicas=2, stages=2, **kw)
+
+
+def grid(placement) -> list[list[str]]:
+    return [[s.fellow_id for s in placement.pipeline(r)] for r in range(placement.n_replicas)]
+
+
+TWO_SITES = sites("ab", "cd")  # every pair measured
+FOUR = [cpu("a", 16), cpu("b", 15), cpu("c", 14), cpu("d", 13)]  # ranked a b c d
+
+
+def test_place_keeps_a_diloco_job_s_pipelines_at_home():
+    """Two sites 10 Mbit/s and 50 ms apart: each DiLoCo replica's pipeline on one site (its
+    syncs, every 20 steps, cross); the best ranked of each runs its last stage."""
+    placed = place(replicas_job(sync="diloco"), FOUR, links=TWO_SITES)
+    assert grid(placed) == [["b", "a"], ["d", "c"]]
+
+
+def test_place_keeps_an_allreduce_job_s_rings_at_home():
+    """The same fellows under allreduce: a stage's 27 Mbit of gradients a step would take
+    2.7 s over the slow link, a boundary's 2 Mbit of activations 0.26 s: dealt, each ring on
+    one site."""
+    placed = place(replicas_job(), FOUR, links=TWO_SITES)
+    assert grid(placed) == [["c", "a"], ["d", "b"]]
+
+
+def test_place_groups_by_links_only_balanced_jobs_with_measured_links():
+    dealt_grid = [["c", "a"], ["d", "b"]]
+    equal = replicas_job(sync="diloco", partition=Partition.EQUAL)
+    assert grid(place(equal, FOUR, links=TWO_SITES)) == dealt_grid
+    assert grid(place(replicas_job(sync="diloco"), FOUR, links={})) == dealt_grid
+    far = {("a", "x"): WAN}  # measured, but none among the four: nothing to go by
+    assert grid(place(replicas_job(sync="diloco"), FOUR, links=far)) == dealt_grid
+
+
+def test_place_weighs_measured_speeds_with_the_links():
+    """a and b are 40 times as fast as c and d: a pipeline of c and d would set a DiLoCo
+    job's pace, so each replica takes one fast fellow, whatever the links."""
+    fellows = [cpu("a", 16, 40.0), cpu("b", 15, 40.0), cpu("c", 14, 1.0), cpu("d", 13, 1.0)]
+    placed = place(replicas_job(sync="diloco"), fellows, links=TWO_SITES)
+    assert sorted(map(sorted, grid(placed))) == [["a", "c"], ["b", "d"]]
+    same_speed = [cpu(c.fellow_id, 16 - at, 1.0) for at, c in enumerate(fellows)]
+    placed = place(replicas_job(sync="diloco"), same_speed, links=TWO_SITES)
+    assert sorted(map(sorted, grid(placed))) == [["a", "b"], ["c", "d"]]
