@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import msgspec
 
-from silentswarm.plan import ModelConfig, stage_in_flight
+from silentswarm.plan import AdapterConfig, ModelConfig, stage_in_flight
 
 FLOAT = 4
 BYTES_PER_PARAM = 5 * FLOAT
@@ -46,11 +46,48 @@ class StageMemory(msgspec.Struct, kw_only=True, frozen=True):
         )
 
 
+def projections(m: ModelConfig) -> dict[str, tuple[int, int]]:
+    """A block's weight matrices by name (the LoRA targets'), as (inputs, outputs)."""
+    d, hidden = m.d_model, m.hidden_dim
+    if m.family == "llama":
+        kv = m.kv_heads * (d // m.n_heads)
+        return {
+            "w_q": (d, d),
+            "w_k": (d, kv),
+            "w_v": (d, kv),
+            "w_o": (d, d),
+            "w_gate": (d, hidden),
+            "w_up": (d, hidden),
+            "w_down": (hidden, d),
+        }
+    return {"w_qkv": (d, 3 * d), "w_o": (d, d), "w_fc": (d, hidden), "w_proj": (hidden, d)}
+
+
 def block_params(m: ModelConfig) -> int:
-    d, hidden = m.d_model, m.mlp_ratio * m.d_model
-    attention = 3 * d * d + 3 * d + d * d + d
-    mlp = d * hidden + hidden + hidden * d + d
-    return attention + mlp + 4 * d  # two LayerNorms
+    """One block's parameters: its projections, gpt2's biases and two LayerNorms (scale and
+    shift), or llama's two RMSNorms (scale)."""
+    d, hidden = m.d_model, m.hidden_dim
+    weights = sum(a * b for a, b in projections(m).values())
+    if m.family == "llama":
+        return weights + 2 * d
+    return weights + (3 * d + d + hidden + d) + 4 * d
+
+
+def embedding_params(m: ModelConfig) -> int:
+    """The first stage's embedding: tokens, and gpt2's learned positions."""
+    return (m.vocab_size + (m.seq_len if m.family == "gpt2" else 0)) * m.d_model
+
+
+def head_params(m: ModelConfig) -> int:
+    """The last stage's head: its final norm (gpt2's LayerNorm, llama's RMSNorm) and the
+    untied output projection."""
+    return m.d_model * m.vocab_size + (2 if m.family == "gpt2" else 1) * m.d_model
+
+
+def adapter_block_params(m: ModelConfig, adapter: AdapterConfig) -> int:
+    """One block's LoRA parameters: ``A`` and ``B`` of each targeted projection."""
+    shapes = projections(m)
+    return sum(adapter.rank * sum(shapes[t]) for t in adapter.target_names(m.family))
 
 
 def stage_memory(
@@ -85,12 +122,12 @@ def stage_memory(
     per_layer = block_params(m) * per_param + activations
     boundary = 2 * FLOAT * held * tokens * m.d_model  # a frame out and a frame in
     if stage == 0:
-        first = (m.vocab_size + m.seq_len) * m.d_model * per_param
+        first = embedding_params(m) * per_param
         first += FLOAT * saved * tokens * m.d_model  # the embedding's output
     else:
         first = boundary
     if stage == n_stages - 1:
-        last = (m.d_model * m.vocab_size + 2 * m.d_model) * per_param
+        last = head_params(m) * per_param
         last += 3 * FLOAT * held * tokens * m.vocab_size  # logits, softmax, their gradient
         kept = batch_size if deferred is None else min(deferred, micro_batches - 1) * mb
         last += FLOAT * kept * m.seq_len * m.d_model  # the deferred passes' inputs

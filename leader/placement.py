@@ -30,14 +30,15 @@ each fellow offers: :mod:`silentswarm.telemetry`). The rules:
   own; a ``balanced`` job with measured links among them takes the grouping and orders
   predicted fastest instead, its pipelines' links and compute against its rings'
   (:mod:`silentswarm.leader.replica_groups`: under DiLoCo's rare syncs each pipeline stays
-  on one site, under allreduce each ring may). A ``weighted`` or ``balanced`` job splits each replica's layers on its own fellows
-  (the replicas average per layer, one ring per segment: :mod:`silentswarm.rings`); an
-  equal split, a resumed job's fixed ranges, a learned codec, or a ``p2p`` fellow with
-  fewer sync ports than its stage's rings gives every replica one split, computed as
-  above over each stage position's weakest fellow (least memory; least speed, which sets
-  the pace of every step the replicas sync). Under transport ``p2p`` every member needs a
-  sync address (``SWARM_SYNC_ADDRESS``); under ``auto`` a ring link to a member without one
-  uses the relay.
+  on one site, under allreduce each ring may), unless that grouping does not fit or changes
+  the transport. A ``weighted`` or ``balanced`` job splits each replica's layers on its own
+  fellows (the replicas average per layer, one ring per segment: :mod:`silentswarm.rings`);
+  an equal split, a resumed job's fixed ranges, a learned codec, or a ``p2p`` fellow with
+  fewer sync ports than its stage's rings gives every replica one split, computed as above
+  over each stage position's weakest fellow (least memory; least speed, which sets the pace
+  of every step the replicas sync). Under transport ``p2p`` every member needs a sync
+  address (``SWARM_SYNC_ADDRESS``); under ``auto`` a ring link to a member without one uses
+  the relay.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ from silentswarm.hosts import endpoint_host
 from silentswarm.jobspec import JobSpec, LastStagePlacement, Partition, PlacedStage, Placement
 from silentswarm.leader import pools
 from silentswarm.leader.balance import (
+    MAX_ORDERED,
+    LinkBook,
     balanced_sizes,
     boundary_bits,
     chain_order,
@@ -296,8 +299,32 @@ def _place_on(
     ranges: list[tuple[int, int]] | None,
     links: Mapping[tuple[str, str], MeasuredLink] | None,
 ) -> Placement | Unplaceable:
-    """The job on ``taken`` (ranked order) as ``k`` pipelines."""
-    groups = _pipelines(spec, taken, k, gpus, defaults, links if ranges is None else None)
+    """The job on ``taken`` (ranked order) as ``k`` pipelines: dealt like cards, or (a
+    ``balanced`` job with replicas and measured links) grouped by its links where that
+    grouping fits and keeps the dealt grouping's transport."""
+    known = links if ranges is None else None
+    groups = _pipelines(spec, taken, k, defaults, known)
+    if k > 1 and known and spec.partition == Partition.BALANCED:
+        keep_last = _keeps_last(spec, defaults)
+        grouped = _grouped_along_links(spec, taken, k, gpus, known, keep_last=keep_last)
+        if grouped is not None and grouped != groups:
+            placed = _place_groups(spec, grouped, gpus, ranges)
+            dealt_transport = _transport(spec, groups)
+            if not isinstance(placed, Unplaceable) and (
+                isinstance(dealt_transport, Unplaceable) or placed.transport == dealt_transport
+            ):
+                return placed
+    return _place_groups(spec, groups, gpus, ranges)
+
+
+def _place_groups(
+    spec: JobSpec,
+    groups: list[list[Candidate]],
+    gpus: dict[str, list[GpuInfo]],
+    ranges: list[tuple[int, int]] | None,
+) -> Placement | Unplaceable:
+    """The job on these pipelines (each replica's fellows in stage order)."""
+    k = len(groups)
     transport = _transport(spec, groups)
     if isinstance(transport, Unplaceable):
         return transport
@@ -349,27 +376,24 @@ def _ranked(
     return with_gpu + cpu_only
 
 
+def _keeps_last(spec: JobSpec, defaults: PlacementDefaults) -> bool:
+    """Whether each pipeline's best ranked fellow runs its last stage (``largest_vram``)."""
+    rule = spec.pipeline_last_stage_placement or defaults.last_stage
+    return rule == LastStagePlacement.LARGEST_VRAM
+
+
 def _pipelines(
     spec: JobSpec,
     taken: list[Candidate],
     k: int,
-    gpus: dict[str, list[GpuInfo]],
     defaults: PlacementDefaults,
     links: Mapping[tuple[str, str], MeasuredLink] | None,
 ) -> list[list[Candidate]]:
     """``taken`` (ranked) as ``k`` pipelines, each in stage order. Dealt out like cards:
-    replica r takes the r-th best, the (k + r)-th, ..., so the replicas are alike; a
-    ``balanced`` job with measured links takes the grouping and orders predicted fastest
-    (:func:`_grouped_along_links`)."""
-    last_rule = spec.pipeline_last_stage_placement or defaults.last_stage
-    keep_last = last_rule == LastStagePlacement.LARGEST_VRAM
+    replica r takes the r-th best, the (k + r)-th, ..., so the replicas are alike."""
+    keep_last = _keeps_last(spec, defaults)
     along = spec.partition == Partition.BALANCED and bool(links)
     bits = boundary_bits(spec) if along else 0.0
-    if along and k > 1:
-        assert links is not None
-        grouped = _grouped_along_links(spec, taken, k, gpus, links, keep_last=keep_last)
-        if grouped is not None:
-            return grouped
     groups = []
     for r in range(k):
         chosen = taken[r::k]
@@ -394,13 +418,18 @@ def _grouped_along_links(
     """``taken`` as the ``k`` pipelines whose predicted step is least
     (:func:`silentswarm.leader.replica_groups.replica_groups`): each replica's compute
     (where every fellow is a CPU fellow of measured speed) and its links in their best
-    order, and the rings between the replicas; None where none of them has a measured
-    link. With ``keep_last`` each replica's best ranked fellow runs its last stage."""
+    order, and the rings between the replicas. None where none of them has a measured link,
+    or one has no data address (it talks over the relay, which no link figure describes,
+    and only stage 0 may be such a fellow under ``p2p``). With ``keep_last`` each replica's
+    best ranked fellow runs its last stage."""
+    if any(not c.data_address for c in taken):
+        return None
     by_id = {c.fellow_id: c for c in taken}
-    pairs = guessed_links(list(by_id), links, same_host=_loopback_pairs(spec, taken))
+    pairs = LinkBook(guessed_links(list(by_id), links, same_host=_loopback_pairs(spec, taken)))
     if not pairs:
         return None
     bits = boundary_bits(spec)
+    p = len(taken) // k
 
     def order(group: list[str]) -> list[str]:
         if keep_last and len(group) > 1:
@@ -408,15 +437,18 @@ def _grouped_along_links(
         last = group[-1] if keep_last else None
         return chain_order(group, pairs, bits_per_step=bits, last=last)
 
+    tried = p - 1 if keep_last else p  # the fellows chain_order permutes
     chains = replica_groups(
         list(by_id),
         k,
         pairs,
         order=order,
         bits_per_step=bits,
-        ring_bits=sync_bits(spec, len(taken) // k),
+        ring_bits=sync_bits(spec, p),
         rounds=rounds_per_step(spec),
         compute=_compute_seconds_of(spec, taken, gpus),
+        order_work=math.factorial(tried) if 3 <= p <= MAX_ORDERED else 1,
+        compute_work=p * spec.model.n_layers,  # balanced_sizes' search, about
     )
     return [[by_id[f] for f in chain] for chain in chains]
 

@@ -14,10 +14,10 @@ compute (where the fellows' speeds are known) plus its pipeline's links in their
 (:func:`silentswarm.leader.balance.link_seconds`), plus the slowest ring's share of a step
 (:func:`ring_seconds`: a round is an all-gather, ``k - 1`` contributions over each ring
 link), and keeps the least. Every grouping is tried while there are at most
-:data:`MAX_GROUPINGS` and their pipelines' orders cost at most :data:`MAX_CHAINS` chains (8
-fellows as 2 x 4 or 4 x 2, 9 as 3 x 3); beyond that, swaps of two fellows between replicas
-while one pays and the budget lasts, from two ends: the dealt grouping and one of fellows
-close to each other (:func:`clustered`).
+:data:`MAX_GROUPINGS` and costing them all stays within :data:`MAX_WORK` (8 fellows as
+2 x 4 or 4 x 2, 9 as 3 x 3); beyond that, swaps of two fellows between replicas while one
+pays, from two ends, the better first: the dealt grouping and one of fellows close to each
+other (:func:`clustered`), the first within half the budget.
 The dealt grouping stays unless another is predicted faster.
 """
 
@@ -28,19 +28,25 @@ import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import NamedTuple
 
-from silentswarm.compression import parse_wire_codec
+from silentswarm.compression import CodecKind, parse_wire_codec
 from silentswarm.jobspec import JobSpec
 from silentswarm.leader.balance import MAX_CHAINS as MAX_CHAINS_ALONG
-from silentswarm.leader.balance import MAX_ORDERED, between, link_seconds
-from silentswarm.leader.memory import block_params
+from silentswarm.leader.balance import between, link_seconds
+from silentswarm.leader.memory import (
+    adapter_block_params,
+    block_params,
+    embedding_params,
+    head_params,
+)
 from silentswarm.plan import split_layers
 from silentswarm.types.links import MeasuredLink
 
-# Every grouping is costed up to this many (and MAX_CHAINS), else swaps from two starts.
+# Every grouping is costed up to this many (within MAX_WORK), else swaps from two starts.
 MAX_GROUPINGS = 512
-# The pipeline orders costed per placement, beyond the dealt grouping's (it runs on every
-# tick while a job waits; fellows_along_links' MAX_CHAINS, twice: about 60 ms here).
-MAX_CHAINS = 2 * MAX_CHAINS_ALONG
+# The work of a placement's search beyond the dealt grouping, in chains costed (10-20 us
+# each here: a pipeline order tried, a ring, a stage's layers in a balanced split). It runs
+# on every tick while a job waits: fellows_along_links' MAX_CHAINS (under 0.1 s here).
+MAX_WORK = MAX_CHAINS_ALONG
 # A grouping replaces the dealt one only when predicted faster by more than this share.
 MARGIN = 0.01
 EPSILON = 1e-9
@@ -123,18 +129,21 @@ def ring_seconds(members: Sequence[str], links: Links, *, bits: float) -> float:
 
 
 def sync_bits(spec: JobSpec, n_stages: int) -> list[float]:
-    """The bits of one contribution to a stage position's ring round in ``spec``, by stage
-    (an equal split's layers, the embedding on the first stage and the head on the last),
-    in the spec's ``sync_compression``."""
+    """The bits of one contribution to a stage position's ring round in ``spec``, by stage:
+    the trainable parameters of an equal split's layers (the embedding on the first stage
+    and the head on the last; an adapter's alone when the job trains one), in the spec's
+    ``sync_compression`` (``fixed_int8`` with its per-row scales)."""
     m = spec.model
-    value_bits = parse_wire_codec(spec.sync_compression).bits
+    codec = parse_wire_codec(spec.sync_compression)
+    value_bits = codec.bits + (32 / 64 if codec.kind is CodecKind.INT else 0.0)
     out = []
     for i, (start, end) in enumerate(split_layers(m.n_layers, n_stages)):
-        params = (end - start) * block_params(m)
-        if i == 0:
-            params += (m.vocab_size + m.seq_len) * m.d_model
-        if i == n_stages - 1:
-            params += m.d_model * m.vocab_size + 2 * m.d_model
+        if spec.adapter is not None:
+            params = (end - start) * adapter_block_params(m, spec.adapter)
+        else:
+            params = (end - start) * block_params(m)
+            params += embedding_params(m) if i == 0 else 0
+            params += head_params(m) if i == n_stages - 1 else 0
         out.append(float(params * value_bits))
     return out
 
@@ -155,28 +164,32 @@ def replica_groups(
     ring_bits: Sequence[float],
     rounds: float = 1.0,
     compute: Callable[[Chain], float] | None = None,
+    order_work: int = 1,
+    compute_work: int = 0,
 ) -> list[Chain]:
     """``taken`` (ranked, ``k * p`` fellows) as ``k`` pipelines, each in stage order: the
     grouping predicted fastest (module docstring), replica 0 holding the best ranked fellow,
     and so on.
 
     ``links`` must hold every pair of ``taken`` (:func:`silentswarm.leader.balance.
-    guessed_links` gives them); ``order`` puts a group (ranked) in its stage order;
-    ``ring_bits[i]``: a contribution to stage ``i``'s ring (:func:`sync_bits`), ``rounds``
-    rounds a step (:func:`rounds_per_step`); ``compute``: a chain's compute seconds a step,
-    where known."""
+    guessed_links` gives them); ``order`` puts a group (ranked) in its stage order, for about
+    ``order_work`` chains costed; ``ring_bits[i]``: a contribution to stage ``i``'s ring
+    (:func:`sync_bits`), ``rounds`` rounds a step (:func:`rounds_per_step`); ``compute``: a
+    chain's compute seconds a step, where known, for about ``compute_work`` chains."""
     search = _Search(taken, links, order, bits_per_step, ring_bits, rounds, compute)
+    search.group_work = order_work + (compute_work if compute is not None else 0)
     n, p = len(taken), len(taken) // k
-    start = dealt(taken, k)
-    best = search.cost(start)
+    best = search.cost(dealt(taken, k))
+    search.spent = 0  # the dealt grouping is always costed; the budget is for the others
     bar = best.step * (1 - MARGIN)  # another grouping must beat the dealt one by this
-    every = grouping_count(n, k) <= MAX_GROUPINGS
-    if every and math.comb(n, p) * search.per_group <= MAX_CHAINS:
+    count = grouping_count(n, k)
+    if count <= MAX_GROUPINGS and search.work(count, math.comb(n, p)) <= MAX_WORK:
         tried: Iterable[Predicted] = (search.cost(g) for g in groupings(list(taken), k))
     else:  # from two ends: dealt (each replica spread out) and clustered (each at home)
-        tried = [search.swaps(best)]
-        if search.affords(k):
-            tried.append(search.swaps(search.cost(clustered(taken, k, links))))
+        home = search.cost(clustered(taken, k, links))
+        first, second = sorted((best, home), key=lambda start: start.key)
+        ahead = search.swaps(first, MAX_WORK // 2)
+        tried = [ahead, search.swaps(second, MAX_WORK)]
     for predicted in tried:
         if predicted.step < bar and predicted.key < best.key:
             best = predicted
@@ -200,7 +213,7 @@ class Predicted(NamedTuple):
 
 class _Search:
     """The costs of groupings of one placement, each replica ordered once (cached), and the
-    chains its orders cost (:data:`MAX_CHAINS` at most, past the first grouping)."""
+    work they took (``spent``, in chains: :data:`MAX_WORK`)."""
 
     def __init__(
         self,
@@ -215,19 +228,21 @@ class _Search:
         self.rank = {f: at for at, f in enumerate(taken)}
         self.links, self.order, self.bits, self.ring_bits = links, order, bits_per_step, ring_bits
         self.rounds, self.compute = rounds, compute
-        p = len(ring_bits)
-        # what ordering a group costs, in chains: chain_order tries every order of 3 to 7
-        self.per_group = math.factorial(p) if 3 <= p <= MAX_ORDERED else 1
+        k = len(taken) // max(1, len(ring_bits))
+        # a grouping's pipelines sorted and its rings costed: about a chain per 4 members
+        self.grouping_work = 1 + len(ring_bits) * max(1, k // 4)
+        self.group_work = 1  # a replica seen the first time: its order and compute
         self.spent = 0
         self.replicas: dict[frozenset[str], tuple[Chain, float]] = {}
 
-    def affords(self, groups: int) -> bool:
-        return self.spent + groups * self.per_group <= MAX_CHAINS
+    def work(self, groupings: int, groups: int) -> int:
+        """What costing ``groupings`` groupings of ``groups`` distinct replicas takes."""
+        return groupings * self.grouping_work + groups * self.group_work
 
     def replica(self, group: Sequence[str]) -> tuple[Chain, float]:
         key = frozenset(group)
         if key not in self.replicas:
-            self.spent += self.per_group
+            self.spent += self.group_work
             chain = self.order(sorted(group, key=self.rank.__getitem__))
             own = self.compute(chain) if self.compute is not None else 0.0
             wire = link_seconds(chain, self.links, bits_per_step=self.bits)
@@ -235,6 +250,7 @@ class _Search:
         return self.replicas[key]
 
     def cost(self, grouping: Sequence[Sequence[str]]) -> Predicted:
+        self.spent += self.grouping_work
         pipelines = sorted(
             (self.replica(g) for g in grouping), key=lambda r: min(map(self.rank.get, r[0]))
         )
@@ -247,18 +263,19 @@ class _Search:
         step = max(own) + self.rounds * max(rings)
         return Predicted(step, sum(own) + self.rounds * sum(rings), chains)
 
-    def swaps(self, start: Predicted) -> Predicted:
+    def swaps(self, start: Predicted, budget: int) -> Predicted:
         """From ``start``, the first swap of two fellows between replicas that lowers the
         predicted step (or, at the same step, the total), again and again, until none does
-        or the chains to order would pass :data:`MAX_CHAINS`."""
+        or the work spent would pass ``budget``."""
         current, improved = start, True
+        room = self.grouping_work + 2 * self.group_work  # a swap: a grouping, two replicas
         while improved:
             improved = False
             members = [(i, f) for i, chain in enumerate(current.chains) for f in chain]
             for (i, a), (j, b) in itertools.combinations(members, 2):
                 if i == j:
                     continue
-                if not self.affords(2):
+                if self.spent + room > budget:
                     return current
                 swapped = [list(chain) for chain in current.chains]
                 swapped[i][swapped[i].index(a)], swapped[j][swapped[j].index(b)] = b, a

@@ -1,4 +1,4 @@
-"""Replicas benchmark; for now its placement part: a balanced split on unequal fellows.
+"""Replicas benchmark: replicas against one fellow, placement by speed, splits and sites.
 
 Placement: an 8-block model on two stage processes, one at 100% of a core and one held to
 50% by a cgroup v1 CPU quota (``cpu.cfs_quota_us`` 50000 over a 100000 period; the group is
@@ -58,6 +58,18 @@ fellow, or one, which gives one split); ``allreduce``, alternating rounds, each 
 tokens/s the sum over replicas of each pipeline's slowest stage, ``own_over_one`` the
 median of the per-round ratios.
 
+Sites (``--only sites``): replicas on two sites joined by a slow path (a network namespace
+one veth pair away, 20 Mbit/s each way with ``tbf``, no added delay: ``linkemu.FarSide``),
+fellows a and b on the near site, c and d on the far one, ranked a b c d. 2 replicas x 2
+stages, p2p, 1 intra-op thread each, the convergence model, ``--steps`` (default 60) steps
+with a DiLoCo sync every ``--diloco-every`` (20; plain averaging) or ``allreduce``; both
+groupings in alternating rounds: ``spread`` (dealt like cards: each pipeline across the path,
+each ring on one site) and ``at_home`` (each pipeline on one site, each ring across). The
+leader's ``place()``, given the path's rate as the measured links across it, picks one
+(``chosen``); ``chosen_over_other`` is the median of the per-round ratios of its tokens/s
+to the other's (``--quick``: ``diloco`` alone). Needs root (the namespace); left out, with
+the reason, where it cannot be made.
+
 The last line is one JSON object with every figure.
 
     python exp/bench/replicas.py                             # runs, placement, splits
@@ -66,6 +78,7 @@ The last line is one JSON object with every figure.
     python exp/bench/replicas.py --only placement --quick    # a smoke run (~1.5 minutes): a
         # small model, one round, only the equal split (the first job) and the balanced one
     python exp/bench/replicas.py --only splits               # ~8 minutes (--quick: ~2)
+    python exp/bench/replicas.py --only sites                # ~8 minutes (--quick: ~1.5)
 """
 
 from __future__ import annotations
@@ -73,6 +86,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import os
 import signal
 import statistics
@@ -103,6 +117,7 @@ from silentswarm.plan import (
     single_process_plan,
 )
 from silentswarm.procs import free_port, free_ports
+from silentswarm.types.links import MeasuredLink
 
 SLOW_SHARE = 0.5
 FAST, SLOW = "fast", "slow"
@@ -420,6 +435,153 @@ def splits(work: Path, quick: bool, rounds: int, steps: int) -> dict[str, Any]:
     return figures
 
 
+# Sites (--only sites): two fellows on each side of a shaped path (linkemu.FarSide), the
+# rate between the sites in bit/s (rate limited both ways; no added delay).
+SITE_RATE_BIT_S = 20e6
+SITE_FELLOWS = {"a": "near", "b": "near", "c": "far", "d": "far"}
+
+
+def site_placements(
+    model: ModelConfig, train: TrainConfig, hosts: dict[str, str]
+) -> tuple[dict[str, list[list[str]]], str]:
+    """The two groupings of a balanced 2 replicas x 2 stages job on the four fellows (ranked
+    a b c d by memory, equal speeds, data addresses on their site's host), each as its
+    replicas' fellows in stage order: ``spread`` (dealt like cards, what placement gives
+    without links: each pipeline across the path, each ring on one site) and ``at_home``
+    (each pipeline on one site, each ring across); and which of them the leader's
+    ``place()`` picks given the path's rate as the measured links across it."""
+    candidates = [
+        Candidate(
+            fellow_id=name,
+            hostname=name,
+            data_address=f"tcp://{hosts[site]}:1",
+            sync_address=f"tcp://{hosts[site]}:2",
+            cpu_cores=1,
+            ram_available_bytes=(16 - at) << 30,
+            compute_speed=1.0,
+        )
+        for at, (name, site) in enumerate(SITE_FELLOWS.items())
+    ]
+    across = MeasuredLink(mbit_s=SITE_RATE_BIT_S / 1e6, rtt_ms=0.2)
+    links = {
+        (a, b): across
+        for a, b in itertools.combinations(SITE_FELLOWS, 2)
+        if SITE_FELLOWS[a] != SITE_FELLOWS[b]
+    }
+    spec = JobSpec(
+        model=model,
+        partition=Partition.BALANCED,
+        allow_cpu=True,
+        replicas=2,
+        stages=2,
+        transport=Transport.P2P,
+        **msgspec.structs.asdict(train),
+    )
+    arms = {"spread": [["c", "a"], ["d", "b"]], "at_home": [["b", "a"], ["d", "c"]]}
+    got = {}
+    for known in (None, links):
+        placed = place(spec, candidates, links=known)
+        if isinstance(placed, Unplaceable):
+            raise SystemExit(f"no placement of the sites arm: {placed.reason}")
+        got[known is None] = [[s.fellow_id for s in placed.pipeline(r)] for r in range(2)]
+    if got[True] != arms["spread"] or got[False] not in arms.values():
+        raise SystemExit(f"placement changed under the benchmark: {got}")
+    chosen = next(arm for arm, fellows in arms.items() if fellows == got[False])
+    return arms, chosen
+
+
+def site_run(
+    work: Path,
+    job: str,
+    model: ModelConfig,
+    train: TrainConfig,
+    fellows: list[list[str]],
+    far: Any,
+) -> list[list[dict[str, Any]]]:
+    """2 replicas x 2 stages as real stage processes, each fellow's on its site: the far
+    site's in the path's namespace, its sockets on the far address; p2p, 1 thread each."""
+    ip = {"near": far.near_ip, "far": far.far_ip}
+
+    def at(name: str) -> str:
+        return f"tcp://{ip[SITE_FELLOWS[name]]}:{free_port()}"
+
+    plans = replicated_chain_plans(
+        job_id=job,
+        model=model,
+        train=train,
+        addresses=[[None, at(row[1])] for row in fellows],
+        sync_addresses=[[at(name) for name in row] for row in fellows],
+        transport=Transport.P2P,
+        intra_op_threads=1,
+    )
+    where = {
+        (r, s): far.prefix
+        for r, row in enumerate(fellows)
+        for s, name in enumerate(row)
+        if SITE_FELLOWS[name] == "far"
+    }
+    return run_plans([p for row in plans for p in row], work, command_prefixes=where)
+
+
+def sites(work: Path, quick: bool, rounds: int, steps: int, every: int) -> dict[str, Any]:
+    """Replicas on two sites joined by a slow path: both groupings of their fellows, under
+    ``diloco`` and ``allreduce``, in alternating rounds, and the one placement picks of the
+    links against the other."""
+    from linkemu import FarSide, symmetric, unavailable_reason
+
+    why = unavailable_reason()
+    if why is not None:
+        print(f"  sites: no shaped path here ({why}): left out", flush=True)
+        return {"skipped": why}
+    model = QUICK_MODEL if quick else LOSS_MODEL
+    figures: dict[str, Any] = {}
+    with FarSide(symmetric("sites", SITE_RATE_BIT_S, 0.0)) as far:
+        hosts = {"near": far.near_ip, "far": far.far_ip}
+        for sync in ("diloco",) if quick else ("diloco", "allreduce"):
+            train = TrainConfig(
+                steps=steps,
+                batch_size=8,
+                micro_batches=2,
+                val_every=0,
+                link_probe_every=0,
+                sync=sync,
+                sync_every=every,
+                outer_learning_rate=1.0,
+                outer_momentum=0.0,
+            )
+            arms, chosen = site_placements(model, train, hosts)
+            other = next(arm for arm in arms if arm != chosen)
+            print(f"  sites, {sync}: placement picks {chosen} {arms[chosen]}", flush=True)
+            per_round: list[dict[str, float]] = []
+            for r in range(rounds):
+                got = {}
+                for arm in list(arms) if r % 2 == 0 else list(arms)[::-1]:
+                    job = f"sites-{sync}-{r}-{arm}"
+                    events = site_run(work, job, model, train, arms[arm], far)
+                    got[arm] = run_figures(events, 2, 2, train, model.seq_len)["tokens_per_s"]
+                    print(f"  round {r + 1}: {sync} {arm:8s} {got[arm]:8.0f} tok/s", flush=True)
+                per_round.append(got)
+            ratio = statistics.median(r[chosen] / r[other] for r in per_round)
+            figures[sync] = {
+                "chosen": chosen,
+                **{
+                    f"{arm}_tokens_per_s": statistics.median(r[arm] for r in per_round)
+                    for arm in arms
+                },
+                "chosen_over_other": round(ratio, 3),
+                "per_round": per_round,
+            }
+            print(f"  sites, {sync}: placement's choice / the other {ratio:.3f}x", flush=True)
+    figures.update(
+        rate_bit_s=SITE_RATE_BIT_S,
+        sync_every=every,
+        rounds=rounds,
+        steps=steps,
+        model=msgspec.structs.asdict(model),
+    )
+    return figures
+
+
 SPEED_MODEL = ModelConfig(n_layers=4, d_model=256, seq_len=128, n_heads=4)
 LOSS_MODEL = ModelConfig(n_layers=4, d_model=128, seq_len=64, n_heads=4)
 QUICK_MODEL = ModelConfig(n_layers=2, d_model=64, seq_len=32, n_heads=4)
@@ -677,7 +839,7 @@ def main() -> None:
         action="store_true",
         help="smoke run: small models, one round (~1-2 minutes a part)",
     )
-    parser.add_argument("--only", choices=["runs", "placement", "splits"], default=None)
+    parser.add_argument("--only", choices=["runs", "placement", "splits", "sites"], default=None)
     parser.add_argument("--rounds", type=int, default=None, help="default 3, quick 1")
     parser.add_argument("--steps", type=int, default=None, help="steps per run (24, quick 8)")
     parser.add_argument("--loss-steps", type=int, default=None, help="default 600, quick 20")
@@ -699,6 +861,7 @@ def main() -> None:
     run_list: list[dict[str, Any]] = []
     figures: dict[str, Any] = {}
     split_figures: dict[str, Any] = {}
+    site_figures: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
         work = args.work or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         work.mkdir(parents=True, exist_ok=True)
@@ -709,6 +872,10 @@ def main() -> None:
             figures = placement(work, args.quick, rounds, steps)
         if args.only in (None, "splits"):
             split_figures = splits(work, args.quick, rounds, steps)
+        if args.only in (None, "sites"):
+            site_steps = args.steps or (12 if args.quick else 60)
+            every = min(args.diloco_every, site_steps)
+            site_figures = sites(work, args.quick, rounds, site_steps, every)
     emit(
         {
             "bench": "replicas",
@@ -716,6 +883,7 @@ def main() -> None:
             "runs": run_list,
             "placement": figures,
             "splits": split_figures,
+            "sites": site_figures,
             "cpus": os.cpu_count(),
             "load_avg": load_avg(),
             "seconds": round(time.time() - started, 1),

@@ -307,6 +307,23 @@ def test_replicas_benchmark_quick_places_by_speed():
     assert sorted(placement["stage_order"]) == ["fast", "slow"]
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(
+    (why := shaped_paths_unavailable()) is not None, reason=f"no shaped paths here: {why}"
+)
+def test_wan_replicas_benchmark_quick_runs_both_groupings_on_two_sites():
+    figures = run_quick("replicas", "--only", "sites", timeout=280)
+    assert figures["runs"] == [] and figures["splits"] == {}
+    sites = figures["sites"]
+    assert set(sites) >= {"diloco", "rate_bit_s", "sync_every"} and "allreduce" not in sites
+    row = sites["diloco"]
+    # placement's pick (the unit tests check why): each DiLoCo pipeline on one site
+    assert row["chosen"] == "at_home"
+    assert positive(row["spread_tokens_per_s"]) and positive(row["at_home_tokens_per_s"])
+    assert positive(row["chosen_over_other"]), row
+    assert sites["rate_bit_s"] == 20e6
+
+
 @pytest.mark.timeout(200)
 def test_cpu_budget_benchmark_quick():
     why: list[str] = []

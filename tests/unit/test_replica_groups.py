@@ -7,14 +7,17 @@ import itertools
 import time
 from collections.abc import Iterable
 
+import msgspec
+import numpy as np
 import pytest
 
 from silentswarm.jobspec import JobSpec, Partition
 from silentswarm.leader.balance import chain_order
-from silentswarm.leader.memory import block_params
-from silentswarm.leader.placement import Candidate, place
+from silentswarm.leader.memory import block_params, embedding_params, head_params
+from silentswarm.leader.placement import Candidate, Unplaceable, place
 from silentswarm.leader.replica_groups import (
     MAX_GROUPINGS,
+    MAX_WORK,
     clustered,
     dealt,
     grouping_count,
@@ -312,7 +315,9 @@ def cpu(fid: str, ram_gib: float, speed: float | None = None) -> Candidate:
 
 def replicas_job(**kw) -> JobSpec:
     kw.setdefault("partition", Partition.BALANCED)
-    return JobSpec(model=ModelConfig(n_layers=8), allow_cpu=True, replicas=2, stages=2, **kw)
+    kw.setdefault("stages", 2)
+    kw.setdefault("model", ModelConfig(n_layers=8))
+    return JobSpec(allow_cpu=True, replicas=2, **kw)
 
 
 def grid(placement) -> list[list[str]]:
@@ -356,3 +361,135 @@ def test_place_weighs_measured_speeds_with_the_links():
     same_speed = [cpu(c.fellow_id, 16 - at, 1.0) for at, c in enumerate(fellows)]
     placed = place(replicas_job(sync="diloco"), same_speed, links=TWO_SITES)
     assert sorted(map(sorted, grid(placed))) == [["a", "b"], ["c", "d"]]
+
+
+# --- what the review found ---------------------------------------------------------------
+
+MODELS = {
+    "gpt2": ModelConfig(n_layers=2, d_model=32, n_heads=4, vocab_size=97, seq_len=12),
+    "gpt2, a wider MLP": ModelConfig(
+        n_layers=2, d_model=32, n_heads=4, vocab_size=97, seq_len=12, intermediate_dim=80
+    ),
+    "llama, grouped-query": ModelConfig(
+        family="llama",
+        n_layers=2,
+        d_model=32,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=97,
+        seq_len=12,
+        intermediate_dim=48,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(MODELS))
+def test_parameter_counts_are_the_real_layers(case):
+    """What placement counts (memory and a ring's bits) is what the stages build."""
+    from silentswarm.agent.runtime import model as layers
+    from silentswarm.leader.memory import adapter_block_params
+    from silentswarm.plan import AdapterConfig
+
+    m = MODELS[case]
+
+    def count(layer) -> int:  # the layers make their weights when made
+        return sum(int(np.prod(w.shape)) for w in layer.trainable_weights)
+
+    assert count(layers.embedding(m, 1)) == embedding_params(m)
+    assert count(layers.block(m, 1, 0, "b")) == block_params(m)
+    assert count(layers.head(m, 1)) == head_params(m)
+    adapter = AdapterConfig(rank=4)
+    lora = count(layers.block(m, 1, 0, "a", adapter=adapter)) - block_params(m)
+    assert lora == adapter_block_params(m, adapter)
+
+
+def test_an_adapter_job_s_rings_carry_the_adapter_alone():
+    from silentswarm.plan import AdapterConfig
+
+    m = MODELS["llama, grouped-query"]
+    adapter = AdapterConfig(rank=4, targets=["w_q", "w_v"])
+    spec = JobSpec(model=m, replicas=2, adapter=adapter, init_from="job:base")
+    lora = 4 * ((32 + 32) + (32 + 16))  # A and B of w_q (32 x 32) and of w_v (32 x 16)
+    assert sync_bits(spec, 2) == [lora * 32.0, lora * 32.0]
+    int8 = JobSpec(model=m, replicas=2, sync_compression="fixed_int8")
+    assert sync_bits(int8, 1) == [
+        (2 * block_params(m) + embedding_params(m) + head_params(m)) * 8.5
+    ]
+
+
+def test_a_grouping_that_does_not_fit_falls_back_to_the_dealt_one():
+    """c and d have room for a third of the layers each: together, as the links would have
+    them, they cannot hold a replica; dealt, each pairs with a fellow of room."""
+    model = ModelConfig(n_layers=40, d_model=1024, n_heads=8, vocab_size=256, seq_len=64)
+    spec = JobSpec(
+        model=model,
+        allow_cpu=True,
+        replicas=2,
+        stages=2,
+        partition=Partition.BALANCED,
+        sync="diloco",
+        sync_every=10_000,
+    )
+    fellows = [cpu("a", 16, 100.0), cpu("b", 15, 100.0), cpu("c", 4, 100.0), cpu("d", 3.9, 100.0)]
+    placed = place(spec, fellows, links=TWO_SITES)
+    assert not isinstance(placed, Unplaceable), placed
+    assert grid(placed) == [["c", "a"], ["d", "b"]]
+    roomy = [*fellows[:2], cpu("c", 15, 100.0), cpu("d", 14, 100.0)]
+    assert grid(place(spec, roomy, links=TWO_SITES)) == [["b", "a"], ["d", "c"]]
+
+
+def test_a_fellow_without_a_data_address_keeps_the_dealt_grouping():
+    """c talks over the relay only: dealt, it runs stage 0 (it connects, never binds); no
+    link figure describes its relayed links, so the links do not regroup the job."""
+    c = msgspec.structs.replace(cpu("c", 14), data_address=None)
+    fellows = [FOUR[0], FOUR[1], c, FOUR[3]]
+    for transport in ("p2p", "auto"):
+        placed = place(replicas_job(sync="diloco", transport=transport), fellows, links=TWO_SITES)
+        assert grid(placed) == [["c", "a"], ["d", "b"]], transport
+        assert placed.transport == transport
+
+
+@pytest.mark.parametrize("p", [3, 5, 7])
+def test_place_keeps_deep_diloco_pipelines_at_home(p):
+    """Two sites of p fellows, ranked site by site (dealt: every pipeline across): past the
+    groupings tried one by one (p = 5 and 7), the swaps and the clustered start still put
+    each pipeline on one site, its links in order."""
+    near, far = [f"p{i}" for i in range(p)], [f"q{i}" for i in range(p)]
+    fellows = [cpu(f, 64 - at) for at, f in enumerate(near + far)]
+    spec = replicas_job(sync="diloco", stages=p, sync_every=100, model=ModelConfig(n_layers=2 * p))
+    placed = place(spec, fellows, links=sites(near, far))
+    assert sorted(sorted(row) for row in grid(placed)) == [sorted(near), sorted(far)]
+
+
+def test_the_search_s_work_is_bounded():
+    """Placement runs on every tick while a job waits: a large swarm's search orders and
+    computes at most MAX_WORK chains' worth of replicas beyond the dealt grouping's."""
+    for n, p, order_work, compute_work in ((64, 2, 1, 32), (32, 8, 1, 256), (30, 5, 24, 80)):
+        k = n // p
+        names = [f"f{i:02d}" for i in range(n)]
+        links = sites(*(names[s::4] for s in range(4)))
+        calls = {"order": 0, "compute": 0}
+
+        def order(group, calls=calls):
+            calls["order"] += 1
+            return group
+
+        def compute(chain, calls=calls):
+            calls["compute"] += 1
+            return 0.1
+
+        replica_groups(
+            names,
+            k,
+            links,
+            order=order,
+            bits_per_step=BOUNDARY,
+            ring_bits=[WEIGHTS] * p,
+            rounds=1 / 20,
+            compute=compute,
+            order_work=order_work,
+            compute_work=compute_work,
+        )
+        beyond = calls["order"] - k  # the dealt grouping's replicas are always ordered
+        assert beyond * (order_work + compute_work) <= MAX_WORK, (n, p, calls)
+        assert calls["compute"] == calls["order"]
