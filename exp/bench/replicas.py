@@ -314,6 +314,19 @@ def port_range(n: int) -> str:
 SPLIT_SHARES = {"a": 0.5, "b": 0.75, "c": 0.5, "d": 0.25}
 
 
+def two_by_two(model: ModelConfig, train: TrainConfig) -> JobSpec:
+    """A balanced job of 2 replicas x 2 stages over p2p, as the leader would be given it."""
+    return JobSpec(
+        model=model,
+        partition=Partition.BALANCED,
+        allow_cpu=True,
+        replicas=2,
+        stages=2,
+        transport=Transport.P2P,
+        **msgspec.structs.asdict(train),
+    )
+
+
 def split_placement(model: ModelConfig, train: TrainConfig, ports: int) -> dict[str, Any]:
     """The leader's balanced placement of 2 replicas x 2 stages on the four fellows, whose
     speeds are their shares of a core, each with ``ports`` sync ports: with 2, each replica
@@ -332,15 +345,7 @@ def split_placement(model: ModelConfig, train: TrainConfig, ports: int) -> dict[
         )
         for name, share in SPLIT_SHARES.items()
     ]
-    spec = JobSpec(
-        model=model,
-        partition=Partition.BALANCED,
-        allow_cpu=True,
-        replicas=2,
-        stages=2,
-        transport=Transport.P2P,
-        **msgspec.structs.asdict(train),
-    )
+    spec = two_by_two(model, train)
     placement = place(spec, candidates)
     if isinstance(placement, Unplaceable):
         raise SystemExit(f"no balanced placement: {placement.reason}")
@@ -468,15 +473,7 @@ def site_placements(
         for a, b in itertools.combinations(SITE_FELLOWS, 2)
         if SITE_FELLOWS[a] != SITE_FELLOWS[b]
     }
-    spec = JobSpec(
-        model=model,
-        partition=Partition.BALANCED,
-        allow_cpu=True,
-        replicas=2,
-        stages=2,
-        transport=Transport.P2P,
-        **msgspec.structs.asdict(train),
-    )
+    spec = two_by_two(model, train)
     arms = {"spread": [["c", "a"], ["d", "b"]], "at_home": [["b", "a"], ["d", "c"]]}
     got = {}
     for known in (None, links):
