@@ -99,6 +99,7 @@ def create_app(
     )
     dataset_store = DatasetStore(settings.datasets_dir, max_bytes=settings.max_dataset_bytes)
     account_book = AccountBook()
+    joins = JoinSessions()
     orchestrator = Orchestrator(
         bus=bus,
         registry=registry,
@@ -118,6 +119,7 @@ def create_app(
         revoke_attempt=revoker.revoke_attempt_soon if revoker is not None else None,
         link_probe_every_s=settings.link_probe_every_s,
         link_probes_at_once=settings.link_probes_at_once,
+        joins=joins,
     )
     # The domain services the controllers call; each gets the loop as the narrow
     # collaborator its Protocol names (leader.services), never more.
@@ -159,7 +161,7 @@ def create_app(
         nats_auth=nats_auth,
         authority=authority,
         registry=registry,
-        joins=JoinSessions(),
+        joins=joins,
         package=package,
         stopping=observe.stopping,
         require_loaded=orchestrator.require_loaded,

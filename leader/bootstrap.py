@@ -37,10 +37,13 @@ from silentswarm import __version__
 from silentswarm.errors import NotFoundError
 from silentswarm.leader.errors import JoinGoneError, JoinRefusedError, PackageUnavailableError
 from silentswarm.leader.naming import NameState, settle_fellow_name
-from silentswarm.types.onboarding import JoinSession, SessionLogLine
+from silentswarm.types.onboarding import JoinSession, JoinSessionRecord, SessionLogLine
 
 log = logging.getLogger(__name__)
 LOG_LINES = 5000  # kept per session
+# An ended session stays listed (and stored) this long after it ended: a week, the longest
+# a session may be open (services.onboarding.MAX_SESSION_TTL_S).
+KEEP_ENDED_S = 7 * 86_400.0
 
 
 class _Entry:
@@ -51,17 +54,60 @@ class _Entry:
         self.lines: list[SessionLogLine] = []
         self.changed = asyncio.Event()
 
+    def record(self) -> JoinSessionRecord:
+        secret = None if self.secret_hash is None else self.secret_hash.hex()
+        return JoinSessionRecord(
+            session=self.session, token_sha256=self.token_hash.hex(), secret_sha256=secret
+        )
+
 
 def _hash(value: str) -> bytes:
     return hashlib.sha256(value.encode()).digest()
 
 
 class JoinSessions:
-    """The sessions (in memory: a session lives minutes; a leader restart ends the open ones)."""
+    """The sessions. Each change marks its session ``dirty`` for the leader's store, which
+    writes it (:meth:`take_dirty`) and restores them when the leader starts (:meth:`restore`):
+    a session outlives a leader restart, its token and secret as hashes, without the install
+    log lines streamed before it. A session that ended (registered, failed) is dropped
+    :data:`KEEP_ENDED_S` after it ended, or after it expired."""
 
     def __init__(self, *, wall: Callable[[], float] = time.time) -> None:
         self._wall = wall
         self._entries: dict[str, _Entry] = {}
+        self.dirty: set[str] = set()
+
+    def restore(self, records: list[JoinSessionRecord]) -> None:
+        """The sessions the store kept (a session already here stays as it is)."""
+        for record in records:
+            if record.session.session_id in self._entries:
+                continue
+            entry = _Entry(record.session, bytes.fromhex(record.token_sha256))
+            if record.secret_sha256 is not None:
+                entry.secret_hash = bytes.fromhex(record.secret_sha256)
+            self._entries[record.session.session_id] = entry
+
+    def take_dirty(self) -> list[tuple[str, JoinSessionRecord | None]]:
+        """The changed sessions' records to write (None: dropped, to delete), and no longer
+        dirty; a write that fails puts its id back in ``dirty``."""
+        self.prune()
+        out = []
+        for session_id in sorted(self.dirty):
+            entry = self._entries.get(session_id)
+            out.append((session_id, None if entry is None else entry.record()))
+        self.dirty.clear()
+        return out
+
+    def prune(self) -> None:
+        """Drop the sessions that ended (or expired) over :data:`KEEP_ENDED_S` ago."""
+        now = self._wall()
+        for session_id, entry in list(self._entries.items()):
+            self._expire(entry)
+            session = entry.session
+            ended = session.expires_at if session.registered_at is None else session.registered_at
+            if session.status in ("registered", "failed") and now - ended > KEEP_ENDED_S:
+                del self._entries[session_id]
+                self.dirty.add(session_id)
 
     def create(self, *, fellow_name: str | None, ttl_s: float) -> tuple[JoinSession, str]:
         """A new session and its single-use token (returned once, stored only as a hash)."""
@@ -75,6 +121,7 @@ class JoinSessions:
         )
         token = secrets.token_urlsafe(24)
         self._entries[session.session_id] = _Entry(session, _hash(token))
+        self.dirty.add(session.session_id)
         return session, token
 
     def get(self, session_id: str) -> JoinSession:
@@ -126,6 +173,7 @@ class JoinSessions:
         entry.session.status = "installing"
         entry.session.fellow_name = name
         entry.changed.set()
+        self.dirty.add(session_id)
         return entry.session, secret
 
     def holds(self, name: str, *, other_than: str | None = None) -> bool:
@@ -145,13 +193,14 @@ class JoinSessions:
         if entry.secret_hash is None or not hmac.compare_digest(_hash(secret), entry.secret_hash):
             raise JoinRefusedError("this is not the installer of that join session")
         now = self._wall()
-        for line in lines:
-            entry.lines.append(SessionLogLine(len(entry.lines) + 1, now, line[:2000]))
+        for line in lines:  # numbered on from the session's count, which a restart keeps
+            entry.session.log_lines += 1
+            entry.lines.append(SessionLogLine(entry.session.log_lines, now, line[:2000]))
         del entry.lines[:-LOG_LINES]
-        entry.session.log_lines = len(entry.lines)
         if failed and entry.session.status == "installing":
             entry.session.status = "failed"
             entry.session.reason = (lines[-1] if lines else "the installer failed")[:500]
+            self.dirty.add(session_id)
         self._wake(entry)
         return entry.session.log_lines
 
@@ -161,6 +210,7 @@ class JoinSessions:
             session = entry.session
             if session.status == "installing" and session.fellow_name == fellow_id:
                 session.status, session.registered_at = "registered", self._wall()
+                self.dirty.add(session.session_id)
                 self._wake(entry)
 
     def lines_after(self, session_id: str, seq: int) -> list[SessionLogLine]:
@@ -187,6 +237,7 @@ class JoinSessions:
         session = entry.session
         if session.status == "created" and self._wall() > session.expires_at:
             session.status, session.reason = "failed", "expired before it was used"
+            self.dirty.add(session.session_id)
 
 
 # --- the package ----------------------------------------------------------------------------

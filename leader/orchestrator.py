@@ -33,6 +33,7 @@ from silentswarm.errors import NotFoundError
 from silentswarm.jobspec import stage_plans
 from silentswarm.leader import balance, decide, elastic, initsource, linkprobes, retention
 from silentswarm.leader.admission import RateLimiter, Verdict
+from silentswarm.leader.bootstrap import JoinSessions
 from silentswarm.leader.bus import LeaderBus
 from silentswarm.leader.datasets import DatasetStore
 from silentswarm.leader.datasets import start_args as dataset_start_args
@@ -96,6 +97,7 @@ class Orchestrator:
         revoke_attempt: Callable[[str, str, int], None] | None = None,
         link_probe_every_s: float = 0.0,
         link_probes_at_once: int = 1,
+        joins: JoinSessions | None = None,
     ) -> None:
         """``wake``: set (by anyone: the export service when a shard arrives) to run the
         next tick at once instead of after ``TICK_S``. ``account_of``: a job owner's account,
@@ -104,8 +106,9 @@ class Orchestrator:
         attempt (a dropped replica's fellows; None: no NATS users to revoke).
         ``link_probe_every_s``: how often idle fellows' unmeasured links may be probed
         (:mod:`silentswarm.leader.linkprobes`; 0: never), ``link_probes_at_once`` of them
-        side by side at most."""
+        side by side at most. ``joins``: the join sessions, kept in the store with the rest."""
         self.account_of = account_of
+        self.joins = joins if joins is not None else JoinSessions()
         self.revoke_attempt = revoke_attempt
         self.bus = bus
         # Mints each placed stage of each attempt its own NATS user (None: no NATS users).
@@ -233,13 +236,15 @@ class Orchestrator:
         self.jobs.restore(state.jobs)
         self.purges.restore(state.purges)
         self.registry.restore_released(state.released)
+        self.joins.restore(state.joins)
         log.info(
-            "loaded %d job(s), %d fellow(s), %d pending purge(s), %d released agent(s) "
-            "from JetStream",
+            "loaded %d job(s), %d fellow(s), %d pending purge(s), %d released agent(s), "
+            "%d join session(s) from JetStream",
             len(state.jobs),
             len(state.fellows),
             len(state.purges),
             len(state.released),
+            len(state.joins),
         )
         for job in decide.abandoned_starts(self.jobs.list()):
             assert job.placement is not None
@@ -266,6 +271,9 @@ class Orchestrator:
         for fid, marker in self.registry.take_released_dirty():
             if not await _save(store, store.released, fid, marker):
                 self.registry.released_dirty.add(fid)
+        for session_id, session in self.joins.take_dirty():
+            if not await _save(store, store.joins, session_id, session):
+                self.joins.dirty.add(session_id)
 
     # --- retention ---------------------------------------------------------------------------
 

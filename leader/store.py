@@ -1,5 +1,5 @@
-"""Durable leader state in JetStream KV: one bucket each for jobs, fellows, pending purges
-and released agent instances.
+"""Durable leader state in JetStream KV: one bucket each for jobs, fellows, pending purges,
+released agent instances and join sessions.
 
 Values are msgspec JSON (readable with ``nats kv get``). Records are written when they
 change (the managers mark them dirty), never on every heartbeat, and all read back when
@@ -37,6 +37,7 @@ from silentswarm.leader.errors import StoreReadError
 from silentswarm.leader.streams import describe, is_storage_error, progress_stream
 from silentswarm.types.fleet import FellowRecord, PendingPurge, ReleasedFellow
 from silentswarm.types.jobs import JobRecord
+from silentswarm.types.onboarding import JoinSessionRecord
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,16 +48,18 @@ class LoadedState(msgspec.Struct):
     fellows: list[FellowRecord]
     purges: list[PendingPurge]
     released: list[ReleasedFellow]
+    joins: list[JoinSessionRecord]
 
 
 def bucket_name(prefix: str, name: str) -> str:
-    """The KV bucket of one kind of record (``jobs``, ``fellows``, ``purges``, ``released``)."""
+    """The KV bucket of one kind of record (``jobs``, ``fellows``, ``purges``, ``released``,
+    ``joins``)."""
     return f"{prefix}_{name}"
 
 
 class StateStore:
-    """The KV buckets ``<prefix>_jobs``, ``<prefix>_fellows``, ``<prefix>_purges`` and
-    ``<prefix>_released``."""
+    """The KV buckets ``<prefix>_jobs``, ``<prefix>_fellows``, ``<prefix>_purges``,
+    ``<prefix>_released`` and ``<prefix>_joins``."""
 
     def __init__(
         self,
@@ -66,6 +69,7 @@ class StateStore:
         fellows: KeyValue,
         purges: KeyValue,
         released: KeyValue,
+        joins: KeyValue,
     ) -> None:
         self.nc = nc
         self.prefix = prefix
@@ -73,13 +77,14 @@ class StateStore:
         self.fellows = fellows
         self.purges = purges
         self.released = released
+        self.joins = joins
         self.write_error: str | None = None
 
     @classmethod
     async def open(cls, nc: Client, *, prefix: str) -> StateStore:
         js = nc.jetstream()
         buckets = []
-        for name in ("jobs", "fellows", "purges", "released"):
+        for name in ("jobs", "fellows", "purges", "released", "joins"):
             config = KeyValueConfig(
                 bucket=bucket_name(prefix, name), history=1, storage=StorageType.FILE
             )
@@ -92,6 +97,7 @@ class StateStore:
             fellows=await self._load("fellows", FellowRecord),
             purges=await self._load("purges", PendingPurge),
             released=await self._load("released", ReleasedFellow),
+            joins=await self._load("joins", JoinSessionRecord),
         )
 
     async def keys(self, name: str) -> list[str]:

@@ -17,7 +17,17 @@ class JoinSession(msgspec.Struct, kw_only=True):
     claimed_at: float | None = None
     registered_at: float | None = None
     reason: str = ""
-    log_lines: int = 0
+    log_lines: int = 0  # lines the installer sent (the newest LOG_LINES are kept)
+
+
+class JoinSessionRecord(msgspec.Struct, kw_only=True):
+    """A join session as the leader's store keeps it (KV bucket ``joins``), so a session
+    outlives a leader restart: its token and installer secret as SHA-256 hashes only (hex),
+    never themselves; the install log's lines are not kept."""
+
+    session: JoinSession
+    token_sha256: str
+    secret_sha256: str | None = None
 
 
 class JoinSessionCreated(JoinSession, kw_only=True):
@@ -81,7 +91,7 @@ class LogLines(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class LogLinesTaken(msgspec.Struct, kw_only=True):
-    lines: int  # how many lines the session's log holds now
+    lines: int  # how many lines the session's log has taken: its last line's number
 
 
 class PackageInfo(msgspec.Struct, kw_only=True):

@@ -18,10 +18,12 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 
 from silentswarm.leader.bootstrap import find_or_build_wheel
 from tests.conftest import leader_process, secure_env
 from tests.helpers import child_env, kill_tree, swarm_cli, wait_for
+from tests.integration.nats_client import with_nats
 
 pytestmark = pytest.mark.timeout(240)
 SITE_PACKAGES = sysconfig.get_paths()["purelib"]
@@ -295,3 +297,80 @@ def _zombie(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+def test_join_sessions_outlive_a_leader_restart(procs, secure_nats, nats_authority, tmp_path):
+    """An operator hands out a join command, the leader restarts (an update, a crash), and
+    the host runs it after: the token still works once; a host that was installing goes on
+    logging with its secret; the store holds hashes, never a token or a secret."""
+    env = secure_env(nats_authority)
+    first = leader_process(procs, secure_nats, tmp_path, **env)
+    leader = next(first)
+    fetch_script(leader, tmp_path)  # the package is ready: a claim hands it out
+    waiting = create_session(leader, fellow_name="after-restart")
+    started = create_session(leader, fellow_name="before-restart")
+    base = "/api/v1/bootstrap/join-sessions"
+    claim = leader.request(
+        "POST", f"{base}/{started['session_id']}/claim", json={"token": started["token"]}
+    )
+    assert claim.status_code == 200, claim.text
+    secret = claim.json()["secret"]
+
+    def log(session_id: str, line: str) -> httpx.Response:
+        return httpx.post(
+            f"{leader.url}{base}/{session_id}/logs",
+            json={"lines": [line]},
+            headers={"Authorization": f"Bearer {secret}"},
+            timeout=10,
+        )
+
+    assert log(started["session_id"], "unpacking").json() == {"lines": 1}
+    wait_for(  # written by the leader's next flush
+        lambda: b"installing" in _kv_value(secure_nats, nats_authority, started["session_id"]),
+        timeout=20,
+        what="the claimed session in the store",
+    )
+    process = procs.started[-1]
+    process.terminate()
+    process.wait(timeout=20)
+    first.close()
+
+    second = leader_process(procs, secure_nats, tmp_path, **env)
+    leader = next(second)
+    sessions = {s["session_id"]: s for s in leader.get(base)}
+    assert sessions[waiting["session_id"]]["status"] == "created"
+    assert sessions[started["session_id"]]["status"] == "installing"
+    assert sessions[started["session_id"]]["log_lines"] == 1
+    # The installer goes on: its secret still works and its lines number on.
+    assert log(started["session_id"], "installed").json() == {"lines": 2}
+    again = leader.request(
+        "POST", f"{base}/{started['session_id']}/claim", json={"token": started["token"]}
+    )
+    assert again.status_code == 410, again.text
+    wrong = leader.request(
+        "POST", f"{base}/{waiting['session_id']}/claim", json={"token": started["token"]}
+    )
+    assert wrong.status_code == 401, wrong.text
+    late = leader.request(
+        "POST", f"{base}/{waiting['session_id']}/claim", json={"token": waiting["token"]}
+    )
+    assert late.status_code == 200, late.text
+    assert late.json()["fellow_name"] == "after-restart"
+    ids = (waiting["session_id"], started["session_id"])
+    stored = b"".join(_kv_value(secure_nats, nats_authority, s) for s in ids)
+    for secret_text in (waiting["token"], started["token"], secret):
+        assert secret_text.encode() not in stored
+    second.close()
+
+
+def _kv_value(nats, authority, session_id: str) -> bytes:
+    """A join session's record as the leader's store holds it (b"" while none)."""
+
+    async def read(nc) -> bytes:
+        bucket = await nc.jetstream().key_value("swarm_joins")
+        try:
+            return (await bucket.get(session_id)).value or b""
+        except (KeyNotFoundError, BucketNotFoundError):
+            return b""
+
+    return with_nats(nats.url, read, user_credentials=str(authority.leader_creds_path))

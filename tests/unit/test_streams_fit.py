@@ -256,7 +256,7 @@ class FakeBucket:
 
 def test_the_state_store_remembers_a_write_refused_for_want_of_storage_until_one_succeeds():
     bucket = FakeBucket()
-    store = StateStore(None, "swarm", bucket, bucket, bucket, bucket)  # type: ignore[arg-type]
+    store = StateStore(None, "swarm", bucket, bucket, bucket, bucket, bucket)  # type: ignore[arg-type]
 
     async def scenario() -> list[str | None]:
         seen = []
