@@ -44,6 +44,8 @@ LOG_LINES = 5000  # kept per session
 # An ended session stays listed (and stored) this long after it ended: a week, the longest
 # a session may be open (services.onboarding.MAX_SESSION_TTL_S).
 KEEP_ENDED_S = 7 * 86_400.0
+# An installing session whose fellow has not registered this long after the claim failed.
+INSTALL_LIMIT_S = 86_400.0
 
 
 class _Entry:
@@ -67,10 +69,13 @@ def _hash(value: str) -> bytes:
 
 class JoinSessions:
     """The sessions. Each change marks its session ``dirty`` for the leader's store, which
-    writes it (:meth:`take_dirty`) and restores them when the leader starts (:meth:`restore`):
-    a session outlives a leader restart, its token and secret as hashes, without the install
-    log lines streamed before it. A session that ended (registered, failed) is dropped
-    :data:`KEEP_ENDED_S` after it ended, or after it expired."""
+    writes it (:meth:`take_dirty`, :meth:`record`) and restores them when the leader starts
+    (:meth:`restore`): a session outlives a leader restart, its token and secret as hashes,
+    without the install log lines streamed before it. A creation and a claim are written
+    before the API answers (``OnboardingService``), so a restart can never hand a used token
+    out again. An installing session whose fellow never registers fails
+    :data:`INSTALL_LIMIT_S` after its claim; an ended session is dropped :data:`KEEP_ENDED_S`
+    after it ended."""
 
     def __init__(self, *, wall: Callable[[], float] = time.time) -> None:
         self._wall = wall
@@ -87,16 +92,58 @@ class JoinSessions:
                 entry.secret_hash = bytes.fromhex(record.secret_sha256)
             self._entries[record.session.session_id] = entry
 
-    def take_dirty(self) -> list[tuple[str, JoinSessionRecord | None]]:
-        """The changed sessions' records to write (None: dropped, to delete), and no longer
-        dirty; a write that fails puts its id back in ``dirty``."""
+    def take_dirty(self) -> list[str]:
+        """The changed sessions' ids, no longer dirty (:meth:`prune` first); the caller
+        writes each one's :meth:`record` (None: dropped, to delete) and puts the id back in
+        ``dirty`` when that fails."""
         self.prune()
-        out = []
-        for session_id in sorted(self.dirty):
-            entry = self._entries.get(session_id)
-            out.append((session_id, None if entry is None else entry.record()))
+        out = sorted(self.dirty)
         self.dirty.clear()
         return out
+
+    def record(self, session_id: str) -> JoinSessionRecord | None:
+        """What the store keeps of a session now; None when it was dropped."""
+        entry = self._entries.get(session_id)
+        return None if entry is None else entry.record()
+
+    def snapshot(self, session_id: str) -> JoinSessionRecord:
+        """A copy of a session's state, for :meth:`put_back` when it could not be saved."""
+        record = self._entry(session_id).record()
+        return msgspec.structs.replace(record, session=msgspec.structs.replace(record.session))
+
+    def put_back(self, before: JoinSessionRecord) -> None:
+        """Undo a change the store could not save: the session as it was (not dirty: the
+        store holds that, or nothing)."""
+        entry = self._entry(before.session.session_id)
+        entry.session = before.session
+        entry.secret_hash = (
+            None if before.secret_sha256 is None else bytes.fromhex(before.secret_sha256)
+        )
+        self.dirty.discard(before.session.session_id)
+
+    def drop(self, session_id: str) -> None:
+        """Forget a session the store never saved (not dirty)."""
+        self._entries.pop(session_id, None)
+        self.dirty.discard(session_id)
+
+    def settle(self, registered_at: Callable[[str], float | None]) -> None:
+        """Installing sessions whose fellow registered since the claim (``registered_at``: when
+        a fellow last registered, None when unknown) are done; one still waiting
+        :data:`INSTALL_LIMIT_S` after its claim failed."""
+        now = self._wall()
+        for entry in self._entries.values():
+            session = entry.session
+            if session.status != "installing" or not session.fellow_name:
+                continue
+            claimed = session.claimed_at or 0.0
+            seen = registered_at(session.fellow_name)
+            if seen is not None and seen >= claimed:
+                self.fellow_registered(session.fellow_name)
+            elif now - claimed > INSTALL_LIMIT_S:
+                session.status = "failed"
+                session.reason = "its fellow never registered"
+                self.dirty.add(session.session_id)
+                self._wake(entry)
 
     def prune(self) -> None:
         """Drop the sessions that ended (or expired) over :data:`KEEP_ENDED_S` ago."""
@@ -105,6 +152,8 @@ class JoinSessions:
             self._expire(entry)
             session = entry.session
             ended = session.expires_at if session.registered_at is None else session.registered_at
+            if session.claimed_at is not None and session.registered_at is None:
+                ended = max(ended, session.claimed_at + INSTALL_LIMIT_S)
             if session.status in ("registered", "failed") and now - ended > KEEP_ENDED_S:
                 del self._entries[session_id]
                 self.dirty.add(session_id)
@@ -197,10 +246,10 @@ class JoinSessions:
             entry.session.log_lines += 1
             entry.lines.append(SessionLogLine(entry.session.log_lines, now, line[:2000]))
         del entry.lines[:-LOG_LINES]
+        self.dirty.add(session_id)  # the count (at most one write a flush)
         if failed and entry.session.status == "installing":
             entry.session.status = "failed"
             entry.session.reason = (lines[-1] if lines else "the installer failed")[:500]
-            self.dirty.add(session_id)
         self._wake(entry)
         return entry.session.log_lines
 

@@ -271,9 +271,28 @@ class Orchestrator:
         for fid, marker in self.registry.take_released_dirty():
             if not await _save(store, store.released, fid, marker):
                 self.registry.released_dirty.add(fid)
-        for session_id, session in self.joins.take_dirty():
-            if not await _save(store, store.joins, session_id, session):
+        self.joins.settle(self.registered_at)
+        for session_id in self.joins.take_dirty():
+            # the record as it is when written: a claim saved meanwhile is not undone
+            if not await _save(store, store.joins, session_id, self.joins.record(session_id)):
                 self.joins.dirty.add(session_id)
+
+    async def save_join(self, session_id: str) -> bool:
+        """Write one join session now (a creation or a claim, before the API answers);
+        False when it could not be (it stays dirty)."""
+        store = self.store
+        if store is None:
+            return False
+        self.joins.dirty.discard(session_id)
+        if await _save(store, store.joins, session_id, self.joins.record(session_id)):
+            return True
+        self.joins.dirty.add(session_id)
+        return False
+
+    def registered_at(self, fellow_id: str) -> float | None:
+        """When a fellow last registered (None: unknown to the registry)."""
+        record = self.registry.get(fellow_id)
+        return None if record is None else (record.last_registered_at or record.registered_at)
 
     # --- retention ---------------------------------------------------------------------------
 

@@ -57,7 +57,7 @@ class BootstrapController(Controller):
     )
     async def create(self, request: Request, onboarding: Onboarding) -> JoinSessionCreated:
         body = decode_strict(await request.body(), CreateSession)
-        return onboarding.create_session(body.fellow_name, body.ttl_s, str(request.base_url))
+        return await onboarding.create_session(body.fellow_name, body.ttl_s, str(request.base_url))
 
     @get("/join-sessions", summary="Every join session")
     async def sessions(self, onboarding: Onboarding) -> list[JoinSession]:

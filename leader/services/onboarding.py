@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 from litestar.response import ServerSentEventMessage
@@ -14,7 +14,7 @@ from litestar.response import ServerSentEventMessage
 from silentswarm import __version__
 from silentswarm.errors import ErrorCode, FieldError, NatsAuthError
 from silentswarm.leader.bootstrap import JoinSessions, Package
-from silentswarm.leader.errors import EnrollRefusedError
+from silentswarm.leader.errors import EnrollRefusedError, StorageUnavailableError
 from silentswarm.leader.naming import NameState, settle_fellow_name
 from silentswarm.leader.registry import FellowRegistry
 from silentswarm.leader.services.fleet import UserRevocation
@@ -50,13 +50,17 @@ class OnboardingService:
         package: BootstrapPackage,
         stopping: asyncio.Event,
         require_loaded: Callable[[], None],
+        save_join: Callable[[str], Awaitable[bool]],
+        registered_at: Callable[[str], float | None],
         revoker: UserRevocation | None = None,
     ) -> None:
         """``authority``: mints each joining fellow its own NATS user (None: it cannot).
         ``stopping``: set at shutdown; the install-log streams end then. ``require_loaded``:
         NotReadyError (503) until the fellows the leader knows are loaded: before that every
-        known name reads as free, and a claim or an enrollment would take one. ``revoker``:
-        revokes the earlier NATS users of a known name a join session hands out again."""
+        known name reads as free, and a claim or an enrollment would take one. ``save_join``:
+        writes one join session to the store now (False: it could not); ``registered_at``:
+        when a fellow last registered. ``revoker``: revokes the earlier NATS users of a known
+        name a join session hands out again."""
         self.settings = settings
         self.nats_url = nats_url
         self.nats_auth = nats_auth
@@ -66,6 +70,8 @@ class OnboardingService:
         self.package = package
         self.stopping = stopping
         self.require_loaded = require_loaded
+        self.save_join = save_join
+        self.registered_at = registered_at
         self.revoker = revoker
 
     @property
@@ -96,7 +102,7 @@ class OnboardingService:
 
     # --- join sessions -------------------------------------------------------------------------
 
-    def create_session(
+    async def create_session(
         self, fellow_name: str | None, ttl_s: float, request_base: str
     ) -> JoinSessionCreated:
         """A join session, its single-use token and the command that joins a host with it."""
@@ -110,7 +116,13 @@ class OnboardingService:
                 f"authority in {self.settings.authority_dir} (set SWARM_NATS_AUTH_DIR to the "
                 "directory 'swarm nats-auth init' made for this NATS server)"
             )
+        self.require_loaded()
         session, token = self.joins.create(fellow_name=fellow_name, ttl_s=ttl_s)
+        if not await self.save_join(session.session_id):  # the command must outlive a restart
+            self.joins.drop(session.session_id)
+            raise StorageUnavailableError(
+                "the leader could not save the join session in its store; try again"
+            )
         base = self.package.public_url(request_base)
         # The token in sh's environment, not its arguments: `ps` shows arguments to every
         # user of the host, and fellow.sh unsets the variable at once.
@@ -139,8 +151,15 @@ class OnboardingService:
             _check_fellow_name(proposed_name)
         package = self.package.ready()
         self.require_loaded()
+        before = self.joins.snapshot(session_id)
         session, secret = self.joins.claim(session_id, token, proposed_name, self.name_state)
         assert session.fellow_name is not None
+        # Saved before the answer: a restart must never hand the used token out again.
+        if not await self.save_join(session_id):
+            self.joins.put_back(before)
+            raise StorageUnavailableError(
+                "the leader could not save the claim in its store; nothing was installed, try again"
+            )
         if self.revoker is not None:
             # A name handed out again (the operator gave a known fellow's to a new host, or an
             # earlier claim of it never registered): whoever holds its earlier users (an old
@@ -192,14 +211,7 @@ class OnboardingService:
             await self.joins.wait_change(session_id, 1.0)
 
     def _mark_registered(self) -> None:
-        for session in self.joins.list():
-            if session.status != "installing" or not session.fellow_name:
-                continue
-            record = self.registry.get(session.fellow_name)
-            if record is not None and (record.last_registered_at or record.registered_at) >= (
-                session.claimed_at or 0
-            ):
-                self.joins.fellow_registered(session.fellow_name)
+        self.joins.settle(self.registered_at)
 
     # --- enrollment ----------------------------------------------------------------------------
 

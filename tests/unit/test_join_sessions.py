@@ -1,38 +1,62 @@
 """Join sessions kept across a leader restart (pure: what ``JoinSessions`` marks, writes and
-restores; the real store and a real restart: tests/integration/test_bootstrap.py)."""
+restores, and the onboarding service's saves before it answers; the real store and a real
+restart: tests/integration/test_bootstrap.py)."""
 
 from __future__ import annotations
+
+import asyncio
 
 import msgspec
 import pytest
 
 from silentswarm.errors import NotFoundError
-from silentswarm.leader.bootstrap import KEEP_ENDED_S, JoinSessions
-from silentswarm.leader.errors import JoinGoneError, JoinRefusedError
+from silentswarm.leader.bootstrap import INSTALL_LIMIT_S, KEEP_ENDED_S, JoinSessions, Package
+from silentswarm.leader.errors import JoinGoneError, JoinRefusedError, StorageUnavailableError
+from silentswarm.leader.registry import FellowRegistry
+from silentswarm.leader.services.onboarding import OnboardingService
+from silentswarm.settings import Settings
 from silentswarm.types.onboarding import JoinSessionRecord
 from tests.fakes import Clock
 
 
-def restarted(sessions: JoinSessions, clock: Clock) -> JoinSessions:
-    """What a new leader holds after the store wrote ``sessions``' changes and read them back
-    (through JSON, as the KV bucket keeps them)."""
-    kept = {sid: msgspec.json.encode(record) for sid, record in sessions.take_dirty() if record}
-    fresh = JoinSessions(wall=clock)
-    fresh.restore([msgspec.json.decode(data, type=JoinSessionRecord) for data in kept.values()])
-    return fresh
+class Store:
+    """A KV bucket of session records (JSON, as the leader's keeps them) and the flush that
+    writes the changed ones, as the orchestrator's does."""
+
+    def __init__(self) -> None:
+        self.kept: dict[str, bytes] = {}
+
+    def flush(self, sessions: JoinSessions) -> None:
+        for sid in sessions.take_dirty():
+            record = sessions.record(sid)
+            if record is None:
+                self.kept.pop(sid, None)
+            else:
+                self.kept[sid] = msgspec.json.encode(record)
+
+    def restart(self, clock: Clock) -> JoinSessions:
+        """What a new leader holds: the records read back."""
+        fresh = JoinSessions(wall=clock)
+        fresh.restore([msgspec.json.decode(v, type=JoinSessionRecord) for v in self.kept.values()])
+        return fresh
 
 
-def test_a_session_outlives_a_restart_token_and_secret_alike():
-    clock = Clock(1000.0)
+def test_a_session_outlives_a_restart_token_secret_and_log_count_alike():
+    clock, store = Clock(1000.0), Store()
     sessions = JoinSessions(wall=clock)
     waiting, token = sessions.create(fellow_name="w", ttl_s=600)
+    clock.advance(1)
     started, started_token = sessions.create(fellow_name="s", ttl_s=600)
+    store.flush(sessions)
     _, secret = sessions.claim(started.session_id, started_token)
+    store.flush(sessions)
     assert sessions.append_log(started.session_id, secret, ["one", "two"], failed=False) == 2
+    store.flush(sessions)
 
-    after = restarted(sessions, clock)
+    after = store.restart(clock)
     assert [s.session_id for s in after.list()] == [waiting.session_id, started.session_id]
     assert after.get(started.session_id).status == "installing"
+    assert after.get(started.session_id).log_lines == 2
     assert after.append_log(started.session_id, secret, ["three"], failed=False) == 3
     assert [line.seq for line in after.lines_after(started.session_id, 0)] == [3]
     with pytest.raises(JoinGoneError, match="already used"):
@@ -49,35 +73,56 @@ def test_the_record_holds_hashes_never_the_token_or_the_secret():
     sessions = JoinSessions(wall=Clock(0.0))
     session, token = sessions.create(fellow_name=None, ttl_s=60)
     _, secret = sessions.claim(session.session_id, token, proposed_name="host")
-    [(sid, record)] = sessions.take_dirty()
-    assert sid == session.session_id and record is not None
+    assert sessions.take_dirty() == [session.session_id]
+    record = sessions.record(session.session_id)
+    assert record is not None
     data = msgspec.json.encode(record)
     assert token.encode() not in data and secret.encode() not in data
     assert len(record.token_sha256) == 64 and record.secret_sha256 is not None
 
 
-def test_every_change_is_marked_and_written_once():
+def test_every_change_is_marked_for_the_next_write():
     clock = Clock(0.0)
     sessions = JoinSessions(wall=clock)
     session, token = sessions.create(fellow_name="f", ttl_s=60)
-    assert [sid for sid, _ in sessions.take_dirty()] == [session.session_id]
+    assert sessions.take_dirty() == [session.session_id]
     assert sessions.take_dirty() == []
     _, secret = sessions.claim(session.session_id, token)
-    assert len(sessions.take_dirty()) == 1
+    assert sessions.take_dirty() == [session.session_id]
     sessions.append_log(session.session_id, secret, ["a line"], failed=False)
-    assert sessions.take_dirty() == [], "log lines are not kept: nothing to write"
-    sessions.fellow_registered("f")
-    [(_, record)] = sessions.take_dirty()
-    assert record is not None and record.session.status == "registered"
+    assert sessions.take_dirty() == [session.session_id]  # its count
+    sessions.settle(lambda name: 5.0 if name == "f" else None)
+    assert sessions.take_dirty() == [session.session_id]
+    assert sessions.get(session.session_id).status == "registered"
     unused, _ = sessions.create(fellow_name=None, ttl_s=60)
     sessions.take_dirty()
     clock.advance(61)
-    [(sid, record)] = sessions.take_dirty()  # expired: its status changed
-    assert sid == unused.session_id and record is not None
-    assert record.session.status == "failed"
+    assert sessions.take_dirty() == [unused.session_id]  # expired: its status changed
+    assert sessions.get(unused.session_id).status == "failed"
 
 
-def test_ended_sessions_are_dropped_after_a_week():
+def test_an_install_that_never_registers_fails_then_goes_and_frees_its_name():
+    clock = Clock(0.0)
+    sessions = JoinSessions(wall=clock)
+    session, token = sessions.create(fellow_name="gpu7", ttl_s=60)
+    sessions.claim(session.session_id, token)
+    registered_before = {"gpu7": -1.0}  # an older registration of the name: not this install
+    sessions.settle(registered_before.get)
+    assert sessions.get(session.session_id).status == "installing" and sessions.holds("gpu7")
+    clock.advance(INSTALL_LIMIT_S + 1)
+    sessions.settle(registered_before.get)
+    ended = sessions.get(session.session_id)
+    assert ended.status == "failed" and "never registered" in ended.reason
+    assert not sessions.holds("gpu7")
+    sessions.take_dirty()
+    clock.advance(KEEP_ENDED_S)
+    assert sessions.take_dirty() == [session.session_id]
+    assert sessions.record(session.session_id) is None  # deleted from the store
+    with pytest.raises(NotFoundError):
+        sessions.get(session.session_id)
+
+
+def test_ended_sessions_are_dropped_a_week_after_they_end():
     clock = Clock(0.0)
     sessions = JoinSessions(wall=clock)
     done, token = sessions.create(fellow_name="f", ttl_s=60)
@@ -86,22 +131,86 @@ def test_ended_sessions_are_dropped_after_a_week():
     open_one, _ = sessions.create(fellow_name=None, ttl_s=7 * 86_400)
     sessions.take_dirty()
     clock.advance(KEEP_ENDED_S + 1)
-    # The registered one is dropped (deleted from the store); the open one expired just now
-    # and is kept for a week from its end.
-    written = dict(sessions.take_dirty())
-    assert written[done.session_id] is None
-    assert written[open_one.session_id] is not None
+    # The registered one is dropped; the open one expired just now and is kept a week more.
+    assert set(sessions.take_dirty()) == {done.session_id, open_one.session_id}
+    assert sessions.record(done.session_id) is None
     assert [s.session_id for s in sessions.list()] == [open_one.session_id]
-    with pytest.raises(NotFoundError):
-        sessions.get(done.session_id)
 
 
 def test_a_restore_keeps_a_session_already_there():
-    clock = Clock(0.0)
-    sessions = JoinSessions(wall=clock)
+    sessions = JoinSessions(wall=Clock(0.0))
     session, token = sessions.create(fellow_name=None, ttl_s=60)
-    [(_, stale)] = sessions.take_dirty()
-    assert stale is not None
+    stale = sessions.snapshot(session.session_id)
     sessions.claim(session.session_id, token)
     sessions.restore([stale])  # the older record of the same session
     assert sessions.get(session.session_id).status == "installing"
+
+
+# --- the service saves before it answers ------------------------------------------------------
+
+
+class Ready:
+    """The bootstrap package, ready (what a claim hands out)."""
+
+    package = Package(file="silentswarm.whl", sha256="0" * 64, size=1, path="/dev/null")
+
+    async def ensure(self) -> Package:
+        return self.package
+
+    def ready(self) -> Package:
+        return self.package
+
+    def public_url(self, base: str) -> str:
+        return base
+
+
+def service(joins: JoinSessions, saves: list[bool]) -> OnboardingService:
+    """An onboarding service whose store saves as ``saves`` says, one answer a write."""
+
+    async def save_join(session_id: str) -> bool:
+        joins.dirty.discard(session_id)
+        ok = saves.pop(0)
+        if not ok:
+            joins.dirty.add(session_id)
+        return ok
+
+    registry = FellowRegistry(heartbeat_interval_s=1.0, offline_after_s=5.0, leader_version="0")
+    return OnboardingService(
+        settings=Settings(dev=True),
+        nats_url="nats://127.0.0.1:4222",
+        nats_auth="dev",
+        authority=None,
+        registry=registry,
+        joins=joins,
+        package=Ready(),  # type: ignore[arg-type]
+        stopping=asyncio.Event(),
+        require_loaded=lambda: None,
+        save_join=save_join,
+        registered_at=lambda _: None,
+    )
+
+
+def test_a_claim_the_store_cannot_save_is_undone_and_answers_503():
+    """Were it answered unsaved, a leader restart would bring back the stored 'created'
+    record and the used token would claim again."""
+    joins = JoinSessions(wall=Clock(0.0))
+    saves = [True, False, True]
+    onboarding = service(joins, saves)
+    created = asyncio.run(onboarding.create_session("box", 600, "http://leader"))
+    with pytest.raises(StorageUnavailableError) as err:
+        asyncio.run(onboarding.claim(created.session_id, created.token, None))
+    assert err.value.http_status == 503 and "nothing was installed" in err.value.message
+    session = joins.get(created.session_id)
+    assert session.status == "created" and session.claimed_at is None
+    assert created.session_id not in joins.dirty  # the store holds the 'created' record
+    claim = asyncio.run(onboarding.claim(created.session_id, created.token, None))
+    assert claim.fellow_name == "box" and joins.get(created.session_id).status == "installing"
+    assert saves == []
+
+
+def test_a_session_the_store_cannot_save_is_not_handed_out():
+    joins = JoinSessions(wall=Clock(0.0))
+    onboarding = service(joins, [False])
+    with pytest.raises(StorageUnavailableError):
+        asyncio.run(onboarding.create_session(None, 600, "http://leader"))
+    assert joins.list() == [] and joins.dirty == set()
