@@ -277,12 +277,13 @@ class Orchestrator:
             if not await _save(store, store.joins, session_id, self.joins.record(session_id)):
                 self.joins.dirty.add(session_id)
 
-    async def save_join(self, session_id: str) -> bool:
+    async def save_join(self, session_id: str) -> bool | None:
         """Write one join session now (a creation or a claim, before the API answers);
-        False when it could not be (it stays dirty)."""
+        False when it could not be (it stays dirty), None before the store is open (the
+        first flush after it opens writes it)."""
         store = self.store
         if store is None:
-            return False
+            return None
         self.joins.dirty.discard(session_id)
         if await _save(store, store.joins, session_id, self.joins.record(session_id)):
             return True

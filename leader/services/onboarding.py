@@ -50,7 +50,7 @@ class OnboardingService:
         package: BootstrapPackage,
         stopping: asyncio.Event,
         require_loaded: Callable[[], None],
-        save_join: Callable[[str], Awaitable[bool]],
+        save_join: Callable[[str], Awaitable[bool | None]],
         registered_at: Callable[[str], float | None],
         revoker: UserRevocation | None = None,
     ) -> None:
@@ -58,7 +58,8 @@ class OnboardingService:
         ``stopping``: set at shutdown; the install-log streams end then. ``require_loaded``:
         NotReadyError (503) until the fellows the leader knows are loaded: before that every
         known name reads as free, and a claim or an enrollment would take one. ``save_join``:
-        writes one join session to the store now (False: it could not); ``registered_at``:
+        writes one join session to the store now (False: it could not; None: the store is
+        not open yet); ``registered_at``:
         when a fellow last registered. ``revoker``: revokes the earlier NATS users of a known
         name a join session hands out again."""
         self.settings = settings
@@ -116,9 +117,10 @@ class OnboardingService:
                 f"authority in {self.settings.authority_dir} (set SWARM_NATS_AUTH_DIR to the "
                 "directory 'swarm nats-auth init' made for this NATS server)"
             )
-        self.require_loaded()
         session, token = self.joins.create(fellow_name=fellow_name, ttl_s=ttl_s)
-        if not await self.save_join(session.session_id):  # the command must outlive a restart
+        # The command must outlive a restart; before the store opens (None) the first flush
+        # after it writes the session, and a leader that never opened it kept nothing else.
+        if await self.save_join(session.session_id) is False:
             self.joins.drop(session.session_id)
             raise StorageUnavailableError(
                 "the leader could not save the join session in its store; try again"
@@ -155,7 +157,7 @@ class OnboardingService:
         session, secret = self.joins.claim(session_id, token, proposed_name, self.name_state)
         assert session.fellow_name is not None
         # Saved before the answer: a restart must never hand the used token out again.
-        if not await self.save_join(session_id):
+        if await self.save_join(session_id) is not True:  # loaded, so never None here
             self.joins.put_back(before)
             raise StorageUnavailableError(
                 "the leader could not save the claim in its store; nothing was installed, try again"

@@ -164,14 +164,14 @@ class Ready:
         return base
 
 
-def service(joins: JoinSessions, saves: list[bool]) -> OnboardingService:
-    """An onboarding service whose store saves as ``saves`` says, one answer a write."""
+def service(joins: JoinSessions, saves: list[bool | None]) -> OnboardingService:
+    """An onboarding service whose store saves as ``saves`` says, one answer a write (None:
+    not open yet)."""
 
-    async def save_join(session_id: str) -> bool:
-        joins.dirty.discard(session_id)
+    async def save_join(session_id: str) -> bool | None:
         ok = saves.pop(0)
-        if not ok:
-            joins.dirty.add(session_id)
+        if ok:
+            joins.dirty.discard(session_id)
         return ok
 
     registry = FellowRegistry(heartbeat_interval_s=1.0, offline_after_s=5.0, leader_version="0")
@@ -214,3 +214,10 @@ def test_a_session_the_store_cannot_save_is_not_handed_out():
     with pytest.raises(StorageUnavailableError):
         asyncio.run(onboarding.create_session(None, 600, "http://leader"))
     assert joins.list() == [] and joins.dirty == set()
+
+
+def test_a_session_made_before_the_store_opens_waits_for_its_first_flush():
+    joins = JoinSessions(wall=Clock(0.0))
+    onboarding = service(joins, [None])
+    created = asyncio.run(onboarding.create_session(None, 600, "http://leader"))
+    assert joins.dirty == {created.session_id}
