@@ -166,7 +166,6 @@ def create_app(
         stopping=observe.stopping,
         require_loaded=orchestrator.require_loaded,
         save_join=orchestrator.save_join,
-        registered_at=orchestrator.registered_at,
         revoker=revoker,
     )
     metrics = LeaderMetrics(

@@ -383,6 +383,15 @@ def between(links: Mapping[tuple[str, str], MeasuredLink], a: str, b: str) -> Me
     return links.get((a, b), links.get((b, a)))
 
 
+def link_between(links: Mapping[tuple[str, str], MeasuredLink], a: str, b: str) -> MeasuredLink:
+    """The link between ``a`` and ``b``, which a costing needs: KeyError when ``links`` has
+    none (:func:`guessed_links` gives every pair)."""
+    hop = between(links, a, b)
+    if hop is None:
+        raise KeyError(f"no link between {a} and {b}")
+    return hop
+
+
 def _book(links: Mapping[tuple[str, str], MeasuredLink]) -> LinkBook:
     return links if isinstance(links, LinkBook) else LinkBook(links)
 
@@ -430,12 +439,7 @@ def link_seconds(
     ``bits_per_step`` (the other boundaries' transfers go on beside it) plus the round trips
     of all its boundaries (a step's fill and drain cross each once each way). Every pair of
     the chain must be in ``links`` (:func:`guessed_links` gives them all)."""
-    hops = []
-    for a, b in itertools.pairwise(chain):
-        hop = between(links, a, b)
-        if hop is None:
-            raise KeyError(f"no link between {a} and {b}")
-        hops.append(hop)
+    hops = [link_between(links, a, b) for a, b in itertools.pairwise(chain)]
     if not hops:
         return 0.0
     transfer_s = max(bits_per_step / max(h.mbit_s * 1e6, 1.0) for h in hops)

@@ -56,6 +56,18 @@ class _Entry:
         self.lines: list[SessionLogLine] = []
         self.changed = asyncio.Event()
 
+    @classmethod
+    def of(cls, record: JoinSessionRecord) -> _Entry:
+        entry = cls(record.session, bytes.fromhex(record.token_sha256))
+        entry.take(record)
+        return entry
+
+    def take(self, record: JoinSessionRecord) -> None:
+        """The session and its installer secret as ``record`` has them."""
+        self.session = record.session
+        secret = record.secret_sha256
+        self.secret_hash = None if secret is None else bytes.fromhex(secret)
+
     def record(self) -> JoinSessionRecord:
         secret = None if self.secret_hash is None else self.secret_hash.hex()
         return JoinSessionRecord(
@@ -85,12 +97,8 @@ class JoinSessions:
     def restore(self, records: list[JoinSessionRecord]) -> None:
         """The sessions the store kept (a session already here stays as it is)."""
         for record in records:
-            if record.session.session_id in self._entries:
-                continue
-            entry = _Entry(record.session, bytes.fromhex(record.token_sha256))
-            if record.secret_sha256 is not None:
-                entry.secret_hash = bytes.fromhex(record.secret_sha256)
-            self._entries[record.session.session_id] = entry
+            if record.session.session_id not in self._entries:
+                self._entries[record.session.session_id] = _Entry.of(record)
 
     def take_dirty(self) -> list[str]:
         """The changed sessions' ids, no longer dirty (:meth:`prune` first); the caller
@@ -114,11 +122,7 @@ class JoinSessions:
     def put_back(self, before: JoinSessionRecord) -> None:
         """Undo a change the store could not save: the session as it was (not dirty: the
         store holds that, or nothing)."""
-        entry = self._entry(before.session.session_id)
-        entry.session = before.session
-        entry.secret_hash = (
-            None if before.secret_sha256 is None else bytes.fromhex(before.secret_sha256)
-        )
+        self._entry(before.session.session_id).take(before)
         self.dirty.discard(before.session.session_id)
 
     def drop(self, session_id: str) -> None:

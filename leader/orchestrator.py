@@ -271,29 +271,26 @@ class Orchestrator:
         for fid, marker in self.registry.take_released_dirty():
             if not await _save(store, store.released, fid, marker):
                 self.registry.released_dirty.add(fid)
-        self.joins.settle(self.registered_at)
+        self.joins.settle(self.registry.registered_at)
         for session_id in self.joins.take_dirty():
-            # the record as it is when written: a claim saved meanwhile is not undone
-            if not await _save(store, store.joins, session_id, self.joins.record(session_id)):
-                self.joins.dirty.add(session_id)
+            await self._write_join(store, session_id)
 
     async def save_join(self, session_id: str) -> bool | None:
         """Write one join session now (a creation or a claim, before the API answers);
         False when it could not be (it stays dirty), None before the store is open (the
         first flush after it opens writes it)."""
-        store = self.store
-        if store is None:
+        if self.store is None:
             return None
         self.joins.dirty.discard(session_id)
+        return await self._write_join(self.store, session_id)
+
+    async def _write_join(self, store: StateStore, session_id: str) -> bool:
+        """A join session's record as it is now (a claim saved meanwhile is not undone by an
+        older one), or its deletion; dirty again when it could not be written."""
         if await _save(store, store.joins, session_id, self.joins.record(session_id)):
             return True
         self.joins.dirty.add(session_id)
         return False
-
-    def registered_at(self, fellow_id: str) -> float | None:
-        """When a fellow last registered (None: unknown to the registry)."""
-        record = self.registry.get(fellow_id)
-        return None if record is None else (record.last_registered_at or record.registered_at)
 
     # --- retention ---------------------------------------------------------------------------
 

@@ -260,12 +260,8 @@ def _taken_along_links(
         return taken
     if any(gpus[c.fellow_id] or not c.compute_speed for c in taken):
         return taken
-    speeds = {
-        c.fellow_id: c.compute_speed * c.cpu_share
-        for c in ranked
-        if c.compute_speed and not gpus[c.fellow_id]
-    }
-    m = spec.micro_batches if isinstance(spec.micro_batches, int) else 1
+    speeds = _cpu_speeds(ranked, gpus)
+    m = _micro_batches_or_one(spec)
     chosen = set(
         fellows_along_links(
             speeds,
@@ -279,6 +275,20 @@ def _taken_along_links(
         )
     )
     return [c for c in ranked if c.fellow_id in chosen]
+
+
+def _cpu_speeds(fellows: list[Candidate], gpus: dict[str, list[GpuInfo]]) -> dict[str, float]:
+    """The CPU fellows of measured speed among ``fellows``: speed times their quota's share."""
+    return {
+        c.fellow_id: c.compute_speed * c.cpu_share
+        for c in fellows
+        if c.compute_speed and not gpus[c.fellow_id]
+    }
+
+
+def _micro_batches_or_one(spec: JobSpec) -> int:
+    """The job's micro-batches where fixed; 1 under ``"auto"`` (unknown yet)."""
+    return spec.micro_batches if isinstance(spec.micro_batches, int) else 1
 
 
 def _loopback_pairs(spec: JobSpec, fellows: list[Candidate]) -> Callable[[str, str], bool]:
@@ -459,10 +469,10 @@ def _compute_seconds_of(
     """A pipeline's compute seconds a step on these fellows (a balanced split's, by their
     measured speeds times their quotas' shares), or None where a GPU fellow or one not
     measured is among them."""
-    if any(gpus[c.fellow_id] or not c.compute_speed for c in taken):
+    speeds = _cpu_speeds(taken, gpus)
+    if len(speeds) < len(taken):
         return None
-    speeds = {c.fellow_id: (c.compute_speed or 0.0) * c.cpu_share for c in taken}
-    m = spec.micro_batches if isinstance(spec.micro_batches, int) else 1
+    m = _micro_batches_or_one(spec)
 
     def seconds(chain: list[str]) -> float:
         found = compute_seconds(

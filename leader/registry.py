@@ -409,6 +409,13 @@ class FellowRegistry:
     def list(self) -> list[FellowRecord]:
         return [self._view(e) for _, e in sorted(self._entries.items())]
 
+    def registered_at(self, fellow_id: str) -> float | None:
+        """When a fellow last registered (None: unknown here)."""
+        entry = self._entries.get(fellow_id)
+        if entry is None:
+            return None
+        return entry.record.last_registered_at or entry.record.registered_at
+
     def read_each(self, read: Callable[[FellowRecord], T]) -> list[T]:
         """``read`` of every fellow's live record, in no particular order, without the copies
         :meth:`list` makes: for a caller that takes what it needs at once and keeps nothing of

@@ -31,7 +31,7 @@ from typing import NamedTuple
 from silentswarm.compression import CodecKind, parse_wire_codec
 from silentswarm.jobspec import JobSpec
 from silentswarm.leader.balance import MAX_CHAINS as MAX_CHAINS_ALONG
-from silentswarm.leader.balance import between, link_seconds
+from silentswarm.leader.balance import link_between, link_seconds
 from silentswarm.leader.memory import (
     adapter_block_params,
     block_params,
@@ -72,21 +72,12 @@ def clustered(taken: Sequence[str], k: int, links: Links) -> list[Chain]:
     for _ in range(k):
         group = [left.pop(0)]
         while len(group) < p:
-            nearest = max(
-                left,
-                key=lambda f: (min(_rate(links, f, g) for g in group), -left.index(f)),
-            )
+            rates = {f: min(link_between(links, f, g).mbit_s for g in group) for f in left}
+            nearest = max(left, key=lambda f: (rates[f], -left.index(f)))
             group.append(nearest)
             left.remove(nearest)
         out.append(group)
     return out
-
-
-def _rate(links: Links, a: str, b: str) -> float:
-    hop = between(links, a, b)
-    if hop is None:
-        raise KeyError(f"no link between {a} and {b}")
-    return hop.mbit_s
 
 
 def grouping_count(n: int, k: int) -> int:
@@ -118,12 +109,8 @@ def ring_seconds(members: Sequence[str], links: Links, *, bits: float) -> float:
     k = len(members)
     if k < 2 or bits <= 0:
         return 0.0
-    hops = []
-    for a, b in zip(members, [*members[1:], members[0]], strict=True):
-        hop = between(links, a, b)
-        if hop is None:
-            raise KeyError(f"no link between {a} and {b}")
-        hops.append(hop)
+    after = [*members[1:], members[0]]
+    hops = [link_between(links, a, b) for a, b in zip(members, after, strict=True)]
     slowest = min(h.mbit_s for h in hops)
     return (k - 1) * (bits / max(slowest * 1e6, 1.0) + max(h.rtt_ms for h in hops) / 1000)
 
@@ -176,8 +163,8 @@ def replica_groups(
     ``order_work`` chains costed; ``ring_bits[i]``: a contribution to stage ``i``'s ring
     (:func:`sync_bits`), ``rounds`` rounds a step (:func:`rounds_per_step`); ``compute``: a
     chain's compute seconds a step, where known, for about ``compute_work`` chains."""
-    search = _Search(taken, links, order, bits_per_step, ring_bits, rounds, compute)
-    search.group_work = order_work + (compute_work if compute is not None else 0)
+    group_work = order_work + (compute_work if compute is not None else 0)
+    search = _Search(taken, links, order, bits_per_step, ring_bits, rounds, compute, group_work)
     n, p = len(taken), len(taken) // k
     best = search.cost(dealt(taken, k))
     search.spent = 0  # the dealt grouping is always costed; the budget is for the others
@@ -224,6 +211,7 @@ class _Search:
         ring_bits: Sequence[float],
         rounds: float,
         compute: Callable[[Chain], float] | None,
+        group_work: int,
     ) -> None:
         self.rank = {f: at for at, f in enumerate(taken)}
         self.links, self.order, self.bits, self.ring_bits = links, order, bits_per_step, ring_bits
@@ -231,7 +219,7 @@ class _Search:
         k = len(taken) // max(1, len(ring_bits))
         # a grouping's pipelines sorted and its rings costed: about a chain per 4 members
         self.grouping_work = 1 + len(ring_bits) * max(1, k // 4)
-        self.group_work = 1  # a replica seen the first time: its order and compute
+        self.group_work = group_work  # a replica seen the first time: its order and compute
         self.spent = 0
         self.replicas: dict[frozenset[str], tuple[Chain, float]] = {}
 

@@ -51,7 +51,6 @@ class OnboardingService:
         stopping: asyncio.Event,
         require_loaded: Callable[[], None],
         save_join: Callable[[str], Awaitable[bool | None]],
-        registered_at: Callable[[str], float | None],
         revoker: UserRevocation | None = None,
     ) -> None:
         """``authority``: mints each joining fellow its own NATS user (None: it cannot).
@@ -59,9 +58,8 @@ class OnboardingService:
         NotReadyError (503) until the fellows the leader knows are loaded: before that every
         known name reads as free, and a claim or an enrollment would take one. ``save_join``:
         writes one join session to the store now (False: it could not; None: the store is
-        not open yet); ``registered_at``:
-        when a fellow last registered. ``revoker``: revokes the earlier NATS users of a known
-        name a join session hands out again."""
+        not open yet). ``revoker``: revokes the earlier NATS users of a known name a join
+        session hands out again."""
         self.settings = settings
         self.nats_url = nats_url
         self.nats_auth = nats_auth
@@ -72,7 +70,6 @@ class OnboardingService:
         self.stopping = stopping
         self.require_loaded = require_loaded
         self.save_join = save_join
-        self.registered_at = registered_at
         self.revoker = revoker
 
     @property
@@ -213,7 +210,7 @@ class OnboardingService:
             await self.joins.wait_change(session_id, 1.0)
 
     def _mark_registered(self) -> None:
-        self.joins.settle(self.registered_at)
+        self.joins.settle(self.registry.registered_at)
 
     # --- enrollment ----------------------------------------------------------------------------
 

@@ -186,7 +186,6 @@ def service(joins: JoinSessions, saves: list[bool | None]) -> OnboardingService:
         stopping=asyncio.Event(),
         require_loaded=lambda: None,
         save_join=save_join,
-        registered_at=lambda _: None,
     )
 
 
