@@ -33,6 +33,11 @@ from silentswarm.sdnotify import notify
 from silentswarm.settings import Settings
 
 log = logging.getLogger("leader")
+# How long an idle HTTP connection stays open for its next request. It must outlast the idle
+# expiry of every client pool that reuses connections: httpx's 5 s (the CLI, the tests) and
+# the shipped Caddyfile's 60 s upstream keep-alive. At uvicorn's own 5 s a request sent on a
+# connection idle for about 5 s met the server closing it: "connection reset by peer".
+KEEP_ALIVE_S = 75
 app = cyclopts.App(name="swarm-leader", help="Run the SilentSwarm leader (REST API, registry).")
 
 
@@ -139,6 +144,7 @@ def run_leader(settings: Settings) -> None:
                 log_config=None,
                 lifespan="on",
                 timeout_graceful_shutdown=5,
+                timeout_keep_alive=KEEP_ALIVE_S,
             ),
             stopping=app.state["stopping"],
         )

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import http.client
+import re
+import time
+from pathlib import Path
+
+import httpx
 import pytest
 
 from tests.conftest import start_agent
@@ -104,3 +110,27 @@ def test_a_leader_without_a_token_makes_one_and_can_close_reads(procs, nats_serv
     assert token not in log, "the token is never logged"
     anonymous.close()
     owner.close()
+
+
+def test_an_idle_connection_outlasts_the_clients_pool_expiry(leader):
+    """A pooled client (httpx expires an idle connection after 5 s) must never send on a
+    connection the leader is closing: the leader keeps idle ones open longer (KEEP_ALIVE_S)."""
+    from urllib.parse import urlsplit
+
+    from silentswarm.leader.main import KEEP_ALIVE_S
+
+    caddyfile = (Path(__file__).parents[2] / "packaging" / "proxy" / "Caddyfile").read_text()
+    proxy_s = int(re.search(r"keepalive (\d+)s", caddyfile).group(1))
+    assert max(httpx.Limits().keepalive_expiry, proxy_s) < KEEP_ALIVE_S
+    parts = urlsplit(leader.url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=5)
+    try:
+        connection.request("GET", "/health")
+        assert connection.getresponse().read()
+        sock = connection.sock
+        time.sleep(6)  # the idle time itself is what is tested: past httpx's expiry
+        connection.request("GET", "/health")
+        response = connection.getresponse()
+        assert response.status == 200 and connection.sock is sock, "the same connection"
+    finally:
+        connection.close()
