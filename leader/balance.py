@@ -457,6 +457,23 @@ def compute_seconds(
     )
     if sizes is None:
         return None
+    return split_seconds(
+        m, batch_size=batch_size, sizes=sizes, speeds=speeds, micro_batches=micro_batches
+    )
+
+
+def split_seconds(
+    m: ModelConfig,
+    *,
+    batch_size: int,
+    sizes: Sequence[int],
+    speeds: Sequence[float],
+    micro_batches: int,
+) -> float:
+    """The 1F1B step, in seconds, of a split of ``sizes`` layers per stage on fellows of
+    these speeds (in stage order): :func:`step_cost` with the head on the last stage,
+    scaled from standard blocks to this model's. A resumed job's fixed split is costed so
+    on each order of the fellows that would take it."""
     extras = [0.0] * len(speeds)
     extras[-1] = head_blocks(m)
     per_block = block_work(m, batch_size) / block_work(SPEED_UNIT, SPEED_UNIT_BATCH)

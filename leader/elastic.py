@@ -38,9 +38,12 @@ import msgspec
 from silentswarm.errors import ErrorCode
 from silentswarm.jobspec import PlacedStage, Placement, seats, stage_plans
 from silentswarm.leader.placement import DEFAULTS, Candidate, PlacementDefaults, Unplaceable, place
+from silentswarm.leader.refill import joined_rings
+from silentswarm.leader.replica_groups import range_sync_bits, rounds_per_step
 from silentswarm.plan import RingChange, StagePlan, Transport
 from silentswarm.rings import build_rings, fellow_ports, ports_needed, prev_member
 from silentswarm.types.jobs import JobRecord
+from silentswarm.types.links import MeasuredLink
 from silentswarm.types.views import StageProgress
 
 # A ring change takes effect this many seconds of steps ahead of the furthest stage, and at
@@ -201,11 +204,15 @@ def replacement(
     defaults: PlacementDefaults = DEFAULTS,
     *,
     version: str | None = None,
+    links: Mapping[tuple[str, str], MeasuredLink] | None = None,
 ) -> list[PlacedStage] | Unplaceable | None:
     """A pipeline for the job's lowest free replica slot on some of ``candidates`` (the ready
     fellows), with the layer split of the job's other replicas; None when no slot is free.
     ``version``: the one the job's fellows run, which the replacement's must run too (its
-    ring speaks theirs); None: any.
+    ring speaks theirs); None: any. A ``balanced`` job's replacement takes the fellows and
+    order predicted fastest (:mod:`silentswarm.leader.refill`) by their measured speeds
+    and ``links`` (fellow pair -> its measured link), its pipeline's and those to the
+    other replicas' fellows in the rings it joins.
 
     Fellows that ran a stage of a replica this attempt lost are not taken again: a late
     report of their old run could not be told from the new one's, and a fellow that just
@@ -230,7 +237,10 @@ def replacement(
             c for c in usable if c.data_address and len(fellow_ports(c.sync_address)) >= ports
         ]
     spec = msgspec.structs.replace(job.spec, replicas=1)
-    one = place(spec, usable, defaults, ranges=ranges)
+    rings = joined_rings(
+        placement, slot, range_sync_bits(job.spec, ranges), rounds_per_step(job.spec)
+    )
+    one = place(spec, usable, defaults, ranges=ranges, links=links, joining=rings)
     if isinstance(one, Unplaceable):
         return one
     by_id = {c.fellow_id: c for c in usable}

@@ -512,7 +512,11 @@ class Orchestrator:
         idle = self._idle(self.registry.list(), now=time.monotonic())
         for job in jobs:
             stages = elastic.replacement(
-                job, offered_to(job, idle), self.defaults, version=self._version_of(job)
+                job,
+                offered_to(job, idle),
+                self.defaults,
+                version=self._version_of(job),
+                links=self.registry.links,
             )
             if not isinstance(stages, list):
                 continue  # not enough ready fellows yet (or none fit): the next tick tries

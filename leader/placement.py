@@ -36,7 +36,10 @@ each fellow offers: :mod:`silentswarm.telemetry`). The rules:
   an equal split, a resumed job's fixed ranges, a learned codec, or a ``p2p`` fellow with
   fewer sync ports than its stage's rings gives every replica one split, computed as above
   over each stage position's weakest fellow (least memory; least speed, which sets the pace
-  of every step the replicas sync). Under transport ``p2p`` every member needs a sync
+  of every step the replicas sync). A ``balanced`` job's fixed split (a resumed job's, a
+  replacement replica's) goes to the fellows and order predicted fastest by their speeds,
+  links and the rings a replacement joins (:mod:`silentswarm.leader.refill`), within their
+  memory and never onto the relay. Under transport ``p2p`` every member needs a sync
   address (``SWARM_SYNC_ADDRESS``); under ``auto`` a ring link to a member without one uses
   the relay.
 """
@@ -73,7 +76,13 @@ from silentswarm.leader.memory import (
     StageMemory,
     stage_memory,
 )
-from silentswarm.leader.replica_groups import replica_groups, rounds_per_step, sync_bits
+from silentswarm.leader.refill import JoinedRings, candidate_pool, chain_seconds, refill
+from silentswarm.leader.replica_groups import (
+    range_sync_bits,
+    replica_groups,
+    rounds_per_step,
+    sync_bits,
+)
 from silentswarm.plan import GpuSlot, Transport, split_layers
 from silentswarm.pools import DEFAULT_POOL
 from silentswarm.protocol import GpuInfo
@@ -170,14 +179,16 @@ def place(
     ranges: list[tuple[int, int]] | None = None,
     max_stages: int | None = None,
     links: Mapping[tuple[str, str], MeasuredLink] | None = None,
+    joining: JoinedRings | None = None,
 ) -> Placement | Unplaceable:
     """A placement for ``spec`` on some of ``candidates``, or why there is none now.
 
-    ``ranges`` fixes the stages' layer ranges (a resumed job keeps its boundaries);
-    ``max_stages`` caps how many fellows the job may take in all (its account's limit);
-    ``links`` (fellow pair -> its measured link) orders a ``balanced`` job's stages
-    (:func:`silentswarm.leader.balance.chain_order`). The placed stages are ordered by
-    (replica, stage)."""
+    ``ranges`` fixes the stages' layer ranges (a resumed job keeps its boundaries, a
+    replacement replica takes its job's); ``max_stages`` caps how many fellows the job may
+    take in all (its account's limit); ``links`` (fellow pair -> its measured link) orders
+    a ``balanced`` job's stages (:func:`silentswarm.leader.balance.chain_order`);
+    ``joining``: the rings a replacement replica's stages join, which its links to them
+    are weighed by. The placed stages are ordered by (replica, stage)."""
     candidates = [c for c in candidates if pools.fits(c.pool, c.labels, spec)]
     gpus = {c.fellow_id: eligible_gpus(c, spec, defaults) for c in candidates}
     ranked = _ranked(spec, candidates, gpus)
@@ -192,6 +203,13 @@ def place(
     # The choices to try, best first: along the links, the fastest, and (the others may
     # lack the memory the best ranked have) the memory ranking's.
     by_speed = _taken_by_speed(spec, ranked, k * wanted, gpus)
+    if k == 1 and ranges is not None:
+        refilled = _refilled(spec, ranked, by_speed, gpus, ranges, links, joining, defaults)
+        if refilled is not None:
+            placed = _place_groups(spec, [refilled], gpus, ranges)
+            dealt = _pipelines(spec, by_speed, 1, defaults, None)
+            if _keeps_transport(spec, placed, dealt):
+                return placed
     choices = [by_speed, ranked[: k * wanted]]
     if k == 1 and ranges is None and links:
         choices.insert(0, _taken_along_links(spec, ranked, by_speed, gpus, links))
@@ -297,7 +315,7 @@ def _loopback_pairs(spec: JobSpec, fellows: list[Candidate]) -> Callable[[str, s
     by_id = {c.fellow_id: c for c in fellows}
     if spec.transport == Transport.TUNNEL:
         return lambda a, b: False
-    return lambda a, b: direct_on_one_host(by_id[a], by_id[b])
+    return lambda a, b: a in by_id and b in by_id and direct_on_one_host(by_id[a], by_id[b])
 
 
 def _place_on(
@@ -312,19 +330,145 @@ def _place_on(
     """The job on ``taken`` (ranked order) as ``k`` pipelines: dealt like cards, or (a
     ``balanced`` job with replicas and measured links) grouped by its links where that
     grouping fits and keeps the dealt grouping's transport."""
-    known = links if ranges is None else None
-    groups = _pipelines(spec, taken, k, defaults, known)
-    if k > 1 and known and spec.partition == Partition.BALANCED:
+    groups = _pipelines(spec, taken, k, defaults, links if ranges is None else None)
+    if k > 1 and links and spec.partition == Partition.BALANCED:
         keep_last = _keeps_last(spec, defaults)
-        grouped = _grouped_along_links(spec, taken, k, gpus, known, keep_last=keep_last)
+        grouped = _grouped_along_links(
+            spec, taken, k, gpus, links, keep_last=keep_last, ranges=ranges
+        )
         if grouped is not None and grouped != groups:
             placed = _place_groups(spec, grouped, gpus, ranges)
-            dealt_transport = _transport(spec, groups)
-            if not isinstance(placed, Unplaceable) and (
-                isinstance(dealt_transport, Unplaceable) or placed.transport == dealt_transport
-            ):
+            if _keeps_transport(spec, placed, groups):
                 return placed
     return _place_groups(spec, groups, gpus, ranges)
+
+
+def _keeps_transport(
+    spec: JobSpec, placed: Placement | Unplaceable, dealt: list[list[Candidate]]
+) -> bool:
+    """Whether ``placed`` (another choice than the ``dealt`` pipelines) is a placement with
+    the transport the dealt one would have, or a direct one where the dealt one would
+    relay: a choice made for speed never turns a job's boundaries over to the relay."""
+    if isinstance(placed, Unplaceable):
+        return False
+    transport = _transport(spec, dealt)
+    if isinstance(transport, Unplaceable) or placed.transport == transport:
+        return True
+    return transport == Transport.TUNNEL and placed.transport != Transport.TUNNEL
+
+
+def _refilled(
+    spec: JobSpec,
+    ranked: list[Candidate],
+    taken: list[Candidate],
+    gpus: dict[str, list[GpuInfo]],
+    ranges: list[tuple[int, int]],
+    links: Mapping[tuple[str, str], MeasuredLink] | None,
+    joining: JoinedRings | None,
+    defaults: PlacementDefaults,
+) -> list[Candidate] | None:
+    """For a ``balanced`` pipeline on fixed ``ranges`` (a resumed job, a replacement
+    replica): the fellows and order of least predicted step (:func:`silentswarm.leader.
+    refill.refill`), by their measured speeds where the fellows it would take (``taken``:
+    the fastest) are all CPU fellows of measured speed, and by their measured links
+    (only fellows with a data address then: the relay's links are not measured) and the
+    ``joining`` rings' where any link is known. Only chains whose every stage fits its
+    fellow's memory count. None where neither speeds nor links tell the chains apart."""
+    if spec.partition != Partition.BALANCED:
+        return None
+    n, keep_last = len(ranges), _keeps_last(spec, defaults)
+    speeds = _cpu_speeds(ranked, gpus)
+    timed = all(c.fellow_id in speeds for c in taken)
+    pace = speeds if timed else None
+    by_id = {c.fellow_id: c for c in ranked}
+
+    def best(fellows: list[Candidate]) -> list[Candidate]:
+        ids = [c.fellow_id for c in fellows]
+        return [by_id[f] for f in candidate_pool(ids, n, keep_last=keep_last, pace=pace)]
+
+    fellows = [c for c in ranked if c.fellow_id in speeds] if timed else ranked
+    pool = best(fellows)
+    pairs: Mapping[tuple[str, str], MeasuredLink] = {}
+    if links:
+        linked = best([c for c in fellows if c.data_address])
+        ids = [c.fellow_id for c in linked]
+        ids += [f for f in (joining.fellows if joining else []) if f not in ids]
+        found = guessed_links(ids, links, same_host=_loopback_pairs(spec, linked))
+        if found and len(linked) >= n:
+            pool, pairs = linked, LinkBook(found)
+    if not timed and not pairs:
+        return None
+    cost = _fixed_split_cost(spec, pool, gpus, ranges, pace, pairs, joining)
+    chain = refill([c.fellow_id for c in pool], n, cost, keep_last=keep_last, pace=pace)
+    return None if chain is None else [by_id[f] for f in chain]
+
+
+def _fixed_split_cost(
+    spec: JobSpec,
+    fellows: list[Candidate],
+    gpus: dict[str, list[GpuInfo]],
+    ranges: list[tuple[int, int]],
+    speeds: Mapping[str, float] | None,
+    links: Mapping[tuple[str, str], MeasuredLink],
+    joining: JoinedRings | None = None,
+) -> Callable[[list[str]], float]:
+    """A chain of ``fellows`` holding ``ranges``: its predicted step (:func:`silentswarm.
+    leader.refill.chain_seconds`: its compute by ``speeds`` where given, its ``links`` and
+    the ``joining`` rings' where given); infinite where a stage does not fit its fellow's
+    memory."""
+    fits = _fits_table(spec, fellows, gpus, ranges)
+    sizes = [end - start for start, end in ranges]
+    m, bits = _micro_batches_or_one(spec), boundary_bits(spec)
+
+    def cost(chain: list[str]) -> float:
+        if not all(fits[f, i] for i, f in enumerate(chain)):
+            return math.inf
+        return chain_seconds(
+            chain,
+            model=spec.model,
+            batch_size=spec.batch_size,
+            micro_batches=m,
+            sizes=sizes,
+            speeds=speeds,
+            links=links,
+            bits_per_step=bits,
+            rings=joining,
+        )
+
+    return cost
+
+
+def _fits_table(
+    spec: JobSpec,
+    fellows: list[Candidate],
+    gpus: dict[str, list[GpuInfo]],
+    ranges: list[tuple[int, int]],
+) -> dict[tuple[str, int], bool]:
+    """Whether each fellow holds each stage of ``ranges`` within its memory."""
+    out = {}
+    for i, (start, end) in enumerate(ranges):
+        memory = _stage_memory(spec, i, len(ranges), end - start)
+        for c in fellows:
+            placed = _place_stage(i, c, gpus[c.fellow_id], memory, start, end, Counter())
+            out[c.fellow_id, i] = not isinstance(placed, Unplaceable)
+    return out
+
+
+def _stage_memory(spec: JobSpec, i: int, n_stages: int, layers: int) -> StageMemory:
+    """Stage ``i``'s memory estimate, of ``n_stages``, holding ``layers`` layers."""
+    micro_batches, in_flight = spec.memory_schedule()
+    return stage_memory(
+        spec.model,
+        batch_size=spec.batch_size,
+        micro_batches=micro_batches,
+        stage=i,
+        n_stages=n_stages,
+        layers=layers,
+        in_flight=in_flight,
+        overlap=spec.overlap,
+        recompute=spec.recompute,
+        deferred=spec.memory_deferred(),
+    )
 
 
 def _place_groups(
@@ -342,22 +486,10 @@ def _place_groups(
     if isinstance(splits, Unplaceable):
         return splits
     per_host = Counter(c.hostname for chosen in groups for c in chosen)
-    micro_batches, in_flight = spec.memory_schedule()
     stages = []
     for r, chosen in enumerate(groups):
         for i, (c, (start, end)) in enumerate(zip(chosen, splits[r], strict=True)):
-            memory = stage_memory(
-                spec.model,
-                batch_size=spec.batch_size,
-                micro_batches=micro_batches,
-                stage=i,
-                n_stages=len(chosen),
-                layers=end - start,
-                in_flight=in_flight,
-                overlap=spec.overlap,
-                recompute=spec.recompute,
-                deferred=spec.memory_deferred(),
-            )
+            memory = _stage_memory(spec, i, len(chosen), end - start)
             placed = _place_stage(i, c, gpus[c.fellow_id], memory, start, end, per_host)
             if isinstance(placed, Unplaceable):
                 where = "the last stage" if i == len(chosen) - 1 else f"stage {i}"
@@ -424,6 +556,7 @@ def _grouped_along_links(
     links: Mapping[tuple[str, str], MeasuredLink],
     *,
     keep_last: bool,
+    ranges: list[tuple[int, int]] | None = None,
 ) -> list[list[Candidate]] | None:
     """``taken`` as the ``k`` pipelines whose predicted step is least
     (:func:`silentswarm.leader.replica_groups.replica_groups`): each replica's compute
@@ -431,7 +564,10 @@ def _grouped_along_links(
     order, and the rings between the replicas. None where none of them has a measured link,
     or one has no data address (it talks over the relay, which no link figure describes,
     and only stage 0 may be such a fellow under ``p2p``). With ``keep_last`` each replica's
-    best ranked fellow runs its last stage."""
+    best ranked fellow runs its last stage. Fixed ``ranges`` (a resumed job's) hold for
+    every replica: a replica's order is then its least compute and links on them
+    (:func:`silentswarm.leader.refill.refill`), a stage that does not fit costing
+    infinitely."""
     if any(not c.data_address for c in taken):
         return None
     by_id = {c.fellow_id: c for c in taken}
@@ -448,15 +584,29 @@ def _grouped_along_links(
         return chain_order(group, pairs, bits_per_step=bits, last=last)
 
     tried = p - 1 if keep_last else p  # the fellows chain_order permutes
+    compute = _compute_seconds_of(spec, taken, gpus)
+    ring_bits = sync_bits(spec, p)
+    if ranges is not None:
+        speeds = _cpu_speeds(taken, gpus)
+        timed = speeds if len(speeds) == len(taken) else None
+        compute = _fixed_split_cost(spec, taken, gpus, ranges, timed, {})
+        whole = _fixed_split_cost(spec, taken, gpus, ranges, timed, pairs)
+        ring_bits = range_sync_bits(spec, ranges)
+
+        def order(group: list[str]) -> list[str]:
+            ranked = sorted(group, key=list(by_id).index)
+            found = refill(ranked, len(ranked), whole, keep_last=keep_last)
+            return ranked if found is None else found
+
     chains = replica_groups(
         list(by_id),
         k,
         pairs,
         order=order,
         bits_per_step=bits,
-        ring_bits=sync_bits(spec, p),
+        ring_bits=ring_bits,
         rounds=rounds_per_step(spec),
-        compute=_compute_seconds_of(spec, taken, gpus),
+        compute=compute,
         order_work=math.factorial(tried) if 3 <= p <= MAX_ORDERED else 1,
         compute_work=p * spec.model.n_layers,  # balanced_sizes' search, about
     )

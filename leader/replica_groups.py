@@ -116,21 +116,27 @@ def ring_seconds(members: Sequence[str], links: Links, *, bits: float) -> float:
 
 
 def sync_bits(spec: JobSpec, n_stages: int) -> list[float]:
-    """The bits of one contribution to a stage position's ring round in ``spec``, by stage:
-    the trainable parameters of an equal split's layers (the embedding on the first stage
-    and the head on the last; an adapter's alone when the job trains one), in the spec's
+    """The bits of one contribution to a stage position's ring round in ``spec``, by stage,
+    for an equal split (:func:`range_sync_bits`)."""
+    return range_sync_bits(spec, split_layers(spec.model.n_layers, n_stages))
+
+
+def range_sync_bits(spec: JobSpec, ranges: Sequence[tuple[int, int]]) -> list[float]:
+    """The bits of one contribution to the ring round of each of these layer ranges in
+    ``spec``: the trainable parameters of its layers (the embedding with layer 0 and the
+    head with the last layer; an adapter's alone when the job trains one), in the spec's
     ``sync_compression`` (``fixed_int8`` with its per-row scales)."""
     m = spec.model
     codec = parse_wire_codec(spec.sync_compression)
     value_bits = codec.bits + (32 / 64 if codec.kind is CodecKind.INT else 0.0)
     out = []
-    for i, (start, end) in enumerate(split_layers(m.n_layers, n_stages)):
+    for start, end in ranges:
         if spec.adapter is not None:
             params = (end - start) * adapter_block_params(m, spec.adapter)
         else:
             params = (end - start) * block_params(m)
-            params += embedding_params(m) if i == 0 else 0
-            params += head_params(m) if i == n_stages - 1 else 0
+            params += embedding_params(m) if start == 0 else 0
+            params += head_params(m) if end == m.n_layers else 0
         out.append(float(params * value_bits))
     return out
 
