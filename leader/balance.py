@@ -402,31 +402,64 @@ def guessed_links(
     *,
     same_host: SameHost | None = None,
 ) -> dict[tuple[str, str], MeasuredLink]:
-    """Every pair of ``fellows``: measured (either direction), or guessed.
+    """Every pair of ``fellows``: measured (either direction), or guessed
+    (:class:`GuessedLinks`' rule). Empty where none of the fellows has a measured link."""
+    return dict(GuessedLinks(fellows, links, same_host=same_host))
+
+
+class GuessedLinks(Mapping[tuple[str, str], MeasuredLink]):
+    """Every pair of ``fellows``: measured (either direction), or guessed, each pair found
+    when first asked for (a placement that costs a few pairs among many fellows does not
+    guess them all). Empty (false, no pairs) where none of the fellows has a measured link.
 
     Two fellows on one machine (``same_host``) share its loopback (:data:`SAME_HOST_LINK`).
     Over the internet a link's rate is mostly its slower end's own connection, so a fellow's
     access rate is the fastest any of its measured links showed, and another pair never
     measured gets the slower of its two ends' (for an end never measured, the median rate of
-    the fellows' measured links) with the median round trip of those links. Empty where none
-    of the fellows has a measured link."""
-    book = _book(links)
-    known = {f: book.of(f) for f in fellows}
-    seen = list({id(m): m for ms in known.values() for m in ms}.values())
-    if not seen:
-        return {}
-    median_rate = statistics.median(m.mbit_s for m in seen)
-    median_rtt = statistics.median(m.rtt_ms for m in seen)
-    access = {f: max((m.mbit_s for m in ms), default=median_rate) for f, ms in known.items()}
-    out = {}
-    for a, b in itertools.combinations(fellows, 2):
-        measured = book.between(a, b)
-        if measured is None and same_host is not None and same_host(a, b):
-            measured = SAME_HOST_LINK
-        if measured is None:
-            measured = MeasuredLink(mbit_s=min(access[a], access[b]), rtt_ms=median_rtt)
-        out[a, b] = measured
-    return out
+    the fellows' measured links) with the median round trip of those links."""
+
+    def __init__(
+        self,
+        fellows: Sequence[str],
+        links: Mapping[tuple[str, str], MeasuredLink],
+        *,
+        same_host: SameHost | None = None,
+    ) -> None:
+        self._book, self._same_host = _book(links), same_host
+        self._fellows = list(dict.fromkeys(fellows))
+        known = {f: self._book.of(f) for f in self._fellows}
+        seen = list({id(m): m for ms in known.values() for m in ms}.values())
+        self._any = bool(seen)
+        median_rate = statistics.median(m.mbit_s for m in seen) if seen else 0.0
+        self._median_rtt = statistics.median(m.rtt_ms for m in seen) if seen else 0.0
+        self._access = {
+            f: max((m.mbit_s for m in ms), default=median_rate) for f, ms in known.items()
+        }
+        self._found: dict[tuple[str, str], MeasuredLink] = {}
+
+    def __getitem__(self, pair: tuple[str, str]) -> MeasuredLink:
+        a, b = pair
+        if not self._any or a == b or a not in self._access or b not in self._access:
+            raise KeyError(pair)
+        key = (a, b) if a <= b else (b, a)
+        found = self._found.get(key)
+        if found is None:
+            found = self._book.between(a, b)
+            if found is None and self._same_host is not None and self._same_host(a, b):
+                found = SAME_HOST_LINK
+            if found is None:
+                found = MeasuredLink(
+                    mbit_s=min(self._access[a], self._access[b]), rtt_ms=self._median_rtt
+                )
+            self._found[key] = found
+        return found
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        return itertools.combinations(self._fellows, 2) if self._any else iter(())
+
+    def __len__(self) -> int:
+        n = len(self._fellows)
+        return n * (n - 1) // 2 if self._any else 0
 
 
 def link_seconds(

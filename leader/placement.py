@@ -60,6 +60,7 @@ from silentswarm.jobspec import JobSpec, LastStagePlacement, Partition, PlacedSt
 from silentswarm.leader import pools
 from silentswarm.leader.balance import (
     MAX_ORDERED,
+    GuessedLinks,
     LinkBook,
     balanced_sizes,
     boundary_bits,
@@ -312,10 +313,18 @@ def _micro_batches_or_one(spec: JobSpec) -> int:
 def _loopback_pairs(spec: JobSpec, fellows: list[Candidate]) -> Callable[[str, str], bool]:
     """Which pairs of ``fellows`` (by id) talk over one machine's loopback in ``spec``'s
     job: a direct pair on one host, unless the job relays every boundary (``tunnel``)."""
-    by_id = {c.fellow_id: c for c in fellows}
+    return _loopback_addresses(spec, {c.fellow_id: c.data_address for c in fellows})
+
+
+def _loopback_addresses(
+    spec: JobSpec, addresses: Mapping[str, str | None]
+) -> Callable[[str, str], bool]:
+    """:func:`_loopback_pairs` of fellows by their data addresses (a placed stage's too):
+    both advertise one, on the same host (:func:`direct_on_one_host`)."""
     if spec.transport == Transport.TUNNEL:
         return lambda a, b: False
-    return lambda a, b: a in by_id and b in by_id and direct_on_one_host(by_id[a], by_id[b])
+    hosts = {f: endpoint_host(address) for f, address in addresses.items()}
+    return lambda a, b: hosts.get(a) is not None and hosts.get(a) == hosts.get(b)
 
 
 def _place_on(
@@ -369,11 +378,15 @@ def _refilled(
 ) -> list[Candidate] | None:
     """For a ``balanced`` pipeline on fixed ``ranges`` (a resumed job, a replacement
     replica): the fellows and order of least predicted step (:func:`silentswarm.leader.
-    refill.refill`), by their measured speeds where the fellows it would take (``taken``:
-    the fastest) are all CPU fellows of measured speed, and by their measured links
-    (only fellows with a data address then: the relay's links are not measured) and the
-    ``joining`` rings' where any link is known. Only chains whose every stage fits its
-    fellow's memory count. None where neither speeds nor links tell the chains apart."""
+    refill.refill`). Where the fellows the speed ranking takes (``taken``) are all CPU
+    fellows of measured speed, among the fastest such fellows, by their speeds; where they
+    are all CPU fellows never measured, among such fellows (alike to the speed ranking);
+    else only ``taken``, reordered (a GPU's compute cannot be weighed against a CPU's).
+    Where any link is known, by the measured links too, and the ``joining`` rings', among
+    fellows with a data address only (the relay's links are not measured). Only chains
+    whose every stage fits its fellow's memory count, and, unless the job relays every
+    boundary, whose stages after the first all have a data address (else the job would
+    relay them). None where neither speeds nor links tell the chains apart."""
     if spec.partition != Partition.BALANCED:
         return None
     n, keep_last = len(ranges), _keeps_last(spec, defaults)
@@ -386,21 +399,36 @@ def _refilled(
         ids = [c.fellow_id for c in fellows]
         return [by_id[f] for f in candidate_pool(ids, n, keep_last=keep_last, pace=pace)]
 
-    fellows = [c for c in ranked if c.fellow_id in speeds] if timed else ranked
+    if timed:
+        fellows = [c for c in ranked if c.fellow_id in speeds]
+    elif all(_unmeasured_cpu(c, gpus) for c in taken):
+        fellows = [c for c in ranked if _unmeasured_cpu(c, gpus)]  # alike but for the links
+    else:
+        fellows = taken
     pool = best(fellows)
     pairs: Mapping[tuple[str, str], MeasuredLink] = {}
+    rings: list[dict[str, float]] | None = None
     if links:
         linked = best([c for c in fellows if c.data_address])
         ids = [c.fellow_id for c in linked]
-        ids += [f for f in (joining.fellows if joining else []) if f not in ids]
-        found = guessed_links(ids, links, same_host=_loopback_pairs(spec, linked))
+        members = joining.fellows if joining is not None else []
+        addresses = {c.fellow_id: c.data_address for c in linked}
+        if joining is not None:
+            addresses |= joining.addresses
+        same = _loopback_addresses(spec, addresses)
+        found = GuessedLinks([*ids, *members], links, same_host=same)
         if found and len(linked) >= n:
-            pool, pairs = linked, LinkBook(found)
+            pool, pairs = linked, found
+            rings = joining.seconds(ids, found) if joining is not None else None
     if not timed and not pairs:
         return None
-    cost = _fixed_split_cost(spec, pool, gpus, ranges, pace, pairs, joining)
+    cost = _fixed_split_cost(spec, pool, gpus, ranges, pace, pairs, rings)
     chain = refill([c.fellow_id for c in pool], n, cost, keep_last=keep_last, pace=pace)
     return None if chain is None else [by_id[f] for f in chain]
+
+
+def _unmeasured_cpu(c: Candidate, gpus: dict[str, list[GpuInfo]]) -> bool:
+    return not gpus[c.fellow_id] and not c.compute_speed
 
 
 def _fixed_split_cost(
@@ -410,18 +438,23 @@ def _fixed_split_cost(
     ranges: list[tuple[int, int]],
     speeds: Mapping[str, float] | None,
     links: Mapping[tuple[str, str], MeasuredLink],
-    joining: JoinedRings | None = None,
+    rings: list[dict[str, float]] | None = None,
 ) -> Callable[[list[str]], float]:
     """A chain of ``fellows`` holding ``ranges``: its predicted step (:func:`silentswarm.
     leader.refill.chain_seconds`: its compute by ``speeds`` where given, its ``links`` and
-    the ``joining`` rings' where given); infinite where a stage does not fit its fellow's
-    memory."""
+    the ``rings`` it joins where given); infinite where a stage does not fit its fellow's
+    memory, or (unless the job relays every boundary) a stage after the first has no data
+    address."""
     fits = _fits_table(spec, fellows, gpus, ranges)
+    relays = spec.transport == Transport.TUNNEL
+    direct = {c.fellow_id for c in fellows if c.data_address or relays}
     sizes = [end - start for start, end in ranges]
     m, bits = _micro_batches_or_one(spec), boundary_bits(spec)
 
     def cost(chain: list[str]) -> float:
         if not all(fits[f, i] for i, f in enumerate(chain)):
+            return math.inf
+        if not all(f in direct for f in chain[1:]):
             return math.inf
         return chain_seconds(
             chain,
@@ -432,7 +465,7 @@ def _fixed_split_cost(
             speeds=speeds,
             links=links,
             bits_per_step=bits,
-            rings=joining,
+            rings=rings,
         )
 
     return cost

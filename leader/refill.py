@@ -9,7 +9,8 @@ the ring of the other replicas' fellows that hold its layers, whose slowest link
 every sync round.
 
 :func:`refill` costs every chain of ``n`` of the best candidates (every set and every
-order, within :data:`MAX_CHAINS`) and keeps the one whose predicted step is least;
+order, at most :data:`MAX_POOL` candidates and :data:`MAX_CHAINS` chains) and keeps the
+one whose predicted step is least;
 :func:`chain_seconds` is that prediction: the split's compute on the chain's measured
 speeds (:func:`silentswarm.leader.balance.split_seconds`), its links
 (:func:`silentswarm.leader.balance.link_seconds`) and the rings it joins
@@ -30,6 +31,9 @@ from silentswarm.plan import ModelConfig
 from silentswarm.types.links import MeasuredLink
 
 EPSILON = 1e-9
+# The most candidates a fixed split is weighed among: the links between them (and the rings'
+# members) are guessed for the chains costed, so a large swarm's fastest few.
+MAX_POOL = 16
 
 Links = Mapping[tuple[str, str], MeasuredLink]
 Chain = list[str]
@@ -39,28 +43,31 @@ class JoinedRings(NamedTuple):
     """The rings a replacement replica's stages join. ``members[i]``: for its stage ``i``,
     the fellow of each other live replica that holds most of that stage's layers, in ring
     order (by replica); ``at``: the replacement's place in that order; ``bits[i]``: one
-    contribution to stage ``i``'s round; ``rounds``: rounds a step."""
+    contribution to stage ``i``'s round; ``rounds``: rounds a step; ``addresses``: the
+    members' data addresses (which tell a member on a candidate's machine)."""
 
     members: list[list[str]]
     at: int
     bits: list[float]
     rounds: float
+    addresses: dict[str, str | None]
 
     @property
     def fellows(self) -> list[str]:
         return sorted({f for ring in self.members for f in ring})
 
-    def seconds(self, chain: Sequence[str], links: Links) -> float:
-        """The slowest of the rings with ``chain[i]`` in stage ``i``'s, times the rounds a
-        step: what they add to a step. Every pair in a ring must be in ``links``."""
-        slowest = max(
-            (
-                ring_seconds([*ring[: self.at], fellow, *ring[self.at :]], links, bits=bits)
-                for ring, fellow, bits in zip(self.members, chain, self.bits, strict=True)
-            ),
-            default=0.0,
-        )
-        return self.rounds * slowest
+    def seconds(self, fellows: Sequence[str], links: Links) -> list[dict[str, float]]:
+        """For each stage, what its ring adds to a step with each of ``fellows`` in it: its
+        round's time times the rounds a step (a chain then costs the slowest of its
+        stages'). Every pair in a ring must be in ``links``."""
+        return [
+            {
+                f: self.rounds
+                * ring_seconds([*ring[: self.at], f, *ring[self.at :]], links, bits=bits)
+                for f in fellows
+            }
+            for ring, bits in zip(self.members, self.bits, strict=True)
+        ]
 
 
 def joined_rings(
@@ -81,7 +88,8 @@ def joined_rings(
             ring.append(max(overlap)[2])
         members.append(ring)
     at = sum(1 for replica in live if replica < slot)
-    return JoinedRings(members=members, at=at, bits=list(bits), rounds=rounds)
+    addresses = {s.fellow_id: s.data_address for s in placement.stages}
+    return JoinedRings(members=members, at=at, bits=list(bits), rounds=rounds, addresses=addresses)
 
 
 def chain_seconds(
@@ -94,12 +102,13 @@ def chain_seconds(
     speeds: Mapping[str, float] | None,
     links: Links | None,
     bits_per_step: float,
-    rings: JoinedRings | None = None,
+    rings: Sequence[Mapping[str, float]] | None = None,
 ) -> float:
     """The predicted step of ``chain`` holding ``sizes`` layers per stage: the split's
     compute where ``speeds`` (every fellow of the chain's, standard blocks per second) are
-    given, plus, where ``links`` (every pair of the chain and its rings) are, its links'
-    and the joined rings' share of a step."""
+    given, plus, where ``links`` (every pair of the chain) are, its links' share, and the
+    slowest of the rings it joins (``rings[i][f]``: stage ``i``'s ring with fellow ``f``
+    in it, :meth:`JoinedRings.seconds`)."""
     total = 0.0
     if speeds is not None:
         total += split_seconds(
@@ -111,8 +120,8 @@ def chain_seconds(
         )
     if links:
         total += link_seconds(chain, links, bits_per_step=bits_per_step)
-        if rings is not None:
-            total += rings.seconds(chain, links)
+    if rings:
+        total += max(ring[f] for ring, f in zip(rings, chain, strict=True))
     return total
 
 
@@ -124,10 +133,10 @@ def orders_tried(n: int, *, keep_last: bool) -> int:
 
 
 def pool_size(candidates: int, n: int, *, keep_last: bool) -> int:
-    """How many of the best candidates :func:`refill` tries: as many as keep the chains to
-    cost within :data:`MAX_CHAINS` (at least ``n``)."""
+    """How many of the best candidates :func:`refill` tries: at most :data:`MAX_POOL`, and
+    as many as keep the chains to cost within :data:`MAX_CHAINS` (at least ``n``)."""
     orders = orders_tried(n, keep_last=keep_last)
-    pool = candidates
+    pool = min(candidates, max(n, MAX_POOL))
     while pool > n and math.comb(pool, n) * orders > MAX_CHAINS:
         pool -= 1
     return pool
@@ -163,8 +172,8 @@ def refill(
     The pool is the :func:`pool_size` fastest by ``pace`` (ties, and without ``pace``: by
     rank); past :data:`MAX_CHAINS` orders of ``n``, a set keeps its rank order. With
     ``keep_last`` each chain's best ranked fellow runs its last stage (it hosts the head).
-    Ties keep the chain found first: the best ranked set, in rank order, with the best
-    ranked fellow last under ``keep_last``, as the fellows would be dealt."""
+    Ties keep the chain found first: the pool's best ranked set, in rank order, with its
+    best ranked fellow last under ``keep_last`` (as such a set would be dealt)."""
     if n < 1 or len(ranked) < n:
         return None
     pool = candidate_pool(ranked, n, keep_last=keep_last, pace=pace)

@@ -17,6 +17,7 @@ from silentswarm.leader.jobs import JobManager
 from silentswarm.leader.memory import CPU_RUNTIME_BYTES
 from silentswarm.leader.placement import Candidate, _stage_memory, place
 from silentswarm.leader.refill import (
+    MAX_POOL,
     JoinedRings,
     chain_seconds,
     joined_rings,
@@ -93,7 +94,16 @@ def test_nothing_that_fits_or_too_few_fellows_is_none():
 
 @pytest.mark.parametrize(
     ("candidates", "n", "keep_last", "pool"),
-    [(10, 3, False, 10), (20, 4, False, 8), (20, 4, True, 11), (3, 3, True, 3), (30, 9, True, 14)],
+    [
+        (10, 3, False, 10),
+        (20, 4, False, 8),
+        (20, 4, True, 11),
+        (3, 3, True, 3),
+        (30, 9, True, 14),
+        (3000, 1, False, MAX_POOL),
+        (3000, 2, True, MAX_POOL),
+        (40, 20, True, 20),
+    ],
 )
 def test_the_pool_keeps_the_chains_within_the_budget(candidates, n, keep_last, pool):
     assert pool_size(candidates, n, keep_last=keep_last) == pool
@@ -119,7 +129,8 @@ def test_the_pool_is_the_fastest_by_pace():
 
 def test_chain_seconds_adds_compute_links_and_the_joined_rings():
     links = sites("ab", "xy")
-    rings = JoinedRings(members=[["x"], ["y"]], at=0, bits=[1e7, 1e7], rounds=0.5)
+    joined = JoinedRings(members=[["x"], ["y"]], at=0, bits=[1e7, 1e7], rounds=0.5, addresses={})
+    rings = joined.seconds(["a", "b"], links)
     speeds = {"a": 1.0, "b": 2.0}
     kw = dict(model=MODEL, batch_size=8, micro_batches=4, sizes=[3, 5], bits_per_step=1e6)
     compute = split_seconds(MODEL, batch_size=8, sizes=[3, 5], speeds=[1.0, 2.0], micro_batches=4)
@@ -223,18 +234,46 @@ def test_a_stage_that_does_not_fit_its_fellow_is_never_chosen():
     assert all(s.memory_estimate_bytes <= s.memory_offered_bytes for s in placed.stages)
 
 
-def test_gpu_fellows_are_ordered_by_their_links_alone():
-    gpu = [
+def gpu(free_gib: float) -> list[GpuInfo]:
+    return [
         GpuInfo(
             index=0, uuid="GPU-1", name="H100", memory_total_bytes=80 * GIB,
-            memory_free_bytes=70 * GIB, memory_used_bytes=10 * GIB,
+            memory_free_bytes=int(free_gib * GIB), memory_used_bytes=10 * GIB,
         )
     ]  # fmt: skip
-    fellows = [cpu(f, 16, 1.0, gpus=gpu) for f in "abc"]
+
+
+def test_gpu_fellows_are_ordered_by_their_links_alone():
+    fellows = [cpu(f, 16, 1.0, gpus=gpu(70)) for f in "abc"]
     spec = balanced(allow_cpu=False)
     assert chain_of(place(spec, fellows, ranges=RESUMED)) == ["b", "c", "a"]
     links = sites("ab", "c") | {("b", "c"): LAN}  # c reaches b alone
     assert chain_of(place(spec, fellows, ranges=RESUMED, links=links)) == ["c", "b", "a"]
+
+
+def test_links_never_trade_the_speed_ranking_s_gpu_fellows_away():
+    """Where a GPU's compute cannot be weighed, links only reorder the fellows the speed
+    ranking takes: not CPU fellows on a LAN for GPUs far apart, nor a slow GPU for the
+    fastest one (d, 100x as fast, fourth by free VRAM)."""
+    gpus = [cpu(f, 16, 1.0, gpus=gpu(70 - at)) for at, f in enumerate("abc")]
+    cpus = [cpu(f, 16, 50.0) for f in "defgh"]
+    links = sites("a", "b", "c", "defgh")
+    placed = place(balanced(), gpus + cpus, ranges=RESUMED, links=links)
+    assert set(chain_of(placed)) == {"a", "b", "c"}
+    fast = [*gpus, cpu("d", 16, 100.0, gpus=gpu(60))]
+    placed = place(balanced(), fast, ranges=RESUMED, links=sites("abcd"))
+    assert "d" in chain_of(placed) and "c" not in chain_of(placed)
+
+
+def test_a_relay_only_fellow_may_only_take_the_first_stage():
+    """c is the fastest but has no data address: in the middle it would put the job on the
+    relay; at stage 0 the job stays direct."""
+    fellows = [cpu("a", 16, 1.0), cpu("b", 15, 1.0), cpu("c", 14, 8.0)]
+    fellows[2] = msgspec.structs.replace(fellows[2], data_address=None)
+    placed = place(balanced(transport="auto"), fellows, ranges=RESUMED)
+    assert chain_of(placed) == ["c", "b", "a"] and placed.transport == Transport.AUTO
+    tunnel = place(balanced(transport="tunnel"), fellows, ranges=RESUMED)
+    assert chain_of(tunnel) == ["b", "c", "a"], "all relayed: the fastest takes the large stage"
 
 
 def test_a_fellow_without_a_data_address_is_left_out_when_links_decide():
@@ -323,3 +362,19 @@ def test_a_large_swarm_is_weighed_among_its_fastest_few():
     chosen = {c.fellow_id: c.compute_speed for c in fellows if c.fellow_id in chain_of(placed)}
     assert min(chosen.values()) >= speeds[pool_size(3000, 3, keep_last=True) - 1]
     assert max(chosen, key=chosen.get) == placed.pipeline(0)[1].fellow_id, "the large stage"
+
+
+def test_a_replacement_beside_the_survivors_machines_counts_their_loopback():
+    """No link to the survivors was measured, but x and w share their machines (data
+    addresses): their rings run over loopback, u's and v's over a network guessed from
+    the one link measured (u-v)."""
+    _, job = running_on_site("allreduce")
+    first, second = job.placement.pipeline(0)
+    idle = [
+        cpu("u", 64), cpu("v", 63),
+        msgspec.structs.replace(cpu("w", 8), data_address=second.data_address[:-1] + "9"),
+        msgspec.structs.replace(cpu("x", 7), data_address=first.data_address[:-1] + "9"),
+    ]  # fmt: skip
+    links = {("u", "v"): MeasuredLink(mbit_s=100.0, rtt_ms=1.0)}
+    assert [s.fellow_id for s in elastic.replacement(job, idle)] == ["v", "u"]
+    assert [s.fellow_id for s in elastic.replacement(job, idle, links=links)] == ["x", "w"]
