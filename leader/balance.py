@@ -480,13 +480,19 @@ def link_seconds(
 
 
 def compute_seconds(
-    m: ModelConfig, *, batch_size: int, speeds: Sequence[float], micro_batches: int
+    m: ModelConfig,
+    *,
+    batch_size: int,
+    speeds: Sequence[float],
+    micro_batches: int,
+    caps: Sequence[int | None] | None = None,
 ) -> float | None:
     """A balanced split's 1F1B step on fellows of these speeds (standard blocks per second,
-    in stage order), in seconds: :func:`step_cost` of :func:`balanced_sizes`, the head on
-    the last stage, scaled from standard blocks to this model's. None where no split fits."""
+    in stage order), in seconds: :func:`step_cost` of :func:`balanced_sizes` (within
+    ``caps``, the most layers each stage's memory holds), the head on the last stage,
+    scaled from standard blocks to this model's. None where no split fits."""
     sizes = balanced_sizes(
-        m.n_layers, speeds, last_extra=head_blocks(m), micro_batches=micro_batches
+        m.n_layers, speeds, caps=caps, last_extra=head_blocks(m), micro_batches=micro_batches
     )
     if sizes is None:
         return None
@@ -523,13 +529,15 @@ def fellows_along_links(
     micro_batches: int,
     bits_per_step: float,
     same_host: SameHost | None = None,
+    cap: Callable[[str, int], int] | None = None,
 ) -> list[str]:
     """The ``n`` of ``speeds``' fellows (of the :data:`MAX_ORDERED` fastest, fewer where
     more than :data:`MAX_CHAINS` orders would be costed: none to choose from at 6 stages
     and more) whose pipeline is predicted fastest: the balanced split's compute
-    (:func:`compute_seconds`) plus its best order's links (:func:`link_seconds`, a pair
-    never measured as :func:`guessed_links` guesses it); ties keep the fastest. Speeds are
-    in standard blocks per second (already times any CPU quota's share)."""
+    (:func:`compute_seconds`, within ``cap(fellow, stage)`` layers where given) plus its
+    best order's links (:func:`link_seconds`, a pair never measured as
+    :func:`guessed_links` guesses it); ties keep the fastest. Speeds are in standard blocks
+    per second (already times any CPU quota's share)."""
     pool = MAX_ORDERED  # fewer where the chains to cost would pass MAX_CHAINS
     while pool > n and math.comb(pool, n) * math.factorial(n) > MAX_CHAINS:
         pool -= 1
@@ -544,6 +552,7 @@ def fellows_along_links(
             batch_size=batch_size,
             speeds=[speeds[f] for f in group],
             micro_batches=micro_batches,
+            caps=None if cap is None else [cap(f, i) for i, f in enumerate(group)],
         )
         if compute is None:
             continue

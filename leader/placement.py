@@ -280,17 +280,23 @@ def _taken_along_links(
     if any(gpus[c.fellow_id] or not c.compute_speed for c in taken):
         return taken
     speeds = _cpu_speeds(ranked, gpus)
-    m = _micro_batches_or_one(spec)
+    m, n = _micro_batches_or_one(spec), len(taken)
+    by_id = {c.fellow_id: c for c in ranked}
+
+    def cap(fellow: str, stage: int) -> int:
+        return _layer_cap(spec, stage, n, by_id[fellow], gpus[fellow])
+
     chosen = set(
         fellows_along_links(
             speeds,
-            len(taken),
+            n,
             links,
             model=spec.model,
             batch_size=spec.batch_size,
             micro_batches=m,
             bits_per_step=boundary_bits(spec),
             same_host=_loopback_pairs(spec, ranked),
+            cap=cap,
         )
     )
     return [c for c in ranked if c.fellow_id in chosen]
@@ -617,7 +623,7 @@ def _grouped_along_links(
         return chain_order(group, pairs, bits_per_step=bits, last=last)
 
     tried = p - 1 if keep_last else p  # the fellows chain_order permutes
-    compute = _compute_seconds_of(spec, taken, gpus)
+    compute = _compute_seconds_of(spec, taken, gpus, p)
     ring_bits = sync_bits(spec, p)
     if ranges is not None:
         speeds = _cpu_speeds(taken, gpus)
@@ -647,15 +653,20 @@ def _grouped_along_links(
 
 
 def _compute_seconds_of(
-    spec: JobSpec, taken: list[Candidate], gpus: dict[str, list[GpuInfo]]
+    spec: JobSpec, taken: list[Candidate], gpus: dict[str, list[GpuInfo]], p: int
 ) -> Callable[[list[str]], float] | None:
-    """A pipeline's compute seconds a step on these fellows (a balanced split's, by their
-    measured speeds times their quotas' shares), or None where a GPU fellow or one not
-    measured is among them."""
+    """A pipeline's compute seconds a step on ``p`` of these fellows (a balanced split's, by
+    their measured speeds times their quotas' shares, within each fellow's memory: infinite
+    where no split fits), or None where a GPU fellow or one not measured is among them."""
     speeds = _cpu_speeds(taken, gpus)
     if len(speeds) < len(taken):
         return None
     m = _micro_batches_or_one(spec)
+    caps = {
+        (c.fellow_id, i): _layer_cap(spec, i, p, c, gpus[c.fellow_id])
+        for c in taken
+        for i in range(p)
+    }
 
     def seconds(chain: list[str]) -> float:
         found = compute_seconds(
@@ -663,6 +674,7 @@ def _compute_seconds_of(
             batch_size=spec.batch_size,
             speeds=[speeds[f] for f in chain],
             micro_batches=m,
+            caps=[caps.get((f, i)) for i, f in enumerate(chain)],
         )
         return math.inf if found is None else found
 

@@ -441,9 +441,14 @@ def test_place_balanced_takes_fellows_along_their_links():
     spare = [*fellows, cand("d", None)]  # an unmeasured spare is not among the fastest
     placement = place(job(layers=6, stages=2), spare, links=links)
     assert {s.fellow_id for s in placement.stages} == {"a", "c"}
-    # the pair along the links lacks the memory: the fastest, not the memory ranking's pair
+    # the pair along the links lacks the memory: the best pair that fits, a with d (slow,
+    # but its link guessed at the measured links' median beats a-b's 1 Mbit/s) ...
     tight = [cand("a", 2.0), cand("b", 2.0), cand("c", 1.8, ram_gib=0.05), cand("d", 0.5, 64)]
     placement = place(job(layers=6, stages=2), tight, links=links)
+    assert {s.fellow_id for s in placement.stages} == {"a", "d"}
+    # ... or, d's links as slow as b's, the fastest pair (not the memory ranking's, d's)
+    slow_d = links | {("a", "d"): hop(1.0, 50.0), ("b", "d"): hop(1.0, 50.0)}
+    placement = place(job(layers=6, stages=2), tight, links=slow_d)
     assert {s.fellow_id for s in placement.stages} == {"a", "b"}
     fastest_unmeasured = [cand("a", None), cand("b", None), cand("c", 1.8)]
     placement = place(job(layers=6, stages=2), fastest_unmeasured, links=links)

@@ -418,6 +418,20 @@ def test_a_grouping_that_does_not_fit_falls_back_to_the_dealt_one():
     assert grid(place(spec, roomy, links=TWO_SITES)) == [["b", "a"], ["d", "c"]]
 
 
+def test_the_grouping_weighs_what_each_fellow_s_memory_holds():
+    """b is slow, so its replica's partner should take most of its layers: c holds 7 of the
+    8 (its memory: 12, 7 and 5 layers for a, b and c, d), d only 5. Without counting the
+    memory the search paired b with d, whose balanced split by speed it cannot hold."""
+    model = ModelConfig(n_layers=8, d_model=1024, n_heads=8)
+    spec = replicas_job(model=model, sync="diloco")
+    fellows = [
+        cpu("a", 3.78, 4.0), cpu("b", 3.78, 1.0), cpu("c", 2.52, 4.0), cpu("d", 2.02, 4.0),
+    ]  # fmt: skip
+    placed = place(spec, fellows, links=TWO_SITES)
+    assert grid(placed) == [["d", "a"], ["c", "b"]]
+    assert placed.split(1) == [(0, 7), (7, 8)]
+
+
 def test_a_fellow_without_a_data_address_keeps_the_dealt_grouping():
     """c talks over the relay only: dealt, it runs stage 0 (it connects, never binds); no
     link figure describes its relayed links, so the links do not regroup the job."""
