@@ -45,11 +45,12 @@ from silentswarm.rings import (
     segments,
     stage_segments,
 )
+from silentswarm.unknown_fields import NewerValues
 
 T = TypeVar("T")
 
 
-class Partition(enum.StrEnum):
+class Partition(NewerValues):
     EQUAL = "equal"  # the same number of layers per stage (earlier stages take the remainder)
     WEIGHTED = "weighted"  # layers in proportion to each fellow's capacity
     # layers that even out the stages' times by each fellow's measured compute speed, within
@@ -57,7 +58,7 @@ class Partition(enum.StrEnum):
     BALANCED = "balanced"
 
 
-class LastStagePlacement(enum.StrEnum):
+class LastStagePlacement(NewerValues):
     LARGEST_VRAM = "largest_vram"  # the head (largest activations + logits) on the most VRAM
     PRESERVE = "preserve"  # keep the ranked order
 

@@ -6,7 +6,6 @@ them); msgspec Structs so a plan round-trips through JSON files and NATS message
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from typing import Annotated, Literal, Protocol, Self
 
@@ -17,6 +16,7 @@ from silentswarm.compression import CompressionSpec, WireCodec, parse_compressio
 from silentswarm.cpus import usable_cores
 from silentswarm.errors import ConfigError
 from silentswarm.natsconn import NatsAccess
+from silentswarm.unknown_fields import NewerValues
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -432,7 +432,7 @@ class TrainConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
         return TrainConfig(**{name: getattr(self, name) for name in TrainConfig.__struct_fields__})
 
 
-class Transport(enum.StrEnum):
+class Transport(NewerValues):
     AUTO = "auto"
     P2P = "p2p"
     TUNNEL = "tunnel"

@@ -11,7 +11,6 @@ Which subject carries which Struct is said once, in :mod:`silentswarm.subjects`.
 
 from __future__ import annotations
 
-import enum
 import time
 from typing import Annotated
 
@@ -31,6 +30,7 @@ from silentswarm.types.signals import (
     StopArgs,
     UpdateArgs,
 )
+from silentswarm.unknown_fields import NewerValues
 
 PROTOCOL_VERSION = 1
 
@@ -127,7 +127,7 @@ class HardwareSnapshot(msgspec.Struct, kw_only=True, gc=False):
 # --- fellows --------------------------------------------------------------------------------
 
 
-class FellowStatus(enum.StrEnum):
+class FellowStatus(NewerValues):
     REGISTERING = "registering"
     READY = "ready"
     TRAINING = "training"
@@ -136,7 +136,7 @@ class FellowStatus(enum.StrEnum):
     OFFLINE = "offline"
 
 
-class JobState(enum.StrEnum):
+class JobState(NewerValues):
     PENDING = "PENDING"
     RUNNING = "RUNNING"
     COMPLETED = "COMPLETED"
@@ -167,7 +167,7 @@ class RegisterRequest(Message, tag="register", tag_field="kind"):
     status: FellowStatus = FellowStatus.REGISTERING
 
 
-class StageResult(enum.StrEnum):
+class StageResult(NewerValues):
     COMPLETED = "completed"
     FAILED = "failed"
     STOPPED = "stopped"  # a STOP signal ended it (cancel, or a peer failed)
@@ -255,7 +255,7 @@ class Heartbeat(Message, kw_only=True):
 # --- signals --------------------------------------------------------------------------------
 
 
-class SignalKind(enum.StrEnum):
+class SignalKind(NewerValues):
     START = "START"
     CHECKPOINT = "CHECKPOINT"
     STOP = "STOP"
@@ -372,7 +372,7 @@ class LogBatch(Message, kw_only=True):
     records: Annotated[list[LogRecord], msgspec.Meta(max_length=1000)]
 
 
-class ProgressEvent(enum.StrEnum):
+class ProgressEvent(NewerValues):
     STEP = "step"  # a training step completed (``step`` counts completed steps)
     CHECKPOINT = "checkpoint"  # a checkpoint was written (or, with ok=False, could not be)
     ENDED = "ended"  # the stage run ended; ``outcome`` says how

@@ -249,20 +249,25 @@ def decode_answer(body: bytes | str, answer: type[T], what: str) -> T:
     ``what`` and msgspec's reason (with the field's path) when it does not decode.
 
     A newer leader's answer may carry fields this version's strict types (a job's spec)
-    refuse: they are left out, and said once on stderr (:func:`warn_newer_fields`)."""
+    refuse: they are left out, and said once on stderr (:func:`warn_newer_fields`); and
+    values this version's enums lack (a job state it added): they are shown as sent, and
+    said once too (:func:`warn_newer_values`)."""
     try:
         return msgspec.json.decode(body, type=answer)
     except msgspec.DecodeError:
         pass
     try:
-        value, dropped = decode_leniently(body, answer)
-    except msgspec.DecodeError as exc:  # what is wrong besides fields it does not know
+        lenient = decode_leniently(body, answer)
+    except msgspec.DecodeError as exc:  # what is wrong besides what it does not know
         raise LeaderResponseError(
-            f"the leader's answer to {what} is not what this client expects: {exc}",
+            f"the leader's answer to {what} is not what this client expects: {exc} (a "
+            f"leader of another version than this CLI's {__version__} may send what it does "
+            "not know: swarm info shows both)",
             code=ErrorCode.LEADER_RESPONSE_INVALID,
         ) from None
-    warn_newer_fields(dropped)
-    return value
+    warn_newer_fields(lenient.dropped)
+    warn_newer_values(lenient.newer_values)
+    return lenient.value
 
 
 _warned: set[str] = set()
@@ -271,13 +276,29 @@ _warned: set[str] = set()
 def warn_newer_fields(paths: list[str]) -> None:
     """One line on stderr per field this CLI does not know (a list's items, a mapping's
     values, count once)."""
-    fields = dict.fromkeys(re.sub(r"\[[^]]*\]", "[]", p).removeprefix("[].") for p in paths)
-    new = [f for f in fields if f not in _warned]
-    if not new:
-        return
+    new = _not_yet_said(paths)
+    if new:
+        _warn(f"fields this CLI ({__version__}) does not know, left out: {', '.join(new)}")
+
+
+def warn_newer_values(found: list[str]) -> None:
+    """One line on stderr per value of a field this CLI's enums lack (``state='PAUSED'``;
+    a list's items, a mapping's values, count once), shown as sent."""
+    new = _not_yet_said(found)
+    if new:
+        _warn(f"values this CLI ({__version__}) does not know, shown as sent: {', '.join(new)}")
+
+
+def _not_yet_said(paths: list[str]) -> list[str]:
+    said = dict.fromkeys(re.sub(r"\[[^]]*\]", "[]", p).removeprefix("[].") for p in paths)
+    new = [f for f in said if f not in _warned]
     _warned.update(new)
+    return new
+
+
+def _warn(what: str) -> None:
     print(
-        f"swarm: warning: the leader sent fields this CLI ({__version__}) does not know, left "
-        f"out: {', '.join(new)}; install the leader's version (swarm info shows it)",
+        f"swarm: warning: the leader sent {what}; install the leader's version "
+        "(swarm info shows it)",
         file=sys.stderr,
     )

@@ -10,10 +10,11 @@ and, per pool, to a number of concurrent jobs and of fellows those jobs hold.
 
 from __future__ import annotations
 
-from enum import StrEnum
 from typing import Annotated
 
 import msgspec
+
+from silentswarm.unknown_fields import NewerValues
 
 # The bootstrap admin: jobs submitted with the operator token belong to it. Reserved.
 OPERATOR_ACCOUNT = "operator"
@@ -22,7 +23,7 @@ AccountName = Annotated[str, msgspec.Meta(pattern=ACCOUNT_NAME_PATTERN)]
 PoolName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")]
 
 
-class Role(StrEnum):
+class Role(NewerValues):
     ADMIN = "admin"
     SUBMITTER = "submitter"
     VIEWER = "viewer"

@@ -140,3 +140,26 @@ def test_an_older_cli_shows_a_newer_leaders_jobs_and_says_once_what_it_left_out(
     assert wrong.returncode == 1, wrong.stdout + wrong.stderr
     assert "not what this client expects" in wrong.stderr and "$.spec.steps" in wrong.stderr
     assert "Traceback" not in wrong.stderr
+
+
+def suspended(record: dict[str, Any]) -> None:
+    """A state a newer leader might add, and a transport."""
+    record["state"] = "SUSPENDED"
+    record["spec"]["transport"] = "quic"
+
+
+def test_an_older_cli_shows_states_a_newer_leader_added_as_sent(leader, newer_leader):
+    proxied, proxy = newer_leader
+    job = leader.submit(name="skew-c", steps=5, stages=1)["job_id"]
+    proxy.rewrite = suspended
+    listed = swarm_cli(proxied, "jobs", timeout=30)
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    row = next(line for line in listed.stdout.splitlines() if job in line)
+    assert "SUSPENDED" in row, listed.stdout
+    said = [line for line in listed.stderr.splitlines() if "values this CLI" in line]
+    assert len(said) == 1 and "state='SUSPENDED'" in said[0], listed.stderr
+    shown = swarm_cli(proxied, "--json", "job", job, timeout=30)
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    record = json.loads(shown.stdout)
+    assert record["state"] == "SUSPENDED" and record["spec"]["transport"] == "quic"
+    assert "Traceback" not in listed.stderr + shown.stderr

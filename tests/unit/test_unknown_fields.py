@@ -11,8 +11,10 @@ import pytest
 
 from silentswarm.cli import client
 from silentswarm.cli.client import decode_answer
-from silentswarm.errors import ErrorCode, LeaderResponseError
+from silentswarm.errors import ErrorCode, FieldError, LeaderResponseError
 from silentswarm.jobspec import JobSpec, decode_job_spec
+from silentswarm.protocol import FellowStatus, JobState
+from silentswarm.types.accounts import Role
 from silentswarm.unknown_fields import drop_unknown_fields
 
 
@@ -143,3 +145,49 @@ def test_the_warning_names_a_field_once_whatever_list_item_or_mapping_key_holds_
     client.warn_newer_fields(["[7].a.x"])
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and "left out: a.x, a.by[].y, z;" in lines[0], lines
+
+
+class Tally(msgspec.Struct, forbid_unknown_fields=True):
+    state: JobState
+    by_status: dict[FellowStatus, int] = msgspec.field(default_factory=dict)
+    roles: list[Role] = msgspec.field(default_factory=list)
+
+
+def test_a_newer_leaders_enum_values_are_shown_as_sent_and_said_once(capsys):
+    """A job state, a fellow status as a mapping's key, a role in a list, a transport in a
+    spec: values this version lacks decode as members named after them."""
+    body = json.dumps(
+        [
+            {"state": "SUSPENDED", "by_status": {"ready": 1, "draining": 2}, "roles": ["auditor"]},
+            {"state": "RUNNING", "roles": ["admin", "auditor"]},
+        ]
+    )
+    first, second = decode_answer(body, list[Tally], "GET /things")
+    assert first.state == "SUSPENDED" and isinstance(first.state, JobState)
+    assert first.state.name == "SUSPENDED" and first.state.value == "SUSPENDED"
+    assert first.by_status == {FellowStatus.READY: 1, "draining": 2}
+    assert second.state is JobState.RUNNING and second.roles[0] is Role.ADMIN
+    assert second.roles[1] == "auditor"
+    raw = newer(SPEC)
+    raw["transport"] = "quic"
+    spec = decode_answer(json.dumps(raw), JobSpec, "GET /api/v1/jobs/x")
+    assert spec.transport == "quic" and spec.name == "skew"
+    lines = capsys.readouterr().err.splitlines()
+    values = [line for line in lines if "values this CLI" in line]
+    assert len(values) == 2, lines
+    assert "state='SUSPENDED', by_status[]='draining', roles[]='auditor';" in values[0]
+    assert "transport='quic'" in values[1]
+
+
+def test_only_the_lenient_decode_takes_a_value_an_enum_lacks():
+    """The leader checking a fellow's or a user's input stays strict, before and after."""
+    decode_answer(json.dumps({"state": "SUSPENDED"}), Tally, "GET /things")
+    with pytest.raises(msgspec.ValidationError, match="Invalid enum value 'SUSPENDED'"):
+        msgspec.json.decode(b'"SUSPENDED"', type=JobState)
+    with pytest.raises(ValueError, match="is not a valid JobState"):
+        JobState("SUSPENDED")
+    with pytest.raises(FieldError) as caught:
+        decode_job_spec(json.dumps({"name": "x", "transport": "quic"}).encode())
+    assert caught.value.field == "transport"
+    assert list(JobState) == [s for s in JobState.__members__.values()], "no member added"
+    assert "SUSPENDED" not in JobState.__members__
