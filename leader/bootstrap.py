@@ -37,10 +37,16 @@ from silentswarm import __version__
 from silentswarm.errors import NotFoundError
 from silentswarm.leader.errors import JoinGoneError, JoinRefusedError, PackageUnavailableError
 from silentswarm.leader.naming import NameState, settle_fellow_name
+from silentswarm.redact import redact
 from silentswarm.types.onboarding import JoinSession, JoinSessionRecord, SessionLogLine
 
 log = logging.getLogger(__name__)
 LOG_LINES = 5000  # kept per session
+# The newest of them the store keeps with the session (its record is written at most once a
+# flush while the installer logs): what a leader restart leaves of the log.
+STORED_LOG_BYTES = 64 * 1024
+LINE_CHARS = 2000  # a line's most characters, kept and stored
+LINE_OVERHEAD = 48  # a stored line's JSON beside its text: its number, time and keys
 # An ended session stays listed (and stored) this long after it ended: a week, the longest
 # a session may be open (services.onboarding.MAX_SESSION_TTL_S).
 KEEP_ENDED_S = 7 * 86_400.0
@@ -60,6 +66,7 @@ class _Entry:
     def of(cls, record: JoinSessionRecord) -> _Entry:
         entry = cls(record.session, bytes.fromhex(record.token_sha256))
         entry.take(record)
+        entry.lines = [line for line in record.lines if line.seq <= record.session.log_lines]
         return entry
 
     def take(self, record: JoinSessionRecord) -> None:
@@ -71,8 +78,22 @@ class _Entry:
     def record(self) -> JoinSessionRecord:
         secret = None if self.secret_hash is None else self.secret_hash.hex()
         return JoinSessionRecord(
-            session=self.session, token_sha256=self.token_hash.hex(), secret_sha256=secret
+            session=self.session,
+            token_sha256=self.token_hash.hex(),
+            secret_sha256=secret,
+            lines=self.newest_lines(STORED_LOG_BYTES),
         )
+
+    def newest_lines(self, budget: int) -> list[SessionLogLine]:
+        """The newest lines whose text (UTF-8) and numbers fit in ``budget`` bytes."""
+        kept: list[SessionLogLine] = []
+        for line in reversed(self.lines):
+            budget -= len(line.line.encode()) + LINE_OVERHEAD
+            if budget < 0:
+                break
+            kept.append(line)
+        kept.reverse()
+        return kept
 
 
 def _hash(value: str) -> bytes:
@@ -83,7 +104,8 @@ class JoinSessions:
     """The sessions. Each change marks its session ``dirty`` for the leader's store, which
     writes it (:meth:`take_dirty`, :meth:`record`) and restores them when the leader starts
     (:meth:`restore`): a session outlives a leader restart, its token and secret as hashes,
-    without the install log lines streamed before it. A creation and a claim are written
+    with the newest of its install log's lines (:data:`STORED_LOG_BYTES`; the lines are
+    redacted as they come, since they are shown and stored). A creation and a claim are written
     before the API answers (``OnboardingService``), so a restart can never hand a used token
     out again. An installing session whose fellow never registers fails
     :data:`INSTALL_LIMIT_S` after its claim; an ended session is dropped :data:`KEEP_ENDED_S`
@@ -248,9 +270,10 @@ class JoinSessions:
         now = self._wall()
         for line in lines:  # numbered on from the session's count, which a restart keeps
             entry.session.log_lines += 1
-            entry.lines.append(SessionLogLine(entry.session.log_lines, now, line[:2000]))
+            text = redact(line[:LINE_CHARS])  # it is shown, and stored
+            entry.lines.append(SessionLogLine(entry.session.log_lines, now, text))
         del entry.lines[:-LOG_LINES]
-        self.dirty.add(session_id)  # the count (at most one write a flush)
+        self.dirty.add(session_id)  # the count and newest lines (at most one write a flush)
         if failed and entry.session.status == "installing":
             entry.session.status = "failed"
             entry.session.reason = (lines[-1] if lines else "the installer failed")[:500]

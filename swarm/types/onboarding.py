@@ -23,11 +23,13 @@ class JoinSession(msgspec.Struct, kw_only=True):
 class JoinSessionRecord(msgspec.Struct, kw_only=True):
     """A join session as the leader's store keeps it (KV bucket ``joins``), so a session
     outlives a leader restart: its token and installer secret as SHA-256 hashes only (hex),
-    never themselves; the install log's lines are not kept."""
+    never themselves; the install log's newest lines, as many as fit in
+    ``leader.bootstrap.STORED_LOG_BYTES`` (already redacted when they came)."""
 
     session: JoinSession
     token_sha256: str
     secret_sha256: str | None = None
+    lines: list[SessionLogLine] = []
 
 
 class JoinSessionCreated(JoinSession, kw_only=True):

@@ -302,8 +302,8 @@ def _zombie(pid: int) -> bool:
 def test_join_sessions_outlive_a_leader_restart(procs, secure_nats, nats_authority, tmp_path):
     """An operator hands out a join command, the leader crashes, and the host runs it after:
     the token still works once; a host that was installing goes on logging with its secret
-    (its lines numbered on); its used token stays used; the store holds hashes, never a
-    token or a secret."""
+    (its lines numbered on, the ones before the crash still shown); its used token stays
+    used; the store holds hashes, never a token or a secret."""
     env = secure_env(nats_authority)
     first = leader_process(procs, secure_nats, tmp_path, **env)
     leader = next(first)
@@ -317,10 +317,10 @@ def test_join_sessions_outlive_a_leader_restart(procs, secure_nats, nats_authori
     assert claim.status_code == 200, claim.text
     secret = claim.json()["secret"]
 
-    def log(session_id: str, line: str) -> httpx.Response:
+    def log(session_id: str, line: str, *, failed: bool = False) -> httpx.Response:
         return httpx.post(
             f"{leader.url}{base}/{session_id}/logs",
-            json={"lines": [line]},
+            json={"lines": [line], "failed": failed},
             headers={"Authorization": f"Bearer {secret}"},
             timeout=10,
         )
@@ -333,6 +333,7 @@ def test_join_sessions_outlive_a_leader_restart(procs, secure_nats, nats_authori
         timeout=20,
         what="the log's count in the store",
     )
+    assert b'"unpacking"' in _kv_value(secure_nats, nats_authority, started["session_id"])
     process = procs.started[-1]
     process.kill()  # a crash: nothing more is flushed
     process.wait(timeout=20)
@@ -359,6 +360,14 @@ def test_join_sessions_outlive_a_leader_restart(procs, secure_nats, nats_authori
     )
     assert late.status_code == 200, late.text
     assert late.json()["fellow_name"] == "after-restart"
+    assert log(started["session_id"], "gave up", failed=True).json() == {"lines": 3}
+    with httpx.stream(
+        "GET", f"{leader.url}{base}/{started['session_id']}/logs/stream", timeout=30
+    ) as response:
+        events = [json.loads(x[5:]) for x in response.iter_lines() if x.startswith("data:")]
+    shown = [(e["seq"], e["line"]) for e in events[:-1]]
+    assert shown == [(1, "unpacking"), (2, "installed"), (3, "gave up")], events
+    assert events[-1]["status"] == "failed"
     ids = (waiting["session_id"], started["session_id"])
     stored = b"".join(_kv_value(secure_nats, nats_authority, s) for s in ids)
     for secret_text in (waiting["token"], started["token"], secret):

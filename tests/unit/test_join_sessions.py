@@ -10,12 +10,19 @@ import msgspec
 import pytest
 
 from silentswarm.errors import NotFoundError
-from silentswarm.leader.bootstrap import INSTALL_LIMIT_S, KEEP_ENDED_S, JoinSessions, Package
+from silentswarm.leader.bootstrap import (
+    INSTALL_LIMIT_S,
+    KEEP_ENDED_S,
+    LINE_CHARS,
+    STORED_LOG_BYTES,
+    JoinSessions,
+    Package,
+)
 from silentswarm.leader.errors import JoinGoneError, JoinRefusedError, StorageUnavailableError
 from silentswarm.leader.registry import FellowRegistry
 from silentswarm.leader.services.onboarding import OnboardingService
 from silentswarm.settings import Settings
-from silentswarm.types.onboarding import JoinSessionRecord
+from silentswarm.types.onboarding import JoinSessionRecord, SessionLogLine
 from tests.fakes import Clock
 
 
@@ -58,7 +65,8 @@ def test_a_session_outlives_a_restart_token_secret_and_log_count_alike():
     assert after.get(started.session_id).status == "installing"
     assert after.get(started.session_id).log_lines == 2
     assert after.append_log(started.session_id, secret, ["three"], failed=False) == 3
-    assert [line.seq for line in after.lines_after(started.session_id, 0)] == [3]
+    lines = after.lines_after(started.session_id, 0)  # the stored ones, then the new
+    assert [(line.seq, line.line) for line in lines] == [(1, "one"), (2, "two"), (3, "three")]
     with pytest.raises(JoinGoneError, match="already used"):
         after.claim(started.session_id, started_token)
     with pytest.raises(JoinRefusedError):
@@ -220,3 +228,39 @@ def test_a_session_made_before_the_store_opens_waits_for_its_first_flush():
     onboarding = service(joins, [None])
     created = asyncio.run(onboarding.create_session(None, 600, "http://leader"))
     assert joins.dirty == {created.session_id}
+
+
+def test_the_store_keeps_the_newest_lines_that_fit_and_no_secret():
+    sessions = JoinSessions(wall=Clock(0.0))
+    session, token = sessions.create(fellow_name="n", ttl_s=60)
+    _, secret = sessions.claim(session.session_id, token)
+    long = ["x" * 3000 for _ in range(100)]  # cut to LINE_CHARS each
+    sessions.append_log(session.session_id, secret, long, failed=False)
+    sessions.append_log(
+        session.session_id, secret, ["SWARM_ENROLL_TOKEN=abc123", "ok é"], failed=False
+    )
+    record = sessions.record(session.session_id)
+    assert record is not None
+    seqs = [line.seq for line in record.lines]
+    assert seqs == list(range(seqs[0], 103)) and 20 < len(seqs) < 40, seqs
+    assert all(len(line.line) <= LINE_CHARS for line in record.lines)
+    assert len(msgspec.json.encode(record.lines)) <= STORED_LOG_BYTES
+    assert record.lines[-2].line == "SWARM_ENROLL_TOKEN=[redacted]"
+    assert record.lines[-1].line == "ok é"
+    assert b"abc123" not in msgspec.json.encode(record)
+    shown = sessions.lines_after(session.session_id, 100)
+    assert [line.line for line in shown] == ["SWARM_ENROLL_TOKEN=[redacted]", "ok é"]
+
+
+def test_stored_lines_numbered_past_the_count_are_not_restored():
+    clock, store = Clock(0.0), Store()
+    sessions = JoinSessions(wall=clock)
+    session, token = sessions.create(fellow_name="n", ttl_s=60)
+    _, secret = sessions.claim(session.session_id, token)
+    sessions.append_log(session.session_id, secret, ["a", "b"], failed=False)
+    store.flush(sessions)
+    record = msgspec.json.decode(store.kept[session.session_id], type=JoinSessionRecord)
+    record.lines.append(SessionLogLine(seq=9, ts=0.0, line="not the installer's"))
+    store.kept[session.session_id] = msgspec.json.encode(record)
+    after = store.restart(clock)
+    assert [line.line for line in after.lines_after(session.session_id, 0)] == ["a", "b"]
