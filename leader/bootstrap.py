@@ -20,6 +20,7 @@ import fnmatch
 import hashlib
 import hmac
 import logging
+import math
 import os
 import secrets
 import shutil
@@ -46,7 +47,10 @@ LOG_LINES = 5000  # kept per session
 # flush while the installer logs): what a leader restart leaves of the log.
 STORED_LOG_BYTES = 64 * 1024
 LINE_CHARS = 2000  # a line's most characters, kept and stored
-LINE_OVERHEAD = 48  # a stored line's JSON beside its text: its number, time and keys
+REDACT_MARGIN = 256  # what the redaction sees past the cut (a secret is shorter)
+# A log-only change (lines, their count) is written at most this often; a change of status
+# at the next flush.
+LOG_SAVE_S = 2.0
 # An ended session stays listed (and stored) this long after it ended: a week, the longest
 # a session may be open (services.onboarding.MAX_SESSION_TTL_S).
 KEEP_ENDED_S = 7 * 86_400.0
@@ -85,10 +89,10 @@ class _Entry:
         )
 
     def newest_lines(self, budget: int) -> list[SessionLogLine]:
-        """The newest lines whose text (UTF-8) and numbers fit in ``budget`` bytes."""
+        """The newest lines whose JSON (escapes included) fits in ``budget`` bytes."""
         kept: list[SessionLogLine] = []
         for line in reversed(self.lines):
-            budget -= len(line.line.encode()) + LINE_OVERHEAD
+            budget -= len(msgspec.json.encode(line)) + 1
             if budget < 0:
                 break
             kept.append(line)
@@ -115,6 +119,9 @@ class JoinSessions:
         self._wall = wall
         self._entries: dict[str, _Entry] = {}
         self.dirty: set[str] = set()
+        # Sessions whose log changed, not yet written: by when their log was last written.
+        self._log_dirty: dict[str, float] = {}
+        self._log_saved: dict[str, float] = {}
 
     def restore(self, records: list[JoinSessionRecord]) -> None:
         """The sessions the store kept (a session already here stays as it is)."""
@@ -125,8 +132,16 @@ class JoinSessions:
     def take_dirty(self) -> list[str]:
         """The changed sessions' ids, no longer dirty (:meth:`prune` first); the caller
         writes each one's :meth:`record` (None: dropped, to delete) and puts the id back in
-        ``dirty`` when that fails."""
+        ``dirty`` when that fails. A session whose log alone changed comes at most every
+        :data:`LOG_SAVE_S` (an installer may post lines many times a second)."""
         self.prune()
+        now = self._wall()
+        for session_id in list(self._log_dirty):
+            if now - self._log_saved.get(session_id, -math.inf) >= LOG_SAVE_S:
+                self.dirty.add(session_id)
+        for session_id in self.dirty:
+            if self._log_dirty.pop(session_id, None) is not None:
+                self._log_saved[session_id] = now
         out = sorted(self.dirty)
         self.dirty.clear()
         return out
@@ -151,6 +166,11 @@ class JoinSessions:
         """Forget a session the store never saved (not dirty)."""
         self._entries.pop(session_id, None)
         self.dirty.discard(session_id)
+        self._forget_log(session_id)
+
+    def _forget_log(self, session_id: str) -> None:
+        self._log_dirty.pop(session_id, None)
+        self._log_saved.pop(session_id, None)
 
     def settle(self, registered_at: Callable[[str], float | None]) -> None:
         """Installing sessions whose fellow registered since the claim (``registered_at``: when
@@ -182,6 +202,7 @@ class JoinSessions:
                 ended = max(ended, session.claimed_at + INSTALL_LIMIT_S)
             if session.status in ("registered", "failed") and now - ended > KEEP_ENDED_S:
                 del self._entries[session_id]
+                self._forget_log(session_id)
                 self.dirty.add(session_id)
 
     def create(self, *, fellow_name: str | None, ttl_s: float) -> tuple[JoinSession, str]:
@@ -270,13 +291,17 @@ class JoinSessions:
         now = self._wall()
         for line in lines:  # numbered on from the session's count, which a restart keeps
             entry.session.log_lines += 1
-            text = redact(line[:LINE_CHARS])  # it is shown, and stored
+            # Shown and stored: redacted (before the cut, so a secret it cuts is still
+            # whole to the rules).
+            text = redact(line[: LINE_CHARS + REDACT_MARGIN])[:LINE_CHARS]
             entry.lines.append(SessionLogLine(entry.session.log_lines, now, text))
         del entry.lines[:-LOG_LINES]
-        self.dirty.add(session_id)  # the count and newest lines (at most one write a flush)
+        self._log_dirty.setdefault(session_id, now)  # written within LOG_SAVE_S
         if failed and entry.session.status == "installing":
             entry.session.status = "failed"
-            entry.session.reason = (lines[-1] if lines else "the installer failed")[:500]
+            last = entry.lines[-1].line if lines else "the installer failed"
+            entry.session.reason = last[:500]
+            self.dirty.add(session_id)
         self._wake(entry)
         return entry.session.log_lines
 

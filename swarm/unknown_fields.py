@@ -56,20 +56,22 @@ def _newer_values_taken() -> Iterator[None]:
 
 class Lenient(NamedTuple):
     """A lenient decode: the value, the fields left out, the values of enums this version
-    does not know (``state='PAUSED'``: the field and the value as sent)."""
+    does not know (each its field's path and the value as sent)."""
 
     value: Any
     dropped: list[str]
-    newer_values: list[str]
+    newer_values: list[tuple[str, str]]
 
 
-def drop_unknown_fields(value: Any, kind: Any, newer_values: list[str] | None = None) -> list[str]:
+def drop_unknown_fields(
+    value: Any, kind: Any, newer_values: list[tuple[str, str]] | None = None
+) -> list[str]:
     """Remove from ``value`` (JSON decoded to dicts and lists, changed in place) the keys
     that a struct of ``kind`` that forbids unknown fields would refuse; their paths
     (``spec.train.new_field``, ``[2].spec.model.x``, ``pool_limits[gpu].x``: a list's index
     or a mapping's key in brackets), in the order found. Structs encoded as
     arrays (``array_like``) are left as they are (none of the leader's answers has one).
-    ``newer_values`` gets each value of an enum this version lacks, with its path."""
+    ``newer_values`` gets each value of an enum this version lacks: (its path, the value)."""
     dropped: list[str] = []
     _walk(value, _type_info(kind), "", _Found(dropped, newer_values))
     return dropped
@@ -77,7 +79,7 @@ def drop_unknown_fields(value: Any, kind: Any, newer_values: list[str] | None = 
 
 class _Found(NamedTuple):
     dropped: list[str]
-    newer_values: list[str] | None
+    newer_values: list[tuple[str, str]] | None
 
 
 @functools.cache
@@ -114,7 +116,7 @@ def _enum_value(value: Any, info: mi.Type, path: str, found: _Found) -> None:
     if found.newer_values is None or not isinstance(info, mi.EnumType):
         return
     if isinstance(value, str) and value not in info.cls._value2member_map_:
-        found.newer_values.append(f"{path or 'value'}={value!r}")
+        found.newer_values.append((path or "value", value))
 
 
 def _children(value: Any, info: mi.Type | None, path: str) -> list[tuple[Any, mi.Type, str]]:
@@ -175,7 +177,7 @@ def decode_leniently(body: bytes | str, kind: type[Any]) -> Lenient:
         raw = msgspec.json.decode(body)
     except RecursionError:  # nesting the typed decode skips over as an unknown field's
         raise msgspec.DecodeError("JSON nested too deeply") from None
-    newer_values: list[str] = []
+    newer_values: list[tuple[str, str]] = []
     dropped = drop_unknown_fields(raw, kind, newer_values)
     # Through JSON again, not msgspec.convert: the same rules as the strict decode's.
     with _newer_values_taken():

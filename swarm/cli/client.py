@@ -18,6 +18,7 @@ import httpx
 import msgspec
 
 from silentswarm import __version__
+from silentswarm.cli.render import terminal_safe
 from silentswarm.errors import ErrorCode, LeaderResponseError, LeaderUnreachableError
 from silentswarm.types.account_api import AccountCreated, AccountView, CreateAccount, WhoAmI
 from silentswarm.types.api import Health, LeaderInfo
@@ -276,29 +277,34 @@ _warned: set[str] = set()
 def warn_newer_fields(paths: list[str]) -> None:
     """One line on stderr per field this CLI does not know (a list's items, a mapping's
     values, count once)."""
-    new = _not_yet_said(paths)
+    new = _not_yet_said([_collapsed(p) for p in paths])
     if new:
         _warn(f"fields this CLI ({__version__}) does not know, left out: {', '.join(new)}")
 
 
-def warn_newer_values(found: list[str]) -> None:
+def warn_newer_values(found: list[tuple[str, str]]) -> None:
     """One line on stderr per value of a field this CLI's enums lack (``state='PAUSED'``;
     a list's items, a mapping's values, count once), shown as sent."""
-    new = _not_yet_said(found)
+    new = _not_yet_said([f"{_collapsed(path)}={value!r}" for path, value in found])
     if new:
         _warn(f"values this CLI ({__version__}) does not know, shown as sent: {', '.join(new)}")
 
 
-def _not_yet_said(paths: list[str]) -> list[str]:
-    said = dict.fromkeys(re.sub(r"\[[^]]*\]", "[]", p).removeprefix("[].") for p in paths)
-    new = [f for f in said if f not in _warned]
+def _collapsed(path: str) -> str:
+    """A field's path with a list's index or a mapping's key as ``[]``."""
+    return re.sub(r"\[[^]]*\]", "[]", path).removeprefix("[].")
+
+
+def _not_yet_said(said: list[str]) -> list[str]:
+    new = [f for f in dict.fromkeys(said) if f not in _warned]
     _warned.update(new)
     return new
 
 
 def _warn(what: str) -> None:
+    """A warning about what the leader sent: its names are a stranger's text, made safe."""
     print(
-        f"swarm: warning: the leader sent {what}; install the leader's version "
-        "(swarm info shows it)",
+        f"swarm: warning: the leader sent {terminal_safe(what)}; install the leader's "
+        "version (swarm info shows it)",
         file=sys.stderr,
     )

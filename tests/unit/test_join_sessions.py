@@ -14,6 +14,7 @@ from silentswarm.leader.bootstrap import (
     INSTALL_LIMIT_S,
     KEEP_ENDED_S,
     LINE_CHARS,
+    LOG_SAVE_S,
     STORED_LOG_BYTES,
     JoinSessions,
     Package,
@@ -264,3 +265,56 @@ def test_stored_lines_numbered_past_the_count_are_not_restored():
     store.kept[session.session_id] = msgspec.json.encode(record)
     after = store.restart(clock)
     assert [line.line for line in after.lines_after(session.session_id, 0)] == ["a", "b"]
+
+
+def test_a_log_alone_is_written_at_most_every_few_seconds_a_failure_at_once():
+    clock, store = Clock(0.0), Store()
+    sessions = JoinSessions(wall=clock)
+    session, token = sessions.create(fellow_name="n", ttl_s=600)
+    _, secret = sessions.claim(session.session_id, token)
+    store.flush(sessions)
+
+    def stored_count() -> int:
+        kept = msgspec.json.decode(store.kept[session.session_id], type=JoinSessionRecord)
+        return kept.session.log_lines
+
+    sessions.append_log(session.session_id, secret, ["one"], failed=False)
+    store.flush(sessions)
+    assert stored_count() == 1, "the first lines at the next write"
+    clock.advance(LOG_SAVE_S / 4)
+    sessions.append_log(session.session_id, secret, ["two"], failed=False)
+    store.flush(sessions)
+    assert stored_count() == 1, "not again so soon"
+    clock.advance(LOG_SAVE_S)
+    store.flush(sessions)
+    assert stored_count() == 2
+    password = "https://user:hunter2@example.org/x password=hunter2"
+    sessions.append_log(session.session_id, secret, [password], failed=True)
+    store.flush(sessions)
+    kept = msgspec.json.decode(store.kept[session.session_id], type=JoinSessionRecord)
+    assert kept.session.status == "failed" and kept.session.log_lines == 3, "at once"
+    assert "hunter2" not in kept.session.reason and "[redacted]" in kept.session.reason
+    assert b"hunter2" not in store.kept[session.session_id]
+
+
+def test_the_stored_lines_are_bounded_by_their_json_escapes_and_all():
+    sessions = JoinSessions(wall=Clock(0.0))
+    session, token = sessions.create(fellow_name="n", ttl_s=60)
+    _, secret = sessions.claim(session.session_id, token)
+    escapes = ["\x1b" * 3000, '"\\' * 1500] * 20  # 6 and 2 bytes a character in JSON
+    sessions.append_log(session.session_id, secret, escapes, failed=False)
+    record = sessions.record(session.session_id)
+    assert record is not None and record.lines
+    assert len(msgspec.json.encode(record.lines)) <= STORED_LOG_BYTES
+    assert record.lines[-1].seq == 40
+
+
+def test_a_secret_the_cut_runs_through_is_still_redacted():
+    sessions = JoinSessions(wall=Clock(0.0))
+    session, token = sessions.create(fellow_name="n", ttl_s=60)
+    _, secret = sessions.claim(session.session_id, token)
+    seed = "SU" + "A" * 28 + "B" * 28  # an nkey seed's shape: S, U, 56 base32 characters
+    line = "x" * (LINE_CHARS - 20) + " " + seed
+    sessions.append_log(session.session_id, secret, [line], failed=False)
+    [kept] = sessions.lines_after(session.session_id, 0)
+    assert "A" * 19 not in kept.line and len(kept.line) <= LINE_CHARS

@@ -11,11 +11,14 @@ import pytest
 
 from silentswarm.cli import client
 from silentswarm.cli.client import decode_answer
+from silentswarm.cli.experiments import runner
 from silentswarm.errors import ErrorCode, FieldError, LeaderResponseError
 from silentswarm.jobspec import JobSpec, decode_job_spec
 from silentswarm.protocol import FellowStatus, JobState
 from silentswarm.types.accounts import Role
+from silentswarm.types.jobs import JobRecord
 from silentswarm.unknown_fields import drop_unknown_fields
+from tests.fakes import job_record
 
 
 class Inner(msgspec.Struct, forbid_unknown_fields=True):
@@ -191,3 +194,26 @@ def test_only_the_lenient_decode_takes_a_value_an_enum_lacks():
     assert caught.value.field == "transport"
     assert list(JobState) == [s for s in JobState.__members__.values()], "no member added"
     assert "SUSPENDED" not in JobState.__members__
+
+
+def test_a_sweep_waiting_on_a_job_in_a_state_it_does_not_know_stops_and_says_why():
+    raw = msgspec.to_builtins(job_record(job_id="j1", state="RUNNING"))
+    raw["state"] = "ARCHIVED"
+    archived = decode_answer(json.dumps(raw), JobRecord, "GET /api/v1/jobs/j1")
+
+    class Polled:
+        def job(self, job_id: str) -> JobRecord:
+            return archived
+
+    with pytest.raises(LeaderResponseError) as caught:
+        runner.wait_for_end(Polled(), "j1", poll_s=0.0, sleep=lambda s: None)
+    assert caught.value.code == ErrorCode.LEADER_RESPONSE_INVALID
+    assert "ARCHIVED, a state this CLI does not know" in caught.value.message
+
+
+def test_the_warnings_show_a_strangers_names_escaped(capsys):
+    client.warn_newer_fields(["spec.\x1b]0;pwn\x07"])
+    client.warn_newer_values([("by[a]\x1bc]", "new\x1b")])
+    err = capsys.readouterr().err
+    assert "\x1b" not in err and "\x07" not in err
+    assert "\\x1b" in err and "'new\\x1b'" in err

@@ -28,7 +28,8 @@ from silentswarm.cli.experiments.sweep import (
     progress_line,
     result_row,
 )
-from silentswarm.errors import LeaderResponseError, LeaderUnreachableError
+from silentswarm.errors import ErrorCode, LeaderResponseError, LeaderUnreachableError
+from silentswarm.protocol import JobState
 from silentswarm.types.jobs import JobRecord
 
 TERMINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED"})
@@ -87,7 +88,9 @@ def wait_for_end(
     """Poll ``GET /api/v1/jobs/{id}`` until the job ends; None after ``timeout_s``.
 
     A leader that is briefly unreachable (a restart) is waited out for
-    ``unreachable_grace_s``; longer, and the error propagates.
+    ``unreachable_grace_s``; longer, and the error propagates. A state this version does
+    not know (a newer leader's) is LEADER_RESPONSE_INVALID: whether the job ended cannot
+    be told, and waiting could be forever.
     """
     started = time.monotonic()
     down_since: float | None = None
@@ -106,6 +109,13 @@ def wait_for_end(
             on_poll(job)
         if job.state in TERMINAL_STATES:
             return job
+        if job.state not in JobState._value2member_map_:
+            raise LeaderResponseError(
+                f"job {job_id} is {job.state.value}, a state this CLI does not know: it "
+                "cannot tell whether the job ended; install the leader's version (swarm "
+                "info shows it)",
+                code=ErrorCode.LEADER_RESPONSE_INVALID,
+            )
         if timeout_s is not None and time.monotonic() - started > timeout_s:
             return None
         sleep(poll_s)
