@@ -881,19 +881,7 @@ def _balanced_ranges(
 def _layer_cap(spec: JobSpec, i: int, n: int, c: Candidate, gpus: list[GpuInfo]) -> int:
     """The most layers stage ``i`` of ``n`` fits in the fellow's memory (all its eligible
     GPUs together, or its RAM), by the same estimate the stage is checked against."""
-    micro_batches, in_flight = spec.memory_schedule()
-    one = stage_memory(
-        spec.model,
-        batch_size=spec.batch_size,
-        micro_batches=micro_batches,
-        stage=i,
-        n_stages=n,
-        layers=1,
-        in_flight=in_flight,
-        overlap=spec.overlap,
-        recompute=spec.recompute,
-        deferred=spec.memory_deferred(),
-    )
+    one = _stage_memory(spec, i, n, 1)
     if gpus:
         room = sum(g.memory_free_bytes for g in gpus) - GPU_RUNTIME_BYTES * len(gpus)
     else:

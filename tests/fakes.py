@@ -6,8 +6,11 @@ from typing import Any
 
 import msgspec
 
+from silentswarm.leader.placement import Candidate
 from silentswarm.types.fleet import FellowRecord, NodeView
 from silentswarm.types.jobs import JobRecord
+
+GIB = 1 << 30
 
 
 class Clock:
@@ -87,3 +90,21 @@ def node_view(hostname: str = "h", **fields: Any) -> NodeView:
     body = {"hostname": hostname, "online": True, "fellows": [], "cpu_cores": 1}
     body |= {"cpu_load_pct": 0.0, "ram_total_bytes": 1, "ram_available_bytes": 1}
     return msgspec.convert({**body, "gpus": [], "nvml_error": None, **fields}, NodeView)
+
+
+# --- what placement weighs -------------------------------------------------------------------
+
+
+def cpu_candidate(fid: str, ram_gib: float, speed: float | None = None, **kw: Any) -> Candidate:
+    """A CPU-only ready fellow named ``fid`` on its own host, with data and sync addresses,
+    ``ram_gib`` of RAM and a measured ``speed`` (None: never measured)."""
+    return Candidate(
+        fellow_id=fid,
+        hostname=fid,
+        data_address=f"tcp://{fid}:1",
+        sync_address=f"tcp://{fid}:2",
+        cpu_cores=8,
+        ram_available_bytes=int(ram_gib * GIB),
+        compute_speed=speed,
+        **kw,
+    )

@@ -15,7 +15,7 @@ from silentswarm.leader import elastic
 from silentswarm.leader.balance import MAX_CHAINS, split_seconds
 from silentswarm.leader.jobs import JobManager
 from silentswarm.leader.memory import CPU_RUNTIME_BYTES
-from silentswarm.leader.placement import Candidate, _stage_memory, place
+from silentswarm.leader.placement import _stage_memory, place
 from silentswarm.leader.refill import (
     MAX_POOL,
     JoinedRings,
@@ -30,6 +30,7 @@ from silentswarm.protocol import GpuInfo, JobState
 from silentswarm.types.jobs import JobRecord
 from silentswarm.types.links import MeasuredLink
 from tests.fakes import Clock
+from tests.fakes import cpu_candidate as cpu
 
 GIB = 1 << 30
 MODEL = ModelConfig(n_layers=8)
@@ -169,19 +170,6 @@ def test_joined_rings_pair_each_stage_with_who_holds_most_of_its_layers():
 
 
 # --- placement on fixed ranges -----------------------------------------------------------------
-
-
-def cpu(fid: str, ram_gib: float, speed: float | None = None, **kw) -> Candidate:
-    return Candidate(
-        fellow_id=fid,
-        hostname=fid,
-        data_address=f"tcp://{fid}:1",
-        sync_address=f"tcp://{fid}:2",
-        cpu_cores=8,
-        ram_available_bytes=int(ram_gib * GIB),
-        compute_speed=speed,
-        **kw,
-    )
 
 
 def balanced(**kw) -> JobSpec:

@@ -13,7 +13,7 @@ import pytest
 from silentswarm.jobspec import JobSpec, Partition
 from silentswarm.leader.balance import chain_order
 from silentswarm.leader.memory import block_params, embedding_params, head_params
-from silentswarm.leader.placement import Candidate, Unplaceable, place
+from silentswarm.leader.placement import Unplaceable, place
 from silentswarm.leader.replica_groups import (
     MAX_GROUPINGS,
     MAX_WORK,
@@ -28,6 +28,7 @@ from silentswarm.leader.replica_groups import (
 )
 from silentswarm.plan import ModelConfig
 from silentswarm.types.links import MeasuredLink
+from tests.fakes import cpu_candidate as cpu
 
 GIB = 1 << 30
 MBIT = 1e6
@@ -279,18 +280,6 @@ def test_a_large_swarm_by_swaps_keeps_rings_or_pipelines_at_home(rounds, spread)
 
 
 # --- placement -----------------------------------------------------------------------------
-
-
-def cpu(fid: str, ram_gib: float, speed: float | None = None) -> Candidate:
-    return Candidate(
-        fellow_id=fid,
-        hostname=fid,
-        data_address=f"tcp://{fid}:1",
-        sync_address=f"tcp://{fid}:2",
-        cpu_cores=8,
-        ram_available_bytes=int(ram_gib * GIB),
-        compute_speed=speed,
-    )
 
 
 def replicas_job(**kw) -> JobSpec:
