@@ -119,8 +119,8 @@ class JoinSessions:
         self._wall = wall
         self._entries: dict[str, _Entry] = {}
         self.dirty: set[str] = set()
-        # Sessions whose log changed, not yet written: by when their log was last written.
-        self._log_dirty: dict[str, float] = {}
+        # Sessions whose log alone changed since it was written, and when it last was.
+        self._log_dirty: set[str] = set()
         self._log_saved: dict[str, float] = {}
 
     def restore(self, records: list[JoinSessionRecord]) -> None:
@@ -136,12 +136,12 @@ class JoinSessions:
         :data:`LOG_SAVE_S` (an installer may post lines many times a second)."""
         self.prune()
         now = self._wall()
-        for session_id in list(self._log_dirty):
+        for session_id in self._log_dirty:
             if now - self._log_saved.get(session_id, -math.inf) >= LOG_SAVE_S:
                 self.dirty.add(session_id)
-        for session_id in self.dirty:
-            if self._log_dirty.pop(session_id, None) is not None:
-                self._log_saved[session_id] = now
+        for session_id in self.dirty & self._log_dirty:
+            self._log_saved[session_id] = now
+        self._log_dirty -= self.dirty
         out = sorted(self.dirty)
         self.dirty.clear()
         return out
@@ -169,7 +169,7 @@ class JoinSessions:
         self._forget_log(session_id)
 
     def _forget_log(self, session_id: str) -> None:
-        self._log_dirty.pop(session_id, None)
+        self._log_dirty.discard(session_id)
         self._log_saved.pop(session_id, None)
 
     def settle(self, registered_at: Callable[[str], float | None]) -> None:
@@ -296,7 +296,7 @@ class JoinSessions:
             text = redact(line[: LINE_CHARS + REDACT_MARGIN])[:LINE_CHARS]
             entry.lines.append(SessionLogLine(entry.session.log_lines, now, text))
         del entry.lines[:-LOG_LINES]
-        self._log_dirty.setdefault(session_id, now)  # written within LOG_SAVE_S
+        self._log_dirty.add(session_id)  # written within LOG_SAVE_S
         if failed and entry.session.status == "installing":
             entry.session.status = "failed"
             last = entry.lines[-1].line if lines else "the installer failed"

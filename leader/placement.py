@@ -255,14 +255,6 @@ def same_host(a: Candidate, b: Candidate) -> bool:
     return a.hostname == b.hostname
 
 
-def direct_on_one_host(a: Candidate, b: Candidate) -> bool:
-    """Whether two fellows' direct link is one machine's loopback: both advertise a data
-    address, on the same host (a host name alone is a fellow's claim, and a pair without
-    addresses talks over the relay)."""
-    ha, hb = endpoint_host(a.data_address), endpoint_host(b.data_address)
-    return ha is not None and ha == hb
-
-
 def _taken_along_links(
     spec: JobSpec,
     ranked: list[Candidate],
@@ -325,8 +317,10 @@ def _loopback_pairs(spec: JobSpec, fellows: list[Candidate]) -> Callable[[str, s
 def _loopback_addresses(
     spec: JobSpec, addresses: Mapping[str, str | None]
 ) -> Callable[[str, str], bool]:
-    """:func:`_loopback_pairs` of fellows by their data addresses (a placed stage's too):
-    both advertise one, on the same host (:func:`direct_on_one_host`)."""
+    """:func:`_loopback_pairs` of fellows by their data addresses (a placed stage's too): a
+    pair's direct link is one machine's loopback when both advertise a data address, on the
+    same host (a host name alone is a fellow's claim, and a pair without addresses talks
+    over the relay)."""
     if spec.transport == Transport.TUNNEL:
         return lambda a, b: False
     hosts = {f: endpoint_host(address) for f, address in addresses.items()}
@@ -445,13 +439,16 @@ def _fixed_split_cost(
     speeds: Mapping[str, float] | None,
     links: Mapping[tuple[str, str], MeasuredLink],
     rings: list[dict[str, float]] | None = None,
+    *,
+    fits: dict[tuple[str, int], bool] | None = None,
 ) -> Callable[[list[str]], float]:
     """A chain of ``fellows`` holding ``ranges``: its predicted step (:func:`silentswarm.
     leader.refill.chain_seconds`: its compute by ``speeds`` where given, its ``links`` and
     the ``rings`` it joins where given); infinite where a stage does not fit its fellow's
-    memory, or (unless the job relays every boundary) a stage after the first has no data
-    address."""
-    fits = _fits_table(spec, fellows, gpus, ranges)
+    memory (``fits``: :func:`_fits_table`'s, where already made), or (unless the job relays
+    every boundary) a stage after the first has no data address."""
+    if fits is None:
+        fits = _fits_table(spec, fellows, gpus, ranges)
     relays = spec.transport == Transport.TUNNEL
     direct = {c.fellow_id for c in fellows if c.data_address or relays}
     sizes = [end - start for start, end in ranges]
@@ -615,27 +612,28 @@ def _grouped_along_links(
         return None
     bits = boundary_bits(spec)
     p = len(taken) // k
-
-    def order(group: list[str]) -> list[str]:
-        if keep_last and len(group) > 1:
-            group = [*group[1:], group[0]]
-        last = group[-1] if keep_last else None
-        return chain_order(group, pairs, bits_per_step=bits, last=last)
-
-    tried = p - 1 if keep_last else p  # the fellows chain_order permutes
-    compute = _compute_seconds_of(spec, taken, gpus, p)
-    ring_bits = sync_bits(spec, p)
-    if ranges is not None:
-        speeds = _cpu_speeds(taken, gpus)
-        timed = speeds if len(speeds) == len(taken) else None
-        compute = _fixed_split_cost(spec, taken, gpus, ranges, timed, {})
-        whole = _fixed_split_cost(spec, taken, gpus, ranges, timed, pairs)
-        ring_bits = range_sync_bits(spec, ranges)
+    tried = p - 1 if keep_last else p  # the fellows an order permutes
+    if ranges is None:
+        ring_bits = sync_bits(spec, p)
+        compute = _compute_seconds_of(spec, taken, gpus, p)
 
         def order(group: list[str]) -> list[str]:
-            ranked = sorted(group, key=list(by_id).index)
-            found = refill(ranked, len(ranked), whole, keep_last=keep_last)
-            return ranked if found is None else found
+            if keep_last and len(group) > 1:
+                group = [*group[1:], group[0]]
+            last = group[-1] if keep_last else None
+            return chain_order(group, pairs, bits_per_step=bits, last=last)
+
+    else:
+        ring_bits = range_sync_bits(spec, ranges)
+        speeds = _cpu_speeds(taken, gpus)
+        timed = speeds if len(speeds) == len(taken) else None
+        fits = _fits_table(spec, taken, gpus, ranges)
+        compute = _fixed_split_cost(spec, taken, gpus, ranges, timed, {}, fits=fits)
+        whole = _fixed_split_cost(spec, taken, gpus, ranges, timed, pairs, fits=fits)
+
+        def order(group: list[str]) -> list[str]:  # ranked, as replica_groups hands it
+            found = refill(group, len(group), whole, keep_last=keep_last)
+            return group if found is None else found
 
     chains = replica_groups(
         list(by_id),

@@ -44,6 +44,11 @@ class NewerValues(enum.StrEnum):
         member._value_ = value
         return member
 
+    @classmethod
+    def knows(cls, value: str) -> bool:
+        """Whether ``value`` is one of this version's members (not a newer peer's)."""
+        return value in cls._value2member_map_
+
 
 @contextlib.contextmanager
 def _newer_values_taken() -> Iterator[None]:

@@ -109,7 +109,7 @@ def wait_for_end(
             on_poll(job)
         if job.state in TERMINAL_STATES:
             return job
-        if job.state not in JobState._value2member_map_:
+        if not JobState.knows(job.state):
             raise LeaderResponseError(
                 f"job {job_id} is {job.state.value}, a state this CLI does not know: it "
                 "cannot tell whether the job ended; install the leader's version (swarm "
