@@ -50,6 +50,8 @@ MAX_CHAINS = 2520
 SPEED_UNIT = ModelConfig(
     d_model=SPEED_UNIT_D_MODEL, seq_len=SPEED_UNIT_SEQ_LEN, n_heads=SPEED_UNIT_HEADS, n_layers=1
 )
+# The most standard blocks per second a speed may be (protocol.ComputeSpeed's bound).
+MAX_SPEED = 1e6
 # Step records of the first steps (tracing, compiling) say nothing of the speed.
 SKIP_STEPS = 3
 # The 1F1B search tries every bottleneck up to this many layers x stages (then: the least
@@ -87,7 +89,7 @@ def measured_speed(
     blocks = layers + (head_blocks(m) if last else 0.0)
     unit = block_work(SPEED_UNIT, SPEED_UNIT_BATCH)
     speed = blocks * block_work(m, batch_size) / unit / busy_s
-    return min(speed, 1e6)
+    return min(speed, MAX_SPEED)
 
 
 def stage_busy_s(progress: Progress) -> float | None:
@@ -373,6 +375,9 @@ class LinkBook(Mapping[tuple[str, str], MeasuredLink]):
 
 # Whether two fellows (by id) share a machine (silentswarm.leader.placement.same_host).
 SameHost = Callable[[str, str], bool]
+# The share of its measured speed each fellow of a set keeps while the set runs at once
+# (fellows on one machine share its cores).
+CoreShares = Callable[[Sequence[str]], Mapping[str, float]]
 # What a pair on one machine is taken to have when no job measured it: its loopback, far
 # faster than any network link (loopback ZeroMQ moves gigabytes a second here).
 SAME_HOST_LINK = MeasuredLink(mbit_s=10_000.0, rtt_ms=0.05)
@@ -530,37 +535,43 @@ def fellows_along_links(
     bits_per_step: float,
     same_host: SameHost | None = None,
     cap: Callable[[str, int], int] | None = None,
+    shares: CoreShares | None = None,
 ) -> list[str]:
     """The ``n`` of ``speeds``' fellows (of the :data:`MAX_ORDERED` fastest, fewer where
     more than :data:`MAX_CHAINS` orders would be costed: none to choose from at 6 stages
     and more) whose pipeline is predicted fastest: the balanced split's compute
-    (:func:`compute_seconds`, within ``cap(fellow, stage)`` layers where given) plus its
-    best order's links (:func:`link_seconds`, a pair never measured as
-    :func:`guessed_links` guesses it); ties keep the fastest. Speeds are in standard blocks
-    per second (already times any CPU quota's share)."""
+    (:func:`compute_seconds`, within ``cap(fellow, stage)`` layers where given, each speed
+    times the share ``shares(set)`` leaves it of its machine's cores) plus its best order's
+    links (:func:`link_seconds`, a pair never measured as :func:`guessed_links` guesses it;
+    none where no link is known); ties keep the fastest. Speeds are in standard blocks per
+    second (already times any CPU quota's share). The fastest where neither links nor
+    ``shares`` tell sets apart."""
     pool = MAX_ORDERED  # fewer where the chains to cost would pass MAX_CHAINS
     while pool > n and math.comb(pool, n) * math.factorial(n) > MAX_CHAINS:
         pool -= 1
     ids = sorted(speeds, key=lambda f: -speeds[f])[:pool]
     pairs = guessed_links(ids, links, same_host=same_host)
-    if len(ids) <= n or not pairs:
+    if len(ids) <= n or not (pairs or shares):
         return ids[:n]
     best: tuple[float, list[str]] | None = None
     for group in itertools.combinations(ids, n):
+        kept = shares(group) if shares is not None else {}
         compute = compute_seconds(
             model,
             batch_size=batch_size,
-            speeds=[speeds[f] for f in group],
+            speeds=[speeds[f] * kept.get(f, 1.0) for f in group],
             micro_batches=micro_batches,
             caps=None if cap is None else [cap(f, i) for i, f in enumerate(group)],
         )
         if compute is None:
             continue
-        wire = min(
-            link_seconds(chain, pairs, bits_per_step=bits_per_step)
-            for chain in itertools.permutations(group)
-        )
-        if best is None or compute + wire < best[0]:
+        wire = 0.0
+        if pairs:
+            wire = min(
+                link_seconds(chain, pairs, bits_per_step=bits_per_step)
+                for chain in itertools.permutations(group)
+            )
+        if best is None or compute + wire < best[0] * (1 - EPSILON):
             best = (compute + wire, list(group))
     return ids[:n] if best is None else best[1]
 

@@ -212,7 +212,8 @@ def replacement(
     ring speaks theirs); None: any. A ``balanced`` job's replacement takes the fellows and
     order predicted fastest (:mod:`silentswarm.leader.refill`) by their measured speeds
     and ``links`` (fellow pair -> its measured link), its pipeline's and those to the
-    other replicas' fellows in the rings it joins.
+    other replicas' fellows in the rings it joins, and its stages share their hosts' cores
+    with the live replicas' stages there.
 
     Fellows that ran a stage of a replica this attempt lost are not taken again: a late
     report of their old run could not be told from the new one's, and a fellow that just
@@ -240,7 +241,10 @@ def replacement(
     rings = joined_rings(
         placement, slot, range_sync_bits(job.spec, ranges), rounds_per_step(job.spec)
     )
-    one = place(spec, usable, defaults, ranges=ranges, links=links, joining=rings)
+    running = Counter(
+        s.hostname for replica in placement.live_replicas for s in placement.pipeline(replica)
+    )
+    one = place(spec, usable, defaults, ranges=ranges, links=links, joining=rings, beside=running)
     if isinstance(one, Unplaceable):
         return one
     by_id = {c.fellow_id: c for c in usable}

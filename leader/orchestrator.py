@@ -41,7 +41,7 @@ from silentswarm.leader.errors import NotReadyError
 from silentswarm.leader.exports import ExportService
 from silentswarm.leader.jobs import FellowState, JobManager, offered_to, plan_schedule
 from silentswarm.leader.linkprobes import LinkProber, ProbeResult, ProbeRun
-from silentswarm.leader.placement import DEFAULTS, Candidate, PlacementDefaults
+from silentswarm.leader.placement import DEFAULTS, Candidate, PlacementDefaults, speed_alone
 from silentswarm.leader.pools import AccountLookup, holdings, no_accounts
 from silentswarm.leader.purges import PurgeBook
 from silentswarm.leader.registry import FellowRegistry
@@ -839,7 +839,8 @@ class Orchestrator:
     def _learn(self, job: JobRecord, progress: Progress) -> None:
         """What a step record tells of its fellow, for the next ``balanced`` placement: its
         speed (the step's work, its time less its waits; kept smoothed in the registry; the
-        first steps compile and are left out) and its downstream link's measured rate and
+        first steps compile and are left out; a CPU stage's on the footing of its fellow's
+        cores alone, :func:`speed_alone`) and its downstream link's measured rate and
         round trip (kept on its record, per downstream fellow)."""
         if job.placement is None:
             return
@@ -862,7 +863,10 @@ class Orchestrator:
             last=placed.stage == len(stages) - 1,
             busy_s=busy,
         )
-        if speed is not None:
+        record = self.registry.get(progress.fellow_id)
+        if speed is not None and record is not None:
+            if not placed.gpu_slots:
+                speed = speed_alone(decide.candidate(record), speed, placed.intra_op_threads)
             self.registry.record_speed(progress.fellow_id, speed)
 
     # --- what the domain services ask of the loop (leader.services) -------------------------

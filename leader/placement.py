@@ -60,6 +60,8 @@ from silentswarm.jobspec import JobSpec, LastStagePlacement, Partition, PlacedSt
 from silentswarm.leader import pools
 from silentswarm.leader.balance import (
     MAX_ORDERED,
+    MAX_SPEED,
+    CoreShares,
     GuessedLinks,
     LinkBook,
     balanced_sizes,
@@ -181,6 +183,7 @@ def place(
     max_stages: int | None = None,
     links: Mapping[tuple[str, str], MeasuredLink] | None = None,
     joining: JoinedRings | None = None,
+    beside: Mapping[str, int] | None = None,
 ) -> Placement | Unplaceable:
     """A placement for ``spec`` on some of ``candidates``, or why there is none now.
 
@@ -189,7 +192,9 @@ def place(
     take in all (its account's limit); ``links`` (fellow pair -> its measured link) orders
     a ``balanced`` job's stages (:func:`silentswarm.leader.balance.chain_order`);
     ``joining``: the rings a replacement replica's stages join, which its links to them
-    are weighed by. The placed stages are ordered by (replica, stage)."""
+    are weighed by; ``beside``: the job's stages already running, per host name (a
+    replacement's live replicas'), which share those hosts' cores with the placed ones.
+    The placed stages are ordered by (replica, stage)."""
     candidates = [c for c in candidates if pools.fits(c.pool, c.labels, spec)]
     gpus = {c.fellow_id: eligible_gpus(c, spec, defaults) for c in candidates}
     ranked = _ranked(spec, candidates, gpus)
@@ -205,20 +210,20 @@ def place(
     # lack the memory the best ranked have) the memory ranking's.
     by_speed = _taken_by_speed(spec, ranked, k * wanted, gpus)
     if k == 1 and ranges is not None:
-        refilled = _refilled(spec, ranked, by_speed, gpus, ranges, links, joining, defaults)
+        refilled = _refilled(spec, ranked, by_speed, gpus, ranges, links, joining, defaults, beside)
         if refilled is not None:
-            placed = _place_groups(spec, [refilled], gpus, ranges)
+            placed = _place_groups(spec, [refilled], gpus, ranges, beside)
             dealt = _pipelines(spec, by_speed, 1, defaults, None)
             if _keeps_transport(spec, placed, dealt):
                 return placed
     choices = [by_speed, ranked[: k * wanted]]
-    if k == 1 and ranges is None and links:
-        choices.insert(0, _taken_along_links(spec, ranked, by_speed, gpus, links))
+    if k == 1 and ranges is None and (links or _hosts_shared(ranked)):
+        choices.insert(0, _taken_along_links(spec, ranked, by_speed, gpus, links or {}))
     placement: Placement | Unplaceable | None = None
     for at, taken in enumerate(choices):
         if taken in choices[:at]:
             continue
-        placement = _place_on(spec, taken, k, gpus, defaults, ranges, links)
+        placement = _place_on(spec, taken, k, gpus, defaults, ranges, links, beside)
         if not isinstance(placement, Unplaceable):
             return placement
     assert placement is not None
@@ -265,8 +270,9 @@ def _taken_along_links(
     """For a ``balanced`` pipeline with more fellows ready than it needs, where the fastest
     (``taken``) are CPU fellows of measured speed: the ``len(taken)`` of the measured CPU
     fellows whose balanced split plus best-ordered links are predicted fastest
-    (:func:`silentswarm.leader.balance.fellows_along_links`), in ranked order; ``taken``
-    where that cannot be judged (a GPU or an unmeasured fellow among the fastest)."""
+    (:func:`silentswarm.leader.balance.fellows_along_links`; fellows on one host split its
+    cores, :func:`core_shares`), in ranked order; ``taken`` where that cannot be judged (a
+    GPU or an unmeasured fellow among the fastest)."""
     if spec.partition != Partition.BALANCED or len(ranked) <= len(taken):
         return taken
     if any(gpus[c.fellow_id] or not c.compute_speed for c in taken):
@@ -289,6 +295,7 @@ def _taken_along_links(
             bits_per_step=boundary_bits(spec),
             same_host=_loopback_pairs(spec, ranked),
             cap=cap,
+            shares=_shares_of(ranked) if _hosts_shared(ranked) else None,
         )
     )
     return [c for c in ranked if c.fellow_id in chosen]
@@ -335,6 +342,7 @@ def _place_on(
     defaults: PlacementDefaults,
     ranges: list[tuple[int, int]] | None,
     links: Mapping[tuple[str, str], MeasuredLink] | None,
+    beside: Mapping[str, int] | None = None,
 ) -> Placement | Unplaceable:
     """The job on ``taken`` (ranked order) as ``k`` pipelines: dealt like cards, or (a
     ``balanced`` job with replicas and measured links) grouped by its links where that
@@ -346,10 +354,10 @@ def _place_on(
             spec, taken, k, gpus, links, keep_last=keep_last, ranges=ranges
         )
         if grouped is not None and grouped != groups:
-            placed = _place_groups(spec, grouped, gpus, ranges)
+            placed = _place_groups(spec, grouped, gpus, ranges, beside)
             if _keeps_transport(spec, placed, groups):
                 return placed
-    return _place_groups(spec, groups, gpus, ranges)
+    return _place_groups(spec, groups, gpus, ranges, beside)
 
 
 def _keeps_transport(
@@ -375,6 +383,7 @@ def _refilled(
     links: Mapping[tuple[str, str], MeasuredLink] | None,
     joining: JoinedRings | None,
     defaults: PlacementDefaults,
+    beside: Mapping[str, int] | None = None,
 ) -> list[Candidate] | None:
     """For a ``balanced`` pipeline on fixed ``ranges`` (a resumed job, a replacement
     replica): the fellows and order of least predicted step (:func:`silentswarm.leader.
@@ -422,7 +431,8 @@ def _refilled(
             rings = joining.seconds(ids, found) if joining is not None else None
     if not timed and not pairs:
         return None
-    cost = _fixed_split_cost(spec, pool, gpus, ranges, pace, pairs, rings)
+    shares = _shares_of(pool, beside) if _hosts_shared(pool, beside) else None
+    cost = _fixed_split_cost(spec, pool, gpus, ranges, pace, pairs, rings, shares=shares)
     chain = refill([c.fellow_id for c in pool], n, cost, keep_last=keep_last, pace=pace)
     return None if chain is None else [by_id[f] for f in chain]
 
@@ -441,12 +451,14 @@ def _fixed_split_cost(
     rings: list[dict[str, float]] | None = None,
     *,
     fits: dict[tuple[str, int], bool] | None = None,
+    shares: CoreShares | None = None,
 ) -> Callable[[list[str]], float]:
     """A chain of ``fellows`` holding ``ranges``: its predicted step (:func:`silentswarm.
-    leader.refill.chain_seconds`: its compute by ``speeds`` where given, its ``links`` and
-    the ``rings`` it joins where given); infinite where a stage does not fit its fellow's
-    memory (``fits``: :func:`_fits_table`'s, where already made), or (unless the job relays
-    every boundary) a stage after the first has no data address."""
+    leader.refill.chain_seconds`: its compute by ``speeds`` where given, each times the
+    share of its host's cores it keeps in the chain where ``shares`` are given, its
+    ``links`` and the ``rings`` it joins where given); infinite where a stage does not
+    fit its fellow's memory (``fits``: :func:`_fits_table`'s, where already made), or
+    (unless the job relays every boundary) a stage after the first has no data address."""
     if fits is None:
         fits = _fits_table(spec, fellows, gpus, ranges)
     relays = spec.transport == Transport.TUNNEL
@@ -459,13 +471,17 @@ def _fixed_split_cost(
             return math.inf
         if not all(f in direct for f in chain[1:]):
             return math.inf
+        pace = speeds
+        if shares is not None and pace is not None:
+            kept = shares(chain)
+            pace = {f: pace[f] * kept[f] for f in chain}
         return chain_seconds(
             chain,
             model=spec.model,
             batch_size=spec.batch_size,
             micro_batches=m,
             sizes=sizes,
-            speeds=speeds,
+            speeds=pace,
             links=links,
             bits_per_step=bits,
             rings=rings,
@@ -512,8 +528,10 @@ def _place_groups(
     groups: list[list[Candidate]],
     gpus: dict[str, list[GpuInfo]],
     ranges: list[tuple[int, int]] | None,
+    beside: Mapping[str, int] | None = None,
 ) -> Placement | Unplaceable:
-    """The job on these pipelines (each replica's fellows in stage order)."""
+    """The job on these pipelines (each replica's fellows in stage order), beside the job's
+    stages already running (``beside``, per host name)."""
     k = len(groups)
     transport = _transport(spec, groups)
     if isinstance(transport, Unplaceable):
@@ -521,7 +539,7 @@ def _place_groups(
     splits = _splits(spec, groups, gpus, ranges, transport)
     if isinstance(splits, Unplaceable):
         return splits
-    per_host = Counter(c.hostname for chosen in groups for c in chosen)
+    per_host = Counter(c.hostname for chosen in groups for c in chosen) + Counter(beside or {})
     stages = []
     for r, chosen in enumerate(groups):
         for i, (c, (start, end)) in enumerate(zip(chosen, splits[r], strict=True)):
@@ -626,7 +644,10 @@ def _grouped_along_links(
     else:
         ring_bits = range_sync_bits(spec, ranges)
         speeds = _cpu_speeds(taken, gpus)
-        timed = speeds if len(speeds) == len(taken) else None
+        shares = core_shares(taken)  # every replica runs at once
+        timed = None
+        if len(speeds) == len(taken):
+            timed = {f: speed * shares[f] for f, speed in speeds.items()}
         fits = _fits_table(spec, taken, gpus, ranges)
         compute = _fixed_split_cost(spec, taken, gpus, ranges, timed, {}, fits=fits)
         whole = _fixed_split_cost(spec, taken, gpus, ranges, timed, pairs, fits=fits)
@@ -654,11 +675,14 @@ def _compute_seconds_of(
     spec: JobSpec, taken: list[Candidate], gpus: dict[str, list[GpuInfo]], p: int
 ) -> Callable[[list[str]], float] | None:
     """A pipeline's compute seconds a step on ``p`` of these fellows (a balanced split's, by
-    their measured speeds times their quotas' shares, within each fellow's memory: infinite
-    where no split fits), or None where a GPU fellow or one not measured is among them."""
+    their measured speeds times their quotas' shares and the shares of their hosts' cores
+    they keep while all of ``taken`` run, within each fellow's memory: infinite where no
+    split fits), or None where a GPU fellow or one not measured is among them."""
     speeds = _cpu_speeds(taken, gpus)
     if len(speeds) < len(taken):
         return None
+    shares = core_shares(taken)
+    speeds = {f: speed * shares[f] for f, speed in speeds.items()}
     m = _micro_batches_or_one(spec)
     caps = {
         (c.fellow_id, i): _layer_cap(spec, i, p, c, gpus[c.fellow_id])
@@ -904,6 +928,49 @@ def intra_op_threads(c: Candidate, on_host: int) -> int:
     no more than its share of the host's cores when ``on_host`` stages share the host."""
     host = c.host_cpu_cores or c.cpu_cores
     return max(1, min(c.cpu_cores, host // max(1, on_host)))
+
+
+def speed_alone(c: Candidate, speed: float, threads: int | None) -> float:
+    """A speed a CPU stage of ``c`` showed on ``threads`` intra-op threads (its placement's;
+    None: all its own), on the footing of its speed alone (on :func:`intra_op_threads` of
+    ``c`` with no other stage on its host, as its probe measured it): a stage's compute
+    scales about with its threads, so a fellow that ran beside others on its host is not
+    taken for slow by the jobs it would run alone (and :func:`core_share` is not counted
+    twice)."""
+    if not threads:
+        return speed
+    return min(speed * intra_op_threads(c, 1) / threads, MAX_SPEED)
+
+
+def core_share(c: Candidate, on_host: int) -> float:
+    """The share of its speed alone (measured on :func:`intra_op_threads` of its own) a CPU
+    fellow keeps while ``on_host`` stages of its job share its host: its threads then, as
+    far as its CPU quota lets them run (a quota of fewer cores than the threads caps both)."""
+    quota = c.cpu_share * c.cpu_cores  # the cores' worth its quota lets it run
+    alone = min(intra_op_threads(c, 1), quota)
+    return min(intra_op_threads(c, on_host), quota) / alone if alone > 0 else 1.0
+
+
+def core_shares(
+    fellows: Sequence[Candidate], beside: Mapping[str, int] | None = None
+) -> dict[str, float]:
+    """:func:`core_share` of each of ``fellows`` while they all run (stages on one host
+    split its cores), beside the job's stages already running (``beside``, per host)."""
+    per_host = Counter(c.hostname for c in fellows) + Counter(beside or {})
+    return {c.fellow_id: core_share(c, per_host[c.hostname]) for c in fellows}
+
+
+def _shares_of(fellows: Sequence[Candidate], beside: Mapping[str, int] | None = None) -> CoreShares:
+    """:func:`core_shares` of a set of ``fellows`` given by id."""
+    by_id = {c.fellow_id: c for c in fellows}
+    return lambda ids: core_shares([by_id[f] for f in ids], beside)
+
+
+def _hosts_shared(fellows: Sequence[Candidate], beside: Mapping[str, int] | None = None) -> bool:
+    """Whether two of ``fellows``, or one and a running stage (``beside``), may share a
+    host's cores (a choice of them then weighs it)."""
+    hosts = [c.hostname for c in fellows]
+    return len(set(hosts)) < len(hosts) or any(beside and beside.get(h) for h in hosts)
 
 
 def _place_stage(

@@ -1,0 +1,155 @@
+"""Fellows on one machine split its cores (issue 23's throughput-aware placement): a fellow's
+speed is measured on all its own cores, and every stage of a job on its host gets its share
+of them (``intra_op_threads``), so the placement's choices weigh what each keeps."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from silentswarm.jobspec import JobSpec, Partition, Placement
+from silentswarm.leader import elastic
+from silentswarm.leader.balance import MAX_SPEED
+from silentswarm.leader.jobs import JobManager
+from silentswarm.leader.placement import (
+    Candidate,
+    Unplaceable,
+    core_share,
+    core_shares,
+    place,
+    speed_alone,
+)
+from silentswarm.plan import ModelConfig
+from silentswarm.types.jobs import JobRecord
+from silentswarm.types.links import MeasuredLink
+from tests.fakes import Clock, cpu_candidate
+
+
+def on(fid: str, speed: float | None, host: str, *, cores: int = 8, **kw) -> Candidate:
+    """A CPU fellow of ``cores`` cores on machine ``host`` (8 cores), its data address there."""
+    kw.setdefault("host_cpu_cores", 8)
+    return msgspec.structs.replace(
+        cpu_candidate(fid, kw.pop("ram_gib", 16.0), speed),
+        hostname=host,
+        data_address=f"tcp://{host}:{5700 + ord(fid[0])}",
+        cpu_cores=cores,
+        **kw,
+    )
+
+
+def job(**kw) -> JobSpec:
+    kw.setdefault("partition", Partition.BALANCED)
+    kw.setdefault("stages", 2)
+    return JobSpec(
+        model=ModelConfig(n_layers=8),
+        allow_cpu=True,
+        pipeline_last_stage_placement="preserve",
+        **kw,
+    )
+
+
+def taken(placement) -> set[str]:
+    assert not isinstance(placement, Unplaceable), placement
+    return {s.fellow_id for s in placement.stages}
+
+
+# (its cores, its CPU quota's share, stages of the job on its host, the share it keeps)
+SHARES = {
+    "alone": (8, 1.0, 1, 1.0),
+    "two stages on a machine: half its cores each": (8, 1.0, 2, 0.5),
+    "three: 2 threads of 8": (8, 1.0, 3, 0.25),
+    "4 cores of the machine's 8: two such fellows do not contend": (4, 1.0, 2, 1.0),
+    "a quota of 2 cores binds before the 4 threads": (8, 0.25, 2, 1.0),
+    "a quota of 4 cores and 2 threads: half": (8, 0.5, 4, 0.5),
+}
+
+
+@pytest.mark.parametrize("case", SHARES, ids=list(SHARES))
+def test_core_share(case):
+    cores, share, on_host, want = SHARES[case]
+    c = on("a", 1.0, "h", cores=cores, cpu_share=share)
+    assert core_share(c, on_host) == pytest.approx(want)
+
+
+def test_core_shares_count_each_host_apart():
+    fellows = [on("a", 1.0, "h"), on("b", 1.0, "h"), on("c", 1.0, "x")]
+    assert core_shares(fellows) == {"a": 0.5, "b": 0.5, "c": 1.0}
+
+
+# (its cores, the threads its stage ran on, the speed it showed, the speed alone)
+ALONE = {
+    "its own threads": (8, None, 3.0, 3.0),
+    "all its cores": (8, 8, 3.0, 3.0),
+    "half its cores beside another stage": (8, 4, 3.0, 6.0),
+    "bounded as a protocol speed is": (8, 1, MAX_SPEED / 2, MAX_SPEED),
+}
+
+
+@pytest.mark.parametrize("case", ALONE, ids=list(ALONE))
+def test_speed_alone(case):
+    cores, threads, shown, want = ALONE[case]
+    assert speed_alone(on("a", 1.0, "h", cores=cores), shown, threads) == pytest.approx(want)
+
+
+FAR = {("a", "c"): MeasuredLink(mbit_s=1000.0, rtt_ms=1.0)}
+
+
+@pytest.mark.parametrize("links", [None, FAR], ids=["nothing measured", "a fast link to c"])
+def test_a_job_does_not_take_two_fellows_that_would_halve_each_other(links):
+    """a and b (10 blocks/s each, alone) share one 8-core machine: together each runs on 4
+    threads, 5 and 5. c, on its own machine, runs at 7: a with c is the faster pipeline.
+    Two fellows of 4 cores each on that machine do not contend: a and b then."""
+    fellows = [on("a", 10.0, "h"), on("b", 10.0, "h"), on("c", 7.0, "x")]
+    assert taken(place(job(), fellows, links=links)) == {"a", "c"}
+    apart = [on("a", 10.0, "h", cores=4), on("b", 10.0, "h", cores=4), on("c", 7.0, "x")]
+    assert taken(place(job(), apart, links=links)) == {"a", "b"}
+
+
+def test_a_resumed_job_s_split_is_refilled_off_a_shared_machine():
+    fellows = [on("a", 10.0, "h"), on("b", 10.0, "h"), on("c", 7.0, "x")]
+    resumed = place(job(), fellows, ranges=[(0, 4), (4, 8)])
+    assert taken(resumed) == {"a", "c"}
+
+
+def test_replicas_on_a_shared_machine_are_grouped_with_the_fellows_apart():
+    """Two replicas of two stages on a and b (one machine: 5 blocks/s each while all four
+    run) and c and d (10 each, apart). Dealt by memory, a and b would make one replica,
+    which would pace the job; grouped by what each keeps, each replica takes one of them."""
+    fellows = [
+        on("a", 10.0, "h", ram_gib=40),
+        on("c", 10.0, "x", ram_gib=30),
+        on("b", 10.0, "h", ram_gib=20),
+        on("d", 10.0, "y", ram_gib=10),
+    ]
+    ids = [c.fellow_id for c in fellows]
+    links = {(x, y): MeasuredLink(mbit_s=1000.0, rtt_ms=1.0) for x in ids for y in ids if x < y}
+    placed = place(job(replicas=2), fellows, links=links)
+    assert not isinstance(placed, Unplaceable), placed
+    grid = [{s.fellow_id for s in placed.pipeline(r)} for r in range(2)]
+    assert all(len(group & {"a", "b"}) == 1 for group in grid), grid
+
+
+def running(spec: JobSpec, fellows: list[Candidate]) -> JobRecord:
+    """``spec`` RUNNING on ``fellows``; replica 1 lost."""
+    jobs = JobManager(wall=Clock())
+    record = jobs.submit(spec)
+    placement = place(spec, fellows)
+    assert isinstance(placement, Placement), placement
+    jobs.begin_start(record.job_id, placement)
+    jobs.start_succeeded(record.job_id)
+    jobs.lose_stage(record.job_id, placement.pipeline(1)[0].fellow_id, "went offline")
+    return record
+
+
+def test_a_replacement_shares_the_machine_of_a_live_replica_s_stage():
+    """Replica 0 runs on machines ha and hb. u, the fastest idle fellow, sits on ha: beside
+    replica 0's stage it would keep half its cores (5 of 10), so the replacement takes v and
+    w (7 each, apart); and where it must take u, u runs on half of ha's cores."""
+    spec = job(replicas=2, sync="allreduce", steps=1000)
+    record = running(spec, [on(f, 10.0, "h" + f, ram_gib=32 - at) for at, f in enumerate("abcd")])
+    hosts = {s.hostname for s in record.placement.pipeline(0)}
+    u = on("u", 10.0, sorted(hosts)[0], ram_gib=64)
+    idle = [u, on("v", 7.0, "hv"), on("w", 7.0, "hw")]
+    assert {s.fellow_id for s in elastic.replacement(record, idle)} == {"v", "w"}
+    forced = elastic.replacement(record, idle[:2])
+    assert {s.fellow_id: s.intra_op_threads for s in forced} == {"u": 4, "v": 8}
