@@ -825,7 +825,8 @@ def _splits(
     bottleneck = parse_compression(spec.compression, d_model=spec.model.d_model).bottleneck_dim
     if fixed is not None or len(groups) < 2 or len(groups[0]) < 2 or not per_replica or bottleneck:
         return uniform_split
-    own = [_ranges(spec, [chosen], gpus, None) for chosen in groups]
+    everyone = [c for chosen in groups for c in chosen]  # all run at once
+    own = [_ranges(spec, [chosen], gpus, None, running=everyone) for chosen in groups]
     if any(isinstance(split, Unplaceable) for split in own):
         return uniform_split
     splits = [list(split) for split in own if not isinstance(split, Unplaceable)]
@@ -845,10 +846,13 @@ def _ranges(
     groups: list[list[Candidate]],
     gpus: dict[str, list[GpuInfo]],
     fixed: list[tuple[int, int]] | None,
+    *,
+    running: Sequence[Candidate] | None = None,
 ) -> list[tuple[int, int]] | Unplaceable:
     """The stages' layer ranges, one split for every replica in ``groups``: ``fixed`` ones
     (a resumed job's), or by the job's partition over each stage position's weakest
-    fellow."""
+    fellow (``running``: all the job's fellows, which share their hosts' cores; default
+    those of ``groups``)."""
     if fixed is not None:
         return [tuple(r) for r in fixed]
     layers, n = spec.model.n_layers, len(groups[0])
@@ -860,23 +864,33 @@ def _ranges(
     if spec.partition == Partition.WEIGHTED and n > 1:
         return weighted_ranges(layers, [min(capacity(g[i]) for g in groups) for i in range(n)])
     if spec.partition == Partition.BALANCED and n > 1:
-        return _balanced_ranges(spec, groups, gpus)
+        return _balanced_ranges(spec, groups, gpus, running)
     return split_layers(layers, n)
 
 
 def _balanced_ranges(
-    spec: JobSpec, groups: list[list[Candidate]], gpus: dict[str, list[GpuInfo]]
+    spec: JobSpec,
+    groups: list[list[Candidate]],
+    gpus: dict[str, list[GpuInfo]],
+    running: Sequence[Candidate] | None = None,
 ) -> list[tuple[int, int]] | Unplaceable:
     """Layers by measured speed within each fellow's memory; equal when no speed is known
-    (a fellow without one counts at the others' mean). With replicas, a stage position
-    counts at its slowest fellow's speed and its smallest memory."""
+    (a fellow without one counts at the others' mean). A CPU fellow's speed counts at the
+    share of its host's cores it keeps beside the job's other stages there
+    (:func:`core_shares` among ``running``, default ``groups``' fellows). With replicas,
+    a stage position counts at its slowest fellow's speed and its smallest memory."""
     members = [c for chosen in groups for c in chosen]
     known = [c.compute_speed for c in members if c.compute_speed]
     n = len(groups[0])
     if not known:
         return split_layers(spec.model.n_layers, n)
     fill = sum(known) / len(known)
-    speeds = [min(g[i].compute_speed or fill for g in groups) for i in range(n)]
+    kept = core_shares([c for c in running or members if not gpus[c.fellow_id]])
+
+    def speed(c: Candidate) -> float:
+        return (c.compute_speed or fill) * kept.get(c.fellow_id, 1.0)
+
+    speeds = [min(speed(g[i]) for g in groups) for i in range(n)]
     shares = [min(g[i].cpu_share for g in groups) for i in range(n)]
     caps = [
         min(_layer_cap(spec, i, n, g[i], gpus[g[i].fellow_id]) for g in groups) for i in range(n)

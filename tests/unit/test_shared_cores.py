@@ -153,3 +153,31 @@ def test_a_replacement_shares_the_machine_of_a_live_replica_s_stage():
     assert {s.fellow_id for s in elastic.replacement(record, idle)} == {"v", "w"}
     forced = elastic.replacement(record, idle[:2])
     assert {s.fellow_id: s.intra_op_threads for s in forced} == {"u": 4, "v": 8}
+
+
+def test_the_balanced_split_gives_a_fellow_apart_the_layers_its_cores_can_take():
+    """a and b halve each other on one machine: c, as fast alone, takes twice their layers
+    (equal speeds alone would give it fewer: the head's work rides on the last stage)."""
+    fellows = [on("a", 10.0, "h"), on("b", 10.0, "h"), on("c", 10.0, "x")]
+    placed = place(job(stages=3, micro_batches=8), fellows)
+    assert not isinstance(placed, Unplaceable), placed
+    layers = {s.fellow_id: s.layer_end - s.layer_start for s in placed.stages}
+    assert layers == {"a": 2, "b": 2, "c": 4}
+
+
+def test_each_replica_s_split_counts_the_other_replicas_on_its_machine():
+    """Replica 0 on a (machine h) and c, replica 1 on b (machine h too) and d: a and b
+    halve each other though they are in different replicas, so each replica's stage on h
+    takes fewer layers than its stage apart."""
+    fellows = [
+        on("a", 10.0, "h", ram_gib=40),
+        on("b", 10.0, "h", ram_gib=39),
+        on("c", 10.0, "x", ram_gib=38),
+        on("d", 10.0, "y", ram_gib=37),
+    ]
+    placed = place(job(replicas=2, micro_batches=8), fellows)
+    assert not isinstance(placed, Unplaceable), placed
+    for r in range(2):
+        shared, apart = placed.pipeline(r)  # preserve: in rank order
+        assert shared.hostname == "h" and apart.hostname != "h"
+        assert shared.layer_end - shared.layer_start < apart.layer_end - apart.layer_start
