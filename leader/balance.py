@@ -538,8 +538,9 @@ def fellows_along_links(
     shares: CoreShares | None = None,
 ) -> list[str]:
     """The ``n`` of ``speeds``' fellows (of the :data:`MAX_ORDERED` fastest, fewer where
-    more than :data:`MAX_CHAINS` orders would be costed: none to choose from at 6 stages
-    and more) whose pipeline is predicted fastest: the balanced split's compute
+    more than :data:`MAX_CHAINS` chains, sets times orders where any link is known, would
+    be costed: with links none to choose from at 6 stages and more) whose pipeline is
+    predicted fastest: the balanced split's compute
     (:func:`compute_seconds`, within ``cap(fellow, stage)`` layers where given, each speed
     times the share ``shares(set)`` leaves it of its machine's cores) plus its best order's
     links (:func:`link_seconds`, a pair never measured as :func:`guessed_links` guesses it;
@@ -547,7 +548,8 @@ def fellows_along_links(
     second (already times any CPU quota's share). The fastest where neither links nor
     ``shares`` tell sets apart."""
     pool = MAX_ORDERED  # fewer where the chains to cost would pass MAX_CHAINS
-    while pool > n and math.comb(pool, n) * math.factorial(n) > MAX_CHAINS:
+    orders = math.factorial(n) if links else 1  # sets alone where no link is known
+    while pool > n and math.comb(pool, n) * orders > MAX_CHAINS:
         pool -= 1
     ids = sorted(speeds, key=lambda f: -speeds[f])[:pool]
     pairs = guessed_links(ids, links, same_host=same_host)

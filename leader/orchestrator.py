@@ -41,7 +41,13 @@ from silentswarm.leader.errors import NotReadyError
 from silentswarm.leader.exports import ExportService
 from silentswarm.leader.jobs import FellowState, JobManager, offered_to, plan_schedule
 from silentswarm.leader.linkprobes import LinkProber, ProbeResult, ProbeRun
-from silentswarm.leader.placement import DEFAULTS, Candidate, PlacementDefaults, speed_alone
+from silentswarm.leader.placement import (
+    DEFAULTS,
+    Candidate,
+    PlacementDefaults,
+    speed_alone,
+    stage_cores,
+)
 from silentswarm.leader.pools import AccountLookup, holdings, no_accounts
 from silentswarm.leader.purges import PurgeBook
 from silentswarm.leader.registry import FellowRegistry
@@ -866,7 +872,10 @@ class Orchestrator:
         record = self.registry.get(progress.fellow_id)
         if speed is not None and record is not None:
             if not placed.gpu_slots:
-                speed = speed_alone(decide.candidate(record), speed, placed.intra_op_threads)
+                fellow = decide.candidate(record)
+                host = fellow.host_cpu_cores or fellow.cpu_cores
+                cores = stage_cores(job.placement.stages, placed, host)
+                speed = speed_alone(fellow, speed, cores)
             self.registry.record_speed(progress.fellow_id, speed)
 
     # --- what the domain services ask of the loop (leader.services) -------------------------

@@ -217,7 +217,7 @@ def place(
             if _keeps_transport(spec, placed, dealt):
                 return placed
     choices = [by_speed, ranked[: k * wanted]]
-    if k == 1 and ranges is None and (links or _hosts_shared(ranked)):
+    if k == 1 and ranges is None:
         choices.insert(0, _taken_along_links(spec, ranked, by_speed, gpus, links or {}))
     placement: Placement | Unplaceable | None = None
     for at, taken in enumerate(choices):
@@ -237,7 +237,9 @@ def _taken_by_speed(
     job the ``n`` fastest (fellows with eligible GPUs first, then by measured speed times
     the share its CPU quota leaves; a fellow not measured after every measured one, ties by
     rank), kept in ranked order. A balanced split's step time falls as the chosen fellows'
-    speeds add up, so a spare fast fellow beats a slow one with more memory."""
+    speeds add up, so a spare fast fellow beats a slow one with more memory. Where those
+    are CPU fellows of measured speed and two such candidates share a host, by the speed
+    they keep beside each other (:func:`_by_kept_speed`)."""
     if spec.partition != Partition.BALANCED or len(ranked) <= n:
         return ranked[:n]
 
@@ -246,8 +248,38 @@ def _taken_by_speed(
         speed = c.compute_speed * c.cpu_share if c.compute_speed else 0.0
         return (not gpus[c.fellow_id], c.compute_speed is None, -speed, at)
 
-    chosen = sorted(sorted(range(len(ranked)), key=pace)[:n])
-    return [ranked[at] for at in chosen]
+    chosen = [ranked[at] for at in sorted(sorted(range(len(ranked)), key=pace)[:n])]
+    timed = [c for c in ranked if c.compute_speed and not gpus[c.fellow_id]]
+    timed_ids = {c.fellow_id for c in timed}
+    if all(c.fellow_id in timed_ids for c in chosen) and _hosts_shared(timed):
+        kept = {c.fellow_id for c in _by_kept_speed(timed, n)}
+        return [c for c in ranked if c.fellow_id in kept]
+    return chosen
+
+
+def _by_kept_speed(fellows: list[Candidate], n: int) -> list[Candidate]:
+    """``n`` of ``fellows`` (CPU fellows of measured speed, best ranked first), taken one at
+    a time: each the one that adds the most speed kept (its speed times its quota's share
+    times the :func:`core_share` it keeps beside those taken on its host, less what those
+    lose beside it); ties by rank."""
+    taken: list[Candidate] = []
+    on_host: Counter[str] = Counter()
+
+    def kept(c: Candidate, stages: int) -> float:
+        return (c.compute_speed or 0.0) * c.cpu_share * core_share(c, stages)
+
+    def gain(c: Candidate) -> float:
+        m = on_host[c.hostname]
+        lost = sum(kept(t, m) - kept(t, m + 1) for t in taken if t.hostname == c.hostname)
+        return kept(c, m + 1) - lost
+
+    left = list(fellows)
+    while len(taken) < n and left:
+        best = max(left, key=gain)  # the first of equal gains: the best ranked
+        left.remove(best)
+        taken.append(best)
+        on_host[best.hostname] += 1
+    return taken
 
 
 def same_host(a: Candidate, b: Candidate) -> bool:
@@ -271,14 +303,23 @@ def _taken_along_links(
     (``taken``) are CPU fellows of measured speed: the ``len(taken)`` of the measured CPU
     fellows whose balanced split plus best-ordered links are predicted fastest
     (:func:`silentswarm.leader.balance.fellows_along_links`; fellows on one host split its
-    cores, :func:`core_shares`), in ranked order; ``taken`` where that cannot be judged (a
-    GPU or an unmeasured fellow among the fastest)."""
+    cores, :func:`core_shares`, and at most ``len(taken)`` of each host are weighed), in
+    ranked order; ``taken`` where that cannot be judged (a GPU or an unmeasured fellow
+    among the fastest) or neither links nor shared hosts tell sets apart."""
     if spec.partition != Partition.BALANCED or len(ranked) <= len(taken):
         return taken
     if any(gpus[c.fellow_id] or not c.compute_speed for c in taken):
         return taken
-    speeds = _cpu_speeds(ranked, gpus)
     m, n = _micro_batches_or_one(spec), len(taken)
+    timed = _per_host(
+        [c for c in ranked if c.compute_speed and not gpus[c.fellow_id]],
+        n,
+        _cpu_speeds(ranked, gpus),
+    )
+    shared = _hosts_shared(timed)
+    if not links and not shared:
+        return taken
+    speeds = _cpu_speeds(timed, gpus)
     by_id = {c.fellow_id: c for c in ranked}
 
     def cap(fellow: str, stage: int) -> int:
@@ -295,7 +336,7 @@ def _taken_along_links(
             bits_per_step=boundary_bits(spec),
             same_host=_loopback_pairs(spec, ranked),
             cap=cap,
-            shares=_shares_of(ranked) if _hosts_shared(ranked) else None,
+            shares=_shares_of(timed) if shared else None,
         )
     )
     return [c for c in ranked if c.fellow_id in chosen]
@@ -308,6 +349,25 @@ def _cpu_speeds(fellows: list[Candidate], gpus: dict[str, list[GpuInfo]]) -> dic
         for c in fellows
         if c.compute_speed and not gpus[c.fellow_id]
     }
+
+
+def _per_host(
+    fellows: list[Candidate], n: int, pace: Mapping[str, float] | None
+) -> list[Candidate]:
+    """``fellows`` with at most ``n`` of any host (the fastest by ``pace``, else the best
+    ranked): a set of ``n`` never needs more, and a crowded host's fellows would fill the
+    few a search weighs with sets that halve each other."""
+    order = sorted(
+        range(len(fellows)), key=lambda at: (-(pace or {}).get(fellows[at].fellow_id, 0.0), at)
+    )
+    on_host: Counter[str] = Counter()
+    kept = set()
+    for at in order:
+        host = fellows[at].hostname
+        if on_host[host] < n:
+            on_host[host] += 1
+            kept.add(at)
+    return [c for at, c in enumerate(fellows) if at in kept]
 
 
 def _micro_batches_or_one(spec: JobSpec) -> int:
@@ -409,9 +469,10 @@ def _refilled(
         return [by_id[f] for f in candidate_pool(ids, n, keep_last=keep_last, pace=pace)]
 
     if timed:
-        fellows = [c for c in ranked if c.fellow_id in speeds]
+        fellows = _per_host([c for c in ranked if c.fellow_id in speeds], n, speeds)
     elif all(_unmeasured_cpu(c, gpus) for c in taken):
         fellows = [c for c in ranked if _unmeasured_cpu(c, gpus)]  # alike but for the links
+        fellows = _per_host(fellows, n, None)
     else:
         fellows = taken
     pool = best(fellows)
@@ -885,10 +946,10 @@ def _balanced_ranges(
     if not known:
         return split_layers(spec.model.n_layers, n)
     fill = sum(known) / len(known)
-    kept = core_shares([c for c in running or members if not gpus[c.fellow_id]])
+    kept = core_shares(running or members)  # a GPU fellow's stage takes threads too
 
     def speed(c: Candidate) -> float:
-        return (c.compute_speed or fill) * kept.get(c.fellow_id, 1.0)
+        return (c.compute_speed or fill) * (1.0 if gpus[c.fellow_id] else kept[c.fellow_id])
 
     speeds = [min(speed(g[i]) for g in groups) for i in range(n)]
     shares = [min(g[i].cpu_share for g in groups) for i in range(n)]
@@ -944,25 +1005,40 @@ def intra_op_threads(c: Candidate, on_host: int) -> int:
     return max(1, min(c.cpu_cores, host // max(1, on_host)))
 
 
-def speed_alone(c: Candidate, speed: float, threads: int | None) -> float:
-    """A speed a CPU stage of ``c`` showed on ``threads`` intra-op threads (its placement's;
-    None: all its own), on the footing of its speed alone (on :func:`intra_op_threads` of
-    ``c`` with no other stage on its host, as its probe measured it): a stage's compute
-    scales about with its threads, so a fellow that ran beside others on its host is not
-    taken for slow by the jobs it would run alone (and :func:`core_share` is not counted
-    twice)."""
-    if not threads:
+def speed_alone(c: Candidate, speed: float, cores: float | None) -> float:
+    """A speed a CPU stage of ``c`` showed on ``cores`` cores' worth of threads
+    (:func:`stage_cores`; None: all its own), on the footing of its speed alone (on
+    :func:`intra_op_threads` of ``c`` with no other stage on its host, as its probe
+    measured it): a stage's compute scales about with its threads, so a fellow that ran
+    beside others on its host is not taken for slow by the jobs it would run alone (and
+    :func:`core_share` is not counted twice)."""
+    if not cores:
         return speed
-    return min(speed * intra_op_threads(c, 1) / threads, MAX_SPEED)
+    return min(speed * intra_op_threads(c, 1) / cores, MAX_SPEED)
+
+
+def stage_cores(
+    stages: Sequence[PlacedStage], placed: PlacedStage, host_cores: int
+) -> float | None:
+    """The cores' worth a placed stage ran on: its threads, less where the job's ``stages``
+    on its host (by host name) hold more threads than its ``host_cores`` (a replacement's
+    beside a live stage that kept its own); None where its threads were not set."""
+    if not placed.intra_op_threads:
+        return None
+    held = sum(s.intra_op_threads or 0 for s in stages if s.hostname == placed.hostname)
+    return placed.intra_op_threads * min(1.0, host_cores / max(held, 1))
 
 
 def core_share(c: Candidate, on_host: int) -> float:
     """The share of its speed alone (measured on :func:`intra_op_threads` of its own) a CPU
-    fellow keeps while ``on_host`` stages of its job share its host: its threads then, as
-    far as its CPU quota lets them run (a quota of fewer cores than the threads caps both)."""
+    fellow keeps while ``on_host`` stages of its job share its host: its threads then, at
+    most the host's cores / ``on_host`` (more stages than cores hold a thread each), as far
+    as its CPU quota lets them run (a quota of fewer cores than the threads caps both)."""
     quota = c.cpu_share * c.cpu_cores  # the cores' worth its quota lets it run
+    host = c.host_cpu_cores or c.cpu_cores
     alone = min(intra_op_threads(c, 1), quota)
-    return min(intra_op_threads(c, on_host), quota) / alone if alone > 0 else 1.0
+    cores = min(intra_op_threads(c, on_host), host / max(1, on_host), quota)
+    return cores / alone if alone > 0 else 1.0
 
 
 def core_shares(

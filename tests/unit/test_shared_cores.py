@@ -7,10 +7,13 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from silentswarm.jobspec import JobSpec, Partition, Placement
+from silentswarm.jobspec import JobSpec, Partition, PlacedStage, Placement
 from silentswarm.leader import elastic
-from silentswarm.leader.balance import MAX_SPEED
+from silentswarm.leader.balance import MAX_SPEED, measured_speed
+from silentswarm.leader.bus import LeaderBus
+from silentswarm.leader.decide import candidate
 from silentswarm.leader.jobs import JobManager
+from silentswarm.leader.orchestrator import Orchestrator
 from silentswarm.leader.placement import (
     Candidate,
     Unplaceable,
@@ -18,11 +21,24 @@ from silentswarm.leader.placement import (
     core_shares,
     place,
     speed_alone,
+    stage_cores,
 )
+from silentswarm.leader.purges import PurgeBook
+from silentswarm.leader.registry import FellowRegistry
+from silentswarm.natsconn import NatsAccess
 from silentswarm.plan import ModelConfig
+from silentswarm.protocol import (
+    FellowIdentity,
+    FellowStatus,
+    HardwareSnapshot,
+    Progress,
+    RegisterRequest,
+)
 from silentswarm.types.jobs import JobRecord
 from silentswarm.types.links import MeasuredLink
 from tests.fakes import Clock, cpu_candidate
+
+GIB = 1 << 30
 
 
 def on(fid: str, speed: float | None, host: str, *, cores: int = 8, **kw) -> Candidate:
@@ -53,21 +69,24 @@ def taken(placement) -> set[str]:
     return {s.fellow_id for s in placement.stages}
 
 
-# (its cores, its CPU quota's share, stages of the job on its host, the share it keeps)
+# (its cores, the host's, its CPU quota's share, stages of the job on its host, the share
+# it keeps). A fellow's cores are its quota rounded up (swarm/cpus.py).
 SHARES = {
-    "alone": (8, 1.0, 1, 1.0),
-    "two stages on a machine: half its cores each": (8, 1.0, 2, 0.5),
-    "three: 2 threads of 8": (8, 1.0, 3, 0.25),
-    "4 cores of the machine's 8: two such fellows do not contend": (4, 1.0, 2, 1.0),
-    "a quota of 2 cores binds before the 4 threads": (8, 0.25, 2, 1.0),
-    "a quota of 4 cores and 2 threads: half": (8, 0.5, 4, 0.5),
+    "alone": (8, 8, 1.0, 1, 1.0),
+    "two stages on a machine: half its cores each": (8, 8, 1.0, 2, 0.5),
+    "three: 2 threads of 8": (8, 8, 1.0, 3, 0.25),
+    "4 cores of the machine's 8: two such fellows do not contend": (4, 8, 1.0, 2, 1.0),
+    "a quota of 1.5 cores alone": (2, 8, 0.75, 1, 1.0),
+    "a quota of 1.5 cores on 1 thread of 8 stages'": (2, 8, 0.75, 8, 1 / 1.5),
+    "a quota of 3.5 cores, 4 stages on 8: 2 threads": (4, 8, 0.875, 4, 2 / 3.5),
+    "more stages than cores: a thread each, 2 cores for 3": (2, 2, 1.0, 3, 1 / 3),
 }
 
 
 @pytest.mark.parametrize("case", SHARES, ids=list(SHARES))
 def test_core_share(case):
-    cores, share, on_host, want = SHARES[case]
-    c = on("a", 1.0, "h", cores=cores, cpu_share=share)
+    cores, host, share, on_host, want = SHARES[case]
+    c = on("a", 1.0, "h", cores=cores, host_cpu_cores=host, cpu_share=share)
     assert core_share(c, on_host) == pytest.approx(want)
 
 
@@ -76,7 +95,7 @@ def test_core_shares_count_each_host_apart():
     assert core_shares(fellows) == {"a": 0.5, "b": 0.5, "c": 1.0}
 
 
-# (its cores, the threads its stage ran on, the speed it showed, the speed alone)
+# (its cores, the cores' worth its stage ran on, the speed it showed, the speed alone)
 ALONE = {
     "its own threads": (8, None, 3.0, 3.0),
     "all its cores": (8, 8, 3.0, 3.0),
@@ -87,8 +106,41 @@ ALONE = {
 
 @pytest.mark.parametrize("case", ALONE, ids=list(ALONE))
 def test_speed_alone(case):
-    cores, threads, shown, want = ALONE[case]
-    assert speed_alone(on("a", 1.0, "h", cores=cores), shown, threads) == pytest.approx(want)
+    cores, ran_on, shown, want = ALONE[case]
+    assert speed_alone(on("a", 1.0, "h", cores=cores), shown, ran_on) == pytest.approx(want)
+
+
+def placed(fellow: str, host: str, threads: int | None, replica: int = 0) -> PlacedStage:
+    return PlacedStage(
+        stage=0,
+        fellow_id=fellow,
+        replica=replica,
+        hostname=host,
+        layer_start=0,
+        layer_end=8,
+        intra_op_threads=threads,
+    )
+
+
+# (the job's stages: fellow, host, threads; the stage asked of; the cores' worth it ran on)
+CORES = {
+    "alone on its host": ([("a", "h", 8), ("b", "x", 8)], "a", 8.0),
+    "two stages that split the host": ([("a", "h", 4), ("b", "h", 4)], "a", 4.0),
+    "a replacement beside a stage that kept its 8 threads": (
+        [("a", "h", 8), ("u", "h", 4)],
+        "u",
+        4 * 8 / 12,
+    ),
+    "threads never set": ([("a", "h", None)], "a", None),
+}
+
+
+@pytest.mark.parametrize("case", CORES, ids=list(CORES))
+def test_stage_cores(case):
+    rows, asked, want = CORES[case]
+    stages = [placed(f, h, t, replica=r) for r, (f, h, t) in enumerate(rows)]
+    got = stage_cores(stages, next(s for s in stages if s.fellow_id == asked), 8)
+    assert got == (None if want is None else pytest.approx(want))
 
 
 FAR = {("a", "c"): MeasuredLink(mbit_s=1000.0, rtt_ms=1.0)}
@@ -105,16 +157,43 @@ def test_a_job_does_not_take_two_fellows_that_would_halve_each_other(links):
     assert taken(place(job(), apart, links=links)) == {"a", "b"}
 
 
+def test_a_crowded_machine_does_not_fill_the_fellows_weighed():
+    """Eight fellows at 10 on one 8-core machine, four at 7 apart: a pipeline takes one of
+    the machine's (alone there it keeps 10) and the rest apart, at 2 stages as at 4 (two
+    of h would keep 5 each, four 2.5), fresh or resumed."""
+    crowded = [on(f"h{i}", 10.0, "h") for i in range(8)]
+    apart = [on(f, 7.0, "x" + f) for f in "cdef"]
+    fellows = [*crowded, *apart]
+    quarters = [(0, 2), (2, 4), (4, 6), (6, 8)]
+    for placement in (
+        place(job(), fellows),
+        place(job(stages=4), fellows),
+        place(job(stages=4), fellows, ranges=quarters),
+    ):
+        assert sum(f.startswith("h") for f in taken(placement)) == 1, taken(placement)
+
+
+def test_replicas_take_the_fellows_that_keep_the_most_speed():
+    """Four fellows at 10 on one 8-core machine, four at 7 apart: two replicas of two
+    stages on all of h would run at 2 threads each (2.5); those apart keep 7."""
+    crowded = [on(f"h{i}", 10.0, "h", ram_gib=64) for i in range(4)]
+    apart = [on(f, 7.0, "x" + f) for f in "cdef"]
+    chosen = taken(place(job(replicas=2), [*crowded, *apart]))
+    assert sum(f.startswith("h") for f in chosen) <= 1, chosen
+
+
 def test_a_resumed_job_s_split_is_refilled_off_a_shared_machine():
     fellows = [on("a", 10.0, "h"), on("b", 10.0, "h"), on("c", 7.0, "x")]
     resumed = place(job(), fellows, ranges=[(0, 4), (4, 8)])
     assert taken(resumed) == {"a", "c"}
 
 
-def test_replicas_on_a_shared_machine_are_grouped_with_the_fellows_apart():
+@pytest.mark.parametrize("ranges", [None, [(0, 4), (4, 8)]], ids=["fresh", "resumed"])
+def test_replicas_on_a_shared_machine_are_grouped_with_the_fellows_apart(ranges):
     """Two replicas of two stages on a and b (one machine: 5 blocks/s each while all four
     run) and c and d (10 each, apart). Dealt by memory, a and b would make one replica,
-    which would pace the job; grouped by what each keeps, each replica takes one of them."""
+    which would pace the job; grouped by what each keeps, each replica takes one of them
+    (a resumed job's fixed split too)."""
     fellows = [
         on("a", 10.0, "h", ram_gib=40),
         on("c", 10.0, "x", ram_gib=30),
@@ -123,7 +202,7 @@ def test_replicas_on_a_shared_machine_are_grouped_with_the_fellows_apart():
     ]
     ids = [c.fellow_id for c in fellows]
     links = {(x, y): MeasuredLink(mbit_s=1000.0, rtt_ms=1.0) for x in ids for y in ids if x < y}
-    placed = place(job(replicas=2), fellows, links=links)
+    placed = place(job(replicas=2), fellows, links=links, ranges=ranges)
     assert not isinstance(placed, Unplaceable), placed
     grid = [{s.fellow_id for s in placed.pipeline(r)} for r in range(2)]
     assert all(len(group & {"a", "b"}) == 1 for group in grid), grid
@@ -181,3 +260,59 @@ def test_each_replica_s_split_counts_the_other_replicas_on_its_machine():
         shared, apart = placed.pipeline(r)  # preserve: in rank order
         assert shared.hostname == "h" and apart.hostname != "h"
         assert shared.layer_end - shared.layer_start < apart.layer_end - apart.layer_start
+
+
+def test_the_leader_keeps_a_stage_s_speed_on_its_fellow_s_cores_alone():
+    """Two stages on one 8-core machine ran on 4 threads each: the speed their step records
+    show is kept twice over (what each would do alone on its 8), and the next placement's
+    shares halve it again, to what the stages showed."""
+    registry = FellowRegistry(heartbeat_interval_s=1, offline_after_s=3, leader_version="t")
+    registry.bus_connected()
+    for fid in "ab":
+        hw = HardwareSnapshot(
+            hostname="h",
+            cpu_cores=8,
+            host_cpu_cores=8,
+            ram_total_bytes=32 * GIB,
+            ram_available_bytes=16 * GIB,
+            compute_speed=5.0,
+        )
+        ident = FellowIdentity(fellow_id=fid, instance_id="i", hostname="h", version="t", pid=1)
+        registry.register(RegisterRequest(fellow=ident, hardware=hw, status=FellowStatus.READY))
+    jobs = JobManager(wall=Clock())
+    spec = job(steps=100)
+    record = jobs.submit(spec)
+    placement = place(spec, [candidate(registry.get(f)) for f in "ab"])
+    assert isinstance(placement, Placement), placement
+    assert [s.intra_op_threads for s in placement.stages] == [4, 4]
+    jobs.begin_start(record.job_id, placement)
+    jobs.start_succeeded(record.job_id)
+    orchestrator = Orchestrator(
+        bus=LeaderBus(nats=NatsAccess(url="nats://127.0.0.1:1"), prefix="s", registry=registry),
+        registry=registry,
+        jobs=jobs,
+        purges=PurgeBook(),
+        prefix="s",
+    )
+    first = placement.stages[0]
+    progress = Progress(
+        job_id=record.job_id,
+        fellow_id=first.fellow_id,
+        attempt=record.attempt,
+        stage=0,
+        step=10,
+        step_time_s=0.5,
+        wait_s=0.1,
+    )
+    orchestrator._learn(record, progress)
+    shown = measured_speed(
+        spec.model,
+        batch_size=spec.batch_size,
+        layers=first.layer_end - first.layer_start,
+        last=False,
+        busy_s=0.4,
+    )
+    kept = registry.get(first.fellow_id).measured_speed
+    assert kept == pytest.approx(2 * shown)
+    again = candidate(registry.get(first.fellow_id))
+    assert again.compute_speed * core_share(again, 2) == pytest.approx(shown)
