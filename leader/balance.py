@@ -584,6 +584,7 @@ def chain_order(
     *,
     bits_per_step: float,
     last: str | None = None,
+    first: str | None = None,
     same_host: SameHost | None = None,
 ) -> list[str]:
     """``fellows`` in the pipeline order whose links cost a step least
@@ -591,8 +592,9 @@ def chain_order(
 
     ``links[(a, b)]``: a measured link between ``a`` and ``b``, either direction; a pair
     never measured is guessed from its ends' other links (:func:`guessed_links`). ``last``,
-    when given, stays the last stage (it hosts the head). With nothing measured, or more
-    than :data:`MAX_ORDERED` fellows, the given order stays.
+    when given, stays the last stage (it hosts the head), ``first`` the first (the given
+    order must start with it). With nothing measured, or more than :data:`MAX_ORDERED`
+    fellows, the given order stays.
     """
     order = list(fellows)
     if not 3 <= len(order) <= MAX_ORDERED:  # two fellows share their one link either way
@@ -606,11 +608,12 @@ def chain_order(
         rates = sum(h.mbit_s for h in hops if h is not None)  # guessed_links gives every pair
         return (link_seconds(chain, pairs, bits_per_step=bits_per_step), -rates)
 
-    head = [f for f in order if f != last]
+    lead = [first] if first is not None and first in order and first != last else []
+    head = [f for f in order if f != last and f not in lead]
     tail = [last] if last is not None and last in order else []
     best = order
     for perm in itertools.permutations(head):
-        chain = [*perm, *tail]
+        chain = [*lead, *perm, *tail]
         if score(chain) < score(best):
             best = chain
     return best

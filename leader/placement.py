@@ -224,8 +224,13 @@ def place(
         if taken in choices[:at]:
             continue
         placement = _place_on(spec, taken, k, gpus, defaults, ranges, links, beside)
-        if not isinstance(placement, Unplaceable):
-            return placement
+        if isinstance(placement, Unplaceable):
+            continue
+        if taken is choices[0] and len(choices) == 3:  # along the links: for speed
+            dealt = _pipelines(spec, by_speed, k, defaults, links)
+            if not _keeps_transport(spec, placement, dealt):
+                continue
+        return placement
     assert placement is not None
     return placement
 
@@ -857,9 +862,17 @@ def _along_links(
     bits: float,
     same: Callable[[str, str], bool],
 ) -> list[Candidate]:
+    """``chosen`` in the order its links cost least (:func:`chain_order`), a lone fellow
+    without a data address first (it connects out; after stage 0 its boundaries would turn
+    to the relay, whose links no figure describes), unless it must run the last stage."""
     by_id = {c.fellow_id: c for c in chosen}
     last = chosen[-1].fellow_id if keep_last else None
-    order = chain_order(list(by_id), links, bits_per_step=bits, last=last, same_host=same)
+    relay_only = [c.fellow_id for c in chosen if not c.data_address]
+    first = relay_only[0] if len(relay_only) == 1 and relay_only[0] != last else None
+    ids = list(by_id)
+    if first is not None:
+        ids = [first, *(f for f in ids if f != first)]
+    order = chain_order(ids, links, bits_per_step=bits, last=last, first=first, same_host=same)
     return [by_id[f] for f in order]
 
 

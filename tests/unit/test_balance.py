@@ -482,6 +482,34 @@ def test_a_pair_on_one_machine_counts_as_a_fast_link():
     assert {s.fellow_id for s in placed.stages} == {"a", "c"}
 
 
+def relay_only(fid, speed):
+    return msgspec.structs.replace(cand(fid, speed), data_address=None)
+
+
+# the fast pair a-b sits behind a slow link; c, d have no data address (they connect out)
+BEHIND_A_SLOW_LINK = {("a", "b"): hop(1.0, 50.0), ("a", "x"): hop(100.0, 1.0)}
+
+
+@pytest.mark.parametrize("transport", [None, Transport.P2P], ids=["auto", "p2p"])
+def test_a_fellow_without_an_address_chosen_for_its_links_runs_stage_0(transport):
+    """c (no data address) with a is the pair along the links: c runs stage 0 and connects
+    to a, so the job's boundary stays direct."""
+    fellows = [cand("a", 2.0), cand("b", 2.0), relay_only("c", 1.8)]
+    placed = place(job(layers=6, stages=2, transport=transport), fellows, links=BEHIND_A_SLOW_LINK)
+    assert [s.fellow_id for s in placed.stages] == ["c", "a"]
+    assert placed.transport == (transport or Transport.AUTO)
+
+
+def test_links_never_turn_a_job_over_to_the_relay():
+    """A 3-stage job: the set along the links (a, c, d) holds two fellows without a data
+    address, so one would run a stage after the first and the job would relay every
+    boundary; the fastest three (over the slow link, but direct) instead, c first."""
+    fellows = [cand("a", 2.0), cand("b", 2.0), relay_only("c", 1.9), relay_only("d", 1.9)]
+    three = place(job(layers=6, stages=3), fellows, links=BEHIND_A_SLOW_LINK)
+    assert [s.fellow_id for s in three.stages] == ["c", "a", "b"]  # not a, c, d: relayed
+    assert three.transport == Transport.AUTO
+
+
 def gpu_cand(fid, speed, free_gib=24.0):
     gpu = GpuInfo(
         index=0,
