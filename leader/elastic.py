@@ -37,7 +37,14 @@ import msgspec
 
 from silentswarm.errors import ErrorCode
 from silentswarm.jobspec import PlacedStage, Placement, seats, stage_plans
-from silentswarm.leader.placement import DEFAULTS, Candidate, PlacementDefaults, Unplaceable, place
+from silentswarm.leader.placement import (
+    DEFAULTS,
+    Candidate,
+    PlacementDefaults,
+    Unplaceable,
+    machine,
+    place,
+)
 from silentswarm.leader.refill import joined_rings
 from silentswarm.leader.replica_groups import range_sync_bits, rounds_per_step
 from silentswarm.plan import RingChange, StagePlan, Transport
@@ -242,7 +249,7 @@ def replacement(
         placement, slot, range_sync_bits(job.spec, ranges), rounds_per_step(job.spec)
     )
     running = Counter(
-        s.hostname for replica in placement.live_replicas for s in placement.pipeline(replica)
+        machine(s) for replica in placement.live_replicas for s in placement.pipeline(replica)
     )
     one = place(spec, usable, defaults, ranges=ranges, links=links, joining=rings, beside=running)
     if isinstance(one, Unplaceable):

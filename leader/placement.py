@@ -274,8 +274,8 @@ def _by_kept_speed(fellows: list[Candidate], n: int) -> list[Candidate]:
         return (c.compute_speed or 0.0) * c.cpu_share * core_share(c, stages)
 
     def gain(c: Candidate) -> float:
-        m = on_host[c.hostname]
-        lost = sum(kept(t, m) - kept(t, m + 1) for t in taken if t.hostname == c.hostname)
+        m = on_host[machine(c)]
+        lost = sum(kept(t, m) - kept(t, m + 1) for t in taken if machine(t) == machine(c))
         return kept(c, m + 1) - lost
 
     left = list(fellows)
@@ -283,7 +283,7 @@ def _by_kept_speed(fellows: list[Candidate], n: int) -> list[Candidate]:
         best = max(left, key=gain)  # the first of equal gains: the best ranked
         left.remove(best)
         taken.append(best)
-        on_host[best.hostname] += 1
+        on_host[machine(best)] += 1
     return taken
 
 
@@ -295,6 +295,14 @@ def same_host(a: Candidate, b: Candidate) -> bool:
     if ha is not None and hb is not None:
         return ha == hb
     return a.hostname == b.hostname
+
+
+def machine(fellow: Candidate | PlacedStage) -> str:
+    """The machine a fellow (or a placed stage) runs on, as far as the leader can tell:
+    the host of its data address (fellows on one machine advertise its address; two
+    machines may share a host name, two containers on one rarely do), else its host name.
+    Stages on one machine share its cores (:func:`intra_op_threads`)."""
+    return endpoint_host(fellow.data_address) or fellow.hostname
 
 
 def _taken_along_links(
@@ -368,7 +376,7 @@ def _per_host(
     on_host: Counter[str] = Counter()
     kept = set()
     for at in order:
-        host = fellows[at].hostname
+        host = machine(fellows[at])
         if on_host[host] < n:
             on_host[host] += 1
             kept.add(at)
@@ -605,7 +613,7 @@ def _place_groups(
     splits = _splits(spec, groups, gpus, ranges, transport)
     if isinstance(splits, Unplaceable):
         return splits
-    per_host = Counter(c.hostname for chosen in groups for c in chosen) + Counter(beside or {})
+    per_host = Counter(machine(c) for chosen in groups for c in chosen) + Counter(beside or {})
     stages = []
     for r, chosen in enumerate(groups):
         for i, (c, (start, end)) in enumerate(zip(chosen, splits[r], strict=True)):
@@ -1038,7 +1046,7 @@ def stage_cores(
     beside a live stage that kept its own); None where its threads were not set."""
     if not placed.intra_op_threads:
         return None
-    held = sum(s.intra_op_threads or 0 for s in stages if s.hostname == placed.hostname)
+    held = sum(s.intra_op_threads or 0 for s in stages if machine(s) == machine(placed))
     return placed.intra_op_threads * min(1.0, host_cores / max(held, 1))
 
 
@@ -1059,8 +1067,8 @@ def core_shares(
 ) -> dict[str, float]:
     """:func:`core_share` of each of ``fellows`` while they all run (stages on one host
     split its cores), beside the job's stages already running (``beside``, per host)."""
-    per_host = Counter(c.hostname for c in fellows) + Counter(beside or {})
-    return {c.fellow_id: core_share(c, per_host[c.hostname]) for c in fellows}
+    per_host = Counter(machine(c) for c in fellows) + Counter(beside or {})
+    return {c.fellow_id: core_share(c, per_host[machine(c)]) for c in fellows}
 
 
 def _shares_of(fellows: Sequence[Candidate], beside: Mapping[str, int] | None = None) -> CoreShares:
@@ -1072,7 +1080,7 @@ def _shares_of(fellows: Sequence[Candidate], beside: Mapping[str, int] | None = 
 def _hosts_shared(fellows: Sequence[Candidate], beside: Mapping[str, int] | None = None) -> bool:
     """Whether two of ``fellows``, or one and a running stage (``beside``), may share a
     host's cores (a choice of them then weighs it)."""
-    hosts = [c.hostname for c in fellows]
+    hosts = [machine(c) for c in fellows]
     return len(set(hosts)) < len(hosts) or any(beside and beside.get(h) for h in hosts)
 
 
@@ -1120,7 +1128,7 @@ def _place_stage(
         data_address=c.data_address,
         gpu_slots=slots,
         # Stages sharing a host share its cores.
-        intra_op_threads=intra_op_threads(c, per_host[c.hostname]),
+        intra_op_threads=intra_op_threads(c, per_host[machine(c)]),
         memory_estimate_bytes=estimate,
         memory_offered_bytes=offered,
     )

@@ -141,7 +141,11 @@ def test_cannot_fit_names_the_stage_and_the_numbers():
 
 
 def test_equal_split_and_threads_shared_per_host():
-    fellows = [cand("a", host="h1"), cand("b", host="h1"), cand("c", host="h2", cores=4)]
+    fellows = [
+        cand("a", address="tcp://h1:1", host="h1"),
+        cand("b", address="tcp://h1:2", host="h1"),
+        cand("c", address="tcp://h2:1", host="h2", cores=4),
+    ]
     placement = place(spec(stages=3), fellows)
     assert [(s.layer_start, s.layer_end) for s in placement.stages] == [(0, 3), (3, 6), (6, 8)]
     threads = {s.fellow_id: s.intra_op_threads for s in placement.stages}

@@ -352,7 +352,10 @@ def test_a_resumed_replicated_job_keeps_its_ranges():
 
 
 def test_stages_sharing_a_host_share_its_cores_across_replicas():
-    fellows = [cand(f"f{i}", 80 - i, host="box") for i in range(4)]
+    fellows = [
+        msgspec.structs.replace(cand(f"f{i}", 80 - i, host="box"), data_address=f"tcp://box:{i}")
+        for i in range(4)
+    ]
     placement = place(spec(replicas=2, stages=2), fellows)
     assert isinstance(placement, Placement)
     assert {s.intra_op_threads for s in placement.stages} == {2}

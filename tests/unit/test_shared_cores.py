@@ -19,6 +19,7 @@ from silentswarm.leader.placement import (
     Unplaceable,
     core_share,
     core_shares,
+    machine,
     place,
     speed_alone,
     stage_cores,
@@ -316,3 +317,25 @@ def test_the_leader_keeps_a_stage_s_speed_on_its_fellow_s_cores_alone():
     assert kept == pytest.approx(2 * shown)
     again = candidate(registry.get(first.fellow_id))
     assert again.compute_speed * core_share(again, 2) == pytest.approx(shown)
+
+
+def test_a_machine_is_told_by_its_data_address_before_its_host_name():
+    """Two machines cloned from one image share a host name, not an address: they do not
+    split each other's cores. Two containers on one machine (their own host names, its
+    address) do; a fellow without an address goes by its host name."""
+    cloned = [
+        msgspec.structs.replace(on("a", 10.0, "10.0.0.1"), hostname="ubuntu"),
+        msgspec.structs.replace(on("b", 10.0, "10.0.0.2"), hostname="ubuntu"),
+    ]
+    assert core_shares(cloned) == {"a": 1.0, "b": 1.0}
+    placed = place(job(), cloned)
+    assert {s.intra_op_threads for s in placed.stages} == {8}
+    containers = [
+        msgspec.structs.replace(on("a", 10.0, "10.0.0.1"), hostname="c0ffee"),
+        msgspec.structs.replace(on("b", 10.0, "10.0.0.1"), hostname="deadbeef"),
+    ]
+    assert core_shares(containers) == {"a": 0.5, "b": 0.5}
+    placed = place(job(), containers)
+    assert {s.intra_op_threads for s in placed.stages} == {4}
+    no_address = [msgspec.structs.replace(c, data_address=None) for c in cloned]
+    assert [machine(c) for c in no_address] == ["ubuntu", "ubuntu"]
