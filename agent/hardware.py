@@ -14,10 +14,12 @@ import json
 import logging
 import os
 import platform
+import re
 import socket
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import msgspec
@@ -130,6 +132,21 @@ async def probe_compute_speed(
     return speed, None
 
 
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+BOOT_ID_FORM = re.compile(r"[0-9a-f-]{8,64}")
+
+
+def boot_id(path: Path = BOOT_ID) -> str | None:
+    """The running kernel's boot id: one per machine and boot, shared by the containers on
+    it (what tells the leader which fellows share a machine's cores); None where there is
+    none or it is not of the usual form."""
+    try:
+        found = path.read_text(encoding="ascii").strip().lower()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return found if BOOT_ID_FORM.fullmatch(found) else None
+
+
 class HardwareProbe:
     """Takes snapshots; initialises NVML once and shuts it down on close."""
 
@@ -142,6 +159,7 @@ class HardwareProbe:
         """``compute_speed``: the operator's figure (SWARM_FELLOW_COMPUTE_SPEED); None: the
         agent measures it (:meth:`probe_speed`)."""
         self.hostname = hostname or socket.gethostname()
+        self.machine_id = boot_id()
         self.limits = limits or FellowLimits()
         self.tf_gpu_count: int | None = None
         self.tf_probe_error: str | None = None
@@ -167,6 +185,7 @@ class HardwareProbe:
             cpu_cores=cpus.cores,
             cpu_quota=cpus.quota,
             host_cpu_cores=cpus.host,
+            machine_id=self.machine_id,
             cpu_load_pct=psutil.cpu_percent(interval=None),
             ram_total_bytes=mem.total,
             ram_available_bytes=mem.available,

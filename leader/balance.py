@@ -26,7 +26,7 @@ import heapq
 import itertools
 import math
 import statistics
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 
 from silentswarm.compression import parse_compression
 from silentswarm.jobspec import JobSpec, PlacedStage
@@ -536,6 +536,7 @@ def fellows_along_links(
     same_host: SameHost | None = None,
     cap: Callable[[str, int], int] | None = None,
     shares: CoreShares | None = None,
+    first_only: Collection[str] = (),
 ) -> list[str]:
     """The ``n`` of ``speeds``' fellows (of the :data:`MAX_ORDERED` fastest, fewer where
     more than :data:`MAX_CHAINS` chains, sets times orders where any link is known, would
@@ -544,19 +545,21 @@ def fellows_along_links(
     (:func:`compute_seconds`, within ``cap(fellow, stage)`` layers where given, each speed
     times the share ``shares(set)`` leaves it of its machine's cores) plus its best order's
     links (:func:`link_seconds`, a pair never measured as :func:`guessed_links` guesses it;
-    none where no link is known); ties keep the fastest. Speeds are in standard blocks per
+    none where no link is known); ties keep the fastest. A fellow of ``first_only`` (one
+    without a data address: it connects out) may only run stage 0: a set with two of them
+    is not weighed, one with one only in the orders it leads. Speeds are in standard blocks per
     second (already times any CPU quota's share). The fastest where neither links nor
     ``shares`` tell sets apart."""
-    pool = MAX_ORDERED  # fewer where the chains to cost would pass MAX_CHAINS
-    orders = math.factorial(n) if links else 1  # sets alone where no link is known
-    while pool > n and math.comb(pool, n) * orders > MAX_CHAINS:
-        pool -= 1
+    pool = along_pool_size(n, linked=bool(links))
     ids = sorted(speeds, key=lambda f: -speeds[f])[:pool]
     pairs = guessed_links(ids, links, same_host=same_host)
     if len(ids) <= n or not (pairs or shares):
         return ids[:n]
     best: tuple[float, list[str]] | None = None
     for group in itertools.combinations(ids, n):
+        leads = [f for f in group if f in first_only]
+        if len(leads) > 1:
+            continue
         kept = shares(group) if shares is not None else {}
         compute = compute_seconds(
             model,
@@ -569,13 +572,25 @@ def fellows_along_links(
             continue
         wire = 0.0
         if pairs:
+            rest = [f for f in group if f not in leads]
             wire = min(
-                link_seconds(chain, pairs, bits_per_step=bits_per_step)
-                for chain in itertools.permutations(group)
+                link_seconds([*leads, *chain], pairs, bits_per_step=bits_per_step)
+                for chain in itertools.permutations(rest)
             )
         if best is None or compute + wire < best[0] * (1 - EPSILON):
             best = (compute + wire, list(group))
     return ids[:n] if best is None else best[1]
+
+
+def along_pool_size(n: int, *, linked: bool) -> int:
+    """How many of the fastest :func:`fellows_along_links` weighs for ``n`` stages:
+    :data:`MAX_ORDERED`, fewer where more than :data:`MAX_CHAINS` chains (sets, times
+    their orders where any link is known) would be costed."""
+    pool = MAX_ORDERED
+    orders = math.factorial(n) if linked else 1
+    while pool > n and math.comb(pool, n) * orders > MAX_CHAINS:
+        pool -= 1
+    return pool
 
 
 def chain_order(
@@ -611,7 +626,7 @@ def chain_order(
     lead = [first] if first is not None and first in order and first != last else []
     head = [f for f in order if f != last and f not in lead]
     tail = [last] if last is not None and last in order else []
-    best = order
+    best = [*lead, *head, *tail]
     for perm in itertools.permutations(head):
         chain = [*lead, *perm, *tail]
         if score(chain) < score(best):

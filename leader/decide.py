@@ -62,6 +62,7 @@ def candidate(record: FellowRecord) -> Candidate:
         sync_address=record.sync_address,
         cpu_cores=hw.cpu_cores,
         host_cpu_cores=hw.host_cpu_cores or hw.cpu_cores,
+        machine_id=hw.machine_id,
         ram_available_bytes=offered_ram(hw),
         gpus=tuple(usable_gpus(hw)),
         pool=record.pool,

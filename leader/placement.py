@@ -64,6 +64,7 @@ from silentswarm.leader.balance import (
     CoreShares,
     GuessedLinks,
     LinkBook,
+    along_pool_size,
     balanced_sizes,
     boundary_bits,
     chain_order,
@@ -79,7 +80,13 @@ from silentswarm.leader.memory import (
     StageMemory,
     stage_memory,
 )
-from silentswarm.leader.refill import JoinedRings, candidate_pool, chain_seconds, refill
+from silentswarm.leader.refill import (
+    JoinedRings,
+    candidate_pool,
+    chain_seconds,
+    pool_size,
+    refill,
+)
 from silentswarm.leader.replica_groups import (
     range_sync_bits,
     replica_groups,
@@ -125,6 +132,8 @@ class Candidate(msgspec.Struct, kw_only=True, frozen=True):
     cpu_share: float = 1.0
     # Its host's logical cores, which the fellows on one host share; None: as cpu_cores.
     host_cpu_cores: int | None = None
+    # Its kernel's boot id (HardwareSnapshot.machine_id): one per machine; None: unknown.
+    machine_id: str | None = None
     # Where its stage binds for its replicas' ring (SWARM_SYNC_ADDRESS); None: not given.
     sync_address: str | None = None
     # The SilentSwarm version its agent runs: a job's fellows all run one (by_version).
@@ -192,7 +201,7 @@ def place(
     take in all (its account's limit); ``links`` (fellow pair -> its measured link) orders
     a ``balanced`` job's stages (:func:`silentswarm.leader.balance.chain_order`);
     ``joining``: the rings a replacement replica's stages join, which its links to them
-    are weighed by; ``beside``: the job's stages already running, per host name (a
+    are weighed by; ``beside``: the job's stages already running, per :func:`machine` (a
     replacement's live replicas'), which share those hosts' cores with the placed ones.
     The placed stages are ordered by (replica, stage)."""
     candidates = [c for c in candidates if pools.fits(c.pool, c.labels, spec)]
@@ -298,11 +307,11 @@ def same_host(a: Candidate, b: Candidate) -> bool:
 
 
 def machine(fellow: Candidate | PlacedStage) -> str:
-    """The machine a fellow (or a placed stage) runs on, as far as the leader can tell:
-    the host of its data address (fellows on one machine advertise its address; two
-    machines may share a host name, two containers on one rarely do), else its host name.
-    Stages on one machine share its cores (:func:`intra_op_threads`)."""
-    return endpoint_host(fellow.data_address) or fellow.hostname
+    """The machine a fellow (or a placed stage) runs on, as far as the leader can tell: its
+    kernel's boot id (one per machine, shared by the containers on it), else, from an agent
+    that reports none, the host of its data address, else its host name. Stages on one
+    machine share its cores (:func:`intra_op_threads`)."""
+    return fellow.machine_id or endpoint_host(fellow.data_address) or fellow.hostname
 
 
 def _taken_along_links(
@@ -324,11 +333,9 @@ def _taken_along_links(
     if any(gpus[c.fellow_id] or not c.compute_speed for c in taken):
         return taken
     m, n = _micro_batches_or_one(spec), len(taken)
-    timed = _per_host(
-        [c for c in ranked if c.compute_speed and not gpus[c.fellow_id]],
-        n,
-        _cpu_speeds(ranked, gpus),
-    )
+    timed = [c for c in ranked if c.compute_speed and not gpus[c.fellow_id]]
+    if len(timed) > along_pool_size(n, linked=bool(links)):
+        timed = _per_host(timed, n, _cpu_speeds(timed, gpus))
     shared = _hosts_shared(timed)
     if not links and not shared:
         return taken
@@ -350,6 +357,7 @@ def _taken_along_links(
             same_host=_loopback_pairs(spec, ranked),
             cap=cap,
             shares=_shares_of(timed) if shared else None,
+            first_only=_first_only(spec, timed),
         )
     )
     return [c for c in ranked if c.fellow_id in chosen]
@@ -364,12 +372,23 @@ def _cpu_speeds(fellows: list[Candidate], gpus: dict[str, list[GpuInfo]]) -> dic
     }
 
 
+def _first_only(spec: JobSpec, fellows: Sequence[Candidate]) -> set[str]:
+    """The ``fellows`` that may only run stage 0 unless the job relays every boundary: those
+    without a data address (they connect out; after stage 0 the job would turn to the
+    relay, whose links no figure describes)."""
+    if spec.transport == Transport.TUNNEL:
+        return set()
+    return {c.fellow_id for c in fellows if not c.data_address}
+
+
 def _per_host(
     fellows: list[Candidate], n: int, pace: Mapping[str, float] | None
 ) -> list[Candidate]:
-    """``fellows`` with at most ``n`` of any host (the fastest by ``pace``, else the best
-    ranked): a set of ``n`` never needs more, and a crowded host's fellows would fill the
-    few a search weighs with sets that halve each other."""
+    """``fellows`` with at most ``n`` of any machine (the fastest by ``pace``, else the
+    best ranked): a set of ``n`` never needs more, and where a search weighs only the
+    fastest few, a crowded machine's fellows would fill them with sets that halve each
+    other (where it weighs all, none is left out: which of a machine's fellows is best
+    may be told by the links)."""
     order = sorted(
         range(len(fellows)), key=lambda at: (-(pace or {}).get(fellows[at].fellow_id, 0.0), at)
     )
@@ -482,12 +501,13 @@ def _refilled(
         return [by_id[f] for f in candidate_pool(ids, n, keep_last=keep_last, pace=pace)]
 
     if timed:
-        fellows = _per_host([c for c in ranked if c.fellow_id in speeds], n, speeds)
+        fellows = [c for c in ranked if c.fellow_id in speeds]
     elif all(_unmeasured_cpu(c, gpus) for c in taken):
         fellows = [c for c in ranked if _unmeasured_cpu(c, gpus)]  # alike but for the links
-        fellows = _per_host(fellows, n, None)
     else:
         fellows = taken
+    if len(fellows) > pool_size(len(fellows), n, keep_last=keep_last):
+        fellows = _per_host(fellows, n, pace)
     pool = best(fellows)
     pairs: Mapping[tuple[str, str], MeasuredLink] = {}
     rings: list[dict[str, float]] | None = None
@@ -605,7 +625,7 @@ def _place_groups(
     beside: Mapping[str, int] | None = None,
 ) -> Placement | Unplaceable:
     """The job on these pipelines (each replica's fellows in stage order), beside the job's
-    stages already running (``beside``, per host name)."""
+    stages already running (``beside``, per :func:`machine`)."""
     k = len(groups)
     transport = _transport(spec, groups)
     if isinstance(transport, Unplaceable):
@@ -660,7 +680,9 @@ def _pipelines(
     links: Mapping[tuple[str, str], MeasuredLink] | None,
 ) -> list[list[Candidate]]:
     """``taken`` (ranked) as ``k`` pipelines, each in stage order. Dealt out like cards:
-    replica r takes the r-th best, the (k + r)-th, ..., so the replicas are alike."""
+    replica r takes the r-th best, the (k + r)-th, ..., so the replicas are alike; a lone
+    fellow without a data address runs its pipeline's stage 0 (it connects out; after it,
+    the job would relay every boundary), unless it must run the last."""
     keep_last = _keeps_last(spec, defaults)
     along = spec.partition == Partition.BALANCED and bool(links)
     bits = boundary_bits(spec) if along else 0.0
@@ -672,6 +694,8 @@ def _pipelines(
         if along:
             pairs = _loopback_pairs(spec, chosen)
             chosen = _along_links(chosen, links, keep_last=keep_last, bits=bits, same=pairs)
+        else:
+            chosen = _lone_relay_first(chosen, keep_last=keep_last)
         groups.append(chosen)
     return groups
 
@@ -871,17 +895,26 @@ def _along_links(
     same: Callable[[str, str], bool],
 ) -> list[Candidate]:
     """``chosen`` in the order its links cost least (:func:`chain_order`), a lone fellow
-    without a data address first (it connects out; after stage 0 its boundaries would turn
-    to the relay, whose links no figure describes), unless it must run the last stage."""
+    without a data address first (:func:`_lone_relay_first`)."""
+    chosen = _lone_relay_first(chosen, keep_last=keep_last)
     by_id = {c.fellow_id: c for c in chosen}
     last = chosen[-1].fellow_id if keep_last else None
-    relay_only = [c.fellow_id for c in chosen if not c.data_address]
-    first = relay_only[0] if len(relay_only) == 1 and relay_only[0] != last else None
-    ids = list(by_id)
-    if first is not None:
-        ids = [first, *(f for f in ids if f != first)]
-    order = chain_order(ids, links, bits_per_step=bits, last=last, first=first, same_host=same)
+    first = chosen[0].fellow_id if not chosen[0].data_address else None
+    order = chain_order(
+        list(by_id), links, bits_per_step=bits, last=last, first=first, same_host=same
+    )
     return [by_id[f] for f in order]
+
+
+def _lone_relay_first(chosen: list[Candidate], *, keep_last: bool) -> list[Candidate]:
+    """``chosen`` with its one fellow without a data address first (it connects out; after
+    stage 0 its boundaries would turn to the relay), unless that fellow must run the last
+    stage (``keep_last``) or more than one has none (the job relays either way)."""
+    relay_only = [at for at, c in enumerate(chosen) if not c.data_address]
+    if len(relay_only) != 1 or (keep_last and relay_only[0] == len(chosen) - 1):
+        return chosen
+    at = relay_only[0]
+    return [chosen[at], *chosen[:at], *chosen[at + 1 :]]
 
 
 def _splits(
@@ -1042,7 +1075,7 @@ def stage_cores(
     stages: Sequence[PlacedStage], placed: PlacedStage, host_cores: int
 ) -> float | None:
     """The cores' worth a placed stage ran on: its threads, less where the job's ``stages``
-    on its host (by host name) hold more threads than its ``host_cores`` (a replacement's
+    on its machine (:func:`machine`) hold more threads than its ``host_cores`` (a replacement's
     beside a live stage that kept its own); None where its threads were not set."""
     if not placed.intra_op_threads:
         return None
@@ -1123,6 +1156,7 @@ def _place_stage(
         stage=i,
         fellow_id=c.fellow_id,
         hostname=c.hostname,
+        machine_id=c.machine_id,
         layer_start=start,
         layer_end=end,
         data_address=c.data_address,

@@ -291,6 +291,9 @@ class PlacedStage(msgspec.Struct, kw_only=True):
     layer_start: int
     layer_end: int
     data_address: str | None = None
+    # Its fellow's kernel boot id (HardwareSnapshot.machine_id): stages of one machine
+    # share its cores; None from an older agent.
+    machine_id: str | None = None
     gpu_slots: list[GpuSlot] = msgspec.field(default_factory=list)
     intra_op_threads: int | None = None
     # The planner's estimate of what the stage needs (runtime included) and what the fellow

@@ -42,6 +42,7 @@ Name = Annotated[str, msgspec.Meta(max_length=256)]
 DataEndpoint = Annotated[str, msgspec.Meta(max_length=256, pattern=DATA_ENDPOINT)]
 SyncEndpoint = Annotated[str, msgspec.Meta(max_length=256, pattern=SYNC_ENDPOINT)]
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
+MachineId = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f-]{8,64}$")]
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
 Bytes = Annotated[int, msgspec.Meta(ge=0, le=2**60)]  # an exabyte: more than any machine
 Rate = Annotated[float, msgspec.Meta(ge=0.0, le=1e15)]
@@ -96,6 +97,10 @@ class HardwareSnapshot(msgspec.Struct, kw_only=True, gc=False):
     cpu_quota: Annotated[float, msgspec.Meta(ge=0.01, le=65536.0)] | None = None
     # The host's logical cores (what fellows on one host share); None from an older agent.
     host_cpu_cores: Annotated[int, msgspec.Meta(ge=1, le=65536)] | None = None
+    # The running kernel's boot id (Linux: /proc/sys/kernel/random/boot_id): fellows that
+    # report one id share one machine's cores (containers on it too; machines cloned from
+    # one image do not). None where the kernel has none, or from an older agent.
+    machine_id: MachineId | None = None
     cpu_load_pct: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 0.0
     # The memory this fellow may use (silentswarm.ram): the host's, capped by its cgroup's
     # memory limit and the room under it; placement offers ram_available_bytes.

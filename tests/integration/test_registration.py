@@ -11,6 +11,7 @@ import pytest
 
 from silentswarm import protocol as p
 from silentswarm import subjects as topics
+from silentswarm.agent.hardware import boot_id
 from silentswarm.types.signals import CheckpointArgs
 from tests.conftest import start_agent
 from tests.helpers import wait_for
@@ -29,6 +30,8 @@ def test_two_agents_become_ready_and_a_killed_one_goes_offline_within_4s(
         record = leader.wait_status(name, "ready", timeout=20)
         assert record["hardware"]["cpu_cores"] >= 1
         assert record["hardware"]["ram_total_bytes"] > 0
+        # Both run on this machine: its kernel's boot id tells the leader they share it.
+        assert record["hardware"]["machine_id"] == boot_id()
     assert leader.workers()["alpha"]["pid"] == a.pid
 
     a.send_signal(signal.SIGKILL)

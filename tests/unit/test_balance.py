@@ -510,6 +510,36 @@ def test_links_never_turn_a_job_over_to_the_relay():
     assert three.transport == Transport.AUTO
 
 
+@pytest.mark.parametrize("transport", [None, Transport.P2P], ids=["auto", "p2p"])
+def test_a_set_is_costed_in_the_orders_it_can_run_in(transport):
+    """a-c-b would cost a step least (c's links are fast), but c has no data address and
+    may only run stage 0: c-a-b crosses the 1 Mbit/s link. a-d-b is the set to take."""
+    fellows = [cand("a", 2.0), cand("b", 2.0), relay_only("c", 1.7), cand("d", 1.8)]
+    links = {("a", "b"): hop(1.0), ("c", "a"): hop(100.0), ("c", "b"): hop(100.0)}
+    links |= {("d", x): hop(20.0) for x in "abc"}
+    placed = place(job(layers=6, stages=3, transport=transport), fellows, links=links)
+    assert [s.fellow_id for s in placed.stages] == ["a", "d", "b"]
+
+
+def test_a_lone_fellow_without_an_address_runs_stage_0_when_dealt():
+    """No link known: dealt by memory, c (no data address) would run stage 1 and the job
+    would relay its boundary; it runs stage 0 and connects out instead, unless it is the
+    best ranked, which runs the last stage."""
+    fellows = [cand("a", None, ram_gib=32), relay_only("c", None)]
+    equal = job(layers=6, stages=2, partition=Partition.EQUAL)
+    placed = place(equal, fellows)
+    assert [s.fellow_id for s in placed.stages] == ["c", "a"]
+    assert placed.transport == Transport.AUTO
+    last = msgspec.structs.replace(equal, pipeline_last_stage_placement="largest_vram")
+    best_ranked = [
+        cand("a", None),
+        msgspec.structs.replace(relay_only("c", None), ram_available_bytes=64 * GIB),
+    ]
+    pinned = place(last, best_ranked)
+    assert [s.fellow_id for s in pinned.stages] == ["a", "c"]
+    assert pinned.transport == Transport.TUNNEL
+
+
 def gpu_cand(fid, speed, free_gib=24.0):
     gpu = GpuInfo(
         index=0,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from silentswarm.agent.hardware import boot_id
 from silentswarm.jobspec import JobSpec, Partition, PlacedStage, Placement
 from silentswarm.leader import elastic
 from silentswarm.leader.balance import MAX_SPEED, measured_speed
@@ -32,6 +33,7 @@ from silentswarm.protocol import (
     FellowIdentity,
     FellowStatus,
     HardwareSnapshot,
+    MachineId,
     Progress,
     RegisterRequest,
 )
@@ -319,23 +321,62 @@ def test_the_leader_keeps_a_stage_s_speed_on_its_fellow_s_cores_alone():
     assert again.compute_speed * core_share(again, 2) == pytest.approx(shown)
 
 
-def test_a_machine_is_told_by_its_data_address_before_its_host_name():
-    """Two machines cloned from one image share a host name, not an address: they do not
-    split each other's cores. Two containers on one machine (their own host names, its
-    address) do; a fellow without an address goes by its host name."""
-    cloned = [
-        msgspec.structs.replace(on("a", 10.0, "10.0.0.1"), hostname="ubuntu"),
-        msgspec.structs.replace(on("b", 10.0, "10.0.0.2"), hostname="ubuntu"),
+BOOT_A, BOOT_B = "650e89de-8cb4-407d-99e5-45fed725057a", "0b1c2d3e-4f50-6172-8394-a5b6c7d8e9f0"
+
+
+def test_a_machine_is_told_by_its_boot_id_then_its_address_then_its_host_name():
+    """Machines cloned from one image share a host name, machines behind one NAT an
+    address: neither splits the other's cores, their boot ids differ. Containers on one
+    machine (their own host names and addresses) share its kernel's boot id, and its cores.
+    From an older agent (no boot id): its data address's host, else its host name."""
+
+    def at(fid, ip, hostname, boot=None):
+        fellow = msgspec.structs.replace(on(fid, 10.0, ip), hostname=hostname)
+        return msgspec.structs.replace(fellow, machine_id=boot)
+
+    cloned = [at("a", "10.0.0.1", "ubuntu", BOOT_A), at("b", "10.0.0.2", "ubuntu", BOOT_B)]
+    behind_a_nat = [at("a", "203.0.113.5", "a", BOOT_A), at("b", "203.0.113.5", "b", BOOT_B)]
+    containers = [at("a", "172.17.0.2", "c0ffee", BOOT_A), at("b", "172.17.0.3", "beef", BOOT_A)]
+    for fellows, share, threads in ((cloned, 1.0, 8), (behind_a_nat, 1.0, 8), (containers, 0.5, 4)):
+        assert core_shares(fellows) == {"a": share, "b": share}
+        placed = place(job(), fellows)
+        assert {s.intra_op_threads for s in placed.stages} == {threads}
+        assert {s.machine_id for s in placed.stages} == {c.machine_id for c in fellows}
+    older = [at("a", "10.0.0.1", "ubuntu"), at("b", "10.0.0.1", "other")]
+    assert [machine(c) for c in older] == ["10.0.0.1", "10.0.0.1"]
+    no_address = [msgspec.structs.replace(c, data_address=None) for c in older]
+    assert [machine(c) for c in no_address] == ["ubuntu", "other"]
+
+
+def test_the_boot_id_an_agent_reports(tmp_path):
+    path = tmp_path / "boot_id"
+    path.write_text(BOOT_A.upper() + "\n")
+    assert boot_id(path) == BOOT_A
+    path.write_text("not an id\n")
+    assert boot_id(path) is None
+    assert boot_id(tmp_path / "missing") is None
+    real = boot_id()  # this machine's kernel (Linux)
+    assert real is None or msgspec.convert({"machine_id": real}, MachineOnly).machine_id == real
+
+
+class MachineOnly(msgspec.Struct):
+    machine_id: MachineId
+
+
+def test_a_machine_id_of_another_form_is_refused():
+    with pytest.raises(msgspec.ValidationError, match="machine_id"):
+        msgspec.convert({"machine_id": "../../etc"}, MachineOnly)
+
+
+def test_every_fellow_of_one_machine_is_weighed_where_the_search_weighs_all():
+    """Three fellows on one machine (as in a test's namespaces): which two of them a
+    2-stage job takes is told by the links (a and b over loopback), not by speed alone."""
+    fellows = [
+        msgspec.structs.replace(on(f, speed, ip), machine_id=BOOT_A)
+        for f, speed, ip in (("a", 2.0, "10.0.0.1"), ("b", 1.5, "10.0.0.1"), ("c", 3.0, "10.0.0.2"))
     ]
-    assert core_shares(cloned) == {"a": 1.0, "b": 1.0}
-    placed = place(job(), cloned)
-    assert {s.intra_op_threads for s in placed.stages} == {8}
-    containers = [
-        msgspec.structs.replace(on("a", 10.0, "10.0.0.1"), hostname="c0ffee"),
-        msgspec.structs.replace(on("b", 10.0, "10.0.0.1"), hostname="deadbeef"),
-    ]
-    assert core_shares(containers) == {"a": 0.5, "b": 0.5}
-    placed = place(job(), containers)
-    assert {s.intra_op_threads for s in placed.stages} == {4}
-    no_address = [msgspec.structs.replace(c, data_address=None) for c in cloned]
-    assert [machine(c) for c in no_address] == ["ubuntu", "ubuntu"]
+    links = {
+        ("a", "c"): MeasuredLink(mbit_s=1.9, rtt_ms=2.0),
+        ("b", "c"): MeasuredLink(mbit_s=1.9, rtt_ms=2.0),
+    }
+    assert taken(place(job(), fellows, links=links)) == {"a", "b"}
