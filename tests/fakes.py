@@ -108,3 +108,20 @@ def cpu_candidate(fid: str, ram_gib: float, speed: float | None = None, **kw: An
         compute_speed=speed,
         **kw,
     )
+
+
+def offline_orchestrator(registry: Any, jobs: Any) -> Any:
+    """A leader's Orchestrator over ``registry`` and ``jobs`` with no NATS behind it (its
+    bus points at a closed port): for tests that drive its steps by hand."""
+    from silentswarm.leader.bus import LeaderBus
+    from silentswarm.leader.orchestrator import Orchestrator
+    from silentswarm.leader.purges import PurgeBook
+    from silentswarm.natsconn import NatsAccess
+
+    return Orchestrator(
+        bus=LeaderBus(nats=NatsAccess(url="nats://127.0.0.1:1"), prefix="s", registry=registry),
+        registry=registry,
+        jobs=jobs,
+        purges=PurgeBook(),
+        prefix="s",
+    )

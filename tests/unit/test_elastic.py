@@ -16,7 +16,7 @@ from silentswarm.natsauth import attempt_permissions
 from silentswarm.plan import ModelConfig, Transport
 from silentswarm.protocol import JobState, Progress, ProgressEvent, StageOutcome, StageResult
 from silentswarm.types.jobs import JobRecord
-from tests.fakes import Clock
+from tests.fakes import Clock, offline_orchestrator
 
 GIB = 1 << 30
 DIGEST_A, DIGEST_B = "a" * 64, "b" * 64
@@ -587,11 +587,7 @@ def test_a_ring_change_is_saved_before_any_member_hears_it():
     secrets: the members that took the first would refuse the second."""
     import asyncio
 
-    from silentswarm.leader.bus import LeaderBus
-    from silentswarm.leader.orchestrator import Orchestrator
-    from silentswarm.leader.purges import PurgeBook
     from silentswarm.leader.registry import FellowRegistry
-    from silentswarm.natsconn import NatsAccess
     from silentswarm.types.jobs import SignalRecord
 
     jobs, job, _ = running(k=3, p=1)
@@ -612,13 +608,7 @@ def test_a_ring_change_is_saved_before_any_member_hears_it():
             )
 
     registry = FellowRegistry(heartbeat_interval_s=1, offline_after_s=3, leader_version="t")
-    orchestrator = Orchestrator(
-        bus=LeaderBus(nats=NatsAccess(url="nats://127.0.0.1:1"), prefix="s", registry=registry),
-        registry=registry,
-        jobs=jobs,
-        purges=PurgeBook(),
-        prefix="s",
-    )
+    orchestrator = offline_orchestrator(registry, jobs)
     orchestrator.store, orchestrator.hub = Store(), Hub()
     orchestrator.loaded.set()
     for r in range(3):

@@ -11,10 +11,8 @@ from silentswarm.agent.hardware import boot_id
 from silentswarm.jobspec import JobSpec, Partition, PlacedStage, Placement
 from silentswarm.leader import elastic
 from silentswarm.leader.balance import MAX_SPEED, measured_speed
-from silentswarm.leader.bus import LeaderBus
 from silentswarm.leader.decide import candidate
 from silentswarm.leader.jobs import JobManager
-from silentswarm.leader.orchestrator import Orchestrator
 from silentswarm.leader.placement import (
     Candidate,
     Unplaceable,
@@ -25,9 +23,7 @@ from silentswarm.leader.placement import (
     speed_alone,
     stage_cores,
 )
-from silentswarm.leader.purges import PurgeBook
 from silentswarm.leader.registry import FellowRegistry
-from silentswarm.natsconn import NatsAccess
 from silentswarm.plan import ModelConfig
 from silentswarm.protocol import (
     FellowIdentity,
@@ -39,7 +35,7 @@ from silentswarm.protocol import (
 )
 from silentswarm.types.jobs import JobRecord
 from silentswarm.types.links import MeasuredLink
-from tests.fakes import Clock, cpu_candidate
+from tests.fakes import Clock, cpu_candidate, offline_orchestrator
 
 GIB = 1 << 30
 
@@ -290,13 +286,7 @@ def test_the_leader_keeps_a_stage_s_speed_on_its_fellow_s_cores_alone():
     assert [s.intra_op_threads for s in placement.stages] == [4, 4]
     jobs.begin_start(record.job_id, placement)
     jobs.start_succeeded(record.job_id)
-    orchestrator = Orchestrator(
-        bus=LeaderBus(nats=NatsAccess(url="nats://127.0.0.1:1"), prefix="s", registry=registry),
-        registry=registry,
-        jobs=jobs,
-        purges=PurgeBook(),
-        prefix="s",
-    )
+    orchestrator = offline_orchestrator(registry, jobs)
     first = placement.stages[0]
     progress = Progress(
         job_id=record.job_id,
