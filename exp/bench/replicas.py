@@ -104,6 +104,7 @@ from cpuquota import cpu_quota
 
 from silentswarm.agent.hardware import probe_compute_speed
 from silentswarm.agent.runtime.launch import done, run_plans
+from silentswarm.cpus import cpu_budget
 from silentswarm.jobspec import JobSpec, Partition
 from silentswarm.leader import balance
 from silentswarm.leader.decide import cpu_share
@@ -174,6 +175,7 @@ def balanced_split(
             hostname=name,
             data_address=f"tcp://127.0.0.1:{free_port()}",
             cpu_cores=1,
+            host_cpu_cores=cpu_budget().host,  # one machine's, as both fellows would report
             ram_available_bytes=ram,
             compute_speed=speed,
             cpu_share=shares.get(name, 1.0),
