@@ -63,6 +63,7 @@ def merge_host(hostname: str, fellows: list[HostFellow]) -> NodeView:
     by_id = sorted(fellows, key=lambda f: f.fellow_id)
     return NodeView(
         hostname=hostname,
+        machine_id=freshest.machine_id,
         online=bool(online),
         fellows=[f.fellow_id for f in by_id],
         cpu_cores=freshest.host_cpu_cores or freshest.cpu_cores,

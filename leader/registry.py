@@ -435,22 +435,23 @@ class FellowRegistry:
 
     def host_count(self) -> int:
         """How many hosts; what /api/v1/info needs, without building every NodeView."""
-        return len({e.record.hostname for e in self._entries.values()})
+        return len({_host_key(e.record) for e in self._entries.values()})
 
     def nodes(self) -> list[NodeView]:
-        """One view per host, merged over all its fellows
+        """One view per host (a host name and, where its fellows report one, its kernel's
+        boot id: machines cloned from one image share a name), merged over all its fellows
         (:func:`silentswarm.leader.hostview.merge_host`)."""
-        by_host: dict[str, list[HostFellow]] = {}
+        by_host: dict[tuple[str, str], list[HostFellow]] = {}
         for entry in self._entries.values():
             record = entry.record
-            by_host.setdefault(record.hostname, []).append(
+            by_host.setdefault(_host_key(record), []).append(
                 HostFellow(
                     fellow_id=record.fellow_id,
                     online=record.status is not FellowStatus.OFFLINE,
                     hardware=record.hardware,
                 )
             )
-        return [merge_host(host, fellows) for host, fellows in sorted(by_host.items())]
+        return [merge_host(host, fellows) for (host, _), fellows in sorted(by_host.items())]
 
     # --- internals -------------------------------------------------------------------------
 
@@ -563,3 +564,8 @@ def _current_probe(link: MeasuredLink | None, now: float) -> bool:
     """Whether ``link`` is one an idle probe's two ends agreed on less than
     :data:`~silentswarm.types.links.LINK_CURRENT_S` before ``now`` (the wall clock)."""
     return link is not None and link.probed and link.current(now)
+
+
+def _host_key(record: FellowRecord) -> tuple[str, str]:
+    """Which host view a fellow's record joins: its host name and its kernel's boot id."""
+    return (record.hostname, record.hardware.machine_id or "")

@@ -68,6 +68,9 @@ class NodeView(msgspec.Struct, kw_only=True):
     """One host, merged over all its fellows (:mod:`silentswarm.leader.hostview` says how)."""
 
     hostname: str
+    # Its kernel's boot id (HardwareSnapshot.machine_id): tells apart machines that share a
+    # host name; None where its fellows report none.
+    machine_id: str | None = None
     online: bool
     fellows: list[str]
     cpu_cores: int

@@ -272,6 +272,20 @@ def test_nodes_group_fellows_by_host_with_freshest_snapshot(reg, clock):
     assert not any(n.online for n in reg.nodes())
 
 
+def test_machines_cloned_from_one_image_are_two_hosts(reg):
+    """Two machines named alike (their kernels' boot ids differ) are two host views; two
+    fellows of one machine, one."""
+    one, other = "650e89de-8cb4-407d-99e5-45fed725057a", "0b1c2d3e-4f50-6172-8394-a5b6c7d8e9f0"
+    for fid, boot in (("a", one), ("b", one), ("c", other)):
+        register(reg, fid, host="ubuntu")
+        beat(
+            reg, fid, host="ubuntu", hardware=msgspec.structs.replace(hw("ubuntu"), machine_id=boot)
+        )
+    nodes = reg.nodes()
+    assert sorted((n.machine_id, n.fellows) for n in nodes) == [(other, ["c"]), (one, ["a", "b"])]
+    assert {n.hostname for n in nodes} == {"ubuntu"} and reg.host_count() == 2
+
+
 def test_a_host_counts_its_cores_not_its_fellows_quota(reg):
     """A fellow in a one-core container on an 8-core host: the host has 8 cores."""
     register(reg, "boxed", host="h1")
