@@ -274,26 +274,35 @@ def _taken_by_speed(
 def _by_kept_speed(fellows: list[Candidate], n: int) -> list[Candidate]:
     """``n`` of ``fellows`` (CPU fellows of measured speed, best ranked first), taken one at
     a time: each the one that adds the most speed kept (its speed times its quota's share
-    times the :func:`core_share` it keeps beside those taken on its host, less what those
-    lose beside it); ties by rank."""
-    taken: list[Candidate] = []
-    on_host: Counter[str] = Counter()
+    times the :func:`core_share` it keeps beside those taken on its machine, less what those
+    lose beside it); ties by rank. Only the gains of the last taken's machine change."""
+    taken: dict[str, list[Candidate]] = {}
+    left: dict[str, list[Candidate]] = {}
+    for c in fellows:
+        left.setdefault(machine(c), []).append(c)
 
     def kept(c: Candidate, stages: int) -> float:
         return (c.compute_speed or 0.0) * c.cpu_share * core_share(c, stages)
 
-    def gain(c: Candidate) -> float:
-        m = on_host[machine(c)]
-        lost = sum(kept(t, m) - kept(t, m + 1) for t in taken if machine(t) == machine(c))
-        return kept(c, m + 1) - lost
+    def gain(c: Candidate, there: list[Candidate]) -> float:
+        m = len(there)
+        return kept(c, m + 1) - sum(kept(t, m) - kept(t, m + 1) for t in there)
 
-    left = list(fellows)
-    while len(taken) < n and left:
-        best = max(left, key=gain)  # the first of equal gains: the best ranked
-        left.remove(best)
-        taken.append(best)
-        on_host[machine(best)] += 1
-    return taken
+    rank = {c.fellow_id: at for at, c in enumerate(fellows)}
+    gains = {c.fellow_id: gain(c, []) for c in fellows}
+    chosen: list[Candidate] = []
+    while len(chosen) < n and gains:
+        best_id = max(gains, key=lambda f: (gains[f], -rank[f]))
+        best = fellows[rank[best_id]]
+        key = machine(best)
+        left[key].remove(best)
+        del gains[best_id]
+        chosen.append(best)
+        there = taken.setdefault(key, [])
+        there.append(best)
+        for c in left[key]:
+            gains[c.fellow_id] = gain(c, there)
+    return chosen
 
 
 def same_host(a: Candidate, b: Candidate) -> bool:
