@@ -1000,8 +1000,9 @@ def _balanced_ranges(
 ) -> list[tuple[int, int]] | Unplaceable:
     """Layers by measured speed within each fellow's memory; equal when no speed is known
     (a fellow without one counts at the others' mean). A CPU fellow's speed counts at the
-    share of its host's cores it keeps beside the job's other stages there
-    (:func:`core_shares` among ``running``, default ``groups``' fellows). With replicas,
+    threads it keeps beside the job's other stages on its machine (:func:`thread_cores`,
+    among ``running``, default ``groups``' fellows), and its quota's share of them: a
+    stage on fewer threads than its quota's cores is never held back. With replicas,
     a stage position counts at its slowest fellow's speed and its smallest memory."""
     members = [c for chosen in groups for c in chosen]
     known = [c.compute_speed for c in members if c.compute_speed]
@@ -1009,13 +1010,23 @@ def _balanced_ranges(
     if not known:
         return split_layers(spec.model.n_layers, n)
     fill = sum(known) / len(known)
-    kept = core_shares(running or members)  # a GPU fellow's stage takes threads too
+    # A GPU fellow's stage takes threads too, but its speed is its GPU's.
+    per_machine = Counter(machine(c) for c in running or members)
 
     def speed(c: Candidate) -> float:
-        return (c.compute_speed or fill) * (1.0 if gpus[c.fellow_id] else kept[c.fellow_id])
+        alone = c.compute_speed or fill
+        if gpus[c.fellow_id]:
+            return alone
+        return alone * thread_cores(c, per_machine[machine(c)]) / intra_op_threads(c, 1)
+
+    def share(c: Candidate) -> float:
+        if gpus[c.fellow_id]:
+            return c.cpu_share
+        quota = c.cpu_share * c.cpu_cores  # the cores' worth its quota lets it run
+        return min(1.0, quota / thread_cores(c, per_machine[machine(c)]))
 
     speeds = [min(speed(g[i]) for g in groups) for i in range(n)]
-    shares = [min(g[i].cpu_share for g in groups) for i in range(n)]
+    shares = [min(share(g[i]) for g in groups) for i in range(n)]
     caps = [
         min(_layer_cap(spec, i, n, g[i], gpus[g[i].fellow_id]) for g in groups) for i in range(n)
     ]
@@ -1098,10 +1109,17 @@ def core_share(c: Candidate, on_host: int) -> float:
     most the host's cores / ``on_host`` (more stages than cores hold a thread each), as far
     as its CPU quota lets them run (a quota of fewer cores than the threads caps both)."""
     quota = c.cpu_share * c.cpu_cores  # the cores' worth its quota lets it run
-    host = c.host_cpu_cores or c.cpu_cores
     alone = min(intra_op_threads(c, 1), quota)
-    cores = min(intra_op_threads(c, on_host), host / max(1, on_host), quota)
+    cores = min(thread_cores(c, on_host), quota)
     return cores / alone if alone > 0 else 1.0
+
+
+def thread_cores(c: Candidate, on_host: int) -> float:
+    """The cores' worth of threads a stage of ``c`` runs on while ``on_host`` stages of its
+    job share its machine: :func:`intra_op_threads`, at most the machine's cores /
+    ``on_host`` (more stages than cores hold a thread each)."""
+    host = c.host_cpu_cores or c.cpu_cores
+    return min(intra_op_threads(c, on_host), host / max(1, on_host))
 
 
 def core_shares(

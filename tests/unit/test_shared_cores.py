@@ -22,6 +22,7 @@ from silentswarm.leader.placement import (
     place,
     speed_alone,
     stage_cores,
+    thread_cores,
 )
 from silentswarm.leader.registry import FellowRegistry
 from silentswarm.plan import ModelConfig
@@ -87,6 +88,23 @@ def test_core_share(case):
     cores, host, share, on_host, want = SHARES[case]
     c = on("a", 1.0, "h", cores=cores, host_cpu_cores=host, cpu_share=share)
     assert core_share(c, on_host) == pytest.approx(want)
+
+
+# (its cores, the host's, stages on the host, the cores' worth of threads a stage runs on)
+THREAD_CORES = {
+    "alone": (8, 8, 1, 8),
+    "two": (8, 8, 2, 4),
+    "its own 4 of 8, two stages": (4, 8, 2, 4),
+    "its own 4 of 8, four stages": (4, 8, 4, 2),
+    "three stages on 2 cores: a thread each, two thirds of a core": (2, 2, 3, 2 / 3),
+}
+
+
+@pytest.mark.parametrize("case", THREAD_CORES, ids=list(THREAD_CORES))
+def test_thread_cores(case):
+    cores, host, on_host, want = THREAD_CORES[case]
+    c = on("a", 1.0, "h", cores=cores, host_cpu_cores=host)
+    assert thread_cores(c, on_host) == pytest.approx(want)
 
 
 def test_core_shares_count_each_host_apart():
