@@ -275,7 +275,8 @@ def _by_kept_speed(fellows: list[Candidate], n: int) -> list[Candidate]:
     """``n`` of ``fellows`` (CPU fellows of measured speed, best ranked first), taken one at
     a time: each the one that adds the most speed kept (its speed times its quota's share
     times the :func:`core_share` it keeps beside those taken on its machine, less what those
-    lose beside it); ties by rank. Only the gains of the last taken's machine change."""
+    lose beside it, which is the same for every fellow of that machine); ties by rank. Only
+    the last taken's machine's gains change."""
     taken: dict[str, list[Candidate]] = {}
     left: dict[str, list[Candidate]] = {}
     for c in fellows:
@@ -284,12 +285,8 @@ def _by_kept_speed(fellows: list[Candidate], n: int) -> list[Candidate]:
     def kept(c: Candidate, stages: int) -> float:
         return (c.compute_speed or 0.0) * c.cpu_share * core_share(c, stages)
 
-    def gain(c: Candidate, there: list[Candidate]) -> float:
-        m = len(there)
-        return kept(c, m + 1) - sum(kept(t, m) - kept(t, m + 1) for t in there)
-
     rank = {c.fellow_id: at for at, c in enumerate(fellows)}
-    gains = {c.fellow_id: gain(c, []) for c in fellows}
+    gains = {c.fellow_id: kept(c, 1) for c in fellows}
     chosen: list[Candidate] = []
     while len(chosen) < n and gains:
         best_id = max(gains, key=lambda f: (gains[f], -rank[f]))
@@ -300,15 +297,19 @@ def _by_kept_speed(fellows: list[Candidate], n: int) -> list[Candidate]:
         chosen.append(best)
         there = taken.setdefault(key, [])
         there.append(best)
+        m = len(there)
+        lost = sum(kept(t, m) - kept(t, m + 1) for t in there)
         for c in left[key]:
-            gains[c.fellow_id] = gain(c, there)
+            gains[c.fellow_id] = kept(c, m + 1) - lost
     return chosen
 
 
 def same_host(a: Candidate, b: Candidate) -> bool:
-    """Whether two fellows may share a machine, as far as the leader can tell: the same host
-    in their data addresses, or, where one advertises none, the same host name (its own
-    claim). Such a pair is not probed."""
+    """Whether two fellows may share a machine, as far as the leader can tell: one kernel
+    boot id, or the same host in their data addresses, or, where one advertises none, the
+    same host name (its own claim). Such a pair is not probed."""
+    if a.machine_id and b.machine_id and a.machine_id == b.machine_id:
+        return True  # one kernel: containers on one machine, whatever their addresses
     ha, hb = endpoint_host(a.data_address), endpoint_host(b.data_address)
     if ha is not None and hb is not None:
         return ha == hb
@@ -320,7 +321,10 @@ def machine(fellow: Candidate | PlacedStage) -> str:
     kernel's boot id (one per machine, shared by the containers on it), else, from an agent
     that reports none, the host of its data address, else its host name. Stages on one
     machine share its cores (:func:`intra_op_threads`)."""
-    return fellow.machine_id or endpoint_host(fellow.data_address) or fellow.hostname
+    if fellow.machine_id:
+        return f"boot:{fellow.machine_id}"
+    host = endpoint_host(fellow.data_address)
+    return f"addr:{host}" if host else f"name:{fellow.hostname}"
 
 
 def _taken_along_links(
@@ -333,8 +337,9 @@ def _taken_along_links(
     """For a ``balanced`` pipeline with more fellows ready than it needs, where the fastest
     (``taken``) are CPU fellows of measured speed: the ``len(taken)`` of the measured CPU
     fellows whose balanced split plus best-ordered links are predicted fastest
-    (:func:`silentswarm.leader.balance.fellows_along_links`; fellows on one host split its
-    cores, :func:`core_shares`, and at most ``len(taken)`` of each host are weighed), in
+    (:func:`silentswarm.leader.balance.fellows_along_links`; fellows on one machine split
+    its cores, :func:`core_shares`, and where the search weighs fewer fellows than there
+    are, at most ``len(taken)`` of a machine), in
     ranked order; ``taken`` where that cannot be judged (a GPU or an unmeasured fellow
     among the fastest) or neither links nor shared hosts tell sets apart."""
     if spec.partition != Partition.BALANCED or len(ranked) <= len(taken):
@@ -458,7 +463,14 @@ def _place_on(
             placed = _place_groups(spec, grouped, gpus, ranges, beside)
             if _keeps_transport(spec, placed, groups):
                 return placed
-    return _place_groups(spec, groups, gpus, ranges, beside)
+    placed = _place_groups(spec, groups, gpus, ranges, beside)
+    if isinstance(placed, Unplaceable):  # a fellow moved to stage 0 may not hold it
+        plain = _pipelines(spec, taken, k, defaults, None, relay_first=False)
+        if plain != groups:
+            again = _place_groups(spec, plain, gpus, ranges, beside)
+            if not isinstance(again, Unplaceable):
+                return again
+    return placed
 
 
 def _keeps_transport(
@@ -506,6 +518,9 @@ def _refilled(
     by_id = {c.fellow_id: c for c in ranked}
 
     def best(fellows: list[Candidate]) -> list[Candidate]:
+        """The pool weighed of ``fellows``: at most n of a machine where it cannot hold all."""
+        if len(fellows) > pool_size(len(fellows), n, keep_last=keep_last):
+            fellows = _per_host(fellows, n, pace)
         ids = [c.fellow_id for c in fellows]
         return [by_id[f] for f in candidate_pool(ids, n, keep_last=keep_last, pace=pace)]
 
@@ -515,8 +530,6 @@ def _refilled(
         fellows = [c for c in ranked if _unmeasured_cpu(c, gpus)]  # alike but for the links
     else:
         fellows = taken
-    if len(fellows) > pool_size(len(fellows), n, keep_last=keep_last):
-        fellows = _per_host(fellows, n, pace)
     pool = best(fellows)
     pairs: Mapping[tuple[str, str], MeasuredLink] = {}
     rings: list[dict[str, float]] | None = None
@@ -687,11 +700,14 @@ def _pipelines(
     k: int,
     defaults: PlacementDefaults,
     links: Mapping[tuple[str, str], MeasuredLink] | None,
+    *,
+    relay_first: bool = True,
 ) -> list[list[Candidate]]:
     """``taken`` (ranked) as ``k`` pipelines, each in stage order. Dealt out like cards:
-    replica r takes the r-th best, the (k + r)-th, ..., so the replicas are alike; a lone
-    fellow without a data address runs its pipeline's stage 0 (it connects out; after it,
-    the job would relay every boundary), unless it must run the last."""
+    replica r takes the r-th best, the (k + r)-th, ..., so the replicas are alike; with
+    ``relay_first`` a lone fellow without a data address runs its pipeline's stage 0 (it
+    connects out; after it, the job would relay every boundary), unless it must run the
+    last (:func:`_place_on` deals without it where that stage does not fit the fellow)."""
     keep_last = _keeps_last(spec, defaults)
     along = spec.partition == Partition.BALANCED and bool(links)
     bits = boundary_bits(spec) if along else 0.0
@@ -703,7 +719,7 @@ def _pipelines(
         if along:
             pairs = _loopback_pairs(spec, chosen)
             chosen = _along_links(chosen, links, keep_last=keep_last, bits=bits, same=pairs)
-        else:
+        elif relay_first:
             chosen = _lone_relay_first(chosen, keep_last=keep_last)
         groups.append(chosen)
     return groups
@@ -1017,13 +1033,13 @@ def _balanced_ranges(
         alone = c.compute_speed or fill
         if gpus[c.fellow_id]:
             return alone
-        return alone * thread_cores(c, per_machine[machine(c)]) / intra_op_threads(c, 1)
+        return alone * (thread_cores(c, per_machine[machine(c)]) / intra_op_threads(c, 1))
 
     def share(c: Candidate) -> float:
         if gpus[c.fellow_id]:
             return c.cpu_share
-        quota = c.cpu_share * c.cpu_cores  # the cores' worth its quota lets it run
-        return min(1.0, quota / thread_cores(c, per_machine[machine(c)]))
+        # its quota's cores over its threads' (cpu_share itself where nothing is shared)
+        return min(1.0, c.cpu_share * (c.cpu_cores / thread_cores(c, per_machine[machine(c)])))
 
     speeds = [min(speed(g[i]) for g in groups) for i in range(n)]
     shares = [min(share(g[i]) for g in groups) for i in range(n)]

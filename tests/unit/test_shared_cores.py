@@ -4,18 +4,22 @@ of them (``intra_op_threads``), so the placement's choices weigh what each keeps
 
 from __future__ import annotations
 
+import random
+
 import msgspec
 import pytest
 
 from silentswarm.agent.hardware import boot_id
 from silentswarm.jobspec import JobSpec, Partition, PlacedStage, Placement
 from silentswarm.leader import elastic
-from silentswarm.leader.balance import MAX_SPEED, measured_speed
+from silentswarm.leader.balance import MAX_SPEED, balanced_sizes, head_blocks, measured_speed
 from silentswarm.leader.decide import candidate
 from silentswarm.leader.jobs import JobManager
+from silentswarm.leader.memory import CPU_RUNTIME_BYTES
 from silentswarm.leader.placement import (
     Candidate,
     Unplaceable,
+    _stage_memory,
     core_share,
     core_shares,
     machine,
@@ -25,7 +29,7 @@ from silentswarm.leader.placement import (
     thread_cores,
 )
 from silentswarm.leader.registry import FellowRegistry
-from silentswarm.plan import ModelConfig
+from silentswarm.plan import ModelConfig, Transport, split_layers
 from silentswarm.protocol import (
     FellowIdentity,
     FellowStatus,
@@ -351,9 +355,12 @@ def test_a_machine_is_told_by_its_boot_id_then_its_address_then_its_host_name():
         assert {s.intra_op_threads for s in placed.stages} == {threads}
         assert {s.machine_id for s in placed.stages} == {c.machine_id for c in fellows}
     older = [at("a", "10.0.0.1", "ubuntu"), at("b", "10.0.0.1", "other")]
-    assert [machine(c) for c in older] == ["10.0.0.1", "10.0.0.1"]
+    assert [machine(c) for c in older] == ["addr:10.0.0.1", "addr:10.0.0.1"]
     no_address = [msgspec.structs.replace(c, data_address=None) for c in older]
-    assert [machine(c) for c in no_address] == ["ubuntu", "other"]
+    assert [machine(c) for c in no_address] == ["name:ubuntu", "name:other"]
+    # Cloned, behind no address at all: the host name alone would merge them.
+    relayed = [msgspec.structs.replace(c, data_address=None) for c in cloned]
+    assert core_shares(relayed) == {"a": 1.0, "b": 1.0}
 
 
 def test_the_boot_id_an_agent_reports(tmp_path):
@@ -371,9 +378,12 @@ class MachineOnly(msgspec.Struct):
     machine_id: MachineId
 
 
-def test_a_machine_id_of_another_form_is_refused():
+@pytest.mark.parametrize("bad", ["../../etc", "a" * 65, "abc", "650E89DE-8CB4"])
+def test_a_machine_id_of_another_form_is_refused_in_a_snapshot(bad):
+    snapshot = {"hostname": "h", "cpu_cores": 1, "ram_total_bytes": 1, "ram_available_bytes": 1}
+    assert msgspec.convert(snapshot | {"machine_id": BOOT_A}, HardwareSnapshot).machine_id
     with pytest.raises(msgspec.ValidationError, match="machine_id"):
-        msgspec.convert({"machine_id": "../../etc"}, MachineOnly)
+        msgspec.convert(snapshot | {"machine_id": bad}, HardwareSnapshot)
 
 
 def test_every_fellow_of_one_machine_is_weighed_where_the_search_weighs_all():
@@ -388,3 +398,88 @@ def test_every_fellow_of_one_machine_is_weighed_where_the_search_weighs_all():
         ("b", "c"): MeasuredLink(mbit_s=1.9, rtt_ms=2.0),
     }
     assert taken(place(job(), fellows, links=links)) == {"a", "b"}
+
+
+def test_nothing_shared_leaves_the_balanced_split_as_speeds_and_quotas_give_it():
+    """Fellows each on a machine of their own: the split is balance.balanced_sizes of their
+    speeds and quotas' shares exactly, whatever their core counts (a float's last digit
+    must not break a tie otherwise)."""
+    rng = random.Random(7)
+    spec = JobSpec(
+        model=ModelConfig(n_layers=24),
+        partition=Partition.BALANCED,
+        stages=3,
+        micro_batches=4,
+        allow_cpu=True,
+        pipeline_last_stage_placement="preserve",
+    )
+    for _ in range(200):
+        fellows = [
+            on(
+                f,
+                rng.choice([0.1, 0.3, 0.7, 1.0, 2.5]),
+                "x" + f,
+                cores=rng.choice([1, 2, 3, 4, 8]),
+                host_cpu_cores=8,
+                cpu_share=rng.choice([1.0, 1.0, 0.5, 0.3]),
+            )
+            for f in "abc"
+        ]
+        placed = place(spec, fellows)
+        assert not isinstance(placed, Unplaceable), placed
+        got = [s.layer_end - s.layer_start for s in placed.stages]
+        by_id = {c.fellow_id: c for c in fellows}
+        order = [by_id[s.fellow_id] for s in placed.stages]
+        want = balanced_sizes(
+            24,
+            [c.compute_speed for c in order],
+            last_extra=head_blocks(spec.model),
+            micro_batches=4,
+            shares=[c.cpu_share for c in order],
+        )
+        assert got == want, (order, got, want)
+
+
+def test_a_fellow_moved_to_stage_0_that_cannot_hold_it_keeps_its_place():
+    """c (no data address) holds stage 1 of this equal split, not stage 0: dealt with c
+    first the job would not fit; it runs as ranked instead, over the relay."""
+    spec = JobSpec(
+        model=ModelConfig(n_layers=5, vocab_size=1000, d_model=1024),
+        partition=Partition.EQUAL,
+        stages=2,
+        allow_cpu=True,
+        pipeline_last_stage_placement="preserve",
+    )
+    need = [
+        _stage_memory(spec, i, 2, end - start).total + CPU_RUNTIME_BYTES
+        for i, (start, end) in enumerate(split_layers(5, 2))
+    ]
+    assert need[0] > need[1]
+    a = on("a", None, "x", ram_gib=64)
+    c = msgspec.structs.replace(
+        on("c", None, "y"), data_address=None, ram_available_bytes=(need[0] + need[1]) // 2
+    )
+    placed = place(spec, [a, c])
+    assert not isinstance(placed, Unplaceable), placed
+    assert [s.fellow_id for s in placed.stages] == ["a", "c"]
+    assert placed.transport == Transport.TUNNEL
+    roomy = msgspec.structs.replace(c, ram_available_bytes=64 * GIB)
+    assert [s.fellow_id for s in place(spec, [a, roomy]).stages] == ["c", "a"]
+
+
+def test_fellows_without_an_address_do_not_take_a_machine_s_place_among_the_linked():
+    """A resumed job's refill where more are ready than it weighs: r1 and r2 (no data
+    address) fill their machine's two places among all candidates, but the links are
+    weighed among fellows with an address, where a1, on that machine, belongs."""
+    fellows = [
+        msgspec.structs.replace(on(f, 10.0, "m"), data_address=None, machine_id=BOOT_A)
+        for f in ("r1", "r2")
+    ]
+    fellows.append(msgspec.structs.replace(on("a1", 5.0, "m"), machine_id=BOOT_A))
+    fellows += [on(f"x{i}", 1.0, f"x{i}") for i in range(15)]
+    fast = MeasuredLink(mbit_s=10000.0, rtt_ms=0.1)
+    slow = MeasuredLink(mbit_s=1.0, rtt_ms=100.0)
+    links = {("a1", "x0"): fast}
+    links |= {(f"x{i}", f"x{j}"): slow for i in range(15) for j in range(i + 1, 15)}
+    placed = place(job(), fellows, ranges=[(0, 4), (4, 8)], links=links)
+    assert taken(placed) == {"a1", "x0"}
