@@ -114,7 +114,7 @@ def next_pair(
     before any gets many. At most ``max_scan`` pairs are looked at, from the ``start``-th
     fellow of that order on (wrapping); the second value is where a scan cut short stopped,
     so that the next call goes on from there (0 when this one looked at every pair). A
-    fellow whose machine (:func:`own_hosts`) is one of ``busy_hosts`` (the probes in flight's,
+    fellow whose machine (:func:`own_host`) is one of ``busy_hosts`` (the probes in flight's,
     :func:`hosts_of`) is left out: probes side by side share no machine's link."""
     held = held_back or {}
 
@@ -132,7 +132,7 @@ def next_pair(
             for c in idle
             if counts[c.fellow_id] < wanted
             and held.get(c.fellow_id, 0.0) <= now
-            and not own_hosts(c) & busy_hosts
+            and own_host(c) not in busy_hosts
         ),
         key=lambda c: (counts[c.fellow_id], c.fellow_id),
     )
@@ -208,21 +208,9 @@ def next_pairs(
 
 def hosts_of(fellow: Candidate) -> frozenset[str]:
     """Every name of the machine ``fellow`` may be on, which a probe of it keeps from the
-    probes beside it: its data address's host, its host name and its kernel's boot id
-    (containers on one machine share it and its network link; a fellow's own claim: one
-    that names another's only keeps its probes apart)."""
-    names = {own_host(fellow), f"name:{fellow.hostname}"}
-    if fellow.machine_id:
-        names.add(f"boot:{fellow.machine_id}")
-    return frozenset(names)
-
-
-def own_hosts(fellow: Candidate) -> frozenset[str]:
-    """The machine ``fellow`` is on, by every name the leader tells machines apart by: its
-    :func:`own_host`, and its kernel's boot id where it reports one (containers on one
-    machine, each with an address of its own, share it)."""
-    boot = {f"boot:{fellow.machine_id}"} if fellow.machine_id else set()
-    return frozenset({own_host(fellow), *boot})
+    probes beside it: its data address's host and its host name (a fellow's own claim:
+    one that names another's only keeps its probes apart)."""
+    return frozenset({own_host(fellow), f"name:{fellow.hostname}"})
 
 
 def own_host(fellow: Candidate) -> str:

@@ -305,11 +305,10 @@ def _by_kept_speed(fellows: list[Candidate], n: int) -> list[Candidate]:
 
 
 def same_host(a: Candidate, b: Candidate) -> bool:
-    """Whether two fellows may share a machine, as far as the leader can tell: one kernel
-    boot id, or the same host in their data addresses, or, where one advertises none, the
-    same host name (its own claim). Such a pair is not probed."""
-    if a.machine_id and b.machine_id and a.machine_id == b.machine_id:
-        return True  # one kernel: containers on one machine, whatever their addresses
+    """Whether two fellows may share a machine's loopback, as far as the leader can tell:
+    the same host in their data addresses, or, where one advertises none, the same host
+    name (its own claim). Such a pair is not probed. (Containers on one machine, one kernel
+    boot id but addresses of their own, talk over its bridge: a link worth measuring.)"""
     ha, hb = endpoint_host(a.data_address), endpoint_host(b.data_address)
     if ha is not None and hb is not None:
         return ha == hb

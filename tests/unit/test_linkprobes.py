@@ -4,7 +4,6 @@ tests/integration/test_link_probes.py)."""
 
 from __future__ import annotations
 
-import msgspec
 import pytest
 
 from silentswarm.hosts import endpoint_host, routable_endpoint
@@ -497,17 +496,3 @@ def test_a_later_round_leaves_the_machines_of_the_probes_in_flight_alone():
         idle, book(), prober.tried, slots=prober.slots(), busy_hosts=prober.busy_hosts(), now=NOW
     )
     assert [{p.binder, p.connector} for p in plans] == [{"f3", "f4"}]
-
-
-def test_containers_on_one_machine_are_neither_probed_nor_probed_side_by_side():
-    """Two containers on one machine (their own addresses and host names, one kernel boot
-    id) talk over its loopback: no probe between them. Each probed with another machine's
-    fellow, the two probes would share the machine's link: one at a time."""
-    boot = "650e89de-8cb4-407d-99e5-45fed725057a"
-    c1, c2 = (msgspec.structs.replace(fellow(f), machine_id=boot) for f in ("f1", "f2"))
-    plan, _ = next_pair([c1, c2], book(), {}, now=NOW)
-    assert plan is None
-    others = [fellow(f"f{i}") for i in range(3, 7)]
-    measured = [(f"f{i}", f"f{j}") for i in range(3, 7) for j in range(i + 1, 7)]
-    plans, _ = next_pairs([c1, c2, *others], book(*measured), {}, slots=4, now=NOW)
-    assert len(plans) == 1, plans  # f1 with one, f2 with another: one machine's link
