@@ -42,8 +42,8 @@ from silentswarm.leader.placement import (
     Candidate,
     PlacementDefaults,
     Unplaceable,
-    machine,
     place,
+    stages_per_machine,
 )
 from silentswarm.leader.refill import joined_rings
 from silentswarm.leader.replica_groups import range_sync_bits, rounds_per_step
@@ -248,8 +248,8 @@ def replacement(
     rings = joined_rings(
         placement, slot, range_sync_bits(job.spec, ranges), rounds_per_step(job.spec)
     )
-    running = Counter(
-        machine(s) for replica in placement.live_replicas for s in placement.pipeline(replica)
+    running = stages_per_machine(
+        [s for replica in placement.live_replicas for s in placement.pipeline(replica)]
     )
     one = place(spec, usable, defaults, ranges=ranges, links=links, joining=rings, beside=running)
     if isinstance(one, Unplaceable):

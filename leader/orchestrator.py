@@ -45,6 +45,7 @@ from silentswarm.leader.placement import (
     DEFAULTS,
     Candidate,
     PlacementDefaults,
+    host_cores,
     speed_alone,
     stage_cores,
 )
@@ -873,8 +874,7 @@ class Orchestrator:
         if speed is not None and record is not None:
             if not placed.gpu_slots:
                 fellow = decide.candidate(record)
-                host = fellow.host_cpu_cores or fellow.cpu_cores
-                cores = stage_cores(job.placement.stages, placed, host)
+                cores = stage_cores(job.placement.stages, placed, host_cores(fellow))
                 speed = speed_alone(fellow, speed, cores)
             self.registry.record_speed(progress.fellow_id, speed)
 

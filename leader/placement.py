@@ -263,7 +263,7 @@ def _taken_by_speed(
         return (not gpus[c.fellow_id], c.compute_speed is None, -speed, at)
 
     chosen = [ranked[at] for at in sorted(sorted(range(len(ranked)), key=pace)[:n])]
-    timed = [c for c in ranked if c.compute_speed and not gpus[c.fellow_id]]
+    timed = _measured_cpu(ranked, gpus)
     timed_ids = {c.fellow_id for c in timed}
     if all(c.fellow_id in timed_ids for c in chosen) and _hosts_shared(timed):
         kept = {c.fellow_id for c in _by_kept_speed(timed, n)}
@@ -346,13 +346,14 @@ def _taken_along_links(
     if any(gpus[c.fellow_id] or not c.compute_speed for c in taken):
         return taken
     m, n = _micro_batches_or_one(spec), len(taken)
-    timed = [c for c in ranked if c.compute_speed and not gpus[c.fellow_id]]
+    timed = _measured_cpu(ranked, gpus)
+    speeds = _cpu_speeds(timed, gpus)
     if len(timed) > along_pool_size(n, linked=bool(links)):
-        timed = _per_host(timed, n, _cpu_speeds(timed, gpus))
+        timed = _per_host(timed, n, speeds)
+        speeds = {c.fellow_id: speeds[c.fellow_id] for c in timed}
     shared = _hosts_shared(timed)
     if not links and not shared:
         return taken
-    speeds = _cpu_speeds(timed, gpus)
     by_id = {c.fellow_id: c for c in ranked}
 
     def cap(fellow: str, stage: int) -> int:
@@ -376,13 +377,29 @@ def _taken_along_links(
     return [c for c in ranked if c.fellow_id in chosen]
 
 
+def _measured_cpu(fellows: list[Candidate], gpus: dict[str, list[GpuInfo]]) -> list[Candidate]:
+    """The CPU fellows of measured speed among ``fellows``, in their order."""
+    return [c for c in fellows if c.compute_speed and not gpus[c.fellow_id]]
+
+
 def _cpu_speeds(fellows: list[Candidate], gpus: dict[str, list[GpuInfo]]) -> dict[str, float]:
     """The CPU fellows of measured speed among ``fellows``: speed times their quota's share."""
     return {
-        c.fellow_id: c.compute_speed * c.cpu_share
-        for c in fellows
-        if c.compute_speed and not gpus[c.fellow_id]
+        c.fellow_id: (c.compute_speed or 0.0) * c.cpu_share for c in _measured_cpu(fellows, gpus)
     }
+
+
+def _kept_cpu_speeds(
+    fellows: list[Candidate], gpus: dict[str, list[GpuInfo]]
+) -> dict[str, float] | None:
+    """Each of ``fellows``' :func:`_cpu_speeds` times the :func:`core_share` it keeps while
+    all of them run (every replica of a job at once); None where a GPU fellow or one not
+    measured is among them."""
+    speeds = _cpu_speeds(fellows, gpus)
+    if len(speeds) < len(fellows):
+        return None
+    shares = core_shares(fellows)
+    return {f: speed * shares[f] for f, speed in speeds.items()}
 
 
 def _first_only(spec: JobSpec, fellows: Sequence[Candidate]) -> set[str]:
@@ -524,7 +541,7 @@ def _refilled(
         return [by_id[f] for f in candidate_pool(ids, n, keep_last=keep_last, pace=pace)]
 
     if timed:
-        fellows = [c for c in ranked if c.fellow_id in speeds]
+        fellows = _measured_cpu(ranked, gpus)
     elif all(_unmeasured_cpu(c, gpus) for c in taken):
         fellows = [c for c in ranked if _unmeasured_cpu(c, gpus)]  # alike but for the links
     else:
@@ -654,7 +671,7 @@ def _place_groups(
     splits = _splits(spec, groups, gpus, ranges, transport)
     if isinstance(splits, Unplaceable):
         return splits
-    per_host = Counter(machine(c) for chosen in groups for c in chosen) + Counter(beside or {})
+    per_host = stages_per_machine([c for chosen in groups for c in chosen], beside)
     stages = []
     for r, chosen in enumerate(groups):
         for i, (c, (start, end)) in enumerate(zip(chosen, splits[r], strict=True)):
@@ -765,11 +782,7 @@ def _grouped_along_links(
 
     else:
         ring_bits = range_sync_bits(spec, ranges)
-        speeds = _cpu_speeds(taken, gpus)
-        shares = core_shares(taken)  # every replica runs at once
-        timed = None
-        if len(speeds) == len(taken):
-            timed = {f: speed * shares[f] for f, speed in speeds.items()}
+        timed = _kept_cpu_speeds(taken, gpus)  # every replica runs at once
         fits = _fits_table(spec, taken, gpus, ranges)
         compute = _fixed_split_cost(spec, taken, gpus, ranges, timed, {}, fits=fits)
         whole = _fixed_split_cost(spec, taken, gpus, ranges, timed, pairs, fits=fits)
@@ -800,11 +813,9 @@ def _compute_seconds_of(
     their measured speeds times their quotas' shares and the shares of their hosts' cores
     they keep while all of ``taken`` run, within each fellow's memory: infinite where no
     split fits), or None where a GPU fellow or one not measured is among them."""
-    speeds = _cpu_speeds(taken, gpus)
-    if len(speeds) < len(taken):
+    speeds = _kept_cpu_speeds(taken, gpus)
+    if speeds is None:
         return None
-    shares = core_shares(taken)
-    speeds = {f: speed * shares[f] for f, speed in speeds.items()}
     m = _micro_batches_or_one(spec)
     caps = {
         (c.fellow_id, i): _layer_cap(spec, i, p, c, gpus[c.fellow_id])
@@ -1026,7 +1037,7 @@ def _balanced_ranges(
         return split_layers(spec.model.n_layers, n)
     fill = sum(known) / len(known)
     # A GPU fellow's stage takes threads too, but its speed is its GPU's.
-    per_machine = Counter(machine(c) for c in running or members)
+    per_machine = stages_per_machine(running or members)
 
     def speed(c: Candidate) -> float:
         alone = c.compute_speed or fill
@@ -1090,8 +1101,12 @@ def _too_few(spec: JobSpec, need: int, available: int, *, replicas: int = 1) -> 
 def intra_op_threads(c: Candidate, on_host: int) -> int:
     """A stage's threads: the fellow's own cores (its container's quota, its affinity), and
     no more than its share of the host's cores when ``on_host`` stages share the host."""
-    host = c.host_cpu_cores or c.cpu_cores
-    return max(1, min(c.cpu_cores, host // max(1, on_host)))
+    return max(1, min(c.cpu_cores, host_cores(c) // max(1, on_host)))
+
+
+def host_cores(c: Candidate) -> int:
+    """The logical cores of ``c``'s machine (its own where it reported none)."""
+    return c.host_cpu_cores or c.cpu_cores
 
 
 def speed_alone(c: Candidate, speed: float, cores: float | None) -> float:
@@ -1133,8 +1148,7 @@ def thread_cores(c: Candidate, on_host: int) -> float:
     """The cores' worth of threads a stage of ``c`` runs on while ``on_host`` stages of its
     job share its machine: :func:`intra_op_threads`, at most the machine's cores /
     ``on_host`` (more stages than cores hold a thread each)."""
-    host = c.host_cpu_cores or c.cpu_cores
-    return min(intra_op_threads(c, on_host), host / max(1, on_host))
+    return min(intra_op_threads(c, on_host), host_cores(c) / max(1, on_host))
 
 
 def core_shares(
@@ -1142,8 +1156,16 @@ def core_shares(
 ) -> dict[str, float]:
     """:func:`core_share` of each of ``fellows`` while they all run (stages on one host
     split its cores), beside the job's stages already running (``beside``, per host)."""
-    per_host = Counter(machine(c) for c in fellows) + Counter(beside or {})
+    per_host = stages_per_machine(fellows, beside)
     return {c.fellow_id: core_share(c, per_host[machine(c)]) for c in fellows}
+
+
+def stages_per_machine(
+    fellows: Sequence[Candidate | PlacedStage], beside: Mapping[str, int] | None = None
+) -> Counter[str]:
+    """How many stages run on each :func:`machine` while ``fellows`` (or placed stages) run,
+    beside the job's stages already running (``beside``, per machine)."""
+    return Counter(machine(c) for c in fellows) + Counter(beside or {})
 
 
 def _shares_of(fellows: Sequence[Candidate], beside: Mapping[str, int] | None = None) -> CoreShares:
@@ -1155,8 +1177,8 @@ def _shares_of(fellows: Sequence[Candidate], beside: Mapping[str, int] | None = 
 def _hosts_shared(fellows: Sequence[Candidate], beside: Mapping[str, int] | None = None) -> bool:
     """Whether two of ``fellows``, or one and a running stage (``beside``), may share a
     host's cores (a choice of them then weighs it)."""
-    hosts = [machine(c) for c in fellows]
-    return len(set(hosts)) < len(hosts) or any(beside and beside.get(h) for h in hosts)
+    per_host = stages_per_machine(fellows, beside)
+    return any(per_host[machine(c)] > 1 for c in fellows)
 
 
 def _place_stage(

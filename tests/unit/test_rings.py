@@ -4,6 +4,7 @@ leader's ring changes and permissions over them."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from silentswarm.errors import ConfigError
@@ -23,7 +24,7 @@ from silentswarm.rings import (
     uniform,
 )
 from silentswarm.settings import Settings
-from tests.fakes import Clock
+from tests.fakes import Clock, cpu_candidate
 
 # --- ports ----------------------------------------------------------------------------------
 
@@ -191,8 +192,6 @@ def test_one_split_gives_one_ring_per_stage_at_port_0():
 
 # --- the leader -----------------------------------------------------------------------------
 
-GIB = 1 << 30
-
 
 def placed(replica: int, stage: int, a: int, b: int, ports: str = "7000-7001") -> PlacedStage:
     fid = f"r{replica}s{stage}"
@@ -268,16 +267,7 @@ def test_when_an_evenly_split_replica_is_lost_the_others_keep_their_segments():
 
 
 def cand(fid: str, ports: str):
-    from silentswarm.leader.placement import Candidate
-
-    return Candidate(
-        fellow_id=fid,
-        hostname=fid,
-        data_address=f"tcp://{fid}:1",
-        sync_address=f"tcp://{fid}:{ports}",
-        cpu_cores=8,
-        ram_available_bytes=16 * GIB,
-    )
+    return msgspec.structs.replace(cpu_candidate(fid, 16), sync_address=f"tcp://{fid}:{ports}")
 
 
 def test_a_replacement_takes_the_lead_split():
