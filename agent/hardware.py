@@ -27,7 +27,13 @@ import psutil
 import pynvml
 
 from silentswarm.cpus import cpu_budget, usable_cores
-from silentswarm.protocol import FellowLimits, GpuInfo, HardwareSnapshot
+from silentswarm.protocol import (
+    MAX_COMPUTE_SPEED,
+    MIN_COMPUTE_SPEED,
+    FellowLimits,
+    GpuInfo,
+    HardwareSnapshot,
+)
 from silentswarm.ram import memory_budget
 from silentswarm.settings import Settings
 
@@ -127,7 +133,7 @@ async def probe_compute_speed(
         speed = float(value)  # type: ignore[arg-type]
     except (ValueError, TypeError) as exc:
         return None, f"unreadable probe output ({exc})"
-    if not 0 < speed <= 1e6:
+    if not MIN_COMPUTE_SPEED <= speed <= MAX_COMPUTE_SPEED:
         return None, f"probe measured {speed}: out of bounds"
     return speed, None
 

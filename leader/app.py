@@ -169,7 +169,14 @@ def create_app(
         revoker=revoker,
     )
     metrics = LeaderMetrics(
-        SwarmCollector(info=info, bus=bus, registry=registry, jobs=jobs, prober=orchestrator.prober)
+        SwarmCollector(
+            info=info,
+            bus=bus,
+            registry=registry,
+            jobs=jobs,
+            prober=orchestrator.prober,
+            loop_failures=orchestrator.tick_failures,
+        )
     )
     tickets = ReadTickets(token, bound_to=account_book.token_of)
     accounts = AccountsService(account_book)

@@ -33,6 +33,8 @@ from silentswarm.jobspec import JobSpec, PlacedStage
 from silentswarm.leader.memory import block_params
 from silentswarm.plan import ModelConfig
 from silentswarm.protocol import (
+    MAX_COMPUTE_SPEED,
+    MIN_COMPUTE_SPEED,
     SPEED_UNIT_BATCH,
     SPEED_UNIT_D_MODEL,
     SPEED_UNIT_HEADS,
@@ -50,8 +52,9 @@ MAX_CHAINS = 2520
 SPEED_UNIT = ModelConfig(
     d_model=SPEED_UNIT_D_MODEL, seq_len=SPEED_UNIT_SEQ_LEN, n_heads=SPEED_UNIT_HEADS, n_layers=1
 )
-# The most standard blocks per second a speed may be (protocol.ComputeSpeed's bound).
-MAX_SPEED = 1e6
+# The fewest and most standard blocks per second a speed may be (protocol.ComputeSpeed's
+# bounds): a speed learned from step records is kept within them too.
+MIN_SPEED, MAX_SPEED = MIN_COMPUTE_SPEED, MAX_COMPUTE_SPEED
 # Step records of the first steps (tracing, compiling) say nothing of the speed.
 SKIP_STEPS = 3
 # The 1F1B search tries every bottleneck up to this many layers x stages (then: the least
@@ -89,7 +92,12 @@ def measured_speed(
     blocks = layers + (head_blocks(m) if last else 0.0)
     unit = block_work(SPEED_UNIT, SPEED_UNIT_BATCH)
     speed = blocks * block_work(m, batch_size) / unit / busy_s
-    return min(speed, MAX_SPEED)
+    return within_speeds(speed)
+
+
+def within_speeds(speed: float) -> float:
+    """``speed`` within [:data:`MIN_SPEED`, :data:`MAX_SPEED`]."""
+    return min(max(speed, MIN_SPEED), MAX_SPEED)
 
 
 def stage_busy_s(progress: Progress) -> float | None:

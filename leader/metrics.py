@@ -631,6 +631,20 @@ def link_probe_family(results: Mapping[str, int]) -> Metric:
     return family
 
 
+def loop_failure_family(failures: Mapping[str, int]) -> Metric:
+    """The job loop's parts that raised (silentswarm.leader.orchestrator: each part runs on
+    whatever the others do), by part."""
+    family = CounterMetricFamily(
+        "swarm_leader_loop_failures",
+        "Passes of a part of the leader's job loop that failed (the leader's log has the "
+        "error, at most once a minute per part), by part",
+        labels=["part"],
+    )
+    for part, count in sorted(failures.items()):
+        family.add_metric([part], float(count))
+    return family
+
+
 def _state_set(
     name: str,
     doc: str,
@@ -665,18 +679,22 @@ class SwarmCollector:
         registry: FellowRegistry,
         jobs: JobManager,
         prober: LinkProber | None = None,
+        loop_failures: Mapping[str, int] | None = None,
     ) -> None:
         self.info = info
         self.bus = bus
         self.registry = registry
         self.jobs = jobs
         self.prober = prober
+        self.loop_failures = loop_failures
 
     def collect(self) -> Iterator[Metric]:
         dropped = {"bus": self.bus.dropped, "registry": self.registry.dropped}
         yield from leader_families(self.info.info(), dropped)
         if self.prober is not None:
             yield link_probe_family(self.prober.results)
+        if self.loop_failures is not None:
+            yield loop_failure_family(self.loop_failures)
         yield from fellow_families(self.registry.list(), self.registry.counts())
         yield from job_families(self.jobs.list(), self.jobs.retired())
 

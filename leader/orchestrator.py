@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -148,6 +149,8 @@ class Orchestrator:
         # When each stage last got a STOP (monotonic): the orphan sweep waits a while after.
         self._stops_sent: dict[decide.StageKey, float] = {}
         self._store_logs = Throttle()  # a store that stays unavailable: a line a minute
+        self._tick_logs = Throttle()  # a part of the job loop that keeps failing: the same
+        self.tick_failures: Counter[str] = Counter()  # failures of each part of the loop
         self._retain_due = 0.0  # monotonic time of the next retention pass
 
     # --- the loop --------------------------------------------------------------------------
@@ -182,23 +185,42 @@ class Orchestrator:
         self._wake.set()
 
     async def tick(self) -> None:
+        """One pass of the job loop. Each part runs even where one before it failed (figures
+        from a fellow that slipped past their bounds must not stop the placing, stopping and
+        saving of every other job), and a failing part is logged at most once a minute."""
         # One snapshot of the fleet for the synchronous part below: no heartbeat can land
         # before the first await.
         fellows = self.registry.read_each(decide.fellow_state)
-        self._reconcile(fellows)
-        self._stop_resumed()
+        parts: tuple[tuple[str, Callable[[], Any]], ...] = (
+            ("reconcile", lambda: self._reconcile(fellows)),
+            ("stop resumed", self._stop_resumed),
+            ("expire resumes", self._expire_resumes),
+            ("stop orphans", lambda: self._stop_orphans(fellows)),
+            ("schedule", self._schedule),
+            ("stop dropped", self._stop_dropped),
+            ("replace", self._replace),
+            ("change rings", self._change_rings),
+            ("deliver purges", self._deliver_purges),
+            ("stop released", self._stop_released),
+            ("probe links", self._probe_links),
+            ("retain", self.retain),
+            ("flush", self.flush),
+        )
+        for name, part in parts:
+            try:
+                done = part()
+                if asyncio.iscoroutine(done):
+                    await done
+            except Exception:
+                self.tick_failures[name] += 1
+                held = self._tick_logs.allow(name)
+                if held is not None:
+                    more = f" ({held} more failures not logged)" if held else ""
+                    log.exception("job loop: %s failed%s", name, more)
+
+    def _expire_resumes(self) -> None:
         for job in self.jobs.expire_resumes():
             self.job_ended(job)
-        self._stop_orphans(fellows)
-        await self._schedule()
-        self._stop_dropped()
-        self._replace()
-        await self._change_rings()
-        self._deliver_purges()
-        self._stop_released()
-        self._probe_links()
-        await self.retain()
-        await self.flush()
 
     def _idle(self, fleet: list[FellowRecord], *, now: float) -> list[Candidate]:
         """The fellows a job may be placed on now (:func:`decide.idle_candidates`): ready,
@@ -518,13 +540,22 @@ class Orchestrator:
             return
         idle = self._idle(self.registry.list(), now=time.monotonic())
         for job in jobs:
-            stages = elastic.replacement(
-                job,
-                offered_to(job, idle),
-                self.defaults,
-                version=self._version_of(job),
-                links=self.registry.links,
-            )
+            try:
+                stages = elastic.replacement(
+                    job,
+                    offered_to(job, idle),
+                    self.defaults,
+                    version=self._version_of(job),
+                    links=self.registry.links,
+                )
+            except (ValueError, ArithmeticError) as exc:
+                # As plan_schedule: fellows' figures that slipped past their bounds must not
+                # keep every other job's replica from its replacement.
+                if self._tick_logs.allow(f"replace {job.job_id}") is not None:
+                    log.warning(
+                        "job %s: no replacement on the fellows' figures: %s", job.job_id, exc
+                    )
+                continue
             if not isinstance(stages, list):
                 continue  # not enough ready fellows yet (or none fit): the next tick tries
             if self.jobs.place_replacement(job.job_id, stages) is None:

@@ -60,7 +60,6 @@ from silentswarm.jobspec import JobSpec, LastStagePlacement, Partition, PlacedSt
 from silentswarm.leader import pools
 from silentswarm.leader.balance import (
     MAX_ORDERED,
-    MAX_SPEED,
     CoreShares,
     GuessedLinks,
     LinkBook,
@@ -73,6 +72,7 @@ from silentswarm.leader.balance import (
     guessed_links,
     head_blocks,
     ranges_of,
+    within_speeds,
 )
 from silentswarm.leader.memory import (
     CPU_RUNTIME_BYTES,
@@ -1118,7 +1118,7 @@ def speed_alone(c: Candidate, speed: float, cores: float | None) -> float:
     :func:`core_share` is not counted twice)."""
     if not cores:
         return speed
-    return min(speed * intra_op_threads(c, 1) / cores, MAX_SPEED)
+    return within_speeds(speed * intra_op_threads(c, 1) / cores)
 
 
 def stage_cores(

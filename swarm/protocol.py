@@ -48,8 +48,11 @@ Bytes = Annotated[int, msgspec.Meta(ge=0, le=2**60)]  # an exabyte: more than an
 Rate = Annotated[float, msgspec.Meta(ge=0.0, le=1e15)]
 # Standard transformer blocks (gpt2, d_model 256, seq 128, batch 8, fp32) trained per second,
 # forward and backward (silentswarm.agent.runtime.speedprobe). Steers placement only: a fellow
-# that overstates it slows its own jobs, it gains nothing else.
-ComputeSpeed = Annotated[float, msgspec.Meta(gt=0.0, le=1e6)]
+# that overstates it slows its own jobs, it gains nothing else. The floor keeps a stage's
+# time (layers over speed, times a quota's share) finite: a claimed denormal would divide by
+# zero in placement (a block in 1000 s is slower than any machine that can train).
+MIN_COMPUTE_SPEED, MAX_COMPUTE_SPEED = 1e-3, 1e6
+ComputeSpeed = Annotated[float, msgspec.Meta(ge=MIN_COMPUTE_SPEED, le=MAX_COMPUTE_SPEED)]
 # The standard block of ComputeSpeed (gpt2 family, mlp_ratio 4), and its batch.
 SPEED_UNIT_D_MODEL, SPEED_UNIT_SEQ_LEN, SPEED_UNIT_HEADS, SPEED_UNIT_BATCH = 256, 128, 4, 8
 MAX_GPUS = 64

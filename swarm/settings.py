@@ -21,6 +21,7 @@ from silentswarm.hosts import is_loopback
 from silentswarm.natsconn import NatsAccess
 from silentswarm.plan import Transport
 from silentswarm.pools import DEFAULT_POOL, PoolName, parse_labels
+from silentswarm.protocol import MAX_COMPUTE_SPEED, MIN_COMPUTE_SPEED
 from silentswarm.subjects import TOKEN_RE
 
 ENV_PREFIX = "SWARM_"
@@ -325,9 +326,10 @@ def _check_sync_ports(settings: Settings) -> None:
 
 
 def _check_compute_speed(speed: float | None) -> None:
-    if speed is not None and not 0 < speed <= 1e6:
+    if speed is not None and not MIN_COMPUTE_SPEED <= speed <= MAX_COMPUTE_SPEED:
         raise ConfigError(
-            f"{env_name('fellow_compute_speed')}={speed}: must be > 0 and <= 1e6 (unset: measured)"
+            f"{env_name('fellow_compute_speed')}={speed}: must be >= {MIN_COMPUTE_SPEED:g} and "
+            f"<= {MAX_COMPUTE_SPEED:g} (unset: measured)"
         )
 
 
