@@ -20,7 +20,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -47,6 +47,10 @@ log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 5.0
 LINE_LIMIT = 16 << 20
+# stage.err keeps this much of a runtime's stderr, then a note that the rest is not kept: a
+# stage logs what peers send it (rate-limited, cut), but a file without a bound is a disk a
+# stranger could fill.
+STDERR_FILE_MAX_BYTES = 64 << 20
 # A runtime's oom_score_adj: when its fellow's container or host runs out of memory, the
 # kernel's out-of-memory killer takes a stage before the agent (which then says why the stage
 # died) and before the host's other programs (a volunteer's own). Raising it needs no
@@ -255,7 +259,7 @@ class StageRun:
         proc = self.proc
         assert proc is not None and proc.stdout is not None
         try:
-            async for raw in proc.stdout:
+            async for raw in read_lines(proc.stdout):
                 line = raw.decode(errors="replace").strip()
                 if not line.startswith("{"):
                     if line:
@@ -292,14 +296,18 @@ class StageRun:
         assert proc is not None and proc.stderr is not None
         out = self._open_stderr_file()
         try:
-            async for raw in proc.stderr:
+            async for raw in read_lines(proc.stderr):
                 line = raw.decode(errors="replace").rstrip()
                 if compilecache.is_probe_noise(line):
                     continue  # TensorFlow's look at a compile cache entry, on every load
                 if out is not None:
                     try:
-                        out.write(raw)
-                        out.flush()
+                        if out.tell() + len(raw) > STDERR_FILE_MAX_BYTES:
+                            out.write(b"[swarm: stage.err is full; the rest is not kept here]\n")
+                            out = _closed(out)
+                        else:
+                            out.write(raw)
+                            out.flush()
                     except OSError as exc:
                         log.error("%s: cannot write %s any more: %s", self.job_id, out.name, exc)
                         out = _closed(out)
@@ -370,6 +378,21 @@ class StageRun:
 def _last_line(path: Path) -> str:
     lines = [line for line in tail(path, 5).splitlines() if line.strip()]
     return lines[-1].strip()[:500] if lines else ""
+
+
+async def read_lines(stream: asyncio.StreamReader) -> AsyncIterator[bytes]:
+    """The lines of ``stream`` to its end. A line longer than the stream's limit comes in
+    pieces of about the limit: reading never stops on one (``async for`` over the stream
+    raises there, and a runtime whose pipe is no longer read blocks on its next write)."""
+    while True:
+        try:
+            yield await stream.readuntil(b"\n")
+        except asyncio.IncompleteReadError as exc:  # the end, maybe after a last line
+            if exc.partial:
+                yield exc.partial
+            return
+        except asyncio.LimitOverrunError as exc:
+            yield await stream.read(max(exc.consumed, 1))
 
 
 def _closed(out: BinaryIO) -> None:

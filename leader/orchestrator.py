@@ -54,13 +54,13 @@ from silentswarm.leader.pools import AccountLookup, holdings, no_accounts
 from silentswarm.leader.purges import PurgeBook
 from silentswarm.leader.registry import FellowRegistry
 from silentswarm.leader.signals import SignalHub
-from silentswarm.leader.storage import Throttle
 from silentswarm.leader.store import StateStore
 from silentswarm.natsauth import NatsAuthority
 from silentswarm.plan import RingChange, StagePlan
 from silentswarm.protocol import JobState, Progress
 from silentswarm.retrying import Backoff
 from silentswarm.rings import boundary_keys
+from silentswarm.throttle import Throttle
 from silentswarm.types.fleet import FellowRecord
 from silentswarm.types.jobs import JobRecord
 from silentswarm.types.signals import (

@@ -20,6 +20,7 @@ from nats.js.errors import NotFoundError
 
 from silentswarm.leader import streams
 from silentswarm.leader.streams import StoreCapacity, StreamSpec
+from silentswarm.throttle import Throttle
 from silentswarm.types.api import StorageView, StreamUsage
 
 log = logging.getLogger(__name__)
@@ -77,26 +78,6 @@ def storage_reasons(
     return reasons
 
 
-class Throttle:
-    """At most one log line per key every ``every_s``; counts what it held back."""
-
-    def __init__(self, every_s: float = LOG_EVERY_S, clock: Callable[[], float] = time.monotonic):
-        self.every_s = every_s
-        self.clock = clock
-        self._last: dict[str, float] = {}
-        self._held: dict[str, int] = {}
-
-    def allow(self, key: str) -> int | None:
-        """None: stay quiet; else how many were held back since the last line."""
-        now = self.clock()
-        last = self._last.get(key)
-        if last is not None and now - last < self.every_s:
-            self._held[key] = self._held.get(key, 0) + 1
-            return None
-        self._last[key] = now
-        return self._held.pop(key, 0)
-
-
 class StorageMonitor:
     """The store's health, for ``/health``, ``/api/v1/info`` and the metrics."""
 
@@ -107,7 +88,7 @@ class StorageMonitor:
         self.check_error: str | None = None
         self.write_error: str | None = None
         self.reasons: list[str] = []
-        self.throttle = Throttle()
+        self.throttle = Throttle(LOG_EVERY_S)
         self._usage: list[StreamUsage] = []
         self._used: int | None = None
         self._capacity: StoreCapacity | None = None

@@ -51,7 +51,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Annotated, Any, NamedTuple, Protocol
 
 import msgspec
 import numpy as np
@@ -121,23 +121,29 @@ class Direction(enum.StrEnum):
     BWD = "bwd"
 
 
+# A header is a peer's: its strings and its shape are bounded when it is decoded, so a
+# hostile peer's header costs what an honest one does (it is parsed, and may be logged,
+# before anything else is checked).
+Word = Annotated[str, msgspec.Meta(max_length=32)]
+
+
 class FrameHeader(msgspec.Struct, kw_only=True):
     v: int = PROTOCOL_VERSION
-    job: str
+    job: Annotated[str, msgspec.Meta(max_length=64)]  # the job's id (protocol.Id)
     attempt: int
     step: int
     micro: int
     direction: Direction
-    phase: str = "train"  # "train" or "eval" (forward-only validation passes)
-    dtype: str  # dtype of the decoded tensor; always "float32" for now
-    shape: tuple[int, ...]
-    codec: str  # WireCodec.name
+    phase: Word = "train"  # "train" or "eval" (forward-only validation passes)
+    dtype: Word  # dtype of the decoded tensor; always "float32" for now
+    shape: Annotated[tuple[int, ...], msgspec.Meta(max_length=MAX_RANK)]
+    codec: Annotated[str, msgspec.Meta(max_length=64)]  # WireCodec.name
     bits: int
     payload_nbytes: int
     scales_nbytes: int  # 0 unless INT
     shift: int = 0  # fp16: the payload is the tensor times 2**shift
     # Forward frames: the targets part's dtype (a TARGET_DTYPES name) and size; "" and 0: none.
-    targets_dtype: str = ""
+    targets_dtype: Word = ""
     targets_nbytes: int = 0
     # Forward eval frames: how many batches the validation pass has (stage 0 counts them).
     eval_batches: int = 0
@@ -561,6 +567,19 @@ def _parse_header(part: Any) -> FrameHeader:
         return _header_decoder.decode(part)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise FrameError(f"bad frame header: {exc}") from None
+
+
+def frame_header(parts: Sequence[Any]) -> FrameHeader:
+    """The header of the frame ``parts``, parsed alone: what a receiver checks (its job, its
+    phase, its sender, its shape and codec, a signature) before it decodes a payload a
+    stranger sized."""
+    if not parts:
+        raise FrameError("empty frame: no header part")
+    try:
+        view = _as_bytes_view(parts[0])
+    except (TypeError, ValueError) as exc:
+        raise FrameError(f"frame part is not a contiguous byte buffer: {exc}") from None
+    return _parse_header(view)
 
 
 def decode_frame(parts: Sequence[Any], *, vocab_size: int | None = None) -> Frame:

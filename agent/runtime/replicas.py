@@ -82,12 +82,20 @@ from silentswarm.agent.pipe.link import (
     connect_downstream,
 )
 from silentswarm.agent.pipe.relay import MAX_FRAME_BYTES
-from silentswarm.agent.pipe.wire import Direction, Frame, decode_frame, encode_frame
+from silentswarm.agent.pipe.wire import (
+    Direction,
+    Frame,
+    FrameHeader,
+    decode_frame,
+    encode_frame,
+    frame_header,
+)
 from silentswarm.agent.runtime.ring_signing import RingSigner
 from silentswarm.compression import parse_wire_codec
 from silentswarm.plan import CurveKeys as PlanCurveKeys
 from silentswarm.plan import RingChange, StagePlan, SyncRing
 from silentswarm.rings import next_member, prev_member
+from silentswarm.throttle import Throttle
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +125,7 @@ JOIN_TIMEOUT_S = 600.0
 BIND_RETRY_S = 10.0
 STATE_PHASE = "state"
 NO_CODEC = parse_wire_codec("none")  # the state travels lossless, whatever sync_compression
+DROP_LOG_EVERY_S = 5.0  # refused or stray frames: a log line of them every 5 s at most
 
 RelayOpener = Callable[[], RelayLink]
 
@@ -475,6 +484,8 @@ class ReplicaSync:
         self.clipped = 0
         self.missed = 0
         self.dropped = 0  # frames of another job or attempt
+        # A predecessor can send refused frames as fast as its link goes: a line every 5 s.
+        self._drop_logs = Throttle(DROP_LOG_EVERY_S)
         self.stale = 0  # frames of a round already over
         self.seconds = 0.0  # in rounds since the last take_seconds()
         # Frames of rounds still to come (at most MAX_ROUNDS_AHEAD), by round and origin.
@@ -672,38 +683,52 @@ class ReplicaSync:
         if signed is None:
             raise FrameError(f"{name}: the donor's state came without a signature")
         body, signature = signed
-        frame = self._decode_ours(body)
-        if frame is None:
+        header = self._header_ours(body)
+        if header is None:
             return None
-        header = frame.header
         got = (header.phase, header.step, header.micro)
         want = (STATE_PHASE, change.epoch, change.donor)
         if got != want:
-            raise FrameError(f"{name}: expected the donor's state {want}, got {got}")
-        if signature is not None and not self.signer.signed_by(change.donor, body, signature):
-            raise FrameError(f"{name}: a state replica {change.donor} (the donor) did not sign")
-        if frame.array.shape != tuple(shape):
+            raise FrameError(f"{name}: expected the donor's state {want}, got {got!r}")
+        if header.codec != NO_CODEC.name:
+            raise FrameError(f"{name}: the donor's state came in codec {header.codec!r}, not none")
+        if header.shape != tuple(shape):
             raise FrameError(
-                f"{name}: the donor's state has shape {list(frame.array.shape)}, "
+                f"{name}: the donor's state has shape {list(header.shape)}, "
                 f"this stage's is {list(shape)}"
             )
-        return frame
+        if signature is not None and not self.signer.signed_by(change.donor, body, signature):
+            raise FrameError(f"{name}: a state replica {change.donor} (the donor) did not sign")
+        return self._decoded(body)
 
-    def _decode_ours(self, parts: Parts) -> Frame | None:
-        """A frame from the predecessor, or None (dropped and counted) for one of another
-        job or attempt; FrameError, naming the link, for one that does not decode."""
+    def _header_ours(self, parts: Parts) -> FrameHeader | None:
+        """The header of a frame from the predecessor, or None (dropped and counted) for one
+        of another job or attempt; FrameError, naming the link, for one that does not parse.
+        Only the header: a payload (sized by the sender) is decoded once the header is what
+        this member waits for, and signed by whom it says (:meth:`_decoded`)."""
         assert self.up is not None
         name = self.up.name
         try:
-            frame = decode_frame(parts)
+            header = frame_header(parts)
         except FrameError as exc:
             raise FrameError(f"{name}: {exc}") from None
-        header = frame.header
         if header.job != self.plan.job_id or header.attempt != self.plan.attempt:
             self.dropped += 1
-            log.warning("%s: dropped a frame of %s attempt %d", name, header.job, header.attempt)
+            if self._drop_logs.allow("other job") is not None:
+                log.warning(
+                    "%s: dropped a frame of %.80r attempt %d", name, header.job, header.attempt
+                )
             return None
-        return frame
+        return header
+
+    def _decoded(self, parts: Parts) -> Frame:
+        """The frame whose header :meth:`_header_ours` admitted; FrameError, naming the link,
+        for a payload that does not decode."""
+        assert self.up is not None
+        try:
+            return decode_frame(parts)
+        except FrameError as exc:
+            raise FrameError(f"{self.up.name}: {exc}") from None
 
     def _retire_links(self) -> None:
         """Close the links in force, keeping what they moved and dropped in the counters."""
@@ -891,15 +916,15 @@ class ReplicaSync:
             return self._reject("an unsigned frame in a ring whose members sign")
         body, signature = signed
         try:
-            frame = self._decode_ours(body)
+            header = self._header_ours(body)
         except FrameError as exc:
             return self._reject(str(exc))
-        if frame is None:
+        if header is None:
             return None
-        why = self._problem(frame, body, signature, shape)
+        why = self._problem(header, body, signature, shape)
         if why is not None:
             return self._reject(why)
-        header, origin = frame.header, frame.header.micro
+        origin = header.micro
         if header.step < round_id:
             self.stale += 1
             return None
@@ -917,24 +942,29 @@ class ReplicaSync:
             return -1
         if origin in got:
             return self._reject(f"a second round {round_id} contribution of replica {origin}")
+        try:
+            frame = self._decoded(body)
+        except FrameError as exc:
+            return self._reject(str(exc))
         got[origin] = np.asarray(frame.array, dtype=np.float32)
         return origin
 
     def _problem(
-        self, frame: Frame, body: Parts, signature: bytes | None, shape: tuple[int, ...]
+        self, header: FrameHeader, body: Parts, signature: bytes | None, shape: tuple[int, ...]
     ) -> str | None:
-        """Why no honest predecessor sends this sync frame (None: it may)."""
-        header, origin = frame.header, frame.header.micro
+        """Why no honest predecessor sends this sync frame (None: it may), from its header
+        alone: its phase, sender, codec and shape are the ring's, and the sender signed it."""
+        origin = header.micro
         if header.phase != PHASE:
             return f"a {header.phase!r} frame on a sync link"
         if origin == self.replica or origin not in self.members:
             return f"round {header.step} contribution of replica {origin} (members {self.members})"
+        if header.codec != self.codec.name:
+            return f"a contribution in codec {header.codec!r}, the ring's is {self.codec.name!r}"
+        if header.shape != shape:
+            return f"a contribution of shape {list(header.shape)}, this stage's is {list(shape)}"
         if signature is not None and not self.signer.signed_by(origin, body, signature):
             return f"a round {header.step} contribution replica {origin} did not sign"
-        if frame.array.shape != shape:
-            return (
-                f"a contribution of shape {list(frame.array.shape)}, this stage's is {list(shape)}"
-            )
         return None
 
     def _reject(self, why: str, *, stale: bool = False) -> None:
@@ -945,7 +975,10 @@ class ReplicaSync:
             self.stale += 1
         else:
             self.clipped += 1
-        log.warning("%s: dropped a sync frame: %s", self.up.name, why)
+        held = self._drop_logs.allow("stale" if stale else "refused")
+        if held is not None:
+            more = f" ({held} more not logged)" if held else ""
+            log.warning("%s: dropped a sync frame: %.300s%s", self.up.name, why, more)
 
 
 def _signer(ring: SyncRing | None) -> RingSigner:

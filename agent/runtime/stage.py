@@ -59,6 +59,7 @@ from silentswarm.agent.pipe.wire import (
     WireCodec,
     decode_frame,
     encode_frame,
+    frame_header,
     frame_nbytes,
     token_dtype,
     token_ids,
@@ -113,6 +114,7 @@ from silentswarm.compression import parse_wire_codec
 from silentswarm.cpus import ThrottleClock, usable_cores
 from silentswarm.plan import CurveKeys as PlanCurveKeys
 from silentswarm.plan import RingChange, StagePlan, may_defer
+from silentswarm.throttle import Throttle
 from silentswarm.types.links import LinkStats, Tuning
 from silentswarm.types.stage import (
     CheckpointEvent,
@@ -126,6 +128,8 @@ from silentswarm.types.stage import (
 )
 
 log = logging.getLogger(__name__)
+# Stray frames (another job's or attempt's) from a peer: a log line of them every 5 s at most.
+DROP_LOG_EVERY_S = 5.0
 MESSAGE_CHARS = 4096  # a failed checkpoint's message, cut to fit the event's bound
 BUSY_SAMPLES_KEPT = 20  # per micro-batch count: the median of the latest steps' work
 Emit = Callable[[StageEvent], None]
@@ -166,6 +170,8 @@ class Boundary:
     # so the bytes a boundary reports leave them out.
     probe_sent: int = 0
     probe_received: int = 0
+    # A peer can send stray frames as fast as the link goes: a line of them every 5 s.
+    _drop_logs: Throttle = field(default_factory=lambda: Throttle(DROP_LOG_EVERY_S), repr=False)
 
     @property
     def bytes_sent(self) -> int:
@@ -222,28 +228,37 @@ class Boundary:
             started = time.perf_counter()
             parts = self.link.recv(max(0.0, deadline - time.monotonic()))
             self.wait_s += time.perf_counter() - started
+            # The header first: a payload is decoded (sized by the peer) only for a frame
+            # this stage waits for.
             try:
-                frame = decode_frame(parts, vocab_size=self.vocab_size)
+                header = frame_header(parts)
             except FrameError as exc:
                 raise FrameError(f"{self.name}: {exc}") from None
-            header = frame.header
             if header.job != self.job or header.attempt != self.attempt:
                 self.dropped += 1
-                log.warning(
-                    "%s: dropped a frame of %s attempt %d", self.name, header.job, header.attempt
-                )
+                if self._drop_logs.allow("other job") is not None:
+                    log.warning(
+                        "%s: dropped a frame of %.80r attempt %d",
+                        self.name,
+                        header.job,
+                        header.attempt,
+                    )
                 continue
             got = (header.phase, header.step, header.micro, header.direction)
             want = (phase, step, micro, direction)
             if got != want:
-                raise FrameError(f"{self.name}: expected frame {want}, got {got}")
-            if direction is Direction.FWD and frame.targets is None:
-                raise FrameError(f"{self.name}: forward frame {want} carries no targets")
-            if shape is not None and not _fits(frame.array.shape, shape):
+                raise FrameError(f"{self.name}: expected frame {want}, got {got!r}")
+            if shape is not None and not _fits(header.shape, shape):
                 raise FrameError(
-                    f"{self.name}: frame {want} is shaped {list(frame.array.shape)}, "
+                    f"{self.name}: frame {want} is shaped {list(header.shape)}, "
                     f"expected {['any' if d is None else d for d in shape]}"
                 )
+            try:
+                frame = decode_frame(parts, vocab_size=self.vocab_size)
+            except FrameError as exc:
+                raise FrameError(f"{self.name}: {exc}") from None
+            if direction is Direction.FWD and frame.targets is None:
+                raise FrameError(f"{self.name}: forward frame {want} carries no targets")
             if not np.isfinite(frame.array).all():
                 raise FrameError(
                     f"{self.name}: frame {want} holds values that are not finite (NaN or inf): "

@@ -13,6 +13,7 @@ import pytest
 
 from silentswarm.agent.errors import ForwardRefusedError, FrameError, HandshakeError
 from silentswarm.agent.pipe.wire import Direction, encode_frame
+from silentswarm.agent.runtime import replicas
 from silentswarm.agent.runtime.replicas import (
     MAX_ROUNDS_AHEAD,
     ROW,
@@ -33,6 +34,7 @@ from silentswarm.agent.runtime.replicas import (
     unpack,
     unpack_state,
 )
+from silentswarm.compression import parse_wire_codec
 from silentswarm.errors import ErrorCode
 from silentswarm.plan import (
     ModelConfig,
@@ -412,6 +414,73 @@ def test_frames_no_honest_predecessor_sends_are_dropped_and_counted():
         assert {k: list(v) for k, v in second._early.items()} == {MAX_ROUNDS_AHEAD: [0]}
         np.testing.assert_array_equal(got[0], a)
         second._early.clear()
+    finally:
+        closed(members)
+
+
+def test_a_contribution_is_refused_on_its_header_before_its_payload_is_decoded(monkeypatch):
+    """A payload is sized by its sender: 2-bit values of a shape the header makes up decode
+    to 40 times their bytes. Another phase, codec or shape, a sender outside the ring, a
+    stranger's job: refused on the header, the payload never decoded; the rest decoded once."""
+    members = opened(ring_plans(2))
+    try:
+        a = contributions(2)[0]
+        first, second = members
+        decoded: list[int] = []
+        real = replicas.decode_frame
+
+        def spy(parts):
+            decoded.append(len(parts))
+            return real(parts)
+
+        monkeypatch.setattr(replicas, "decode_frame", spy)
+
+        def frame(**changes: Any) -> list[bytes]:
+            matrix = changes.pop("matrix", a)
+            codec = parse_wire_codec(changes.pop("codec", "none"))
+            fields = {
+                "job": first.plan.job_id,
+                "attempt": first.plan.attempt,
+                "step": 0,
+                "micro": first.replica,
+                "direction": Direction.FWD,
+                "phase": "sync",
+                **changes,
+            }
+            _, parts = encode_frame(matrix, codec, **fields)
+            return [bytes(p) for p in parts]
+
+        huge = np.zeros((4096, ROW), dtype=np.float32)
+        refused = [
+            frame(codec="fixed_int2", matrix=huge),  # another codec, another shape
+            frame(codec="fixed_int2"),  # another codec
+            frame(matrix=huge),  # another shape
+            frame(phase="state"),
+            frame(micro=7),  # not a member
+        ]
+        got: dict[int, np.ndarray] = {}
+        for parts in refused:
+            assert second._check(parts, 0, got, a.shape) is None
+        assert second._check(frame(job="another-job"), 0, got, a.shape) is None
+        assert (second.clipped, second.dropped, decoded) == (len(refused), 1, [])
+        assert second._check(frame(), 0, got, a.shape) == first.replica
+        assert decoded == [2]
+        np.testing.assert_array_equal(got[first.replica], a)
+    finally:
+        closed(members)
+
+
+def test_refused_sync_frames_are_logged_at_most_every_few_seconds(caplog):
+    members = opened(ring_plans(2))
+    try:
+        a = contributions(2)[0]
+        second = members[1]
+        with caplog.at_level("WARNING", logger="silentswarm.agent.runtime.replicas"):
+            for _ in range(50):
+                assert second._check(second._encode(0, a), 0, {}, a.shape) is None
+        assert second.clipped == 50
+        lines = [r for r in caplog.records if "dropped a sync frame" in r.getMessage()]
+        assert len(lines) == 1
     finally:
         closed(members)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from silentswarm.agent import supervisor
 from silentswarm.agent.runtime.control import parse_command
 from silentswarm.agent.supervisor import STAGE_OOM_SCORE_ADJ, StageRun, stage_preexec
 from silentswarm.plan import ModelConfig, TrainConfig, single_process_plan
@@ -245,3 +246,33 @@ def test_a_runtime_is_the_first_the_out_of_memory_killer_takes(tmp_path):
 
     higher = subprocess.run(read, preexec_fn=already_higher, capture_output=True)
     assert higher.stdout.strip() == b"700"
+
+
+def test_a_stderr_line_past_the_pipes_limit_neither_stops_the_reading_nor_fills_the_disk(
+    tmp_path, monkeypatch
+):
+    """A stage logs what peers send it: a line longer than the reader's limit (64 KiB here,
+    16 MiB in a fellow) comes in pieces and the lines after it are read (before, the reader
+    died and the runtime blocked on its next write); stage.err stops at its bound."""
+    monkeypatch.setattr(supervisor, "STDERR_FILE_MAX_BYTES", 50_000)
+    huge = "x" * 100_000  # an argument of the fake runtime: under the kernel's 128 KiB
+    stderr = "\n".join(["first words", huge, "Traceback: boom"])
+    run, outcome, _, output = _read_fake_runtime(tmp_path, stderr, 1)
+    assert ("stderr", "Traceback: boom") in output, "the lines after it were read"
+    assert sum(len(line) for stream, line in output if stream == "stderr") > len(huge)
+    kept = run.stderr_path.read_bytes()
+    assert kept.startswith(b"first words\n") and len(kept) <= 50_000
+    assert kept.endswith(b"the rest is not kept here]\n")
+    assert outcome.result is StageResult.FAILED
+
+
+def test_read_lines_gives_every_byte_in_order_past_the_limit():
+    async def lines() -> list[bytes]:
+        reader = asyncio.StreamReader(limit=16)
+        reader.feed_data(b"short\n" + b"y" * 100 + b"\nafter\nlast")
+        reader.feed_eof()
+        return [line async for line in supervisor.read_lines(reader)]
+
+    got = asyncio.run(lines())
+    assert got[0] == b"short\n" and got[-2:] == [b"after\n", b"last"]
+    assert b"".join(got) == b"short\n" + b"y" * 100 + b"\nafter\nlast"

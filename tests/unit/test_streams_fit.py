@@ -9,7 +9,7 @@ import pytest
 from nats.js.errors import APIError, BadRequestError, ServerError, ServiceUnavailableError
 
 from silentswarm.leader.services.info import health_body
-from silentswarm.leader.storage import Throttle, storage_reasons
+from silentswarm.leader.storage import storage_reasons
 from silentswarm.leader.store import StateStore
 from silentswarm.leader.streams import (
     GIB,
@@ -28,6 +28,7 @@ from silentswarm.leader.streams import (
     progress_stream,
     settle,
 )
+from silentswarm.throttle import Throttle
 from silentswarm.types.api import StreamUsage
 from tests.fakes import Clock
 

@@ -21,6 +21,7 @@ from silentswarm.agent.pipe.wire import (
     dequantize,
     encode_frame,
     encoded_nbytes,
+    frame_header,
     frame_nbytes,
     pack_bits,
     parse_wire_codec,
@@ -440,13 +441,20 @@ def test_bad_shape(shape: list[int]) -> None:
 
 
 @pytest.mark.parametrize(
-    "shape",
-    [[0, 2**63 - 1, 8], [0, 2**31 + 1, 8], [0] + [1] * 70],
+    ("shape", "match"),
+    [
+        ([0, 2**63 - 1, 8], "bad frame shape"),
+        ([0, 2**31 + 1, 8], "bad frame shape"),
+        ([0] + [1] * 70, r"bad frame header: .*length <= 8 - at `\$.shape`"),
+    ],
     ids=["a dimension numpy cannot hold", "past the bound", "rank 71"],
 )
-def test_an_empty_frame_of_an_impossible_shape_is_a_frame_error(shape: list[int]) -> None:
+def test_an_empty_frame_of_an_impossible_shape_is_a_frame_error(
+    shape: list[int], match: str
+) -> None:
     """Every byte count of a shape with a 0 in it is 0, so the sizes agree: the shape's own
-    bounds must refuse it before numpy does (with a ValueError)."""
+    bounds must refuse it before numpy does (with a ValueError); a rank past the bound is
+    refused as the header is parsed."""
     fields = raw_header(
         codec="none",
         bits=32,
@@ -456,7 +464,7 @@ def test_an_empty_frame_of_an_impossible_shape_is_a_frame_error(shape: list[int]
         targets_dtype="uint8",
         targets_nbytes=0,
     )
-    expect_frame_error([msgspec.msgpack.encode(fields), b"", b""], "bad frame shape")
+    expect_frame_error([msgspec.msgpack.encode(fields), b"", b""], match)
 
 
 def test_non_buffer_part() -> None:
@@ -705,3 +713,21 @@ def test_random_corruption_with_targets_only_raises_frame_error(vocab: int) -> N
             frame = decode_frame(parts, vocab_size=vocab)
             if frame.targets is not None:
                 assert frame.targets.size == 0 or int(frame.targets.max()) < vocab
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("job", "j" * (16 << 20)),  # a 16 MiB job id would be logged with the frame's drop
+        ("phase", "p" * 33),
+        ("codec", "c" * 65),
+        ("dtype", "d" * 33),
+        ("targets_dtype", "t" * 33),
+    ],
+)
+def test_a_headers_strings_are_bounded_as_it_is_parsed(field: str, value: str) -> None:
+    parts = int4_parts()
+    header = msgspec.msgpack.encode(raw_header(**{field: value}))
+    with pytest.raises(FrameError, match=rf"bad frame header: .* - at `\$.{field}`"):
+        frame_header([header, *parts[1:]])
+    expect_frame_error([header, *parts[1:]], f"at `\\$.{field}`")
