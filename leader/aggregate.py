@@ -37,6 +37,9 @@ from silentswarm.types.views import (
     mean_of,
 )
 
+# Two records closer in time than this give no rate: their clocks are a fellow's, and a rate
+# over a denormal interval would be infinite (JSON has no infinity).
+MIN_ELAPSED_S = 1e-3
 RATE_WINDOW = 50  # recent steps the rate and ETA are measured over
 # The recent steps whose last stages' losses are kept per replica, so that with replicas a
 # history point's loss is the mean of the replicas' that reported the step so far.
@@ -87,7 +90,7 @@ class RateMeter:
         if before is not None:
             now.transport = before.transport
             now.sent_per_s, now.received_per_s = before.sent_per_s, before.received_per_s
-            if p.at > before.at:
+            if p.at >= before.at + MIN_ELAPSED_S:
                 elapsed = p.at - before.at
                 now.sent_per_s = max(0, p.bytes_sent - before.bytes_sent) / elapsed
                 now.received_per_s = max(0, p.bytes_received - before.bytes_received) / elapsed
@@ -102,7 +105,7 @@ class RateMeter:
         if len(self._recent) < 2:
             return None
         (t0, s0), (t1, s1) = self._recent[0], self._recent[-1]
-        return (s1 - s0) / (t1 - t0) * 60 if t1 > t0 else None
+        return (s1 - s0) / (t1 - t0) * 60 if t1 >= t0 + MIN_ELAPSED_S else None
 
     def fellow(self, stage: StageProgress) -> FellowMetrics:
         rates = self._fellows.get(stage.fellow_id)

@@ -28,16 +28,24 @@ from silentswarm.types.fleet import NodeView
 
 
 class HostFellow(msgspec.Struct, kw_only=True, gc=False):
-    """What the merge reads of one fellow: its id, whether it is online, its last snapshot."""
+    """What the merge reads of one fellow: its id, whether it is online, its last snapshot,
+    and when the leader got it (its own wall clock; None: unknown)."""
 
     fellow_id: str
     online: bool
     hardware: HardwareSnapshot
+    seen_at: float | None = None
 
 
 def _freshness(fellow: HostFellow) -> tuple[float, str]:
-    """Newest snapshot first; the fellow id breaks ties so the choice never depends on order."""
-    return (fellow.hardware.taken_at, fellow.fellow_id)
+    """Newest snapshot first; the fellow id breaks ties so the choice never depends on order.
+    A snapshot counts as taken no later than the leader got it: a fellow that dates its
+    snapshots ahead (it may claim another machine's name and boot id) does not win every
+    merge of that host."""
+    taken = fellow.hardware.taken_at
+    if fellow.seen_at is not None:
+        taken = min(taken, fellow.seen_at)
+    return (taken, fellow.fellow_id)
 
 
 def tf_usable_uuids(hw: HardwareSnapshot) -> list[str]:

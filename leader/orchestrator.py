@@ -30,7 +30,7 @@ from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 
 from silentswarm import subjects as topics
-from silentswarm.errors import NotFoundError
+from silentswarm.errors import NotFoundError, ProtocolError
 from silentswarm.jobspec import stage_plans
 from silentswarm.leader import balance, decide, elastic, initsource, linkprobes, retention
 from silentswarm.leader.admission import RateLimiter, Verdict
@@ -78,6 +78,12 @@ TICK_S = 0.25
 # Progress a fellow may send: a record per step of a fast stage, with room to spare.
 PROGRESS_PER_S = 200.0
 PROGRESS_BURST = 1000.0
+# And bytes: a step record is a few hundred, a stage's state digests after a ring change up
+# to about 300 KB (one per ring, a ring per layer at most). A record is decoded only within
+# its sender's budget, so a flood costs the leader about 2 ms a second per fellow.
+PROGRESS_MAX_BYTES = 512 << 10
+PROGRESS_BYTES_PER_S = float(256 << 10)
+PROGRESS_BYTES_BURST = float(1 << 20)
 RETAIN_EVERY_S = 1.0  # how often the retention policy is applied (archive, delete)
 STORE_RETRIES = Backoff(wait_initial=1.0, wait_max=1.0)  # the state store: every 1 s
 # A replacement replica is placed only when the run has at least this many seconds of steps
@@ -122,6 +128,7 @@ class Orchestrator:
         # Mints each placed stage of each attempt its own NATS user (None: no NATS users).
         self.authority = authority
         self.progress_limit = RateLimiter(PROGRESS_PER_S, PROGRESS_BURST)
+        self.progress_bytes = RateLimiter(PROGRESS_BYTES_PER_S, PROGRESS_BYTES_BURST)
         self.exports = exports
         # Where the uploaded datasets a stage 0 downloads are (needs ``exports``' tokens).
         self.datasets = datasets
@@ -851,11 +858,23 @@ class Orchestrator:
     # --- progress --------------------------------------------------------------------------
 
     async def _on_progress(self, msg: Msg) -> None:
+        # The sender's budget first, from the subject it may publish on: decoding is the
+        # work a flood would make the leader do.
+        try:
+            sender = topics.PROGRESS.parse(self.prefix, msg.subject)["fellow"]
+        except ProtocolError as exc:
+            self.bus.drop(msg, str(exc))
+            return
+        size = len(msg.data)
+        if size > PROGRESS_MAX_BYTES:
+            reason = f"a progress record of {size} bytes (at most {PROGRESS_MAX_BYTES})"
+            self.bus.drop(msg, reason, kind="progress_size")
+            return
+        if not self.progress_limit.allow(sender) or not self.progress_bytes.allow(sender, size):
+            self.bus.drop(msg, "over the fellow's progress rate", kind="progress_rate")
+            return
         progress = self.bus.decode_job_message(msg, topics.PROGRESS)
         if progress is None:
-            return
-        if not self.progress_limit.allow(progress.fellow_id):
-            self.bus.drop(msg, "over the fellow's progress rate", kind="progress_rate")
             return
         admission = self.jobs.admit_progress(progress)
         if admission.verdict is Verdict.REFUSE:

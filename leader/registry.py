@@ -449,6 +449,7 @@ class FellowRegistry:
                     fellow_id=record.fellow_id,
                     online=record.status is not FellowStatus.OFFLINE,
                     hardware=record.hardware,
+                    seen_at=record.last_heartbeat_at or record.registered_at,
                 )
             )
         return [merge_host(host, fellows) for (host, _), fellows in sorted(by_host.items())]

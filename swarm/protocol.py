@@ -46,6 +46,9 @@ MachineId = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f-]{8,64}$")]
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
 Bytes = Annotated[int, msgspec.Meta(ge=0, le=2**60)]  # an exabyte: more than any machine
 Rate = Annotated[float, msgspec.Meta(ge=0.0, le=1e15)]
+# A fellow's wall-clock time (seconds since the epoch, before the year 2286): rates are its
+# differences, so one of 0 next to a denormal would be an infinite rate.
+Timestamp = Annotated[float, msgspec.Meta(ge=0.0, le=1e10)]
 # Standard transformer blocks (gpt2, d_model 256, seq 128, batch 8, fp32) trained per second,
 # forward and backward (silentswarm.agent.runtime.speedprobe). Steers placement only: a fellow
 # that overstates it slows its own jobs, it gains nothing else. The floor keeps a stage's
@@ -129,7 +132,7 @@ class HardwareSnapshot(msgspec.Struct, kw_only=True, gc=False):
     # the probe answers, or when it failed.
     compute_speed: ComputeSpeed | None = None
     limits: FellowLimits = msgspec.field(default_factory=FellowLimits)
-    taken_at: float = msgspec.field(default_factory=time.time)
+    taken_at: Timestamp = msgspec.field(default_factory=time.time)
 
 
 # --- fellows --------------------------------------------------------------------------------
@@ -198,7 +201,7 @@ class StageOutcome(msgspec.Struct, kw_only=True, gc=False):
     # A FAILED run's ErrorCode from the stage's error event, as text (a fellow of another
     # version may send a code this leader does not know); None when the stage gave none.
     code: Id | None = None
-    ended_at: float = msgspec.field(default_factory=time.time)
+    ended_at: Timestamp = msgspec.field(default_factory=time.time)
     # A completed run whose final shard did not reach the leader: why, in the fellow's words
     # (its checkpoint could not be written, or the push failed). The leader cleans it, names
     # the stage and fellow itself, and puts it in the job's ``export_error``.
@@ -369,7 +372,7 @@ class SignalAck(Message, kw_only=True):
 
 
 class LogRecord(msgspec.Struct, kw_only=True, gc=False):
-    ts: Annotated[float, msgspec.Meta(ge=0.0, le=1e10)]  # before 2286: a time to show
+    ts: Timestamp  # a time to show
     level: Annotated[str, msgspec.Meta(max_length=16)]
     logger: Name
     message: Annotated[str, msgspec.Meta(max_length=8192)]
@@ -436,7 +439,7 @@ class Progress(Message, kw_only=True):
     checkpoint_path: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
     checkpoint_id: Id | None = None
     outcome: StageOutcome | None = None
-    at: float = msgspec.field(default_factory=time.time)
+    at: Timestamp = msgspec.field(default_factory=time.time)
 
 
 class ShardChunk(Message, kw_only=True):

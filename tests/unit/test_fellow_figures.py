@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 
 import pytest
+from nats.aio.msg import Msg
 
 from silentswarm import subjects as topics
 from silentswarm.errors import ConfigError, ProtocolError
 from silentswarm.jobspec import JobSpec
 from silentswarm.leader import balance, decide
+from silentswarm.leader.aggregate import RateMeter
 from silentswarm.leader.jobs import JobManager
 from silentswarm.leader.metrics import loop_failure_family
+from silentswarm.leader.orchestrator import PROGRESS_MAX_BYTES
 from silentswarm.leader.placement import place
 from silentswarm.leader.registry import FellowRegistry
 from silentswarm.plan import ModelConfig
@@ -23,6 +27,7 @@ from silentswarm.protocol import (
     FellowStatus,
     HardwareSnapshot,
     Heartbeat,
+    Progress,
 )
 from silentswarm.settings import Settings
 from tests.fakes import Clock, offline_orchestrator
@@ -124,3 +129,88 @@ def test_settings_decode_of_the_speed_bound_is_the_protocols():
     hb = topics.HEARTBEAT.decode(heartbeat("a", MIN_COMPUTE_SPEED))
     assert hb.hardware.compute_speed == MIN_COMPUTE_SPEED
     assert Settings.from_env({"SWARM_FELLOW_COMPUTE_SPEED": str(MIN_COMPUTE_SPEED)})
+
+
+def progress_msg(fellow: str, data: bytes) -> Msg:
+    subject = topics.PROGRESS.subject("s", job="job-1", fellow=fellow)
+    return Msg(_client=None, subject=subject, data=data)  # type: ignore[arg-type]
+
+
+def test_a_progress_flood_is_cut_by_its_senders_budget_before_it_is_decoded(monkeypatch):
+    """Decoding is what a flood costs: a record over the size bound, and records past the
+    sender's rate in records or in bytes, are dropped and counted undecoded."""
+    registry = FellowRegistry(heartbeat_interval_s=1, offline_after_s=3, leader_version="1")
+    orch = offline_orchestrator(registry, JobManager(wall=Clock()))
+    decoded: list[str] = []
+    monkeypatch.setattr(
+        orch.bus, "decode_job_message", lambda msg, topic: decoded.append(msg.subject)
+    )
+    big = b"\x00" * (PROGRESS_MAX_BYTES + 1)
+    asyncio.run(orch._on_progress(progress_msg("evil", big)))
+    assert decoded == [] and orch.bus.dropped["progress_size"] == 1
+
+    async def flood(fellow: str, size: int, n: int) -> None:
+        for _ in range(n):
+            await orch._on_progress(progress_msg(fellow, b"\x00" * size))
+
+    asyncio.run(flood("evil", 300_000, 100))  # about 30 MB: the byte budget's burst is 1 MiB
+    assert 3 <= len(decoded) <= 4 and orch.bus.dropped["progress_rate"] == 100 - len(decoded)
+    asyncio.run(flood("honest", 300, 10))  # another fellow's budget is its own
+    assert len([s for s in decoded if s.endswith(".honest")]) == 10
+
+
+def stamped(at: float, *, step: int, down: int, loss: float | None = None) -> Progress:
+    return Progress(
+        job_id="j",
+        fellow_id="a",
+        attempt=1,
+        stage=0,
+        step=step,
+        total_steps=100,
+        loss=loss,
+        step_time_s=0.5,
+        down_bytes_sent=down,
+        at=at,
+    )
+
+
+@pytest.mark.parametrize("at", [float("inf"), 1e300, -1.0, 1e11])
+def test_a_progress_time_out_of_bounds_is_refused_on_the_wire(at):
+    with pytest.raises(ProtocolError, match=r"\$.at"):
+        topics.PROGRESS.decode(topics.encode(stamped(at, step=4, down=0)))
+
+
+def test_records_a_denormal_apart_give_no_infinite_rate():
+    """Two records at 0.0 and 5e-324 made a rate of infinity, which JSON writes as null:
+    ``swarm watch`` then failed to read the job's metrics."""
+    meter = RateMeter("j")
+    meter.apply(stamped(0.0, step=4, down=0, loss=2.0), last_stage=True)
+    meter.apply(stamped(5e-324, step=5, down=1 << 40, loss=2.0), last_stage=True)
+    rates = meter._fellows["a"]
+    assert math.isfinite(rates.down_per_s) and rates.down_per_s == 0.0
+    assert meter.steps_per_min() is None
+    meter.apply(stamped(1.0, step=6, down=2 << 40, loss=2.0), last_stage=True)
+    assert meter._fellows["a"].down_per_s == float(1 << 40) and meter.steps_per_min() == 120.0
+
+
+def test_a_snapshot_dated_ahead_does_not_win_its_hosts_view():
+    """A fellow may claim another machine's host name and boot id; dating its snapshots
+    years ahead used to make its figures the host's for good. A snapshot counts as taken no
+    later than the leader got it."""
+    wall = Clock(1000.0)
+    registry = FellowRegistry(
+        heartbeat_interval_s=1, offline_after_s=3, leader_version="1", wall=wall
+    )
+    liar = topics.HEARTBEAT.decode(heartbeat("liar", 10.0))
+    liar.hardware.hostname = "victim"
+    liar.hardware.taken_at = 9e9
+    liar.hardware.ram_available_bytes = 1
+    liar.fellow.hostname = "victim"
+    registry.heartbeat(liar)
+    wall.advance(5.0)
+    honest = topics.HEARTBEAT.decode(heartbeat("victim", 10.0))
+    honest.hardware.taken_at = wall()
+    registry.heartbeat(honest)
+    [node] = registry.nodes()
+    assert node.fellows == ["liar", "victim"]
+    assert node.ram_available_bytes == 16 * GIB, "the honest, later snapshot's"
