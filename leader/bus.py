@@ -24,6 +24,7 @@ from silentswarm.leader.admission import RateLimiter
 from silentswarm.leader.registry import FellowRegistry
 from silentswarm.natsconn import NatsAccess, connect_forever
 from silentswarm.protocol import DeregisterRequest, RegisterReply, RegisterRequest
+from silentswarm.text import loggable
 
 log = logging.getLogger(__name__)
 HEARTBEATS_PER_YIELD = 32
@@ -126,7 +127,9 @@ class LeaderBus:
             self._drop_log[msg.subject] = (last, quiet + 1)
         else:
             more = f" ({quiet} more not logged)" if quiet else ""
-            log.warning("dropped message on %s: %s%s", msg.subject[:200], reason, more)
+            log.warning(
+                "dropped message on %s: %s%s", loggable(msg.subject, 200), loggable(reason), more
+            )
             self._drop_log[msg.subject] = (now, 0)
         while len(self._drop_log) > DROP_LOG_SUBJECTS:
             self._drop_log.popitem(last=False)

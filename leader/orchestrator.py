@@ -60,6 +60,7 @@ from silentswarm.plan import RingChange, StagePlan
 from silentswarm.protocol import JobState, Progress
 from silentswarm.retrying import Backoff
 from silentswarm.rings import boundary_keys
+from silentswarm.text import loggable
 from silentswarm.throttle import Throttle
 from silentswarm.types.fleet import FellowRecord
 from silentswarm.types.jobs import JobRecord
@@ -840,7 +841,7 @@ class Orchestrator:
                 result.probe_id,
                 plan.connector,
                 plan.binder,
-                result.reason,
+                loggable(result.reason),
             )
             return
         # The connecting end is the upstream one, as on a pipeline boundary.

@@ -36,6 +36,7 @@ from silentswarm.protocol import (
     RegisterReply,
     RegisterRequest,
 )
+from silentswarm.text import loggable
 from silentswarm.types.fleet import FellowRecord, NodeView, ReleasedFellow, Transition
 from silentswarm.types.links import MeasuredLink
 
@@ -129,7 +130,7 @@ class FellowRegistry:
         entry = self._entries.get(fid)
         if entry is None:
             self._entries[fid] = self._new_entry(req.fellow, req.hardware, req.status, "registered")
-            log.info("fellow %s registered (host %s)", fid, req.fellow.hostname)
+            log.info("fellow %s registered (host %s)", fid, loggable(req.fellow.hostname, 100))
             return self._registered(req.fellow, "registered")
         record = entry.record
         if record.instance_id != req.fellow.instance_id and not self._is_gone(entry):
@@ -146,7 +147,9 @@ class FellowRegistry:
         entry.record.registrations += 1
         entry.record.last_registered_at = self._wall()
         self._set_status(entry, req.status, "registered again")
-        log.info("fellow %s registered again (instance %s)", fid, req.fellow.instance_id)
+        log.info(
+            "fellow %s registered again (instance %s)", fid, loggable(req.fellow.instance_id, 80)
+        )
         return self._registered(req.fellow, "registered again")
 
     def instance_secret(self, fellow_id: str, instance_id: str) -> str:
@@ -180,7 +183,7 @@ class FellowRegistry:
         if entry.record.status is not FellowStatus.OFFLINE:
             self._go_offline(entry, f"deregistered: {req.reason}")
         entry.deregistered = True
-        log.info("fellow %s deregistered (%s)", req.fellow_id, req.reason)
+        log.info("fellow %s deregistered (%s)", req.fellow_id, loggable(req.reason))
         return self._accept("deregistered")
 
     def heartbeat(self, hb: Heartbeat) -> bool:
@@ -206,8 +209,8 @@ class FellowRegistry:
                 log.warning(
                     "dropped heartbeat for %s from instance %s: instance %s holds the id",
                     fid,
-                    hb.fellow.instance_id,
-                    entry.record.instance_id,
+                    loggable(hb.fellow.instance_id, 80),
+                    loggable(entry.record.instance_id, 80),
                 )
                 return False
             self._revive_if_offline(entry, "new instance heartbeating")

@@ -414,7 +414,9 @@ class Progress(Message, kw_only=True):
     bytes_received: Bytes = 0
     down_bytes_sent: Bytes = 0  # over the boundary to the next stage only
     down_bytes_received: Bytes = 0
-    down_transport: Annotated[str, msgspec.Meta(max_length=16)] | None = None  # p2p, relay
+    down_transport: Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9_]{1,16}$")] | None = (
+        None  # p2p, relay
+    )
     # The downstream boundary as the latest calibration measured it, and the schedule then
     # agreed (agent/runtime/calibrate.py); None before the first.
     down_link: LinkStats | None = None

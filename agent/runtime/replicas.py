@@ -315,6 +315,7 @@ def donor_refusal(
     moments: Sequence[tuple[int, int]] = (),
     anchors: Sequence[tuple[int, int]] = (),
     moment_bound: float = math.inf,
+    steps_done: int | None = None,
 ) -> str | None:
     """Why a member refuses a donor's ring state ``theirs`` (None: it takes it).
 
@@ -329,10 +330,20 @@ def donor_refusal(
     step, where they are equal). A member checks each class against its own: the weights
     and the anchors within :data:`MAX_DONOR_DISTANCE`, the rest of the float state (the
     moments, the outer momentum) within :data:`MAX_STATE_DISTANCE`, the integer state (the
-    optimizer's step count) equal. Pure."""
+    optimizer's step count) equal. Whoever takes it, the step count lies between 0 and
+    ``steps_done`` (the steps the job has trained when the state changes hands; None:
+    unbounded): AdamW divides by ``1 - beta ** (count + 1)``, which a count of -1 makes 0,
+    and a joiner has no count of its own to compare. Pure."""
     bad = sum(1 for a in theirs if a.dtype.kind == "f" and not np.isfinite(a).all())
     if bad:
         return f"{bad} of its arrays hold values that are not finite"
+    counts = [a for a in theirs[n_weights:] if a.dtype.kind in "iu"]
+    high = math.inf if steps_done is None else steps_done
+    if any(a.size and (a.min() < 0 or a.max() > high) for a in counts):
+        return (
+            f"its optimizer's step count is outside 0 to {high} (the steps done when the "
+            "state changes hands)"
+        )
     for first, second in moments:
         m, v = theirs[first], theirs[second]
         if (v < 0).any():

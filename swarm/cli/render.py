@@ -8,7 +8,6 @@ wrapping and no trailing blanks, so that ``grep``, ``awk`` and tests read one ro
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Sequence
 from typing import IO, Any
@@ -19,12 +18,9 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-# What a terminal would act on in a stranger's text: C0 controls but newline and tab, DEL,
-# C1 controls (CSI among them), line and paragraph separators, bidi overrides and isolates.
+from silentswarm.text import terminal_safe
+
 _CELL_BREAKS = str.maketrans({"\n": "\\n", "\t": "\\t"})
-_TERMINAL_UNSAFE = re.compile(
-    r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]"
-)
 
 # Wide enough that no row of a table on a pipe is ever wrapped.
 PIPE_WIDTH = 100_000
@@ -113,12 +109,6 @@ def plain(item: RenderableType) -> None:
     elif isinstance(item, Group):
         for part in item.renderables:
             plain(part)
-
-
-def terminal_safe(text: str) -> str:
-    """A fellow's words (a log line) made safe to print: what a terminal would act on is
-    shown escaped (``\\x1b``); lines and tabs stay, so a traceback reads as one."""
-    return _TERMINAL_UNSAFE.sub(lambda m: m.group().encode("unicode_escape").decode(), text)
 
 
 def clock(epoch: float) -> str:

@@ -203,11 +203,12 @@ def link_line(b: BoundaryMetrics, replicated: bool = False) -> str:
     link = b.link
     assert link is not None
     which = f"replica {b.replica} link {b.boundary}" if replicated else f"link {b.boundary}"
-    return (
+    line = (
         f"  {which} {b.upstream} -> {b.downstream} {b.transport or '-'}  "
         f"rtt {link.rtt_ms:.1f} ms  {_mbit(link.fwd_mbit_s)} down / {_mbit(link.bwd_mbit_s)} up  "
         f"{link.fwd_codec}/{link.bwd_codec}  {_rate(b.bytes_per_s)}  (step {link.step})"
     )
+    return render.terminal_safe(line)  # a fellow's words (an older leader checked fewer of them)
 
 
 def _duration(seconds: float | None) -> str:

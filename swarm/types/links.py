@@ -17,7 +17,8 @@ StageIndex = Annotated[int, msgspec.Meta(ge=0, le=4096)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
 Millis = Annotated[float, msgspec.Meta(ge=0.0, le=3_600_000.0)]
 MbitPerS = Annotated[float, msgspec.Meta(ge=0.0, le=10_000_000.0)]  # 10 Pbit/s
-CodecName = Annotated[str, msgspec.Meta(max_length=32)]
+# A wire codec's name (none, fp16, fixed_int8, ...): a word, shown as it is in ``swarm watch``.
+CodecName = Annotated[str, msgspec.Meta(max_length=32, pattern=r"^[a-z0-9_]{1,32}$")]
 MicroBatches = Annotated[int, msgspec.Meta(ge=1, le=2**16)]
 Deferred = Annotated[int, msgspec.Meta(ge=0, le=2**16)]
 StepSeconds = Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]

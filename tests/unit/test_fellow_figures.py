@@ -7,10 +7,12 @@ import asyncio
 import logging
 import math
 
+import msgspec
 import pytest
 from nats.aio.msg import Msg
 
 from silentswarm import subjects as topics
+from silentswarm.cli.watch import link_line
 from silentswarm.errors import ConfigError, ProtocolError
 from silentswarm.jobspec import JobSpec
 from silentswarm.leader import balance, decide
@@ -28,24 +30,42 @@ from silentswarm.protocol import (
     HardwareSnapshot,
     Heartbeat,
     Progress,
+    RegisterRequest,
 )
 from silentswarm.settings import Settings
+from silentswarm.text import loggable
+from silentswarm.types.links import LinkStats
+from silentswarm.types.metrics import BoundaryMetrics
 from tests.fakes import Clock, offline_orchestrator
 
 GIB = 1 << 30
 
 
+def identity(fellow: str, hostname: str | None = None) -> FellowIdentity:
+    return FellowIdentity(
+        fellow_id=fellow,
+        instance_id=f"i-{fellow}",
+        hostname=hostname or fellow,
+        version="1",
+        pid=1,
+        data_address=f"tcp://{fellow}:1",
+        sync_address=f"tcp://{fellow}:2",
+    )
+
+
+def register_request(fellow: str, hostname: str) -> RegisterRequest:
+    return RegisterRequest(
+        fellow=identity(fellow, hostname),
+        hardware=HardwareSnapshot(
+            hostname=fellow, cpu_cores=1, ram_total_bytes=GIB, ram_available_bytes=GIB
+        ),
+        status=FellowStatus.READY,
+    )
+
+
 def heartbeat(fellow: str, speed: float, quota: float | None = None) -> bytes:
     hb = Heartbeat(
-        fellow=FellowIdentity(
-            fellow_id=fellow,
-            instance_id=f"i-{fellow}",
-            hostname=fellow,
-            version="1",
-            pid=1,
-            data_address=f"tcp://{fellow}:1",
-            sync_address=f"tcp://{fellow}:2",
-        ),
+        fellow=identity(fellow),
         seq=1,
         status=FellowStatus.READY,
         hardware=HardwareSnapshot(
@@ -214,3 +234,58 @@ def test_a_snapshot_dated_ahead_does_not_win_its_hosts_view():
     [node] = registry.nodes()
     assert node.fellows == ["liar", "victim"]
     assert node.ram_available_bytes == 16 * GIB, "the honest, later snapshot's"
+
+
+ESCAPES = "\x1b]0;owned\x07\x1b[2J"
+
+
+def measured(**codecs: str) -> LinkStats:
+    return LinkStats(boundary=0, step=1, rtt_ms=1, fwd_mbit_s=1, bwd_mbit_s=1, **codecs)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"down_transport": "\x1b[8m"},
+        {"down_link": measured(fwd_codec=ESCAPES)},
+        {"down_link": measured(bwd_codec="FP16 ")},
+    ],
+)
+def test_transport_and_codec_names_are_words_on_the_wire(changes):
+    record = msgspec.structs.replace(stamped(1.0, step=4, down=0), **changes)
+    with pytest.raises(ProtocolError):
+        topics.PROGRESS.decode(topics.encode(record))
+
+
+def test_swarm_watch_escapes_what_a_link_line_quotes():
+    link = measured(fwd_codec=ESCAPES)
+    boundary = BoundaryMetrics(
+        boundary=0,
+        upstream="a",
+        downstream="b",
+        bytes_per_s=1.0,
+        bytes_total=1,
+        transport="\x1b[8m",
+        link=link,
+    )
+    line = link_line(boundary)
+    assert "\x1b" not in line and "\x07" not in line and "link 0 a -> b" in line
+
+
+def test_a_fellows_words_reach_the_leaders_log_escaped_and_cut(caplog):
+    """A decode error quoting a fellow's value, its host name, its deregister reason: one
+    line each in the leader's log, no terminal escapes, no forged lines, no 200 KB line."""
+    registry = FellowRegistry(heartbeat_interval_s=1, offline_after_s=3, leader_version="1")
+    orch = offline_orchestrator(registry, JobManager(wall=Clock()))
+    forged = "\n2026-12-07 INFO leader: all is well\x1b[2J" + "x" * 200_000
+    with caplog.at_level(logging.INFO):
+        orch.bus.drop(progress_msg("evil", b""), f"bad kind {forged!s}")
+        registry.register(
+            topics.REGISTER.decode(topics.encode(register_request("evil", hostname=forged[:256])))
+        )
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("dropped message" in line for line in lines)
+    assert any("registered (host" in line for line in lines)
+    for line in lines:
+        assert "\n" not in line and "\x1b" not in line and len(line) < 1000, line[:200]
+    assert loggable("é\u202eok", 2) == "é\\u202e..."

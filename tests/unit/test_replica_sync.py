@@ -651,6 +651,34 @@ def test_a_member_refuses_a_donor_whose_step_count_is_not_its_own():
     assert donor_refusal(theirs, None, n_weights=n_weights, moments=moments) is None
 
 
+@pytest.mark.parametrize(
+    ("count", "joining", "steps_done", "refused"),
+    [
+        (7, True, 7, False),
+        (0, True, 7, False),
+        (-1, True, 7, True),  # AdamW's bias correction 1 - beta ** 0: every weight NaN
+        (-1, False, 7, True),
+        (2**63 - 1, True, None, False),  # unbounded where nobody says how many steps
+        (2**63 - 1, True, 7, True),  # count + 1 wraps to negative
+        (8, True, 7, True),
+    ],
+)
+def test_a_donors_step_count_lies_between_0_and_the_steps_done(count, joining, steps_done, refused):
+    own, n_weights, moments, _ = donor_state()
+    theirs = [*own[:-1], np.array([count], dtype=np.int64)]
+    if not joining:
+        own = theirs  # a member whose own count is the same: only the bounds can refuse
+    why = donor_refusal(
+        theirs,
+        None if joining else own,
+        n_weights=n_weights,
+        moments=moments,
+        steps_done=steps_done,
+    )
+    assert (why is not None) == refused, why
+    assert why is None or "step count is outside 0 to" in why
+
+
 # --- elastic membership: rings of real links ----------------------------------------------------
 
 

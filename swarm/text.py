@@ -1,0 +1,28 @@
+"""A stranger's words made safe to show: in a terminal (``swarm`` output) or a log line."""
+
+from __future__ import annotations
+
+import re
+
+# What a terminal would act on in a stranger's text: C0 controls but newline and tab, DEL,
+# C1 controls (CSI among them), line and paragraph separators, bidi overrides and isolates.
+_TERMINAL_UNSAFE = re.compile(
+    r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]"
+)
+# The same, newline and tab included: what could forge a line of a log.
+_LINE_UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def terminal_safe(text: str) -> str:
+    """A fellow's words (a log line) made safe to print: what a terminal would act on is
+    shown escaped (``\\x1b``); lines and tabs stay, so a traceback reads as one."""
+    return _TERMINAL_UNSAFE.sub(lambda m: m.group().encode("unicode_escape").decode(), text)
+
+
+def loggable(text: str, limit: int = 300) -> str:
+    """A fellow's words for one line of this process's log: every control, line-breaking
+    and bidi character escaped (no forged lines, no terminal escapes), at most ``limit``
+    characters of it (then ``...``)."""
+    cut = text if len(text) <= limit else text[:limit]
+    safe = _LINE_UNSAFE.sub(lambda m: m.group().encode("unicode_escape").decode(), cut)
+    return safe if len(text) <= limit else safe + "..."
