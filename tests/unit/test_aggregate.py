@@ -10,7 +10,7 @@ from silentswarm.agent.logship import FellowLogShipper
 from silentswarm.jobspec import JobSpec
 from silentswarm.leader.aggregate import JobMetricsAggregator, RateMeter, history, job_metrics
 from silentswarm.leader.jobs import JobManager, plan_schedule
-from silentswarm.leader.logs import FellowLogBuffer
+from silentswarm.leader.logs import FellowLogBuffer, entry_bytes
 from silentswarm.leader.observe import Observability
 from silentswarm.leader.placement import Candidate
 from silentswarm.plan import ModelConfig
@@ -206,6 +206,31 @@ def test_log_buffer_is_bounded_per_fellow_and_skips_replays():
     assert [e.message for e in buffer.snapshot("f", 10)] == ["2", "3", "4"]
     assert [e.message for e in buffer.snapshot("f", 1)] == ["4"]
     assert buffer.snapshot("nobody", 5) == [] and buffer.snapshot("f", 0) == []
+
+
+def test_log_buffer_is_bounded_in_bytes_per_fellow_and_over_all_fellows():
+    """A fellow's records of 8 KiB each weighed 63 MiB at 2000 records, and every name ever
+    enrolled kept its own: now at most per_fellow_bytes each, total_bytes in all, the
+    fellows written to least recently leaving first."""
+    buffer = FellowLogBuffer(per_fellow_bytes=100_000, total_bytes=250_000)
+    big = "\U0001f600" * 8192
+
+    def flood(fellow: str, seq: int, n: int = 50) -> None:
+        records = [LogRecord(ts=i, level="INFO", logger="x", message=big) for i in range(n)]
+        buffer.add(seq, LogBatch(fellow_id=fellow, records=records))
+
+    flood("evil", 1)
+    kept = buffer.snapshot("evil", 2000)
+    assert len(kept) == 100_000 // entry_bytes(kept[0]) and entry_bytes(kept[0]) > 4 * 8192
+    assert buffer.bytes <= 100_000
+    hi = LogRecord(ts=1, level="INFO", logger="x", message="hi")
+    buffer.add(2, LogBatch(fellow_id="honest", records=[hi]))
+    flood("evil-2", 3)
+    flood("evil-3", 4)
+    assert buffer.bytes <= 250_000
+    assert buffer.snapshot("evil", 5) == [], "the least recently written went first"
+    assert [e.message for e in buffer.snapshot("honest", 5)] == ["hi"]
+    assert buffer.snapshot("evil-3", 1)
 
 
 def test_the_shipper_never_blocks_drops_the_oldest_and_batches_within_bounds():
