@@ -258,16 +258,34 @@ class JobMetricsAggregator:
         return job_metrics(self.job_id, self.attempt, job_view(stages), stages, self._rates)
 
 
-def history(records: list[Progress], job_id: str) -> list[HistoryPoint]:
+def history(records: Iterable[Progress], job_id: str) -> list[HistoryPoint]:
     """Every finished step of the job's latest attempt, one point per step, in step order."""
-    if not records:
-        return []
-    latest = max(r.attempt for r in records)
-    aggregator = JobMetricsAggregator(job_id)
-    points: dict[int, HistoryPoint] = {}
+    fold = HistoryFold(job_id)
     for record in records:
-        if record.attempt == latest:
-            point = aggregator.apply(record)
+        fold.add(record)
+    return fold.points()
+
+
+class HistoryFold:
+    """:func:`history` a record at a time, as the stream is read: what it keeps is a point
+    per step of the latest attempt seen, never the records (a job's stream holds up to
+    100,000 per fellow)."""
+
+    def __init__(self, job_id: str) -> None:
+        self.job_id = job_id
+        self.attempt: int | None = None
+        self._aggregator = JobMetricsAggregator(job_id)
+        self._points: dict[int, HistoryPoint] = {}
+
+    def add(self, record: Progress) -> None:
+        if self.attempt is None or record.attempt > self.attempt:
+            self.attempt = record.attempt
+            self._aggregator = JobMetricsAggregator(self.job_id)
+            self._points = {}
+        if record.attempt == self.attempt:
+            point = self._aggregator.apply(record)
             if point is not None:
-                points[point.step] = point
-    return [points[s] for s in sorted(points)]
+                self._points[point.step] = point
+
+    def points(self) -> list[HistoryPoint]:
+        return [self._points[s] for s in sorted(self._points)]

@@ -22,7 +22,12 @@ from silentswarm import subjects as topics
 from silentswarm.errors import ProtocolError, SwarmError
 from silentswarm.leader import streams
 from silentswarm.leader.admission import Verdict
-from silentswarm.leader.aggregate import JobMetricsAggregator, RateMeter, history, job_metrics
+from silentswarm.leader.aggregate import (
+    HistoryFold,
+    JobMetricsAggregator,
+    RateMeter,
+    job_metrics,
+)
 from silentswarm.leader.bus import LeaderBus
 from silentswarm.leader.errors import StreamsUnavailableError
 from silentswarm.leader.jobs import JobManager
@@ -130,12 +135,11 @@ class Observability:
     async def history(self, job_id: str) -> list[HistoryPoint]:
         self.jobs.get(job_id)
         nc = self._require_ready()
-        records = [
-            p
-            async for r in streams.read(nc, self.progress.name, self._job_subject(job_id))
-            if (p := self._decode_progress(r)) is not None and self._admitted(p)
-        ]
-        return history(records, job_id)
+        fold = HistoryFold(job_id)  # a record at a time: the stream may hold millions
+        async for r in streams.read(nc, self.progress.name, self._job_subject(job_id)):
+            if (p := self._decode_progress(r)) is not None and self._admitted(p):
+                fold.add(p)
+        return fold.points()
 
     async def metrics_events(
         self, job_id: str, last_event_id: int | None

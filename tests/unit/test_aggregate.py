@@ -85,7 +85,8 @@ def test_history_is_one_point_per_finished_step_of_the_latest_attempt():
     records = [step("b", 1, 1, 1.0, loss=9.0, attempt=1)]  # an attempt that failed
     records += [step("a", 0, i, 10.0 + i, attempt=2) for i in range(1, 4)]
     records += [step("b", 1, i, 10.5 + i, loss=5.0 - i, attempt=2) for i in (1, 2, 2, 3)]
-    points = history(records, "j")
+    records.append(step("b", 1, 4, 20.0, loss=0.5, attempt=1))  # late, of the failed one
+    points = history(iter(records), "j")  # a record at a time, as the stream is read
     assert [p.step for p in points] == [1, 2, 3]
     assert [p.loss for p in points] == [4.0, 3.0, 2.0]
 
