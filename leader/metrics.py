@@ -119,7 +119,10 @@ def _online(fellow: FellowRecord) -> bool:
 
 # --- fellows -------------------------------------------------------------------------------
 
-FELLOW_LABELS = ("fellow", "host")
+# A fellow's series are labelled by its id alone: its host name and version (a fellow's
+# claims, which it may change at every heartbeat) are in one info series each, so a fellow
+# that changes them churns one series, not every one it has.
+FELLOW_LABELS = ("fellow",)
 
 FELLOW_SERIES: tuple[Series[FellowRecord], ...] = (
     Series("swarm_fellow_up", "1 while the fellow is not offline, else 0", _online),
@@ -189,7 +192,7 @@ HARDWARE_SERIES: tuple[Series[FellowRecord], ...] = (
     ),
 )
 
-GPU_LABELS = ("fellow", "host", "gpu", "uuid")
+GPU_LABELS = ("fellow", "gpu")  # the GPU's uuid and model: swarm_fellow_gpu_info
 Gpu = tuple[FellowRecord, GpuInfo]
 
 GPU_SERIES: tuple[Series[Gpu], ...] = (
@@ -222,12 +225,21 @@ GPU_SERIES: tuple[Series[Gpu], ...] = (
 
 
 def _fellow_labels(fellow: FellowRecord) -> list[str]:
-    return [fellow.fellow_id, fellow.hostname]
+    return [fellow.fellow_id]
 
 
 def _gpu_labels(gpu: Gpu) -> list[str]:
     fellow, info = gpu
-    return [fellow.fellow_id, fellow.hostname, str(info.index), info.uuid]
+    return [fellow.fellow_id, str(info.index)]
+
+
+def _gpus(fellow: FellowRecord) -> list[GpuInfo]:
+    """A fellow's GPUs, one per index (the first reported): a snapshot that repeats an
+    index would make two samples of one series."""
+    by_index: dict[int, GpuInfo] = {}
+    for gpu in fellow.hardware.gpus:
+        by_index.setdefault(gpu.index, gpu)
+    return [by_index[i] for i in sorted(by_index)]
 
 
 def fellow_families(fellows: list[FellowRecord], counts: dict[str, int]) -> Iterator[Metric]:
@@ -249,22 +261,24 @@ def fellow_families(fellows: list[FellowRecord], counts: dict[str, int]) -> Iter
         lambda f: f.status.value,
     )
     info = InfoMetricFamily(
-        "swarm_fellow", "The fellow's agent version", labels=[*FELLOW_LABELS, "version"]
+        "swarm_fellow",
+        "The fellow's agent version and host name",
+        labels=[*FELLOW_LABELS, "version", "host"],
     )
     for fellow in fellows:
-        info.add_metric([*_fellow_labels(fellow), fellow.version], {})
+        info.add_metric([*_fellow_labels(fellow), fellow.version, fellow.hostname], {})
     yield info
     for series in FELLOW_SERIES:
         yield series.family(fellows, FELLOW_LABELS, _fellow_labels)
     online = [f for f in fellows if _online(f)]
     for series in HARDWARE_SERIES:
         yield series.family(online, FELLOW_LABELS, _fellow_labels)
-    gpus = [(f, gpu) for f in online for gpu in f.hardware.gpus]
+    gpus = [(f, gpu) for f in online for gpu in _gpus(f)]
     gpu_info = InfoMetricFamily(
-        "swarm_fellow_gpu", "The GPU's model name", labels=[*GPU_LABELS, "model"]
+        "swarm_fellow_gpu", "The GPU's uuid and model name", labels=[*GPU_LABELS, "uuid", "model"]
     )
     for gpu in gpus:
-        gpu_info.add_metric([*_gpu_labels(gpu), gpu[1].name], {})
+        gpu_info.add_metric([*_gpu_labels(gpu), gpu[1].uuid, gpu[1].name], {})
     yield gpu_info
     for series in GPU_SERIES:
         yield series.family(gpus, GPU_LABELS, _gpu_labels)

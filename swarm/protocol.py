@@ -74,9 +74,13 @@ class Message(msgspec.Struct, kw_only=True, gc=False):
 # --- hardware -------------------------------------------------------------------------------
 
 
+# NVML's id of a GPU (GPU-8c1f...) or of a MIG instance (MIG-...): no spaces, no controls.
+GpuUuid = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9/_.:-]{0,127}$")]
+
+
 class GpuInfo(msgspec.Struct, kw_only=True, gc=False):
     index: Annotated[int, msgspec.Meta(ge=0, lt=MAX_GPUS)]
-    uuid: Name
+    uuid: GpuUuid
     name: Name
     memory_total_bytes: Bytes
     memory_free_bytes: Bytes

@@ -18,7 +18,7 @@ from silentswarm.jobspec import JobSpec
 from silentswarm.leader import balance, decide
 from silentswarm.leader.aggregate import RateMeter
 from silentswarm.leader.jobs import JobManager
-from silentswarm.leader.metrics import loop_failure_family
+from silentswarm.leader.metrics import fellow_families, loop_failure_family
 from silentswarm.leader.orchestrator import PROGRESS_MAX_BYTES
 from silentswarm.leader.placement import place
 from silentswarm.leader.registry import FellowRegistry
@@ -27,6 +27,7 @@ from silentswarm.protocol import (
     MIN_COMPUTE_SPEED,
     FellowIdentity,
     FellowStatus,
+    GpuInfo,
     HardwareSnapshot,
     Heartbeat,
     Progress,
@@ -289,3 +290,27 @@ def test_a_fellows_words_reach_the_leaders_log_escaped_and_cut(caplog):
     for line in lines:
         assert "\n" not in line and "\x1b" not in line and len(line) < 1000, line[:200]
     assert loggable("é\u202eok", 2) == "é\\u202e..."
+
+
+def gpu(index: int, uuid: str) -> GpuInfo:
+    return GpuInfo(
+        index=index,
+        uuid=uuid,
+        name="T",
+        memory_total_bytes=GIB,
+        memory_free_bytes=GIB,
+        memory_used_bytes=0,
+    )
+
+
+def test_a_gpu_uuid_is_a_word_and_a_repeated_index_makes_no_second_sample():
+    hb = topics.HEARTBEAT.decode(heartbeat("a", 10.0))
+    hb.hardware.gpus = [gpu(0, "GPU 0\x1b[2J")]
+    with pytest.raises(ProtocolError, match="uuid"):
+        topics.HEARTBEAT.decode(topics.encode(hb))
+    hb.hardware.gpus = [gpu(0, f"GPU-{i}") for i in range(3)]
+    registry = FellowRegistry(heartbeat_interval_s=1, offline_after_s=3, leader_version="1")
+    registry.heartbeat(topics.HEARTBEAT.decode(topics.encode(hb)))
+    families = list(fellow_families(registry.list(), registry.counts()))
+    used = [f for f in families if f.name == "swarm_fellow_gpu_memory_used_bytes"]
+    assert [s.labels for s in used[0].samples] == [{"fellow": "a", "gpu": "0"}]

@@ -277,8 +277,8 @@ def test_the_populated_state_exports_each_kind_of_series(scrape, exported):
         for family in text_string_to_metric_families(text)
         for s in family.samples
     }
-    fellow = (("fellow", "gpu-1"), ("host", "host-a"))
-    gpu = (("fellow", "gpu-1"), ("gpu", "0"), ("host", "host-a"), ("uuid", "GPU-0000"))
+    fellow = (("fellow", "gpu-1"),)
+    gpu = (("fellow", "gpu-1"), ("gpu", "0"))
     job = (("job_id", job_id),)
     assert samples[("swarm_fellows", (("status", "training"),))] == 1
     assert samples[("swarm_fellows", (("status", "offline"),))] == 0
@@ -287,6 +287,16 @@ def test_the_populated_state_exports_each_kind_of_series(scrape, exported):
     assert samples[("swarm_fellow_cpu_load_ratio", fellow)] == 0.25
     assert samples[("swarm_fellow_gpu_memory_used_bytes", gpu)] == 4 << 30
     assert samples[("swarm_fellow_gpu_utilization_ratio", gpu)] == 0.55
+    # What a fellow claims of itself (host name, version, GPU uuid and model): one info
+    # series each, so a fellow that changes them churns one series, not all of its own.
+    info = [labels for name, labels in samples if name == "swarm_fellow_info"]
+    assert [dict(labels)["host"] for labels in info if dict(labels)["fellow"] == "gpu-1"] == [
+        "host-a"
+    ]
+    gpu_info = (*gpu, ("model", "Test GPU"), ("uuid", "GPU-0000"))
+    assert samples[("swarm_fellow_gpu_info", tuple(sorted(gpu_info)))] == 1
+    hosted = {name for name, labels in samples if "host" in dict(labels)}
+    assert hosted == {"swarm_fellow_info"}
     assert samples[("swarm_job_state", (*job, ("state", "RUNNING")))] == 1
     assert samples[("swarm_job_state", (*job, ("state", "PENDING")))] == 0
     assert samples[("swarm_job_step", job)] == 5
