@@ -105,7 +105,8 @@ def next_pair(
     hold it back), share a pool and a version, are on different hosts, at least one
     advertises a data address another machine can reach
     (:func:`silentswarm.hosts.routable_endpoint`: it binds),
-    their link is not measured either way, was recorded ``stale_after_s`` before
+    their link is not measured either way (or only by a job's report, not a probe), was
+    recorded ``stale_after_s`` before
     ``wall_now`` (the wall clock; None: no link is old) or is marked for a recheck
     (``MeasuredLink.recheck``: a job's boundary found it far slower than the probe that
     agreed on it), and it was not tried (``tried``:
@@ -119,9 +120,11 @@ def next_pair(
     held = held_back or {}
 
     def current(link: MeasuredLink) -> bool:
-        """Measured, not to be measured again yet: recorded less than ``stale_after_s`` ago
-        and not marked for a recheck (a job found it far slower than its probe)."""
-        if link.recheck:
+        """Measured, not to be measured again yet: agreed by both ends of a probe (a job's
+        report alone is its upstream stage's word: a probe measures the pair once both are
+        idle, and its figures replace the report's), recorded less than ``stale_after_s``
+        ago, and not marked for a recheck (a job found it far slower than its probe)."""
+        if link.recheck or not link.probed:
             return False
         return wall_now is None or link.current(wall_now, stale_after_s)
 

@@ -57,7 +57,7 @@ def fellow(
     )
 
 
-LINK = MeasuredLink(mbit_s=100.0, rtt_ms=10.0)
+LINK = MeasuredLink(mbit_s=100.0, rtt_ms=10.0, probed=True)
 
 
 def book(*pairs: tuple[str, str]) -> LinkBook:
@@ -277,8 +277,8 @@ def test_probes_are_off_at_zero():
 
 
 def test_a_link_recorded_a_day_ago_is_measured_again():
-    old = MeasuredLink(mbit_s=100.0, rtt_ms=10.0, measured_at=NOW - LINK_STALE_S)
-    recent = MeasuredLink(mbit_s=100.0, rtt_ms=10.0, measured_at=NOW - 60)
+    old = MeasuredLink(mbit_s=100.0, rtt_ms=10.0, measured_at=NOW - LINK_STALE_S, probed=True)
+    recent = MeasuredLink(mbit_s=100.0, rtt_ms=10.0, measured_at=NOW - 60, probed=True)
     idle = [fellow("f1"), fellow("f2")]
     recent_book = LinkBook({("f1", "f2"): recent})
     assert next_pair(idle, recent_book, {}, now=NOW, wall_now=NOW)[0] is None
@@ -289,6 +289,18 @@ def test_a_link_recorded_a_day_ago_is_measured_again():
     # Old links do not count towards a fellow's LINKS_WANTED: f1's are all old.
     many_old = LinkBook({("f1", f"x{i}"): old for i in range(LINKS_WANTED)})
     assert next_pair(idle, many_old, {}, now=NOW, wall_now=NOW)[0] is not None
+
+
+def test_a_link_only_a_job_reported_is_probed_once_both_ends_are_idle():
+    """A job's report is its upstream stage's word alone: a fellow claimed 10 Pbit/s to a
+    pair never probed, which kept it current for a day and drew placement to it. The pair
+    is probed (and its probe's figures replace the claim, test_registry's)."""
+    claim = MeasuredLink(mbit_s=1e10, rtt_ms=0.0, measured_at=NOW - 60)
+    idle = [fellow("f1"), fellow("f2")]
+    plan, _ = next_pair(idle, LinkBook({("f1", "f2"): claim}), {}, now=NOW, wall_now=NOW)
+    assert plan is not None and {plan.binder, plan.connector} == {"f1", "f2"}
+    claims = LinkBook({("f1", f"x{i}"): claim for i in range(LINKS_WANTED)})
+    assert next_pair(idle, claims, {}, now=NOW, wall_now=NOW)[0] is not None, "none counts"
 
 
 def test_a_measured_pair_waits_before_it_is_probed_again():
@@ -317,12 +329,13 @@ def registry_of(*fellows: str, now: list[float]) -> FellowRegistry:
 def test_the_registry_keeps_a_links_time_until_its_figures_change():
     now = [1000.0]
     registry = registry_of("up", now=now)
-    registry.record_link("up", "down", LINK)
+    reported = MeasuredLink(mbit_s=100.0, rtt_ms=10.0)  # a job's boundary's
+    registry.record_link("up", "down", reported)
     assert registry.links["up", "down"].measured_at == 1000.0
     now[0] = 2000.0
-    registry.record_link("up", "down", LINK)  # a stage repeats its figures: no new time
+    registry.record_link("up", "down", reported)  # a stage repeats its figures: no new time
     assert registry.links["up", "down"].measured_at == 1000.0
-    registry.record_link("up", "down", LINK, fresh=True)  # a probe measured them again
+    registry.record_link("up", "down", reported, fresh=True)  # measured again
     assert registry.links["up", "down"].measured_at == 2000.0
     now[0] = 3000.0
     registry.record_link("up", "down", MeasuredLink(mbit_s=50.0, rtt_ms=10.0))
