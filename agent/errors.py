@@ -104,6 +104,15 @@ class ForwardRefusedError(RingChangeError):
     code = ErrorCode.FORWARD_REFUSED
 
 
+class SuccessorStalledError(RingChangeError):
+    """A ring member could not hand the donor's state on at a ring change: its successor
+    took no more of it within the deadline (a receiver that grants no credit, or grants it
+    too slowly, stalls its sender). The leader treats both the member's and the successor's
+    replicas as lost (it cannot tell which of the two lies)."""
+
+    code = ErrorCode.SUCCESSOR_STALLED
+
+
 class StageFailedError(SwarmError):
     """A stage started by :mod:`silentswarm.agent.runtime.launch` exited non-zero or did not
     finish."""

@@ -48,7 +48,7 @@ from silentswarm.leader.placement import (
 from silentswarm.leader.refill import joined_rings
 from silentswarm.leader.replica_groups import range_sync_bits, rounds_per_step
 from silentswarm.plan import RingChange, StagePlan, Transport
-from silentswarm.rings import build_rings, fellow_ports, ports_needed, prev_member
+from silentswarm.rings import build_rings, fellow_ports, next_member, ports_needed, prev_member
 from silentswarm.types.jobs import JobRecord
 from silentswarm.types.links import MeasuredLink
 from silentswarm.types.views import StageProgress
@@ -185,12 +185,15 @@ def accused_replica(job: JobRecord, replica: int, code: str | None) -> int | Non
     """The replica that ``replica``'s refusal at a ring change accuses, which the leader
     drops with ``replica``'s (it cannot tell which of the two lies): the donor of the
     current rings for DONOR_REFUSED (their state was refused), the member before
-    ``replica`` in them for FORWARD_REFUSED (what it forwarded as that state was). None for
-    any other outcome, a member not in the current rings, or one accusing itself."""
+    ``replica`` in them for FORWARD_REFUSED (what it forwarded as that state was), the
+    member after it for SUCCESSOR_STALLED (it took no more of the state). None for any other
+    outcome, a member not in the current rings, or one accusing itself."""
     if code == ErrorCode.DONOR_REFUSED:
         accused = job.ring_donor
     elif code == ErrorCode.FORWARD_REFUSED and replica in job.ring_members:
         accused = prev_member(job.ring_members, replica)
+    elif code == ErrorCode.SUCCESSOR_STALLED and replica in job.ring_members:
+        accused = next_member(job.ring_members, replica)
     else:
         return None
     return None if accused == replica else accused

@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 
 CONTROL_BACKLOG = 64  # control messages kept for the handshake; older ones are dropped
 DROP_LOG_EVERY_S = 5.0
+# The slowest a receiver may take a frame (1 Mbit/s): a frame's send is given its timeout
+# plus its size at this rate, however the credit trickles in.
+MIN_SEND_BYTES_PER_S = 128 << 10
 MAX_PARTS = 64  # parts in one frame
 MAX_FRAME_BYTES = 1 << 30  # the largest frame a receiver allocates for (a peer cannot ask more)
 TICK_S = 0.25  # how often a link looks whether it must probe its peer
@@ -674,16 +677,25 @@ class RelayLink:
 
     # --- sending (caller thread) ----------------------------------------------------------
 
-    def _wait_credit(self, timeout_s: float) -> None:
+    def _wait_credit(self, timeout_s: float, deadline: float) -> None:
         """Until the next chunk is within the window: the first ``window`` chunks need no
-        grant; each grant allows one more. Called with ``_cv`` held."""
+        grant; each grant allows one more. At most ``timeout_s``, and not past ``deadline``
+        (the frame's, on the monotonic clock). Called with ``_cv`` held."""
         if self._next_seq < self._window + self._peer_granted:
             return
+        left = deadline - time.monotonic()
         self._waiting_credit = True
         try:
             if not self._cv.wait_for(
-                lambda: self._next_seq < self._window + self._peer_granted, timeout_s
+                lambda: self._next_seq < self._window + self._peer_granted,
+                max(0.0, min(timeout_s, left)),
             ):
+                if left < timeout_s:
+                    raise PeerTimeoutError(
+                        f"{self.name}: the receiver took the frame at under "
+                        f"{MIN_SEND_BYTES_PER_S >> 10} KiB/s (its credit came too slowly)"
+                        f"{self._drops_note()}"
+                    )
                 raise PeerTimeoutError(
                     f"{self.name}: the receiver granted no credit for {timeout_s:.0f}s"
                     f"{self._drops_note()}"
@@ -693,8 +705,11 @@ class RelayLink:
 
     def send(self, parts: Sequence[bytes | memoryview], timeout_s: float = 60.0) -> None:
         """Send a frame: chunked from its parts (each chunk copied once, into its message),
-        each chunk waiting for credit up to ``timeout_s``. Returns once every chunk is made
-        and queued: the loop thread publishes them (the caller may reuse ``parts`` at once)."""
+        each chunk waiting for credit up to ``timeout_s``, the whole frame no longer than
+        ``timeout_s`` plus its size at :data:`MIN_SEND_BYTES_PER_S` (a receiver that grants
+        a chunk just before each timeout would hold a large frame's sender for hours).
+        Returns once every chunk is made and queued: the loop thread publishes them (the
+        caller may reuse ``parts`` at once)."""
         views = frame_views(parts)
         size = sum(v.nbytes for v in views)
         if size > self._max_frame_bytes:
@@ -704,9 +719,10 @@ class RelayLink:
             )
         chunks = chunk_frame(views, self._chunk)
         with self._send_lock:
+            deadline = time.monotonic() + timeout_s + size / MIN_SEND_BYTES_PER_S
             for index, pieces in enumerate(chunks):
                 with self._cv:
-                    self._wait_credit(timeout_s)
+                    self._wait_credit(timeout_s, deadline)
                 seq = self._next_seq
                 payload = self._send_auth.data(seq, index, len(chunks), size, pieces)
                 self._retained.append((seq, payload))

@@ -71,7 +71,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from silentswarm import subjects
-from silentswarm.agent.errors import ForwardRefusedError, FrameError, LinkError, PeerTimeoutError
+from silentswarm.agent.errors import (
+    ForwardRefusedError,
+    FrameError,
+    LinkError,
+    PeerTimeoutError,
+    SuccessorStalledError,
+)
 from silentswarm.agent.pipe.base import Parts
 from silentswarm.agent.pipe.link import (
     CurveKeys,
@@ -663,7 +669,7 @@ class ReplicaSync:
                     direction=Direction.FWD,
                     phase=STATE_PHASE,
                 )
-                self.down.send(self.signer.sign(parts), timeout_s=timeout_s)
+                self._hand_on(self.signer.sign(parts), change, timeout_s)
             return matrix
         assert self.up is not None and self.down is not None
         deadline = time.monotonic() + timeout_s
@@ -680,8 +686,21 @@ class ReplicaSync:
                 break
         matrix = np.array(frame.array, dtype=np.float32)
         if next_member(self.members, self.replica) != change.donor:
-            self.down.send(parts, timeout_s=timeout_s)
+            self._hand_on(parts, change, timeout_s)
         return matrix
+
+    def _hand_on(self, parts: Parts, change: RingChange, timeout_s: float) -> None:
+        """Send the state to the successor; a SuccessorStalledError naming it where it takes
+        no more of it within ``timeout_s`` (the leader drops both: a successor that withheld
+        credit used to cost its honest sender alone its replica)."""
+        assert self.down is not None
+        try:
+            self.down.send(parts, timeout_s=timeout_s)
+        except PeerTimeoutError as exc:
+            successor = next_member(self.members, self.replica)
+            raise SuccessorStalledError(
+                f"{exc} (handing the state on to replica {successor}, ring epoch {change.epoch})"
+            ) from None
 
     def _donor_state(
         self, parts: Parts, change: RingChange, shape: tuple[int, ...]
@@ -855,12 +874,13 @@ class ReplicaSync:
         )
         return parts
 
-    def _send(self, parts: Parts) -> None:
+    def _send(self, parts: Parts, timeout_s: float) -> None:
         assert self.down is not None
         try:
-            self.down.send(parts, timeout_s=self.plan.train.sync_timeout_s)
+            self.down.send(parts, timeout_s=timeout_s)
         except PeerTimeoutError as exc:  # the successor stalls: it will miss this round
-            log.warning("%s", exc)
+            if self._drop_logs.allow("stalled") is not None:
+                log.warning("%s", exc)
 
     def _gather(self, round_id: int, matrix: np.ndarray) -> dict[int, np.ndarray]:
         """Every member's contribution to ``round_id`` that arrives in time, by origin."""
@@ -872,7 +892,7 @@ class ReplicaSync:
         n = len(self.members)
         if n == 1:  # a ring of one: nothing to send, nobody to wait for
             return got
-        self._send(self.signer.sign(own))
+        self._send(self.signer.sign(own), self.plan.train.sync_timeout_s)
         successor = next_member(self.members, self.replica)
         pending = list(self._early.pop(round_id, {}).values())
         wait_s = self.plan.train.sync_timeout_s
@@ -889,8 +909,8 @@ class ReplicaSync:
                 continue
             if origin < 0:  # a later round's: the predecessor has moved on
                 break
-            if origin != successor:
-                self._send(parts)
+            if origin != successor:  # forwards wait no longer than the round does
+                self._send(parts, max(0.001, deadline - time.monotonic()))
         return got
 
     def _recv(self, deadline: float) -> Parts | None:

@@ -11,7 +11,13 @@ import msgspec
 import numpy as np
 import pytest
 
-from silentswarm.agent.errors import ForwardRefusedError, FrameError, HandshakeError
+from silentswarm.agent.errors import (
+    ForwardRefusedError,
+    FrameError,
+    HandshakeError,
+    PeerTimeoutError,
+    SuccessorStalledError,
+)
 from silentswarm.agent.pipe.wire import Direction, encode_frame
 from silentswarm.agent.runtime import replicas
 from silentswarm.agent.runtime.replicas import (
@@ -481,6 +487,28 @@ def test_refused_sync_frames_are_logged_at_most_every_few_seconds(caplog):
         assert second.clipped == 50
         lines = [r for r in caplog.records if "dropped a sync frame" in r.getMessage()]
         assert len(lines) == 1
+    finally:
+        closed(members)
+
+
+def test_a_successor_that_takes_no_more_of_the_state_is_named_by_its_sender(monkeypatch):
+    """A successor that grants no credit (or too slowly) stalls the donor's hand-over: the
+    sender names it (SUCCESSOR_STALLED), so the leader drops both, not the sender alone."""
+    members = opened(ring_plans(3))
+    try:
+        donor = members[0]
+        change = RingChange(epoch=1, members=[0, 1, 2], donor=0, at_step=4, rings=[donor.ring])
+
+        def stalled(parts, timeout_s):
+            raise PeerTimeoutError("the receiver granted no credit for 30s")
+
+        monkeypatch.setattr(donor.down, "send", stalled)
+        donor.members, donor.epoch = [0, 1, 2], 1
+        state = np.zeros((2, ROW), dtype=np.float32)
+        with pytest.raises(SuccessorStalledError) as raised:
+            donor.hand_over(change, state, state.shape, timeout_s=30)
+        assert raised.value.code == ErrorCode.SUCCESSOR_STALLED
+        assert "handing the state on to replica 1, ring epoch 1" in raised.value.message
     finally:
         closed(members)
 

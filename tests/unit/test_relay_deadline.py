@@ -1,0 +1,79 @@
+"""A relay frame's send has a deadline of its own: a receiver that grants one chunk of
+credit just before each chunk's timeout cannot hold its sender for hours."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from silentswarm.agent.errors import PeerTimeoutError
+from silentswarm.agent.pipe import relay
+from silentswarm.agent.pipe.relay import RelayLink
+from silentswarm.agent.pipe.relaymsg import Credit
+from silentswarm.agent.pipe.wire import Direction, encode_frame
+from silentswarm.compression import parse_wire_codec
+
+
+def ten_chunks() -> list:
+    _, parts = encode_frame(
+        np.zeros((10 * 256, 64), np.float32),  # 640 KiB: ten chunks of 64 KiB
+        parse_wire_codec("none"),
+        job="j",
+        attempt=1,
+        step=0,
+        micro=0,
+        direction=Direction.FWD,
+        phase="sync",
+    )
+    return parts
+
+
+def test_a_receiver_dripping_credit_is_a_timeout_at_the_frames_deadline(nats_server, monkeypatch):
+    monkeypatch.setattr(relay, "MIN_SEND_BYTES_PER_S", 1 << 20)  # 640 KiB: 0.6 s beside 1 s
+    link = RelayLink(
+        name="honest -> dripping",
+        nats=nats_server.url,
+        send_subject="t.fwd",
+        recv_subject="t.bwd",
+        chunk_bytes=64 * 1024,
+        window=2,
+    )
+    stop = threading.Event()
+
+    def drip() -> None:  # one chunk of credit every 0.8 s: under the 1 s per chunk
+        granted = 0
+        while not stop.wait(0.8):
+            granted += 1
+            link._on_credit(Credit(serial=granted, granted=granted, acked=0))
+
+    dripper = threading.Thread(target=drip, daemon=True)
+    dripper.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(PeerTimeoutError, match="under 1024 KiB/s"):
+            link.send(ten_chunks(), timeout_s=1.0)
+        # before: 8 grants x 0.8 s = 6.4 s and no error; now its deadline, 1.6 s
+        assert time.monotonic() - started < 3.0
+    finally:
+        stop.set()
+        dripper.join(5)
+        link.close()
+
+
+def test_a_receiver_that_grants_nothing_is_a_timeout_per_chunk(nats_server):
+    link = RelayLink(
+        name="honest -> silent",
+        nats=nats_server.url,
+        send_subject="t2.fwd",
+        recv_subject="t2.bwd",
+        chunk_bytes=64 * 1024,
+        window=2,
+    )
+    try:
+        with pytest.raises(PeerTimeoutError, match="granted no credit for 1s"):
+            link.send(ten_chunks(), timeout_s=1.0)
+    finally:
+        link.close()
