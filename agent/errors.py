@@ -104,6 +104,12 @@ class ForwardRefusedError(RingChangeError):
     code = ErrorCode.FORWARD_REFUSED
 
 
+class SlowReceiverError(PeerTimeoutError):
+    """The receiver granted credit, but so slowly that a frame ran past its deadline (its
+    timeout plus its size at the relay's slowest rate). Not an accusation: an honest sender
+    on a slow uplink sees credit come as slowly."""
+
+
 class SuccessorStalledError(RingChangeError):
     """A ring member could not hand the donor's state on at a ring change: its successor
     took no more of it within the deadline (a receiver that grants no credit, or grants it

@@ -142,6 +142,7 @@ class StageRun:
         # (stream, line) for every line the runtime writes that is not an event: shipped to
         # the leader with the agent's own logs.
         self.on_output = on_output or (lambda _stream, _line: None)
+        self.last_stderr = ""  # the runtime's last line on stderr (cut), as it was read
         self.proc: asyncio.subprocess.Process | None = None
         self.stopping: str | None = None  # why we stopped it, when we did
         self.last_step: StepEvent | None = None
@@ -311,6 +312,8 @@ class StageRun:
                     except OSError as exc:
                         log.error("%s: cannot write %s any more: %s", self.job_id, out.name, exc)
                         out = _closed(out)
+                if line.strip():
+                    self.last_stderr = line.strip()[:500]  # the outcome's, whatever the file
                 if line:
                     self.on_output("stderr", line)
         finally:
@@ -355,7 +358,7 @@ class StageRun:
             result, message = StageResult.STOPPED, self.stopping
         else:
             result, error_code = StageResult.FAILED, self.error_code
-            last_line = _last_line(self.stderr_path)
+            last_line = self.last_stderr or _last_line(self.stderr_path)
             if killed is not None and self.error is None:
                 why, error_code = killed
                 if last_line:

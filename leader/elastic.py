@@ -194,6 +194,8 @@ def accused_replica(job: JobRecord, replica: int, code: str | None) -> int | Non
         accused = prev_member(job.ring_members, replica)
     elif code == ErrorCode.SUCCESSOR_STALLED and replica in job.ring_members:
         accused = next_member(job.ring_members, replica)
+        if accused == job.ring_donor:  # the member before the donor hands nothing on
+            return None
     else:
         return None
     return None if accused == replica else accused

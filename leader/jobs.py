@@ -610,7 +610,12 @@ class JobManager:
         self.lose_stage(job.job_id, fellow_id, reason)
         if other is not None and job.state is JobState.RUNNING:
             # One of the two lies about the state handed over: neither is kept.
-            self.lose_stage(job.job_id, other, f"{reason} (the state it sent was refused)")
+            why = (
+                "it took no more of the state handed to it"
+                if outcome.code == ErrorCode.SUCCESSOR_STALLED
+                else "the state it sent was refused"
+            )
+            self.lose_stage(job.job_id, other, f"{reason} ({why})")
         return job
 
     def record_late_outcome(self, fellow_id: str, outcome: StageOutcome) -> None:

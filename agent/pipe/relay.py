@@ -32,7 +32,13 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from silentswarm.agent.errors import FrameError, LinkError, PeerTimeoutError, RelayGapError
+from silentswarm.agent.errors import (
+    FrameError,
+    LinkError,
+    PeerTimeoutError,
+    RelayGapError,
+    SlowReceiverError,
+)
 from silentswarm.agent.pipe import relaymsg
 from silentswarm.agent.pipe.base import Parts
 
@@ -691,7 +697,7 @@ class RelayLink:
                 max(0.0, min(timeout_s, left)),
             ):
                 if left < timeout_s:
-                    raise PeerTimeoutError(
+                    raise SlowReceiverError(
                         f"{self.name}: the receiver took the frame at under "
                         f"{MIN_SEND_BYTES_PER_S >> 10} KiB/s (its credit came too slowly)"
                         f"{self._drops_note()}"

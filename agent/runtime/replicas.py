@@ -76,6 +76,7 @@ from silentswarm.agent.errors import (
     FrameError,
     LinkError,
     PeerTimeoutError,
+    SlowReceiverError,
     SuccessorStalledError,
 )
 from silentswarm.agent.pipe.base import Parts
@@ -321,6 +322,7 @@ def donor_refusal(
     moments: Sequence[tuple[int, int]] = (),
     anchors: Sequence[tuple[int, int]] = (),
     moment_bound: float = math.inf,
+    counts: Sequence[int] = (),
     steps_done: int | None = None,
 ) -> str | None:
     """Why a member refuses a donor's ring state ``theirs`` (None: it takes it).
@@ -336,16 +338,16 @@ def donor_refusal(
     step, where they are equal). A member checks each class against its own: the weights
     and the anchors within :data:`MAX_DONOR_DISTANCE`, the rest of the float state (the
     moments, the outer momentum) within :data:`MAX_STATE_DISTANCE`, the integer state (the
-    optimizer's step count) equal. Whoever takes it, the step count lies between 0 and
-    ``steps_done`` (the steps the job has trained when the state changes hands; None:
-    unbounded): AdamW divides by ``1 - beta ** (count + 1)``, which a count of -1 makes 0,
-    and a joiner has no count of its own to compare. Pure."""
+    optimizer's step count) equal. Whoever takes it, the optimizer's step count (at the
+    positions ``counts``) lies between 0 and ``steps_done`` (the steps the job has trained
+    when the state changes hands; None: unbounded): AdamW divides by
+    ``1 - beta ** (count + 1)``, which a count of -1 makes 0, and a joiner has no count of
+    its own to compare. Pure."""
     bad = sum(1 for a in theirs if a.dtype.kind == "f" and not np.isfinite(a).all())
     if bad:
         return f"{bad} of its arrays hold values that are not finite"
-    counts = [a for a in theirs[n_weights:] if a.dtype.kind in "iu"]
     high = math.inf if steps_done is None else steps_done
-    if any(a.size and (a.min() < 0 or a.max() > high) for a in counts):
+    if any(theirs[i].size and (theirs[i].min() < 0 or theirs[i].max() > high) for i in counts):
         return (
             f"its optimizer's step count is outside 0 to {high} (the steps done when the "
             "state changes hands)"
@@ -691,11 +693,15 @@ class ReplicaSync:
 
     def _hand_on(self, parts: Parts, change: RingChange, timeout_s: float) -> None:
         """Send the state to the successor; a SuccessorStalledError naming it where it takes
-        no more of it within ``timeout_s`` (the leader drops both: a successor that withheld
-        credit used to cost its honest sender alone its replica)."""
+        none of it for ``timeout_s`` (the leader drops both: a successor that withheld credit
+        used to cost its honest sender alone its replica). Credit that comes too slowly for
+        the frame's deadline is no accusation (a slow uplink looks the same from here): a
+        PeerTimeoutError, which costs this member its replica."""
         assert self.down is not None
         try:
             self.down.send(parts, timeout_s=timeout_s)
+        except SlowReceiverError:
+            raise
         except PeerTimeoutError as exc:
             successor = next_member(self.members, self.replica)
             raise SuccessorStalledError(
@@ -909,8 +915,8 @@ class ReplicaSync:
                 continue
             if origin < 0:  # a later round's: the predecessor has moved on
                 break
-            if origin != successor:  # forwards wait no longer than the round does
-                self._send(parts, max(0.001, deadline - time.monotonic()))
+            if origin != successor:
+                self._send(parts, self.plan.train.sync_timeout_s)
         return got
 
     def _recv(self, deadline: float) -> Parts | None:

@@ -30,12 +30,15 @@ class RingState:
     """One ring's share of a stage's state: ``variables``, the first ``n_weights`` of them
     its trainable weights; ``moments``: ``(position of AdamW's first moment of a weight,
     position of its second)``; ``anchors``: ``(position of a DiLoCo anchor, position of its
-    weight)``: what a member checks a donor's state with, class by class."""
+    weight)``; ``counts``: the position of the optimizer's step count (other integer state,
+    a dropout layer's seed, is no count): what a member checks a donor's state with, class
+    by class."""
 
     variables: list[Any]
     n_weights: int
     moments: tuple[tuple[int, int], ...] = ()
     anchors: tuple[tuple[int, int], ...] = ()
+    counts: tuple[int, ...] = ()
 
 
 def _ring_of(at: int, rings: Sequence[SyncRing]) -> int:
@@ -125,6 +128,7 @@ def ring_states(model: StageModel, rings: Sequence[SyncRing]) -> list[RingState]
                 anchors=tuple(
                     (i, at[anchor_of[id(v)]]) for i, v in enumerate(variables) if id(v) in anchor_of
                 ),
+                counts=tuple(at[k] for k in (id(model.optimizer.iterations),) if k in at),
             )
         )
     return out

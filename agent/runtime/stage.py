@@ -1085,6 +1085,7 @@ class StageRunner:
             moments=state.moments,
             anchors=state.anchors,
             moment_bound=adam_moment_bound(float(optimizer.beta_1), float(optimizer.beta_2)),
+            counts=state.counts,
             steps_done=change.at_step,
         )
         if why is not None:

@@ -377,7 +377,8 @@ def test_a_refused_donor_is_lost_with_the_member_that_refused_it():
         ("FORWARD_REFUSED", [0, 1], 0, 3, None),  # not a member of the rings
         ("FORWARD_REFUSED", [], None, 1, None),  # no ring change recorded
         ("SUCCESSOR_STALLED", [0, 1, 2], 0, 0, 1),  # the member that took no more of it
-        ("SUCCESSOR_STALLED", [0, 2, 5], 0, 5, 0),  # the last member's: the first
+        ("SUCCESSOR_STALLED", [0, 2, 5], 2, 5, 0),  # the last member's: the first
+        ("SUCCESSOR_STALLED", [0, 2, 5], 0, 5, None),  # it hands nothing on to the donor
         ("SUCCESSOR_STALLED", [0, 1], 0, 3, None),  # not a member of the rings
         ("STAGE_FAILED", [0, 1, 2], 0, 2, None),
         (None, [0, 1, 2], 0, 2, None),

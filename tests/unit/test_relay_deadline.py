@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from silentswarm.agent.errors import PeerTimeoutError
+from silentswarm.agent.errors import PeerTimeoutError, SlowReceiverError
 from silentswarm.agent.pipe import relay
 from silentswarm.agent.pipe.relay import RelayLink
 from silentswarm.agent.pipe.relaymsg import Credit
@@ -53,7 +53,7 @@ def test_a_receiver_dripping_credit_is_a_timeout_at_the_frames_deadline(nats_ser
     dripper.start()
     started = time.monotonic()
     try:
-        with pytest.raises(PeerTimeoutError, match="under 1024 KiB/s"):
+        with pytest.raises(SlowReceiverError, match="under 1024 KiB/s"):
             link.send(ten_chunks(), timeout_s=1.0)
         # before: 8 grants x 0.8 s = 6.4 s and no error; now its deadline, 1.6 s
         assert time.monotonic() - started < 3.0
@@ -73,7 +73,8 @@ def test_a_receiver_that_grants_nothing_is_a_timeout_per_chunk(nats_server):
         window=2,
     )
     try:
-        with pytest.raises(PeerTimeoutError, match="granted no credit for 1s"):
+        with pytest.raises(PeerTimeoutError, match="granted no credit for 1s") as raised:
             link.send(ten_chunks(), timeout_s=1.0)
+        assert not isinstance(raised.value, SlowReceiverError)
     finally:
         link.close()

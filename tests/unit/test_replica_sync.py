@@ -16,6 +16,7 @@ from silentswarm.agent.errors import (
     FrameError,
     HandshakeError,
     PeerTimeoutError,
+    SlowReceiverError,
     SuccessorStalledError,
 )
 from silentswarm.agent.pipe.wire import Direction, encode_frame
@@ -509,6 +510,13 @@ def test_a_successor_that_takes_no_more_of_the_state_is_named_by_its_sender(monk
             donor.hand_over(change, state, state.shape, timeout_s=30)
         assert raised.value.code == ErrorCode.SUCCESSOR_STALLED
         assert "handing the state on to replica 1, ring epoch 1" in raised.value.message
+
+        def slow(parts, timeout_s):  # credit came, too slowly: a slow uplink looks the same
+            raise SlowReceiverError("the receiver took the frame at under 128 KiB/s")
+
+        monkeypatch.setattr(donor.down, "send", slow)
+        with pytest.raises(SlowReceiverError):
+            donor.hand_over(change, state, state.shape, timeout_s=30)
     finally:
         closed(members)
 
@@ -693,7 +701,9 @@ def test_a_member_refuses_a_donor_whose_step_count_is_not_its_own():
 )
 def test_a_donors_step_count_lies_between_0_and_the_steps_done(count, joining, steps_done, refused):
     own, n_weights, moments, _ = donor_state()
-    theirs = [*own[:-1], np.array([count], dtype=np.int64)]
+    # A dropout layer's seed state is integer state too, and no count: never bounded.
+    seed = np.array([987_654_321, 40], dtype=np.int64)
+    theirs = [*own[:-1], seed, np.array([count], dtype=np.int64)]
     if not joining:
         own = theirs  # a member whose own count is the same: only the bounds can refuse
     why = donor_refusal(
@@ -701,6 +711,7 @@ def test_a_donors_step_count_lies_between_0_and_the_steps_done(count, joining, s
         None if joining else own,
         n_weights=n_weights,
         moments=moments,
+        counts=(len(theirs) - 1,),
         steps_done=steps_done,
     )
     assert (why is not None) == refused, why

@@ -264,6 +264,7 @@ def test_a_stderr_line_past_the_pipes_limit_neither_stops_the_reading_nor_fills_
     assert kept.startswith(b"first words\n") and len(kept) <= 50_000
     assert kept.endswith(b"the rest is not kept here]\n")
     assert outcome.result is StageResult.FAILED
+    assert outcome.message == "Traceback: boom (exit 1)", "the last line, not the file's note"
 
 
 def test_read_lines_gives_every_byte_in_order_past_the_limit():
