@@ -180,7 +180,7 @@ def test_a_sender_that_ignores_credit_cannot_queue_frames_without_bound(nats_ser
     """Window 2, at most 1 unread frame: whatever a sender that never waits for credit
     sends, the receiver holds what its grants allowed and drops the rest, counted."""
     a, b = relay_pair(nats_server.url, token=TOKEN, window=2, max_frames=1)
-    a._wait_credit = lambda timeout_s: None  # a peer that ignores the protocol
+    a._wait_credit = lambda timeout_s, deadline: None  # a peer that ignores the protocol
     try:
         for step in range(40):
             a.send(frame(step, shape=(4, 64)), timeout_s=10)  # one chunk each
