@@ -31,16 +31,21 @@ def ten_chunks() -> list:
     return parts
 
 
-def test_a_receiver_dripping_credit_is_a_timeout_at_the_frames_deadline(nats_server, monkeypatch):
-    monkeypatch.setattr(relay, "MIN_SEND_BYTES_PER_S", 1 << 20)  # 640 KiB: 0.6 s beside 1 s
-    link = RelayLink(
-        name="honest -> dripping",
-        nats=nats_server.url,
-        send_subject="t.fwd",
-        recv_subject="t.bwd",
+def sender(nats_url: str, subject: str) -> RelayLink:
+    """A relay link's sending end, chunks of 64 KiB, two of them without credit."""
+    return RelayLink(
+        name=f"honest -> {subject}",
+        nats=nats_url,
+        send_subject=f"{subject}.fwd",
+        recv_subject=f"{subject}.bwd",
         chunk_bytes=64 * 1024,
         window=2,
     )
+
+
+def test_a_receiver_dripping_credit_is_a_timeout_at_the_frames_deadline(nats_server, monkeypatch):
+    monkeypatch.setattr(relay, "MIN_SEND_BYTES_PER_S", 1 << 20)  # 640 KiB: 0.6 s beside 1 s
+    link = sender(nats_server.url, "dripping")
     stop = threading.Event()
 
     def drip() -> None:  # one chunk of credit every 0.8 s: under the 1 s per chunk
@@ -64,14 +69,7 @@ def test_a_receiver_dripping_credit_is_a_timeout_at_the_frames_deadline(nats_ser
 
 
 def test_a_receiver_that_grants_nothing_is_a_timeout_per_chunk(nats_server):
-    link = RelayLink(
-        name="honest -> silent",
-        nats=nats_server.url,
-        send_subject="t2.fwd",
-        recv_subject="t2.bwd",
-        chunk_bytes=64 * 1024,
-        window=2,
-    )
+    link = sender(nats_server.url, "silent")
     try:
         with pytest.raises(PeerTimeoutError, match="granted no credit for 1s") as raised:
             link.send(ten_chunks(), timeout_s=1.0)
