@@ -112,9 +112,10 @@ class SlowReceiverError(PeerTimeoutError):
 
 class SuccessorStalledError(RingChangeError):
     """A ring member could not hand the donor's state on at a ring change: its successor
-    took no more of it within the deadline (a receiver that grants no credit, or grants it
-    too slowly, stalls its sender). The leader treats both the member's and the successor's
-    replicas as lost (it cannot tell which of the two lies)."""
+    took none of it for the timeout (a receiver that grants no credit stalls its sender;
+    one that grants it too slowly is a :class:`SlowReceiverError`, no accusation). The
+    leader treats both the member's and the successor's replicas as lost (it cannot tell
+    which of the two lies)."""
 
     code = ErrorCode.SUCCESSOR_STALLED
 

@@ -117,8 +117,8 @@ class ErrorCode(StrEnum):
     # a ring member refused the donor's state as its predecessor forwarded it at a ring change
     # (malformed, of the wrong shape, unsigned or signed by another than the donor)
     FORWARD_REFUSED = "FORWARD_REFUSED"
-    # a ring member's successor took no more of the state it handed on at a ring change
-    # (it granted no credit, or so slowly that the send ran past its deadline)
+    # a ring member's successor took none of the state it handed on at a ring change for the
+    # timeout (it granted no credit)
     SUCCESSOR_STALLED = "SUCCESSOR_STALLED"
     LINK_FAILED = "LINK_FAILED"
     PEER_TIMEOUT = "PEER_TIMEOUT"

@@ -45,7 +45,7 @@ from silentswarm.agent.pipe.base import Parts
 log = logging.getLogger(__name__)
 
 CONTROL_BACKLOG = 64  # control messages kept for the handshake; older ones are dropped
-DROP_LOG_EVERY_S = 5.0
+DROP_LOG_EVERY_S = 5.0  # what a peer sends that is dropped: a log line every 5 s at most
 # The slowest a receiver may take a frame (1 Mbit/s): a frame's send is given its timeout
 # plus its size at this rate, however the credit trickles in.
 MIN_SEND_BYTES_PER_S = 128 << 10

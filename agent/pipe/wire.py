@@ -582,22 +582,24 @@ def frame_header(parts: Sequence[Any]) -> FrameHeader:
     return _parse_header(view)
 
 
-def decode_frame(parts: Sequence[Any], *, vocab_size: int | None = None) -> Frame:
+def decode_frame(
+    parts: Sequence[Any], *, vocab_size: int | None = None, header: FrameHeader | None = None
+) -> Frame:
     """Decode ``[header, payload(, scales)(, targets)]`` into a :class:`Frame`.
 
     Parts may be bytes, bytearray, memoryview or pyzmq Frames (anything with ``.buffer``). For
     ``none`` the array is a (possibly read-only) view of the payload buffer, not a copy; the
     targets are always a read-only view of their part. With ``vocab_size`` a target id outside
-    the vocabulary is refused. Any inconsistency raises FrameError, never another exception
-    type.
+    the vocabulary is refused. ``header``: the one :func:`frame_header` parsed from these
+    parts already (it is not parsed again). Any inconsistency raises FrameError, never
+    another exception type.
     """
+    if header is None:
+        header = frame_header(parts)
     try:
         views = [_as_bytes_view(p) for p in parts]
     except (TypeError, ValueError) as exc:
         raise FrameError(f"frame part is not a contiguous byte buffer: {exc}") from None
-    if not views:
-        raise FrameError("empty frame: no header part")
-    header = _parse_header(views[0])
     codec = _header_codec(header)
     impl = _CODECS[codec.kind]
     shape = header.shape

@@ -88,7 +88,7 @@ from silentswarm.agent.pipe.link import (
     accept_upstream,
     connect_downstream,
 )
-from silentswarm.agent.pipe.relay import MAX_FRAME_BYTES
+from silentswarm.agent.pipe.relay import DROP_LOG_EVERY_S, MAX_FRAME_BYTES
 from silentswarm.agent.pipe.wire import (
     Direction,
     Frame,
@@ -132,7 +132,6 @@ JOIN_TIMEOUT_S = 600.0
 BIND_RETRY_S = 10.0
 STATE_PHASE = "state"
 NO_CODEC = parse_wire_codec("none")  # the state travels lossless, whatever sync_compression
-DROP_LOG_EVERY_S = 5.0  # refused or stray frames: a log line of them every 5 s at most
 
 RelayOpener = Callable[[], RelayLink]
 
@@ -735,7 +734,7 @@ class ReplicaSync:
             )
         if signature is not None and not self.signer.signed_by(change.donor, body, signature):
             raise FrameError(f"{name}: a state replica {change.donor} (the donor) did not sign")
-        return self._decoded(body)
+        return self._decoded(body, header)
 
     def _header_ours(self, parts: Parts) -> FrameHeader | None:
         """The header of a frame from the predecessor, or None (dropped and counted) for one
@@ -757,12 +756,12 @@ class ReplicaSync:
             return None
         return header
 
-    def _decoded(self, parts: Parts) -> Frame:
-        """The frame whose header :meth:`_header_ours` admitted; FrameError, naming the link,
-        for a payload that does not decode."""
+    def _decoded(self, parts: Parts, header: FrameHeader) -> Frame:
+        """The frame whose ``header`` :meth:`_header_ours` admitted; FrameError, naming the
+        link, for a payload that does not decode."""
         assert self.up is not None
         try:
-            return decode_frame(parts)
+            return decode_frame(parts, header=header)
         except FrameError as exc:
             raise FrameError(f"{self.up.name}: {exc}") from None
 
@@ -880,10 +879,10 @@ class ReplicaSync:
         )
         return parts
 
-    def _send(self, parts: Parts, timeout_s: float) -> None:
+    def _send(self, parts: Parts) -> None:
         assert self.down is not None
         try:
-            self.down.send(parts, timeout_s=timeout_s)
+            self.down.send(parts, timeout_s=self.plan.train.sync_timeout_s)
         except PeerTimeoutError as exc:  # the successor stalls: it will miss this round
             if self._drop_logs.allow("stalled") is not None:
                 log.warning("%s", exc)
@@ -898,7 +897,7 @@ class ReplicaSync:
         n = len(self.members)
         if n == 1:  # a ring of one: nothing to send, nobody to wait for
             return got
-        self._send(self.signer.sign(own), self.plan.train.sync_timeout_s)
+        self._send(self.signer.sign(own))
         successor = next_member(self.members, self.replica)
         pending = list(self._early.pop(round_id, {}).values())
         wait_s = self.plan.train.sync_timeout_s
@@ -916,7 +915,7 @@ class ReplicaSync:
             if origin < 0:  # a later round's: the predecessor has moved on
                 break
             if origin != successor:
-                self._send(parts, self.plan.train.sync_timeout_s)
+                self._send(parts)
         return got
 
     def _recv(self, deadline: float) -> Parts | None:
@@ -980,7 +979,7 @@ class ReplicaSync:
         if origin in got:
             return self._reject(f"a second round {round_id} contribution of replica {origin}")
         try:
-            frame = self._decoded(body)
+            frame = self._decoded(body, header)
         except FrameError as exc:
             return self._reject(str(exc))
         got[origin] = np.asarray(frame.array, dtype=np.float32)

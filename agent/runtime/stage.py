@@ -53,6 +53,7 @@ from silentswarm.agent.pipe.base import Parts
 from silentswarm.agent.pipe.link import CurveKeys, Link, RelayLink, TransportKind, accept_upstream
 from silentswarm.agent.pipe.link import connect_downstream as open_downstream
 from silentswarm.agent.pipe.probe import ChainBack
+from silentswarm.agent.pipe.relay import DROP_LOG_EVERY_S
 from silentswarm.agent.pipe.wire import (
     Direction,
     Frame,
@@ -128,8 +129,6 @@ from silentswarm.types.stage import (
 )
 
 log = logging.getLogger(__name__)
-# Stray frames (another job's or attempt's) from a peer: a log line of them every 5 s at most.
-DROP_LOG_EVERY_S = 5.0
 MESSAGE_CHARS = 4096  # a failed checkpoint's message, cut to fit the event's bound
 BUSY_SAMPLES_KEPT = 20  # per micro-batch count: the median of the latest steps' work
 Emit = Callable[[StageEvent], None]
@@ -254,7 +253,7 @@ class Boundary:
                     f"expected {['any' if d is None else d for d in shape]}"
                 )
             try:
-                frame = decode_frame(parts, vocab_size=self.vocab_size)
+                frame = decode_frame(parts, vocab_size=self.vocab_size, header=header)
             except FrameError as exc:
                 raise FrameError(f"{self.name}: {exc}") from None
             if direction is Direction.FWD and frame.targets is None:

@@ -436,9 +436,9 @@ def test_a_contribution_is_refused_on_its_header_before_its_payload_is_decoded(m
         decoded: list[int] = []
         real = replicas.decode_frame
 
-        def spy(parts):
+        def spy(parts, **given):
             decoded.append(len(parts))
-            return real(parts)
+            return real(parts, **given)
 
         monkeypatch.setattr(replicas, "decode_frame", spy)
 
