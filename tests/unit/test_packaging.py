@@ -34,12 +34,15 @@ def test_the_package_list_names_every_package_folder_under_its_mapped_name():
         if not (root / "__init__.py").is_file():
             found.add(name)  # a namespace portion (the old layout's agent/main.py)
             continue
-        for init in root.rglob("__init__.py"):
-            rel = init.parent.relative_to(root).parts
-            if not any(part.startswith((".", "__")) for part in rel):
+        # Every folder Python could import, code or data (the Ops UI, the bootstrap script):
+        # setuptools warns of one it was not told of, and would leave its files out.
+        for folder in (root, *(p for p in root.rglob("*") if p.is_dir())):
+            rel = folder.relative_to(root).parts
+            if all(part.isidentifier() and not part.startswith("__") for part in rel):
                 found.add(".".join((name, *rel)))
     # A folder mapped on its own (silentswarm.leader) is not also a subpackage of its parent.
     assert set(config["packages"]) == found
+    assert set(config["package-data"]) <= found
 
 
 def test_one_import_package_and_the_old_agent_entry_point_only():
