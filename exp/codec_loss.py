@@ -291,7 +291,15 @@ def main() -> None:
     configure_tensorflow(intra_op_threads=2)
     if args.quick:
         model = ModelConfig(n_layers=2, d_model=64, n_heads=4, seq_len=32)
-        base = TrainConfig(steps=4, batch_size=8, max_data_bytes=500_000, val_batches=2)
+        # A smoke run of the loss arms compiles nothing (about 24 XLA programs over 3 arms);
+        # --fidelity keeps XLA: its unrounded arm must repeat its gradients exactly.
+        base = TrainConfig(
+            steps=4,
+            batch_size=8,
+            max_data_bytes=500_000,
+            val_batches=2,
+            jit_compile=bool(args.fidelity),
+        )
     else:
         model = ModelConfig(n_layers=4, d_model=256, n_heads=8, seq_len=128)
         base = TrainConfig(steps=args.steps, batch_size=16, warmup_steps=20, val_batches=64)

@@ -111,14 +111,15 @@ def serve_text(procs, base: Path, adapter: Path, body: dict) -> str:
 
 
 def test_a_lora_job_adapts_an_export_and_its_adapter_applies_to_that_base_only(
-    procs, nats_server, leader, tmp_path
+    procs, nats_server, leader, tmp_path, glued_model
 ):
+    from silentswarm.agent.runtime.glue import glue
+
+    other = glued_model.parent  # another job's export (glued): the wrong base; read-only
     agents(procs, nats_server, "l1", "l2")
     wait_ready(leader, "l1", "l2")
     a = leader.submit(**tiny(name="base", steps=60, stages=2))["job_id"]
-    other = leader.submit(**tiny(name="other", steps=5, stages=2, seed=7))["job_id"]
     base_job = leader.wait_job(a, "COMPLETED", timeout=150)
-    other_job = leader.wait_job(other, "COMPLETED", timeout=150)
 
     spec = tiny(
         name="lora",
@@ -144,9 +145,7 @@ def test_a_lora_job_adapts_an_export_and_its_adapter_applies_to_that_base_only(
             "lora_" in n or n.startswith("optimizer/") for n in arrays.files
         )
 
-    for job in (base, Path(other_job["export_dir"])):
-        done = tool("silentswarm.agent.runtime.glue", "--export-dir", str(job), "--data", *NEW_DATA)
-        assert done.returncode == 0, done.stderr
+    glue(base, data=NEW_DATA)  # the glue command line is tested below, with --base
     # It learned the new text: its validation loss there (the same held-out windows) against
     # the base's before it.
     before = json.loads((base / "full_model" / "inference_manifest.json").read_text())["val_loss"]
@@ -177,7 +176,7 @@ def test_a_lora_job_adapts_an_export_and_its_adapter_applies_to_that_base_only(
         "--export-dir",
         str(adapter),
         "--base",
-        other_job["export_dir"],
+        str(other),
         "--out",
         str(tmp_path / "wrong"),
     )
@@ -204,9 +203,7 @@ def test_a_lora_job_adapts_an_export_and_its_adapter_applies_to_that_base_only(
         ("silentswarm.agent.runtime.generate", ["--prompt", "x"]),
         ("silentswarm.agent.serve", ["--port", "0"]),
     ):
-        refused = tool(
-            module, "--model-dir", str(other_job["export_dir"]), "--adapter", str(adapter), *extra
-        )
+        refused = tool(module, "--model-dir", str(other), "--adapter", str(adapter), *extra)
         assert refused.returncode == 2, refused.stderr
         assert f"was trained on job {a}'s export" in refused.stderr
         assert "Traceback" not in refused.stderr

@@ -42,6 +42,7 @@ def test_a_balanced_job_gives_the_faster_fellow_more_layers_and_trains(
         batch_size=8,
         micro_batches=2,
         steps=12,
+        jit_compile=False,  # placement is tested here, not XLA (test_jobs' TINY says why)
     )["job_id"]
     job = leader.wait_job(job_id, "COMPLETED", timeout=180)
     # 3x the speed: 5 of the 6 layers (5/3 against the slow one's 1 layer and the head).
@@ -71,6 +72,7 @@ def test_a_balanced_job_gives_the_faster_fellow_more_layers_and_trains(
         batch_size=8,
         micro_batches=2,
         steps=2,
+        jit_compile=False,
     )["job_id"]
     assert sorted(layers_of(leader.wait_job(equal, "COMPLETED", timeout=120)).values()) == [3, 3]
 

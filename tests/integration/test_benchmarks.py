@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,19 +20,49 @@ from tests.helpers import BENCH, REPO, bench_module, child_env, shaped_paths_una
 pytestmark = pytest.mark.integration
 
 
+def run_script(script: Path, *args: str, timeout: float) -> list[str]:
+    """``script args`` run to its end; its stdout's lines. Its temporary files (a
+    benchmark's work folder, which it keeps for a user to read) go to a folder of the test's,
+    removed after; a run that fails or outlasts ``timeout`` says what its stages last wrote."""
+    with tempfile.TemporaryDirectory(prefix="bench-", ignore_cleanup_errors=True) as scratch:
+        try:
+            out = subprocess.run(
+                [sys.executable, str(script), *args],
+                cwd=REPO,
+                env=child_env(TF_CPP_MIN_LOG_LEVEL="2", TMPDIR=scratch),
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+            )
+        except subprocess.TimeoutExpired as exc:
+            printed = exc.stdout or b""  # bytes whatever ``text`` says (subprocess.run)
+            if isinstance(printed, bytes):
+                printed = printed.decode(errors="replace")
+            printed = printed[-2000:]
+            pytest.fail(
+                f"{script.name} still running after {timeout:.0f}s; it printed:\n{printed}"
+                f"{stage_tails(Path(scratch))}"
+            )
+        assert out.returncode == 0, (
+            f"{script.name} exited {out.returncode}:\n{out.stderr[-3000:]}"
+            f"{stage_tails(Path(scratch))}"
+        )
+    return out.stdout.strip().splitlines()
+
+
+def stage_tails(scratch: Path, chars: int = 1500) -> str:
+    """The end of each stage's stderr under ``scratch`` (run_plans' ``stage-*.err``)."""
+    tails = [
+        f"\n--- {err.relative_to(scratch)}:\n{err.read_text(errors='replace')[-chars:]}"
+        for err in sorted(scratch.rglob("stage-*.err"))
+    ]
+    return "".join(tails)
+
+
 def run_quick(name: str, *args: str, timeout: float = 240.0) -> dict[str, Any]:
     """Run ``exp/bench/<name>.py --quick [args]``; its last stdout line, parsed."""
-    out = subprocess.run(
-        [sys.executable, str(BENCH / f"{name}.py"), "--quick", *args],
-        cwd=REPO,
-        env=child_env(TF_CPP_MIN_LOG_LEVEL="2"),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    assert out.returncode == 0, f"{name} exited {out.returncode}:\n{out.stderr[-3000:]}"
-    lines = out.stdout.strip().splitlines()
+    lines = run_script(BENCH / f"{name}.py", "--quick", *args, timeout=timeout)
     assert lines, f"{name} printed nothing"
     figures = json.loads(lines[-1])
     assert isinstance(figures, dict)
@@ -207,17 +239,8 @@ def test_stagestart_benchmark_quick():
 
 def run_codec_loss(*args: str, timeout: float) -> list[dict[str, Any]]:
     """``exp/codec_loss.py --quick [args]``: its stdout's JSON lines."""
-    out = subprocess.run(
-        [sys.executable, str(REPO / "exp" / "codec_loss.py"), "--quick", *args],
-        cwd=REPO,
-        env=child_env(TF_CPP_MIN_LOG_LEVEL="2"),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return [json.loads(line) for line in out.stdout.strip().splitlines()]
+    lines = run_script(REPO / "exp" / "codec_loss.py", "--quick", *args, timeout=timeout)
+    return [json.loads(line) for line in lines]
 
 
 @pytest.mark.timeout(200)
@@ -262,17 +285,8 @@ def test_codec_loss_experiment_quick():
 def test_overlap_loss_experiment_quick():
     """exp/overlap_loss.py: the delayed update and the predicted one each against ``sync``
     of the same rate and seed; all three train differently from the same start."""
-    out = subprocess.run(
-        [sys.executable, str(REPO / "exp" / "overlap_loss.py"), "--quick"],
-        cwd=REPO,
-        env=child_env(TF_CPP_MIN_LOG_LEVEL="2"),
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    *rows, summary = [json.loads(line) for line in out.stdout.strip().splitlines()]
+    lines = run_script(REPO / "exp" / "overlap_loss.py", "--quick", timeout=180)
+    *rows, summary = [json.loads(line) for line in lines]
     losses = {r["mode"]: r["val_loss"] for r in rows}
     assert sorted(losses) == ["delay", "predict", "sync"] and all(map(positive, losses.values()))
     assert len(set(losses.values())) == 3, losses

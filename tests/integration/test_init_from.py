@@ -62,7 +62,7 @@ def test_a_job_starts_from_a_finished_jobs_export_on_new_data(procs, nats_server
         **tiny(
             name="by-dir",
             steps=2,
-            stages=2,
+            stages=1,  # the export's own stages' shards, per stage: test_adapters' LoRA job
             init_from=f"export:{directory.relative_to(export_root)}",
         )
     )

@@ -373,6 +373,7 @@ def test_probed_links_steer_the_first_balanced_job_off_a_slow_link(procs, tmp_pa
             batch_size=8,
             micro_batches=2,
             steps=4,
+            jit_compile=False,  # placement is tested here, not XLA
         )["job_id"]
         job = leader.wait_job(job_id, "COMPLETED", timeout=150)
     assert all(link["mbit_s"] < 2.5 for link in probed.values()), probed
@@ -417,6 +418,7 @@ def test_probed_links_keep_each_diloco_replica_on_one_site(procs, tmp_path):
             batch_size=8,  # a step's 0.26 Mbit of activations: 0.013 s across
             micro_batches=2,
             steps=10,
+            jit_compile=False,
         )["job_id"]
         job = leader.wait_job(job_id, "COMPLETED", timeout=150)
     assert probed.keys() == across, "a pair on one site is not probed"

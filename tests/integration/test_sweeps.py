@@ -104,7 +104,11 @@ def test_suite_dry_run_says_what_cpu_fellows_lack_a_busy_cluster_refuses_and_a_r
     assert any(line.startswith("constrained-network: needs 2 fellows on 2 hosts") for line in lines)
     assert len(lines) == 4
 
-    job_id = leader.submit(**{**TINY, "name": "hog", "steps": 100_000, "stages": 2})["job_id"]
+    # A job waiting for a third fellow holds the cluster as a running one would (PENDING
+    # counts as busy) and trains nothing meanwhile.
+    hog = {**TINY, "name": "hog", "steps": 100_000, "stages": 3}
+    job_id = leader.submit(**{**hog, "model": {**TINY["model"], "n_layers": 3}})["job_id"]
+    assert leader.job(job_id)["state"] == "PENDING"
     try:
         busy = run_suite(leader, "--out", str(tmp_path / "bench"))
         assert busy.returncode == 1, busy.stdout + busy.stderr
