@@ -17,6 +17,7 @@ No TensorFlow: only numpy and ``tokenizers`` (imported when a BPE is used).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterable
 from pathlib import Path
@@ -110,8 +111,10 @@ class BpeTokenizer:
         table = self._bytes_table()
         return table[token] if 0 <= token < len(table) else b""
 
-    @property
+    @functools.cached_property
     def max_token_bytes(self) -> int:
+        """The longest token's bytes (a scan of the vocabulary, once: the server asks it of
+        every request)."""
         return max((len(b) for b in self._bytes_table()), default=1)
 
     def _bytes_table(self) -> list[bytes]:

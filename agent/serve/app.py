@@ -3,7 +3,8 @@
 - ``POST /v1/completions``: a completion, or with ``"stream": true`` server-sent events
   (``data: <chunk>`` lines, then ``data: [DONE]``), in the OpenAI API's shape;
 - ``GET /v1/models``: the one model served;
-- ``GET /health``: 200 once the model is loaded (no token);
+- ``GET /health``: 200 once the model is loaded (no token; with it, the model's name and
+  the running and waiting requests too);
 - ``GET /metrics``: Prometheus.
 
 Every route but ``/health`` needs ``Authorization: Bearer <token>``. Errors are the OpenAI
@@ -21,7 +22,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 from litestar import Litestar, Request, Response, get, post
@@ -65,6 +66,12 @@ class Served:
     metrics: ServeMetrics
     token: str
     created: int
+    token_bytes: bytes = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # ASCII only (main checks it): a header's value is read as latin-1, so a token
+        # beyond ASCII could never be matched, and one that does not encode fails every call.
+        self.token_bytes = self.token.encode("ascii")
 
 
 @dataclass
@@ -226,8 +233,17 @@ def _authorize(request: Request) -> None:
     scheme, _, given = header.partition(" ")
     if not header or scheme.lower() != "bearer" or not given.strip():
         raise ServeAuthError("send the API token: 'Authorization: Bearer <token>'")
-    if not hmac.compare_digest(given.strip().encode(), _served(request).token.encode()):
+    sent = given.strip().encode("utf-8", errors="replace")
+    if not hmac.compare_digest(sent, _served(request).token_bytes):
         raise ServeAuthError("the API token is wrong")
+
+
+def _authorized(request: Request) -> bool:
+    try:
+        _authorize(request)
+    except ServeAuthError:
+        return False
+    return True
 
 
 @post("/v1/completions", status_code=200)
@@ -319,6 +335,10 @@ async def models(request: Request) -> ModelList:
 
 @get("/health")
 async def health(request: Request) -> dict[str, object]:
+    """Up or not, to anyone (a load balancer's check); what it serves and how busy it is,
+    only to a caller with the token."""
+    if not _authorized(request):
+        return {"status": "ok"}
     served = _served(request)
     running, waiting = served.engine.counts
     return {"status": "ok", "model": served.name, "running": running, "waiting": waiting}
@@ -331,35 +351,51 @@ async def metrics(request: Request) -> Response:
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
-def _swarm_error(request: Request, exc: SwarmError) -> Response:
-    if exc.http_status < 500:
-        _served(request).metrics.requests.labels(str(exc.http_status)).inc()
-    else:
-        log.error("%s: %s", exc.code, exc.message)
-    param = getattr(exc, "param", None)
-    body = error_body(exc.http_status, exc.message, str(exc.code), param)
-    headers = {"WWW-Authenticate": "Bearer"} if exc.http_status == 401 else None
+# What a refused or failed request is told beyond its body: how to authenticate, when to
+# come back.
+_ERROR_HEADERS = {401: {"WWW-Authenticate": "Bearer"}, 429: {"Retry-After": "1"}}
+
+
+def _error(request: Request, status: int, body: msgspec.Struct) -> Response:
+    """An error answer, counted under its status."""
+    _served(request).metrics.requests.labels(str(status)).inc()
     return Response(
         msgspec.json.encode(body),
-        status_code=exc.http_status,
-        headers=headers,
+        status_code=status,
+        headers=_ERROR_HEADERS.get(status),
         media_type="application/json",
     )
 
 
-def _http_error(_: Request, exc: HTTPException) -> Response:
+def _swarm_error(request: Request, exc: SwarmError) -> Response:
+    if exc.http_status >= 500:
+        log.error("%s: %s", exc.code, exc.message)
+    param = getattr(exc, "param", None)
+    body = error_body(exc.http_status, exc.message, str(exc.code), param)
+    return _error(request, exc.http_status, body)
+
+
+def _http_error(request: Request, exc: HTTPException) -> Response:
     code = ErrorCode.NOT_FOUND if exc.status_code == 404 else ErrorCode.SWARM_ERROR
-    body = error_body(exc.status_code, str(exc.detail), str(code))
-    return Response(
-        msgspec.json.encode(body), status_code=exc.status_code, media_type="application/json"
-    )
+    return _error(request, exc.status_code, error_body(exc.status_code, str(exc.detail), str(code)))
+
+
+def _unexpected(request: Request, exc: Exception) -> Response:
+    """A bug: logged with its traceback, answered in the API's shape without its details."""
+    log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    message = "the server failed on this request (its log has the error)"
+    return _error(request, 500, error_body(500, message, str(ErrorCode.INTERNAL)))
 
 
 def create_app(served: Served) -> Litestar:
     return Litestar(
         route_handlers=[completions, models, health, metrics],
         state=State({"served": served}),
-        exception_handlers={SwarmError: _swarm_error, HTTPException: _http_error},
+        exception_handlers={
+            SwarmError: _swarm_error,
+            HTTPException: _http_error,
+            Exception: _unexpected,
+        },
         request_max_body_size=MAX_BODY_BYTES,
         openapi_config=None,
     )

@@ -155,7 +155,9 @@ class Engine:
                 self._turn(admitted)
             except Exception as exc:  # a model call failed: every running sequence ends
                 log.exception("the model failed; ending %d running requests", len(self._running))
-                self._end_all(f"{type(exc).__name__}: {exc}".splitlines()[0])
+                # The details are in the log, never in an answer: TensorFlow's first line
+                # names devices, tensors and paths of this machine.
+                self._end_all(f"the model failed ({type(exc).__name__}; the server's log has it)")
         self._end_all("the server is shutting down")
 
     def _admit(self) -> list[Job]:

@@ -68,6 +68,24 @@ def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
+def checked_token(value: str) -> str:
+    """The API token from the environment; ServeError if there is none or it cannot be sent.
+    A client sends it in a header, whose value is read as latin-1: a token of anything but
+    visible ASCII could never match, and every request would get a 401 without a hint."""
+    token = value.strip()
+    if not token:
+        raise ServeError(
+            f"no API token: set {TOKEN_ENV} (swarm serve sets it from --token, "
+            "--token-file or a fresh one it prints)"
+        )
+    if not all("!" <= ch <= "~" for ch in token):
+        raise ServeError(
+            f"the API token in {TOKEN_ENV} has characters a client cannot send in a header: "
+            "use visible ASCII only (no spaces)"
+        )
+    return token
+
+
 def serve(args, token: str) -> None:
     from silentswarm.agent.runtime.generate import load_model
 
@@ -86,6 +104,8 @@ def serve(args, token: str) -> None:
     name = args.name or manifest.name or manifest.job_id
     kind = WindowStepper if args.no_kv_cache else CachedStepper
     stepper = kind(loaded.model, args.slots)
+    # The tokenizer's byte table (built on the first request's event loop otherwise).
+    log.debug("the longest token is %d bytes", loaded.tokenizer.max_token_bytes)
     stepper.start(0, [0])  # trace both calls before the port opens
     stepper.step([0], [0], [1 if manifest.seq_len > 1 else 0])
     engine: Engine
@@ -146,18 +166,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     began = time.monotonic()
     try:
         args = parse(argv)
-        token = os.environ.get(TOKEN_ENV, "").strip()
-        if not token:
-            raise ServeError(
-                f"no API token: set {TOKEN_ENV} (swarm serve sets it from --token, "
-                "--token-file or a fresh one it prints)"
-            )
+        token = checked_token(os.environ.get(TOKEN_ENV, ""))
         require_tensorflow("the completion server")
         serve(args, token)
     except (ServeError, ExtraMissingError) as exc:
         exit_with(PROG, exc.message, 2)
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # TensorFlow, Keras, memory: one line, not a traceback
+        log.debug("the server failed", exc_info=exc)
+        line = str(exc).splitlines()[0] if str(exc) else ""
+        exit_with(PROG, f"{type(exc).__name__}: {line}", 1)
     log.info("stopped after %.0f s", time.monotonic() - began)
     return 0
 

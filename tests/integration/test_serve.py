@@ -26,6 +26,7 @@ from tests.helpers import REPO, Processes, child_env, run_swarm, wait_for
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
 
 TOKEN = "serve-test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
 PROMPTS = ["def ", "import ", "class A", "for i in", "return ", "    if x", "# a", "print("]
 
 
@@ -183,7 +184,8 @@ def test_requests_without_the_token_are_refused(server):
         assert TOKEN not in response.text
     assert server.client.get("/metrics").status_code == 401
     assert server.client.get("/v1/models").status_code == 401
-    assert server.client.get("/health").status_code == 200
+    assert server.client.get("/health").json() == {"status": "ok"}  # up, and nothing more
+    assert server.client.get("/health", headers=AUTH).json()["running"] == 0
 
 
 @pytest.mark.parametrize(
@@ -225,7 +227,7 @@ def test_a_client_that_leaves_frees_its_slot(server):
             assert piece, received
             received += piece
     wait_for(
-        lambda: server.client.get("/health").json()["running"] == 0,
+        lambda: server.client.get("/health", headers=AUTH).json()["running"] == 0,
         timeout=30,
         what="the slot to be freed",
     )

@@ -4,6 +4,7 @@ millisecond a step (what is tested is the serving layer, not the model)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -27,10 +28,16 @@ LONG = 20_000  # tokens per prompt: 20 s a prompt at a millisecond a step
 
 @pytest.fixture
 def server() -> Iterator[tuple[str, Served]]:
+    with serving(SlowStepper(slots=2, vocab=256, seq_len=50_000)) as running:  # bytes
+        yield running
+
+
+@contextlib.contextmanager
+def serving(model: SlowStepper, max_waiting: int = 4) -> Iterator[tuple[str, Served]]:
+    """The real app under uvicorn on a free port, its engine stepping ``model``."""
     engine: Engine | None = None
     metrics = ServeMetrics(model="m", slots=2, kv_cache=True, counts=lambda: engine.counts)
-    model = SlowStepper(slots=2, vocab=256, seq_len=50_000)  # a byte vocabulary
-    engine = Engine(model, max_waiting=4, on_step=metrics.step)
+    engine = Engine(model, max_waiting=max_waiting, on_step=metrics.step)
     served = Served(
         name="m",
         seq_len=model.seq_len,
@@ -76,7 +83,7 @@ def test_a_client_that_hangs_up_frees_its_slots_and_places_at_once(server, strea
     body = {"prompt": ["a", "b", "c", "d"], "max_tokens": LONG, "stream": stream}
     # Four prompts take both slots and two of the four waiting places; generating them would take
     # 40 s. The client hangs up once two run.
-    with httpx.Client(base_url=url) as client:
+    with httpx.Client(base_url=url, headers={"authorization": f"Bearer {TOKEN}"}) as client:
         health = lambda: client.get("/health").json()  # noqa: E731
         sock = send_request(url, body)
         try:

@@ -1,0 +1,120 @@
+"""What the completion server tells a client when something fails, and what it counts: the
+real app under uvicorn (test_serve_disconnect's ``serving``) over stand-in models and
+tokenizers that fail on purpose."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+import numpy as np
+import pytest
+
+from silentswarm.agent.errors import ServeError
+from silentswarm.agent.runtime.tokenizer import ByteTokenizer
+from silentswarm.agent.serve.main import checked_token
+from tests.unit.test_serve_disconnect import TOKEN, serving
+from tests.unit.test_serve_text import SlowStepper
+
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+SECRET = "/srv/models/secret-path"
+
+
+class FailingStepper(SlowStepper):
+    """A model whose every step fails with a message naming a path of this machine."""
+
+    def step(self, slots, tokens, positions) -> np.ndarray:
+        raise RuntimeError(f"OOM when allocating tensor on {SECRET}")
+
+
+class FailingTokenizer(ByteTokenizer):
+    def encode(self, data: bytes) -> np.ndarray:
+        raise RuntimeError(f"cannot read {SECRET}")
+
+
+def counted(served, status: str) -> float:
+    return served.metrics.requests.labels(status)._value.get()
+
+
+def test_health_says_only_up_to_a_stranger_and_how_busy_to_the_tokens_holder():
+    with serving(SlowStepper(slots=2, vocab=256)) as (url, _):
+        assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+        wrong = {"authorization": "Bearer nope"}
+        assert httpx.get(f"{url}/health", headers=wrong).json() == {"status": "ok"}
+        told = httpx.get(f"{url}/health", headers=AUTH).json()
+        assert told == {"status": "ok", "model": "m", "running": 0, "waiting": 0}
+
+
+def test_a_failing_model_is_a_500_that_names_no_detail_of_the_machine():
+    with serving(FailingStepper(slots=2, vocab=256)) as (url, served):
+        body = {"prompt": "abc", "max_tokens": 3}
+        answer = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=30)
+        assert answer.status_code == 500, answer.text
+        message = answer.json()["error"]["message"]
+        assert "the model failed" in message and "RuntimeError" in message
+        assert SECRET not in answer.text and "OOM" not in answer.text
+        assert counted(served, "500") == 1
+
+
+class Kept(logging.Handler):
+    """The records of one logger, kept (Litestar reconfigures the root logger, and with it
+    pytest's caplog handler, when it makes an app)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_a_bug_in_a_handler_is_logged_and_answered_in_the_apis_shape():
+    kept, logger = Kept(), logging.getLogger("silentswarm.agent.serve.app")
+    logger.addHandler(kept)
+    try:
+        with serving(SlowStepper(slots=2, vocab=256)) as (url, served):
+            served.tokenizer = FailingTokenizer()
+            body = {"prompt": "abc", "max_tokens": 3}
+            answer = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=30)
+            assert answer.status_code == 500, answer.text
+            error = answer.json()["error"]
+            assert error["code"] == "INTERNAL" and "log has the error" in error["message"]
+            assert SECRET not in answer.text
+            assert counted(served, "500") == 1
+    finally:
+        logger.removeHandler(kept)
+    logged = [r for r in kept.records if r.exc_info and SECRET in str(r.exc_info[1])]
+    assert logged and "POST /v1/completions failed" in logged[0].getMessage()
+
+
+def test_refusals_by_the_framework_are_counted_and_a_full_queue_says_when_to_retry():
+    with serving(SlowStepper(slots=2, vocab=256, seq_len=50_000), max_waiting=1) as running:
+        url, served = running
+        big = b"x" * (5 << 20)
+        answer = httpx.post(f"{url}/v1/completions", content=big, headers=AUTH, timeout=30)
+        assert answer.status_code == 413 and "error" in answer.json()
+        assert counted(served, "413") == 1
+        # Four long prompts: two run, one waits, the fourth finds no place (all rolled back).
+        body = {"prompt": ["a", "b", "c", "d"], "max_tokens": 20_000}
+        busy = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=30)
+        assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
+        assert counted(served, "429") == 1
+
+
+@pytest.mark.parametrize(
+    ("value", "needle"),
+    [
+        ("", "no API token"),
+        ("   ", "no API token"),
+        ("pässwort-of-the-server", "visible ASCII"),
+        ("two words", "visible ASCII"),
+        ("tab\tinside", "visible ASCII"),
+    ],
+)
+def test_a_token_no_client_could_send_is_refused_at_start(value, needle):
+    with pytest.raises(ServeError, match=needle):
+        checked_token(value)
+
+
+def test_a_token_is_taken_without_its_surrounding_whitespace():
+    assert checked_token("  s3cret-Token_~!\n") == "s3cret-Token_~!"
