@@ -27,10 +27,12 @@ from silentswarm.agent.errors import GenerateError, ServeError
 from silentswarm.agent.runtime.tfsetup import require_tensorflow
 from silentswarm.agent.runtime.tool import ToolParser, exit_with
 from silentswarm.errors import ExtraMissingError
+from silentswarm.plan import ModelConfig
 
 PROG = "serve"
 TOKEN_ENV = "SWARM_SERVE_TOKEN"
 MAX_SLOTS = 256
+KV_MEMORY_SHARE = 0.8  # of the memory available at start, the most the KV cache may take
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +88,25 @@ def checked_token(value: str) -> str:
     return token
 
 
+def kv_cache_bytes(model: ModelConfig, slots: int) -> int:
+    """The KV cache's float32 keys and values: every block's, every slot's whole window."""
+    head_dim = model.d_model // model.n_heads
+    return 2 * model.n_layers * slots * model.seq_len * model.kv_heads * head_dim * 4
+
+
+def check_cache_fits(model: ModelConfig, slots: int, available: int) -> None:
+    """ServeError (exit 2) unless the KV cache of ``slots`` takes at most KV_MEMORY_SHARE of
+    the ``available`` memory: a cache the machine cannot hold would end the process at its
+    first full batch, and a service manager would restart it into the same end."""
+    need = kv_cache_bytes(model, slots)
+    if need > KV_MEMORY_SHARE * available:
+        raise ServeError(
+            f"--slots {slots}: the KV cache needs {need / 2**30:.1f} GiB, more than "
+            f"{KV_MEMORY_SHARE:.0%} of the {available / 2**30:.1f} GiB of memory available; "
+            "serve fewer slots, or run with --no-kv-cache"
+        )
+
+
 def serve(args, token: str) -> None:
     from silentswarm.agent.runtime.generate import load_model
 
@@ -93,6 +114,8 @@ def serve(args, token: str) -> None:
         loaded = load_model(args.model_dir, args.adapter)
     except GenerateError as exc:
         raise ServeError(exc.message) from None
+    import psutil
+    import tensorflow as tf
     import uvicorn
 
     from silentswarm.agent.serve.app import Served, create_app
@@ -102,6 +125,9 @@ def serve(args, token: str) -> None:
 
     manifest = loaded.manifest
     name = args.name or manifest.name or manifest.job_id
+    if not args.no_kv_cache and not tf.config.list_physical_devices("GPU"):
+        # (on a GPU the cache is in its memory, which TensorFlow allocates as it goes)
+        check_cache_fits(loaded.model.cfg, args.slots, psutil.virtual_memory().available)
     kind = WindowStepper if args.no_kv_cache else CachedStepper
     stepper = kind(loaded.model, args.slots)
     # The tokenizer's byte table (built on the first request's event loop otherwise).

@@ -12,7 +12,8 @@ import pytest
 
 from silentswarm.agent.errors import ServeError
 from silentswarm.agent.runtime.tokenizer import ByteTokenizer
-from silentswarm.agent.serve.main import checked_token
+from silentswarm.agent.serve.main import check_cache_fits, checked_token, kv_cache_bytes
+from silentswarm.plan import ModelConfig
 from tests.unit.test_serve_disconnect import TOKEN, serving
 from tests.unit.test_serve_text import SlowStepper
 
@@ -118,3 +119,33 @@ def test_a_token_no_client_could_send_is_refused_at_start(value, needle):
 
 def test_a_token_is_taken_without_its_surrounding_whitespace():
     assert checked_token("  s3cret-Token_~!\n") == "s3cret-Token_~!"
+
+
+LLAMA = ModelConfig(n_layers=4, d_model=256, n_heads=8, n_kv_heads=2, seq_len=1024)
+
+
+@pytest.mark.parametrize(
+    ("model", "slots", "expected"),
+    [
+        # 2 (keys, values) x layers x slots x seq_len x kv_heads x head_dim x 4 bytes
+        (
+            ModelConfig(n_layers=2, d_model=64, n_heads=4, seq_len=32),
+            8,
+            2 * 2 * 8 * 32 * 4 * 16 * 4,
+        ),
+        (LLAMA, 1, 2 * 4 * 1 * 1024 * 2 * 32 * 4),  # grouped queries: 2 kv heads, not 8
+        (LLAMA, 256, 256 * 2 * 4 * 1024 * 2 * 32 * 4),
+    ],
+)
+def test_the_kv_cache_bytes_are_every_blocks_keys_and_values_of_every_slots_window(
+    model, slots, expected
+):
+    assert kv_cache_bytes(model, slots) == expected
+
+
+def test_a_kv_cache_the_memory_cannot_hold_is_refused_at_start_naming_the_way_out():
+    need = kv_cache_bytes(LLAMA, 256)  # 512 MiB
+    check_cache_fits(LLAMA, 256, available=need * 2)
+    with pytest.raises(ServeError, match=r"--slots 256: the KV cache needs 0\.5 GiB") as refused:
+        check_cache_fits(LLAMA, 256, available=need)
+    assert "fewer slots" in refused.value.message and "--no-kv-cache" in refused.value.message
