@@ -197,18 +197,41 @@ def pick(
     if temperature < GREEDY_BELOW:
         return int(np.argmax(logits))
     scaled = logits / temperature
+    ids = None  # the candidates' token ids; None: all, in order
     if 0 < top_k < scaled.size:
-        cut = np.partition(scaled, -top_k)[-top_k]
-        scaled = np.where(scaled >= cut, scaled, -np.inf)
+        ids = np.argpartition(scaled, -top_k)[-top_k:]
+        scaled = scaled[ids]
     probs = np.exp(scaled - scaled.max())
     probs /= probs.sum()
     if top_p < 1.0:
-        order = np.argsort(-probs, kind="stable")
-        keep = order[: int(np.searchsorted(np.cumsum(probs[order]), top_p)) + 1]
-        kept = np.zeros_like(probs)
-        kept[keep] = probs[keep]
-        probs = kept / kept.sum()
-    return int(rng.choice(probs.size, p=probs))
+        kept, probs = _nucleus(probs, top_p)
+        ids = kept if ids is None else ids[kept]
+    drawn = rng.choice(probs.size, p=probs)
+    return int(drawn if ids is None else ids[drawn])
+
+
+NUCLEUS_HEAD = 64  # the likeliest sorted first; 8 times as many while their mass falls short
+
+
+def _nucleus(probs: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """The positions in ``probs`` of the smallest set of the likeliest whose mass reaches
+    ``top_p``, and their probabilities renormalised. Sorted only as far as it needs: a 32k
+    vocabulary sorted whole for every token of every request took 3.4 ms, on the engine's
+    one thread (``exp/bench/sampling.py``)."""
+    head = min(probs.size, NUCLEUS_HEAD)
+    while True:
+        if head < probs.size:
+            part = np.argpartition(-probs, head - 1)[:head]
+        else:
+            part = np.arange(probs.size)
+        part = part[np.argsort(-probs[part], kind="stable")]
+        mass = np.cumsum(probs[part])
+        if mass[-1] >= top_p or head == probs.size:
+            break
+        head = min(probs.size, head * 8)
+    keep = part[: int(np.searchsorted(mass, top_p)) + 1]
+    kept = probs[keep]
+    return keep, kept / kept.sum()
 
 
 def generate(

@@ -218,6 +218,14 @@ def test_wan_benchmark_compares_the_overlap_schedule_with_its_synchronous_twin(t
     assert arms["wan100", "overlap"]["val_loss"] == arms["loopback", "overlap"]["val_loss"]
 
 
+def test_sampling_benchmark_quick():
+    figures = run_quick("sampling", "--vocab", "256", "32000", timeout=60)
+    assert figures["bench"] == "sampling" and figures["quick"] is True
+    assert set(figures["ms_per_token"]) == {"256", "32000"}
+    for row in figures["ms_per_token"].values():
+        assert set(row) == {"plain", "top_k_40", "top_p_0.9"} and all(map(positive, row.values()))
+
+
 @pytest.mark.timeout(120)
 def test_tokenizer_benchmark_quick():
     figures = run_quick("tokenizer", timeout=100)
