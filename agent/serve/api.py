@@ -34,10 +34,11 @@ class StreamOptions(msgspec.Struct, kw_only=True, frozen=True):
 class CompletionRequest(msgspec.Struct, kw_only=True, frozen=True):
     prompt: Prompt | Annotated[list[Prompt], msgspec.Meta(min_length=1, max_length=MAX_PROMPTS)]
     model: Annotated[str, msgspec.Meta(max_length=256)] | None = None
-    max_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 16
-    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] = 1.0
-    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)] = 0
+    # An explicit null is the default, as the OpenAI API takes it (some clients send one).
+    max_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] | None = 16
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=2.0)] | None = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)] | None = 0
     stop: StopText | Annotated[list[StopText], msgspec.Meta(max_length=MAX_STOP)] | None = None
     seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
     stream: bool = False
@@ -48,6 +49,11 @@ class CompletionRequest(msgspec.Struct, kw_only=True, frozen=True):
     suffix: None = None
     best_of: Annotated[int, msgspec.Meta(ge=1, le=1)] | None = None
     user: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+
+    def __post_init__(self) -> None:
+        for name, default in _NULL_MEANS_DEFAULT.items():
+            if getattr(self, name) is None:
+                msgspec.structs.force_setattr(self, name, default)
 
     @property
     def prompts(self) -> list[str]:
@@ -64,6 +70,12 @@ class CompletionRequest(msgspec.Struct, kw_only=True, frozen=True):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+# The fields whose null is their default (the rest keep null as a value of its own).
+_NULL_MEANS_DEFAULT = {
+    f.name: f.default
+    for f in msgspec.structs.fields(CompletionRequest)
+    if f.name in ("max_tokens", "temperature", "top_p", "top_k")
+}
 _AT = re.compile(r"at `\$\.([A-Za-z_]+)")
 # Fields of the OpenAI API this server does not do, and what it does instead.
 UNSUPPORTED = {

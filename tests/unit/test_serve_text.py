@@ -92,6 +92,23 @@ def test_a_request_takes_what_the_openai_clients_send():
     assert request.prompts == ["a", "b"] and request.stops == ["\n"] and request.include_usage
 
 
+def test_an_explicit_null_is_the_fields_default_and_a_wrong_value_still_names_it():
+    request = decode_request(
+        b'{"prompt": "x", "max_tokens": null, "temperature": null, "top_p": null,'
+        b' "top_k": null, "seed": null, "stop": null}'
+    )
+    assert (request.max_tokens, request.temperature, request.top_p, request.top_k) == (
+        16,
+        1.0,
+        1.0,
+        0,
+    )
+    assert request.seed is None and request.stops == []
+    with pytest.raises(CompletionError) as raised:
+        decode_request(b'{"prompt": "x", "max_tokens": "many"}')
+    assert raised.value.param == "max_tokens"
+
+
 def test_a_bpe_stream_gives_whole_characters_and_finds_stops_across_tokens():
     from silentswarm.agent.runtime.tokenizer import train_bpe
 
