@@ -197,9 +197,11 @@ def pick(
     if temperature < GREEDY_BELOW:
         return int(np.argmax(logits))
     scaled = logits / temperature
-    ids = None  # the candidates' token ids; None: all, in order
+    # The candidates' ids in the vocabulary's order (None: all), so that a seed draws the
+    # token it drew when the sampler masked the whole vocabulary; ties at the cut are kept.
+    ids = None
     if 0 < top_k < scaled.size:
-        ids = np.argpartition(scaled, -top_k)[-top_k:]
+        ids = np.flatnonzero(scaled >= np.partition(scaled, -top_k)[-top_k])
         scaled = scaled[ids]
     probs = np.exp(scaled - scaled.max())
     probs /= probs.sum()
@@ -221,7 +223,7 @@ def _nucleus(probs: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray]:
     head = min(probs.size, NUCLEUS_HEAD)
     while True:
         if head < probs.size:
-            part = np.argpartition(-probs, head - 1)[:head]
+            part = np.sort(np.argpartition(-probs, head - 1)[:head])  # ties: lower id first
         else:
             part = np.arange(probs.size)
         part = part[np.argsort(-probs[part], kind="stable")]
@@ -229,7 +231,7 @@ def _nucleus(probs: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray]:
         if mass[-1] >= top_p or head == probs.size:
             break
         head = min(probs.size, head * 8)
-    keep = part[: int(np.searchsorted(mass, top_p)) + 1]
+    keep = np.sort(part[: int(np.searchsorted(mass, top_p)) + 1])  # the vocabulary's order
     kept = probs[keep]
     return keep, kept / kept.sum()
 

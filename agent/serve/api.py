@@ -41,10 +41,10 @@ class CompletionRequest(msgspec.Struct, kw_only=True, frozen=True):
     top_k: Annotated[int, msgspec.Meta(ge=0, le=1 << 24)] | None = 0
     stop: StopText | Annotated[list[StopText], msgspec.Meta(max_length=MAX_STOP)] | None = None
     seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, msgspec.Meta(ge=1, le=1)] = 1
-    echo: Literal[False] = False
+    n: Annotated[int, msgspec.Meta(ge=1, le=1)] | None = 1
+    echo: Literal[False] | None = False
     logprobs: None = None
     suffix: None = None
     best_of: Annotated[int, msgspec.Meta(ge=1, le=1)] | None = None
@@ -74,7 +74,7 @@ class CompletionRequest(msgspec.Struct, kw_only=True, frozen=True):
 _NULL_MEANS_DEFAULT = {
     f.name: f.default
     for f in msgspec.structs.fields(CompletionRequest)
-    if f.name in ("max_tokens", "temperature", "top_p", "top_k")
+    if f.name in ("max_tokens", "temperature", "top_p", "top_k", "stream", "n", "echo")
 }
 _AT = re.compile(r"at `\$\.([A-Za-z_]+)")
 # Fields of the OpenAI API this server does not do, and what it does instead.

@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 << 20
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+INTERNAL_MESSAGE = "the server failed on this request (its log has the error)"
 
 
 @dataclass
@@ -316,6 +317,10 @@ async def _events(run: Completions) -> AsyncIterator[bytes]:
     except SwarmError as exc:
         outcome = str(exc.http_status)
         yield _sse(error_body(exc.http_status, exc.message, str(exc.code)))
+    except Exception as exc:  # a bug, after the first byte: no handler sees it any more
+        outcome = "500"
+        log.error("POST /v1/completions failed while streaming", exc_info=exc)
+        yield _sse(error_body(500, INTERNAL_MESSAGE, str(ErrorCode.INTERNAL)))
     finally:
         served.metrics.requests.labels(outcome).inc()
         served.metrics.duration.observe(time.perf_counter() - run.began)
@@ -383,8 +388,7 @@ def _http_error(request: Request, exc: HTTPException) -> Response:
 def _unexpected(request: Request, exc: Exception) -> Response:
     """A bug: logged with its traceback, answered in the API's shape without its details."""
     log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-    message = "the server failed on this request (its log has the error)"
-    return _error(request, 500, error_body(500, message, str(ErrorCode.INTERNAL)))
+    return _error(request, 500, error_body(500, INTERNAL_MESSAGE, str(ErrorCode.INTERNAL)))
 
 
 def create_app(served: Served) -> Litestar:

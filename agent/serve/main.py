@@ -20,6 +20,7 @@ import signal
 import socket
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from silentswarm.agent.runtime.tfsetup import require_tensorflow
 from silentswarm.agent.runtime.tool import ToolParser, exit_with
 from silentswarm.errors import ExtraMissingError
 from silentswarm.plan import ModelConfig
+from silentswarm.ram import memory_budget
 
 PROG = "serve"
 TOKEN_ENV = "SWARM_SERVE_TOKEN"
@@ -70,6 +72,15 @@ def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
+def one_line(exc: BaseException) -> str:
+    """An unexpected error as one line: its type, its message's first line and where it was
+    raised (what a bug report needs, without a traceback on the operator's terminal)."""
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {text}{where}"
+
+
 def checked_token(value: str) -> str:
     """The API token from the environment; ServeError if there is none or it cannot be sent.
     A client sends it in a header, whose value is read as latin-1: a token of anything but
@@ -94,16 +105,25 @@ def kv_cache_bytes(model: ModelConfig, slots: int) -> int:
     return 2 * model.n_layers * slots * model.seq_len * model.kv_heads * head_dim * 4
 
 
+def kv_step_bytes(model: ModelConfig, slots: int) -> int:
+    """What a step of every slot holds beside the cache, at its peak: one block's keys and
+    values gathered for the batch (a copy of its share of the cache), repeated for the query
+    heads they serve (grouped queries) and transposed for the attention."""
+    per_block = kv_cache_bytes(model, slots) // model.n_layers
+    return per_block * (1 + 2 * model.n_heads // model.kv_heads)
+
+
 def check_cache_fits(model: ModelConfig, slots: int, available: int) -> None:
-    """ServeError (exit 2) unless the KV cache of ``slots`` takes at most KV_MEMORY_SHARE of
-    the ``available`` memory: a cache the machine cannot hold would end the process at its
-    first full batch, and a service manager would restart it into the same end."""
-    need = kv_cache_bytes(model, slots)
+    """ServeError (exit 2) unless the KV cache of ``slots``, with a full step's working set,
+    takes at most KV_MEMORY_SHARE of the ``available`` memory (the process's: its cgroup's
+    limit where one holds it). A cache the machine cannot hold ends the process, and a
+    service manager restarts it into the same end."""
+    need = kv_cache_bytes(model, slots) + kv_step_bytes(model, slots)
     if need > KV_MEMORY_SHARE * available:
         raise ServeError(
-            f"--slots {slots}: the KV cache needs {need / 2**30:.1f} GiB, more than "
-            f"{KV_MEMORY_SHARE:.0%} of the {available / 2**30:.1f} GiB of memory available; "
-            "serve fewer slots, or run with --no-kv-cache"
+            f"--slots {slots}: the KV cache and a full step need {need / 2**30:.1f} GiB, more "
+            f"than {KV_MEMORY_SHARE:.0%} of the {available / 2**30:.1f} GiB of memory this "
+            "process may use; serve fewer slots, or run with --no-kv-cache"
         )
 
 
@@ -126,14 +146,20 @@ def serve(args, token: str) -> None:
     manifest = loaded.manifest
     name = args.name or manifest.name or manifest.job_id
     if not args.no_kv_cache and not tf.config.list_physical_devices("GPU"):
-        # (on a GPU the cache is in its memory, which TensorFlow allocates as it goes)
-        check_cache_fits(loaded.model.cfg, args.slots, psutil.virtual_memory().available)
+        # (on a GPU the cache is in the GPU's memory: the full warm-up step below meets a
+        # cache too large there before the port opens)
+        host = psutil.virtual_memory()
+        budget = memory_budget(host.total, host.available)
+        check_cache_fits(loaded.model.cfg, args.slots, budget.available)
     kind = WindowStepper if args.no_kv_cache else CachedStepper
     stepper = kind(loaded.model, args.slots)
     # The tokenizer's byte table (built on the first request's event loop otherwise).
     log.debug("the longest token is %d bytes", loaded.tokenizer.max_token_bytes)
-    stepper.start(0, [0])  # trace both calls before the port opens
-    stepper.step([0], [0], [1 if manifest.seq_len > 1 else 0])
+    # Trace both calls before the port opens, the step over every slot at once: what a full
+    # batch needs is allocated now, not under the first busy minute's traffic.
+    stepper.start(0, [0])
+    every = list(range(args.slots))
+    stepper.step(every, [0] * args.slots, [1 if manifest.seq_len > 1 else 0] * args.slots)
     engine: Engine
     metrics = ServeMetrics(
         model=name,
@@ -200,9 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except Exception as exc:  # TensorFlow, Keras, memory: one line, not a traceback
-        log.debug("the server failed", exc_info=exc)
-        line = str(exc).splitlines()[0] if str(exc) else ""
-        exit_with(PROG, f"{type(exc).__name__}: {line}", 1)
+        exit_with(PROG, one_line(exc), 1)
     log.info("stopped after %.0f s", time.monotonic() - began)
     return 0
 

@@ -38,7 +38,8 @@ def test_the_package_list_names_every_package_folder_under_its_mapped_name():
         # setuptools warns of one it was not told of, and would leave its files out.
         for folder in (root, *(p for p in root.rglob("*") if p.is_dir())):
             rel = folder.relative_to(root).parts
-            if all(part.isidentifier() and not part.startswith("__") for part in rel):
+            named = all(part.isidentifier() and not part.startswith("__") for part in rel)
+            if named and any(f.is_file() for f in folder.iterdir()):  # not a stale folder
                 found.add(".".join((name, *rel)))
     # A folder mapped on its own (silentswarm.leader) is not also a subpackage of its parent.
     assert set(config["packages"]) == found

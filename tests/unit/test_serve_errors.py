@@ -4,6 +4,7 @@ tokenizers that fail on purpose."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import httpx
@@ -12,7 +13,13 @@ import pytest
 
 from silentswarm.agent.errors import ServeError
 from silentswarm.agent.runtime.tokenizer import ByteTokenizer
-from silentswarm.agent.serve.main import check_cache_fits, checked_token, kv_cache_bytes
+from silentswarm.agent.serve.main import (
+    check_cache_fits,
+    checked_token,
+    kv_cache_bytes,
+    kv_step_bytes,
+    one_line,
+)
 from silentswarm.plan import ModelConfig
 from tests.unit.test_serve_disconnect import TOKEN, serving
 from tests.unit.test_serve_text import SlowStepper
@@ -30,6 +37,14 @@ class FailingStepper(SlowStepper):
 
 class FailingTokenizer(ByteTokenizer):
     def encode(self, data: bytes) -> np.ndarray:
+        raise RuntimeError(f"cannot read {SECRET}")
+
+
+class MidStreamFailingTokenizer(ByteTokenizer):
+    """Encodes prompts, then fails on the first generated token's bytes: a bug after the
+    stream's first byte, where no exception handler sees it any more."""
+
+    def token_bytes(self, token: int) -> bytes:
         raise RuntimeError(f"cannot read {SECRET}")
 
 
@@ -88,6 +103,25 @@ def test_a_bug_in_a_handler_is_logged_and_answered_in_the_apis_shape():
     assert logged and "POST /v1/completions failed" in logged[0].getMessage()
 
 
+def test_a_bug_in_the_middle_of_a_stream_ends_it_with_an_error_event_and_done():
+    kept, logger = Kept(), logging.getLogger("silentswarm.agent.serve.app")
+    logger.addHandler(kept)
+    try:
+        with serving(SlowStepper(slots=2, vocab=256)) as (url, served):
+            served.tokenizer = MidStreamFailingTokenizer()
+            body = {"prompt": "abc", "max_tokens": 3, "stream": True}
+            answer = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=30)
+            assert answer.status_code == 200  # the headers went before the failure
+            events = [line[6:] for line in answer.text.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]", answer.text
+            error = json.loads(events[-2])["error"]
+            assert error["code"] == "INTERNAL" and SECRET not in answer.text
+            assert counted(served, "500") == 1 and counted(served, "client_closed") == 0
+    finally:
+        logger.removeHandler(kept)
+    assert any(r.exc_info and SECRET in str(r.exc_info[1]) for r in kept.records)
+
+
 def test_refusals_by_the_framework_are_counted_and_a_full_queue_says_when_to_retry():
     with serving(SlowStepper(slots=2, vocab=256, seq_len=50_000), max_waiting=1) as running:
         url, served = running
@@ -121,7 +155,7 @@ def test_a_token_is_taken_without_its_surrounding_whitespace():
     assert checked_token("  s3cret-Token_~!\n") == "s3cret-Token_~!"
 
 
-LLAMA = ModelConfig(n_layers=4, d_model=256, n_heads=8, n_kv_heads=2, seq_len=1024)
+LLAMA = ModelConfig(family="llama", n_layers=4, d_model=256, n_heads=8, n_kv_heads=2, seq_len=1024)
 
 
 @pytest.mark.parametrize(
@@ -143,9 +177,29 @@ def test_the_kv_cache_bytes_are_every_blocks_keys_and_values_of_every_slots_wind
     assert kv_cache_bytes(model, slots) == expected
 
 
+def test_a_full_steps_working_set_is_one_blocks_share_gathered_repeated_and_transposed():
+    cache = kv_cache_bytes(LLAMA, 256)
+    # one block's quarter of the cache, copied once and, for 8 query heads over 2 kv
+    # heads, repeated 4 times for keys and for values
+    assert kv_step_bytes(LLAMA, 256) == cache // 4 * (1 + 2 * 4)
+
+
 def test_a_kv_cache_the_memory_cannot_hold_is_refused_at_start_naming_the_way_out():
-    need = kv_cache_bytes(LLAMA, 256)  # 512 MiB
+    need = kv_cache_bytes(LLAMA, 256) + kv_step_bytes(LLAMA, 256)  # 1.625 GiB
     check_cache_fits(LLAMA, 256, available=need * 2)
-    with pytest.raises(ServeError, match=r"--slots 256: the KV cache needs 0\.5 GiB") as refused:
+    pattern = r"--slots 256: the KV cache and a full step need 1\.6 GiB"
+    with pytest.raises(ServeError, match=pattern) as refused:
         check_cache_fits(LLAMA, 256, available=need)
     assert "fewer slots" in refused.value.message and "--no-kv-cache" in refused.value.message
+
+
+def test_an_unexpected_start_up_error_is_one_line_saying_where():
+    def load() -> None:
+        raise ValueError("shapes (8, 4) and (2, 16) not aligned\nmore detail")
+
+    try:
+        load()
+    except ValueError as exc:
+        line = one_line(exc)
+    assert line.startswith("ValueError: shapes (8, 4) and (2, 16) not aligned (at ")
+    assert "test_serve_errors.py:" in line and "\n" not in line

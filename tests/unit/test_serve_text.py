@@ -95,8 +95,9 @@ def test_a_request_takes_what_the_openai_clients_send():
 def test_an_explicit_null_is_the_fields_default_and_a_wrong_value_still_names_it():
     request = decode_request(
         b'{"prompt": "x", "max_tokens": null, "temperature": null, "top_p": null,'
-        b' "top_k": null, "seed": null, "stop": null}'
+        b' "top_k": null, "seed": null, "stop": null, "stream": null, "n": null, "echo": null}'
     )
+    assert request.stream is False and request.n == 1 and request.echo is False
     assert (request.max_tokens, request.temperature, request.top_p, request.top_k) == (
         16,
         1.0,
