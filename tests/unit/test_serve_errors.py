@@ -4,8 +4,10 @@ tokenizers that fail on purpose."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+from collections.abc import Iterator
 
 import httpx
 import numpy as np
@@ -13,6 +15,7 @@ import pytest
 
 from silentswarm.agent.errors import ServeError
 from silentswarm.agent.runtime.tokenizer import ByteTokenizer
+from silentswarm.agent.serve.app import Served
 from silentswarm.agent.serve.main import (
     check_cache_fits,
     checked_token,
@@ -84,42 +87,47 @@ class Kept(logging.Handler):
         self.records.append(record)
 
 
-def test_a_bug_in_a_handler_is_logged_and_answered_in_the_apis_shape():
+@contextlib.contextmanager
+def failing_server(tokenizer: ByteTokenizer) -> Iterator[tuple[str, Served, Kept]]:
+    """A server whose tokenizer is ``tokenizer``, and what its app module logged."""
     kept, logger = Kept(), logging.getLogger("silentswarm.agent.serve.app")
     logger.addHandler(kept)
     try:
         with serving(SlowStepper(slots=2, vocab=256)) as (url, served):
-            served.tokenizer = FailingTokenizer()
-            body = {"prompt": "abc", "max_tokens": 3}
-            answer = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=30)
-            assert answer.status_code == 500, answer.text
-            error = answer.json()["error"]
-            assert error["code"] == "INTERNAL" and "log has the error" in error["message"]
-            assert SECRET not in answer.text
-            assert counted(served, "500") == 1
+            served.tokenizer = tokenizer
+            yield url, served, kept
     finally:
         logger.removeHandler(kept)
-    logged = [r for r in kept.records if r.exc_info and SECRET in str(r.exc_info[1])]
+
+
+def secret_logged(kept: Kept) -> list[logging.LogRecord]:
+    return [r for r in kept.records if r.exc_info and SECRET in str(r.exc_info[1])]
+
+
+def test_a_bug_in_a_handler_is_logged_and_answered_in_the_apis_shape():
+    with failing_server(FailingTokenizer()) as (url, served, kept):
+        body = {"prompt": "abc", "max_tokens": 3}
+        answer = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=30)
+        assert answer.status_code == 500, answer.text
+        error = answer.json()["error"]
+        assert error["code"] == "INTERNAL" and "log has the error" in error["message"]
+        assert SECRET not in answer.text
+        assert counted(served, "500") == 1
+    logged = secret_logged(kept)
     assert logged and "POST /v1/completions failed" in logged[0].getMessage()
 
 
 def test_a_bug_in_the_middle_of_a_stream_ends_it_with_an_error_event_and_done():
-    kept, logger = Kept(), logging.getLogger("silentswarm.agent.serve.app")
-    logger.addHandler(kept)
-    try:
-        with serving(SlowStepper(slots=2, vocab=256)) as (url, served):
-            served.tokenizer = MidStreamFailingTokenizer()
-            body = {"prompt": "abc", "max_tokens": 3, "stream": True}
-            answer = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=30)
-            assert answer.status_code == 200  # the headers went before the failure
-            events = [line[6:] for line in answer.text.splitlines() if line.startswith("data: ")]
-            assert events[-1] == "[DONE]", answer.text
-            error = json.loads(events[-2])["error"]
-            assert error["code"] == "INTERNAL" and SECRET not in answer.text
-            assert counted(served, "500") == 1 and counted(served, "client_closed") == 0
-    finally:
-        logger.removeHandler(kept)
-    assert any(r.exc_info and SECRET in str(r.exc_info[1]) for r in kept.records)
+    with failing_server(MidStreamFailingTokenizer()) as (url, served, kept):
+        body = {"prompt": "abc", "max_tokens": 3, "stream": True}
+        answer = httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=30)
+        assert answer.status_code == 200  # the headers went before the failure
+        events = [line[6:] for line in answer.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]", answer.text
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "INTERNAL" and SECRET not in answer.text
+        assert counted(served, "500") == 1 and counted(served, "client_closed") == 0
+    assert secret_logged(kept)
 
 
 def test_refusals_by_the_framework_are_counted_and_a_full_queue_says_when_to_retry():
