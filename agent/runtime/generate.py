@@ -41,7 +41,7 @@ from silentswarm.agent.runtime.glue.manifest import sha256_file
 from silentswarm.agent.runtime.glue.save import DEFAULT_OUT as DEFAULT_SUBDIR
 from silentswarm.agent.runtime.tfsetup import graph_function
 from silentswarm.agent.runtime.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
-from silentswarm.agent.runtime.tool import ToolParser, exit_with
+from silentswarm.agent.runtime.tool import ToolParser, exit_with, first_line
 from silentswarm.cpus import usable_cores
 from silentswarm.errors import ManifestError
 from silentswarm.types.manifests import (
@@ -309,8 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         raise SystemExit(130) from None
     except Exception as exc:  # TensorFlow or Keras: one line, not a traceback
-        line = str(exc).splitlines()[0] if str(exc) else ""
-        fail(f"{type(exc).__name__}: {line}", 1)
+        fail(first_line(exc), 1)
     sys.stdout.buffer.write(text.decode("utf-8", errors="replace").encode("utf-8") + b"\n")
     sys.stdout.flush()
     return 0

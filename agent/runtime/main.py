@@ -25,6 +25,7 @@ from silentswarm.agent.errors import DataError, FrameError, LinkError, RingChang
 from silentswarm.agent.runtime import compilecache
 from silentswarm.agent.runtime.control import ControlChannel
 from silentswarm.agent.runtime.tfsetup import configure_tensorflow, require_tensorflow
+from silentswarm.agent.runtime.tool import first_line
 from silentswarm.cpus import usable_cores
 from silentswarm.entry import configure_logging, fail
 from silentswarm.errors import ConfigError, ErrorCode, SwarmError
@@ -112,8 +113,7 @@ def failure(exc: BaseException) -> tuple[str, ErrorCode]:
     out of memory (TensorFlow's ``ResourceExhaustedError``: a GPU's allocator, "OOM when
     allocating tensor"; Python's ``MemoryError``) is ``STAGE_OUT_OF_MEMORY``, which the
     leader remembers against the fellow (a later attempt gives it a smaller stage)."""
-    text = str(exc).splitlines()[0] if str(exc) else ""
-    message = f"{type(exc).__name__}: {text}"
+    message = first_line(exc)
     if isinstance(exc, SwarmError):
         return message, exc.code
     if _out_of_memory(exc):

@@ -8,6 +8,13 @@ import sys
 from typing import NoReturn
 
 
+def first_line(exc: BaseException) -> str:
+    """An unexpected error as a tool says it: its type and its message's first line
+    (TensorFlow's messages run on for pages)."""
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text}"
+
+
 def exit_with(prog: str, message: str, code: int) -> NoReturn:
     print(f"{prog}: error: {message}", file=sys.stderr)
     raise SystemExit(code)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from silentswarm.agent.errors import GenerateError, ServeError
 from silentswarm.agent.runtime.tfsetup import require_tensorflow
-from silentswarm.agent.runtime.tool import ToolParser, exit_with
+from silentswarm.agent.runtime.tool import ToolParser, exit_with, first_line
 from silentswarm.errors import ExtraMissingError
 from silentswarm.plan import ModelConfig
 from silentswarm.ram import memory_budget
@@ -75,10 +75,9 @@ def _family(host: str) -> socket.AddressFamily:
 def one_line(exc: BaseException) -> str:
     """An unexpected error as one line: its type, its message's first line and where it was
     raised (what a bug report needs, without a traceback on the operator's terminal)."""
-    text = str(exc).splitlines()[0] if str(exc) else ""
     frames = traceback.extract_tb(exc.__traceback__)
     where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
-    return f"{type(exc).__name__}: {text}{where}"
+    return f"{first_line(exc)}{where}"
 
 
 def checked_token(value: str) -> str:

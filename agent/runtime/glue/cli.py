@@ -20,7 +20,7 @@ from silentswarm.agent.runtime.glue import assemble
 from silentswarm.agent.runtime.glue.manifest import read_run_manifest
 from silentswarm.agent.runtime.glue.run import GlueResult, glue
 from silentswarm.agent.runtime.glue.save import DEFAULT_OUT, check_out
-from silentswarm.agent.runtime.tool import ToolParser, exit_with
+from silentswarm.agent.runtime.tool import ToolParser, exit_with, first_line
 from silentswarm.cpus import usable_cores
 from silentswarm.errors import SwarmError
 
@@ -103,8 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         raise SystemExit(130) from None
     except Exception as exc:  # TensorFlow or I/O: one line, not a traceback
-        text = str(exc).splitlines()[0] if str(exc) else ""
-        fail(f"{type(exc).__name__}: {text}", 1)
+        fail(first_line(exc), 1)
     if args.json:
         print(result.to_json().decode())
     else:
