@@ -8,6 +8,7 @@ import ctypes
 import errno
 import fcntl
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -240,7 +241,41 @@ def ensure_port_free(host: str, port: int, *, what: str, setting: str, flag: str
         raise PortInUseError(f"port {port} on {host} ({what}) is already in use; {how}")
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+# Free ports are picked below the kernel's ephemeral range: the kernel hands those out to
+# every connect() and bind(0) on the machine, so a port looked at there could be taken by any
+# process's outgoing connection before the caller binds it (a busy test suite did exactly that).
+# Below the range, only another picker or a fixed service can take it.
+PICK_PORTS_FROM = 10_000
+EPHEMERAL_PORTS = PROC / "sys" / "net" / "ipv4" / "ip_local_port_range"
+
+
+def ephemeral_port_floor(path: Path = EPHEMERAL_PORTS) -> int:
+    """The lowest port the kernel picks by itself (32768 where it cannot be read)."""
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
+
+
+def bindable(host: str, port: int) -> bool:
+    """Whether ``port`` on ``host`` can be bound now, counting lingering connections."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1", tries: int = 200) -> int:
+    """A port free on ``host`` when looked at, chosen at random below the ephemeral range
+    (see PICK_PORTS_FROM); the kernel's choice only where that range leaves too little room."""
+    floor = ephemeral_port_floor()
+    if floor - PICK_PORTS_FROM >= 1_000:
+        for _ in range(tries):
+            port = random.randrange(PICK_PORTS_FROM, floor)
+            if bindable(host, port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])

@@ -15,9 +15,13 @@ import pytest
 from silentswarm.cli.cluster import legacy_owned
 from silentswarm.natsd import choose_port
 from silentswarm.procs import (
+    PICK_PORTS_FROM,
     ProcessIdentity,
     ProcStat,
+    bindable,
     die_with_parent,
+    ephemeral_port_floor,
+    free_port,
     identity_of,
     is_gone,
     is_locked,
@@ -314,3 +318,32 @@ def test_try_lock_is_exclusive_until_closed(tmp_path):
     again = try_lock(path)
     assert again is not None
     os.close(again)
+
+
+def test_a_free_port_is_below_the_kernels_ephemeral_range_and_bindable():
+    """The kernel gives ephemeral ports to other processes' connections at any moment; a port
+    picked below that range cannot be taken that way between the pick and the bind."""
+    floor = ephemeral_port_floor()
+    ports = {free_port() for _ in range(20)}
+    assert all(PICK_PORTS_FROM <= port < floor for port in ports)
+    assert len(ports) > 1
+    assert all(bindable("127.0.0.1", port) for port in ports)
+
+
+def test_a_listening_port_is_not_bindable():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", free_port()))
+        sock.listen()
+        assert not bindable("127.0.0.1", sock.getsockname()[1])
+
+
+@pytest.mark.parametrize(
+    "text, floor", [("32768\t60999\n", 32768), ("1024 65535", 1024), ("", 32768), ("x", 32768)]
+)
+def test_the_ephemeral_floor_is_read_from_the_kernels_range(tmp_path, text, floor):
+    path = tmp_path / "ip_local_port_range"
+    path.write_text(text)
+    assert ephemeral_port_floor(path) == floor
+    assert ephemeral_port_floor(tmp_path / "missing") == 32768
