@@ -85,17 +85,23 @@ def connect_downstream(
     fingerprint: bytes = b"",
     curve: CurveKeys | None = None,
     max_message_bytes: int | None = None,
+    max_queued: int | None = None,
 ) -> Link:
     """The upstream end: say HELLO on every allowed transport until the binder ACKs one.
 
     The binder decides (see :func:`accept_upstream`), so both ends always agree. HELLO carries
     ``fingerprint`` (what must be equal on both ends, such as the model config); a binder
-    with another fingerprint refuses, and this raises HandshakeError.
+    with another fingerprint refuses, and this raises HandshakeError. ``max_queued``: see
+    :class:`ZmqLink`.
     """
     make_zmq = (
         (
             lambda: ZmqLink(
-                name=name, connect=address, curve=curve, max_message_bytes=max_message_bytes
+                name=name,
+                connect=address,
+                curve=curve,
+                max_message_bytes=max_message_bytes,
+                max_queued=max_queued,
             )
         )
         if address

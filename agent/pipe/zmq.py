@@ -60,10 +60,14 @@ class ZmqLink:
         context: zmq.Context | None = None,
         curve: CurveKeys | None = None,
         max_message_bytes: int | None = None,
+        max_queued: int | None = None,
     ) -> None:
         """``max_message_bytes``: the largest message part the peer may send (ZeroMQ drops
         the connection of a peer that sends a larger part before it is in memory; it holds a
-        message's parts until the last, and caps only each part); None: no limit."""
+        message's parts until the last, and caps only each part); None: no limit.
+        ``max_queued``: how many messages may wait here for a peer that reads none of them
+        before :meth:`send` waits (and times out); None: ZeroMQ's 1,000. Each queued message
+        holds its frame's memory (sends do not copy)."""
         if (bind is None) == (connect is None):
             raise ValueError("give exactly one of bind or connect")
         self.name = name
@@ -90,6 +94,8 @@ class ZmqLink:
         sock.setsockopt(zmq.LINGER, 0)
         if max_message_bytes is not None:
             sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        if max_queued is not None:
+            sock.setsockopt(zmq.SNDHWM, max_queued)
         sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
         sock.setsockopt(zmq.HEARTBEAT_TTL, 10000)
@@ -154,6 +160,8 @@ class ZmqLink:
         return parts
 
     def recv(self, timeout_s: float) -> Parts:
+        """The next data message; PeerTimeoutError when none comes within ``timeout_s``, also
+        while the peer sends control messages without end (each answered or noted)."""
         deadline = time.monotonic() + timeout_s
         while True:
             parts = self.recv_any(max(0.0, deadline - time.monotonic()))
@@ -162,6 +170,10 @@ class ZmqLink:
             if not is_control(parts):
                 return parts
             self._on_control(bytes(parts[0]))
+            if time.monotonic() >= deadline:
+                raise PeerTimeoutError(
+                    f"{self.name}: only control messages received for {timeout_s:.0f}s"
+                )
 
     def _on_control(self, kind: bytes) -> None:
         if kind == HELLO:  # the peer missed our ACK: answer again
@@ -180,6 +192,8 @@ class ZmqLink:
                 return False
             if is_control(parts):
                 self._on_control(bytes(parts[0]))
+            if not self.peer_done and time.monotonic() >= deadline:
+                return False  # a peer that keeps sending, but never DONE
         return True
 
     def close(self) -> None:

@@ -76,6 +76,7 @@ from silentswarm.agent.errors import (
     FrameError,
     LinkError,
     PeerTimeoutError,
+    RelayGapError,
     SlowReceiverError,
     SuccessorStalledError,
 )
@@ -120,6 +121,18 @@ MAX_DONOR_DISTANCE = 0.05
 # a predecessor that moved on while this member stalled is a few rounds ahead at most; a
 # frame further ahead is dropped, so a hostile one cannot fill this member's memory.
 MAX_ROUNDS_AHEAD = 8
+# The least time a sync frame's send gets, however little of its round is left.
+MIN_SEND_S = 1.0
+
+
+def ring_send_queue(k: int) -> int:
+    """How many sync frames a p2p ring link queues for a successor that reads none: the
+    frames of the :data:`MAX_ROUNDS_AHEAD` rounds it may be behind (``k - 1`` a round), and
+    one more. ZeroMQ's default, 1,000 whole contributions, would let a successor that stays
+    connected but never reads grow its honest predecessor's memory until it is killed."""
+    return MAX_ROUNDS_AHEAD * max(1, k - 1) + 1
+
+
 # The same for the rest of a member's float state (AdamW's moments, DiLoCo's outer momentum):
 # moments follow the latest gradients, so replicas that missed a round differ more there.
 MAX_STATE_DISTANCE = 1.0
@@ -311,6 +324,20 @@ def adam_moment_bound(beta_1: float, beta_2: float) -> float:
     if beta_1**2 >= beta_2:
         return math.inf
     return 1.1 * (1 - beta_1) / math.sqrt((1 - beta_2) * (1 - beta_1**2 / beta_2))
+
+
+def position_refusal(epoch: int, index: int, *, steps_done: int, batch_size: int) -> str | None:
+    """Why a joiner refuses the data position ``(epoch, index)`` its donor handed over (None:
+    it may take it, the dataset checking ``index`` against its windows): nothing negative,
+    and no epoch beyond what ``steps_done`` steps of ``batch_size`` windows reach (every
+    epoch has a window at least), which would move the joiner's data far from its shard's.
+    Pure."""
+    if epoch < 0 or index < 0:
+        return f"data position ({epoch}, {index}) is negative"
+    most = (steps_done + 1) * batch_size
+    if epoch > most:
+        return f"data position in epoch {epoch}, after {steps_done} steps of {batch_size}"
+    return None
 
 
 def donor_refusal(
@@ -508,6 +535,8 @@ class ReplicaSync:
         self.seconds = 0.0  # in rounds since the last take_seconds()
         # Frames of rounds still to come (at most MAX_ROUNDS_AHEAD), by round and origin.
         self._early: dict[int, dict[int, Parts]] = {}
+        # Rounds are named by their step: DiLoCo's come every ``sync_every`` steps.
+        self._round_spacing = plan.train.sync_every if plan.train.sync == "diloco" else 1
         self._first_round_grace = False  # see switch()
         # What the links of earlier rings moved and dropped (the counters stay cumulative).
         self._sent_before = 0
@@ -605,6 +634,7 @@ class ReplicaSync:
             fingerprint=self.fingerprint,
             curve=_curve(ring.curve_down),
             max_message_bytes=self.max_message_bytes,
+            max_queued=ring_send_queue(self.k),
         )
         thread.join()
         got = accepted["link"]
@@ -675,6 +705,11 @@ class ReplicaSync:
         assert self.up is not None and self.down is not None
         deadline = time.monotonic() + timeout_s
         while True:
+            if time.monotonic() >= deadline:  # frames came, but none of them the state
+                raise PeerTimeoutError(
+                    f"no state of donor {change.donor} for ring epoch {change.epoch} within "
+                    f"{timeout_s:.0f}s"
+                )
             try:
                 parts = self.up.recv(max(0.001, deadline - time.monotonic()))
                 frame = self._donor_state(parts, change, shape)
@@ -879,13 +914,19 @@ class ReplicaSync:
         )
         return parts
 
-    def _send(self, parts: Parts) -> None:
+    def _send(self, parts: Parts, deadline: float) -> bool:
+        """Hand ``parts`` to the successor within what is left of the round (at least
+        :data:`MIN_SEND_S`); False where it took none of it in that time. The successor's
+        own wait ends with the round too, so a frame that takes longer comes too late."""
         assert self.down is not None
+        left = max(min(MIN_SEND_S, self.plan.train.sync_timeout_s), deadline - time.monotonic())
         try:
-            self.down.send(parts, timeout_s=self.plan.train.sync_timeout_s)
+            self.down.send(parts, timeout_s=left)
         except PeerTimeoutError as exc:  # the successor stalls: it will miss this round
             if self._drop_logs.allow("stalled") is not None:
                 log.warning("%s", exc)
+            return False
+        return True
 
     def _gather(self, round_id: int, matrix: np.ndarray) -> dict[int, np.ndarray]:
         """Every member's contribution to ``round_id`` that arrives in time, by origin."""
@@ -897,14 +938,17 @@ class ReplicaSync:
         n = len(self.members)
         if n == 1:  # a ring of one: nothing to send, nobody to wait for
             return got
-        self._send(self.signer.sign(own))
-        successor = next_member(self.members, self.replica)
-        pending = list(self._early.pop(round_id, {}).values())
         wait_s = self.plan.train.sync_timeout_s
         if self._first_round_grace:
             self._first_round_grace = False
             wait_s = max(wait_s, self.plan.peer_timeout_s)
+        # The own frame's send and the wait for the others' each take up to ``wait_s``, the
+        # forwards only what is left of that wait; a successor that took nothing is sent
+        # nothing more this round. A round lasts two timeouts at most, never k.
+        taking = self._send(self.signer.sign(own), time.monotonic() + wait_s)
         deadline = time.monotonic() + wait_s
+        successor = next_member(self.members, self.replica)
+        pending = list(self._early.pop(round_id, {}).values())
         while len(got) < n:
             parts = pending.pop(0) if pending else self._recv(deadline)
             if parts is None:
@@ -914,19 +958,25 @@ class ReplicaSync:
                 continue
             if origin < 0:  # a later round's: the predecessor has moved on
                 break
-            if origin != successor:
-                self._send(parts)
+            if origin != successor and taking:
+                taking = self._send(parts, deadline)
         return got
 
     def _recv(self, deadline: float) -> Parts | None:
         """The predecessor's next frame; None once ``deadline`` has passed. A relay frame
         that does not assemble is the predecessor's doing: dropped as a contribution
-        (:meth:`_reject`), and the wait goes on."""
+        (:meth:`_reject`), and the wait goes on. A relay gap the predecessor never filled
+        costs this round what it would have sent, as its silence would: raising would end
+        this member, the one replica the gap is not the fault of."""
         assert self.up is not None
         while (remaining := deadline - time.monotonic()) > 0:
             try:
                 return self.up.recv(remaining)
             except PeerTimeoutError:
+                return None
+            except RelayGapError as exc:
+                if self._drop_logs.allow("gap") is not None:
+                    log.warning("%s", exc)
                 return None
             except FrameError as exc:
                 self._reject(str(exc))
@@ -965,7 +1015,7 @@ class ReplicaSync:
             self.stale += 1
             return None
         if header.step > round_id:
-            if header.step > round_id + MAX_ROUNDS_AHEAD:  # this member is far behind
+            if header.step > round_id + MAX_ROUNDS_AHEAD * self._round_spacing:  # far behind
                 return self._reject(
                     f"a contribution to round {header.step} in round {round_id} (more than "
                     f"{MAX_ROUNDS_AHEAD} ahead)",

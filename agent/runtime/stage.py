@@ -94,6 +94,7 @@ from silentswarm.agent.runtime.replicas import (
     nesterov_step,
     pack,
     pack_state,
+    position_refusal,
     relay_opener,
     ring_rows,
     state_digest,
@@ -1087,6 +1088,16 @@ class StageRunner:
             counts=state.counts,
             steps_done=change.at_step,
         )
+        if why is None and self.data is not None and joining and data:
+            epoch, index = (int(x) for x in arrays[-1])
+            why = position_refusal(
+                epoch, index, steps_done=change.at_step, batch_size=plan.train.batch_size
+            )
+            if why is None:
+                try:
+                    self.data.restore(DataState(epoch=epoch, index=index))
+                except ValueError as exc:
+                    why = f"data position: {exc}"
         if why is not None:
             raise DonorRefusedError(
                 f"{where}: refused the state of donor replica {change.donor} (ring epoch "
@@ -1094,15 +1105,6 @@ class StageRunner:
             )
         for variable, array in zip(variables, arrays, strict=False):
             variable.assign(array)
-        if self.data is not None and joining and data:
-            epoch, index = (int(x) for x in arrays[-1])
-            try:
-                self.data.restore(DataState(epoch=epoch, index=index))
-            except ValueError as exc:
-                raise RingChangeError(
-                    f"stage {plan.stage} of replica {plan.replica}: donor replica "
-                    f"{change.donor}'s data position: {exc}"
-                ) from None
 
     def _ring_fields(self) -> dict[str, object]:
         """A step event's ring fields: the epoch in force (with replicas), and on the first

@@ -763,6 +763,66 @@ def test_stale_frames_do_not_hold_off_the_peer_timeout(zmq_pair):
     assert time.monotonic() - started < 5.0 and boundary.dropped >= 2
 
 
+FLOOD = """
+import sys, time, zmq
+sock = zmq.Context.instance().socket(zmq.DEALER)
+sock.setsockopt(zmq.LINGER, 0)
+sock.connect(sys.argv[1])
+end = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    sock.send_multipart([bytes.fromhex(sys.argv[3]), b""])
+"""
+
+
+@pytest.mark.parametrize("wait", ["recv", "wait_done"])
+def test_a_peer_sending_control_messages_without_end_does_not_hold_a_wait(wait):
+    """Control messages are answered or noted, never handed on, and each used to go round
+    the wait again: a peer faster than the Python that reads, sending them without pause,
+    held a receive (a ring round, a boundary) or the end-of-run wait for as long as it kept
+    on, here 10 s against a timeout of 1."""
+    address = f"tcp://127.0.0.1:{free_port()}"
+    binder = ZmqLink(name="b", bind=address)
+    # Two, so that together they outpace the reader on two cores.
+    flood = [sys.executable, "-c", FLOOD, address, "10", ACK.hex()]
+    flooders = [subprocess.Popen(flood) for _ in range(2)]
+    try:
+        assert binder.recv_any(10.0) is not None, "the flood never started"
+        started = time.monotonic()
+        if wait == "recv":
+            with pytest.raises(PeerTimeoutError, match="only control messages"):
+                binder.recv(1.0)
+        else:
+            assert binder.wait_done(1.0) is False
+        assert time.monotonic() - started < 4.0
+    finally:
+        for flooder in flooders:
+            flooder.kill()
+            flooder.wait(10)
+        binder.close()
+
+
+@pytest.mark.parametrize("max_queued", [3, None])
+def test_a_peer_that_reads_nothing_queues_at_most_max_queued_messages(max_queued):
+    """A peer that accepts the connection but never reads: ZeroMQ would queue a thousand
+    messages (each holding its frame's memory); ``max_queued`` makes the send time out."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", free_port())) as server:
+        address = f"tcp://127.0.0.1:{server.getsockname()[1]}"
+        link = ZmqLink(name="to-a-mute-peer", connect=address, max_queued=max_queued)
+        try:
+            sent = 0
+            for _ in range(20):
+                try:
+                    link.send([b"x" * (1 << 20)], timeout_s=0.2)
+                except PeerTimeoutError:
+                    break
+                sent += 1
+        finally:
+            link.close()
+    assert sent <= 4 if max_queued else sent == 20
+
+
 def test_boundaries_carry_targets_downstream_and_count_their_bytes(zmq_pair):
     """Targets are a frame part like any other: both ends' byte counts include them; an id
     outside the receiver's vocabulary is refused; gradients go back without any."""

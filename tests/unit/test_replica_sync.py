@@ -16,6 +16,7 @@ from silentswarm.agent.errors import (
     FrameError,
     HandshakeError,
     PeerTimeoutError,
+    RelayGapError,
     SlowReceiverError,
     SuccessorStalledError,
 )
@@ -34,8 +35,10 @@ from silentswarm.agent.runtime.replicas import (
     next_member,
     pack,
     pack_state,
+    position_refusal,
     prev_member,
     relative_distance,
+    ring_send_queue,
     state_digest,
     state_rows,
     unpack,
@@ -360,6 +363,83 @@ def test_a_relay_frame_that_does_not_assemble_costs_that_frame_not_the_member():
         closed(members)
 
 
+def test_a_relay_gap_costs_the_predecessors_contributions_not_the_member():
+    """A predecessor on the relay that skips a chunk and never sends it (or a loss still open
+    at the round's end) reaches the receive as a RelayGapError: that round goes on without
+    what it would have brought, as if it had sent nothing, and the member lives on. It used
+    to end the member, the one replica the gap is not the fault of."""
+    members = opened([_plan(p, 1.0) for p in ring_plans(2)])
+    victim = members[1]
+    real_recv, failed = victim.up.recv, []
+
+    def recv(timeout_s: float):
+        if not failed:
+            failed.append(True)
+            raise RelayGapError("ring-1: relay gap: expected chunk 414, got 415")
+        return real_recv(timeout_s)
+
+    victim.up.recv = recv
+    try:
+        a, b = contributions(2)
+        assert rounds(members, 0, [a, b])[1].present == [1]
+        assert victim.missed == 1
+        results = rounds(members, 1, [a, b])
+        assert [r.present for r in results] == [[0, 1], [0, 1]]
+    finally:
+        closed(members)
+
+
+def test_a_successor_that_takes_nothing_is_sent_nothing_more_in_that_round(monkeypatch):
+    """Member 0's successor takes none of its own frame within the round: member 0 forwards
+    it nothing more that round (each forward used to wait a whole timeout again, k - 1 in
+    all), and still gathers what its predecessor brings."""
+    members = opened([_plan(p, 1.0) for p in ring_plans(3)])
+    first = members[0]
+    waits: list[float] = []
+
+    def stalled(parts, timeout_s):
+        waits.append(timeout_s)
+        raise PeerTimeoutError("ring-0: no peer took a message for 1s")
+
+    monkeypatch.setattr(first.down, "send", stalled)
+    try:
+        results = rounds(members, 0, contributions(3))
+        assert len(waits) == 1 and waits[0] <= 1.0
+        assert results[0].present == [0, 1, 2] and results[1].present == [1]
+    finally:
+        monkeypatch.undo()
+        closed(members)
+
+
+def test_a_ring_link_queues_no_more_than_the_rounds_a_successor_may_be_behind():
+    members = opened(ring_plans(3))
+    try:
+        import zmq
+
+        queued = {m.down._sock.getsockopt(zmq.SNDHWM) for m in members}
+        assert queued == {ring_send_queue(3)} and ring_send_queue(3) == 2 * MAX_ROUNDS_AHEAD + 1
+    finally:
+        closed(members)
+
+
+def test_under_diloco_a_frame_of_the_next_sync_is_kept_for_it():
+    """DiLoCo's rounds are named by their step, ``sync_every`` apart: a predecessor one sync
+    ahead is kept for that round (it was dropped as "more than 8 rounds ahead", and the late
+    member missed it again in its next round); MAX_ROUNDS_AHEAD syncs ahead still bound it."""
+    members = opened(ring_plans(2, sync="diloco", sync_every=20))
+    try:
+        a = contributions(1)[0]
+        first, second = members
+        got: dict[int, np.ndarray] = {}
+        assert second._check(first._encode(39, a), 19, got, a.shape) == -1
+        far = 19 + 20 * MAX_ROUNDS_AHEAD + 1
+        assert second._check(first._encode(far, a), 19, got, a.shape) is None
+        assert list(second._early) == [39] and second.stale == 1
+        second._early.clear()
+    finally:
+        closed(members)
+
+
 def test_in_a_ring_of_three_a_forwarder_cannot_forge_another_members_contribution():
     """Member 1 takes member 2's contributions through member 0: a frame that claims origin
     2 but carries member 0's signature, or none, is dropped and counted; member 2's own
@@ -521,6 +601,29 @@ def test_a_successor_that_takes_no_more_of_the_state_is_named_by_its_sender(monk
         closed(members)
 
 
+def test_a_hand_over_ends_at_its_timeout_however_many_frames_of_others_come(monkeypatch):
+    """Frames of another attempt are dropped, but each went round the wait again: a
+    predecessor sending them without end held a joining member's hand-over for ever."""
+    members = opened(ring_plans(2))
+    try:
+        first, second = members
+        change = RingChange(epoch=1, members=[0, 1], donor=0, at_step=4, rings=[first.ring])
+        second.members, second.epoch = [0, 1], 1
+        state = np.zeros((2, ROW), dtype=np.float32)
+        other = msgspec.structs.replace(first.plan, attempt=first.plan.attempt + 1)
+        _, parts = encode_frame(
+            state, first.codec, job=other.job_id, attempt=other.attempt, step=1, micro=0,
+            direction=Direction.FWD, phase="state",
+        )  # fmt: skip
+        monkeypatch.setattr(second.up, "recv", lambda timeout_s: parts)
+        with pytest.raises(PeerTimeoutError, match="no state of donor 0"):
+            in_threads([lambda: second.hand_over(change, None, state.shape, 0.5)], timeout=10)
+        assert second.dropped > 0
+    finally:
+        monkeypatch.undo()
+        closed(members)
+
+
 def test_a_ring_of_three_over_the_relay(nats_server):
     """transport tunnel: every ring link through NATS subjects of its own, tagged with its
     token; the same rounds as over ZeroMQ."""
@@ -633,6 +736,23 @@ def test_adams_first_moment_stays_within_its_bound_of_the_second():
         for g in grads:
             m, v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g * g
             assert (np.abs(m) <= BOUND * np.sqrt(v)).all()
+
+
+@pytest.mark.parametrize(
+    ("epoch", "index", "refused"),
+    [
+        (0, 0, None),
+        (3, 17, None),
+        (5 * 8, 0, None),  # a tiny dataset: an epoch per window, 8 windows a step
+        (5 * 8 + 1, 0, "epoch 41, after 4 steps of 8"),
+        (10**12, 0, "epoch 1000000000000"),
+        (-1, 0, "negative"),
+        (0, -3, "negative"),
+    ],
+)
+def test_what_a_joiner_refuses_of_its_donors_data_position(epoch, index, refused):
+    why = position_refusal(epoch, index, steps_done=4, batch_size=8)
+    assert why is None if refused is None else refused in why
 
 
 @pytest.mark.parametrize(
