@@ -326,17 +326,16 @@ def adam_moment_bound(beta_1: float, beta_2: float) -> float:
     return 1.1 * (1 - beta_1) / math.sqrt((1 - beta_2) * (1 - beta_1**2 / beta_2))
 
 
-def position_refusal(epoch: int, index: int, *, steps_done: int, batch_size: int) -> str | None:
-    """Why a joiner refuses the data position ``(epoch, index)`` its donor handed over (None:
-    it may take it, the dataset checking ``index`` against its windows): nothing negative,
-    and no epoch beyond what ``steps_done`` steps of ``batch_size`` windows reach (every
-    epoch has a window at least), which would move the joiner's data far from its shard's.
+def position_refusal(epoch: int, index: int) -> str | None:
+    """Why a joiner refuses the data position ``(epoch, index)`` its donor handed over as the
+    donor's doing (None: it may take it): nothing negative. An index beyond the joiner's own
+    dataset is not refused here: the joiner reads its data from its own host, so that may be
+    the joiner's dataset, not the donor's word (a RingChangeError, which costs the joiner
+    alone). The epoch has no upper bound: every replica reads the whole batch's rows of a
+    dataset whose size only the hosts know, and an epoch far ahead only reorders the data.
     Pure."""
     if epoch < 0 or index < 0:
         return f"data position ({epoch}, {index}) is negative"
-    most = (steps_done + 1) * batch_size
-    if epoch > most:
-        return f"data position in epoch {epoch}, after {steps_done} steps of {batch_size}"
     return None
 
 
@@ -1015,10 +1014,12 @@ class ReplicaSync:
             self.stale += 1
             return None
         if header.step > round_id:
+            if not self._is_round(header.step):
+                return self._reject(f"a contribution to step {header.step}, not a sync round")
             if header.step > round_id + MAX_ROUNDS_AHEAD * self._round_spacing:  # far behind
                 return self._reject(
                     f"a contribution to round {header.step} in round {round_id} (more than "
-                    f"{MAX_ROUNDS_AHEAD} ahead)",
+                    f"{MAX_ROUNDS_AHEAD} rounds ahead)",
                     stale=True,
                 )
             early = self._early.setdefault(header.step, {})
@@ -1034,6 +1035,17 @@ class ReplicaSync:
             return self._reject(str(exc))
         got[origin] = np.asarray(frame.array, dtype=np.float32)
         return origin
+
+    def _is_round(self, step: int) -> bool:
+        """Whether a round is named ``step``: every step under allreduce, every
+        ``sync_every``-th and the last under DiLoCo, none at or past the run's end. Frames
+        of any other step are kept for no round: each would hold a contribution's memory."""
+        steps = self.plan.train.steps
+        if not 0 <= step < steps:
+            return False
+        return (
+            self._round_spacing == 1 or (step + 1) % self._round_spacing == 0 or step + 1 == steps
+        )
 
     def _problem(
         self, header: FrameHeader, body: Parts, signature: bytes | None, shape: tuple[int, ...]

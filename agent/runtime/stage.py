@@ -1088,21 +1088,22 @@ class StageRunner:
             counts=state.counts,
             steps_done=change.at_step,
         )
+        position = None
         if why is None and self.data is not None and joining and data:
-            epoch, index = (int(x) for x in arrays[-1])
-            why = position_refusal(
-                epoch, index, steps_done=change.at_step, batch_size=plan.train.batch_size
-            )
-            if why is None:
-                try:
-                    self.data.restore(DataState(epoch=epoch, index=index))
-                except ValueError as exc:
-                    why = f"data position: {exc}"
+            position = DataState(*(int(x) for x in arrays[-1]))
+            why = position_refusal(position.epoch, position.index)
         if why is not None:
             raise DonorRefusedError(
                 f"{where}: refused the state of donor replica {change.donor} (ring epoch "
                 f"{change.epoch}): {why}"
             )
+        if self.data is not None and position is not None:
+            try:
+                self.data.restore(position)
+            except ValueError as exc:  # this joiner's dataset may be the one that differs
+                raise RingChangeError(
+                    f"{where}: donor replica {change.donor}'s data position: {exc}"
+                ) from None
         for variable, array in zip(variables, arrays, strict=False):
             variable.assign(array)
 

@@ -789,16 +789,18 @@ def test_a_peer_sending_control_messages_without_end_does_not_hold_a_wait(wait):
         assert binder.recv_any(10.0) is not None, "the flood never started"
         started = time.monotonic()
         if wait == "recv":
-            with pytest.raises(PeerTimeoutError, match="only control messages"):
+            with pytest.raises(PeerTimeoutError):
                 binder.recv(1.0)
         else:
             assert binder.wait_done(1.0) is False
         assert time.monotonic() - started < 4.0
     finally:
+        # The link first: libzmq 4.3.5 aborts the process when a peer whose messages fill
+        # the receive queue disconnects just before a heartbeat (docs/operations/security.md).
+        binder.close()
         for flooder in flooders:
             flooder.kill()
             flooder.wait(10)
-        binder.close()
 
 
 @pytest.mark.parametrize("max_queued", [3, None])
