@@ -340,20 +340,25 @@ def test_a_malformed_contribution_costs_that_contribution_not_the_member():
         closed(members)
 
 
+def first_recv_raises(member: ReplicaSync, error: Exception) -> None:
+    """``member``'s next receive from its predecessor raises ``error``; the later ones work."""
+    real_recv, failed = member.up.recv, []
+
+    def recv(timeout_s: float):
+        if not failed:
+            failed.append(True)
+            raise error
+        return real_recv(timeout_s)
+
+    member.up.recv = recv
+
+
 def test_a_relay_frame_that_does_not_assemble_costs_that_frame_not_the_member():
     """Over the relay a predecessor's chunks that do not add up reach the receive as a
     FrameError: dropped and counted as clipped, and the member waits on for the round."""
     members = opened(ring_plans(2))
     victim = members[1]
-    real_recv, failed = victim.up.recv, []
-
-    def recv(timeout_s: float):
-        if not failed:
-            failed.append(True)
-            raise FrameError("ring-1: relay frame cut short at chunk 3")
-        return real_recv(timeout_s)
-
-    victim.up.recv = recv
+    first_recv_raises(victim, FrameError("ring-1: relay frame cut short at chunk 3"))
     try:
         a, b = contributions(2)
         results = rounds(members, 0, [a, b])
@@ -370,15 +375,7 @@ def test_a_relay_gap_costs_the_predecessors_contributions_not_the_member():
     to end the member, the one replica the gap is not the fault of."""
     members = opened([_plan(p, 1.0) for p in ring_plans(2)])
     victim = members[1]
-    real_recv, failed = victim.up.recv, []
-
-    def recv(timeout_s: float):
-        if not failed:
-            failed.append(True)
-            raise RelayGapError("ring-1: relay gap: expected chunk 414, got 415")
-        return real_recv(timeout_s)
-
-    victim.up.recv = recv
+    first_recv_raises(victim, RelayGapError("ring-1: relay gap: expected chunk 414, got 415"))
     try:
         a, b = contributions(2)
         assert rounds(members, 0, [a, b])[1].present == [1]
