@@ -308,6 +308,7 @@ class RelayLink:
         self.dropped_by_reason: dict[str, int] = {}
         self.resent = 0  # chunks sent again at the peer's request
         self.resend_requests = 0  # the peer's requests to send again (none may be owed)
+        self.resends_held = 0  # chunks asked for again within RESEND_EVERY_S of their last
         self.reconnects = 0
         self.send_subject = send_subject
         self.recv_subject = recv_subject
@@ -341,6 +342,10 @@ class RelayLink:
         self._outbox: deque[tuple[int, bytes]] = deque()  # made, not handed to NATS yet
         self._send_lock = threading.Lock()  # one frame's chunks at a time, in seq order
         self._resend_from: int | None = None
+        # When each retained chunk was last sent again: a peer asking for the whole window
+        # again and again (a few dozen bytes a request) gets it once per RESEND_EVERY_S, the
+        # pace at which an honest receiver asks.
+        self._resent_at: dict[int, float] = {}
         self._pump_idle = False
         self._pump_wake: asyncio.Event | None = None
         self._drained: asyncio.Event | None = None  # set when the pump has nothing left
@@ -620,7 +625,7 @@ class RelayLink:
                 self._peer_granted = max(self._peer_granted, credit.granted)
                 self._peer_acked = credit.acked
                 while self._retained and self._retained[0][0] < credit.acked:
-                    self._retained.popleft()
+                    self._resent_at.pop(self._retained.popleft()[0], None)
                 self._cv.notify_all()
         if credit.resend:
             self.resend_requests += 1
@@ -656,13 +661,22 @@ class RelayLink:
                     await self._publish(payload)
 
     async def _resend(self) -> None:
-        """Send again every kept chunk from the one asked for that was sent already."""
+        """Send again every kept chunk from the one asked for that was sent already, but
+        none sent again less than ``RESEND_EVERY_S`` ago (counted in ``resends_held``): the
+        receiver asks again after that long if it still lacks it."""
         start, self._resend_from = self._resend_from, None
         assert start is not None
         for seq, payload in list(self._retained):
             if not self._nc.is_connected:
                 return  # the reconnect will ask again
-            if start <= seq < self._published and await self._publish(payload):
+            if not start <= seq < self._published:
+                continue
+            now = time.monotonic()
+            if now - self._resent_at.get(seq, -math.inf) < RESEND_EVERY_S:
+                self.resends_held += 1
+                continue
+            if await self._publish(payload):
+                self._resent_at[seq] = now
                 self.resent += 1
         self._active_at = time.monotonic()
 

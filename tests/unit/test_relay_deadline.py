@@ -76,3 +76,35 @@ def test_a_receiver_that_grants_nothing_is_a_timeout_per_chunk(nats_server):
         assert not isinstance(raised.value, SlowReceiverError)
     finally:
         link.close()
+
+
+def test_a_peer_asking_again_and_again_gets_each_chunk_once_per_resend_interval(nats_server):
+    """A resend request is a few dozen bytes and each used to send the whole retained window
+    again (16 MiB at the defaults), for any number of requests: now a chunk goes again at
+    most once per ``RESEND_EVERY_S``, the pace an honest receiver asks at."""
+    link = sender(nats_server.url, "asking")
+    try:
+        link.send([b"one chunk"], timeout_s=5.0)
+        wait_for_value(lambda: link._published == 1 or None, what="the chunk published")
+        started = time.monotonic()
+        for serial in range(1, 21):
+            link._io.call_soon(link._on_credit, Credit(serial, 0, 0, resend=True))
+            wait_for_value(
+                lambda serial=serial: (
+                    link.resent + getattr(link, "resends_held", 0) >= serial or None
+                ),
+                what=f"request {serial} answered",
+            )
+        elapsed = time.monotonic() - started
+        assert link.resend_requests == 20
+        assert link.resent <= 1 + elapsed / relay.RESEND_EVERY_S, (link.resent, elapsed)
+    finally:
+        link.close()
+
+
+def wait_for_value(predicate, *, what: str, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while (got := predicate()) is None:
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+    return got
