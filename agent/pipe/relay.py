@@ -333,6 +333,8 @@ class RelayLink:
         self._peer_done = False
         self._ack_body: bytes | None = None  # our handshake answer, said again to a late HELLO
         self._answered_at = -math.inf
+        self._done_answered_at = -math.inf
+        self._tasks: set[asyncio.Task[object]] = set()  # see _in_background
         # sending
         self._next_seq = 0  # the next chunk's seq (the caller's thread)
         self._published = 0  # every chunk below this one has been handed to NATS (the loop's)
@@ -484,7 +486,11 @@ class RelayLink:
             return relaymsg.DropReason.OVER_CREDIT
         self._expected_seq += 1
         self._gap = None
-        done = self._assembler.add(chunk)
+        try:
+            done = self._assembler.add(chunk)
+        except MemoryError:  # the frame's buffer, of the size its first chunk claims
+            self._assembler = FrameAssembler(self._max_frame_bytes)
+            done = [FrameError(f"no memory for a frame of {chunk.frame_bytes} bytes")]
         with self._cv:
             if len(self._frames) < self._max_frames:
                 self._granted += 1
@@ -510,7 +516,7 @@ class RelayLink:
         """The delayed acknowledgement (on the loop): what came since the last one."""
         self._ack_timer = None
         if self._owes_ack:
-            self._io.loop.create_task(self._announce(force=True))
+            self._in_background(self._announce(force=True))
 
     async def _gap_seen(self, got: int, *, urgent: bool = False) -> None:
         """Chunk ``got`` (or a probe) shows the one expected is missing: ask for a resend
@@ -560,6 +566,13 @@ class RelayLink:
             with self._cv:
                 self._peer_done = True
                 self._cv.notify_all()
+            # Each DONE asks for an answer: at most one per REANSWER_EVERY_S, or a peer
+            # repeating it would have this end publish as fast as it does (an honest one says
+            # it every DONE_EVERY_S until it hears the answer).
+            now = time.monotonic()
+            if now - self._done_answered_at < REANSWER_EVERY_S:
+                return relaymsg.DropReason.STALE
+            self._done_answered_at = now
             await self._publish(self._send_auth.message(relaymsg.DONE_SEEN))
         elif kind == relaymsg.DONE_SEEN:
             with self._cv:
@@ -606,10 +619,17 @@ class RelayLink:
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(self.dropped_by_reason.items()))
         return f" ({self.dropped} relay messages dropped: {reasons})"
 
+    def _in_background(self, coroutine: Coroutine[Any, Any, object]) -> None:
+        """Run ``coroutine`` as a task on the loop, kept referenced until it ends (the loop
+        holds its tasks weakly: an unreferenced one may vanish, and a grant with it)."""
+        task = self._io.loop.create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     def _release_deferred(self, n: int) -> None:
         """The reader took frames: the grants held back go out (on the loop)."""
         self._granted += n
-        self._io.loop.create_task(self._announce(force=True))
+        self._in_background(self._announce(force=True))
 
     # --- sending (NATS thread) ------------------------------------------------------------
 

@@ -217,15 +217,19 @@ class RelayAuth:
         return kind + self.tag(kind, body) + body
 
 
-_MIN_BODY = {
-    DATA: DATA_HEAD.size,
-    CREDIT: FEEDBACK_HEAD.size,
-    RESEND: FEEDBACK_HEAD.size,
-    PROBE: PROBE_HEAD.size,
-    HELLO: 0,
-    ACK: 0,
-    DONE: 0,
-    DONE_SEEN: 0,
+# A handshake message's body: a fingerprint (32 bytes), OK, or a refusal (about 200 bytes).
+MAX_HANDSHAKE_BODY = 1024
+# Each kind's body size, least and most (None: a data chunk's, bounded by the frame's limit).
+# Checked before the tag: a message of the wrong size costs no copy and no MAC.
+_BODY: dict[bytes, tuple[int, int | None]] = {
+    DATA: (DATA_HEAD.size, None),
+    CREDIT: (FEEDBACK_HEAD.size, FEEDBACK_HEAD.size),
+    RESEND: (FEEDBACK_HEAD.size, FEEDBACK_HEAD.size),
+    PROBE: (PROBE_HEAD.size, PROBE_HEAD.size),
+    HELLO: (0, MAX_HANDSHAKE_BODY),
+    ACK: (0, MAX_HANDSHAKE_BODY),
+    DONE: (0, 0),
+    DONE_SEEN: (0, 0),
 }
 
 
@@ -235,11 +239,14 @@ def parse_message(data: bytes, auth: RelayAuth) -> Message | DropReason:
     Never raises on any input. A data chunk's bytes are a view of ``data`` (no copy).
     """
     kind = bytes(data[:1])
-    need = _MIN_BODY.get(kind)
-    if need is None:
+    sizes = _BODY.get(kind)
+    if sizes is None:
         return DropReason.UNKNOWN_KIND
-    if len(data) < 1 + TAG_BYTES + need:
+    least, most = sizes
+    if len(data) < 1 + TAG_BYTES + least:
         return DropReason.TRUNCATED
+    if most is not None and len(data) > 1 + TAG_BYTES + most:
+        return DropReason.MALFORMED
     view = memoryview(data)
     tag, body = view[1 : 1 + TAG_BYTES], view[1 + TAG_BYTES :]
     if kind == DATA:
@@ -255,15 +262,11 @@ def parse_message(data: bytes, auth: RelayAuth) -> Message | DropReason:
     if not auth.check(tag, kind, covered):
         return DropReason.BAD_TAG
     if kind in (CREDIT, RESEND):
-        if len(covered) != FEEDBACK_HEAD.size:
-            return DropReason.MALFORMED
         serial, granted, acked = FEEDBACK_HEAD.unpack(covered)
         if granted > acked:
             return DropReason.MALFORMED
         return Credit(serial=serial, granted=granted, acked=acked, resend=kind == RESEND)
     if kind == PROBE:
-        if len(covered) != PROBE_HEAD.size:
-            return DropReason.MALFORMED
         serial, next_seq = PROBE_HEAD.unpack(covered)
         return Probe(serial=serial, next_seq=next_seq)
     return Control(kind=kind, body=covered)

@@ -21,7 +21,13 @@ import pytest
 from silentswarm.agent.errors import FrameError, LinkError, PeerTimeoutError, RelayGapError
 from silentswarm.agent.pipe.handshake import ACK, HELLO
 from silentswarm.agent.pipe.link import TransportKind, accept_upstream, connect_downstream
-from silentswarm.agent.pipe.relay import ACK_DELAY_S, LoopThread, RelayLink, serialize_parts
+from silentswarm.agent.pipe.relay import (
+    ACK_DELAY_S,
+    REANSWER_EVERY_S,
+    LoopThread,
+    RelayLink,
+    serialize_parts,
+)
 from silentswarm.agent.pipe.relaymsg import RelayAuth
 from silentswarm.agent.pipe.wire import Direction, decode_frame, encode_frame, parse_wire_codec
 from silentswarm.agent.pipe.zmq import ZmqLink
@@ -417,6 +423,63 @@ def published(link: RelayLink, kind: bytes) -> list[float]:
 
     link._publish = counted
     return times
+
+
+def test_a_frame_there_is_no_memory_for_fails_that_frame_and_the_link_goes_on(
+    nats_server, monkeypatch
+):
+    """The buffer of a frame is allocated from the size its first chunk claims (bounded by
+    the link's limit); where that fails, the frame is a FrameError for the reader and the
+    next one comes. It used to escape into nats-py's error callback, the chunk's grant
+    with it: the window shrank for good."""
+    import silentswarm.agent.pipe.relay as relay_module
+
+    a, b = relay_pair(nats_server.url, token=TOKEN)
+    real_empty, failed = relay_module.np.empty, []
+
+    def empty(size, dtype=None):
+        if not failed:
+            failed.append(size)
+            raise MemoryError
+        return real_empty(size, dtype=dtype)
+
+    monkeypatch.setattr(relay_module.np, "empty", empty)
+    try:
+        for step in range(3):
+            a.send(frame(step, shape=(16, 64, 256)), timeout_s=5)  # 1 MiB: chunks to assemble
+        with pytest.raises(FrameError, match="no memory for a frame"):
+            b.recv(5)
+        assert [decode_frame(b.recv(5))[0].step for _ in range(2)] == [1, 2]
+        assert a.send_done(10) and b.wait_done(0)
+    finally:
+        monkeypatch.undo()
+        a.close()
+        b.close()
+
+
+def test_a_peer_repeating_done_is_answered_at_most_once_per_interval(nats_server):
+    """Each DONE used to be answered at once: a peer repeating it had this end publish as
+    fast as it did. An honest sender says it every DONE_EVERY_S, so answering at most every
+    REANSWER_EVERY_S still confirms it; the rest are dropped as stale."""
+    a, b = relay_pair(nats_server.url, token=TOKEN)
+    answers = published(b, b"F")
+    try:
+        started = time.monotonic()
+
+        async def flood(nc):
+            auth = RelayAuth(TOKEN, "t.fwd")
+            for _ in range(300):
+                await nc.publish("t.fwd", auth.message(b"E"))
+            await nc.flush()
+
+        with_nats(nats_server.url, flood)
+        wait_for(lambda: b.dropped + len(answers) >= 300, timeout=10, what="every DONE handled")
+        elapsed = time.monotonic() - started
+        assert b.wait_done(0) and 1 <= len(answers) <= 1 + elapsed / REANSWER_EVERY_S
+        assert b.dropped_by_reason == {"stale": 300 - len(answers)}
+    finally:
+        a.close()
+        b.close()
 
 
 def test_small_frames_share_their_acknowledgements(nats_server):

@@ -1,5 +1,7 @@
-"""A relay frame's send has a deadline of its own: a receiver that grants one chunk of
-credit just before each chunk's timeout cannot hold its sender for hours."""
+"""A relay sender against its receiver: a frame's send has a deadline of its own (a
+receiver that grants one chunk of credit just before each chunk's timeout cannot hold its
+sender for hours), and a receiver asking for resends without pause gets each chunk once per
+``RESEND_EVERY_S``."""
 
 from __future__ import annotations
 

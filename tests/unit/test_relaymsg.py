@@ -12,6 +12,7 @@ from silentswarm.agent.errors import FrameError
 from silentswarm.agent.pipe.link import deserialize_parts, serialize_parts
 from silentswarm.agent.pipe.relay import FrameAssembler, chunk_frame, frame_views
 from silentswarm.agent.pipe.relaymsg import (
+    MAX_HANDSHAKE_BODY,
     OVERHEAD,
     TAG_BYTES,
     Control,
@@ -77,11 +78,29 @@ def test_a_data_chunk_is_a_view_of_the_message():
         (b"F" + bytes(TAG_BYTES - 1), DropReason.TRUNCATED),
         (b"H" + bytes(TAG_BYTES - 1), DropReason.TRUNCATED),
         (b"E" + bytes(3), DropReason.TRUNCATED),
+        (b"C" + bytes(TAG_BYTES + 25), DropReason.MALFORMED),  # one byte over
+        (b"R" + bytes(TAG_BYTES + (1 << 20)), DropReason.MALFORMED),
+        (b"P" + bytes(TAG_BYTES + 17), DropReason.MALFORMED),
+        (b"E" + bytes(TAG_BYTES + 1), DropReason.MALFORMED),  # DONE has no body
+        (b"F" + bytes(TAG_BYTES + 1), DropReason.MALFORMED),
+        (b"H" + bytes(TAG_BYTES + MAX_HANDSHAKE_BODY + 1), DropReason.MALFORMED),
+        (b"A" + bytes(TAG_BYTES + (1 << 20)), DropReason.MALFORMED),
+        (b"C" + AUTH.data(0, 0, 1, 2, b"xx")[1:], DropReason.MALFORMED),  # a chunk as a grant
     ],
 )
-def test_malformed_messages_say_why(data, reason):
+def test_malformed_messages_say_why(data, reason, monkeypatch):
+    """Sizes are checked before the tag: a stranger's megabyte costs no copy and no MAC."""
+    checked: list[bytes] = []
+    real_check = RelayAuth.check
+
+    def check(self, tag, kind, covered):
+        checked.append(kind)
+        return real_check(self, tag, kind, covered)
+
+    monkeypatch.setattr(RelayAuth, "check", check)
     assert parse_message(data, AUTH) is reason
     assert parse_message(data, RelayAuth(None, SUBJECT)) is reason
+    assert checked == []
 
 
 def _flip(data: bytes, at: int) -> bytes:
@@ -100,7 +119,6 @@ def _flip(data: bytes, at: int) -> bytes:
         _flip(AUTH.data(0, 0, 1, 2, b"xx"), 1 + TAG_BYTES + 22),  # frame bytes 2 -> 258
         AUTH.data(0, 0, 1, 2, b"xx")[:-1],  # the chunk cut short
         AUTH.data(0, 0, 1, 2, b"xx") + b"!",  # or extended
-        b"C" + AUTH.data(0, 0, 1, 2, b"xx")[1:],  # another kind, same tag
         _flip(AUTH.credit(1, 5, 5), len(AUTH.credit(1, 5, 5)) - 1),  # more acknowledged
         _flip(AUTH.credit(1, 5, 5), 1 + TAG_BYTES + 7),  # another serial
         b"R" + AUTH.credit(1, 5, 5)[1:],  # a grant turned into a resend request
