@@ -56,6 +56,7 @@ PROBE_AFTER_S = 1.0  # a sender that waits and has heard nothing for this long p
 RESEND_EVERY_S = 0.5  # resend requests for the same missing chunk, at most this often
 DONE_EVERY_S = 0.25  # DONE is said again this often until the peer confirms it
 DONE_TIMEOUT_S = 60.0  # ... or until this long has passed (the waiter's peer timeout)
+PENDING_SLACK_BYTES = 1 << 20  # beside the data: grants, probes, handshake messages
 REANSWER_EVERY_S = 0.1  # a late HELLO is answered again at most this often
 # Chunks taken but not acknowledged yet are acknowledged this late at most (a grant goes out
 # at once every window / 4 chunks): one credit message for several small frames, not one each.
@@ -403,7 +404,14 @@ class RelayLink:
         )
         # Chunks must fit the server's max_payload (1 MiB by default, smaller if configured).
         self._chunk = max(1024, min(self._chunk, self._nc.max_payload - 2 * relaymsg.OVERHEAD))
-        await self._nc.subscribe(self.recv_subject, cb=self._on_message)
+        # What nats-py may hold for this end before it sheds messages (and says so through
+        # _on_error): an honest peer has at most the window in flight, resends included twice;
+        # nats-py's default, 128 MiB a link, would let strangers on the subject fill it.
+        await self._nc.subscribe(
+            self.recv_subject,
+            cb=self._on_message,
+            pending_bytes_limit=4 * self._window * self._chunk + PENDING_SLACK_BYTES,
+        )
         await self._nc.flush()
         loop = asyncio.get_running_loop()
         self._ticker = loop.create_task(self._tick())
@@ -430,7 +438,9 @@ class RelayLink:
         socket that died) are expected and retried on their own; anything else is a bug."""
         import nats.errors
 
-        if isinstance(exc, OSError | asyncio.TimeoutError | nats.errors.Error):
+        if isinstance(exc, nats.errors.SlowConsumerError):
+            self._drop(relaymsg.DropReason.SLOW_CONSUMER)  # lost chunks are asked for again
+        elif isinstance(exc, OSError | asyncio.TimeoutError | nats.errors.Error):
             log.debug("%s: relay NATS client: %r", self.name, exc)
         else:
             log.error("%s: relay NATS client: %r", self.name, exc, exc_info=exc)

@@ -120,6 +120,7 @@ class DropReason(enum.StrEnum):
     GAP = "gap"  # an authentic chunk ahead of the one expected (one was lost): asked again
     BAD_SEQ = "bad_seq"  # names chunks never sent (an ack, a resend request, a probe)
     OVER_CREDIT = "over_credit"  # a chunk past the credit granted: its sender ignores it
+    SLOW_CONSUMER = "slow_consumer"  # shed by nats-py: more pending than the link allows
 
 
 @dataclass(frozen=True, slots=True)

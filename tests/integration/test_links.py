@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 import random
@@ -455,6 +456,37 @@ def test_a_frame_there_is_no_memory_for_fails_that_frame_and_the_link_goes_on(
         monkeypatch.undo()
         a.close()
         b.close()
+
+
+class SlowToRead(RelayLink):
+    """A relay end whose handling of each message takes 20 ms, so messages wait in nats-py."""
+
+    async def _on_message(self, msg) -> None:
+        await asyncio.sleep(0.02)
+        await super()._on_message(msg)
+
+
+def test_messages_waiting_for_a_relay_end_are_bounded_by_its_window(nats_server):
+    """nats-py holds up to 128 MiB a subscription by default: strangers publishing on a
+    link's subject faster than it reads could fill that. A link holds four windows of
+    chunks and 1 MiB; what is shed beyond is counted (`slow_consumer`), and an honest
+    peer's chunks lost so are asked for again."""
+    link = SlowToRead(
+        name="slow", nats=nats_server.url, send_subject="s.bwd", recv_subject="s.fwd",
+        chunk_bytes=64 * 1024, window=2,
+    )  # fmt: skip
+    try:
+
+        async def flood(nc):
+            for _ in range(100):  # 6.4 MiB of junk, far over 4 x 2 x 64 KiB + 1 MiB
+                await nc.publish("s.fwd", b"Z" * (64 * 1024))
+            await nc.flush()
+
+        with_nats(nats_server.url, flood)
+        wait_for(lambda: link.dropped >= 100, timeout=30, what="every message dropped or shed")
+        assert link.dropped_by_reason.get("slow_consumer", 0) > 0, link.dropped_by_reason
+    finally:
+        link.close()
 
 
 def test_a_peer_repeating_done_is_answered_at_most_once_per_interval(nats_server):
