@@ -548,8 +548,13 @@ class ExportStore:
 
     # --- the manifest ---------------------------------------------------------------------
 
-    def write_manifest(self, directory: Path, job: Any) -> Path | None:
-        """``run_manifest.json`` for the newest complete step (None when there is none)."""
+    def write_manifest(
+        self, directory: Path, job: Any, pushed: tuple[int, Any] | None = None
+    ) -> Path | None:
+        """``run_manifest.json`` for the newest complete step (None when there is none).
+        ``pushed``: the ``(step, layer ranges)`` about to be the job's ``pushed_step`` and
+        ``pushed_ranges`` (the manifest is written before the record says so); None: the
+        record's."""
         if job.placement is None:
             return None
         n = job.placement.n_stages
@@ -561,8 +566,11 @@ class ExportStore:
         base = f"shards/step-{step}"
         # The shards' own layers: those of the lead that pushed them (a lead that took over
         # since may split the layers otherwise, until it pushes a complete step of its own).
-        ranges = getattr(job, "pushed_ranges", None)
-        if ranges is None or len(ranges) != n or step != getattr(job, "pushed_step", None):
+        pushed_step, ranges = pushed or (
+            getattr(job, "pushed_step", None),
+            getattr(job, "pushed_ranges", None),
+        )
+        if ranges is None or len(ranges) != n or step != pushed_step:
             ranges = None
         placement = exported_placement(job.placement, ranges)
         ranges = placement.split(0)

@@ -159,6 +159,16 @@ class ExportService:
         complete = self.store.complete_steps(directory, n)
         newest = complete[-1] if complete else None
         became = newest is not None and newest == receipt.step
+        if became:
+            # The manifest first: a client that sees the step on the record finds its files.
+            try:
+                await asyncio.to_thread(self._refresh, directory, job, newest)
+            except OSError as exc:
+                self._export_failed(job, f"cannot write {directory}/run_manifest.json: {exc}")
+            else:
+                if job.export_error is not None:
+                    job.export_error = None
+                    self.jobs.dirty.add(job.job_id)
         self.jobs.record_push(job.job_id, receipt, newest)
         log.info(
             "job %s: stage %d pushed step %d (%d bytes)%s",
@@ -168,15 +178,6 @@ class ExportService:
             receipt.size,
             "; every stage has it" if became else "",
         )
-        if became:
-            try:
-                await asyncio.to_thread(self._refresh, directory, job)
-            except OSError as exc:
-                self._export_failed(job, f"cannot write {directory}/run_manifest.json: {exc}")
-            else:
-                if job.export_error is not None:
-                    job.export_error = None
-                    self.jobs.dirty.add(job.job_id)
 
     def _refusal(self, chunk: Any) -> tuple[str | None, str | None]:
         """Why a piece is not taken (None: it is), and the kind it is dropped as (None:
@@ -216,9 +217,12 @@ class ExportService:
         job.export_error = error
         self.jobs.dirty.add(job.job_id)
 
-    def _refresh(self, directory: Path, job: JobRecord) -> None:
+    def _refresh(self, directory: Path, job: JobRecord, step: int) -> None:
+        """The manifest of ``step``, complete now, with the lead's layer ranges; the steps
+        before it pruned."""
         assert job.placement is not None
-        self.store.write_manifest(directory, job)
+        ranges = job.placement.split(job.placement.lead)
+        self.store.write_manifest(directory, job, pushed=(step, ranges))
         self.store.prune(directory, pipeline_length(job.placement))
 
     async def job_ended(self, job: JobRecord) -> None:

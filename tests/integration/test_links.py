@@ -269,7 +269,9 @@ def test_a_gap_is_asked_for_again_and_fails_the_receive_only_if_it_stays_open(na
         assert a.resent == 0, "a resend request for what it has not sent"
         a.send(frame(2), timeout_s=5)
         assert decode_frame(b.recv(5))[0].step == 2
-        assert a.resent == 0 and a.dropped == 0, "a resend request for what it has not sent"
+        # b asks again every RESEND_EVERY_S while the gap is open: one asking while chunk 1
+        # is on its way has it sent again (b drops the copy), never more.
+        assert a.resent <= 1 and a.dropped == 0, (a.resent, a.dropped_by_reason)
     finally:
         a.close()
         b.close()
