@@ -121,21 +121,11 @@ MAX_DONOR_DISTANCE = 0.05
 # a predecessor that moved on while this member stalled is a few rounds ahead at most; a
 # frame further ahead is dropped, so a hostile one cannot fill this member's memory.
 MAX_ROUNDS_AHEAD = 8
-# The least time a sync frame's send gets, however little of its round is left.
-MIN_SEND_S = 1.0
-
-
-def ring_send_queue(k: int) -> int:
-    """How many sync frames a p2p ring link queues for a successor that reads none: the
-    frames of the :data:`MAX_ROUNDS_AHEAD` rounds it may be behind (``k - 1`` a round), and
-    one more. ZeroMQ's default, 1,000 whole contributions, would let a successor that stays
-    connected but never reads grow its honest predecessor's memory until it is killed."""
-    return MAX_ROUNDS_AHEAD * max(1, k - 1) + 1
-
-
 # The same for the rest of a member's float state (AdamW's moments, DiLoCo's outer momentum):
 # moments follow the latest gradients, so replicas that missed a round differ more there.
 MAX_STATE_DISTANCE = 1.0
+# The least time a sync frame's send gets, however little of its round is left.
+MIN_SEND_S = 1.0
 # How long a joining stage waits for the ring command that lists it as joining, and then for
 # the running members to reach its step (its new ring's links and the donor's state); the
 # running members wait peer_timeout_s for theirs.
@@ -147,6 +137,14 @@ STATE_PHASE = "state"
 NO_CODEC = parse_wire_codec("none")  # the state travels lossless, whatever sync_compression
 
 RelayOpener = Callable[[], RelayLink]
+
+
+def ring_send_queue(k: int) -> int:
+    """How many sync frames a p2p ring link queues for a successor that reads none: the
+    frames of the :data:`MAX_ROUNDS_AHEAD` rounds it may be behind (``k - 1`` a round), and
+    one more. ZeroMQ's default, 1,000 whole contributions, would let a successor that stays
+    connected but never reads grow its honest predecessor's memory until it is killed."""
+    return MAX_ROUNDS_AHEAD * max(1, k - 1) + 1
 
 
 # --- pure math --------------------------------------------------------------------------------
@@ -943,7 +941,7 @@ class ReplicaSync:
             wait_s = max(wait_s, self.plan.peer_timeout_s)
         # The own frame's send and the wait for the others' each take up to ``wait_s``, the
         # forwards only what is left of that wait; a successor that took nothing is sent
-        # nothing more this round. A round lasts two timeouts at most, never k.
+        # nothing more this round. A round lasts about two timeouts at most, never k.
         taking = self._send(self.signer.sign(own), time.monotonic() + wait_s)
         deadline = time.monotonic() + wait_s
         successor = next_member(self.members, self.replica)

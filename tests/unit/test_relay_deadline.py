@@ -17,6 +17,7 @@ from silentswarm.agent.pipe.relay import RelayLink
 from silentswarm.agent.pipe.relaymsg import Credit
 from silentswarm.agent.pipe.wire import Direction, encode_frame
 from silentswarm.compression import parse_wire_codec
+from tests.helpers import wait_for
 
 
 def ten_chunks() -> list:
@@ -87,14 +88,13 @@ def test_a_peer_asking_again_and_again_gets_each_chunk_once_per_resend_interval(
     link = sender(nats_server.url, "asking")
     try:
         link.send([b"one chunk"], timeout_s=5.0)
-        wait_for_value(lambda: link._published == 1 or None, what="the chunk published")
+        wait_for(lambda: link._published == 1, timeout=10, what="the chunk published")
         started = time.monotonic()
         for serial in range(1, 21):
             link._io.call_soon(link._on_credit, Credit(serial, 0, 0, resend=True))
-            wait_for_value(
-                lambda serial=serial: (
-                    link.resent + getattr(link, "resends_held", 0) >= serial or None
-                ),
+            wait_for(
+                lambda serial=serial: link.resent + getattr(link, "resends_held", 0) >= serial,
+                timeout=10,
                 what=f"request {serial} answered",
             )
         elapsed = time.monotonic() - started
@@ -102,11 +102,3 @@ def test_a_peer_asking_again_and_again_gets_each_chunk_once_per_resend_interval(
         assert link.resent <= 1 + elapsed / relay.RESEND_EVERY_S, (link.resent, elapsed)
     finally:
         link.close()
-
-
-def wait_for_value(predicate, *, what: str, timeout: float = 10.0):
-    deadline = time.monotonic() + timeout
-    while (got := predicate()) is None:
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
-    return got
